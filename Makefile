@@ -1,0 +1,33 @@
+# Two entry points that work on a fresh machine: `make demo` and `make test`.
+PY ?= python3.11
+VENV := .venv
+VPY := $(VENV)/bin/python
+STAMP := $(VENV)/.railwave-installed
+
+.PHONY: demo test test-all setup clean plan-bench bench bench-exchange testbed-bench
+
+$(STAMP): pyproject.toml
+	@test -x $(VPY) || $(PY) -m venv $(VENV)
+	# torch first, so that nothing later pulls a multi-GB CUDA build.
+	$(VPY) -m pip install -q torch==2.13.0
+	$(VPY) -m pip install -q numpy "packaging>=24.2" pyyaml pytest pytest-timeout hypothesis rich tqdm matplotlib typing_extensions
+	$(VPY) -m pip install -q --ignore-requires-python --no-deps megatron-core==0.19.2
+	$(VPY) -m pip install -q --no-deps --no-build-isolation -e .
+	@touch $(STAMP)
+
+setup: $(STAMP)
+
+test: $(STAMP)
+	$(VPY) -m pytest -q -m "not slow and not testbed_full" --timeout=600
+
+test-all: $(STAMP)
+	$(VPY) -m pytest -q --timeout=1800
+
+demo: $(STAMP)
+	$(VPY) -m megatron_railwave.cli demo
+
+plan-bench: $(STAMP)
+	$(VPY) -m megatron_railwave.cli plan-bench --json out/plan_bench.json
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

@@ -1,0 +1,16 @@
+"""megatron-railwave: rail-balanced, incast-bounded expert-parallel communication.
+
+Legend of the shape letters used in every module:
+    N  nodes                     G  GPUs per node (local ranks)
+    R  rails (NIC ports) per node W  world size = N * G (expert-parallel ranks)
+    T  tokens on one rank        K  top-k
+    E  experts (global)          H  hidden size
+    M  target-GPU masks of one node (2**G)
+    V  waves of a schedule (V = 1 for the all-at-once window)
+
+Layers (imports point down only):
+    topology -> traffic -> planner -> selector -> exchange -> dispatcher
+Tools on top: replay, netmodel, testbed, cli.
+"""
+
+__version__ = "0.1.0"
