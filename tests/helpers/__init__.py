@@ -1,0 +1,1 @@
+"""Test helpers: multi-process gloo runner and Megatron MoE layer harness."""
