@@ -1,0 +1,34 @@
+"""Planning: RailBalance quotas and proxies, wave schedules and per-path execution plans.
+
+Pure functions of (topology, global demand counts, options): the same inputs give the same plan
+on every rank; nothing here communicates.
+"""
+
+from .paths import EligiblePolicy, Path, parse_path
+from .plan import PathPlan, PlanOptions, build_plan
+from .railbalance import eligible_NNG, healthy_gpus_NG, rail_quota_NNG, relay_NNGG
+from .routes import RankSplits, RecordRoutes, delivery_copies_NGG, rank_splits, route_records
+from .waves import WaveSchedule, all_at_once, bounded_fanin_schedule, cyclic_schedule, schedule_from_windows
+
+__all__ = [
+    "EligiblePolicy",
+    "Path",
+    "parse_path",
+    "PathPlan",
+    "PlanOptions",
+    "build_plan",
+    "eligible_NNG",
+    "healthy_gpus_NG",
+    "rail_quota_NNG",
+    "relay_NNGG",
+    "RankSplits",
+    "RecordRoutes",
+    "delivery_copies_NGG",
+    "rank_splits",
+    "route_records",
+    "WaveSchedule",
+    "all_at_once",
+    "bounded_fanin_schedule",
+    "cyclic_schedule",
+    "schedule_from_windows",
+]

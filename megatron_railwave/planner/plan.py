@@ -1,0 +1,166 @@
+"""Count-level execution plans for the four paths.
+
+Letters: N nodes (s source, d destination), G GPUs per node (g owner, l egress), R rails,
+V waves.
+
+A ``PathPlan`` is computed from the global demand counts, so every rank builds the same plan. It
+fixes, for every node pair, how many records each owner GPU hands to each egress GPU (stage 1,
+intra-node relay), in which wave the pair sends (stage 2, rail transfers GPU (s, l) -> GPU (d, l)),
+and, through ``planner.routes``, the delivery counts of stage 3 (GPU (d, l) -> GPU (d, j)).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..topology import RailTopology
+from ..traffic import DemandCounts, SelectorScales, TrafficStats, traffic_stats
+from .paths import EligiblePolicy, Path, parse_path
+from .railbalance import eligible_NNG, rail_quota_NNG, relay_NNGG
+from .waves import WaveSchedule, all_at_once, bounded_fanin_schedule
+
+__all__ = ["PathPlan", "PlanOptions", "build_plan"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PlanOptions:
+    """Knobs of the planner that are not part of the demand."""
+
+    policy: EligiblePolicy = EligiblePolicy.ALL
+    """Eligible-rail policy of RailBalance."""
+    rail_mask_NG: torch.Tensor | None = None
+    """[N, G] bool allowed GPUs for policy MASK."""
+    fanin: int = 1
+    """Senders per receiver per wave for PERM / JOINT: 1 is the paper's cyclic schedule."""
+    windows: WaveSchedule | None = None
+    """Sending windows kept by NATIVE / RAIL (a replay arrangement); None = all pairs at once."""
+
+    def __post_init__(self) -> None:
+        if self.fanin < 1:
+            raise ValueError(f"fanin must be >= 1, got {self.fanin}")
+        object.__setattr__(self, "policy", EligiblePolicy(self.policy))
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PathPlan:
+    """The global, count-level plan of one phase (identical on every rank).
+
+    Attributes:
+        path: the execution path.
+        topology: the cluster.
+        schedule: sending windows (NATIVE, RAIL) or waves (PERM, JOINT) of the remote pairs.
+        phase: remainder-rotation counter used.
+        records_NNG: [N_src, N_dst, G_owner] int64, records owned per GPU (the demand).
+        quota_NNG: [N_src, N_dst, G_egress] int64, records leaving each GPU per pair.
+        relay_NNGG: [N_src, N_dst, G_owner, G_egress] int64, owner -> egress record counts
+            (diagonal = kept, off-diagonal = relayed over NVLink). Local pairs are diagonal.
+        pair_wave_NN: [N, N] int64, wave of each remote pair, -1 on the diagonal.
+    """
+
+    path: Path
+    topology: RailTopology
+    schedule: WaveSchedule
+    phase: int
+    records_NNG: torch.Tensor
+    quota_NNG: torch.Tensor
+    relay_NNGG: torch.Tensor
+    pair_wave_NN: torch.Tensor
+
+    @property
+    def num_waves(self) -> int:
+        return self.schedule.num_waves
+
+    def rail_load_NRN(self) -> torch.Tensor:
+        """[N_src, R, N_dst] int64: records sent on rail r of node s to node d (local: owner rail)."""
+        topo = self.topology
+        load_NGN = self.quota_NNG.permute(0, 2, 1)
+        rails = torch.tensor(topo.rail_of_gpu, dtype=torch.int64)
+        out = torch.zeros(topo.num_nodes, topo.num_rails, topo.num_nodes, dtype=torch.int64)
+        return out.index_add_(1, rails, load_NGN)
+
+    def relayed_records(self) -> int:
+        """Records that move to a proxy GPU before leaving the node (remote pairs only)."""
+        off = self.relay_NNGG.sum() - torch.diagonal(self.relay_NNGG, dim1=-2, dim2=-1).sum()
+        return int(off.item())
+
+    def records_total(self) -> int:
+        return int(self.records_NNG.sum().item())
+
+    def stats(self, *, record_bytes: int, scales: SelectorScales | None = None) -> TrafficStats:
+        """Descriptors of this execution (rho_g and kappa after the plan's rails and waves)."""
+        return traffic_stats(
+            self.records_NNG.permute(0, 2, 1),
+            self.rail_load_NRN(),
+            self.pair_wave_NN,
+            self.topology,
+            record_bytes=record_bytes,
+            scales=scales,
+        )
+
+    def to_json(self, *, record_bytes: int) -> dict[str, Any]:
+        return {
+            "path": str(self.path),
+            "topology": self.topology.to_dict(),
+            "phase": self.phase,
+            "schedule_kind": self.schedule.kind,
+            "waves": self.schedule.to_list(),
+            "rail_load": self.rail_load_NRN().tolist(),
+            "records_total": self.records_total(),
+            "relayed_records": self.relayed_records(),
+            "stats": self.stats(record_bytes=record_bytes).to_dict(),
+        }
+
+
+def build_plan(
+    demand: DemandCounts | torch.Tensor,
+    topo: RailTopology,
+    path: Path | str,
+    *,
+    options: PlanOptions | None = None,
+    phase: int = 0,
+) -> PathPlan:
+    """Plan one phase. Pure: the same inputs give the same plan on every rank.
+
+    Args:
+        demand: the gathered ``DemandCounts`` or directly ``records_NGN`` [N_src, G, N_dst]
+            int64 (records owned by GPU (s, g) for node d).
+        topo: the cluster (failed rails are never used).
+        path: NATIVE, RAIL, PERM or JOINT (or its name).
+        options: eligible policy, fan-in, replay windows.
+        phase: remainder-rotation counter (e.g. a per-layer call counter; same on every rank).
+
+    Returns:
+        The ``PathPlan``. Host sync: no (CPU tensors in, CPU tensors out).
+    """
+    options = options or PlanOptions()
+    path = parse_path(path)
+    records_NGN = demand.records_NGN() if isinstance(demand, DemandCounts) else demand
+    n, g = topo.num_nodes, topo.gpus_per_node
+    if tuple(records_NGN.shape) != (n, g, n):
+        raise ValueError(
+            f"demand has shape {tuple(records_NGN.shape)}, expected [N, G, N] = [{n}, {g}, {n}] for "
+            f"topology {topo.name!r}"
+        )
+    records_NNG = records_NGN.permute(0, 2, 1).to(torch.int64).cpu()
+    eligible = eligible_NNG(topo, records_NNG, options.policy, options.rail_mask_NG)
+    quota = rail_quota_NNG(records_NNG, eligible, balanced=path.balanced, phase=phase)
+    relay = relay_NNGG(records_NNG, quota)
+    if path.waved:
+        schedule = bounded_fanin_schedule(n, options.fanin)
+    else:
+        schedule = options.windows if options.windows is not None else all_at_once(n)
+        if schedule.num_nodes != n:
+            raise ValueError(f"windows are for {schedule.num_nodes} nodes, topology has {n}")
+    return PathPlan(
+        path=path,
+        topology=topo,
+        schedule=schedule,
+        phase=phase,
+        records_NNG=records_NNG,
+        quota_NNG=quota,
+        relay_NNGG=relay,
+        pair_wave_NN=schedule.pair_wave_NN(),
+    )

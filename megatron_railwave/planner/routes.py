@@ -1,0 +1,178 @@
+"""Record-level routes and per-rank stage split sizes derived from a ``PathPlan``.
+
+Letters: N nodes, G GPUs per node, M = 2**G target masks, T tokens of one rank, V waves,
+n_rec records of one rank.
+
+Canonical record order on an owner GPU: by destination node, then target mask, then token. Owner
+g keeps the first ``keep`` records of each pair and hands the rest, in order, to its proxies in GPU
+order (the greedy fill of ``railbalance``). Because the order is a function of the mask histogram
+alone, every rank can compute how many copies each arriving rail delivers to each GPU (stage 3)
+from the gathered counts, without another exchange.
+
+Delivery rounds: round v carries the records of remote wave v; round 0 also carries the local
+node's records (they need no rail). With no remote wave (N = 1) there is one round.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..traffic import DemandCounts, mask_bits
+from .plan import PathPlan
+from .railbalance import surplus_deficit_bounds
+
+__all__ = ["RecordRoutes", "route_records", "delivery_copies_NGG", "RankSplits", "rank_splits"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RecordRoutes:
+    """Where each record of one source rank goes (rank-local), in canonical order.
+
+    Attributes:
+        token_R: [n_rec] int64, token index of the record on the source rank.
+        node_R: [n_rec] int64, destination node.
+        mask_R: [n_rec] int64, target-GPU mask on the destination node.
+        egress_R: [n_rec] int64, local GPU whose rail carries the record (owner for local node).
+        wave_R: [n_rec] int64, wave of the record's node pair (-1 for the local node).
+    """
+
+    token_R: torch.Tensor
+    node_R: torch.Tensor
+    mask_R: torch.Tensor
+    egress_R: torch.Tensor
+    wave_R: torch.Tensor
+
+
+def route_records(plan: PathPlan, rank: int, masks_TN: torch.Tensor) -> RecordRoutes:
+    """Egress GPU and wave of every record of ``rank``.
+
+    Args:
+        plan: the global plan.
+        rank: source rank (node * G + local).
+        masks_TN: [T, N] int64, rank-local target masks (``traffic.target_masks``); 0 = no record.
+
+    Raises:
+        ValueError: when the masks do not match the counts the plan was built from.
+    """
+    topo = plan.topology
+    s, g = topo.node_of(rank), topo.local_of(rank)
+    num_tokens = masks_TN.shape[0]
+    m = 1 << topo.gpus_per_node
+    masks_NT = masks_TN.t().cpu()
+    node_R, token_R = torch.nonzero(masks_NT, as_tuple=True)  # node-major, tokens ascending
+    mask_R = masks_NT[node_R, token_R]
+    # Stable sort by (node, mask) keeps tokens ascending inside each group.
+    order = torch.sort(node_R * m + mask_R, stable=True).indices
+    node_R, token_R, mask_R = node_R[order], token_R[order], mask_R[order]
+
+    counts_N = plan.records_NNG[s, :, g]
+    if node_R.numel() != int(counts_N.sum()) or not torch.equal(
+        torch.bincount(node_R, minlength=topo.num_nodes), counts_N
+    ):
+        raise ValueError(
+            f"rank {rank}: its routing does not match the gathered counts the plan was built from "
+            "(routing map changed between counting and routing?)"
+        )
+    start_N = counts_N.cumsum(0) - counts_N
+    pos_R = torch.arange(node_R.numel(), dtype=torch.int64) - start_N[node_R]
+
+    keep, s_lo, _, _, d_hi = surplus_deficit_bounds(plan.records_NNG[s], plan.quota_NNG[s])
+    keep_R = keep[node_R, g]
+    surplus_pos_R = s_lo[node_R, g] + pos_R - keep_R
+    proxy_R = torch.searchsorted(d_hi[node_R], surplus_pos_R.unsqueeze(1), right=True).squeeze(1)
+    egress_R = torch.where(pos_R < keep_R, g, proxy_R)
+    wave_R = plan.pair_wave_NN[s, node_R]
+    del num_tokens
+    return RecordRoutes(token_R=token_R, node_R=node_R, mask_R=mask_R, egress_R=egress_R, wave_R=wave_R)
+
+
+def delivery_copies_NGG(plan: PathPlan, demand: DemandCounts, dest_node: int) -> torch.Tensor:
+    """[N_src, G_arrive, G_target] int64: copies of node s's records that arrive at GPU
+    (dest_node, l) and are delivered to GPU (dest_node, j). For s == dest_node, l is the owner.
+
+    Derived from the mask histogram of the records into ``dest_node`` and the plan's
+    keep/relay intervals (records sorted by mask on every owner).
+    """
+    topo = plan.topology
+    n, g = topo.num_nodes, topo.gpus_per_node
+    hist_NGM = demand.records_WNM[:, dest_node, :].view(n, g, -1)  # [s, owner, m]
+    c_hi = hist_NGM.cumsum(dim=-1)
+    c_lo = c_hi - hist_NGM
+    records = plan.records_NNG[:, dest_node, :]
+    quota = plan.quota_NNG[:, dest_node, :]
+    keep, s_lo, s_hi, d_lo, d_hi = surplus_deficit_bounds(records, quota)  # [s, G]
+    # Position interval [a, b) in owner g's sorted list of the records that leave on GPU l.
+    lo = torch.maximum(s_lo.unsqueeze(-1), d_lo.unsqueeze(-2))  # [s, g, l]
+    hi = torch.minimum(s_hi.unsqueeze(-1), d_hi.unsqueeze(-2))
+    moved = (hi - lo).clamp(min=0)
+    a = keep.unsqueeze(-1) + (lo - s_lo.unsqueeze(-1))
+    b = a + moved
+    eye = torch.eye(g, dtype=torch.bool)
+    a = torch.where(eye, 0, a)
+    b = torch.where(eye, keep.unsqueeze(-1).expand_as(b), b)
+    by_mask = (
+        torch.minimum(b.unsqueeze(-1), c_hi.unsqueeze(2)) - torch.maximum(a.unsqueeze(-1), c_lo.unsqueeze(2))
+    ).clamp(min=0)  # [s, g, l, m]
+    bits = mask_bits(g)
+    return torch.einsum("sglm,mj->slj", by_mask, bits)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RankSplits:
+    """Split sizes (record or copy counts) of one rank for the three stages, all host ints.
+
+    Attributes:
+        relay_send_G / relay_recv_G: [G] stage 1 records to / from each local GPU (self = 0).
+        rail_send_VN / rail_recv_VN: [V, N] stage 2 records to / from node n on this rail.
+        deliver_recv_VG: [V', G] stage 3 copies received from each local GPU per round.
+        deliver_send_VG: [V', G] stage 3 copies sent to each local GPU per round.
+        num_rounds: V' = max(V, 1).
+    """
+
+    relay_send_G: list[int]
+    relay_recv_G: list[int]
+    rail_send_VN: list[list[int]]
+    rail_recv_VN: list[list[int]]
+    deliver_send_VG: list[list[int]]
+    deliver_recv_VG: list[list[int]]
+    num_rounds: int
+
+
+def rank_splits(plan: PathPlan, demand: DemandCounts, rank: int) -> RankSplits:
+    """Every split size ``rank`` needs, from the global counts only."""
+    topo = plan.topology
+    n, g = topo.num_nodes, topo.gpus_per_node
+    s, me = topo.node_of(rank), topo.local_of(rank)
+    remote_N = torch.ones(n, dtype=torch.bool)
+    remote_N[s] = False
+    relay = plan.relay_NNGG[s][remote_N]  # [d remote, owner, egress]
+    relay_send = relay[:, me, :].sum(0)
+    relay_recv = relay[:, :, me].sum(0)
+    relay_send[me] = 0
+    relay_recv[me] = 0
+
+    num_waves = plan.num_waves
+    rounds = max(num_waves, 1)
+    wave_NN = plan.pair_wave_NN
+    send_to = plan.quota_NNG[s, :, me]  # [d]
+    recv_from = plan.quota_NNG[:, s, me]  # [s']
+    w_range = torch.arange(num_waves).unsqueeze(1)
+    rail_send = torch.where(wave_NN[s].unsqueeze(0) == w_range, send_to.unsqueeze(0), 0)
+    rail_recv = torch.where(wave_NN[:, s].unsqueeze(0) == w_range, recv_from.unsqueeze(0), 0)
+
+    copies = delivery_copies_NGG(plan, demand, s)  # [s', l, j]
+    round_of_src = wave_NN[:, s].clone()
+    round_of_src[s] = 0
+    onehot = torch.nn.functional.one_hot(round_of_src, rounds)  # [s', V']
+    per_round = torch.einsum("slj,sv->vlj", copies, onehot)  # [V', l, j]
+    return RankSplits(
+        relay_send_G=relay_send.tolist(),
+        relay_recv_G=relay_recv.tolist(),
+        rail_send_VN=rail_send.tolist(),
+        rail_recv_VN=rail_recv.tolist(),
+        deliver_send_VG=per_round[:, me, :].tolist(),
+        deliver_recv_VG=per_round[:, :, me].tolist(),
+        num_rounds=rounds,
+    )
