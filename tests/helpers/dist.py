@@ -75,7 +75,8 @@ def run_distributed(
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo processes.
 
     Args:
-        fn: a top-level function importable by module path (spawned processes unpickle it).
+        fn: a top-level function importable by module path, or a ``functools.partial`` of one
+            (spawned processes unpickle it).
         world_size: number of processes (ranks), >= 1.
         *args: picklable arguments passed after ``rank, world_size``.
         timeout_s: wall-clock limit for the whole run; on expiry every process is killed.
@@ -106,6 +107,7 @@ def run_distributed(
         )
         for rank in range(world_size)
     ]
+    fn_name = getattr(fn, "__qualname__", repr(fn))  # functools.partial has no __qualname__
     deadline = time.monotonic() + timeout_s
     values: dict[int, Any] = {}
     try:
@@ -116,7 +118,7 @@ def run_distributed(
             if remaining <= 0:
                 missing = sorted(set(range(world_size)) - values.keys())
                 raise TimeoutError(
-                    f"run_distributed({fn.__qualname__}, world_size={world_size}) exceeded "
+                    f"run_distributed({fn_name}, world_size={world_size}) exceeded "
                     f"timeout_s={timeout_s}; ranks without a result: {missing}"
                 )
             try:
@@ -131,7 +133,7 @@ def run_distributed(
                 continue
             if status == "error":
                 raise DistributedRankError(
-                    f"rank {rank} of {world_size} raised in {fn.__qualname__}:\n{payload}"
+                    f"rank {rank} of {world_size} raised in {fn_name}:\n{payload}"
                 )
             values[rank] = payload
         for proc in procs:
