@@ -64,8 +64,12 @@ class TestbedSpec:
     rail_mbit: float = 200.0
     """Line rate of every NIC in Mbit/s, in each direction. Keep N * G * rail_mbit modest on small
     machines: the kernel forwards every byte on the host CPUs."""
-    port_buffer_bytes: int = 64 * 1024
-    """Queue of each receiver-facing switch port (switch -> node) in bytes; overflow drops."""
+    port_buffer_bytes: int = 16 * 1024
+    """Queue of each receiver-facing switch port (switch -> node) in bytes; overflow drops. Small
+    buffers make synchronized senders into one port lose goodput (TCP retransmission timeouts)."""
+    rto_min_ms: int | None = None
+    """TCP minimum retransmission timeout on the rail routes (``ip route ... rto_min``); None keeps
+    the kernel default (200 ms). The incast penalty per lost window scales with it."""
     prefix: str = "rw"
     """Start of every namespace and interface name (lowercase letters and digits, 1-4 chars);
     ``down(prefix)`` removes everything starting with it."""
@@ -85,6 +89,13 @@ class TestbedSpec:
             raise ValueError(
                 f"port_buffer_bytes must be an integer >= 1600 (one MTU-sized packet), "
                 f"got {self.port_buffer_bytes!r}"
+            )
+        if self.rto_min_ms is not None and not (
+            isinstance(self.rto_min_ms, int) and 1 <= self.rto_min_ms <= 200
+        ):
+            raise ValueError(
+                f"rto_min_ms must be None (kernel default) or an integer in 1..200, "
+                f"got {self.rto_min_ms!r}"
             )
         if not re.fullmatch(r"[a-z][a-z0-9]{0,3}", self.prefix):
             raise ValueError(
@@ -218,6 +229,9 @@ def _build(spec: TestbedSpec) -> None:
         # Replies may come back on another rail than the request left on; do not drop them.
         _sysctl(ns, "net.ipv4.conf.all.rp_filter", "0")
         _sysctl(ns, "net.ipv4.conf.default.rp_filter", "0")
+        # No IPv6 chatter (router solicitations, MLD) in the NIC byte counters.
+        for key in ("net.ipv6.conf.all.disable_ipv6", "net.ipv6.conf.default.disable_ipv6"):
+            _run("ip", "netns", "exec", ns, "sysctl", "-qw", f"{key}=1", check=False)
     _sysctl(fab, "net.ipv4.ip_forward", "1")
     for rail in range(spec.gpus_per_node):
         br = spec.bridge_name(rail)
@@ -244,13 +258,16 @@ def _build(spec: TestbedSpec) -> None:
 
 
 def _add_rail_routes(spec: TestbedSpec, node: int, rail: int) -> None:
-    """Policy table of GPU (node, rail): its own subnet on-link, everything else via the fabric."""
+    """Policy table of GPU (node, rail): its own subnet on-link, everything else via the fabric.
+    Also re-states the main table's on-link route of the rail, to carry ``rto_min``."""
     ns, nic, table = spec.node_ns(node), spec.rail_ifname(rail), str(_TABLE_BASE + rail)
-    src = spec.rail_ip(node, rail)
-    _run("ip", "-n", ns, "route", "replace", f"{_SUBNET}.{rail}.0/24", "dev", nic,
-         "src", src, "table", table)
+    src, subnet = spec.rail_ip(node, rail), f"{_SUBNET}.{rail}.0/24"
+    rto = [] if spec.rto_min_ms is None else ["rto_min", f"{spec.rto_min_ms}ms"]
+    _run("ip", "-n", ns, "route", "replace", subnet, "dev", nic, "proto", "kernel",
+         "scope", "link", "src", src, *rto)
+    _run("ip", "-n", ns, "route", "replace", subnet, "dev", nic, "src", src, "table", table, *rto)
     _run("ip", "-n", ns, "route", "replace", "default", "via", spec.router_ip(rail), "dev", nic,
-         "src", src, "table", table)
+         "src", src, "table", table, *rto)
 
 
 def _shape(ns: str, dev: str, mbit: float, queue_bytes: int | None) -> None:
