@@ -1,0 +1,67 @@
+"""``railwave demo``: one GLM-4.5-Air-shaped layer on the H800 4x8 preset, all four paths.
+
+GLM-4.5-Air MoE layer: 128 routed experts, top-8, hidden 4096, bf16 payload; 4096 tokens per GPU
+of seeded synthetic routing (hot experts plus per-rank locality, so source rails are skewed).
+Prints, per path, the per-rail egress, the waves and the descriptors (``make demo``).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from ..planner import PlanOptions
+from ..topology import RailTopology
+from . import _common, _render
+from .plan import plan_layer
+
+__all__ = ["register", "run"]
+
+_PRESET = "h800_4x8"
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "demo",
+        help="plan a GLM-4.5-Air-shaped layer on H800 4x8 with every path",
+        description="Plan one GLM-4.5-Air-shaped MoE layer (128 experts, top-8, hidden 4096, bf16, "
+                    "4096 tokens per GPU) on the H800 4x8 preset and print each path's rails, "
+                    "waves and descriptors.",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="routing seed (default 0)")
+    parser.add_argument("--json", default=None, metavar="FILE", help="also write every plan as JSON")
+    parser.set_defaults(handler=run)
+
+
+def _preset() -> RailTopology:
+    path = _common.CLUSTER_DIR / f"{_PRESET}.yaml"
+    if path.exists():
+        from ..topology import load_topology
+
+        return load_topology(path)
+    # Installed without the source tree: the same preset (one 400 Gb/s port per GPU).
+    return RailTopology(num_nodes=4, gpus_per_node=8, rail_gbps=400.0, nvlink_gBps=155.0, name=_PRESET)
+
+
+def run(args: argparse.Namespace) -> int:
+    torch.set_num_threads(1)
+    topo = _preset()
+    _render.print_text(
+        "RailWave demo: GLM-4.5-Air-shaped layer (E=128, K=8, H=4096, bf16, T=4096 per GPU) on "
+        f"{topo.name} ({topo.num_nodes} nodes x {topo.gpus_per_node} GPUs, {topo.rail_gbps:g} Gb/s rails)"
+    )
+    result = plan_layer(
+        topo,
+        paths=_common.paths_from_choice("all"),
+        num_tokens=4096,
+        num_experts=128,
+        topk=8,
+        seed=args.seed,
+        record_bytes=4096 * 2,
+        options=PlanOptions(),
+    )
+    if args.json:
+        _common.write_json(args.json, result)
+        _render.print_text(f"wrote {args.json}")
+    return 0
