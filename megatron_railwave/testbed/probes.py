@@ -12,7 +12,7 @@ from typing import Any
 from megatron_railwave.testbed.launch import WorkerContext, make_groups, run_workers
 from megatron_railwave.testbed.netns import TestbedSpec, nic_counters
 
-__all__ = ["alltoall_check", "incast_goodput", "incast_probe"]
+__all__ = ["alltoall_check", "incast_goodput", "incast_probe", "sleep_probe"]
 
 
 def _alltoall(group: Any, my_index: int, size: int, numel: int, tag: float) -> int:
@@ -109,3 +109,9 @@ def incast_goodput(
         "receiver_rx_bytes": after[(0, 0)][1] - before[(0, 0)][1],
         "sent_bytes_total": fan_in * nbytes * (repeats + 1),
     }
+
+
+def sleep_probe(ctx: WorkerContext, seconds: float) -> int:
+    """Sleep, then return the rank (exercises the launcher's hard timeout)."""
+    time.sleep(seconds)
+    return ctx.rank
