@@ -1,0 +1,7 @@
+"""Execution of path plans: torch.distributed (NCCL/gloo) and, optionally, DeepEP."""
+
+from .groups import RailGroups, build_rail_groups
+from .torch_dist import DispatchOutput, ExchangeHandle, InputError, TorchDistExchange
+
+__all__ = ["RailGroups", "build_rail_groups", "DispatchOutput", "ExchangeHandle", "InputError",
+           "TorchDistExchange"]

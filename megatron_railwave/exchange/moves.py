@@ -1,0 +1,221 @@
+"""The data movement of dispatch (records -> copies) and combine (copies -> records).
+
+Letters: N nodes, G GPUs per node, n_rec records of this rank, n_copy copies received by this
+rank, V' delivery rounds.
+
+Dispatch, for every tensor that travels with the records (payload, probs, metadata):
+  1. relay: owner -> proxy inside the node (node group);
+  2. rails: per wave, GPU (s, l) -> GPU (d, l) for the wave's pairs (rail group); NATIVE and RAIL
+     have a single window, so all remote transfers are posted at once;
+  3. delivery: per round, GPU (d, l) -> every GPU (d, j) named in the record's target mask
+     (node group). Stage 3 of round v runs while stage 2 of wave v + 1 is in flight.
+Combine is the exact adjoint: the same messages backwards, and where dispatch fanned a record out
+to several GPUs, combine sums their contributions in local-GPU order (a fixed order, so every
+path gives bitwise-identical sums).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..planner import PathPlan, RankSplits
+from .groups import RailGroups
+from .layout import OwnerLayout
+from .p2p import PendingExchange, start_exchange
+
+__all__ = ["MoveState", "dispatch_move", "combine_move", "META_MASK_COL"]
+
+META_MASK_COL = 2
+"""Column of the target mask in the int64 record metadata [src_rank, token, mask, ...]."""
+
+
+@dataclass(kw_only=True, slots=True)
+class MoveState:
+    """What dispatch learned on the way (the stage-3 index maps), reused by combine.
+
+    Attributes:
+        deliver_idx: per round, per target GPU j, [n_vj] int64 indices into that round's arrivals.
+        arrivals: per round, number of records arriving at this GPU (local part included).
+        local_arrivals: records of this rank's own node (arrivals of round 0, first).
+    """
+
+    deliver_idx: list[list[torch.Tensor]] = field(default_factory=list)
+    arrivals: list[int] = field(default_factory=list)
+    local_arrivals: int = 0
+
+
+def _empty_like_rows(t: torch.Tensor) -> torch.Tensor:
+    return t[:0]
+
+
+def dispatch_move(
+    tensors: list[torch.Tensor],
+    *,
+    plan: PathPlan,
+    splits: RankSplits,
+    owner: OwnerLayout,
+    groups: RailGroups,
+    state: MoveState,
+    mask_from: int | None,
+) -> list[torch.Tensor]:
+    """Move per-record tensors from their owner to every target GPU.
+
+    Args:
+        tensors: each [n_rec, ...] in canonical record order (rank-local).
+        mask_from: index of the int64 metadata tensor whose column ``META_MASK_COL`` holds the
+            target mask; the stage-3 index maps are then built into ``state``. None reuses
+            ``state`` (the backward of combine).
+
+    Returns:
+        Per tensor, [n_copy, ...]: copies received, ordered by round, then sending local GPU.
+    """
+    topo = plan.topology
+    n, g = topo.num_nodes, topo.gpus_per_node
+    node, me = groups.node, groups.local
+    build = mask_from is not None
+    if build:
+        state.deliver_idx.clear()
+        state.arrivals.clear()
+
+    # Stage 1: relay surplus records to their proxies.
+    send1 = [[t[idx] for idx in owner.relay_idx_G] for t in tensors]
+    recv1 = start_exchange(send1, splits.relay_recv_G, group=groups.node_group, self_index=me).wait()
+    egress = []
+    for i, t in enumerate(tensors):
+        pool = torch.cat([t[owner.keep_idx]] + [recv1[i][o] for o in range(g) if o != me])
+        egress.append(pool[owner.egress_perm].split(owner.egress_counts_N))
+    local_part = [t[owner.local_idx] for t in tensors]
+    state.local_arrivals = int(owner.local_idx.numel())
+
+    num_waves = plan.num_waves
+    wave_of_dest = plan.pair_wave_NN[node].tolist()
+
+    def start_wave(w: int) -> PendingExchange:
+        send = [[chunks[d] if wave_of_dest[d] == w else _empty_like_rows(chunks[d]) for d in range(n)]
+                for chunks in egress]
+        return start_exchange(send, splits.rail_recv_VN[w], group=groups.rail_group, self_index=node)
+
+    pending = start_wave(0) if num_waves > 0 else None
+    out: list[list[torch.Tensor]] = [[] for _ in tensors]
+    for rnd in range(splits.num_rounds):
+        received = pending.wait() if pending is not None else [[] for _ in tensors]
+        # Post the next wave before delivering this one: stage 3 of round v overlaps stage 2 of v+1.
+        pending = start_wave(rnd + 1) if rnd + 1 < num_waves else None
+        arrivals = []
+        for i in range(len(tensors)):
+            parts = [local_part[i]] if rnd == 0 else []
+            parts += [received[i][s] for s in range(len(received[i])) if s != node] if received[i] else []
+            arrivals.append(torch.cat(parts) if parts else local_part[i][:0])
+        if build:
+            masks = arrivals[mask_from][:, META_MASK_COL]
+            idx = [torch.nonzero((masks >> j) & 1).squeeze(1) for j in range(g)]
+            sizes = [int(x.numel()) for x in idx]
+            if sizes != splits.deliver_send_VG[rnd]:
+                raise RuntimeError(
+                    f"internal: delivery sizes {sizes} differ from plan {splits.deliver_send_VG[rnd]} "
+                    f"on node {node} GPU {me} round {rnd}"
+                )
+            state.deliver_idx.append(idx)
+            state.arrivals.append(int(masks.numel()))
+        idx = state.deliver_idx[rnd]
+        send3 = [[a[ix] for ix in idx] for a in arrivals]
+        recv3 = start_exchange(send3, splits.deliver_recv_VG[rnd], group=groups.node_group,
+                               self_index=me).wait()
+        for i in range(len(tensors)):
+            out[i].extend(recv3[i])
+    return [torch.cat(parts) if parts else tensors[i][:0] for i, parts in enumerate(out)]
+
+
+def combine_move(
+    tensors: list[torch.Tensor],
+    *,
+    plan: PathPlan,
+    splits: RankSplits,
+    owner: OwnerLayout,
+    groups: RailGroups,
+    state: MoveState,
+    num_records: int,
+) -> list[torch.Tensor]:
+    """Adjoint of ``dispatch_move``: per-copy tensors back to per-record tensors at the owner,
+    summing the copies of one record in local-GPU order.
+
+    Args:
+        tensors: each [n_copy, ...] in the order ``dispatch_move`` returned.
+        num_records: n_rec of this rank.
+
+    Returns:
+        Per tensor, [n_rec, ...] in canonical record order.
+    """
+    topo = plan.topology
+    n, g = topo.num_nodes, topo.gpus_per_node
+    node, me = groups.node, groups.local
+    num_waves = plan.num_waves
+    sizes = [c for rnd in splits.deliver_recv_VG for c in rnd]
+    pieces = [t.split(sizes) for t in tensors]
+
+    egress_chunks: list[list[torch.Tensor | None]] = [[None] * n for _ in tensors]
+    local_part: list[torch.Tensor] = []
+    pending: PendingExchange | None = None
+    pending_wave = -1
+
+    def finish_wave() -> None:
+        if pending is None:
+            return
+        received = pending.wait()
+        for i in range(len(tensors)):
+            for d in range(n):
+                if plan.pair_wave_NN[node, d] == pending_wave:
+                    egress_chunks[i][d] = received[i][d]
+
+    for rnd in range(splits.num_rounds):
+        # Stage 3 backwards: every target GPU returns the copies it got from this GPU.
+        base = rnd * g
+        send3 = [[pieces[i][base + j] for j in range(g)] for i in range(len(tensors))]
+        recv3 = start_exchange(send3, splits.deliver_send_VG[rnd], group=groups.node_group,
+                               self_index=me).wait()
+        idx = torch.cat(state.deliver_idx[rnd])
+        summed = []
+        for i, t in enumerate(tensors):
+            acc = t.new_zeros((state.arrivals[rnd], *t.shape[1:]))
+            # index_add_ walks the index in order: copies from GPU 0, then 1, ... (fixed order).
+            summed.append(acc.index_add_(0, idx, torch.cat(recv3[i])))
+        if rnd == 0:
+            local_part = [s[: state.local_arrivals] for s in summed]
+            summed = [s[state.local_arrivals:] for s in summed]
+        # Stage 2 backwards: return each source node's records on this rail.
+        finish_wave()
+        pending = None
+        if rnd < num_waves:
+            recv_sizes = splits.rail_recv_VN[rnd]
+            send2 = [list(s.split(recv_sizes)) for s in summed]
+            pending = start_exchange(send2, splits.rail_send_VN[rnd], group=groups.rail_group,
+                                     self_index=node)
+            pending_wave = rnd
+    finish_wave()
+
+    results = []
+    for i, t in enumerate(tensors):
+        chunks = [c if c is not None else t.new_zeros((0, *t.shape[1:])) for c in egress_chunks[i]]
+        egress = torch.cat(chunks)
+        pool = torch.empty_like(egress)
+        pool[owner.egress_perm] = egress
+        keep_n = int(owner.keep_idx.numel())
+        relay_sizes = [splits.relay_recv_G[o] if o != me else 0 for o in range(g)]
+        back = [pool[:keep_n]]
+        rest = list(pool[keep_n:].split([s for o, s in enumerate(relay_sizes) if o != me]))
+        send1 = []
+        it = iter(rest)
+        for o in range(g):
+            send1.append(next(it) if o != me else pool[:0])
+        recv1 = start_exchange([send1], splits.relay_send_G, group=groups.node_group,
+                               self_index=me).wait()[0]
+        out = t.new_zeros((num_records, *t.shape[1:]))
+        out[owner.keep_idx] = back[0]
+        for o in range(g):
+            if o != me and owner.relay_idx_G[o].numel():
+                out[owner.relay_idx_G[o]] = recv1[o]
+        out[owner.local_idx] = local_part[i]
+        results.append(out)
+    return results

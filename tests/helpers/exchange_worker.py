@@ -1,0 +1,93 @@
+"""Worker functions for multi-process exchange tests (importable by spawned processes)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from megatron_railwave.exchange import TorchDistExchange, build_rail_groups
+from megatron_railwave.planner import PlanOptions
+from megatron_railwave.topology import RailTopology
+
+
+def make_inputs(rank: int, *, tokens: list[int], experts: int, topk: int, hidden: int, seed: int,
+                skip_nodes: dict[int, list[int]] | None = None, gpus_per_node: int = 2):
+    """Deterministic per-rank inputs: (hidden [T, H], probs [T, E], routing_map [T, E])."""
+    gen = torch.Generator().manual_seed(seed * 1000 + rank)
+    t = tokens[rank]
+    x = torch.randn(t, hidden, generator=gen, dtype=torch.float64).float()
+    scores = torch.rand(t, experts, generator=gen)
+    if skip_nodes and rank in skip_nodes:
+        world = len(tokens)
+        per_node = experts // (world // gpus_per_node)
+        for node in skip_nodes[rank]:
+            scores[:, node * per_node:(node + 1) * per_node] = -1.0
+    idx = scores.topk(topk, dim=1).indices
+    routing = torch.zeros(t, experts, dtype=torch.bool)
+    routing.scatter_(1, idx, True)
+    probs = torch.softmax(torch.randn(t, experts, generator=gen), dim=1) * routing
+    return x, probs, routing
+
+
+def expert_weights(experts: int, hidden: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed + 7)
+    return torch.randn(experts, hidden, hidden, generator=gen) / hidden ** 0.5
+
+
+def dense_reference(rank: int, world: int, **kw):
+    """out[t] = sum_e p[t, e] * x[t] @ W_e, computed densely on one rank."""
+    x, probs, routing = make_inputs(rank, **kw)
+    w = expert_weights(kw["experts"], kw["hidden"], kw["seed"])
+    x = x.clone().requires_grad_(True)
+    p = probs.clone().requires_grad_(True)
+    out = torch.einsum("th,ehk,te->tk", x, w, p * routing)
+    (out * out).sum().backward()
+    return out.detach(), x.grad, p.grad
+
+
+def run_exchange(rank: int, world: int, topo_kwargs: dict, paths: list[str], kw: dict) -> dict:
+    topo = RailTopology(**topo_kwargs)
+    groups = build_rail_groups(None, topo)
+    ex = TorchDistExchange(topo, groups, num_experts=kw["experts"], options=PlanOptions())
+    w = expert_weights(kw["experts"], kw["hidden"], kw["seed"])
+    per_rank = kw["experts"] // world
+    local_w = w[rank * per_rank:(rank + 1) * per_rank]
+    results = {}
+    for path in paths:
+        x, probs, routing = make_inputs(rank, **kw)
+        x.requires_grad_(True)
+        probs.requires_grad_(True)
+        demand, max_t = ex.gather_demand(x, probs, routing)
+        plan = ex.plan(demand, path)
+        d = ex.dispatch(x, probs, routing, demand, plan, demand_max_tokens=max_t)
+        outs = []
+        for e, rows in enumerate(d.tokens.split(d.tokens_per_expert.tolist())):
+            outs.append(rows @ local_w[e])
+        y = torch.cat(outs) * d.probs.unsqueeze(1) if outs else d.tokens[:0]
+        out = ex.combine(y, d.handle)
+        (out * out).sum().backward()
+        results[path] = (out.detach().numpy(), x.grad.numpy(), probs.grad.numpy())
+    ref = tuple(t.numpy() for t in dense_reference(rank, world, **kw))
+    dist.barrier()
+    # numpy, not tensors: torch tensors cross process queues via shared-memory handles that die
+    # with the worker process.
+    return {"paths": results, "ref": ref}
+
+
+def run_bad_input(rank: int, world: int, topo_kwargs: dict) -> str:
+    """Rank 1 passes a float routing map; every rank must raise the same InputError."""
+    from megatron_railwave.exchange import InputError
+
+    topo = RailTopology(**topo_kwargs)
+    groups = build_rail_groups(None, topo)
+    ex = TorchDistExchange(topo, groups, num_experts=8)
+    x, probs, routing = make_inputs(rank, tokens=[8] * world, experts=8, topk=2, hidden=4, seed=0)
+    if rank == 1:
+        routing = routing.float()
+    try:
+        ex.gather_demand(x, probs, routing)
+    except InputError as exc:
+        if rank == 0:
+            raise
+        return str(exc)
+    raise AssertionError(f"rank {rank} did not raise")
