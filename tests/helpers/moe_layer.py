@@ -240,7 +240,9 @@ def dense_moe_reference(
         probs_NK, top_idx_NK = torch.topk(torch.softmax(logits_NE, dim=-1), k=topk, dim=1)
     elif score_function == "sigmoid":
         scores_NK, top_idx_NK = torch.topk(torch.sigmoid(logits_NE), k=topk, dim=1)
-        probs_NK = scores_NK / (scores_NK.sum(dim=-1, keepdim=True) + 1e-20) if topk > 1 else scores_NK
+        probs_NK = scores_NK
+        if topk > 1:
+            probs_NK = scores_NK / (scores_NK.sum(dim=-1, keepdim=True) + 1e-20)
     else:
         raise ValueError(f"moe_router_score_function={score_function!r} is not modelled")
 

@@ -1,0 +1,290 @@
+"""Train a tiny GLM-4.5-Air-shaped Megatron GPTModel on CPU over gloo (EP = world size).
+
+Shape: L layers (first dense, the rest MoE), hidden 128, GQA attention with partial RoPE,
+16 routed experts top-4 with a sigmoid router and expert bias, one shared expert, SwiGLU.
+Every rank is one data-parallel rank and one expert-parallel rank (TP = PP = 1), so the
+expert-data-parallel group has size 1.
+
+The loop is hand-written: plain Adam; dense grads are all-reduced over the DP group and expert
+grads over the expert-DP group, both divided by the world size; then Megatron's router
+expert-bias update and temporary-tensor reset run, as in Megatron's finalize_model_grads.
+
+    python examples/train_glm_tiny.py --nprocs 8 --steps 5 \\
+        --moe-token-dispatcher-type alltoall --json out/glm_tiny_alltoall.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from cpu_shims import apply_megatron_cpu_shims, seed_megatron_cpu_rng
+
+_LOOPBACK = "127.0.0.1"
+_DISPATCHERS = ("alltoall", "railwave")
+
+
+def _parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--nprocs", type=int, default=8, help="gloo processes = EP size")
+    parser.add_argument("--steps", type=int, default=5, help="optimizer steps")
+    parser.add_argument("--moe-token-dispatcher-type", choices=_DISPATCHERS, default="alltoall")
+    parser.add_argument("--json", type=Path, default=None, help="write per-step losses here")
+    parser.add_argument("--num-layers", type=int, default=3, help="layer 1 dense, rest MoE")
+    parser.add_argument("--seq-length", type=int, default=32)
+    parser.add_argument("--micro-batch-size", type=int, default=2)
+    parser.add_argument("--vocab-size", type=int, default=512)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--timeout-s", type=float, default=600.0, help="gloo collective timeout")
+    parser.add_argument(
+        "--torch-compile", action="store_true",
+        help="keep Megatron's torch.compile'd helpers (~20 s of compilation per process on CPU)",
+    )
+    args = parser.parse_args(argv)
+    for field in ("nprocs", "steps", "num_layers", "seq_length", "micro_batch_size"):
+        if getattr(args, field) < 1:
+            parser.error(f"--{field.replace('_', '-')} must be >= 1, got {getattr(args, field)}")
+    if 16 % args.nprocs != 0:
+        parser.error(f"--nprocs must divide the 16 experts, got {args.nprocs}")
+    return args
+
+
+def _require_railwave_install():
+    """Return ``megatron_railwave.install`` or exit with a clear message if it is missing."""
+    try:
+        from megatron_railwave import install
+    except ImportError as exc:
+        raise SystemExit(
+            "--moe-token-dispatcher-type railwave needs megatron_railwave.install(), which this "
+            f"checkout does not provide yet ({exc}); use --moe-token-dispatcher-type alltoall"
+        ) from exc
+    return install
+
+
+def _glm_tiny_config(args: argparse.Namespace, world_size: int):
+    import torch.nn.functional as F
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    return TransformerConfig(
+        num_layers=args.num_layers,
+        hidden_size=128,
+        num_attention_heads=4,
+        num_query_groups=2,
+        kv_channels=32,
+        ffn_hidden_size=352,
+        normalization="RMSNorm",
+        layernorm_epsilon=1e-5,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=True,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        # MoE (GLM-4.5-Air: first layer dense, sigmoid router with expert bias, 1 shared expert)
+        num_moe_experts=16,
+        moe_router_topk=4,
+        moe_ffn_hidden_size=48,
+        moe_shared_expert_intermediate_size=48,
+        moe_layer_freq=[0] + [1] * (args.num_layers - 1),
+        moe_router_score_function="sigmoid",
+        moe_router_enable_expert_bias=True,
+        moe_router_bias_update_rate=1e-3,
+        moe_router_dtype="fp32",
+        moe_router_load_balancing_type="seq_aux_loss",
+        moe_aux_loss_coeff=1e-3,
+        moe_token_dispatcher_type=args.moe_token_dispatcher_type,
+        moe_grouped_gemm=False,
+        moe_permute_fusion=False,
+        # Parallelism and CPU: EP = world, fp32, CPU init, no CUDA fusions.
+        tensor_model_parallel_size=1,
+        pipeline_model_parallel_size=1,
+        expert_model_parallel_size=world_size,
+        use_cpu_initialization=True,
+        params_dtype=torch.float32,
+        masked_softmax_fusion=False,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+    )
+
+
+def _reinit_experts(model: torch.nn.Module, seed: int, num_layers: int) -> None:
+    # CPU initialisation draws the same numbers on every rank, so local expert i would be equal
+    # on all EP ranks. Give each global expert its own weights, independent of the dispatcher.
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if not isinstance(module, SequentialMLP):
+                continue
+            layer_number = int(name.split("layers.")[1].split(".")[0])
+            offset = module.ep_group.rank() * module.num_local_experts
+            for local_idx, expert in enumerate(module.local_experts):
+                expert_seed = seed * 100_003 + layer_number * 1009 + offset + local_idx
+                gen = torch.Generator().manual_seed(expert_seed)
+                expert.linear_fc1.weight.normal_(0.0, 0.02, generator=gen)
+                expert.linear_fc2.weight.normal_(0.0, 0.02 / (2 * num_layers) ** 0.5, generator=gen)
+
+
+def _batch(args: argparse.Namespace, rank: int, step: int) -> dict[str, torch.Tensor]:
+    """Arithmetic token sequences (start and stride random per sequence): learnable quickly."""
+    gen = torch.Generator().manual_seed(args.seed * 7919 + rank * 104_729 + step)
+    b, s, v = args.micro_batch_size, args.seq_length, args.vocab_size
+    start = torch.randint(0, v, (b, 1), generator=gen)
+    stride = torch.randint(1, 8, (b, 1), generator=gen)
+    tokens = (start + stride * torch.arange(s + 1)) % v
+    causal_mask = torch.triu(torch.ones(s, s, dtype=torch.bool), diagonal=1)  # True = masked
+    return {
+        "input_ids": tokens[:, :-1],
+        "labels": tokens[:, 1:],
+        "position_ids": torch.arange(s).unsqueeze(0).expand(b, s),
+        "attention_mask": causal_mask.view(1, 1, s, s).expand(b, 1, s, s),
+    }
+
+
+def _all_reduce_grads(params: list[torch.nn.Parameter], group, world_size: int) -> None:
+    if not params:
+        return
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=group)
+    flat.div_(world_size)
+    offset = 0
+    for p in params:
+        n = p.numel()
+        p.grad = flat[offset : offset + n].view_as(p).clone()
+        offset += n
+
+
+def _quiet_known_warnings() -> None:
+    # Each rank would print the same optional-dependency notices (no TE, Apex, absl) and torch's
+    # all_gather_into_tensor deprecation; they say nothing about this run.
+    for message in (".*Transformer Engine.*", ".*Apex is not installed.*", ".*absl.logging.*",
+                    ".*all_gather_into_tensor.*", ".*full scope is deprecated.*"):
+        warnings.filterwarnings("ignore", message=message)
+
+
+def _train(rank: int, world_size: int, port: int, args: argparse.Namespace) -> None:
+    t_start = time.perf_counter()
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    torch.set_num_threads(1)
+    _quiet_known_warnings()
+    if not args.torch_compile:
+        # megatron.core.jit wraps a few helpers (e.g. the router's expert-bias update) in
+        # torch.compile; on CPU that compiles C++ for ~20 s per process and changes no number.
+        torch._dynamo.config.disable = True
+    store = dist.TCPStore(_LOOPBACK, port, world_size, is_master=False,
+                          timeout=datetime.timedelta(seconds=args.timeout_s))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=args.timeout_s))
+    apply_megatron_cpu_shims()
+    if args.moe_token_dispatcher_type == "railwave":
+        _require_railwave_install()()
+
+    from megatron.core import parallel_state
+    from megatron.core.distributed.finalize_model_grads import (
+        _update_router_expert_bias,
+        reset_model_temporary_tensors,
+    )
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+
+    t_imported = time.perf_counter()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=1, expert_model_parallel_size=world_size
+    )
+    t_groups = time.perf_counter()
+    seed_megatron_cpu_rng(args.seed)
+    config = _glm_tiny_config(args, world_size)
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=get_gpt_decoder_block_spec(config, use_transformer_engine=False),
+        vocab_size=args.vocab_size,
+        max_sequence_length=args.seq_length,
+        position_embedding_type="rope",
+        rotary_percent=0.5,
+        share_embeddings_and_output_weights=False,
+    )
+    _reinit_experts(model, args.seed, args.num_layers)
+    dense_params = [p for p in model.parameters() if getattr(p, "allreduce", True)]
+    expert_params = [p for p in model.parameters() if not getattr(p, "allreduce", True)]
+    with torch.no_grad():  # dense weights are replicas: start them bit-identical
+        for p in dense_params:
+            dist.broadcast(p, src=0)
+    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
+    dp_group = parallel_state.get_data_parallel_group()
+    expt_dp_group = parallel_state.get_expert_data_parallel_group()
+    tp_dp_cp_group = parallel_state.get_tensor_and_data_parallel_group(with_context_parallel=True)
+
+    if rank == 0:
+        print(f"setup: init+imports {t_imported - t_start:.1f} s, parallel groups "
+              f"{t_groups - t_imported:.1f} s, model {time.perf_counter() - t_groups:.1f} s",
+              flush=True)
+    losses: list[float] = []
+    step_seconds: list[float] = []
+    model.train()
+    for step in range(args.steps):
+        t0 = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        batch = _batch(args, rank, step)
+        loss = model(**batch).mean()  # GPTModel returns per-token loss [B, S]
+        loss.backward()
+        _all_reduce_grads(dense_params, dp_group, world_size)
+        _all_reduce_grads(expert_params, expt_dp_group, world_size)
+        optimizer.step()
+        _update_router_expert_bias([model], config, tp_dp_cp_group=tp_dp_cp_group)
+        reset_model_temporary_tensors(config, [model])
+        moe_log = get_moe_metrics_tracker().report(
+            loss_scale=1.0, iteration=step + 1, num_layers=args.num_layers,
+            moe_layer_freq=config.moe_layer_freq,
+        )
+        global_loss = loss.detach().clone()
+        dist.all_reduce(global_loss)
+        losses.append(global_loss.item() / world_size)
+        step_seconds.append(time.perf_counter() - t0)
+        if rank == 0:
+            print(f"step {step + 1}/{args.steps} | loss {losses[-1]:.6f} |{moe_log} "
+                  f"{step_seconds[-1]:.2f} s", flush=True)
+
+    if rank == 0 and args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({
+            "moe_token_dispatcher_type": args.moe_token_dispatcher_type,
+            "nprocs": world_size,
+            "steps": args.steps,
+            "losses": losses,
+            "step_seconds": step_seconds,
+        }, indent=2) + "\n")
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse_args(argv)
+    if args.moe_token_dispatcher_type == "railwave":
+        _require_railwave_install()  # fail before spawning eight processes
+    # The parent owns the rendezvous store on an OS-chosen port (no free-port race).
+    store = dist.TCPStore(_LOOPBACK, 0, None, is_master=True, wait_for_workers=False)
+    t0 = time.perf_counter()
+    mp.spawn(_train, args=(args.nprocs, store.port, args), nprocs=args.nprocs, join=True)
+    print(f"{args.nprocs} processes, {args.steps} steps, "
+          f"{args.moe_token_dispatcher_type}: {time.perf_counter() - t0:.1f} s total")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
