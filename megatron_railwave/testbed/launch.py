@@ -4,13 +4,17 @@ Letters: N nodes, G GPUs per node (= rails), W = N * G ranks; global rank = node
 
 Process groups inside a worker (see :func:`make_groups`):
     default group  every rank; gloo device bound to the rank's own rail NIC
-                   (``GLOO_SOCKET_IFNAME``), rendezvous on GPU (0, 0)'s rail-0 address.
+                   (``GLOO_SOCKET_IFNAME``), rendezvous on GPU (0, 0)'s rail-0 address. gloo binds
+                   only its listening socket, so a cross-rail pair's connection runs on the rail of
+                   the listening side (the kernel picks the node's NIC on that subnet).
     node group n   the G ranks of node n; device bound to ``lo`` (node-local, the NVLink stand-in,
                    never shaped).
     rail group l   rank (n, l) of every node n; device bound to rail l's NIC, so its traffic
                    crosses rail l's leaf switch only.
-torch 2.13 reads ``GLOO_SOCKET_IFNAME`` each time it builds a gloo backend (``new_group`` ignores
-``pg_options`` for gloo), so :func:`make_groups` sets it around each ``new_group`` call.
+torch 2.13 reads ``GLOO_SOCKET_IFNAME`` each time it builds a gloo backend, and ``new_group``
+ignores ``pg_options`` for gloo (so ``ProcessGroupGloo._Options._devices`` cannot be passed through
+it); :func:`make_groups` therefore sets the variable around each ``new_group`` call. Node-local pairs
+use ``lo`` either way: the kernel routes between a namespace's own addresses over loopback.
 """
 
 from __future__ import annotations

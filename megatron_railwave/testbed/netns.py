@@ -14,9 +14,9 @@ Shaping (``tc``, both directions of every NIC):
     node -> switch   HTB at ``rail_mbit`` on the node-side veth (egress); the sender's own queue.
     switch -> node   HTB at ``rail_mbit`` on the switch-side veth (egress) with a ``bfifo`` of
                      ``port_buffer_bytes``: the receiver-facing switch port. Several senders into one
-                     port overflow it, packets drop and TCP loses goodput (incast).
-GSO is limited to one segment per packet on every veth so that queues hold MTU-sized packets,
-as on a real switch.
+                     port overflow it, packets drop and TCP loses goodput (incast), mostly through
+                     retransmission timeouts (``rto_min_ms``, kernel default 200 ms).
+GSO is limited to one segment per packet on every veth: queues hold MTU-sized packets, as on a switch.
 
 Routing: same-rail traffic crosses one bridge. A socket bound to GPU (n, l)'s address always leaves
 through rail l (policy rule ``from 10.77.l.(n+1)`` -> table 100 + l, default via the fabric router),
