@@ -32,13 +32,16 @@ def _alltoall(group: Any, my_index: int, size: int, numel: int, tag: float) -> i
 def alltoall_check(ctx: WorkerContext, rail_numel: int, node_numel: int) -> dict[str, int]:
     """One all_to_all in this rank's rail group, then one in its node group; count wrong elements.
 
+    Rail group l sends ``rail_numel * (l + 1)`` float32 per peer, so each rail's NIC counters show
+    a different, predictable volume; node groups send ``node_numel`` per peer.
+
     Collective: yes (default, rail and node groups).
     """
     import torch.distributed as dist
 
     groups = make_groups(ctx)
     dist.barrier()
-    rail_bad = _alltoall(groups.rail, ctx.node, ctx.spec.nodes, rail_numel, tag=0.5)
+    rail_bad = _alltoall(groups.rail, ctx.node, ctx.spec.nodes, rail_numel * (ctx.local + 1), 0.5)
     node_bad = _alltoall(groups.node, ctx.local, ctx.spec.gpus_per_node, node_numel, tag=0.25)
     dist.barrier()
     return {"rank": ctx.rank, "rail_bad": rail_bad, "node_bad": node_bad}
