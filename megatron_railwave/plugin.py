@@ -1,0 +1,150 @@
+"""Registration with Megatron-Core: ``install()`` and the Megatron-LM launch flags.
+
+Megatron-Core 0.19 picks the dispatcher with an if/elif on ``config.moe_token_dispatcher_type``
+inside ``MoELayer.__init__`` and has no registry. ``install`` wraps ``MoELayer.__init__``: for
+type 'railwave' it runs the original constructor with the light 'allgather' branch and the
+module's ``MoEAllGatherTokenDispatcher`` name pointing at ``RailWaveTokenDispatcher`` (restored
+right after), then puts 'railwave' back into the config. Nothing else in MoELayer reads the type.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import threading
+from typing import Any
+
+from .config import RailWaveConfig, load_config
+
+__all__ = ["install", "uninstall", "installed_config", "add_railwave_args", "config_from_args"]
+
+_LOCK = threading.Lock()
+_INSTALLED: dict[str, Any] = {}
+
+
+def installed_config() -> RailWaveConfig | None:
+    """The active configuration, or None before ``install``."""
+    return _INSTALLED.get("config")
+
+
+def install(config: RailWaveConfig | dict | str | os.PathLike | None = None, *,
+            stats_sink: Any = None) -> RailWaveConfig:
+    """Make ``moe_token_dispatcher_type='railwave'`` build ``RailWaveTokenDispatcher``.
+
+    Idempotent; calling it again with a new config replaces the old one (for layers built
+    afterwards).
+
+    Args:
+        config: a ``RailWaveConfig``, a dict of its fields, a YAML path, or None (defaults).
+        stats_sink: optional callable receiving every layer's ``LayerCommStats``; default: the
+            JSONL/Megatron logger when ``config.log_dir`` is set, else none.
+
+    Returns:
+        The active ``RailWaveConfig``.
+    """
+    cfg = load_config(config)
+    from megatron.core.transformer.moe import moe_layer
+
+    with _LOCK:
+        _INSTALLED["config"] = cfg
+        _INSTALLED["sink"] = stats_sink if stats_sink is not None else _default_sink(cfg)
+        if "original_init" in _INSTALLED:
+            return cfg
+        original_init = moe_layer.MoELayer.__init__
+        original_set_layer = moe_layer.MoELayer.set_layer_number
+
+        @functools.wraps(original_init)
+        def init(self: Any, config: Any, *args: Any, **kwargs: Any) -> None:
+            if getattr(config, "moe_token_dispatcher_type", None) != "railwave":
+                return original_init(self, config, *args, **kwargs)
+            from .dispatcher import RailWaveTokenDispatcher
+
+            rw = _INSTALLED["config"]
+            sink = _INSTALLED["sink"]
+            factory = functools.partial(RailWaveTokenDispatcher, railwave=rw, stats_sink=sink)
+            saved = moe_layer.MoEAllGatherTokenDispatcher
+            config.moe_token_dispatcher_type = "allgather"
+            moe_layer.MoEAllGatherTokenDispatcher = factory
+            try:
+                original_init(self, config, *args, **kwargs)
+            finally:
+                moe_layer.MoEAllGatherTokenDispatcher = saved
+                config.moe_token_dispatcher_type = "railwave"
+            self.token_dispatcher.layer_number = getattr(self, "layer_number", None)
+
+        @functools.wraps(original_set_layer)
+        def set_layer_number(self: Any, layer_number: int) -> None:
+            original_set_layer(self, layer_number)
+            dispatcher = getattr(self, "token_dispatcher", None)
+            if dispatcher is not None and hasattr(dispatcher, "railwave"):
+                dispatcher.layer_number = layer_number
+
+        moe_layer.MoELayer.__init__ = init
+        moe_layer.MoELayer.set_layer_number = set_layer_number
+        _INSTALLED["original_init"] = original_init
+        _INSTALLED["original_set_layer"] = original_set_layer
+    return cfg
+
+
+def uninstall() -> None:
+    """Undo ``install`` (tests)."""
+    from megatron.core.transformer.moe import moe_layer
+
+    with _LOCK:
+        if "original_init" in _INSTALLED:
+            moe_layer.MoELayer.__init__ = _INSTALLED.pop("original_init")
+            moe_layer.MoELayer.set_layer_number = _INSTALLED.pop("original_set_layer")
+        _INSTALLED.clear()
+
+
+def _default_sink(cfg: RailWaveConfig) -> Any:
+    if cfg.log_dir is None:
+        return None
+    from .commlog import JsonlStatsSink
+
+    return JsonlStatsSink(cfg.log_dir, interval=cfg.log_interval)
+
+
+# ---------------------------------------------------------------------- Megatron-LM flags
+_PATHS = ["auto", "native", "rail", "perm", "joint"]
+
+
+def add_railwave_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Extend a Megatron-LM parser (usable as ``extra_args_provider``).
+
+    Adds 'railwave' to ``--moe-token-dispatcher-type`` choices and the RailWave flags.
+    """
+    for action in parser._actions:  # argparse keeps choices on the action; extend in place
+        if "--moe-token-dispatcher-type" in action.option_strings:
+            if action.choices is not None and "railwave" not in action.choices:
+                action.choices = list(action.choices) + ["railwave"]
+            break
+    else:
+        parser.add_argument("--moe-token-dispatcher-type", type=str, default="allgather",
+                            choices=["allgather", "alltoall", "flex", "railwave"])
+    group = parser.add_argument_group(title="railwave")
+    group.add_argument("--railwave-config", type=str, default=None,
+                       help="RailWave YAML config (see configs/railwave/*.yaml).")
+    group.add_argument("--railwave-path", type=str, default=None, choices=_PATHS,
+                       help="Execution path; overrides the config file's 'path'.")
+    group.add_argument("--railwave-log-dir", type=str, default=None,
+                       help="Write per-layer communication JSONL here.")
+    group.add_argument("--railwave-capture-dir", type=str, default=None,
+                       help="Record routing traces for replay here.")
+    group.add_argument("--railwave-capture-interval", type=int, default=None,
+                       help="Record a trace every this many steps.")
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> RailWaveConfig:
+    """The ``RailWaveConfig`` that parsed Megatron-LM arguments describe."""
+    base = load_config(getattr(args, "railwave_config", None)).to_dict()
+    for flag, key in (("railwave_path", "path"), ("railwave_log_dir", "log_dir"),
+                      ("railwave_capture_dir", "capture_dir"),
+                      ("railwave_capture_interval", "capture_interval")):
+        value = getattr(args, flag, None)
+        if value is not None:
+            base[key] = value
+    base.pop("extra", None)
+    return RailWaveConfig.from_dict(base)

@@ -1,0 +1,21 @@
+"""Workers that run a real Megatron MoELayer with the railwave dispatcher (spawned ranks)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tests.helpers.moe_layer import build_and_run_moe_layer
+
+
+def run_layer_all_dispatchers(rank: int, world: int, railwave: dict, paths: list[str], kw: dict) -> dict[str, Any]:
+    """alltoall once, then railwave once per path; returns each run's arrays."""
+    from tests.shims import apply_megatron_cpu_shims
+
+    apply_megatron_cpu_shims()
+    import megatron_railwave
+
+    out = {"alltoall": build_and_run_moe_layer(rank, world, "alltoall", **kw)}
+    for path in paths:
+        megatron_railwave.install({**railwave, "path": path})
+        out[path] = build_and_run_moe_layer(rank, world, "railwave", **kw)
+    return out
