@@ -50,6 +50,9 @@ class RailWaveConfig:
     """Write one JSONL record per MoE layer per logged step here."""
     log_interval: int = 1
     """Log every this many steps (a step = one forward of layer 1)."""
+    timeout_s: float | None = None
+    """Per-transfer completion limit: a stuck rail raises an error naming it (None: the
+    process group's timeout)."""
     capture_dir: str | None = None
     """Record routing traces for replay here."""
     capture_interval: int = 100

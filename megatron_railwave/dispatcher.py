@@ -129,7 +129,7 @@ class RailWaveTokenDispatcher(MoETokenDispatcher):
             groups = build_rail_groups(self.ep_group, self.topology)
             self._exchange = TorchDistExchange(
                 self.topology, groups, num_experts=self.num_experts,
-                options=self.railwave.plan_options(self.topology))
+                options=self.railwave.plan_options(self.topology), timeout_s=self.railwave.timeout_s)
         return self._exchange
 
     # ------------------------------------------------------------------ the six hooks

@@ -46,6 +46,15 @@ class MoveState:
     local_arrivals: int = 0
 
 
+def _rail_link(plan: PathPlan, node: int, local: int):
+    rail = plan.topology.rail_of_gpu[local]
+
+    def describe(peer_node: int) -> str:
+        return f"rail {rail} between node {node} (GPU {local}) and node {peer_node}"
+
+    return describe
+
+
 def _empty_like_rows(t: torch.Tensor) -> torch.Tensor:
     return t[:0]
 
@@ -59,6 +68,7 @@ def dispatch_move(
     groups: RailGroups,
     state: MoveState,
     mask_from: int | None,
+    timeout_s: float | None = None,
 ) -> list[torch.Tensor]:
     """Move per-record tensors from their owner to every target GPU.
 
@@ -95,7 +105,8 @@ def dispatch_move(
     def start_wave(w: int) -> PendingExchange:
         send = [[chunks[d] if wave_of_dest[d] == w else _empty_like_rows(chunks[d]) for d in range(n)]
                 for chunks in egress]
-        return start_exchange(send, splits.rail_recv_VN[w], group=groups.rail_group, self_index=node)
+        return start_exchange(send, splits.rail_recv_VN[w], group=groups.rail_group, self_index=node,
+                              describe=_rail_link(plan, node, me), timeout_s=timeout_s)
 
     pending = start_wave(0) if num_waves > 0 else None
     out: list[list[torch.Tensor]] = [[] for _ in tensors]
@@ -137,6 +148,7 @@ def combine_move(
     groups: RailGroups,
     state: MoveState,
     num_records: int,
+    timeout_s: float | None = None,
 ) -> list[torch.Tensor]:
     """Adjoint of ``dispatch_move``: per-copy tensors back to per-record tensors at the owner,
     summing the copies of one record in local-GPU order.
@@ -191,7 +203,8 @@ def combine_move(
             recv_sizes = splits.rail_recv_VN[rnd]
             send2 = [list(s.split(recv_sizes)) for s in summed]
             pending = start_exchange(send2, splits.rail_send_VN[rnd], group=groups.rail_group,
-                                     self_index=node)
+                                     self_index=node, describe=_rail_link(plan, node, me),
+                                     timeout_s=timeout_s)
             pending_wave = rnd
     finish_wave()
 

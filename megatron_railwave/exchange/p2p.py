@@ -9,12 +9,18 @@ uses tag i so messages between one pair never cross.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import datetime
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["PendingExchange", "start_exchange"]
+__all__ = ["PendingExchange", "start_exchange", "ExchangeTimeoutError"]
+
+
+class ExchangeTimeoutError(RuntimeError):
+    """A message did not complete in time; the text names the link (e.g. the rail) involved."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -23,12 +29,30 @@ class PendingExchange:
 
     works: list[dist.Work]
     recv: list[list[torch.Tensor]]
+    peers: list[int] = field(default_factory=list)
+    describe: Callable[[int], str] | None = None
+    timeout_s: float | None = None
 
     def wait(self) -> list[list[torch.Tensor]]:
-        for work in self.works:
-            work.wait()
+        timeout = datetime.timedelta(seconds=self.timeout_s) if self.timeout_s else None
+        for k, work in enumerate(self.works):
+            try:
+                done = work.wait(timeout) if timeout is not None else work.wait()
+            except RuntimeError as exc:
+                raise self._timeout_error(k, exc) from exc
+            if done is False:
+                raise self._timeout_error(k, None)
         self.works = []
         return self.recv
+
+    def _timeout_error(self, k: int, exc: BaseException | None) -> ExchangeTimeoutError:
+        peer = self.peers[k] if k < len(self.peers) else -1
+        link = self.describe(peer) if self.describe is not None else f"group peer {peer}"
+        return ExchangeTimeoutError(
+            f"RailWave exchange: no completion on {link} within {self.timeout_s} s "
+            f"({type(exc).__name__ if exc else 'timed out'}: {exc}). If that rail is down, list it "
+            "in failed_rails (RailWaveConfig) so that no traffic is planned on it."
+        )
 
 
 def start_exchange(
@@ -37,6 +61,8 @@ def start_exchange(
     *,
     group: dist.ProcessGroup | None,
     self_index: int,
+    describe: Callable[[int], str] | None = None,
+    timeout_s: float | None = None,
 ) -> PendingExchange:
     """Post the sends and receives of one exchange (asynchronous).
 
@@ -46,6 +72,8 @@ def start_exchange(
         recv_counts: [P] rows expected from each peer (same for every tensor).
         group: the process group (peers are group ranks).
         self_index: this rank's index in ``group``; its own chunk is copied, not sent.
+        describe: names the link to a peer in timeout errors (e.g. "rail 1: node 0 <-> node 2").
+        timeout_s: per-message completion limit in ``wait`` (None: the group's own timeout).
 
     Returns:
         A ``PendingExchange``. Collective: no (point-to-point). Host sync: no.
@@ -53,6 +81,7 @@ def start_exchange(
     num_peers = len(recv_counts)
     recv: list[list[torch.Tensor]] = []
     ops: list[dist.P2POp] = []
+    peers: list[int] = []
     for i, chunks in enumerate(send):
         assert len(chunks) == num_peers
         like = chunks[self_index]
@@ -67,8 +96,12 @@ def start_exchange(
             if chunks[peer].shape[0] > 0:
                 ops.append(dist.P2POp(dist.isend, chunks[peer].contiguous(), group=group,
                                       group_peer=peer, tag=i))
+                peers.append(peer)
             if recv_counts[peer] > 0:
                 ops.append(dist.P2POp(dist.irecv, buf, group=group, group_peer=peer, tag=i))
+                peers.append(peer)
         recv.append(out_i)
-    works = dist.batch_isend_irecv(ops) if ops else []
-    return PendingExchange(works=list(works), recv=recv)
+    works = list(dist.batch_isend_irecv(ops)) if ops else []
+    # NCCL coalesces a batch into one work; per-op works (gloo) map one-to-one onto peers.
+    return PendingExchange(works=works, recv=recv, peers=peers if len(works) == len(peers) else [],
+                           describe=describe, timeout_s=timeout_s)

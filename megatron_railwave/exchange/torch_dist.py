@@ -96,7 +96,7 @@ class _Context:
 
     def kwargs(self) -> dict:
         return dict(plan=self.plan, splits=self.splits, owner=self.owner,
-                    groups=self.exchange.groups, state=self.state)
+                    groups=self.exchange.groups, state=self.state, timeout_s=self.exchange.timeout_s)
 
 
 class _DispatchFn(torch.autograd.Function):
@@ -135,10 +135,12 @@ class TorchDistExchange:
         groups: this rank's node and rail groups (``build_rail_groups``).
         num_experts: E (global), divisible by W.
         options: planner options (eligible policy, fan-in, replay windows).
+        timeout_s: limit for each rail transfer to complete; a stuck rail raises
+            ``ExchangeTimeoutError`` naming the rail and nodes (None: the process group's timeout).
     """
 
     def __init__(self, topo: RailTopology, groups: RailGroups, *, num_experts: int,
-                 options: PlanOptions | None = None) -> None:
+                 options: PlanOptions | None = None, timeout_s: float | None = None) -> None:
         if num_experts % topo.world_size:
             raise ValueError(f"num_experts={num_experts} is not divisible by the EP size {topo.world_size}")
         self.topo = topo
@@ -147,6 +149,7 @@ class TorchDistExchange:
         self.experts_per_rank = num_experts // topo.world_size
         self.experts_per_node = self.experts_per_rank * topo.gpus_per_node
         self.options = options or PlanOptions()
+        self.timeout_s = timeout_s
         self._num_masks = 1 << topo.gpus_per_node
 
     # ------------------------------------------------------------------ step 1: counts
