@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ..traffic import DemandCounts, mask_bits
@@ -24,6 +25,15 @@ from .plan import PathPlan
 from .railbalance import surplus_deficit_bounds
 
 __all__ = ["RecordRoutes", "route_records", "delivery_copies_NGG", "RankSplits", "rank_splits"]
+
+
+def _stable_order(key_R: torch.Tensor, num_keys: int) -> torch.Tensor:
+    """Indices that sort ``key_R`` (values in [0, num_keys)) stably."""
+    if num_keys <= 1 << 16:
+        # numpy's stable sort of 16-bit keys is a radix sort, several times faster than torch's.
+        keys = key_R.numpy().astype(np.uint16)
+        return torch.from_numpy(np.argsort(keys, kind="stable")).to(torch.int64)
+    return torch.sort(key_R, stable=True).indices
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -58,19 +68,16 @@ def route_records(plan: PathPlan, rank: int, masks_TN: torch.Tensor) -> RecordRo
     """
     topo = plan.topology
     s, g = topo.node_of(rank), topo.local_of(rank)
-    num_tokens = masks_TN.shape[0]
-    m = 1 << topo.gpus_per_node
+    n, m = topo.num_nodes, 1 << topo.gpus_per_node
     masks_NT = masks_TN.t().cpu()
     node_R, token_R = torch.nonzero(masks_NT, as_tuple=True)  # node-major, tokens ascending
     mask_R = masks_NT[node_R, token_R]
     # Stable sort by (node, mask) keeps tokens ascending inside each group.
-    order = torch.sort(node_R * m + mask_R, stable=True).indices
-    node_R, token_R, mask_R = node_R[order], token_R[order], mask_R[order]
+    order_R = _stable_order(node_R * m + mask_R, n * m)
+    node_R, token_R, mask_R = node_R[order_R], token_R[order_R], mask_R[order_R]
 
     counts_N = plan.records_NNG[s, :, g]
-    if node_R.numel() != int(counts_N.sum()) or not torch.equal(
-        torch.bincount(node_R, minlength=topo.num_nodes), counts_N
-    ):
+    if not torch.equal(torch.bincount(node_R, minlength=n), counts_N):
         raise ValueError(
             f"rank {rank}: its routing does not match the gathered counts the plan was built from "
             "(routing map changed between counting and routing?)"
@@ -80,11 +87,14 @@ def route_records(plan: PathPlan, rank: int, masks_TN: torch.Tensor) -> RecordRo
 
     keep, s_lo, _, _, d_hi = surplus_deficit_bounds(plan.records_NNG[s], plan.quota_NNG[s])
     keep_R = keep[node_R, g]
-    surplus_pos_R = s_lo[node_R, g] + pos_R - keep_R
-    proxy_R = torch.searchsorted(d_hi[node_R], surplus_pos_R.unsqueeze(1), right=True).squeeze(1)
+    surplus_pos_R = (s_lo[node_R, g] + pos_R - keep_R).clamp(min=0)
+    # Proxy = first GPU whose deficit interval ends after the surplus position. One search on a
+    # single sorted line: node d's deficit ends are shifted by d * span (span > every end).
+    span = int(d_hi[:, -1].max()) + 1
+    line = (d_hi + torch.arange(n, dtype=torch.int64).unsqueeze(1) * span).flatten()
+    proxy_R = torch.searchsorted(line, surplus_pos_R + node_R * span, right=True) - node_R * topo.gpus_per_node
     egress_R = torch.where(pos_R < keep_R, g, proxy_R)
     wave_R = plan.pair_wave_NN[s, node_R]
-    del num_tokens
     return RecordRoutes(token_R=token_R, node_R=node_R, mask_R=mask_R, egress_R=egress_R, wave_R=wave_R)
 
 
@@ -97,26 +107,28 @@ def delivery_copies_NGG(plan: PathPlan, demand: DemandCounts, dest_node: int) ->
     """
     topo = plan.topology
     n, g = topo.num_nodes, topo.gpus_per_node
-    hist_NGM = demand.records_WNM[:, dest_node, :].view(n, g, -1)  # [s, owner, m]
-    c_hi = hist_NGM.cumsum(dim=-1)
-    c_lo = c_hi - hist_NGM
+    hist_NGM = demand.records_WNM[:, dest_node, :].reshape(n, g, -1)  # [s, owner, m]
     records = plan.records_NNG[:, dest_node, :]
     quota = plan.quota_NNG[:, dest_node, :]
     keep, s_lo, s_hi, d_lo, d_hi = surplus_deficit_bounds(records, quota)  # [s, G]
-    # Position interval [a, b) in owner g's sorted list of the records that leave on GPU l.
-    lo = torch.maximum(s_lo.unsqueeze(-1), d_lo.unsqueeze(-2))  # [s, g, l]
-    hi = torch.minimum(s_hi.unsqueeze(-1), d_hi.unsqueeze(-2))
-    moved = (hi - lo).clamp(min=0)
-    a = keep.unsqueeze(-1) + (lo - s_lo.unsqueeze(-1))
-    b = a + moved
-    eye = torch.eye(g, dtype=torch.bool)
-    a = torch.where(eye, 0, a)
-    b = torch.where(eye, keep.unsqueeze(-1).expand_as(b), b)
-    by_mask = (
-        torch.minimum(b.unsqueeze(-1), c_hi.unsqueeze(2)) - torch.maximum(a.unsqueeze(-1), c_lo.unsqueeze(2))
-    ).clamp(min=0)  # [s, g, l, m]
-    bits = mask_bits(g)
-    return torch.einsum("sglm,mj->slj", by_mask, bits)
+    # Owner g's sorted list: [0, keep) stays on g, then its surplus goes to the proxies in GPU
+    # order, so the records for egress l end at keep + (moved to GPUs <= l). moved[g, g] = 0.
+    moved = (
+        torch.minimum(s_hi.unsqueeze(-1), d_hi.unsqueeze(-2)) - torch.maximum(s_lo.unsqueeze(-1), d_lo.unsqueeze(-2))
+    ).clamp_(min=0)  # [s, g, l]
+    ends = torch.cat([keep.unsqueeze(-1), keep.unsqueeze(-1) + moved.cumsum(dim=-1)], dim=-1)  # [s, g, G+1]
+    # F(x)[j]: copies for target j among the first x records = sum over masks of the part of the
+    # mask's run [c_lo, c_lo + hist) below x, times bit j. Float64 is exact here (counts << 2**53)
+    # and lets the sum over masks run as one matrix product.
+    hist = hist_NGM.to(torch.float64)
+    c_lo = hist.cumsum(dim=-1) - hist
+    below = (ends.to(torch.float64).unsqueeze(-1) - c_lo.unsqueeze(-2)).clamp_(min=0)
+    below = torch.minimum(below, hist.unsqueeze(-2), out=below)  # [s, g, G+1, m]
+    f_NGPG = below @ mask_bits(g).to(torch.float64)  # [s, g, G+1, j]
+    copies = f_NGPG[:, :, 1:, :] - f_NGPG[:, :, :-1, :]  # [s, g, l, j], relays
+    eye = torch.eye(g, dtype=torch.bool).view(1, g, g, 1)
+    copies = torch.where(eye, f_NGPG[:, :, :1, :], copies)  # kept part: F(keep) - F(0)
+    return copies.sum(dim=1).to(torch.int64)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
