@@ -23,8 +23,11 @@ test: $(STAMP)
 test-all: $(STAMP)
 	$(VPY) -m pytest -q --timeout=1800
 
+# The main job: plan one GLM-4.5-Air layer per path, then train the tiny GLM-shaped MoE GPT on
+# 8 CPU processes (4 nodes x 2 GPUs) with railwave and with alltoall, losses side by side.
 demo: $(STAMP)
 	$(VPY) -m megatron_railwave.cli demo
+	$(VPY) examples/demo.py --steps 5
 
 plan-bench: $(STAMP)
 	$(VPY) -m megatron_railwave.cli plan-bench --json out/plan_bench.json

@@ -41,6 +41,13 @@ def _parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=5, help="optimizer steps")
     parser.add_argument("--moe-token-dispatcher-type", choices=_DISPATCHERS, default="alltoall")
     parser.add_argument("--json", type=Path, default=None, help="write per-step losses here")
+    parser.add_argument("--gpus-per-node", type=int, default=2,
+                        help="railwave: ranks per emulated node (EP = nodes x this)")
+    parser.add_argument("--railwave-path", default="auto",
+                        choices=["auto", "native", "rail", "perm", "joint"],
+                        help="railwave: execution path (auto = selector)")
+    parser.add_argument("--failed-rail", action="append", default=[], metavar="NODE:RAIL",
+                        help="railwave: mark a rail failed (repeatable)")
     parser.add_argument("--num-layers", type=int, default=3, help="layer 1 dense, rest MoE")
     parser.add_argument("--seq-length", type=int, default=32)
     parser.add_argument("--micro-batch-size", type=int, default=2)
@@ -191,8 +198,16 @@ def _train(rank: int, world_size: int, port: int, args: argparse.Namespace) -> N
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=args.timeout_s))
     apply_megatron_cpu_shims()
+    layer_paths: dict[int, str] = {}
     if args.moe_token_dispatcher_type == "railwave":
-        _require_railwave_install()()
+        railwave_config = {
+            "gpus_per_node": args.gpus_per_node,
+            "path": args.railwave_path,
+            "failed_rails": [[int(v) for v in f.split(":")] for f in args.failed_rail],
+        }
+        # The sink sees every layer's statistics; the demo prints which path each layer took.
+        _require_railwave_install()(
+            railwave_config, stats_sink=lambda st: layer_paths.__setitem__(st.layer, st.path))
 
     from megatron.core import parallel_state
     from megatron.core.distributed.finalize_model_grads import (
@@ -257,8 +272,9 @@ def _train(rank: int, world_size: int, port: int, args: argparse.Namespace) -> N
         losses.append(global_loss.item() / world_size)
         step_seconds.append(time.perf_counter() - t0)
         if rank == 0:
+            paths = " ".join(f"L{k}={v}" for k, v in sorted(layer_paths.items()))
             print(f"step {step + 1}/{args.steps} | loss {losses[-1]:.6f} |{moe_log} "
-                  f"{step_seconds[-1]:.2f} s", flush=True)
+                  f"{step_seconds[-1]:.2f} s" + (f" | paths {paths}" if paths else ""), flush=True)
 
     if rank == 0 and args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
@@ -267,6 +283,7 @@ def _train(rank: int, world_size: int, port: int, args: argparse.Namespace) -> N
             "nprocs": world_size,
             "steps": args.steps,
             "losses": losses,
+            "layer_paths": layer_paths,
             "step_seconds": step_seconds,
         }, indent=2) + "\n")
     parallel_state.destroy_model_parallel()
