@@ -30,6 +30,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "waves and descriptors.",
     )
     parser.add_argument("--seed", type=int, default=0, help="routing seed (default 0)")
+    parser.add_argument("--tokens", type=int, default=4096, metavar="T", help="tokens per GPU (default 4096)")
     parser.add_argument("--json", default=None, metavar="FILE", help="also write every plan as JSON")
     parser.set_defaults(handler=run)
 
@@ -46,15 +47,17 @@ def _preset() -> RailTopology:
 
 def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(1)
+    if args.tokens < 1:
+        raise ValueError(f"--tokens must be >= 1, got {args.tokens}")
     topo = _preset()
     _render.print_text(
-        "RailWave demo: GLM-4.5-Air-shaped layer (E=128, K=8, H=4096, bf16, T=4096 per GPU) on "
+        f"RailWave demo: GLM-4.5-Air-shaped layer (E=128, K=8, H=4096, bf16, T={args.tokens} per GPU) on "
         f"{topo.name} ({topo.num_nodes} nodes x {topo.gpus_per_node} GPUs, {topo.rail_gbps:g} Gb/s rails)"
     )
     result = plan_layer(
         topo,
         paths=_common.paths_from_choice("all"),
-        num_tokens=4096,
+        num_tokens=args.tokens,
         num_experts=128,
         topk=8,
         seed=args.seed,

@@ -1,0 +1,134 @@
+"""The railwave CLI: frozen subcommand and flag set, JSON of `plan` and `plan-bench`, clear errors."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_railwave.cli import build_parser, main
+
+H800 = str(Path(__file__).resolve().parents[2] / "configs" / "clusters" / "h800_4x8.yaml")
+
+# Adding a command or a flag is a deliberate interface change: update this table with it.
+EXPECTED_FLAGS = {
+    "plan": [
+        "--cluster", "--nodes", "--failed-rail", "--tokens", "--experts", "--topk", "--hidden", "--dtype",
+        "--seed", "--path", "--policy", "--rail-mask", "--fanin", "--phase", "--repeats", "--json",
+    ],
+    "plan-bench": [
+        "--configs", "--tokens", "--experts", "--topk", "--path", "--fanin", "--seed", "--warmup", "--repeats",
+        "--full-routing-max-ranks", "--json",
+    ],
+    "demo": ["--seed", "--tokens", "--json"],
+}
+
+
+def _flag_table(parser: argparse.ArgumentParser) -> dict[str, list[str]]:
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return {
+        name: [s for a in p._actions for s in a.option_strings if s.startswith("--") and s != "--help"]
+        for name, p in sub.choices.items()
+    }
+
+
+def test_cli_subcommands_and_flags_snapshot():
+    table = _flag_table(build_parser())
+    missing = sorted(set(table) - set(EXPECTED_FLAGS))
+    assert not missing, f"new subcommand(s) {missing}: add their flags to EXPECTED_FLAGS in {__file__}"
+    for name, flags in EXPECTED_FLAGS.items():
+        assert sorted(table.get(name, [])) == sorted(flags), f"flags of {name!r} changed"
+
+
+def test_plan_writes_json_with_required_keys(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    status = main(["plan", "--cluster", H800, "--tokens", "64", "--experts", "32", "--topk", "4", "--seed", "1",
+                   "--path", "joint", "--failed-rail", "2:5", "--repeats", "1", "--json", str(out)])
+    assert status == 0
+    data = json.loads(out.read_text())
+    assert {"rail_load", "waves", "records_total", "stats", "plan_ms"} <= set(data)
+    assert data["path"] == "joint"
+    rail_load = data["rail_load"]
+    assert (len(rail_load), len(rail_load[0]), len(rail_load[0][0])) == (4, 8, 4)  # [N][R][N]
+    assert rail_load[2][5][0] == 0  # the failed rail carries nothing remote
+    # cyclic schedule on 4 nodes: 3 waves of 4 [src, dst] pairs
+    assert [len(w) for w in data["waves"]] == [4, 4, 4] and data["waves"][0][0] == [0, 1]
+    assert data["records_total"] == sum(sum(sum(r) for r in node) for node in rail_load)
+    assert {"B_mean_bytes", "B_max_bytes", "rho_g", "kappa"} <= set(data["stats"])
+    assert data["stats"]["kappa"] == pytest.approx(1.0) and data["plan_ms"] > 0
+    assert "joint" in capsys.readouterr().out
+
+
+def test_plan_all_paths_native_is_skewed(tmp_path):
+    out = tmp_path / "all.json"
+    assert main(["plan", "--cluster", "h800_4x8", "--tokens", "256", "--experts", "32", "--path", "all",
+                 "--repeats", "1", "--json", str(out)]) == 0
+    plans = {p["path"]: p for p in json.loads(out.read_text())["plans"]}
+    assert list(plans) == ["native", "rail", "perm", "joint"]
+    assert plans["native"]["stats"]["rho_g"] > 1.2  # skewed source rails under NATIVE
+    assert plans["rail"]["stats"]["rho_g"] < plans["native"]["stats"]["rho_g"]
+    assert plans["perm"]["stats"]["kappa"] == pytest.approx(1.0)
+    assert plans["native"]["stats"]["kappa"] > 1.5  # three senders per receiver at once
+
+
+@pytest.mark.parametrize(
+    ("argv", "match"),
+    [
+        (["--path", "ring"], r"argument --path: unknown path 'ring'; choose one of native, rail, perm, joint, all"),
+        (["--failed-rail", "0:9"], r"--failed-rail: failed rail \(0, 9\): rail 9 is out of range 0\.\.7"),
+        (["--failed-rail", "7:0"], r"node 7 is out of range 0\.\.3"),
+        (["--failed-rail", "0-3"], r"argument --failed-rail: expected NODE:RAIL with two integers"),
+        (["--policy", "mask"], r"--policy mask needs --rail-mask GPUS"),
+        (["--experts", "48"], r"--experts 48 is not divisible by the world size 32"),
+        (["--dtype", "int3"], r"unknown dtype name 'int3'"),
+    ],
+)
+def test_plan_bad_input_gives_clear_error(capsys, argv, match):
+    with pytest.raises(SystemExit) as exc:
+        main(["plan", "--cluster", H800, "--tokens", "8", *argv])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert __import__("re").search(match, err), err
+
+
+def test_plan_missing_cluster_file(capsys, tmp_path):
+    with pytest.raises(SystemExit) as exc:
+        main(["plan", "--cluster", str(tmp_path / "none.yaml")])
+    assert exc.value.code == 2
+    assert "none.yaml' does not exist and is not a preset name (presets: h20_4x8, h800_4x8" in capsys.readouterr().err
+
+
+def test_plan_bench_writes_configs(tmp_path):
+    out = tmp_path / "bench.json"
+    # 2x2 with routing for every rank; 4x2 with prototype counts (W = 8 > 4) and experts raised to 8
+    assert main(["plan-bench", "--configs", "2x2,4x2", "--tokens", "32", "--experts", "4", "--topk", "2",
+                 "--warmup", "0", "--repeats", "2", "--full-routing-max-ranks", "4", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["configs"]
+    assert [(r["nodes"], r["gpus_per_node"], r["experts"]) for r in rows] == [(2, 2, 4), (4, 2, 8)]
+    assert all(r["ms_per_layer"] > 0 and r["path"] == "joint" for r in rows)
+    assert rows[1]["experts_note"] and "prototype" in rows[1]["demand_source"]
+
+
+def test_plan_bench_bad_config(capsys):
+    with pytest.raises(SystemExit):
+        main(["plan-bench", "--configs", "4by8"])
+    assert "--configs: expected NxG entries such as 4x8, got '4by8'" in capsys.readouterr().err
+
+
+def test_demo_prints_every_path(capsys):
+    assert main(["demo", "--tokens", "64"]) == 0
+    out = capsys.readouterr().out
+    for name in ("native", "rail", "perm", "joint", "rho_g", "kappa", "wave"):
+        assert name in out
+
+
+def test_module_entry_point_runs():
+    proc = subprocess.run([sys.executable, "-m", "megatron_railwave.cli", "--help"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0
+    for name in EXPECTED_FLAGS:
+        assert name in proc.stdout
