@@ -14,6 +14,9 @@ IN.json::
 
 OUT.json: ``{"finish_s": [float, ...], "simgrid_version": str}``, one time per flow.
 
+From the package's interpreter use `simgrid_available` and `simulate_in_simgrid`, which run
+this file through a subprocess (they import nothing from SimGrid themselves).
+
 Model settings, chosen so that SimGrid computes pure max-min fair sharing:
     * ``network/model:CM02`` -- no latency or bandwidth correction factors
       (LV08 multiplies latency by 13.01 and bandwidth by 0.97) and weight-S = 0.
@@ -28,7 +31,64 @@ are the only shared resources.
 """
 
 import json
+import os
+import subprocess
 import sys
+import tempfile
+
+__all__ = ["SYSTEM_PYTHON", "simgrid_available", "simulate_in_simgrid"]
+
+SYSTEM_PYTHON = "/usr/bin/python3"
+"""Interpreter that has Debian's python3-simgrid (``apt-get install -y python3-simgrid``)."""
+
+
+def simgrid_available(python: str = SYSTEM_PYTHON) -> bool:
+    """True when ``python`` exists and can ``import simgrid``."""
+    if not os.path.exists(python):
+        return False
+    probe = subprocess.run([python, "-c", "import simgrid"], capture_output=True, timeout=60)
+    return probe.returncode == 0
+
+
+def simulate_in_simgrid(
+    capacity_Bps_L, size_bytes_F, links_FH, *, start_s_F=None, python: str = SYSTEM_PYTHON, timeout_s: float = 600.0
+):
+    """Completion times of the flows in SimGrid (CM02, zero latency; see the module docstring).
+
+    Args:
+        capacity_Bps_L: [L] link capacities, bytes/s.
+        size_bytes_F: [F] flow sizes; rounded to whole bytes (SimGrid's size is an integer).
+        links_FH: [F, H] link ids per flow, -1 = padding.
+        start_s_F: [F] start times in seconds; None = all 0.
+        python: interpreter with python3-simgrid.
+        timeout_s: limit for the SimGrid run.
+
+    Returns:
+        [F] float64 completion times, seconds.
+
+    Raises:
+        RuntimeError: the SimGrid run failed (its stderr is included).
+    """
+    import numpy as np
+
+    links_FH = np.asarray(links_FH)
+    flows = []
+    for f, size in enumerate(np.asarray(size_bytes_F, dtype=np.float64)):
+        flow = {"size_bytes": int(round(size)), "links": [int(l) for l in links_FH[f] if l >= 0]}
+        if start_s_F is not None:
+            flow["start_s"] = float(start_s_F[f])
+        flows.append(flow)
+    spec = {"capacity_Bps": [float(c) for c in capacity_Bps_L], "flows": flows}
+    with tempfile.TemporaryDirectory() as tmp:
+        src, dst = os.path.join(tmp, "in.json"), os.path.join(tmp, "out.json")
+        with open(src, "w", encoding="utf-8") as f:
+            json.dump(spec, f)
+        proc = subprocess.run([python, os.path.abspath(__file__), src, dst], capture_output=True, text=True,
+                              timeout=timeout_s)
+        if proc.returncode != 0:
+            raise RuntimeError(f"SimGrid run failed (exit {proc.returncode}) with {python}: {proc.stderr[-2000:]}")
+        with open(dst, encoding="utf-8") as f:
+            return np.asarray(json.load(f)["finish_s"], dtype=np.float64)
 
 
 def _run(spec: dict) -> dict:
