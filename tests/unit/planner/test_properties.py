@@ -12,7 +12,7 @@ Invariants, for every path (NATIVE, RAIL, PERM, JOINT):
 from __future__ import annotations
 
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from megatron_railwave.planner import (
@@ -30,7 +30,7 @@ from megatron_railwave.planner import (
 from megatron_railwave.topology import RailTopology
 from megatron_railwave.traffic import DemandCounts, mask_bits
 
-SETTINGS = settings(max_examples=25, deadline=None, derandomize=True)
+SETTINGS = settings(max_examples=40, deadline=None, derandomize=True)
 
 
 @st.composite
@@ -44,13 +44,10 @@ def topologies(draw, max_nodes: int = 16) -> RailTopology:
     return RailTopology(num_nodes=n, gpus_per_node=g, failed_rails=frozenset(failed))
 
 
-@st.composite
-def workloads(draw, max_nodes: int = 16):
-    """(topology, per-rank [T, N] target masks, demand, plan options, phase)."""
-    topo = draw(topologies(max_nodes))
-    num_tokens = draw(st.integers(0, 6))
-    density = draw(st.sampled_from([0.2, 0.6, 1.0]))
-    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
+def make_case(topo: RailTopology, *, num_tokens: int, density: float, seed: int, policy: EligiblePolicy,
+              fanin: int, phase: int):
+    """(topology, per-rank [T, N] target masks, demand, plan options, phase) from a seed."""
+    gen = torch.Generator().manual_seed(seed)
     n, g = topo.num_nodes, topo.gpus_per_node
     w = topo.world_size
     masks = torch.randint(1, 1 << g, (w, num_tokens, n), generator=gen)
@@ -61,10 +58,42 @@ def workloads(draw, max_nodes: int = 16):
     records_WNM = records_WNM.view(w, n, 1 << g)
     records_WNM[:, :, 0] = 0
     demand = DemandCounts(records_WNM=records_WNM, experts_WE=torch.zeros(w, 1, dtype=torch.int64))
-    policy = draw(st.sampled_from(list(EligiblePolicy)))
     rail_mask = torch.rand(n, g, generator=gen) < 0.5 if policy == EligiblePolicy.MASK else None
-    options = PlanOptions(policy=policy, rail_mask_NG=rail_mask, fanin=draw(st.integers(1, 3)))
-    return topo, list(masks), demand, options, draw(st.integers(0, 40))
+    options = PlanOptions(policy=policy, rail_mask_NG=rail_mask, fanin=fanin)
+    return topo, list(masks), demand, options, phase
+
+
+@st.composite
+def workloads(draw, max_nodes: int = 16):
+    return make_case(
+        draw(topologies(max_nodes)),
+        num_tokens=draw(st.integers(1, 8)),
+        density=draw(st.sampled_from([0.2, 0.6, 1.0])),
+        seed=draw(st.integers(0, 2**31 - 1)),
+        policy=draw(st.sampled_from(list(EligiblePolicy))),
+        fanin=draw(st.integers(1, 3)),
+        phase=draw(st.integers(0, 40)),
+    )
+
+
+# Always-run corners: the largest topology with failed rails, one GPU per node, two nodes.
+_FAILED_16x8 = frozenset({(0, 1), (3, 0), (3, 7), (7, 2), (15, 6), (15, 5)})
+CORNERS = [
+    make_case(RailTopology(num_nodes=16, gpus_per_node=8, failed_rails=_FAILED_16x8), num_tokens=8, density=0.6,
+              seed=1, policy=EligiblePolicy.ALL, fanin=1, phase=3),
+    make_case(RailTopology(num_nodes=16, gpus_per_node=8, failed_rails=_FAILED_16x8), num_tokens=4, density=1.0,
+              seed=2, policy=EligiblePolicy.ACTIVE, fanin=4, phase=0),
+    make_case(RailTopology(num_nodes=5, gpus_per_node=1), num_tokens=3, density=0.6, seed=3,
+              policy=EligiblePolicy.ALL, fanin=2, phase=1),
+    make_case(RailTopology(num_nodes=2, gpus_per_node=8, failed_rails=frozenset({(1, 3)})), num_tokens=6,
+              density=0.2, seed=4, policy=EligiblePolicy.MASK, fanin=1, phase=7),
+]
+
+
+def _with_corners(test):
+    for case in CORNERS:
+        test = example(case)(test)
+    return test
 
 
 def _pair_eligible_NNG(topo: RailTopology) -> torch.Tensor:
@@ -73,6 +102,7 @@ def _pair_eligible_NNG(topo: RailTopology) -> torch.Tensor:
 
 
 @SETTINGS
+@_with_corners
 @given(workloads())
 def test_every_record_delivered_once_on_healthy_rails(case):
     topo, masks, demand, options, phase = case
@@ -82,7 +112,7 @@ def test_every_record_delivered_once_on_healthy_rails(case):
     w = topo.world_size
     # every record of every rank, as flat [n_rec] tensors of (rank, token, node)
     rank_all, token_all, node_all = torch.nonzero(torch.stack(masks), as_tuple=True)
-    expected = (rank_all * 64 + token_all) * n + node_all  # unique record ids, T <= 6 < 64
+    expected = (rank_all * 64 + token_all) * n + node_all  # unique record ids, T <= 8 < 64
     for path in Path:
         plan = build_plan(demand, topo, path, options=options, phase=phase)
         routes = [route_records(plan, rank, masks[rank]) for rank in range(w)]
@@ -114,6 +144,7 @@ def test_every_record_delivered_once_on_healthy_rails(case):
 
 
 @SETTINGS
+@_with_corners
 @given(workloads())
 def test_balanced_paths_per_rail_counts_within_one(case):
     topo, _, demand, options, phase = case
@@ -133,6 +164,7 @@ def test_balanced_paths_per_rail_counts_within_one(case):
 
 
 @SETTINGS
+@_with_corners
 @given(workloads())
 def test_waved_paths_bound_senders_per_receiver_per_wave(case):
     topo, _, demand, options, phase = case
