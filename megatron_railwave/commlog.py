@@ -1,48 +1,173 @@
-"""Per-layer communication logs: JSONL files (one record per MoE layer per logged step)."""
+"""Per-layer communication logs: JSONL files (one record per MoE layer per logged step).
+
+Two layouts (``RailWaveConfig.log_mode``):
+  * ``rank``: every rank writes ``<log_dir>/railwave_rank<R>.jsonl`` (its own dispatch/combine
+    times; the descriptors and the path are global, so they repeat on every rank);
+  * ``job``: only global rank 0 writes ``<log_dir>/railwave.jsonl`` (one file per job).
+
+Records carry ``rank`` besides the ``LayerCommStats`` fields. On GPU the dispatch/combine times are
+CUDA events: a record waits in a small queue until its events have completed (checked without
+blocking on the next record), so logging never synchronises the device on the critical path;
+``flush``/``close`` (also run at interpreter exit) write what is left.
+"""
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import weakref
+from collections import deque
 from pathlib import Path as FsPath
+from typing import Any, Callable, Literal
 
 from .stats import LayerCommStats
 
-__all__ = ["JsonlStatsSink"]
+__all__ = ["JsonlStatsSink", "FanoutSink", "read_logs", "LOG_GLOB"]
+
+LogMode = Literal["rank", "job"]
+LOG_GLOB = "railwave*.jsonl"
+"""Files ``read_logs`` picks up in a log directory."""
+
+
+def _global_rank() -> int:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return int(os.environ.get("RANK", 0))
+
+
+def _close_at_exit(ref: weakref.ref) -> None:
+    sink = ref()
+    if sink is not None:
+        sink.close()
 
 
 class JsonlStatsSink:
-    """Appends ``LayerCommStats`` records to ``<log_dir>/railwave_rank<R>.jsonl``.
+    """Appends ``LayerCommStats`` records to JSONL files (see the module docstring).
 
     Args:
-        log_dir: directory (created if missing).
+        log_dir: directory (created on the first record).
         interval: keep records of every ``interval``-th step of each layer.
-        rank: file suffix; default the global rank from torch.distributed or RANK.
+        rank: this process's global rank; default torch.distributed's, else ``RANK``, else 0.
+        mode: 'rank' (one file per rank) or 'job' (rank 0 writes one file, others write nothing).
     """
 
-    def __init__(self, log_dir: str | os.PathLike, *, interval: int = 1, rank: int | None = None) -> None:
+    def __init__(self, log_dir: str | os.PathLike, *, interval: int = 1, rank: int | None = None,
+                 mode: LogMode = "rank") -> None:
+        if mode not in ("rank", "job"):
+            raise ValueError(f"log mode must be 'rank' or 'job', got {mode!r}")
+        if interval < 1:
+            raise ValueError(f"log interval must be >= 1, got {interval}")
         self.log_dir = FsPath(log_dir)
         self.interval = interval
+        self.mode = mode
         self._rank = rank
         self._file = None
+        self._pending: deque[LayerCommStats] = deque()
+        self._closed = False
+        atexit.register(_close_at_exit, weakref.ref(self))
+
+    @property
+    def rank(self) -> int:
+        if self._rank is None:
+            self._rank = _global_rank()
+        return self._rank
+
+    @property
+    def path(self) -> FsPath:
+        name = "railwave.jsonl" if self.mode == "job" else f"railwave_rank{self.rank}.jsonl"
+        return self.log_dir / name
+
+    @property
+    def writes(self) -> bool:
+        """False on ranks other than 0 in 'job' mode."""
+        return self.mode == "rank" or self.rank == 0
 
     def _open(self):
         if self._file is None:
-            rank = self._rank
-            if rank is None:
-                import torch.distributed as dist
-
-                rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))
             self.log_dir.mkdir(parents=True, exist_ok=True)
-            self._file = open(self.log_dir / f"railwave_rank{rank}.jsonl", "a", buffering=1)
+            self._file = open(self.path, "a", buffering=1)
         return self._file
 
+    def _write(self, stats: LayerCommStats) -> None:
+        record = {"rank": self.rank, **stats.to_dict()}
+        self._open().write(json.dumps(record) + "\n")
+
     def __call__(self, stats: LayerCommStats) -> None:
-        if stats.step % self.interval:
+        if stats.step % self.interval or not self.writes:
             return
-        self._open().write(json.dumps(stats.to_dict()) + "\n")
+        if self._closed:
+            raise RuntimeError(f"JsonlStatsSink for {str(self.path)!r} is closed")
+        self._pending.append(stats)
+        # Write in order every record whose CUDA events are done; never wait here.
+        while self._pending and self._pending[0].times_ready():
+            self._write(self._pending.popleft())
+
+    def flush(self) -> None:
+        """Write every queued record (waits for their CUDA events)."""
+        while self._pending:
+            self._write(self._pending.popleft())
+        if self._file is not None:
+            self._file.flush()
 
     def close(self) -> None:
+        """Flush and close the file; idempotent (also registered with ``atexit``)."""
+        if self._closed:
+            return
+        self.flush()
         if self._file is not None:
             self._file.close()
             self._file = None
+        self._closed = True
+
+
+class FanoutSink:
+    """Hands every record to several sinks, in order; ``flush``/``close`` reach those that have them."""
+
+    def __init__(self, *sinks: Callable[[LayerCommStats], None]) -> None:
+        self.sinks = tuple(s for s in sinks if s is not None)
+
+    def __call__(self, stats: LayerCommStats) -> None:
+        for sink in self.sinks:
+            sink(stats)
+
+    def _each(self, method: str) -> None:
+        for sink in self.sinks:
+            fn = getattr(sink, method, None)
+            if fn is not None:
+                fn()
+
+    def flush(self) -> None:
+        self._each("flush")
+
+    def close(self) -> None:
+        self._each("close")
+
+
+def read_logs(log_dir: str | os.PathLike) -> list[dict[str, Any]]:
+    """Every record of the JSONL files in ``log_dir`` (sorted file names, file order kept).
+
+    Raises:
+        ValueError: no log file, or a line that is not a JSON object (file and line named).
+    """
+    log_dir = FsPath(log_dir)
+    files = sorted(log_dir.glob(LOG_GLOB)) if log_dir.is_dir() else []
+    if not files:
+        raise ValueError(f"no {LOG_GLOB} files in {str(log_dir)!r}; write logs with "
+                         "--railwave-log-dir (RailWaveConfig.log_dir)")
+    out = []
+    for path in files:
+        with open(path) as fh:
+            for num, line in enumerate(fh, 1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise ValueError(f"{path}:{num}: not valid JSON ({exc.msg})") from None
+                if not isinstance(record, dict):
+                    raise ValueError(f"{path}:{num}: expected a JSON object per line")
+                out.append(record)
+    return out

@@ -50,6 +50,8 @@ class RailWaveConfig:
     """Write one JSONL record per MoE layer per logged step here."""
     log_interval: int = 1
     """Log every this many steps (a step = one forward of layer 1)."""
+    log_mode: Literal["rank", "job"] = "rank"
+    """JSONL layout: 'rank' = one file per rank, 'job' = one file written by global rank 0."""
     timeout_s: float | None = None
     """Per-transfer completion limit: a stuck rail raises an error naming it (None: the
     process group's timeout)."""
@@ -77,6 +79,8 @@ class RailWaveConfig:
                 f"payload_ratio must be >= 1 and shape_distance >= 0, got {self.payload_ratio}, "
                 f"{self.shape_distance}"
             )
+        if self.log_mode not in ("rank", "job"):
+            raise ValueError(f"log_mode must be 'rank' or 'job', got {self.log_mode!r}")
         if self.log_interval < 1 or self.capture_interval < 1:
             raise ValueError("log_interval and capture_interval must be >= 1")
         object.__setattr__(self, "failed_rails", tuple(tuple(map(int, f)) for f in self.failed_rails))

@@ -183,8 +183,8 @@ class RailWaveTokenDispatcher(MoETokenDispatcher):
         state = self._require_state("combine_postprocess")
         self._state = None
         if state.stats is not None and self.stats_sink is not None:
-            state.stats.dispatch_ms = state.timers["dispatch"].elapsed_ms()
-            state.stats.combine_ms = state.timers["combine"].elapsed_ms()
+            # CUDA times stay pending (no event sync here); sinks read them when they write.
+            state.stats.set_timers(dispatch=state.timers["dispatch"], combine=state.timers["combine"])
             self.stats_sink(state.stats)
         return hidden_states.view(state.hidden_shape)
 

@@ -99,11 +99,14 @@ def uninstall() -> None:
 
 
 def _default_sink(cfg: RailWaveConfig) -> Any:
-    if cfg.log_dir is None:
-        return None
-    from .commlog import JsonlStatsSink
+    """Megatron's tracker sink (``megatron_logging``), plus JSONL files when ``log_dir`` is set."""
+    from .commlog import FanoutSink, JsonlStatsSink
+    from .megatron_logging import default_metrics_sink
 
-    return JsonlStatsSink(cfg.log_dir, interval=cfg.log_interval)
+    jsonl = None
+    if cfg.log_dir is not None:
+        jsonl = JsonlStatsSink(cfg.log_dir, interval=cfg.log_interval, mode=cfg.log_mode)
+    return FanoutSink(default_metrics_sink(), jsonl)
 
 
 # ---------------------------------------------------------------------- Megatron-LM flags
@@ -130,6 +133,8 @@ def add_railwave_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                        help="Execution path; overrides the config file's 'path'.")
     group.add_argument("--railwave-log-dir", type=str, default=None,
                        help="Write per-layer communication JSONL here.")
+    group.add_argument("--railwave-log-mode", type=str, default=None, choices=["rank", "job"],
+                       help="JSONL layout: one file per rank, or one per job written by rank 0.")
     group.add_argument("--railwave-capture-dir", type=str, default=None,
                        help="Record routing traces for replay here.")
     group.add_argument("--railwave-capture-interval", type=int, default=None,
@@ -141,6 +146,7 @@ def config_from_args(args: argparse.Namespace) -> RailWaveConfig:
     """The ``RailWaveConfig`` that parsed Megatron-LM arguments describe."""
     base = load_config(getattr(args, "railwave_config", None)).to_dict()
     for flag, key in (("railwave_path", "path"), ("railwave_log_dir", "log_dir"),
+                      ("railwave_log_mode", "log_mode"),
                       ("railwave_capture_dir", "capture_dir"),
                       ("railwave_capture_interval", "capture_interval")):
         value = getattr(args, flag, None)

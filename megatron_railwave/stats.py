@@ -9,32 +9,43 @@ host sync and is identical on every rank (except the measured times, which are r
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from .planner import PathPlan
+from .planner import PathPlan, WaveSchedule
 from .topology import RailTopology
 from .traffic import DemandCounts, SelectorScales, TrafficStats, traffic_stats
 
 __all__ = ["LayerCommStats", "demand_stats", "layer_comm_stats", "Stopwatch"]
 
 
-def demand_stats(demand: DemandCounts, topo: RailTopology, *, record_bytes: int,
-                 scales: SelectorScales | None = None) -> TrafficStats:
+def demand_stats(demand: DemandCounts | torch.Tensor, topo: RailTopology, *, record_bytes: int,
+                 scales: SelectorScales | None = None,
+                 windows: WaveSchedule | None = None) -> TrafficStats:
     """Descriptors of the demand as sent natively: owner rails, all node pairs at once.
 
-    These drive the selector: B, rho_g and kappa before any reshaping.
+    These drive the selector: B, rho_g and kappa before any reshaping. Pure function of global
+    counts, so every rank computes the same descriptors. Host sync: no (CPU counts).
+
+    Args:
+        demand: the gathered ``DemandCounts`` or ``records_NGN`` [N_src, G, N_dst] int64.
+        windows: the input's sending windows (a replay arrangement); None = all pairs at once,
+            which is what a training step sends.
     """
-    records_NGN = demand.records_NGN()
+    records_NGN = demand.records_NGN() if isinstance(demand, DemandCounts) else demand
     rails = torch.tensor(topo.rail_of_gpu, dtype=torch.int64)
     rail_load = torch.zeros(topo.num_nodes, topo.num_rails, topo.num_nodes, dtype=torch.int64)
     rail_load.index_add_(1, rails, records_NGN)
     n = topo.num_nodes
-    windows = torch.zeros(n, n, dtype=torch.int64)
-    windows.fill_diagonal_(-1)
-    return traffic_stats(records_NGN, rail_load, windows, topo, record_bytes=record_bytes, scales=scales)
+    if windows is None:
+        pair_window_NN = torch.zeros(n, n, dtype=torch.int64)
+        pair_window_NN.fill_diagonal_(-1)
+    else:
+        pair_window_NN = windows.pair_wave_NN()
+    return traffic_stats(records_NGN, rail_load, pair_window_NN, topo, record_bytes=record_bytes,
+                         scales=scales)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -62,9 +73,34 @@ class LayerCommStats:
     dispatch_ms: float = 0.0
     combine_ms: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
+    timers: dict[str, Stopwatch] = field(default_factory=dict, repr=False)
+    """Stopwatches whose times are not read yet ('dispatch', 'combine'); not serialised."""
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """The JSONL record (pending times are resolved first; see ``resolve_times``)."""
+        self.resolve_times()
+        out = {f: getattr(self, f) for f in self.__dataclass_fields__ if f != "timers"}  # type: ignore[attr-defined]
+        return {k: _json_value(v) for k, v in out.items()}
+
+    def set_timers(self, **timers: Stopwatch) -> None:
+        """Attach the phase stopwatches; times already readable (CPU) are read at once.
+
+        On CUDA the times stay pending until ``resolve_times``, so the dispatcher never waits
+        for an event on the critical path.
+        """
+        self.timers.update(timers)
+        if self.times_ready():
+            self.resolve_times()
+
+    def times_ready(self) -> bool:
+        """True when every pending time can be read without waiting. Host sync: no."""
+        return all(t.ready() for t in self.timers.values())
+
+    def resolve_times(self) -> None:
+        """Fill ``dispatch_ms`` / ``combine_ms`` from the stopwatches (waits for CUDA events)."""
+        for name, timer in list(self.timers.items()):
+            setattr(self, f"{name}_ms", timer.elapsed_ms())
+            del self.timers[name]
 
 
 def layer_comm_stats(*, layer: int, step: int, plan: PathPlan, demand_descr: TrafficStats,
@@ -97,6 +133,15 @@ def layer_comm_stats(*, layer: int, step: int, plan: PathPlan, demand_descr: Tra
     )
 
 
+def _json_value(value: Any) -> Any:
+    """A JSON-ready copy of a field value (lists and dicts copied, tuples as lists)."""
+    if isinstance(value, dict):
+        return {k: _json_value(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_value(v) for v in value]
+    return value
+
+
 class Stopwatch:
     """Wall time of a region: CUDA events on GPU tensors, a monotonic clock on CPU.
 
@@ -119,6 +164,10 @@ class Stopwatch:
             self._end.record()
         else:
             self._t1 = time.perf_counter()
+
+    def ready(self) -> bool:
+        """True when ``elapsed_ms`` would not wait (CPU: always). Host sync: no."""
+        return not self._cuda or bool(self._end.query())
 
     def elapsed_ms(self) -> float:
         if self._cuda:
