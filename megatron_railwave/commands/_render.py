@@ -10,9 +10,11 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..planner import PathPlan
-from ..traffic import MiB, TrafficStats
+from ..traffic import TrafficStats
 
 __all__ = ["print_table", "print_text", "print_rail_egress", "print_waves", "print_descriptors"]
+
+MiB = 1 << 20
 
 try:  # rich is an optional dependency (the "tools" extra).
     from rich.console import Console
