@@ -14,6 +14,7 @@ from megatron_railwave.testbed.launch import (
     RailGroups,
     WorkerContext,
     current_context,
+    make_control_group,
     make_groups,
     run_workers,
 )
@@ -39,6 +40,7 @@ __all__ = [
     "fail_rail",
     "incast_goodput",
     "list_leftovers",
+    "make_control_group",
     "make_groups",
     "nic_counters",
     "restore_rail",

@@ -4,13 +4,15 @@ Letters: N nodes, G GPUs per node (= rails), W = N * G ranks; global rank = node
 
 Process groups inside a worker (see :func:`make_groups`):
     default group  every rank; gloo device bound to the rank's own rail NIC
-                   (``GLOO_SOCKET_IFNAME``), rendezvous on GPU (0, 0)'s rail-0 address. gloo binds
+                   (``GLOO_SOCKET_IFNAME``), rendezvous on node 0's management address. gloo binds
                    only its listening socket, so a cross-rail pair's connection runs on the rail of
                    the listening side (the kernel picks the node's NIC on that subnet).
     node group n   the G ranks of node n; device bound to ``lo`` (node-local, the NVLink stand-in,
                    never shaped).
     rail group l   rank (n, l) of every node n; device bound to rail l's NIC, so its traffic
                    crosses rail l's leaf switch only.
+    control group  every rank, on the unshaped management network (:func:`make_control_group`):
+                   barriers and small control collectives that must survive a failed rail NIC.
 torch 2.13 reads ``GLOO_SOCKET_IFNAME`` each time it builds a gloo backend, and ``new_group``
 ignores ``pg_options`` for gloo (so ``ProcessGroupGloo._Options._devices`` cannot be passed through
 it); :func:`make_groups` therefore sets the variable around each ``new_group`` call. Node-local pairs
@@ -38,7 +40,8 @@ from typing import Any, Iterator
 
 from megatron_railwave.testbed.netns import TestbedSpec
 
-__all__ = ["RailGroups", "WorkerContext", "current_context", "make_groups", "run_workers"]
+__all__ = ["RailGroups", "WorkerContext", "current_context", "make_control_group", "make_groups",
+           "run_workers"]
 
 _STDERR_TAIL = 3000
 _REPO_ROOT = str(Path(__file__).resolve().parents[2])
@@ -126,6 +129,21 @@ def make_groups(ctx: WorkerContext | None = None) -> RailGroups:
         node_groups=tuple(node_groups),
         rail_groups=tuple(rail_groups),
     )
+
+
+def make_control_group(ctx: WorkerContext | None = None) -> Any:
+    """A group of every rank on the management network (not shaped, not a rail).
+
+    Use it for barriers and small control collectives that must keep working, and stay out of
+    the rail NICs' byte counters, when a rail is taken down mid-run.
+
+    Collective: yes (default group; every rank must call it, in the same order as other groups).
+    """
+    import torch.distributed as dist
+
+    ctx = ctx or current_context()
+    with _gloo_ifname(ctx.spec.mgmt_ifname):
+        return dist.new_group(list(range(ctx.spec.world_size)), backend="gloo")
 
 
 # Parent side -----------------------------------------------------------------------------------

@@ -9,6 +9,13 @@ Layout made by :func:`up` (nothing is created in the caller's namespace):
       <name>r<l> = 10.77.l.(n+1)/24  <--veth-->  <name>n<n>r<l>  --port of bridge-->  <name>b<l>
                                                                          (rail l's leaf switch,
                                                                           router 10.77.l.254)
+      <name>m = 10.77.255.(n+1)/24   <--veth-->  <name>n<n>m    --port of bridge-->  <name>bm
+                                                                         (management network)
+
+The management network is unshaped and carries no rail traffic: rendezvous (TCPStore) and control
+collectives (barriers, the exchange's count all-gather) that must keep working when a rail NIC is
+taken down (:func:`fail_rail`), as a cluster's front-end network does. It has no router, so
+nothing is forwarded between it and the rails.
 
 Shaping (``tc``, both directions of every NIC):
     node -> switch   HTB at ``rail_mbit`` on the node-side veth (egress); the sender's own queue.
@@ -50,6 +57,7 @@ __all__ = [
 
 _IFNAMSIZ = 15
 _SUBNET = "10.77"
+_MGMT_OCTET = 255  # rails use 10.77.0-63.x; the management subnet is 10.77.255.0/24
 _TABLE_BASE = 100
 
 
@@ -146,9 +154,25 @@ class TestbedSpec:
         return f"{_SUBNET}.{rail}.254"
 
     @property
+    def mgmt_ifname(self) -> str:
+        """Node-side NIC of the unshaped management network (same name in every node namespace)."""
+        return f"{self.name}m"
+
+    def mgmt_switch_ifname(self, node: int) -> str:
+        return f"{self.name}n{node}m"
+
+    @property
+    def mgmt_bridge_name(self) -> str:
+        return f"{self.name}bm"
+
+    def mgmt_ip(self, node: int) -> str:
+        """Address of node ``node`` on the management network."""
+        return f"{_SUBNET}.{_MGMT_OCTET}.{node + 1}"
+
+    @property
     def master_addr(self) -> str:
-        """Rendezvous (TCPStore) address: rank 0 = GPU (0, 0) on rail 0."""
-        return self.rail_ip(0, 0)
+        """Rendezvous (TCPStore) address: node 0 on the management network (survives rail faults)."""
+        return self.mgmt_ip(0)
 
 
 # Shell helpers ---------------------------------------------------------------------------------
@@ -190,11 +214,12 @@ _handlers_installed = False
 _lock = threading.Lock()
 
 
-def up(spec: TestbedSpec) -> TestbedSpec:
+def up(spec: TestbedSpec, *, keep: bool = False) -> TestbedSpec:
     """Create the namespaces, bridges, veths, addresses, routes and shaping of ``spec``.
 
-    Registers clean-up on interpreter exit, SIGINT and SIGTERM. If anything fails half-way,
-    whatever was made is removed before the error propagates.
+    Registers clean-up on interpreter exit, SIGINT and SIGTERM, unless ``keep`` is true (a testbed
+    that outlives this process, e.g. ``railwave testbed up``; remove it with ``down(spec.name +
+    "-")``). If anything fails half-way, whatever was made is removed before the error propagates.
 
     Raises:
         RuntimeError: the prerequisites are missing (message says which) or a command failed.
@@ -206,9 +231,10 @@ def up(spec: TestbedSpec) -> TestbedSpec:
         raise RuntimeError(
             f"testbed {spec.name!r} already exists; call down({spec.name!r}) or use another run_id"
         )
-    _install_cleanup()
-    with _lock:
-        _live[spec.name] = spec
+    if not keep:
+        _install_cleanup()
+        with _lock:
+            _live[spec.name] = spec
     try:
         _build(spec)
     except BaseException:
@@ -236,8 +262,15 @@ def _build(spec: TestbedSpec) -> None:
         _run("ip", "-n", fab, "link", "add", br, "type", "bridge")
         _run("ip", "-n", fab, "addr", "add", f"{spec.router_ip(rail)}/24", "dev", br)
         _run("ip", "-n", fab, "link", "set", br, "up")
+    _run("ip", "-n", fab, "link", "add", spec.mgmt_bridge_name, "type", "bridge")
+    _run("ip", "-n", fab, "link", "set", spec.mgmt_bridge_name, "up")
     for n in range(spec.nodes):
         node_ns = spec.node_ns(n)
+        sw, nic = spec.mgmt_switch_ifname(n), spec.mgmt_ifname
+        _run("ip", "-n", fab, "link", "add", sw, "type", "veth", "peer", "name", nic, "netns", node_ns)
+        _run("ip", "-n", fab, "link", "set", sw, "master", spec.mgmt_bridge_name, "up")
+        _run("ip", "-n", node_ns, "addr", "add", f"{spec.mgmt_ip(n)}/24", "dev", nic)
+        _run("ip", "-n", node_ns, "link", "set", nic, "up")
         for rail in range(spec.gpus_per_node):
             sw, nic = spec.switch_ifname(n, rail), spec.rail_ifname(rail)
             _run("ip", "-n", fab, "link", "add", sw, "type", "veth",

@@ -1,0 +1,421 @@
+"""Testbed experiments: the real exchange on replay workloads, timed per path, NIC bytes, faults.
+
+Letters: N nodes, G GPUs per node (= rails R), W = N * G ranks, T tokens per rank, E experts,
+K top-k, H hidden size, V windows / waves.
+
+Workloads (``build_workloads``): GLM-4.5-Air routing (``replay.glm``), one layer with balanced
+source rails (the layer of lowest skew level) and one with skewed rails (highest skew level),
+each under the sending arrangements RING, MODERATE and EXTREME. An arrangement ``A[k][s]`` (k = 0..N-2)
+names the destination node of source s in window k; source s's records for node (s + k + 1) mod N
+are relabelled to node A[k][s] (same expert offset inside the node, so each source keeps its
+volume and destination-local-GPU histogram, as in the paper's replay), and NATIVE / RAIL keep
+the windows (``PlanOptions(windows=...)``) while PERM / JOINT use the cyclic waves. RING is the
+identity relabelling with the cyclic windows.
+
+Timing (``run_study``): every rank times gather_demand + plan + dispatch + combine (the expert
+stand-in between them is excluded), between two control barriers; a sample's time is the slowest
+rank's. Warm-ups first, then round-robin over the paths per sample. NIC bytes are the kernel's
+counters of every rail NIC, read by its own rank before and after each exchange block.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path as FsPath
+from typing import Any
+
+import numpy as np
+
+from megatron_railwave.planner import PlanOptions, build_plan, parse_path, schedule_from_windows
+from megatron_railwave.replay.glm import GLM45_AIR, GlmAirWorkload, glm_air_layer_ids
+from megatron_railwave.replay.routing import demand_from_topk_ids
+from megatron_railwave.stats import demand_stats
+from megatron_railwave.testbed.launch import run_workers
+from megatron_railwave.testbed.netns import TestbedSpec, restore_rail
+from megatron_railwave.topology import RailTopology
+
+__all__ = ["FaultConfig", "PATTERNS", "RAILS", "StudyConfig", "arrangement", "build_workloads",
+           "cpu_snapshot", "run_fault", "run_study", "summarize_study"]
+
+PATTERNS = ("ring", "moderate", "extreme")
+RAILS = ("balanced", "skewed")
+PATHS = ("native", "rail", "perm", "joint")
+_DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+
+# Destination of source s in window k on 4 nodes; peak in-degree per window in the comment.
+_ARRANGEMENTS_4 = {
+    "moderate": ((2, 0, 0, 1), (1, 2, 3, 0), (3, 3, 1, 2)),  # [2, 1, 2]
+    "extreme": ((1, 0, 0, 0), (3, 3, 3, 2), (2, 2, 1, 1)),   # [3, 3, 2]
+}
+
+
+def arrangement(pattern: str, num_nodes: int) -> tuple[tuple[int, ...], ...]:
+    """``A[k][s]``: destination node of source s in window k (each row of A^T a permutation of
+    the remote nodes). RING: A[k][s] = (s + k + 1) mod N (one-to-one windows)."""
+    if pattern not in PATTERNS:
+        raise ValueError(f"pattern must be one of {PATTERNS}, got {pattern!r}")
+    n = num_nodes
+    if pattern == "ring" or n <= 2:
+        return tuple(tuple((s + k + 1) % n for s in range(n)) for k in range(n - 1))
+    if n != 4:
+        raise ValueError(
+            f"pattern {pattern!r} is defined for 4 nodes (the paper's replay), got {n} nodes; "
+            "use pattern 'ring' or 4 nodes"
+        )
+    return _ARRANGEMENTS_4[pattern]
+
+
+def _windows(arr: tuple[tuple[int, ...], ...]) -> list[list[list[int]]]:
+    return [[[s, d] for s, d in enumerate(row)] for row in arr]
+
+
+def _peak_fanin(arr: tuple[tuple[int, ...], ...]) -> list[int]:
+    return [max(row.count(d) for d in set(row)) for row in arr]
+
+
+def relabel_ids(ids_WTK: np.ndarray, topo: RailTopology, num_experts: int,
+                arr: tuple[tuple[int, ...], ...]) -> np.ndarray:
+    """Move source s's records for node (s + k + 1) mod N to node A[k][s] (module docstring)."""
+    n, g = topo.num_nodes, topo.gpus_per_node
+    per_node = num_experts // n
+    out = ids_WTK.astype(np.int64).copy()
+    for s in range(n):
+        node_map = np.arange(n)
+        for k, row in enumerate(arr):
+            node_map[(s + k + 1) % n] = row[s]
+        ids = out[s * g:(s + 1) * g]
+        valid = ids >= 0
+        ids[valid] = node_map[ids[valid] // per_node] * per_node + ids[valid] % per_node
+    out.sort(axis=-1)
+    return out.astype(np.int16)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StudyConfig:
+    """What ``run_study`` measures (defaults: the documented 4 x 2 study)."""
+
+    patterns: tuple[str, ...] = PATTERNS
+    """Sending arrangements (ring, moderate, extreme)."""
+    rails: tuple[str, ...] = RAILS
+    """Source-rail balance of the replayed layer (balanced, skewed)."""
+    paths: tuple[str, ...] = PATHS
+    tokens: int = 128
+    """T, tokens per rank."""
+    hidden: int = 4096
+    """H (GLM-4.5-Air: 4096)."""
+    dtype: str = "bf16"
+    """Payload dtype: bf16, fp16 or fp32."""
+    warmup: int = 3
+    samples: int = 10
+    seed: int = 0
+    """Seed of the GLM-4.5-Air routing generator (and of the hidden states)."""
+    timeout_s: float = 3600.0
+    """Hard limit of the whole worker run."""
+
+    def __post_init__(self) -> None:
+        for name, allowed in (("patterns", PATTERNS), ("rails", RAILS), ("paths", PATHS)):
+            bad = [v for v in getattr(self, name) if v not in allowed]
+            if bad or not getattr(self, name):
+                raise ValueError(f"{name} must be a non-empty subset of {allowed}, got {getattr(self, name)}")
+        if self.dtype not in _DTYPE_BYTES:
+            raise ValueError(f"dtype must be one of {sorted(_DTYPE_BYTES)}, got {self.dtype!r}")
+        for name in ("tokens", "hidden", "samples"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.warmup < 0:
+            raise ValueError(f"warmup must be >= 0, got {self.warmup}")
+
+
+def record_bytes(topo: RailTopology, cfg: StudyConfig) -> int:
+    """Bytes one record carries on a rail: hidden row + its node's probs (fp32) + int64 metadata."""
+    experts_per_node = GLM45_AIR.num_experts // topo.num_nodes
+    meta_words = 3 + -(-experts_per_node // 62)
+    return cfg.hidden * _DTYPE_BYTES[cfg.dtype] + experts_per_node * 4 + meta_words * 8
+
+
+def build_workloads(topo: RailTopology, cfg: StudyConfig) -> list[dict[str, Any]]:
+    """One workload per (rails, pattern): routing ids [W, T, K], windows and descriptors."""
+    work = GlmAirWorkload(num_tokens=cfg.tokens, seed=cfg.seed)
+    skew = work.skew_of_layer()
+    layer_of = {"balanced": min(skew, key=skew.get), "skewed": max(skew, key=skew.get)}
+    num_experts = GLM45_AIR.num_experts
+    rec_bytes = record_bytes(topo, cfg)
+    out = []
+    for rails in cfg.rails:
+        base = glm_air_layer_ids(topo, layer_of[rails], work)
+        for pattern in cfg.patterns:
+            arr = arrangement(pattern, topo.num_nodes)
+            ids = relabel_ids(base, topo, num_experts, arr)
+            demand = demand_from_topk_ids(ids, topo, num_experts)
+            stats = demand_stats(demand, topo, record_bytes=rec_bytes)
+            out.append({
+                "name": f"{pattern}-{rails}", "pattern": pattern, "rails": rails,
+                "layer": layer_of[rails], "skew_level": skew[layer_of[rails]],
+                "windows": _windows(arr), "peak_fanin": _peak_fanin(arr),
+                "ids_WTK": ids, "demand": demand, "native_stats": stats.to_dict(),
+            })
+    return out
+
+
+def _plan_info(wl: dict[str, Any], topo: RailTopology, paths: tuple[str, ...], rec_bytes: int) -> dict[str, Any]:
+    """Per path: the global plan (JSON) and the bytes it puts on each NIC (egress + ingress)."""
+    windows = schedule_from_windows(topo.num_nodes, wl["windows"])
+    info = {}
+    for path in paths:
+        plan = build_plan(wl["demand"], topo, parse_path(path), options=PlanOptions(windows=windows))
+        load = plan.rail_load_NRN().clone()  # [s, r, d]
+        for s in range(topo.num_nodes):
+            load[s, :, s] = 0
+        nic = (load.sum(dim=2) + load.sum(dim=0).T) * rec_bytes  # [N, R] egress + ingress
+        info[path] = {"plan": plan.to_json(record_bytes=rec_bytes), "planned_nic_bytes": nic.tolist()}
+    return info
+
+
+def cpu_snapshot() -> tuple[float, float]:
+    """(busy, total) CPU jiffies of the whole machine from /proc/stat."""
+    with open("/proc/stat") as fh:
+        vals = [float(v) for v in fh.readline().split()[1:]]
+    idle = vals[3] + (vals[4] if len(vals) > 4 else 0.0)
+    return sum(vals) - idle, sum(vals)
+
+
+def _pct(values: list[float]) -> dict[str, float]:
+    arr = np.asarray(values, dtype=np.float64)
+    return {f"p{q}": float(np.percentile(arr, q)) for q in (50, 95, 99)} | {
+        "mean": float(arr.mean()), "min": float(arr.min()), "max": float(arr.max()), "n": int(arr.size)}
+
+
+def _shares(nic_NR: np.ndarray) -> dict[str, Any]:
+    """Per node: each NIC's share of the node's bytes and the largest deviation from the mean."""
+    node_tot = nic_NR.sum(axis=1, keepdims=True)
+    share = np.where(node_tot > 0, nic_NR / np.maximum(node_tot, 1), 0.0)
+    mean = nic_NR.mean(axis=1, keepdims=True)
+    dev = np.where(mean > 0, np.abs(nic_NR - mean) / np.maximum(mean, 1), 0.0)
+    gmean = nic_NR[nic_NR > 0].mean() if (nic_NR > 0).any() else 1.0
+    return {"share_NR": share.round(4).tolist(), "max_dev_from_node_mean": float(dev.max()),
+            "max_over_global_mean": float(nic_NR.max() / gmean)}
+
+
+def summarize_study(results: list[dict[str, Any]], workloads: list[dict[str, Any]], spec: TestbedSpec,
+                    cfg: StudyConfig, cores: int) -> dict[str, Any]:
+    """Per workload and path: slowest-rank percentiles, components, CPU, NIC bytes and shares."""
+    g = spec.gpus_per_node
+    by_key: dict[tuple[str, str, int], list[dict[str, Any]]] = {}
+    for res in results:
+        for rec in res["records"]:
+            by_key.setdefault((rec["workload"], rec["path"], rec["sample"]), []).append(
+                {**rec, "rank": res["rank"]})
+    topo = RailTopology(num_nodes=spec.nodes, gpus_per_node=g, rail_gbps=spec.rail_mbit / 1000)
+    rec_bytes = record_bytes(topo, cfg)
+    out: dict[str, Any] = {}
+    for wl in workloads:
+        name = wl["name"]
+        per_path: dict[str, Any] = {}
+        plans = _plan_info(wl, topo, cfg.paths, rec_bytes)
+        for path in cfg.paths:
+            rows = [by_key[(name, path, s)] for s in range(cfg.samples)]
+            slowest = [max(r["total_s"] for r in ranks) for ranks in rows]
+            comp = {k: _pct([max(r[k] for r in ranks) for ranks in rows])
+                    for k in ("gather_s", "plan_s", "dispatch_s", "combine_s", "index_s")}
+            planning = _pct([max(r["gather_s"] + r["plan_s"] for r in ranks) for ranks in rows])
+            cpu_util = [sum(r["cpu_s"] for r in ranks) / (max(r["total_s"] for r in ranks) * cores)
+                        for ranks in rows]
+            nic = np.zeros((spec.nodes, g))
+            for ranks in rows:
+                for r in ranks:
+                    nic[r["rank"] // g, r["rank"] % g] += r["tx"] + r["rx"]
+            nic /= cfg.samples
+            per_path[path] = {
+                "slowest_s": _pct(slowest), "samples_s": slowest,
+                "planning_slowest_s": planning, "components_slowest_s": comp,
+                "worker_cpu_over_wall": _pct(cpu_util),
+                "nic_bytes_per_sample_NR": nic.round(0).tolist(), "nic_shares": _shares(nic),
+                "planned_nic_bytes_NR": plans[path]["planned_nic_bytes"],
+                "planned_nic_shares": _shares(np.asarray(plans[path]["planned_nic_bytes"], dtype=float)),
+                "plan": plans[path]["plan"],
+                "max_rel_error_vs_dense": max(res["errors"][f"{name}/{path}"] for res in results),
+            }
+        native = per_path.get("native")
+        if native is not None:
+            for path, data in per_path.items():
+                data["speedup_vs_native"] = {
+                    q: native["slowest_s"][q] / data["slowest_s"][q] for q in ("p50", "p95", "p99")}
+        # Bitwise: on every rank, every path and sample gave the same output.
+        same = all(len({d for p in cfg.paths for d in res["digests"][name][p]}) == 1 for res in results)
+        out[name] = {
+            "pattern": wl["pattern"], "rails": wl["rails"], "layer": wl["layer"],
+            "skew_level": wl["skew_level"], "windows": wl["windows"], "peak_fanin": wl["peak_fanin"],
+            "native_demand_stats": wl["native_stats"], "all_paths_bitwise_equal": same,
+            "paths": per_path,
+        }
+    return out
+
+
+def goals(summary: dict[str, Any]) -> dict[str, Any]:
+    """The three stated goals, evaluated on what was measured (None where not measured)."""
+    res: dict[str, Any] = {}
+    ext = summary.get("extreme-skewed", {}).get("paths", {})
+    if "joint" in ext and "native" in ext:
+        s = ext["joint"]["speedup_vs_native"]["p50"]
+        res["extreme_skewed_joint_p50_speedup"] = {"value": s, "target": ">= 2.0", "met": s >= 2.0}
+    nic = []
+    for name, wl in summary.items():
+        paths = wl["paths"]
+        if "native" not in paths or paths["native"]["nic_shares"]["max_dev_from_node_mean"] <= 0.10:
+            continue
+        for path in ("rail", "joint"):
+            if path in paths:
+                dev = paths[path]["nic_shares"]["max_dev_from_node_mean"]
+                nic.append({"workload": name, "path": path, "native_dev": paths["native"]["nic_shares"][
+                    "max_dev_from_node_mean"], "dev": dev, "met": dev <= 0.10})
+    res["nic_within_10pct_where_native_skewed"] = {"cases": nic, "met": all(c["met"] for c in nic) if nic else None}
+    ring = summary.get("ring-balanced", {}).get("paths", {})
+    if "native" in ring:
+        worst = {p: 1.0 / d["speedup_vs_native"]["p50"] for p, d in ring.items()}
+        res["ring_balanced_p50_over_native"] = {"value": worst, "target": "<= 1.05",
+                                                "met": all(v <= 1.05 for v in worst.values())}
+    return res
+
+
+def run_study(spec: TestbedSpec, cfg: StudyConfig) -> dict[str, Any]:
+    """Run the exchange study on a testbed that is up; returns the JSON-able result."""
+    topo = RailTopology(num_nodes=spec.nodes, gpus_per_node=spec.gpus_per_node,
+                        rail_gbps=spec.rail_mbit / 1000)
+    workloads = build_workloads(topo, cfg)
+    args = {
+        "workloads": [{"name": w["name"], "ids_WTK": w["ids_WTK"], "windows": w["windows"]}
+                      for w in workloads],
+        "paths": list(cfg.paths), "warmup": cfg.warmup, "samples": cfg.samples,
+        "hidden": cfg.hidden, "dtype": cfg.dtype, "seed": cfg.seed, "num_experts": GLM45_AIR.num_experts,
+    }
+    cores = _cores()
+    busy0, tot0 = cpu_snapshot()
+    t0 = time.perf_counter()
+    results = run_workers(spec, "megatron_railwave.testbed.workers:study_worker", args, cfg.timeout_s)
+    wall = time.perf_counter() - t0
+    busy1, tot1 = cpu_snapshot()
+    summary = summarize_study(results, workloads, spec, cfg, cores)
+    return {
+        "config": asdict(cfg), "testbed": _spec_json(spec), "record_bytes": record_bytes(topo, cfg),
+        "run_wall_s": wall, "machine_cpu_busy_fraction": (busy1 - busy0) / max(tot1 - tot0, 1.0),
+        "cores": cores, "workloads": summary, "goals": goals(summary),
+    }
+
+
+def _cores() -> int:
+    import os
+
+    return len(os.sched_getaffinity(0))
+
+
+def _spec_json(spec: TestbedSpec) -> dict[str, Any]:
+    return {**asdict(spec), "name": spec.name}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class FaultConfig:
+    """The mid-run rail failure experiment (``run_fault``)."""
+
+    fail: tuple[int, int] = (1, 1)
+    """(node, rail) whose NIC goes down after the healthy exchanges."""
+    pattern: str = "ring"
+    rails: str = "skewed"
+    paths: tuple[str, ...] = PATHS
+    samples: int = 3
+    """Rounds over the paths after the fault, with the failed rail in the topology."""
+    exchange_timeout_s: float = 5.0
+    """TorchDistExchange(timeout_s=...) of the run that does not know about the failure."""
+    unaware_path: str = "joint"
+    tokens: int = 128
+    hidden: int = 4096
+    dtype: str = "bf16"
+    seed: int = 0
+    timeout_s: float = 600.0
+
+
+def run_fault(spec: TestbedSpec, cfg: FaultConfig) -> dict[str, Any]:
+    """Fail one rail NIC mid-run; check the failure-aware exchange and the timeout error.
+
+    The rail is restored afterwards (also on errors).
+    """
+    node, rail = cfg.fail
+    topo = RailTopology(num_nodes=spec.nodes, gpus_per_node=spec.gpus_per_node)
+    topo.with_failed_rails({(node, rail)})  # validates the rail and that every pair keeps a path
+    if "native" not in cfg.paths:
+        raise ValueError(f"paths must include 'native' (the reference), got {cfg.paths}")
+    study = StudyConfig(patterns=(cfg.pattern,), rails=(cfg.rails,), tokens=cfg.tokens,
+                        hidden=cfg.hidden, dtype=cfg.dtype, seed=cfg.seed)
+    wl = build_workloads(topo, study)[0]
+    state_dir = FsPath(tempfile.mkdtemp(prefix=f"{spec.name}-fault-"))
+    args = {"workload": {"ids_WTK": wl["ids_WTK"], "windows": wl["windows"]}, "paths": list(cfg.paths),
+            "fail": [node, rail], "samples": cfg.samples, "exchange_timeout_s": cfg.exchange_timeout_s,
+            "unaware_path": cfg.unaware_path, "state_dir": str(state_dir), "hidden": cfg.hidden,
+            "dtype": cfg.dtype, "seed": cfg.seed, "num_experts": GLM45_AIR.num_experts}
+    launcher_error = None
+    t0 = time.perf_counter()
+    try:
+        try:
+            run_workers(spec, "megatron_railwave.testbed.workers:fault_worker", args, cfg.timeout_s)
+        except (RuntimeError, TimeoutError) as exc:
+            launcher_error = f"{type(exc).__name__}: {exc}"
+        wall = time.perf_counter() - t0
+        states = [json.loads(p.read_text()) for p in sorted(state_dir.glob("rank*.json"))]
+        errors = [json.loads(p.read_text()) for p in sorted(state_dir.glob("error*.json"))]
+    finally:
+        restore_rail(spec, node, rail)
+        shutil.rmtree(state_dir, ignore_errors=True)
+    return _summarize_fault(spec, cfg, wl, states, errors, launcher_error, wall)
+
+
+def _summarize_fault(spec: TestbedSpec, cfg: FaultConfig, wl: dict[str, Any], states: list[dict[str, Any]],
+                     errors: list[dict[str, Any]], launcher_error: str | None, wall: float) -> dict[str, Any]:
+    g = spec.gpus_per_node
+    node, rail = cfg.fail
+    out: dict[str, Any] = {"config": asdict(cfg), "workload": wl["name"], "run_wall_s": wall,
+                           "ranks_reporting": len(states)}
+    healthy = {p: {s["healthy"][p]["digest"] for s in states} for p in cfg.paths}
+    out["healthy_paths_bitwise_equal"] = all(
+        s["healthy"][p]["digest"] == s["healthy"]["native"]["digest"] for s in states for p in cfg.paths)
+    out["healthy_max_rel_error_vs_dense"] = max(s["healthy"][p]["error"] for s in states for p in cfg.paths)
+    aware = [r | {"rank": s["rank"]} for s in states for r in s["aware"]]
+    out["aware"] = {
+        "all_equal_to_healthy_native": bool(aware) and all(r["equal_to_healthy_native"] for r in aware),
+        "max_rel_error_vs_dense": max((r["error"] for r in aware), default=None),
+        "failed_nic_bytes": sum(r["tx"] + r["rx"] for r in aware if r["rank"] == node * g + rail),
+        "slowest_s": {}, "nic_bytes_per_sample_NR": {},
+    }
+    for path in cfg.paths:
+        rows: dict[int, list[dict[str, Any]]] = {}
+        for r in aware:
+            if r["path"] == path:
+                rows.setdefault(r["sample"], []).append(r)
+        if not rows:
+            continue
+        out["aware"]["slowest_s"][path] = _pct([max(x["total_s"] for x in v) for v in rows.values()])
+        nic = np.zeros((spec.nodes, g))
+        for v in rows.values():
+            for x in v:
+                nic[x["rank"] // g, x["rank"] % g] += x["tx"] + x["rx"]
+        out["aware"]["nic_bytes_per_sample_NR"][path] = (nic / len(rows)).round(0).tolist()
+    out["unaware"] = {
+        "launcher_error_head": (launcher_error or "none: the run completed")[:400],
+        "raised": launcher_error is not None,
+        "errors": [{k: e[k] for k in ("rank", "type", "is_exchange_timeout", "after_s", "message")}
+                   for e in errors],
+        "names_failed_rail": any(e["is_exchange_timeout"] and f"rail {rail} " in e["message"]
+                                 and f"node {node}" in e["message"] for e in errors),
+    }
+    out["healthy_digests"] = {p: sorted(v) for p, v in healthy.items()}
+    return out
+
+
+def incast_sweep(spec: TestbedSpec, fan_ins: tuple[int, ...], *, nbytes: int, repeats: int) -> list[dict[str, Any]]:
+    """``probes.incast_goodput`` for each fan-in on this testbed (rail 0 into node 0)."""
+    from megatron_railwave.testbed.probes import incast_goodput
+
+    return [incast_goodput(spec, f, nbytes=nbytes, repeats=repeats) for f in fan_ins]
+
