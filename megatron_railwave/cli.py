@@ -23,6 +23,10 @@ COMMAND_MODULES: tuple[str, ...] = (
     "megatron_railwave.commands.plan",
     "megatron_railwave.commands.plan_bench",
     "megatron_railwave.commands.demo",
+    "megatron_railwave.commands.bench_exchange",
+    "megatron_railwave.commands.calibrate",
+    "megatron_railwave.commands.validate",
+    "megatron_railwave.commands.report",
 )
 """Modules that each register one subcommand, in the order ``--help`` lists them."""
 

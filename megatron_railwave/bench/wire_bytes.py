@@ -1,0 +1,132 @@
+"""Bytes on the wire of one dispatch + combine: RailWave paths (from the plan) and Megatron's
+``alltoall`` dispatcher (from the routing maps). Pure functions; no communication.
+
+Letters: N nodes, G GPUs per node, R rails, W = N * G ranks, T tokens per rank, E experts,
+E_node experts of one node, H hidden.
+
+What travels (forward dispatch + combine, as implemented by ``TorchDistExchange`` and by
+``MoEAlltoAllTokenDispatcher``):
+  * RailWave, dispatch: one *record* per (token, destination node): the hidden row, the token's
+    probs for the node's experts (E_node float32) and int64 metadata (source rank, token, target
+    mask, then the node's routing bits packed 62 per word). Combine returns the hidden row only.
+    Stage 2 (rail group) is the only inter-node traffic: GPU (s, l) sends ``quota[s, d, l]``
+    records to node d. Node-local (NVLink) traffic: stage 1 relays to proxies and stage 3
+    deliveries to another GPU of the destination node.
+  * alltoall, dispatch: one *entry* per (token, expert): the hidden row and one float32 prob;
+    combine returns the hidden row. An entry for a remote node crosses the network on the source
+    GPU's rail; an entry for another GPU of the same node is node-local.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..planner import PathPlan, delivery_copies_NGG
+from ..topology import RailTopology
+from ..traffic import DemandCounts
+
+__all__ = ["RecordBytes", "railwave_record_bytes", "alltoall_entry_bytes", "railwave_bytes", "alltoall_bytes"]
+
+_ROUTING_BITS_PER_WORD = 62  # TorchDistExchange packs a node's routing bits 62 per int64 word
+_META_COLUMNS = 3  # source rank, token, target mask
+
+
+RecordBytes = dict[str, int]
+"""``{"dispatch": bytes per row sent by dispatch, "combine": bytes per row returned by combine,
+"payload": hidden row bytes}``."""
+
+
+def railwave_record_bytes(*, hidden: int, elem_bytes: int, experts_per_node: int) -> RecordBytes:
+    """Bytes of one RailWave record (see the module docstring)."""
+    words = -(-experts_per_node // _ROUTING_BITS_PER_WORD)
+    payload = hidden * elem_bytes
+    return {"payload": payload, "dispatch": payload + 4 * experts_per_node + 8 * (_META_COLUMNS + words),
+            "combine": payload}
+
+
+def alltoall_entry_bytes(*, hidden: int, elem_bytes: int) -> RecordBytes:
+    """Bytes of one alltoall entry: hidden row + float32 prob; combine returns the row."""
+    payload = hidden * elem_bytes
+    return {"payload": payload, "dispatch": payload + 4, "combine": payload}
+
+
+def _per_rail(send_NG: torch.Tensor, topo: RailTopology) -> list[int]:
+    rails = torch.tensor(topo.rail_of_gpu, dtype=torch.int64)
+    return torch.zeros(topo.num_rails, dtype=torch.int64).index_add_(0, rails, send_NG.sum(0)).tolist()
+
+
+def _imbalance(send_NG: torch.Tensor) -> float:
+    """max / mean of the per-(node, GPU) inter-node send load (1.0 = balanced; 0 when idle)."""
+    mean = send_NG.double().mean().item()
+    return float(send_NG.max().item() / mean) if mean > 0 else 0.0
+
+
+def railwave_bytes(plan: PathPlan, demand: DemandCounts, rec: RecordBytes) -> dict[str, Any]:
+    """Stage-2 (inter-node) and node-local rows and bytes of one path, forward dispatch + combine.
+
+    Returns:
+        ``inter_node_records``; ``inter_node_bytes`` (records x (dispatch + combine bytes));
+        ``inter_node_payload_bytes`` (records x hidden row); ``rail_send_bytes_NG`` [N][G]
+        stage-2 bytes each GPU sends; ``rail_bytes_R`` [R] summed over nodes; ``rail_imbalance``
+        (max/mean over GPUs); ``relayed_records`` (stage 1); ``delivered_copies`` (stage 3 to
+        another GPU); ``node_local_bytes`` (stage 1 + stage 3, both directions).
+    """
+    topo = plan.topology
+    n = topo.num_nodes
+    both = rec["dispatch"] + rec["combine"]
+    remote_NN = ~torch.eye(n, dtype=torch.bool)
+    send_NG = (plan.quota_NNG * remote_NN.unsqueeze(-1)).sum(dim=1)  # [s, l] over d != s
+    records = int(send_NG.sum())
+    relay = plan.relay_NNGG * remote_NN.view(n, n, 1, 1)
+    relayed = int(relay.sum() - torch.diagonal(relay, dim1=-2, dim2=-1).sum())
+    delivered = 0
+    for d in range(n):
+        copies_NGG = delivery_copies_NGG(plan, demand, d)  # [s, arrive l, target j]
+        delivered += int(copies_NGG.sum() - torch.diagonal(copies_NGG, dim1=-2, dim2=-1).sum())
+    return {
+        "inter_node_records": records,
+        "inter_node_bytes": records * both,
+        "inter_node_payload_bytes": records * rec["payload"],
+        "rail_send_bytes_NG": (send_NG * both).tolist(),
+        "rail_bytes_R": [b * both for b in _per_rail(send_NG, topo)],
+        "rail_imbalance": _imbalance(send_NG),
+        "relayed_records": relayed,
+        "delivered_copies": delivered,
+        "node_local_bytes": (relayed + delivered) * both,
+    }
+
+
+def alltoall_bytes(routing_maps: list[torch.Tensor], topo: RailTopology, rec: RecordBytes) -> dict[str, Any]:
+    """The same quantities for Megatron's alltoall (one entry per (token, expert)).
+
+    Args:
+        routing_maps: W tensors [T, E] bool (rank w's routing map), global.
+
+    Returns:
+        ``inter_node_entries``, ``inter_node_bytes``, ``inter_node_payload_bytes``,
+        ``rail_send_bytes_NG`` [N][G] (an entry leaves on its source GPU's rail),
+        ``rail_bytes_R``, ``rail_imbalance``, ``node_local_entries``, ``node_local_bytes``.
+    """
+    n, g = topo.num_nodes, topo.gpus_per_node
+    both = rec["dispatch"] + rec["combine"]
+    send_NG = torch.zeros(n, g, dtype=torch.int64)
+    node_local = 0
+    for rank, routing in enumerate(routing_maps):
+        s, l = divmod(rank, g)
+        per_gpu = routing.view(routing.shape[0], n, g, -1).sum(dim=(0, 3))  # [d, j]
+        remote = int(per_gpu.sum() - per_gpu[s].sum())
+        send_NG[s, l] = remote
+        node_local += int(per_gpu[s].sum() - per_gpu[s, l])
+    entries = int(send_NG.sum())
+    return {
+        "inter_node_entries": entries,
+        "inter_node_bytes": entries * both,
+        "inter_node_payload_bytes": entries * rec["payload"],
+        "rail_send_bytes_NG": (send_NG * both).tolist(),
+        "rail_bytes_R": [b * both for b in _per_rail(send_NG, topo)],
+        "rail_imbalance": _imbalance(send_NG),
+        "node_local_entries": node_local,
+        "node_local_bytes": node_local * both,
+    }

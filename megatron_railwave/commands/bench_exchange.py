@@ -1,0 +1,186 @@
+"""``railwave bench-exchange``: time one dispatch + combine of every RailWave path next to
+Megatron's ``alltoall`` dispatcher on CPU gloo over loopback, and count bytes per rail.
+
+Letters: N nodes, G GPUs per node, R rails, W = N * G processes, T tokens per rank, E experts,
+K top-k, H hidden.
+
+W processes on this machine form one gloo group (EP = W); rank e plays GPU e % G of node e // G.
+All variants see the same seeded routing (``replay.synthetic_routing_maps``) and inputs; they run
+interleaved (warm-ups, then round-robin per sample) and each sample keeps the slowest rank's time.
+Loopback has no rails, so times measure software overhead (planning, index building, message
+count, copies) rather than incast or rail imbalance; the bytes come from the plan.
+
+The ``alltoall`` baseline drives ``MoEAlltoAllTokenDispatcher`` through its six hooks. A CPU-only
+torch needs Megatron CPU shims for that (``examples/cpu_shims.py`` of a source checkout; they are
+not part of the package): ``--megatron-shims auto`` looks for that file next to the package and in
+the working directory, ``--megatron-shims PATH`` names it, ``off`` skips the baseline. Without
+shims or without ``megatron-core`` the baseline is skipped with a message and the JSON says why.
+
+JSON written by ``--json``: see ``megatron_railwave.bench.summary`` (schema
+``railwave.bench_exchange/1``): ``config``, ``topology``, ``variants`` (median/P95/mean/min ms,
+samples, phase medians, max error, ratio to alltoall), ``bytes`` (per path and alltoall:
+inter-node rows and bytes, per-rail bytes, node-local bytes), ``summary`` (NATIVE/alltoall,
+inter-node byte ratios), ``alltoall_skipped``, ``profile``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+from pathlib import Path as FsPath
+from typing import Any
+
+from . import _common, _render
+
+__all__ = ["register", "run", "find_megatron_shims"]
+
+_MiB = float(1 << 20)
+_VARIANTS = ("native", "rail", "perm", "joint", "alltoall")
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "bench-exchange",
+        help="time dispatch+combine of each path vs Megatron alltoall on CPU gloo (loopback)",
+        description="Interleaved CPU benchmark of one MoE dispatch + combine: RailWave native, rail, "
+                    "perm and joint next to Megatron's alltoall dispatcher, W local gloo processes, "
+                    "same seeded routing; also the bytes each path puts on every rail.",
+    )
+    group = parser.add_argument_group("cluster and workload")
+    group.add_argument("--nodes", type=int, default=4, metavar="N", help="nodes (default 4)")
+    group.add_argument("--gpus-per-node", type=int, default=2, metavar="G",
+                       help="GPUs (processes) per node (default 2; W = N * G processes)")
+    group.add_argument("--failed-rail", type=_common.parse_failed_rail, action="append", default=[],
+                       metavar="NODE:RAIL", help="mark a rail failed (repeatable)")
+    group.add_argument("--tokens", type=int, default=256, metavar="T", help="tokens per rank (default 256)")
+    group.add_argument("--hidden", type=int, default=512, metavar="H", help="hidden size (default 512)")
+    group.add_argument("--experts", type=int, default=32, metavar="E",
+                       help="experts, a multiple of W (default 32)")
+    group.add_argument("--topk", type=int, default=8, metavar="K", help="experts per token (default 8)")
+    group.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32",
+                       help="hidden dtype (default fp32)")
+    group.add_argument("--seed", type=int, default=0, help="routing and input seed (default 0)")
+    group = parser.add_argument_group("measurement")
+    group.add_argument("--path", type=_common.parse_path_choice, default="all", metavar="PATH",
+                       help="native, rail, perm, joint or all (default all)")
+    group.add_argument("--warmups", type=int, default=3, help="untimed rounds of every variant (default 3)")
+    group.add_argument("--samples", type=int, default=20, help="timed rounds (default 20)")
+    group.add_argument("--backward", action="store_true",
+                       help="also time the backward pass (dispatch+combine gradients)")
+    group.add_argument("--megatron-shims", default="auto", metavar="auto|off|PATH",
+                       help="Megatron CPU shims file for the alltoall baseline (default auto: "
+                            "examples/cpu_shims.py of the source checkout or the working directory)")
+    group.add_argument("--timeout", type=float, default=900.0, metavar="S",
+                       help="limit for the whole multi-process run in seconds (default 900)")
+    group.add_argument("--profile", choices=_VARIANTS, default=None, metavar="VARIANT",
+                       help="cProfile this variant's timed samples on rank 0 (native, ..., alltoall)")
+    group.add_argument("--profile-out", default=None, metavar="FILE",
+                       help="write the profile text here (default: print the top entries)")
+    parser.add_argument("--json", default=None, metavar="FILE", help="write the result as JSON")
+    parser.set_defaults(handler=run)
+
+
+def find_megatron_shims(choice: str) -> tuple[str | None, str | None]:
+    """Resolve ``--megatron-shims``: (shims path or None, reason the baseline is skipped or None)."""
+    if choice == "off":
+        return None, "--megatron-shims off"
+    try:
+        have_mcore = importlib.util.find_spec("megatron.core") is not None
+    except ModuleNotFoundError:
+        have_mcore = False
+    if not have_mcore:
+        return None, "megatron-core is not installed (pip install megatron-core)"
+    if choice != "auto":
+        path = FsPath(choice)
+        if not path.is_file():
+            raise ValueError(f"--megatron-shims: file {choice!r} does not exist; give examples/cpu_shims.py "
+                             "of a megatron-railwave checkout, 'auto' or 'off'")
+        return str(path.resolve()), None
+    candidates = [FsPath(__file__).resolve().parents[2] / "examples" / "cpu_shims.py",
+                  FsPath.cwd() / "examples" / "cpu_shims.py"]
+    for path in candidates:
+        if path.is_file():
+            return str(path), None
+    return None, ("Megatron CPU shims not found (looked for " + ", ".join(str(p) for p in candidates)
+                  + "); pass --megatron-shims PATH to a megatron-railwave checkout's examples/cpu_shims.py")
+
+
+def _check(args: argparse.Namespace) -> None:
+    for flag, value, low in (("--nodes", args.nodes, 1), ("--gpus-per-node", args.gpus_per_node, 1),
+                             ("--tokens", args.tokens, 1), ("--hidden", args.hidden, 1),
+                             ("--samples", args.samples, 1), ("--warmups", args.warmups, 0)):
+        if value < low:
+            raise ValueError(f"{flag} must be >= {low}, got {value}")
+    if args.profile_out and not args.profile:
+        raise ValueError("--profile-out needs --profile VARIANT")
+
+
+def _rows(result: dict[str, Any]) -> list[list[Any]]:
+    rows = []
+    wire = result["bytes"]
+    for name, v in result["variants"].items():
+        b = wire["alltoall"] if name == "alltoall" else wire["railwave"][name]
+        rows.append([
+            name, v["median_ms"], v["p95_ms"], v["min_ms"],
+            f"{v['over_alltoall']:.2f}x" if v["over_alltoall"] is not None else "-",
+            b.get("inter_node_records", b.get("inter_node_entries")),
+            b["inter_node_bytes"] / _MiB, " / ".join(f"{x / _MiB:.2f}" for x in b["rail_bytes_R"]),
+            b["rail_imbalance"], b["node_local_bytes"] / _MiB, f"{v['max_abs_err']:.1e}",
+        ])
+    return rows
+
+
+def run(args: argparse.Namespace) -> int:
+    _check(args)
+    from ..bench import ALLTOALL, BenchSpec, run_bench_exchange
+
+    shims, skipped = find_megatron_shims(args.megatron_shims)
+    if skipped:
+        _render.print_text(f"alltoall baseline skipped: {skipped}")
+    paths = tuple(str(p) for p in _common.paths_from_choice(args.path))
+    if args.profile == ALLTOALL and shims is None:
+        raise ValueError("--profile alltoall needs the alltoall baseline (Megatron CPU shims)")
+    if args.profile and args.profile != ALLTOALL and args.profile not in paths:
+        raise ValueError(f"--profile {args.profile} is not among the benchmarked paths {list(paths)}")
+    spec = BenchSpec(num_nodes=args.nodes, gpus_per_node=args.gpus_per_node, tokens=args.tokens,
+                     hidden=args.hidden, experts=args.experts, topk=args.topk, dtype=args.dtype,
+                     seed=args.seed, warmups=args.warmups, samples=args.samples, backward=args.backward,
+                     paths=paths, shims_path=shims, profile_variant=args.profile,
+                     failed_rails=tuple(sorted(args.failed_rail)))
+    spec.topology()  # validates nodes, GPUs and failed rails before any process starts
+    result = run_bench_exchange(spec, timeout_s=args.timeout, alltoall_skipped=skipped)
+
+    world = args.nodes * args.gpus_per_node
+    _render.print_table(
+        f"dispatch+combine{' + backward' if args.backward else ''}, {args.nodes}x{args.gpus_per_node} "
+        f"({world} gloo processes, loopback), T={args.tokens} H={args.hidden} {args.dtype} E={args.experts} "
+        f"K={args.topk}; {args.samples} samples, slowest rank per sample",
+        ["variant", "median ms", "P95 ms", "min ms", "vs alltoall", "inter-node rows", "inter-node MiB",
+         "MiB per rail", "rail max/mean", "node-local MiB", "max err"],
+        _rows(result),
+    )
+    phase_names = sorted({p for v in result["variants"].values() for p in v["phases_ms"]},
+                         key=["counts", "plan", "dispatch", "experts", "combine", "backward"].index)
+    _render.print_table("phase medians (ms, slowest rank per sample; alltoall 'counts' = dispatch_preprocess)",
+                        ["variant"] + phase_names,
+                        [[n] + [v["phases_ms"].get(p, "-") for p in phase_names]
+                         for n, v in result["variants"].items()])
+    s = result["summary"]
+    if s["native_over_alltoall"] is not None:
+        verdict = "within" if s["native_within_1p2x"] else "NOT within"
+        _render.print_text(f"NATIVE / alltoall median: {s['native_over_alltoall']:.2f}x ({verdict} the 1.2x goal)")
+    if s["inter_node_records_ratio"] is not None:
+        _render.print_text(
+            f"inter-node rows alltoall/railwave (dedup per destination node): {s['inter_node_records_ratio']:.2f}x; "
+            f"payload bytes {s['inter_node_payload_ratio']:.2f}x; wire bytes incl. probs+metadata "
+            f"{s['inter_node_wire_ratio']:.2f}x")
+    if result["profile"]:
+        if args.profile_out:
+            FsPath(args.profile_out).write_text(result["profile"])
+            _render.print_text(f"wrote profile of {args.profile} (rank 0) to {args.profile_out}")
+        else:
+            _render.print_text(result["profile"])
+    if args.json:
+        _common.write_json(args.json, result)
+        _render.print_text(f"wrote {args.json}")
+    return 0
