@@ -320,48 +320,64 @@ def _group_flows(flows: FlowSet, phase_F: np.ndarray, sender_F: np.ndarray | Non
     return class_of_F, rep_C, weight_C
 
 
-def _max_min_rates(links_AH: np.ndarray, weight_A: np.ndarray, capacity_L1: np.ndarray) -> np.ndarray:
+def _max_min_rates(link_cols: list[np.ndarray], weight_A: np.ndarray, capacity_L1: np.ndarray) -> np.ndarray:
     """Max-min fair per-flow rates of weighted classes (parallel progressive filling).
 
     Args:
-        links_AH: [A, H] intp, link ids; padding points at the sentinel link L (capacity inf).
-        weight_A: [A] float64 > 0, flows per class.
+        link_cols: H arrays [A] intp, the h-th link of each class; padding points at the
+            sentinel link L (capacity inf). Columns, not an [A, H] table: numpy reduces
+            along a short axis slowly.
+        weight_A: [A] float64, integer-valued > 0, flows per class (so link loads are exact).
         capacity_L1: [L + 1] float64, capacities; the last entry is inf.
 
     Returns:
         [A] float64 > 0, rate of each flow of each class.
     """
     num_links1 = capacity_L1.size
-    num_hops = links_AH.shape[1]
-    rate_A = np.empty(links_AH.shape[0])
-    idx = np.arange(links_AH.shape[0])
-    links, weight = links_AH, weight_A
-    remaining = capacity_L1.copy()
-    while idx.size:
-        flat = links.ravel()
-        load_L1 = np.bincount(flat, weights=np.repeat(weight, num_hops), minlength=num_links1)
+    cols = list(link_cols)
+    weight = weight_A
+    load_L1 = np.zeros(num_links1)
+    for col in cols:
+        load_L1 += np.bincount(col, weights=weight, minlength=num_links1)
+    remaining_L1 = capacity_L1.copy()
+    rate_A = np.empty(weight_A.size)
+    idx = np.arange(weight_A.size)
+    while True:
         with np.errstate(divide="ignore", invalid="ignore"):
-            share_L1 = remaining / load_L1
-        share_AH = share_L1[links]
-        fmin_A = share_AH.min(axis=1)
-        # An entry blocks its link if this flow sees a strictly smaller share elsewhere.
-        blocking = (share_AH * (1.0 - _SHARE_TOL) > fmin_A[:, None]).ravel()
-        is_min_L1 = np.bincount(flat[blocking], minlength=num_links1) == 0
-        is_min_L1[-1] = False
-        freeze = is_min_L1[links].any(axis=1)
-        assert freeze.any(), "water-filling made no progress"
-        rate = fmin_A[freeze]
-        assert np.all(rate > 0), "water-filling produced a zero rate"
-        rate_A[idx[freeze]] = rate
-        keep = ~freeze
-        if not keep.any():
+            share_L1 = remaining_L1 / load_L1
+        share_L1[-1] = np.inf
+        share_cols = [share_L1[col] for col in cols]
+        fmin_A = share_cols[0].copy()
+        for share in share_cols[1:]:
+            np.minimum(fmin_A, share, out=fmin_A)
+        # A link is blocked when one of its flows sees a clearly smaller share elsewhere;
+        # unblocked links are local minima and freeze all their flows.
+        threshold_A = fmin_A * (1.0 + _SHARE_TOL)
+        blocked_L1 = np.zeros(num_links1, dtype=bool)
+        for col, share in zip(cols, share_cols):
+            blocked_L1[col[share > threshold_A]] = True
+        blocked_L1[-1] = True
+        freeze = ~blocked_L1[cols[0]]
+        for col in cols[1:]:
+            freeze |= ~blocked_L1[col]
+        frozen = np.flatnonzero(freeze)
+        assert frozen.size, "water-filling made no progress"
+        if frozen.size == idx.size:
+            rate_A[idx] = fmin_A
             break
-        used = np.bincount(
-            links[freeze].ravel(), weights=np.repeat(weight[freeze] * rate, num_hops), minlength=num_links1
-        )
-        remaining = np.maximum(remaining - used, 0.0)
-        remaining[-1] = np.inf
-        idx, links, weight = idx[keep], links[keep], weight[keep]
+        rate = fmin_A[frozen]
+        rate_A[idx[frozen]] = rate
+        weight_frozen = weight[frozen]
+        used_weight = weight_frozen * rate
+        for col in cols:
+            col_frozen = col[frozen]
+            remaining_L1 -= np.bincount(col_frozen, weights=used_weight, minlength=num_links1)
+            load_L1 -= np.bincount(col_frozen, weights=weight_frozen, minlength=num_links1)
+        np.maximum(remaining_L1, 0.0, out=remaining_L1)
+        kept = np.flatnonzero(~freeze)
+        cols = [col[kept] for col in cols]
+        weight, idx = weight[kept], idx[kept]
+    assert np.all(rate_A > 0), "water-filling produced a zero rate"
     return rate_A
 
 
@@ -418,6 +434,7 @@ def simulate(
     phase_C = phase_F[rep_C]
     links_CH = flows.links_FH[rep_C].astype(np.intp)
     links_CH[links_CH < 0] = num_links  # sentinel link with infinite capacity
+    links_HC = [np.ascontiguousarray(links_CH[:, h]) for h in range(links_CH.shape[1])]
     phase_ptr_Q1 = np.searchsorted(phase_C, np.arange(num_phases + 1))
 
     capacity_L1 = np.append(network.capacity_Bps_L, np.inf)
@@ -455,7 +472,7 @@ def simulate(
 
     finish_C = np.full(num_classes, np.nan)
     act_cls = np.empty(0, dtype=np.intp)
-    act_links = np.empty((0, links_CH.shape[1]), dtype=np.intp)
+    act_cols = [np.empty(0, dtype=np.intp) for _ in links_HC]  # [H] x [A] link ids
     act_w = np.empty(0)
     act_rem = np.empty(0)
     trace: list[TraceSegment] = []
@@ -495,15 +512,16 @@ def simulate(
             if use_incast:
                 cap = capacity_L1.copy()
                 if pair_CH is None:
-                    ent = rx_L1[act_links]
-                    k_L1 = np.bincount(act_links[ent], weights=np.broadcast_to(act_w[:, None], ent.shape)[ent],
-                                       minlength=num_links + 1)
+                    k_L1 = np.zeros(num_links + 1)
+                    for col in act_cols:
+                        ent = rx_L1[col]
+                        k_L1 += np.bincount(col[ent], weights=act_w[ent], minlength=num_links + 1)
                 else:
                     act_pair = pair_CH[act_cls].ravel()
                     live_P = np.bincount(act_pair[act_pair >= 0], minlength=pair_link_P.size) > 0
                     k_L1 = np.bincount(pair_link_P[live_P], minlength=num_links + 1).astype(np.float64)
                 cap[rx_L1] *= incast.capacity_factor(k_L1[rx_L1])
-            rate = _max_min_rates(act_links, act_w, cap)
+            rate = _max_min_rates(act_cols, act_w, cap)
             t_fin = t + act_rem / rate
             t_flow = float(t_fin.min())
             num_events += 1
@@ -522,7 +540,9 @@ def simulate(
             if done.any():
                 finish_classes(act_cls[done], np.maximum(t_fin[done], t_new))
                 keep = ~done
-                act_cls, act_links, act_w, act_rem = act_cls[keep], act_links[keep], act_w[keep], act_rem[keep]
+                kept = np.flatnonzero(keep)
+                act_cls, act_w, act_rem = act_cls[kept], act_w[kept], act_rem[kept]
+                act_cols = [col[kept] for col in act_cols]
         t = t_new
         # Start every pending phase due now; starting one may complete it (empty phase),
         # which can make more phases due at the same time.
@@ -544,7 +564,7 @@ def simulate(
             cls = np.concatenate(new_cls)
             if cls.size:
                 act_cls = np.concatenate([act_cls, cls])
-                act_links = np.concatenate([act_links, links_CH[cls]])
+                act_cols = [np.concatenate([col, links[cls]]) for col, links in zip(act_cols, links_HC)]
                 act_w = np.concatenate([act_w, weight_C[cls]])
                 act_rem = np.concatenate([act_rem, size_C[cls]])
 
