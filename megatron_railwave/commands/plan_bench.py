@@ -5,8 +5,11 @@ M = 2**G target masks.
 
 What is timed, per layer, on one thread (``torch.set_num_threads(1)``), for the measured rank:
 ``build_plan`` from the gathered ``DemandCounts`` + ``route_records`` of the rank's own records +
-``rank_splits``; warm-up runs, then the median of ``--repeats`` runs. Not timed: the rank's target
-masks (``traffic.target_masks``) and the count gather (a collective); ``masks_ms`` is reported apart.
+``rank_splits``; warm-up runs, then the median of ``--repeats`` runs (``ms_per_layer``, wall time),
+with the median CPU time of the thread (``cpu_ms_per_layer``: on a shared machine it leaves out the
+time slices given to other processes) and the fastest run (``min_ms_per_layer``). Not timed: the
+rank's target masks (``traffic.target_masks``, reported apart as ``masks_ms``) and the count gather
+(a collective).
 
 Demand: up to ``--full-routing-max-ranks`` ranks every rank's routing map comes from
 ``replay.synthetic_routing_maps``. Beyond that, generating W routing maps is too slow, so a few
@@ -198,9 +201,10 @@ def run(args: argparse.Namespace) -> int:
     _render.print_table(
         f"one rank's planning per layer (median of {args.repeats}, 1 thread)",
         ["config", "path", "E", "waves", "records", "build_plan ms", "route ms", "splits ms",
-         "ms/layer", "masks ms"],
+         "ms/layer", "cpu ms/layer", "min ms/layer", "masks ms"],
         [[f"{r['nodes']}x{r['gpus_per_node']}", r["path"], r["experts"], r["num_waves"], r["rank_records"],
-          r["build_plan_ms"], r["route_records_ms"], r["rank_splits_ms"], r["ms_per_layer"], r["masks_ms"]]
+          r["build_plan_ms"], r["route_records_ms"], r["rank_splits_ms"], r["ms_per_layer"],
+          r["cpu_ms_per_layer"], r["min_ms_per_layer"], r["masks_ms"]]
          for r in rows],
     )
     for r in rows:

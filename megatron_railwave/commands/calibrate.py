@@ -1,0 +1,129 @@
+"""``railwave calibrate``: profile the four paths on replay requests and write the anchors file.
+
+Requests: ``--workload synthetic`` (``replay.synthetic_routing_maps``: ``--families`` routing seeds
+from ``--seed``, each with its own locality and hot-expert ratio) or ``--workload glm`` (synthetic
+GLM-4.5-Air layers at step 0), each at every ``--payload-scales`` factor (record counts x factor).
+Each request: ``--warmups`` discarded calls per path, ``--repeats`` interleaved rounds, medians.
+An anchor is kept when the fastest path is not JOINT, it and JOINT are repeatable
+(p90/p10 <= ``--max-spread``) and p90(best) <= (1 - ``--min-gain``) x p10(JOINT).
+
+JSON written by ``--json``: ``anchors`` (the file's content) and ``requests`` (one row per request:
+coords, B_mean_bytes, rho_g, kappa, best, kept, gain, reason, latency_s per path).
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from . import _common, _render
+
+__all__ = ["register", "run", "parse_floats"]
+
+
+def parse_floats(text: str) -> list[float]:
+    """argparse type of a comma-separated list of positive numbers."""
+    try:
+        values = [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        values = []
+    if not values or any(not v > 0 for v in values):
+        raise argparse.ArgumentTypeError(f"expected positive numbers separated by commas (e.g. 1,2,4), got {text!r}")
+    return values
+
+
+def _layers(text: str) -> list[int]:
+    try:
+        return [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected layer numbers separated by commas, got {text!r}") from None
+
+
+def add_measure_args(parser: argparse.ArgumentParser, *, backend_required: bool = True) -> None:
+    group = parser.add_argument_group("measurement")
+    group.add_argument("--backend", choices=["netmodel", "testbed", "torchrun"], required=backend_required,
+                       default=None, help="what times the paths")
+    group.add_argument("--warmups", type=int, default=5, help="discarded calls per path (default 5)")
+    group.add_argument("--repeats", type=int, default=10, help="interleaved rounds per request (default 10)")
+    group.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "calibrate",
+        help="profile the four paths on replay requests and write the selector anchors",
+        description="Profile NATIVE, RAIL, PERM and JOINT on replay requests (warm-ups, interleaved "
+                    "rounds, medians) and keep an anchor where a path beats JOINT repeatably and "
+                    "conservatively.",
+    )
+    _common.add_cluster_args(parser)
+    add_measure_args(parser)
+    parser.add_argument("--out", required=True, metavar="YAML", help="anchors file to write")
+    group = parser.add_argument_group("requests")
+    group.add_argument("--workload", choices=["synthetic", "glm"], default="synthetic",
+                       help="request generator (default synthetic)")
+    group.add_argument("--families", type=int, default=8, help="synthetic routing families (default 8)")
+    group.add_argument("--layers", type=_layers, default=None, metavar="L,L",
+                       help="glm: MoE layer numbers (default all 45)")
+    group.add_argument("--seed", type=int, default=0, help="first family seed / glm seed (default 0)")
+    group.add_argument("--payload-scales", type=parse_floats, default=[1.0, 2.0, 4.0, 8.0], metavar="X,X",
+                       help="payload factors applied to every routing (default 1,2,4,8)")
+    group.add_argument("--tokens", type=int, default=1024, metavar="T", help="tokens per GPU (default 1024)")
+    group.add_argument("--hidden", type=int, default=4096, metavar="H", help="hidden size (default 4096)")
+    group.add_argument("--dtype", default="bf16", help="payload element type (default bf16)")
+    rule = parser.add_argument_group("keep rule")
+    rule.add_argument("--max-spread", type=float, default=1.2, help="max p90/p10 (default 1.2)")
+    rule.add_argument("--min-gain", type=float, default=0.05,
+                      help="min conservative gain over JOINT, p90 vs p10 (default 0.05)")
+    parser.add_argument("--json", default=None, metavar="FILE", help="also write every request's numbers")
+    parser.set_defaults(handler=run)
+
+
+def check_measure_args(args: argparse.Namespace) -> None:
+    if args.repeats < 1 or args.warmups < 0:
+        raise ValueError(f"need --repeats >= 1 and --warmups >= 0, got {args.repeats} and {args.warmups}")
+
+
+def print_latencies(title: str, rows: list[dict[str, Any]]) -> None:
+    _render.print_table(title, ["request", "log2(B/ref)", "(rho-1)/s", "(kappa-1)/s", "native ms",
+                                "rail ms", "perm ms", "joint ms", "best", "gain", "kept"],
+                        [[r["request"], *r["coords"],
+                          *[r["latency_s"][p]["median"] * 1e3 for p in ("native", "rail", "perm", "joint")],
+                          r["best"], f"{r['gain']:+.1%}", r["reason"]] for r in rows])
+
+
+def run(args: argparse.Namespace) -> int:
+    from .. import calibration
+    from ..anchors import save_anchors
+    from ..traffic import dtype_bytes
+
+    topo = _common.cluster_from_args(args)
+    check_measure_args(args)
+    if args.tokens < 1 or args.hidden < 1 or args.families < 1:
+        raise ValueError(f"--tokens, --hidden and --families must be >= 1, got {args.tokens}, "
+                         f"{args.hidden}, {args.families}")
+    if args.max_spread < 1 or not 0 <= args.min_gain < 1:
+        raise ValueError(f"need --max-spread >= 1 and 0 <= --min-gain < 1, got {args.max_spread}, {args.min_gain}")
+    record_bytes = args.hidden * dtype_bytes(args.dtype)
+    settings: dict[str, Any] = {"workload": args.workload, "seed": args.seed, "tokens": args.tokens,
+                                "payload_scales": list(args.payload_scales)}
+    if args.workload == "glm":
+        settings["layers"] = args.layers
+    else:
+        settings["families"] = list(range(args.seed, args.seed + args.families))
+    backend = calibration.make_backend(args.backend, topo)
+    requests = calibration.calibration_requests(topo, settings, record_bytes=record_bytes)
+    result = calibration.calibrate(
+        backend, requests, topo, hidden_size=args.hidden, dtype=args.dtype, warmups=args.warmups,
+        repeats=args.repeats, max_spread=args.max_spread, min_gain=args.min_gain,
+        settings={"requests": settings}, progress=not args.no_progress)
+    save_anchors(result.anchor_set, args.out)
+    rows = [r.to_dict() for r in result.rows]
+    print_latencies(f"calibration on {topo.name} with {backend.name} (median of {args.repeats})", rows)
+    kept = result.anchor_set.anchors
+    _render.print_text(f"kept {len(kept)} of {len(rows)} requests as anchors "
+                       f"({', '.join(f'{a.name}: {a.path}' for a in kept) or 'none: always JOINT'}); "
+                       f"wrote {args.out}")
+    if args.json:
+        _common.write_json(args.json, {"anchors": result.anchor_set.to_dict(), "requests": rows})
+    return 0

@@ -1,0 +1,184 @@
+"""``railwave report LOG_DIR``: summary table and plots of RailWave's per-layer JSONL logs.
+
+Per-rank logs repeat each (layer, step) on every rank: the path and the descriptors are global,
+the times rank-local, so a (layer, step) counts once and its time is the slowest rank's
+dispatch + combine. Table per layer: calls, path mix, P50/P95 of dispatch + combine, mean B, rho_g,
+and the rail shares (mean over nodes of the busiest and idlest rail's share of remote egress).
+
+Plots (matplotlib, Agg) in ``--out`` (default ``LOG_DIR/report``):
+  * ``path_choice.png``: path per layer (rows) and step (columns);
+  * ``nic_shares.png``: per path, the mean share of each node's remote egress carried by its
+    busiest, second busiest, ... rail (the paper's NIC-share view);
+  * ``latency.png``: distribution of dispatch + combine per path.
+
+JSON written by ``--json``: ``layers`` (one row per layer as in the table) and ``paths`` (per path:
+calls, p50_ms, p95_ms, nic_shares sorted descending).
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections import defaultdict
+from pathlib import Path as FsPath
+from typing import Any
+
+import numpy as np
+
+from . import _common, _render
+
+__all__ = ["register", "run", "summarize_logs", "write_plots"]
+
+PATHS = ("native", "rail", "perm", "joint")
+COLORS = {"native": "#7f7f7f", "rail": "#1f77b4", "perm": "#ff7f0e", "joint": "#2ca02c"}
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "report",
+        help="summarise RailWave JSONL logs (table and PNG plots)",
+        description="Per-layer path mix, P50/P95 dispatch+combine and rail shares of a RailWave log "
+                    "directory, with plots of path choice, NIC shares per path and latencies.",
+    )
+    parser.add_argument("log_dir", metavar="LOG_DIR", help="directory of railwave*.jsonl files")
+    parser.add_argument("--out", default=None, metavar="DIR", help="plot directory (default LOG_DIR/report)")
+    parser.add_argument("--no-plots", action="store_true", help="table (and JSON) only")
+    parser.add_argument("--json", default=None, metavar="FILE", help="write the summary as JSON")
+    parser.set_defaults(handler=run)
+
+
+def _calls(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One entry per (layer, step): the first record's globals, the slowest rank's time."""
+    by_key: dict[tuple[int, int], dict[str, Any]] = {}
+    for rec in records:
+        for key in ("layer", "step", "path"):
+            if key not in rec:
+                raise ValueError(f"log record without {key!r}: {sorted(rec)[:8]}...; not a RailWave log")
+        ms = float(rec.get("dispatch_ms", 0.0)) + float(rec.get("combine_ms", 0.0))
+        key = (int(rec["layer"]), int(rec["step"]))
+        if key not in by_key:
+            by_key[key] = {**rec, "comm_ms": ms}
+        else:
+            by_key[key]["comm_ms"] = max(by_key[key]["comm_ms"], ms)
+    return [by_key[k] for k in sorted(by_key)]
+
+
+def _sorted_shares(rec: dict[str, Any]) -> np.ndarray:
+    """[R] mean over nodes of the rail shares sorted descending (nodes with no egress skipped)."""
+    shares = np.asarray(rec.get("rail_shares") or [[0.0]], dtype=np.float64)
+    active = shares[shares.sum(axis=1) > 0]
+    if active.size == 0:
+        return np.zeros(shares.shape[1])
+    return np.sort(active, axis=1)[:, ::-1].mean(axis=0)
+
+
+def summarize_logs(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per-layer and per-path summary of log records (see the module docstring)."""
+    calls = _calls(records)
+    layers: dict[int, list[dict[str, Any]]] = defaultdict(list)
+    paths: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for c in calls:
+        layers[int(c["layer"])].append(c)
+        paths[str(c["path"])].append(c)
+    rows = []
+    for layer in sorted(layers):
+        cs = layers[layer]
+        ms = np.array([c["comm_ms"] for c in cs])
+        shares = np.array([_sorted_shares(c) for c in cs])
+        rows.append({
+            "layer": layer, "calls": len(cs),
+            "path_mix": {p: sum(c["path"] == p for c in cs) / len(cs) for p in PATHS},
+            "p50_ms": float(np.percentile(ms, 50)), "p95_ms": float(np.percentile(ms, 95)),
+            "B_mean_MiB": float(np.mean([c.get("B_mean_bytes", 0.0) for c in cs]) / (1 << 20)),
+            "rho_g": float(np.mean([c.get("rho_g", 1.0) for c in cs])),
+            "rail_share_max": float(shares[:, 0].mean()), "rail_share_min": float(shares[:, -1].mean()),
+        })
+    per_path = {}
+    for p, cs in sorted(paths.items()):
+        ms = np.array([c["comm_ms"] for c in cs])
+        per_path[p] = {"calls": len(cs), "p50_ms": float(np.percentile(ms, 50)),
+                       "p95_ms": float(np.percentile(ms, 95)),
+                       "nic_shares": np.mean([_sorted_shares(c) for c in cs], axis=0).tolist()}
+    return {"layers": rows, "paths": per_path, "num_calls": len(calls), "num_records": len(records)}
+
+
+def write_plots(records: list[dict[str, Any]], summary: dict[str, Any], out_dir: str | FsPath) -> list[FsPath]:
+    """The three PNGs (see the module docstring); returns their paths."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import ListedColormap
+
+    out = FsPath(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    calls = _calls(records)
+    layers = sorted({int(c["layer"]) for c in calls})
+    steps = sorted({int(c["step"]) for c in calls})
+    grid = np.full((len(layers), len(steps)), np.nan)
+    li, si = {v: i for i, v in enumerate(layers)}, {v: i for i, v in enumerate(steps)}
+    for c in calls:
+        if c["path"] in PATHS:
+            grid[li[int(c["layer"])], si[int(c["step"])]] = PATHS.index(c["path"])
+    files = []
+
+    fig, ax = plt.subplots(figsize=(max(4.0, 0.25 * len(steps) + 2), max(3.0, 0.2 * len(layers) + 1.5)))
+    ax.imshow(np.ma.masked_invalid(grid), aspect="auto", interpolation="nearest", vmin=-0.5, vmax=3.5,
+              cmap=ListedColormap([COLORS[p] for p in PATHS]))
+    ax.set_yticks(range(len(layers)), [str(v) for v in layers], fontsize=6)
+    ax.set_xlabel("step")
+    ax.set_ylabel("layer")
+    ax.set_title("path choice per layer and step")
+    ax.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=COLORS[p]) for p in PATHS], labels=list(PATHS),
+              loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=7)
+    files.append(_save(fig, out / "path_choice.png"))
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    per_path = summary["paths"]
+    width = 0.8 / max(1, len(per_path))
+    for k, (p, row) in enumerate(per_path.items()):
+        shares = np.asarray(row["nic_shares"]) * 100
+        ax.bar(np.arange(shares.size) + k * width, shares, width, label=p, color=COLORS.get(p))
+    ax.set_xlabel("rail rank within node (busiest first)")
+    ax.set_ylabel("share of node's remote egress (%)")
+    ax.set_title("NIC shares per path")
+    ax.legend(fontsize=7)
+    files.append(_save(fig, out / "nic_shares.png"))
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    names = [p for p in PATHS if any(c["path"] == p for c in calls)]
+    data = [[c["comm_ms"] for c in calls if c["path"] == p] for p in names]
+    if data:
+        ax.boxplot(data, tick_labels=names, showfliers=True)
+    ax.set_ylabel("dispatch + combine (ms, slowest rank)")
+    ax.set_title("latency distribution per path")
+    files.append(_save(fig, out / "latency.png"))
+    return files
+
+
+def _save(fig: Any, path: FsPath) -> FsPath:
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..commlog import read_logs
+
+    records = read_logs(args.log_dir)
+    summary = summarize_logs(records)
+    _render.print_table(
+        f"{args.log_dir}: {summary['num_calls']} layer calls ({summary['num_records']} records)",
+        ["layer", "calls", "native", "rail", "perm", "joint", "P50 ms", "P95 ms", "B MiB", "rho_g",
+         "max rail share", "min rail share"],
+        [[r["layer"], r["calls"], *[f"{r['path_mix'][p]:.0%}" for p in PATHS], r["p50_ms"], r["p95_ms"],
+          r["B_mean_MiB"], r["rho_g"], f"{r['rail_share_max']:.1%}", f"{r['rail_share_min']:.1%}"]
+         for r in summary["layers"]])
+    if not args.no_plots:
+        files = write_plots(records, summary, args.out or FsPath(args.log_dir) / "report")
+        _render.print_text("wrote " + ", ".join(str(f) for f in files))
+    if args.json:
+        _common.write_json(args.json, summary)
+    return 0

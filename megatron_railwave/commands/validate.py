@@ -1,0 +1,139 @@
+"""``railwave validate``: the calibrated selector on requests not used for calibration.
+
+Requests come from the generator recorded in the anchors file (``context.settings.requests``):
+glm at another training step; synthetic as half resampled variants of the calibration requests
+(Poisson counts, payload jitter) and half unseen routing families. For each request: the selected
+path (and anchor), its median latency, JOINT's and the best fixed path's. Summary: switches away
+from JOINT and their gains, worst selected/best ratio.
+
+``--bench`` measures the selector's decision cost (descriptors to path, and for reference the
+descriptors from gathered counts) on the requests' descriptors and needs no backend.
+
+JSON written by ``--json``: ``summary``, ``requests`` (per request: selected, anchor, selected_s,
+joint_s, best_path, best_s, ratio_to_best, gain_vs_joint, median_s per path) and, with
+``--bench``, ``bench`` (us_per_decision, us_per_descriptors, num_anchors, repeats).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Any
+
+from . import _common, _render
+from .calibrate import add_measure_args, check_measure_args
+
+__all__ = ["register", "run", "bench_selector"]
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "validate",
+        help="check the calibrated selector on unseen requests (or --bench its cost)",
+        description="Select a path with the anchors for requests not used for calibration, time all "
+                    "four paths and report the selected path against JOINT and the best fixed path.",
+    )
+    parser.add_argument("--anchors", required=True, metavar="YAML", help="anchors file (railwave calibrate)")
+    parser.add_argument("--cluster", default=None, metavar="YAML",
+                        help="cluster file or preset (default: the anchors file's topology)")
+    add_measure_args(parser, backend_required=False)
+    parser.add_argument("--requests", type=int, default=24, help="unseen requests (default 24)")
+    parser.add_argument("--seed", type=int, default=1, help="seed of the unseen requests (default 1)")
+    parser.add_argument("--payload-ratio", type=float, default=1.25, help="selector payload ratio (default 1.25)")
+    parser.add_argument("--shape-distance", type=float, default=0.02,
+                        help="selector shape distance (default 0.02)")
+    parser.add_argument("--bench", action="store_true",
+                        help="print the selector decision cost per layer (no backend needed)")
+    parser.add_argument("--json", default=None, metavar="FILE", help="write the per-request table and summary")
+    parser.set_defaults(handler=run)
+
+
+def bench_selector(selector: Any, stats: list[Any], demands: list[Any], topo: Any, *,
+                   repeats: int = 2000) -> dict[str, float]:
+    """Median cost in microseconds of ``selector.select`` and of ``demand_stats`` per layer."""
+    from ..stats import demand_stats
+
+    def per_call(fn, items, n):
+        samples = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            for i in range(n):
+                fn(items[i % len(items)])
+            samples.append((time.perf_counter() - t0) / n * 1e6)
+        return statistics.median(samples)
+
+    select_us = per_call(selector.select, stats, repeats)
+    descr_us = per_call(lambda r: demand_stats(r.records_NGN, topo, record_bytes=r.record_bytes),
+                        demands, max(20, repeats // 50))
+    return {"us_per_decision": select_us, "us_per_descriptors": descr_us,
+            "num_anchors": len(selector.anchor_set.anchors), "repeats": repeats}
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from .. import calibration
+    from ..anchors import load_anchors
+    from ..selector import AnchorSelector
+    from ..topology import RailTopology
+    from ..traffic import SelectorScales
+
+    check_measure_args(args)
+    if args.requests < 1:
+        raise ValueError(f"--requests must be >= 1, got {args.requests}")
+    if args.backend is None and not args.bench:
+        raise ValueError("--backend is required (unless only --bench is asked for)")
+    if args.cluster is not None:
+        args.nodes, args.failed_rail = None, []
+        topo = _common.cluster_from_args(args)
+        anchor_set = load_anchors(args.anchors, topo)  # rejects another topology
+    else:
+        anchor_set = load_anchors(args.anchors, None)
+        topo = RailTopology.from_dict({k: v for k, v in anchor_set.context.topology.items()},
+                                      source=f"anchors file {args.anchors!r}: context.topology")
+    selector = AnchorSelector(anchor_set, payload_ratio=args.payload_ratio, shape_distance=args.shape_distance)
+    settings = anchor_set.context.settings.get("requests")
+    if not isinstance(settings, dict) or "payload_scales" not in settings:
+        raise ValueError(f"anchors file {args.anchors!r}: field 'context.settings.requests' is missing; it "
+                         "names the calibration requests (write the file with `railwave calibrate`)")
+    from ..traffic import dtype_bytes
+
+    record_bytes = anchor_set.context.hidden_size * dtype_bytes(anchor_set.context.dtype)
+    requests = calibration.validation_requests(topo, settings, count=args.requests, seed=args.seed,
+                                               record_bytes=record_bytes)
+    out: dict[str, Any] = {}
+    if args.bench:
+        torch.set_num_threads(1)
+        ref, rho_s, kappa_s = anchor_set.scales
+        scales = SelectorScales(payload_ref_bytes=ref, rho_scale=rho_s, kappa_scale=kappa_s)
+        stats = [calibration.request_stats(r, topo, scales) for r in requests]
+        bench = bench_selector(selector, stats, requests, topo)
+        out["bench"] = bench
+        _render.print_text(
+            f"selector decision cost: {bench['us_per_decision']:.2f} us per layer ({bench['num_anchors']} "
+            f"anchors; descriptors to path, median of 5 x {bench['repeats']} calls, one CPU thread); "
+            f"descriptors from gathered counts: {bench['us_per_descriptors']:.1f} us")
+    if args.backend is not None:
+        backend = calibration.make_backend(args.backend, topo)
+        result = calibration.validate(backend, selector, requests, topo, warmups=args.warmups,
+                                      repeats=args.repeats, progress=not args.no_progress)
+        data = result.to_dict()
+        out.update(data)
+        _render.print_table(
+            f"validation on {len(requests)} unseen requests ({backend.name}, median of {args.repeats})",
+            ["request", "selected", "anchor", "selected ms", "joint ms", "best", "best ms", "sel/best",
+             "gain vs joint"],
+            [[r["request"], r["selected"], r["anchor"] or "-", r["selected_s"] * 1e3, r["joint_s"] * 1e3,
+              r["best_path"], r["best_s"] * 1e3, r["ratio_to_best"], f"{r['gain_vs_joint']:+.1%}"]
+             for r in data["requests"]])
+        s = data["summary"]
+        gains = ", ".join(f"{g:.1%}" for g in s["switch_gains_vs_joint"]) or "-"
+        _render.print_text(
+            f"{s['num_switches']} of {s['num_requests']} switched away from JOINT (gains {gains}); "
+            f"{s['num_fallback_joint']} fell back to JOINT; worst selected/best = "
+            f"{s['worst_ratio_to_best']:.3f} ({s['worst_request']}); "
+            f"{s['num_over_tolerance']} over {1 + s['tolerance']:.2f}x best")
+    if args.json:
+        _common.write_json(args.json, out)
+    return 0
