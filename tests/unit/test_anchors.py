@@ -1,0 +1,129 @@
+"""Anchors file: round trip, field-naming errors for malformed files, topology check."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import yaml
+
+from megatron_railwave.anchors import (
+    ANCHORS_VERSION,
+    Anchor,
+    AnchorSet,
+    CalibrationContext,
+    PathLatency,
+    anchors_from_dict,
+    load_anchors,
+    save_anchors,
+)
+from megatron_railwave.planner import Path
+from megatron_railwave.topology import RailTopology
+
+TOPO = RailTopology(num_nodes=4, gpus_per_node=8, name="h800_4x8")
+
+
+def _lat(ms: float, spread: float = 1.05) -> PathLatency:
+    return PathLatency(median=ms * 1e-3, p10=ms * 1e-3 / spread, p90=ms * 1e-3 * spread, samples=10)
+
+
+def make_set(topo: RailTopology = TOPO, anchors: tuple[Anchor, ...] | None = None) -> AnchorSet:
+    if anchors is None:
+        anchors = (Anchor(name="req-1", coords=(0.5, 0.1, 0.9), B_mean_bytes=79_000_000.0, rho_g=1.7,
+                          kappa=2.8, path=Path.RAIL,
+                          latency_s={Path.NATIVE: _lat(9.0), Path.RAIL: _lat(4.0), Path.PERM: _lat(6.0),
+                                     Path.JOINT: _lat(5.0)}),)
+    ctx = CalibrationContext(topology=topo.to_dict(), hidden_size=4096, dtype="bf16", backend="fake",
+                             date="2026-01-01T00:00:00+00:00", settings={"repeats": 10})
+    return AnchorSet(anchors=anchors, scales=AnchorSet.scales_for(topo), context=ctx)
+
+
+def test_anchors_round_trip_keeps_every_field(tmp_path):
+    aset = make_set()
+    path = save_anchors(aset, tmp_path / "sub" / "anchors.yaml")
+    text = path.read_text()
+    assert text.startswith("format: railwave-anchors\nversion: 1\n")
+    back = load_anchors(path, TOPO)
+    assert back == aset
+    assert back.anchors[0].latency_s[Path.RAIL].spread == pytest.approx(1.05 ** 2)
+
+
+def test_anchors_scales_default_to_topology():
+    # 4 nodes x 8 rails: rho scale R - 1 = 7, kappa scale N - 2 = 2, payload reference 56 MiB.
+    assert make_set().scales == (56.0 * 2**20, 7.0, 2.0)
+
+
+def test_anchors_empty_list_is_valid(tmp_path):
+    path = save_anchors(make_set(anchors=()), tmp_path / "a.yaml")
+    assert load_anchors(path, TOPO).anchors == ()
+
+
+def _mutate(data: dict, dotted: str, value) -> dict:
+    data = copy.deepcopy(data)
+    node = data
+    parts = dotted.split(".")
+    for p in parts[:-1]:
+        node = node[int(p)] if isinstance(node, list) else node[p]
+    last = parts[-1]
+    if value is KeyError:
+        del node[last]
+    elif isinstance(node, list):
+        node[int(last)] = value
+    else:
+        node[last] = value
+    return data
+
+
+@pytest.mark.parametrize(("field", "value", "message"), [
+    ("format", "something-else", r"field 'format' must be 'railwave-anchors'"),
+    ("version", 99, r"field 'version' must be 1"),
+    ("context", KeyError, r"field 'context' must be a mapping"),
+    ("context.hidden_size", "4096", r"field 'context.hidden_size' must be a positive integer"),
+    ("context.backend", None, r"field 'context.backend' must be a string"),
+    ("scales.rho_scale", 0, r"field 'scales.rho_scale' must be > 0"),
+    ("anchors", {"a": 1}, r"field 'anchors' must be a list"),
+    ("anchors.0.coords", [1.0, 2.0], r"field 'anchors\[0\].coords' must be a list of 3 finite numbers"),
+    ("anchors.0.path", "fastest", r"field 'anchors\[0\].path' must be one of native, rail, perm, joint"),
+    ("anchors.0.path", KeyError, r"field 'anchors\[0\].path' is missing"),
+    ("anchors.0.rho_g", "high", r"field 'anchors\[0\].rho_g' must be a number"),
+    ("anchors.0.B_mean_bytes", -1.0, r"field 'anchors\[0\].B_mean_bytes' must be > 0"),
+    ("anchors.0.latency_s.perm", KeyError, r"field 'anchors\[0\].latency_s' lacks the path\(s\) \['perm'\]"),
+    ("anchors.0.latency_s.rail.p90", "x", r"field 'anchors\[0\].latency_s.rail.p90' must be a number"),
+    ("anchors.0.latency_s.rail.p10", 1.0, r"field 'anchors\[0\].latency_s.rail' need 0 <= p10 <= median"),
+    ("anchors.0.latency_s.rail.samples", 0, r"field 'anchors\[0\].latency_s.rail.samples' must be a positive"),
+])
+def test_anchors_malformed_field_is_named(field, value, message):
+    data = _mutate(make_set().to_dict(), field, value)
+    with pytest.raises(ValueError, match=message):
+        anchors_from_dict(data, source="'x.yaml'", topo=TOPO)
+
+
+@pytest.mark.parametrize(("other", "field"), [
+    (RailTopology(num_nodes=2, gpus_per_node=8), "num_nodes"),
+    (RailTopology(num_nodes=4, gpus_per_node=8, rail_gbps=200.0), "rail_gbps"),
+    (RailTopology(num_nodes=4, gpus_per_node=8, failed_rails=frozenset({(1, 3)})), "failed_rails"),
+])
+def test_anchors_for_another_topology_are_rejected(tmp_path, other, field):
+    path = save_anchors(make_set(), tmp_path / "a.yaml")
+    with pytest.raises(ValueError, match=rf"another topology: field 'context.topology.{field}'"):
+        load_anchors(path, other)
+
+
+def test_anchors_topology_name_may_differ(tmp_path):
+    path = save_anchors(make_set(), tmp_path / "a.yaml")
+    renamed = RailTopology(num_nodes=4, gpus_per_node=8, name="4x8")
+    assert len(load_anchors(path, renamed).anchors) == 1
+
+
+def test_anchors_invalid_yaml_and_missing_file(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("format: [unclosed\n")
+    with pytest.raises(ValueError, match="is not valid YAML"):
+        load_anchors(bad, TOPO)
+    with pytest.raises(FileNotFoundError):
+        load_anchors(tmp_path / "missing.yaml", TOPO)
+
+
+def test_anchors_version_constant_matches_written_files(tmp_path):
+    path = save_anchors(make_set(), tmp_path / "a.yaml")
+    assert yaml.safe_load(path.read_text())["version"] == ANCHORS_VERSION

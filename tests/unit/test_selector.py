@@ -1,0 +1,195 @@
+"""AnchorSelector: the paper's reuse rule worked out by hand, purity, rank agreement, config wiring."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from megatron_railwave import selector as selector_mod
+from megatron_railwave.anchors import Anchor, AnchorSet, CalibrationContext, PathLatency, save_anchors
+from megatron_railwave.config import RailWaveConfig
+from megatron_railwave.planner import Path
+from megatron_railwave.replay import synthetic_routing_maps
+from megatron_railwave.selector import AnchorSelector, FixedSelector, selector_from_config
+from megatron_railwave.stats import demand_stats
+from megatron_railwave.topology import RailTopology
+from megatron_railwave.traffic import MiB, DemandCounts, TrafficStats, local_demand
+
+TOPO = RailTopology(num_nodes=4, gpus_per_node=8)
+REF = 56 * MiB  # scales on 4 x 8: payload 56 MiB, rho (R - 1) = 7, kappa (N - 2) = 2
+LAT = {p: PathLatency(median=1e-3, p10=1e-3, p90=1e-3, samples=3) for p in Path}
+
+
+def anchor(name: str, coords: tuple[float, float, float], path: Path) -> Anchor:
+    return Anchor(name=name, coords=coords, B_mean_bytes=REF * 2 ** coords[0], rho_g=1 + 7 * coords[1],
+                  kappa=1 + 2 * coords[2], path=path, latency_s=LAT)
+
+
+def anchor_set(anchors: tuple[Anchor, ...], topo: RailTopology = TOPO) -> AnchorSet:
+    ctx = CalibrationContext(topology=topo.to_dict(), hidden_size=4096, dtype="bf16", backend="fake",
+                             date="2026-01-01T00:00:00+00:00")
+    return AnchorSet(anchors=anchors, scales=AnchorSet.scales_for(topo), context=ctx)
+
+
+def stats(b_ratio: float, rho_coord: float, kappa_coord: float) -> TrafficStats:
+    """Descriptors at log2(B / ref) = log2(b_ratio) and the given shape coordinates."""
+    b = REF * b_ratio
+    coords = (math.log2(b_ratio) if b_ratio > 0 else -math.inf, rho_coord, kappa_coord)
+    return TrafficStats(B_mean_bytes=b, B_max_bytes=b, rho_g=1 + 7 * rho_coord, kappa=1 + 2 * kappa_coord,
+                        coords=coords, records_total=0, remote_records=0)
+
+
+# Three anchors: A and C differ by 0.03 in the rho coordinate; B is 2x A's payload.
+A = anchor("a", (0.0, 0.10, 0.5), Path.RAIL)
+B = anchor("b", (1.0, 0.10, 0.5), Path.PERM)
+C = anchor("c", (0.0, 0.13, 0.5), Path.NATIVE)
+SEL = AnchorSelector(anchor_set((A, B, C)))
+
+
+@pytest.mark.parametrize(("descr", "expected", "why"), [
+    (stats(1.0, 0.10, 0.5), Path.RAIL, "exactly on A"),
+    (stats(1.25, 0.10, 0.5), Path.RAIL, "payload ratio 1.25 to A: still eligible"),
+    (stats(1.0 / 1.25, 0.10, 0.5), Path.RAIL, "ratio 1.25 below A"),
+    (stats(1.26, 0.10, 0.5), Path.JOINT, "ratio 1.26 to A, 2/1.26 = 1.59 to B: none eligible"),
+    (stats(2.0 * 1.2, 0.10, 0.5), Path.PERM, "ratio 1.2 to B"),
+    (stats(1.0, 0.119, 0.5), Path.NATIVE, "A at 0.019, C at 0.011: both eligible, C nearer"),
+    (stats(1.0, 0.114, 0.5), Path.RAIL, "A at 0.014, C at 0.016: A nearer"),
+    (stats(1.0, 0.085, 0.5), Path.RAIL, "A at 0.015, C at 0.045: only A"),
+    (stats(1.0, 0.10, 0.53), Path.JOINT, "kappa 0.03 away from every anchor"),
+    (stats(1.0, 0.10, 0.48), Path.RAIL, "kappa 0.02 below A: boundary is eligible"),
+    (stats(0.0, 0.10, 0.5), Path.JOINT, "no remote payload: log2(0) = -inf"),
+])
+def test_anchor_selector_rule_by_hand(descr, expected, why):
+    assert SEL.select(descr) == expected, why
+
+
+def test_anchor_selector_thresholds_are_configurable():
+    wide = AnchorSelector(anchor_set((A, B, C)), payload_ratio=2.0, shape_distance=0.05)
+    assert wide.select(stats(1.0, 0.10, 0.53)) == Path.RAIL  # kappa 0.03 < 0.05
+    # 1.6x A: log2 1.6 = 0.678 from A, log2(2 / 1.6) = 0.322 from B: both within log2 2 = 1, B nearer.
+    assert wide.select(stats(1.6, 0.10, 0.5)) == Path.PERM
+    strict = AnchorSelector(anchor_set((A,)), payload_ratio=1.0, shape_distance=0.0)
+    assert strict.select(stats(1.0, 0.10, 0.5)) == Path.RAIL
+    assert strict.select(stats(1.01, 0.10, 0.5)) == Path.JOINT
+    with pytest.raises(ValueError, match="payload_ratio must be >= 1"):
+        AnchorSelector(anchor_set((A,)), payload_ratio=0.9)
+
+
+def test_anchor_selector_explain_names_anchor_and_distance():
+    choice = SEL.explain(stats(1.0, 0.119, 0.5))
+    assert (choice.path, choice.anchor) == (Path.NATIVE, "c")
+    assert choice.distance == pytest.approx(0.011)
+    fallback = SEL.explain(stats(3.0, 0.5, 0.5))
+    assert (fallback.path, fallback.anchor, fallback.distance) == (Path.JOINT, None, math.inf)
+
+
+def test_anchor_selector_without_anchors_is_always_joint():
+    empty = AnchorSelector(anchor_set(()))
+    assert empty.select(stats(1.0, 0.1, 0.5)) == Path.JOINT
+
+
+def _reference_rule(sel: AnchorSelector, s: TrafficStats) -> Path:
+    """The rule written plainly: filter eligible anchors, take the nearest (first on ties)."""
+    x = sel.anchor_set.coords(s)
+    eligible = [a for a in sel.anchor_set.anchors
+                if abs(x[0] - a.coords[0]) <= math.log2(sel.payload_ratio) + 1e-12
+                and abs(x[1] - a.coords[1]) <= sel.shape_distance + 1e-12
+                and abs(x[2] - a.coords[2]) <= sel.shape_distance + 1e-12]
+    if not eligible:
+        return Path.JOINT
+    return min(eligible, key=lambda a: sum((u - v) ** 2 for u, v in zip(x, a.coords))).path
+
+
+_coord = st.floats(min_value=-0.2, max_value=0.4, allow_nan=False)
+
+
+@settings(max_examples=150, deadline=None)
+@given(queries=st.lists(st.tuples(st.floats(min_value=0.7, max_value=1.5), _coord, _coord), min_size=1, max_size=8),
+       points=st.lists(st.tuples(st.floats(min_value=-0.3, max_value=0.3), _coord, _coord,
+                                 st.sampled_from(list(Path))), max_size=6))
+def test_anchor_selector_is_pure_and_matches_reference(queries, points):
+    sel = AnchorSelector(anchor_set(tuple(anchor(f"p{i}", (x, y, z), p) for i, (x, y, z, p) in enumerate(points))),
+                         shape_distance=0.1)
+    descrs = [stats(*q) for q in queries]
+    first = [sel.select(d) for d in descrs]
+    # Same input, same output, whatever was asked in between (no state between calls).
+    again = [sel.select(d) for d in reversed(descrs)][::-1]
+    assert first == again == [_reference_rule(sel, d) for d in descrs]
+
+
+def test_anchor_selector_keeps_no_mutable_state():
+    assert not hasattr(SEL, "__dict__")  # slots only
+    before = (SEL.anchor_set, SEL.payload_ratio, SEL.shape_distance, SEL.fallback)
+    for _ in range(3):
+        SEL.select(stats(1.0, 0.119, 0.5))
+    assert (SEL.anchor_set, SEL.payload_ratio, SEL.shape_distance, SEL.fallback) == before
+
+
+def test_ranks_agree_although_local_traffic_differs():
+    # 2 nodes x 4 GPUs, 16 experts (2 per rank), top-2; each rank has its own locality, so the
+    # ranks' local demands differ, but every rank selects from the same gathered counts.
+    topo = RailTopology(num_nodes=2, gpus_per_node=4)
+    maps = synthetic_routing_maps(topo, num_tokens=64, num_experts=16, topk=2, seed=3, locality=6.0)
+    local = [local_demand(m, topo) for m in maps]
+    assert any(not torch.equal(local[0][0], part[0]) for part in local[1:])
+    gathered = DemandCounts(records_WNM=torch.stack([p[0] for p in local]),
+                            experts_WE=torch.stack([p[1] for p in local]))
+    assert torch.equal(gathered.records_WNM, DemandCounts.from_routing_maps(maps, topo).records_WNM)
+    record_bytes = 4096 * 2
+    descr = demand_stats(gathered, topo, record_bytes=record_bytes)
+    # One anchor on the layer's point (RAIL) and one elsewhere (PERM).
+    aset = anchor_set((anchor("here", descr.coords, Path.RAIL), anchor("far", (descr.coords[0] + 3, 0, 0), Path.PERM)),
+                      topo)
+    decisions = []
+    for rank in range(topo.world_size):
+        # Rank `rank` holds its own part and receives the others' in rank order (all_gather).
+        view = [local[w] if w != rank else local_demand(maps[rank], topo) for w in range(topo.world_size)]
+        counts = DemandCounts(records_WNM=torch.stack([p[0] for p in view]),
+                              experts_WE=torch.stack([p[1] for p in view]))
+        sel = AnchorSelector(aset)
+        decisions.append(sel.select(demand_stats(counts, topo, record_bytes=record_bytes)))
+    assert decisions == [Path.RAIL] * topo.world_size
+    # The same rule on each rank's *local* traffic alone would not be consistent: B differs.
+    local_b = {float(demand_stats(DemandCounts(records_WNM=p[0].unsqueeze(0).expand(topo.world_size, -1, -1),
+                                               experts_WE=p[1].unsqueeze(0).expand(topo.world_size, -1)),
+                                  topo, record_bytes=record_bytes).B_mean_bytes) for p in local}
+    assert len(local_b) > 1
+
+
+# ---------------------------------------------------------------------- selector_from_config
+@pytest.fixture
+def fresh_warnings(monkeypatch):
+    monkeypatch.setattr(selector_mod, "_WARNED", set())
+
+
+def test_selector_from_config_missing_file_is_joint_with_one_warning(tmp_path, fresh_warnings):
+    cfg = RailWaveConfig(anchors=str(tmp_path / "missing.yaml"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        sels = [selector_from_config(cfg, TOPO) for _ in range(5)]  # e.g. five MoE layers
+    assert all(isinstance(s, FixedSelector) and s.select(stats(1, 0, 0)) == Path.JOINT for s in sels)
+    assert len(caught) == 1 and "does not exist" in str(caught[0].message)
+
+
+def test_selector_from_config_loads_anchors_with_config_thresholds(tmp_path, fresh_warnings):
+    path = save_anchors(anchor_set((A,)), tmp_path / "a.yaml")
+    cfg = RailWaveConfig(anchors=str(path), payload_ratio=1.5, shape_distance=0.05)
+    sel = selector_from_config(cfg, TOPO)
+    assert isinstance(sel, AnchorSelector)
+    assert (sel.payload_ratio, sel.shape_distance) == (1.5, 0.05)
+    assert sel.select(stats(1.4, 0.14, 0.5)) == Path.RAIL
+
+
+def test_selector_from_config_rejects_bad_files(tmp_path, fresh_warnings):
+    path = save_anchors(anchor_set((A,)), tmp_path / "a.yaml")
+    with pytest.raises(ValueError, match=r"another topology: field 'context.topology.num_nodes'"):
+        selector_from_config(RailWaveConfig(anchors=str(path)), RailTopology(num_nodes=2, gpus_per_node=8))
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(path.read_text().replace("path: rail", "path: sideways"))
+    with pytest.raises(ValueError, match=r"field 'anchors\[0\].path'"):
+        selector_from_config(RailWaveConfig(anchors=str(bad)), TOPO)
