@@ -66,10 +66,12 @@ def test_topology_pair_without_common_healthy_rail_raises():
     [
         ({"num_nodes": 0, "gpus_per_node": 8}, r"num_nodes must be a positive integer, got 0"),
         ({"num_nodes": 2, "gpus_per_node": 9}, r"gpus_per_node must be an integer in 1\.\.8, got 9"),
-        ({"num_nodes": 2, "gpus_per_node": 2, "rail_of_gpu": (0,)}, r"rail_of_gpu has 1 entries but gpus_per_node is 2"),
+        ({"num_nodes": 2, "gpus_per_node": 2, "rail_of_gpu": (0,)},
+         r"rail_of_gpu has 1 entries but gpus_per_node is 2"),
         ({"num_nodes": 2, "gpus_per_node": 2, "rail_of_gpu": (0, 3), "num_rails": 2},
          r"rail_of_gpu\[1\] = 3 is out of range: rails are 0\.\.1"),
-        ({"num_nodes": 2, "gpus_per_node": 2, "adapter_of_rail": (0,)}, r"adapter_of_rail has 1 entries, expected one per rail \(2\)"),
+        ({"num_nodes": 2, "gpus_per_node": 2, "adapter_of_rail": (0,)},
+         r"adapter_of_rail has 1 entries, expected one per rail \(2\)"),
         ({"num_nodes": 2, "gpus_per_node": 2, "rail_gbps": 0.0}, r"bandwidths must be positive: rail_gbps=0\.0"),
     ],
 )

@@ -5,7 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_railwave.planner import EligiblePolicy, Path, PlanOptions, build_plan, cyclic_schedule, parse_path, schedule_from_windows
+from megatron_railwave.planner import (
+    EligiblePolicy,
+    Path,
+    PlanOptions,
+    build_plan,
+    cyclic_schedule,
+    parse_path,
+    schedule_from_windows,
+)
 from megatron_railwave.topology import RailTopology
 
 TOPO = RailTopology(num_nodes=3, gpus_per_node=2)

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_railwave.planner import WaveSchedule, all_at_once, bounded_fanin_schedule, cyclic_schedule, schedule_from_windows
+from megatron_railwave.planner import (
+    WaveSchedule,
+    all_at_once,
+    bounded_fanin_schedule,
+    cyclic_schedule,
+    schedule_from_windows,
+)
 
 
 def test_cyclic_schedule_four_nodes():
