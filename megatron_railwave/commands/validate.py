@@ -17,6 +17,7 @@ joint_s, best_path, best_s, ratio_to_best, gain_vs_joint, median_s per path) and
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 from typing import Any
@@ -84,6 +85,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--requests must be >= 1, got {args.requests}")
     if args.backend is None and not args.bench:
         raise ValueError("--backend is required (unless only --bench is asked for)")
+    if not os.path.isfile(args.anchors):
+        raise ValueError(f"--anchors: file {args.anchors!r} does not exist (write it with `railwave calibrate`)")
     if args.cluster is not None:
         args.nodes, args.failed_rail = None, []
         topo = _common.cluster_from_args(args)
