@@ -73,12 +73,22 @@ _NAMES = tuple(METRICS) + TIME_METRICS
 def _make_tracker() -> Any:
     from megatron.core.transformer.moe.moe_logging import MoEMetricsTracker
 
+    from megatron.core import parallel_state
+
     class RailWaveMetricsTracker(MoEMetricsTracker):
-        """Megatron's tracker; no collectives when torch.distributed is not initialised."""
+        """Megatron's tracker; it reduces only where Megatron's groups exist.
+
+        No collectives without torch.distributed, nor without Megatron's parallel state when no
+        ``pg_collection`` is given (a loop outside Megatron-LM): the values stay rank-local then
+        (the descriptors and paths are global anyway; the times are this rank's).
+        """
 
         def _sync_metrics(self, metric_names, pg_collection=None):  # noqa: ANN001
-            if torch.distributed.is_available() and torch.distributed.is_initialized():
-                super()._sync_metrics(metric_names, pg_collection)
+            if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+                return
+            if pg_collection is None and not parallel_state.model_parallel_is_initialized():
+                return
+            super()._sync_metrics(metric_names, pg_collection)
 
     return RailWaveMetricsTracker()
 
