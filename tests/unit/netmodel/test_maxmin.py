@@ -264,3 +264,33 @@ def test_simulate_invariants_hold_on_random_flow_sets(problem):
     # Total bytes conserved: what each flow was sent over time equals its size.
     np.testing.assert_allclose(sent_F, size_F, rtol=1e-9, atol=1e-9)
     assert sent_F.sum() == pytest.approx(size_F.sum(), rel=1e-9, abs=1e-9)
+
+
+def _rail_all_to_all(num_nodes, gpus, *, waves, seed=0):
+    # GPU (s, l) -> GPU (d, l) for all d != s; uplink s*G+l, downlink N*G + d*G+l.
+    rng = np.random.default_rng(seed)
+    world = num_nodes * gpus
+    src = np.repeat(np.arange(num_nodes), (num_nodes - 1) * gpus)
+    shift = np.tile(np.repeat(np.arange(1, num_nodes), gpus), num_nodes)
+    rail = np.tile(np.arange(gpus), num_nodes * (num_nodes - 1))
+    dst = (src + shift) % num_nodes
+    flows = FlowSet(
+        size_bytes_F=rng.integers(1, 100, size=src.size) * 1e4,
+        links_FH=np.stack([src * gpus + rail, world + dst * gpus + rail], axis=1),
+        phase_F=shift - 1 if waves else None,
+    )
+    phases = PhaseGraph.chain(num_nodes - 1) if waves else None
+    return Network(capacity_Bps_L=np.full(2 * world, 1e9)), flows, phases
+
+
+@pytest.mark.parametrize("waves", [False, True])
+def test_simulate_batching_stays_close_to_exact(waves):
+    net, flows, phases = _rail_all_to_all(8, 4, waves=waves)
+    exact = simulate(net, flows, phases, rel_tol=0.0)
+    for rel_tol, bound in ((1e-3, 5e-3), (1e-2, 5e-2)):
+        fast = simulate(net, flows, phases, rel_tol=rel_tol)
+        assert fast.num_events <= exact.num_events
+        np.testing.assert_allclose(fast.finish_s_F, exact.finish_s_F, rtol=bound)
+        assert fast.makespan_s == pytest.approx(exact.makespan_s, rel=rel_tol)
+        if waves:  # flows of a wave share no link: batching changes nothing
+            np.testing.assert_allclose(fast.finish_s_F, exact.finish_s_F, rtol=1e-12)
