@@ -1,0 +1,197 @@
+"""Registration with Megatron: add_railwave_args, config_from_args, install / uninstall, and the
+GLM-4.5-Air launcher's flags through Megatron-LM's real argument parser.
+
+Tests that import Megatron-Core run in a subprocess: Megatron needs the CPU shims (tests/shims)
+before its first import and keeps process-wide globals (parsed args, patched MoELayer).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from megatron_railwave.config import RailWaveConfig
+from megatron_railwave.plugin import add_railwave_args, config_from_args
+
+REPO = Path(__file__).resolve().parents[2]
+GLM_CONFIG = REPO / "configs" / "railwave" / "glm45_air_h800.yaml"
+LAUNCHER = REPO / "examples" / "launch_glm45_air.sh"
+
+
+def _megatron_like_parser() -> argparse.ArgumentParser:
+    """A parser with Megatron's dispatcher flag as ArgumentGroupFactory builds it (choices)."""
+    parser = argparse.ArgumentParser(allow_abbrev=False)
+    parser.add_argument("--moe-token-dispatcher-type", default="allgather",
+                        choices=["allgather", "alltoall", "flex"])
+    return parser
+
+
+def _run_python(code: str, *, env: dict[str, str] | None = None, timeout: float = 240) -> dict:
+    """Run ``code`` in a fresh interpreter at the repo root; it prints one JSON line last."""
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=REPO, capture_output=True,
+                          text=True, timeout=timeout, env={**os.environ, **(env or {})})
+    assert proc.returncode == 0, f"subprocess failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_add_railwave_args_extends_megatron_dispatcher_choices():
+    parser = add_railwave_args(_megatron_like_parser())
+    args = parser.parse_args(["--moe-token-dispatcher-type", "railwave", "--railwave-config", str(GLM_CONFIG),
+                              "--railwave-path", "perm"])
+    assert args.moe_token_dispatcher_type == "railwave"
+    assert args.railwave_config == str(GLM_CONFIG) and args.railwave_path == "perm"
+    # The other dispatchers still parse; calling it twice does not duplicate 'railwave'.
+    assert parser.parse_args(["--moe-token-dispatcher-type", "alltoall"]).moe_token_dispatcher_type == "alltoall"
+    action = next(a for a in parser._actions if "--moe-token-dispatcher-type" in a.option_strings)
+    assert list(action.choices).count("railwave") == 1
+
+
+def test_add_railwave_args_rejects_unknown_path(capsys):
+    parser = add_railwave_args(_megatron_like_parser())
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--railwave-path", "fastest"])
+    assert "invalid choice: 'fastest'" in capsys.readouterr().err
+
+
+def test_add_railwave_args_adds_dispatcher_flag_when_missing():
+    parser = add_railwave_args(argparse.ArgumentParser())
+    assert parser.parse_args(["--moe-token-dispatcher-type", "railwave"]).moe_token_dispatcher_type == "railwave"
+
+
+def test_config_from_args_reads_yaml_then_applies_flags():
+    parser = add_railwave_args(_megatron_like_parser())
+    args = parser.parse_args(["--railwave-config", str(GLM_CONFIG), "--railwave-path", "native",
+                              "--railwave-log-dir", "/tmp/rw-logs"])
+    cfg = config_from_args(args)
+    assert cfg.path == "native"  # the flag overrides the file's 'joint'
+    assert cfg.log_dir == "/tmp/rw-logs"
+    assert cfg.cluster == "configs/clusters/h800_4x8.yaml" and cfg.timeout_s == 300
+    # Without a config file and flags: the defaults.
+    assert config_from_args(parser.parse_args([])) == RailWaveConfig()
+
+
+def test_glm45_air_config_describes_ep32_on_h800(monkeypatch):
+    monkeypatch.chdir(REPO)  # the cluster file is relative to the repository root
+    topo = config_from_args(argparse.Namespace(railwave_config=str(GLM_CONFIG))).topology(32)
+    assert (topo.num_nodes, topo.gpus_per_node, topo.num_rails) == (4, 8, 8)
+    with pytest.raises(ValueError, match="world size|EP|does not match|expects"):
+        config_from_args(argparse.Namespace(railwave_config=str(GLM_CONFIG))).topology(16)
+
+
+def test_railwave_args_parse_with_megatron_lm_parser():
+    out = _run_python("""
+        import json, sys
+        from tests.shims import apply_megatron_cpu_shims
+        apply_megatron_cpu_shims()
+        from megatron.training import arguments
+        from megatron_railwave.plugin import add_railwave_args, config_from_args
+        sys.argv = ["pretrain_gpt_railwave.py", "--moe-token-dispatcher-type", "railwave",
+                    "--railwave-config", "configs/railwave/glm45_air_h800.yaml", "--railwave-path", "rail"]
+        args = arguments.parse_args(extra_args_provider=add_railwave_args)
+        cfg = config_from_args(args)
+        print(json.dumps({"type": args.moe_token_dispatcher_type, "path": cfg.path, "cluster": cfg.cluster}))
+    """)
+    assert out == {"type": "railwave", "path": "rail", "cluster": "configs/clusters/h800_4x8.yaml"}
+
+
+def test_glm45_air_launcher_flags_validate_with_megatron_lm():
+    """Every flag of examples/launch_glm45_air.sh parses and validates (Megatron-LM's
+    validate_args, world size 32) and gives a TransformerConfig RailWave supports."""
+    env = {**os.environ, "RAILWAVE_PRINT_ARGS": "1"}
+    flags = subprocess.run(["bash", str(LAUNCHER)], env=env, capture_output=True, text=True, check=True,
+                           timeout=30).stdout.splitlines()
+    assert flags[flags.index("--moe-token-dispatcher-type") + 1] == "railwave"
+    out = _run_python(f"""
+        import json, sys, torch
+        from tests.shims import apply_megatron_cpu_shims
+        apply_megatron_cpu_shims()
+        # CPU stand-ins for checks validate_args and TransformerConfig make against the GPU: an
+        # H800 is sm_90, and RoPE fusion needs Transformer Engine.
+        torch.cuda.get_device_capability = lambda device=None: (9, 0)
+        from megatron.training import arguments
+        from megatron.training.argument_utils import core_transformer_config_from_args
+        from megatron_railwave.dispatcher import check_supported
+        from megatron_railwave.plugin import add_railwave_args, config_from_args
+        sys.argv = ["pretrain_gpt_railwave.py"] + {flags!r} + ["--no-rope-fusion"]
+        args = arguments.parse_args(extra_args_provider=add_railwave_args)
+        arguments.validate_args(args, {{}})
+        tc = core_transformer_config_from_args(args)
+        check_supported(tc)
+        topo = config_from_args(args).topology(args.expert_model_parallel_size)
+        print(json.dumps({{"ep": args.expert_model_parallel_size, "layers": tc.num_layers,
+                          "moe_layers": sum(tc.moe_layer_freq), "experts": tc.num_moe_experts,
+                          "topk": tc.moe_router_topk, "hidden": tc.hidden_size,
+                          "moe_ffn": tc.moe_ffn_hidden_size, "score": tc.moe_router_score_function,
+                          "bias": tc.moe_router_enable_expert_bias,
+                          "shared": tc.moe_shared_expert_intermediate_size,
+                          "dispatcher": tc.moe_token_dispatcher_type,
+                          "topo": [topo.num_nodes, topo.gpus_per_node]}}))
+    """, env={"WORLD_SIZE": "32", "RANK": "0", "LOCAL_WORLD_SIZE": "8"})
+    assert out == {"ep": 32, "layers": 46, "moe_layers": 45, "experts": 128, "topk": 8, "hidden": 4096,
+                   "moe_ffn": 1408, "score": "sigmoid", "bias": True, "shared": 1408,
+                   "dispatcher": "railwave", "topo": [4, 8]}
+
+
+def test_install_is_idempotent_replaces_config_and_uninstall_restores():
+    out = _run_python("""
+        import datetime, json, os
+        import torch, torch.distributed as dist
+        from tests.shims import apply_megatron_cpu_shims
+        apply_megatron_cpu_shims()
+        from megatron.core import parallel_state
+        from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
+        from megatron.core.process_groups_config import ProcessGroupCollection
+        from megatron.core.transformer.moe import moe_layer
+        from megatron.core.transformer.transformer_config import TransformerConfig
+        import megatron_railwave
+        from megatron_railwave.plugin import installed_config, uninstall
+
+        store = dist.HashStore()
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+        parallel_state.initialize_model_parallel(1, expert_model_parallel_size=1)
+        pgs = ProcessGroupCollection.use_mpu_process_groups()
+
+        def build():
+            cfg = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2, ffn_hidden_size=8,
+                                    num_moe_experts=2, moe_router_topk=2, moe_token_dispatcher_type="railwave",
+                                    use_cpu_initialization=True, add_bias_linear=False, moe_grouped_gemm=False,
+                                    bias_activation_fusion=False, gradient_accumulation_fusion=False)
+            spec = get_moe_module_spec(use_te=False, num_experts=2, moe_grouped_gemm=False)
+            return spec(config=cfg, layer_number=1, pg_collection=pgs), cfg
+
+        original = moe_layer.MoELayer.__init__
+        res = {"before": installed_config() is None}
+        first = megatron_railwave.install({"path": "native", "gpus_per_node": 1})
+        wrapped = moe_layer.MoELayer.__init__
+        layer, cfg = build()
+        res["first"] = [type(layer.token_dispatcher).__name__, layer.token_dispatcher.railwave.path,
+                        cfg.moe_token_dispatcher_type]
+        second = megatron_railwave.install({"path": "joint", "gpus_per_node": 1})
+        res["same_wrapper"] = moe_layer.MoELayer.__init__ is wrapped and wrapped is not original
+        res["active"] = installed_config() == second and second != first
+        layer, _ = build()
+        res["second"] = layer.token_dispatcher.railwave.path
+        uninstall()
+        res["restored"] = moe_layer.MoELayer.__init__ is original and installed_config() is None
+        try:
+            build()
+            res["after"] = "built"
+        except ValueError as exc:
+            res["after"] = str(exc)
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+        print(json.dumps(res))
+    """)
+    assert out["before"]
+    assert out["first"] == ["RailWaveTokenDispatcher", "native", "railwave"]
+    assert out["same_wrapper"] and out["active"]
+    assert out["second"] == "joint"  # layers built after the second install see its config
+    assert out["restored"]
+    assert "railwave" in out["after"]  # Megatron itself rejects the unknown type again
