@@ -55,7 +55,6 @@ sizes is the slow case; see bench_engine.py.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
