@@ -3,20 +3,20 @@
 Shape letters: L links, F flows, H hops per flow (padded), Q phases, S samples.
 
 `simulate` runs a `FlowSet` on a `Network` under a `PhaseGraph` of start conditions and an
-`IncastModel` (receiver-port goodput and per-phase latency); see `maxmin` for the algorithm
-and `incast` for the stated penalty. `simgrid_check` (run by the system python3) replays a
+`IncastModel` (receiver-port goodput and per-phase latency); see `maxmin` for the algorithm,
+`problem` for the input and output types and `incast` for the stated penalty. `simgrid_check` (run by the system python3) replays a
 flow set in SimGrid for cross-checks; `bench_engine` times the engine.
 """
 
 from megatron_railwave.netmodel.incast import IncastModel, alpha_from_slowdowns, fit_incast_alpha
-from megatron_railwave.netmodel.maxmin import (
+from megatron_railwave.netmodel.maxmin import simulate
+from megatron_railwave.netmodel.problem import (
     FlowSet,
     Network,
     PhaseGraph,
     SimResult,
     TraceSegment,
     links_from_csr,
-    simulate,
 )
 
 __all__ = [
