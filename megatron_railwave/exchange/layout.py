@@ -17,7 +17,7 @@ import torch
 
 from ..planner import PathPlan, RankSplits, RecordRoutes
 
-__all__ = ["OwnerLayout", "owner_layout"]
+__all__ = ["OwnerLayout", "owner_layout", "DeliveryLayout", "delivery_layout"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -79,3 +79,51 @@ def owner_layout(plan: PathPlan, splits: RankSplits, routes: RecordRoutes, node:
         egress_perm=egress_perm,
         egress_counts_N=egress_counts.tolist(),
     )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DeliveryLayout:
+    """Stage-3 index maps of the arrival GPU (this rank), from the global counts alone.
+
+    Attributes:
+        deliver_idx: per round, per target GPU j, [n_vj] int64 indices into that round's
+            arrivals (local records first in round 0, then each source node ascending).
+        arrivals: per round, records arriving at this GPU.
+        arrival_masks: per round, [arrivals] int64 target masks (for internal checks).
+        local_arrivals: this rank's records for its own node (head of round 0).
+    """
+
+    deliver_idx: list[list[torch.Tensor]]
+    arrivals: list[int]
+    arrival_masks: list[torch.Tensor]
+    local_arrivals: int
+
+
+def delivery_layout(plan: PathPlan, demand, routes: RecordRoutes, owner: OwnerLayout, num_rounds: int,
+                    node: int, local: int) -> DeliveryLayout:
+    """Which arriving record goes to which local GPU, per round. Host sync: no (CPU only)."""
+    from ..planner import arrival_mask_counts_NGM
+
+    topo = plan.topology
+    n, g = topo.num_nodes, topo.gpus_per_node
+    m = 1 << g
+    counts_NGM = arrival_mask_counts_NGM(plan, demand, node, local)
+    mask_ids = torch.arange(m, dtype=torch.int64).repeat(g)
+    local_masks = routes.mask_R[owner.local_idx]
+    wave_of_src = plan.pair_wave_NN[:, node].tolist()
+    per_round: list[list[torch.Tensor]] = [[] for _ in range(num_rounds)]
+    per_round[0].append(local_masks)
+    for src in range(n):
+        if src == node:
+            continue
+        per_round[wave_of_src[src]].append(torch.repeat_interleave(mask_ids, counts_NGM[src].flatten()))
+    deliver_idx, arrivals, masks_out = [], [], []
+    bits = torch.arange(g, dtype=torch.int64)
+    for parts in per_round:
+        masks = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
+        hit = ((masks.unsqueeze(1) >> bits) & 1).bool()  # [arrivals, G]
+        deliver_idx.append([torch.nonzero(hit[:, j]).squeeze(1) for j in range(g)])
+        arrivals.append(int(masks.numel()))
+        masks_out.append(masks)
+    return DeliveryLayout(deliver_idx=deliver_idx, arrivals=arrivals, arrival_masks=masks_out,
+                          local_arrivals=int(owner.local_idx.numel()))

@@ -16,34 +16,17 @@ path gives bitwise-identical sums).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 
 from ..planner import PathPlan, RankSplits
 from .groups import RailGroups
-from .layout import OwnerLayout
+from .layout import DeliveryLayout, OwnerLayout
 from .p2p import PendingExchange, start_exchange
 
-__all__ = ["MoveState", "dispatch_move", "combine_move", "META_MASK_COL"]
+__all__ = ["dispatch_move", "combine_move", "META_MASK_COL"]
 
 META_MASK_COL = 2
 """Column of the target mask in the int64 record metadata [src_rank, token, mask, ...]."""
-
-
-@dataclass(kw_only=True, slots=True)
-class MoveState:
-    """What dispatch learned on the way (the stage-3 index maps), reused by combine.
-
-    Attributes:
-        deliver_idx: per round, per target GPU j, [n_vj] int64 indices into that round's arrivals.
-        arrivals: per round, number of records arriving at this GPU (local part included).
-        local_arrivals: records of this rank's own node (arrivals of round 0, first).
-    """
-
-    deliver_idx: list[list[torch.Tensor]] = field(default_factory=list)
-    arrivals: list[int] = field(default_factory=list)
-    local_arrivals: int = 0
 
 
 def _rail_link(plan: PathPlan, node: int, local: int):
@@ -66,17 +49,18 @@ def dispatch_move(
     splits: RankSplits,
     owner: OwnerLayout,
     groups: RailGroups,
-    state: MoveState,
-    mask_from: int | None,
+    delivery: DeliveryLayout,
+    check_masks_from: int | None = None,
     timeout_s: float | None = None,
 ) -> list[torch.Tensor]:
     """Move per-record tensors from their owner to every target GPU.
 
     Args:
         tensors: each [n_rec, ...] in canonical record order (rank-local).
-        mask_from: index of the int64 metadata tensor whose column ``META_MASK_COL`` holds the
-            target mask; the stage-3 index maps are then built into ``state``. None reuses
-            ``state`` (the backward of combine).
+        delivery: stage-3 index maps (``layout.delivery_layout``, from the counts alone).
+        check_masks_from: index of an int64 metadata tensor whose column ``META_MASK_COL`` holds
+            the target masks; on CPU they are checked against the masks the plan predicts
+            (an internal invariant; skipped on GPU to avoid a device sync).
 
     Returns:
         Per tensor, [n_copy, ...]: copies received, ordered by round, then sending local GPU.
@@ -84,11 +68,6 @@ def dispatch_move(
     topo = plan.topology
     n, g = topo.num_nodes, topo.gpus_per_node
     node, me = groups.node, groups.local
-    build = mask_from is not None
-    if build:
-        state.deliver_idx.clear()
-        state.arrivals.clear()
-
     # Stage 1: relay surplus records to their proxies.
     send1 = [[t[idx] for idx in owner.relay_idx_G] for t in tensors]
     recv1 = start_exchange(send1, splits.relay_recv_G, group=groups.node_group, self_index=me).wait()
@@ -97,7 +76,6 @@ def dispatch_move(
         pool = torch.cat([t[owner.keep_idx]] + [recv1[i][o] for o in range(g) if o != me])
         egress.append(pool[owner.egress_perm].split(owner.egress_counts_N))
     local_part = [t[owner.local_idx] for t in tensors]
-    state.local_arrivals = int(owner.local_idx.numel())
 
     num_waves = plan.num_waves
     wave_of_dest = plan.pair_wave_NN[node].tolist()
@@ -119,18 +97,13 @@ def dispatch_move(
             parts = [local_part[i]] if rnd == 0 else []
             parts += [received[i][s] for s in range(len(received[i])) if s != node] if received[i] else []
             arrivals.append(torch.cat(parts) if parts else local_part[i][:0])
-        if build:
-            masks = arrivals[mask_from][:, META_MASK_COL]
-            idx = [torch.nonzero((masks >> j) & 1).squeeze(1) for j in range(g)]
-            sizes = [int(x.numel()) for x in idx]
-            if sizes != splits.deliver_send_VG[rnd]:
+        if check_masks_from is not None and arrivals[check_masks_from].device.type == "cpu":
+            got = arrivals[check_masks_from][:, META_MASK_COL]
+            if not torch.equal(got, delivery.arrival_masks[rnd]):
                 raise RuntimeError(
-                    f"internal: delivery sizes {sizes} differ from plan {splits.deliver_send_VG[rnd]} "
-                    f"on node {node} GPU {me} round {rnd}"
-                )
-            state.deliver_idx.append(idx)
-            state.arrivals.append(int(masks.numel()))
-        idx = state.deliver_idx[rnd]
+                    f"internal: arriving records on node {node} GPU {me} round {rnd} do not match "
+                    "the plan's predicted masks")
+        idx = delivery.deliver_idx[rnd]
         send3 = [[a[ix] for ix in idx] for a in arrivals]
         recv3 = start_exchange(send3, splits.deliver_recv_VG[rnd], group=groups.node_group,
                                self_index=me).wait()
@@ -146,7 +119,7 @@ def combine_move(
     splits: RankSplits,
     owner: OwnerLayout,
     groups: RailGroups,
-    state: MoveState,
+    delivery: DeliveryLayout,
     num_records: int,
     timeout_s: float | None = None,
 ) -> list[torch.Tensor]:
@@ -187,15 +160,15 @@ def combine_move(
         send3 = [[pieces[i][base + j] for j in range(g)] for i in range(len(tensors))]
         recv3 = start_exchange(send3, splits.deliver_send_VG[rnd], group=groups.node_group,
                                self_index=me).wait()
-        idx = torch.cat(state.deliver_idx[rnd])
+        idx = torch.cat(delivery.deliver_idx[rnd])
         summed = []
         for i, t in enumerate(tensors):
-            acc = t.new_zeros((state.arrivals[rnd], *t.shape[1:]))
+            acc = t.new_zeros((delivery.arrivals[rnd], *t.shape[1:]))
             # index_add_ walks the index in order: copies from GPU 0, then 1, ... (fixed order).
             summed.append(acc.index_add_(0, idx, torch.cat(recv3[i])))
         if rnd == 0:
-            local_part = [s[: state.local_arrivals] for s in summed]
-            summed = [s[state.local_arrivals:] for s in summed]
+            local_part = [s[: delivery.local_arrivals] for s in summed]
+            summed = [s[delivery.local_arrivals:] for s in summed]
         # Stage 2 backwards: return each source node's records on this rail.
         finish_wave()
         pending = None

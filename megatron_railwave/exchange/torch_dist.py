@@ -31,8 +31,8 @@ from ..planner import PathPlan, PlanOptions, RankSplits, RecordRoutes, build_pla
 from ..topology import RailTopology
 from ..traffic import DemandCounts, target_masks
 from .groups import RailGroups
-from .layout import OwnerLayout, owner_layout
-from .moves import MoveState, combine_move, dispatch_move
+from .layout import DeliveryLayout, OwnerLayout, delivery_layout, owner_layout
+from .moves import combine_move, dispatch_move
 
 __all__ = ["ExchangeHandle", "DispatchOutput", "TorchDistExchange", "InputError"]
 
@@ -54,7 +54,7 @@ class ExchangeHandle:
         splits: this rank's split sizes.
         routes: this rank's records (canonical order).
         owner: index maps of stages 1-2.
-        state: index maps of stage 3, filled during dispatch.
+        delivery: index maps of stage 3.
         copy_of_entry: [n_ent] int64, the received copy each entry came from.
         num_tokens: T of this rank.
     """
@@ -63,7 +63,7 @@ class ExchangeHandle:
     splits: RankSplits
     routes: RecordRoutes
     owner: OwnerLayout
-    state: MoveState
+    delivery: DeliveryLayout
     copy_of_entry: torch.Tensor
     num_copies: int
     num_tokens: int
@@ -87,22 +87,22 @@ class DispatchOutput:
 class _Context:
     """Carries the handle pieces into the autograd functions (not a tensor)."""
 
-    __slots__ = ("exchange", "plan", "splits", "owner", "state", "num_records")
+    __slots__ = ("exchange", "plan", "splits", "owner", "delivery", "num_records")
 
     def __init__(self, exchange: TorchDistExchange, plan: PathPlan, splits: RankSplits,
-                 owner: OwnerLayout, state: MoveState, num_records: int) -> None:
+                 owner: OwnerLayout, delivery: DeliveryLayout, num_records: int) -> None:
         self.exchange, self.plan, self.splits = exchange, plan, splits
-        self.owner, self.state, self.num_records = owner, state, num_records
+        self.owner, self.delivery, self.num_records = owner, delivery, num_records
 
     def kwargs(self) -> dict:
-        return dict(plan=self.plan, splits=self.splits, owner=self.owner,
-                    groups=self.exchange.groups, state=self.state, timeout_s=self.exchange.timeout_s)
+        return dict(plan=self.plan, splits=self.splits, owner=self.owner, groups=self.exchange.groups,
+                    delivery=self.delivery, timeout_s=self.exchange.timeout_s)
 
 
 class _DispatchFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, payload_R, probs_R, meta_R, hctx: _Context):  # type: ignore[override]
-        out = dispatch_move([payload_R, probs_R, meta_R], mask_from=2, **hctx.kwargs())
+        out = dispatch_move([payload_R, probs_R, meta_R], check_masks_from=2, **hctx.kwargs())
         ctx.hctx = hctx
         ctx.mark_non_differentiable(out[2])
         return out[0], out[1], out[2]
@@ -124,7 +124,7 @@ class _CombineFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_records):  # type: ignore[override]
         hctx: _Context = ctx.hctx
-        return dispatch_move([g_records.contiguous()], mask_from=None, **hctx.kwargs())[0], None
+        return dispatch_move([g_records.contiguous()], **hctx.kwargs())[0], None
 
 
 class TorchDistExchange:
@@ -239,8 +239,13 @@ class TorchDistExchange:
         routes = route_records(plan, rank, target_masks(routing_map, self.topo))
         splits = rank_splits(plan, demand, rank)
         owner = owner_layout(plan, splits, routes, self.groups.node, self.groups.local)
-        state = MoveState()
-        hctx = _Context(self, plan, splits, owner, state, int(routes.token_R.numel()))
+        delivery = delivery_layout(plan, demand, routes, owner, splits.num_rounds,
+                                   self.groups.node, self.groups.local)
+        sizes = [[int(ix.numel()) for ix in rnd] for rnd in delivery.deliver_idx]
+        if sizes != splits.deliver_send_VG:
+            raise RuntimeError(f"internal: delivery sizes {sizes} differ from plan {splits.deliver_send_VG} "
+                               f"on EP rank {rank}")
+        hctx = _Context(self, plan, splits, owner, delivery, int(routes.token_R.numel()))
 
         t = hidden.shape[0]
         payload_R = hidden.index_select(0, routes.token_R.to(hidden.device))
@@ -260,7 +265,7 @@ class TorchDistExchange:
         first = self.groups.local * self.experts_per_rank
         entry_probs = probs_C[copy_idx, first + expert_idx]
         tokens_per_expert = torch.bincount(expert_idx, minlength=self.experts_per_rank).cpu()
-        handle = ExchangeHandle(plan=plan, splits=splits, routes=routes, owner=owner, state=state,
+        handle = ExchangeHandle(plan=plan, splits=splits, routes=routes, owner=owner, delivery=delivery,
                                 copy_of_entry=copy_idx, num_copies=int(meta_C.shape[0]),
                                 num_tokens=t)
         return DispatchOutput(tokens=tokens, tokens_per_expert=tokens_per_expert,
@@ -278,7 +283,7 @@ class TorchDistExchange:
         Returns:
             [T, H], the sum over a token's experts (canonical order, see module docstring).
         """
-        hctx = _Context(self, handle.plan, handle.splits, handle.owner, handle.state,
+        hctx = _Context(self, handle.plan, handle.splits, handle.owner, handle.delivery,
                         int(handle.routes.token_R.numel()))
         y_copies = expert_out.new_zeros((handle.num_copies, expert_out.shape[1]))
         # index_add walks entries in (expert, source, token) order: experts ascending per copy.

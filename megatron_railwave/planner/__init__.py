@@ -7,7 +7,8 @@ on every rank; nothing here communicates.
 from .paths import EligiblePolicy, Path, parse_path
 from .plan import PathPlan, PlanOptions, build_plan
 from .railbalance import eligible_NNG, healthy_gpus_NG, rail_quota_NNG, relay_NNGG
-from .routes import RankSplits, RecordRoutes, delivery_copies_NGG, rank_splits, route_records
+from .routes import (RankSplits, RecordRoutes, arrival_mask_counts_NGM, delivery_copies_NGG, rank_splits,
+                     route_records)
 from .waves import WaveSchedule, all_at_once, bounded_fanin_schedule, cyclic_schedule, schedule_from_windows
 
 __all__ = [
@@ -24,6 +25,7 @@ __all__ = [
     "RankSplits",
     "RecordRoutes",
     "delivery_copies_NGG",
+    "arrival_mask_counts_NGM",
     "rank_splits",
     "route_records",
     "WaveSchedule",

@@ -24,7 +24,8 @@ from ..traffic import DemandCounts, mask_bits
 from .plan import PathPlan
 from .railbalance import surplus_deficit_bounds
 
-__all__ = ["RecordRoutes", "route_records", "delivery_copies_NGG", "RankSplits", "rank_splits"]
+__all__ = ["RecordRoutes", "route_records", "delivery_copies_NGG", "arrival_mask_counts_NGM",
+           "RankSplits", "rank_splits"]
 
 
 def _stable_order(key_R: torch.Tensor, num_keys: int) -> torch.Tensor:
@@ -129,6 +130,30 @@ def delivery_copies_NGG(plan: PathPlan, demand: DemandCounts, dest_node: int) ->
     eye = torch.eye(g, dtype=torch.bool).view(1, g, g, 1)
     copies = torch.where(eye, f_NGPG[:, :, :1, :], copies)  # kept part: F(keep) - F(0)
     return copies.sum(dim=1).to(torch.int64)
+
+
+def arrival_mask_counts_NGM(plan: PathPlan, demand: DemandCounts, dest_node: int, arrive_gpu: int) -> torch.Tensor:
+    """[N_src, G_owner, M] int64: records of owner (s, g) that arrive at GPU (dest_node, l), by mask.
+
+    On the arrival GPU the records of one source node come in egress-buffer order: owner g
+    ascending, then mask ascending (each owner's list is mask-sorted and its part for egress l is
+    one contiguous interval of it). So the mask of every arriving record follows from these
+    counts, and the delivery index maps need no look at the data (no device sync).
+    For s == dest_node the "arrival" is the owner itself (local records, l == g only).
+    """
+    n, g = plan.topology.num_nodes, plan.topology.gpus_per_node
+    l = arrive_gpu
+    hist = demand.records_WNM[:, dest_node, :].reshape(n, g, -1)  # [s, owner, m]
+    keep, s_lo, s_hi, d_lo, d_hi = surplus_deficit_bounds(plan.records_NNG[:, dest_node, :],
+                                                          plan.quota_NNG[:, dest_node, :])
+    moved = (torch.minimum(s_hi.unsqueeze(-1), d_hi.unsqueeze(-2))
+             - torch.maximum(s_lo.unsqueeze(-1), d_lo.unsqueeze(-2))).clamp_(min=0)  # [s, g, l']
+    start = keep + moved[:, :, :l].sum(dim=-1)  # [s, g]
+    a = torch.where(torch.arange(g) == l, 0, start)
+    b = torch.where(torch.arange(g) == l, keep, start + moved[:, :, l])
+    c_hi = hist.cumsum(dim=-1)
+    c_lo = c_hi - hist
+    return (torch.minimum(b.unsqueeze(-1), c_hi) - torch.maximum(a.unsqueeze(-1), c_lo)).clamp_(min=0)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
