@@ -315,6 +315,9 @@ class ValidationResult:
         """Switches away from JOINT and their gains, worst selected/best ratio."""
         switches = [r for r in self.rows if r.selected != Path.JOINT]
         worst = max(self.rows, key=lambda r: r.ratio_to_best) if self.rows else None
+        totals = {str(p): sum(r.median_s[p] for r in self.rows) for p in ALL_PATHS}
+        policy = min(totals, key=totals.get) if self.rows else str(Path.JOINT)
+        selected_total = sum(r.selected_s for r in self.rows)
         return {
             "num_requests": len(self.rows),
             "num_switches": len(switches),
@@ -326,6 +329,12 @@ class ValidationResult:
             "num_over_tolerance": sum(r.ratio_to_best > 1 + tolerance for r in self.rows),
             "tolerance": tolerance,
             "num_best_not_joint": sum(r.best != Path.JOINT for r in self.rows),
+            "total_selected_s": selected_total,
+            "total_fixed_s": totals,
+            "best_fixed_policy": policy,
+            "selected_vs_best_policy": selected_total / totals[policy] if self.rows and totals[policy] > 0 else 1.0,
+            "selected_vs_joint_policy": (selected_total / totals[str(Path.JOINT)]
+                                         if self.rows and totals[str(Path.JOINT)] > 0 else 1.0),
         }
 
     def to_dict(self) -> dict[str, Any]:

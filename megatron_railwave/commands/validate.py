@@ -115,8 +115,8 @@ def run(args: argparse.Namespace) -> int:
         out["bench"] = bench
         _render.print_text(
             f"selector decision cost: {bench['us_per_decision']:.2f} us per layer ({bench['num_anchors']} "
-            f"anchors; descriptors to path, median of 5 x {bench['repeats']} calls, one CPU thread); "
-            f"descriptors from gathered counts: {bench['us_per_descriptors']:.1f} us")
+            f"anchors, median of 5 x {bench['repeats']} calls, 1 thread); "
+            f"descriptors from counts: {bench['us_per_descriptors']:.0f} us")
     if args.backend is not None:
         backend = calibration.make_backend(args.backend, topo)
         result = calibration.validate(backend, selector, requests, topo, warmups=args.warmups,
@@ -136,7 +136,9 @@ def run(args: argparse.Namespace) -> int:
             f"{s['num_switches']} of {s['num_requests']} switched away from JOINT (gains {gains}); "
             f"{s['num_fallback_joint']} fell back to JOINT; worst selected/best = "
             f"{s['worst_ratio_to_best']:.3f} ({s['worst_request']}); "
-            f"{s['num_over_tolerance']} over {1 + s['tolerance']:.2f}x best")
+            f"{s['num_over_tolerance']} over {1 + s['tolerance']:.2f}x best; total vs always-"
+            f"{s['best_fixed_policy']} (best fixed policy) {s['selected_vs_best_policy']:.3f}, vs always-joint "
+            f"{s['selected_vs_joint_policy']:.3f}")
     if args.json:
         _common.write_json(args.json, out)
     return 0
