@@ -111,7 +111,7 @@ def _inclusion_WE(log_w_WE: np.ndarray, topk: int) -> np.ndarray:
     """Rosen's approximation of per-rank inclusion probabilities (rows sum to K)."""
     w = np.exp(log_w_WE - log_w_WE.max(axis=1, keepdims=True))
     lo, hi = np.full(w.shape[0], 1e-12), np.full(w.shape[0], 1e12)
-    for _ in range(80):  # geometric bisection on lambda, vectorised over ranks
+    for _ in range(50):  # geometric bisection on lambda (1e-12..1e12), vectorised over ranks
         mid = np.sqrt(lo * hi)
         low = (1.0 - np.exp(-mid[:, None] * w)).sum(axis=1) < topk
         lo, hi = np.where(low, mid, lo), np.where(low, hi, mid)
@@ -127,7 +127,7 @@ def _popularity_scale(z_E: np.ndarray, bonus_WE: np.ndarray, topk: int, target: 
     lo, hi = 0.0, 8.0
     if ratio(hi) < target:  # unreachable target (e.g. K close to E): take the largest scale
         return hi
-    for _ in range(30):
+    for _ in range(24):  # 8 / 2**24: far below the sampling noise
         mid = 0.5 * (lo + hi)
         lo, hi = (mid, hi) if ratio(mid) < target else (lo, mid)
     return 0.5 * (lo + hi)

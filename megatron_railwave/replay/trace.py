@@ -199,12 +199,14 @@ def _encode(ids: np.ndarray, num_experts: int) -> tuple[str, np.ndarray]:
 
 def _decode(encoding: str, data: np.ndarray, source: str) -> np.ndarray:
     if encoding == "delta":
-        values = np.cumsum(data.astype(np.int32), axis=-1) - 1
-        return np.where(data == 0, NO_EXPERT, values).astype(np.int16)
+        ids = (np.cumsum(data.astype(np.int32), axis=-1) - 1).astype(np.int16)
+        ids[data == 0] = NO_EXPERT
+        return ids
     if encoding == "raw":
+        ids = data.astype(np.int16)
         if data.dtype == np.uint8:
-            return np.where(data == 255, NO_EXPERT, data).astype(np.int16)
-        return data.astype(np.int16)
+            ids[data == 255] = NO_EXPERT
+        return ids
     raise TraceFormatError(f"{source}: unknown layer encoding {encoding!r}; expected 'delta' or 'raw'")
 
 
