@@ -53,6 +53,7 @@ __all__ = [
     "synthetic_requests",
     "resampled_requests",
     "glm_requests",
+    "ARRANGEMENTS",
     "calibration_requests",
     "validation_requests",
 ]
@@ -371,11 +372,38 @@ def _default_experts(topo: RailTopology) -> int:
     return topo.world_size * max(1, 128 // topo.world_size)
 
 
+ARRANGEMENTS = ("none", "ring", "moderate", "extreme")
+"""Sending arrangements of a request: 'none' = all node pairs at once (what a training step
+sends), else the replay's RING / MODERATE / EXTREME windows (``replay.arrange``)."""
+
+
+def _variants(name: str, demand: Any, topo: RailTopology, *, arrangements: Sequence[str],
+              payload_scales: Sequence[float], record_bytes: int, meta: dict[str, Any]) -> list[ReplayRequest]:
+    """``demand`` under every arrangement at every payload scale."""
+    out = []
+    for arr in arrangements:
+        if arr not in ARRANGEMENTS:
+            raise ValueError(f"arrangement {arr!r} is unknown; choose from {list(ARRANGEMENTS)}")
+        windows = None
+        arranged = demand
+        if arr != "none":
+            from .replay import arrange
+
+            arranged, windows = arrange(demand, arr, topo)
+        base = arranged.records_NGN()
+        for scale in payload_scales:
+            out.append(ReplayRequest(name=f"{name}-{arr}-x{scale:g}", records_NGN=_scaled(base, scale),
+                                     record_bytes=record_bytes, windows=windows,
+                                     meta={**meta, "arrangement": arr, "scale": float(scale)}))
+    return out
+
+
 def synthetic_requests(topo: RailTopology, *, families: Sequence[int], payload_scales: Sequence[float],
                        record_bytes: int, tokens: int = 1024, num_experts: int | None = None,
-                       topk: int = 8) -> list[ReplayRequest]:
+                       topk: int = 8, arrangements: Sequence[str] = ("none",)) -> list[ReplayRequest]:
     """Requests from ``replay.synthetic_routing_maps``: one routing per family seed (its own
-    locality and hot-expert ratio, so rho_g varies), each at every payload scale (counts x scale).
+    locality and hot-expert ratio, so rho_g varies), under each arrangement at every payload scale
+    (counts x scale).
     """
     from .replay import synthetic_routing_maps
     from .traffic import DemandCounts
@@ -387,34 +415,26 @@ def synthetic_requests(topo: RailTopology, *, families: Sequence[int], payload_s
         locality, hot = float(rng.uniform(0.0, 8.0)), float(rng.uniform(2.0, 10.0))
         maps = synthetic_routing_maps(topo, num_tokens=tokens, num_experts=num_experts, topk=topk,
                                       seed=int(fam), hot_ratio=hot, locality=locality)
-        base = DemandCounts.from_routing_maps(maps, topo).records_NGN()
-        for scale in payload_scales:
-            out.append(ReplayRequest(
-                name=f"syn{fam}-x{scale:g}", records_NGN=_scaled(base, scale), record_bytes=record_bytes,
-                meta={"workload": "synthetic", "family": int(fam), "scale": float(scale),
-                      "locality": locality, "hot_ratio": hot, "tokens": tokens}))
+        out += _variants(f"syn{fam}", DemandCounts.from_routing_maps(maps, topo), topo,
+                         arrangements=arrangements, payload_scales=payload_scales, record_bytes=record_bytes,
+                         meta={"workload": "synthetic", "family": int(fam), "locality": locality,
+                               "hot_ratio": hot, "tokens": tokens})
     return out
 
 
 def glm_requests(topo: RailTopology, *, layers: Sequence[int] | None, step: int, seed: int,
-                 payload_scales: Sequence[float], record_bytes: int,
-                 tokens: int = 1024) -> list[ReplayRequest]:
+                 payload_scales: Sequence[float], record_bytes: int, tokens: int = 1024,
+                 arrangements: Sequence[str] = ("none",)) -> list[ReplayRequest]:
     """Requests from the synthetic GLM-4.5-Air routing (``replay.glm``): layers at one step."""
-    try:
-        from .replay.glm import GlmAirWorkload, glm_air_demands
-    except ImportError:
-        raise ValueError("--workload glm needs megatron_railwave.replay.glm (GLM-4.5-Air replay), "
-                         "which this build does not have; use --workload synthetic") from None
+    from .replay import GlmAirWorkload, glm_air_demands
+
     work = GlmAirWorkload(num_tokens=tokens, seed=seed, step=step,
                           layers=tuple(layers) if layers else None)
     out = []
     for layer, demand in glm_air_demands(topo, work).items():
-        base = demand.records_NGN()
-        for scale in payload_scales:
-            out.append(ReplayRequest(
-                name=f"glm{seed}-s{step}-l{layer}-x{scale:g}", records_NGN=_scaled(base, scale),
-                record_bytes=record_bytes,
-                meta={"workload": "glm", "layer": layer, "step": step, "seed": seed, "scale": float(scale)}))
+        out += _variants(f"glm{seed}-s{step}-l{layer}", demand, topo, arrangements=arrangements,
+                         payload_scales=payload_scales, record_bytes=record_bytes,
+                         meta={"workload": "glm", "layer": layer, "step": step, "seed": seed})
     return out
 
 
@@ -439,13 +459,15 @@ def resampled_requests(base: Sequence[ReplayRequest], *, count: int, seed: int,
 def calibration_requests(topo: RailTopology, settings: dict[str, Any], *, record_bytes: int) -> list[ReplayRequest]:
     """The requests that ``settings`` (``workload``, ``families`` or ``layers``, ``seed``,
     ``payload_scales``, ``tokens``) describe; stored in the anchors file for validation."""
-    scales = settings["payload_scales"]
+    scales, arrs = settings["payload_scales"], settings.get("arrangements", ("none",))
     if settings.get("workload", "synthetic") == "glm":
         return glm_requests(topo, layers=settings.get("layers"), step=0, seed=settings["seed"],
-                            payload_scales=scales, record_bytes=record_bytes, tokens=settings["tokens"])
+                            payload_scales=scales, record_bytes=record_bytes, tokens=settings["tokens"],
+                            arrangements=arrs)
     return synthetic_requests(topo, families=settings["families"], payload_scales=scales,
                               record_bytes=record_bytes, tokens=settings["tokens"],
-                              num_experts=settings.get("num_experts"), topk=settings.get("topk", 8))
+                              num_experts=settings.get("num_experts"), topk=settings.get("topk", 8),
+                              arrangements=arrs)
 
 
 def validation_requests(topo: RailTopology, settings: dict[str, Any], *, count: int, seed: int,
@@ -456,17 +478,20 @@ def validation_requests(topo: RailTopology, settings: dict[str, Any], *, count: 
     synthetic: half are resampled variants of the calibration requests, half come from routing
     families that calibration never saw, so both anchor reuse and the JOINT fallback are tested.
     """
-    scales = settings["payload_scales"]
+    scales, arrs = settings["payload_scales"], settings.get("arrangements", ("none",))
     if settings.get("workload", "synthetic") == "glm":
         reqs = glm_requests(topo, layers=settings.get("layers"), step=seed + 1, seed=settings["seed"],
-                            payload_scales=scales, record_bytes=record_bytes, tokens=settings["tokens"])
+                            payload_scales=scales, record_bytes=record_bytes, tokens=settings["tokens"],
+                            arrangements=arrs)
         rng = np.random.default_rng(seed)
         pick = sorted(rng.choice(len(reqs), size=min(count, len(reqs)), replace=False).tolist())
         return [reqs[i] for i in pick]
     seen = calibration_requests(topo, settings, record_bytes=record_bytes)
     near = resampled_requests(seen, count=count - count // 2, seed=seed)
-    fresh_families = [1_000_003 * (seed + 1) + i for i in range(max(1, (count // 2 + len(scales) - 1) // len(scales)))]
+    per_family = len(scales) * len(arrs)
+    fresh_families = [1_000_003 * (seed + 1) + i for i in range(max(1, -(-(count // 2) // per_family)))]
     fresh = synthetic_requests(topo, families=fresh_families, payload_scales=scales, record_bytes=record_bytes,
                                tokens=settings["tokens"], num_experts=settings.get("num_experts"),
-                               topk=settings.get("topk", 8))[: count // 2]
+                               topk=settings.get("topk", 8), arrangements=arrs)
+    fresh = [fresh[i] for i in np.random.default_rng([seed, 0xF8E5]).permutation(len(fresh))[: count // 2]]
     return near + fresh

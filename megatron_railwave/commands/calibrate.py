@@ -2,7 +2,9 @@
 
 Requests: ``--workload synthetic`` (``replay.synthetic_routing_maps``: ``--families`` routing seeds
 from ``--seed``, each with its own locality and hot-expert ratio) or ``--workload glm`` (synthetic
-GLM-4.5-Air layers at step 0), each at every ``--payload-scales`` factor (record counts x factor).
+GLM-4.5-Air layers at step 0), each under every ``--arrangements`` sending arrangement (none = all
+node pairs at once, as a training step sends; ring / moderate / extreme: ``replay.arrange``) at
+every ``--payload-scales`` factor (record counts x factor).
 Each request: ``--warmups`` discarded calls per path, ``--repeats`` interleaved rounds, medians.
 An anchor is kept when the fastest path is not JOINT, it and JOINT are repeatable
 (p90/p10 <= ``--max-spread``) and p90(best) <= (1 - ``--min-gain``) x p10(JOINT).
@@ -39,6 +41,14 @@ def _layers(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected layer numbers separated by commas, got {text!r}") from None
 
 
+def _arrangements(text: str) -> list[str]:
+    allowed = ("none", "ring", "moderate", "extreme")
+    values = [v.strip().lower() for v in text.split(",") if v.strip()]
+    if not values or any(v not in allowed for v in values):
+        raise argparse.ArgumentTypeError(f"expected some of {','.join(allowed)} separated by commas, got {text!r}")
+    return values
+
+
 def add_measure_args(parser: argparse.ArgumentParser, *, backend_required: bool = True) -> None:
     group = parser.add_argument_group("measurement")
     group.add_argument("--backend", choices=["netmodel", "testbed", "torchrun"], required=backend_required,
@@ -66,6 +76,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     group.add_argument("--layers", type=_layers, default=None, metavar="L,L",
                        help="glm: MoE layer numbers (default all 45)")
     group.add_argument("--seed", type=int, default=0, help="first family seed / glm seed (default 0)")
+    group.add_argument("--arrangements", type=_arrangements, default=["none", "ring", "moderate", "extreme"],
+                       metavar="A,A", help="sending arrangements: none (all pairs at once, as in training), "
+                       "ring, moderate, extreme (default all four)")
     group.add_argument("--payload-scales", type=parse_floats, default=[1.0, 2.0, 4.0, 8.0], metavar="X,X",
                        help="payload factors applied to every routing (default 1,2,4,8)")
     group.add_argument("--tokens", type=int, default=1024, metavar="T", help="tokens per GPU (default 1024)")
@@ -106,7 +119,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"need --max-spread >= 1 and 0 <= --min-gain < 1, got {args.max_spread}, {args.min_gain}")
     record_bytes = args.hidden * dtype_bytes(args.dtype)
     settings: dict[str, Any] = {"workload": args.workload, "seed": args.seed, "tokens": args.tokens,
-                                "payload_scales": list(args.payload_scales)}
+                                "payload_scales": list(args.payload_scales),
+                                "arrangements": list(args.arrangements)}
     if args.workload == "glm":
         settings["layers"] = args.layers
     else:

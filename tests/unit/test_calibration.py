@@ -175,6 +175,22 @@ def test_validation_requests_are_not_calibration_requests(requests):
     assert all(torch.equal(a.records_NGN, b.records_NGN) for a, b in zip(unseen, again))
 
 
+def test_requests_under_arrangements_carry_their_windows():
+    settings = {**SETTINGS, "families": [0], "payload_scales": [1.0], "arrangements": ["none", "ring", "extreme"]}
+    none, ring, extreme = calibration_requests(TOPO, settings, record_bytes=RECORD_BYTES)
+    assert [r.meta["arrangement"] for r in (none, ring, extreme)] == ["none", "ring", "extreme"]
+    assert none.windows is None and ring.windows.num_waves == extreme.windows.num_waves == 3
+    # Same per-GPU remote volume (arrangements only relabel destination nodes) ...
+    b = [calibration.request_stats(r, TOPO).B_mean_bytes for r in (none, ring, extreme)]
+    assert b[0] == b[1] == b[2]
+    # ... but receivers see 1 sender per window in RING, up to N - 1 = 3 in EXTREME.
+    kappa = [calibration.request_stats(r, TOPO).kappa for r in (ring, extreme)]
+    assert kappa[0] == pytest.approx(1.0) and kappa[1] > 2.0
+    # NATIVE keeps the arrangement's windows, PERM reorders into one-to-one waves.
+    assert request_plan(extreme, TOPO, Path.NATIVE).schedule == extreme.windows
+    assert request_plan(extreme, TOPO, Path.PERM).schedule.max_fanin() == 1
+
+
 @pytest.mark.parametrize("name", ["testbed", "torchrun"])
 def test_make_backend_pending_backends_say_so(name):
     with pytest.raises(ValueError, match=rf"--backend {name} is not available in this build"):
@@ -207,11 +223,11 @@ def test_calibrate_and_validate_cli_with_fake_backend(tmp_path, monkeypatch, cap
     cluster.write_text("name: tiny_4x2\nnum_nodes: 4\ngpus_per_node: 2\n")
     out, cal_json = tmp_path / "anchors.yaml", tmp_path / "cal.json"
     assert main(["calibrate", "--backend", "netmodel", "--cluster", str(cluster), "--out", str(out),
-                 "--families", "3", "--payload-scales", "1,4", "--tokens", "96", "--warmups", "1",
+                 "--families", "3", "--arrangements", "none,extreme", "--payload-scales", "1,4", "--tokens", "96", "--warmups", "1",
                  "--repeats", "2", "--no-progress", "--json", str(cal_json)]) == 0
     aset = load_anchors(out, RailTopology(num_nodes=4, gpus_per_node=2))
     cal = json.loads(cal_json.read_text())
-    assert len(cal["requests"]) == 6 and len(cal["anchors"]["anchors"]) == len(aset.anchors)
+    assert len(cal["requests"]) == 12 and len(cal["anchors"]["anchors"]) == len(aset.anchors)
     assert "kept" in capsys.readouterr().out
 
     val_json = tmp_path / "val.json"

@@ -32,7 +32,7 @@ EXPECTED_FLAGS = {
     ],
     "calibrate": [
         "--cluster", "--nodes", "--failed-rail", "--backend", "--warmups", "--repeats", "--no-progress", "--out",
-        "--workload", "--families", "--layers", "--seed", "--payload-scales", "--tokens", "--hidden", "--dtype",
+        "--workload", "--families", "--layers", "--seed", "--arrangements", "--payload-scales", "--tokens", "--hidden", "--dtype",
         "--max-spread", "--min-gain", "--json",
     ],
     "validate": [
