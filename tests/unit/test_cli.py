@@ -32,8 +32,8 @@ EXPECTED_FLAGS = {
     ],
     "calibrate": [
         "--cluster", "--nodes", "--failed-rail", "--backend", "--warmups", "--repeats", "--no-progress", "--out",
-        "--workload", "--families", "--layers", "--seed", "--arrangements", "--payload-scales", "--tokens", "--hidden", "--dtype",
-        "--max-spread", "--min-gain", "--json",
+        "--workload", "--families", "--layers", "--seed", "--arrangements", "--payload-scales", "--tokens",
+        "--hidden", "--dtype", "--max-spread", "--min-gain", "--json",
     ],
     "validate": [
         "--anchors", "--cluster", "--backend", "--warmups", "--repeats", "--no-progress", "--requests", "--seed",
