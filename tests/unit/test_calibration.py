@@ -223,8 +223,8 @@ def test_calibrate_and_validate_cli_with_fake_backend(tmp_path, monkeypatch, cap
     cluster.write_text("name: tiny_4x2\nnum_nodes: 4\ngpus_per_node: 2\n")
     out, cal_json = tmp_path / "anchors.yaml", tmp_path / "cal.json"
     assert main(["calibrate", "--backend", "netmodel", "--cluster", str(cluster), "--out", str(out),
-                 "--families", "3", "--arrangements", "none,extreme", "--payload-scales", "1,4", "--tokens", "96", "--warmups", "1",
-                 "--repeats", "2", "--no-progress", "--json", str(cal_json)]) == 0
+                 "--families", "3", "--arrangements", "none,extreme", "--payload-scales", "1,4", "--tokens", "96",
+                 "--warmups", "1", "--repeats", "2", "--no-progress", "--json", str(cal_json)]) == 0
     aset = load_anchors(out, RailTopology(num_nodes=4, gpus_per_node=2))
     cal = json.loads(cal_json.read_text())
     assert len(cal["requests"]) == 12 and len(cal["anchors"]["anchors"]) == len(aset.anchors)
