@@ -115,7 +115,7 @@ def alltoall_bytes(routing_maps: list[torch.Tensor], topo: RailTopology, rec: Re
     node_local = 0
     for rank, routing in enumerate(routing_maps):
         s, l = divmod(rank, g)
-        per_gpu = routing.view(routing.shape[0], n, g, -1).sum(dim=(0, 3))  # [d, j]
+        per_gpu = routing.reshape(routing.shape[0], n, g, routing.shape[1] // (n * g)).sum(dim=(0, 3))  # [d, j]
         remote = int(per_gpu.sum() - per_gpu[s].sum())
         send_NG[s, l] = remote
         node_local += int(per_gpu[s].sum() - per_gpu[s, l])
