@@ -30,8 +30,9 @@ share of a source goes to ``dest_NV[s, v]``. Two modes:
 Either way each rank keeps its remote total and its histogram of masks, hence of destination-local
 GPUs. On top-k ids (``arrange_topk_ids``), a token's remote experts keep their local index and move
 to the new node; "relabel" gives exactly the counts of ``arrange``, "even" rotates each token's
-windows by (token + rank) mod V, which balances windows in expectation (not per mask exactly), and
-never merges two records of a token. NATIVE and RAIL keep the arrangement's windows
+windows so that the tokens of a rank with the same set of remote windows cycle through all
+rotations (window shares equal within a few records, masks only in expectation), and never merges
+two records of a token. NATIVE and RAIL keep the arrangement's windows
 (``PlanOptions(windows=...)``); PERM and JOINT run the same demand in one-to-one waves.
 """
 
@@ -250,12 +251,35 @@ def arrange_topk_ids(
     remote = valid & (node != src)
     window = (node - src - 1) % n  # ring distance - 1, in 0..V-1 for remote experts
     if mode == "even":
-        rot = (np.arange(num_tokens).reshape(1, num_tokens, 1) + np.arange(world).reshape(world, 1, 1))
-        window = (window + rot) % (n - 1)
+        window = (window + _token_rotation(remote, window, n - 1)[:, :, None]) % (n - 1)
     new_node = dest_NV[np.broadcast_to(src, ids.shape), np.where(remote, window, 0)]
     out = np.where(remote, ids + (new_node - node) * per_node, ids)
     out = np.sort(np.where(out < 0, num_experts, out), axis=-1)
     return np.where(out == num_experts, -1, out).astype(np.int16), schedule
+
+
+def _token_rotation(remote_WTK: np.ndarray, window_WTK: np.ndarray, parts: int) -> np.ndarray:
+    """[W, T] window rotation of every token for mode "even".
+
+    Tokens of one rank that occupy the same set of windows form a class; the i-th token of a
+    class is rotated by (i + w) mod V, so each class spreads evenly over the windows and every
+    window's share of a rank is within (number of classes) records of equal.
+    """
+    world, num_tokens, _ = remote_WTK.shape
+    occupied_WTV = np.zeros((world, num_tokens, parts), dtype=bool)
+    w_idx, t_idx, k_idx = np.nonzero(remote_WTK)
+    occupied_WTV[w_idx, t_idx, window_WTK[w_idx, t_idx, k_idx]] = True
+    rows = np.concatenate([np.repeat(np.arange(world), num_tokens)[:, None],
+                           occupied_WTV.reshape(-1, parts)], axis=1)
+    _, group = np.unique(rows, axis=0, return_inverse=True)
+    group = group.ravel()
+    order = np.argsort(group, kind="stable")
+    sorted_group = group[order]
+    starts = np.flatnonzero(np.r_[True, sorted_group[1:] != sorted_group[:-1]])
+    position = np.empty_like(group)
+    position[order] = np.arange(group.size) - np.repeat(starts, np.diff(np.r_[starts, group.size]))
+    rot = position.reshape(world, num_tokens) + np.arange(world)[:, None]
+    return rot % parts
 
 
 def arrange_trace(
