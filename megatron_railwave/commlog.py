@@ -8,7 +8,8 @@ Two layouts (``RailWaveConfig.log_mode``):
 Records carry ``rank`` besides the ``LayerCommStats`` fields. On GPU the dispatch/combine times are
 CUDA events: a record waits in a small queue until its events have completed (checked without
 blocking on the next record), so logging never synchronises the device on the critical path;
-``flush``/``close`` (also run at interpreter exit) write what is left.
+``flush``/``close`` (also run at interpreter exit) write what is left; a record that arrives after
+``close`` reopens the file in append mode.
 """
 
 from __future__ import annotations
@@ -98,8 +99,7 @@ class JsonlStatsSink:
     def __call__(self, stats: LayerCommStats) -> None:
         if stats.step % self.interval or not self.writes:
             return
-        if self._closed:
-            raise RuntimeError(f"JsonlStatsSink for {str(self.path)!r} is closed")
+        self._closed = False  # a record after close reopens the file (append)
         self._pending.append(stats)
         # Write in order every record whose CUDA events are done; never wait here.
         while self._pending and self._pending[0].times_ready():

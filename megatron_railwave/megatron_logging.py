@@ -9,10 +9,14 @@ RailWave does the same with the tracker class, names ``railwave_<metric>``:
     (computed from the gathered counts, so already on the host) into per-layer sums: no device
     work and no host sync per layer. Dispatch/combine CUDA times wait in a queue until their
     events have completed (non-blocking check).
-  * ``report_railwave_metrics`` (called by the training loop once per step) turns the sums into
-    per-layer means, moves them into the tracker's entries (one copy per metric, on the device
-    Megatron's collectives need), and lets ``MoEMetricsTracker.report`` sync and write them at
-    ``log_interval``.
+  * ``report_railwave_metrics`` (called once per step) turns the sums into per-layer means, moves
+    them into the tracker's entries (one copy per metric, on the device Megatron's collectives
+    need), and lets ``MoEMetricsTracker.report`` sync and write them at ``log_interval``.
+  * ``attach_to_megatron_report`` (done by ``install``) hooks Megatron's own per-step MoE report
+    (``training_log`` calls ``get_moe_metrics_tracker().report`` every iteration with the writers):
+    right after it, ``report_railwave_metrics`` runs with the same writers, iteration,
+    ``per_layer_logging`` and layer counts, and its console string is appended to Megatron's.
+    A Megatron-LM job therefore needs no change to its training loop.
 
 The tracker is a RailWave-owned instance of Megatron's class, not Megatron's global one: that
 one's ``report`` zeroes every entry after writing only the names the training loop asks for, so
@@ -36,6 +40,8 @@ __all__ = [
     "get_railwave_metrics_tracker",
     "default_metrics_sink",
     "report_railwave_metrics",
+    "attach_to_megatron_report",
+    "detach_from_megatron_report",
 ]
 
 PREFIX = "railwave_"
@@ -230,3 +236,62 @@ def report_railwave_metrics(writer: Any, wandb_writer: Any, iteration: int, per_
                           per_layer_logging=per_layer_logging, track_names=names,
                           num_layers=num_layers, moe_layer_freq=moe_layer_freq,
                           mtp_num_layers=mtp_num_layers, pg_collection=pg_collection)
+
+
+def _megatron_log_interval() -> int:
+    try:
+        from megatron.training import get_args
+
+        return int(get_args().log_interval)
+    except Exception:  # noqa: BLE001 - no Megatron-LM args (Megatron-Core only, tests): every step
+        return 1
+
+
+def attach_to_megatron_report(*, log_interval: int | None = None,
+                              sink: MegatronMetricsSink | None = None) -> bool:
+    """Run ``report_railwave_metrics`` after every report of Megatron's global MoE tracker.
+
+    Args:
+        log_interval: write every this many iterations; default Megatron-LM's ``--log-interval``
+            (read at report time), else every iteration.
+        sink: the sums to report (default ``default_metrics_sink()``).
+
+    Returns:
+        True when the hook was added, False when it was already there. The hook lives on the
+        tracker instance: a tracker replaced by ``set_moe_metrics_tracker`` needs a new call.
+    """
+    import inspect
+
+    from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+
+    tracker = get_moe_metrics_tracker()
+    if getattr(tracker.report, "_railwave_original", None) is not None:
+        return False
+    original = tracker.report
+    signature = inspect.signature(original)
+
+    def report(*args: Any, **kwargs: Any) -> str:
+        out = original(*args, **kwargs)
+        call = signature.bind(*args, **kwargs)
+        call.apply_defaults()
+        a = call.arguments
+        ours = report_railwave_metrics(
+            a["writer"], a["wandb_writer"], a["iteration"], a["per_layer_logging"],
+            log_interval=log_interval or _megatron_log_interval(), num_layers=a["num_layers"],
+            moe_layer_freq=a["moe_layer_freq"], mtp_num_layers=a["mtp_num_layers"],
+            pg_collection=a["pg_collection"], sink=sink)
+        return out + ours
+
+    report._railwave_original = original  # type: ignore[attr-defined]
+    tracker.report = report
+    return True
+
+
+def detach_from_megatron_report() -> None:
+    """Undo ``attach_to_megatron_report`` (tests, ``uninstall``)."""
+    from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+
+    tracker = get_moe_metrics_tracker()
+    original = getattr(tracker.report, "_railwave_original", None)
+    if original is not None:
+        del tracker.report  # the instance attribute; the class method shows through again

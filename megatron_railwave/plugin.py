@@ -37,8 +37,9 @@ def install(config: RailWaveConfig | dict | str | os.PathLike | None = None, *,
 
     Args:
         config: a ``RailWaveConfig``, a dict of its fields, a YAML path, or None (defaults).
-        stats_sink: optional callable receiving every layer's ``LayerCommStats``; default: the
-            JSONL/Megatron logger when ``config.log_dir`` is set, else none.
+        stats_sink: optional callable receiving every layer's ``LayerCommStats``; default:
+            Megatron's metrics tracker (``megatron_logging``, hooked into Megatron's per-step MoE
+            report) plus JSONL files when ``config.log_dir`` is set.
 
     Returns:
         The active ``RailWaveConfig``.
@@ -48,7 +49,15 @@ def install(config: RailWaveConfig | dict | str | os.PathLike | None = None, *,
 
     with _LOCK:
         _INSTALLED["config"] = cfg
+        previous = _INSTALLED.get("sink")
+        if previous is not None and hasattr(previous, "close"):
+            previous.close()  # flushes; a JSONL sink reopens its file if an old layer still logs
         _INSTALLED["sink"] = stats_sink if stats_sink is not None else _default_sink(cfg)
+        if stats_sink is None:
+            # Megatron-LM's per-step MoE report also writes RailWave's scalars (megatron_logging).
+            from .megatron_logging import attach_to_megatron_report
+
+            attach_to_megatron_report()
         if "original_init" in _INSTALLED:
             return cfg
         original_init = moe_layer.MoELayer.__init__
@@ -91,10 +100,16 @@ def uninstall() -> None:
     """Undo ``install`` (tests)."""
     from megatron.core.transformer.moe import moe_layer
 
+    from .megatron_logging import detach_from_megatron_report
+
     with _LOCK:
         if "original_init" in _INSTALLED:
             moe_layer.MoELayer.__init__ = _INSTALLED.pop("original_init")
             moe_layer.MoELayer.set_layer_number = _INSTALLED.pop("original_set_layer")
+        sink = _INSTALLED.get("sink")
+        if sink is not None and hasattr(sink, "close"):
+            sink.close()
+        detach_from_megatron_report()
         _INSTALLED.clear()
 
 

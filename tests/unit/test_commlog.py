@@ -83,8 +83,9 @@ def test_jsonl_waits_for_cuda_events_without_blocking(tmp_path):
     assert [r["layer"] for r in read_logs(tmp_path)] == [1, 2, 3]
     assert t2.waited and read_logs(tmp_path)[1]["dispatch_ms"] == 4.0
     sink.close()  # idempotent
-    with pytest.raises(RuntimeError, match="closed"):
-        sink(make_stats(1, 0))
+    sink(make_stats(4, 0))  # a late record reopens the file and appends
+    sink.close()
+    assert [r["layer"] for r in read_logs(tmp_path)] == [1, 2, 3, 4]
 
 
 def test_read_logs_errors_name_the_file(tmp_path):
@@ -193,6 +194,29 @@ def test_megatron_sink_defers_cuda_times_to_report(sink):
 def test_megatron_sink_ignores_unnumbered_layers(sink):
     sink(make_stats(0, 0))
     assert report_railwave_metrics(FakeWriter(), None, 1, True, sink=sink) == ""
+
+
+def test_megatron_report_hook_appends_railwave_scalars(sink, monkeypatch):
+    from megatron.core.transformer.moe import moe_logging
+
+    from megatron_railwave.megatron_logging import attach_to_megatron_report, detach_from_megatron_report
+
+    monkeypatch.setattr(moe_logging, "_MOE_METRICS_TRACKER", moe_logging.MoEMetricsTracker())
+    tracker = moe_logging.get_moe_metrics_tracker()
+    monkeypatch.setattr(tracker, "_sync_metrics", lambda names, pg=None: None)  # no parallel state here
+    assert attach_to_megatron_report(sink=sink, log_interval=2)
+    assert not attach_to_megatron_report(sink=sink)  # once only
+    sink(make_stats(1, 0, "rail"))
+    writer = FakeWriter()
+    # What Megatron-LM's training_log does every iteration (its own metrics: none recorded here).
+    kwargs = dict(loss_scale=1.0, writer=writer, wandb_writer=None, per_layer_logging=True,
+                  force_initialize=False, track_names=[], num_layers=2, moe_layer_freq=None)
+    assert tracker.report(iteration=1, **kwargs) == ""  # not a log step for railwave (interval 2)
+    text = tracker.report(iteration=2, **kwargs)
+    assert "railwave_path_rail: 0.50" in text  # 1 of 2 layers; num_layers from Megatron's call
+    assert writer.scalars["moe/railwave_path_rail_layer_0"] == 1.0
+    detach_from_megatron_report()
+    assert getattr(tracker.report, "_railwave_original", None) is None
 
 
 # ---------------------------------------------------------------------- railwave report
