@@ -63,6 +63,13 @@ def _imbalance(send_NG: torch.Tensor) -> float:
     return float(send_NG.max().item() / mean) if mean > 0 else 0.0
 
 
+def _node_imbalance(send_NG: torch.Tensor) -> float:
+    """Worst node's max / mean over its own GPUs (what RailBalance evens out; 0 when idle)."""
+    mean_N = send_NG.double().mean(dim=1)
+    ratio_N = torch.where(mean_N > 0, send_NG.double().amax(dim=1) / mean_N.clamp(min=1e-30), 0.0)
+    return float(ratio_N.max())
+
+
 def railwave_bytes(plan: PathPlan, demand: DemandCounts, rec: RecordBytes) -> dict[str, Any]:
     """Stage-2 (inter-node) and node-local rows and bytes of one path, forward dispatch + combine.
 
@@ -70,7 +77,8 @@ def railwave_bytes(plan: PathPlan, demand: DemandCounts, rec: RecordBytes) -> di
         ``inter_node_records``; ``inter_node_bytes`` (records x (dispatch + combine bytes));
         ``inter_node_payload_bytes`` (records x hidden row); ``rail_send_bytes_NG`` [N][G]
         stage-2 bytes each GPU sends; ``rail_bytes_R`` [R] summed over nodes; ``rail_imbalance``
-        (max/mean over GPUs); ``relayed_records`` (stage 1); ``delivered_copies`` (stage 3 to
+        (max/mean over all GPUs); ``node_rail_imbalance`` (worst node's max/mean over its GPUs);
+        ``relayed_records`` (stage 1); ``delivered_copies`` (stage 3 to
         another GPU); ``node_local_bytes`` (stage 1 + stage 3, both directions).
     """
     topo = plan.topology
@@ -92,6 +100,7 @@ def railwave_bytes(plan: PathPlan, demand: DemandCounts, rec: RecordBytes) -> di
         "rail_send_bytes_NG": (send_NG * both).tolist(),
         "rail_bytes_R": [b * both for b in _per_rail(send_NG, topo)],
         "rail_imbalance": _imbalance(send_NG),
+        "node_rail_imbalance": _node_imbalance(send_NG),
         "relayed_records": relayed,
         "delivered_copies": delivered,
         "node_local_bytes": (relayed + delivered) * both,
@@ -107,7 +116,8 @@ def alltoall_bytes(routing_maps: list[torch.Tensor], topo: RailTopology, rec: Re
     Returns:
         ``inter_node_entries``, ``inter_node_bytes``, ``inter_node_payload_bytes``,
         ``rail_send_bytes_NG`` [N][G] (an entry leaves on its source GPU's rail),
-        ``rail_bytes_R``, ``rail_imbalance``, ``node_local_entries``, ``node_local_bytes``.
+        ``rail_bytes_R``, ``rail_imbalance``, ``node_rail_imbalance``, ``node_local_entries``,
+        ``node_local_bytes``.
     """
     n, g = topo.num_nodes, topo.gpus_per_node
     both = rec["dispatch"] + rec["combine"]
@@ -127,6 +137,7 @@ def alltoall_bytes(routing_maps: list[torch.Tensor], topo: RailTopology, rec: Re
         "rail_send_bytes_NG": (send_NG * both).tolist(),
         "rail_bytes_R": [b * both for b in _per_rail(send_NG, topo)],
         "rail_imbalance": _imbalance(send_NG),
+        "node_rail_imbalance": _node_imbalance(send_NG),
         "node_local_entries": node_local,
         "node_local_bytes": node_local * both,
     }

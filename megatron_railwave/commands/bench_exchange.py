@@ -125,7 +125,7 @@ def _rows(result: dict[str, Any]) -> list[list[Any]]:
             f"{v['over_alltoall']:.2f}x" if v["over_alltoall"] is not None else "-",
             b.get("inter_node_records", b.get("inter_node_entries")),
             b["inter_node_bytes"] / _MiB, " / ".join(f"{x / _MiB:.2f}" for x in b["rail_bytes_R"]),
-            b["rail_imbalance"], b["node_local_bytes"] / _MiB, f"{v['max_abs_err']:.1e}",
+            b["node_rail_imbalance"], b["node_local_bytes"] / _MiB, f"{v['max_abs_err']:.1e}",
         ])
     return rows
 
@@ -156,7 +156,7 @@ def run(args: argparse.Namespace) -> int:
         f"({world} gloo processes, loopback), T={args.tokens} H={args.hidden} {args.dtype} E={args.experts} "
         f"K={args.topk}; {args.samples} samples, slowest rank per sample",
         ["variant", "median ms", "P95 ms", "min ms", "vs alltoall", "inter-node rows", "inter-node MiB",
-         "MiB per rail", "rail max/mean", "node-local MiB", "max err"],
+         "MiB per rail", "node rail max/mean", "node-local MiB", "max err"],
         _rows(result),
     )
     phase_names = sorted({p for v in result["variants"].values() for p in v["phases_ms"]},
@@ -171,7 +171,8 @@ def run(args: argparse.Namespace) -> int:
         _render.print_text(f"NATIVE / alltoall median: {s['native_over_alltoall']:.2f}x ({verdict} the 1.2x goal)")
     if s["inter_node_records_ratio"] is not None:
         _render.print_text(
-            f"inter-node rows alltoall/railwave (dedup per destination node): {s['inter_node_records_ratio']:.2f}x; "
+            "inter-node rows alltoall/railwave (dedup per destination node): "
+            f"{s['inter_node_records_ratio']:.2f}x; "
             f"payload bytes {s['inter_node_payload_ratio']:.2f}x; wire bytes incl. probs+metadata "
             f"{s['inter_node_wire_ratio']:.2f}x")
     if result["profile"]:

@@ -24,7 +24,7 @@ TINY = ["bench-exchange", "--nodes", "2", "--gpus-per-node", "2", "--tokens", "1
 VARIANT_KEYS = {"median_ms", "p95_ms", "mean_ms", "min_ms", "samples_ms", "phases_ms", "max_abs_err",
                 "over_alltoall"}
 BYTES_KEYS = {"inter_node_bytes", "inter_node_payload_bytes", "rail_send_bytes_NG", "rail_bytes_R",
-              "rail_imbalance", "node_local_bytes"}
+              "rail_imbalance", "node_rail_imbalance", "node_local_bytes"}
 
 
 @pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="megatron-core is not installed")
@@ -91,6 +91,7 @@ def test_wire_bytes_dedup_worked_by_hand():
     rw = railwave_bytes(build_plan(demand, topo, "native"), demand, rec)
     assert rw["inter_node_records"] == 1 and rw["inter_node_bytes"] == 48 + 8
     assert rw["rail_send_bytes_NG"] == [[56, 0], [0, 0]] and rw["rail_bytes_R"] == [56, 0]
+    assert rw["node_rail_imbalance"] == 2.0  # node 0: loads [1, 0], max / mean = 2
     assert rw["relayed_records"] == 0 and rw["delivered_copies"] == 1 and rw["node_local_bytes"] == 56
     a2a_rec = alltoall_entry_bytes(hidden=4, elem_bytes=2)
     a2a = alltoall_bytes(maps, topo, a2a_rec)

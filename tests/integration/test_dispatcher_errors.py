@@ -104,7 +104,8 @@ def dispatcher_errors_worker(rank: int, world: int) -> dict[str, Any]:
 
     def config(**changes: Any) -> TransformerConfig:
         cfg = TransformerConfig(num_layers=1, hidden_size=HIDDEN, num_attention_heads=2, ffn_hidden_size=HIDDEN,
-                                num_moe_experts=EXPERTS, moe_router_topk=TOPK, moe_token_dispatcher_type="alltoall",
+                                num_moe_experts=EXPERTS, moe_router_topk=TOPK,
+                                moe_token_dispatcher_type="alltoall",
                                 expert_model_parallel_size=world, use_cpu_initialization=True,
                                 add_bias_linear=False, moe_grouped_gemm=False, bias_activation_fusion=False,
                                 gradient_accumulation_fusion=False)
