@@ -101,34 +101,69 @@ def local_demand(routing_map_TE: torch.Tensor, topo: RailTopology) -> tuple[torc
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class DemandCounts:
-    """Global demand of one layer, identical on every rank (gathered once per layer).
+    """Demand of one layer, identical on every rank that holds it.
+
+    Two forms:
+      * full (tools, tests): ``records_WNM`` and ``experts_WE`` for every rank and node;
+      * node view (what the exchange gathers, so the size does not grow as W * N * M):
+        ``records_WN`` for every rank plus, for one destination node ``view_node``, the mask
+        histogram ``view_masks_WM`` of the records every rank sends there. That is all one rank
+        needs: quotas use the per-node totals, its delivery maps only its own node's masks.
 
     Attributes:
-        records_WNM: [W, N, M] int64. Records from source rank w to node n with target mask m.
-        experts_WE: [W, E] int64. Routed (token, expert) pairs from source rank w per expert.
+        records_WNM: [W, N, M] int64 or None. Records from rank w to node n with target mask m.
+        experts_WE: [W, E] int64 or None. Routed (token, expert) pairs from rank w per expert.
+        records_WN: [W, N] int64. Records from rank w to node n (derived from records_WNM when
+            not given).
+        view_node: the node whose masks ``view_masks_WM`` holds (node view only).
+        view_masks_WM: [W, M] int64. Records from rank w into ``view_node`` by target mask.
+        view_experts_X: [E_loc] int64 or None. (token, expert) pairs every rank routes to the
+            experts of the rank that holds this view (host tensor: Megatron's tokens_per_expert).
     """
 
-    records_WNM: torch.Tensor
-    experts_WE: torch.Tensor
+    records_WNM: torch.Tensor | None = None
+    experts_WE: torch.Tensor | None = None
+    records_WN: torch.Tensor | None = None
+    view_node: int | None = None
+    view_masks_WM: torch.Tensor | None = None
+    view_experts_X: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
-        assert self.records_WNM.dim() == 3 and self.experts_WE.dim() == 2
+        if self.records_WN is None:
+            if self.records_WNM is None:
+                raise ValueError("DemandCounts needs records_WNM or records_WN")
+            object.__setattr__(self, "records_WN", self.records_WNM.sum(dim=-1))
+        assert self.records_WN.dim() == 2
+        assert self.records_WNM is None or self.records_WNM.dim() == 3
+        assert (self.view_node is None) == (self.view_masks_WM is None)
 
     @property
     def world_size(self) -> int:
-        return self.records_WNM.shape[0]
+        return self.records_WN.shape[0]
 
     @property
     def num_nodes(self) -> int:
-        return self.records_WNM.shape[1]
+        return self.records_WN.shape[1]
 
     def records_NGN(self) -> torch.Tensor:
         """[N_src, G_owner, N_dst] int64: records owned by GPU (s, g) for node d."""
-        w, n, _ = self.records_WNM.shape
-        return self.records_WNM.sum(dim=-1).view(n, w // n, n)
+        w, n = self.records_WN.shape
+        return self.records_WN.view(n, w // n, n)
+
+    def masks_into(self, node: int) -> torch.Tensor:
+        """[W, M] int64: records every rank sends to ``node``, by target mask."""
+        if self.records_WNM is not None:
+            return self.records_WNM[:, node, :]
+        if self.view_node == node:
+            return self.view_masks_WM
+        raise ValueError(
+            f"this demand holds the target masks of node {self.view_node} only, not of node {node}"
+        )
 
     def copies_WNG(self) -> torch.Tensor:
-        """[W, N, G] int64: token copies from rank w delivered to GPU (n, j)."""
+        """[W, N, G] int64: token copies from rank w delivered to GPU (n, j) (full form only)."""
+        if self.records_WNM is None:
+            raise ValueError("copies_WNG needs the full demand (records_WNM)")
         g = self.records_WNM.shape[0] // self.records_WNM.shape[1]
         bits = mask_bits(g).to(self.records_WNM.dtype)
         return torch.einsum("wnm,mj->wnj", self.records_WNM, bits)

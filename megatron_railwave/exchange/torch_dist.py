@@ -167,27 +167,42 @@ class TorchDistExchange:
 
     def gather_demand(self, hidden: torch.Tensor, probs: torch.Tensor,
                       routing_map: torch.Tensor) -> tuple[DemandCounts, int]:
-        """All-gather this rank's counts; returns (global demand, max tokens over ranks).
+        """Exchange the counts this rank needs; returns (demand node view, max tokens over ranks).
+
+        Two fixed-size collectives, posted together, then one host sync:
+          * all-gather of [N + 2] per rank: records per destination node, T, input status;
+          * all-to-all of [M + E_loc] per rank pair: the mask histogram of the records sent to
+            the receiver's node, and the (token, expert) counts of the receiver's experts.
+        Per rank that is W * (N + M + E_loc) integers, not W * N * M: it scales to 1000+ GPUs.
+        Every rank takes part in both even when its input is malformed (it sends zeros), so a
+        bad input raises the same ``InputError`` on every rank after the sync and never hangs.
 
         Raises:
             InputError: on every rank, when any rank's input is malformed (names the rank).
 
-        Collective: yes (EP group, one all-gather). Host sync: yes.
+        Collective: yes (EP group). Host sync: yes (one).
         """
         n, m, e = self.topo.num_nodes, self._num_masks, self.num_experts
+        w, g, e_loc = self.topo.world_size, self.topo.gpus_per_node, self.experts_per_rank
+        device = routing_map.device
         code, message = self._status(hidden, probs, routing_map)
-        size = n * m + e + 2
-        local = torch.zeros(size, dtype=torch.int64, device=routing_map.device)
+        totals = torch.zeros(n + 2, dtype=torch.int64, device=device)
+        per_peer = torch.zeros(w, m + e_loc, dtype=torch.int64, device=device)
         if code == 0:
             from ..traffic import local_demand
             records_NM, experts_E = local_demand(routing_map, self.topo)
-            local[: n * m] = records_NM.flatten()
-            local[n * m: n * m + e] = experts_E
-            local[-2] = routing_map.shape[0]
-        local[-1] = code
-        gathered = torch.empty(self.topo.world_size * size, dtype=torch.int64, device=local.device)
-        _all_gather(gathered, local, group=self.groups.ep_group)
-        gathered = gathered.view(self.topo.world_size, size).cpu()  # host sync: the counts
+            totals[:n] = records_NM.sum(dim=-1)
+            totals[n] = routing_map.shape[0]
+            node_of_peer = torch.arange(w, device=device) // g
+            per_peer[:, :m] = records_NM[node_of_peer]
+            per_peer[:, m:] = experts_E.view(w, e_loc)
+        totals[n + 1] = code
+        gathered = torch.empty(w * (n + 2), dtype=torch.int64, device=device)
+        received = torch.empty_like(per_peer)
+        _all_gather(gathered, totals, group=self.groups.ep_group)
+        dist.all_to_all_single(received, per_peer, group=self.groups.ep_group)
+        gathered = gathered.view(w, n + 2).cpu()  # host sync: the counts
+        received = received.cpu()
         bad = torch.nonzero(gathered[:, -1]).squeeze(1).tolist()
         if bad:
             own = f" (this rank: {message})" if code else ""
@@ -195,9 +210,10 @@ class TorchDistExchange:
                 f"malformed dispatcher input on EP rank(s) {bad}{own}; expected hidden [T, H], "
                 f"probs [T, {e}] and a bool routing_map [T, {e}] with top-k True per row"
             )
-        demand = DemandCounts(records_WNM=gathered[:, : n * m].reshape(-1, n, m),
-                              experts_WE=gathered[:, n * m: n * m + e])
-        return demand, int(gathered[:, -2].max())
+        demand = DemandCounts(records_WN=gathered[:, :n], view_node=self.groups.node,
+                              view_masks_WM=received[:, :m],
+                              view_experts_X=received[:, m:].sum(dim=0))
+        return demand, int(gathered[:, n].max())
 
     # ------------------------------------------------------------------ step 2: dispatch
     def _metadata(self, routes: RecordRoutes, routing_map: torch.Tensor) -> torch.Tensor:
@@ -264,7 +280,13 @@ class TorchDistExchange:
         tokens = payload_C.index_select(0, copy_idx)
         first = self.groups.local * self.experts_per_rank
         entry_probs = probs_C[copy_idx, first + expert_idx]
-        tokens_per_expert = torch.bincount(expert_idx, minlength=self.experts_per_rank).cpu()
+        tokens_per_expert = demand.view_experts_X
+        if tokens_per_expert is None or tokens_per_expert.numel() != self.experts_per_rank:
+            tokens_per_expert = torch.bincount(expert_idx, minlength=self.experts_per_rank).cpu()
+        elif expert_idx.device.type == "cpu" and not torch.equal(
+                torch.bincount(expert_idx, minlength=self.experts_per_rank), tokens_per_expert):
+            raise RuntimeError(f"internal: received entries per expert differ from the gathered "
+                               f"counts on EP rank {rank}")
         handle = ExchangeHandle(plan=plan, splits=splits, routes=routes, owner=owner, delivery=delivery,
                                 copy_of_entry=copy_idx, num_copies=int(meta_C.shape[0]),
                                 num_tokens=t)

@@ -108,7 +108,7 @@ def delivery_copies_NGG(plan: PathPlan, demand: DemandCounts, dest_node: int) ->
     """
     topo = plan.topology
     n, g = topo.num_nodes, topo.gpus_per_node
-    hist_NGM = demand.records_WNM[:, dest_node, :].reshape(n, g, -1)  # [s, owner, m]
+    hist_NGM = demand.masks_into(dest_node).reshape(n, g, -1)  # [s, owner, m]
     records = plan.records_NNG[:, dest_node, :]
     quota = plan.quota_NNG[:, dest_node, :]
     keep, s_lo, s_hi, d_lo, d_hi = surplus_deficit_bounds(records, quota)  # [s, G]
@@ -143,7 +143,7 @@ def arrival_mask_counts_NGM(plan: PathPlan, demand: DemandCounts, dest_node: int
     """
     n, g = plan.topology.num_nodes, plan.topology.gpus_per_node
     l = arrive_gpu
-    hist = demand.records_WNM[:, dest_node, :].reshape(n, g, -1)  # [s, owner, m]
+    hist = demand.masks_into(dest_node).reshape(n, g, -1)  # [s, owner, m]
     keep, s_lo, s_hi, d_lo, d_hi = surplus_deficit_bounds(plan.records_NNG[:, dest_node, :],
                                                           plan.quota_NNG[:, dest_node, :])
     moved = (torch.minimum(s_hi.unsqueeze(-1), d_hi.unsqueeze(-2))
