@@ -147,10 +147,13 @@ def test_ranks_agree_although_local_traffic_differs():
                       topo)
     decisions = []
     for rank in range(topo.world_size):
-        # Rank `rank` holds its own part and receives the others' in rank order (all_gather).
-        view = [local[w] if w != rank else local_demand(maps[rank], topo) for w in range(topo.world_size)]
-        counts = DemandCounts(records_WNM=torch.stack([p[0] for p in view]),
-                              experts_WE=torch.stack([p[1] for p in view]))
+        # What rank `rank` holds after the exchange's gather (node view): every rank's per-node
+        # totals, but the mask histograms only of records into its own node, which differ
+        # between nodes. The descriptors use the totals only.
+        node = topo.node_of(rank)
+        records_WNM = torch.stack([p[0] for p in local])
+        counts = DemandCounts(records_WN=records_WNM.sum(dim=-1), view_node=node,
+                              view_masks_WM=records_WNM[:, node, :].clone())
         sel = AnchorSelector(aset)
         decisions.append(sel.select(demand_stats(counts, topo, record_bytes=record_bytes)))
     assert decisions == [Path.RAIL] * topo.world_size
