@@ -8,13 +8,17 @@ The generator stands in for the paper's captured training routing. Each layer ha
   * a skew level in [0, 1]: the 45 layers take the levels of ``linspace(0, 1, 45)`` in a seeded
     order, so every trace has nearly balanced layers and strongly skewed ones;
   * per-rank preferences (they change with the step, like the data): each rank *focuses* on one
-    node (its own with probability ``own_node_prob``, else a random remote one) with log-weight
-    bonus ``skew * focus_strength`` on that node's experts, except *dispersed* ranks (probability
-    ``dispersed_prob``, at least one per layer) that route over all nodes.
+    node with log-weight bonus ``skew * focus_strength`` on that node's experts: its own node
+    (probability ``own_node_prob``), the node of the layer's most popular expert
+    (``hot_node_prob``) or a random remote one; *dispersed* ranks (probability
+    ``dispersed_prob``, at least one per layer) ignore the focus and route over all nodes.
 A rank focused on its own node sends almost no remote records, one focused on a remote node
-about one per token, a dispersed one up to N - 1 per token: source rails become hot while the
-expert loads stay at the same max/mean. Under NATIVE the source-rail skew rho_g runs from about
-1 (skew 0) to about 5 (skew 1) on 4 x 8 GPUs, independently of the expert-load imbalance.
+about one per token, a dispersed one up to N - 1 per token: source rails become hot. Focusing on
+the popular node keeps the hottest expert hot for many ranks, so the popularity scale stays
+moderate (at most ``max_popularity_scale``: a token's 8 most likely experts hold about 30-70% of
+its rank's routing probability, not a fixed set) while max/mean expert load stays near 8. Under
+NATIVE on 4 x 8 GPUs rho_g runs from about 1 (skew 0) to 4-5 (skew 1), unrelated to the
+expert-load imbalance.
 
 Expected loads use Rosen's approximation of successive-sampling inclusion probabilities,
 ``p_e = 1 - exp(-lambda * w_e)`` with ``sum_e p_e = K`` per rank; tokens are drawn exactly by
@@ -73,12 +77,17 @@ class GlmAirWorkload:
     """Layer numbers to generate (default all MoE layers of ``model``)."""
     hot_ratio: float = 8.0
     """Target max/mean expert load of every layer."""
-    focus_strength: float = 10.0
+    focus_strength: float = 8.0
     """Log-weight bonus of a focused rank's node at skew 1."""
-    own_node_prob: float = 0.85
-    """Probability that a focused rank focuses on its own node."""
+    own_node_prob: float = 0.6
+    """Probability that a rank focuses on its own node."""
+    hot_node_prob: float = 0.3
+    """Probability that a rank focuses on the node of the layer's most popular expert (the rest
+    focus on a random remote node)."""
     dispersed_prob: float = 0.08
     """Probability that a rank ignores the focus (routes over all nodes)."""
+    max_popularity_scale: float = 2.5
+    """Cap of the popularity scale a; where it binds, max/mean expert load ends below hot_ratio."""
     model: ModelSpec = GLM45_AIR
 
     def __post_init__(self) -> None:
@@ -88,9 +97,13 @@ class GlmAirWorkload:
             raise ValueError(f"seed and step must be >= 0, got seed={self.seed} step={self.step}")
         if self.hot_ratio < 1:
             raise ValueError(f"hot_ratio must be >= 1 (max/mean), got {self.hot_ratio}")
-        for name in ("own_node_prob", "dispersed_prob"):
+        for name in ("own_node_prob", "hot_node_prob", "dispersed_prob"):
             if not 0 <= getattr(self, name) <= 1:
                 raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
+        if self.own_node_prob + self.hot_node_prob > 1:
+            raise ValueError(
+                f"own_node_prob + hot_node_prob must be <= 1, got {self.own_node_prob} + {self.hot_node_prob}"
+            )
         known = self.model.layer_numbers
         bad = [v for v in (self.layers or ()) if v not in known]
         if bad:
@@ -118,14 +131,15 @@ def _inclusion_WE(log_w_WE: np.ndarray, topk: int) -> np.ndarray:
     return 1.0 - np.exp(-hi[:, None] * w)
 
 
-def _popularity_scale(z_E: np.ndarray, bonus_WE: np.ndarray, topk: int, target: float) -> float:
+def _popularity_scale(z_E: np.ndarray, bonus_WE: np.ndarray, topk: int, target: float,
+                      cap: float) -> float:
     """Scale a with expected max/mean expert load of exp(a z + bonus) equal to ``target``."""
     def ratio(a: float) -> float:
         load_E = _inclusion_WE(a * z_E[None, :] + bonus_WE, topk).sum(axis=0)
         return float(load_E.max() / load_E.mean())
 
-    lo, hi = 0.0, 8.0
-    if ratio(hi) < target:  # unreachable target (e.g. K close to E): take the largest scale
+    lo, hi = 0.0, cap
+    if ratio(hi) < target:  # unreachable under the cap: take the cap
         return hi
     for _ in range(24):  # 8 / 2**24: far below the sampling noise
         mid = 0.5 * (lo + hi)
@@ -139,14 +153,18 @@ def _layer_weights(topo: RailTopology, work: GlmAirWorkload, layer: int, skew: f
     z_E = np.random.default_rng([work.seed, layer, 1]).standard_normal(model.num_experts)
     node_of_expert_E = np.arange(model.num_experts) // (model.num_experts // n)
     node_of_rank_W = np.arange(world) // topo.gpus_per_node
-    own_W = rng.random(world) < work.own_node_prob
+    hot_node = int(node_of_expert_E[np.argmax(z_E)])
+    u_W = rng.random(world)
     remote_W = (node_of_rank_W + rng.integers(1, max(n, 2), world)) % n
-    focus_W = np.where(own_W | (n == 1), node_of_rank_W, remote_W)
+    focus_W = np.where(u_W < work.own_node_prob, node_of_rank_W,
+                       np.where(u_W < work.own_node_prob + work.hot_node_prob, hot_node, remote_W))
+    if n == 1:
+        focus_W[:] = 0
     dispersed_W = rng.random(world) < work.dispersed_prob
     dispersed_W[rng.integers(world)] = True  # someone always sends everywhere: the hot rail
     strength_W = np.where(dispersed_W, 0.0, skew * work.focus_strength)
     bonus_WE = strength_W[:, None] * (node_of_expert_E[None, :] == focus_W[:, None])
-    scale = _popularity_scale(z_E, bonus_WE, model.topk, work.hot_ratio)
+    scale = _popularity_scale(z_E, bonus_WE, model.topk, work.hot_ratio, work.max_popularity_scale)
     log_w_WE = scale * z_E[None, :] + bonus_WE
     return np.exp(log_w_WE - log_w_WE.max(axis=1, keepdims=True)), scale
 

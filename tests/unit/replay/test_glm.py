@@ -49,5 +49,7 @@ def test_glm_air_workload_validation():
         GlmAirWorkload(layers=(0, 3, 46))
     with pytest.raises(ValueError, match=r"own_node_prob must be in \[0, 1\], got 1.5"):
         GlmAirWorkload(own_node_prob=1.5)
+    with pytest.raises(ValueError, match=r"own_node_prob \+ hot_node_prob must be <= 1, got 0.8 \+ 0.3"):
+        GlmAirWorkload(own_node_prob=0.8, hot_node_prob=0.3)
     with pytest.raises(ValueError, match=r"not divisible by the 48 ranks"):
         glm_air_layer_ids(RailTopology(num_nodes=6, gpus_per_node=8), 1)
