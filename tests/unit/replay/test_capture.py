@@ -106,3 +106,13 @@ def test_recorder_rejects_bad_input(tmp_path):
     other = RailTopology(num_nodes=4, gpus_per_node=2)
     with pytest.raises(ValueError, match=r"expected topology"):
         TraceRecorder(tmp_path, 1, other, _meta())
+
+
+def test_read_trace_on_capture_dir_needs_one_step(tmp_path):
+    with TraceRecorder(tmp_path, 1, TOPO, _meta()) as rec:
+        for step in (0, 1):
+            for rank in range(4):
+                rec.record(step, 1, rank, _ids(rank))
+    with pytest.raises(ValueError, match=r"holds 2 step directories .*call merge_captures"):
+        read_trace(tmp_path)
+    assert read_trace(step_dir(tmp_path, 1)).meta.step == 1
