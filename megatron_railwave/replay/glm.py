@@ -37,7 +37,14 @@ from .routing import demand_from_topk_ids
 from .synthetic import sample_topk_ids
 from .trace import LayerTrace, Trace, TraceMeta
 
-__all__ = ["ModelSpec", "GLM45_AIR", "GlmAirWorkload", "glm_air_layer_ids", "glm_air_trace", "glm_air_demands"]
+__all__ = [
+    "ModelSpec",
+    "GLM45_AIR",
+    "GlmAirWorkload",
+    "glm_air_layer_ids",
+    "glm_air_trace",
+    "glm_air_demands",
+]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -107,7 +114,9 @@ class GlmAirWorkload:
         known = self.model.layer_numbers
         bad = [v for v in (self.layers or ()) if v not in known]
         if bad:
-            raise ValueError(f"layers {bad} are not MoE layers of {self.model.name} ({known[0]}..{known[-1]})")
+            raise ValueError(
+                f"layers {bad} are not MoE layers of {self.model.name} ({known[0]}..{known[-1]})"
+            )
 
     @property
     def layer_numbers(self) -> tuple[int, ...]:

@@ -93,11 +93,9 @@ class TraceMeta:
         return self.hidden_size * dtype_bytes(self.dtype)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "model": self.model, "topology": self.topology.to_dict(),
-            "num_experts": self.num_experts, "topk": self.topk, "hidden_size": self.hidden_size,
-            "dtype": self.dtype, "step": self.step, "extra": self.extra,
-        }
+        return {"model": self.model, "topology": self.topology.to_dict(), "num_experts": self.num_experts,
+                "topk": self.topk, "hidden_size": self.hidden_size, "dtype": self.dtype, "step": self.step,
+                "extra": self.extra}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TraceMeta:

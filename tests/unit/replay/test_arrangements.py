@@ -112,7 +112,8 @@ def test_arrange_trace_even_keeps_invariants_and_balances_windows():
     topo = RailTopology(num_nodes=4, gpus_per_node=4)
     trace = _trace(topo, tokens=512, layers=(9,))
     arranged, sched = arrange_trace(trace, "extreme")
-    assert arranged.meta.extra["arrangement"] == "extreme" and arranged.meta.extra["windows"] == sched.to_list()
+    assert arranged.meta.extra["arrangement"] == "extreme"
+    assert arranged.meta.extra["windows"] == sched.to_list()
     before, after = trace.demand(9), arranged.demand(9)
     src = torch.arange(16) // 4
     remote = ~torch.nn.functional.one_hot(src, 4).bool().unsqueeze(-1)
@@ -147,7 +148,8 @@ def test_kappa_orders_ring_moderate_extreme():
 def test_arrange_errors():
     topo = RailTopology(num_nodes=4, gpus_per_node=2)
     demand = _random_demand(topo, 0)
-    with pytest.raises(ValueError, match=r"unknown arrangement pattern 'spiral'; choose one of \['ring', 'moderate', 'extreme'\]"):
+    choices = r"choose one of \['ring', 'moderate', 'extreme'\]"
+    with pytest.raises(ValueError, match=r"unknown arrangement pattern 'spiral'; " + choices):
         arrange(demand, "spiral", topo)
     with pytest.raises(ValueError, match=r"arrangement is for 3 nodes but topology 'cluster' has 4"):
         arrange(demand, arrangement_schedule("ring", 3), topo)

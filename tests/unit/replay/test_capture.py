@@ -24,7 +24,8 @@ def _meta():
 
 def _ids(seed, tokens=6):
     rng = np.random.default_rng(seed)
-    return np.sort(np.stack([rng.choice(E, K, replace=False) for _ in range(tokens)]), axis=1).astype(np.int16)
+    ids = np.stack([rng.choice(E, K, replace=False) for _ in range(tokens)])
+    return np.sort(ids, axis=1).astype(np.int16)
 
 
 def test_recorder_interval_and_start_step(tmp_path):

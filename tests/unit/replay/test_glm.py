@@ -4,7 +4,13 @@ import numpy as np
 import pytest
 
 from megatron_railwave.planner import build_plan
-from megatron_railwave.replay import GLM45_AIR, GlmAirWorkload, glm_air_demands, glm_air_layer_ids, glm_air_trace
+from megatron_railwave.replay import (
+    GLM45_AIR,
+    GlmAirWorkload,
+    glm_air_demands,
+    glm_air_layer_ids,
+    glm_air_trace,
+)
 from megatron_railwave.topology import RailTopology
 
 TOPO = RailTopology(num_nodes=4, gpus_per_node=8)

@@ -4,7 +4,11 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_railwave.replay import demand_from_topk_ids, routing_map_from_topk_ids, topk_ids_from_routing_map
+from megatron_railwave.replay import (
+    demand_from_topk_ids,
+    routing_map_from_topk_ids,
+    topk_ids_from_routing_map,
+)
 from megatron_railwave.topology import RailTopology
 from megatron_railwave.traffic import DemandCounts
 

@@ -43,7 +43,8 @@ def test_trace_roundtrip_bit_exact_sorted_and_unsorted(tmp_path):
     sorted_ids[1, 2, 1:] = -1  # fewer experts than K: -1 slots last (delta encoding)
     unsorted = _ids(1, sort=False)
     unsorted[0, 0, 0] = -1  # -1 first: raw encoding
-    layers = [LayerTrace(layer=3, topk_ids_WTK=sorted_ids), LayerTrace(layer=7, topk_ids_WTK=torch.tensor(unsorted))]
+    layers = [LayerTrace(layer=3, topk_ids_WTK=sorted_ids),
+              LayerTrace(layer=7, topk_ids_WTK=torch.tensor(unsorted))]
     back = _roundtrip(tmp_path, layers, _meta())
     assert back.layer_ids == (3, 7)
     for a, b in zip(layers, back.layers):
@@ -89,7 +90,8 @@ def _rewrite_header(path, **changes):
 def test_read_trace_wrong_version_names_both(tmp_path):
     path = write_trace(tmp_path / "t.npz", [LayerTrace(layer=1, topk_ids_WTK=_ids(0))], _meta())
     _rewrite_header(path, version=99)
-    with pytest.raises(TraceFormatError, match=r"format version 99, but this megatron_railwave reads version 1"):
+    msg = r"format version 99, but this megatron_railwave reads version 1"
+    with pytest.raises(TraceFormatError, match=msg):
         read_trace(path)
 
 
@@ -119,7 +121,8 @@ def test_read_trace_malformed_files(tmp_path):
 def test_read_trace_topology_mismatch_names_both(tmp_path):
     path = write_trace(tmp_path / "t.npz", [LayerTrace(layer=1, topk_ids_WTK=_ids(0))], _meta())
     other = RailTopology(num_nodes=4, gpus_per_node=1, name="four-by-one")
-    with pytest.raises(ValueError, match=r"'two-by-two' \(2 nodes x 2 GPUs.*'four-by-one' \(4 nodes x 1 GPUs"):
+    both = r"'two-by-two' \(2 nodes x 2 GPUs.*'four-by-one' \(4 nodes x 1 GPUs"
+    with pytest.raises(ValueError, match=both):
         read_trace(path, expect_topology=other)
     # Same layout, other link speeds: fine unless strict.
     faster = RailTopology(num_nodes=2, gpus_per_node=2, rail_gbps=200.0, name="h20")
