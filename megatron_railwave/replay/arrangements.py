@@ -189,6 +189,8 @@ def arrange(
         ``experts_WE`` moves with the records (in "even" mode pooled per local expert index and
         split alike; the planner does not read it).
     """
+    if mode not in ("even", "relabel"):
+        raise ValueError(f"unknown arrange mode {mode!r}; choose 'even' or 'relabel'")
     schedule, dest_NV = _resolve(pattern, topo)
     n, g = topo.num_nodes, topo.gpus_per_node
     records_WNM, experts_WE = demand.records_WNM, demand.experts_WE
@@ -212,12 +214,10 @@ def arrange(
         ring_WV = (src_W.view(world, 1) + torch.arange(1, n).view(1, n - 1)) % n
         out_records[idx_W, dest_WV] = records_WNM[idx_W, ring_WV]
         out_experts[idx_W, dest_WV] = experts_WNX[idx_W, ring_WV]
-    elif mode == "even":
+    else:
         remote = ~local.unsqueeze(-1)
         out_records[idx_W, dest_WV] = _even_split((records_WNM * remote).sum(dim=1), n - 1)
         out_experts[idx_W, dest_WV] = _even_split((experts_WNX * remote).sum(dim=1), n - 1)
-    else:
-        raise ValueError(f"unknown arrange mode {mode!r}; choose 'even' or 'relabel'")
     arranged = DemandCounts(records_WNM=out_records, experts_WE=out_experts.reshape(world, num_experts))
     return arranged, schedule
 

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from megatron_railwave.replay import (
+    TraceFormatError,
     TraceMeta,
     TraceRecorder,
     merge_captures,
@@ -117,3 +118,5 @@ def test_read_trace_on_capture_dir_needs_one_step(tmp_path):
     with pytest.raises(ValueError, match=r"holds 2 step directories .*call merge_captures"):
         read_trace(tmp_path)
     assert read_trace(step_dir(tmp_path, 1)).meta.step == 1
+    with pytest.raises(TraceFormatError, match=r"is a 'rank-part' file, not a trace"):
+        read_trace(step_dir(tmp_path, 1) / "rank00000.npz")
