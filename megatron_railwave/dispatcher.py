@@ -19,6 +19,7 @@ attribute, ``self._state``, set in step 1 and cleared in step 6.
 
 from __future__ import annotations
 
+import atexit
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -33,9 +34,19 @@ from .selector import FixedSelector, PathSelector, selector_from_config
 from .stats import LayerCommStats, Stopwatch, demand_stats, layer_comm_stats
 from .traffic import dtype_bytes
 
-__all__ = ["RailWaveTokenDispatcher", "check_supported"]
+__all__ = ["RailWaveTokenDispatcher", "check_supported", "flush_captures"]
 
 StatsSink = Callable[[LayerCommStats], None]
+
+# One trace recorder per capture directory in this process, shared by the MoE layers.
+_RECORDERS: dict[str, Any] = {}
+
+
+def flush_captures() -> None:
+    """Write every buffered routing-trace part of this process (also runs at interpreter exit;
+    call it explicitly where processes end with os._exit, e.g. multiprocessing workers)."""
+    for recorder in _RECORDERS.values():
+        recorder.flush()
 
 
 def check_supported(config: Any) -> None:
@@ -153,6 +164,7 @@ class RailWaveTokenDispatcher(MoETokenDispatcher):
         plan_ms = (time.perf_counter() - t0) * 1e3
         state.stats = layer_comm_stats(layer=self.layer_number or 0, step=self._num_calls, plan=plan,
                                        demand_descr=descr, record_bytes=record_bytes, plan_ms=plan_ms)
+        self._capture(hidden_states, state.routing_map)
         self._num_calls += 1
         out = exchange.dispatch(hidden_states, probs, state.routing_map, demand, plan,
                                 demand_max_tokens=max_tokens)
@@ -187,6 +199,26 @@ class RailWaveTokenDispatcher(MoETokenDispatcher):
             state.stats.set_timers(dispatch=state.timers["dispatch"], combine=state.timers["combine"])
             self.stats_sink(state.stats)
         return hidden_states.view(state.hidden_shape)
+
+    def _capture(self, hidden_states: torch.Tensor, routing_map: torch.Tensor) -> None:
+        """Record this rank's routing for replay every ``capture_interval`` calls (no comm)."""
+        capture_dir = self.railwave.capture_dir
+        if capture_dir is None:
+            return
+        recorder = _RECORDERS.get(capture_dir)
+        if recorder is None:
+            from .replay import TraceMeta, TraceRecorder
+
+            meta = TraceMeta(model=str(getattr(self.config, "railwave_model_name", "megatron")),
+                             topology=self.topology, num_experts=self.num_experts,
+                             topk=int(self.config.moe_router_topk),
+                             hidden_size=int(hidden_states.shape[-1]),
+                             dtype={torch.bfloat16: "bf16", torch.float16: "fp16"}.get(hidden_states.dtype, "fp32"))
+            recorder = TraceRecorder(capture_dir, self.railwave.capture_interval, self.topology, meta)
+            _RECORDERS[capture_dir] = recorder
+            atexit.register(recorder.close)
+        if recorder.should_capture(self._num_calls):
+            recorder.record(self._num_calls, self.layer_number or 0, self.ep_rank, routing_map.cpu())
 
     def _require_state(self, hook: str) -> _LayerState:
         if self._state is None:

@@ -19,3 +19,18 @@ def run_layer_all_dispatchers(rank: int, world: int, railwave: dict, paths: list
         megatron_railwave.install({**railwave, "path": path})
         out[path] = build_and_run_moe_layer(rank, world, "railwave", **kw)
     return out
+
+
+def run_layer_with_capture(rank: int, world: int, capture_dir: str, kw: dict) -> bool:
+    """One railwave MoELayer forward/backward with routing capture on every call."""
+    from tests.shims import apply_megatron_cpu_shims
+
+    apply_megatron_cpu_shims()
+    import megatron_railwave
+    from megatron_railwave.dispatcher import flush_captures
+
+    megatron_railwave.install({"gpus_per_node": 2, "path": "joint", "capture_dir": capture_dir,
+                               "capture_interval": 1})
+    build_and_run_moe_layer(rank, world, "railwave", **kw)
+    flush_captures()
+    return True
