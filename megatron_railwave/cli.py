@@ -27,6 +27,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "megatron_railwave.commands.calibrate",
     "megatron_railwave.commands.validate",
     "megatron_railwave.commands.report",
+    "megatron_railwave.commands.testbed",
 )
 """Modules that each register one subcommand, in the order ``--help`` lists them."""
 

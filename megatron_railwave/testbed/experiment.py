@@ -113,6 +113,9 @@ class StudyConfig:
     samples: int = 10
     seed: int = 0
     """Seed of the GLM-4.5-Air routing generator (and of the hidden states)."""
+    recv_first: bool = True
+    """Post each batch's receives before its sends (``workers.receives_first``: gloo TCP stand-in
+    for a full-duplex RDMA rail)."""
     timeout_s: float = 3600.0
     """Hard limit of the whole worker run."""
 
@@ -291,6 +294,7 @@ def run_study(spec: TestbedSpec, cfg: StudyConfig) -> dict[str, Any]:
                       for w in workloads],
         "paths": list(cfg.paths), "warmup": cfg.warmup, "samples": cfg.samples,
         "hidden": cfg.hidden, "dtype": cfg.dtype, "seed": cfg.seed, "num_experts": GLM45_AIR.num_experts,
+        "recv_first": cfg.recv_first,
     }
     cores = _cores()
     busy0, tot0 = cpu_snapshot()
@@ -334,6 +338,7 @@ class FaultConfig:
     hidden: int = 4096
     dtype: str = "bf16"
     seed: int = 0
+    recv_first: bool = True
     timeout_s: float = 600.0
 
 
@@ -354,7 +359,8 @@ def run_fault(spec: TestbedSpec, cfg: FaultConfig) -> dict[str, Any]:
     args = {"workload": {"ids_WTK": wl["ids_WTK"], "windows": wl["windows"]}, "paths": list(cfg.paths),
             "fail": [node, rail], "samples": cfg.samples, "exchange_timeout_s": cfg.exchange_timeout_s,
             "unaware_path": cfg.unaware_path, "state_dir": str(state_dir), "hidden": cfg.hidden,
-            "dtype": cfg.dtype, "seed": cfg.seed, "num_experts": GLM45_AIR.num_experts}
+            "dtype": cfg.dtype, "seed": cfg.seed, "num_experts": GLM45_AIR.num_experts,
+            "recv_first": cfg.recv_first}
     launcher_error = None
     t0 = time.perf_counter()
     try:

@@ -24,6 +24,7 @@ Shaping (``tc``, both directions of every NIC):
                      port overflow it, packets drop and TCP loses goodput (incast), mostly through
                      retransmission timeouts (``rto_min_ms``, kernel default 200 ms).
 GSO is limited to one segment per packet on every veth: queues hold MTU-sized packets, as on a switch.
+``mtu`` sets the packet size of the rails (1500 by default; RoCE fabrics run 4096).
 
 Routing: same-rail traffic crosses one bridge. A socket bound to GPU (n, l)'s address always leaves
 through rail l (policy rule ``from 10.77.l.(n+1)`` -> table 100 + l, default via the fabric router),
@@ -80,6 +81,9 @@ class TestbedSpec:
     rto_min_ms: int | None = None
     """TCP minimum retransmission timeout on the rail routes (``ip route ... rto_min``); None keeps
     the kernel default (200 ms). The incast penalty per lost window scales with it."""
+    mtu: int = 1500
+    """MTU of every rail NIC and switch port (RoCE fabrics use 4096). Larger packets cost the host
+    fewer per-packet kernel cycles per byte; scale ``port_buffer_bytes`` with it."""
     prefix: str = "rw"
     """Start of every namespace and interface name (lowercase letters and digits, 1-4 chars);
     ``down(prefix)`` removes everything starting with it."""
@@ -95,10 +99,12 @@ class TestbedSpec:
             )
         if not self.rail_mbit > 0:
             raise ValueError(f"rail_mbit must be > 0 (Mbit/s), got {self.rail_mbit!r}")
-        if not isinstance(self.port_buffer_bytes, int) or self.port_buffer_bytes < 1600:
+        if not isinstance(self.mtu, int) or not 1280 <= self.mtu <= 9000:
+            raise ValueError(f"mtu must be an integer in 1280..9000 bytes, got {self.mtu!r}")
+        if not isinstance(self.port_buffer_bytes, int) or self.port_buffer_bytes < self.mtu + 100:
             raise ValueError(
-                f"port_buffer_bytes must be an integer >= 1600 (one MTU-sized packet), "
-                f"got {self.port_buffer_bytes!r}"
+                f"port_buffer_bytes must be an integer >= mtu + 100 = {self.mtu + 100} (one "
+                f"MTU-sized packet), got {self.port_buffer_bytes!r}"
             )
         if self.rto_min_ms is not None and not (
             isinstance(self.rto_min_ms, int) and 1 <= self.rto_min_ms <= 200
@@ -276,16 +282,17 @@ def _build(spec: TestbedSpec) -> None:
             _run("ip", "-n", fab, "link", "add", sw, "type", "veth",
                  "peer", "name", nic, "netns", node_ns)
             # One MTU-sized segment per packet: queues count real packets, not 64 KB GSO blobs.
-            _run("ip", "-n", fab, "link", "set", sw, "gso_max_segs", "1", "master", spec.bridge_name(rail))
-            _run("ip", "-n", node_ns, "link", "set", nic, "gso_max_segs", "1")
+            _run("ip", "-n", fab, "link", "set", sw, "gso_max_segs", "1", "mtu", str(spec.mtu),
+                 "master", spec.bridge_name(rail))
+            _run("ip", "-n", node_ns, "link", "set", nic, "gso_max_segs", "1", "mtu", str(spec.mtu))
             _run("ip", "-n", node_ns, "addr", "add", f"{spec.rail_ip(n, rail)}/24", "dev", nic)
             _run("ip", "-n", fab, "link", "set", sw, "up")
             _run("ip", "-n", node_ns, "link", "set", nic, "up")
             _run("ip", "-n", node_ns, "rule", "add", "from", spec.rail_ip(n, rail),
                  "table", str(_TABLE_BASE + rail), "pref", str(1000 + rail))
             _add_rail_routes(spec, n, rail)
-            _shape(fab, sw, spec.rail_mbit, spec.port_buffer_bytes)
-            _shape(node_ns, nic, spec.rail_mbit, None)
+            _shape(fab, sw, spec.rail_mbit, spec.port_buffer_bytes, spec.mtu)
+            _shape(node_ns, nic, spec.rail_mbit, None, spec.mtu)
 
 
 def _add_rail_routes(spec: TestbedSpec, node: int, rail: int) -> None:
@@ -301,12 +308,12 @@ def _add_rail_routes(spec: TestbedSpec, node: int, rail: int) -> None:
          "src", src, "table", table, *rto)
 
 
-def _shape(ns: str, dev: str, mbit: float, queue_bytes: int | None) -> None:
+def _shape(ns: str, dev: str, mbit: float, queue_bytes: int | None, mtu: int = 1500) -> None:
     rate = f"{int(mbit * 1000)}kbit"
     _run("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "handle", "1:",
          "htb", "default", "1")
     _run("ip", "netns", "exec", ns, "tc", "class", "add", "dev", dev, "parent", "1:",
-         "classid", "1:1", "htb", "rate", rate, "ceil", rate, "quantum", "1514")
+         "classid", "1:1", "htb", "rate", rate, "ceil", rate, "quantum", str(mtu + 14))
     if queue_bytes is not None:
         _run("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "parent", "1:1",
              "handle", "10:", "bfifo", "limit", str(queue_bytes))

@@ -9,6 +9,15 @@ groups on loopback, rail groups on the rail NICs) and a control group on the man
 assembled from them: ``ep_group`` = the control group (the count all-gather must survive a failed
 rail, see docs/testbed.md), ``node_group`` = loopback, ``rail_group`` = the rank's rail.
 
+Receives first (``receives_first``): gloo's TCP pair announces a posted receive to its peer with a
+small notice that travels in the same FIFO as its outgoing payloads, and a peer sends a payload
+only after that notice. ``p2p.start_exchange`` posts, per peer, the send before the receive, so
+when two ranks exchange in both directions one of them often waits for the other's whole payload
+before its own starts: a full-duplex rail pair runs half-duplex (measured 2x on a 2 x 2 testbed).
+RDMA NICs have no such coupling. The study workers therefore post every batch's receives before
+its sends (same ops, same per-kind order, works returned in the caller's order); see
+docs/testbed.md. The exchange itself could do this in ``start_exchange``.
+
 One timed exchange (``_timed_exchange``): control barrier, NIC counters, then
 ``gather_demand`` -> ``plan`` -> ``dispatch`` -> expert step (not timed) -> ``combine``, control
 barrier, NIC counters. The expert of global index e multiplies its rows by ``prob * scale_E[e]``,
@@ -20,7 +29,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import resource
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path as FsPath
 from typing import Any
 
@@ -36,9 +48,36 @@ from megatron_railwave.testbed.netns import fail_rail
 from megatron_railwave.topology import RailTopology
 from megatron_railwave.traffic import target_masks
 
-__all__ = ["fault_worker", "study_worker"]
+__all__ = ["fault_worker", "receives_first", "study_worker"]
 
 _DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
+
+
+@contextmanager
+def receives_first(enabled: bool = True) -> Iterator[None]:
+    """Within the block, ``dist.batch_isend_irecv`` posts all receives before all sends (module
+    docstring). Per-kind order is kept, so message matching per (peer, tag) is unchanged, and the
+    works come back in the order of the caller's ops (one work per op, as gloo returns them)."""
+    if not enabled:
+        yield
+        return
+    original = dist.batch_isend_irecv
+
+    def batch(ops: list[dist.P2POp]) -> list[Any]:
+        order = sorted(range(len(ops)), key=lambda i: getattr(ops[i].op, "__name__", "") != "irecv")
+        works = original([ops[i] for i in order])
+        if len(works) != len(ops):  # a coalesced backend (NCCL): one work for the batch
+            return works
+        out: list[Any] = [None] * len(ops)
+        for pos, i in enumerate(order):
+            out[i] = works[pos]
+        return out
+
+    dist.batch_isend_irecv = batch
+    try:
+        yield
+    finally:
+        dist.batch_isend_irecv = original
 
 
 def nic_bytes(ifname: str) -> tuple[int, int]:
@@ -111,7 +150,7 @@ def _timed_exchange(rk: _Rank, ex: TorchDistExchange, inputs: tuple, path: str, 
     ifname = rk.ctx.rail_ifname
     dist.barrier(group=rk.ctl)
     tx0, rx0 = nic_bytes(ifname)
-    cpu0, t0 = time.process_time(), time.perf_counter()
+    ru0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
     demand, max_tokens = ex.gather_demand(x, probs, routing)
     t1 = time.perf_counter()
     plan = ex.plan(demand, path, phase=phase)
@@ -122,7 +161,7 @@ def _timed_exchange(rk: _Rank, ex: TorchDistExchange, inputs: tuple, path: str, 
     t4 = time.perf_counter()
     out = ex.combine(y, d.handle)
     t5 = time.perf_counter()
-    cpu = time.process_time() - cpu0
+    ru1 = resource.getrusage(resource.RUSAGE_SELF)
     dist.barrier(group=rk.ctl)  # every rank's receives are done: the counters hold the whole block
     tx1, rx1 = nic_bytes(ifname)
     # Index building inside dispatch (route_records + rank_splits), timed apart, outside the sample.
@@ -133,7 +172,9 @@ def _timed_exchange(rk: _Rank, ex: TorchDistExchange, inputs: tuple, path: str, 
     wall = (t5 - t0) - (t4 - t3)
     rec = {
         "total_s": wall, "gather_s": t1 - t0, "plan_s": t2 - t1, "dispatch_s": t3 - t2,
-        "combine_s": t5 - t4, "index_s": index_s, "cpu_s": cpu, "tx": tx1 - tx0, "rx": rx1 - rx0,
+        "combine_s": t5 - t4, "index_s": index_s, "user_s": ru1.ru_utime - ru0.ru_utime,
+        "sys_s": ru1.ru_stime - ru0.ru_stime, "cpu_s": ru1.ru_utime - ru0.ru_utime + ru1.ru_stime - ru0.ru_stime,
+        "tx": tx1 - tx0, "rx": rx1 - rx0,
     }
     return rec, out
 
@@ -145,8 +186,8 @@ def _check(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def study_worker(ctx: WorkerContext, *, workloads: list[dict[str, Any]], paths: list[str],
-                 warmup: int, samples: int, hidden: int, dtype: str, seed: int, num_experts: int
-                 ) -> dict[str, Any]:
+                 warmup: int, samples: int, hidden: int, dtype: str, seed: int, num_experts: int,
+                 recv_first: bool = True) -> dict[str, Any]:
     """Warm-ups, then ``samples`` rounds, each running every path once (round-robin, the start
     rotating per round); for every workload in turn.
 
@@ -161,7 +202,7 @@ def study_worker(ctx: WorkerContext, *, workloads: list[dict[str, Any]], paths: 
     records: list[dict[str, Any]] = []
     digests: dict[str, dict[str, list[str]]] = {}
     errors: dict[str, float] = {}
-    with torch.no_grad():
+    with torch.no_grad(), receives_first(recv_first):
         for wl in workloads:
             ex = rk.exchange(wl["windows"])
             inputs = make_inputs(ctx.rank, wl["ids_WTK"], num_experts=num_experts, hidden=hidden,
@@ -188,7 +229,8 @@ def _write_json(path: FsPath, data: dict[str, Any]) -> None:
 
 def fault_worker(ctx: WorkerContext, *, workload: dict[str, Any], paths: list[str], fail: list[int],
                  samples: int, exchange_timeout_s: float, unaware_path: str, state_dir: str,
-                 hidden: int, dtype: str, seed: int, num_experts: int) -> dict[str, Any]:
+                 hidden: int, dtype: str, seed: int, num_experts: int, recv_first: bool = True
+                 ) -> dict[str, Any]:
     """Healthy exchanges, then NIC ``fail = [node, rail]`` goes down mid-run, then:
 
     1. aware: the topology lists the failed rail; ``samples`` rounds over ``paths``; every result
@@ -207,7 +249,7 @@ def fault_worker(ctx: WorkerContext, *, workload: dict[str, Any], paths: list[st
                          dtype=dtype, seed=seed)
     ref = dense_reference(*inputs)
     out_state: dict[str, Any] = {"rank": ctx.rank, "healthy": {}, "aware": [], "errors": {}}
-    with torch.no_grad():
+    with torch.no_grad(), receives_first(recv_first):
         ex = rk.exchange(workload["windows"])
         for path in paths:
             rec, out = _timed_exchange(rk, ex, inputs, path, phase=0)

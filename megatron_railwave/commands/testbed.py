@@ -1,0 +1,207 @@
+"""``railwave testbed up|run|down``: the real exchange on an emulated rail cluster (network namespaces).
+
+Letters: N nodes, G GPUs per node (= rails), T tokens per rank, H hidden size.
+
+``up`` brings up a testbed that outlives the command (its spec is saved under ``--state-dir``);
+``run`` measures the four paths on replay workloads and the mid-run rail failure, either on a
+testbed made by ``up`` (``--name``) or on a temporary one that it takes down at the end;
+``down NAME`` removes a testbed by its full name. Needs root, ``ip`` and ``tc``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from dataclasses import asdict
+from pathlib import Path as FsPath
+from typing import Any
+
+from . import _common, _render
+
+__all__ = ["register"]
+
+_DEFAULT_STATE_DIR = "/tmp/railwave-testbeds"
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "testbed",
+        help="emulated rail cluster (network namespaces): up, run the exchange study, down",
+        description="Bring up an emulated rail cluster, run the exchange study and fault test on it, take it down.",
+    )
+    sub = parser.add_subparsers(dest="testbed_command", metavar="ACTION", required=True)
+
+    up = sub.add_parser("up", help="bring up a testbed that stays up (saved under --state-dir)")
+    _add_spec_args(up)
+    up.add_argument("--state-dir", default=_DEFAULT_STATE_DIR, help=f"where specs are saved (default {_DEFAULT_STATE_DIR})")
+    up.set_defaults(handler=_up)
+
+    down = sub.add_parser("down", help="remove testbeds by full name (as printed by up)")
+    down.add_argument("names", nargs="+", metavar="NAME", help="full testbed name, e.g. rwb3f2a")
+    down.add_argument("--state-dir", default=_DEFAULT_STATE_DIR)
+    down.set_defaults(handler=_down)
+
+    run = sub.add_parser("run", help="measure NATIVE/RAIL/PERM/JOINT on replay workloads, plus the rail fault")
+    run.add_argument("--name", default=None, help="run on this testbed (from `up`); default: a temporary one")
+    run.add_argument("--state-dir", default=_DEFAULT_STATE_DIR)
+    _add_spec_args(run)
+    run.add_argument("--patterns", default="ring,moderate,extreme", help="sending arrangements (default all three)")
+    run.add_argument("--rails", default="balanced,skewed", help="replayed layer: balanced and/or skewed rails")
+    run.add_argument("--paths", default="native,rail,perm,joint", help="paths to measure (default all four)")
+    run.add_argument("--tokens", type=int, default=128, metavar="T", help="tokens per rank (default 128)")
+    run.add_argument("--hidden", type=int, default=4096, metavar="H", help="hidden size (default 4096, GLM-4.5-Air)")
+    run.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    run.add_argument("--seed", type=int, default=0, help="GLM-4.5-Air routing seed (default 0)")
+    run.add_argument("--warmup", type=int, default=3, help="untimed rounds per workload (default 3)")
+    run.add_argument("--samples", type=int, default=10, help="timed rounds per workload (default 10)")
+    run.add_argument("--no-recv-first", action="store_true",
+                     help="post sends before receives as the exchange does (gloo then runs pairs half-duplex)")
+    run.add_argument("--fault", choices=["on", "off", "only"], default="on",
+                     help="mid-run rail failure experiment after the study (default on)")
+    run.add_argument("--fail-rail", type=_common.parse_failed_rail, default=(1, 1), metavar="NODE:RAIL",
+                     help="NIC taken down by the fault experiment (default 1:1)")
+    run.add_argument("--exchange-timeout-s", type=float, default=5.0,
+                     help="TorchDistExchange timeout of the run that does not know the rail failed (default 5)")
+    run.add_argument("--incast", action="store_true", help="also measure k-to-1 goodput into one port (k = 1..N-1)")
+    run.add_argument("--json", default=None, metavar="FILE", help="write all results as JSON")
+    run.set_defaults(handler=_run)
+
+
+def _add_spec_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--nodes", type=int, default=4, help="N (default 4)")
+    parser.add_argument("--gpus-per-node", type=int, default=2, help="G = rails per node (default 2)")
+    parser.add_argument("--rail-mbit", type=float, default=200.0, help="rate of every NIC, Mbit/s (default 200)")
+    parser.add_argument("--mtu", type=int, default=4096, help="rail MTU in bytes (default 4096, as RoCE)")
+    parser.add_argument("--port-buffer-bytes", type=int, default=32768,
+                        help="receiver-facing switch port queue (default 32768 = 8 packets of 4 KiB)")
+    parser.add_argument("--rto-min-ms", type=int, default=50, help="TCP minimum RTO on the rails (default 50)")
+    parser.add_argument("--prefix", default="rwb", help="name prefix, 1-4 lowercase chars (default rwb)")
+
+
+def _spec_from_args(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    from ..testbed import TestbedSpec
+
+    return TestbedSpec(nodes=args.nodes, gpus_per_node=args.gpus_per_node, rail_mbit=args.rail_mbit,
+                       mtu=args.mtu, port_buffer_bytes=args.port_buffer_bytes, rto_min_ms=args.rto_min_ms,
+                       prefix=args.prefix)
+
+
+def _state_path(state_dir: str, name: str) -> FsPath:
+    return FsPath(state_dir) / f"{name}.json"
+
+
+def _up(args: argparse.Namespace) -> int:
+    from ..testbed import check_prerequisites, up
+
+    reason = check_prerequisites()
+    if reason is not None:
+        raise ValueError(reason)
+    spec = up(_spec_from_args(args), keep=True)
+    path = _state_path(args.state_dir, spec.name)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(asdict(spec)))
+    _render.print_text(f"testbed {spec.name} is up ({spec.nodes} nodes x {spec.gpus_per_node} rails, "
+                       f"{spec.rail_mbit:g} Mbit/s); run: railwave testbed run --name {spec.name}; "
+                       f"remove: railwave testbed down {spec.name}")
+    return 0
+
+
+def _down(args: argparse.Namespace) -> int:
+    from ..testbed import down
+
+    for name in args.names:
+        removed = down(name + "-")  # the trailing dash keeps other testbeds sharing the prefix
+        _state_path(args.state_dir, name).unlink(missing_ok=True)
+        _render.print_text(f"{name}: removed {len(removed)} namespace(s)" if removed else f"{name}: nothing to remove")
+    return 0
+
+
+def _load_spec(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    from ..testbed import TestbedSpec
+
+    path = _state_path(args.state_dir, args.name)
+    if not path.exists():
+        raise ValueError(f"--name {args.name!r}: no saved testbed at {path}; bring one up with `railwave testbed up`")
+    return TestbedSpec(**json.loads(path.read_text()))
+
+
+def _split(text: str) -> tuple[str, ...]:
+    return tuple(v.strip().lower() for v in text.split(",") if v.strip())
+
+
+def _run(args: argparse.Namespace) -> int:
+    from ..testbed import check_prerequisites, down, up
+    from ..testbed.experiment import FaultConfig, StudyConfig, incast_sweep, run_fault, run_study
+
+    reason = check_prerequisites()
+    if reason is not None:
+        raise ValueError(reason)
+    study_cfg = StudyConfig(patterns=_split(args.patterns), rails=_split(args.rails), paths=_split(args.paths),
+                            tokens=args.tokens, hidden=args.hidden, dtype=args.dtype, warmup=args.warmup,
+                            samples=args.samples, seed=args.seed, recv_first=not args.no_recv_first)
+    fault_cfg = FaultConfig(fail=tuple(args.fail_rail), exchange_timeout_s=args.exchange_timeout_s,
+                            pattern="ring", rails="skewed", tokens=args.tokens, hidden=args.hidden,
+                            dtype=args.dtype, seed=args.seed, recv_first=not args.no_recv_first)
+    temporary = args.name is None
+    spec = _spec_from_args(args) if temporary else _load_spec(args)
+    out: dict[str, Any] = {"command": "testbed run", "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                           "loadavg_start": os.getloadavg()}
+    if temporary:
+        up(spec)
+    try:
+        if args.incast:
+            out["incast"] = incast_sweep(spec, tuple(range(1, spec.nodes)), nbytes=2 << 20, repeats=5)
+            _print_incast(out["incast"], spec)
+        if args.fault != "only":
+            out["study"] = run_study(spec, study_cfg)
+            _print_study(out["study"])
+        if args.fault != "off":
+            out["fault"] = run_fault(spec, fault_cfg)
+            _print_fault(out["fault"])
+    finally:
+        if temporary:
+            down(spec)
+    out["loadavg_end"] = os.getloadavg()
+    if args.json:
+        _common.write_json(args.json, out)
+        _render.print_text(f"wrote {args.json}")
+    return 0
+
+
+def _print_incast(rows: list[dict[str, Any]], spec: Any) -> None:
+    _render.print_table(
+        f"k-to-1 goodput into one {spec.rail_mbit:g} Mbit/s port (buffer {spec.port_buffer_bytes} B, MTU {spec.mtu}, "
+        f"rto_min {spec.rto_min_ms} ms)",
+        ["k", "median s", "goodput / rate", "times s"],
+        [[r["fan_in"], r["median_s"], r["goodput_over_rate"], " ".join(f"{t:.3f}" for t in r["times_s"])] for r in rows])
+
+
+def _print_study(study: dict[str, Any]) -> None:
+    for name, wl in study["workloads"].items():
+        rows = []
+        for path, d in wl["paths"].items():
+            s = d["slowest_s"]
+            rows.append([path, s["p50"] * 1e3, s["p95"] * 1e3, s["p99"] * 1e3, d["speedup_vs_native"]["p50"],
+                         d["planning_slowest_s"]["p50"] * 1e3, d["worker_cpu_over_wall"]["p50"],
+                         " ".join(f"{v:.2f}" for node in d["nic_shares"]["share_NR"] for v in node),
+                         d["nic_shares"]["max_dev_from_node_mean"]])
+        _render.print_table(
+            f"{name} (layer {wl['layer']}, rho_g {wl['native_demand_stats']['rho_g']:.2f}, peak fan-in "
+            f"{wl['peak_fanin']}, bitwise equal: {wl['all_paths_bitwise_equal']})",
+            ["path", "P50 ms", "P95 ms", "P99 ms", "x NATIVE P50", "plan P50 ms", "CPU/wall",
+             "NIC shares (per node)", "max dev"], rows)
+    _render.print_text(f"machine CPU busy {study['machine_cpu_busy_fraction']:.2f} over {study['run_wall_s']:.0f} s; "
+                       f"goals: {json.dumps(study['goals'], default=float)[:600]}")
+
+
+def _print_fault(fault: dict[str, Any]) -> None:
+    aware = fault["aware"]
+    _render.print_text(
+        f"fault (rail {fault['config']['fail']}): healthy paths bitwise equal {fault['healthy_paths_bitwise_equal']}; "
+        f"after the failure, with it in the topology: all equal to healthy NATIVE {aware['all_equal_to_healthy_native']}, "
+        f"failed NIC bytes {aware['failed_nic_bytes']}; without it: raised {fault['unaware']['raised']}, names the "
+        f"rail {fault['unaware']['names_failed_rail']}")
+    for err in fault["unaware"]["errors"][:3]:
+        _render.print_text(f"  rank {err['rank']} {err['type']} after {err['after_s']:.1f} s: {err['message'][:200]}")
