@@ -195,3 +195,43 @@ def test_install_is_idempotent_replaces_config_and_uninstall_restores():
     assert out["second"] == "joint"  # layers built after the second install see its config
     assert out["restored"]
     assert "railwave" in out["after"]  # Megatron itself rejects the unknown type again
+
+
+def test_pretrain_example_installs_and_builds_megatron_inputs_on_cpu():
+    """examples/pretrain_gpt_railwave.py up to Megatron-LM's pretrain (which needs CUDA): parse,
+    install, config container, mock GPT data through the built-in glue, one forward_step."""
+    out = _run_python("""
+        import importlib.util, inspect, json, sys, torch
+        from tests.shims import apply_megatron_cpu_shims
+        apply_megatron_cpu_shims()
+        import megatron.training as mt
+        spec = importlib.util.spec_from_file_location("example", "examples/pretrain_gpt_railwave.py")
+        example = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(example)
+        seen = {}
+        def fake_pretrain(cfg_container, datasets, model_type, step, **kw):
+            seen.update(cfg=cfg_container, datasets=datasets, step=step)
+        fake_pretrain.__signature__ = inspect.signature(mt.pretrain)
+        mt.pretrain = fake_pretrain
+        sys.argv = ["pretrain_gpt_railwave.py", "--num-layers", "2", "--hidden-size", "64",
+                    "--num-attention-heads", "4", "--seq-length", "16", "--max-position-embeddings", "16",
+                    "--micro-batch-size", "1", "--global-batch-size", "1", "--num-experts", "4",
+                    "--moe-router-topk", "2", "--moe-token-dispatcher-type", "railwave",
+                    "--railwave-path", "perm", "--train-iters", "1", "--lr", "1e-4", "--mock-data",
+                    "--tokenizer-type", "NullTokenizer", "--vocab-size", "128", "--no-rope-fusion"]
+        example.main()
+        from megatron_railwave.plugin import installed_config
+        train, _, _ = seen["datasets"]([2, 0, 0])
+        batch = {k: torch.as_tensor(v).unsqueeze(0) for k, v in train[0].items()}
+        def model(tokens, position_ids, attention_mask, labels=None, loss_mask=None):
+            return torch.ones_like(tokens, dtype=torch.float32)  # per-token loss 1
+        output, loss_fn = seen["step"](iter([batch]), model)
+        loss, num_tokens, report = loss_fn(output)
+        print(json.dumps({"path": installed_config().path, "container": type(seen["cfg"]).__name__,
+                          "dispatcher": seen["cfg"].model.transformer.moe_token_dispatcher_type,
+                          "tokens": list(batch["tokens"].shape), "loss": float(loss),
+                          "num_tokens": int(num_tokens)}))
+    """, env={"WORLD_SIZE": "1", "RANK": "0", "LOCAL_WORLD_SIZE": "1"})
+    assert out["path"] == "perm" and out["container"] == "PretrainConfigContainer"
+    assert out["dispatcher"] == "railwave"
+    assert out["tokens"] == [1, 16] and out["loss"] == out["num_tokens"] > 0
