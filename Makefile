@@ -34,3 +34,7 @@ plan-bench: $(STAMP)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis
+
+# Needs root, ip and tc: 4 nodes x 2 rails in network namespaces, the exchange study and the rail fault.
+testbed-bench: $(STAMP)
+	$(VPY) -m megatron_railwave.cli testbed run --nodes 4 --gpus-per-node 2 --incast --json out/testbed.json
