@@ -88,13 +88,13 @@ def _group_flows(flows: FlowSet, phase_F: np.ndarray, sender_F: np.ndarray | Non
     return class_of_F, rep_C, weight_C
 
 
-def _max_min_rates(link_cols: list[np.ndarray], weight_A: np.ndarray, capacity_L1: np.ndarray) -> np.ndarray:
+def _max_min_rates(links_HA: np.ndarray, weight_A: np.ndarray, capacity_L1: np.ndarray) -> np.ndarray:
     """Max-min fair per-flow rates of weighted classes (parallel progressive filling).
 
     Args:
-        link_cols: H arrays [A] intp, the h-th link of each class; padding points at the
-            sentinel link L (capacity inf). Columns, not an [A, H] table: numpy reduces
-            along a short axis slowly.
+        links_HA: [H, A] intp, C-contiguous, row h = the h-th link of each class; padding
+            points at the sentinel link L (capacity inf). Hop-major so that reductions over
+            hops run along contiguous rows (numpy reduces a short inner axis slowly).
         weight_A: [A] float64, integer-valued > 0, flows per class (so link loads are exact).
         capacity_L1: [L + 1] float64, capacities; the last entry is inf.
 
@@ -102,11 +102,9 @@ def _max_min_rates(link_cols: list[np.ndarray], weight_A: np.ndarray, capacity_L
         [A] float64 > 0, rate of each flow of each class.
     """
     num_links1 = capacity_L1.size
-    cols = list(link_cols)
-    weight = weight_A
-    load_L1 = np.zeros(num_links1)
-    for col in cols:
-        load_L1 += np.bincount(col, weights=weight, minlength=num_links1)
+    num_hops = links_HA.shape[0]
+    links, weight = links_HA, weight_A
+    load_L1 = np.bincount(links.ravel(), weights=np.concatenate((weight,) * num_hops), minlength=num_links1)
     remaining_L1 = capacity_L1.copy()
     rate_A = np.empty(weight_A.size)
     idx = np.arange(weight_A.size)
@@ -114,20 +112,16 @@ def _max_min_rates(link_cols: list[np.ndarray], weight_A: np.ndarray, capacity_L
         with np.errstate(divide="ignore", invalid="ignore"):
             share_L1 = remaining_L1 / load_L1
         share_L1[-1] = np.inf
-        share_cols = [share_L1[col] for col in cols]
-        fmin_A = share_cols[0].copy()
-        for share in share_cols[1:]:
-            np.minimum(fmin_A, share, out=fmin_A)
+        share_HA = share_L1.take(links)
+        fmin_A = share_HA.min(axis=0)
         # A link is blocked when one of its flows sees a clearly smaller share elsewhere;
         # unblocked links are local minima and freeze all their flows.
-        threshold_A = fmin_A * (1.0 + _SHARE_TOL)
+        # (np.compress: boolean-mask indexing is several times slower here.)
+        blocking = share_HA > fmin_A * (1.0 + _SHARE_TOL)
         blocked_L1 = np.zeros(num_links1, dtype=bool)
-        for col, share in zip(cols, share_cols):
-            blocked_L1[col[share > threshold_A]] = True
+        blocked_L1[np.compress(blocking.ravel(), links.ravel())] = True
         blocked_L1[-1] = True
-        freeze = ~blocked_L1[cols[0]]
-        for col in cols[1:]:
-            freeze |= ~blocked_L1[col]
+        freeze = ~blocked_L1[links].all(axis=0)
         frozen = np.flatnonzero(freeze)
         assert frozen.size, "water-filling made no progress"
         if frozen.size == idx.size:
@@ -136,15 +130,17 @@ def _max_min_rates(link_cols: list[np.ndarray], weight_A: np.ndarray, capacity_L
         rate = fmin_A[frozen]
         rate_A[idx[frozen]] = rate
         weight_frozen = weight[frozen]
-        used_weight = weight_frozen * rate
-        for col in cols:
-            col_frozen = col[frozen]
-            remaining_L1 -= np.bincount(col_frozen, weights=used_weight, minlength=num_links1)
-            load_L1 -= np.bincount(col_frozen, weights=weight_frozen, minlength=num_links1)
+        # np.take along axis 1: plain fancy indexing ``links[:, i]`` is several times slower.
+        links_frozen = links.take(frozen, axis=1).ravel()
+        remaining_L1 -= np.bincount(
+            links_frozen, weights=np.concatenate((weight_frozen * rate,) * num_hops), minlength=num_links1
+        )
+        load_L1 -= np.bincount(
+            links_frozen, weights=np.concatenate((weight_frozen,) * num_hops), minlength=num_links1
+        )
         np.maximum(remaining_L1, 0.0, out=remaining_L1)
         kept = np.flatnonzero(~freeze)
-        cols = [col[kept] for col in cols]
-        weight, idx = weight[kept], idx[kept]
+        links, weight, idx = links.take(kept, axis=1), weight[kept], idx[kept]
     assert np.all(rate_A > 0), "water-filling produced a zero rate"
     return rate_A
 
@@ -167,16 +163,18 @@ class _ReceiverPorts:
             self.pair_CH[is_rx] = inv
             self.pair_link_P = uniq // radix
 
-    def num_senders(self, act_cls: np.ndarray, act_cols: list[np.ndarray], act_w: np.ndarray) -> np.ndarray:
+    def num_senders(self, act_cls: np.ndarray, act_links_HA: np.ndarray, act_w: np.ndarray) -> np.ndarray:
         """[number of receiver ports] float64, k of each port given the active classes."""
         if self.pair_CH is None:  # every flow is its own sender: k = active flows (weights)
             k_L1 = np.zeros(self.num_links1)
-            for col in act_cols:
+            for col in act_links_HA:
                 ent = self.rx_L1[col]
-                k_L1 += np.bincount(col[ent], weights=act_w[ent], minlength=self.num_links1)
+                k_L1 += np.bincount(
+                    np.compress(ent, col), weights=np.compress(ent, act_w), minlength=self.num_links1
+                )
         else:
             act_pair = self.pair_CH[act_cls].ravel()
-            live_P = np.bincount(act_pair[act_pair >= 0], minlength=self.pair_link_P.size) > 0
+            live_P = np.bincount(np.compress(act_pair >= 0, act_pair), minlength=self.pair_link_P.size) > 0
             k_L1 = np.bincount(self.pair_link_P[live_P], minlength=self.num_links1).astype(np.float64)
         return k_L1[self.rx_L1]
 
@@ -238,7 +236,7 @@ def simulate(
     phase_C = phase_F[rep_C]
     links_CH = flows.links_FH[rep_C].astype(np.intp)
     links_CH[links_CH < 0] = num_links  # sentinel link with infinite capacity
-    links_HC = [np.ascontiguousarray(links_CH[:, h]) for h in range(links_CH.shape[1])]
+    links_HC = np.ascontiguousarray(links_CH.T)
     phase_ptr_Q1 = np.searchsorted(phase_C, np.arange(num_phases + 1))
 
     capacity_L1 = np.append(network.capacity_Bps_L, np.inf)
@@ -266,7 +264,7 @@ def simulate(
 
     finish_C = np.full(num_classes, np.nan)
     act_cls = np.empty(0, dtype=np.intp)
-    act_cols = [np.empty(0, dtype=np.intp) for _ in links_HC]  # [H] x [A] link ids
+    act_links_HA = np.empty((links_HC.shape[0], 0), dtype=np.intp)
     act_w = np.empty(0)
     act_rem = np.empty(0)
     trace: list[TraceSegment] = []
@@ -305,8 +303,8 @@ def simulate(
             cap = capacity_L1
             if ports is not None:
                 cap = capacity_L1.copy()
-                cap[ports.rx_L1] *= incast.capacity_factor(ports.num_senders(act_cls, act_cols, act_w))
-            rate = _max_min_rates(act_cols, act_w, cap)
+                cap[ports.rx_L1] *= incast.capacity_factor(ports.num_senders(act_cls, act_links_HA, act_w))
+            rate = _max_min_rates(act_links_HA, act_w, cap)
             t_fin = t + act_rem / rate
             t_flow = float(t_fin.min())
             num_events += 1
@@ -315,7 +313,7 @@ def simulate(
         t_new = min(t_flow, t_phase)
         done = None
         if num_active and t_flow <= t_phase:
-            done = t_fin <= min(t_flow * (1.0 + rel_tol), t_phase)
+            done = np.flatnonzero(t_fin <= min(t_flow * (1.0 + rel_tol), t_phase))
             if rel_tol > 0.0:
                 # Release the batch's capacity at its rate-weighted mean finish time, so
                 # that what the others gain early and lose late cancels to first order.
@@ -335,10 +333,11 @@ def simulate(
             act_rem = act_rem - rate * (t_new - t)
             if done is not None:
                 finish_classes(act_cls[done], t_fin[done])
-                keep = ~done
+                keep = np.ones(num_active, dtype=bool)
+                keep[done] = False
                 kept = np.flatnonzero(keep)
                 act_cls, act_w, act_rem = act_cls[kept], act_w[kept], act_rem[kept]
-                act_cols = [col[kept] for col in act_cols]
+                act_links_HA = act_links_HA.take(kept, axis=1)
         t = t_new
         # Start every pending phase due now; starting one may complete it (empty phase),
         # which can make more phases due at the same time.
@@ -360,7 +359,7 @@ def simulate(
             cls = np.concatenate(new_cls)
             if cls.size:
                 act_cls = np.concatenate([act_cls, cls])
-                act_cols = [np.concatenate([col, links[cls]]) for col, links in zip(act_cols, links_HC)]
+                act_links_HA = np.concatenate([act_links_HA, links_HC.take(cls, axis=1)], axis=1)
                 act_w = np.concatenate([act_w, weight_C[cls]])
                 act_rem = np.concatenate([act_rem, size_C[cls]])
 
