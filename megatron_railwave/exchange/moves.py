@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import torch
 
+from collections.abc import Callable
+
 from ..planner import PathPlan, RankSplits
 from .groups import RailGroups
 from .layout import DeliveryLayout, OwnerLayout
@@ -42,7 +44,7 @@ def _empty_like_rows(t: torch.Tensor) -> torch.Tensor:
     return t[:0]
 
 
-def dispatch_move(
+def _dispatch_move(
     tensors: list[torch.Tensor],
     *,
     plan: PathPlan,
@@ -50,7 +52,7 @@ def dispatch_move(
     owner: OwnerLayout,
     groups: RailGroups,
     delivery: DeliveryLayout,
-    check_masks_from: int | None = None,
+    check_masks_from: "Callable[[torch.Tensor], torch.Tensor] | None" = None,
     timeout_s: float | None = None,
 ) -> list[torch.Tensor]:
     """Move per-record tensors from their owner to every target GPU.
@@ -97,8 +99,8 @@ def dispatch_move(
             parts = [local_part[i]] if rnd == 0 else []
             parts += [received[i][s] for s in range(len(received[i])) if s != node] if received[i] else []
             arrivals.append(torch.cat(parts) if parts else local_part[i][:0])
-        if check_masks_from is not None and arrivals[check_masks_from].device.type == "cpu":
-            got = arrivals[check_masks_from][:, META_MASK_COL]
+        if check_masks_from is not None and arrivals[0].device.type == "cpu":
+            got = check_masks_from(arrivals[0])
             if not torch.equal(got, delivery.arrival_masks[rnd]):
                 raise RuntimeError(
                     f"internal: arriving records on node {node} GPU {me} round {rnd} do not match "
@@ -112,7 +114,7 @@ def dispatch_move(
     return [torch.cat(parts) if parts else tensors[i][:0] for i, parts in enumerate(out)]
 
 
-def combine_move(
+def _combine_move(
     tensors: list[torch.Tensor],
     *,
     plan: PathPlan,
@@ -205,3 +207,72 @@ def combine_move(
         out[owner.local_idx] = local_part[i]
         results.append(out)
     return results
+
+
+# ---------------------------------------------------------------------- packing
+# Every tensor that travels with the records goes in ONE message per peer: the rows of all
+# tensors are laid side by side as bytes (dispatch) or as columns of one dtype (combine sums,
+# so it can only pack tensors of the same dtype). Fewer, larger messages: this is most of the
+# per-call cost on small layers.
+
+def _pack_bytes(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, list[tuple]]:
+    cols, spec = [], []
+    for t in tensors:
+        flat = t.reshape(t.shape[0], _row_width(t)).contiguous()
+        as_bytes = flat.view(torch.uint8) if flat.shape[1] else flat.to(torch.uint8)
+        cols.append(as_bytes)
+        spec.append((t.dtype, tuple(t.shape[1:]), as_bytes.shape[1]))
+    return torch.cat(cols, dim=1), spec
+
+
+def _row_width(t: torch.Tensor) -> int:
+    width = 1
+    for size in t.shape[1:]:
+        width *= size
+    return width
+
+
+def _unpack_bytes(packed: torch.Tensor, spec: list[tuple]) -> list[torch.Tensor]:
+    out, offset = [], 0
+    for dtype, rest, width in spec:
+        part = packed[:, offset:offset + width].contiguous()
+        out.append(part.view(dtype).reshape(packed.shape[0], *rest))
+        offset += width
+    return out
+
+
+def dispatch_move(tensors: list[torch.Tensor], *, check_masks_from: int | None = None,
+                  **kwargs) -> list[torch.Tensor]:
+    """Move per-record tensors from their owner to every target GPU (see ``_dispatch_move``).
+
+    Args:
+        tensors: each [n_rec, ...] in canonical record order (rank-local); any dtypes.
+        check_masks_from: index of the int64 metadata tensor whose column ``META_MASK_COL`` holds
+            the target masks; on CPU the arriving masks are checked against the plan's.
+        **kwargs: plan, splits, owner, groups, delivery, timeout_s.
+
+    Returns:
+        Per tensor, [n_copy, ...]: copies received, ordered by round, then sending local GPU.
+    """
+    if len(tensors) == 1:
+        return _dispatch_move(tensors, **kwargs)
+    packed, spec = _pack_bytes(tensors)
+    check = None
+    if check_masks_from is not None:
+        def check(rows: torch.Tensor) -> torch.Tensor:
+            return _unpack_bytes(rows, spec)[check_masks_from][:, META_MASK_COL]
+    return _unpack_bytes(_dispatch_move([packed], check_masks_from=check, **kwargs)[0], spec)
+
+
+def combine_move(tensors: list[torch.Tensor], **kwargs) -> list[torch.Tensor]:
+    """Copies back to records at the owner, summed in local-GPU order (see ``_combine_move``).
+
+    Tensors of one dtype travel as one message (columns side by side); others separately.
+    """
+    if len(tensors) == 1 or len({t.dtype for t in tensors}) != 1:
+        return _combine_move(tensors, **kwargs)
+    flats = [t.reshape(t.shape[0], _row_width(t)) for t in tensors]
+    widths = [f.shape[1] for f in flats]
+    moved = _combine_move([torch.cat(flats, dim=1)], **kwargs)[0]
+    return [part.reshape(part.shape[0], *t.shape[1:])
+            for part, t in zip(moved.split(widths, dim=1), tensors)]
