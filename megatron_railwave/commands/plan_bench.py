@@ -159,6 +159,9 @@ def bench_config(
         demand, routing_TE = _prototype_demand(topo, num_tokens=num_tokens, num_experts=experts,
                                                topk=topk, seed=seed, num_protos=protos)
         source = f"{protos} prototype routing maps, node-shifted counts"
+    # Rank 0 plans from what the exchange gathers: per-node totals of every rank and the masks
+    # of the records into its own node (not the full W x N x M table).
+    demand = DemandCounts(records_WN=demand.records_WN, view_node=0, view_masks_WM=demand.masks_into(0))
     t0 = time.perf_counter()
     masks_TN = target_masks(routing_TE, topo)
     masks_ms = (time.perf_counter() - t0) * 1e3
@@ -180,6 +183,7 @@ def bench_config(
             "num_waves": plan.num_waves,
             "rank_records": int(plan.records_NNG[0, :, 0].sum()),
             "demand_source": source,
+            "demand_view": "node 0: records_WN + masks into node 0 (what the exchange gathers)",
             "masks_ms": masks_ms,
             **timing.to_dict(),
         })
