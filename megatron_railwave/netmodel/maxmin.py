@@ -57,14 +57,15 @@ from __future__ import annotations
 
 import numpy as np
 
+from megatron_railwave.netmodel.fill import LinkIndex, max_min_rates, max_min_rates_indexed
 from megatron_railwave.netmodel.incast import IncastModel
 from megatron_railwave.netmodel.problem import FlowSet, Network, PhaseGraph, SimResult, TraceSegment
 
 __all__ = ["simulate"]
 
-# Shares within this relative distance count as equal in the local-minimum test.
-_SHARE_TOL = 1e-9
-
+# Below this many active (class, hop) entries the plain water-filling is faster: its rounds
+# make fewer numpy calls, and per-call overhead dominates small arrays.
+_INDEXED_MIN_ENTRIES = 1 << 16
 
 def _group_flows(flows: FlowSet, phase_F: np.ndarray, sender_F: np.ndarray | None):
     """Merge identical flows. Returns (class_of_F, rep_C, weight_C), classes sorted by phase."""
@@ -86,63 +87,6 @@ def _group_flows(flows: FlowSet, phase_F: np.ndarray, sender_F: np.ndarray | Non
     rep_C = order[new]
     weight_C = np.bincount(class_sorted).astype(np.float64)
     return class_of_F, rep_C, weight_C
-
-
-def _max_min_rates(links_HA: np.ndarray, weight_A: np.ndarray, capacity_L1: np.ndarray) -> np.ndarray:
-    """Max-min fair per-flow rates of weighted classes (parallel progressive filling).
-
-    Args:
-        links_HA: [H, A] intp, C-contiguous, row h = the h-th link of each class; padding
-            points at the sentinel link L (capacity inf). Hop-major so that reductions over
-            hops run along contiguous rows (numpy reduces a short inner axis slowly).
-        weight_A: [A] float64, integer-valued > 0, flows per class (so link loads are exact).
-        capacity_L1: [L + 1] float64, capacities; the last entry is inf.
-
-    Returns:
-        [A] float64 > 0, rate of each flow of each class.
-    """
-    num_links1 = capacity_L1.size
-    num_hops = links_HA.shape[0]
-    links, weight = links_HA, weight_A
-    load_L1 = np.bincount(links.ravel(), weights=np.concatenate((weight,) * num_hops), minlength=num_links1)
-    remaining_L1 = capacity_L1.copy()
-    rate_A = np.empty(weight_A.size)
-    idx = np.arange(weight_A.size)
-    while True:
-        with np.errstate(divide="ignore", invalid="ignore"):
-            share_L1 = remaining_L1 / load_L1
-        share_L1[-1] = np.inf
-        share_HA = share_L1.take(links)
-        fmin_A = share_HA.min(axis=0)
-        # A link is blocked when one of its flows sees a clearly smaller share elsewhere;
-        # unblocked links are local minima and freeze all their flows.
-        # (np.compress: boolean-mask indexing is several times slower here.)
-        blocking = share_HA > fmin_A * (1.0 + _SHARE_TOL)
-        blocked_L1 = np.zeros(num_links1, dtype=bool)
-        blocked_L1[np.compress(blocking.ravel(), links.ravel())] = True
-        blocked_L1[-1] = True
-        freeze = ~blocked_L1[links].all(axis=0)
-        frozen = np.flatnonzero(freeze)
-        assert frozen.size, "water-filling made no progress"
-        if frozen.size == idx.size:
-            rate_A[idx] = fmin_A
-            break
-        rate = fmin_A[frozen]
-        rate_A[idx[frozen]] = rate
-        weight_frozen = weight[frozen]
-        # np.take along axis 1: plain fancy indexing ``links[:, i]`` is several times slower.
-        links_frozen = links.take(frozen, axis=1).ravel()
-        remaining_L1 -= np.bincount(
-            links_frozen, weights=np.concatenate((weight_frozen * rate,) * num_hops), minlength=num_links1
-        )
-        load_L1 -= np.bincount(
-            links_frozen, weights=np.concatenate((weight_frozen,) * num_hops), minlength=num_links1
-        )
-        np.maximum(remaining_L1, 0.0, out=remaining_L1)
-        kept = np.flatnonzero(~freeze)
-        links, weight, idx = links.take(kept, axis=1), weight[kept], idx[kept]
-    assert np.all(rate_A > 0), "water-filling produced a zero rate"
-    return rate_A
 
 
 class _ReceiverPorts:
@@ -265,6 +209,7 @@ def simulate(
     finish_C = np.full(num_classes, np.nan)
     act_cls = np.empty(0, dtype=np.intp)
     act_links_HA = np.empty((links_HC.shape[0], 0), dtype=np.intp)
+    index: LinkIndex | None = None  # active entries sorted by link, built when first needed
     act_w = np.empty(0)
     act_rem = np.empty(0)
     trace: list[TraceSegment] = []
@@ -304,7 +249,12 @@ def simulate(
             if ports is not None:
                 cap = capacity_L1.copy()
                 cap[ports.rx_L1] *= incast.capacity_factor(ports.num_senders(act_cls, act_links_HA, act_w))
-            rate = _max_min_rates(act_links_HA, act_w, cap)
+            if act_links_HA.size < _INDEXED_MIN_ENTRIES:
+                rate = max_min_rates(act_links_HA, act_w, cap)
+            else:
+                if index is None:
+                    index = LinkIndex(act_links_HA, num_links + 1)
+                rate = max_min_rates_indexed(act_links_HA, act_w, cap, index)
             t_fin = t + act_rem / rate
             t_flow = float(t_fin.min())
             num_events += 1
@@ -338,6 +288,8 @@ def simulate(
                 kept = np.flatnonzero(keep)
                 act_cls, act_w, act_rem = act_cls[kept], act_w[kept], act_rem[kept]
                 act_links_HA = act_links_HA.take(kept, axis=1)
+                if index is not None:
+                    index.compact(kept, num_active)
         t = t_new
         # Start every pending phase due now; starting one may complete it (empty phase),
         # which can make more phases due at the same time.
@@ -360,6 +312,7 @@ def simulate(
             if cls.size:
                 act_cls = np.concatenate([act_cls, cls])
                 act_links_HA = np.concatenate([act_links_HA, links_HC.take(cls, axis=1)], axis=1)
+                index = None
                 act_w = np.concatenate([act_w, weight_C[cls]])
                 act_rem = np.concatenate([act_rem, size_C[cls]])
 

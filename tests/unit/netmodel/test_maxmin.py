@@ -5,6 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from megatron_railwave.netmodel import maxmin
 from megatron_railwave.netmodel import (
     FlowSet,
     IncastModel,
@@ -230,13 +231,26 @@ def _flow_problems(draw):
     alpha = draw(st.sampled_from([0.0, 0.5]))
     latency = draw(st.sampled_from([0.0, 0.3]))
     rel_tol = draw(st.sampled_from([0.0, 0.0, 1e-2]))
-    return caps, sizes, links, phase, num_phases, chained, rx, alpha, latency, rel_tol
+    indexed = draw(st.booleans())
+    return caps, sizes, links, phase, num_phases, chained, rx, alpha, latency, rel_tol, indexed
 
 
 @settings(max_examples=150, deadline=None)
 @given(_flow_problems())
 def test_simulate_invariants_hold_on_random_flow_sets(problem):
-    caps, sizes, links, phase, num_phases, chained, rx, alpha, latency, rel_tol = problem
+    caps, sizes, links, phase, num_phases, chained, rx, alpha, latency, rel_tol, indexed = problem
+    if indexed:  # force the link-indexed water-filling, normally used only on large sets
+        monkeypatch = pytest.MonkeyPatch()
+        monkeypatch.setattr(maxmin, "_INDEXED_MIN_ENTRIES", 0)
+        try:
+            _check_invariants(caps, sizes, links, phase, num_phases, chained, rx, alpha, latency, rel_tol)
+        finally:
+            monkeypatch.undo()
+    else:
+        _check_invariants(caps, sizes, links, phase, num_phases, chained, rx, alpha, latency, rel_tol)
+
+
+def _check_invariants(caps, sizes, links, phase, num_phases, chained, rx, alpha, latency, rel_tol):
     net = _net(*caps, rx=rx)
     flows = _flows(sizes, links, phase=phase)
     phases = PhaseGraph.chain(num_phases) if chained else PhaseGraph.independent(num_phases)
@@ -315,3 +329,17 @@ def test_simulate_batching_stays_close_to_exact(waves):
         assert fast.makespan_s == pytest.approx(exact.makespan_s, rel=rel_tol)
         if waves:  # flows of a wave share no link: batching changes nothing
             np.testing.assert_allclose(fast.finish_s_F, exact.finish_s_F, rtol=1e-12)
+
+
+@pytest.mark.parametrize("waves", [False, True])
+def test_simulate_indexed_and_plain_water_filling_agree(waves, monkeypatch):
+    net, flows, phases = _rail_all_to_all(8, 4, waves=waves, seed=3)
+    rx = np.zeros(net.num_links, dtype=bool)
+    rx[net.num_links // 2 :] = True
+    net = Network(capacity_Bps_L=net.capacity_Bps_L, receiver_port_L=rx)
+    model = IncastModel(alpha=0.2, per_phase_latency_s=1e-6)
+    plain = simulate(net, flows, phases, incast=model, rel_tol=1e-3)
+    monkeypatch.setattr(maxmin, "_INDEXED_MIN_ENTRIES", 0)
+    indexed = simulate(net, flows, phases, incast=model, rel_tol=1e-3)
+    np.testing.assert_allclose(indexed.finish_s_F, plain.finish_s_F, rtol=1e-9)
+    np.testing.assert_allclose(indexed.phase_finish_s_Q, plain.phase_finish_s_Q, rtol=1e-9)
