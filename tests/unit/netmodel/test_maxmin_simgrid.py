@@ -49,3 +49,22 @@ def test_maxmin_matches_simgrid_on_shared_bottleneck():
     links_FH = np.array([[0, -1], [0, 1], [1, -1]])
     theirs = simulate_in_simgrid(capacity_L, size_F, links_FH)
     np.testing.assert_allclose(theirs, [4.0 / 3.0, 4.0, 4.0], rtol=1e-9)
+
+
+@pytest.mark.parametrize("rel_tol", [0.0, 1e-3])
+def test_maxmin_matches_simgrid_on_rail_all_to_all(rel_tol):
+    # 4 nodes x 8 GPUs, GPU (s, l) -> GPU (d, l) for all d != s: 96 flows, 64 NIC links.
+    rng = np.random.default_rng(7)
+    nodes, gpus = 4, 8
+    world = nodes * gpus
+    src = np.repeat(np.arange(nodes), (nodes - 1) * gpus)
+    dst = (src + np.tile(np.repeat(np.arange(1, nodes), gpus), nodes)) % nodes
+    rail = np.tile(np.arange(gpus), nodes * (nodes - 1))
+    links_FH = np.stack([src * gpus + rail, world + dst * gpus + rail], axis=1)
+    size_F = rng.integers(1_000_000, 50_000_000, size=src.size).astype(np.float64)
+    capacity_L = np.full(2 * world, 50e9)
+    ours = simulate(
+        Network(capacity_Bps_L=capacity_L), FlowSet(size_bytes_F=size_F, links_FH=links_FH), rel_tol=rel_tol
+    ).finish_s_F
+    theirs = simulate_in_simgrid(capacity_L, size_F, links_FH)
+    np.testing.assert_allclose(ours, theirs, rtol=0.01)
