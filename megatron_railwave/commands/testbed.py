@@ -54,6 +54,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     run.add_argument("--hidden", type=int, default=4096, metavar="H", help="hidden size (default 4096, GLM-4.5-Air)")
     run.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     run.add_argument("--seed", type=int, default=0, help="GLM-4.5-Air routing seed (default 0)")
+    run.add_argument("--balanced-layer", type=int, default=None, help="MoE layer for 'balanced' (default: lowest skew)")
+    run.add_argument("--skewed-layer", type=int, default=None, help="MoE layer for 'skewed' (default: highest skew)")
+    run.add_argument("--arrange-mode", default="even", choices=["even", "relabel"],
+                     help="how replay.arrange_topk_ids moves records onto the windows (default even)")
     run.add_argument("--warmup", type=int, default=3, help="untimed rounds per workload (default 3)")
     run.add_argument("--samples", type=int, default=10, help="timed rounds per workload (default 10)")
     run.add_argument("--no-recv-first", action="store_true",
@@ -140,7 +144,9 @@ def _run(args: argparse.Namespace) -> int:
         raise ValueError(reason)
     study_cfg = StudyConfig(patterns=_split(args.patterns), rails=_split(args.rails), paths=_split(args.paths),
                             tokens=args.tokens, hidden=args.hidden, dtype=args.dtype, warmup=args.warmup,
-                            samples=args.samples, seed=args.seed, recv_first=not args.no_recv_first)
+                            samples=args.samples, seed=args.seed, balanced_layer=args.balanced_layer,
+                            skewed_layer=args.skewed_layer, arrange_mode=args.arrange_mode,
+                            recv_first=not args.no_recv_first)
     fault_cfg = FaultConfig(fail=tuple(args.fail_rail), exchange_timeout_s=args.exchange_timeout_s,
                             pattern="ring", rails="skewed", tokens=args.tokens, hidden=args.hidden,
                             dtype=args.dtype, seed=args.seed, recv_first=not args.no_recv_first)
@@ -184,13 +190,15 @@ def _print_study(study: dict[str, Any]) -> None:
         for path, d in wl["paths"].items():
             s = d["slowest_s"]
             rows.append([path, s["p50"] * 1e3, s["p95"] * 1e3, s["p99"] * 1e3, d["speedup_vs_native"]["p50"],
+                         d["bandwidth_bound_s"] * 1e3, d["bound_speedup_vs_native"],
                          d["planning_slowest_s"]["p50"] * 1e3, d["worker_cpu_over_wall"]["p50"],
                          " ".join(f"{v:.2f}" for node in d["nic_shares"]["share_NR"] for v in node),
                          d["nic_shares"]["max_dev_from_node_mean"]])
         _render.print_table(
             f"{name} (layer {wl['layer']}, rho_g {wl['native_demand_stats']['rho_g']:.2f}, peak fan-in "
             f"{wl['peak_fanin']}, bitwise equal: {wl['all_paths_bitwise_equal']})",
-            ["path", "P50 ms", "P95 ms", "P99 ms", "x NATIVE P50", "plan P50 ms", "CPU/wall",
+            ["path", "P50 ms", "P95 ms", "P99 ms", "x NATIVE P50", "bound ms", "bound x NATIVE", "plan P50 ms",
+             "CPU/wall",
              "NIC shares (per node)", "max dev"], rows)
     _render.print_text(f"machine CPU busy {study['machine_cpu_busy_fraction']:.2f} over {study['run_wall_s']:.0f} s; "
                        f"goals: {json.dumps(study['goals'], default=float)[:600]}")

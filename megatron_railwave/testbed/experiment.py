@@ -5,12 +5,10 @@ K top-k, H hidden size, V windows / waves.
 
 Workloads (``build_workloads``): GLM-4.5-Air routing (``replay.glm``), one layer with balanced
 source rails (the layer of lowest skew level) and one with skewed rails (highest skew level),
-each under the sending arrangements RING, MODERATE and EXTREME. An arrangement ``A[k][s]`` (k = 0..N-2)
-names the destination node of source s in window k; source s's records for node (s + k + 1) mod N
-are relabelled to node A[k][s] (same expert offset inside the node, so each source keeps its
-volume and destination-local-GPU histogram, as in the paper's replay), and NATIVE / RAIL keep
-the windows (``PlanOptions(windows=...)``) while PERM / JOINT use the cyclic waves. RING is the
-identity relabelling with the cyclic windows.
+each under the sending arrangements RING, MODERATE and EXTREME (``replay.arrange_topk_ids``, mode
+"even" by default: each source keeps its remote volume and destination-local-GPU histogram, split
+over the N - 1 windows so that receivers concentrate as the pattern says). NATIVE / RAIL keep the
+windows (``PlanOptions(windows=...)``); PERM / JOINT run the same demand in one-to-one waves.
 
 Timing (``run_study``): every rank times gather_demand + plan + dispatch + combine (the expert
 stand-in between them is excluded), between two control barriers; a sample's time is the slowest
@@ -30,68 +28,22 @@ from typing import Any
 
 import numpy as np
 
+from megatron_railwave.bench.wire_bytes import railwave_record_bytes
 from megatron_railwave.planner import PlanOptions, build_plan, parse_path, schedule_from_windows
-from megatron_railwave.replay.glm import GLM45_AIR, GlmAirWorkload, glm_air_layer_ids
-from megatron_railwave.replay.routing import demand_from_topk_ids
+from megatron_railwave.replay import (GLM45_AIR, GlmAirWorkload, Pattern, arrange_topk_ids, demand_from_topk_ids,
+                                      glm_air_layer_ids, window_peaks)
 from megatron_railwave.stats import demand_stats
 from megatron_railwave.testbed.launch import run_workers
-from megatron_railwave.testbed.netns import TestbedSpec, restore_rail
+from megatron_railwave.testbed.netns import TestbedSpec, nic_counters, restore_rail
 from megatron_railwave.topology import RailTopology
 
-__all__ = ["FaultConfig", "PATTERNS", "RAILS", "StudyConfig", "arrangement", "build_workloads",
-           "cpu_snapshot", "run_fault", "run_study", "summarize_study"]
+__all__ = ["FaultConfig", "PATTERNS", "RAILS", "StudyConfig", "build_workloads", "cpu_snapshot",
+           "incast_sweep", "run_fault", "run_study", "summarize_study"]
 
-PATTERNS = ("ring", "moderate", "extreme")
+PATTERNS = tuple(p.value for p in Pattern)
 RAILS = ("balanced", "skewed")
 PATHS = ("native", "rail", "perm", "joint")
 _DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
-
-# Destination of source s in window k on 4 nodes; peak in-degree per window in the comment.
-_ARRANGEMENTS_4 = {
-    "moderate": ((2, 0, 0, 1), (1, 2, 3, 0), (3, 3, 1, 2)),  # [2, 1, 2]
-    "extreme": ((1, 0, 0, 0), (3, 3, 3, 2), (2, 2, 1, 1)),   # [3, 3, 2]
-}
-
-
-def arrangement(pattern: str, num_nodes: int) -> tuple[tuple[int, ...], ...]:
-    """``A[k][s]``: destination node of source s in window k (each row of A^T a permutation of
-    the remote nodes). RING: A[k][s] = (s + k + 1) mod N (one-to-one windows)."""
-    if pattern not in PATTERNS:
-        raise ValueError(f"pattern must be one of {PATTERNS}, got {pattern!r}")
-    n = num_nodes
-    if pattern == "ring" or n <= 2:
-        return tuple(tuple((s + k + 1) % n for s in range(n)) for k in range(n - 1))
-    if n != 4:
-        raise ValueError(
-            f"pattern {pattern!r} is defined for 4 nodes (the paper's replay), got {n} nodes; "
-            "use pattern 'ring' or 4 nodes"
-        )
-    return _ARRANGEMENTS_4[pattern]
-
-
-def _windows(arr: tuple[tuple[int, ...], ...]) -> list[list[list[int]]]:
-    return [[[s, d] for s, d in enumerate(row)] for row in arr]
-
-
-def _peak_fanin(arr: tuple[tuple[int, ...], ...]) -> list[int]:
-    return [max(row.count(d) for d in set(row)) for row in arr]
-
-
-def relabel_ids(ids_WTK: np.ndarray, topo: RailTopology, num_experts: int,
-                arr: tuple[tuple[int, ...], ...]) -> np.ndarray:
-    """Move source s's records for node (s + k + 1) mod N to node A[k][s] (module docstring)."""
-    n, g = topo.num_nodes, topo.gpus_per_node
-    per_node = num_experts // n
-    out = ids_WTK.astype(np.int64).copy()
-    for s in range(n):
-        node_map = np.arange(n)
-        for k, row in enumerate(arr):
-            node_map[(s + k + 1) % n] = row[s]
-        ids = out[s * g:(s + 1) * g]
-        valid = ids >= 0
-        ids[valid] = node_map[ids[valid] // per_node] * per_node + ids[valid] % per_node
-    out.sort(axis=-1)
-    return out.astype(np.int16)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -113,6 +65,12 @@ class StudyConfig:
     samples: int = 10
     seed: int = 0
     """Seed of the GLM-4.5-Air routing generator (and of the hidden states)."""
+    balanced_layer: int | None = None
+    """MoE layer replayed as 'balanced'; None: the layer of lowest skew level."""
+    skewed_layer: int | None = None
+    """MoE layer replayed as 'skewed'; None: the layer of highest skew level."""
+    arrange_mode: str = "even"
+    """``replay.arrange_topk_ids`` mode: 'even' (split each source over the windows) or 'relabel'."""
     recv_first: bool = True
     """Post each batch's receives before its sends (``workers.receives_first``: gloo TCP stand-in
     for a full-duplex RDMA rail)."""
@@ -133,48 +91,70 @@ class StudyConfig:
             raise ValueError(f"warmup must be >= 0, got {self.warmup}")
 
 
-def record_bytes(topo: RailTopology, cfg: StudyConfig) -> int:
-    """Bytes one record carries on a rail: hidden row + its node's probs (fp32) + int64 metadata."""
-    experts_per_node = GLM45_AIR.num_experts // topo.num_nodes
-    meta_words = 3 + -(-experts_per_node // 62)
-    return cfg.hidden * _DTYPE_BYTES[cfg.dtype] + experts_per_node * 4 + meta_words * 8
+def record_bytes(topo: RailTopology, cfg: StudyConfig) -> dict[str, int]:
+    """Bytes of one record on a rail (``bench.wire_bytes``): dispatch (hidden row + the node's probs
+    + metadata) and combine (hidden row)."""
+    return railwave_record_bytes(hidden=cfg.hidden, elem_bytes=_DTYPE_BYTES[cfg.dtype],
+                                 experts_per_node=GLM45_AIR.num_experts // topo.num_nodes)
 
 
 def build_workloads(topo: RailTopology, cfg: StudyConfig) -> list[dict[str, Any]]:
     """One workload per (rails, pattern): routing ids [W, T, K], windows and descriptors."""
     work = GlmAirWorkload(num_tokens=cfg.tokens, seed=cfg.seed)
     skew = work.skew_of_layer()
-    layer_of = {"balanced": min(skew, key=skew.get), "skewed": max(skew, key=skew.get)}
+    layer_of = {"balanced": cfg.balanced_layer if cfg.balanced_layer is not None else min(skew, key=skew.get),
+                "skewed": cfg.skewed_layer if cfg.skewed_layer is not None else max(skew, key=skew.get)}
+    for rails, layer in layer_of.items():
+        if layer not in skew:
+            raise ValueError(f"{rails}_layer={layer} is not a MoE layer of GLM-4.5-Air ({min(skew)}..{max(skew)})")
     num_experts = GLM45_AIR.num_experts
-    rec_bytes = record_bytes(topo, cfg)
+    rec_bytes = record_bytes(topo, cfg)["dispatch"]
     out = []
     for rails in cfg.rails:
         base = glm_air_layer_ids(topo, layer_of[rails], work)
         for pattern in cfg.patterns:
-            arr = arrangement(pattern, topo.num_nodes)
-            ids = relabel_ids(base, topo, num_experts, arr)
+            ids, schedule = arrange_topk_ids(base, pattern, topo, num_experts=num_experts, mode=cfg.arrange_mode)
             demand = demand_from_topk_ids(ids, topo, num_experts)
             stats = demand_stats(demand, topo, record_bytes=rec_bytes)
             out.append({
                 "name": f"{pattern}-{rails}", "pattern": pattern, "rails": rails,
                 "layer": layer_of[rails], "skew_level": skew[layer_of[rails]],
-                "windows": _windows(arr), "peak_fanin": _peak_fanin(arr),
+                "windows": schedule.to_list(), "peak_fanin": window_peaks(schedule),
                 "ids_WTK": ids, "demand": demand, "native_stats": stats.to_dict(),
             })
     return out
 
 
-def _plan_info(wl: dict[str, Any], topo: RailTopology, paths: tuple[str, ...], rec_bytes: int) -> dict[str, Any]:
-    """Per path: the global plan (JSON) and the bytes it puts on each NIC (egress + ingress)."""
+def wire_efficiency(mtu: int) -> float:
+    """TCP payload per byte the shaper counts: (MTU - IP/TCP headers with timestamps) / (MTU + Ethernet)."""
+    return (mtu - 52) / (mtu + 14)
+
+
+def _plan_info(wl: dict[str, Any], topo: RailTopology, paths: tuple[str, ...], rec_bytes: dict[str, int],
+               spec: TestbedSpec) -> dict[str, Any]:
+    """Per path: the global plan (JSON), the bytes it puts on each NIC (egress + ingress), the
+    per-window NIC loads and the bandwidth bound: sum over windows of the busiest NIC direction's
+    records x (dispatch + combine record bytes) / rate, without incast loss, relays or software
+    overheads."""
     windows = schedule_from_windows(topo.num_nodes, wl["windows"])
+    rate = spec.rail_mbit * 1e6 / 8 * wire_efficiency(spec.mtu)
     info = {}
     for path in paths:
         plan = build_plan(wl["demand"], topo, parse_path(path), options=PlanOptions(windows=windows))
         load = plan.rail_load_NRN().clone()  # [s, r, d]
         for s in range(topo.num_nodes):
             load[s, :, s] = 0
-        nic = (load.sum(dim=2) + load.sum(dim=0).T) * rec_bytes  # [N, R] egress + ingress
-        info[path] = {"plan": plan.to_json(record_bytes=rec_bytes), "planned_nic_bytes": nic.tolist()}
+        per_record = rec_bytes["dispatch"] + rec_bytes["combine"]
+        nic = (load.sum(dim=2) + load.sum(dim=0).T) * per_record  # [N, R] egress + ingress, both phases
+        per_wave, records = [], 0
+        for w in range(plan.num_waves):
+            in_wave = (plan.pair_wave_NN == w).unsqueeze(1)  # [s, 1, d]
+            lw = load * in_wave
+            egress, ingress = lw.sum(dim=2), lw.sum(dim=0).T  # [N, R] records
+            per_wave.append({"egress_records_NR": egress.tolist(), "ingress_records_NR": ingress.tolist()})
+            records += max(int(egress.max()), int(ingress.max()))
+        info[path] = {"plan": plan.to_json(record_bytes=rec_bytes["dispatch"]), "planned_nic_bytes": nic.tolist(),
+                      "waves": per_wave, "bound_s": records * per_record / rate}
     return info
 
 
@@ -218,7 +198,7 @@ def summarize_study(results: list[dict[str, Any]], workloads: list[dict[str, Any
     for wl in workloads:
         name = wl["name"]
         per_path: dict[str, Any] = {}
-        plans = _plan_info(wl, topo, cfg.paths, rec_bytes)
+        plans = _plan_info(wl, topo, cfg.paths, rec_bytes, spec)
         for path in cfg.paths:
             rows = [by_key[(name, path, s)] for s in range(cfg.samples)]
             slowest = [max(r["total_s"] for r in ranks) for ranks in rows]
@@ -239,7 +219,9 @@ def summarize_study(results: list[dict[str, Any]], workloads: list[dict[str, Any
                 "nic_bytes_per_sample_NR": nic.round(0).tolist(), "nic_shares": _shares(nic),
                 "planned_nic_bytes_NR": plans[path]["planned_nic_bytes"],
                 "planned_nic_shares": _shares(np.asarray(plans[path]["planned_nic_bytes"], dtype=float)),
-                "plan": plans[path]["plan"],
+                "bandwidth_bound_s": plans[path]["bound_s"],
+                "measured_p50_over_bound": float(np.percentile(slowest, 50)) / max(plans[path]["bound_s"], 1e-9),
+                "plan": plans[path]["plan"], "plan_waves": plans[path]["waves"],
                 "max_rel_error_vs_dense": max(res["errors"][f"{name}/{path}"] for res in results),
             }
         native = per_path.get("native")
@@ -247,6 +229,7 @@ def summarize_study(results: list[dict[str, Any]], workloads: list[dict[str, Any
             for path, data in per_path.items():
                 data["speedup_vs_native"] = {
                     q: native["slowest_s"][q] / data["slowest_s"][q] for q in ("p50", "p95", "p99")}
+                data["bound_speedup_vs_native"] = native["bandwidth_bound_s"] / data["bandwidth_bound_s"]
         # Bitwise: on every rank, every path and sample gave the same output.
         same = all(len({d for p in cfg.paths for d in res["digests"][name][p]}) == 1 for res in results)
         out[name] = {
@@ -298,15 +281,22 @@ def run_study(spec: TestbedSpec, cfg: StudyConfig) -> dict[str, Any]:
     }
     cores = _cores()
     busy0, tot0 = cpu_snapshot()
+    nic0 = nic_counters(spec)
     t0 = time.perf_counter()
     results = run_workers(spec, "megatron_railwave.testbed.workers:study_worker", args, cfg.timeout_s)
     wall = time.perf_counter() - t0
+    nic1 = nic_counters(spec)
     busy1, tot1 = cpu_snapshot()
     summary = summarize_study(results, workloads, spec, cfg, cores)
+    in_blocks = sum(r["tx"] + r["rx"] for res in results for r in res["records"])
+    whole_run = sum(nic1[k][0] - nic0[k][0] + nic1[k][1] - nic0[k][1] for k in nic0)
     return {
         "config": asdict(cfg), "testbed": _spec_json(spec), "record_bytes": record_bytes(topo, cfg),
         "run_wall_s": wall, "machine_cpu_busy_fraction": (busy1 - busy0) / max(tot1 - tot0, 1.0),
-        "cores": cores, "workloads": summary, "goals": goals(summary),
+        "cores": cores,
+        "nic_bytes_check": {"measured_blocks": in_blocks, "whole_run_all_nics": whole_run,
+                            "note": "whole run = measured blocks + warm-ups + group set-up"},
+        "workloads": summary, "goals": goals(summary),
     }
 
 
@@ -407,13 +397,16 @@ def _summarize_fault(spec: TestbedSpec, cfg: FaultConfig, wl: dict[str, Any], st
             for x in v:
                 nic[x["rank"] // g, x["rank"] % g] += x["tx"] + x["rx"]
         out["aware"]["nic_bytes_per_sample_NR"][path] = (nic / len(rows)).round(0).tolist()
+    for e in errors:
+        e["names_failed_rail"] = bool(e["is_exchange_timeout"] and f"rail {rail} " in e["message"]
+                                      and f"node {node}" in e["message"])
+    errors.sort(key=lambda e: (not e["names_failed_rail"], e["after_s"]))
     out["unaware"] = {
         "launcher_error_head": (launcher_error or "none: the run completed")[:400],
         "raised": launcher_error is not None,
-        "errors": [{k: e[k] for k in ("rank", "type", "is_exchange_timeout", "after_s", "message")}
-                   for e in errors],
-        "names_failed_rail": any(e["is_exchange_timeout"] and f"rail {rail} " in e["message"]
-                                 and f"node {node}" in e["message"] for e in errors),
+        "errors": [{k: e[k] for k in ("rank", "type", "is_exchange_timeout", "names_failed_rail", "after_s",
+                                      "message")} for e in errors],
+        "names_failed_rail": any(e["names_failed_rail"] for e in errors),
     }
     out["healthy_digests"] = {p: sorted(v) for p, v in healthy.items()}
     return out
