@@ -49,4 +49,4 @@ clean:
 
 # Needs root, ip and tc: 4 nodes x 2 rails in network namespaces, the exchange study and the rail fault.
 testbed-bench: $(STAMP)
-	$(VPY) -m megatron_railwave.cli testbed run --nodes 4 --gpus-per-node 2 --incast --json out/testbed.json
+	$(VPY) -m megatron_railwave.cli testbed run --nodes 4 --gpus-per-node 2 --samples 20 --incast --json out/testbed.json
