@@ -140,7 +140,6 @@ def max_min_rates_indexed(
         [A] float64 > 0, rate of each flow of each class.
     """
     num_links1 = capacity_L1.size
-    num_hops = links_HA.shape[0]
     num_active = weight_A.size
     load_L1 = np.bincount(index.link_E, weights=weight_A[index.pos_E], minlength=num_links1)
     remaining_L1 = capacity_L1.copy()
