@@ -205,6 +205,7 @@ def summarize_study(results: list[dict[str, Any]], workloads: list[dict[str, Any
             comp = {k: _pct([max(r[k] for r in ranks) for ranks in rows])
                     for k in ("gather_s", "plan_s", "dispatch_s", "combine_s", "index_s")}
             planning = _pct([max(r["gather_s"] + r["plan_s"] for r in ranks) for ranks in rows])
+            comm = _pct([max(r["dispatch_s"] + r["combine_s"] for r in ranks) for ranks in rows])
             cpu_util = [sum(r["cpu_s"] for r in ranks) / (max(r["total_s"] for r in ranks) * cores)
                         for ranks in rows]
             nic = np.zeros((spec.nodes, g))
@@ -214,7 +215,7 @@ def summarize_study(results: list[dict[str, Any]], workloads: list[dict[str, Any
             nic /= cfg.samples
             per_path[path] = {
                 "slowest_s": _pct(slowest), "samples_s": slowest,
-                "planning_slowest_s": planning, "components_slowest_s": comp,
+                "planning_slowest_s": planning, "comm_slowest_s": comm, "components_slowest_s": comp,
                 "worker_cpu_over_wall": _pct(cpu_util),
                 "nic_bytes_per_sample_NR": nic.round(0).tolist(), "nic_shares": _shares(nic),
                 "planned_nic_bytes_NR": plans[path]["planned_nic_bytes"],
