@@ -88,7 +88,7 @@ def _shim_paged_stash_ops() -> None:
 
     def _unavailable(*args: object, **kwargs: object) -> None:
         del args, kwargs
-        raise RuntimeError("paged stash needs triton and CUDA; stubbed by examples/cpu_shims")
+        raise RuntimeError("paged stash needs triton and CUDA; stubbed by examples/cpu_shims (also used by tests/shims)")
 
     stub = types.ModuleType(_PAGED_STASH_OPS)
     stub.GLOBAL_BLOCK_SIZE = 1024

@@ -1,166 +1,38 @@
 """Test-only shims that let Megatron-Core 0.19.2 MoE layers run on a CPU-only torch over gloo.
 
-Call :func:`apply_megatron_cpu_shims` before the first ``import megatron.core`` in a process.
-Each shim is small, idempotent and only fills a gap that a CPU build of torch leaves open;
-nothing here changes numerics. None of this is part of ``megatron_railwave``.
+The shims themselves live in ``examples/cpu_shims.py`` (the CPU example needs the same ones);
+the tests load that file by path so there is one copy, and none of it is part of
+``megatron_railwave``. Call :func:`apply_megatron_cpu_shims` before the first
+``import megatron.core`` in a process.
 """
 
 from __future__ import annotations
 
-import contextlib
+import importlib.util
 import sys
-import types
-import typing
+from pathlib import Path
 
-import torch
-import torch.distributed as dist
+__all__ = ["apply_megatron_cpu_shims", "seed_megatron_cpu_rng"]
 
-__all__ = ["apply_megatron_cpu_shims"]
-
-_APPLIED = False
-_PAGED_STASH_OPS = "megatron.core.transformer.moe.ops.paged_stash"
+_EXAMPLE_SHIMS = Path(__file__).resolve().parents[2] / "examples" / "cpu_shims.py"
 
 
-class _CpuEvent:
-    """Stand-in for ``torch.cuda.Event``: CPU work is synchronous, so every event is complete."""
-
-    def __init__(self, *args: object, **kwargs: object) -> None:
-        del args, kwargs
-
-    def record(self, stream: object = None) -> None:
-        del stream
-
-    def wait(self, stream: object = None) -> None:
-        del stream
-
-    def synchronize(self) -> None:
-        pass
-
-    def query(self) -> bool:
-        return True
-
-    def elapsed_time(self, end_event: object) -> float:
-        del end_event
-        return 0.0
-
-
-class _CpuStream:
-    """Stand-in for ``torch.cuda.Stream``: one in-order CPU queue, so waits are no-ops."""
-
-    def __init__(self, *args: object, **kwargs: object) -> None:
-        del args, kwargs
-        self.device = torch.device("cpu")
-
-    def wait_stream(self, stream: object) -> None:
-        del stream
-
-    def wait_event(self, event: object) -> None:
-        del event
-
-    def record_event(self, event: _CpuEvent | None = None) -> _CpuEvent:
-        return event if event is not None else _CpuEvent()
-
-    def synchronize(self) -> None:
-        pass
-
-    def query(self) -> bool:
-        return True
-
-
-_DEFAULT_STREAM = _CpuStream()
-
-
-def _shim_paged_stash_ops() -> None:
-    # megatron.core.transformer.moe.paged_stash (imported by experts.py and gpt_model.py) imports
-    # the Triton kernels in moe/ops/paged_stash.py unconditionally. A CPU torch has no triton.
-    # We stub only that one module instead of faking `triton` itself: a fake `triton` would flip
-    # the `HAVE_TRITON` probes elsewhere in Megatron and route CPU code into Triton kernels.
-    # The kernels are only launched by the paged-stash feature, which these tests never enable.
-    try:
-        import triton  # noqa: F401  (real triton present: nothing to stub)
-
-        return
-    except ImportError:
-        pass
-    if _PAGED_STASH_OPS in sys.modules:
-        return
-
-    def _unavailable(*args: object, **kwargs: object) -> None:
-        del args, kwargs
-        raise RuntimeError("paged stash needs triton and CUDA; stubbed by tests/shims")
-
-    stub = types.ModuleType(_PAGED_STASH_OPS)
-    stub.GLOBAL_BLOCK_SIZE = 1024
-    stub.paged_stash_copy_kernel = _unavailable
-    stub.paged_stash_pop_kernel = _unavailable
-    stub.__all__ = ["GLOBAL_BLOCK_SIZE", "paged_stash_copy_kernel", "paged_stash_pop_kernel"]
-    sys.modules[_PAGED_STASH_OPS] = stub
-
-
-def _shim_cuda_streams_and_device() -> None:
-    # MoEAlltoAllTokenDispatcher.__init__ builds torch.cuda.Stream() for its DtoH copies and
-    # _maybe_dtoh_and_synchronize enters torch.cuda.stream(...) / current_stream(); the router
-    # and tensor_parallel.mappings pass device=torch.cuda.current_device(). On a CPU build each
-    # of these raises "Torch not compiled with CUDA enabled". "cpu" is a valid device= argument.
-    if torch.cuda.is_available():
-        return
-    torch.cuda.Stream = _CpuStream  # type: ignore[misc,assignment]
-    torch.cuda.Event = _CpuEvent  # type: ignore[misc,assignment]
-    torch.cuda.current_stream = lambda device=None: _DEFAULT_STREAM  # type: ignore[assignment]
-    torch.cuda.default_stream = lambda device=None: _DEFAULT_STREAM  # type: ignore[assignment]
-    torch.cuda.stream = lambda stream=None: contextlib.nullcontext()  # type: ignore[assignment]
-    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
-    torch.cuda.synchronize = lambda device=None: None  # type: ignore[assignment]
-
-
-def _shim_gloo_all_to_all_split_sizes() -> None:
-    # Megatron's _AllToAll passes split sizes as CPU tensors or numpy arrays (on GPU they are
-    # produced by maybe_move_tensor_to_cpu(as_numpy=True) only for CUDA tensors). torch's
-    # all_to_all_single wants list[int]; convert here so gloo gets plain Python lists.
-    original = dist.all_to_all_single
-    if getattr(original, "_railwave_cpu_shim", False):
-        return
-
-    def _as_list(split_sizes: object) -> object:
-        if split_sizes is None or isinstance(split_sizes, list):
-            return split_sizes
-        if isinstance(split_sizes, torch.Tensor):
-            return [int(v) for v in split_sizes.tolist()]
-        return [int(v) for v in split_sizes]  # numpy array, tuple
-
-    def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None,
-                          group=None, async_op=False):
-        return original(output, input, _as_list(output_split_sizes),
-                        _as_list(input_split_sizes), group=group, async_op=async_op)
-
-    all_to_all_single._railwave_cpu_shim = True  # type: ignore[attr-defined]
-    dist.all_to_all_single = all_to_all_single
-
-
-def _shim_typing_override() -> None:
-    # megatron.training uses typing.override (Python 3.12+); the venv runs Python 3.11.
-    if hasattr(typing, "override"):
-        return
-    try:
-        from typing_extensions import override
-    except ImportError:  # pragma: no cover - typing_extensions ships with the venv
-
-        def override(func):  # type: ignore[no-redef]
-            return func
-
-    typing.override = override  # type: ignore[attr-defined]
+def _load():
+    name = "railwave_example_cpu_shims"
+    module = sys.modules.get(name)
+    if module is None:
+        spec = importlib.util.spec_from_file_location(name, _EXAMPLE_SHIMS)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return module
 
 
 def apply_megatron_cpu_shims() -> None:
-    """Install every CPU shim once per process; later calls do nothing.
+    """Apply the CPU shims of ``examples/cpu_shims.py`` (idempotent)."""
+    _load().apply_megatron_cpu_shims()
 
-    Must run before ``megatron.core`` is imported (the paged-stash stub works only then).
-    """
-    global _APPLIED
-    if _APPLIED:
-        return
-    _shim_paged_stash_ops()
-    _shim_cuda_streams_and_device()
-    _shim_gloo_all_to_all_split_sizes()
-    _shim_typing_override()
-    _APPLIED = True
+
+def seed_megatron_cpu_rng(seed: int) -> None:
+    """See ``examples/cpu_shims.seed_megatron_cpu_rng``."""
+    _load().seed_megatron_cpu_rng(seed)
