@@ -30,10 +30,11 @@ class RankFailedError(RuntimeError):
 
 
 def _entry(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple[Any, ...],
-           timeout_s: float, threads: int, results: Any) -> None:
+           timeout_s: float, threads: int, env: dict[str, str], results: Any) -> None:
     # Several ranks share few cores: one intra-op thread per rank avoids oversubscription.
-    os.environ.update({"OMP_NUM_THREADS": str(threads), "GLOO_SOCKET_IFNAME": "lo",
-                       "RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
+    os.environ.update({"OMP_NUM_THREADS": str(threads), "GLOO_SOCKET_IFNAME": "lo"})
+    os.environ.update(env)
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
                        "MASTER_ADDR": _LOOPBACK, "MASTER_PORT": str(port)})
     torch.set_num_threads(threads)
     timeout = datetime.timedelta(seconds=timeout_s)
@@ -49,7 +50,7 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: 
 
 
 def run_gloo_processes(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 600.0,
-                       threads_per_rank: int = 1) -> list[Any]:
+                       threads_per_rank: int = 1, env: dict[str, str] | None = None) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned gloo processes (loopback).
 
     Args:
@@ -58,6 +59,7 @@ def run_gloo_processes(fn: Callable[..., Any], world_size: int, *args: Any, time
         *args: picklable arguments passed after ``rank, world_size``.
         timeout_s: limit for the whole run (also the process group's collective timeout).
         threads_per_rank: torch intra-op threads of each rank.
+        env: extra environment variables set in each rank before ``fn`` runs.
 
     Returns:
         ``fn``'s return value of each rank (picklable; use numpy or lists, not tensors).
@@ -68,13 +70,16 @@ def run_gloo_processes(fn: Callable[..., Any], world_size: int, *args: Any, time
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if timeout_s <= 0:
+        raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
     # The parent owns the rendezvous store on an OS-chosen port: no free-port race.
     store = dist.TCPStore(_LOOPBACK, 0, None, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=timeout_s))
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     procs = [ctx.Process(target=_entry, daemon=True,
-                         args=(rank, world_size, store.port, fn, args, timeout_s, threads_per_rank, results))
+                         args=(rank, world_size, store.port, fn, args, timeout_s, threads_per_rank,
+                               dict(env or {}), results))
              for rank in range(world_size)]
     deadline = time.monotonic() + timeout_s
     values: dict[int, Any] = {}
@@ -85,7 +90,7 @@ def run_gloo_processes(fn: Callable[..., Any], world_size: int, *args: Any, time
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 missing = sorted(set(range(world_size)) - values.keys())
-                raise TimeoutError(f"{fn.__name__} on {world_size} ranks exceeded {timeout_s} s; "
+                raise TimeoutError(f"{getattr(fn, '__qualname__', repr(fn))} on {world_size} ranks exceeded {timeout_s} s; "
                                    f"ranks without a result: {missing}")
             try:
                 status, rank, payload = results.get(timeout=min(0.2, remaining))
