@@ -6,8 +6,19 @@ Shape letters: L links, F flows, H hops per flow (padded), Q phases, S samples.
 `IncastModel` (receiver-port goodput and per-phase latency); see `maxmin` for the algorithm,
 `problem` for the input and output types and `incast` for the stated penalty. `simgrid_check` (run by the system python3) replays a
 flow set in SimGrid for cross-checks; `bench_engine` times the engine.
+`cluster` builds the links of a rail-optimized cluster, `execute` runs a `PathPlan` on them
+(`execute_plan`, `simulate_plan`), `calibrate` fits the incast alpha (docs/netmodel.md).
 """
 
+from megatron_railwave.netmodel.cluster import Fabric, build_fabric
+from megatron_railwave.netmodel.execute import (
+    MaskSource,
+    NetModelConfig,
+    PlanTiming,
+    execute_plan,
+    load_netmodel_config,
+    simulate_plan,
+)
 from megatron_railwave.netmodel.incast import IncastModel, alpha_from_slowdowns, fit_incast_alpha
 from megatron_railwave.netmodel.maxmin import simulate
 from megatron_railwave.netmodel.problem import (
@@ -20,6 +31,14 @@ from megatron_railwave.netmodel.problem import (
 )
 
 __all__ = [
+    "Fabric",
+    "MaskSource",
+    "NetModelConfig",
+    "PlanTiming",
+    "build_fabric",
+    "execute_plan",
+    "load_netmodel_config",
+    "simulate_plan",
     "FlowSet",
     "IncastModel",
     "Network",

@@ -1,0 +1,202 @@
+"""Calibration of the incast penalty to the paper's incast experiment.
+
+Letters: N nodes, G GPUs per node, W = N * G ranks, M = 2**G target masks.
+
+The experiment (REFERENCE.md section 1): GLM-4.5-Air, all 45 MoE layers, H800 4 x 8, NATIVE,
+the same demand sent in three windows; only which node pairs share a window changes. The sum
+over layers of the per-layer P50 dispatch + combine time goes from 1.801 s (pairs one-to-one)
+to 3.009 s (concentrated pairs), +67.1%. We replay it with the synthetic GLM-4.5-Air routing
+(`replay.glm_air_demands`) arranged as RING (one-to-one) and EXTREME (peak incast [3, 3, 2]),
+and fit one number, `NetModelConfig.alpha`, so that the modelled EXTREME / RING ratio of the
+sums is 3.009 / 1.801. The model is deterministic, so a layer's P50 is its modelled time.
+
+Scale: the flow model is linear in bytes except for the fixed per-wave cost, so the record
+counts are first multiplied by one factor (``payload_scale``) that makes the RING sum 1.801 s;
+``payload_scale * tokens`` is the token count per GPU our workload needs to take the paper's
+time, a plausibility check. Nothing else is fitted: ``wave_latency_s``, ``k_free`` and the
+NVLink / rail speeds are stated (docs/netmodel.md).
+
+    python -m megatron_railwave.netmodel.calibrate --cluster h800_4x8 --out configs/netmodel/h800_4x8.yaml
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+import torch
+import yaml
+
+from ..planner import Path, PlanOptions, WaveSchedule, build_plan
+from ..topology import RailTopology
+from ..traffic import DemandCounts
+from .execute import NetModelConfig, execute_plan
+from .incast import IncastModel, fit_incast_alpha
+
+__all__ = ["PAPER_INCAST", "IncastCalibration", "arranged_layers", "pattern_sum_s", "calibrate_incast", "main"]
+
+PAPER_INCAST = {"low_s": 1.801, "high_s": 3.009, "low": "ring", "high": "extreme", "layers": 45,
+                "cluster": "H800 4x8", "path": "native"}
+"""The paper's incast experiment: sums of per-layer P50 dispatch + combine, NATIVE."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class IncastCalibration:
+    """Result of `calibrate_incast`."""
+
+    model: NetModelConfig
+    """The base model with the fitted alpha."""
+    target_ratio: float
+    """3.009 / 1.801 (paper)."""
+    ratio_at_zero: float
+    """EXTREME / RING of the pure max-min model (alpha = 0): what concentration costs without
+    any penalty (receiver ports shared by several senders in one window)."""
+    fitted_ratio: float
+    low_s: float
+    """Sum over layers of the RING times at the fitted alpha (seconds, after payload scaling)."""
+    high_s: float
+    payload_scale: float
+    tokens: int
+    implied_tokens: float
+    """tokens * payload_scale."""
+    layers: tuple[int, ...]
+    curve: tuple[tuple[float, float], ...]
+    """(alpha, EXTREME / RING ratio) at a few alphas, for the docs."""
+    seconds: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"model": self.model.to_dict(), "target_ratio": self.target_ratio,
+                "ratio_at_zero": self.ratio_at_zero, "fitted_ratio": self.fitted_ratio,
+                "low_s": self.low_s, "high_s": self.high_s, "payload_scale": self.payload_scale,
+                "tokens": self.tokens, "implied_tokens": self.implied_tokens, "layers": list(self.layers),
+                "curve": [list(c) for c in self.curve], "seconds": self.seconds}
+
+
+def _scaled(demand: DemandCounts, scale: float) -> DemandCounts:
+    if scale == 1.0:
+        return demand
+    records = torch.round(demand.records_WNM.to(torch.float64) * scale).to(torch.int64)
+    return DemandCounts(records_WNM=records, experts_WE=demand.experts_WE)
+
+
+def arranged_layers(topo: RailTopology, pattern: str, *, tokens: int, seed: int = 0, step: int = 0,
+                    layers: Sequence[int] | None = None) -> dict[int, tuple[DemandCounts, WaveSchedule]]:
+    """The synthetic GLM-4.5-Air layers arranged into ``pattern``'s windows."""
+    from ..replay import GlmAirWorkload, arrange, glm_air_demands
+
+    work = GlmAirWorkload(num_tokens=tokens, seed=seed, step=step, layers=tuple(layers) if layers else None)
+    return {layer: arrange(demand, pattern, topo) for layer, demand in glm_air_demands(topo, work).items()}
+
+
+def pattern_sum_s(arranged: dict[int, tuple[DemandCounts, WaveSchedule]], topo: RailTopology,
+                  model: NetModelConfig, *, record_bytes: int, path: Path | str = Path.NATIVE,
+                  scale: float = 1.0) -> float:
+    """Sum over layers of the modelled dispatch + combine seconds of ``path``."""
+    total = 0.0
+    for demand, windows in arranged.values():
+        demand = _scaled(demand, scale)
+        plan = build_plan(demand, topo, path, options=PlanOptions(windows=windows))
+        total += execute_plan(plan, record_bytes=record_bytes, model=model, demand=demand).total_s
+    return total
+
+
+def calibrate_incast(topo: RailTopology, *, base: NetModelConfig | None = None, tokens: int = 2048,
+                     seed: int = 0, layers: Sequence[int] | None = None, record_bytes: int = 4096 * 2,
+                     bounds: tuple[float, float] = (0.0, 4.0), tol: float = 1e-3,
+                     log: Callable[[str], None] | None = print) -> IncastCalibration:
+    """Fit ``alpha`` to the paper's incast experiment (see the module docstring).
+
+    Args:
+        topo: the H800 4 x 8 cluster (the experiment's).
+        base: every other parameter; default `NetModelConfig()`.
+        tokens: tokens per GPU of the synthetic routing before payload scaling.
+        record_bytes: GLM-4.5-Air hidden 4096 in bf16.
+        bounds, tol: alpha search interval and precision.
+    """
+    t0 = time.perf_counter()
+    base = base or NetModelConfig()
+    say = log or (lambda _msg: None)
+    low = arranged_layers(topo, PAPER_INCAST["low"], tokens=tokens, seed=seed, layers=layers)
+    high = arranged_layers(topo, PAPER_INCAST["high"], tokens=tokens, seed=seed, layers=layers)
+    zero = replace(base, alpha=0.0)
+    # Fixed cost of a RING layer: 3 windows x (dispatch + combine) rail phases.
+    fixed = sum(2 * w.num_waves * base.wave_latency_s for _, w in low.values())
+    ring_s = pattern_sum_s(low, topo, zero, record_bytes=record_bytes)
+    scale = (PAPER_INCAST["low_s"] - fixed) / (ring_s - fixed)
+    # Not exactly linear (the fixed costs sit on some critical paths only): one secant step.
+    ring_scaled = pattern_sum_s(low, topo, zero, record_bytes=record_bytes, scale=scale)
+    scale *= (PAPER_INCAST["low_s"] - fixed) / (ring_scaled - fixed)
+    say(f"RING sum at {tokens} tokens/GPU: {ring_s:.4f} s; payload scale {scale:.3f} "
+        f"(~{tokens * scale:.0f} tokens/GPU) for {PAPER_INCAST['low_s']} s")
+
+    def ratio(alpha: float) -> float:
+        model = replace(base, alpha=alpha)
+        lo = pattern_sum_s(low, topo, model, record_bytes=record_bytes, scale=scale)
+        hi = pattern_sum_s(high, topo, model, record_bytes=record_bytes, scale=scale)
+        return hi / lo
+
+    target = PAPER_INCAST["high_s"] / PAPER_INCAST["low_s"]
+    at_zero = ratio(0.0)
+    say(f"EXTREME / RING at alpha = 0: {at_zero:.4f} (paper {target:.4f})")
+
+    def predict(incast: IncastModel) -> np.ndarray:
+        got = ratio(incast.alpha)
+        say(f"  alpha {incast.alpha:.4f}: ratio {got:.4f}")
+        return np.array([got])
+
+    fitted = fit_incast_alpha(predict, [target], base=IncastModel(alpha=0.0, k_free=base.k_free),
+                              bounds=bounds, tol=tol)
+    model = replace(base, alpha=round(fitted.alpha, 4))
+    lo_s = pattern_sum_s(low, topo, model, record_bytes=record_bytes, scale=scale)
+    hi_s = pattern_sum_s(high, topo, model, record_bytes=record_bytes, scale=scale)
+    curve = tuple((a, ratio(a)) for a in (0.0, 0.5 * model.alpha, model.alpha, 2.0 * model.alpha)) if model.alpha else ()
+    return IncastCalibration(model=model, target_ratio=target, ratio_at_zero=at_zero, fitted_ratio=hi_s / lo_s,
+                             low_s=lo_s, high_s=hi_s, payload_scale=scale, tokens=tokens,
+                             implied_tokens=tokens * scale, layers=tuple(low), curve=curve,
+                             seconds=time.perf_counter() - t0)
+
+
+def write_config(path: str, calib: IncastCalibration, *, cluster: str) -> None:
+    """``configs/netmodel/<cluster>.yaml``: the model and how it was fitted."""
+    data = {
+        "model": calib.model.to_dict(),
+        "calibration": {
+            "experiment": dict(PAPER_INCAST),
+            "cluster_file": cluster,
+            "workload": f"synthetic GLM-4.5-Air (replay.glm_air_demands), seed 0, {calib.tokens} tokens/GPU "
+                        f"x payload scale {calib.payload_scale:.3f}",
+            **{k: v for k, v in calib.to_dict().items() if k not in ("model", "layers")},
+        },
+    }
+    with open(path, "w", encoding="utf-8") as f:
+        f.write("# Network model parameters (NetModelConfig, megatron_railwave/netmodel/execute.py).\n"
+                "# Written by: python -m megatron_railwave.netmodel.calibrate; see docs/netmodel.md.\n")
+        yaml.safe_dump(data, f, sort_keys=False)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from ..commands._common import cluster_from_args
+
+    parser = argparse.ArgumentParser(description="Fit the incast alpha to the paper's incast experiment.")
+    parser.add_argument("--cluster", default="h800_4x8", help="cluster file or preset (default h800_4x8)")
+    parser.add_argument("--tokens", type=int, default=2048, help="tokens per GPU before scaling (default 2048)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--delivery", choices=["after_rail", "pipelined"], default="after_rail")
+    parser.add_argument("--out", default=None, help="write the fitted model to this YAML")
+    args = parser.parse_args(argv)
+    args.nodes, args.failed_rail = None, []
+    topo = cluster_from_args(args)
+    calib = calibrate_incast(topo, base=NetModelConfig(delivery=args.delivery), tokens=args.tokens, seed=args.seed)
+    print(f"alpha = {calib.model.alpha} (ratio {calib.fitted_ratio:.4f}, target {calib.target_ratio:.4f}); "
+          f"RING {calib.low_s:.3f} s, EXTREME {calib.high_s:.3f} s; {calib.seconds:.0f} s")
+    if args.out:
+        write_config(args.out, calib, cluster=args.cluster)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
