@@ -163,6 +163,7 @@ def _run(args: argparse.Namespace) -> int:
         if args.fault != "only":
             out["study"] = run_study(spec, study_cfg)
             _print_study(out["study"])
+            out["model_comparison"] = _model_comparison(out["study"], out.get("incast"))
         if args.fault != "off":
             out["fault"] = run_fault(spec, fault_cfg)
             _print_fault(out["fault"])
@@ -174,6 +175,21 @@ def _run(args: argparse.Namespace) -> int:
         _common.write_json(args.json, out)
         _render.print_text(f"wrote {args.json}")
     return 0
+
+
+def _model_comparison(study: dict[str, Any], incast: list[dict[str, Any]] | None) -> dict[str, Any]:
+    """The flow model on the same plans (``testbed.model_compare``), if this checkout has it."""
+    try:
+        from ..testbed.model_compare import compare_with_netmodel
+
+        res = {fit: compare_with_netmodel(study, incast=incast, fit_param=fit) for fit in ("rail_rate", "wave_latency")}
+    except ImportError as exc:
+        return {"unavailable": f"flow model not importable ({exc}); compare later from this JSON"}
+    for fit, r in res.items():
+        _render.print_text(f"flow model, {fit} fitted on {r['model']['fitted_on']} = {r['model']['fitted_value']}: "
+                           f"{r['within_25pct_comm']}/{r['cases']} within 25% of the measured P50 "
+                           f"(max error {r['max_abs_rel_error_comm']:.2f})")
+    return res
 
 
 def _print_incast(rows: list[dict[str, Any]], spec: Any) -> None:

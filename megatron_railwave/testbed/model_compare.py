@@ -10,8 +10,8 @@ timings unless ``fit_wave_latency``):
   * per-record extra bytes: the exchange's probs + metadata, averaged over dispatch and combine.
 The comparison is against the measured P50 of the slowest rank's dispatch + combine (planning
 and the count all-gather are not part of the model) and, for reference, against the total.
-Optionally, one free parameter (the fixed cost of a rail phase, ``wave_latency_s``) is fitted on
-one workload/path and used for all others.
+Optionally, one free parameter is fitted on one workload/path and used for all others: the fixed
+cost of a rail phase (``wave_latency_s``) or the rails' effective goodput (a rate scale).
 """
 
 from __future__ import annotations
@@ -42,7 +42,8 @@ def _alpha(incast: list[dict[str, Any]] | None) -> float | None:
 
 def compare_with_netmodel(study: dict[str, Any], *, incast: list[dict[str, Any]] | None = None,
                           loopback_gBps: float = 1.0, wave_latency_s: float = 2e-3,
-                          fit_on: tuple[str, str] | None = ("ring-balanced", "native")) -> dict[str, Any]:
+                          fit_on: tuple[str, str] | None = ("ring-balanced", "native"),
+                          fit_param: str = "wave_latency") -> dict[str, Any]:
     """Model every (workload, path) of a ``run_study`` result; relative errors against the measurement.
 
     Args:
@@ -50,7 +51,9 @@ def compare_with_netmodel(study: dict[str, Any], *, incast: list[dict[str, Any]]
         incast: the run's ``incast_sweep`` rows (for alpha); None = no incast penalty.
         loopback_gBps: NVLink stand-in bandwidth (GB/s).
         wave_latency_s: fixed cost of one rail phase when not fitted.
-        fit_on: (workload, path) whose measured P50 fixes ``wave_latency_s`` by bisection; None = stated.
+        fit_on: (workload, path) whose measured P50 fixes one parameter by bisection; None = stated.
+        fit_param: the parameter fitted: "wave_latency" (fixed cost per rail phase) or "rail_rate"
+            (the rails' effective goodput for the exchange, as a fraction of the shaped rate).
 
     Raises:
         ImportError: the flow model (``netmodel.execute``) is not available in this checkout.
@@ -63,25 +66,32 @@ def compare_with_netmodel(study: dict[str, Any], *, incast: list[dict[str, Any]]
         cfg_data[key] = tuple(cfg_data[key])
     cfg = StudyConfig(**cfg_data)
     eff = wire_efficiency(tb["mtu"])
-    topo = RailTopology(num_nodes=tb["nodes"], gpus_per_node=tb["gpus_per_node"],
-                        rail_gbps=tb["rail_mbit"] / 1000 * eff, nvlink_gBps=loopback_gBps, name="testbed")
+    if fit_param not in ("wave_latency", "rail_rate"):
+        raise ValueError(f"fit_param must be 'wave_latency' or 'rail_rate', got {fit_param!r}")
+
+    def testbed_topo(rate_scale: float) -> RailTopology:
+        return RailTopology(num_nodes=tb["nodes"], gpus_per_node=tb["gpus_per_node"],
+                            rail_gbps=tb["rail_mbit"] / 1000 * eff * rate_scale, nvlink_gBps=loopback_gBps,
+                            name="testbed")
+
+    topo = testbed_topo(1.0)
     rb = record_bytes(topo, cfg)
     extra = (rb["dispatch"] + rb["combine"]) // 2 - rb["payload"]
     alpha = _alpha(incast)
     workloads = {w["name"]: w for w in build_workloads(topo, cfg)}
-    plans = {}
-    for name, wl in workloads.items():
-        windows = schedule_from_windows(topo.num_nodes, wl["windows"])
-        for path in cfg.paths:
-            plans[(name, path)] = build_plan(wl["demand"], topo, path, options=PlanOptions(windows=windows))
+    keys = [(name, path) for name in workloads for path in cfg.paths]
 
     def model(latency: float) -> NetModelConfig:
         return NetModelConfig(alpha=alpha or 0.0, wave_latency_s=latency, metadata_bytes=int(extra),
                               nodes_per_leaf=max(topo.num_nodes, 1))
 
-    def predict(key: tuple[str, str], latency: float) -> float:
-        return simulate_plan(plans[key], record_bytes=rb["payload"], model=model(latency),
-                             demand=workloads[key[0]]["demand"])
+    def predict(key: tuple[str, str], value: float) -> float:
+        """Model seconds with the fitted parameter at ``value``."""
+        latency, scale = (value, 1.0) if fit_param == "wave_latency" else (wave_latency_s, value)
+        wl = workloads[key[0]]
+        plan = build_plan(wl["demand"], testbed_topo(scale), key[1],
+                          options=PlanOptions(windows=schedule_from_windows(topo.num_nodes, wl["windows"])))
+        return simulate_plan(plan, record_bytes=rb["payload"], model=model(latency), demand=wl["demand"])
 
     def measured_comm(name: str, path: str) -> float:
         data = study["workloads"][name]["paths"][path]
@@ -90,31 +100,34 @@ def compare_with_netmodel(study: dict[str, Any], *, incast: list[dict[str, Any]]
         comp = data["components_slowest_s"]  # older results: sum of the per-component P50s
         return comp["dispatch_s"]["p50"] + comp["combine_s"]["p50"]
 
+    stated = wave_latency_s if fit_param == "wave_latency" else 1.0
     fitted = None
-    if fit_on is not None and fit_on in plans:
+    if fit_on is not None and fit_on in keys:
         target = measured_comm(*fit_on)
-        lo, hi = 0.0, max(target, 1e-3)
-        if predict(fit_on, lo) < target:
-            for _ in range(40):
+        # predict() grows with the latency and falls with the rate scale.
+        lo, hi = (0.0, max(target, 1e-3)) if fit_param == "wave_latency" else (0.05, 1.0)
+        sign = 1.0 if fit_param == "wave_latency" else -1.0
+        if sign * (predict(fit_on, lo) - target) < 0 < sign * (predict(fit_on, hi) - target):
+            for _ in range(30):
                 mid = 0.5 * (lo + hi)
-                lo, hi = (mid, hi) if predict(fit_on, mid) < target else (lo, mid)
+                lo, hi = (mid, hi) if sign * (predict(fit_on, mid) - target) < 0 else (lo, mid)
             fitted = 0.5 * (lo + hi)
-    latency = fitted if fitted is not None else wave_latency_s
+    value = fitted if fitted is not None else stated
     rows = []
-    for (name, path) in plans:
-        pred = predict((name, path), latency)
-        pred_stated = predict((name, path), wave_latency_s)
+    for (name, path) in keys:
+        pred = predict((name, path), value)
+        pred_stated = predict((name, path), stated)
         comm = measured_comm(name, path)
         total = study["workloads"][name]["paths"][path]["slowest_s"]["p50"]
-        rows.append({"workload": name, "path": path, "model_s": pred, "model_stated_latency_s": pred_stated,
+        rows.append({"workload": name, "path": path, "model_s": pred, "model_unfitted_s": pred_stated,
                      "measured_comm_p50_s": comm, "measured_total_p50_s": total,
                      "rel_error_comm": pred / comm - 1.0, "rel_error_total": pred / total - 1.0,
-                     "rel_error_comm_stated_latency": pred_stated / comm - 1.0})
+                     "rel_error_comm_unfitted": pred_stated / comm - 1.0})
     errs = np.abs([r["rel_error_comm"] for r in rows])
     return {
-        "model": {"alpha": alpha, "rail_gbps_effective": topo.rail_gbps, "loopback_gBps": loopback_gBps,
-                  "metadata_bytes": int(extra), "wave_latency_s": latency,
-                  "wave_latency_fitted_on": list(fit_on) if fitted is not None else None,
+        "model": {"alpha": alpha, "rail_gbps_shaped_x_tcp_efficiency": topo.rail_gbps,
+                  "loopback_gBps": loopback_gBps, "metadata_bytes": int(extra), "fit_param": fit_param,
+                  "fitted_value": fitted, "fitted_on": list(fit_on) if fitted is not None else None,
                   "stated_wave_latency_s": wave_latency_s},
         "rows": rows,
         "within_25pct_comm": int((errs <= 0.25).sum()), "cases": len(rows),
