@@ -37,7 +37,7 @@ from ..traffic import DemandCounts
 from .execute import NetModelConfig, execute_plan
 from .incast import IncastModel, fit_incast_alpha
 
-__all__ = ["PAPER_INCAST", "IncastCalibration", "arranged_layers", "pattern_sum_s", "calibrate_incast", "main"]
+__all__ = ["PAPER_INCAST", "IncastCalibration", "arranged_layers", "pattern_sum_s", "scaled_demand", "calibrate_incast", "write_config", "main"]
 
 PAPER_INCAST = {"low_s": 1.801, "high_s": 3.009, "low": "ring", "high": "extreme", "layers": 45,
                 "cluster": "H800 4x8", "path": "native"}
@@ -76,7 +76,8 @@ class IncastCalibration:
                 "curve": [list(c) for c in self.curve], "seconds": self.seconds}
 
 
-def _scaled(demand: DemandCounts, scale: float) -> DemandCounts:
+def scaled_demand(demand: DemandCounts, scale: float) -> DemandCounts:
+    """``demand`` with every record count multiplied by ``scale`` and rounded."""
     if scale == 1.0:
         return demand
     records = torch.round(demand.records_WNM.to(torch.float64) * scale).to(torch.int64)
@@ -98,7 +99,7 @@ def pattern_sum_s(arranged: dict[int, tuple[DemandCounts, WaveSchedule]], topo: 
     """Sum over layers of the modelled dispatch + combine seconds of ``path``."""
     total = 0.0
     for demand, windows in arranged.values():
-        demand = _scaled(demand, scale)
+        demand = scaled_demand(demand, scale)
         plan = build_plan(demand, topo, path, options=PlanOptions(windows=windows))
         total += execute_plan(plan, record_bytes=record_bytes, model=model, demand=demand).total_s
     return total

@@ -40,6 +40,12 @@ EXPECTED_FLAGS = {
         "--payload-ratio", "--shape-distance", "--bench", "--json",
     ],
     "report": ["--out", "--no-plots", "--json"],
+    "testbed": [],
+    "bench": [
+        "--cluster", "--nodes", "--failed-rail", "--backend", "--model", "--alpha", "--workload", "--pattern", "--layers",
+        "--steps", "--tokens", "--payload-scale", "--seed", "--paths", "--fanin", "--plan-repeats", "--json", "--plot",
+        "--no-progress",
+    ],
 }
 
 

@@ -1,0 +1,374 @@
+"""``railwave bench``: modelled dispatch + combine of every path over GLM-4.5-Air layers.
+
+Letters: N nodes, G GPUs per node, W = N * G ranks, T tokens per rank, K top-k, E experts,
+M = 2**G target masks.
+
+Samples: every (layer, step) of the synthetic GLM-4.5-Air routing (`replay.glm`), arranged into
+each ``--pattern``'s sending windows (`replay.arrange`; ``none`` = all node pairs at once, as a
+training step sends). Per sample and variant (a path; PERM / JOINT once per ``--fanin``):
+  * communication: `netmodel.execute_plan` (dispatch + combine, seconds; deterministic);
+  * planning: wall time on this CPU of one rank's ``build_plan`` + ``route_records`` +
+    ``rank_splits`` (rank 0, median of ``--plan-repeats`` after one warm-up), added unscaled.
+Summary per pattern and variant: P50 / P95 / P99 over samples of communication, planning and
+their sum; speedup over NATIVE (ratio of P50s, and the range of per-sample ratios); NIC shares
+(each node's adapter egress shares sorted descending, mean over nodes and samples).
+
+Experts: E = 128 (GLM-4.5-Air) when W divides 128, else one expert per rank beyond that (E = the
+next multiple of W at or above 128). Beyond ``W * T * N`` = 2**25 the demand is built sparsely
+(no [W, T, N] masks; `SparseDemand`), which supports ``--pattern none`` only.
+
+JSON (``--json``): ``config``, ``model`` (NetModelConfig), ``samples`` (one row per sample and
+variant) and ``summary`` (per pattern: per variant the percentiles, speedups and NIC shares,
+plus ``joint_over_best_single``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from dataclasses import replace
+from typing import Any
+
+import numpy as np
+import torch
+
+from . import _common, _render
+
+__all__ = ["register", "run", "SparseDemand", "sparse_demand_from_topk_ids", "layer_demands", "summarize_samples"]
+
+_PATTERNS = ("none", "ring", "moderate", "extreme")
+_PATHS = ("native", "rail", "perm", "joint")
+_DENSE_MAX = 1 << 25
+
+
+class SparseDemand:
+    """Demand counts of one layer without the dense [W, N, M] histogram (a `netmodel.MaskSource`).
+
+    Attributes:
+        records_NGN_: [N_src, G, N_dst] int64, records owned by GPU (s, g) for node d.
+    """
+
+    def __init__(self, world: int, num_nodes: int, num_masks: int, node_D: np.ndarray, rank_D: np.ndarray,
+                 mask_D: np.ndarray, count_D: np.ndarray) -> None:
+        order = np.argsort(node_D, kind="stable")
+        self.world, self.num_nodes, self.num_masks = world, num_nodes, num_masks
+        self._ptr = np.searchsorted(node_D[order], np.arange(num_nodes + 1))
+        self._rank, self._mask, self._count = rank_D[order], mask_D[order], count_D[order]
+        records = np.zeros((world, num_nodes), dtype=np.int64)
+        np.add.at(records, (rank_D, node_D), count_D)
+        self.records_NGN_ = torch.from_numpy(records.reshape(num_nodes, world // num_nodes, num_nodes))
+
+    def records_NGN(self) -> torch.Tensor:
+        return self.records_NGN_
+
+    def masks_into(self, node: int) -> torch.Tensor:
+        """[W, M] int64: records every rank sends to ``node``, by target mask."""
+        lo, hi = self._ptr[node], self._ptr[node + 1]
+        out = np.zeros(self.world * self.num_masks, dtype=np.int64)
+        np.add.at(out, self._rank[lo:hi] * self.num_masks + self._mask[lo:hi], self._count[lo:hi])
+        return torch.from_numpy(out.reshape(self.world, self.num_masks))
+
+    def scaled(self, scale: float) -> SparseDemand:
+        """Every count multiplied by ``scale`` and rounded."""
+        nodes = np.repeat(np.arange(self.num_nodes), np.diff(self._ptr))
+        count = np.round(self._count * scale).astype(np.int64)
+        return SparseDemand(self.world, self.num_nodes, self.num_masks, nodes, self._rank, self._mask, count)
+
+
+def sparse_demand_from_topk_ids(ids_WTK: np.ndarray, topo: Any, num_experts: int, *, chunk: int = 64) -> SparseDemand:
+    """The counts of `replay.demand_from_topk_ids`, built ``chunk`` ranks at a time (no dense masks).
+
+    Args:
+        ids_WTK: [W, T, K] expert ids, -1 = empty slot; global.
+    """
+    world, num_tokens, _ = ids_WTK.shape
+    n, g = topo.num_nodes, topo.gpus_per_node
+    per_rank = num_experts // world
+    parts = []
+    for lo in range(0, world, chunk):
+        ids = np.sort(np.asarray(ids_WTK[lo:lo + chunk]).astype(np.int64), axis=-1)
+        valid = ids >= 0
+        owner = np.where(valid, ids // per_rank, -1)
+        first = valid.copy()
+        first[..., 1:] &= owner[..., 1:] != owner[..., :-1]  # one bit per owner GPU
+        src = np.broadcast_to((lo + np.arange(ids.shape[0]))[:, None, None], ids.shape)[first]
+        tok = np.broadcast_to(np.arange(num_tokens)[None, :, None], ids.shape)[first]
+        own = owner[first]
+        key, inv = np.unique((src * num_tokens + tok) * n + own // g, return_inverse=True)
+        mask = np.bincount(inv, weights=(1 << (own % g)).astype(np.float64)).astype(np.int64)
+        rank, node = key // n // num_tokens, key % n
+        cell, count = np.unique((node * world + rank) * (1 << g) + mask, return_counts=True)
+        parts.append((cell // (1 << g) // world, (cell // (1 << g)) % world, cell % (1 << g), count))
+    node_D, rank_D, mask_D, count_D = (np.concatenate(x) for x in zip(*parts))
+    return SparseDemand(world, n, 1 << g, node_D, rank_D, mask_D, count_D)
+
+
+def _model_spec(topo: Any) -> Any:
+    from ..replay import GLM45_AIR
+
+    world = topo.world_size
+    if GLM45_AIR.num_experts % world == 0:
+        return GLM45_AIR
+    experts = -(-GLM45_AIR.num_experts // world) * world
+    return replace(GLM45_AIR, name=f"GLM-4.5-Air-shaped (E={experts})", num_experts=experts)
+
+
+def layer_demands(topo: Any, *, layer: int, step: int, tokens: int, seed: int) -> Any:
+    """One layer's demand: `DemandCounts` when small enough, else `SparseDemand`."""
+    from ..replay import GlmAirWorkload, demand_from_topk_ids, glm_air_layer_ids
+
+    spec = _model_spec(topo)
+    work = GlmAirWorkload(num_tokens=tokens, seed=seed, step=step, model=spec, layers=(layer,))
+    ids = glm_air_layer_ids(topo, layer, work)
+    if topo.world_size * tokens * topo.num_nodes <= _DENSE_MAX:
+        return demand_from_topk_ids(ids, topo, spec.num_experts)
+    return sparse_demand_from_topk_ids(ids, topo, spec.num_experts)
+
+
+def _rank0_masks(demand: Any, topo: Any) -> torch.Tensor:
+    """[T, N] masks of rank 0 laid out from its counts (token order is irrelevant to the cost)."""
+    hists = [demand.masks_into(d)[0] for d in range(topo.num_nodes)]
+    count = [int(h.sum()) for h in hists]
+    out = torch.zeros(max(count + [1]), topo.num_nodes, dtype=torch.int64)
+    for d, h in enumerate(hists):
+        out[: count[d], d] = torch.repeat_interleave(torch.arange(h.numel()), h)
+    return out
+
+
+def _plan_timed(records_NGN: torch.Tensor, demand: Any, topo: Any, path: str, options: Any,
+                masks_TN: torch.Tensor, repeats: int, phase: int) -> tuple[Any, float]:
+    from ..planner import build_plan, rank_splits, route_records
+
+    samples = []
+    for i in range(1 + repeats):
+        t0 = time.perf_counter()
+        plan = build_plan(records_NGN, topo, path, options=options, phase=phase)
+        if repeats:
+            route_records(plan, 0, masks_TN)
+            rank_splits(plan, demand, 0)
+        if i:
+            samples.append(time.perf_counter() - t0)
+    return plan, statistics.median(samples) if samples else 0.0
+
+
+def _pct(values: list[float]) -> tuple[float, float, float]:
+    p50, p95, p99 = np.percentile(np.asarray(values, dtype=np.float64), [50, 95, 99])
+    return float(p50), float(p95), float(p99)
+
+
+def summarize_samples(samples: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per pattern and variant: percentiles (ms), speedups over NATIVE and NIC shares."""
+    out: dict[str, Any] = {}
+    for pattern in dict.fromkeys(s["pattern"] for s in samples):
+        rows = [s for s in samples if s["pattern"] == pattern]
+        per: dict[str, Any] = {}
+        native = {(s["layer"], s["step"]): s for s in rows if s["variant"] == "native"}
+        for variant in dict.fromkeys(s["variant"] for s in rows):
+            sel = [s for s in rows if s["variant"] == variant]
+            comm = [s["comm_s"] * 1e3 for s in sel]
+            plan = [s["plan_s"] * 1e3 for s in sel]
+            total = [c + p for c, p in zip(comm, plan)]
+            entry: dict[str, Any] = {"samples": len(sel)}
+            for name, vals in (("comm", comm), ("plan", plan), ("total", total)):
+                entry[f"{name}_p50_ms"], entry[f"{name}_p95_ms"], entry[f"{name}_p99_ms"] = _pct(vals)
+            entry["nic_shares"] = np.mean([s["nic_shares"] for s in sel], axis=0).tolist()
+            entry["rail_p50_ms"] = _pct([s["rail_s"] * 1e3 for s in sel])[0]
+            if native:
+                ratios = [native[(s["layer"], s["step"])]["comm_s"] / s["comm_s"] for s in sel]
+                base = per.get("native", entry)
+                entry["speedup_p50"] = base["comm_p50_ms"] / entry["comm_p50_ms"]
+                entry["speedup_p95"] = base["comm_p95_ms"] / entry["comm_p95_ms"]
+                entry["speedup_p99"] = base["comm_p99_ms"] / entry["comm_p99_ms"]
+                entry["speedup_total_p50"] = base["total_p50_ms"] / entry["total_p50_ms"]
+                entry["speedup_min"], entry["speedup_max"] = min(ratios), max(ratios)
+                entry["rail_speedup_p50"] = base["rail_p50_ms"] / entry["rail_p50_ms"]
+            per[variant] = entry
+        summary: dict[str, Any] = {"variants": per}
+        if {"rail", "perm", "joint"} <= set(per):
+            best = min(per["rail"]["comm_p50_ms"], per["perm"]["comm_p50_ms"])
+            summary["joint_over_best_single"] = best / per["joint"]["comm_p50_ms"]
+        out[pattern] = summary
+    return out
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "bench",
+        help="per-path dispatch+combine percentiles over GLM-4.5-Air layers on the network model",
+        description="Model every path on the synthetic GLM-4.5-Air routing under replay arrangements: "
+                    "P50/P95/P99 of dispatch+combine over layers and steps, CPU planning time, "
+                    "speedup over NATIVE and NIC shares.",
+    )
+    _common.add_cluster_args(parser)
+    parser.add_argument("--backend", choices=["netmodel"], default="netmodel", help="what times the paths")
+    parser.add_argument("--model", default=None, metavar="YAML",
+                        help="netmodel parameters (configs/netmodel/*.yaml; default: built-in H800 calibration)")
+    parser.add_argument("--alpha", type=float, default=None, help="override the incast alpha of --model")
+    group = parser.add_argument_group("workload")
+    group.add_argument("--workload", choices=["glm45-air"], default="glm45-air", help="routing generator")
+    group.add_argument("--pattern", type=_choices(_PATTERNS), default=["ring", "moderate", "extreme"],
+                       metavar="P,P", help="arrangements: none, ring, moderate, extreme (default ring,moderate,extreme)")
+    group.add_argument("--layers", type=_layers, default="45", metavar="K|L,L",
+                       help="one number K: the first K MoE layers; a list: those layer numbers (default 45)")
+    group.add_argument("--steps", type=int, default=1, help="training steps per layer (default 1)")
+    group.add_argument("--tokens", type=int, default=2048, metavar="T", help="tokens per GPU (default 2048)")
+    group.add_argument("--payload-scale", type=float, default=1.0, metavar="X",
+                       help="multiply every record count (12 ~ the paper's layer times; default 1)")
+    group.add_argument("--seed", type=int, default=0, help="routing seed (default 0)")
+    group = parser.add_argument_group("paths")
+    group.add_argument("--paths", type=_choices(_PATHS), default=list(_PATHS), metavar="P,P",
+                       help="native, rail, perm, joint (default all)")
+    group.add_argument("--fanin", type=_ints, default=[1], metavar="F,F",
+                       help="wave fan-ins for perm/joint (default 1: cyclic, N-1 waves)")
+    group.add_argument("--plan-repeats", type=int, default=3,
+                       help="timed planning runs per sample after one warm-up (0: do not time; default 3)")
+    parser.add_argument("--json", default=None, metavar="FILE", help="write samples and summary")
+    parser.add_argument("--plot", default=None, metavar="PNG", help="bar chart of P50/P95/P99 per path")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.set_defaults(handler=run)
+
+
+def _choices(allowed: tuple[str, ...]):
+    def parse(text: str) -> list[str]:
+        values = [v.strip().lower() for v in text.split(",") if v.strip()]
+        if not values or any(v not in allowed for v in values):
+            raise argparse.ArgumentTypeError(f"expected some of {','.join(allowed)} separated by commas, got {text!r}")
+        return values
+    return parse
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers separated by commas, got {text!r}")
+    return values
+
+
+def _layers(text: str) -> list[int]:
+    values = _ints(text)
+    return values if "," in text else [-values[0]]  # negative: "the first K layers"
+
+
+def _variants(paths: list[str], fanins: list[int]) -> list[tuple[str, str, int]]:
+    out = []
+    for path in paths:
+        for f in (fanins if path in ("perm", "joint") else [1]):
+            out.append((path if f == 1 else f"{path}/f{f}", path, f))
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    from tqdm.auto import tqdm
+
+    from ..netmodel import NetModelConfig, execute_plan, load_netmodel_config
+    from ..netmodel.calibrate import scaled_demand
+    from ..planner import PlanOptions
+    from ..replay import GLM45_AIR, arrange
+
+    topo = _common.cluster_from_args(args)
+    model = load_netmodel_config(args.model) if args.model else NetModelConfig()
+    if args.alpha is not None:
+        model = replace(model, alpha=args.alpha)
+    if args.steps < 1 or args.tokens < 1 or args.plan_repeats < 0 or not args.payload_scale > 0:
+        raise ValueError(f"need --steps >= 1, --tokens >= 1, --plan-repeats >= 0 and --payload-scale > 0, got "
+                         f"{args.steps}, {args.tokens}, {args.plan_repeats}, {args.payload_scale}")
+    known = GLM45_AIR.layer_numbers
+    layers = list(known[: -args.layers[0]]) if args.layers[0] < 0 else args.layers
+    bad = [v for v in layers if v not in known]
+    if bad:
+        raise ValueError(f"--layers: {bad} are not MoE layers of GLM-4.5-Air ({known[0]}..{known[-1]})")
+    sparse = topo.world_size * args.tokens * topo.num_nodes > _DENSE_MAX
+    if sparse and set(args.pattern) != {"none"}:
+        raise ValueError(f"--pattern {','.join(args.pattern)} needs the dense demand, which is too large at "
+                         f"{topo.num_nodes} nodes x {args.tokens} tokens; use --pattern none")
+    variants = _variants(args.paths, args.fanin)
+    if "native" not in args.paths:
+        variants.insert(0, ("native", "native", 1))  # the speedup baseline
+    record_bytes = GLM45_AIR.hidden_size * 2
+    samples: list[dict[str, Any]] = []
+    total = len(layers) * args.steps * len(args.pattern) * len(variants)
+    torch.set_num_threads(1)
+    with tqdm(total=total, desc="bench", unit="plan", disable=args.no_progress, leave=False) as bar:
+        for step in range(args.steps):
+            for layer in layers:
+                base = layer_demands(topo, layer=layer, step=step, tokens=args.tokens, seed=args.seed)
+                for pattern in args.pattern:
+                    demand, windows = (base, None) if pattern == "none" else arrange(base, pattern, topo)
+                    if args.payload_scale != 1.0:
+                        demand = demand.scaled(args.payload_scale) if sparse else scaled_demand(demand, args.payload_scale)
+                    records = demand.records_NGN()
+                    masks = _rank0_masks(demand, topo) if args.plan_repeats else None
+                    for variant, path, fanin in variants:
+                        options = PlanOptions(fanin=fanin, windows=windows)
+                        plan, plan_s = _plan_timed(records, demand, topo, path, options, masks,
+                                                   args.plan_repeats, layer)
+                        timing = execute_plan(plan, record_bytes=record_bytes, model=model, demand=demand)
+                        stats = plan.stats(record_bytes=record_bytes)
+                        samples.append({"pattern": pattern, "layer": layer, "step": step, "variant": variant,
+                                        "path": path, "fanin": fanin, "comm_s": timing.total_s,
+                                        "dispatch_s": timing.dispatch_s, "combine_s": timing.combine_s,
+                                        "rail_s": sum(timing.rail_s_V),
+                                        "plan_s": plan_s, "nic_shares": timing.nic_shares().tolist(),
+                                        "rho_g": stats.rho_g, "kappa": stats.kappa, "waves": plan.num_waves,
+                                        "model_wall_s": timing.wall_s})
+                        bar.update(1)
+    summary = summarize_samples(samples)
+    _print(summary, topo, args)
+    if args.json:
+        config = {k: v for k, v in vars(args).items() if k != "handler"}
+        config.update(layers=layers, topology=topo.to_dict(), record_bytes=record_bytes,
+                      model_spec=_model_spec(topo).name)
+        _common.write_json(args.json, {"config": config, "model": model.to_dict(), "summary": summary,
+                                       "samples": samples})
+    if args.plot:
+        _plot(summary, args.plot, f"{topo.name}: {topo.num_nodes}x{topo.gpus_per_node}, alpha {model.alpha}")
+    return 0
+
+
+def _print(summary: dict[str, Any], topo: Any, args: argparse.Namespace) -> None:
+    for pattern, entry in summary.items():
+        rows = []
+        for variant, v in entry["variants"].items():
+            rows.append([variant, v["comm_p50_ms"], v["comm_p95_ms"], v["comm_p99_ms"], v["plan_p50_ms"],
+                         v["total_p50_ms"], f"{v.get('speedup_p50', 1.0):.2f}x",
+                         f"{v.get('speedup_min', 1.0):.2f}-{v.get('speedup_max', 1.0):.2f}",
+                         f"{v.get('speedup_total_p50', 1.0):.2f}x", v["rail_p50_ms"],
+                         f"{v.get('rail_speedup_p50', 1.0):.2f}x",
+                         " / ".join(f"{100 * s:.1f}" for s in v["nic_shares"][:4])])
+        _render.print_table(
+            f"{pattern} on {topo.name} ({topo.num_nodes}x{topo.gpus_per_node}), {rows and entry['variants']['native']['samples']} "
+            f"samples, ms",
+            ["variant", "P50", "P95", "P99", "plan P50", "total P50", "speedup P50", "per-sample", "speedup total",
+             "rails P50", "rails speedup", "NIC shares % (top 4)"], rows)
+        if "joint_over_best_single" in entry:
+            _render.print_text(f"{pattern}: JOINT over the better single mechanism {entry['joint_over_best_single']:.2f}x")
+
+
+def _plot(summary: dict[str, Any], path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    patterns = list(summary)
+    variants = list(dict.fromkeys(v for e in summary.values() for v in e["variants"]))
+    fig, ax = plt.subplots(figsize=(2.2 + 1.6 * len(patterns) * max(1, len(variants)) / 4, 3.6))
+    width = 0.8 / len(variants)
+    for i, variant in enumerate(variants):
+        xs = [p + (i - (len(variants) - 1) / 2) * width for p in range(len(patterns))]
+        entries = [summary[p]["variants"].get(variant) for p in patterns]
+        p50 = [e["comm_p50_ms"] if e else 0.0 for e in entries]
+        ax.bar(xs, p50, width, label=variant)
+        for key, marker in (("comm_p95_ms", "_"), ("comm_p99_ms", "x")):
+            ax.scatter(xs, [e[key] if e else 0.0 for e in entries], marker=marker, color="black", s=18, zorder=3)
+    ax.set_xticks(range(len(patterns)), patterns)
+    ax.set_ylabel("dispatch + combine, ms (bar P50, - P95, x P99)")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
