@@ -14,7 +14,7 @@ their sum; speedup over NATIVE (ratio of P50s, and the range of per-sample ratio
 (each node's adapter egress shares sorted descending, mean over nodes and samples).
 
 Experts: E = 128 (GLM-4.5-Air) when W divides 128, else one expert per rank beyond that (E = the
-next multiple of W at or above 128). Beyond ``W * T * N`` = 2**25 the demand is built sparsely
+next multiple of W at or above 128). Beyond ``W * T * N`` = 2**24 the demand is built sparsely
 (no [W, T, N] masks; `SparseDemand`), which supports ``--pattern none`` only.
 
 JSON (``--json``): ``config``, ``model`` (NetModelConfig), ``samples`` (one row per sample and
@@ -39,7 +39,7 @@ __all__ = ["register", "run", "SparseDemand", "sparse_demand_from_topk_ids", "la
 
 _PATTERNS = ("none", "ring", "moderate", "extreme")
 _PATHS = ("native", "rail", "perm", "joint")
-_DENSE_MAX = 1 << 25
+_DENSE_MAX = 1 << 24
 
 
 class SparseDemand:

@@ -64,7 +64,7 @@ class MaskSource(Protocol):
 class NetModelConfig:
     """Parameters of the network model. Defaults: the calibration of docs/netmodel.md (H800 4x8)."""
 
-    alpha: float = 0.2095
+    alpha: float = 0.2091
     """Incast: fractional goodput loss of a receiver port per concurrent sender beyond ``k_free``."""
     k_free: int = 1
     """Incast: concurrent senders a receiver port absorbs without loss."""
