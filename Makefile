@@ -44,6 +44,12 @@ bench-exchange: $(STAMP)
 plan-bench: $(STAMP)
 	$(VPY) -m megatron_railwave.cli plan-bench --json out/plan_bench.json
 
+# The flow model: every path on 45 GLM-4.5-Air layers under RING / MODERATE / EXTREME (~20 s).
+bench: $(STAMP)
+	@mkdir -p out
+	$(VPY) -m megatron_railwave.cli bench --backend netmodel --cluster configs/clusters/h800_4x8.yaml \
+		--workload glm45-air --json out/bench.json --plot out/bench.png
+
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis
 
