@@ -208,7 +208,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     group = parser.add_argument_group("workload")
     group.add_argument("--workload", choices=["glm45-air"], default="glm45-air", help="routing generator")
     group.add_argument("--pattern", type=_choices(_PATTERNS), default=["ring", "moderate", "extreme"],
-                       metavar="P,P", help="arrangements: none, ring, moderate, extreme (default ring,moderate,extreme)")
+                       metavar="P,P",
+                       help="arrangements: none, ring, moderate, extreme (default ring,moderate,extreme)")
     group.add_argument("--layers", type=_layers, default="45", metavar="K|L,L",
                        help="one number K: the first K MoE layers; a list: those layer numbers (default 45)")
     group.add_argument("--steps", type=int, default=1, help="training steps per layer (default 1)")
@@ -299,7 +300,8 @@ def run(args: argparse.Namespace) -> int:
                 for pattern in args.pattern:
                     demand, windows = (base, None) if pattern == "none" else arrange(base, pattern, topo)
                     if args.payload_scale != 1.0:
-                        demand = demand.scaled(args.payload_scale) if sparse else scaled_demand(demand, args.payload_scale)
+                        demand = (demand.scaled(args.payload_scale) if sparse
+                                  else scaled_demand(demand, args.payload_scale))
                     records = demand.records_NGN()
                     masks = _rank0_masks(demand, topo) if args.plan_repeats else None
                     for variant, path, fanin in variants:
@@ -340,12 +342,13 @@ def _print(summary: dict[str, Any], topo: Any, args: argparse.Namespace) -> None
                          f"{v.get('rail_speedup_p50', 1.0):.2f}x",
                          " / ".join(f"{100 * s:.1f}" for s in v["nic_shares"][:4])])
         _render.print_table(
-            f"{pattern} on {topo.name} ({topo.num_nodes}x{topo.gpus_per_node}), {rows and entry['variants']['native']['samples']} "
-            f"samples, ms",
+            f"{pattern} on {topo.name} ({topo.num_nodes}x{topo.gpus_per_node}), "
+            f"{entry['variants']['native']['samples']} samples, ms",
             ["variant", "P50", "P95", "P99", "plan P50", "total P50", "speedup P50", "per-sample", "speedup total",
              "rails P50", "rails speedup", "NIC shares % (top 4)"], rows)
         if "joint_over_best_single" in entry:
-            _render.print_text(f"{pattern}: JOINT over the better single mechanism {entry['joint_over_best_single']:.2f}x")
+            _render.print_text(f"{pattern}: JOINT over the better single mechanism "
+                               f"{entry['joint_over_best_single']:.2f}x")
 
 
 def _plot(summary: dict[str, Any], path: str, title: str) -> None:

@@ -37,7 +37,8 @@ from ..traffic import DemandCounts
 from .execute import NetModelConfig, execute_plan
 from .incast import IncastModel, fit_incast_alpha
 
-__all__ = ["PAPER_INCAST", "IncastCalibration", "arranged_layers", "pattern_sum_s", "scaled_demand", "calibrate_incast", "write_config", "main"]
+__all__ = ["PAPER_INCAST", "IncastCalibration", "arranged_layers", "pattern_sum_s", "scaled_demand", "calibrate_incast",
+           "write_config", "main"]
 
 PAPER_INCAST = {"low_s": 1.801, "high_s": 3.009, "low": "ring", "high": "extreme", "layers": 45,
                 "cluster": "H800 4x8", "path": "native"}
@@ -154,7 +155,8 @@ def calibrate_incast(topo: RailTopology, *, base: NetModelConfig | None = None, 
     model = replace(base, alpha=round(fitted.alpha, 4))
     lo_s = pattern_sum_s(low, topo, model, record_bytes=record_bytes, scale=scale)
     hi_s = pattern_sum_s(high, topo, model, record_bytes=record_bytes, scale=scale)
-    curve = tuple((a, ratio(a)) for a in (0.0, 0.5 * model.alpha, model.alpha, 2.0 * model.alpha)) if model.alpha else ()
+    alphas = (0.0, 0.5 * model.alpha, model.alpha, 2.0 * model.alpha) if model.alpha else ()
+    curve = tuple((a, ratio(a)) for a in alphas)
     return IncastCalibration(model=model, target_ratio=target, ratio_at_zero=at_zero, fitted_ratio=hi_s / lo_s,
                              low_s=lo_s, high_s=hi_s, payload_scale=scale, tokens=tokens,
                              implied_tokens=tokens * scale, layers=tuple(low), curve=curve,

@@ -11,8 +11,10 @@ Links (all directed, capacities in bytes/s):
 | NVLink into GPU (n, g) | ``N*G + n*G + g`` | ``nvlink_gBps`` |
 | NIC port up (n, r): node -> leaf | ``nic_up_NR[n, r]`` | ``rail_gbps / 8`` |
 | NIC port down (n, r): leaf -> node (receiver port) | ``nic_down_NR[n, r]`` | ``rail_gbps / 8`` |
-| adapter up / down (n, a), only if ``adapter_gbps > 0`` | ``adapter_up_NA``, ``adapter_down_NA`` | ``adapter_gbps / 8`` |
-| leaf -> spine / spine -> leaf of rail r, leaf group q, only if Q > 1 | ``leaf_up_RQ``, ``leaf_down_RQ`` | ``nodes_per_leaf * rail_gbps / 8 / spine_oversubscription`` |
+| adapter up / down (n, a), if ``adapter_gbps > 0`` | ``adapter_up_NA``, ``adapter_down_NA`` | ``adapter_gbps / 8`` |
+| leaf <-> spine of rail r, leaf group q, if Q > 1 | ``leaf_up_RQ``, ``leaf_down_RQ`` | see below |
+
+A leaf uplink (or downlink) carries ``nodes_per_leaf * rail_gbps / 8 / spine_oversubscription``.
 
 Rail-optimized wiring: port r of every node hangs off rail r's leaf switch. A rail transfer
 GPU (s, l) -> GPU (d, l) leaves on port ``rail_of_gpu[l]`` of node s and arrives on the same
@@ -99,7 +101,7 @@ def build_fabric(topo: RailTopology, *, nodes_per_leaf: int = 32, spine_oversubs
         spine_oversubscription: downlink / uplink capacity ratio of a leaf (1 = non-blocking).
 
     Raises:
-        ValueError: ``nodes_per_leaf`` < 0 or ``spine_oversubscription`` < 1... or not finite.
+        ValueError: ``nodes_per_leaf`` < 0, or ``spine_oversubscription`` < 1 or not finite.
     """
     if isinstance(nodes_per_leaf, bool) or not isinstance(nodes_per_leaf, int) or nodes_per_leaf < 0:
         raise ValueError(f"nodes_per_leaf must be an int >= 0 (0 = one leaf per rail), got {nodes_per_leaf!r}")

@@ -308,7 +308,8 @@ def execute_plan(plan: PathPlan, *, record_bytes: int, model: NetModelConfig | N
                         phase_F=np.concatenate([1 + wave_F, rrail[0] + wave_F]),
                         sender_F=np.concatenate([s_F * g + l_F, d_F * g + l_F]))
     else:  # nothing remote: only the NVLink phases (flowless phases with their latencies)
-        flows = FlowSet(size_bytes_F=np.zeros(0), links_FH=np.zeros((0, 1), dtype=np.int64), phase_F=np.zeros(0, dtype=np.int64))
+        flows = FlowSet(size_bytes_F=np.zeros(0), links_FH=np.zeros((0, 1), dtype=np.int64),
+                        phase_F=np.zeros(0, dtype=np.int64))
     res = simulate(fabric.network, flows, phases, incast=model.incast(), rel_tol=model.rel_tol)
     start, finish = res.phase_start_s_Q, res.phase_finish_s_Q
     dispatch_end = float(max(finish[deliv[-1]], finish[rail[-1]] if num_waves else 0.0))
