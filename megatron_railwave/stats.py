@@ -16,7 +16,7 @@ import torch
 
 from .planner import PathPlan, WaveSchedule
 from .topology import RailTopology
-from .traffic import DemandCounts, SelectorScales, TrafficStats, traffic_stats
+from .traffic import DemandCounts, SelectorScales, TrafficStats, rail_load_NRN, traffic_stats
 
 __all__ = ["LayerCommStats", "demand_stats", "layer_comm_stats", "Stopwatch"]
 
@@ -35,9 +35,7 @@ def demand_stats(demand: DemandCounts | torch.Tensor, topo: RailTopology, *, rec
             which is what a training step sends.
     """
     records_NGN = demand.records_NGN() if isinstance(demand, DemandCounts) else demand
-    rails = torch.tensor(topo.rail_of_gpu, dtype=torch.int64)
-    rail_load = torch.zeros(topo.num_nodes, topo.num_rails, topo.num_nodes, dtype=torch.int64)
-    rail_load.index_add_(1, rails, records_NGN)
+    rail_load = rail_load_NRN(records_NGN, topo)
     n = topo.num_nodes
     if windows is None:
         pair_window_NN = torch.zeros(n, n, dtype=torch.int64)

@@ -28,6 +28,7 @@ __all__ = [
     "target_masks",
     "local_demand",
     "mask_bits",
+    "rail_load_NRN",
     "rail_imbalance",
     "receiver_concentration",
     "traffic_stats",
@@ -224,6 +225,13 @@ def _remote_NGN(records_NGN: torch.Tensor) -> torch.Tensor:
     n = records_NGN.shape[0]
     local = torch.eye(n, dtype=torch.bool).unsqueeze(1)
     return records_NGN.masked_fill(local, 0)
+
+
+def rail_load_NRN(load_NGN: torch.Tensor, topo: RailTopology) -> torch.Tensor:
+    """[N_src, R, N_dst] int64: per-GPU egress counts [N_src, G, N_dst] summed onto each GPU's rail."""
+    rails = torch.tensor(topo.rail_of_gpu, dtype=torch.int64)
+    out = torch.zeros(topo.num_nodes, topo.num_rails, topo.num_nodes, dtype=torch.int64)
+    return out.index_add_(1, rails, load_NGN.to(torch.int64))
 
 
 def rail_imbalance(rail_load_NRN: torch.Tensor, topo: RailTopology) -> float:

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from ..topology import RailTopology
-from ..traffic import DemandCounts, SelectorScales, TrafficStats, traffic_stats
+from ..traffic import DemandCounts, SelectorScales, TrafficStats, rail_load_NRN, traffic_stats
 from .paths import EligiblePolicy, Path, parse_path
 from .railbalance import eligible_NNG, rail_quota_NNG, relay_NNGG
 from .waves import WaveSchedule, all_at_once, bounded_fanin_schedule
@@ -75,11 +75,7 @@ class PathPlan:
 
     def rail_load_NRN(self) -> torch.Tensor:
         """[N_src, R, N_dst] int64: records sent on rail r of node s to node d (local: owner rail)."""
-        topo = self.topology
-        load_NGN = self.quota_NNG.permute(0, 2, 1)
-        rails = torch.tensor(topo.rail_of_gpu, dtype=torch.int64)
-        out = torch.zeros(topo.num_nodes, topo.num_rails, topo.num_nodes, dtype=torch.int64)
-        return out.index_add_(1, rails, load_NGN)
+        return rail_load_NRN(self.quota_NNG.permute(0, 2, 1), self.topology)
 
     def relayed_records(self) -> int:
         """Records that move to a proxy GPU before leaving the node (remote pairs only)."""
