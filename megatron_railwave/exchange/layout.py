@@ -87,10 +87,11 @@ class DeliveryLayout:
 
     Attributes:
         deliver_idx: per round, per target GPU j, [n_vj] int64 indices into that round's
-            arrivals (local records first in round 0, then each source node ascending).
+            arrivals (round 0: this rank's records for its own node; round v + 1: the records
+            of rail wave v, source nodes ascending).
         arrivals: per round, records arriving at this GPU.
         arrival_masks: per round, [arrivals] int64 target masks (for internal checks).
-        local_arrivals: this rank's records for its own node (head of round 0).
+        local_arrivals: this rank's records for its own node (all of round 0).
     """
 
     deliver_idx: list[list[torch.Tensor]]
@@ -116,7 +117,7 @@ def delivery_layout(plan: PathPlan, demand, routes: RecordRoutes, owner: OwnerLa
     for src in range(n):
         if src == node:
             continue
-        per_round[wave_of_src[src]].append(torch.repeat_interleave(mask_ids, counts_NGM[src].flatten()))
+        per_round[wave_of_src[src] + 1].append(torch.repeat_interleave(mask_ids, counts_NGM[src].flatten()))
     deliver_idx, arrivals, masks_out = [], [], []
     bits = torch.arange(g, dtype=torch.int64)
     for parts in per_round:

@@ -91,14 +91,18 @@ def _dispatch_move(
     pending = start_wave(0) if num_waves > 0 else None
     out: list[list[torch.Tensor]] = [[] for _ in tensors]
     for rnd in range(splits.num_rounds):
-        received = pending.wait() if pending is not None else [[] for _ in tensors]
-        # Post the next wave before delivering this one: stage 3 of round v overlaps stage 2 of v+1.
-        pending = start_wave(rnd + 1) if rnd + 1 < num_waves else None
-        arrivals = []
-        for i in range(len(tensors)):
-            parts = [local_part[i]] if rnd == 0 else []
-            parts += [received[i][s] for s in range(len(received[i])) if s != node] if received[i] else []
-            arrivals.append(torch.cat(parts) if parts else local_part[i][:0])
+        if rnd == 0:
+            # The local node's records need no rail: deliver them while wave 0 is in flight.
+            arrivals = local_part
+        else:
+            received = pending.wait()
+            # Post the next wave before delivering this one: stage 3 of wave v overlaps stage 2
+            # of wave v + 1.
+            pending = start_wave(rnd) if rnd < num_waves else None
+            arrivals = []
+            for i in range(len(tensors)):
+                parts = [received[i][s] for s in range(n) if s != node]
+                arrivals.append(torch.cat(parts) if parts else local_part[i][:0])
         if check_masks_from is not None and arrivals[0].device.type == "cpu":
             got = check_masks_from(arrivals[0])
             if not torch.equal(got, delivery.arrival_masks[rnd]):
@@ -169,18 +173,16 @@ def _combine_move(
             # index_add_ walks the index in order: copies from GPU 0, then 1, ... (fixed order).
             summed.append(acc.index_add_(0, idx, torch.cat(recv3[i])))
         if rnd == 0:
-            local_part = [s[: delivery.local_arrivals] for s in summed]
-            summed = [s[delivery.local_arrivals:] for s in summed]
-        # Stage 2 backwards: return each source node's records on this rail.
+            local_part = summed  # round 0 is the local node's records only
+            continue
+        # Stage 2 backwards: return each source node's records of wave rnd - 1 on this rail.
         finish_wave()
-        pending = None
-        if rnd < num_waves:
-            recv_sizes = splits.rail_recv_VN[rnd]
-            send2 = [list(s.split(recv_sizes)) for s in summed]
-            pending = start_exchange(send2, splits.rail_send_VN[rnd], group=groups.rail_group,
-                                     self_index=node, describe=_rail_link(plan, node, me),
-                                     timeout_s=timeout_s)
-            pending_wave = rnd
+        wave = rnd - 1
+        send2 = [list(s.split(splits.rail_recv_VN[wave])) for s in summed]
+        pending = start_exchange(send2, splits.rail_send_VN[wave], group=groups.rail_group,
+                                 self_index=node, describe=_rail_link(plan, node, me),
+                                 timeout_s=timeout_s)
+        pending_wave = wave
     finish_wave()
 
     results = []

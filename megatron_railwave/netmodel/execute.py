@@ -64,7 +64,7 @@ class MaskSource(Protocol):
 class NetModelConfig:
     """Parameters of the network model. Defaults: the calibration of docs/netmodel.md (H800 4x8)."""
 
-    alpha: float = 0.2091
+    alpha: float = 0.1273
     """Incast: fractional goodput loss of a receiver port per concurrent sender beyond ``k_free``."""
     k_free: int = 1
     """Incast: concurrent senders a receiver port absorbs without loss."""
@@ -206,9 +206,9 @@ def _delivery_VNGG(plan: PathPlan, demand: MaskSource | None, fanout: float) -> 
     """[V', N, G, G] float64 copies moved GPU (d, l) -> GPU (d, j) in each round (diagonal kept)."""
     topo = plan.topology
     n, g = topo.num_nodes, topo.gpus_per_node
-    rounds = max(plan.num_waves, 1)
-    round_NN = plan.pair_wave_NN.clone()
-    round_NN.fill_diagonal_(0)  # local records travel in round 0
+    rounds = plan.num_waves + 1
+    round_NN = plan.pair_wave_NN + 1  # wave v is delivered in round v + 1
+    round_NN.fill_diagonal_(0)  # round 0: the local node's records (no rail)
     out = torch.zeros(rounds, n, g, g, dtype=torch.float64)
     if demand is None:
         # arrivals[s, d, l]: remote records arrive on GPU l (its quota); local ones at the owner.
@@ -265,7 +265,7 @@ def execute_plan(plan: PathPlan, *, record_bytes: int, model: NetModelConfig | N
     fabric = _fabric(topo, model.nodes_per_leaf, float(model.spine_oversubscription))
     row = float(record_bytes + model.metadata_bytes)
     num_waves = plan.num_waves
-    rounds = max(num_waves, 1)
+    rounds = num_waves + 1  # round 0: local records; round v + 1: rail wave v
 
     # NVLink phases: relay, then one delivery per round (combine mirrors them).
     remote = ~torch.eye(n, dtype=torch.bool)
@@ -284,20 +284,24 @@ def execute_plan(plan: PathPlan, *, record_bytes: int, model: NetModelConfig | N
     latency = np.zeros(rrelay + 1)
     latency[0] = relay_s
     piped = model.delivery == "pipelined" and num_waves > 0
+    # As exchange.moves runs them: dispatch posts wave 0 after the relay, delivers the local
+    # records (round 0) while it flies, then for each round r >= 1 waits wave r - 1, posts wave r
+    # and delivers wave r - 1. Combine returns round r's copies, then waits wave r - 2's return and
+    # posts wave r - 1's.
+    deps[deliv[0]] = (0,)
+    deps[rdeliv[0]] = (deliv[-1], rail[-1]) if num_waves else (deliv[-1],)
     for v in range(num_waves):
-        if piped:  # wave v+1 waits for wave v's rails and deliveries (one exchange call per wave)
-            deps[rail[v]] = (rail[v - 1], deliv[v - 1]) if v else (0,)
-            deps[rrail[v]] = deps[rdeliv[v]] = (rrail[v - 1], rdeliv[v - 1]) if v else (deliv[-1], rail[-1])
+        if piped:  # wave v's delivery runs during its rails; wave v+1 waits for both
+            deps[rail[v]] = (rail[v - 1], deliv[v]) if v else (0,)
+            deps[deliv[v + 1]] = deps[rail[v]]
+            deps[rrail[v]] = deps[rdeliv[v + 1]] = (rrail[v - 1], rdeliv[v]) if v else (rdeliv[0],)
         else:
-            deps[rail[v]] = (rail[v - 1] if v else 0,)
-            deps[rrail[v]] = (rdeliv[v],) + ((rrail[v - 1],) if v else ())
+            deps[rail[v]] = (rail[v - 1], deliv[v - 1]) if v else (0,)
+            deps[deliv[v + 1]] = (rail[v], deliv[v])
+            deps[rrail[v]] = (rdeliv[v + 1],) + ((rrail[v - 1],) if v else ())
+            deps[rdeliv[v + 1]] = (rdeliv[v],) + ((rrail[v - 2],) if v >= 2 else ())
         latency[rail[v]] = latency[rrail[v]] = model.wave_latency_s
     for r in range(rounds):
-        if piped:
-            deps[deliv[r]] = deps[rail[r]]
-        else:
-            deps[deliv[r]] = ((rail[r],) if num_waves else (0,)) + ((deliv[r - 1],) if r else ())
-            deps[rdeliv[r]] = (rdeliv[r - 1],) + ((rrail[r - 2],) if r >= 2 else ()) if r else (deliv[-1],)
         latency[deliv[r]] = latency[rdeliv[r]] = deliv_s[r]
     deps[rrelay] = (rrail[-1], rdeliv[-1]) if num_waves else (rdeliv[-1],)
     latency[rrelay] = relay_s

@@ -9,8 +9,8 @@ order (the greedy fill of ``railbalance``). Because the order is a function of t
 alone, every rank can compute how many copies each arriving rail delivers to each GPU (stage 3)
 from the gathered counts, without another exchange.
 
-Delivery rounds: round v carries the records of remote wave v; round 0 also carries the local
-node's records (they need no rail). With no remote wave (N = 1) there is one round.
+Delivery rounds: round 0 carries the local node's records (they need no rail, so their
+delivery runs while rail wave 0 is in flight); round v + 1 carries the records of remote wave v.
 """
 
 from __future__ import annotations
@@ -165,7 +165,7 @@ class RankSplits:
         rail_send_VN / rail_recv_VN: [V, N] stage 2 records to / from node n on this rail.
         deliver_recv_VG: [V', G] stage 3 copies received from each local GPU per round.
         deliver_send_VG: [V', G] stage 3 copies sent to each local GPU per round.
-        num_rounds: V' = max(V, 1).
+        num_rounds: V' = V + 1 (round 0: the local node's records; round v + 1: wave v).
     """
 
     relay_send_G: list[int]
@@ -191,7 +191,7 @@ def rank_splits(plan: PathPlan, demand: DemandCounts, rank: int) -> RankSplits:
     relay_recv[me] = 0
 
     num_waves = plan.num_waves
-    rounds = max(num_waves, 1)
+    rounds = num_waves + 1
     wave_NN = plan.pair_wave_NN
     send_to = plan.quota_NNG[s, :, me]  # [d]
     recv_from = plan.quota_NNG[:, s, me]  # [s']
@@ -200,7 +200,7 @@ def rank_splits(plan: PathPlan, demand: DemandCounts, rank: int) -> RankSplits:
     rail_recv = torch.where(wave_NN[:, s].unsqueeze(0) == w_range, recv_from.unsqueeze(0), 0)
 
     copies = delivery_copies_NGG(plan, demand, s)  # [s', l, j]
-    round_of_src = wave_NN[:, s].clone()
+    round_of_src = wave_NN[:, s] + 1
     round_of_src[s] = 0
     onehot = torch.nn.functional.one_hot(round_of_src, rounds)  # [s', V']
     per_round = torch.einsum("slj,sv->vlj", copies, onehot)  # [V', l, j]

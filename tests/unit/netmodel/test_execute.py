@@ -51,7 +51,8 @@ def test_execute_native_two_nodes_hand_worked():
     t = execute_plan(plan, record_bytes=int(MB), model=PLAIN, demand=demand)
     assert t.relay_s == 0.0
     assert t.rail_s_V == pytest.approx((3e-3,))
-    assert t.delivery_s_V == pytest.approx((1.5e-3,))
+    # Round 0 delivers the local node's records (none here); round 1 the rail wave.
+    assert t.delivery_s_V == pytest.approx((0.0, 1.5e-3))
     assert t.dispatch_s == pytest.approx(4.5e-3) and t.combine_s == pytest.approx(4.5e-3)
     assert simulate_plan(plan, record_bytes=int(MB), model=PLAIN, demand=demand) == pytest.approx(9e-3)
     np.testing.assert_allclose(t.nic_egress_bytes_NR, [[3 * MB, 0], [0, 0]])
@@ -70,7 +71,7 @@ def test_execute_rail_balance_two_nodes_hand_worked():
     t = execute_plan(plan, record_bytes=int(MB), model=PLAIN, demand=demand)
     assert t.relay_s == pytest.approx(1e-3)
     assert t.rail_s_V == pytest.approx((2e-3,))
-    assert t.delivery_s_V == pytest.approx((0.5e-3,))
+    assert t.delivery_s_V == pytest.approx((0.0, 0.5e-3))  # round 0: no local records
     assert t.total_s == pytest.approx(7e-3)
     np.testing.assert_allclose(t.nic_shares(), [2 / 3, 1 / 3])
 
@@ -148,7 +149,7 @@ def _joint_simulation(plan, demand, model, record_bytes):
     fabric = build_fabric(topo, nodes_per_leaf=model.nodes_per_leaf)
     row = record_bytes + model.metadata_bytes
     v = plan.num_waves
-    rounds = max(v, 1)
+    rounds = v + 1  # round 0: local records; round w + 1: rail wave w
     remote = ~torch.eye(n, dtype=torch.bool)
     relay = (plan.relay_NNGG * remote.view(n, n, 1, 1)).sum(1).numpy() * row
     deliv = _delivery_VNGG(plan, demand, model.delivery_fanout) * row
@@ -159,13 +160,14 @@ def _joint_simulation(plan, demand, model, record_bytes):
     rrelay = 1 + 2 * v + 2 * rounds
     deps = [()] * (rrelay + 1)
     lat = np.zeros(rrelay + 1)
+    deps[dl[0]] = (0,)
+    deps[rdl[0]] = (dl[-1], rail[-1]) if v else (dl[-1],)
     for w in range(v):
-        deps[rail[w]] = (rail[w - 1] if w else 0,)
-        deps[rrail[w]] = (rdl[w],) + ((rrail[w - 1],) if w else ())
+        deps[rail[w]] = (rail[w - 1], dl[w - 1]) if w else (0,)
+        deps[dl[w + 1]] = (rail[w], dl[w])
+        deps[rrail[w]] = (rdl[w + 1],) + ((rrail[w - 1],) if w else ())
+        deps[rdl[w + 1]] = (rdl[w],) + ((rrail[w - 2],) if w >= 2 else ())
         lat[rail[w]] = lat[rrail[w]] = model.wave_latency_s
-    for r in range(rounds):
-        deps[dl[r]] = (rail[r],) + ((dl[r - 1],) if r else ())
-        deps[rdl[r]] = ((rdl[r - 1],) + ((rrail[r - 2],) if r >= 2 else ())) if r else (dl[-1],)
     deps[rrelay] = (rrail[-1], rdl[-1])
     sizes, links, phases, senders = [], [], [], []
 

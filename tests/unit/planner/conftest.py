@@ -35,7 +35,8 @@ class Simulation:
 
     relay[(s, d, owner, egress)]: remote records of owner GPU (s, owner) leaving on GPU (s, egress).
     rail[(s, egress, d, wave)]: records on the rail GPU (s, egress) -> GPU (d, egress).
-    deliver[(d, arrive, target, s, round)]: copies that GPU (d, arrive) hands to GPU (d, target).
+    deliver[(d, arrive, target, s, round)]: copies that GPU (d, arrive) hands to GPU (d, target)
+        (round 0: the local node's records; round v + 1: rail wave v).
     delivered[(rank, token, d, target)]: copies of a token that reach a target GPU.
     records[(rank, token, d)]: how often each record was routed.
     """
@@ -66,7 +67,7 @@ def simulate(plan: PathPlan, masks_by_rank: list[torch.Tensor]) -> Simulation:
                 assert wave == int(plan.pair_wave_NN[s, d]) >= 0
                 sim.relay[(s, d, own, egress)] += 1
                 sim.rail[(s, egress, d, wave)] += 1
-                arrive, rnd = egress, wave
+                arrive, rnd = egress, wave + 1  # round 0 is the local node's records
             for j in range(g):
                 if mask >> j & 1:
                     sim.deliver[(d, arrive, j, s, rnd)] += 1

@@ -118,7 +118,7 @@ def test_three_stages_match_plan_splits_and_delivery_counts(sim_tools, path, n, 
 
     # Split sizes: brute force, and what rank a sends to rank b is what b expects from a.
     splits = [rank_splits(plan, demand, w) for w in range(topo.world_size)]
-    rounds = max(plan.num_waves, 1)
+    rounds = plan.num_waves + 1  # round 0: local records; round v + 1: wave v
     for w, sp in enumerate(splits):
         s, me = topo.node_of(w), topo.local_of(w)
         assert sp.num_rounds == rounds
