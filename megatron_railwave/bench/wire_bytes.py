@@ -87,8 +87,7 @@ def railwave_bytes(plan: PathPlan, demand: DemandCounts, rec: RecordBytes) -> di
     remote_NN = ~torch.eye(n, dtype=torch.bool)
     send_NG = (plan.quota_NNG * remote_NN.unsqueeze(-1)).sum(dim=1)  # [s, l] over d != s
     records = int(send_NG.sum())
-    relay = plan.relay_NNGG * remote_NN.view(n, n, 1, 1)
-    relayed = int(relay.sum() - torch.diagonal(relay, dim1=-2, dim2=-1).sum())
+    relayed = plan.relayed_records()  # local pairs are diagonal, so only remote pairs count
     delivered = 0
     for d in range(n):
         copies_NGG = delivery_copies_NGG(plan, demand, d)  # [s, arrive l, target j]
