@@ -120,7 +120,10 @@ def assign_egress(
 
 def _as_rows(t: torch.Tensor) -> torch.Tensor:
     """[rows, ...] -> [rows, width] contiguous (width = product of the other dims)."""
-    return t.reshape(t.shape[0], -1).contiguous()
+    width = 1
+    for size in t.shape[1:]:
+        width *= size
+    return t.reshape(t.shape[0], width).contiguous()
 
 
 def row_bytes(specs: Sequence[RowSpec]) -> int:

@@ -57,9 +57,9 @@ def run_exchange(rank: int, world: int, topo_kwargs: dict, paths: list[str], kw:
         x, probs, routing = make_inputs(rank, **kw)
         x.requires_grad_(True)
         probs.requires_grad_(True)
-        demand, max_t = ex.gather_demand(x, probs, routing)
-        plan = ex.plan(demand, path)
-        d = ex.dispatch(x, probs, routing, demand, plan, demand_max_tokens=max_t)
+        layer = ex.gather_demand(x, probs, routing)
+        plan = ex.plan(layer, path)
+        d = ex.dispatch(x, probs, routing, layer, plan)
         outs = []
         for e, rows in enumerate(d.tokens.split(d.tokens_per_expert.tolist())):
             outs.append(rows @ local_w[e])
