@@ -118,12 +118,13 @@ def _railwave_variant(exchange: TorchDistExchange, path: str) -> Variant:
     calls = [0]
 
     def run(hidden, probs, routing, ph: _Phases) -> torch.Tensor:
-        demand, max_tokens = exchange.gather_demand(hidden, probs, routing)
+        layer = exchange.gather_demand(hidden, probs, routing)
         ph.mark("counts")
-        plan = exchange.plan(demand, path, phase=calls[0])
+        plan = exchange.plan(layer, path, phase=calls[0])
         calls[0] += 1
+        handle = exchange.prepare(layer, plan, hidden, probs)
         ph.mark("plan")
-        out = exchange.dispatch(hidden, probs, routing, demand, plan, demand_max_tokens=max_tokens)
+        out = exchange.dispatch(hidden, probs, routing, handle)
         ph.mark("dispatch")
         y = out.tokens * out.probs.unsqueeze(1).to(out.tokens.dtype)
         ph.mark("experts")

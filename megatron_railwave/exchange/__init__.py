@@ -4,7 +4,7 @@ torch.distributed (``TorchDistExchange``) or in one process (``VirtualCluster``)
 Only the torch.distributed backend exists; it has run on gloo (CPU) only.
 """
 
-from .groups import RankGroups, build_rail_groups, survey_unresponsive, virtual_rank_groups
+from .groups import RankGroups, build_rail_groups, rank_groups, survey_unresponsive, virtual_rank_groups
 from .layer import (EntryIndex, InputError, LayerDemand, LayerHandle, RankContext, combine_backward, combine_forward,
                     dispatch_backward, dispatch_forward, gather_demand, prepare_layer)
 from .torch_dist import DispatchOutput, ExchangeHandle, TorchDistExchange
@@ -14,6 +14,7 @@ from .virtual import PhaseEvent, VirtualCluster
 __all__ = [
     "RankGroups",
     "build_rail_groups",
+    "rank_groups",
     "survey_unresponsive",
     "virtual_rank_groups",
     "EntryIndex",

@@ -23,6 +23,7 @@ from __future__ import annotations
 import datetime
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -30,7 +31,7 @@ import torch.distributed as dist
 from ..topology import RailTopology
 from .transport import GroupRef
 
-__all__ = ["RankGroups", "build_rail_groups", "virtual_rank_groups", "survey_unresponsive"]
+__all__ = ["RankGroups", "build_rail_groups", "rank_groups", "virtual_rank_groups", "survey_unresponsive"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -71,14 +72,26 @@ def _rail_label(topo: RailTopology, local: int) -> str:
     return f"rail {topo.rail_of_gpu[local]} (GPU {local} of every node)"
 
 
-def virtual_rank_groups(topo: RailTopology, ep_rank: int) -> RankGroups:
-    """Groups of ``ep_rank`` for the in-process virtual cluster (no process groups)."""
+def rank_groups(topo: RailTopology, ep_rank: int, *, ep_handle: Any = None, node_handle: Any = None,
+                rail_handle: Any = None, global_ranks: tuple[int, ...] | None = None) -> RankGroups:
+    """``RankGroups`` of ``ep_rank`` around existing process groups (None: the virtual cluster).
+
+    The handles must be the EP group, this rank's node group (members in local-GPU order) and
+    its rail group (members in node order), as ``build_rail_groups`` creates them.
+    """
     node, local, node_ranks, rail_ranks = _members(topo, ep_rank)
     world = tuple(range(topo.world_size))
-    return RankGroups(ep=GroupRef(kind="ep", index=0, ranks=world),
-                      node=GroupRef(kind="node", index=node, ranks=node_ranks, label=_node_label(node)),
-                      rail=GroupRef(kind="rail", index=local, ranks=rail_ranks, label=_rail_label(topo, local)),
-                      ep_rank=ep_rank, node_index=node, local=local, global_ranks=world)
+    return RankGroups(ep=GroupRef(kind="ep", index=0, ranks=world, handle=ep_handle),
+                      node=GroupRef(kind="node", index=node, ranks=node_ranks, handle=node_handle,
+                                    label=_node_label(node)),
+                      rail=GroupRef(kind="rail", index=local, ranks=rail_ranks, handle=rail_handle,
+                                    label=_rail_label(topo, local)),
+                      ep_rank=ep_rank, node_index=node, local=local, global_ranks=global_ranks or world)
+
+
+def virtual_rank_groups(topo: RailTopology, ep_rank: int) -> RankGroups:
+    """Groups of ``ep_rank`` for the in-process virtual cluster (no process groups)."""
+    return rank_groups(topo, ep_rank)
 
 
 _CACHE: dict[tuple, RankGroups] = {}
@@ -108,12 +121,8 @@ def build_rail_groups(ep_group: dist.ProcessGroup | None, topo: RailTopology, *,
     for handle in handles:
         probe = torch.ones(1, device=device)
         dist.all_reduce(probe, group=handle)  # creates the communicator now, collectively
-    groups = RankGroups(
-        ep=GroupRef(kind="ep", index=0, ranks=tuple(range(len(global_ranks))), handle=handles[0]),
-        node=GroupRef(kind="node", index=node, ranks=node_ranks, handle=handles[1], label=_node_label(node)),
-        rail=GroupRef(kind="rail", index=local, ranks=rail_ranks, handle=handles[2],
-                      label=_rail_label(topo, local)),
-        ep_rank=ep_rank, node_index=node, local=local, global_ranks=global_ranks)
+    groups = rank_groups(topo, ep_rank, ep_handle=handles[0], node_handle=handles[1], rail_handle=handles[2],
+                         global_ranks=global_ranks)
     _CACHE[key] = groups
     return groups
 

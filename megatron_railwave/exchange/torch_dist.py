@@ -148,22 +148,25 @@ class TorchDistExchange:
         counts = demand.demand if isinstance(demand, LayerDemand) else demand
         return build_plan(counts, self.topo, path, options=self.options, phase=phase)
 
+    def prepare(self, layer: LayerDemand, plan: PathPlan, hidden: torch.Tensor, probs: torch.Tensor) -> LayerHandle:
+        """Compile ``plan`` into the schedule and build this rank's index maps (part of the
+        planning cost). No communication; host sync: no."""
+        return prepare_layer(self.ctx, layer, plan, hidden_dtype=hidden.dtype, probs_dtype=probs.dtype,
+                             hidden_size=hidden.shape[-1])
+
     # ------------------------------------------------------------------ step 3: move
-    def dispatch(self, hidden: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor, layer: LayerDemand,
-                 plan: PathPlan) -> DispatchOutput:
-        """Move tokens to the experts along ``plan`` (differentiable in hidden and probs).
+    def dispatch(self, hidden: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor,
+                 handle: LayerHandle) -> DispatchOutput:
+        """Move tokens to the experts (differentiable in hidden and probs).
 
         Args:
             hidden: [T, H] rank-local tokens (floating point).
             probs: [T, E] routing probabilities.
             routing_map: [T, E] bool, top-k True per row.
-            layer: ``gather_demand`` on the same routing map.
-            plan: ``self.plan(layer, path)``.
+            handle: ``self.prepare(layer, plan, hidden, probs)`` for the same routing map.
 
         Host sync: no.
         """
-        handle = prepare_layer(self.ctx, layer, plan, hidden_dtype=hidden.dtype, probs_dtype=probs.dtype,
-                               hidden_size=hidden.shape[-1])
         box = _Box()
         tokens, entry_probs = _DispatchFn.apply(hidden, probs, routing_map, self, handle, box)
         return DispatchOutput(tokens=tokens, tokens_per_expert=handle.tokens_per_expert, probs=entry_probs,

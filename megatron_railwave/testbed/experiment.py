@@ -203,7 +203,7 @@ def summarize_study(results: list[dict[str, Any]], workloads: list[dict[str, Any
             rows = [by_key[(name, path, s)] for s in range(cfg.samples)]
             slowest = [max(r["total_s"] for r in ranks) for ranks in rows]
             comp = {k: _pct([max(r[k] for r in ranks) for ranks in rows])
-                    for k in ("gather_s", "plan_s", "dispatch_s", "combine_s", "index_s")}
+                    for k in ("gather_s", "plan_s", "dispatch_s", "combine_s")}
             planning = _pct([max(r["gather_s"] + r["plan_s"] for r in ranks) for ranks in rows])
             comm = _pct([max(r["dispatch_s"] + r["combine_s"] for r in ranks) for ranks in rows])
             cpu_util = [sum(r["cpu_s"] for r in ranks) / (max(r["total_s"] for r in ranks) * cores)

@@ -59,7 +59,7 @@ def run_exchange(rank: int, world: int, topo_kwargs: dict, paths: list[str], kw:
         probs.requires_grad_(True)
         layer = ex.gather_demand(x, probs, routing)
         plan = ex.plan(layer, path)
-        d = ex.dispatch(x, probs, routing, layer, plan)
+        d = ex.dispatch(x, probs, routing, ex.prepare(layer, plan, x, probs))
         outs = []
         for e, rows in enumerate(d.tokens.split(d.tokens_per_expert.tolist())):
             outs.append(rows @ local_w[e])
