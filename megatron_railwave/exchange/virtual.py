@@ -67,6 +67,8 @@ class VirtualCluster:
         if len(programs) != self.world_size:
             raise ValueError(f"expected {self.world_size} rank programs, got {len(programs)}")
         mailbox: dict[tuple, torch.Tensor] = {}
+        self._registered: dict[int, tuple] = {}
+        self._completed: set[tuple] = set()
         arrivals: dict[tuple, dict[int, Collective]] = {}
         collective_seq = [dict() for _ in programs]  # per rank: group key -> collectives posted
         done = [False] * len(programs)
@@ -133,26 +135,27 @@ class VirtualCluster:
             self.events.append(PhaseEvent(rank=rank, stage=post.stage, event="complete"))
             return None, True
         if isinstance(request, Collective):
-            gkey = _group_key(request.group)
-            seqs = collective_seq[rank]
-            if not getattr(request, "_registered", False):
-                seq = seqs.get(gkey, 0)
-                seqs[gkey] = seq + 1
-                arrivals.setdefault((gkey, seq), {})[rank] = request
-                request._virtual_seq = seq  # type: ignore[attr-defined]
-                request._registered = True  # type: ignore[attr-defined]
-            key = (gkey, request._virtual_seq)  # type: ignore[attr-defined]
+            key = self._registered.get(id(request))
+            if key is None:
+                gkey = _group_key(request.group)
+                seq = collective_seq[rank].get(gkey, 0)
+                collective_seq[rank][gkey] = seq + 1
+                key = (gkey, seq)
+                self._registered[id(request)] = key
+                arrivals.setdefault(key, {})[rank] = request
             members = arrivals[key]
             if len(members) < len(request.group.ranks):
                 return None, False
-            if not getattr(request, "_done", False):
-                self._complete_collective(request.group, [members[r] for r in request.group.ranks])
+            if key not in self._completed:
+                self._complete_collective([members[r] for r in request.group.ranks])
+                self._completed.add(key)
+            del self._registered[id(request)]
             self.events.append(PhaseEvent(rank=rank, stage=request.stage, event="collective"))
             return None, True
         raise TypeError(f"rank program yielded {type(request).__name__}")
 
     @staticmethod
-    def _complete_collective(group: GroupRef, reqs: list[Collective]) -> None:
+    def _complete_collective(reqs: list[Collective]) -> None:
         if reqs[0].kind == "all_gather":
             gathered = torch.cat([r.send.reshape(-1) for r in reqs])
             for r in reqs:
@@ -161,8 +164,6 @@ class VirtualCluster:
             p = len(reqs)
             for dst, r in enumerate(reqs):
                 r.recv.copy_(torch.stack([reqs[src].send.view(p, -1)[dst] for src in range(p)]).view_as(r.recv))
-        for r in reqs:
-            r._done = True  # type: ignore[attr-defined]
 
 
 def _describe(request: Any) -> str:
