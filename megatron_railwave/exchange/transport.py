@@ -141,8 +141,12 @@ class TorchDistTransport:
                 ops.append(dist.P2POp(dist.isend, buf, group=group.handle, group_peer=peer, tag=req.tag))
                 peers.append(peer)
                 self.bytes_sent[req.stage] = self.bytes_sent.get(req.stage, 0) + _nbytes(buf)
-        works = list(dist.batch_isend_irecv(ops)) if ops else []
-        return _Ticket(post=req, works=works, peers=peers, started=time.monotonic())
+        started = time.monotonic()
+        try:
+            works = list(dist.batch_isend_irecv(ops)) if ops else []
+        except Exception as exc:  # noqa: BLE001 - a failed post names the stage too
+            raise self._error(req.stage, group, peers, started, exc) from exc
+        return _Ticket(post=req, works=works, peers=peers, started=started)
 
     def wait(self, ticket: _Ticket) -> None:
         timeout = datetime.timedelta(seconds=self.timeout_s) if self.timeout_s else None
