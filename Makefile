@@ -4,7 +4,7 @@ VENV := .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.railwave-installed
 
-.PHONY: demo test test-all setup clean plan-bench bench bench-exchange testbed-bench
+.PHONY: demo test test-all setup clean plan-bench bench bench-exchange testbed-bench gpu-check simulate-exchange
 
 $(STAMP): pyproject.toml
 	@test -x $(VPY) || $(PY) -m venv $(VENV)
@@ -56,3 +56,12 @@ clean:
 # Needs root, ip and tc: 4 nodes x 2 rails in network namespaces, the exchange study and the rail fault.
 testbed-bench: $(STAMP)
 	$(VPY) -m megatron_railwave.cli testbed run --nodes 4 --gpus-per-node 2 --samples 20 --incast --json out/testbed.json
+
+# The virtual cluster on this CPU: every path of an H800 4x8 layer (T=512, H=256) in one process.
+simulate-exchange: $(STAMP)
+	$(VPY) -m megatron_railwave.cli simulate-exchange --cluster h800_4x8 --tokens 512 --hidden 256 \
+		--json out/simulate_exchange.json
+
+# The one prepared check for a lent GPU machine (see scripts/gpu_check.sh); needs no venv there.
+gpu-check:
+	bash scripts/gpu_check.sh

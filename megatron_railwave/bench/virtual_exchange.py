@@ -156,12 +156,17 @@ def dense_reference(spec: VirtualSpec, inputs: dict[str, Any], rank: int) -> dic
     out = torch.zeros_like(x)
     g_x = torch.zeros_like(x)
     g_p = torch.zeros_like(pr)
+    routing = inputs["routing"][rank]
     for e in range(spec.experts):
-        sel = inputs["routing"][rank][:, e]
-        xa = x @ maps[e]
-        out += xa * pr[:, e:e + 1]
-        g_x += (g * pr[:, e:e + 1]) @ maps[e].t()
-        g_p[:, e] = torch.where(sel, (g * xa).sum(dim=1), 0.0)
+        rows = torch.nonzero(routing[:, e]).flatten()  # the reference is host-side work: syncs are fine
+        if rows.numel() == 0:
+            continue
+        xa = x.index_select(0, rows) @ maps[e]
+        p_e = pr.index_select(0, rows)[:, e:e + 1]
+        g_e = g.index_select(0, rows)
+        out.index_add_(0, rows, xa * p_e)
+        g_x.index_add_(0, rows, (g_e * p_e) @ maps[e].t())
+        g_p[rows, e] = (g_e * xa).sum(dim=1)
     return {"out": out, "grad_hidden": g_x, "grad_probs": g_p}
 
 
