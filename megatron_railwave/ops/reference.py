@@ -133,7 +133,7 @@ def row_bytes(specs: Sequence[RowSpec]) -> int:
         width = 1
         for size in shape:
             width *= size
-        total += width * torch.empty((), dtype=dtype).element_size()
+        total += width * dtype.itemsize
     return total
 
 
