@@ -9,7 +9,7 @@ from tests.helpers.moe_layer import build_and_run_moe_layer
 
 def run_layer_all_dispatchers(rank: int, world: int, railwave: dict, paths: list[str], kw: dict) -> dict[str, Any]:
     """alltoall once, then railwave once per path; returns each run's arrays."""
-    from tests.shims import apply_megatron_cpu_shims
+    from megatron_railwave.bench.megatron_cpu import apply_megatron_cpu_shims
 
     apply_megatron_cpu_shims()
     import megatron_railwave
@@ -23,7 +23,7 @@ def run_layer_all_dispatchers(rank: int, world: int, railwave: dict, paths: list
 
 def run_layer_with_capture(rank: int, world: int, capture_dir: str, kw: dict) -> bool:
     """One railwave MoELayer forward/backward with routing capture on every call."""
-    from tests.shims import apply_megatron_cpu_shims
+    from megatron_railwave.bench.megatron_cpu import apply_megatron_cpu_shims
 
     apply_megatron_cpu_shims()
     import megatron_railwave
