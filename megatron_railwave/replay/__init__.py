@@ -4,27 +4,12 @@ that training captures.
 Letters: W ranks (N nodes x G GPUs), T tokens per rank, K top-k, E experts.
 
 The trace format, the recorder and the routing conversions are runtime code and live in
-``megatron_railwave.capture``; they are re-exported here because every replay tool reads traces.
+``megatron_railwave.capture``; every name of its ``__all__`` is re-exported here because every
+replay tool reads traces.
 """
 
-from ..capture import (
-    NO_EXPERT,
-    TRACE_FORMAT,
-    TRACE_VERSION,
-    LayerTrace,
-    Trace,
-    TraceFormatError,
-    TraceMeta,
-    TraceRecorder,
-    check_topology,
-    demand_from_topk_ids,
-    merge_captures,
-    read_trace,
-    routing_map_from_topk_ids,
-    step_dir,
-    topk_ids_from_routing_map,
-    write_trace,
-)
+from .. import capture as _capture
+from ..capture import *  # noqa: F403 - the re-export described above
 from .arrangements import (
     ArrangeMode,
     Pattern,
@@ -45,29 +30,14 @@ __all__ = [
     "arrange_trace",
     "arrangement_schedule",
     "window_peaks",
-    "TraceRecorder",
-    "merge_captures",
-    "step_dir",
     "GLM45_AIR",
     "GlmAirWorkload",
     "ModelSpec",
     "glm_air_demands",
     "glm_air_layer_ids",
     "glm_air_trace",
-    "NO_EXPERT",
-    "demand_from_topk_ids",
-    "routing_map_from_topk_ids",
-    "topk_ids_from_routing_map",
     "sample_topk_ids",
     "synthetic_routing_maps",
     "synthetic_topk_ids",
-    "TRACE_FORMAT",
-    "TRACE_VERSION",
-    "LayerTrace",
-    "Trace",
-    "TraceFormatError",
-    "TraceMeta",
-    "check_topology",
-    "read_trace",
-    "write_trace",
+    *_capture.__all__,
 ]
