@@ -10,7 +10,7 @@ $(STAMP): pyproject.toml
 	@test -x $(VPY) || $(PY) -m venv $(VENV)
 	# torch first, so that nothing later pulls a multi-GB CUDA build.
 	$(VPY) -m pip install -q torch==2.13.0
-	$(VPY) -m pip install -q numpy "packaging>=24.2" pyyaml pytest pytest-timeout hypothesis rich tqdm matplotlib typing_extensions
+	$(VPY) -m pip install -q numpy "packaging>=24.2" pyyaml pytest pytest-timeout hypothesis rich tqdm matplotlib typing_extensions import-linter
 	$(VPY) -m pip install -q --ignore-requires-python --no-deps megatron-core==0.19.2
 	$(VPY) -m pip install -q --no-deps --no-build-isolation -e .
 	@touch $(STAMP)
@@ -26,10 +26,13 @@ $(SIMGRID_STAMP): $(STAMP)
 
 setup: $(STAMP)
 
+# The import contracts of docs/architecture.md ([tool.importlinter] in pyproject.toml) first.
 test: $(STAMP) $(SIMGRID_STAMP)
+	$(VENV)/bin/lint-imports
 	$(VPY) -m pytest -q -m "not slow" --timeout=900
 
 test-all: $(STAMP)
+	$(VENV)/bin/lint-imports
 	$(VPY) -m pytest -q --timeout=1800
 
 # The main job: plan one GLM-4.5-Air layer per path, then train the tiny GLM-shaped MoE GPT on

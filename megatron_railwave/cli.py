@@ -8,6 +8,7 @@ their handlers, so ``railwave --help`` stays fast and one broken command cannot 
 
 User errors (``ValueError`` raised by the package, e.g. an unknown path name, a
 missing cluster file or a failed rail out of range) are printed as one line and exit with status 2.
+Output paths a command declares (``commands._outputs``) are checked before its handler runs.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import argparse
 import importlib
 import sys
 from collections.abc import Sequence
+
+from .commands._outputs import check_outputs
 
 __all__ = ["COMMAND_MODULES", "build_parser", "main"]
 
@@ -30,6 +33,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "megatron_railwave.commands.validate",
     "megatron_railwave.commands.report",
     "megatron_railwave.commands.testbed",
+    "megatron_railwave.commands.netmodel",
 )
 """Modules that each register one subcommand, in the order ``--help`` lists them."""
 
@@ -51,6 +55,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
+        check_outputs(args)
         status = args.handler(args)
     except ValueError as exc:
         parser.exit(2, f"railwave {args.command}: error: {exc}\n")

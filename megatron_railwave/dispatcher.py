@@ -29,8 +29,10 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 
+from .capture import TraceMeta, TraceRecorder
 from .config import RailWaveConfig
 from .exchange import DispatchOutput, TorchDistExchange, build_rail_groups
 from .planner import Path
@@ -128,7 +130,9 @@ class RailWaveTokenDispatcher(MoETokenDispatcher):
             )
         if self.railwave.path == "auto":
             if selector is None:
-                selector = selector_from_config(self.railwave, self.topology)
+                # The missing-anchors warning: once per job (global rank 0), not once per rank.
+                rank0 = not dist.is_initialized() or dist.get_rank() == 0
+                selector = selector_from_config(self.railwave, self.topology, warn=rank0)
             self.selector: PathSelector = selector
         else:
             self.selector = FixedSelector(self.railwave.path)
@@ -209,8 +213,6 @@ class RailWaveTokenDispatcher(MoETokenDispatcher):
             return
         recorder = _RECORDERS.get(capture_dir)
         if recorder is None:
-            from .replay import TraceMeta, TraceRecorder
-
             meta = TraceMeta(model=str(getattr(self.config, "railwave_model_name", "megatron")),
                              topology=self.topology, num_experts=self.num_experts,
                              topk=int(self.config.moe_router_topk),

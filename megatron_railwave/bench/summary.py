@@ -68,9 +68,9 @@ def run_bench_exchange(spec: BenchSpec, *, timeout_s: float = 900.0,
     """Run the benchmark and return the result dict (see the module docstring).
 
     Args:
-        spec: sizes, sample counts and ``shims_path`` (None: no alltoall baseline).
+        spec: sizes, sample counts and whether to time the alltoall baseline.
         timeout_s: wall-clock limit of the whole multi-process run.
-        alltoall_skipped: why the baseline is absent (recorded when ``shims_path`` is None).
+        alltoall_skipped: why the baseline is absent (recorded when ``spec.alltoall`` is False).
     """
     topo = spec.topology()
     world = topo.world_size
@@ -122,7 +122,7 @@ def run_bench_exchange(spec: BenchSpec, *, timeout_s: float = 900.0,
         "variants": variants,
         "bytes": wire,
         "summary": summary,
-        "alltoall_skipped": None if base else (alltoall_skipped or "no Megatron CPU shims given"),
+        "alltoall_skipped": None if base else (alltoall_skipped or "BenchSpec.alltoall is False"),
         "profile": ranks[0]["profile"],
     }
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import time
 from dataclasses import dataclass
@@ -20,7 +21,6 @@ from ..topology import RailTopology, load_topology
 from ..traffic import DemandCounts, dtype_bytes
 
 __all__ = [
-    "CLUSTER_DIR",
     "add_cluster_args",
     "add_workload_args",
     "add_plan_args",
@@ -33,11 +33,9 @@ __all__ = [
     "record_bytes_from_args",
     "RankTiming",
     "time_rank_planning",
+    "json_ready",
     "write_json",
 ]
-
-CLUSTER_DIR = FsPath(__file__).resolve().parents[2] / "configs" / "clusters"
-"""Cluster presets of a source checkout; ``--cluster NAME`` looks here when NAME is not a file."""
 
 ALL_PATHS = (Path.NATIVE, Path.RAIL, Path.PERM, Path.JOINT)
 
@@ -116,16 +114,10 @@ def add_plan_args(parser: argparse.ArgumentParser, *, default_path: str = "joint
 
 def cluster_from_args(args: argparse.Namespace) -> RailTopology:
     """The cluster named by ``--cluster`` with ``--nodes`` and ``--failed-rail`` applied."""
-    path = FsPath(args.cluster)
-    if not path.exists():
-        if not (CLUSTER_DIR / f"{args.cluster}.yaml").exists():
-            presets = sorted(p.stem for p in CLUSTER_DIR.glob("*.yaml")) if CLUSTER_DIR.is_dir() else []
-            raise ValueError(
-                f"--cluster: cluster file {args.cluster!r} does not exist and is not a preset name "
-                f"(presets: {', '.join(presets) or 'none found'})"
-            )
-        path = CLUSTER_DIR / f"{args.cluster}.yaml"
-    topo = load_topology(path)
+    try:
+        topo = load_topology(args.cluster)
+    except ValueError as exc:
+        raise ValueError(f"--cluster: {exc}") from None
     if args.nodes is not None:
         if args.nodes < 1:
             raise ValueError(f"--nodes must be >= 1, got {args.nodes}")
@@ -248,8 +240,20 @@ def time_rank_planning(
                             min_ms=min(totals) * 1e3, repeats=repeats)
 
 
+def json_ready(value: Any) -> Any:
+    """``value`` with every float that is not finite replaced by None (JSON has no infinity or
+    NaN; None marks a quantity that is undefined, e.g. a rail speedup on one node)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: json_ready(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_ready(v) for v in value]
+    return value
+
+
 def write_json(path: str, data: dict[str, Any]) -> None:
+    """Write ``data`` as strict JSON (the path was checked up front by ``_outputs``)."""
     out = FsPath(path)
-    if out.parent and not out.parent.exists():
-        out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(data, indent=1) + "\n")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(json_ready(data), indent=1, allow_nan=False) + "\n")

@@ -25,7 +25,7 @@ from ..planner import Path, PlanOptions
 from ..replay import synthetic_routing_maps
 from ..topology import RailTopology
 from ..traffic import DemandCounts, target_masks
-from . import _common, _render
+from . import _common, _outputs, _render
 
 __all__ = ["register", "run", "plan_layer"]
 
@@ -43,6 +43,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--repeats", type=int, default=5, help="timed planning repeats (default 5)")
     parser.add_argument("--json", default=None, metavar="FILE", help="write the plan(s) as JSON")
     parser.set_defaults(handler=run)
+    _outputs.declare_outputs(parser, files=("json",))
 
 
 def plan_layer(

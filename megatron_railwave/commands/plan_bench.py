@@ -35,7 +35,7 @@ from ..planner import PlanOptions
 from ..replay import synthetic_routing_maps
 from ..topology import RailTopology
 from ..traffic import DemandCounts, local_demand, target_masks
-from . import _common, _render
+from . import _common, _outputs, _render
 
 __all__ = ["register", "run", "bench_config"]
 
@@ -64,6 +64,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="largest world that gets a routing map per rank (default 32)")
     parser.add_argument("--json", default=None, metavar="FILE", help="write the results as JSON")
     parser.set_defaults(handler=run)
+    _outputs.declare_outputs(parser, files=("json",))
 
 
 def _parse_configs(text: str) -> list[tuple[int, int]]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import argparse
 
-from . import _common, _render
+from . import _common, _outputs, _render
 
 __all__ = ["register", "run"]
 
@@ -36,6 +36,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="fail when a relative error exceeds this (default 1e-5 for fp32, 2e-2 for bf16)")
     parser.add_argument("--json", default=None, metavar="FILE", help="write the report as JSON")
     parser.set_defaults(handler=run)
+    _outputs.declare_outputs(parser, files=("json",))
 
 
 def run(args: argparse.Namespace) -> int:

@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 from megatron_railwave.exchange import ExchangeTimeoutError, TorchDistExchange, rank_groups
 from megatron_railwave.planner import PlanOptions, schedule_from_windows
-from megatron_railwave.replay.routing import routing_map_from_topk_ids
+from megatron_railwave.capture import routing_map_from_topk_ids
 from megatron_railwave.testbed.launch import WorkerContext, make_control_group, make_groups
 from megatron_railwave.testbed.netns import fail_rail
 from megatron_railwave.topology import RailTopology

@@ -57,23 +57,16 @@ def test_bench_exchange_tiny_run_writes_all_variants(tmp_path, capsys):
     assert "NATIVE / alltoall median" in printed and "inter-node rows alltoall/railwave" in printed
 
 
-def test_bench_exchange_without_shims_skips_baseline(tmp_path, capsys):
+def test_bench_exchange_no_alltoall_skips_baseline(tmp_path, capsys):
     out = tmp_path / "bench.json"
-    args = TINY[:-4] + ["--samples", "1", "--path", "native", "--megatron-shims", "off", "--json", str(out)]
+    args = TINY[:-4] + ["--samples", "1", "--path", "native", "--no-alltoall", "--json", str(out)]
     assert main(args) == 0
     data = json.loads(out.read_text())
     assert list(data["variants"]) == ["native"]
-    assert data["alltoall_skipped"] == "--megatron-shims off"
+    assert data["alltoall_skipped"] == "--no-alltoall"
     assert data["variants"]["native"]["over_alltoall"] is None
     assert data["summary"]["native_over_alltoall"] is None
-    assert "alltoall baseline skipped: --megatron-shims off" in capsys.readouterr().out
-
-
-def test_bench_exchange_bad_shims_path_is_a_user_error(tmp_path, capsys):
-    with pytest.raises(SystemExit) as exc:
-        main(TINY + ["--megatron-shims", str(tmp_path / "missing.py")])
-    assert exc.value.code == 2
-    assert "--megatron-shims: file" in capsys.readouterr().err
+    assert "alltoall baseline skipped: --no-alltoall" in capsys.readouterr().out
 
 
 def test_wire_bytes_dedup_worked_by_hand():
