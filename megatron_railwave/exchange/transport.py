@@ -181,18 +181,24 @@ class TorchDistTransport:
         waited = time.monotonic() - started
         timed_out = self.timeout_s is not None and waited >= 0.9 * self.timeout_s
         ranks = sorted({group.ranks[p] for p in peers if group.ranks[p] != self.rank})
+        me = group.ranks.index(self.rank)
+        others = sorted({p for p in peers if p != me})
+        if group.kind == "rail" and others:  # group ranks of a rail group are node indices
+            link = f"{group.describe()} between node {me} and " + ", ".join(f"node {p}" for p in others)
+        else:
+            link = group.describe()
         unresponsive = self.survey(stage, group) if self.survey is not None else []
         who = (f"unresponsive: EP rank(s) {unresponsive}" if unresponsive
                else f"peers of this step: EP rank(s) {ranks}")
         cause = f" ({type(exc).__name__}: {exc})" if exc is not None else ""
         if timed_out or exc is None:
             return ExchangeTimeoutError(
-                f"RailWave exchange, EP rank {self.rank}: stage '{stage}' on {group.describe()} did not "
+                f"RailWave exchange, EP rank {self.rank}: stage '{stage}' on {link} did not "
                 f"complete within {self.timeout_s} s; {who}{cause}. If a rail is down, list it in "
                 "failed_rails (RailWaveConfig) so that no traffic is planned on it; if a rank is slow "
                 "or stuck, see its own log.")
         return ExchangeError(
-            f"RailWave exchange, EP rank {self.rank}: stage '{stage}' on {group.describe()} failed after "
+            f"RailWave exchange, EP rank {self.rank}: stage '{stage}' on {link} failed after "
             f"{waited:.1f} s; {who}{cause}")
 
 
