@@ -37,6 +37,7 @@ src == dst is a copy a GPU keeps (stage 3 to itself) and never touches a wire.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Literal, Protocol
@@ -114,7 +115,9 @@ def _combine_layout(num_waves: int) -> list[tuple[PhaseKind, int]]:
     return order
 
 
+@functools.lru_cache(maxsize=256)
 def _build_phases(num_waves: int) -> tuple[Phase, ...]:
+    """The phases of a schedule with ``num_waves`` waves (immutable; cached)."""
     phases: list[Phase] = []
     index: dict[tuple[Direction, PhaseKind, int], int] = {}
     for direction, layout in ((Direction.DISPATCH, _dispatch_layout(num_waves)),
