@@ -14,38 +14,40 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .. import ops
 from ..planner import PathPlan
-from ..planner.railbalance import surplus_deficit_bounds
 from ..schedule import RankView
 
 __all__ = ["HostCounts", "LayerLayout", "build_layout", "select_positions"]
 
 
 class HostCounts:
-    """Small host int64 tensors moved to the device in one copy (pinned, non-blocking on CUDA).
+    """Small host int64 arrays moved to the device in one copy (pinned, non-blocking on CUDA).
 
-    ``add(name, tensor)`` collects; ``to(device)`` returns a dict of device views.
+    ``add(name, array)`` collects (numpy or torch); ``to(device)`` returns a dict of device views.
     """
 
     def __init__(self) -> None:
-        self._parts: list[tuple[str, torch.Tensor]] = []
+        self._parts: list[tuple[str, np.ndarray]] = []
 
-    def add(self, name: str, tensor: torch.Tensor) -> None:
-        self._parts.append((name, tensor.reshape(-1).to(torch.int64)))
+    def add(self, name: str, values: np.ndarray | torch.Tensor) -> None:
+        array = values.numpy() if isinstance(values, torch.Tensor) else values
+        self._parts.append((name, np.asarray(array, dtype=np.int64).reshape(-1)))
 
     def to(self, device: torch.device) -> dict[str, torch.Tensor]:
-        flat = torch.cat([t for _, t in self._parts]) if self._parts else torch.zeros(0, dtype=torch.int64)
+        flat = torch.from_numpy(np.concatenate([a for _, a in self._parts]) if self._parts
+                                else np.zeros(0, dtype=np.int64))
         if device.type == "cuda":
             flat = flat.pin_memory().to(device, non_blocking=True)
         else:
             flat = flat.to(device)
         out, offset = {}, 0
-        for name, t in self._parts:
-            out[name] = flat[offset:offset + t.numel()]
-            offset += t.numel()
+        for name, a in self._parts:
+            out[name] = flat[offset:offset + a.size]
+            offset += a.size
         return out
 
 
@@ -112,26 +114,30 @@ def build_layout(plan: PathPlan, view: RankView, *, token_R: torch.Tensor, node_
     device = token_R.device
     n_rec = view.num_records
 
-    keep, s_lo, _, _, d_hi = surplus_deficit_bounds(plan.records_NNG[s], plan.quota_NNG[s])  # [N, G]
+    # The greedy fill's intervals of this node's pairs, from the plan's relay counts (numpy:
+    # small host arrays). keep = what owners keep; surplus / deficit lines = relayed out / in.
+    relay_DGL = plan.relay_NNGG[s].numpy()  # [d, owner, egress]
+    keep_DG = np.einsum("dgg->dg", relay_DGL)
+    moved_DGL = relay_DGL - keep_DG[:, :, None] * np.eye(g, dtype=np.int64)
+    surplus_DG, deficit_DG = moved_DGL.sum(axis=2), moved_DGL.sum(axis=1)
     host = HostCounts()
     host.add("counts_N", plan.records_NNG[s, :, me])
-    host.add("keep_N", keep[:, me])
-    host.add("surplus_lo_N", s_lo[:, me])
-    host.add("deficit_hi_NG", d_hi)
+    host.add("keep_N", keep_DG[:, me])
+    host.add("surplus_lo_N", np.cumsum(surplus_DG, axis=1)[:, me] - surplus_DG[:, me])
+    host.add("deficit_hi_NG", np.cumsum(deficit_DG, axis=1))
     host.add("wave_N", plan.pair_wave_NN[s])
     # Pool rows (kept, then owners o != me), each block by destination node: key node * G + owner.
     owners = [me] + [o for o in range(g) if o != me]
-    pool_NB = torch.stack([view.kept_N] + [view.relay_in_NG[:, o] for o in owners[1:]], dim=1)  # [N, blocks]
-    pool_key_BN = (torch.arange(n).view(1, n) * g + torch.tensor(owners).view(-1, 1))
-    host.add("pool_key", pool_key_BN)
-    host.add("pool_count", pool_NB.t())
+    pool_NB = np.concatenate([view.kept_N[:, None], view.relay_in_NG[:, owners[1:]]], axis=1)  # [N, blocks]
+    host.add("pool_key", np.arange(n)[None, :] * g + np.array(owners)[:, None])
+    host.add("pool_count", pool_NB.T)
     # Arrival masks of rounds >= 1: sources of the round ascending, then owner, then mask.
     arrival_rounds = []
     for rnd in range(1, plan.num_waves + 1):
-        sources = (view.source_round_N == rnd).nonzero().flatten()
+        sources = np.flatnonzero(view.source_round_N == rnd)
         counts = view.arrival_counts_NGM[sources].reshape(-1)
         host.add(f"arrive_count_{rnd}", counts)
-        arrival_rounds.append((rnd, int(counts.sum()), sources.numel()))
+        arrival_rounds.append((rnd, int(counts.sum()), sources.size))
     dev = host.to(device)
 
     egress_R, _ = ops.assign_egress(node_R, owner_gpu=me, counts_N=dev["counts_N"], keep_N=dev["keep_N"],
@@ -158,7 +164,7 @@ def build_layout(plan: PathPlan, view: RankView, *, token_R: torch.Tensor, node_
         deliver_index.append(pos % max(mask_A.numel(), 1))
     return LayerLayout(token_R=token_R, node_R=node_R, owner_order=owner_order,
                        category_counts=list(view.owner_category_counts), egress_perm=egress_perm,
-                       pool_counts=pool_NB.sum(dim=0).tolist(), deliver_index=deliver_index,
+                       pool_counts=pool_NB.sum(axis=0).tolist(), deliver_index=deliver_index,
                        arrivals=arrivals, num_copies=view.num_copies)
 
 

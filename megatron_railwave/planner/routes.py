@@ -99,12 +99,17 @@ def route_records(plan: PathPlan, rank: int, masks_TN: torch.Tensor) -> RecordRo
     return RecordRoutes(token_R=token_R, node_R=node_R, mask_R=mask_R, egress_R=egress_R, wave_R=wave_R)
 
 
-def _keep_and_moved(plan: PathPlan, dest_node: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(keep [N_src, G], moved [N_src, G_owner, G_egress]) of the records into ``dest_node``:
-    what each owner keeps and what it relays to each other GPU (zero diagonal)."""
-    relay_NGG = plan.relay_NNGG[:, dest_node]
-    keep = torch.diagonal(relay_NGG, dim1=-2, dim2=-1)
-    return keep, relay_NGG - torch.diag_embed(keep)
+def _keep_and_moved(plan: PathPlan, dest_node: int) -> tuple[np.ndarray, np.ndarray]:
+    """(keep [N_src, G], moved [N_src, G_owner, G_egress]) int64 of the records into
+    ``dest_node``: what each owner keeps and what it relays to each other GPU (zero diagonal).
+
+    Host arithmetic on tiny arrays runs in numpy: a fraction of torch's per-call cost, and this
+    is on every layer's planning path.
+    """
+    relay_NGG = plan.relay_NNGG[:, dest_node].numpy()
+    keep = np.einsum("sgg->sg", relay_NGG)
+    moved = relay_NGG - keep[:, :, None] * np.eye(relay_NGG.shape[-1], dtype=np.int64)
+    return keep, moved
 
 
 def delivery_copies_NGG(plan: PathPlan, demand: DemandCounts, dest_node: int) -> torch.Tensor:
@@ -112,27 +117,26 @@ def delivery_copies_NGG(plan: PathPlan, demand: DemandCounts, dest_node: int) ->
     (dest_node, l) and are delivered to GPU (dest_node, j). For s == dest_node, l is the owner.
 
     Derived from the mask histogram of the records into ``dest_node`` and the plan's
-    keep/relay intervals (records sorted by mask on every owner).
+    keep/relay counts (records sorted by mask on every owner).
     """
     topo = plan.topology
     n, g = topo.num_nodes, topo.gpus_per_node
-    hist_NGM = demand.masks_into(dest_node).reshape(n, g, -1)  # [s, owner, m]
+    hist = demand.masks_into(dest_node).reshape(n, g, -1).numpy().astype(np.float64)  # [s, owner, m]
     # Owner g's sorted list: [0, keep) stays on g, then its surplus goes to the proxies in GPU
     # order (the plan's relay counts), so the records for egress l end at keep + (moved to GPUs <= l).
     keep, moved = _keep_and_moved(plan, dest_node)  # [s, g], [s, g, l]
-    ends = torch.cat([keep.unsqueeze(-1), keep.unsqueeze(-1) + moved.cumsum(dim=-1)], dim=-1)  # [s, g, G+1]
+    ends = np.concatenate([keep[:, :, None], keep[:, :, None] + np.cumsum(moved, axis=-1)], axis=-1)  # [s, g, G+1]
     # F(x)[j]: copies for target j among the first x records = sum over masks of the part of the
     # mask's run [c_lo, c_lo + hist) below x, times bit j. Float64 is exact here (counts << 2**53)
     # and lets the sum over masks run as one matrix product.
-    hist = hist_NGM.to(torch.float64)
-    c_lo = hist.cumsum(dim=-1) - hist
-    below = (ends.to(torch.float64).unsqueeze(-1) - c_lo.unsqueeze(-2)).clamp_(min=0)
-    below = torch.minimum(below, hist.unsqueeze(-2), out=below)  # [s, g, G+1, m]
-    f_NGPG = below @ mask_bits(g).to(torch.float64)  # [s, g, G+1, j]
+    c_lo = np.cumsum(hist, axis=-1) - hist
+    below = np.clip(ends[:, :, :, None].astype(np.float64) - c_lo[:, :, None, :], 0.0, None)
+    below = np.minimum(below, hist[:, :, None, :])  # [s, g, G+1, m]
+    f_NGPG = below @ mask_bits(g).numpy().astype(np.float64)  # [s, g, G+1, j]
     copies = f_NGPG[:, :, 1:, :] - f_NGPG[:, :, :-1, :]  # [s, g, l, j], relays
-    eye = torch.eye(g, dtype=torch.bool).view(1, g, g, 1)
-    copies = torch.where(eye, f_NGPG[:, :, :1, :], copies)  # kept part: F(keep) - F(0)
-    return copies.sum(dim=1).to(torch.int64)
+    eye = np.eye(g, dtype=bool)[None, :, :, None]
+    copies = np.where(eye, f_NGPG[:, :, :1, :], copies)  # kept part: F(keep) - F(0)
+    return torch.from_numpy(np.rint(copies.sum(axis=1)).astype(np.int64))
 
 
 def arrival_mask_counts_NGM(plan: PathPlan, demand: DemandCounts, dest_node: int, arrive_gpu: int) -> torch.Tensor:
@@ -146,14 +150,16 @@ def arrival_mask_counts_NGM(plan: PathPlan, demand: DemandCounts, dest_node: int
     """
     n, g = plan.topology.num_nodes, plan.topology.gpus_per_node
     l = arrive_gpu
-    hist = demand.masks_into(dest_node).reshape(n, g, -1)  # [s, owner, m]
+    hist = demand.masks_into(dest_node).reshape(n, g, -1).numpy()  # [s, owner, m]
     keep, moved = _keep_and_moved(plan, dest_node)  # [s, g], [s, g, l']
-    start = keep + moved[:, :, :l].sum(dim=-1)  # [s, g]
-    a = torch.where(torch.arange(g) == l, 0, start)
-    b = torch.where(torch.arange(g) == l, keep, start + moved[:, :, l])
-    c_hi = hist.cumsum(dim=-1)
+    start = keep + moved[:, :, :l].sum(axis=-1)  # [s, g]
+    own = np.arange(g) == l
+    a = np.where(own, 0, start)
+    b = np.where(own, keep, start + moved[:, :, l])
+    c_hi = np.cumsum(hist, axis=-1)
     c_lo = c_hi - hist
-    return (torch.minimum(b.unsqueeze(-1), c_hi) - torch.maximum(a.unsqueeze(-1), c_lo)).clamp_(min=0)
+    out = np.minimum(b[:, :, None], c_hi) - np.maximum(a[:, :, None], c_lo)
+    return torch.from_numpy(np.clip(out, 0, None))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

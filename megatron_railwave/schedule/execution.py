@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Literal, Protocol
 
+import numpy as np
 import torch
 
 from ..planner import PathPlan, delivery_copies_NGG
@@ -246,30 +247,35 @@ class ExecutionSchedule:
         }
 
 
-def _relay_transfers(plan: PathPlan) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+# Transfer tables are built in numpy: tiny integer arrays on every layer's planning path, where
+# numpy's per-call cost is a fraction of torch's.
+
+def _relay_transfers(plan: PathPlan) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     n, g = plan.topology.num_nodes, plan.topology.gpus_per_node
-    remote = ~torch.eye(n, dtype=torch.bool)
-    relay_NGG = (plan.relay_NNGG * remote.view(n, n, 1, 1)).sum(dim=1)
-    relay_NGG = relay_NGG * ~torch.eye(g, dtype=torch.bool)  # kept records are not transfers
-    s, o, l = torch.nonzero(relay_NGG, as_tuple=True)
+    remote = (plan.pair_wave_NN >= 0).numpy()
+    relay_NGG = np.einsum("sdgl,sd->sgl", plan.relay_NNGG.numpy(), remote)
+    relay_NGG = relay_NGG * ~np.eye(g, dtype=bool)  # kept records are not transfers
+    s, o, l = np.nonzero(relay_NGG)
     return s * g + o, s * g + l, relay_NGG[s, o, l]
 
 
-def _rail_transfers(plan: PathPlan) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _rail_transfers(plan: PathPlan) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     g = plan.topology.gpus_per_node
-    remote_quota = plan.quota_NNG * (plan.pair_wave_NN >= 0).unsqueeze(-1)
-    s, d, l = torch.nonzero(remote_quota, as_tuple=True)
-    return plan.pair_wave_NN[s, d], s * g + l, d * g + l, remote_quota[s, d, l]
+    wave_NN = plan.pair_wave_NN.numpy()
+    remote_quota = plan.quota_NNG.numpy() * (wave_NN >= 0)[:, :, None]
+    s, d, l = np.nonzero(remote_quota)
+    return wave_NN[s, d], s * g + l, d * g + l, remote_quota[s, d, l]
 
 
 def _delivery_transfers(plan: PathPlan, demand: MaskSource, node: int
-                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                        ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     g = plan.topology.gpus_per_node
-    copies_NGG = delivery_copies_NGG(plan, demand, node)  # [s, arrive l, target j]
-    round_N = plan.pair_wave_NN[:, node] + 1
+    copies_NGG = delivery_copies_NGG(plan, demand, node).numpy()  # [s, arrive l, target j]
+    round_N = plan.pair_wave_NN[:, node].numpy() + 1
     round_N[node] = 0
-    per_round = torch.zeros(plan.num_waves + 1, g, g, dtype=torch.int64).index_add_(0, round_N, copies_NGG)
-    r, l, j = torch.nonzero(per_round, as_tuple=True)
+    per_round = np.zeros((plan.num_waves + 1, g, g), dtype=np.int64)
+    np.add.at(per_round, round_N, copies_NGG)
+    r, l, j = np.nonzero(per_round)
     return r, node * g + l, node * g + j, per_round[r, l, j]
 
 
@@ -301,26 +307,25 @@ def compile_schedule(plan: PathPlan, wire: RecordWireFormat, *, demand: MaskSour
         raise ValueError("compile_schedule: delivery_nodes need the demand's target-mask histograms")
     phases = _build_phases(plan.num_waves)
     index = {(p.direction, p.kind, p.step): p.index for p in phases}
-    parts_phase, parts_src, parts_dst, parts_rows = [], [], [], []
+    parts = []  # (phase [x], src [x], dst [x], rows [x])
 
     src, dst, rows = _relay_transfers(plan)
-    parts_phase.append(torch.full_like(src, index[(Direction.DISPATCH, PhaseKind.RELAY, 0)]))
-    parts_src.append(src), parts_dst.append(dst), parts_rows.append(rows)
+    parts.append((np.full(src.shape, index[(Direction.DISPATCH, PhaseKind.RELAY, 0)]), src, dst, rows))
 
-    rail_phase_V = torch.tensor([index[(Direction.DISPATCH, PhaseKind.RAIL, v)] for v in range(plan.num_waves)],
-                                dtype=torch.int64)
+    rail_phase_V = np.array([index[(Direction.DISPATCH, PhaseKind.RAIL, v)] for v in range(plan.num_waves)],
+                            dtype=np.int64)
     wave, src, dst, rows = _rail_transfers(plan)
-    parts_phase.append(rail_phase_V[wave]), parts_src.append(src), parts_dst.append(dst), parts_rows.append(rows)
+    parts.append((rail_phase_V[wave], src, dst, rows))
 
-    deliver_phase_R = torch.tensor([index[(Direction.DISPATCH, PhaseKind.DELIVER, r)]
-                                    for r in range(plan.num_waves + 1)], dtype=torch.int64)
+    deliver_phase_R = np.array([index[(Direction.DISPATCH, PhaseKind.DELIVER, r)] for r in range(plan.num_waves + 1)],
+                               dtype=np.int64)
     for node in delivery_nodes:
         rnd, src, dst, rows = _delivery_transfers(plan, demand, node)  # type: ignore[arg-type]
-        parts_phase.append(deliver_phase_R[rnd]), parts_src.append(src), parts_dst.append(dst)
-        parts_rows.append(rows)
+        parts.append((deliver_phase_R[rnd], src, dst, rows))
 
-    phase_X = torch.cat(parts_phase)
+    phase_X, src_X, dst_X, rows_X = (torch.from_numpy(np.concatenate([p[k] for p in parts]).astype(np.int64))
+                                     for k in range(4))
     order = torch.sort(phase_X, stable=True).indices
     return ExecutionSchedule(plan=plan, wire=wire, phases=phases, delivery_nodes=tuple(delivery_nodes),
-                             demand=demand if delivery_nodes else None, phase_X=phase_X[order], src_X=torch.cat(parts_src)[order],
-                             dst_X=torch.cat(parts_dst)[order], rows_X=torch.cat(parts_rows)[order])
+                             demand=demand if delivery_nodes else None, phase_X=phase_X[order], src_X=src_X[order],
+                             dst_X=dst_X[order], rows_X=rows_X[order])

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
+import numpy as np
 
 from ..planner import arrival_mask_counts_NGM
 from .execution import Direction, ExecutionSchedule, Phase
@@ -46,11 +46,11 @@ class RankView:
         rank, node, local: the EP rank and its (node, local GPU).
         phases: per phase of the schedule (same order), this rank's row counts.
         owner_category_counts: [G + 1] own records per category (egress GPU, then local node).
-        kept_N: [N] int64, records this GPU keeps on its own rail per destination node.
-        relay_in_NG: [N, G] int64, records owner o relays to this GPU for node d (o == local: 0).
+        kept_N: [N] int64 (numpy), records this GPU keeps on its own rail per destination node.
+        relay_in_NG: [N, G] int64 (numpy), records owner o relays to this GPU for node d (o == local: 0).
         egress_N: [N] rows leaving on this rail per destination node (own node: 0).
-        arrival_counts_NGM: [N, G, M] int64, records of owner (s, o) arriving here, by mask.
-        source_round_N: [N] delivery round of each source node's records (own node: 0).
+        arrival_counts_NGM: [N, G, M] int64 (numpy), records of owner (s, o) arriving here, by mask.
+        source_round_N: [N] int64 (numpy), delivery round of each source node's records (own node: 0).
         num_copies: copies this rank receives over all rounds.
     """
 
@@ -59,11 +59,11 @@ class RankView:
     local: int
     phases: tuple[PhaseCounts, ...]
     owner_category_counts: list[int]
-    kept_N: torch.Tensor
-    relay_in_NG: torch.Tensor
+    kept_N: np.ndarray
+    relay_in_NG: np.ndarray
     egress_N: list[int]
-    arrival_counts_NGM: torch.Tensor
-    source_round_N: torch.Tensor
+    arrival_counts_NGM: np.ndarray
+    source_round_N: np.ndarray
     num_copies: int
 
     @property
@@ -90,16 +90,20 @@ def rank_view(schedule: ExecutionSchedule, rank: int) -> RankView:
             f"(delivery_nodes={schedule.delivery_nodes}); compile it with that node's demand view")
     width = max(n, g)
     num_phases = len(schedule.phases)
-    is_rail_P = torch.tensor([p.group == "rail" for p in schedule.phases])
+    # numpy for the small host arithmetic of every layer (a fraction of torch's per-call cost).
+    phase_X, src_X, dst_X, rows_X = (t.numpy() for t in (schedule.phase_X, schedule.src_X, schedule.dst_X,
+                                                         schedule.rows_X))
+    is_rail_P = np.array([p.group == "rail" for p in schedule.phases])
 
-    def dense(from_rank: torch.Tensor, peer: torch.Tensor) -> torch.Tensor:
-        phase, rows = schedule.phase_X[from_rank], schedule.rows_X[from_rank]
-        peer_index = torch.where(is_rail_P[phase], peer[from_rank] // g, peer[from_rank] % g)
-        out = torch.zeros(num_phases * width, dtype=torch.int64)
-        return out.index_add_(0, phase * width + peer_index, rows).view(num_phases, width)
+    def dense(from_rank: np.ndarray, peer: np.ndarray) -> list[list[int]]:
+        phase, rows, other = phase_X[from_rank], rows_X[from_rank], peer[from_rank]
+        peer_index = np.where(is_rail_P[phase], other // g, other % g)
+        out = np.zeros(num_phases * width, dtype=np.int64)
+        np.add.at(out, phase * width + peer_index, rows)
+        return out.reshape(num_phases, width).tolist()
 
-    send_PQ = dense(schedule.src_X == rank, schedule.dst_X).tolist()
-    recv_PQ = dense(schedule.dst_X == rank, schedule.src_X).tolist()
+    send_PQ = dense(src_X == rank, dst_X)
+    recv_PQ = dense(dst_X == rank, src_X)
     counts = []
     for p in schedule.phases:
         q = n if p.group == "rail" else g
@@ -109,20 +113,21 @@ def rank_view(schedule: ExecutionSchedule, rank: int) -> RankView:
             send, recv = recv_PQ[p.mirror_of][:q], send_PQ[p.mirror_of][:q]
         counts.append(PhaseCounts(phase=p, send_Q=send, recv_Q=recv))
 
-    remote_N = plan.pair_wave_NN[node] >= 0
-    relay_DOL = plan.relay_NNGG[node] * remote_N.view(n, 1, 1)  # [d, owner, egress]
-    categories = relay_DOL[:, me, :].sum(dim=0).tolist() + [int(plan.records_NNG[node, node, me])]
-    kept_N = relay_DOL[:, me, me].clone()
-    relay_in_NG = relay_DOL[:, :, me].clone()
+    wave_N = plan.pair_wave_NN.numpy()
+    remote_N = wave_N[node] >= 0
+    relay_DOL = plan.relay_NNGG[node].numpy() * remote_N[:, None, None]  # [d, owner, egress]
+    categories = relay_DOL[:, me, :].sum(axis=0).tolist() + [int(plan.records_NNG[node, node, me])]
+    kept_N = relay_DOL[:, me, me].copy()
+    relay_in_NG = relay_DOL[:, :, me].copy()
     relay_in_NG[:, me] = 0
-    egress_N = (plan.quota_NNG[node, :, me] * remote_N).tolist()
-    source_round_N = plan.pair_wave_NN[:, node] + 1
+    egress_N = (plan.quota_NNG[node, :, me].numpy() * remote_N).tolist()
+    source_round_N = wave_N[:, node] + 1
     source_round_N[node] = 0
     num_copies = sum(sum(c.recv_Q) for c in counts if c.phase.direction == Direction.DISPATCH
                      and c.phase.kind == "deliver")
     return RankView(
         rank=rank, node=node, local=me, phases=tuple(counts), owner_category_counts=categories,
         kept_N=kept_N, relay_in_NG=relay_in_NG, egress_N=egress_N,
-        arrival_counts_NGM=arrival_mask_counts_NGM(plan, schedule.demand, node, me),
+        arrival_counts_NGM=arrival_mask_counts_NGM(plan, schedule.demand, node, me).numpy(),
         source_round_N=source_round_N, num_copies=num_copies,
     )
