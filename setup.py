@@ -37,7 +37,7 @@ def _extensions() -> tuple[list, dict]:
         return [], {}
 
     sources = _sources("csrc/cpu/*.cpp") + _sources("csrc/bindings/*.cpp")
-    cxx_flags = ["-O3", "-ffp-contract=off"]
+    cxx_flags = ["-O3", "-g0", "-ffp-contract=off"]
     nvcc_home = cpp_extension.CUDA_HOME
     with_cuda = (torch.version.cuda is not None and nvcc_home is not None
                  and os.path.exists(os.path.join(nvcc_home, "bin", "nvcc")))

@@ -2,7 +2,9 @@
 //
 // Letters: T tokens, E experts, N nodes, G GPUs per node, M = 2**G masks, C = N * T capacity.
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 
 #include <cstring>
 #include <vector>

@@ -1,6 +1,8 @@
 // CPU twins of pack_rows and unpack_rows: one memcpy per (row, tensor), no intermediate copies.
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 
 #include <cstring>
 #include <vector>

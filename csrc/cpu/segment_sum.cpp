@@ -6,7 +6,9 @@
 // once and writes the output once (the reference widens all values, then index_add_s, then casts).
 // Compiled with -ffp-contract=off: every addition rounds on its own, as on the GPU (__fadd_rn).
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 
 #include <vector>
 
