@@ -29,6 +29,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "megatron_railwave.commands.validate",
     "megatron_railwave.commands.report",
     "megatron_railwave.commands.testbed",
+    "megatron_railwave.commands.ops_bench",
 )
 """Modules that each register one subcommand, in the order ``--help`` lists them."""
 

@@ -24,8 +24,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> records_from_routing(
   const int64_t experts_per_node = E / N, experts_per_gpu = E / (N * G);
   const auto* map = reinterpret_cast<const uint8_t*>(map_TE.data_ptr<bool>());
 
-  // Pass 1: the target mask of every (node, token). Routing rows are sparse (K of E set), so scan
-  // them a word at a time and only look at the bytes of non-zero words.
+  // Pass 1: the target mask of every (node, token) and the counts per key node * M + mask.
+  // Routing rows are sparse (K of E set) and bool bytes are 0 or 1, so scan a row 8 bytes at a
+  // time and visit only the set bytes; a table maps each expert to its node and GPU bit.
+  std::vector<int32_t> node_of(static_cast<size_t>(E));
+  std::vector<uint16_t> bit_of(static_cast<size_t>(E));
+  for (int64_t e = 0; e < E; ++e) {
+    node_of[e] = static_cast<int32_t>(e / experts_per_node);
+    bit_of[e] = static_cast<uint16_t>(1u << ((e % experts_per_node) / experts_per_gpu));
+  }
+  at::Tensor counts_NM = at::zeros({N, M}, map_TE.options().dtype(at::kLong));
+  int64_t* counts = counts_NM.data_ptr<int64_t>();
   std::vector<uint16_t> mask_NT(static_cast<size_t>(C), 0);
   std::vector<uint16_t> mask_N(static_cast<size_t>(N));
   for (int64_t t = 0; t < T; ++t) {
@@ -35,29 +44,23 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> records_from_routing(
     for (; e + 8 <= E; e += 8) {
       uint64_t word;
       std::memcpy(&word, row + e, sizeof(word));
-      if (word == 0) continue;
-      for (int64_t b = 0; b < 8; ++b) {
-        if (row[e + b]) {
-          const int64_t expert = e + b, node = expert / experts_per_node;
-          mask_N[node] |= static_cast<uint16_t>(1u << ((expert - node * experts_per_node) / experts_per_gpu));
-        }
+      while (word != 0) {
+        const int byte = __builtin_ctzll(word) >> 3;
+        mask_N[node_of[e + byte]] |= bit_of[e + byte];
+        word &= ~(uint64_t{0xFF} << (byte * 8));
       }
     }
     for (; e < E; ++e) {
-      if (row[e]) {
-        const int64_t node = e / experts_per_node;
-        mask_N[node] |= static_cast<uint16_t>(1u << ((e - node * experts_per_node) / experts_per_gpu));
-      }
+      if (row[e]) mask_N[node_of[e]] |= bit_of[e];
     }
-    for (int64_t n = 0; n < N; ++n) mask_NT[n * T + t] = mask_N[n];
+    for (int64_t n = 0; n < N; ++n) {
+      mask_NT[n * T + t] = mask_N[n];
+      counts[n * M + mask_N[n]] += 1;  // column 0 (no record) is cleared below
+    }
   }
+  for (int64_t n = 0; n < N; ++n) counts[n * M] = 0;
 
-  // Pass 2: counts per key node * M + mask, then the start of each key in canonical order.
-  at::Tensor counts_NM = at::zeros({N, M}, map_TE.options().dtype(at::kLong));
-  int64_t* counts = counts_NM.data_ptr<int64_t>();
-  for (int64_t c = 0; c < C; ++c) {
-    if (mask_NT[c]) ++counts[(c / T) * M + mask_NT[c]];
-  }
+  // Start of each key in canonical order.
   std::vector<int64_t> next(static_cast<size_t>(N * M));
   int64_t total = 0;
   for (int64_t key = 0; key < N * M; ++key) {
@@ -65,7 +68,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> records_from_routing(
     total += counts[key];
   }
 
-  // Pass 3: place every record; walking (node, token) in order keeps tokens ascending per key.
+  // Pass 2: place every record; walking (node, token) in order keeps tokens ascending per key.
   const auto options = map_TE.options().dtype(at::kLong);
   at::Tensor token_C = at::empty({C}, options), node_C = at::empty({C}, options), mask_C = at::empty({C}, options);
   int64_t* token = token_C.data_ptr<int64_t>();

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "../common/validate.h"
+#include "alloc.h"
 #include "ops_cpu.h"
 
 namespace railwave::cpu {
@@ -29,7 +30,7 @@ at::Tensor pack_rows(at::TensorList tensors, const c10::List<std::optional<at::T
       }
     }
   }
-  at::Tensor packed = at::empty({n, row_bytes}, layout.sources[0].options().dtype(at::kByte));
+  at::Tensor packed = empty_output({n, row_bytes}, layout.sources[0].options().dtype(at::kByte));
   uint8_t* out = packed.data_ptr<uint8_t>();
   for (int64_t i = 0; i < n; ++i) {
     uint8_t* dst = out + i * row_bytes;
@@ -67,7 +68,7 @@ std::vector<at::Tensor> unpack_rows(const at::Tensor& packed, at::IntArrayRef wi
   outs.reserve(widths.size());
   for (size_t k = 0; k < widths.size(); ++k) {
     const int64_t w = widths[k];
-    at::Tensor out = at::empty({out_rows, w}, in.options());
+    at::Tensor out = empty_output({out_rows, w}, in.options());
     uint8_t* dst = out.data_ptr<uint8_t>();
     const uint8_t* part = src + offsets[k];
     if (w > 0) {

@@ -14,6 +14,7 @@
 
 #include "../common/float_bits.cuh"
 #include "../common/validate.h"
+#include "alloc.h"
 #include "ops_cpu.h"
 
 namespace railwave::cpu {
@@ -58,7 +59,7 @@ at::Tensor segment_sum(const at::Tensor& values, const at::Tensor& segment_ids, 
   const int64_t n = v.size(0), width = n ? v.numel() / n : row_width_bytes(v) / v.element_size();
   std::vector<int64_t> out_shape = v.sizes().vec();
   out_shape[0] = num_segments;
-  at::Tensor out = at::empty(out_shape, v.options().dtype(out_dtype));
+  at::Tensor out = empty_output(out_shape, v.options().dtype(out_dtype));
 
   // Counting sort of the rows by segment (stable: rows ascending within a segment).
   const int64_t* ids = ids_c.const_data_ptr<int64_t>();
