@@ -2,10 +2,7 @@
 
 #include <torch/library.h>
 
-#include "../cpu/ops_cpu.h"
-#if defined(RAILWAVE_WITH_CUDA)
-#include "../cuda/ops_cuda.h"
-#endif
+#include "../common/ops.h"
 
 TORCH_LIBRARY(railwave, m) {
   m.def("records_from_routing(Tensor routing_map, int num_nodes, int gpus_per_node) -> (Tensor, Tensor, Tensor, Tensor)");

@@ -9,8 +9,8 @@
 #include <cstring>
 #include <vector>
 
+#include "../common/ops.h"
 #include "../common/validate.h"
-#include "ops_cpu.h"
 
 namespace railwave::cpu {
 

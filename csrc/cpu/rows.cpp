@@ -7,9 +7,9 @@
 #include <cstring>
 #include <vector>
 
+#include "../common/ops.h"
 #include "../common/validate.h"
 #include "alloc.h"
-#include "ops_cpu.h"
 
 namespace railwave::cpu {
 

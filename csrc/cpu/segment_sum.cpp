@@ -13,9 +13,9 @@
 #include <vector>
 
 #include "../common/float_bits.cuh"
+#include "../common/ops.h"
 #include "../common/validate.h"
 #include "alloc.h"
-#include "ops_cpu.h"
 
 namespace railwave::cpu {
 namespace {

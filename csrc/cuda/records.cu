@@ -4,10 +4,10 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 
+#include "../common/ops.h"
 #include "../common/validate.h"
 #include "../kernels/records.cuh"
 #include "launch.h"
-#include "ops_cuda.h"
 
 namespace railwave::cuda {
 

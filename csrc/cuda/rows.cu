@@ -6,10 +6,10 @@
 
 #include <vector>
 
+#include "../common/ops.h"
 #include "../common/validate.h"
 #include "../kernels/rows.cuh"
 #include "launch.h"
-#include "ops_cuda.h"
 
 namespace railwave::cuda {
 

@@ -5,10 +5,10 @@
 
 #include <vector>
 
+#include "../common/ops.h"
 #include "../common/validate.h"
 #include "../kernels/segment_sum.cuh"
 #include "launch.h"
-#include "ops_cuda.h"
 
 namespace railwave::cuda {
 namespace {

@@ -6,8 +6,6 @@ Letters: T tokens, E experts, N nodes, G GPUs per node, n rows, S segments, W ro
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -19,16 +17,6 @@ from tests.helpers.ops_cases import random_routing_map, same_bits
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-
-
-@pytest.fixture(scope="module")
-def cuda_ops():
-    if not ops.compiled_for(torch.device("cuda")):
-        reason = f"compiled CUDA ops unavailable: {ops.load_error()}"
-        if os.environ.get("RAILWAVE_REQUIRE_EXT") == "1":
-            pytest.fail(reason)
-        pytest.skip(reason)
-    return torch.ops.railwave
 
 
 def _twice_on_cuda(fn, *cpu_args):
