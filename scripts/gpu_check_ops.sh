@@ -26,7 +26,7 @@ if ! TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}" MAX_JOBS="${MAX_JOBS:-1
     exit 1
 fi
 echo "built in $((SECONDS - start)) s"
-if ! "$PY" -c "import sys, megatron_railwave._C as c; sys.exit(0 if c.with_cuda else 'megatron_railwave._C has no CUDA kernels (torch without CUDA, or nvcc not found)')"; then
+if ! "$PY" -c "import sys, torch, megatron_railwave._C as c; sys.exit(0 if c.with_cuda else 'megatron_railwave._C has no CUDA kernels (torch without CUDA, or nvcc not found)')"; then
     tail -20 "$OUT/ops_build.log"
     exit 1
 fi
