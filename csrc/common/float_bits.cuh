@@ -43,9 +43,9 @@ RW_HD float bf16_to_float(uint16_t b) { return bits_to_float(static_cast<uint32_
 // fp32 -> bf16, round to nearest even (c10::detail::round_to_nearest_even).
 RW_HD uint16_t float_to_bf16(float f) {
   const uint32_t u = float_to_bits(f);
-  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0u;  // NaN
-  const uint32_t rounding_bias = 0x7FFFu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>((u + rounding_bias) >> 16);
+  const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  // A select, not an early return: the CPU loops over rows vectorize.
+  return static_cast<uint16_t>((u & 0x7FFFFFFFu) > 0x7F800000u ? 0x7FC0u : rounded);  // NaN -> 0x7FC0
 }
 
 // fp16 -> fp32 is exact (subnormals included).
