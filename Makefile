@@ -4,13 +4,14 @@ VENV := .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.railwave-installed
 
-.PHONY: demo test test-all setup clean plan-bench bench bench-exchange testbed-bench ext kernels-check ops-bench
+.PHONY: demo test test-all setup clean plan-bench bench bench-exchange testbed-bench gpu-check simulate-exchange \
+	ext kernels-check ops-bench
 
 $(STAMP): pyproject.toml
 	@test -x $(VPY) || $(PY) -m venv $(VENV)
 	# torch first, so that nothing later pulls a multi-GB CUDA build.
 	$(VPY) -m pip install -q torch==2.13.0
-	$(VPY) -m pip install -q numpy "packaging>=24.2" pyyaml pytest pytest-timeout hypothesis rich tqdm matplotlib typing_extensions
+	$(VPY) -m pip install -q numpy "packaging>=24.2" pyyaml pytest pytest-timeout hypothesis rich tqdm matplotlib typing_extensions import-linter
 	$(VPY) -m pip install -q --ignore-requires-python --no-deps megatron-core==0.19.2
 	RAILWAVE_BUILD_EXT=0 $(VPY) -m pip install -q --no-deps --no-build-isolation -e .
 	@touch $(STAMP)
@@ -48,11 +49,14 @@ $(SIMGRID_STAMP): $(STAMP)
 
 setup: $(STAMP)
 
+# The import contracts of docs/architecture.md ([tool.importlinter] in pyproject.toml) first.
 # RAILWAVE_REQUIRE_EXT=1: the ops tests fail (rather than skip) if the compiled ops did not load.
 test: $(STAMP) $(SIMGRID_STAMP) $(EXT_STAMP) kernels-check
+	$(VENV)/bin/lint-imports
 	RAILWAVE_REQUIRE_EXT=1 $(VPY) -m pytest -q -m "not slow" --timeout=900
 
-test-all: $(STAMP)
+test-all: $(STAMP) $(EXT_STAMP)
+	$(VENV)/bin/lint-imports
 	$(VPY) -m pytest -q --timeout=1800
 
 # The main job: plan one GLM-4.5-Air layer per path, then train the tiny GLM-shaped MoE GPT on
@@ -83,3 +87,12 @@ clean:
 # Needs root, ip and tc: 4 nodes x 2 rails in network namespaces, the exchange study and the rail fault.
 testbed-bench: $(STAMP)
 	$(VPY) -m megatron_railwave.cli testbed run --nodes 4 --gpus-per-node 2 --samples 20 --incast --json out/testbed.json
+
+# The virtual cluster on this CPU: every path of an H800 4x8 layer (T=512, H=256) in one process.
+simulate-exchange: $(STAMP)
+	$(VPY) -m megatron_railwave.cli simulate-exchange --cluster h800_4x8 --tokens 512 --hidden 256 \
+		--json out/simulate_exchange.json
+
+# The one prepared check for a lent GPU machine (see scripts/gpu_check.sh); needs no venv there.
+gpu-check:
+	bash scripts/gpu_check.sh

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from cpu_shims import apply_megatron_cpu_shims, seed_megatron_cpu_rng
+from megatron_railwave.bench.megatron_cpu import apply_megatron_cpu_shims, seed_megatron_cpu_rng
 
 _LOOPBACK = "127.0.0.1"
 _DISPATCHERS = ("alltoall", "railwave")

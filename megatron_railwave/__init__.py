@@ -8,9 +8,9 @@ Legend of the shape letters used in every module:
     M  target-GPU masks of one node (2**G)
     V  waves of a schedule (V = 1 for the all-at-once window)
 
-Layers (imports point down only):
-    topology -> traffic -> planner -> selector -> exchange -> dispatcher
-Tools on top: replay, netmodel, testbed, cli.
+Layers (imports point down only; ``lint-imports`` checks them, docs/architecture.md):
+    topology -> traffic -> planner -> selector -> exchange -> dispatcher / plugin
+Tools on top: replay, netmodel, testbed, bench, calibration; then commands and cli.
 """
 
 __version__ = "0.1.0"

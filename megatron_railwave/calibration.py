@@ -4,7 +4,8 @@ Letters: N nodes, G GPUs per node.
 
 A *backend* times one path on one replay request (``MeasureBackend.measure``); everything else
 (warm-ups, interleaving, medians, the keep rule, validation) is backend-independent here, so a new
-backend is one class with a ``measure`` method (netmodel here; testbed and torchrun to come).
+backend is one class with a ``measure`` method. The only backend is ``netmodel`` (the flow model);
+a backend that times real exchanges does not exist yet.
 
 Profiling one request: ``warmups`` discarded calls per path, then ``repeats`` rounds; each round
 measures every path once, in an order that rotates with the round, so a slow drift of the machine
@@ -59,7 +60,7 @@ __all__ = [
 ]
 
 ALL_PATHS: tuple[Path, ...] = (Path.NATIVE, Path.RAIL, Path.PERM, Path.JOINT)
-BACKENDS = ("netmodel", "testbed", "torchrun")
+BACKENDS = ("netmodel",)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -109,22 +110,14 @@ def request_stats(request: ReplayRequest, topo: RailTopology,
 
 
 class NetmodelBackend:
-    """Latencies from the flow-level network model (deterministic: one simulation per path).
-
-    Needs ``megatron_railwave.netmodel.simulate_plan(plan, *, record_bytes) -> seconds``.
-    """
+    """Latencies from the flow-level network model (``netmodel.simulate_plan``, default
+    ``NetModelConfig``): deterministic, one simulation per (request, path)."""
 
     name = "netmodel"
 
     def __init__(self, topo: RailTopology, options: PlanOptions | None = None) -> None:
-        try:
-            from .netmodel import simulate_plan  # type: ignore[attr-defined]
-        except ImportError:
-            raise ValueError(
-                "--backend netmodel needs megatron_railwave.netmodel.simulate_plan(plan, *, "
-                "record_bytes) -> seconds, which this build does not have yet; use a build with "
-                "the finished network model (or plug in another MeasureBackend)"
-            ) from None
+        from .netmodel import simulate_plan
+
         self._simulate: Callable[..., float] = simulate_plan
         self.topo = topo
         self.options = options
@@ -142,11 +135,6 @@ def make_backend(name: str, topo: RailTopology, *, options: PlanOptions | None =
     """The backend called ``name`` (``--backend``)."""
     if name == "netmodel":
         return NetmodelBackend(topo, options)
-    if name in ("testbed", "torchrun"):
-        raise ValueError(
-            f"--backend {name} is not available in this build: it needs a measurement harness "
-            f"that is not wired yet; use --backend netmodel"
-        )
     raise ValueError(f"--backend {name!r} is unknown; choose one of {list(BACKENDS)}")
 
 

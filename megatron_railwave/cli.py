@@ -8,6 +8,7 @@ their handlers, so ``railwave --help`` stays fast and one broken command cannot 
 
 User errors (``ValueError`` raised by the package, e.g. an unknown path name, a
 missing cluster file or a failed rail out of range) are printed as one line and exit with status 2.
+Output paths a command declares (``commands._outputs``) are checked before its handler runs.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import importlib
 import sys
 from collections.abc import Sequence
 
+from .commands._outputs import check_outputs
+
 __all__ = ["COMMAND_MODULES", "build_parser", "main"]
 
 COMMAND_MODULES: tuple[str, ...] = (
@@ -24,11 +27,13 @@ COMMAND_MODULES: tuple[str, ...] = (
     "megatron_railwave.commands.plan_bench",
     "megatron_railwave.commands.demo",
     "megatron_railwave.commands.bench_exchange",
+    "megatron_railwave.commands.simulate_exchange",
     "megatron_railwave.commands.bench",
     "megatron_railwave.commands.calibrate",
     "megatron_railwave.commands.validate",
     "megatron_railwave.commands.report",
     "megatron_railwave.commands.testbed",
+    "megatron_railwave.commands.netmodel",
     "megatron_railwave.commands.ops_bench",
 )
 """Modules that each register one subcommand, in the order ``--help`` lists them."""
@@ -51,6 +56,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
+        check_outputs(args)
         status = args.handler(args)
     except ValueError as exc:
         parser.exit(2, f"railwave {args.command}: error: {exc}\n")

@@ -150,10 +150,17 @@ def read_logs(log_dir: str | os.PathLike) -> list[dict[str, Any]]:
     """Every record of the JSONL files in ``log_dir`` (sorted file names, file order kept).
 
     Raises:
-        ValueError: no log file, or a line that is not a JSON object (file and line named).
+        ValueError: no such directory, no log file, or a line that is not a JSON object (file and
+            line named).
     """
     log_dir = FsPath(log_dir)
-    files = sorted(log_dir.glob(LOG_GLOB)) if log_dir.is_dir() else []
+    if not log_dir.exists():
+        raise ValueError(f"log directory {str(log_dir)!r} does not exist; give the directory set as "
+                         "--railwave-log-dir (RailWaveConfig.log_dir)")
+    if not log_dir.is_dir():
+        raise ValueError(f"{str(log_dir)!r} is a file, not a log directory; give the directory that holds "
+                         f"the {LOG_GLOB} files")
+    files = sorted(log_dir.glob(LOG_GLOB))
     if not files:
         raise ValueError(f"no {LOG_GLOB} files in {str(log_dir)!r}; write logs with "
                          "--railwave-log-dir (RailWaveConfig.log_dir)")

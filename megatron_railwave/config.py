@@ -3,19 +3,42 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path as FsPath
 from typing import Any, Literal
 
 import yaml
 
 from .planner import EligiblePolicy, PlanOptions, parse_path
-from .topology import RailTopology, load_topology
+from .outputs import check_output_dir
+from .topology import RailTopology, load_topology, resolve_cluster_file
 
 __all__ = ["RailWaveConfig", "load_config"]
 
 PathName = Literal["auto", "native", "rail", "perm", "joint"]
+_PATH_NAMES = "auto, native, rail, perm, joint"
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_seq(value: Any) -> bool:
+    return isinstance(value, (list, tuple))
+
+
+def _plain(value: Any) -> Any:
+    """Tuples as lists, so errors show the value as the user wrote it in YAML."""
+    return [_plain(v) for v in value] if _is_seq(value) else value
+
+
+def _check_number(name: str, value: Any, *, low: float, inclusive: bool, unit: str) -> None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok or value < low or (value == low and not inclusive):
+        bound = f">= {low:g}" if inclusive else f"> {low:g}"
+        raise ValueError(f"{name}={value!r} must be a finite number {bound} ({unit})")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -25,7 +48,8 @@ class RailWaveConfig:
     path: PathName = "auto"
     """Execution path: a fixed one, or 'auto' (the calibrated selector; JOINT without anchors)."""
     cluster: str | None = None
-    """Cluster YAML (configs/clusters/*.yaml); its topology must match the EP size."""
+    """Cluster YAML file or preset name (configs/clusters/*.yaml); its topology must match the EP
+    size."""
     gpus_per_node: int | None = None
     """G; default: the cluster file, else torchrun's LOCAL_WORLD_SIZE."""
     rail_of_gpu: tuple[int, ...] = ()
@@ -59,32 +83,100 @@ class RailWaveConfig:
     """Record routing traces for replay here."""
     capture_interval: int = 100
     """... every this many steps."""
-    extra: dict[str, Any] = field(default_factory=dict)
-    """Unrecognised keys are rejected; this is reserved for tools."""
 
     def __post_init__(self) -> None:
+        # Every field is checked here, on every rank, before the first collective: a bad value
+        # fails at install() with one line naming the field and the fix, not mid-training.
+        if not isinstance(self.path, str):
+            raise ValueError(f"path={self.path!r} must be a string: one of {_PATH_NAMES}")
         if self.path != "auto":
-            parse_path(self.path)  # raises with the allowed names
-            object.__setattr__(self, "path", str(parse_path(self.path)))
+            object.__setattr__(self, "path", str(parse_path(self.path)))  # raises with the allowed names
+        if self.gpus_per_node is not None and (not _is_int(self.gpus_per_node) or not 1 <= self.gpus_per_node <= 8):
+            raise ValueError(f"gpus_per_node={self.gpus_per_node!r} must be an integer in 1..8 (GPUs of one node), "
+                             "or null to take it from the cluster file or torchrun's LOCAL_WORLD_SIZE")
+        if not _is_seq(self.rail_of_gpu) or not all(_is_int(r) and r >= 0 for r in self.rail_of_gpu):
+            raise ValueError(f"rail_of_gpu={self.rail_of_gpu!r} must be a list of rail indices >= 0, one per local "
+                             "GPU (e.g. [0, 1, 2, 3]), or [] for one rail per GPU")
+        if self.rail_of_gpu and self.gpus_per_node is not None and len(self.rail_of_gpu) != self.gpus_per_node:
+            raise ValueError(f"rail_of_gpu has {len(self.rail_of_gpu)} entries but gpus_per_node is "
+                             f"{self.gpus_per_node}; give one rail index per local GPU")
+        object.__setattr__(self, "rail_of_gpu", tuple(int(r) for r in self.rail_of_gpu))
+        _check_number("rail_gbps", self.rail_gbps, low=0.0, inclusive=False, unit="Gbit/s of one NIC port")
+        if not _is_seq(self.failed_rails) or not all(
+                _is_seq(f) and len(f) == 2 and all(_is_int(v) and v >= 0 for v in f) for f in self.failed_rails):
+            raise ValueError(f"failed_rails={_plain(self.failed_rails)!r} must be a list of [node, rail] pairs "
+                             "of integers >= 0, e.g. [[0, 3], [2, 1]]; [] when every rail is up")
+        object.__setattr__(self, "failed_rails", tuple((int(n), int(r)) for n, r in self.failed_rails))
+        self._check_cluster()
         try:
             object.__setattr__(self, "policy", EligiblePolicy(self.policy))
         except ValueError:
             raise ValueError(
                 f"policy={self.policy!r} is not one of {[p.value for p in EligiblePolicy]}"
             ) from None
-        if self.fanin < 1:
-            raise ValueError(f"fanin must be >= 1, got {self.fanin}")
-        if self.payload_ratio < 1 or self.shape_distance < 0:
-            raise ValueError(
-                f"payload_ratio must be >= 1 and shape_distance >= 0, got {self.payload_ratio}, "
-                f"{self.shape_distance}"
-            )
+        self._check_rail_mask()
+        if not _is_int(self.fanin) or self.fanin < 1:
+            raise ValueError(f"fanin={self.fanin!r} must be an integer >= 1 (remote senders per receiver per "
+                             "wave; 1 = the cyclic schedule)")
+        if self.anchors is not None:
+            if not isinstance(self.anchors, (str, os.PathLike)):
+                raise ValueError(f"anchors={self.anchors!r} must be the path of an anchors YAML file "
+                                 "(railwave calibrate --out) or null")
+            if FsPath(self.anchors).expanduser().is_dir():
+                raise ValueError(f"anchors {str(self.anchors)!r} is a directory; give the anchors YAML file "
+                                 "written by `railwave calibrate --out`")
+        _check_number("payload_ratio", self.payload_ratio, low=1.0, inclusive=True, unit="ratio")
+        _check_number("shape_distance", self.shape_distance, low=0.0, inclusive=True, unit="distance")
+        for name in ("log_dir", "capture_dir"):
+            value = getattr(self, name)
+            if value is not None:
+                if not isinstance(value, (str, os.PathLike)):
+                    raise ValueError(f"{name}={value!r} must be a directory path or null")
+                check_output_dir(value, name)
         if self.log_mode not in ("rank", "job"):
-            raise ValueError(f"log_mode must be 'rank' or 'job', got {self.log_mode!r}")
-        if self.log_interval < 1 or self.capture_interval < 1:
-            raise ValueError("log_interval and capture_interval must be >= 1")
-        object.__setattr__(self, "failed_rails", tuple(tuple(map(int, f)) for f in self.failed_rails))
-        object.__setattr__(self, "rail_of_gpu", tuple(int(r) for r in self.rail_of_gpu))
+            raise ValueError(f"log_mode={self.log_mode!r} must be 'rank' (one file per rank) or 'job' "
+                             "(one file written by global rank 0)")
+        for name in ("log_interval", "capture_interval"):
+            value = getattr(self, name)
+            if not _is_int(value) or value < 1:
+                raise ValueError(f"{name}={value!r} must be an integer >= 1 (steps)")
+        if self.timeout_s is not None:
+            _check_number("timeout_s", self.timeout_s, low=0.0, inclusive=False,
+                          unit="seconds; null = the process group's timeout")
+
+    def _check_cluster(self) -> None:
+        if self.cluster is None:
+            return
+        if not isinstance(self.cluster, (str, os.PathLike)):
+            raise ValueError(f"cluster={self.cluster!r} must be a cluster YAML path or a preset name "
+                             "(e.g. h800_4x8), or null")
+        resolve_cluster_file(self.cluster)  # raises naming the presets
+        overrides: dict[str, Any] = {"failed_rails": [list(f) for f in self.failed_rails]} if self.failed_rails else {}
+        topo = load_topology(self.cluster, **overrides)  # the file's keys and the failed rails' ranges
+        if self.gpus_per_node is not None and self.gpus_per_node != topo.gpus_per_node:
+            raise ValueError(f"gpus_per_node={self.gpus_per_node} differs from the cluster file's "
+                             f"{topo.gpus_per_node}; remove gpus_per_node (the cluster file sets it)")
+
+    def _check_rail_mask(self) -> None:
+        example = "[[1, 1, 0, 0], [1, 1, 0, 0]] (one row of 0/1 per node, one column per local GPU)"
+        if self.policy == EligiblePolicy.MASK and not self.rail_mask:
+            raise ValueError(f"policy 'mask' needs rail_mask: [N][G] of 0/1, e.g. {example}")
+        if self.rail_mask and self.policy != EligiblePolicy.MASK:
+            raise ValueError(f"rail_mask is set but policy is {str(self.policy)!r}, which ignores it; "
+                             "set policy: mask, or remove rail_mask")
+        if not self.rail_mask:
+            object.__setattr__(self, "rail_mask", ())
+            return
+        rows = self.rail_mask
+        if (not _is_seq(rows) or not all(_is_seq(r) and r and all(v in (0, 1) and not isinstance(v, float)
+                                                                   for v in r) for r in rows)
+                or len({len(r) for r in rows}) != 1):
+            raise ValueError(f"rail_mask={_plain(rows)!r} must be [N][G] of 0/1 with rows of equal length, "
+                             f"e.g. {example}")
+        if self.gpus_per_node is not None and len(rows[0]) != self.gpus_per_node:
+            raise ValueError(f"rail_mask rows have {len(rows[0])} entries but gpus_per_node is "
+                             f"{self.gpus_per_node}; give one 0/1 per local GPU")
+        object.__setattr__(self, "rail_mask", tuple(tuple(int(v) for v in r) for r in rows))
 
     # ------------------------------------------------------------------ derived
     def topology(self, ep_size: int) -> RailTopology:
@@ -126,9 +218,10 @@ class RailWaveConfig:
         if self.policy == EligiblePolicy.MASK:
             import torch
 
-            if not self.rail_mask:
-                raise ValueError("policy 'mask' needs rail_mask: [N][G] of 0/1")
             mask = torch.tensor(self.rail_mask, dtype=torch.bool)
+            if tuple(mask.shape) != (topo.num_nodes, topo.gpus_per_node):
+                raise ValueError(f"rail_mask is {list(mask.shape)} but the topology is {topo.num_nodes} nodes x "
+                                 f"{topo.gpus_per_node} GPUs; give one row per node and one 0/1 per local GPU")
         return PlanOptions(policy=self.policy, rail_mask_NG=mask, fanin=self.fanin)
 
     def to_dict(self) -> dict[str, Any]:
@@ -140,16 +233,13 @@ class RailWaveConfig:
     def from_dict(cls, data: dict[str, Any], *, source: str = "railwave config") -> RailWaveConfig:
         if not isinstance(data, dict):
             raise ValueError(f"{source}: expected a mapping, got {type(data).__name__}")
-        known = {f.name for f in dataclasses.fields(cls)} - {"extra"}
+        known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
             raise ValueError(f"{source}: unknown key(s) {unknown}; allowed: {sorted(known)}")
-        kwargs = dict(data)
-        for key in ("failed_rails", "rail_mask"):
-            if key in kwargs:
-                kwargs[key] = tuple(tuple(v) for v in kwargs[key] or ())
-        if "rail_of_gpu" in kwargs:
-            kwargs["rail_of_gpu"] = tuple(kwargs["rail_of_gpu"] or ())
+        # YAML null for a list field means "empty" (the fields themselves validate the shapes).
+        kwargs = {k: (() if v is None and k in ("failed_rails", "rail_mask", "rail_of_gpu") else v)
+                  for k, v in data.items()}
         try:
             return cls(**kwargs)
         except (TypeError, ValueError) as exc:
@@ -157,14 +247,27 @@ class RailWaveConfig:
 
 
 def load_config(config: RailWaveConfig | dict[str, Any] | str | os.PathLike | None) -> RailWaveConfig:
-    """A ``RailWaveConfig`` from itself, a dict, a YAML path, or None (defaults)."""
+    """A ``RailWaveConfig`` from itself, a dict, a YAML path, or None (defaults).
+
+    Raises:
+        ValueError: any other type, a path that is not a readable YAML file, or a bad field.
+    """
     if config is None:
         return RailWaveConfig()
     if isinstance(config, RailWaveConfig):
         return config
     if isinstance(config, dict):
         return RailWaveConfig.from_dict(config)
+    if not isinstance(config, (str, os.PathLike)):
+        raise ValueError(
+            f"railwave config: got {type(config).__name__} {config!r}; give a RailWaveConfig, a dict of its "
+            "fields (e.g. {'gpus_per_node': 8, 'path': 'joint'}), the path of a YAML file, or None for the "
+            "defaults"
+        )
     path = FsPath(config)
+    if path.is_dir():
+        raise ValueError(f"railwave config {str(path)!r} is a directory; give the YAML file "
+                         "(e.g. configs/railwave/glm45_air_h800.yaml)")
     try:
         data = yaml.safe_load(path.read_text())
     except FileNotFoundError:

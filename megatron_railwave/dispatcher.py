@@ -6,15 +6,19 @@ experts, H hidden, n_ent received (token, local expert) entries.
 Workflow of one MoE layer (Megatron calls the hooks in this order):
   1. ``dispatch_preprocess(tokens [S, B, H], routing_map [T, E], probs [T, E])``: flatten; keep
      the routing map. No communication.
-  2. ``token_dispatch``: gather the global counts (the one host sync), select the path from
-     global descriptors (same on every rank), plan, and run the three stages. Returns the
-     received entries [n_ent, H] and their probs [n_ent].
+  2. ``token_dispatch``: gather the global counts (the layer's one host sync), select the path
+     from global descriptors (same on every rank), plan, compile the schedule and run its
+     dispatch phases. Returns the received entries [n_ent, H] and their probs [n_ent].
   3. ``dispatch_postprocess``: hand the experts ``tokens_per_expert`` (CPU int64). No comm.
   4. ``combine_preprocess``: nothing to do (the experts applied the probs). No comm.
-  5. ``token_combine``: the three stages backwards, reducing in a canonical order.
+  5. ``token_combine``: the combine phases, reducing in a canonical order.
   6. ``combine_postprocess``: back to [S, B, H]; release the layer's state.
 Megatron's six calls force per-layer state onto the dispatcher: it is kept in exactly one
 attribute, ``self._state``, set in step 1 and cleared in step 6.
+
+The process groups (node, rail and the count group) are created and warmed up in the
+constructor, collectively, so the first layer call starts no group and a rank that dies later
+cannot leave the others waiting in a lazy ``new_group``.
 """
 
 from __future__ import annotations
@@ -25,8 +29,10 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 
+from .capture import TraceMeta, TraceRecorder
 from .config import RailWaveConfig
 from .exchange import DispatchOutput, TorchDistExchange, build_rail_groups
 from .planner import Path
@@ -124,23 +130,23 @@ class RailWaveTokenDispatcher(MoETokenDispatcher):
             )
         if self.railwave.path == "auto":
             if selector is None:
-                selector = selector_from_config(self.railwave, self.topology)
+                # The missing-anchors warning: once per job (global rank 0), not once per rank.
+                rank0 = not dist.is_initialized() or dist.get_rank() == 0
+                selector = selector_from_config(self.railwave, self.topology, warn=rank0)
             self.selector: PathSelector = selector
         else:
             self.selector = FixedSelector(self.railwave.path)
         self.stats_sink = stats_sink
         self.layer_number: int | None = None
         self._num_calls = 0
-        self._exchange: TorchDistExchange | None = None
+        options = self.railwave.plan_options(self.topology)
+        groups = build_rail_groups(self.ep_group, self.topology, timeout_s=self.railwave.timeout_s)
+        self._exchange = TorchDistExchange(self.topology, groups, num_experts=self.num_experts, options=options,
+                                           timeout_s=self.railwave.timeout_s)
         self._state: _LayerState | None = None
 
     # ------------------------------------------------------------------ helpers
     def _get_exchange(self) -> TorchDistExchange:
-        if self._exchange is None:
-            groups = build_rail_groups(self.ep_group, self.topology)
-            self._exchange = TorchDistExchange(
-                self.topology, groups, num_experts=self.num_experts,
-                options=self.railwave.plan_options(self.topology), timeout_s=self.railwave.timeout_s)
         return self._exchange
 
     # ------------------------------------------------------------------ the six hooks
@@ -155,19 +161,19 @@ class RailWaveTokenDispatcher(MoETokenDispatcher):
         """Gather counts, select, plan, move. Returns (entries [n_ent, H], probs [n_ent])."""
         state = self._require_state("token_dispatch")
         exchange = self._get_exchange()
-        demand, max_tokens = exchange.gather_demand(hidden_states, probs, state.routing_map)
+        layer = exchange.gather_demand(hidden_states, probs, state.routing_map)
         t0 = time.perf_counter()
         record_bytes = hidden_states.shape[-1] * dtype_bytes(hidden_states.dtype)
-        descr = demand_stats(demand, self.topology, record_bytes=record_bytes)
+        descr = demand_stats(layer.demand, self.topology, record_bytes=record_bytes)
         path: Path = self.selector.select(descr)
-        plan = exchange.plan(demand, path, phase=self._num_calls)
+        plan = exchange.plan(layer, path, phase=self._num_calls)
+        handle = exchange.prepare(layer, plan, hidden_states, probs)
         plan_ms = (time.perf_counter() - t0) * 1e3
         state.stats = layer_comm_stats(layer=self.layer_number or 0, step=self._num_calls, plan=plan,
                                        demand_descr=descr, record_bytes=record_bytes, plan_ms=plan_ms)
         self._capture(hidden_states, state.routing_map)
         self._num_calls += 1
-        out = exchange.dispatch(hidden_states, probs, state.routing_map, demand, plan,
-                                demand_max_tokens=max_tokens)
+        out = exchange.dispatch(hidden_states, probs, state.routing_map, handle)
         state.dispatched = out
         state.timers["dispatch"].stop()
         return out.tokens, out.probs
@@ -207,8 +213,6 @@ class RailWaveTokenDispatcher(MoETokenDispatcher):
             return
         recorder = _RECORDERS.get(capture_dir)
         if recorder is None:
-            from .replay import TraceMeta, TraceRecorder
-
             meta = TraceMeta(model=str(getattr(self.config, "railwave_model_name", "megatron")),
                              topology=self.topology, num_experts=self.num_experts,
                              topk=int(self.config.moe_router_topk),

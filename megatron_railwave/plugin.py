@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import functools
 import os
+import sys
 import threading
 from typing import Any
 
@@ -45,7 +46,8 @@ def install(config: RailWaveConfig | dict | str | os.PathLike | None = None, *,
         The active ``RailWaveConfig``.
     """
     cfg = load_config(config)
-    from megatron.core.transformer.moe import moe_layer
+    # Fail before changing any state when Megatron-Core is missing.
+    from megatron.core.transformer.moe import moe_layer  # noqa: F401
 
     with _LOCK:
         _INSTALLED["config"] = cfg
@@ -58,42 +60,63 @@ def install(config: RailWaveConfig | dict | str | os.PathLike | None = None, *,
             from .megatron_logging import attach_to_megatron_report
 
             attach_to_megatron_report()
-        if "original_init" in _INSTALLED:
-            return cfg
-        original_init = moe_layer.MoELayer.__init__
-        original_set_layer = moe_layer.MoELayer.set_layer_number
-
-        @functools.wraps(original_init)
-        def init(self: Any, config: Any, *args: Any, **kwargs: Any) -> None:
-            if getattr(config, "moe_token_dispatcher_type", None) != "railwave":
-                return original_init(self, config, *args, **kwargs)
-            from .dispatcher import RailWaveTokenDispatcher
-
-            rw = _INSTALLED["config"]
-            sink = _INSTALLED["sink"]
-            factory = functools.partial(RailWaveTokenDispatcher, railwave=rw, stats_sink=sink)
-            saved = moe_layer.MoEAllGatherTokenDispatcher
-            config.moe_token_dispatcher_type = "allgather"
-            moe_layer.MoEAllGatherTokenDispatcher = factory
-            try:
-                original_init(self, config, *args, **kwargs)
-            finally:
-                moe_layer.MoEAllGatherTokenDispatcher = saved
-                config.moe_token_dispatcher_type = "railwave"
-            self.token_dispatcher.layer_number = getattr(self, "layer_number", None)
-
-        @functools.wraps(original_set_layer)
-        def set_layer_number(self: Any, layer_number: int) -> None:
-            original_set_layer(self, layer_number)
-            dispatcher = getattr(self, "token_dispatcher", None)
-            if dispatcher is not None and hasattr(dispatcher, "railwave"):
-                dispatcher.layer_number = layer_number
-
-        moe_layer.MoELayer.__init__ = init
-        moe_layer.MoELayer.set_layer_number = set_layer_number
-        _INSTALLED["original_init"] = original_init
-        _INSTALLED["original_set_layer"] = original_set_layer
+        _patch_moe_layer()
     return cfg
+
+
+_NOT_INSTALLED = (
+    "moe_token_dispatcher_type='railwave' needs megatron_railwave.install() before the model is built: "
+    "call megatron_railwave.install(config) (Megatron-LM: install(megatron_railwave.plugin.config_from_args(args)) "
+    "after parsing the arguments); see docs/usage.md"
+)
+
+
+def _patch_moe_layer() -> None:
+    """Wrap ``MoELayer.__init__`` / ``set_layer_number`` once (caller holds ``_LOCK``).
+
+    The wrapped constructor builds ``RailWaveTokenDispatcher`` for type 'railwave' with the
+    installed config, and raises a clear error naming ``install()`` when there is none (instead
+    of Megatron's "Unsupported token dispatcher type").
+    """
+    from megatron.core.transformer.moe import moe_layer
+
+    if "original_init" in _INSTALLED:
+        return
+    original_init = moe_layer.MoELayer.__init__
+    original_set_layer = moe_layer.MoELayer.set_layer_number
+
+    @functools.wraps(original_init)
+    def init(self: Any, config: Any, *args: Any, **kwargs: Any) -> None:
+        if getattr(config, "moe_token_dispatcher_type", None) != "railwave":
+            return original_init(self, config, *args, **kwargs)
+        rw = _INSTALLED.get("config")
+        if rw is None:
+            raise ValueError(_NOT_INSTALLED)
+        from .dispatcher import RailWaveTokenDispatcher
+
+        sink = _INSTALLED["sink"]
+        factory = functools.partial(RailWaveTokenDispatcher, railwave=rw, stats_sink=sink)
+        saved = moe_layer.MoEAllGatherTokenDispatcher
+        config.moe_token_dispatcher_type = "allgather"
+        moe_layer.MoEAllGatherTokenDispatcher = factory
+        try:
+            original_init(self, config, *args, **kwargs)
+        finally:
+            moe_layer.MoEAllGatherTokenDispatcher = saved
+            config.moe_token_dispatcher_type = "railwave"
+        self.token_dispatcher.layer_number = getattr(self, "layer_number", None)
+
+    @functools.wraps(original_set_layer)
+    def set_layer_number(self: Any, layer_number: int) -> None:
+        original_set_layer(self, layer_number)
+        dispatcher = getattr(self, "token_dispatcher", None)
+        if dispatcher is not None and hasattr(dispatcher, "railwave"):
+            dispatcher.layer_number = layer_number
+
+    moe_layer.MoELayer.__init__ = init
+    moe_layer.MoELayer.set_layer_number = set_layer_number
+    _INSTALLED["original_init"] = original_init
+    _INSTALLED["original_set_layer"] = original_set_layer
 
 
 def uninstall() -> None:
@@ -131,8 +154,19 @@ _PATHS = ["auto", "native", "rail", "perm", "joint"]
 def add_railwave_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Extend a Megatron-LM parser (usable as ``extra_args_provider``).
 
-    Adds 'railwave' to ``--moe-token-dispatcher-type`` choices and the RailWave flags.
+    Adds 'railwave' to ``--moe-token-dispatcher-type`` choices and the RailWave flags. When
+    Megatron-Core is already imported (Megatron-LM's argument parsing imports it) it also hooks
+    ``MoELayer`` without installing anything, so that a model built with type 'railwave' before
+    ``install()`` fails with a message that says to call ``install()`` instead of Megatron's
+    "Unsupported token dispatcher type". Megatron is not imported here: on a CPU-only torch its
+    first import must come after the CPU shims.
     """
+    if "megatron.core" in sys.modules:
+        try:
+            with _LOCK:
+                _patch_moe_layer()
+        except ImportError:  # a Megatron-Core without the MoE package: only the flags
+            pass
     for action in parser._actions:  # argparse keeps choices on the action; extend in place
         if "--moe-token-dispatcher-type" in action.option_strings:
             if action.choices is not None and "railwave" not in action.choices:
@@ -167,5 +201,4 @@ def config_from_args(args: argparse.Namespace) -> RailWaveConfig:
         value = getattr(args, flag, None)
         if value is not None:
             base[key] = value
-    base.pop("extra", None)
     return RailWaveConfig.from_dict(base)

@@ -12,9 +12,9 @@ Anchors come from ``railwave calibrate`` (file format in ``anchors``).
 
 from __future__ import annotations
 
+import logging
 import math
 import os
-import warnings
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path as FsPath
@@ -119,14 +119,17 @@ class AnchorSelector:
 
 
 # ---------------------------------------------------------------------- from the config
+_LOG = logging.getLogger(__name__)
 _WARNED: set[str] = set()
 
 
-def _warn_once(key: str, message: str) -> None:
-    # Every MoE layer builds its own dispatcher (and selector): warn once per process and cause.
-    if key not in _WARNED:
+def _warn_once(key: str, message: str, *, warn: bool) -> None:
+    # Every MoE layer builds its own dispatcher (and selector): one line per process and cause,
+    # through logging (not warnings.warn, which PYTHONWARNINGS=ignore would hide), and only where
+    # the caller says so (the dispatcher: global rank 0), so a job prints it once.
+    if warn and key not in _WARNED:
         _WARNED.add(key)
-        warnings.warn(message, stacklevel=3)
+        _LOG.warning(message)
 
 
 @lru_cache(maxsize=16)
@@ -134,23 +137,24 @@ def _cached_anchors(path: str, mtime_ns: int, topo: RailTopology) -> AnchorSet:
     return load_anchors(path, topo)
 
 
-def selector_from_config(config: RailWaveConfig, topo: RailTopology) -> PathSelector:
+def selector_from_config(config: RailWaveConfig, topo: RailTopology, *, warn: bool = True) -> PathSelector:
     """The selector for ``path='auto'``: the calibrated anchors, or JOINT when there are none.
 
-    A missing anchors file means "always JOINT" (one warning per process); a malformed file or
-    one calibrated for another topology raises ``ValueError`` naming the field (on every rank,
-    at construction, before any collective).
+    A missing anchors file means "always JOINT": one warning through the ``megatron_railwave``
+    logger per process, when ``warn`` (the dispatcher passes True on global rank 0 only). A
+    malformed file or one calibrated for another topology raises ``ValueError`` naming the field
+    (on every rank, at construction, before any collective).
     """
     if config.anchors is None:
         _warn_once("<none>", "railwave path 'auto' without an anchors file: every layer runs JOINT "
-                   "(run `railwave calibrate` to create anchors)")
+                   "(run `railwave calibrate` to create anchors)", warn=warn)
         return FixedSelector(Path.JOINT)
     path = FsPath(config.anchors).expanduser().resolve()
     try:
         mtime = os.stat(path).st_mtime_ns
     except FileNotFoundError:
         _warn_once(str(path), f"railwave anchors file {str(path)!r} does not exist: every layer "
-                   "runs JOINT (run `railwave calibrate --out` to create it)")
+                   "runs JOINT (run `railwave calibrate --out` to create it)", warn=warn)
         return FixedSelector(Path.JOINT)
     anchor_set = _cached_anchors(str(path), mtime, topo)
     return AnchorSelector(anchor_set, payload_ratio=config.payload_ratio,

@@ -8,6 +8,7 @@ host sync and is identical on every rank (except the measured times, which are r
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -70,7 +71,6 @@ class LayerCommStats:
     plan_ms: float
     dispatch_ms: float = 0.0
     combine_ms: float = 0.0
-    extra: dict[str, Any] = field(default_factory=dict)
     timers: dict[str, Stopwatch] = field(default_factory=dict, repr=False)
     """Stopwatches whose times are not read yet ('dispatch', 'combine'); not serialised."""
 
@@ -132,11 +132,14 @@ def layer_comm_stats(*, layer: int, step: int, plan: PathPlan, demand_descr: Tra
 
 
 def _json_value(value: Any) -> Any:
-    """A JSON-ready copy of a field value (lists and dicts copied, tuples as lists)."""
+    """A JSON-ready copy of a field value (lists and dicts copied, tuples as lists; a float that
+    is not finite, e.g. the payload coordinate log2(0) of a layer with no remote bytes, as None)."""
     if isinstance(value, dict):
         return {k: _json_value(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [_json_value(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
     return value
 
 

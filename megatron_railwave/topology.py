@@ -16,7 +16,11 @@ from typing import Any
 
 import yaml
 
-__all__ = ["RailTopology", "load_topology"]
+__all__ = ["RailTopology", "load_topology", "resolve_cluster_file", "CLUSTER_PRESET_DIR"]
+
+CLUSTER_PRESET_DIR = FsPath(__file__).resolve().parents[1] / "configs" / "clusters"
+"""Cluster presets of a source checkout (``h800_4x8``, ...): a cluster given by name is looked up
+here. An installed wheel has no presets; give a file path there."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -219,13 +223,31 @@ def _replace(topo: RailTopology, **changes: Any) -> RailTopology:
     return RailTopology(**data)
 
 
+def resolve_cluster_file(cluster: str | FsPath) -> FsPath:
+    """The YAML file of ``cluster``: an existing file, else the preset of that name.
+
+    Raises:
+        ValueError: neither a file nor a preset (the message lists the presets), or a directory.
+    """
+    path = FsPath(cluster).expanduser()
+    if path.is_dir():
+        raise ValueError(f"cluster {str(cluster)!r} is a directory; give a cluster YAML file or a preset name")
+    if path.is_file():
+        return path
+    preset = CLUSTER_PRESET_DIR / f"{cluster}.yaml"
+    if "/" not in str(cluster) and preset.is_file():
+        return preset
+    presets = sorted(p.stem for p in CLUSTER_PRESET_DIR.glob("*.yaml")) if CLUSTER_PRESET_DIR.is_dir() else []
+    raise ValueError(
+        f"cluster file {str(cluster)!r} does not exist and is not a preset name "
+        f"(presets: {', '.join(presets) or 'none found'}); give a cluster YAML file (configs/clusters/)"
+    )
+
+
 def load_topology(path: str | FsPath, **overrides: Any) -> RailTopology:
-    """Read a cluster YAML file (see ``configs/clusters/``); ``overrides`` replace keys."""
-    path = FsPath(path)
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
-        raise ValueError(f"cluster file {str(path)!r} does not exist") from None
+    """Read a cluster YAML file or preset (see ``resolve_cluster_file``); ``overrides`` replace keys."""
+    path = resolve_cluster_file(path)
+    text = path.read_text()
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:

@@ -209,13 +209,15 @@ class TrafficStats:
     records_total: int
     remote_records: int
 
-    def to_dict(self) -> dict[str, float | int | list[float]]:
+    def to_dict(self) -> dict[str, float | int | list[float | None]]:
+        """JSON-ready; a coordinate that is not finite (log2 B with no remote bytes, e.g. on one
+        node) is written as None, since JSON has no infinity."""
         return {
             "B_mean_bytes": self.B_mean_bytes,
             "B_max_bytes": self.B_max_bytes,
             "rho_g": self.rho_g,
             "kappa": self.kappa,
-            "coords": list(self.coords),
+            "coords": [c if math.isfinite(c) else None for c in self.coords],
             "records_total": self.records_total,
             "remote_records": self.remote_records,
         }

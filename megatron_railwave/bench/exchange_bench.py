@@ -13,8 +13,8 @@ all ranks agree). The "experts" are the identity weighted by the entry's prob
 * RailWave variants drive ``TorchDistExchange`` directly: ``gather_demand`` (the one host sync)
   -> ``plan`` -> ``dispatch`` -> experts -> ``combine``.
 * ``alltoall`` drives ``MoEAlltoAllTokenDispatcher`` through its six hooks. On a CPU-only torch
-  Megatron-Core needs the example CPU shims (``examples/cpu_shims.py``; not part of the package),
-  loaded from ``BenchSpec.shims_path`` before ``megatron.core`` is imported.
+  Megatron-Core needs the CPU shims of ``bench.megatron_cpu``, applied before ``megatron.core``
+  is imported.
 
 Timing: ``warmups`` rounds of every variant, then ``samples`` rounds; in round i the variants run
 in turn, starting at variant i mod V (round-robin, so no variant always runs first). Each variant
@@ -26,7 +26,6 @@ rank's time. With ``backward`` the timed region also runs the backward of
 from __future__ import annotations
 
 import cProfile
-import importlib.util
 import io
 import pstats
 import time
@@ -42,6 +41,7 @@ import torch.distributed as dist
 from ..exchange import TorchDistExchange, build_rail_groups
 from ..planner import PlanOptions
 from ..topology import RailTopology
+from .megatron_cpu import apply_megatron_cpu_shims
 
 __all__ = ["BenchSpec", "bench_worker", "make_rank_inputs", "RAILWAVE_PATHS", "ALLTOALL"]
 
@@ -67,8 +67,9 @@ class BenchSpec:
     samples: int = 20
     backward: bool = False
     paths: tuple[str, ...] = RAILWAVE_PATHS
-    shims_path: str | None = None
-    """examples/cpu_shims.py; None: no alltoall baseline."""
+    alltoall: bool = False
+    """Also time Megatron's alltoall dispatcher (needs megatron-core; the CPU shims of
+    ``bench.megatron_cpu`` are applied in every rank)."""
     profile_variant: str | None = None
     """Profile this variant's timed samples with cProfile on rank 0 (None: no profile)."""
     profile_top: int = 25
@@ -118,12 +119,13 @@ def _railwave_variant(exchange: TorchDistExchange, path: str) -> Variant:
     calls = [0]
 
     def run(hidden, probs, routing, ph: _Phases) -> torch.Tensor:
-        demand, max_tokens = exchange.gather_demand(hidden, probs, routing)
+        layer = exchange.gather_demand(hidden, probs, routing)
         ph.mark("counts")
-        plan = exchange.plan(demand, path, phase=calls[0])
+        plan = exchange.plan(layer, path, phase=calls[0])
         calls[0] += 1
+        handle = exchange.prepare(layer, plan, hidden, probs)
         ph.mark("plan")
-        out = exchange.dispatch(hidden, probs, routing, demand, plan, demand_max_tokens=max_tokens)
+        out = exchange.dispatch(hidden, probs, routing, handle)
         ph.mark("dispatch")
         y = out.tokens * out.probs.unsqueeze(1).to(out.tokens.dtype)
         ph.mark("experts")
@@ -134,18 +136,9 @@ def _railwave_variant(exchange: TorchDistExchange, path: str) -> Variant:
     return run
 
 
-def _load_shims(path: str) -> None:
-    spec = importlib.util.spec_from_file_location("_railwave_bench_cpu_shims", path)
-    if spec is None or spec.loader is None:
-        raise ValueError(f"cannot load Megatron CPU shims from {path!r}")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    module.apply_megatron_cpu_shims()
-
-
 def _alltoall_variant(spec: BenchSpec, world: int) -> Variant:
     """Megatron's MoEAlltoAllTokenDispatcher, EP = W, TP = 1, driven through its six hooks."""
-    _load_shims(spec.shims_path)
+    apply_megatron_cpu_shims()
     from megatron.core import parallel_state
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
@@ -214,7 +207,7 @@ def bench_worker(rank: int, world: int, spec: BenchSpec, routing_maps: list[np.n
     groups = build_rail_groups(None, topo)
     exchange = TorchDistExchange(topo, groups, num_experts=spec.experts, options=PlanOptions())
     variants: dict[str, Variant] = {p: _railwave_variant(exchange, p) for p in spec.paths}
-    if spec.shims_path is not None:
+    if spec.alltoall:
         variants[ALLTOALL] = _alltoall_variant(spec, world)
     names = list(variants)
     inputs = make_rank_inputs(spec, rank, [torch.from_numpy(m) for m in routing_maps])
@@ -253,7 +246,7 @@ def bench_worker(rank: int, world: int, spec: BenchSpec, routing_maps: list[np.n
         buf.write("\n--- by own time ---\n")
         pstats.Stats(profiler, stream=buf).sort_stats("tottime").print_stats(spec.profile_top)
         profile_text = buf.getvalue()
-    if spec.shims_path is not None:
+    if spec.alltoall:
         from megatron.core import parallel_state
 
         parallel_state.destroy_model_parallel()

@@ -27,6 +27,7 @@ import torch
 
 from ..planner import PlanOptions, build_plan
 from ..replay import synthetic_routing_maps
+from ..schedule import RecordWireFormat, compile_schedule
 from ..traffic import DemandCounts
 from .exchange_bench import ALLTOALL, BenchSpec, bench_worker
 from .launch import run_gloo_processes
@@ -43,11 +44,13 @@ def wire_bytes_of(spec: BenchSpec, routing_maps: list[torch.Tensor]) -> dict[str
     """Per-path and alltoall bytes of one forward dispatch + combine (no communication)."""
     topo = spec.topology()
     elem = torch.empty((), dtype=spec.torch_dtype()).element_size()
-    e_node = spec.experts // topo.num_nodes
-    rw_rec = railwave_record_bytes(hidden=spec.hidden, elem_bytes=elem, experts_per_node=e_node)
+    wire = RecordWireFormat(hidden=spec.hidden, payload_dtype=spec.torch_dtype(), probs_dtype=torch.float32,
+                            experts_per_node=spec.experts // topo.num_nodes)
+    rw_rec = railwave_record_bytes(wire)
     a2a_rec = alltoall_entry_bytes(hidden=spec.hidden, elem_bytes=elem)
     demand = DemandCounts.from_routing_maps(routing_maps, topo)
-    per_path = {p: railwave_bytes(build_plan(demand, topo, p, options=PlanOptions()), demand, rw_rec)
+    per_path = {p: railwave_bytes(compile_schedule(build_plan(demand, topo, p, options=PlanOptions()), wire,
+                                                   demand=demand))
                 for p in spec.paths}
     return {"record_bytes": {"railwave": rw_rec, "alltoall": a2a_rec}, "railwave": per_path,
             "alltoall": alltoall_bytes(routing_maps, topo, a2a_rec)}
@@ -65,9 +68,9 @@ def run_bench_exchange(spec: BenchSpec, *, timeout_s: float = 900.0,
     """Run the benchmark and return the result dict (see the module docstring).
 
     Args:
-        spec: sizes, sample counts and ``shims_path`` (None: no alltoall baseline).
+        spec: sizes, sample counts and whether to time the alltoall baseline.
         timeout_s: wall-clock limit of the whole multi-process run.
-        alltoall_skipped: why the baseline is absent (recorded when ``shims_path`` is None).
+        alltoall_skipped: why the baseline is absent (recorded when ``spec.alltoall`` is False).
     """
     topo = spec.topology()
     world = topo.world_size
@@ -119,7 +122,7 @@ def run_bench_exchange(spec: BenchSpec, *, timeout_s: float = 900.0,
         "variants": variants,
         "bytes": wire,
         "summary": summary,
-        "alltoall_skipped": None if base else (alltoall_skipped or "no Megatron CPU shims given"),
+        "alltoall_skipped": None if base else (alltoall_skipped or "BenchSpec.alltoall is False"),
         "profile": ranks[0]["profile"],
     }
 

@@ -1,17 +1,15 @@
-"""Bytes on the wire of one dispatch + combine: RailWave paths (from the plan) and Megatron's
-``alltoall`` dispatcher (from the routing maps). Pure functions; no communication.
+"""Bytes on the wire of one dispatch + combine: RailWave paths (counted from the
+``ExecutionSchedule``, the same table the exchange executes) and Megatron's ``alltoall``
+dispatcher (from the routing maps). Pure functions; no communication.
 
 Letters: N nodes, G GPUs per node, R rails, W = N * G ranks, T tokens per rank, E experts,
 E_node experts of one node, H hidden.
 
-What travels (forward dispatch + combine, as implemented by ``TorchDistExchange`` and by
-``MoEAlltoAllTokenDispatcher``):
-  * RailWave, dispatch: one *record* per (token, destination node): the hidden row, the token's
-    probs for the node's experts (E_node float32) and int64 metadata (source rank, token, target
-    mask, then the node's routing bits packed 62 per word). Combine returns the hidden row only.
-    Stage 2 (rail group) is the only inter-node traffic: GPU (s, l) sends ``quota[s, d, l]``
-    records to node d. Node-local (NVLink) traffic: stage 1 relays to proxies and stage 3
-    deliveries to another GPU of the destination node.
+What travels (forward dispatch + combine):
+  * RailWave: rows of the schedule's wire format (``schedule.RecordWireFormat``): a dispatch
+    row per record (hidden row, the node's probs, int32 metadata), a combine row (hidden row)
+    back. Stage 2 (rail phases) is the only inter-node traffic; stage 1 relays and stage 3
+    deliveries to another GPU are node-local (NVLink).
   * alltoall, dispatch: one *entry* per (token, expert): the hidden row and one float32 prob;
     combine returns the hidden row. An entry for a remote node crosses the network on the source
     GPU's rail; an entry for another GPU of the same node is node-local.
@@ -23,14 +21,10 @@ from typing import Any
 
 import torch
 
-from ..planner import PathPlan, delivery_copies_NGG
+from ..schedule import Direction, ExecutionSchedule, PhaseKind, RecordWireFormat
 from ..topology import RailTopology
-from ..traffic import DemandCounts
 
 __all__ = ["RecordBytes", "railwave_record_bytes", "alltoall_entry_bytes", "railwave_bytes", "alltoall_bytes"]
-
-_ROUTING_BITS_PER_WORD = 62  # TorchDistExchange packs a node's routing bits 62 per int64 word
-_META_COLUMNS = 3  # source rank, token, target mask
 
 
 RecordBytes = dict[str, int]
@@ -38,12 +32,9 @@ RecordBytes = dict[str, int]
 "payload": hidden row bytes}``."""
 
 
-def railwave_record_bytes(*, hidden: int, elem_bytes: int, experts_per_node: int) -> RecordBytes:
-    """Bytes of one RailWave record (see the module docstring)."""
-    words = -(-experts_per_node // _ROUTING_BITS_PER_WORD)
-    payload = hidden * elem_bytes
-    return {"payload": payload, "dispatch": payload + 4 * experts_per_node + 8 * (_META_COLUMNS + words),
-            "combine": payload}
+def railwave_record_bytes(wire: RecordWireFormat) -> RecordBytes:
+    """Bytes of one RailWave row in each direction (from the schedule's wire format)."""
+    return {"payload": wire.payload_bytes, "dispatch": wire.dispatch_bytes, "combine": wire.combine_bytes}
 
 
 def alltoall_entry_bytes(*, hidden: int, elem_bytes: int) -> RecordBytes:
@@ -70,32 +61,46 @@ def _node_imbalance(send_NG: torch.Tensor) -> float:
     return float(ratio_N.max())
 
 
-def railwave_bytes(plan: PathPlan, demand: DemandCounts, rec: RecordBytes) -> dict[str, Any]:
+def railwave_bytes(schedule: ExecutionSchedule) -> dict[str, Any]:
     """Stage-2 (inter-node) and node-local rows and bytes of one path, forward dispatch + combine.
 
+    Args:
+        schedule: compiled with every node's deliveries (``compile_schedule(plan, wire,
+            demand=full DemandCounts)``) for the node-local counts.
+
     Returns:
-        ``inter_node_records``; ``inter_node_bytes`` (records x (dispatch + combine bytes));
+        ``inter_node_records``; ``inter_node_bytes`` (records x (dispatch + combine row bytes));
         ``inter_node_payload_bytes`` (records x hidden row); ``rail_send_bytes_NG`` [N][G]
         stage-2 bytes each GPU sends; ``rail_bytes_R`` [R] summed over nodes; ``rail_imbalance``
         (max/mean over all GPUs); ``node_rail_imbalance`` (worst node's max/mean over its GPUs);
-        ``relayed_records`` (stage 1); ``delivered_copies`` (stage 3 to
-        another GPU); ``node_local_bytes`` (stage 1 + stage 3, both directions).
+        ``relayed_records`` (stage 1); ``delivered_copies`` (stage 3 to another GPU);
+        ``node_local_bytes`` (stage 1 + stage 3, both directions).
     """
-    topo = plan.topology
-    n = topo.num_nodes
-    both = rec["dispatch"] + rec["combine"]
-    remote_NN = ~torch.eye(n, dtype=torch.bool)
-    send_NG = (plan.quota_NNG * remote_NN.unsqueeze(-1)).sum(dim=1)  # [s, l] over d != s
+    topo = schedule.plan.topology
+    n, g = topo.num_nodes, topo.gpus_per_node
+    if len(schedule.delivery_nodes) != n:
+        raise ValueError("railwave_bytes needs a schedule compiled with every node's deliveries (full demand)")
+    wire = schedule.wire
+    both = wire.dispatch_bytes + wire.combine_bytes
+    send_NG = torch.zeros(n * g, dtype=torch.int64)
+    relayed = delivered = 0
+    for phase in schedule.phases:
+        if phase.direction != Direction.DISPATCH:
+            continue
+        src, dst, rows = schedule.transfers(phase)
+        off = src != dst
+        if phase.kind == PhaseKind.RAIL:
+            send_NG.index_add_(0, src, rows)
+        elif phase.kind == PhaseKind.RELAY:
+            relayed += int(rows[off].sum())
+        else:
+            delivered += int(rows[off].sum())
+    send_NG = send_NG.view(n, g)
     records = int(send_NG.sum())
-    relayed = plan.relayed_records()  # local pairs are diagonal, so only remote pairs count
-    delivered = 0
-    for d in range(n):
-        copies_NGG = delivery_copies_NGG(plan, demand, d)  # [s, arrive l, target j]
-        delivered += int(copies_NGG.sum() - torch.diagonal(copies_NGG, dim1=-2, dim2=-1).sum())
     return {
         "inter_node_records": records,
         "inter_node_bytes": records * both,
-        "inter_node_payload_bytes": records * rec["payload"],
+        "inter_node_payload_bytes": records * wire.payload_bytes,
         "rail_send_bytes_NG": (send_NG * both).tolist(),
         "rail_bytes_R": [b * both for b in _per_rail(send_NG, topo)],
         "rail_imbalance": _imbalance(send_NG),

@@ -7,20 +7,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
-from dataclasses import dataclass
+import math
 from pathlib import Path as FsPath
 from typing import Any
 
 import torch
 
-from ..planner import EligiblePolicy, Path, PathPlan, PlanOptions, build_plan, parse_path, rank_splits, route_records
+from ..planner import EligiblePolicy, Path, PlanOptions, parse_path
 from ..topology import RailTopology, load_topology
-from ..traffic import DemandCounts, dtype_bytes
+from ..traffic import dtype_bytes
 
 __all__ = [
-    "CLUSTER_DIR",
     "add_cluster_args",
     "add_workload_args",
     "add_plan_args",
@@ -31,13 +28,9 @@ __all__ = [
     "parse_path_choice",
     "paths_from_choice",
     "record_bytes_from_args",
-    "RankTiming",
-    "time_rank_planning",
+    "json_ready",
     "write_json",
 ]
-
-CLUSTER_DIR = FsPath(__file__).resolve().parents[2] / "configs" / "clusters"
-"""Cluster presets of a source checkout; ``--cluster NAME`` looks here when NAME is not a file."""
 
 ALL_PATHS = (Path.NATIVE, Path.RAIL, Path.PERM, Path.JOINT)
 
@@ -116,16 +109,10 @@ def add_plan_args(parser: argparse.ArgumentParser, *, default_path: str = "joint
 
 def cluster_from_args(args: argparse.Namespace) -> RailTopology:
     """The cluster named by ``--cluster`` with ``--nodes`` and ``--failed-rail`` applied."""
-    path = FsPath(args.cluster)
-    if not path.exists():
-        if not (CLUSTER_DIR / f"{args.cluster}.yaml").exists():
-            presets = sorted(p.stem for p in CLUSTER_DIR.glob("*.yaml")) if CLUSTER_DIR.is_dir() else []
-            raise ValueError(
-                f"--cluster: cluster file {args.cluster!r} does not exist and is not a preset name "
-                f"(presets: {', '.join(presets) or 'none found'})"
-            )
-        path = CLUSTER_DIR / f"{args.cluster}.yaml"
-    topo = load_topology(path)
+    try:
+        topo = load_topology(args.cluster)
+    except ValueError as exc:
+        raise ValueError(f"--cluster: {exc}") from None
     if args.nodes is not None:
         if args.nodes < 1:
             raise ValueError(f"--nodes must be >= 1, got {args.nodes}")
@@ -175,81 +162,20 @@ def options_from_args(args: argparse.Namespace, topo: RailTopology) -> PlanOptio
     return PlanOptions(policy=EligiblePolicy(args.policy), rail_mask_NG=mask_NG, fanin=args.fanin)
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class RankTiming:
-    """Median per-layer planning time of one rank, in milliseconds."""
-
-    build_plan_ms: float
-    route_records_ms: float
-    rank_splits_ms: float
-    total_ms: float
-    """Median wall time of the three together."""
-    cpu_ms: float
-    """Median CPU time of this thread for the three together: unlike wall time it excludes time
-    the OS gave to other processes, so it is the planning cost on a shared machine."""
-    min_ms: float
-    """Fastest wall time of the three together."""
-    repeats: int
-
-    def to_dict(self) -> dict[str, float | int]:
-        return {
-            "build_plan_ms": self.build_plan_ms,
-            "route_records_ms": self.route_records_ms,
-            "rank_splits_ms": self.rank_splits_ms,
-            "ms_per_layer": self.total_ms,
-            "cpu_ms_per_layer": self.cpu_ms,
-            "min_ms_per_layer": self.min_ms,
-            "repeats": self.repeats,
-        }
-
-
-def time_rank_planning(
-    demand: DemandCounts,
-    topo: RailTopology,
-    path: Path,
-    *,
-    rank: int,
-    masks_TN: torch.Tensor,
-    options: PlanOptions | None = None,
-    phase: int = 0,
-    warmup: int = 2,
-    repeats: int = 5,
-) -> tuple[PathPlan, RankTiming]:
-    """One rank's planning work for one layer, timed: ``build_plan`` (global counts), then
-    ``route_records`` for this rank's own records and ``rank_splits``.
-
-    Args:
-        masks_TN: [T, N] int64, the rank's target masks (``traffic.target_masks``).
-
-    Returns:
-        (the plan, medians over ``repeats`` runs after ``warmup`` untimed ones).
-    """
-    samples: list[tuple[float, float, float]] = []
-    cpu: list[float] = []
-    plan = None
-    for i in range(warmup + repeats):
-        c0 = time.thread_time()
-        t0 = time.perf_counter()
-        plan = build_plan(demand, topo, path, options=options, phase=phase)
-        t1 = time.perf_counter()
-        route_records(plan, rank, masks_TN)
-        t2 = time.perf_counter()
-        rank_splits(plan, demand, rank)
-        t3 = time.perf_counter()
-        c1 = time.thread_time()
-        if i >= warmup:
-            samples.append((t1 - t0, t2 - t1, t3 - t2))
-            cpu.append(c1 - c0)
-    assert plan is not None and samples
-    med = [statistics.median(s[k] for s in samples) * 1e3 for k in range(3)]
-    totals = [sum(s) for s in samples]
-    return plan, RankTiming(build_plan_ms=med[0], route_records_ms=med[1], rank_splits_ms=med[2],
-                            total_ms=statistics.median(totals) * 1e3, cpu_ms=statistics.median(cpu) * 1e3,
-                            min_ms=min(totals) * 1e3, repeats=repeats)
+def json_ready(value: Any) -> Any:
+    """``value`` with every float that is not finite replaced by None (JSON has no infinity or
+    NaN; None marks a quantity that is undefined, e.g. a rail speedup on one node)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: json_ready(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_ready(v) for v in value]
+    return value
 
 
 def write_json(path: str, data: dict[str, Any]) -> None:
+    """Write ``data`` as strict JSON (the path was checked up front by ``_outputs``)."""
     out = FsPath(path)
-    if out.parent and not out.parent.exists():
-        out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(data, indent=1) + "\n")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(json_ready(data), indent=1, allow_nan=False) + "\n")

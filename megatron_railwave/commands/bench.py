@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import _common, _render
+from . import _common, _outputs, _render
 
 __all__ = ["register", "run", "SparseDemand", "sparse_demand_from_topk_ids", "layer_demands", "summarize_samples"]
 
@@ -157,6 +157,11 @@ def _pct(values: list[float]) -> tuple[float, float, float]:
     return float(p50), float(p95), float(p99)
 
 
+def _ratio(a: float, b: float) -> float | None:
+    """a / b, or None when b is 0 (e.g. rail time on one node)."""
+    return a / b if b > 0 else None
+
+
 def summarize_samples(samples: list[dict[str, Any]]) -> dict[str, Any]:
     """Per pattern and variant: percentiles (ms), speedups over NATIVE and NIC shares."""
     out: dict[str, Any] = {}
@@ -175,19 +180,20 @@ def summarize_samples(samples: list[dict[str, Any]]) -> dict[str, Any]:
             entry["nic_shares"] = np.mean([s["nic_shares"] for s in sel], axis=0).tolist()
             entry["rail_p50_ms"] = _pct([s["rail_s"] * 1e3 for s in sel])[0]
             if native:
-                ratios = [native[(s["layer"], s["step"])]["comm_s"] / s["comm_s"] for s in sel]
+                ratios = [_ratio(native[(s["layer"], s["step"])]["comm_s"], s["comm_s"]) for s in sel]
+                ratios = [r for r in ratios if r is not None]
                 base = per.get("native", entry)
-                entry["speedup_p50"] = base["comm_p50_ms"] / entry["comm_p50_ms"]
-                entry["speedup_p95"] = base["comm_p95_ms"] / entry["comm_p95_ms"]
-                entry["speedup_p99"] = base["comm_p99_ms"] / entry["comm_p99_ms"]
-                entry["speedup_total_p50"] = base["total_p50_ms"] / entry["total_p50_ms"]
-                entry["speedup_min"], entry["speedup_max"] = min(ratios), max(ratios)
-                entry["rail_speedup_p50"] = base["rail_p50_ms"] / entry["rail_p50_ms"]
+                for key in ("p50", "p95", "p99"):
+                    entry[f"speedup_{key}"] = _ratio(base[f"comm_{key}_ms"], entry[f"comm_{key}_ms"])
+                entry["speedup_total_p50"] = _ratio(base["total_p50_ms"], entry["total_p50_ms"])
+                entry["speedup_min"], entry["speedup_max"] = (min(ratios), max(ratios)) if ratios else (None, None)
+                # None on one node: no rail traffic, so no rail time to compare.
+                entry["rail_speedup_p50"] = _ratio(base["rail_p50_ms"], entry["rail_p50_ms"])
             per[variant] = entry
         summary: dict[str, Any] = {"variants": per}
         if {"rail", "perm", "joint"} <= set(per):
             best = min(per["rail"]["comm_p50_ms"], per["perm"]["comm_p50_ms"])
-            summary["joint_over_best_single"] = best / per["joint"]["comm_p50_ms"]
+            summary["joint_over_best_single"] = _ratio(best, per["joint"]["comm_p50_ms"])
         out[pattern] = summary
     return out
 
@@ -228,6 +234,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--plot", default=None, metavar="PNG", help="bar chart of P50/P95/P99 per path")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.set_defaults(handler=run)
+    _outputs.declare_outputs(parser, files=("json", "plot"))
 
 
 def _choices(allowed: tuple[str, ...]):
@@ -331,22 +338,26 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _times(value: float | None, suffix: str = "x") -> str:
+    return "-" if value is None else f"{value:.2f}{suffix}"
+
+
 def _print(summary: dict[str, Any], topo: Any, args: argparse.Namespace) -> None:
     for pattern, entry in summary.items():
         rows = []
         for variant, v in entry["variants"].items():
             rows.append([variant, v["comm_p50_ms"], v["comm_p95_ms"], v["comm_p99_ms"], v["plan_p50_ms"],
-                         v["total_p50_ms"], f"{v.get('speedup_p50', 1.0):.2f}x",
-                         f"{v.get('speedup_min', 1.0):.2f}-{v.get('speedup_max', 1.0):.2f}",
-                         f"{v.get('speedup_total_p50', 1.0):.2f}x", v["rail_p50_ms"],
-                         f"{v.get('rail_speedup_p50', 1.0):.2f}x",
+                         v["total_p50_ms"], _times(v.get("speedup_p50", 1.0)),
+                         f"{_times(v.get('speedup_min', 1.0), '')}-{_times(v.get('speedup_max', 1.0), '')}",
+                         _times(v.get("speedup_total_p50", 1.0)), v["rail_p50_ms"],
+                         _times(v.get("rail_speedup_p50", 1.0)),
                          " / ".join(f"{100 * s:.1f}" for s in v["nic_shares"][:4])])
         _render.print_table(
             f"{pattern} on {topo.name} ({topo.num_nodes}x{topo.gpus_per_node}), "
             f"{entry['variants']['native']['samples']} samples, ms",
             ["variant", "P50", "P95", "P99", "plan P50", "total P50", "speedup P50", "per-sample", "speedup total",
              "rails P50", "rails speedup", "NIC shares % (top 4)"], rows)
-        if "joint_over_best_single" in entry:
+        if entry.get("joint_over_best_single") is not None:
             _render.print_text(f"{pattern}: JOINT over the better single mechanism "
                                f"{entry['joint_over_best_single']:.2f}x")
 

@@ -10,11 +10,9 @@ interleaved (warm-ups, then round-robin per sample) and each sample keeps the sl
 Loopback has no rails, so times measure software overhead (planning, index building, message
 count, copies) rather than incast or rail imbalance; the bytes come from the plan.
 
-The ``alltoall`` baseline drives ``MoEAlltoAllTokenDispatcher`` through its six hooks. A CPU-only
-torch needs Megatron CPU shims for that (``examples/cpu_shims.py`` of a source checkout; they are
-not part of the package): ``--megatron-shims auto`` looks for that file next to the package and in
-the working directory, ``--megatron-shims PATH`` names it, ``off`` skips the baseline. Without
-shims or without ``megatron-core`` the baseline is skipped with a message and the JSON says why.
+The ``alltoall`` baseline drives ``MoEAlltoAllTokenDispatcher`` through its six hooks, with the
+CPU shims of ``bench.megatron_cpu`` on a CPU-only torch. ``--no-alltoall`` skips it; without
+``megatron-core`` it is skipped with a message. The JSON says why in ``alltoall_skipped``.
 
 JSON written by ``--json``: see ``megatron_railwave.bench.summary`` (schema
 ``railwave.bench_exchange/1``): ``config``, ``topology``, ``variants`` (median/P95/mean/min ms,
@@ -30,9 +28,9 @@ import importlib.util
 from pathlib import Path as FsPath
 from typing import Any
 
-from . import _common, _render
+from . import _common, _outputs, _render
 
-__all__ = ["register", "run", "find_megatron_shims"]
+__all__ = ["register", "run", "alltoall_skip_reason"]
 
 _MiB = float(1 << 20)
 _VARIANTS = ("native", "rail", "perm", "joint", "alltoall")
@@ -67,9 +65,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     group.add_argument("--samples", type=int, default=20, help="timed rounds (default 20)")
     group.add_argument("--backward", action="store_true",
                        help="also time the backward pass (dispatch+combine gradients)")
-    group.add_argument("--megatron-shims", default="auto", metavar="auto|off|PATH",
-                       help="Megatron CPU shims file for the alltoall baseline (default auto: "
-                            "examples/cpu_shims.py of the source checkout or the working directory)")
+    group.add_argument("--no-alltoall", action="store_true",
+                       help="skip Megatron's alltoall baseline (default: time it when megatron-core is installed)")
     group.add_argument("--timeout", type=float, default=900.0, metavar="S",
                        help="limit for the whole multi-process run in seconds (default 900)")
     group.add_argument("--profile", choices=_VARIANTS, default=None, metavar="VARIANT",
@@ -78,31 +75,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                        help="write the profile text here (default: print the top entries)")
     parser.add_argument("--json", default=None, metavar="FILE", help="write the result as JSON")
     parser.set_defaults(handler=run)
+    _outputs.declare_outputs(parser, files=("json", "profile_out"))
 
 
-def find_megatron_shims(choice: str) -> tuple[str | None, str | None]:
-    """Resolve ``--megatron-shims``: (shims path or None, reason the baseline is skipped or None)."""
-    if choice == "off":
-        return None, "--megatron-shims off"
+def alltoall_skip_reason(no_alltoall: bool) -> str | None:
+    """Why the alltoall baseline cannot run, or None when it can."""
+    if no_alltoall:
+        return "--no-alltoall"
     try:
         have_mcore = importlib.util.find_spec("megatron.core") is not None
     except ModuleNotFoundError:
         have_mcore = False
     if not have_mcore:
-        return None, "megatron-core is not installed (pip install megatron-core)"
-    if choice != "auto":
-        path = FsPath(choice)
-        if not path.is_file():
-            raise ValueError(f"--megatron-shims: file {choice!r} does not exist; give examples/cpu_shims.py "
-                             "of a megatron-railwave checkout, 'auto' or 'off'")
-        return str(path.resolve()), None
-    candidates = [FsPath(__file__).resolve().parents[2] / "examples" / "cpu_shims.py",
-                  FsPath.cwd() / "examples" / "cpu_shims.py"]
-    for path in candidates:
-        if path.is_file():
-            return str(path), None
-    return None, ("Megatron CPU shims not found (looked for " + ", ".join(str(p) for p in candidates)
-                  + "); pass --megatron-shims PATH to a megatron-railwave checkout's examples/cpu_shims.py")
+        return "megatron-core is not installed (pip install megatron-core)"
+    return None
 
 
 def _check(args: argparse.Namespace) -> None:
@@ -134,18 +120,18 @@ def run(args: argparse.Namespace) -> int:
     _check(args)
     from ..bench import ALLTOALL, BenchSpec, run_bench_exchange
 
-    shims, skipped = find_megatron_shims(args.megatron_shims)
+    skipped = alltoall_skip_reason(args.no_alltoall)
     if skipped:
         _render.print_text(f"alltoall baseline skipped: {skipped}")
     paths = tuple(str(p) for p in _common.paths_from_choice(args.path))
-    if args.profile == ALLTOALL and shims is None:
-        raise ValueError("--profile alltoall needs the alltoall baseline (Megatron CPU shims)")
+    if args.profile == ALLTOALL and skipped:
+        raise ValueError(f"--profile alltoall needs the alltoall baseline, which is skipped: {skipped}")
     if args.profile and args.profile != ALLTOALL and args.profile not in paths:
         raise ValueError(f"--profile {args.profile} is not among the benchmarked paths {list(paths)}")
     spec = BenchSpec(num_nodes=args.nodes, gpus_per_node=args.gpus_per_node, tokens=args.tokens,
                      hidden=args.hidden, experts=args.experts, topk=args.topk, dtype=args.dtype,
                      seed=args.seed, warmups=args.warmups, samples=args.samples, backward=args.backward,
-                     paths=paths, shims_path=shims, profile_variant=args.profile,
+                     paths=paths, alltoall=skipped is None, profile_variant=args.profile,
                      failed_rails=tuple(sorted(args.failed_rail)))
     spec.topology()  # validates nodes, GPUs and failed rails before any process starts
     result = run_bench_exchange(spec, timeout_s=args.timeout, alltoall_skipped=skipped)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from . import _common, _render
+from . import _common, _outputs, _render
 
 __all__ = ["register", "run", "parse_floats"]
 
@@ -51,8 +51,8 @@ def _arrangements(text: str) -> list[str]:
 
 def add_measure_args(parser: argparse.ArgumentParser, *, backend_required: bool = True) -> None:
     group = parser.add_argument_group("measurement")
-    group.add_argument("--backend", choices=["netmodel", "testbed", "torchrun"], required=backend_required,
-                       default=None, help="what times the paths")
+    group.add_argument("--backend", choices=["netmodel"], required=backend_required,
+                       default=None, help="what times the paths: netmodel (the flow model; the only backend so far)")
     group.add_argument("--warmups", type=int, default=5, help="discarded calls per path (default 5)")
     group.add_argument("--repeats", type=int, default=10, help="interleaved rounds per request (default 10)")
     group.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -90,6 +90,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                       help="min conservative gain over JOINT, p90 vs p10 (default 0.05)")
     parser.add_argument("--json", default=None, metavar="FILE", help="also write every request's numbers")
     parser.set_defaults(handler=run)
+    _outputs.declare_outputs(parser, files=("out", "json"))
 
 
 def check_measure_args(args: argparse.Namespace) -> None:

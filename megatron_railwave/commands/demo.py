@@ -13,7 +13,7 @@ import torch
 
 from ..planner import PlanOptions
 from ..topology import RailTopology
-from . import _common, _render
+from . import _common, _outputs, _render
 from .plan import plan_layer
 
 __all__ = ["register", "run"]
@@ -33,14 +33,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--tokens", type=int, default=4096, metavar="T", help="tokens per GPU (default 4096)")
     parser.add_argument("--json", default=None, metavar="FILE", help="also write every plan as JSON")
     parser.set_defaults(handler=run)
+    _outputs.declare_outputs(parser, files=("json",))
 
 
 def _preset() -> RailTopology:
-    path = _common.CLUSTER_DIR / f"{_PRESET}.yaml"
-    if path.exists():
-        from ..topology import load_topology
+    from ..topology import CLUSTER_PRESET_DIR, load_topology
 
-        return load_topology(path)
+    if (CLUSTER_PRESET_DIR / f"{_PRESET}.yaml").is_file():
+        return load_topology(_PRESET)
     # Installed without the source tree: the same preset (one 400 Gb/s port per GPU).
     return RailTopology(num_nodes=4, gpus_per_node=8, rail_gbps=400.0, nvlink_gBps=155.0, name=_PRESET)
 

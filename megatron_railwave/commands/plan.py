@@ -10,8 +10,9 @@ JSON written by ``--json`` for one path (``--path all`` writes the same keys per
     rail_load      [N][R][N]      records node s sends on rail r to node d (local pairs: owner rail)
     records_total, relayed_records,
     stats          B_mean_bytes, B_max_bytes, rho_g, kappa, coords, records_total, remote_records
-    plan_ms        rank 0's planning time per layer (build_plan + route_records + rank_splits)
-    plan_ms_parts  the three parts and the number of timed repeats
+    plan_ms        rank 0's planning time per layer (records + build_plan + schedule + index maps,
+                   ``bench.planning``)
+    plan_ms_parts  the four parts and the number of timed repeats
 """
 
 from __future__ import annotations
@@ -24,8 +25,9 @@ import torch
 from ..planner import Path, PlanOptions
 from ..replay import synthetic_routing_maps
 from ..topology import RailTopology
-from ..traffic import DemandCounts, target_masks
-from . import _common, _render
+from ..bench.planning import time_rank_planning
+from ..traffic import DemandCounts
+from . import _common, _outputs, _render
 
 __all__ = ["register", "run", "plan_layer"]
 
@@ -43,6 +45,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--repeats", type=int, default=5, help="timed planning repeats (default 5)")
     parser.add_argument("--json", default=None, metavar="FILE", help="write the plan(s) as JSON")
     parser.set_defaults(handler=run)
+    _outputs.declare_outputs(parser, files=("json",))
 
 
 def plan_layer(
@@ -66,12 +69,11 @@ def plan_layer(
     """
     maps = synthetic_routing_maps(topo, num_tokens=num_tokens, num_experts=num_experts, topk=topk, seed=seed)
     demand = DemandCounts.from_routing_maps(maps, topo)
-    masks_TN = target_masks(maps[0], topo)
     workload = {"tokens_per_gpu": num_tokens, "experts": num_experts, "topk": topk, "seed": seed,
                 "record_bytes": record_bytes, "generator": "replay.synthetic_routing_maps"}
     plans, desc_rows = [], []
     for path in paths:
-        plan, timing = _common.time_rank_planning(demand, topo, path, rank=0, masks_TN=masks_TN,
+        plan, timing = time_rank_planning(demand, topo, path, rank=0, routing_TE=maps[0],
                                                   options=options, phase=phase, repeats=repeats)
         data = plan.to_json(record_bytes=record_bytes)
         data["workload"] = workload

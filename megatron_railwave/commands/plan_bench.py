@@ -3,13 +3,13 @@
 Letters: N nodes, G GPUs per node, W = N * G ranks, T tokens per rank, E experts, K top-k,
 M = 2**G target masks.
 
-What is timed, per layer, on one thread (``torch.set_num_threads(1)``), for the measured rank:
-``build_plan`` from the gathered ``DemandCounts`` + ``route_records`` of the rank's own records +
-``rank_splits``; warm-up runs, then the median of ``--repeats`` runs (``ms_per_layer``, wall time),
-with the median CPU time of the thread (``cpu_ms_per_layer``: on a shared machine it leaves out the
-time slices given to other processes) and the fastest run (``min_ms_per_layer``). Not timed: the
-rank's target masks (``traffic.target_masks``, reported apart as ``masks_ms``) and the count gather
-(a collective).
+What is timed, per layer, on one thread (``torch.set_num_threads(1)``), for the measured rank
+(``bench.planning``): its records (``ops.records_from_routing``), ``build_plan`` from the node view
+of the gathered ``DemandCounts``, ``compile_schedule`` + ``rank_view``, and the device index maps
+(``exchange.layout.build_layout``, here on the CPU); warm-up runs, then the median of ``--repeats``
+runs (``ms_per_layer``, wall time), with the median CPU time of the thread (``cpu_ms_per_layer``: on
+a shared machine it leaves out the time slices given to other processes) and the fastest run
+(``min_ms_per_layer``). Not timed: the count gather (a collective) and the data movement.
 
 Demand: up to ``--full-routing-max-ranks`` ranks every rank's routing map comes from
 ``replay.synthetic_routing_maps``. Beyond that, generating W routing maps is too slow, so a few
@@ -34,8 +34,9 @@ import torch
 from ..planner import PlanOptions
 from ..replay import synthetic_routing_maps
 from ..topology import RailTopology
-from ..traffic import DemandCounts, local_demand, target_masks
-from . import _common, _render
+from ..bench.planning import time_rank_planning
+from ..traffic import DemandCounts, local_demand
+from . import _common, _outputs, _render
 
 __all__ = ["register", "run", "bench_config"]
 
@@ -45,7 +46,7 @@ _DEFAULT_CONFIGS = "4x8,32x8,128x8"
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "plan-bench",
-        help="one rank's planning time per layer (build_plan + route_records + rank_splits)",
+        help="one rank's planning time per layer (records, plan, schedule, index maps)",
         description="Time one rank's per-layer planning on one CPU thread for several cluster sizes.",
     )
     parser.add_argument("--configs", default=_DEFAULT_CONFIGS, metavar="NxG,...",
@@ -64,6 +65,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="largest world that gets a routing map per rank (default 32)")
     parser.add_argument("--json", default=None, metavar="FILE", help="write the results as JSON")
     parser.set_defaults(handler=run)
+    _outputs.declare_outputs(parser, files=("json",))
 
 
 def _parse_configs(text: str) -> list[tuple[int, int]]:
@@ -162,13 +164,10 @@ def bench_config(
     # Rank 0 plans from what the exchange gathers: per-node totals of every rank and the masks
     # of the records into its own node (not the full W x N x M table).
     demand = DemandCounts(records_WN=demand.records_WN, view_node=0, view_masks_WM=demand.masks_into(0))
-    t0 = time.perf_counter()
-    masks_TN = target_masks(routing_TE, topo)
-    masks_ms = (time.perf_counter() - t0) * 1e3
     options = PlanOptions(fanin=fanin)
     rows = []
     for path in _common.paths_from_choice(path_choice):
-        plan, timing = _common.time_rank_planning(demand, topo, path, rank=0, masks_TN=masks_TN,
+        plan, timing = time_rank_planning(demand, topo, path, rank=0, routing_TE=routing_TE,
                                                   options=options, warmup=warmup, repeats=repeats)
         rows.append({
             "nodes": num_nodes,
@@ -184,7 +183,6 @@ def bench_config(
             "rank_records": int(plan.records_NNG[0, :, 0].sum()),
             "demand_source": source,
             "demand_view": "node 0: records_WN + masks into node 0 (what the exchange gathers)",
-            "masks_ms": masks_ms,
             **timing.to_dict(),
         })
     return rows
@@ -204,11 +202,11 @@ def run(args: argparse.Namespace) -> int:
                              repeats=args.repeats, full_routing_max_ranks=args.full_routing_max_ranks)
     _render.print_table(
         f"one rank's planning per layer (median of {args.repeats}, 1 thread)",
-        ["config", "path", "E", "waves", "records", "build_plan ms", "route ms", "splits ms",
-         "ms/layer", "cpu ms/layer", "min ms/layer", "masks ms"],
+        ["config", "path", "E", "waves", "records", "records ms", "build_plan ms", "schedule ms", "layout ms",
+         "ms/layer", "cpu ms/layer", "min ms/layer"],
         [[f"{r['nodes']}x{r['gpus_per_node']}", r["path"], r["experts"], r["num_waves"], r["rank_records"],
-          r["build_plan_ms"], r["route_records_ms"], r["rank_splits_ms"], r["ms_per_layer"],
-          r["cpu_ms_per_layer"], r["min_ms_per_layer"], r["masks_ms"]]
+          r["records_ms"], r["build_plan_ms"], r["schedule_ms"], r["layout_ms"], r["ms_per_layer"],
+          r["cpu_ms_per_layer"], r["min_ms_per_layer"]]
          for r in rows],
     )
     for r in rows:

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _common, _render
+from . import _common, _outputs, _render
 
 __all__ = ["register", "run", "summarize_logs", "write_plots"]
 
@@ -44,6 +44,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--no-plots", action="store_true", help="table (and JSON) only")
     parser.add_argument("--json", default=None, metavar="FILE", help="write the summary as JSON")
     parser.set_defaults(handler=run)
+    _outputs.declare_outputs(parser, files=("json",), dirs=("out",))
 
 
 def _calls(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -166,8 +167,12 @@ def _save(fig: Any, path: FsPath) -> FsPath:
 
 def run(args: argparse.Namespace) -> int:
     from ..commlog import read_logs
+    from ..outputs import check_output_dir
 
+    plot_dir = args.out or FsPath(args.log_dir) / "report"
     records = read_logs(args.log_dir)
+    if not args.no_plots:
+        check_output_dir(plot_dir, "--out")
     summary = summarize_logs(records)
     _render.print_table(
         f"{args.log_dir}: {summary['num_calls']} layer calls ({summary['num_records']} records)",
@@ -177,7 +182,7 @@ def run(args: argparse.Namespace) -> int:
           r["B_mean_MiB"], r["rho_g"], f"{r['rail_share_max']:.1%}", f"{r['rail_share_min']:.1%}"]
          for r in summary["layers"]])
     if not args.no_plots:
-        files = write_plots(records, summary, args.out or FsPath(args.log_dir) / "report")
+        files = write_plots(records, summary, plot_dir)
         _render.print_text("wrote " + ", ".join(str(f) for f in files))
     if args.json:
         _common.write_json(args.json, summary)

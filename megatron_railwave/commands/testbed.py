@@ -18,7 +18,7 @@ from dataclasses import asdict
 from pathlib import Path as FsPath
 from typing import Any
 
-from . import _common, _render
+from . import _common, _outputs, _render
 
 __all__ = ["register"]
 
@@ -37,6 +37,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     _add_spec_args(up)
     up.add_argument("--state-dir", default=_DEFAULT_STATE_DIR, help=f"where specs are saved (default {_DEFAULT_STATE_DIR})")
     up.set_defaults(handler=_up)
+    _outputs.declare_outputs(up, dirs=("state_dir",))
 
     down = sub.add_parser("down", help="remove testbeds by full name (as printed by up)")
     down.add_argument("names", nargs="+", metavar="NAME", help="full testbed name, e.g. rwb3f2a")
@@ -71,6 +72,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     run.add_argument("--incast", action="store_true", help="also measure k-to-1 goodput into one port (k = 1..N-1)")
     run.add_argument("--json", default=None, metavar="FILE", help="write all results as JSON")
     run.set_defaults(handler=_run)
+    _outputs.declare_outputs(run, files=("json",))
 
 
 def _add_spec_args(parser: argparse.ArgumentParser) -> None:
@@ -139,6 +141,11 @@ def _run(args: argparse.Namespace) -> int:
     from ..testbed import check_prerequisites, down, up
     from ..testbed.experiment import FaultConfig, StudyConfig, incast_sweep, run_fault, run_study
 
+    temporary = args.name is None
+    spec = _spec_from_args(args) if temporary else _load_spec(args)
+    if spec.nodes < 2:
+        raise ValueError(f"the testbed study needs at least 2 nodes (got {spec.nodes}): it measures traffic "
+                         "between nodes over the rails, and one node has none; use --nodes 2 or more")
     reason = check_prerequisites()
     if reason is not None:
         raise ValueError(reason)
@@ -150,8 +157,6 @@ def _run(args: argparse.Namespace) -> int:
     fault_cfg = FaultConfig(fail=tuple(args.fail_rail), exchange_timeout_s=args.exchange_timeout_s,
                             pattern="ring", rails="skewed", tokens=args.tokens, hidden=args.hidden,
                             dtype=args.dtype, seed=args.seed, recv_first=not args.no_recv_first)
-    temporary = args.name is None
-    spec = _spec_from_args(args) if temporary else _load_spec(args)
     out: dict[str, Any] = {"command": "testbed run", "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
                            "loadavg_start": os.getloadavg()}
     if temporary:

@@ -22,7 +22,7 @@ import statistics
 import time
 from typing import Any
 
-from . import _common, _render
+from . import _common, _outputs, _render
 from .calibrate import add_measure_args, check_measure_args
 
 __all__ = ["register", "run", "bench_selector"]
@@ -48,6 +48,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="print the selector decision cost per layer (no backend needed)")
     parser.add_argument("--json", default=None, metavar="FILE", help="write the per-request table and summary")
     parser.set_defaults(handler=run)
+    _outputs.declare_outputs(parser, files=("json",))
 
 
 def bench_selector(selector: Any, stats: list[Any], demands: list[Any], topo: Any, *,
@@ -85,6 +86,9 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--requests must be >= 1, got {args.requests}")
     if args.backend is None and not args.bench:
         raise ValueError("--backend is required (unless only --bench is asked for)")
+    if os.path.isdir(args.anchors):
+        raise ValueError(f"--anchors {args.anchors!r} is a directory; give the anchors YAML file written by "
+                         "`railwave calibrate --out`")
     if not os.path.isfile(args.anchors):
         raise ValueError(f"--anchors: file {args.anchors!r} does not exist (write it with `railwave calibrate`)")
     if args.cluster is not None:

@@ -1,8 +1,40 @@
-"""Execution of path plans: torch.distributed (NCCL/gloo) and, optionally, DeepEP."""
+"""Execution of path plans: rank programs that follow the ``ExecutionSchedule``, driven over
+torch.distributed (``TorchDistExchange``) or in one process (``VirtualCluster``).
 
-from .groups import RailGroups, build_rail_groups
-from .p2p import ExchangeTimeoutError
-from .torch_dist import DispatchOutput, ExchangeHandle, InputError, TorchDistExchange
+Only the torch.distributed backend exists; it has run on gloo (CPU) only.
+"""
 
-__all__ = ["RailGroups", "build_rail_groups", "ExchangeTimeoutError", "DispatchOutput", "ExchangeHandle", "InputError",
-           "TorchDistExchange"]
+from .groups import RankGroups, build_rail_groups, rank_groups, survey_unresponsive, virtual_rank_groups
+from .layer import (EntryIndex, InputError, LayerDemand, LayerHandle, RankContext, combine_backward, combine_forward,
+                    dispatch_backward, dispatch_forward, gather_demand, prepare_layer)
+from .torch_dist import DispatchOutput, ExchangeHandle, TorchDistExchange
+from .transport import ExchangeError, ExchangeTimeoutError, TorchDistTransport, drive
+from .virtual import PhaseEvent, VirtualCluster
+
+__all__ = [
+    "RankGroups",
+    "build_rail_groups",
+    "rank_groups",
+    "survey_unresponsive",
+    "virtual_rank_groups",
+    "EntryIndex",
+    "InputError",
+    "LayerDemand",
+    "LayerHandle",
+    "RankContext",
+    "gather_demand",
+    "prepare_layer",
+    "dispatch_forward",
+    "dispatch_backward",
+    "combine_forward",
+    "combine_backward",
+    "DispatchOutput",
+    "ExchangeHandle",
+    "TorchDistExchange",
+    "ExchangeError",
+    "ExchangeTimeoutError",
+    "TorchDistTransport",
+    "drive",
+    "PhaseEvent",
+    "VirtualCluster",
+]

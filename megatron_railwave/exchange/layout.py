@@ -1,12 +1,13 @@
-"""Rank-local index maps of one dispatch/combine, derived from the plan and this rank's records.
+"""Device index maps of one rank for one layer, from its ``RankView`` and its own records.
 
-Letters: N nodes, G GPUs per node, n_rec records of this rank (canonical order: destination
-node, target mask, token), V' delivery rounds.
+Letters: N nodes, G GPUs per node, M = 2**G masks, n_rec records of this rank, n_pool rows at
+this GPU's egress, n_arr rows arriving in one round, n_copy copies received, n_ent
+(token, local expert) entries.
 
-Owner side (stage 1): records that leave on another local GPU are sent to it grouped by egress
-GPU; each group stays in canonical order, so within it records are sorted by destination node.
-Egress side (stage 2): the egress buffer of GPU (s, l) is ordered by (destination node, owner),
-built from this GPU's kept records and the chunks received from each owner.
+Everything here runs on the input's device with tensor ops whose output sizes are host
+integers from the rank view: no host sync, no Python loop over records. The small count
+tensors the maps are built from travel to the device in one non-blocking copy
+(``HostCounts``). Row orders are those of ``schedule.rank_view``.
 """
 
 from __future__ import annotations
@@ -15,116 +16,154 @@ from dataclasses import dataclass
 
 import torch
 
-from ..planner import PathPlan, RankSplits, RecordRoutes
+from .. import ops
+from ..planner import PathPlan
+from ..planner.railbalance import surplus_deficit_bounds
+from ..schedule import RankView
 
-__all__ = ["OwnerLayout", "owner_layout", "DeliveryLayout", "delivery_layout"]
+__all__ = ["HostCounts", "LayerLayout", "build_layout", "select_positions"]
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class OwnerLayout:
-    """Attributes:
-        relay_idx_G: per local GPU l, [n_l] int64 indices (into the canonical records) relayed to
-            l over NVLink; empty for this GPU itself.
-        keep_idx: [n_keep] int64, remote records that leave on this GPU's own rail.
-        local_idx: [n_local] int64, records for this rank's own node (no rail).
-        egress_perm: [n_egress] int64, permutation of the pool (kept records, then the chunks
-            received from owners 0..G-1 in order) into the egress buffer order (node, owner).
-        egress_counts_N: [N] rows of the egress buffer per destination node (own node: 0).
+class HostCounts:
+    """Small host int64 tensors moved to the device in one copy (pinned, non-blocking on CUDA).
+
+    ``add(name, tensor)`` collects; ``to(device)`` returns a dict of device views.
     """
 
-    relay_idx_G: list[torch.Tensor]
-    keep_idx: torch.Tensor
-    local_idx: torch.Tensor
-    egress_perm: torch.Tensor
-    egress_counts_N: list[int]
+    def __init__(self) -> None:
+        self._parts: list[tuple[str, torch.Tensor]] = []
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        self._parts.append((name, tensor.reshape(-1).to(torch.int64)))
+
+    def to(self, device: torch.device) -> dict[str, torch.Tensor]:
+        flat = torch.cat([t for _, t in self._parts]) if self._parts else torch.zeros(0, dtype=torch.int64)
+        if device.type == "cuda":
+            flat = flat.pin_memory().to(device, non_blocking=True)
+        else:
+            flat = flat.to(device)
+        out, offset = {}, 0
+        for name, t in self._parts:
+            out[name] = flat[offset:offset + t.numel()]
+            offset += t.numel()
+        return out
 
 
-def owner_layout(plan: PathPlan, splits: RankSplits, routes: RecordRoutes, node: int, local: int) -> OwnerLayout:
-    """Index maps of rank (node, local). Host sync: no (CPU tensors)."""
-    g = plan.topology.gpus_per_node
-    n = plan.topology.num_nodes
-    is_local = routes.node_R == node
-    remote_idx = torch.nonzero(~is_local).squeeze(1)
-    egress = routes.egress_R[remote_idx]
-    order = torch.sort(egress, stable=True).indices
-    by_egress = remote_idx[order]
-    counts = torch.bincount(egress, minlength=g).tolist()
-    chunks = list(by_egress.split(counts))
-    keep_idx = chunks[local]
-    relay_idx = [c if l != local else c[:0] for l, c in enumerate(chunks)]
-    if [c.numel() for c in relay_idx] != splits.relay_send_G:
-        raise RuntimeError(
-            f"internal: relay sizes {[c.numel() for c in relay_idx]} differ from plan "
-            f"{splits.relay_send_G} on node {node} GPU {local}"
-        )
+def select_positions(flags: torch.Tensor, total: int) -> torch.Tensor:
+    """[total] int64: positions of the True entries of the 1-D ``flags``, ascending.
 
-    # Pool = [kept records] + [chunk from owner o for o != local]; key = node * G + owner.
-    remote_N = torch.ones(n, dtype=torch.bool)
-    remote_N[node] = False
-    relay_in = plan.relay_NNGG[node, :, :, local] * remote_N.unsqueeze(1)  # [d, owner]
-    node_ids = torch.arange(n, dtype=torch.int64)
-    keys = [routes.node_R[keep_idx] * g + local]
-    for owner in range(g):
-        if owner == local:
-            continue
-        keys.append(torch.repeat_interleave(node_ids, relay_in[:, owner]) * g + owner)
-    pool_keys = torch.cat(keys)
-    egress_perm = torch.sort(pool_keys, stable=True).indices
-    egress_counts = plan.quota_NNG[node, :, local].clone()
-    egress_counts[node] = 0
-    return OwnerLayout(
-        relay_idx_G=relay_idx,
-        keep_idx=keep_idx,
-        local_idx=torch.nonzero(is_local).squeeze(1),
-        egress_perm=egress_perm,
-        egress_counts_N=egress_counts.tolist(),
-    )
+    ``total`` (their number) is known on the host, so this needs no sync (``nonzero`` does).
+    """
+    n = flags.numel()
+    slot = torch.cumsum(flags.to(torch.int64), 0) - 1
+    slot = torch.where(flags, slot, total)  # everything else lands in a spare slot
+    out = torch.empty(total + 1, dtype=torch.int64, device=flags.device)
+    out.scatter_(0, slot, torch.arange(n, dtype=torch.int64, device=flags.device))
+    return out[:total]
+
+
+def _runs(values: torch.Tensor, counts: torch.Tensor, total: int) -> torch.Tensor:
+    """``values[i]`` repeated ``counts[i]`` times (device, sync-free: the total is given)."""
+    return torch.repeat_interleave(values, counts, output_size=total)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class DeliveryLayout:
-    """Stage-3 index maps of the arrival GPU (this rank), from the global counts alone.
+class LayerLayout:
+    """Index maps of one rank (device tensors unless noted).
 
     Attributes:
-        deliver_idx: per round, per target GPU j, [n_vj] int64 indices into that round's
-            arrivals (round 0: this rank's records for its own node; round v + 1: the records
-            of rail wave v, source nodes ascending).
-        arrivals: per round, records arriving at this GPU.
-        arrival_masks: per round, [arrivals] int64 target masks (for internal checks).
-        local_arrivals: this rank's records for its own node (all of round 0).
+        token_R, node_R: [n_rec] the rank's records in canonical order.
+        owner_order: [n_rec] canonical index of each owner row (owner rows are grouped by
+            category: egress GPU 0..G-1, then the local node).
+        category_counts: host, [G + 1] owner rows per category.
+        egress_perm: [n_pool] pool row of each egress row.
+        pool_counts: host, [1 + G - 1] pool rows: kept, then from each other owner.
+        deliver_index: per round, [sum_j copies] arrival row of each delivered copy, grouped by
+            target GPU j ascending.
+        arrivals: host, per round, rows arriving at this GPU (round 0: its local-node records).
+        num_copies: host, n_copy.
     """
 
-    deliver_idx: list[list[torch.Tensor]]
+    token_R: torch.Tensor
+    node_R: torch.Tensor
+    owner_order: torch.Tensor
+    category_counts: list[int]
+    egress_perm: torch.Tensor
+    pool_counts: list[int]
+    deliver_index: list[torch.Tensor]
     arrivals: list[int]
-    arrival_masks: list[torch.Tensor]
-    local_arrivals: int
+    num_copies: int
 
 
-def delivery_layout(plan: PathPlan, demand, routes: RecordRoutes, owner: OwnerLayout, num_rounds: int,
-                    node: int, local: int) -> DeliveryLayout:
-    """Which arriving record goes to which local GPU, per round. Host sync: no (CPU only)."""
-    from ..planner import arrival_mask_counts_NGM
+def build_layout(plan: PathPlan, view: RankView, *, token_R: torch.Tensor, node_R: torch.Tensor,
+                 mask_R: torch.Tensor) -> LayerLayout:
+    """Owner, egress and delivery maps of rank ``view.rank`` (device; no host sync).
 
+    Args:
+        plan: the layer's plan.
+        view: the rank's view of the schedule.
+        token_R, node_R, mask_R: [n_rec] int64 (device), the rank's records in canonical order
+            (``ops.records_from_routing`` cut to n_rec).
+    """
     topo = plan.topology
     n, g = topo.num_nodes, topo.gpus_per_node
     m = 1 << g
-    counts_NGM = arrival_mask_counts_NGM(plan, demand, node, local)
-    mask_ids = torch.arange(m, dtype=torch.int64).repeat(g)
-    local_masks = routes.mask_R[owner.local_idx]
-    wave_of_src = plan.pair_wave_NN[:, node].tolist()
-    per_round: list[list[torch.Tensor]] = [[] for _ in range(num_rounds)]
-    per_round[0].append(local_masks)
-    for src in range(n):
-        if src == node:
-            continue
-        per_round[wave_of_src[src] + 1].append(torch.repeat_interleave(mask_ids, counts_NGM[src].flatten()))
-    deliver_idx, arrivals, masks_out = [], [], []
-    bits = torch.arange(g, dtype=torch.int64)
-    for parts in per_round:
-        masks = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
-        hit = ((masks.unsqueeze(1) >> bits) & 1).bool()  # [arrivals, G]
-        deliver_idx.append([torch.nonzero(hit[:, j]).squeeze(1) for j in range(g)])
-        arrivals.append(int(masks.numel()))
-        masks_out.append(masks)
-    return DeliveryLayout(deliver_idx=deliver_idx, arrivals=arrivals, arrival_masks=masks_out,
-                          local_arrivals=int(owner.local_idx.numel()))
+    s, me = view.node, view.local
+    device = token_R.device
+    n_rec = view.num_records
+
+    keep, s_lo, _, _, d_hi = surplus_deficit_bounds(plan.records_NNG[s], plan.quota_NNG[s])  # [N, G]
+    host = HostCounts()
+    host.add("counts_N", plan.records_NNG[s, :, me])
+    host.add("keep_N", keep[:, me])
+    host.add("surplus_lo_N", s_lo[:, me])
+    host.add("deficit_hi_NG", d_hi)
+    host.add("wave_N", plan.pair_wave_NN[s])
+    # Pool rows (kept, then owners o != me), each block by destination node: key node * G + owner.
+    owners = [me] + [o for o in range(g) if o != me]
+    pool_NB = torch.stack([view.kept_N] + [view.relay_in_NG[:, o] for o in owners[1:]], dim=1)  # [N, blocks]
+    pool_key_BN = (torch.arange(n).view(1, n) * g + torch.tensor(owners).view(-1, 1))
+    host.add("pool_key", pool_key_BN)
+    host.add("pool_count", pool_NB.t())
+    # Arrival masks of rounds >= 1: sources of the round ascending, then owner, then mask.
+    arrival_rounds = []
+    for rnd in range(1, plan.num_waves + 1):
+        sources = (view.source_round_N == rnd).nonzero().flatten()
+        counts = view.arrival_counts_NGM[sources].reshape(-1)
+        host.add(f"arrive_count_{rnd}", counts)
+        arrival_rounds.append((rnd, int(counts.sum()), sources.numel()))
+    dev = host.to(device)
+
+    egress_R, _ = ops.assign_egress(node_R, owner_gpu=me, counts_N=dev["counts_N"], keep_N=dev["keep_N"],
+                                    surplus_lo_N=dev["surplus_lo_N"],
+                                    deficit_hi_NG=dev["deficit_hi_NG"].view(n, g), wave_N=dev["wave_N"])
+    category_R = torch.where(node_R == s, g, egress_R)
+    owner_order = torch.sort(category_R, stable=True).indices
+
+    pool_total = int(pool_NB.sum())
+    egress_perm = torch.sort(_runs(dev["pool_key"], dev["pool_count"], pool_total), stable=True).indices
+
+    masks = [mask_R[owner_order[n_rec - view.owner_category_counts[g]:]]]  # round 0: own local records
+    arrivals = [view.owner_category_counts[g]]
+    mask_ids = torch.arange(m, dtype=torch.int64, device=device)
+    for rnd, total, num_sources in arrival_rounds:
+        masks.append(_runs(mask_ids.repeat(num_sources * g), dev[f"arrive_count_{rnd}"], total))
+        arrivals.append(total)
+    bits_G = torch.ones(g, dtype=torch.int64, device=device) << torch.arange(g, device=device)
+    deliver_index = []
+    for rnd, mask_A in enumerate(masks):
+        counts = view.phases[_deliver_phase(view, rnd)].send_Q
+        hit_GA = (mask_A.unsqueeze(0) & bits_G.unsqueeze(1)) != 0  # [G, n_arr], j-major
+        pos = select_positions(hit_GA.reshape(-1), sum(counts))
+        deliver_index.append(pos % max(mask_A.numel(), 1))
+    return LayerLayout(token_R=token_R, node_R=node_R, owner_order=owner_order,
+                       category_counts=list(view.owner_category_counts), egress_perm=egress_perm,
+                       pool_counts=pool_NB.sum(dim=0).tolist(), deliver_index=deliver_index,
+                       arrivals=arrivals, num_copies=view.num_copies)
+
+
+def _deliver_phase(view: RankView, rnd: int) -> int:
+    for c in view.phases:
+        if c.phase.direction == "dispatch" and c.phase.kind == "deliver" and c.phase.step == rnd:
+            return c.phase.index
+    raise KeyError(rnd)

@@ -9,9 +9,10 @@ of two links each. Patterns:
 Sizes: ``uniform`` (every flow the same) or ``random`` (gamma, CV 0.5, whole 14 KiB tokens),
 total remote payload 56 MiB per GPU on average.
 
-    python -m megatron_railwave.netmodel.bench_engine --nodes 4 64 256 --json out/bench_engine.json
+    railwave netmodel bench-engine --nodes 4 64 256 --json out/bench_engine.json
 
-Prints wall and CPU seconds per case (CPU time is the fair number on a shared machine).
+``time_engine`` yields one row per case with wall and CPU seconds (CPU time is the fair number on
+a shared machine); the command prints them.
 
 Measured (CPU seconds, one core of the shared 2-core dev machine, numpy 2.4, 2026-11):
     256 x 8, 522,240 flows   uniform sizes   random sizes (rel_tol 1e-3 / 1e-2)
@@ -24,15 +25,15 @@ the slow case (events ~ log(T_end / T_first) / rel_tol, ~200 water-filling round
 
 from __future__ import annotations
 
-import argparse
-import json
 import time
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import numpy as np
 
 from megatron_railwave.netmodel import FlowSet, IncastModel, Network, PhaseGraph, simulate
 
-__all__ = ["main", "rail_all_to_all"]
+__all__ = ["rail_all_to_all", "time_engine"]
 
 NIC_BPS = 50e9
 TOKEN_BYTES = 7168 * 2  # one BF16 token of hidden size 7168
@@ -69,50 +70,44 @@ def rail_all_to_all(
     return network, flows, phases
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--nodes", type=int, nargs="+", default=[4, 64, 256])
-    parser.add_argument("--gpus-per-node", type=int, default=8)
-    parser.add_argument("--sizes", nargs="+", choices=["uniform", "random"], default=["uniform", "random"])
-    parser.add_argument("--rel-tol", type=float, nargs="+", default=[1e-3, 1e-2])
-    parser.add_argument("--alpha", type=float, default=0.0, help="incast alpha (0 = pure max-min)")
-    parser.add_argument("--json", default=None, help="write the rows to this file")
-    args = parser.parse_args(argv)
+def time_engine(nodes: Sequence[int], gpus_per_node: int, *, sizes: Sequence[str] = ("uniform", "random"),
+                rel_tols: Sequence[float] = (1e-3, 1e-2), alpha: float = 0.0) -> Iterator[dict[str, Any]]:
+    """Time ``simulate`` on every case; yields one row per case as soon as it is done.
 
-    incast = IncastModel(alpha=args.alpha)
-    rows = []
-    print(f"{'nodes':>5} {'gpus':>4} {'pattern':>11} {'sizes':>7} {'rel_tol':>7} {'flows':>8} "
-          f"{'events':>7} {'makespan_ms':>11} {'seconds':>8} {'cpu_s':>8}")
-    for n in args.nodes:
-        for sizes in args.sizes:
+    Args:
+        nodes: N of each cluster (G = ``gpus_per_node``).
+        sizes: flow size patterns, "uniform" and/or "random".
+        rel_tols: the engine's event batching tolerances.
+        alpha: incast alpha (0 = pure max-min).
+
+    Returns:
+        Rows: nodes, gpus_per_node, pattern ("all-at-once" / "waves"), sizes, rel_tol, alpha, flows,
+        events, makespan_s, seconds (wall), cpu_seconds.
+    """
+    for n in nodes:
+        if n < 2:
+            raise ValueError(f"--nodes {n}: the rail all-to-all needs at least 2 nodes")
+    for name in sizes:
+        if name not in ("uniform", "random"):
+            raise ValueError(f"sizes {name!r}: choose 'uniform' or 'random'")
+    incast = IncastModel(alpha=alpha)
+    for n in nodes:
+        for size_name in sizes:
             for waves in (False, True):
-                network, flows, phases = rail_all_to_all(n, args.gpus_per_node, waves=waves, sizes=sizes)
-                for rel_tol in args.rel_tol:
+                network, flows, phases = rail_all_to_all(n, gpus_per_node, waves=waves, sizes=size_name)
+                for rel_tol in rel_tols:
                     t0, c0 = time.perf_counter(), time.process_time()
                     res = simulate(network, flows, phases, incast=incast, rel_tol=rel_tol)
-                    seconds, cpu_seconds = time.perf_counter() - t0, time.process_time() - c0
-                    row = {
+                    yield {
                         "nodes": n,
-                        "gpus_per_node": args.gpus_per_node,
+                        "gpus_per_node": gpus_per_node,
                         "pattern": "waves" if waves else "all-at-once",
-                        "sizes": sizes,
+                        "sizes": size_name,
                         "rel_tol": rel_tol,
-                        "alpha": args.alpha,
+                        "alpha": alpha,
                         "flows": flows.num_flows,
                         "events": res.num_events,
                         "makespan_s": res.makespan_s,
-                        "seconds": seconds,
-                        "cpu_seconds": cpu_seconds,
+                        "seconds": time.perf_counter() - t0,
+                        "cpu_seconds": time.process_time() - c0,
                     }
-                    rows.append(row)
-                    print(f"{n:>5} {args.gpus_per_node:>4} {row['pattern']:>11} {sizes:>7} {rel_tol:>7.0e} "
-                          f"{row['flows']:>8} {res.num_events:>7} {1e3 * res.makespan_s:>11.3f} {seconds:>8.2f} {cpu_seconds:>8.2f}",
-                          flush=True)
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(rows, f, indent=1)
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

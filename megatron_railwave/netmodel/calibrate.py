@@ -16,12 +16,11 @@ counts are first multiplied by one factor (``payload_scale``) that makes the RIN
 time, a plausibility check. Nothing else is fitted: ``wave_latency_s``, ``k_free`` and the
 NVLink / rail speeds are stated (docs/netmodel.md).
 
-    python -m megatron_railwave.netmodel.calibrate --cluster h800_4x8 --out configs/netmodel/h800_4x8.yaml
+    railwave netmodel fit-incast --cluster h800_4x8 --out configs/netmodel/h800_4x8.yaml
 """
 
 from __future__ import annotations
 
-import argparse
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -38,7 +37,7 @@ from .execute import NetModelConfig, execute_plan
 from .incast import IncastModel, fit_incast_alpha
 
 __all__ = ["PAPER_INCAST", "IncastCalibration", "arranged_layers", "pattern_sum_s", "scaled_demand", "calibrate_incast",
-           "write_config", "main"]
+           "write_config"]
 
 PAPER_INCAST = {"low_s": 1.801, "high_s": 3.009, "low": "ring", "high": "extreme", "layers": 45,
                 "cluster": "H800 4x8", "path": "native"}
@@ -177,29 +176,5 @@ def write_config(path: str, calib: IncastCalibration, *, cluster: str) -> None:
     }
     with open(path, "w", encoding="utf-8") as f:
         f.write("# Network model parameters (NetModelConfig, megatron_railwave/netmodel/execute.py).\n"
-                "# Written by: python -m megatron_railwave.netmodel.calibrate; see docs/netmodel.md.\n")
+                "# Written by: railwave netmodel fit-incast; see docs/netmodel.md.\n")
         yaml.safe_dump(data, f, sort_keys=False)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    from ..commands._common import cluster_from_args
-
-    parser = argparse.ArgumentParser(description="Fit the incast alpha to the paper's incast experiment.")
-    parser.add_argument("--cluster", default="h800_4x8", help="cluster file or preset (default h800_4x8)")
-    parser.add_argument("--tokens", type=int, default=2048, help="tokens per GPU before scaling (default 2048)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--delivery", choices=["after_rail", "pipelined"], default="after_rail")
-    parser.add_argument("--out", default=None, help="write the fitted model to this YAML")
-    args = parser.parse_args(argv)
-    args.nodes, args.failed_rail = None, []
-    topo = cluster_from_args(args)
-    calib = calibrate_incast(topo, base=NetModelConfig(delivery=args.delivery), tokens=args.tokens, seed=args.seed)
-    print(f"alpha = {calib.model.alpha} (ratio {calib.fitted_ratio:.4f}, target {calib.target_ratio:.4f}); "
-          f"RING {calib.low_s:.3f} s, EXTREME {calib.high_s:.3f} s; {calib.seconds:.0f} s")
-    if args.out:
-        write_config(args.out, calib, cluster=args.cluster)
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -99,6 +99,14 @@ def route_records(plan: PathPlan, rank: int, masks_TN: torch.Tensor) -> RecordRo
     return RecordRoutes(token_R=token_R, node_R=node_R, mask_R=mask_R, egress_R=egress_R, wave_R=wave_R)
 
 
+def _keep_and_moved(plan: PathPlan, dest_node: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(keep [N_src, G], moved [N_src, G_owner, G_egress]) of the records into ``dest_node``:
+    what each owner keeps and what it relays to each other GPU (zero diagonal)."""
+    relay_NGG = plan.relay_NNGG[:, dest_node]
+    keep = torch.diagonal(relay_NGG, dim1=-2, dim2=-1)
+    return keep, relay_NGG - torch.diag_embed(keep)
+
+
 def delivery_copies_NGG(plan: PathPlan, demand: DemandCounts, dest_node: int) -> torch.Tensor:
     """[N_src, G_arrive, G_target] int64: copies of node s's records that arrive at GPU
     (dest_node, l) and are delivered to GPU (dest_node, j). For s == dest_node, l is the owner.
@@ -109,14 +117,9 @@ def delivery_copies_NGG(plan: PathPlan, demand: DemandCounts, dest_node: int) ->
     topo = plan.topology
     n, g = topo.num_nodes, topo.gpus_per_node
     hist_NGM = demand.masks_into(dest_node).reshape(n, g, -1)  # [s, owner, m]
-    records = plan.records_NNG[:, dest_node, :]
-    quota = plan.quota_NNG[:, dest_node, :]
-    keep, s_lo, s_hi, d_lo, d_hi = surplus_deficit_bounds(records, quota)  # [s, G]
     # Owner g's sorted list: [0, keep) stays on g, then its surplus goes to the proxies in GPU
-    # order, so the records for egress l end at keep + (moved to GPUs <= l). moved[g, g] = 0.
-    moved = (
-        torch.minimum(s_hi.unsqueeze(-1), d_hi.unsqueeze(-2)) - torch.maximum(s_lo.unsqueeze(-1), d_lo.unsqueeze(-2))
-    ).clamp_(min=0)  # [s, g, l]
+    # order (the plan's relay counts), so the records for egress l end at keep + (moved to GPUs <= l).
+    keep, moved = _keep_and_moved(plan, dest_node)  # [s, g], [s, g, l]
     ends = torch.cat([keep.unsqueeze(-1), keep.unsqueeze(-1) + moved.cumsum(dim=-1)], dim=-1)  # [s, g, G+1]
     # F(x)[j]: copies for target j among the first x records = sum over masks of the part of the
     # mask's run [c_lo, c_lo + hist) below x, times bit j. Float64 is exact here (counts << 2**53)
@@ -144,10 +147,7 @@ def arrival_mask_counts_NGM(plan: PathPlan, demand: DemandCounts, dest_node: int
     n, g = plan.topology.num_nodes, plan.topology.gpus_per_node
     l = arrive_gpu
     hist = demand.masks_into(dest_node).reshape(n, g, -1)  # [s, owner, m]
-    keep, s_lo, s_hi, d_lo, d_hi = surplus_deficit_bounds(plan.records_NNG[:, dest_node, :],
-                                                          plan.quota_NNG[:, dest_node, :])
-    moved = (torch.minimum(s_hi.unsqueeze(-1), d_hi.unsqueeze(-2))
-             - torch.maximum(s_lo.unsqueeze(-1), d_lo.unsqueeze(-2))).clamp_(min=0)  # [s, g, l']
+    keep, moved = _keep_and_moved(plan, dest_node)  # [s, g], [s, g, l']
     start = keep + moved[:, :, :l].sum(dim=-1)  # [s, g]
     a = torch.where(torch.arange(g) == l, 0, start)
     b = torch.where(torch.arange(g) == l, keep, start + moved[:, :, l])

@@ -49,7 +49,7 @@ import torch
 from ..planner.waves import WaveSchedule
 from ..topology import RailTopology
 from ..traffic import DemandCounts
-from .trace import LayerTrace, Trace
+from ..capture import LayerTrace, Trace
 
 __all__ = [
     "Pattern",

@@ -33,9 +33,9 @@ import numpy as np
 
 from ..topology import RailTopology
 from ..traffic import DemandCounts
-from .routing import demand_from_topk_ids
+from ..capture import demand_from_topk_ids
 from .synthetic import sample_topk_ids
-from .trace import LayerTrace, Trace, TraceMeta
+from ..capture import LayerTrace, Trace, TraceMeta
 
 __all__ = [
     "ModelSpec",

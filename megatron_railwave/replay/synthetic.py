@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from ..topology import RailTopology
-from .routing import NO_EXPERT, routing_map_from_topk_ids
+from ..capture import NO_EXPERT, routing_map_from_topk_ids
 
 __all__ = ["sample_topk_ids", "synthetic_topk_ids", "synthetic_routing_maps"]
 

@@ -27,8 +27,10 @@ from pathlib import Path as FsPath
 from typing import Any
 
 import numpy as np
+import torch
 
 from megatron_railwave.bench.wire_bytes import railwave_record_bytes
+from megatron_railwave.schedule import RecordWireFormat
 from megatron_railwave.planner import PlanOptions, build_plan, parse_path, schedule_from_windows
 from megatron_railwave.replay import (GLM45_AIR, GlmAirWorkload, Pattern, arrange_topk_ids, demand_from_topk_ids,
                                       glm_air_layer_ids, window_peaks)
@@ -43,7 +45,7 @@ __all__ = ["FaultConfig", "PATTERNS", "RAILS", "StudyConfig", "build_workloads",
 PATTERNS = tuple(p.value for p in Pattern)
 RAILS = ("balanced", "skewed")
 PATHS = ("native", "rail", "perm", "joint")
-_DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+_TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -82,8 +84,8 @@ class StudyConfig:
             bad = [v for v in getattr(self, name) if v not in allowed]
             if bad or not getattr(self, name):
                 raise ValueError(f"{name} must be a non-empty subset of {allowed}, got {getattr(self, name)}")
-        if self.dtype not in _DTYPE_BYTES:
-            raise ValueError(f"dtype must be one of {sorted(_DTYPE_BYTES)}, got {self.dtype!r}")
+        if self.dtype not in _TORCH_DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(_TORCH_DTYPES)}, got {self.dtype!r}")
         for name in ("tokens", "hidden", "samples"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -94,8 +96,13 @@ class StudyConfig:
 def record_bytes(topo: RailTopology, cfg: StudyConfig) -> dict[str, int]:
     """Bytes of one record on a rail (``bench.wire_bytes``): dispatch (hidden row + the node's probs
     + metadata) and combine (hidden row)."""
-    return railwave_record_bytes(hidden=cfg.hidden, elem_bytes=_DTYPE_BYTES[cfg.dtype],
-                                 experts_per_node=GLM45_AIR.num_experts // topo.num_nodes)
+    return railwave_record_bytes(wire_format(topo, cfg))
+
+
+def wire_format(topo: RailTopology, cfg: StudyConfig) -> RecordWireFormat:
+    """The exchange's row layout for this study (probs travel in float32)."""
+    return RecordWireFormat(hidden=cfg.hidden, payload_dtype=_TORCH_DTYPES[cfg.dtype], probs_dtype=torch.float32,
+                            experts_per_node=GLM45_AIR.num_experts // topo.num_nodes)
 
 
 def build_workloads(topo: RailTopology, cfg: StudyConfig) -> list[dict[str, Any]]:
@@ -203,7 +210,7 @@ def summarize_study(results: list[dict[str, Any]], workloads: list[dict[str, Any
             rows = [by_key[(name, path, s)] for s in range(cfg.samples)]
             slowest = [max(r["total_s"] for r in ranks) for ranks in rows]
             comp = {k: _pct([max(r[k] for r in ranks) for ranks in rows])
-                    for k in ("gather_s", "plan_s", "dispatch_s", "combine_s", "index_s")}
+                    for k in ("gather_s", "plan_s", "dispatch_s", "combine_s")}
             planning = _pct([max(r["gather_s"] + r["plan_s"] for r in ranks) for ranks in rows])
             comm = _pct([max(r["dispatch_s"] + r["combine_s"] for r in ranks) for ranks in rows])
             cpu_util = [sum(r["cpu_s"] for r in ranks) / (max(r["total_s"] for r in ranks) * cores)

@@ -40,13 +40,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron_railwave.exchange import ExchangeTimeoutError, RailGroups, TorchDistExchange
-from megatron_railwave.planner import PlanOptions, rank_splits, route_records, schedule_from_windows
-from megatron_railwave.replay.routing import routing_map_from_topk_ids
+from megatron_railwave.exchange import ExchangeTimeoutError, TorchDistExchange, rank_groups
+from megatron_railwave.planner import PlanOptions, schedule_from_windows
+from megatron_railwave.capture import routing_map_from_topk_ids
 from megatron_railwave.testbed.launch import WorkerContext, make_control_group, make_groups
 from megatron_railwave.testbed.netns import fail_rail
 from megatron_railwave.topology import RailTopology
-from megatron_railwave.traffic import target_masks
 
 __all__ = ["fault_worker", "receives_first", "study_worker"]
 
@@ -122,12 +121,12 @@ class _Rank:
         groups = make_groups(ctx)
         self.ctl = make_control_group(ctx)
         self.ctx = ctx
-        self.groups = RailGroups(ep_group=self.ctl, node_group=groups.node, rail_group=groups.rail,
-                                 ep_rank=ctx.rank, node=ctx.node, local=ctx.local)
         self.num_experts = num_experts
         self.scale_E = expert_scales(num_experts)
         self.topo = RailTopology(num_nodes=ctx.spec.nodes, gpus_per_node=ctx.spec.gpus_per_node,
                                  rail_gbps=ctx.spec.rail_mbit / 1000.0, name=ctx.spec.name)
+        self.groups = rank_groups(self.topo, ctx.rank, ep_handle=self.ctl, node_handle=groups.node,
+                                  rail_handle=groups.rail)
 
     def exchange(self, windows: list[list[list[int]]] | None, *, topo: RailTopology | None = None,
                  timeout_s: float | None = None) -> TorchDistExchange:
@@ -151,11 +150,12 @@ def _timed_exchange(rk: _Rank, ex: TorchDistExchange, inputs: tuple, path: str, 
     dist.barrier(group=rk.ctl)
     tx0, rx0 = nic_bytes(ifname)
     ru0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
-    demand, max_tokens = ex.gather_demand(x, probs, routing)
+    layer = ex.gather_demand(x, probs, routing)
     t1 = time.perf_counter()
-    plan = ex.plan(demand, path, phase=phase)
+    plan = ex.plan(layer, path, phase=phase)
+    handle = ex.prepare(layer, plan, x, probs)
     t2 = time.perf_counter()
-    d = ex.dispatch(x, probs, routing, demand, plan, demand_max_tokens=max_tokens)
+    d = ex.dispatch(x, probs, routing, handle)
     t3 = time.perf_counter()
     y = rk.expert_step(d.tokens, d.tokens_per_expert, d.probs)
     t4 = time.perf_counter()
@@ -164,15 +164,10 @@ def _timed_exchange(rk: _Rank, ex: TorchDistExchange, inputs: tuple, path: str, 
     ru1 = resource.getrusage(resource.RUSAGE_SELF)
     dist.barrier(group=rk.ctl)  # every rank's receives are done: the counters hold the whole block
     tx1, rx1 = nic_bytes(ifname)
-    # Index building inside dispatch (route_records + rank_splits), timed apart, outside the sample.
-    i0 = time.perf_counter()
-    route_records(plan, rk.ctx.rank, target_masks(routing, ex.topo))
-    rank_splits(plan, demand, rk.ctx.rank)
-    index_s = time.perf_counter() - i0
     wall = (t5 - t0) - (t4 - t3)
     rec = {
         "total_s": wall, "gather_s": t1 - t0, "plan_s": t2 - t1, "dispatch_s": t3 - t2,
-        "combine_s": t5 - t4, "index_s": index_s, "user_s": ru1.ru_utime - ru0.ru_utime,
+        "combine_s": t5 - t4, "user_s": ru1.ru_utime - ru0.ru_utime,
         "sys_s": ru1.ru_stime - ru0.ru_stime, "cpu_s": ru1.ru_utime - ru0.ru_utime + ru1.ru_stime - ru0.ru_stime,
         "tx": tx1 - tx0, "rx": rx1 - rx0,
     }

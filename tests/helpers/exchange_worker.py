@@ -52,14 +52,16 @@ def run_exchange(rank: int, world: int, topo_kwargs: dict, paths: list[str], kw:
     w = expert_weights(kw["experts"], kw["hidden"], kw["seed"])
     per_rank = kw["experts"] // world
     local_w = w[rank * per_rank:(rank + 1) * per_rank]
-    results = {}
+    results, wire = {}, {}
     for path in paths:
+        ex.transport.bytes_sent.clear()
+        ex.transport.bytes_received.clear()
         x, probs, routing = make_inputs(rank, **kw)
         x.requires_grad_(True)
         probs.requires_grad_(True)
-        demand, max_t = ex.gather_demand(x, probs, routing)
-        plan = ex.plan(demand, path)
-        d = ex.dispatch(x, probs, routing, demand, plan, demand_max_tokens=max_t)
+        layer = ex.gather_demand(x, probs, routing)
+        plan = ex.plan(layer, path)
+        d = ex.dispatch(x, probs, routing, ex.prepare(layer, plan, x, probs))
         outs = []
         for e, rows in enumerate(d.tokens.split(d.tokens_per_expert.tolist())):
             outs.append(rows @ local_w[e])
@@ -67,11 +69,22 @@ def run_exchange(rank: int, world: int, topo_kwargs: dict, paths: list[str], kw:
         out = ex.combine(y, d.handle)
         (out * out).sum().backward()
         results[path] = (out.detach().numpy(), x.grad.numpy(), probs.grad.numpy())
+        # Bytes handed to sends / receives per phase, against the schedule (forward + backward).
+        sched = d.handle.layer.schedule
+        fwd, bwd = sched.rank_bytes(rank), sched.rank_bytes(rank, backward=True)
+        wire[path] = {
+            "measured": ({k: v for k, v in ex.transport.bytes_sent.items() if v},
+                         {k: v for k, v in ex.transport.bytes_received.items() if v}),
+            "schedule": ({p.name: fwd["sent"][p.index] + bwd["sent"][p.index] for p in sched.phases
+                          if fwd["sent"][p.index] + bwd["sent"][p.index]},
+                         {p.name: fwd["received"][p.index] + bwd["received"][p.index] for p in sched.phases
+                          if fwd["received"][p.index] + bwd["received"][p.index]}),
+        }
     ref = tuple(t.numpy() for t in dense_reference(rank, world, **kw))
     dist.barrier()
     # numpy, not tensors: torch tensors cross process queues via shared-memory handles that die
     # with the worker process.
-    return {"paths": results, "ref": ref}
+    return {"paths": results, "ref": ref, "wire": wire}
 
 
 def run_bad_input(rank: int, world: int, topo_kwargs: dict) -> str:
@@ -91,3 +104,48 @@ def run_bad_input(rank: int, world: int, topo_kwargs: dict) -> str:
             raise
         return str(exc)
     raise AssertionError(f"rank {rank} did not raise")
+
+
+class _Leave(Exception):
+    """The victim rank leaves the job (its process ends)."""
+
+
+def run_fault(rank: int, world: int, topo_kwargs: dict, victim: int, stage: str, mode: str,
+              timeout_s: float) -> dict:
+    """One layer (path 'rail') where ``victim`` stalls or leaves right before ``stage``.
+
+    mode 'stall': the victim sleeps 3 x timeout_s before posting that stage; 'leave': it returns
+    from the job there (its process exits, closing its connections). Every other rank reports
+    the error it raised and how long after the layer's start.
+    """
+    import time
+
+    topo = RailTopology(**topo_kwargs)
+    groups = build_rail_groups(None, topo, timeout_s=timeout_s)
+    ex = TorchDistExchange(topo, groups, num_experts=8, timeout_s=timeout_s)
+    x, probs, routing = make_inputs(rank, tokens=[12] * world, experts=8, topk=3, hidden=4, seed=4)
+    x.requires_grad_(True)
+    if rank == victim:
+        for name in ("post", "collective"):
+            original = getattr(ex.transport, name)
+
+            def faulty(req, _original=original):
+                if req.stage == stage:
+                    if mode == "leave":
+                        raise _Leave()
+                    time.sleep(3 * timeout_s)
+                return _original(req)
+
+            setattr(ex.transport, name, faulty)
+    t0 = time.monotonic()
+    try:
+        layer = ex.gather_demand(x, probs, routing)
+        plan = ex.plan(layer, "rail")
+        d = ex.dispatch(x, probs, routing, ex.prepare(layer, plan, x, probs))
+        out = ex.combine(d.tokens * d.probs.unsqueeze(1), d.handle)
+        out.sum().backward()
+    except _Leave:
+        return {"left": True}
+    except Exception as exc:  # noqa: BLE001 - the test inspects what each rank raised
+        return {"error": type(exc).__name__, "message": str(exc), "after_s": time.monotonic() - t0}
+    return {"ok": True, "after_s": time.monotonic() - t0}

@@ -14,6 +14,7 @@ import torch
 
 from megatron_railwave.bench import (alltoall_bytes, alltoall_entry_bytes, railwave_bytes,
                                      railwave_record_bytes)
+from megatron_railwave.schedule import RecordWireFormat, compile_schedule
 from megatron_railwave.cli import main
 from megatron_railwave.planner import build_plan
 from megatron_railwave.topology import RailTopology
@@ -56,23 +57,16 @@ def test_bench_exchange_tiny_run_writes_all_variants(tmp_path, capsys):
     assert "NATIVE / alltoall median" in printed and "inter-node rows alltoall/railwave" in printed
 
 
-def test_bench_exchange_without_shims_skips_baseline(tmp_path, capsys):
+def test_bench_exchange_no_alltoall_skips_baseline(tmp_path, capsys):
     out = tmp_path / "bench.json"
-    args = TINY[:-4] + ["--samples", "1", "--path", "native", "--megatron-shims", "off", "--json", str(out)]
+    args = TINY[:-4] + ["--samples", "1", "--path", "native", "--no-alltoall", "--json", str(out)]
     assert main(args) == 0
     data = json.loads(out.read_text())
     assert list(data["variants"]) == ["native"]
-    assert data["alltoall_skipped"] == "--megatron-shims off"
+    assert data["alltoall_skipped"] == "--no-alltoall"
     assert data["variants"]["native"]["over_alltoall"] is None
     assert data["summary"]["native_over_alltoall"] is None
-    assert "alltoall baseline skipped: --megatron-shims off" in capsys.readouterr().out
-
-
-def test_bench_exchange_bad_shims_path_is_a_user_error(tmp_path, capsys):
-    with pytest.raises(SystemExit) as exc:
-        main(TINY + ["--megatron-shims", str(tmp_path / "missing.py")])
-    assert exc.value.code == 2
-    assert "--megatron-shims: file" in capsys.readouterr().err
+    assert "alltoall baseline skipped: --no-alltoall" in capsys.readouterr().out
 
 
 def test_wire_bytes_dedup_worked_by_hand():
@@ -85,14 +79,15 @@ def test_wire_bytes_dedup_worked_by_hand():
     maps = [torch.zeros(1 if w == 0 else 0, 4, dtype=torch.bool) for w in range(4)]
     maps[0][0, 2:] = True
     demand = DemandCounts.from_routing_maps(maps, topo)
-    rec = railwave_record_bytes(hidden=4, elem_bytes=2, experts_per_node=2)
-    # payload 4 x 2 B; probs 2 x 4 B; metadata 8 B x (3 columns + 1 routing word)
-    assert rec == {"payload": 8, "dispatch": 8 + 8 + 32, "combine": 8}
-    rw = railwave_bytes(build_plan(demand, topo, "native"), demand, rec)
-    assert rw["inter_node_records"] == 1 and rw["inter_node_bytes"] == 48 + 8
-    assert rw["rail_send_bytes_NG"] == [[56, 0], [0, 0]] and rw["rail_bytes_R"] == [56, 0]
+    wire = RecordWireFormat(hidden=4, payload_dtype=torch.bfloat16, probs_dtype=torch.float32, experts_per_node=2)
+    rec = railwave_record_bytes(wire)
+    # payload 4 x 2 B; probs 2 x 4 B; metadata 4 B x (2 columns + 1 routing word)
+    assert rec == {"payload": 8, "dispatch": 8 + 8 + 12, "combine": 8}
+    rw = railwave_bytes(compile_schedule(build_plan(demand, topo, "native"), wire, demand=demand))
+    assert rw["inter_node_records"] == 1 and rw["inter_node_bytes"] == 28 + 8
+    assert rw["rail_send_bytes_NG"] == [[36, 0], [0, 0]] and rw["rail_bytes_R"] == [36, 0]
     assert rw["node_rail_imbalance"] == 2.0  # node 0: loads [1, 0], max / mean = 2
-    assert rw["relayed_records"] == 0 and rw["delivered_copies"] == 1 and rw["node_local_bytes"] == 56
+    assert rw["relayed_records"] == 0 and rw["delivered_copies"] == 1 and rw["node_local_bytes"] == 36
     a2a_rec = alltoall_entry_bytes(hidden=4, elem_bytes=2)
     a2a = alltoall_bytes(maps, topo, a2a_rec)
     assert a2a["inter_node_entries"] == 2 and a2a["inter_node_bytes"] == 2 * (12 + 8)

@@ -10,7 +10,9 @@ records, per rank, what each case raised; the tests below check those records:
 * a topology that does not match the EP size (gpus_per_node=3 with EP 4) and unsupported
   TransformerConfig options: ValueError at construction on every rank, before any collective;
 * a rank with zero tokens (rank 1) and a rank that receives nothing (no token picks rank 3's
-  experts): every path returns the right shapes and values (identity experts) and gradients.
+  experts): every path returns the right shapes and values (identity experts) and gradients;
+* path 'auto' with a missing anchors file: one logger warning in the whole job (global rank 0),
+  however many MoE layers are built.
 """
 
 from __future__ import annotations
@@ -86,7 +88,7 @@ def _error_text(fn) -> str:
 
 
 def dispatcher_errors_worker(rank: int, world: int) -> dict[str, Any]:
-    from tests.shims import apply_megatron_cpu_shims
+    from megatron_railwave.bench.megatron_cpu import apply_megatron_cpu_shims
 
     apply_megatron_cpu_shims()
     import torch
@@ -125,6 +127,19 @@ def dispatcher_errors_worker(rank: int, world: int) -> dict[str, Any]:
     out["unsupported"] = {key: _error_text(lambda k=key, v=value: make(**{k: v}))
                           for key, value in UNSUPPORTED.items()}
     out["tensor_parallel"] = _error_text(lambda: make(tensor_model_parallel_size=2))
+
+    # path 'auto' without its anchors file: three MoE layers, one warning on global rank 0 only.
+    import logging
+
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = records.append  # type: ignore[method-assign]
+    logging.getLogger("megatron_railwave").addHandler(handler)
+    missing = RailWaveConfig(gpus_per_node=2, path="auto", anchors="/nonexistent/anchors.yaml")
+    for _ in range(3):
+        RailWaveTokenDispatcher(per, local, config(), pgs, railwave=missing)
+    logging.getLogger("megatron_railwave").removeHandler(handler)
+    out["missing_anchors_warnings"] = [r.getMessage() for r in records]
 
     # Malformed input on one rank: every rank raises after the count all-gather.
     dispatcher = make("joint")
@@ -201,6 +216,12 @@ def test_dispatcher_topology_mismatch_raises_at_construction(ranks):
     for res in ranks:
         assert res["topology"].startswith("ValueError: EP size 4 is not a multiple of gpus_per_node=3"), \
             res["topology"]
+
+
+def test_dispatcher_missing_anchors_warns_once_on_rank_zero(ranks):
+    assert len(ranks[0]["missing_anchors_warnings"]) == 1
+    assert "anchors file '/nonexistent/anchors.yaml' does not exist" in ranks[0]["missing_anchors_warnings"][0]
+    assert all(res["missing_anchors_warnings"] == [] for res in ranks[1:])
 
 
 @pytest.mark.parametrize("option", sorted(UNSUPPORTED) + ["tensor_parallel"])

@@ -40,16 +40,38 @@ def test_moe_layer_railwave_matches_alltoall(world, railwave):
 
 
 def test_moe_layer_railwave_captures_replayable_trace(tmp_path):
-    """--railwave-capture-dir: every rank's routing lands in a trace the replay tools read."""
-    from megatron_railwave.replay import merge_captures, read_trace
+    """--railwave-capture-dir: the trace read back holds, for every rank, exactly the routing the
+    layer dispatched (token by token), under the layer's number, with the layer's demand."""
+    from megatron_railwave.capture import merge_captures, read_trace, routing_map_from_topk_ids
+    from megatron_railwave.topology import RailTopology
+    from megatron_railwave.traffic import DemandCounts
     from tests.helpers.moe_worker import run_layer_with_capture
 
     kw = dict(num_experts=8, topk=3, hidden=16, ffn_hidden=8, seq_len=6, micro_batch=2, seed=5)
-    run_distributed(run_layer_with_capture, 4, str(tmp_path), kw, timeout_s=300)
+    ranks = run_distributed(run_layer_with_capture, 4, str(tmp_path), kw, timeout_s=300)
     paths = merge_captures(tmp_path)
     assert len(paths) == 1
     trace = read_trace(paths[0])
-    assert trace.meta.topology.num_nodes == 2 and trace.meta.topk == 3
-    demand = trace.demand(trace.layers[0].layer)
-    # 12 tokens per rank, each with at least one record: totals per rank >= 12.
-    assert demand.records_WN.shape == (4, 2) and bool((demand.records_WN.sum(dim=1) >= 12).all())
+    assert trace.meta.topology.num_nodes == 2 and trace.meta.topology.gpus_per_node == 2
+    assert (trace.meta.topk, trace.meta.num_experts, trace.meta.hidden_size) == (3, 8, 16)
+
+    # One forward per rank, of MoE layer 1: the dispatcher saw one routing map [T = 12, E = 8].
+    used = []
+    for rank, res in enumerate(ranks):
+        assert [(c["layer"], c["ep_rank"]) for c in res["calls"]] == [(1, rank)]
+        used.append(res["calls"][0]["routing_map"])
+    assert trace.layer_ids == (1,)
+    recorded_maps = trace.routing_maps(1)
+    for rank, routing_TE in enumerate(used):
+        assert routing_TE.shape == (12, 8) and (routing_TE.sum(axis=1) == 3).all()
+        np.testing.assert_array_equal(recorded_maps[rank].numpy(), routing_TE, err_msg=f"rank {rank}")
+        # The same through the stored top-k ids, slot by slot.
+        ids_TK = trace.layer(1).topk_ids_WTK[rank]
+        np.testing.assert_array_equal(routing_map_from_topk_ids(ids_TK, 8).numpy(), routing_TE)
+    # And the demand the replay tools derive equals the layer's real demand.
+    import torch
+
+    topo = RailTopology(num_nodes=2, gpus_per_node=2)
+    real = DemandCounts.from_routing_maps([torch.from_numpy(m) for m in used], topo)
+    replayed = trace.demand(1)
+    assert torch.equal(replayed.records_WNM, real.records_WNM) and torch.equal(replayed.experts_WE, real.experts_WE)

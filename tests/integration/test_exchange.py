@@ -14,6 +14,9 @@ PATHS = ["native", "rail", "perm", "joint"]
 
 def _check(results, rtol=1e-5):
     for rank, res in enumerate(results):
+        for path, counted in res["wire"].items():
+            # What the transport really handed to gloo, per phase, equals the schedule's bytes.
+            assert counted["measured"] == counted["schedule"], (rank, path, counted)
         ref_out, ref_gx, ref_gp = map(torch.from_numpy, res["ref"])
         base = [torch.from_numpy(a) for a in res["paths"]["native"]]
         for path, arrays in res["paths"].items():

@@ -191,20 +191,26 @@ def test_requests_under_arrangements_carry_their_windows():
     assert request_plan(extreme, TOPO, Path.PERM).schedule.max_fanin() == 1
 
 
-@pytest.mark.parametrize("name", ["testbed", "torchrun"])
-def test_make_backend_pending_backends_say_so(name):
-    with pytest.raises(ValueError, match=rf"--backend {name} is not available in this build"):
-        make_backend(name, TOPO)
+def test_make_backend_netmodel_times_each_path_with_the_flow_model(requests):
+    # The backend's samples are the flow model's time of the plan the request names, per path,
+    # repeated (deterministic): not a placeholder, and not the same number for every path.
+    from megatron_railwave.netmodel import simulate_plan
+
+    backend = make_backend("netmodel", TOPO)
+    assert backend.name == "netmodel"
+    request = requests[0]
+    times = {}
+    for path in ALL_PATHS:
+        expected = simulate_plan(request_plan(request, TOPO, path), record_bytes=request.record_bytes)
+        got = backend.measure(request, path, 3)
+        assert got == [pytest.approx(expected, rel=1e-12)] * 3, path
+        times[path] = got[0]
+    assert expected > 0 and len(set(times.values())) > 1
 
 
-def test_make_backend_netmodel_needs_simulate_plan():
-    import megatron_railwave.netmodel as netmodel
-
-    if hasattr(netmodel, "simulate_plan"):
-        assert make_backend("netmodel", TOPO).name == "netmodel"
-    else:
-        with pytest.raises(ValueError, match="simulate_plan"):
-            make_backend("netmodel", TOPO)
+def test_make_backend_unknown_name_lists_the_backends():
+    with pytest.raises(ValueError, match=r"--backend 'testbed' is unknown; choose one of \['netmodel'\]"):
+        make_backend("testbed", TOPO)
 
 
 def test_profile_request_rejects_bad_samples(requests):
@@ -244,5 +250,6 @@ def test_validate_cli_errors(tmp_path):
     with pytest.raises(SystemExit) as exc:
         main(["validate", "--anchors", str(tmp_path / "nope.yaml"), "--bench"])
     assert exc.value.code != 0
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit) as exc:  # argparse: not a choice (the placeholder backends are gone)
         main(["calibrate", "--backend", "testbed", "--cluster", "h800_4x8", "--out", str(tmp_path / "a.yaml")])
+    assert exc.value.code == 2

@@ -27,7 +27,7 @@ EXPECTED_FLAGS = {
     "demo": ["--seed", "--tokens", "--json"],
     "bench-exchange": [
         "--nodes", "--gpus-per-node", "--failed-rail", "--tokens", "--hidden", "--experts", "--topk", "--dtype",
-        "--seed", "--path", "--warmups", "--samples", "--backward", "--megatron-shims", "--timeout", "--profile",
+        "--seed", "--path", "--warmups", "--samples", "--backward", "--no-alltoall", "--timeout", "--profile",
         "--profile-out", "--json",
     ],
     "calibrate": [
@@ -43,6 +43,11 @@ EXPECTED_FLAGS = {
     "ops-bench": ["--device", "--quick", "--tokens", "--hidden", "--experts", "--topk", "--nodes", "--gpus-per-node",
                   "--repeats", "--seed", "--json"],
     "testbed": [],
+    "netmodel": [],
+    "simulate-exchange": [
+        "--cluster", "--nodes", "--failed-rail", "--tokens", "--hidden", "--experts", "--topk", "--dtype",
+        "--device", "--seed", "--max-error", "--json",
+    ],
     "bench": [
         "--cluster", "--nodes", "--failed-rail", "--backend", "--model", "--alpha", "--workload", "--pattern", "--layers",
         "--steps", "--tokens", "--payload-scale", "--seed", "--paths", "--fanin", "--plan-repeats", "--json", "--plot",
@@ -156,3 +161,138 @@ def test_module_entry_point_runs():
     assert proc.returncode == 0
     for name in EXPECTED_FLAGS:
         assert name in proc.stdout
+
+
+# ---------------------------------------------------------------------- bad output paths, up front
+_OUTPUT_FLAGS = {"--json", "--out", "--plot", "--profile-out", "--state-dir"}
+
+
+def _all_parsers(parser: argparse.ArgumentParser, name: str = "railwave"):
+    yield name, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub_name, sub in action.choices.items():
+                yield from _all_parsers(sub, f"{name} {sub_name}")
+
+
+def test_every_output_flag_is_checked_up_front():
+    # Each flag that names a file or directory the command writes is declared (commands._outputs),
+    # so railwave checks it before the handler runs.
+    missing = []
+    for name, parser in _all_parsers(build_parser()):
+        declared = set(parser.get_default("output_files") or ()) | set(parser.get_default("output_dirs") or ())
+        for action in parser._actions:
+            if _OUTPUT_FLAGS & set(action.option_strings) and action.dest not in declared:
+                if name in ("railwave testbed run", "railwave testbed down") and action.dest == "state_dir":
+                    continue  # only `up` writes the state directory
+                missing.append(f"{name} {action.option_strings[0]}")
+    assert missing == []
+
+
+def _commands_writing_to(path: str, log_dir: str, anchors: str) -> list[list[str]]:
+    return [
+        ["plan", "--cluster", H800, "--tokens", "8", "--json", path],
+        ["plan-bench", "--configs", "2x2", "--json", path],
+        ["demo", "--json", path],
+        ["bench-exchange", "--json", path],
+        ["bench-exchange", "--profile", "native", "--profile-out", path],
+        ["bench", "--cluster", H800, "--json", path],
+        ["bench", "--cluster", H800, "--plot", path],
+        ["calibrate", "--backend", "netmodel", "--cluster", H800, "--out", path],
+        ["calibrate", "--backend", "netmodel", "--cluster", H800, "--out", anchors, "--json", path],
+        ["validate", "--anchors", anchors, "--bench", "--json", path],
+        ["report", log_dir, "--json", path],
+        ["testbed", "run", "--json", path],
+        ["netmodel", "fit-incast", "--out", path],
+        ["netmodel", "bench-engine", "--nodes", "2", "--json", path],
+        ["simulate-exchange", "--cluster", H800, "--json", path],
+    ]
+
+
+@pytest.mark.parametrize("case", range(15))
+def test_output_path_that_is_a_directory_fails_before_any_work(tmp_path, capsys, case):
+    argv = _commands_writing_to(str(tmp_path), str(tmp_path), str(tmp_path / "anchors.yaml"))[case]
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.out == "", f"work was done before the check: {captured.out[:300]}"
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and f"{str(tmp_path)!r} is a directory; give a file name inside it" in lines[0], lines
+
+
+@pytest.mark.parametrize("case", [0, 6, 7, 13])
+def test_output_path_under_a_file_fails_before_any_work(tmp_path, capsys, case):
+    blocker = tmp_path / "not_a_dir"
+    blocker.write_text("x")
+    target = str(blocker / "out.json")
+    argv = _commands_writing_to(target, str(tmp_path), str(tmp_path / "anchors.yaml"))[case]
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert f"cannot create this file: {str(blocker)!r} is a file, not a directory" in captured.err
+
+
+def test_report_out_must_be_a_directory(tmp_path, capsys):
+    plots = tmp_path / "plots.png"
+    plots.write_text("x")
+    with pytest.raises(SystemExit) as exc:
+        main(["report", str(tmp_path), "--out", str(plots)])
+    assert exc.value.code == 2
+    assert f"--out {str(plots)!r} is a file; give a directory" in capsys.readouterr().err
+
+
+def test_report_missing_directory_says_it_does_not_exist(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["report", str(tmp_path / "nope")])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert f"log directory {str(tmp_path / 'nope')!r} does not exist; give the directory set as --railwave-log-dir" in err
+    assert "no railwave" not in err
+
+
+def test_validate_anchors_directory_says_so(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["validate", "--anchors", str(tmp_path), "--bench"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert f"--anchors {str(tmp_path)!r} is a directory; give the anchors YAML file" in err
+
+
+# ---------------------------------------------------------------------- one node
+def _strict_json(path: Path):
+    def refuse(name):
+        raise ValueError(f"not JSON: {name}")
+
+    return json.loads(path.read_text(), parse_constant=refuse)
+
+
+def test_plan_single_node_writes_valid_json(tmp_path):
+    out = tmp_path / "one.json"
+    assert main(["plan", "--cluster", H800, "--nodes", "1", "--tokens", "32", "--repeats", "1",
+                 "--json", str(out)]) == 0
+    data = _strict_json(out)
+    assert data["stats"]["remote_records"] == 0 and data["waves"] == []
+    assert data["stats"]["coords"][0] is None  # log2 of zero remote bytes: undefined, not -Infinity
+
+
+def test_bench_single_node_runs_and_has_no_rail_speedup(tmp_path):
+    out = tmp_path / "one.json"
+    assert main(["bench", "--cluster", H800, "--nodes", "1", "--layers", "1", "--tokens", "64",
+                 "--pattern", "none,ring", "--plan-repeats", "0", "--no-progress", "--json", str(out)]) == 0
+    data = _strict_json(out)
+    for pattern in ("none", "ring"):
+        joint = data["summary"][pattern]["variants"]["joint"]
+        assert joint["rail_p50_ms"] == 0.0 and joint["rail_speedup_p50"] is None
+        assert joint["comm_p50_ms"] > 0 and joint["speedup_p50"] == pytest.approx(1.0)  # NVLink only
+
+
+def test_testbed_run_refuses_one_node_up_front(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["testbed", "run", "--nodes", "1"])
+    assert exc.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert "the testbed study needs at least 2 nodes (got 1)" in captured.err and "--nodes 2 or more" in captured.err

@@ -125,7 +125,7 @@ class FakeWandb:
 
 @pytest.fixture
 def sink():
-    from tests.shims import apply_megatron_cpu_shims
+    from megatron_railwave.bench.megatron_cpu import apply_megatron_cpu_shims
 
     apply_megatron_cpu_shims()  # CPU torch: Megatron's MoE package imports Triton kernels
     from megatron_railwave.megatron_logging import _make_tracker

@@ -1,7 +1,8 @@
 """Registration with Megatron: add_railwave_args, config_from_args, install / uninstall, and the
 GLM-4.5-Air launcher's flags through Megatron-LM's real argument parser.
 
-Tests that import Megatron-Core run in a subprocess: Megatron needs the CPU shims (tests/shims)
+Tests that import Megatron-Core run in a subprocess: Megatron needs the CPU shims
+(megatron_railwave.bench.megatron_cpu)
 before its first import and keeps process-wide globals (parsed args, patched MoELayer).
 """
 
@@ -88,7 +89,7 @@ def test_glm45_air_config_describes_ep32_on_h800(monkeypatch):
 def test_railwave_args_parse_with_megatron_lm_parser():
     out = _run_python("""
         import json, sys
-        from tests.shims import apply_megatron_cpu_shims
+        from megatron_railwave.bench.megatron_cpu import apply_megatron_cpu_shims
         apply_megatron_cpu_shims()
         from megatron.training import arguments
         from megatron_railwave.plugin import add_railwave_args, config_from_args
@@ -110,7 +111,7 @@ def test_glm45_air_launcher_flags_validate_with_megatron_lm():
     assert flags[flags.index("--moe-token-dispatcher-type") + 1] == "railwave"
     out = _run_python(f"""
         import json, sys, torch
-        from tests.shims import apply_megatron_cpu_shims
+        from megatron_railwave.bench.megatron_cpu import apply_megatron_cpu_shims
         apply_megatron_cpu_shims()
         # CPU stand-ins for checks validate_args and TransformerConfig make against the GPU: an
         # H800 is sm_90, and RoPE fusion needs Transformer Engine.
@@ -143,7 +144,7 @@ def test_install_is_idempotent_replaces_config_and_uninstall_restores():
     out = _run_python("""
         import datetime, json, os
         import torch, torch.distributed as dist
-        from tests.shims import apply_megatron_cpu_shims
+        from megatron_railwave.bench.megatron_cpu import apply_megatron_cpu_shims
         apply_megatron_cpu_shims()
         from megatron.core import parallel_state
         from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
@@ -197,12 +198,48 @@ def test_install_is_idempotent_replaces_config_and_uninstall_restores():
     assert "railwave" in out["after"]  # Megatron itself rejects the unknown type again
 
 
+def test_railwave_type_without_install_says_to_call_install():
+    # Megatron-LM parses its arguments (with add_railwave_args) but the script never calls install().
+    out = _run_python("""
+        import argparse, json
+        import torch.distributed as dist
+        from megatron_railwave.bench.megatron_cpu import apply_megatron_cpu_shims
+        apply_megatron_cpu_shims()
+        from megatron.core import parallel_state
+        from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
+        from megatron.core.process_groups_config import ProcessGroupCollection
+        from megatron.core.transformer.transformer_config import TransformerConfig
+        from megatron_railwave.plugin import add_railwave_args
+
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        parallel_state.initialize_model_parallel(1, expert_model_parallel_size=1)
+        args = add_railwave_args(argparse.ArgumentParser()).parse_args(["--moe-token-dispatcher-type", "railwave"])
+        cfg = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2, ffn_hidden_size=8,
+                                num_moe_experts=2, moe_router_topk=2,
+                                moe_token_dispatcher_type=args.moe_token_dispatcher_type,
+                                use_cpu_initialization=True, add_bias_linear=False, moe_grouped_gemm=False,
+                                bias_activation_fusion=False, gradient_accumulation_fusion=False)
+        spec = get_moe_module_spec(use_te=False, num_experts=2, moe_grouped_gemm=False)
+        try:
+            spec(config=cfg, layer_number=1, pg_collection=ProcessGroupCollection.use_mpu_process_groups())
+            error = "built"
+        except ValueError as exc:
+            error = str(exc)
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+        print(json.dumps({"error": error}))
+    """)
+    assert out["error"].startswith("moe_token_dispatcher_type='railwave' needs megatron_railwave.install() "
+                                   "before the model is built"), out["error"]
+    assert "docs/usage.md" in out["error"]
+
+
 def test_pretrain_example_installs_and_builds_megatron_inputs_on_cpu():
     """examples/pretrain_gpt_railwave.py up to Megatron-LM's pretrain (which needs CUDA): parse,
     install, config container, mock GPT data through the built-in glue, one forward_step."""
     out = _run_python("""
         import importlib.util, inspect, json, sys, torch
-        from tests.shims import apply_megatron_cpu_shims
+        from megatron_railwave.bench.megatron_cpu import apply_megatron_cpu_shims
         apply_megatron_cpu_shims()
         import megatron.training as mt
         spec = importlib.util.spec_from_file_location("example", "examples/pretrain_gpt_railwave.py")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import warnings
 
@@ -170,13 +171,26 @@ def fresh_warnings(monkeypatch):
     monkeypatch.setattr(selector_mod, "_WARNED", set())
 
 
-def test_selector_from_config_missing_file_is_joint_with_one_warning(tmp_path, fresh_warnings):
+def test_selector_from_config_missing_file_is_joint_with_one_logged_warning(tmp_path, fresh_warnings, caplog):
     cfg = RailWaveConfig(anchors=str(tmp_path / "missing.yaml"))
-    with warnings.catch_warnings(record=True) as caught:
+    with warnings.catch_warnings(record=True) as caught, caplog.at_level(logging.WARNING, "megatron_railwave"):
         warnings.simplefilter("always")
         sels = [selector_from_config(cfg, TOPO) for _ in range(5)]  # e.g. five MoE layers
     assert all(isinstance(s, FixedSelector) and s.select(stats(1, 0, 0)) == Path.JOINT for s in sels)
-    assert len(caught) == 1 and "does not exist" in str(caught[0].message)
+    # Through logging, not warnings.warn (which PYTHONWARNINGS=ignore would hide).
+    assert caught == []
+    logged = [r for r in caplog.records if r.name.startswith("megatron_railwave")]
+    assert len(logged) == 1 and logged[0].levelno == logging.WARNING
+    assert "missing.yaml' does not exist: every layer runs JOINT" in logged[0].getMessage()
+
+
+def test_selector_from_config_warns_only_where_asked(tmp_path, fresh_warnings, caplog):
+    # The dispatcher passes warn=True on global rank 0 only.
+    cfg = RailWaveConfig(anchors=str(tmp_path / "missing.yaml"))
+    with caplog.at_level(logging.WARNING, "megatron_railwave"):
+        for _ in range(3):
+            selector_from_config(cfg, TOPO, warn=False)
+    assert [r for r in caplog.records if r.name.startswith("megatron_railwave")] == []
 
 
 def test_selector_from_config_loads_anchors_with_config_thresholds(tmp_path, fresh_warnings):

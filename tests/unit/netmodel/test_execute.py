@@ -295,18 +295,91 @@ def test_execute_single_node_has_only_local_delivery():
     assert t.rail_s_V == () and t.dispatch_s == pytest.approx(2e-3) and t.combine_s == pytest.approx(2e-3)
 
 
+class _RailAlignedAllToAll:
+    """Every GPU (s, l) sends one record to GPU (d, l) of every other node d (a `MaskSource`).
+
+    By hand, for any path: the records already sit on their owner's rail (RailBalance moves
+    none), each arrives on its target GPU (no NVLink copy), so only the rails cost time. A wave
+    in which every receiver port has k senders moves k records through each port:
+    k x (1 + alpha (k - 1)) record times (k_free = 1). Combine sends the same back.
+    """
+
+    def __init__(self, n: int, g: int) -> None:
+        self.n, self.g = n, g
+
+    def records_NGN(self) -> torch.Tensor:
+        return (1 - torch.eye(self.n, dtype=torch.int64)).view(self.n, 1, self.n).expand(self.n, self.g, self.n).clone()
+
+    def masks_into(self, node: int) -> torch.Tensor:
+        out = torch.zeros(self.n * self.g, 1 << self.g, dtype=torch.int64)
+        ranks = torch.arange(self.n * self.g)
+        out[ranks, 1 << (ranks % self.g)] = 1
+        out[node * self.g:(node + 1) * self.g] = 0
+        return out
+
+
+def _hand_worked_rail_ms(senders_per_port: list[int], alpha: float) -> float:
+    """Dispatch + combine of 1 MB records on 1 GB/s rails, per the docstring above."""
+    return 2 * sum(k * (1 + alpha * (k - 1)) for k in senders_per_port)
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.5])
+@pytest.mark.parametrize(("path", "fanin", "senders_per_port"), [
+    ("native", 1, [15]),               # all 15 remote nodes at once
+    ("joint", 1, [1] * 15),            # cyclic: one sender per port, 15 waves
+    ("joint", 4, [4, 4, 4, 3]),        # bounded fan-in 4: shifts 1-4, 5-8, 9-12, 13-15
+    ("perm", 16, [15]),                # fan-in >= N - 1: one wave with every pair
+])
+def test_execute_rail_aligned_all_to_all_hand_worked(alpha, path, fanin, senders_per_port):
+    # 16 nodes x 2 GPUs: e.g. NATIVE with alpha 0.5: 15 MB into every port at 1 / (1 + 0.5 x 14)
+    # GB/s = 120 ms each way, 240 ms; JOINT cyclic: 15 waves of 1 ms each way = 30 ms at any alpha.
+    topo = _topo(16, 2)
+    demand = _RailAlignedAllToAll(16, 2)
+    plan = build_plan(demand.records_NGN(), topo, path, options=PlanOptions(fanin=fanin))
+    assert plan.relayed_records() == 0
+    t = execute_plan(plan, record_bytes=int(MB), model=replace(PLAIN, alpha=alpha, nodes_per_leaf=0),
+                     demand=demand)
+    assert len(t.rail_s_V) == len(senders_per_port)
+    assert t.rail_s_V == pytest.approx(tuple(k * (1 + alpha * (k - 1)) * 1e-3 for k in senders_per_port))
+    assert t.relay_s == 0.0 and all(d == 0.0 for d in t.delivery_s_V)
+    assert t.total_s == pytest.approx(_hand_worked_rail_ms(senders_per_port, alpha) * 1e-3)
+
+
 @pytest.mark.slow
 def test_execute_256x8_layer_timing(capsys):
-    # Not a timing assert: prints one 256 x 8 layer's model wall time (docs/netmodel.md).
+    # 256 x 8 = 2048 GPUs. (1) The rail-aligned all-to-all, worked by hand (see
+    # _RailAlignedAllToAll): cyclic 255 waves of 1 ms each way = 510 ms at any alpha; fan-in 16:
+    # 15 waves of 16 senders and one of 15, each way: 2 x (15 x 16 x (1 + 15 a) + 15 x (1 + 14 a)) ms.
+    # (2) One synthetic GLM-4.5-Air-shaped layer: no better than its busiest NIC allows, and the
+    # model's CPU time printed (docs/netmodel.md "Speed").
     import time
 
     from megatron_railwave.commands.bench import layer_demands
 
+    alpha = 0.1
+    topo = _topo(256, 8)
+    uniform = _RailAlignedAllToAll(256, 8)
+    for fanin, senders in ((1, [1] * 255), (16, [16] * 15 + [15])):
+        plan = build_plan(uniform.records_NGN(), topo, "joint", options=PlanOptions(fanin=fanin))
+        c0 = time.process_time()
+        t = execute_plan(plan, record_bytes=int(MB), model=replace(PLAIN, alpha=alpha, nodes_per_leaf=0),
+                         demand=uniform)
+        print(f"256x8 rail-aligned all-to-all, joint fanin {fanin}: {t.total_s * 1e3:.1f} ms modelled, "
+              f"{time.process_time() - c0:.1f} s CPU")
+        assert t.total_s == pytest.approx(_hand_worked_rail_ms(senders, alpha) * 1e-3, rel=1e-6)
+    assert _hand_worked_rail_ms([1] * 255, alpha) == 510.0
+    assert _hand_worked_rail_ms([16] * 15 + [15], alpha) == pytest.approx(2 * (15 * 16 * 2.5 + 15 * 2.4))
+
     topo = RailTopology(num_nodes=256, gpus_per_node=8)
     demand = layer_demands(topo, layer=1, step=0, tokens=256, seed=0)
+    model = NetModelConfig()
+    row = 8192 + model.metadata_bytes
     for fanin in (1, 16):
         plan = build_plan(demand.records_NGN(), topo, "joint", options=PlanOptions(fanin=fanin))
         c0 = time.process_time()
-        t = execute_plan(plan, record_bytes=8192, demand=demand)
+        t = execute_plan(plan, record_bytes=8192, demand=demand, model=model)
         print(f"256x8 joint fanin {fanin}: {t.total_s * 1e3:.2f} ms modelled, {time.process_time() - c0:.1f} s CPU")
-        assert t.total_s > 0
+        # Each way, the busiest NIC must push its bytes at the line rate at best.
+        busiest = max(float(t.nic_egress_bytes_NR.max()), float(t.nic_ingress_bytes_NR.max()))
+        assert t.total_s >= 2 * busiest / topo.rail_bytes_per_s
+        assert len(t.rail_s_V) == plan.num_waves

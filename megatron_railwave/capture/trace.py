@@ -12,7 +12,7 @@ slots last (what the recorder and the generators produce) is stored as row-wise 
 (uint16 when E > 255), which deflates to about the entropy of a top-k set; any other layer is
 stored raw (uint8 with 255 for -1 when E <= 255, else int16). Both decode bit-exactly.
 
-A capture writes one *rank part* per (step, rank) (see ``replay.capture``); ``read_trace`` of a
+A capture writes one *rank part* per (step, rank) (see ``capture.recorder``); ``read_trace`` of a
 step directory assembles the parts, and ``merge_captures`` writes the assembled traces.
 """
 

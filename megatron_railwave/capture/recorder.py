@@ -8,7 +8,7 @@ The dispatcher owns one ``TraceRecorder`` per process and calls, once per MoE la
         recorder.record(step, layer_number, ep_rank, routing_map)     # or top-k ids
 
 Nothing here communicates: every rank writes its own file, ``<capture_dir>/step<step>/rank<r>.npz``
-(the trace format of ``replay.trace``, kind "rank-part"), and ``merge_captures`` (or
+(the trace format of ``capture.trace``, kind "rank-part"), and ``merge_captures`` (or
 ``read_trace`` on a step directory) assembles the W parts of a step into one global trace
 afterwards, on any machine that sees the directory.
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_railwave.replay import (
+from megatron_railwave.capture import (
     LayerTrace,
     Trace,
     TraceFormatError,

@@ -1,9 +1,14 @@
-"""CPU shims that let Megatron-Core 0.19.2 MoE models train on a CPU-only torch over gloo.
+"""CPU shims that let Megatron-Core 0.19.2 MoE layers run on a CPU-only torch over gloo.
 
-Example-only (examples never import from tests/; tests/shims/megatron_cpu.py holds the same
-ideas for the test suite). Call :func:`apply_megatron_cpu_shims` before the first
-``import megatron.core``; after ``parallel_state.initialize_model_parallel`` call
-:func:`seed_megatron_cpu_rng`. Nothing here changes numerics.
+What it is for: running Megatron's own code (its ``alltoall`` dispatcher, MoELayer, GPTModel)
+without GPUs, as ``railwave bench-exchange`` does for its Megatron baseline; the CPU examples
+(``examples/train_glm_tiny.py``) and the test suite use this same module. It is a tool, not part
+of the runtime: nothing in the dispatcher or the exchange imports it, and on a CUDA build of
+torch the stream and device shims do nothing.
+
+Call :func:`apply_megatron_cpu_shims` before the first ``import megatron.core``; after
+``parallel_state.initialize_model_parallel`` call :func:`seed_megatron_cpu_rng`. Nothing here
+changes numerics.
 """
 
 from __future__ import annotations
@@ -88,7 +93,7 @@ def _shim_paged_stash_ops() -> None:
 
     def _unavailable(*args: object, **kwargs: object) -> None:
         del args, kwargs
-        raise RuntimeError("paged stash needs triton and CUDA; stubbed by examples/cpu_shims (also used by tests/shims)")
+        raise RuntimeError("paged stash needs triton and CUDA; stubbed by megatron_railwave.bench.megatron_cpu")
 
     stub = types.ModuleType(_PAGED_STASH_OPS)
     stub.GLOBAL_BLOCK_SIZE = 1024

@@ -1,0 +1,69 @@
+"""``railwave simulate-exchange``: every path of one layer on the in-process virtual cluster.
+
+All W ranks of ``--cluster`` run in this process on one device (``--device cpu`` or ``cuda``),
+through the same rank programs as the distributed exchange, on one seeded routing. Prints, per
+path: bitwise equality with the first path (outputs and gradients of every rank), the max
+relative error against the dense float64 reference, host syncs per layer per rank (forward +
+backward) and the wall time; ``--json`` writes the report (``bench.virtual_exchange``).
+Exits 1 when the paths differ or the error exceeds ``--max-error``.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from . import _common, _outputs, _render
+
+__all__ = ["register", "run"]
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "simulate-exchange",
+        help="run every path of one layer on an in-process virtual cluster (equality, error, syncs)",
+        description="Run dispatch + combine, forward and backward, of every path for all ranks of a "
+                    "cluster in one process on one device, with seeded routing and linear experts.",
+    )
+    _common.add_cluster_args(parser)
+    parser.add_argument("--tokens", type=int, default=512, metavar="T", help="tokens per rank (default 512)")
+    parser.add_argument("--hidden", type=int, default=256, metavar="H", help="hidden size (default 256)")
+    parser.add_argument("--experts", type=int, default=128, metavar="E", help="routed experts (default 128)")
+    parser.add_argument("--topk", type=int, default=8, metavar="K", help="experts per token (default 8)")
+    parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="hidden dtype (default fp32)")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="device (default cpu)")
+    parser.add_argument("--seed", type=int, default=0, help="routing and data seed (default 0)")
+    parser.add_argument("--max-error", type=float, default=None,
+                        help="fail when a relative error exceeds this (default 1e-5 for fp32, 2e-2 for bf16)")
+    parser.add_argument("--json", default=None, metavar="FILE", help="write the report as JSON")
+    parser.set_defaults(handler=run)
+    _outputs.declare_outputs(parser, files=("json",))
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..bench.virtual_exchange import VirtualSpec, simulate_exchange
+
+    topo = _common.cluster_from_args(args)
+    spec = VirtualSpec(topology=topo, tokens=args.tokens, hidden=args.hidden, experts=args.experts,
+                       topk=args.topk, dtype=args.dtype, device=args.device, seed=args.seed)
+    report = simulate_exchange(spec)
+    limit = args.max_error if args.max_error is not None else (1e-5 if args.dtype == "fp32" else 2e-2)
+    rows = []
+    for path in spec.paths:
+        err = report["max_rel_error"][path]
+        rows.append([path, "yes" if report["bitwise_equal"][path] else "NO", f"{max(err.values()):.2e}",
+                     report["host_syncs_per_layer"][path], report["time_ms"][path]])
+    _render.print_table(
+        f"virtual cluster {topo.name} ({topo.num_nodes}x{topo.gpus_per_node}), T={args.tokens} H={args.hidden} "
+        f"E={args.experts} top-{args.topk} {args.dtype} on {args.device}",
+        ["path", f"bitwise = {report['bitwise_equal_to']}", "max rel. error", "host syncs / layer / rank",
+         "time ms (all ranks)"], rows)
+    worst = max(max(e.values()) for e in report["max_rel_error"].values())
+    report["max_error_limit"] = limit
+    report["ok"] = report["all_bitwise_equal"] and worst <= limit
+    if args.json:
+        _common.write_json(args.json, report)
+    if not report["ok"]:
+        _render.print_text(f"FAILED: paths bitwise equal: {report['all_bitwise_equal']}, worst error {worst:.3g} "
+                           f"(limit {limit:g})")
+        return 1
+    return 0

@@ -1,0 +1,312 @@
+"""One rank's part of one MoE layer: count exchange, preparation, and the four data programs.
+
+Letters: N nodes, G GPUs per node, W = N * G ranks, T tokens of this rank, E experts,
+E_node = E / N, E_loc = E / W, H hidden, M = 2**G masks, n_rec records of this rank, n_copy
+copies it receives, n_ent (token, local expert) entries it receives.
+
+Lifecycle (the same programs run over torch.distributed and in the virtual cluster):
+  1. ``gather_demand`` (program): one all-to-all of W x (N + 2 + M + E_loc) int64 on the EP
+     group carries every rank's records per node, token count and input status, plus the
+     mask histogram and expert counts each receiver needs; then ONE device-to-host copy of
+     what arrived. This is the layer's only host sync. Bad input anywhere raises the same
+     ``InputError`` on every rank right here, before any data moves.
+  2. ``prepare_layer`` (plain function, host + asynchronous device work): the plan is passed
+     in (pure, same on every rank), compiled into the ``ExecutionSchedule``; the rank view and
+     the device index maps follow from it and from this rank's records.
+  3. ``dispatch_forward`` / ``combine_forward`` and their backwards (programs).
+
+Reductions happen in a fixed order that does not depend on the path: local experts
+ascending per copy, the destination node's GPUs in local order per record, destination
+nodes in order per token (``ops.segment_sum``). All four paths give bitwise-identical outputs
+and gradients on any device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .. import ops
+from ..planner import PathPlan, PlanOptions
+from ..schedule import ExecutionSchedule, RankView, RecordWireFormat, compile_schedule, rank_view
+from ..schedule.wire import META_FIXED_WORDS, ROUTING_BITS_PER_WORD
+from ..topology import RailTopology
+from ..traffic import DemandCounts
+from .groups import RankGroups
+from .layout import LayerLayout, build_layout, select_positions
+from .moves import backward_moves, forward_moves
+from .transport import Collective, Program
+
+__all__ = ["InputError", "RankContext", "LayerDemand", "LayerHandle", "EntryIndex", "gather_demand",
+           "prepare_layer", "dispatch_forward", "dispatch_backward", "combine_forward", "combine_backward",
+           "input_status"]
+
+
+class InputError(ValueError):
+    """Bad dispatcher input, raised identically on every rank."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RankContext:
+    """What one rank's programs need besides the layer's data."""
+
+    topo: RailTopology
+    groups: RankGroups
+    num_experts: int
+    options: PlanOptions
+
+    def __post_init__(self) -> None:
+        if self.num_experts % self.topo.world_size:
+            raise ValueError(f"num_experts={self.num_experts} is not divisible by the EP size "
+                             f"{self.topo.world_size}; experts are placed contiguously, E / W per rank")
+
+    @property
+    def experts_per_rank(self) -> int:
+        return self.num_experts // self.topo.world_size
+
+    @property
+    def experts_per_node(self) -> int:
+        return self.experts_per_rank * self.topo.gpus_per_node
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LayerDemand:
+    """The gathered counts of one layer (host) and this rank's records (device).
+
+    Attributes:
+        demand: node view (``DemandCounts``): records_WN, this node's masks, own experts' counts.
+        max_tokens: max T over ranks.
+        num_tokens: T of this rank.
+        token_C, node_C, mask_C: [T * N] int64 (device) this rank's records in canonical order;
+            the first ``num_records`` are valid.
+        num_records: n_rec of this rank (host).
+    """
+
+    demand: DemandCounts
+    max_tokens: int
+    num_tokens: int
+    token_C: torch.Tensor
+    node_C: torch.Tensor
+    mask_C: torch.Tensor
+    num_records: int
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class EntryIndex:
+    """Received entries, sorted by (local expert, source rank, token): the same on every path.
+
+    Attributes:
+        copy_of_entry: [n_ent] int64, received copy of each entry.
+        expert_of_entry: [n_ent] int64, local expert of each entry.
+    """
+
+    copy_of_entry: torch.Tensor
+    expert_of_entry: torch.Tensor
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LayerHandle:
+    """Everything one rank needs between dispatch and combine (and their backwards).
+
+    Attributes:
+        schedule: the compiled schedule; view: this rank's view; layout: device index maps.
+        tokens_per_expert: [E_loc] int64 on the host (from the gathered counts).
+        num_entries, num_tokens, max_tokens: host ints.
+    """
+
+    schedule: ExecutionSchedule
+    view: RankView
+    layout: LayerLayout
+    tokens_per_expert: torch.Tensor
+    num_entries: int
+    num_tokens: int
+    max_tokens: int
+
+    @property
+    def plan(self) -> PathPlan:
+        return self.schedule.plan
+
+    @property
+    def wire(self) -> RecordWireFormat:
+        return self.schedule.wire
+
+
+def input_status(ctx: RankContext, hidden: torch.Tensor, probs: torch.Tensor,
+                 routing_map: torch.Tensor) -> tuple[int, str]:
+    """(code, message) of this rank's input; 0 = well formed. Host only (shapes and dtypes)."""
+    e = ctx.num_experts
+    if routing_map.dtype != torch.bool:
+        return 1, f"routing_map has dtype {routing_map.dtype}, expected torch.bool"
+    if routing_map.dim() != 2 or routing_map.shape[1] != e:
+        return 2, f"routing_map has shape {tuple(routing_map.shape)}, expected [T, {e}]"
+    if tuple(probs.shape) != tuple(routing_map.shape):
+        return 3, f"probs has shape {tuple(probs.shape)}, expected routing_map's {tuple(routing_map.shape)}"
+    if hidden.dim() != 2 or hidden.shape[0] != routing_map.shape[0]:
+        return 4, f"hidden has shape {tuple(hidden.shape)}, expected [T={routing_map.shape[0]}, H]"
+    if not hidden.is_floating_point() or not probs.is_floating_point():
+        return 5, f"hidden ({hidden.dtype}) and probs ({probs.dtype}) must be floating point"
+    if hidden.device != routing_map.device or probs.device != routing_map.device:
+        return 6, (f"hidden ({hidden.device}), probs ({probs.device}) and routing_map "
+                   f"({routing_map.device}) must be on one device")
+    return 0, ""
+
+
+def gather_demand(ctx: RankContext, hidden: torch.Tensor, probs: torch.Tensor,
+                  routing_map: torch.Tensor) -> Program:
+    """Program: the count exchange (see module docstring). Returns a ``LayerDemand``.
+
+    Collective: yes (EP group, one all-to-all). Host sync: yes (one, the counts).
+
+    Raises:
+        InputError: on every rank, when any rank's input is malformed (names the ranks).
+    """
+    topo = ctx.topo
+    n, g, w = topo.num_nodes, topo.gpus_per_node, topo.world_size
+    m, e_loc = 1 << g, ctx.experts_per_rank
+    device = routing_map.device
+    code, message = input_status(ctx, hidden, probs, routing_map)
+    width = n + 2 + m + e_loc
+    send = torch.zeros(w, width, dtype=torch.int64, device=device)
+    t = int(routing_map.shape[0]) if routing_map.dim() >= 1 else 0
+    if code == 0:
+        token_C, node_C, mask_C, counts_NM = ops.records_from_routing(routing_map, n, g)
+        send[:, :n] = counts_NM.sum(dim=1)
+        send[:, n] = t
+        node_of_peer = torch.arange(w, device=device) // g
+        send[:, n + 2:n + 2 + m] = counts_NM[node_of_peer]
+        send[:, n + 2 + m:] = routing_map.sum(dim=0, dtype=torch.int64).view(w, e_loc)
+    else:
+        token_C = node_C = mask_C = torch.zeros(0, dtype=torch.int64, device=device)
+    send[:, n + 1] = code
+    recv = torch.empty_like(send)
+    yield Collective(kind="all_to_all", stage="count exchange", group=ctx.groups.ep, send=send, recv=recv)
+    counts = recv.cpu()  # the layer's one host sync: every split size follows from these counts
+    bad = torch.nonzero(counts[:, n + 1]).flatten().tolist()
+    if bad:
+        own = f" (this rank: {message})" if code else ""
+        raise InputError(
+            f"malformed dispatcher input on EP rank(s) {bad}{own}; expected hidden [T, H] and probs [T, "
+            f"{ctx.num_experts}] (floating point) and a bool routing_map [T, {ctx.num_experts}] with top-k "
+            "True per row, all on one device")
+    demand = DemandCounts(records_WN=counts[:, :n], view_node=ctx.groups.node_index,
+                          view_masks_WM=counts[:, n + 2:n + 2 + m],
+                          view_experts_X=counts[:, n + 2 + m:].sum(dim=0))
+    return LayerDemand(demand=demand, max_tokens=int(counts[:, n].max()), num_tokens=t, token_C=token_C,
+                       node_C=node_C, mask_C=mask_C, num_records=int(counts[ctx.groups.ep_rank, :n].sum()))
+
+
+def prepare_layer(ctx: RankContext, layer: LayerDemand, plan: PathPlan, *, hidden_dtype: torch.dtype,
+                  probs_dtype: torch.dtype, hidden_size: int) -> LayerHandle:
+    """Compile the schedule and build this rank's index maps. No communication, no host sync."""
+    wire = RecordWireFormat(hidden=hidden_size, payload_dtype=hidden_dtype, probs_dtype=probs_dtype,
+                            experts_per_node=ctx.experts_per_node)
+    schedule = compile_schedule(plan, wire, demand=layer.demand)
+    view = rank_view(schedule, ctx.groups.ep_rank)
+    if view.num_records != layer.num_records:
+        raise RuntimeError(f"internal: EP rank {ctx.groups.ep_rank}: the plan counts {view.num_records} "
+                           f"records of this rank, its routing has {layer.num_records}")
+    n_rec = layer.num_records
+    layout = build_layout(plan, view, token_R=layer.token_C[:n_rec], node_R=layer.node_C[:n_rec],
+                          mask_R=layer.mask_C[:n_rec])
+    tokens_per_expert = layer.demand.view_experts_X
+    return LayerHandle(schedule=schedule, view=view, layout=layout, tokens_per_expert=tokens_per_expert,
+                       num_entries=int(tokens_per_expert.sum()), num_tokens=layer.num_tokens,
+                       max_tokens=layer.max_tokens)
+
+
+def _routing_words(routing_map: torch.Tensor, rows: torch.Tensor, ctx: RankContext, words: int) -> torch.Tensor:
+    """[n, words] int32: the routing bits of each (token, node) row, 32 per word."""
+    e_node = ctx.experts_per_node
+    bits = routing_map.reshape(-1, e_node).index_select(0, rows).to(torch.int64)
+    bits = torch.nn.functional.pad(bits, (0, words * ROUTING_BITS_PER_WORD - e_node))
+    shifts = torch.arange(ROUTING_BITS_PER_WORD, dtype=torch.int64, device=bits.device)
+    packed = (bits.view(-1, words, ROUTING_BITS_PER_WORD) << shifts).sum(dim=-1)
+    return torch.where(packed >= 1 << 31, packed - (1 << 32), packed).to(torch.int32)
+
+
+def _expand(meta_C: torch.Tensor, ctx: RankContext, handle: LayerHandle) -> EntryIndex:
+    """Entries (copy, local expert) of the received copies, in canonical order. No host sync."""
+    e_loc, w = ctx.experts_per_rank, ctx.topo.world_size
+    bit = ctx.groups.local * e_loc + torch.arange(e_loc, dtype=torch.int64, device=meta_C.device)
+    word = meta_C.index_select(1, META_FIXED_WORDS + bit // ROUTING_BITS_PER_WORD).to(torch.int64)
+    hits = ((word >> (bit % ROUTING_BITS_PER_WORD)) & 1).bool()  # [n_copy, E_loc]
+    flat = select_positions(hits.reshape(-1), handle.num_entries)
+    copy_idx, expert_idx = flat // e_loc, flat % e_loc
+    src = meta_C[:, 0].to(torch.int64).index_select(0, copy_idx)
+    token = meta_C[:, 1].to(torch.int64).index_select(0, copy_idx)
+    key = (expert_idx * w + src) * max(handle.max_tokens, 1) + token
+    order = torch.sort(key).indices
+    return EntryIndex(copy_of_entry=copy_idx.index_select(0, order), expert_of_entry=expert_idx.index_select(0, order))
+
+
+def _probs_column(ctx: RankContext, entries: EntryIndex) -> torch.Tensor:
+    """[n_ent] column of each entry's expert in a node's probs row."""
+    return ctx.groups.local * ctx.experts_per_rank + entries.expert_of_entry
+
+
+def dispatch_forward(ctx: RankContext, handle: LayerHandle, hidden: torch.Tensor, probs: torch.Tensor,
+                     routing_map: torch.Tensor) -> Program:
+    """Program: tokens to the experts. Returns (tokens [n_ent, H], probs [n_ent], ``EntryIndex``)."""
+    layout, wire, n = handle.layout, handle.wire, ctx.topo.num_nodes
+    order = layout.owner_order
+    token_o = layout.token_R.index_select(0, order)
+    row_o = token_o * n + layout.node_R.index_select(0, order)  # (token, node) row of probs/routing
+    meta = torch.cat([torch.full_like(token_o, ctx.groups.ep_rank).unsqueeze(1), token_o.unsqueeze(1)], dim=1)
+    meta = torch.cat([meta.to(torch.int32), _routing_words(routing_map, row_o, ctx, wire.meta_words - META_FIXED_WORDS)],
+                     dim=1)
+    rows = ops.pack_rows([hidden, probs.reshape(-1, ctx.experts_per_node), meta], [token_o, row_o, None])
+    copies = yield from forward_moves(rows, layout=layout, view=handle.view, schedule=handle.schedule,
+                                      groups=ctx.groups)
+    payload_C, probs_C, meta_C = ops.unpack_rows(copies, wire.dispatch_specs())
+    entries = _expand(meta_C, ctx, handle)
+    tokens = payload_C.index_select(0, entries.copy_of_entry)
+    entry_probs = probs_C[entries.copy_of_entry, _probs_column(ctx, entries)]
+    return tokens, entry_probs, entries
+
+
+def dispatch_backward(ctx: RankContext, handle: LayerHandle, entries: EntryIndex, g_tokens: torch.Tensor,
+                      g_probs: torch.Tensor) -> Program:
+    """Program: gradients of dispatch. Returns (g_hidden [T, H], g_probs [T, E])."""
+    layout, wire, n = handle.layout, handle.wire, ctx.topo.num_nodes
+    n_copy = layout.num_copies
+    g_payload_C = ops.segment_sum(g_tokens, entries.copy_of_entry, n_copy, out_dtype=wire.payload_dtype,
+                                  max_segment_len=ctx.experts_per_rank)
+    g_probs_C = torch.zeros((n_copy, ctx.experts_per_node), dtype=wire.probs_dtype, device=g_tokens.device)
+    g_probs_C.index_put_((entries.copy_of_entry, _probs_column(ctx, entries)), g_probs.to(wire.probs_dtype))
+    rows = ops.pack_rows([g_payload_C, g_probs_C], [None, None])
+    back = yield from backward_moves(rows, wire.dispatch_grad_specs(), layout=layout, view=handle.view,
+                                     schedule=handle.schedule, groups=ctx.groups)
+    n_rec = handle.view.num_records
+    g_payload_R, g_probs_R = ops.unpack_rows(back, wire.dispatch_grad_specs(), row_index=layout.owner_order,
+                                             num_rows=n_rec)
+    t = handle.num_tokens
+    g_hidden = ops.segment_sum(g_payload_R, layout.token_R, t, out_dtype=wire.payload_dtype, max_segment_len=n)
+    g_probs_full = torch.zeros((t * n, ctx.experts_per_node), dtype=wire.probs_dtype, device=g_tokens.device)
+    g_probs_full.index_copy_(0, layout.token_R * n + layout.node_R, g_probs_R)
+    return g_hidden, g_probs_full.view(t, ctx.num_experts)
+
+
+def combine_forward(ctx: RankContext, handle: LayerHandle, entries: EntryIndex, expert_out: torch.Tensor) -> Program:
+    """Program: expert outputs [n_ent, H] back to this rank's tokens. Returns [T, H]."""
+    layout, wire = handle.layout, handle.wire
+    if expert_out.dtype != wire.payload_dtype:
+        raise ValueError(f"combine: expert output dtype {expert_out.dtype} differs from the dispatched hidden "
+                         f"dtype {wire.payload_dtype}")
+    y_C = ops.segment_sum(expert_out, entries.copy_of_entry, layout.num_copies, max_segment_len=ctx.experts_per_rank)
+    back = yield from backward_moves(ops.pack_rows([y_C], [None]), wire.combine_specs(), layout=layout,
+                                     view=handle.view, schedule=handle.schedule, groups=ctx.groups)
+    (y_R,) = ops.unpack_rows(back, wire.combine_specs(), row_index=layout.owner_order,
+                             num_rows=handle.view.num_records)
+    return ops.segment_sum(y_R, layout.token_R, handle.num_tokens, max_segment_len=ctx.topo.num_nodes)
+
+
+def combine_backward(ctx: RankContext, handle: LayerHandle, entries: EntryIndex, g_out: torch.Tensor) -> Program:
+    """Program: gradient of combine. Returns g_expert_out [n_ent, H]."""
+    layout, wire = handle.layout, handle.wire
+    token_o = layout.token_R.index_select(0, layout.owner_order)
+    rows = ops.pack_rows([g_out.to(wire.payload_dtype)], [token_o])
+    copies = yield from forward_moves(rows, layout=layout, view=handle.view, schedule=handle.schedule,
+                                      groups=ctx.groups)
+    (g_y_C,) = ops.unpack_rows(copies, wire.combine_specs())
+    return g_y_C.index_select(0, entries.copy_of_entry)

@@ -1,0 +1,224 @@
+"""Transports under the exchange: how one rank's program reaches its peers.
+
+The exchange is written as *rank programs*: Python generators that yield communication
+requests and get the results sent back. A driver connects a program to a transport:
+
+* ``TorchDistTransport`` (``drive``): torch.distributed point-to-point batches and
+  collectives (NCCL on GPUs, gloo on CPU), for real multi-process jobs;
+* ``exchange.virtual.VirtualCluster``: every rank's program in one process on one device,
+  moving buffers by local copies, phase by phase (tests and ``railwave simulate-exchange``).
+
+Requests:
+    ``Post(tag, group, sends, recvs)``: post the sends and receives of one phase (contiguous
+        per-peer buffers; non-blocking); the answer is a ticket.
+    ``Wait(ticket)``: block until the phase's buffers are complete (receives written in place).
+    ``Collective(kind, group, send, recv)``: a blocking all-gather or all-to-all.
+Peers are group ranks. A program never posts to itself: it copies its own chunk.
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+from collections.abc import Callable, Generator
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["GroupRef", "Post", "Wait", "Collective", "Program", "ExchangeError", "ExchangeTimeoutError",
+           "TorchDistTransport", "drive"]
+
+
+class ExchangeError(RuntimeError):
+    """A communication step of the exchange failed; the text names the stage and the peers."""
+
+
+class ExchangeTimeoutError(ExchangeError):
+    """A communication step did not complete within ``timeout_s``."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class GroupRef:
+    """A communication group of one rank.
+
+    Attributes:
+        kind: 'ep' (the whole expert-parallel group, for the count exchange), 'node' or 'rail'.
+        index: node index (node group), rail index (rail group), 0 for 'ep'.
+        ranks: EP ranks of the members in group-rank order.
+        handle: the ``torch.distributed`` process group (None in the virtual cluster).
+    """
+
+    kind: Literal["ep", "node", "rail"]
+    index: int
+    ranks: tuple[int, ...]
+    handle: Any = None
+    label: str = ""
+    """How errors name the group (e.g. 'rail 1 (GPU 1 of every node)')."""
+
+    def describe(self) -> str:
+        if self.label:
+            return self.label
+        return "the EP group" if self.kind == "ep" else f"{self.kind} group {self.index}"
+
+
+@dataclass(kw_only=True, slots=True)
+class Post:
+    """Start one phase: ``sends[p]`` to group peer p, ``recvs[p]`` preallocated from peer p
+    (None or zero rows: nothing)."""
+
+    tag: int
+    stage: str
+    group: GroupRef
+    sends: list[torch.Tensor | None]
+    recvs: list[torch.Tensor | None]
+
+
+@dataclass(kw_only=True, slots=True)
+class Wait:
+    ticket: Any
+
+
+@dataclass(kw_only=True, slots=True)
+class Collective:
+    """A blocking collective on ``group``: 'all_gather' (recv [P * n] <- send [n]) or
+    'all_to_all' (send [P, k] -> recv [P, k])."""
+
+    kind: Literal["all_gather", "all_to_all"]
+    stage: str
+    group: GroupRef
+    send: torch.Tensor
+    recv: torch.Tensor
+
+
+Program = Generator[Any, Any, Any]
+"""A rank program: yields ``Post`` / ``Wait`` / ``Collective``, returns its result."""
+
+
+def _nonempty(t: torch.Tensor | None) -> bool:
+    return t is not None and t.numel() > 0
+
+
+@dataclass(kw_only=True, slots=True)
+class _Ticket:
+    post: Post
+    works: list[Any]
+    peers: list[int]
+    started: float
+
+
+@dataclass(kw_only=True)
+class TorchDistTransport:
+    """Drives rank programs over torch.distributed.
+
+    Args:
+        rank: this rank's EP rank.
+        timeout_s: limit of every wait (None: the process groups' own timeouts). The groups
+            are created with the same timeout, so collectives are bounded too.
+        survey: on a failure, ``survey(stage, group)`` returns the group's members that did not
+            report reaching the stage (``groups.survey_unresponsive``); None names no one.
+        bytes_sent / bytes_received: per stage, bytes this rank handed to sends and receives.
+    """
+
+    rank: int
+    timeout_s: float | None = None
+    survey: Callable[[str, GroupRef], list[int]] | None = None
+    bytes_sent: dict[str, int] = field(default_factory=dict)
+    bytes_received: dict[str, int] = field(default_factory=dict)
+
+    def post(self, req: Post) -> _Ticket:
+        group = req.group
+        ops, peers = [], []
+        # Receives first: on gloo's TCP pairs, two ranks exchanging both ways otherwise take turns.
+        for peer, buf in enumerate(req.recvs):
+            if _nonempty(buf) and peer != self._me(group):
+                ops.append(dist.P2POp(dist.irecv, buf, group=group.handle, group_peer=peer, tag=req.tag))
+                peers.append(peer)
+                self.bytes_received[req.stage] = self.bytes_received.get(req.stage, 0) + _nbytes(buf)
+        for peer, buf in enumerate(req.sends):
+            if _nonempty(buf) and peer != self._me(group):
+                ops.append(dist.P2POp(dist.isend, buf, group=group.handle, group_peer=peer, tag=req.tag))
+                peers.append(peer)
+                self.bytes_sent[req.stage] = self.bytes_sent.get(req.stage, 0) + _nbytes(buf)
+        started = time.monotonic()
+        try:
+            works = list(dist.batch_isend_irecv(ops)) if ops else []
+        except Exception as exc:  # noqa: BLE001 - a failed post names the stage too
+            raise self._error(req.stage, group, peers, started, exc) from exc
+        return _Ticket(post=req, works=works, peers=peers, started=started)
+
+    def wait(self, ticket: _Ticket) -> None:
+        timeout = datetime.timedelta(seconds=self.timeout_s) if self.timeout_s else None
+        for work in ticket.works:
+            try:
+                done = work.wait(timeout) if timeout is not None else work.wait()
+            except Exception as exc:  # noqa: BLE001 - any failure of a wait names the stage
+                raise self._error(ticket.post.stage, ticket.post.group, ticket.peers, ticket.started, exc) from exc
+            if done is False:
+                raise self._error(ticket.post.stage, ticket.post.group, ticket.peers, ticket.started, None)
+        ticket.works = []
+
+    def collective(self, req: Collective) -> None:
+        started = time.monotonic()
+        try:
+            if req.kind == "all_gather":
+                work = dist.all_gather_into_tensor(req.recv, req.send, group=req.group.handle, async_op=True)
+            else:
+                work = dist.all_to_all_single(req.recv, req.send, group=req.group.handle, async_op=True)
+            timeout = datetime.timedelta(seconds=self.timeout_s) if self.timeout_s else None
+            done = work.wait(timeout) if timeout is not None else work.wait()
+        except Exception as exc:  # noqa: BLE001
+            raise self._error(req.stage, req.group, list(range(len(req.group.ranks))), started, exc) from exc
+        if done is False:
+            raise self._error(req.stage, req.group, list(range(len(req.group.ranks))), started, None)
+
+    def _me(self, group: GroupRef) -> int:
+        return group.ranks.index(self.rank)
+
+    def _error(self, stage: str, group: GroupRef, peers: list[int], started: float,
+               exc: BaseException | None) -> ExchangeError:
+        waited = time.monotonic() - started
+        timed_out = self.timeout_s is not None and waited >= 0.9 * self.timeout_s
+        ranks = sorted({group.ranks[p] for p in peers if group.ranks[p] != self.rank})
+        me = group.ranks.index(self.rank)
+        others = sorted({p for p in peers if p != me})
+        if group.kind == "rail" and others:  # group ranks of a rail group are node indices
+            link = f"{group.describe()} between node {me} and " + ", ".join(f"node {p}" for p in others)
+        else:
+            link = group.describe()
+        unresponsive = self.survey(stage, group) if self.survey is not None else []
+        who = (f"unresponsive: EP rank(s) {unresponsive}" if unresponsive
+               else f"peers of this step: EP rank(s) {ranks}")
+        cause = f" ({type(exc).__name__}: {exc})" if exc is not None else ""
+        if timed_out or exc is None:
+            return ExchangeTimeoutError(
+                f"RailWave exchange, EP rank {self.rank}: stage '{stage}' on {link} did not "
+                f"complete within {self.timeout_s} s; {who}{cause}. If a rail is down, list it in "
+                "failed_rails (RailWaveConfig) so that no traffic is planned on it; if a rank is slow "
+                "or stuck, see its own log.")
+        return ExchangeError(
+            f"RailWave exchange, EP rank {self.rank}: stage '{stage}' on {link} failed after "
+            f"{waited:.1f} s; {who}{cause}")
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def drive(program: Program, transport: TorchDistTransport) -> Any:
+    """Run one rank program to completion over ``transport``; returns its result."""
+    try:
+        request = next(program)
+        while True:
+            if isinstance(request, Post):
+                answer = transport.post(request)
+            elif isinstance(request, Wait):
+                answer = transport.wait(request.ticket)
+            elif isinstance(request, Collective):
+                answer = transport.collective(request)
+            else:  # pragma: no cover - programming error
+                raise TypeError(f"rank program yielded {type(request).__name__}")
+            request = program.send(answer)
+    except StopIteration as stop:
+        return stop.value

@@ -1,0 +1,62 @@
+"""Output files and directories: checked before any work, so a bad path fails at once.
+
+Used by ``RailWaveConfig`` (``log_dir``, ``capture_dir``: checked at construction, before the first
+collective) and by every CLI command that writes files. Nothing is created by a check. The
+errors name the setting (``name``: a flag such as ``--json`` or a config key), the path and the
+fix. Note that a process running as root passes every permission check.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path as FsPath
+
+__all__ = ["check_output_file", "check_output_dir"]
+
+
+def _first_existing(path: FsPath) -> FsPath:
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def _creatable(path: FsPath, name: str, what: str) -> None:
+    """Raise unless the missing ``path`` can be created (its first existing ancestor is a
+    writable directory)."""
+    base = _first_existing(path.parent)
+    if not base.is_dir():
+        raise ValueError(f"{name} {str(path)!r}: cannot create this {what}: {str(base)!r} is a file, "
+                         "not a directory; choose another path")
+    if not os.access(base, os.W_OK | os.X_OK):
+        raise ValueError(f"{name} {str(path)!r}: cannot create this {what}: directory {str(base)!r} is "
+                         "not writable; choose a path you can write")
+
+
+def check_output_file(path: str | os.PathLike | None, name: str) -> None:
+    """Raise ``ValueError`` naming ``name`` unless ``path`` can be written as a file."""
+    if path is None:
+        return
+    p = FsPath(path)
+    if p.is_dir():
+        raise ValueError(f"{name} {str(p)!r} is a directory; give a file name inside it "
+                         f"(e.g. {str(p / 'out.json')!r})")
+    if p.exists():
+        if not os.access(p, os.W_OK):
+            raise ValueError(f"{name} {str(p)!r} exists and is not writable; choose another file")
+        return
+    _creatable(p, name, "file")
+
+
+def check_output_dir(path: str | os.PathLike | None, name: str) -> None:
+    """Raise ``ValueError`` naming ``name`` unless ``path`` is (or can be created as) a writable
+    directory."""
+    if path is None:
+        return
+    p = FsPath(path)
+    if p.exists():
+        if not p.is_dir():
+            raise ValueError(f"{name} {str(p)!r} is a file; give a directory")
+        if not os.access(p, os.W_OK | os.X_OK):
+            raise ValueError(f"{name} {str(p)!r} is not writable; choose a directory you can write")
+        return
+    _creatable(p, name, "directory")

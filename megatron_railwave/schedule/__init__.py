@@ -1,0 +1,23 @@
+"""The execution schedule: a ``PathPlan`` compiled into ordered phases, transfers and the record
+wire format. The one truth that the exchange executes, the flow model simulates and the byte
+counters count. Pure: no communication, host tensors only.
+"""
+
+from .execution import Direction, ExecutionSchedule, MaskSource, Phase, PhaseKind, compile_schedule
+from .rank_view import PhaseCounts, RankView, rank_view
+from .wire import META_FIXED_WORDS, ROUTING_BITS_PER_WORD, RecordWireFormat
+
+__all__ = [
+    "Direction",
+    "ExecutionSchedule",
+    "MaskSource",
+    "Phase",
+    "PhaseKind",
+    "compile_schedule",
+    "PhaseCounts",
+    "RankView",
+    "rank_view",
+    "RecordWireFormat",
+    "META_FIXED_WORDS",
+    "ROUTING_BITS_PER_WORD",
+]

@@ -1,0 +1,323 @@
+"""``ExecutionSchedule``: a ``PathPlan`` compiled into the ordered phases of one layer.
+
+Letters: N nodes, G GPUs per node, W = N * G ranks, V waves (or sending windows), V' = V + 1
+delivery rounds, M = 2**G target masks, X transfers.
+
+The schedule is the one truth that three consumers share: the exchange executes it
+(``exchange``), the flow model simulates it (``netmodel``) and the byte counters count it
+(``bench.wire_bytes``). Pure: tensors and dataclasses in, a schedule out; no communication.
+
+Dispatch phases, in the order the exchange posts them:
+
+    relay          owner GPU (s, g) -> proxy GPU (s, l), node group (stage 1)
+    deliver[0]     the local node's records: owner (s, g) -> target GPUs (s, j), node group
+    rail[v]        wave v: GPU (s, l) -> GPU (d, l) for the wave's node pairs, rail group
+    deliver[v+1]   wave v's records: arrival GPU (d, l) -> target GPUs (d, j), node group
+
+listed as relay, deliver[0], rail[0], then rail[v], deliver[v] for v = 1..V-1, then deliver[V]:
+rail[v+1] is posted before deliver[v+1] so that stage 3 of wave v overlaps stage 2 of wave
+v + 1. A phase starts once every phase in its ``depends_on`` has completed on that rank:
+
+    relay: ()            rail[0]: (relay,)          rail[v]: (rail[v-1],)
+    deliver[0]: ()       deliver[r]: (rail[r-1], deliver[r-1])
+
+Combine runs the same transfers backwards (``mirror_of``): deliver back cdeliver[r] (targets
+return their copies; the arrival GPU sums them in local-GPU order), rail back crail[v], relay
+back crelay, listed as cdeliver[0], cdeliver[1], crail[0], cdeliver[2], crail[1], ...,
+cdeliver[V], crail[V-1], crelay with
+
+    cdeliver[0]: ()   cdeliver[r]: (cdeliver[r-1],)   crail[v]: (cdeliver[v+1], crail[v-1])
+    crelay: (crail[V-1],)
+
+Transfers are stored for the dispatch phases as one table (phase, src rank, dst rank, rows);
+a combine phase's transfers are its mirror's with source and destination swapped. Rows count
+records on stages 1-2 and copies (record x target GPU) on stage 3; a transfer with
+src == dst is a copy a GPU keeps (stage 3 to itself) and never touches a wire.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Literal, Protocol
+
+import torch
+
+from ..planner import PathPlan, delivery_copies_NGG
+from .wire import RecordWireFormat
+
+__all__ = ["Direction", "PhaseKind", "Phase", "ExecutionSchedule", "MaskSource", "compile_schedule"]
+
+
+class MaskSource(Protocol):
+    """The mask histogram of the records into one node (``traffic.DemandCounts``)."""
+
+    def masks_into(self, node: int) -> torch.Tensor:
+        """[W, M] int64: records every rank sends to ``node``, by target mask."""
+        ...
+
+
+class Direction(StrEnum):
+    DISPATCH = "dispatch"
+    COMBINE = "combine"
+
+
+class PhaseKind(StrEnum):
+    RELAY = "relay"
+    RAIL = "rail"
+    DELIVER = "deliver"
+
+
+GroupKind = Literal["node", "rail"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Phase:
+    """One communication step of a layer.
+
+    Attributes:
+        index: position in ``ExecutionSchedule.phases``.
+        name: e.g. 'dispatch.rail[1]', 'combine.deliver[0]'.
+        direction: dispatch or combine.
+        kind: relay, rail or deliver.
+        step: the wave (rail) or the delivery round (deliver); 0 for relay.
+        group: 'node' (peers are local GPU indices) or 'rail' (peers are node indices).
+        depends_on: phases that must complete on a rank before it starts this one.
+        mirror_of: for combine phases, the dispatch phase whose transfers run backwards.
+    """
+
+    index: int
+    name: str
+    direction: Direction
+    kind: PhaseKind
+    step: int
+    group: GroupKind
+    depends_on: tuple[int, ...]
+    mirror_of: int | None = None
+
+
+def _dispatch_layout(num_waves: int) -> list[tuple[PhaseKind, int]]:
+    order = [(PhaseKind.RELAY, 0), (PhaseKind.DELIVER, 0)]
+    if num_waves:
+        order.append((PhaseKind.RAIL, 0))
+        for v in range(1, num_waves):
+            order += [(PhaseKind.RAIL, v), (PhaseKind.DELIVER, v)]
+        order.append((PhaseKind.DELIVER, num_waves))
+    return order
+
+
+def _combine_layout(num_waves: int) -> list[tuple[PhaseKind, int]]:
+    order = [(PhaseKind.DELIVER, 0)]
+    for v in range(num_waves):
+        order += [(PhaseKind.DELIVER, v + 1), (PhaseKind.RAIL, v)]
+    order.append((PhaseKind.RELAY, 0))
+    return order
+
+
+def _build_phases(num_waves: int) -> tuple[Phase, ...]:
+    phases: list[Phase] = []
+    index: dict[tuple[Direction, PhaseKind, int], int] = {}
+    for direction, layout in ((Direction.DISPATCH, _dispatch_layout(num_waves)),
+                              (Direction.COMBINE, _combine_layout(num_waves))):
+        for kind, step in layout:
+            index[(direction, kind, step)] = len(phases)
+            phases.append(None)  # type: ignore[arg-type]  # filled below, once every index is known
+    D, C = Direction.DISPATCH, Direction.COMBINE
+    R, L, DL = PhaseKind.RELAY, PhaseKind.RAIL, PhaseKind.DELIVER
+    for (direction, kind, step), i in index.items():
+        if direction == D:
+            if kind == R:
+                deps: tuple[int, ...] = ()
+            elif kind == L:
+                deps = (index[(D, R, 0)],) if step == 0 else (index[(D, L, step - 1)],)
+            else:
+                deps = () if step == 0 else (index[(D, L, step - 1)], index[(D, DL, step - 1)])
+            mirror = None
+        else:
+            if kind == DL:
+                deps = () if step == 0 else (index[(C, DL, step - 1)],)
+            elif kind == L:
+                deps = (index[(C, DL, step + 1)],) + ((index[(C, L, step - 1)],) if step else ())
+            else:
+                deps = (index[(C, L, num_waves - 1)],) if num_waves else ()
+            mirror = index[(D, kind, step)]
+        label = kind.value if kind == R else f"{kind.value}[{step}]"
+        phases[i] = Phase(index=i, name=f"{direction.value}.{label}", direction=direction, kind=kind, step=step,
+                          group="rail" if kind == L else "node", depends_on=deps, mirror_of=mirror)
+    return tuple(phases)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ExecutionSchedule:
+    """The phases, transfers and wire format of one layer (identical on every rank).
+
+    Attributes:
+        plan: the path plan compiled.
+        wire: bytes per row of every message.
+        phases: dispatch phases, then combine phases, each list in posting order.
+        delivery_nodes: nodes whose stage-3 transfers the table holds (all nodes for tools; the
+            exchange compiles only its own node, the only one whose target masks it gathers).
+        demand: the mask histograms stage 3 was compiled from (None without delivery nodes).
+        phase_X, src_X, dst_X, rows_X: [X] int64 transfer table of the dispatch phases (global
+            EP ranks), rows > 0, sorted by phase.
+    """
+
+    plan: PathPlan
+    wire: RecordWireFormat
+    phases: tuple[Phase, ...]
+    delivery_nodes: tuple[int, ...]
+    demand: MaskSource | None
+    phase_X: torch.Tensor
+    src_X: torch.Tensor
+    dst_X: torch.Tensor
+    rows_X: torch.Tensor
+
+    @property
+    def num_waves(self) -> int:
+        return self.plan.num_waves
+
+    @property
+    def num_rounds(self) -> int:
+        """V' = V + 1 delivery rounds (round 0: the local node's records)."""
+        return self.plan.num_waves + 1
+
+    def dispatch_phases(self) -> tuple[Phase, ...]:
+        return tuple(p for p in self.phases if p.direction == Direction.DISPATCH)
+
+    def combine_phases(self) -> tuple[Phase, ...]:
+        return tuple(p for p in self.phases if p.direction == Direction.COMBINE)
+
+    def phase(self, direction: Direction | str, kind: PhaseKind | str, step: int = 0) -> Phase:
+        for p in self.phases:
+            if p.direction == direction and p.kind == kind and p.step == step:
+                return p
+        raise KeyError(f"no phase {direction}.{kind}[{step}] in a schedule of {self.num_waves} waves")
+
+    def transfers(self, phase: Phase) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(src [x], dst [x], rows [x]) int64 of one phase; combine phases are mirrored."""
+        source = phase.index if phase.mirror_of is None else phase.mirror_of
+        sel = self.phase_X == source
+        src, dst, rows = self.src_X[sel], self.dst_X[sel], self.rows_X[sel]
+        return (dst, src, rows) if phase.mirror_of is not None else (src, dst, rows)
+
+    def row_bytes(self, phase: Phase, *, backward: bool = False) -> int:
+        """Bytes of one row of ``phase`` in the forward pass, or in its backward."""
+        if phase.direction == Direction.DISPATCH:
+            return self.wire.combine_bytes if backward else self.wire.dispatch_bytes
+        return self.wire.dispatch_grad_bytes if backward else self.wire.combine_bytes
+
+    def wire_rows_P(self) -> torch.Tensor:
+        """[P] int64: rows that cross a link (src != dst) in each phase."""
+        mirror = torch.tensor([p.index if p.mirror_of is None else p.mirror_of for p in self.phases],
+                              dtype=torch.int64)
+        moved = torch.zeros(len(self.phases), dtype=torch.int64)
+        off = self.src_X != self.dst_X
+        moved.index_add_(0, self.phase_X[off], self.rows_X[off])
+        return moved[mirror]
+
+    def rank_bytes(self, rank: int, *, backward: bool = False) -> dict[str, list[int]]:
+        """Bytes ``rank`` sends and receives over links in each phase (self copies excluded).
+
+        Returns:
+            {'sent': [P], 'received': [P]} in phase order.
+        """
+        sent, received = [], []
+        for p in self.phases:
+            src, dst, rows = self.transfers(p)
+            off = src != dst
+            width = self.row_bytes(p, backward=backward)
+            sent.append(int(rows[off & (src == rank)].sum()) * width)
+            received.append(int(rows[off & (dst == rank)].sum()) * width)
+        return {"sent": sent, "received": received}
+
+    def to_json(self) -> dict:
+        rows = self.wire_rows_P().tolist()
+        return {
+            "path": str(self.plan.path),
+            "num_waves": self.num_waves,
+            "wire": self.wire.to_dict(),
+            "delivery_nodes": list(self.delivery_nodes),
+            "phases": [{"name": p.name, "group": p.group, "depends_on": [self.phases[d].name for d in p.depends_on],
+                        "wire_rows": rows[p.index], "wire_bytes": rows[p.index] * self.row_bytes(p)}
+                       for p in self.phases],
+        }
+
+
+def _relay_transfers(plan: PathPlan) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    n, g = plan.topology.num_nodes, plan.topology.gpus_per_node
+    remote = ~torch.eye(n, dtype=torch.bool)
+    relay_NGG = (plan.relay_NNGG * remote.view(n, n, 1, 1)).sum(dim=1)
+    relay_NGG = relay_NGG * ~torch.eye(g, dtype=torch.bool)  # kept records are not transfers
+    s, o, l = torch.nonzero(relay_NGG, as_tuple=True)
+    return s * g + o, s * g + l, relay_NGG[s, o, l]
+
+
+def _rail_transfers(plan: PathPlan) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = plan.topology.gpus_per_node
+    remote_quota = plan.quota_NNG * (plan.pair_wave_NN >= 0).unsqueeze(-1)
+    s, d, l = torch.nonzero(remote_quota, as_tuple=True)
+    return plan.pair_wave_NN[s, d], s * g + l, d * g + l, remote_quota[s, d, l]
+
+
+def _delivery_transfers(plan: PathPlan, demand: MaskSource, node: int
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = plan.topology.gpus_per_node
+    copies_NGG = delivery_copies_NGG(plan, demand, node)  # [s, arrive l, target j]
+    round_N = plan.pair_wave_NN[:, node] + 1
+    round_N[node] = 0
+    per_round = torch.zeros(plan.num_waves + 1, g, g, dtype=torch.int64).index_add_(0, round_N, copies_NGG)
+    r, l, j = torch.nonzero(per_round, as_tuple=True)
+    return r, node * g + l, node * g + j, per_round[r, l, j]
+
+
+def compile_schedule(plan: PathPlan, wire: RecordWireFormat, *, demand: MaskSource | None = None,
+                     delivery_nodes: tuple[int, ...] | None = None) -> ExecutionSchedule:
+    """Compile ``plan`` into the phases and transfers of one layer. Pure; host tensors only.
+
+    Args:
+        plan: the path plan.
+        wire: the record wire format.
+        demand: target-mask histograms (``DemandCounts``); stage 3 needs them for every node in
+            ``delivery_nodes``.
+        delivery_nodes: nodes whose stage-3 transfers to compile; default: every node whose
+            masks ``demand`` holds (all for a full demand, the view node for the exchange's
+            node view, none without a demand).
+
+    Host sync: no (CPU tensors in and out).
+    """
+    n = plan.topology.num_nodes
+    if delivery_nodes is None:
+        if demand is None:
+            delivery_nodes = ()
+        elif getattr(demand, "records_WNM", None) is not None:
+            delivery_nodes = tuple(range(n))
+        else:
+            view = getattr(demand, "view_node", None)
+            delivery_nodes = () if view is None else (int(view),)
+    elif delivery_nodes and demand is None:
+        raise ValueError("compile_schedule: delivery_nodes need the demand's target-mask histograms")
+    phases = _build_phases(plan.num_waves)
+    index = {(p.direction, p.kind, p.step): p.index for p in phases}
+    parts_phase, parts_src, parts_dst, parts_rows = [], [], [], []
+
+    src, dst, rows = _relay_transfers(plan)
+    parts_phase.append(torch.full_like(src, index[(Direction.DISPATCH, PhaseKind.RELAY, 0)]))
+    parts_src.append(src), parts_dst.append(dst), parts_rows.append(rows)
+
+    rail_phase_V = torch.tensor([index[(Direction.DISPATCH, PhaseKind.RAIL, v)] for v in range(plan.num_waves)],
+                                dtype=torch.int64)
+    wave, src, dst, rows = _rail_transfers(plan)
+    parts_phase.append(rail_phase_V[wave]), parts_src.append(src), parts_dst.append(dst), parts_rows.append(rows)
+
+    deliver_phase_R = torch.tensor([index[(Direction.DISPATCH, PhaseKind.DELIVER, r)]
+                                    for r in range(plan.num_waves + 1)], dtype=torch.int64)
+    for node in delivery_nodes:
+        rnd, src, dst, rows = _delivery_transfers(plan, demand, node)  # type: ignore[arg-type]
+        parts_phase.append(deliver_phase_R[rnd]), parts_src.append(src), parts_dst.append(dst)
+        parts_rows.append(rows)
+
+    phase_X = torch.cat(parts_phase)
+    order = torch.sort(phase_X, stable=True).indices
+    return ExecutionSchedule(plan=plan, wire=wire, phases=phases, delivery_nodes=tuple(delivery_nodes),
+                             demand=demand if delivery_nodes else None, phase_X=phase_X[order], src_X=torch.cat(parts_src)[order],
+                             dst_X=torch.cat(parts_dst)[order], rows_X=torch.cat(parts_rows)[order])

@@ -1,0 +1,141 @@
+"""The exchange's rank programs on the in-process virtual cluster: the four paths bitwise equal,
+the dense closed form within 1e-5 (fp32), one host sync per layer and rank, phases posted after
+their dependencies, and the bytes moved equal to the schedule's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_railwave.bench.sync_audit import SyncAudit
+from megatron_railwave.bench.virtual_exchange import (VirtualSpec, dense_reference, make_virtual_inputs,
+                                                      run_virtual_layer)
+from megatron_railwave.exchange import VirtualCluster
+from megatron_railwave.planner import PlanOptions, schedule_from_windows
+from megatron_railwave.topology import RailTopology
+
+PATHS = ("native", "rail", "perm", "joint")
+
+
+def _uneven_inputs(spec: VirtualSpec, tokens: list[int], skip_nodes: dict[int, list[int]]) -> dict:
+    """Per-rank token counts (zero allowed) and ranks that route to no expert of some nodes."""
+    inputs = make_virtual_inputs(spec)
+    gen = torch.Generator().manual_seed(spec.seed + 1)
+    e, n = spec.experts, spec.topology.num_nodes
+    per_node = e // n
+    for r, t in enumerate(tokens):
+        scores = torch.rand(t, e, generator=gen)
+        for node in skip_nodes.get(r, []):
+            scores[:, node * per_node:(node + 1) * per_node] = -1.0
+        idx = scores.topk(spec.topk, dim=1).indices
+        rm = torch.zeros(t, e, dtype=torch.bool).scatter_(1, idx, True)
+        inputs["routing"][r] = rm
+        inputs["probs"][r] = torch.softmax(torch.randn(t, e, generator=gen), dim=1) * rm
+        inputs["hidden"][r] = torch.randn(t, spec.hidden, generator=gen).to(spec.torch_dtype)
+        inputs["grad_out"][r] = torch.randn(t, spec.hidden, generator=gen).to(spec.torch_dtype)
+    return inputs
+
+
+CASES = {
+    "2x2-fp32": (VirtualSpec(topology=RailTopology(num_nodes=2, gpus_per_node=2), tokens=24, hidden=8, experts=8,
+                             topk=3, seed=1), None),
+    "4x2-uneven-failed-rail": (VirtualSpec(topology=RailTopology(num_nodes=4, gpus_per_node=2,
+                                                                 failed_rails=frozenset({(1, 0)})),
+                                           tokens=0, hidden=8, experts=16, topk=4, seed=2),
+                               ([20, 0, 33, 7, 16, 25, 1, 12], {2: [1, 3], 5: [0], 7: [2, 3, 1]})),
+    "3x3-bf16": (VirtualSpec(topology=RailTopology(num_nodes=3, gpus_per_node=3), tokens=17, hidden=16, experts=18,
+                             topk=5, dtype="bf16", seed=3), None),
+    "1x4-one-node": (VirtualSpec(topology=RailTopology(num_nodes=1, gpus_per_node=4), tokens=12, hidden=8, experts=8,
+                                 topk=2, seed=4), None),
+    "3x1-one-gpu-per-node": (VirtualSpec(topology=RailTopology(num_nodes=3, gpus_per_node=1), tokens=12, hidden=8,
+                                         experts=6, topk=2, seed=5), None),
+    "4x2-fanin2-windows": (VirtualSpec(topology=RailTopology(num_nodes=4, gpus_per_node=2), tokens=14, hidden=8,
+                                       experts=8, topk=3, seed=6,
+                                       options=PlanOptions(fanin=2, windows=schedule_from_windows(
+                                           4, [[(0, 1), (1, 0), (2, 3), (3, 2)],
+                                               [(0, 2), (0, 3), (1, 2), (1, 3), (2, 0), (2, 1), (3, 0), (3, 1)]]))),
+                           None),
+}
+
+
+def _inputs(name: str) -> tuple[VirtualSpec, dict]:
+    spec, uneven = CASES[name]
+    return spec, (_uneven_inputs(spec, *uneven) if uneven else make_virtual_inputs(spec))
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_paths_bitwise_equal_and_match_dense_reference(name):
+    spec, inputs = _inputs(name)
+    results = {path: run_virtual_layer(spec, inputs, path) for path in PATHS}
+    limit = 1e-5 if spec.dtype == "fp32" else 2e-2
+    for r in range(spec.topology.world_size):
+        ref = dense_reference(spec, inputs, r)
+        for key in ("out", "grad_hidden", "grad_probs"):
+            base = results["native"][key][r]
+            assert base.shape == ref[key].shape
+            for path in PATHS:
+                got = results[path][key][r]
+                assert torch.equal(got, base), f"rank {r} {key}: {path} is not bitwise equal to native"
+            if not base.numel():
+                continue
+            scale = ref[key].abs().max().item() or 1.0
+            err = (base.double() - ref[key]).abs().max().item() / scale
+            assert err <= limit, f"rank {r} {key}: relative error {err:.3g} > {limit}"
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("name", ["4x2-uneven-failed-rail", "3x3-bf16"])
+def test_one_host_sync_per_layer_and_rank(name, path):
+    spec, inputs = _inputs(name)
+    with SyncAudit() as audit:
+        audit.mark(*inputs["hidden"], *inputs["probs"], *inputs["routing"], *inputs["grad_out"], inputs["maps_EHH"])
+        run_virtual_layer(spec, inputs, path)
+    # Forward and backward of dispatch and combine: only the count exchange's copy to the host.
+    assert audit.count == spec.topology.world_size, [(e.name, e.where) for e in audit.events]
+    assert {e.name for e in audit.events} == {"cpu"}
+
+
+def test_sync_audit_counts_a_sync_added_to_the_exchange(monkeypatch):
+    """The audit catches a sync: a .tolist() on device data inside the exchange is counted."""
+    import megatron_railwave.exchange.layer as layer
+
+    spec, inputs = _inputs("2x2-fp32")
+    original = layer._expand
+
+    def expand_with_sync(meta_C, ctx, handle):
+        meta_C[:, 0].tolist()
+        return original(meta_C, ctx, handle)
+
+    monkeypatch.setattr(layer, "_expand", expand_with_sync)
+    with SyncAudit() as audit:
+        audit.mark(*inputs["hidden"], *inputs["probs"], *inputs["routing"], *inputs["grad_out"], inputs["maps_EHH"])
+        run_virtual_layer(spec, inputs, "joint")
+    assert audit.count == 2 * spec.topology.world_size
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_phases_wait_for_dependencies_and_move_the_scheduled_bytes(path):
+    spec, inputs = _inputs("4x2-uneven-failed-rail")
+    cluster = VirtualCluster(world_size=spec.topology.world_size)
+    out = run_virtual_layer(spec, inputs, path, cluster=cluster)
+    for r, handle in enumerate(out["handles"]):
+        sched = handle.schedule
+        events = [(e.stage, e.event) for e in cluster.events if e.rank == r]
+        # Each program run posts every phase of its direction once and completes it once.
+        for p in sched.phases:
+            posts = [i for i, ev in enumerate(events) if ev == (p.name, "post")]
+            assert len(posts) == 2, (p.name, events)  # forward run and backward run
+            for post in posts:
+                for dep in p.depends_on:
+                    name = sched.phases[dep].name
+                    done_before = [i for i, ev in enumerate(events[:post]) if ev == (name, "complete")]
+                    posted_before = [i for i, ev in enumerate(events[:post]) if ev == (name, "post")]
+                    assert len(done_before) == len(posted_before) >= 1, (p.name, "before", name)
+        # Bytes: dispatch phases carry the dispatch rows forward and the combine rows in combine's
+        # backward; combine phases the combine rows forward and the dispatch-grad rows backward.
+        fwd, bwd = sched.rank_bytes(r), sched.rank_bytes(r, backward=True)
+        for p in sched.phases:
+            want_sent = fwd["sent"][p.index] + bwd["sent"][p.index]
+            want_received = fwd["received"][p.index] + bwd["received"][p.index]
+            assert cluster.bytes_sent[r].get(p.name, 0) == want_sent, (r, p.name)
+            assert cluster.bytes_received[r].get(p.name, 0) == want_received, (r, p.name)

@@ -1,0 +1,136 @@
+"""ExecutionSchedule: phases and dependencies, transfers against a record-by-record simulation,
+mirrored combine, wire format bytes, rank views."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_railwave.planner import build_plan
+from megatron_railwave.schedule import Direction, PhaseKind, RecordWireFormat, compile_schedule, rank_view
+from megatron_railwave.topology import RailTopology
+from megatron_railwave.traffic import DemandCounts
+
+PATHS = ("native", "rail", "perm", "joint")
+WIRE = RecordWireFormat(hidden=8, payload_dtype=torch.bfloat16, probs_dtype=torch.float32, experts_per_node=40)
+
+
+def _random_demand(topo: RailTopology, seed: int, tokens: int = 30, experts: int = 0, topk: int = 3) -> DemandCounts:
+    gen = torch.Generator().manual_seed(seed)
+    experts = experts or 2 * topo.world_size
+    maps = []
+    for _ in range(topo.world_size):
+        idx = torch.rand(tokens, experts, generator=gen).topk(topk, dim=1).indices
+        maps.append(torch.zeros(tokens, experts, dtype=torch.bool).scatter_(1, idx, True))
+    return DemandCounts.from_routing_maps(maps, topo)
+
+
+def test_wire_format_bytes_hand_computed():
+    # payload 8 x bf16 = 16 B; probs 40 x fp32 = 160 B; meta = 2 + ceil(40 / 32) = 4 int32 = 16 B.
+    assert WIRE.meta_words == 4
+    assert WIRE.payload_bytes == 16
+    assert WIRE.dispatch_bytes == 16 + 160 + 16
+    assert WIRE.combine_bytes == 16
+    assert WIRE.dispatch_grad_bytes == 16 + 160
+
+
+def test_phase_order_and_dependencies_three_waves():
+    topo = RailTopology(num_nodes=4, gpus_per_node=2)
+    plan = build_plan(_random_demand(topo, 0), topo, "joint")
+    sched = compile_schedule(plan, WIRE)
+    names = [p.name for p in sched.phases]
+    assert names == [
+        "dispatch.relay", "dispatch.deliver[0]", "dispatch.rail[0]", "dispatch.rail[1]", "dispatch.deliver[1]",
+        "dispatch.rail[2]", "dispatch.deliver[2]", "dispatch.deliver[3]",
+        "combine.deliver[0]", "combine.deliver[1]", "combine.rail[0]", "combine.deliver[2]", "combine.rail[1]",
+        "combine.deliver[3]", "combine.rail[2]", "combine.relay"]
+    deps = {p.name: sorted(sched.phases[d].name for d in p.depends_on) for p in sched.phases}
+    assert deps["dispatch.rail[0]"] == ["dispatch.relay"]
+    assert deps["dispatch.rail[2]"] == ["dispatch.rail[1]"]
+    assert deps["dispatch.deliver[0]"] == []
+    assert deps["dispatch.deliver[2]"] == ["dispatch.deliver[1]", "dispatch.rail[1]"]
+    assert deps["combine.rail[1]"] == ["combine.deliver[2]", "combine.rail[0]"]
+    assert deps["combine.relay"] == ["combine.rail[2]"]
+    for p in sched.phases:  # every dependency is posted earlier: the posting order is a topological order
+        assert all(d < p.index for d in p.depends_on)
+        assert (p.mirror_of is None) == (p.direction == Direction.DISPATCH)
+        assert p.group == ("rail" if p.kind == PhaseKind.RAIL else "node")
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("failed", [frozenset(), frozenset({(2, 1)})])
+def test_transfers_match_record_simulation(path, failed, sim_tools):
+    demand_from_masks, simulate = sim_tools
+    topo = RailTopology(num_nodes=3, gpus_per_node=3, failed_rails=failed)
+    gen = torch.Generator().manual_seed(5)
+    masks = [torch.randint(0, 8, (25, 3), generator=gen) for _ in range(topo.world_size)]
+    demand = demand_from_masks(masks, topo)
+    plan = build_plan(demand, topo, path)
+    sched = compile_schedule(plan, WIRE, demand=demand)
+    sim = simulate(plan, masks)
+    g = topo.gpus_per_node
+    relay = sched.phase("dispatch", "relay")
+    src, dst, rows = sched.transfers(relay)
+    got = {(int(s) // g, int(s) % g, int(d) % g): int(r) for s, d, r in zip(src, dst, rows)}
+    want: dict = {}
+    for (s, _d, owner, egress), c in sim.relay.items():
+        if owner != egress:
+            want[(s, owner, egress)] = want.get((s, owner, egress), 0) + c
+    assert got == want
+    for v in range(plan.num_waves):
+        src, dst, rows = sched.transfers(sched.phase("dispatch", "rail", v))
+        got = {(int(s) // g, int(s) % g, int(d) // g): int(r) for s, d, r in zip(src, dst, rows)}
+        want = {(s, e, d): c for (s, e, d, w), c in sim.rail.items() if w == v and c}
+        assert got == want, v
+    for rnd in range(plan.num_waves + 1):
+        src, dst, rows = sched.transfers(sched.phase("dispatch", "deliver", rnd))
+        got = {(int(s) // g, int(s) % g, int(d) % g): int(r) for s, d, r in zip(src, dst, rows)}
+        want = {}
+        for (d, arrive, target, _s, r), c in sim.deliver.items():
+            if r == rnd and c:
+                want[(d, arrive, target)] = want.get((d, arrive, target), 0) + c
+        assert got == want, rnd
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_combine_mirrors_dispatch_and_rank_views_add_up(path):
+    topo = RailTopology(num_nodes=4, gpus_per_node=2, failed_rails=frozenset({(1, 0)}))
+    demand = _random_demand(topo, 3)
+    plan = build_plan(demand, topo, path)
+    sched = compile_schedule(plan, WIRE, demand=demand)
+    for p in sched.combine_phases():
+        src, dst, rows = sched.transfers(p)
+        m_src, m_dst, m_rows = sched.transfers(sched.phases[p.mirror_of])
+        assert torch.equal(src, m_dst) and torch.equal(dst, m_src) and torch.equal(rows, m_rows)
+    views = [rank_view(sched, r) for r in range(topo.world_size)]
+    for p in sched.phases:
+        sent = sum(sum(v.counts(p).send_Q) for v in views)
+        received = sum(sum(v.counts(p).recv_Q) for v in views)
+        assert sent == received == int(sched.transfers(p)[2].sum()), p.name
+    for v in views:
+        # Rail transfers of one rank cover exactly its egress rows, each node pair in its wave.
+        rail = [v.counts(p).send_Q for p in sched.dispatch_phases() if p.kind == PhaseKind.RAIL]
+        assert [sum(col) for col in zip(*rail)] == v.egress_N
+        assert v.num_records == int(plan.records_NNG[v.node, :, v.local].sum())
+
+
+def test_rank_bytes_sum_and_self_copies_excluded():
+    topo = RailTopology(num_nodes=2, gpus_per_node=2)
+    demand = _random_demand(topo, 9)
+    plan = build_plan(demand, topo, "rail")
+    sched = compile_schedule(plan, WIRE, demand=demand)
+    per_rank = [sched.rank_bytes(r) for r in range(topo.world_size)]
+    rows = sched.wire_rows_P().tolist()
+    for p in sched.phases:
+        sent = sum(b["sent"][p.index] for b in per_rank)
+        assert sent == sum(b["received"][p.index] for b in per_rank) == rows[p.index] * sched.row_bytes(p)
+    deliver = sched.phase("dispatch", "deliver", 1)
+    src, dst, r = sched.transfers(deliver)
+    assert rows[deliver.index] == int(r[src != dst].sum()) < int(r.sum())  # some copies stay on their GPU
+
+
+def test_rank_view_needs_its_node_deliveries():
+    topo = RailTopology(num_nodes=2, gpus_per_node=2)
+    plan = build_plan(_random_demand(topo, 1), topo, "native")
+    with pytest.raises(ValueError, match="compiled without node 0's deliveries"):
+        rank_view(compile_schedule(plan, WIRE), 0)
