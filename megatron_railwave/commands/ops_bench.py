@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from . import _render
+from . import _outputs, _render
 
 __all__ = ["register", "run"]
 
@@ -31,6 +31,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--repeats", type=int, default=None, help="timed calls per op, median (default 5)")
     parser.add_argument("--seed", type=int, default=0, help="routing and data seed (default 0)")
     parser.add_argument("--json", default=None, metavar="FILE", help="write the results as JSON")
+    _outputs.declare_outputs(parser, files=("json",))
     parser.set_defaults(handler=run)
 
 
