@@ -4,7 +4,8 @@ VENV := .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.railwave-installed
 
-.PHONY: demo test test-all setup clean plan-bench bench bench-exchange testbed-bench gpu-check simulate-exchange
+.PHONY: demo test test-all setup clean plan-bench bench bench-exchange testbed-bench gpu-check simulate-exchange \
+	ext kernels-check ops-bench
 
 $(STAMP): pyproject.toml
 	@test -x $(VPY) || $(PY) -m venv $(VENV)
@@ -12,8 +13,30 @@ $(STAMP): pyproject.toml
 	$(VPY) -m pip install -q torch==2.13.0
 	$(VPY) -m pip install -q numpy "packaging>=24.2" pyyaml pytest pytest-timeout hypothesis rich tqdm matplotlib typing_extensions import-linter
 	$(VPY) -m pip install -q --ignore-requires-python --no-deps megatron-core==0.19.2
-	$(VPY) -m pip install -q --no-deps --no-build-isolation -e .
+	RAILWAVE_BUILD_EXT=0 $(VPY) -m pip install -q --no-deps --no-build-isolation -e .
 	@touch $(STAMP)
+
+# The compiled ops (megatron_railwave._C, built in place): the CPU twins, plus the CUDA kernels
+# where torch has CUDA and nvcc is found. Rebuilt when csrc/ or setup.py change.
+CSRC := $(shell find csrc -type f 2>/dev/null)
+EXT_STAMP := $(VENV)/.railwave-ext
+$(EXT_STAMP): $(STAMP) setup.py $(CSRC)
+	$(VPY) setup.py -q build_ext --inplace
+	@touch $(EXT_STAMP)
+
+ext: $(EXT_STAMP)
+
+# Compile check of the torch-free device code (csrc/kernels) for sm_90 with bare nvcc: no GPU
+# and no CUDA torch needed. Skipped with a message where nvcc is missing.
+NVCC ?= nvcc
+KERNELS_CHECK := build/kernels_check_sm90.o
+$(KERNELS_CHECK): $(wildcard csrc/kernels/*) $(wildcard csrc/common/*.cuh)
+	@mkdir -p build
+	$(NVCC) -arch=sm_90 -O3 -c csrc/kernels/compile_check.cu -o $(KERNELS_CHECK)
+
+kernels-check:
+	@if command -v $(NVCC) >/dev/null 2>&1; then $(MAKE) --no-print-directory $(KERNELS_CHECK); \
+	else echo "note: $(NVCC) not found; skipping the csrc/kernels compile check"; fi
 
 # Best effort: SimGrid (Debian python3-simgrid) for the flow-model cross-check test; the test
 # skips with a reason where it cannot be installed.
@@ -27,11 +50,12 @@ $(SIMGRID_STAMP): $(STAMP)
 setup: $(STAMP)
 
 # The import contracts of docs/architecture.md ([tool.importlinter] in pyproject.toml) first.
-test: $(STAMP) $(SIMGRID_STAMP)
+# RAILWAVE_REQUIRE_EXT=1: the ops tests fail (rather than skip) if the compiled ops did not load.
+test: $(STAMP) $(SIMGRID_STAMP) $(EXT_STAMP) kernels-check
 	$(VENV)/bin/lint-imports
-	$(VPY) -m pytest -q -m "not slow" --timeout=900
+	RAILWAVE_REQUIRE_EXT=1 $(VPY) -m pytest -q -m "not slow" --timeout=900
 
-test-all: $(STAMP)
+test-all: $(STAMP) $(EXT_STAMP)
 	$(VENV)/bin/lint-imports
 	$(VPY) -m pytest -q --timeout=1800
 
@@ -44,6 +68,10 @@ demo: $(STAMP)
 bench-exchange: $(STAMP)
 	$(VPY) -m megatron_railwave.cli bench-exchange --json out/bench_exchange.json
 
+# Each compiled op against its pure-torch reference and a plain copy, GLM-4.5-Air sizes, one thread.
+ops-bench: $(EXT_STAMP)
+	$(VPY) -m megatron_railwave.cli ops-bench --device cpu --json out/ops_bench_cpu.json
+
 plan-bench: $(STAMP)
 	$(VPY) -m megatron_railwave.cli plan-bench --json out/plan_bench.json
 
@@ -54,7 +82,7 @@ bench: $(STAMP)
 		--workload glm45-air --json out/bench.json --plot out/bench.png
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis megatron_railwave/_C*.so
 
 # Needs root, ip and tc: 4 nodes x 2 rails in network namespaces, the exchange study and the rail fault.
 testbed-bench: $(STAMP)

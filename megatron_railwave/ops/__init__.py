@@ -1,13 +1,25 @@
 """RailWave data-movement ops: records from routing, RailBalance egress, row packing and the
 fixed-order segment sum.
 
-``megatron_railwave.ops.<name>`` is the public API. Today every op is the pure-torch
-reference (``ops.reference``), which defines the meaning; the compiled ops (csrc/, exposed as
-``torch.ops.railwave.*``) replace them when the extension is built.
+Letters: T tokens of one rank, E experts, N nodes, G GPUs per node, M = 2**G target masks,
+C = T * N record capacity, n rows, S segments, R rails.
+
+``megatron_railwave.ops.<name>`` is the public API. ``ops.reference`` defines the meaning in pure
+torch; the compiled ops (csrc/, ``torch.ops.railwave.*``, built into ``megatron_railwave._C``)
+give bitwise-identical results on CPU and CUDA and are used whenever they load for the tensors'
+device. Otherwise the reference runs, and one warning per reason is logged (``ops._compiled``).
+No op synchronises with the host. This package imports nothing else from megatron_railwave.
 """
 
-from .reference import (RowSpec, assign_egress, pack_rows, records_from_routing, records_per_node_rail, row_bytes,
-                        segment_sum, unpack_rows)
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from . import reference
+from ._compiled import compiled_for, load_error, set_forced_reference
+from .reference import RowSpec, row_bytes
 
 __all__ = [
     "RowSpec",
@@ -18,4 +30,137 @@ __all__ = [
     "row_bytes",
     "segment_sum",
     "records_per_node_rail",
+    "compiled_for",
+    "load_error",
+    "set_forced_reference",
 ]
+
+# Dtypes the compiled segment_sum handles; others (e.g. float8 values) take the reference.
+_SEGMENT_SUM_DTYPES = frozenset({torch.float32, torch.float64, torch.bfloat16, torch.float16})
+
+
+def records_from_routing(
+    routing_map_TE: torch.Tensor, num_nodes: int, gpus_per_node: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The unique (token, destination node) records of one rank, in canonical order (node, mask,
+    token). See ``reference.records_from_routing``.
+
+    Args:
+        routing_map_TE: [T, E] bool, rank-local.
+        num_nodes: N.
+        gpus_per_node: G (1..8).
+
+    Returns:
+        token_C, node_C, mask_C: [C] int64 (-1, -1, 0 past the last record); counts_NM: [N, M]
+        int64. Host sync: no.
+    """
+    if compiled_for(routing_map_TE.device):
+        return torch.ops.railwave.records_from_routing(routing_map_TE, num_nodes, gpus_per_node)
+    return reference.records_from_routing(routing_map_TE, num_nodes, gpus_per_node)
+
+
+def assign_egress(
+    node_R: torch.Tensor,
+    *,
+    owner_gpu: int,
+    counts_N: torch.Tensor,
+    keep_N: torch.Tensor,
+    surplus_lo_N: torch.Tensor,
+    deficit_hi_NG: torch.Tensor,
+    wave_N: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each record's egress GPU and wave (RailBalance's greedy fill). See ``reference.assign_egress``.
+
+    Args:
+        node_R: [n] int64 canonical order, -1 past the last record. Other arguments: [N] int64
+            (``deficit_hi_NG`` [N, G] int64), all on node_R's device.
+
+    Returns:
+        egress_R, wave_R: [n] int64 (-1 for padding). Host sync: no.
+    """
+    if compiled_for(node_R.device):
+        return torch.ops.railwave.assign_egress(node_R, owner_gpu, counts_N, keep_N, surplus_lo_N, deficit_hi_NG,
+                                                wave_N)
+    return reference.assign_egress(node_R, owner_gpu=owner_gpu, counts_N=counts_N, keep_N=keep_N,
+                                   surplus_lo_N=surplus_lo_N, deficit_hi_NG=deficit_hi_NG, wave_N=wave_N)
+
+
+def pack_rows(tensors: Sequence[torch.Tensor], row_index: Sequence[torch.Tensor | None]) -> torch.Tensor:
+    """Gather rows of several tensors (any dtypes) side by side into one [n, row_bytes] uint8
+    buffer, in one pass (one kernel launch on CUDA). See ``reference.pack_rows``.
+
+    Args:
+        tensors: each [rows_k, *shape_k], same device.
+        row_index: per tensor, [n] int64 rows to take, or None (all rows, rows_k == n). Indices are
+            range-checked on CPU only (a check on CUDA would need a host sync).
+    """
+    if compiled_for(tensors[0].device):
+        return torch.ops.railwave.pack_rows(list(tensors), list(row_index))
+    return reference.pack_rows(tensors, row_index)
+
+
+def unpack_rows(
+    packed: torch.Tensor,
+    specs: Sequence[RowSpec],
+    *,
+    row_index: torch.Tensor | None = None,
+    num_rows: int | None = None,
+) -> list[torch.Tensor]:
+    """Inverse of ``pack_rows``: per spec, [n or num_rows, *shape] of that dtype. See
+    ``reference.unpack_rows``.
+
+    Args:
+        packed: [n, row_bytes(specs)] uint8.
+        specs: (dtype, shape) of each tensor, in packing order.
+        row_index: [n] int64 distinct output rows (None: row i goes to row i).
+        num_rows: output rows when ``row_index`` is given (rows not written are zero).
+    """
+    if row_index is not None and num_rows is None:
+        raise ValueError("unpack_rows: num_rows is required with row_index")
+    if not compiled_for(packed.device):
+        return reference.unpack_rows(packed, specs, row_index=row_index, num_rows=num_rows)
+    widths = [row_bytes([spec]) for spec in specs]
+    parts = torch.ops.railwave.unpack_rows(packed, widths, row_index, -1 if num_rows is None else num_rows)
+    return [part.view(dtype).reshape(part.shape[0], *shape) if part.shape[1] else
+            part.new_empty((part.shape[0], *shape), dtype=dtype)  # zero bytes: view(dtype) rejects the strides
+            for part, (dtype, shape) in zip(parts, specs, strict=True)]
+
+
+def segment_sum(
+    values: torch.Tensor,
+    segment_ids: torch.Tensor,
+    num_segments: int,
+    *,
+    out_dtype: torch.dtype | None = None,
+    max_segment_len: int | None = None,
+) -> torch.Tensor:
+    """Sum rows into segments in a fixed order (rows of a segment in index order, float32
+    accumulation rounded at every addition, one cast): bitwise equal on CPU and CUDA and from run
+    to run. Differentiable in ``values``. See ``reference.segment_sum``.
+
+    Args:
+        values: [n, *shape] float32, float64, bfloat16 or float16.
+        segment_ids: [n] int64 in [0, S) (checked on CPU; on CUDA rows outside are left out).
+        num_segments: S.
+        out_dtype: result dtype (default: ``values.dtype``).
+        max_segment_len: only the reference's non-CPU path uses it (see there).
+
+    Returns:
+        [S, *shape] of ``out_dtype``. Host sync: no.
+    """
+    out_dtype = out_dtype or values.dtype
+    if (values.dtype in _SEGMENT_SUM_DTYPES and out_dtype in _SEGMENT_SUM_DTYPES
+            and compiled_for(values.device)):
+        return torch.ops.railwave.segment_sum(values, segment_ids, num_segments, out_dtype)
+    return reference.segment_sum(values, segment_ids, num_segments, out_dtype=out_dtype,
+                                 max_segment_len=max_segment_len)
+
+
+def records_per_node_rail(
+    node_R: torch.Tensor, egress_R: torch.Tensor, rail_of_gpu_G: torch.Tensor, num_nodes: int, num_rails: int
+) -> torch.Tensor:
+    """[N, R] int64: records per (destination node, egress rail); padding (node -1) not counted.
+    See ``reference.records_per_node_rail``. Host sync: no."""
+    if compiled_for(node_R.device):
+        return torch.ops.railwave.records_per_node_rail(node_R, egress_R, rail_of_gpu_G, num_nodes, num_rails)
+    return reference.records_per_node_rail(node_R, egress_R, rail_of_gpu_G, num_nodes, num_rails)

@@ -95,7 +95,9 @@ def assign_egress(
     interval ends after p (``planner.railbalance``'s greedy fill).
 
     Args:
-        node_R: [n] int64, destination node of each record, non-decreasing (canonical order).
+        node_R: [n] int64, destination node of each record, non-decreasing (canonical order);
+            -1 past the last record (``records_from_routing``'s padding), which gets egress -1
+            and wave -1, so the padded capacity-sized output can be passed without a host sync.
         owner_gpu: g, the local GPU that owns the records.
         counts_N: [N] int64, records of this owner per destination node (``node_R``'s histogram).
         keep_N: [N] int64, records the owner keeps on its own rail per destination node.
@@ -104,18 +106,21 @@ def assign_egress(
         wave_N: [N] int64, wave of each destination node (-1 for the local node).
 
     Returns:
-        egress_R: [n] int64, local GPU whose rail carries the record.
-        wave_R: [n] int64, wave of the record's node pair.
+        egress_R: [n] int64, local GPU whose rail carries the record (-1 for padding).
+        wave_R: [n] int64, wave of the record's node pair (-1 for padding).
     """
     n = node_R.numel()
     device = node_R.device
+    valid_R = node_R >= 0
+    # Padding (-1) would index the last node from the end: give it node 0's row, then mask it.
+    node_c = node_R.clamp(min=0)
     start_N = torch.cumsum(counts_N, 0) - counts_N
-    pos_R = torch.arange(n, dtype=torch.int64, device=device) - start_N[node_R]
-    keep_R = keep_N[node_R]
-    surplus_pos_R = (surplus_lo_N[node_R] + pos_R - keep_R).clamp(min=0)
-    proxy_R = (deficit_hi_NG[node_R] <= surplus_pos_R.unsqueeze(1)).sum(dim=1)
-    egress_R = torch.where(pos_R < keep_R, owner_gpu, proxy_R)
-    return egress_R, wave_N[node_R]
+    pos_R = torch.arange(n, dtype=torch.int64, device=device) - start_N[node_c]
+    keep_R = keep_N[node_c]
+    surplus_pos_R = (surplus_lo_N[node_c] + pos_R - keep_R).clamp(min=0)
+    proxy_R = (deficit_hi_NG[node_c] <= surplus_pos_R.unsqueeze(1)).sum(dim=1)
+    egress_R = torch.where(valid_R, torch.where(pos_R < keep_R, owner_gpu, proxy_R), -1)
+    return egress_R, torch.where(valid_R, wave_N[node_c], -1)
 
 
 def _as_rows(t: torch.Tensor) -> torch.Tensor:
@@ -123,6 +128,7 @@ def _as_rows(t: torch.Tensor) -> torch.Tensor:
     width = 1
     for size in t.shape[1:]:
         width *= size
+    # An explicit width: reshape(0, -1) is ambiguous for zero rows.
     return t.reshape(t.shape[0], width).contiguous()
 
 
@@ -184,7 +190,14 @@ def unpack_rows(
     out, offset = [], 0
     for dtype, shape in specs:
         width = row_bytes([(dtype, shape)])
-        part = packed[:, offset:offset + width].contiguous().view(dtype).reshape(n, *shape)
+        # A fresh copy, not .contiguous(): with 0 or 1 rows the slice already counts as contiguous
+        # and keeps its byte offset, which view(dtype) rejects for offsets not a multiple of the
+        # element size.
+        if width == 0:  # nothing to copy (and view(dtype) rejects a [n, 0] byte tensor's strides)
+            part = packed.new_empty((n, *shape), dtype=dtype)
+        else:
+            part = packed[:, offset:offset + width].clone(memory_format=torch.contiguous_format)
+            part = part.view(dtype).reshape(n, *shape)
         offset += width
         if row_index is not None:
             if num_rows is None:
@@ -263,10 +276,12 @@ def records_per_node_rail(
     (``torch.bincount`` reads its maximum back to the host on CUDA).
 
     Args:
-        node_R: [n] int64 destination nodes.
+        node_R: [n] int64 destination nodes; -1 (padding past the last record) is not counted.
         egress_R: [n] int64 egress GPUs.
         rail_of_gpu_G: [G] int64 rail of each local GPU (same device).
     """
-    key = node_R * num_rails + rail_of_gpu_G[egress_R]
-    out = torch.zeros(num_nodes * num_rails, dtype=torch.int64, device=node_R.device)
-    return out.scatter_add_(0, key, torch.ones_like(key)).view(num_nodes, num_rails)
+    valid_R = node_R >= 0
+    # Padding goes to one extra bin that is dropped (no boolean indexing: no host sync).
+    key = torch.where(valid_R, node_R * num_rails + rail_of_gpu_G[egress_R.clamp(min=0)], num_nodes * num_rails)
+    out = torch.zeros(num_nodes * num_rails + 1, dtype=torch.int64, device=node_R.device)
+    return out.scatter_add_(0, key, torch.ones_like(key))[:-1].view(num_nodes, num_rails)

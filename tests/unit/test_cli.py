@@ -40,6 +40,8 @@ EXPECTED_FLAGS = {
         "--payload-ratio", "--shape-distance", "--bench", "--json",
     ],
     "report": ["--out", "--no-plots", "--json"],
+    "ops-bench": ["--device", "--quick", "--tokens", "--hidden", "--experts", "--topk", "--nodes", "--gpus-per-node",
+                  "--repeats", "--seed", "--json"],
     "testbed": [],
     "netmodel": [],
     "simulate-exchange": [

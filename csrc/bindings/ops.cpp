@@ -1,0 +1,35 @@
+// The railwave op library: schemas and kernel registrations only (meaning: ops/reference.py).
+
+#include <torch/library.h>
+
+#include "../common/ops.h"
+
+TORCH_LIBRARY(railwave, m) {
+  m.def("records_from_routing(Tensor routing_map, int num_nodes, int gpus_per_node) -> (Tensor, Tensor, Tensor, Tensor)");
+  m.def("assign_egress(Tensor node, int owner_gpu, Tensor counts, Tensor keep, Tensor surplus_lo, "
+        "Tensor deficit_hi, Tensor wave) -> (Tensor, Tensor)");
+  m.def("records_per_node_rail(Tensor node, Tensor egress, Tensor rail_of_gpu, int num_nodes, int num_rails) -> Tensor");
+  m.def("pack_rows(Tensor[] tensors, Tensor?[] row_index) -> Tensor");
+  m.def("unpack_rows(Tensor packed, int[] widths, Tensor? row_index, int num_rows) -> Tensor[]");
+  m.def("segment_sum(Tensor values, Tensor segment_ids, int num_segments, ScalarType out_dtype) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(railwave, CPU, m) {
+  m.impl("records_from_routing", &railwave::cpu::records_from_routing);
+  m.impl("assign_egress", &railwave::cpu::assign_egress);
+  m.impl("records_per_node_rail", &railwave::cpu::records_per_node_rail);
+  m.impl("pack_rows", &railwave::cpu::pack_rows);
+  m.impl("unpack_rows", &railwave::cpu::unpack_rows);
+  m.impl("segment_sum", &railwave::cpu::segment_sum);
+}
+
+#if defined(RAILWAVE_WITH_CUDA)
+TORCH_LIBRARY_IMPL(railwave, CUDA, m) {
+  m.impl("records_from_routing", &railwave::cuda::records_from_routing);
+  m.impl("assign_egress", &railwave::cuda::assign_egress);
+  m.impl("records_per_node_rail", &railwave::cuda::records_per_node_rail);
+  m.impl("pack_rows", &railwave::cuda::pack_rows);
+  m.impl("unpack_rows", &railwave::cuda::unpack_rows);
+  m.impl("segment_sum", &railwave::cuda::segment_sum);
+}
+#endif

@@ -1,0 +1,36 @@
+// Signatures of the railwave ops, declared once for both implementations: railwave::cpu (the
+// CPU twins, csrc/cpu) and railwave::cuda (the launchers, csrc/cuda; only with RAILWAVE_WITH_CUDA).
+// Meaning: megatron_railwave/ops/reference.py; both give its results bit for bit.
+#pragma once
+
+#include <ATen/core/List.h>
+#include <ATen/core/Tensor.h>
+
+#include <optional>
+#include <tuple>
+#include <vector>
+
+#define RAILWAVE_OP_SIGNATURES                                                                                \
+  std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> records_from_routing(                            \
+      const at::Tensor& routing_map, int64_t num_nodes, int64_t gpus_per_node);                               \
+  std::tuple<at::Tensor, at::Tensor> assign_egress(const at::Tensor& node, int64_t owner_gpu,                 \
+                                                   const at::Tensor& counts, const at::Tensor& keep,          \
+                                                   const at::Tensor& surplus_lo, const at::Tensor& deficit_hi, \
+                                                   const at::Tensor& wave);                                   \
+  at::Tensor records_per_node_rail(const at::Tensor& node, const at::Tensor& egress,                          \
+                                   const at::Tensor& rail_of_gpu, int64_t num_nodes, int64_t num_rails);      \
+  at::Tensor pack_rows(at::TensorList tensors, const c10::List<std::optional<at::Tensor>>& row_index);        \
+  std::vector<at::Tensor> unpack_rows(const at::Tensor& packed, at::IntArrayRef widths,                       \
+                                      const std::optional<at::Tensor>& row_index, int64_t num_rows);          \
+  at::Tensor segment_sum(const at::Tensor& values, const at::Tensor& segment_ids, int64_t num_segments,       \
+                         at::ScalarType out_dtype);
+
+namespace railwave::cpu {
+RAILWAVE_OP_SIGNATURES
+}  // namespace railwave::cpu
+
+#if defined(RAILWAVE_WITH_CUDA)
+namespace railwave::cuda {
+RAILWAVE_OP_SIGNATURES
+}  // namespace railwave::cuda
+#endif

@@ -1,0 +1,141 @@
+"""Loading of the compiled ops (``megatron_railwave._C``, exposing ``torch.ops.railwave.*``).
+
+The library is imported lazily, on the first op call, never at package import. When it is
+missing, or was built without CUDA and a CUDA tensor comes in, the public ops fall back to the
+pure-torch reference and log ONE warning per reason for the whole process, naming it.
+
+On load this module also registers, for every op, the fake implementation (output shapes and
+dtypes only, so ``torch.compile`` traces through the ops) and the autograd of ``segment_sum``.
+
+Set ``RAILWAVE_OPS=reference`` to use the reference even where the compiled ops load.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+
+import torch
+
+__all__ = ["compiled_for", "load_error", "set_forced_reference"]
+
+_LOG = logging.getLogger("megatron_railwave.ops")
+_MODULE = "megatron_railwave._C"
+_FIX = "build it with `make ext` (or `pip install -e .` with torch installed; RAILWAVE_BUILD_EXT=0 skips it)"
+
+_module = None            # the imported extension, once loaded
+_load_error: str | None = None
+_loaded = False           # load attempted
+_warned: set[str] = set()
+_forced_reference = os.environ.get("RAILWAVE_OPS", "auto").strip().lower() == "reference"
+
+
+def _warn_once(reason: str) -> None:
+    if reason not in _warned:
+        _warned.add(reason)
+        _LOG.warning("megatron_railwave.ops: using the pure-torch reference ops: %s", reason)
+
+
+def _load() -> None:
+    global _module, _load_error, _loaded
+    _loaded = True
+    try:
+        module = importlib.import_module(_MODULE)
+    except (ImportError, OSError) as exc:
+        _load_error = f"the compiled ops {_MODULE} did not load ({type(exc).__name__}: {exc}); {_FIX}"
+        return
+    _register_python_parts()
+    _module = module
+
+
+def load_error() -> str | None:
+    """Why the compiled ops are not used (None when they loaded or were not tried yet)."""
+    if _forced_reference:
+        return "RAILWAVE_OPS=reference"
+    return _load_error
+
+
+def set_forced_reference(forced: bool) -> bool:
+    """Use the reference ops (True) or the compiled ones where available (False); returns the old value."""
+    global _forced_reference
+    old, _forced_reference = _forced_reference, bool(forced)
+    return old
+
+
+def compiled_for(device: torch.device) -> bool:
+    """True when ``torch.ops.railwave`` has kernels for tensors on ``device``; otherwise the caller
+    uses the reference (and the reason has been logged once)."""
+    if _forced_reference:
+        return False
+    if not _loaded:
+        _load()
+    if _module is None:
+        _warn_once(_load_error or "unknown")
+        return False
+    kind = device.type
+    if kind in ("cpu", "meta"):
+        return True
+    if kind == "cuda":
+        if _module.with_cuda:
+            return True
+        _warn_once(f"{_MODULE} was built without CUDA kernels (CPU torch or no nvcc at build time); rebuild it "
+                   "on the GPU machine (TORCH_CUDA_ARCH_LIST=9.0 python setup.py build_ext --inplace)")
+        return False
+    _warn_once(f"no compiled railwave kernels for device type {kind!r}")
+    return False
+
+
+def _register_python_parts() -> None:
+    """Fake implementations of every op and the autograd of segment_sum."""
+    lib = "railwave::"
+
+    @torch.library.register_fake(lib + "records_from_routing")
+    def _records_fake(routing_map, num_nodes, gpus_per_node):
+        capacity = routing_map.shape[0] * num_nodes
+        new = routing_map.new_empty
+        return (new(capacity, dtype=torch.int64), new(capacity, dtype=torch.int64), new(capacity, dtype=torch.int64),
+                new((num_nodes, 1 << gpus_per_node), dtype=torch.int64))
+
+    @torch.library.register_fake(lib + "assign_egress")
+    def _assign_fake(node, owner_gpu, counts, keep, surplus_lo, deficit_hi, wave):
+        return torch.empty_like(node), torch.empty_like(node)
+
+    @torch.library.register_fake(lib + "records_per_node_rail")
+    def _node_rail_fake(node, egress, rail_of_gpu, num_nodes, num_rails):
+        return node.new_empty((num_nodes, num_rails))
+
+    @torch.library.register_fake(lib + "pack_rows")
+    def _pack_fake(tensors, row_index):
+        rows = row_index[0].shape[0] if row_index[0] is not None else tensors[0].shape[0]
+        row_bytes = 0
+        for t in tensors:
+            width = t.dtype.itemsize
+            for size in t.shape[1:]:
+                width *= size
+            row_bytes += width
+        return tensors[0].new_empty((rows, row_bytes), dtype=torch.uint8)
+
+    @torch.library.register_fake(lib + "unpack_rows")
+    def _unpack_fake(packed, widths, row_index, num_rows):
+        rows = num_rows if row_index is not None else packed.shape[0]
+        return [packed.new_empty((rows, w)) for w in widths]
+
+    @torch.library.register_fake(lib + "segment_sum")
+    def _segment_sum_fake(values, segment_ids, num_segments, out_dtype):
+        return values.new_empty((num_segments, *values.shape[1:]), dtype=out_dtype)
+
+    def _segment_sum_setup(ctx, inputs, output):
+        values, segment_ids, _, _ = inputs
+        ctx.save_for_backward(segment_ids)
+        ctx.values_dtype = values.dtype
+
+    def _segment_sum_backward(ctx, grad_S):
+        # d out[s] / d values[i] = 1 where segment_ids[i] == s: a gather of the gradient, through the
+        # accumulation dtype, as autograd gives for the reference (to(acc) -> index_add_ -> to(out)).
+        (segment_ids,) = ctx.saved_tensors
+        acc = torch.float64 if ctx.values_dtype == torch.float64 else torch.float32
+        grad_values = grad_S.to(acc).index_select(0, segment_ids).to(ctx.values_dtype)
+        return grad_values, None, None, None
+
+    torch.library.register_autograd(lib + "segment_sum", _segment_sum_backward, setup_context=_segment_sum_setup)

@@ -1,0 +1,27 @@
+"""Helpers of the ops tests: bitwise comparison and random routing maps.
+
+Letters: T tokens, E experts.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same dtype, shape and bytes (NaN payloads and signed zeros included)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if a.numel() == 0:
+        return True
+    return torch.equal(a.contiguous().view(-1).view(torch.uint8), b.contiguous().view(-1).view(torch.uint8))
+
+
+def random_routing_map(num_tokens: int, num_experts: int, topk: int, generator: torch.Generator) -> torch.Tensor:
+    """[T, E] bool with exactly min(topk, E) experts per token."""
+    k = min(topk, num_experts)
+    routing = torch.zeros(num_tokens, num_experts, dtype=torch.bool)
+    if num_tokens and k:
+        ids = torch.rand(num_tokens, num_experts, generator=generator).topk(k, dim=1).indices
+        routing.scatter_(1, ids, True)
+    return routing

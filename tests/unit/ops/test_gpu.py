@@ -1,0 +1,165 @@
+"""CUDA kernels against their CPU twins, bitwise, each run twice (determinism). Needs a GPU and
+an extension built with CUDA (scripts/gpu_check_ops.sh builds it on the device machine).
+
+Letters: T tokens, E experts, N nodes, G GPUs per node, n rows, S segments, W row width.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_railwave import ops
+from megatron_railwave.ops import reference
+
+from tests.helpers.ops_cases import random_routing_map, same_bits
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def _twice_on_cuda(fn, *cpu_args):
+    """fn on CPU, and twice on CUDA (all outputs back on CPU); asserts the two CUDA runs agree."""
+    def to(x, device):
+        if isinstance(x, torch.Tensor):
+            return x.to(device)
+        if isinstance(x, (list, tuple)):
+            return type(x)(to(v, device) for v in x)
+        return x
+
+    def flat(out):
+        return [o.cpu() for o in out] if isinstance(out, (list, tuple)) else [out.cpu()]
+
+    cpu = flat(fn(*cpu_args))
+    first = flat(fn(*to(cpu_args, "cuda")))
+    second = flat(fn(*to(cpu_args, "cuda")))
+    torch.cuda.synchronize()
+    for a, b in zip(first, second, strict=True):
+        assert same_bits(a, b), "two CUDA runs differ"
+    return cpu, first
+
+
+@pytest.mark.parametrize("num_nodes,gpus_per_node,num_tokens,experts,topk",
+                         [(4, 8, 4096, 128, 8), (1, 1, 5, 3, 2), (3, 5, 777, 30, 4), (2, 8, 1000, 64, 6),
+                          (8, 2, 333, 32, 9), (2, 3, 0, 12, 2)])
+def test_records_and_egress_cuda_equal_cpu(cuda_ops, num_nodes, gpus_per_node, num_tokens, experts, topk):
+    gen = torch.Generator().manual_seed(num_tokens)
+    routing = random_routing_map(num_tokens, experts, topk, gen)
+    cpu, gpu = _twice_on_cuda(ops.records_from_routing, routing, num_nodes, gpus_per_node)
+    for a, b in zip(cpu, gpu, strict=True):
+        assert same_bits(a, b)
+    node = cpu[1]
+    counts_N = cpu[3].sum(dim=1)
+    keep = (counts_N * torch.rand(num_nodes, generator=gen)).to(torch.int64)
+    deficit = torch.randint(0, 50, (num_nodes, gpus_per_node), generator=gen).cumsum(dim=1)
+    args = (node, 0, counts_N, keep, torch.randint(0, 20, (num_nodes,), generator=gen), deficit,
+            torch.arange(num_nodes) - 1)
+
+    def egress(n, g, c, k, lo, hi, w):
+        return ops.assign_egress(n, owner_gpu=g, counts_N=c, keep_N=k, surplus_lo_N=lo, deficit_hi_NG=hi, wave_N=w)
+
+    cpu_e, gpu_e = _twice_on_cuda(egress, *args)
+    for a, b in zip(cpu_e, gpu_e, strict=True):
+        assert same_bits(a, b)
+    rails = torch.randperm(gpus_per_node, generator=gen)
+    cpu_l, gpu_l = _twice_on_cuda(ops.records_per_node_rail, node, cpu_e[0], rails, num_nodes, gpus_per_node)
+    assert same_bits(cpu_l[0], gpu_l[0])
+
+
+def _random_bytes(rows, width, gen):
+    return torch.randint(0, 256, (rows, width), dtype=torch.uint8, generator=gen)
+
+
+@pytest.mark.parametrize("case", ["glm", "odd_widths", "many_parts", "empty"])
+def test_pack_unpack_cuda_equal_cpu(cuda_ops, case):
+    gen = torch.Generator().manual_seed(7)
+    if case == "glm":  # payload bf16 [T, H] and probs fp32 [T, K] gathered by token, int64 metadata per record
+        n = 14000
+        tensors = [torch.randn(4096, 4096, generator=gen).to(torch.bfloat16), torch.rand(4096, 8, generator=gen),
+                   torch.randint(0, 99, (n, 3), generator=gen)]
+        token = torch.randint(0, 4096, (n,), generator=gen)
+        index = [token, token, None]
+    elif case == "odd_widths":  # 3-, 6-, 1-, 10-byte parts: vector widths 1, 2, 4, 8 and unaligned offsets
+        n = 1001
+        tensors = [_random_bytes(n, 3, gen), torch.randn(50, 3, generator=gen).to(torch.float16),
+                   torch.rand(n, generator=gen) < 0.5, _random_bytes(70, 10, gen)]
+        index = [None, torch.randint(0, 50, (n,), generator=gen), None, torch.randint(0, 70, (n,), generator=gen)]
+    elif case == "many_parts":  # > 8 parts: several launches
+        n = 513
+        tensors = [torch.randn(n, k + 1, generator=gen) for k in range(11)]
+        index = [None if k % 2 else torch.randint(0, n, (n,), generator=gen) for k in range(11)]
+    else:
+        n = 0
+        tensors = [torch.zeros(5, 4), torch.zeros(0, 2, dtype=torch.int64)]
+        index = [torch.zeros(0, dtype=torch.int64), None]
+    cpu, gpu = _twice_on_cuda(ops.pack_rows, tensors, index)
+    assert same_bits(cpu[0], gpu[0])
+    specs = [(t.dtype, tuple(t.shape[1:])) for t in tensors]
+    scatter = torch.randperm(n + 17, generator=gen)[:n]
+    for kwargs in ({}, {"row_index": scatter, "num_rows": n + 17}):
+        def unpack(packed, idx=kwargs.get("row_index")):
+            extra = {} if idx is None else {"row_index": idx, "num_rows": kwargs["num_rows"]}
+            return ops.unpack_rows(packed, specs, **extra)
+        cpu_u, gpu_u = _twice_on_cuda(unpack, cpu[0], kwargs.get("row_index"))
+        for a, b in zip(cpu_u, gpu_u, strict=True):
+            assert same_bits(a, b)
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("out_dtype", FLOATS)
+def test_segment_sum_cuda_equal_cpu_every_dtype(cuda_ops, dtype, out_dtype):
+    gen = torch.Generator().manual_seed(11)
+    for n, segments, shape in ((3000, 1200, (64,)), (257, 31, (3,)), (100, 7, (2, 5)), (0, 4, (8,))):
+        scale = torch.exp2(torch.randint(-10, 10, (n, *shape), generator=gen).double())
+        values = (torch.randn((n, *shape), generator=gen, dtype=torch.float64) * scale).to(dtype)
+        ids = torch.randint(0, segments, (n,), generator=gen)
+        cpu, gpu = _twice_on_cuda(lambda v, i: ops.segment_sum(v, i, segments, out_dtype=out_dtype), values, ids)
+        assert same_bits(cpu[0], gpu[0]), (n, segments, shape)
+
+
+def test_segment_sum_cuda_glm_size_equals_cpu_and_reference_on_cuda(cuda_ops):
+    gen = torch.Generator().manual_seed(5)
+    n, segments, width = 29000, 14500, 4096
+    values = torch.randn(n, width, generator=gen).to(torch.bfloat16)
+    ids = torch.randint(0, segments, (n,), generator=gen)
+    cpu, gpu = _twice_on_cuda(lambda v, i: ops.segment_sum(v, i, segments), values, ids)
+    assert same_bits(cpu[0], gpu[0])
+    longest = int(torch.bincount(ids, minlength=segments).max())
+    ref = reference.segment_sum(values[:4000].cuda(), ids[:4000].cuda(), segments, max_segment_len=longest)
+    assert same_bits(ops.segment_sum(values[:4000].cuda(), ids[:4000].cuda(), segments).cpu(), ref.cpu())
+
+
+def test_segment_sum_cuda_leaves_out_of_range_ids_out(cuda_ops):
+    values = torch.ones(4, 2, device="cuda")
+    out = ops.segment_sum(values, torch.tensor([0, 5, -1, 1], device="cuda"), 2)
+    assert out.cpu().tolist() == [[1.0, 1.0], [1.0, 1.0]]
+
+
+def test_segment_sum_cuda_backward_equals_cpu(cuda_ops):
+    gen = torch.Generator().manual_seed(2)
+    values = torch.randn(50, 6, generator=gen).to(torch.bfloat16)
+    ids = torch.randint(0, 9, (50,), generator=gen)
+    grad = torch.randn(9, 6, generator=gen)
+    grads = []
+    for device in ("cpu", "cuda"):
+        v = values.to(device).requires_grad_(True)
+        ops.segment_sum(v, ids.to(device), 9, out_dtype=torch.float32).backward(grad.to(device))
+        grads.append(v.grad.cpu())
+    assert same_bits(grads[0], grads[1])
+
+
+def test_torch_compile_on_cuda(cuda_ops):
+    gen = torch.Generator().manual_seed(3)
+    routing = random_routing_map(256, 64, 8, gen).cuda()
+    payload = torch.randn(256, 32, generator=gen).to(torch.bfloat16).cuda()
+
+    def layer(routing_TE, payload_TH):
+        token, node, _, _ = ops.records_from_routing(routing_TE, 4, 8)
+        packed = ops.pack_rows([payload_TH], [token.clamp(min=0)])
+        (rows,) = ops.unpack_rows(packed, [(torch.bfloat16, (32,))])
+        return ops.segment_sum(rows, node.clamp(min=0), 4)
+
+    eager = layer(routing, payload)
+    traced = torch.compile(layer, backend="aot_eager", fullgraph=True)(routing, payload)
+    assert same_bits(eager.cpu(), traced.cpu())
