@@ -79,6 +79,7 @@ class LayerLayout:
             category: egress GPU 0..G-1, then the local node).
         category_counts: host, [G + 1] owner rows per category.
         egress_perm: [n_pool] pool row of each egress row.
+        egress_inverse: [n_pool] egress row of each pool row (the inverse permutation).
         pool_counts: host, [1 + G - 1] pool rows: kept, then from each other owner.
         deliver_index: per round, [sum_j copies] arrival row of each delivered copy, grouped by
             target GPU j ascending.
@@ -91,6 +92,7 @@ class LayerLayout:
     owner_order: torch.Tensor
     category_counts: list[int]
     egress_perm: torch.Tensor
+    egress_inverse: torch.Tensor
     pool_counts: list[int]
     deliver_index: list[torch.Tensor]
     arrivals: list[int]
@@ -148,6 +150,8 @@ def build_layout(plan: PathPlan, view: RankView, *, token_R: torch.Tensor, node_
 
     pool_total = int(pool_NB.sum())
     egress_perm = torch.sort(_runs(dev["pool_key"], dev["pool_count"], pool_total), stable=True).indices
+    egress_inverse = torch.empty_like(egress_perm).scatter_(
+        0, egress_perm, torch.arange(pool_total, dtype=torch.int64, device=device))
 
     masks = [mask_R[owner_order[n_rec - view.owner_category_counts[g]:]]]  # round 0: own local records
     arrivals = [view.owner_category_counts[g]]
@@ -164,6 +168,7 @@ def build_layout(plan: PathPlan, view: RankView, *, token_R: torch.Tensor, node_
         deliver_index.append(pos % max(mask_A.numel(), 1))
     return LayerLayout(token_R=token_R, node_R=node_R, owner_order=owner_order,
                        category_counts=list(view.owner_category_counts), egress_perm=egress_perm,
+                       egress_inverse=egress_inverse,
                        pool_counts=pool_NB.sum(axis=0).tolist(), deliver_index=deliver_index,
                        arrivals=arrivals, num_copies=view.num_copies)
 

@@ -41,6 +41,12 @@ def _copy_slices(copies: torch.Tensor, view: RankView, schedule: ExecutionSchedu
     return out
 
 
+def _take_rows(rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``rows[index]`` for packed byte rows: one row copy each (``ops.pack_rows``), where a plain
+    ``index_select`` on uint8 moves byte by byte on the CPU."""
+    return ops.pack_rows([rows], [index])
+
+
 def _post(phase: Phase, groups: RankGroups, sends: list, recvs: list) -> Post:
     group = groups.rail if phase.kind == PhaseKind.RAIL else groups.node
     return Post(tag=phase.index, stage=phase.name, group=group, sends=sends, recvs=recvs)
@@ -70,7 +76,7 @@ def forward_moves(rows: torch.Tensor, *, layout: LayerLayout, view: RankView, sc
     def finish(index: int) -> Program:
         yield Wait(ticket=tickets.pop(index))
         if schedule.phases[index].kind == PhaseKind.RELAY:
-            egress_rows.extend(pool.index_select(0, layout.egress_perm).split(view.egress_N))
+            egress_rows.extend(_take_rows(pool, layout.egress_perm).split(view.egress_N))
 
     for phase in schedule.dispatch_phases():
         for dep in phase.depends_on:
@@ -90,7 +96,7 @@ def forward_moves(rows: torch.Tensor, *, layout: LayerLayout, view: RankView, sc
             recvs = list(buf.split(counts.recv_Q))
         else:
             rnd = phase.step
-            delivered = arrivals.pop(rnd).index_select(0, layout.deliver_index[rnd]).split(counts.send_Q)
+            delivered = _take_rows(arrivals.pop(rnd), layout.deliver_index[rnd]).split(counts.send_Q)
             copy_rows[(rnd, me)].copy_(delivered[me])
             sends = [delivered[j] if j != me else None for j in range(g)]
             recvs = [copy_rows[(rnd, l)] if l != me else None for l in range(g)]
@@ -154,7 +160,7 @@ def backward_moves(rows: torch.Tensor, specs: Sequence[ops.RowSpec], *, layout: 
             sends = list(reduced.pop(phase.step + 1).split(counts.send_Q))
             recvs = [egress_rows[d] if c else None for d, c in enumerate(counts.recv_Q)]
         else:
-            pool = rows.new_empty((sum(layout.pool_counts), width)).index_copy_(0, layout.egress_perm, egress)
+            pool = _take_rows(egress, layout.egress_inverse)
             pool_rows = list(pool.split(layout.pool_counts))
             out_rows[me].copy_(pool_rows[0])
             sends = [None] * g
