@@ -35,7 +35,7 @@ from ..topology import RailTopology
 from ..traffic import DemandCounts
 from .groups import RankGroups
 from .layout import LayerLayout, build_layout, select_positions
-from .moves import backward_moves, forward_moves
+from .moves import as_row_bytes, backward_moves, forward_moves, part_view, unpack_views
 from .transport import Collective, Program
 
 __all__ = ["InputError", "RankContext", "LayerDemand", "LayerHandle", "EntryIndex", "gather_demand",
@@ -258,8 +258,12 @@ def dispatch_forward(ctx: RankContext, handle: LayerHandle, hidden: torch.Tensor
     rows = ops.pack_rows([hidden, probs.reshape(-1, ctx.experts_per_node), meta], [token_o, row_o, None])
     copies = yield from forward_moves(rows, layout=layout, view=handle.view, schedule=handle.schedule,
                                       groups=ctx.groups)
-    payload_C, probs_C, meta_C = ops.unpack_rows(copies, wire.dispatch_specs())
+    specs = wire.dispatch_specs()
+    _, probs_C, meta_C = ops.unpack_rows(copies[:, wire.payload_bytes:], [(torch.uint8, (0,))] + specs[1:])
     entries = _expand(meta_C, ctx, handle)
+    payload_C = part_view(copies, specs, 0)  # rows gathered straight from the packed copies
+    if payload_C is None:
+        payload_C = ops.unpack_rows(copies, specs)[0]
     tokens = payload_C.index_select(0, entries.copy_of_entry)
     entry_probs = probs_C[entries.copy_of_entry, _probs_column(ctx, entries)]
     return tokens, entry_probs, entries
@@ -294,7 +298,7 @@ def combine_forward(ctx: RankContext, handle: LayerHandle, entries: EntryIndex, 
         raise ValueError(f"combine: expert output dtype {expert_out.dtype} differs from the dispatched hidden "
                          f"dtype {wire.payload_dtype}")
     y_C = ops.segment_sum(expert_out, entries.copy_of_entry, layout.num_copies, max_segment_len=ctx.experts_per_rank)
-    back = yield from backward_moves(ops.pack_rows([y_C], [None]), wire.combine_specs(), layout=layout,
+    back = yield from backward_moves(as_row_bytes(y_C), wire.combine_specs(), layout=layout,
                                      view=handle.view, schedule=handle.schedule, groups=ctx.groups)
     (y_R,) = ops.unpack_rows(back, wire.combine_specs(), row_index=layout.owner_order,
                              num_rows=handle.view.num_records)
@@ -308,5 +312,5 @@ def combine_backward(ctx: RankContext, handle: LayerHandle, entries: EntryIndex,
     rows = ops.pack_rows([g_out.to(wire.payload_dtype)], [token_o])
     copies = yield from forward_moves(rows, layout=layout, view=handle.view, schedule=handle.schedule,
                                       groups=ctx.groups)
-    (g_y_C,) = ops.unpack_rows(copies, wire.combine_specs())
+    (g_y_C,) = unpack_views(copies, wire.combine_specs())
     return g_y_C.index_select(0, entries.copy_of_entry)

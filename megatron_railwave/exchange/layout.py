@@ -80,6 +80,8 @@ class LayerLayout:
         category_counts: host, [G + 1] owner rows per category.
         egress_perm: [n_pool] pool row of each egress row.
         egress_inverse: [n_pool] egress row of each pool row (the inverse permutation).
+        egress_is_kept: host, True when no owner relays records here: the pool is the kept
+            records, already in egress order (NATIVE / PERM without failed rails), so no copy.
         pool_counts: host, [1 + G - 1] pool rows: kept, then from each other owner.
         deliver_index: per round, [sum_j copies] arrival row of each delivered copy, grouped by
             target GPU j ascending.
@@ -93,6 +95,7 @@ class LayerLayout:
     category_counts: list[int]
     egress_perm: torch.Tensor
     egress_inverse: torch.Tensor
+    egress_is_kept: bool
     pool_counts: list[int]
     deliver_index: list[torch.Tensor]
     arrivals: list[int]
@@ -168,7 +171,7 @@ def build_layout(plan: PathPlan, view: RankView, *, token_R: torch.Tensor, node_
         deliver_index.append(pos % max(mask_A.numel(), 1))
     return LayerLayout(token_R=token_R, node_R=node_R, owner_order=owner_order,
                        category_counts=list(view.owner_category_counts), egress_perm=egress_perm,
-                       egress_inverse=egress_inverse,
+                       egress_inverse=egress_inverse, egress_is_kept=not bool(pool_NB[:, 1:].any()),
                        pool_counts=pool_NB.sum(axis=0).tolist(), deliver_index=deliver_index,
                        arrivals=arrivals, num_copies=view.num_copies)
 

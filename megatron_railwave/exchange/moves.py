@@ -17,6 +17,7 @@ is exactly what runs.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -27,7 +28,7 @@ from .groups import RankGroups
 from .layout import LayerLayout
 from .transport import Post, Program, Wait
 
-__all__ = ["forward_moves", "backward_moves"]
+__all__ = ["forward_moves", "backward_moves", "as_row_bytes", "part_view", "unpack_views"]
 
 
 def _copy_slices(copies: torch.Tensor, view: RankView, schedule: ExecutionSchedule) -> dict[tuple[int, int], torch.Tensor]:
@@ -39,6 +40,41 @@ def _copy_slices(copies: torch.Tensor, view: RankView, schedule: ExecutionSchedu
             out[(rnd, l)] = copies[offset:offset + c]
             offset += c
     return out
+
+
+def as_row_bytes(t: torch.Tensor) -> torch.Tensor:
+    """[n, ...] -> [n, bytes] uint8 view of the same memory (contiguous tensors; else a copy):
+    a one-tensor message needs no packing copy."""
+    width = math.prod(t.shape[1:])
+    rows = t.reshape(t.shape[0], width)
+    if not rows.is_contiguous() or width == 0:
+        return ops.pack_rows([t], [None])
+    return rows.view(torch.uint8)
+
+
+def part_view(packed: torch.Tensor, specs: Sequence[ops.RowSpec], k: int) -> torch.Tensor | None:
+    """Part ``k`` of packed rows as a strided view of its dtype (no copy), or None when its
+    byte offset or the row width is not a multiple of its element size."""
+    dtype, shape = specs[k]
+    offset = ops.row_bytes(specs[:k])
+    width = ops.row_bytes([specs[k]])
+    size = dtype.itemsize
+    if (offset % size or packed.shape[1] % size or width == 0 or packed.stride(1) != 1
+            or (packed.storage_offset() + offset) % size):
+        return None
+    part = packed[:, offset:offset + width]
+    if packed.shape[0] <= 1:
+        part = part.contiguous()
+    return part.view(dtype).reshape(packed.shape[0], *shape)
+
+
+def unpack_views(packed: torch.Tensor, specs: Sequence[ops.RowSpec]) -> list[torch.Tensor]:
+    """The parts of packed rows: views where alignment allows (one part: always), else copies."""
+    if len(specs) == 1:
+        view = part_view(packed, specs, 0)
+        if view is not None:
+            return [view]
+    return ops.unpack_rows(packed, specs)
 
 
 def _take_rows(rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -64,8 +100,8 @@ def forward_moves(rows: torch.Tensor, *, layout: LayerLayout, view: RankView, sc
     """
     g, me = schedule.plan.topology.gpus_per_node, view.local
     owner_rows = list(rows.split(layout.category_counts))
-    pool = rows.new_empty((sum(layout.pool_counts), rows.shape[1]))
-    pool_rows = list(pool.split(layout.pool_counts))
+    pool = rows.new_empty((0 if layout.egress_is_kept else sum(layout.pool_counts), rows.shape[1]))
+    pool_rows = list(pool.split(layout.pool_counts)) if pool.shape[0] else []
     other_owners = [o for o in range(g) if o != me]
     copies = rows.new_empty((layout.num_copies, rows.shape[1]))
     copy_rows = _copy_slices(copies, view, schedule)
@@ -76,7 +112,9 @@ def forward_moves(rows: torch.Tensor, *, layout: LayerLayout, view: RankView, sc
     def finish(index: int) -> Program:
         yield Wait(ticket=tickets.pop(index))
         if schedule.phases[index].kind == PhaseKind.RELAY:
-            egress_rows.extend(_take_rows(pool, layout.egress_perm).split(view.egress_N))
+            # Without relayed records the kept rows are already in egress order (node ascending).
+            egress = owner_rows[me] if layout.egress_is_kept else _take_rows(pool, layout.egress_perm)
+            egress_rows.extend(egress.split(view.egress_N))
 
     for phase in schedule.dispatch_phases():
         for dep in phase.depends_on:
@@ -84,10 +122,11 @@ def forward_moves(rows: torch.Tensor, *, layout: LayerLayout, view: RankView, sc
                 yield from finish(dep)
         counts = view.counts(phase)
         if phase.kind == PhaseKind.RELAY:
-            pool_rows[0].copy_(owner_rows[me])  # kept records leave on this GPU's own rail
+            if not layout.egress_is_kept:
+                pool_rows[0].copy_(owner_rows[me])  # kept records leave on this GPU's own rail
             sends = [owner_rows[l] if l != me else None for l in range(g)]
             recvs: list = [None] * g
-            for block, owner in enumerate(other_owners, start=1):
+            for block, owner in enumerate(other_owners if pool_rows else [], start=1):
                 recvs[owner] = pool_rows[block]
         elif phase.kind == PhaseKind.RAIL:
             sends = [egress_rows[d] if c else None for d, c in enumerate(counts.send_Q)]
@@ -109,9 +148,9 @@ def forward_moves(rows: torch.Tensor, *, layout: LayerLayout, view: RankView, sc
 def _reduce_rows(received: torch.Tensor, index: torch.Tensor, num_rows: int, specs: Sequence[ops.RowSpec],
                  max_fanout: int) -> torch.Tensor:
     """Sum returned copies into their arrival rows (copies of one row in index order)."""
-    parts = ops.unpack_rows(received, specs)
+    parts = unpack_views(received, specs)
     summed = [ops.segment_sum(p, index, num_rows, out_dtype=p.dtype, max_segment_len=max_fanout) for p in parts]
-    return ops.pack_rows(summed, [None] * len(summed))
+    return as_row_bytes(summed[0]) if len(summed) == 1 else ops.pack_rows(summed, [None] * len(summed))
 
 
 def backward_moves(rows: torch.Tensor, specs: Sequence[ops.RowSpec], *, layout: LayerLayout, view: RankView,
@@ -160,7 +199,7 @@ def backward_moves(rows: torch.Tensor, specs: Sequence[ops.RowSpec], *, layout: 
             sends = list(reduced.pop(phase.step + 1).split(counts.send_Q))
             recvs = [egress_rows[d] if c else None for d, c in enumerate(counts.recv_Q)]
         else:
-            pool = _take_rows(egress, layout.egress_inverse)
+            pool = egress if layout.egress_is_kept else _take_rows(egress, layout.egress_inverse)
             pool_rows = list(pool.split(layout.pool_counts))
             out_rows[me].copy_(pool_rows[0])
             sends = [None] * g
