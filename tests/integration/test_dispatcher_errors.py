@@ -14,7 +14,7 @@ records, per rank, what each case raised; the tests below check those records:
 * path 'auto' with a missing anchors file: one logger warning in the whole job (global rank 0),
   however many MoE layers are built;
 * placement from facts: a launcher that numbers ranks cyclically (EP rank e on host e % 2 as local
-  GPU e // 2) gives the same outputs and gradients, bitwise, as node-by-node numbering; an uneven
+  GPU 1 - e // 2) gives the same outputs and gradients, bitwise, as node-by-node numbering; an uneven
   layout (3 + 1 ranks per host) and a rank with another ``failed_rails`` / ``path`` raise one clear
   error on every rank, naming the layout or the ranks and fields;
 * statistics on demand: a fixed path without a sink computes no descriptors and no statistics; a
@@ -150,7 +150,9 @@ def dispatcher_errors_worker(rank: int, world: int) -> dict[str, Any]:
                 else:
                     os.environ[k] = v
 
-    cyclic = {"RAILWAVE_HOST": f"host{rank % 2}", "LOCAL_RANK": str(rank // 2)}
+    # Cyclic over hosts, and GPUs numbered against the rank order within a host, so that torch's
+    # group ranks (by global rank) differ from the railwave order in the node groups too.
+    cyclic = {"RAILWAVE_HOST": f"host{rank % 2}", "LOCAL_RANK": str(1 - rank // 2)}
     out["placement"] = {}
     for name, env in (("node_by_node", {}), ("cyclic", cyclic)):
         d = with_env(env, lambda: make("joint"))
@@ -349,10 +351,10 @@ def test_dispatcher_accepts_attention_tensor_parallel(ranks):
 
 
 def test_placement_follows_hosts_and_local_ranks_not_rank_numbers(ranks):
-    # Cyclic launcher: EP rank e on host e % 2 as local GPU e // 2, so railwave rank = (e % 2) * 2 + e // 2.
+    # EP rank e on host e % 2 as local GPU 1 - e // 2, so railwave rank = (e % 2) * 2 + 1 - e // 2.
     for res in ranks:
         assert res["placement"]["node_by_node"]["railwave_rank_of_ep"] == [0, 1, 2, 3]
-        assert res["placement"]["cyclic"]["railwave_rank_of_ep"] == [0, 2, 1, 3]
+        assert res["placement"]["cyclic"]["railwave_rank_of_ep"] == [1, 3, 0, 2]
         assert res["placement"]["cyclic"]["hosts"] == ["host0", "host1"]
     for rank, res in enumerate(ranks):
         a, b = res["placement"]["node_by_node"], res["placement"]["cyclic"]
