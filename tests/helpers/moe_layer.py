@@ -20,10 +20,18 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["build_and_run_moe_layer", "canonical_weights", "dense_moe_reference", "rank_inputs"]
+__all__ = ["build_and_run_moe_layer", "build_from_spec", "canonical_weights", "dense_moe_reference", "rank_inputs"]
 
 # Config keys the dense oracle models; anything else in extra_config is Megatron-only.
 _ORACLE_KEYS = frozenset({"moe_router_score_function", "moe_router_pre_softmax"})
+
+
+def build_from_spec(spec: Any, **kwargs: Any) -> Any:
+    """Build a module from what ``get_moe_module_spec`` returns: a ``ModuleSpec`` (Megatron-Core
+    0.15) or a ``functools.partial`` builder (0.19)."""
+    from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+
+    return build_module(spec, **kwargs) if isinstance(spec, ModuleSpec) else spec(**kwargs)
 
 
 def canonical_weights(
@@ -144,7 +152,7 @@ def build_and_run_moe_layer(
     try:
         pg_collection = ProcessGroupCollection.use_mpu_process_groups()
         spec = get_moe_module_spec(use_te=False, num_experts=num_experts, moe_grouped_gemm=False)
-        layer = spec(config=config, layer_number=1, pg_collection=pg_collection)
+        layer = build_from_spec(spec, config=config, layer_number=1, pg_collection=pg_collection)
         layer.set_layer_number(1)
 
         weights = canonical_weights(

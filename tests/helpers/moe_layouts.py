@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tests.helpers.moe_layer import canonical_weights, rank_inputs
+from tests.helpers.moe_layer import build_from_spec, canonical_weights, rank_inputs
 
 __all__ = ["run_layouts_worker"]
 
@@ -50,7 +50,8 @@ def _build(dispatcher: str, parallel: dict[str, int], **extra: Any):
 
     config = _config(dispatcher, parallel, **extra)
     spec = get_moe_module_spec(use_te=False, num_experts=EXPERTS, moe_grouped_gemm=False)
-    layer = spec(config=config, layer_number=1, pg_collection=ProcessGroupCollection.use_mpu_process_groups())
+    layer = build_from_spec(spec, config=config, layer_number=1,
+                            pg_collection=ProcessGroupCollection.use_mpu_process_groups())
     layer.set_layer_number(1)
     weights = canonical_weights(num_experts=EXPERTS, hidden=HIDDEN, ffn_hidden=FFN, seed=11)
     with torch.no_grad():
