@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tests.helpers.moe_layer import build_from_spec, canonical_weights, rank_inputs
+from tests.helpers.moe_layer import build_from_spec, load_canonical_weights, rank_inputs
 
 __all__ = ["run_layouts_worker"]
 
@@ -53,13 +53,7 @@ def _build(dispatcher: str, parallel: dict[str, int], **extra: Any):
     layer = build_from_spec(spec, config=config, layer_number=1,
                             pg_collection=ProcessGroupCollection.use_mpu_process_groups())
     layer.set_layer_number(1)
-    weights = canonical_weights(num_experts=EXPERTS, hidden=HIDDEN, ffn_hidden=FFN, seed=11)
-    with torch.no_grad():
-        layer.router.weight.copy_(weights["router"])
-        for local_idx, global_idx in enumerate(layer.local_expert_indices):
-            expert = layer.experts.local_experts[local_idx]
-            expert.linear_fc1.weight.copy_(weights["fc1"][global_idx])
-            expert.linear_fc2.weight.copy_(weights["fc2"][global_idx])
+    load_canonical_weights(layer, num_experts=EXPERTS, hidden=HIDDEN, ffn_hidden=FFN, seed=11)
     return layer
 
 

@@ -39,11 +39,17 @@ sys.argv = ["pretrain_gpt.py", "--num-layers", "2", "--hidden-size", "64", "--nu
             "--no-rope-fusion", "--transformer-impl", "local", "--use-cpu-initialization",
             "--no-gradient-accumulation-fusion", "--no-bias-swiglu-fusion", "--no-masked-softmax-fusion",
             "--no-bias-dropout-fusion", "--no-persist-layer-norm"] + EXTRA
-try:
-    args = parse_args()
-except SystemExit as exc:
-    print(json.dumps({"exit": exc.code}))
-    raise SystemExit(0)
+FLAG_ONLY = sys.argv[:-2] + ["--moe-token-dispatcher-type", "railwave"]
+exits = []
+if NO_HOOK_CHECK:  # without the hook, Megatron-LM's own parser rejects the flag (argparse exit 2)
+    sys.argv, saved = FLAG_ONLY, sys.argv
+    try:
+        parse_args()
+        exits.append(0)
+    except SystemExit as exc:
+        exits.append(exc.code)
+    sys.argv = saved
+args = parse_args()
 validate_args(args, {})
 dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
 from megatron.core import parallel_state
@@ -56,16 +62,16 @@ layers = sorted({type(m).__name__ for m in model.modules() if "MoELayer" in type
 from megatron_railwave.plugin import installed_config
 cfg = installed_config()
 print(json.dumps({"types": types, "layers": layers, "type": args.moe_token_dispatcher_type,
-                  "path": cfg.path if cfg else None, "metrics": cfg.metrics if cfg else None}))
+                  "path": cfg.path if cfg else None, "metrics": cfg.metrics if cfg else None, "exits": exits}))
 """
 
 
-def _run(extra: list[str], *, auto: bool) -> dict:
+def _run(extra: list[str], *, auto: bool, no_hook_check: bool = False) -> dict:
     env = {**os.environ, "WORLD_SIZE": "1", "RANK": "0", "LOCAL_WORLD_SIZE": "1"}
     env.pop("RAILWAVE_AUTO_INSTALL", None)
     if auto:
         env["RAILWAVE_AUTO_INSTALL"] = "1"
-    code = f"EXTRA = {extra!r}\n" + textwrap.dedent(SCRIPT)
+    code = f"EXTRA = {extra!r}\nNO_HOOK_CHECK = {no_hook_check!r}\n" + textwrap.dedent(SCRIPT)
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300,
                           env=env)
     assert proc.returncode == 0, f"{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
@@ -83,17 +89,14 @@ def test_dispatcher_flag_last_works_in_megatron_lm_argument_path_with_the_hook()
     out = _run(["--railwave-path", "rail", "--railwave-no-metrics", "--moe-token-dispatcher-type", "railwave"],
                auto=True)
     assert out == {"types": ["RailWaveTokenDispatcher"], "layers": ["MoELayer"], "type": "railwave",
-                   "path": "rail", "metrics": False}
+                   "path": "rail", "metrics": False, "exits": []}
 
 
-def test_without_the_hook_megatron_lm_rejects_the_flag():
-    out = _run(["--moe-token-dispatcher-type", "railwave"], auto=False)
-    assert out == {"exit": 2}  # argparse: invalid choice 'railwave'
-
-
-def test_layer_spec_route_through_megatron_lm_spec_flag():
-    # No hook, no install(): the spec swaps MoELayer for RailWaveMoELayer; the type may stay 'alltoall'.
+def test_layer_spec_route_through_megatron_lm_spec_flag_and_no_flag_without_the_hook():
+    # No hook, no install(): Megatron-LM rejects '--moe-token-dispatcher-type railwave' (exit 2), and
+    # the spec swaps MoELayer for RailWaveMoELayer while the type stays 'alltoall'.
     out = _run(["--spec", "megatron_railwave.layer_spec", "gpt_layer_spec", "--moe-token-dispatcher-type",
-                "alltoall"], auto=False)
+                "alltoall"], auto=False, no_hook_check=True)
+    assert out["exits"] == [2]
     assert out["types"] == ["RailWaveTokenDispatcher"] and out["layers"] == ["RailWaveMoELayer"]
     assert out["type"] == "alltoall" and out["path"] is None  # nothing installed
