@@ -137,6 +137,7 @@ class TorchDistTransport:
     survey: Callable[[str, GroupRef], list[int]] | None = None
     bytes_sent: dict[str, int] = field(default_factory=dict)
     bytes_received: dict[str, int] = field(default_factory=dict)
+    _orders: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict, repr=False)
 
     def post(self, req: Post) -> _Ticket:
         group = req.group
@@ -175,8 +176,7 @@ class TorchDistTransport:
         order = req.group.group_ranks
         send, recv = req.send, req.recv
         if order is not None:  # rows in member order <-> rows in torch group-rank order (device, no sync)
-            to_group = torch.tensor(order, device=send.device)
-            from_group = torch.empty_like(to_group).index_copy_(0, to_group, torch.arange(len(order), device=send.device))
+            to_group, from_group = self._row_orders(order, send.device)
             if req.kind == "all_to_all":
                 send = send.index_select(0, from_group)
             recv = torch.empty_like(recv)
@@ -194,6 +194,15 @@ class TorchDistTransport:
         if order is not None:
             rows = recv.view(len(order), -1).index_select(0, to_group)
             req.recv.copy_(rows.view_as(req.recv))
+
+    def _row_orders(self, order: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(member -> group rank, group rank -> member) index tensors, made once per device."""
+        key = (order, device)
+        if key not in self._orders:
+            to_group = torch.tensor(order, dtype=torch.int64, device=device)
+            from_group = torch.empty_like(to_group).index_copy_(0, to_group, torch.arange(len(order), device=device))
+            self._orders[key] = (to_group, from_group)
+        return self._orders[key]
 
     def _me(self, group: GroupRef) -> int:
         return group.ranks.index(self.rank)
