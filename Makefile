@@ -4,10 +4,11 @@ VENV := .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.railwave-installed
 
-.PHONY: demo test test-all setup clean plan-bench bench bench-exchange testbed-bench gpu-check simulate-exchange \
-	ext kernels-check ops-bench
+.PHONY: demo test test-all test-mcore-oldest setup clean plan-bench bench bench-exchange testbed-bench gpu-check \
+	simulate-exchange ext kernels-check ops-bench
 
-$(STAMP): pyproject.toml
+# setup.py ships the opt-in RAILWAVE_AUTO_INSTALL startup hook (megatron_railwave_autoinstall.pth).
+$(STAMP): pyproject.toml setup.py megatron_railwave_autoinstall.pth
 	@test -x $(VPY) || $(PY) -m venv $(VENV)
 	# torch first, so that nothing later pulls a multi-GB CUDA build.
 	$(VPY) -m pip install -q torch==2.13.0
@@ -54,6 +55,21 @@ setup: $(STAMP)
 test: $(STAMP) $(SIMGRID_STAMP) $(EXT_STAMP) kernels-check
 	$(VENV)/bin/lint-imports
 	RAILWAVE_REQUIRE_EXT=1 $(VPY) -m pytest -q -m "not slow" --timeout=900
+
+# The oldest supported Megatron-Core (plugin.SUPPORTED_MEGATRON_CORE) laid over the venv's newest
+# with PYTHONPATH (no second torch): the Megatron integration tests only (~6 min here).
+MCORE_OLDEST := 0.15.3
+MCORE_OLDEST_DIR := $(VENV)/mcore-$(MCORE_OLDEST)
+MEGATRON_TESTS := tests/unit/test_layer_spec.py tests/integration/test_dispatcher_megatron.py \
+	tests/integration/test_dispatcher_layouts.py tests/integration/test_dispatcher_errors.py
+
+$(MCORE_OLDEST_DIR)/.installed: $(STAMP)
+	$(VPY) -m pip install -q --ignore-requires-python --no-deps --target $(MCORE_OLDEST_DIR) megatron-core==$(MCORE_OLDEST)
+	@touch $@
+
+test-mcore-oldest: $(MCORE_OLDEST_DIR)/.installed
+	PYTHONPATH=$(MCORE_OLDEST_DIR) RAILWAVE_EXPECT_MEGATRON_CORE=$(MCORE_OLDEST) $(VPY) -m pytest -q -m "not slow" \
+		--timeout=1800 $(MEGATRON_TESTS)
 
 test-all: $(STAMP) $(EXT_STAMP)
 	$(VENV)/bin/lint-imports

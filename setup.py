@@ -1,4 +1,5 @@
-"""Build of the compiled ops (csrc/ -> megatron_railwave._C); the package metadata is in pyproject.toml.
+"""Build of the compiled ops (csrc/ -> megatron_railwave._C) and of the opt-in startup hook; the
+package metadata is in pyproject.toml.
 
 * CUDAExtension when torch was built with CUDA and nvcc is found, else CppExtension (CPU twins only).
 * RAILWAVE_BUILD_EXT=0 skips the extension: the package then uses the pure-torch reference ops.
@@ -6,6 +7,8 @@
   when CUDA_HOME is unset and /usr/local/cuda/bin/nvcc exists, that is used instead.
 * The C++ standard is left to torch.utils.cpp_extension (torch >= 2.14 headers need C++20).
 * -ffp-contract=off on the CPU twins: segment_sum must round every addition, as the GPU's __fadd_rn does.
+* megatron_railwave_autoinstall.pth goes to the root of site-packages (regular and editable installs):
+  the startup hook of ``megatron_railwave.autoinstall``, which does nothing unless RAILWAVE_AUTO_INSTALL=1.
 """
 
 from __future__ import annotations
@@ -13,8 +16,11 @@ from __future__ import annotations
 import glob
 import os
 import shutil
+from pathlib import Path
 
 from setuptools import setup
+from setuptools.command.build_py import build_py
+from setuptools.command.editable_wheel import editable_wheel
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
@@ -59,5 +65,26 @@ def _extensions() -> tuple[list, dict]:
     return [extension], {"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=use_ninja)}
 
 
+PTH = "megatron_railwave_autoinstall.pth"
+
+
+class BuildPyWithPth(build_py):
+    def run(self) -> None:
+        super().run()
+        self.copy_file(str(Path(__file__).parent / PTH), str(Path(self.build_lib) / PTH), preserve_mode=False)
+
+    def get_outputs(self, include_bytecode: bool = True) -> list[str]:
+        return [*super().get_outputs(include_bytecode), str(Path(self.build_lib) / PTH)]
+
+
+class EditableWheelWithPth(editable_wheel):
+    # `pip install -e .` (PEP 660): the editable wheel maps the package to the source tree, but a
+    # top-level file has to be in the wheel itself.
+    def _run_build_commands(self, dist_name, unpacked_wheel, build_lib, tmp_dir):  # noqa: ANN001, ANN202
+        files, mapping = super()._run_build_commands(dist_name, unpacked_wheel, build_lib, tmp_dir)
+        self.copy_file(str(Path(__file__).parent / PTH), str(Path(unpacked_wheel) / PTH), preserve_mode=False)
+        return files, mapping
+
+
 ext_modules, cmdclass = _extensions()
-setup(ext_modules=ext_modules, cmdclass=cmdclass)
+setup(ext_modules=ext_modules, cmdclass={**cmdclass, "build_py": BuildPyWithPth, "editable_wheel": EditableWheelWithPth})

@@ -2,7 +2,11 @@
 
 Runs examples/train_glm_tiny.py twice on 8 CPU processes over gloo (4 emulated nodes x 2 GPUs):
 once with ``--moe-token-dispatcher-type railwave`` (printing each step's loss and each MoE
-layer's path) and once with Megatron's ``alltoall``, then prints the losses side by side.
+layer's path, and writing the per-layer communication log) and once with Megatron's ``alltoall``,
+then prints the losses side by side and, from that run's own log (``out/demo_logs``, one set of
+files per run), what railwave did per layer: path, B, rho_g, kappa, relayed records, waves, bytes
+per rail, tokens per expert, overload factor, dispatch and combine times (``railwave report``'s
+table).
 """
 
 from __future__ import annotations
@@ -20,7 +24,8 @@ def _run(dispatcher: str, args: argparse.Namespace, out: Path) -> dict:
     cmd = [sys.executable, str(HERE / "train_glm_tiny.py"), "--nprocs", str(args.nprocs),
            "--steps", str(args.steps), "--moe-token-dispatcher-type", dispatcher, "--json", str(out)]
     if dispatcher == "railwave":
-        cmd += ["--railwave-path", args.railwave_path, "--gpus-per-node", str(args.gpus_per_node)]
+        cmd += ["--railwave-path", args.railwave_path, "--gpus-per-node", str(args.gpus_per_node),
+                "--railwave-log-dir", str(args.out_dir / "demo_logs")]
     print(f"\n=== {dispatcher} ===\n$ {' '.join(cmd)}", flush=True)
     subprocess.run(cmd, check=True)
     return json.loads(out.read_text())
@@ -45,7 +50,23 @@ def main() -> int:
     print(f"layer paths (last step): {rail.get('layer_paths')}")
     ok = worst <= 1e-4 * max(1.0, abs(ref["losses"][0]))
     print(f"max |loss difference| = {worst:.2e} -> {'MATCH' if ok else 'MISMATCH'}")
+    _print_layer_table(args.out_dir / "demo_logs", rail["railwave_run"])
     return 0 if ok else 1
+
+
+def _print_layer_table(log_dir: Path, run: str) -> None:
+    """What railwave did per MoE layer, from this run's own communication log (slowest rank)."""
+    from megatron_railwave.commands.report import layer_table, summarize_logs
+    from megatron_railwave.commlog import read_logs, split_runs
+
+    summary = summarize_logs(split_runs(read_logs(log_dir))[run])
+    header, rows = layer_table(summary)
+    print(f"\nrailwave per layer, run {run} ({summary['num_calls']} layer calls; {log_dir}; "
+          f"`railwave report {log_dir} --run {run}` for plots):")
+    cells = [header] + [[f"{v:.3g}" if isinstance(v, float) else str(v) for v in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    for r in cells:
+        print(" | ".join(c.rjust(w) for c, w in zip(r, widths)))
 
 
 if __name__ == "__main__":

@@ -48,6 +48,8 @@ def _parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="railwave: execution path (auto = selector)")
     parser.add_argument("--failed-rail", action="append", default=[], metavar="NODE:RAIL",
                         help="railwave: mark a rail failed (repeatable)")
+    parser.add_argument("--railwave-log-dir", type=Path, default=None,
+                        help="railwave: write the per-layer communication log (JSONL, one set of files per run) here")
     parser.add_argument("--num-layers", type=int, default=3, help="layer 1 dense, rest MoE")
     parser.add_argument("--seq-length", type=int, default=32)
     parser.add_argument("--micro-batch-size", type=int, default=2)
@@ -199,15 +201,21 @@ def _train(rank: int, world_size: int, port: int, args: argparse.Namespace) -> N
                             timeout=datetime.timedelta(seconds=args.timeout_s))
     apply_megatron_cpu_shims()
     layer_paths: dict[int, str] = {}
+    log_sink = None
     if args.moe_token_dispatcher_type == "railwave":
+        from megatron_railwave.commlog import FanoutSink, JsonlStatsSink
+
         railwave_config = {
             "gpus_per_node": args.gpus_per_node,
             "path": args.railwave_path,
             "failed_rails": [[int(v) for v in f.split(":")] for f in args.failed_rail],
         }
-        # The sink sees every layer's statistics; the demo prints which path each layer took.
+        # The sink sees every layer's statistics: the demo prints which path each layer took, and
+        # with --railwave-log-dir every rank writes its records (the report takes the slowest rank).
+        log_sink = JsonlStatsSink(args.railwave_log_dir) if args.railwave_log_dir else None
         _require_railwave_install()(
-            railwave_config, stats_sink=lambda st: layer_paths.__setitem__(st.layer, st.path))
+            railwave_config,
+            stats_sink=FanoutSink(lambda st: layer_paths.__setitem__(st.layer, st.path), log_sink))
 
     from megatron.core import parallel_state
     from megatron.core.distributed.finalize_model_grads import (
@@ -276,9 +284,12 @@ def _train(rank: int, world_size: int, port: int, args: argparse.Namespace) -> N
             print(f"step {step + 1}/{args.steps} | loss {losses[-1]:.6f} |{moe_log} "
                   f"{step_seconds[-1]:.2f} s" + (f" | paths {paths}" if paths else ""), flush=True)
 
+    if log_sink is not None:
+        log_sink.close()
     if rank == 0 and args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({
+            "railwave_run": log_sink.run_id if log_sink is not None else None,
             "moe_token_dispatcher_type": args.moe_token_dispatcher_type,
             "nprocs": world_size,
             "steps": args.steps,

@@ -71,7 +71,11 @@ class RailWaveConfig:
     shape_distance: float = 0.02
     """Selector: ... and within this distance on both shape coordinates."""
     log_dir: str | None = None
-    """Write one JSONL record per MoE layer per logged step here."""
+    """Write one JSONL record per MoE layer per logged step here (one set of files per run)."""
+    metrics: bool = True
+    """Report ``railwave_*`` scalars through Megatron's MoE metrics tracker (console, TensorBoard,
+    W&B). With ``metrics: false``, no ``log_dir`` and a fixed path, no descriptors or statistics
+    are computed at all."""
     log_interval: int = 1
     """Log every this many steps (a step = one forward of layer 1)."""
     log_mode: Literal["rank", "job"] = "rank"
@@ -133,6 +137,8 @@ class RailWaveConfig:
                 if not isinstance(value, (str, os.PathLike)):
                     raise ValueError(f"{name}={value!r} must be a directory path or null")
                 check_output_dir(value, name)
+        if not isinstance(self.metrics, bool):
+            raise ValueError(f"metrics={self.metrics!r} must be true or false")
         if self.log_mode not in ("rank", "job"):
             raise ValueError(f"log_mode={self.log_mode!r} must be 'rank' (one file per rank) or 'job' "
                              "(one file written by global rank 0)")
@@ -179,8 +185,44 @@ class RailWaveConfig:
         object.__setattr__(self, "rail_mask", tuple(tuple(int(v) for v in r) for r in rows))
 
     # ------------------------------------------------------------------ derived
-    def topology(self, ep_size: int) -> RailTopology:
-        """The topology for an expert-parallel group of ``ep_size`` ranks."""
+    def fingerprint(self) -> dict[str, str]:
+        """The fields every rank of one EP group must agree on, as text (field -> value).
+
+        The dispatcher compares them across the EP group at construction
+        (``exchange.placement.check_fingerprints``). A new field that changes what travels on
+        the wire (e.g. a backend) belongs here.
+        """
+        return {
+            "path": str(self.path),
+            "topology": repr((self.cluster, self.gpus_per_node, self.rail_of_gpu)),
+            "failed_rails": repr(sorted(self.failed_rails)),
+            "policy": repr((str(self.policy), self.rail_mask)),
+            "fanin": str(self.fanin),
+        }
+
+    def configured_gpus_per_node(self) -> int | None:
+        """G from the cluster file or ``gpus_per_node``; None when the config does not say."""
+        if self.cluster:
+            return load_topology(self.cluster).gpus_per_node
+        return self.gpus_per_node
+
+    def cluster_rail_of_gpu(self) -> tuple[int, ...]:
+        """Rail of each physical GPU of a node, from the cluster file or ``rail_of_gpu``."""
+        if self.cluster:
+            return load_topology(self.cluster).rail_of_gpu
+        return self.rail_of_gpu
+
+    def topology(self, ep_size: int, *, ranks_per_node: int | None = None,
+                 rail_of_local: tuple[int, ...] = ()) -> RailTopology:
+        """The topology for an expert-parallel group of ``ep_size`` ranks.
+
+        Args:
+            ep_size: W.
+            ranks_per_node: EP ranks per node found by the placement (``exchange.placement``);
+                used when the config names neither a cluster file nor ``gpus_per_node``.
+            rail_of_local: rail of each local GPU found by the placement (replaces the
+                config's when the EP group uses other GPUs of a node than 0..G-1).
+        """
         overrides: dict[str, Any] = {}
         if self.failed_rails:
             overrides["failed_rails"] = [list(f) for f in self.failed_rails]
@@ -188,7 +230,7 @@ class RailWaveConfig:
             topo = load_topology(self.cluster, **overrides)
             topo.check_world_size(ep_size)
             return topo
-        g = self.gpus_per_node
+        g = self.gpus_per_node or ranks_per_node
         if g is None:
             env = os.environ.get("LOCAL_WORLD_SIZE")
             if env is None:
@@ -207,7 +249,7 @@ class RailWaveConfig:
         return RailTopology(
             num_nodes=ep_size // g,
             gpus_per_node=g,
-            rail_of_gpu=self.rail_of_gpu,
+            rail_of_gpu=rail_of_local or self.rail_of_gpu[:g],
             rail_gbps=self.rail_gbps,
             failed_rails=frozenset(self.failed_rails),
             name=f"{ep_size // g}x{g}",

@@ -5,7 +5,8 @@ experts, H hidden, n_ent received (token, local expert) entries.
 
 Workflow of one MoE layer (Megatron calls the hooks in this order):
   1. ``dispatch_preprocess(tokens [S, B, H], routing_map [T, E], probs [T, E])``: flatten; keep
-     the routing map. No communication.
+     the routing map; classify the pass (training forward, recompute, forward-only) and its step.
+     No communication.
   2. ``token_dispatch``: gather the global counts (the layer's one host sync), select the path
      from global descriptors (same on every rank), plan, compile the schedule and run its
      dispatch phases. Returns the received entries [n_ent, H] and their probs [n_ent].
@@ -16,15 +17,26 @@ Workflow of one MoE layer (Megatron calls the hooks in this order):
 Megatron's six calls force per-layer state onto the dispatcher: it is kept in exactly one
 attribute, ``self._state``, set in step 1 and cleared in step 6.
 
-The process groups (node, rail and the count group) are created and warmed up in the
-constructor, collectively, so the first layer call starts no group and a rank that dies later
-cannot leave the others waiting in a lazy ``new_group``.
+Construction (collective over the EP group, before any data moves): one all-gather of every
+EP rank's facts and configuration fingerprint (``exchange.placement``): ranks that disagree on
+the configuration raise one ``ConfigMismatchError`` everywhere; the EP-rank -> (node, local GPU)
+map is built from hosts and GPUs, not assumed; then the node, rail and count groups are created
+and warmed up, so the first layer call starts no group.
+
+Steps and passes (``steps``): the step is Megatron's iteration (else ``steps.set_step``, else the
+layer's count of training forwards). A training forward advances the plan's rotation phase; a
+recompute (activation checkpointing replays the forward inside backward) replays its first
+forward's phase and path and is neither logged nor captured again; a forward-only pass (eval)
+uses the current phase without advancing it. Descriptors and statistics are computed only when
+the selector ('auto') or a stats sink needs them.
 """
 
 from __future__ import annotations
 
 import atexit
 import time
+import weakref
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -34,10 +46,12 @@ from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 
 from .capture import TraceMeta, TraceRecorder
 from .config import RailWaveConfig
-from .exchange import DispatchOutput, TorchDistExchange, build_rail_groups
+from .exchange import (DispatchOutput, TorchDistExchange, build_rail_groups, check_fingerprints, gather_rank_facts,
+                       place_ranks)
 from .planner import Path
 from .selector import FixedSelector, PathSelector, selector_from_config
 from .stats import LayerCommStats, Stopwatch, demand_stats, layer_comm_stats
+from .steps import PassKind, current_step, pass_kind
 from .traffic import dtype_bytes
 
 __all__ = ["RailWaveTokenDispatcher", "check_supported", "flush_captures"]
@@ -61,10 +75,11 @@ def check_supported(config: Any) -> None:
     Called at construction, on every rank, before any communication.
     """
     problems = []
+    # Attention TP / CP / PP are folded out of the expert grid ("MoE parallel folding"): with
+    # expert-TP 1 every EP rank holds its own tokens, which is all the exchange needs.
     if getattr(config, "expert_tensor_parallel_size", 1) not in (None, 1):
-        problems.append(f"expert_tensor_parallel_size={config.expert_tensor_parallel_size} (need 1)")
-    if getattr(config, "tensor_model_parallel_size", 1) != 1:
-        problems.append(f"tensor_model_parallel_size={config.tensor_model_parallel_size} (need 1)")
+        problems.append(f"expert_tensor_parallel_size={config.expert_tensor_parallel_size} (need 1; expert-TP "
+                        "splits every expert over ranks and makes EP groups strided)")
     if getattr(config, "moe_expert_capacity_factor", None) is not None:
         problems.append(
             f"moe_expert_capacity_factor={config.moe_expert_capacity_factor} (token dropping; "
@@ -72,7 +87,8 @@ def check_supported(config: Any) -> None:
     if getattr(config, "moe_pad_expert_input_to_capacity", False):
         problems.append("moe_pad_expert_input_to_capacity=True (need False)")
     if getattr(config, "moe_shared_expert_overlap", False):
-        problems.append("moe_shared_expert_overlap=True (need False)")
+        problems.append("moe_shared_expert_overlap=True (need False: RailWave does not run the shared expert "
+                        "on Megatron's side stream; without the flag MoELayer runs it before dispatch)")
     if getattr(config, "overlap_moe_expert_parallel_comm", False):
         problems.append("overlap_moe_expert_parallel_comm=True (need False)")
     if getattr(config, "fp8", None) or getattr(config, "fp4", None):
@@ -88,15 +104,33 @@ def check_supported(config: Any) -> None:
         )
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _Call:
+    """What one layer call is: its pass, step, micro-batch, plan phase and (recompute) path."""
+
+    kind: PassKind
+    step: int
+    microbatch: int
+    phase: int
+    path: Path | None = None
+    """The first forward's path, replayed by its recompute; None: select."""
+
+
 @dataclass(kw_only=True, slots=True)
 class _LayerState:
     """Per-call state between the six hooks (cleared in combine_postprocess)."""
 
     hidden_shape: torch.Size
     routing_map: torch.Tensor
+    call: _Call
+    wants_stats: bool
     dispatched: DispatchOutput | None = None
     stats: LayerCommStats | None = None
     timers: dict[str, Stopwatch] = field(default_factory=dict)
+
+
+_REPLAY_LIMIT = 4096
+"""Training forwards remembered for their recompute (per layer; cleared at each new step)."""
 
 
 class RailWaveTokenDispatcher(MoETokenDispatcher):
@@ -117,17 +151,30 @@ class RailWaveTokenDispatcher(MoETokenDispatcher):
                  selector: PathSelector | None = None, stats_sink: StatsSink | None = None) -> None:
         check_supported(config)
         super().__init__(config=config, pg_collection=pg_collection)
+        # Megatron-Core 0.15 does not set ep_rank on the base dispatcher (0.19 does).
+        self.ep_rank = dist.get_rank(self.ep_group) if dist.is_initialized() else 0
         self.railwave = railwave or RailWaveConfig()
         self.num_local_experts = num_local_experts
         self.local_expert_indices = list(local_expert_indices)
         self.num_experts = config.num_moe_experts
-        self.topology = self.railwave.topology(self.ep_size)
         expected = list(range(self.ep_rank * num_local_experts, (self.ep_rank + 1) * num_local_experts))
         if self.local_expert_indices != expected:
             raise ValueError(
                 f"RailWave expects contiguous expert placement: EP rank {self.ep_rank} should own "
                 f"experts {expected}, got {self.local_expert_indices}"
             )
+        # Facts and fingerprints first (one all-gather on the EP group): every later check then
+        # raises the same error on every rank, and a rank with another config cannot hang the rest.
+        fields = self.railwave.fingerprint()
+        facts = gather_rank_facts(self.ep_group, fields)
+        check_fingerprints(facts, fields)
+        configured = self.railwave.configured_gpus_per_node()
+        if configured is not None:
+            self.railwave.topology(self.ep_size)  # the config's own checks (W a multiple of G, ...)
+            configured = min(configured, self.ep_size)
+        self.placement = place_ranks(facts, gpus_per_node=configured, rail_of_gpu=self.railwave.cluster_rail_of_gpu())
+        self.topology = self.railwave.topology(self.ep_size, ranks_per_node=self.placement.gpus_per_node,
+                                               rail_of_local=self.placement.rail_of_local)
         if self.railwave.path == "auto":
             if selector is None:
                 # The missing-anchors warning: once per job (global rank 0), not once per rank.
@@ -138,44 +185,129 @@ class RailWaveTokenDispatcher(MoETokenDispatcher):
             self.selector = FixedSelector(self.railwave.path)
         self.stats_sink = stats_sink
         self.layer_number: int | None = None
-        self._num_calls = 0
+        self.moe_layer: Callable[[], Any] | None = None
+        """Weak reference to the owning MoELayer (its ``training`` flag); set by ``install``'s hook."""
         options = self.railwave.plan_options(self.topology)
-        groups = build_rail_groups(self.ep_group, self.topology, timeout_s=self.railwave.timeout_s)
+        groups = build_rail_groups(self.ep_group, self.topology, timeout_s=self.railwave.timeout_s,
+                                   placement=self.placement)
         self._exchange = TorchDistExchange(self.topology, groups, num_experts=self.num_experts, options=options,
                                            timeout_s=self.railwave.timeout_s)
+        self._columns: dict[torch.device, torch.Tensor] = {}
+        self._train_forwards = 0
+        self._step: int | None = None
+        self._microbatch = 0
+        self._forward_only_calls = 0
+        self._replay: deque[_Call] = deque(maxlen=_REPLAY_LIMIT)
         self._state: _LayerState | None = None
+
+    def set_moe_layer(self, layer: Any) -> None:
+        """Remember the owning MoELayer (weakly), whose ``training`` flag tells eval passes apart."""
+        self.moe_layer = weakref.ref(layer)
 
     # ------------------------------------------------------------------ helpers
     def _get_exchange(self) -> TorchDistExchange:
         return self._exchange
 
+    def _training(self) -> bool:
+        layer = self.moe_layer() if self.moe_layer is not None else None
+        return bool(layer.training) if layer is not None else torch.is_grad_enabled()
+
+    def _begin_call(self) -> _Call:
+        """Classify this call and give it its step, micro-batch and phase (host only)."""
+        kind = pass_kind(self._training())
+        if kind == PassKind.RECOMPUTE:
+            if self._replay:
+                return self._replay.popleft()
+            # No remembered forward (a checkpoint whose first forward did not come through here):
+            # the last training forward's phase; any phase gives the same numbers.
+            return _Call(kind=kind, step=self._step or 0, microbatch=self._microbatch,
+                         phase=max(self._train_forwards - 1, 0))
+        clock = current_step()
+        if kind == PassKind.FORWARD_ONLY:
+            step = clock if clock is not None else (self._step or 0)
+            if step != self._step:
+                self._step, self._microbatch, self._forward_only_calls = step, -1, 0
+            call = _Call(kind=kind, step=step, microbatch=self._forward_only_calls, phase=self._train_forwards)
+            self._forward_only_calls += 1
+            return call
+        step = clock if clock is not None else self._train_forwards
+        if step != self._step:
+            self._step, self._microbatch, self._forward_only_calls = step, 0, 0
+            if clock is not None:
+                self._replay.clear()  # recomputes of earlier steps are done
+        else:
+            self._microbatch += 1
+        call = _Call(kind=kind, step=step, microbatch=self._microbatch, phase=self._train_forwards)
+        self._train_forwards += 1
+        return call
+
+    def _sink_wants(self, step: int) -> bool:
+        """Whether the stats sink will take this step's record (same answer on every rank)."""
+        sink = self.stats_sink
+        if sink is None:
+            return False
+        wants = getattr(sink, "wants", None)
+        return True if wants is None else bool(wants(step))
+
+    def _to_railwave(self, routing_map: torch.Tensor, probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Expert columns from Megatron's EP order into railwave order ([T, E] each; device, no sync).
+
+        Identity (nothing done) when the launcher numbers EP ranks node by node. A malformed input
+        is passed through untouched, so that the count exchange names it.
+        """
+        if self.placement.identity:
+            return routing_map, probs
+        e = self.num_experts
+        if routing_map.dim() != 2 or routing_map.shape[1] != e or tuple(probs.shape) != tuple(routing_map.shape):
+            return routing_map, probs
+        columns = self._columns.get(routing_map.device)
+        if columns is None:
+            columns = self.placement.expert_columns(self.num_local_experts).to(routing_map.device)
+            self._columns[routing_map.device] = columns
+        # index_select's backward scatters the probs gradient back to Megatron's columns.
+        return routing_map.index_select(1, columns), probs.index_select(1, columns)
+
     # ------------------------------------------------------------------ the six hooks
     def dispatch_preprocess(self, tokens: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor):
         """[S, B, H] -> [T, H]; keeps the routing map. No communication."""
         hidden_shape = tokens.shape
-        self._state = _LayerState(hidden_shape=hidden_shape, routing_map=routing_map)
-        self._state.timers["dispatch"] = Stopwatch(tokens.device)
+        call = self._begin_call()
+        wants = call.kind != PassKind.RECOMPUTE and self._sink_wants(call.step)
+        self._state = _LayerState(hidden_shape=hidden_shape, routing_map=routing_map, call=call, wants_stats=wants)
+        if wants:
+            self._state.timers["dispatch"] = Stopwatch(tokens.device)
         return tokens.reshape(-1, hidden_shape[-1]), probs
 
     def token_dispatch(self, hidden_states: torch.Tensor, probs: torch.Tensor):
         """Gather counts, select, plan, move. Returns (entries [n_ent, H], probs [n_ent])."""
         state = self._require_state("token_dispatch")
+        call = state.call
         exchange = self._get_exchange()
-        layer = exchange.gather_demand(hidden_states, probs, state.routing_map)
+        routing_map, probs = self._to_railwave(state.routing_map, probs)
+        layer = exchange.gather_demand(hidden_states, probs, routing_map, expert_loads=state.wants_stats)
         t0 = time.perf_counter()
         record_bytes = hidden_states.shape[-1] * dtype_bytes(hidden_states.dtype)
-        descr = demand_stats(layer.demand, self.topology, record_bytes=record_bytes)
-        path: Path = self.selector.select(descr)
-        plan = exchange.plan(layer, path, phase=self._num_calls)
+        descr = None
+        if state.wants_stats or (call.path is None and not isinstance(self.selector, FixedSelector)):
+            descr = demand_stats(layer.demand, self.topology, record_bytes=record_bytes)
+        path: Path = call.path if call.path is not None else self.selector.select(descr)
+        plan = exchange.plan(layer, path, phase=call.phase)
         handle = exchange.prepare(layer, plan, hidden_states, probs)
         plan_ms = (time.perf_counter() - t0) * 1e3
-        state.stats = layer_comm_stats(layer=self.layer_number or 0, step=self._num_calls, plan=plan,
-                                       demand_descr=descr, record_bytes=record_bytes, plan_ms=plan_ms)
-        self._capture(hidden_states, state.routing_map)
-        self._num_calls += 1
-        out = exchange.dispatch(hidden_states, probs, state.routing_map, handle)
+        if call.kind == PassKind.TRAIN:
+            self._replay.append(_Call(kind=PassKind.RECOMPUTE, step=call.step, microbatch=call.microbatch,
+                                      phase=call.phase, path=path))
+            self._capture(hidden_states, routing_map, call)
+        if state.wants_stats:
+            state.stats = layer_comm_stats(layer=self.layer_number or 0, step=call.step, plan=plan,
+                                           demand_descr=descr, record_bytes=record_bytes, plan_ms=plan_ms,
+                                           wire_row_bytes=handle.wire.dispatch_bytes,
+                                           tokens_per_expert_E=layer.expert_load_E, microbatch=call.microbatch,
+                                           pass_kind=str(call.kind))
+        out = exchange.dispatch(hidden_states, probs, routing_map, handle)
         state.dispatched = out
-        state.timers["dispatch"].stop()
+        if "dispatch" in state.timers:
+            state.timers["dispatch"].stop()
         return out.tokens, out.probs
 
     def dispatch_postprocess(self, hidden_states: torch.Tensor, probs: torch.Tensor):
@@ -186,14 +318,16 @@ class RailWaveTokenDispatcher(MoETokenDispatcher):
     def combine_preprocess(self, hidden_states: torch.Tensor):
         """Expert outputs are already weighted by the probs. No communication."""
         state = self._require_state("combine_preprocess")
-        state.timers["combine"] = Stopwatch(hidden_states.device)
+        if state.wants_stats:
+            state.timers["combine"] = Stopwatch(hidden_states.device)
         return hidden_states
 
     def token_combine(self, hidden_states: torch.Tensor):
         """Entries [n_ent, H] -> this rank's tokens [T, H] (canonical reduction order)."""
         state = self._require_state("token_combine")
         out = self._get_exchange().combine(hidden_states, state.dispatched.handle)
-        state.timers["combine"].stop()
+        if "combine" in state.timers:
+            state.timers["combine"].stop()
         return out
 
     def combine_postprocess(self, hidden_states: torch.Tensor):
@@ -206,10 +340,11 @@ class RailWaveTokenDispatcher(MoETokenDispatcher):
             self.stats_sink(state.stats)
         return hidden_states.view(state.hidden_shape)
 
-    def _capture(self, hidden_states: torch.Tensor, routing_map: torch.Tensor) -> None:
-        """Record this rank's routing for replay every ``capture_interval`` calls (no comm)."""
+    def _capture(self, hidden_states: torch.Tensor, routing_map: torch.Tensor, call: _Call) -> None:
+        """Record this rank's routing (railwave rank and expert order: what the network carries)
+        for replay: the first micro-batch of every ``capture_interval``-th step (no comm)."""
         capture_dir = self.railwave.capture_dir
-        if capture_dir is None:
+        if capture_dir is None or call.microbatch != 0:
             return
         recorder = _RECORDERS.get(capture_dir)
         if recorder is None:
@@ -221,8 +356,9 @@ class RailWaveTokenDispatcher(MoETokenDispatcher):
             recorder = TraceRecorder(capture_dir, self.railwave.capture_interval, self.topology, meta)
             _RECORDERS[capture_dir] = recorder
             atexit.register(recorder.close)
-        if recorder.should_capture(self._num_calls):
-            recorder.record(self._num_calls, self.layer_number or 0, self.ep_rank, routing_map.cpu())
+        if recorder.should_capture(call.step):
+            recorder.record(call.step, self.layer_number or 0, self._exchange.groups.railwave_rank,
+                            routing_map.cpu())
 
     def _require_state(self, hook: str) -> _LayerState:
         if self._state is None:

@@ -63,6 +63,10 @@ METRICS: dict[str, Callable[[LayerCommStats], float]] = {
     "num_waves": lambda s: float(s.num_waves),
     "peak_fanin": lambda s: float(s.peak_fanin),
     "plan_ms": lambda s: s.plan_ms,
+    "tokens_per_expert_min": lambda s: float(s.tokens_per_expert_min),
+    "tokens_per_expert_max": lambda s: float(s.tokens_per_expert_max),
+    "tokens_per_expert_std": lambda s: s.tokens_per_expert_std,
+    "overload_factor": lambda s: s.overload_factor,
     "path_native": lambda s: float(s.path == "native"),
     "path_rail": lambda s: float(s.path == "rail"),
     "path_perm": lambda s: float(s.path == "perm"),
@@ -133,8 +137,15 @@ class MegatronMetricsSink:
         self._add("dispatch_ms", stats.layer, stats.dispatch_ms)
         self._add("combine_ms", stats.layer, stats.combine_ms)
 
+    def wants(self, step: int) -> bool:
+        """Every training step (the report averages over the steps of its interval)."""
+        del step
+        return True
+
     def __call__(self, stats: LayerCommStats) -> None:
         if stats.layer < 1:  # Megatron layer numbers are 1-based; 0 = not set (no tracker slot)
+            return
+        if stats.pass_kind != "train":  # eval passes do not enter the training step's report
             return
         for name, fn in METRICS.items():
             self._add(name, stats.layer, fn(stats))

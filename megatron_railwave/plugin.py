@@ -1,10 +1,12 @@
 """Registration with Megatron-Core: ``install()`` and the Megatron-LM launch flags.
 
-Megatron-Core 0.19 picks the dispatcher with an if/elif on ``config.moe_token_dispatcher_type``
-inside ``MoELayer.__init__`` and has no registry. ``install`` wraps ``MoELayer.__init__``: for
-type 'railwave' it runs the original constructor with the light 'allgather' branch and the
-module's ``MoEAllGatherTokenDispatcher`` name pointing at ``RailWaveTokenDispatcher`` (restored
-right after), then puts 'railwave' back into the config. Nothing else in MoELayer reads the type.
+Megatron-Core (0.15 to 0.19) picks the dispatcher with an if/elif on
+``config.moe_token_dispatcher_type`` inside ``MoELayer.__init__`` and has no registry.
+``install`` wraps ``MoELayer.__init__``: for type 'railwave' it runs the original constructor
+with the light 'allgather' branch and the module's ``MoEAllGatherTokenDispatcher`` name pointing
+at ``RailWaveTokenDispatcher`` (restored right after), then puts 'railwave' back into the config.
+Nothing else in MoELayer reads the type. ``layer_spec.RailWaveMoELayer`` does the same without
+patching anything, for a custom layer spec.
 """
 
 from __future__ import annotations
@@ -18,10 +20,44 @@ from typing import Any
 
 from .config import RailWaveConfig, load_config
 
-__all__ = ["install", "uninstall", "installed_config", "add_railwave_args", "config_from_args"]
+__all__ = ["install", "uninstall", "installed_config", "add_railwave_args", "config_from_args",
+           "check_megatron_version", "SUPPORTED_MEGATRON_CORE", "build_railwave_moe_layer"]
 
 _LOCK = threading.Lock()
 _INSTALLED: dict[str, Any] = {}
+
+SUPPORTED_MEGATRON_CORE = ((0, 15), (0, 19))
+"""Oldest and newest Megatron-Core minor versions RailWave is tested with (both ends in CI: the
+newest in ``make test``, the oldest in ``make test-mcore-oldest``)."""
+
+
+def check_megatron_version(version: str | None = None) -> str:
+    """Raise ``ValueError`` unless Megatron-Core's version is in ``SUPPORTED_MEGATRON_CORE``.
+
+    Args:
+        version: the version text; default the installed ``megatron.core.package_info``'s.
+
+    Returns:
+        The version checked.
+    """
+    from packaging.version import InvalidVersion, Version
+
+    if version is None:
+        from megatron.core import package_info
+
+        version = str(package_info.__version__)
+    (lo_major, lo_minor), (hi_major, hi_minor) = SUPPORTED_MEGATRON_CORE
+    supported = f"{lo_major}.{lo_minor} to {hi_major}.{hi_minor}"
+    try:
+        release = Version(version).release
+    except InvalidVersion:
+        raise ValueError(f"megatron-core version {version!r} is not a version RailWave can read; "
+                         f"supported: {supported}") from None
+    if not (lo_major, lo_minor) <= tuple(release[:2]) <= (hi_major, hi_minor):
+        raise ValueError(f"megatron-core {version} is not supported by megatron-railwave (supported: {supported}, "
+                         "the dispatcher constructor takes pg_collection since 0.15); install a supported "
+                         "megatron-core, e.g. pip install 'megatron-core>=0.15,<0.20'")
+    return version
 
 
 def installed_config() -> RailWaveConfig | None:
@@ -40,22 +76,27 @@ def install(config: RailWaveConfig | dict | str | os.PathLike | None = None, *,
         config: a ``RailWaveConfig``, a dict of its fields, a YAML path, or None (defaults).
         stats_sink: optional callable receiving every layer's ``LayerCommStats``; default:
             Megatron's metrics tracker (``megatron_logging``, hooked into Megatron's per-step MoE
-            report) plus JSONL files when ``config.log_dir`` is set.
+            report; unless ``config.metrics`` is false) plus JSONL files when ``config.log_dir``
+            is set; None when neither (no statistics are computed then).
 
     Returns:
         The active ``RailWaveConfig``.
+
+    Raises:
+        ValueError: a bad config, or a Megatron-Core outside ``SUPPORTED_MEGATRON_CORE``.
     """
     cfg = load_config(config)
-    # Fail before changing any state when Megatron-Core is missing.
+    # Fail before changing any state when Megatron-Core is missing or not a supported version.
     from megatron.core.transformer.moe import moe_layer  # noqa: F401
 
+    check_megatron_version()
     with _LOCK:
         _INSTALLED["config"] = cfg
         previous = _INSTALLED.get("sink")
         if previous is not None and hasattr(previous, "close"):
             previous.close()  # flushes; a JSONL sink reopens its file if an old layer still logs
         _INSTALLED["sink"] = stats_sink if stats_sink is not None else _default_sink(cfg)
-        if stats_sink is None:
+        if stats_sink is None and cfg.metrics and _tracker_available():
             # Megatron-LM's per-step MoE report also writes RailWave's scalars (megatron_logging).
             from .megatron_logging import attach_to_megatron_report
 
@@ -67,8 +108,33 @@ def install(config: RailWaveConfig | dict | str | os.PathLike | None = None, *,
 _NOT_INSTALLED = (
     "moe_token_dispatcher_type='railwave' needs megatron_railwave.install() before the model is built: "
     "call megatron_railwave.install(config) (Megatron-LM: install(megatron_railwave.plugin.config_from_args(args)) "
-    "after parsing the arguments); see docs/usage.md"
+    "after parsing the arguments, or set RAILWAVE_AUTO_INSTALL=1); see docs/usage.md"
 )
+
+
+def build_railwave_moe_layer(original_init: Any, layer: Any, config: Any, args: tuple, kwargs: dict, *,
+                             railwave: RailWaveConfig, stats_sink: Any) -> None:
+    """Run MoELayer's constructor ``original_init`` so that it builds ``RailWaveTokenDispatcher``.
+
+    Shared by ``install``'s wrapped constructor and ``layer_spec.RailWaveMoELayer``.
+    """
+    from megatron.core.transformer.moe import moe_layer
+
+    from .dispatcher import RailWaveTokenDispatcher
+
+    factory = functools.partial(RailWaveTokenDispatcher, railwave=railwave, stats_sink=stats_sink)
+    saved_type = config.moe_token_dispatcher_type
+    saved = moe_layer.MoEAllGatherTokenDispatcher
+    config.moe_token_dispatcher_type = "allgather"
+    moe_layer.MoEAllGatherTokenDispatcher = factory
+    try:
+        original_init(layer, config, *args, **kwargs)
+    finally:
+        moe_layer.MoEAllGatherTokenDispatcher = saved
+        config.moe_token_dispatcher_type = saved_type
+    dispatcher = layer.token_dispatcher
+    dispatcher.layer_number = getattr(layer, "layer_number", None)
+    dispatcher.set_moe_layer(layer)
 
 
 def _patch_moe_layer() -> None:
@@ -92,19 +158,8 @@ def _patch_moe_layer() -> None:
         rw = _INSTALLED.get("config")
         if rw is None:
             raise ValueError(_NOT_INSTALLED)
-        from .dispatcher import RailWaveTokenDispatcher
-
-        sink = _INSTALLED["sink"]
-        factory = functools.partial(RailWaveTokenDispatcher, railwave=rw, stats_sink=sink)
-        saved = moe_layer.MoEAllGatherTokenDispatcher
-        config.moe_token_dispatcher_type = "allgather"
-        moe_layer.MoEAllGatherTokenDispatcher = factory
-        try:
-            original_init(self, config, *args, **kwargs)
-        finally:
-            moe_layer.MoEAllGatherTokenDispatcher = saved
-            config.moe_token_dispatcher_type = "railwave"
-        self.token_dispatcher.layer_number = getattr(self, "layer_number", None)
+        build_railwave_moe_layer(original_init, self, config, args, kwargs, railwave=rw,
+                                 stats_sink=_INSTALLED["sink"])
 
     @functools.wraps(original_set_layer)
     def set_layer_number(self: Any, layer_number: int) -> None:
@@ -136,15 +191,28 @@ def uninstall() -> None:
         _INSTALLED.clear()
 
 
-def _default_sink(cfg: RailWaveConfig) -> Any:
-    """Megatron's tracker sink (``megatron_logging``), plus JSONL files when ``log_dir`` is set."""
-    from .commlog import FanoutSink, JsonlStatsSink
-    from .megatron_logging import default_metrics_sink
+def _tracker_available() -> bool:
+    """Whether this Megatron-Core has ``MoEMetricsTracker`` (``moe_logging``; not in 0.15)."""
+    try:
+        from megatron.core.transformer.moe.moe_logging import MoEMetricsTracker  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
-    jsonl = None
+
+def _default_sink(cfg: RailWaveConfig) -> Any:
+    """Megatron's tracker sink (``megatron_logging``) unless ``metrics`` is off or this Megatron-Core
+    has no tracker, plus JSONL files when ``log_dir`` is set; None when neither."""
+    from .commlog import FanoutSink, JsonlStatsSink
+
+    sinks: list[Any] = []
+    if cfg.metrics and _tracker_available():
+        from .megatron_logging import default_metrics_sink
+
+        sinks.append(default_metrics_sink())
     if cfg.log_dir is not None:
-        jsonl = JsonlStatsSink(cfg.log_dir, interval=cfg.log_interval, mode=cfg.log_mode)
-    return FanoutSink(default_metrics_sink(), jsonl)
+        sinks.append(JsonlStatsSink(cfg.log_dir, interval=cfg.log_interval, mode=cfg.log_mode))
+    return FanoutSink(*sinks) if sinks else None
 
 
 # ---------------------------------------------------------------------- Megatron-LM flags
@@ -188,6 +256,8 @@ def add_railwave_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                        help="Record routing traces for replay here.")
     group.add_argument("--railwave-capture-interval", type=int, default=None,
                        help="Record a trace every this many steps.")
+    group.add_argument("--railwave-no-metrics", action="store_true", default=None,
+                       help="Do not report railwave_* scalars through Megatron's MoE metrics tracker.")
     return parser
 
 
@@ -201,4 +271,6 @@ def config_from_args(args: argparse.Namespace) -> RailWaveConfig:
         value = getattr(args, flag, None)
         if value is not None:
             base[key] = value
+    if getattr(args, "railwave_no_metrics", None):
+        base["metrics"] = False
     return RailWaveConfig.from_dict(base)

@@ -19,7 +19,7 @@ from .planner import PathPlan, WaveSchedule
 from .topology import RailTopology
 from .traffic import DemandCounts, SelectorScales, TrafficStats, rail_load_NRN, traffic_stats
 
-__all__ = ["LayerCommStats", "demand_stats", "layer_comm_stats", "Stopwatch"]
+__all__ = ["LayerCommStats", "demand_stats", "layer_comm_stats", "expert_load_stats", "Stopwatch"]
 
 
 def demand_stats(demand: DemandCounts | torch.Tensor, topo: RailTopology, *, record_bytes: int,
@@ -53,6 +53,7 @@ class LayerCommStats:
 
     layer: int
     step: int
+    """Megatron's iteration (``steps.current_step``), else this layer's training forwards."""
     path: str
     B_mean_bytes: float
     B_max_bytes: float
@@ -69,6 +70,17 @@ class LayerCommStats:
     num_waves: int
     peak_fanin: int
     plan_ms: float
+    microbatch: int = 0
+    """Index of this forward among the layer's forwards of the same step (gradient accumulation)."""
+    pass_kind: str = "train"
+    """'train' (a training forward; its recompute is not logged again) or 'forward_only' (eval)."""
+    rail_bytes: list[list[int]] = field(default_factory=list)
+    """[N][R] dispatch bytes (wire rows: payload, probs, metadata) each node sends on each rail."""
+    tokens_per_expert_min: int = 0
+    tokens_per_expert_max: int = 0
+    tokens_per_expert_std: float = 0.0
+    overload_factor: float = 0.0
+    """Busiest expert's tokens over the mean tokens per expert (1 = perfectly even; 0 = no tokens)."""
     dispatch_ms: float = 0.0
     combine_ms: float = 0.0
     timers: dict[str, Stopwatch] = field(default_factory=dict, repr=False)
@@ -101,18 +113,48 @@ class LayerCommStats:
             del self.timers[name]
 
 
+def expert_load_stats(tokens_per_expert_E: torch.Tensor | None) -> dict[str, float | int]:
+    """min / max / std of tokens per expert and the overload factor (max / mean). Host only.
+
+    Args:
+        tokens_per_expert_E: [E] int64 (host), the layer's global tokens per expert; None: zeros.
+    """
+    if tokens_per_expert_E is None or tokens_per_expert_E.numel() == 0:
+        return {}
+    load = tokens_per_expert_E.to(torch.float64)
+    mean = float(load.mean())
+    return {"tokens_per_expert_min": int(tokens_per_expert_E.min()),
+            "tokens_per_expert_max": int(tokens_per_expert_E.max()),
+            "tokens_per_expert_std": float(load.std(unbiased=False)),
+            "overload_factor": float(load.max()) / mean if mean > 0 else 0.0}
+
+
 def layer_comm_stats(*, layer: int, step: int, plan: PathPlan, demand_descr: TrafficStats,
-                     record_bytes: int, plan_ms: float) -> LayerCommStats:
-    """Statistics of one planned phase (times of dispatch/combine are filled in later)."""
+                     record_bytes: int, plan_ms: float, wire_row_bytes: int | None = None,
+                     tokens_per_expert_E: torch.Tensor | None = None, microbatch: int = 0,
+                     pass_kind: str = "train") -> LayerCommStats:
+    """Statistics of one planned phase (times of dispatch/combine are filled in later).
+
+    Args:
+        record_bytes: payload bytes of one record (the descriptors' unit).
+        wire_row_bytes: bytes of one dispatch row on the wire (``rail_bytes``); default
+            ``record_bytes``.
+        tokens_per_expert_E: [E] int64 host, global tokens per expert (the expert-load fields).
+    """
     executed = plan.stats(record_bytes=record_bytes)
     load = plan.rail_load_NRN().to(torch.float64)
     n = plan.topology.num_nodes
     local = torch.eye(n, dtype=torch.bool).unsqueeze(1)
     egress_NR = load.masked_fill(local, 0).sum(-1)
     totals = egress_NR.sum(-1, keepdim=True).clamp(min=1)
+    row_bytes = wire_row_bytes if wire_row_bytes is not None else record_bytes
     return LayerCommStats(
         layer=layer,
         step=step,
+        microbatch=microbatch,
+        pass_kind=pass_kind,
+        rail_bytes=(egress_NR * row_bytes).round().to(torch.int64).tolist(),
+        **expert_load_stats(tokens_per_expert_E),
         path=str(plan.path),
         B_mean_bytes=demand_descr.B_mean_bytes,
         B_max_bytes=demand_descr.B_max_bytes,

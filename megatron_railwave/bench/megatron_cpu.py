@@ -1,4 +1,4 @@
-"""CPU shims that let Megatron-Core 0.19.2 MoE layers run on a CPU-only torch over gloo.
+"""CPU shims that let Megatron-Core (0.15 to 0.19) MoE layers run on a CPU-only torch over gloo.
 
 What it is for: running Megatron's own code (its ``alltoall`` dispatcher, MoELayer, GPTModel)
 without GPUs, as ``railwave bench-exchange`` does for its Megatron baseline; the CPU examples
@@ -157,10 +157,23 @@ def _shim_typing_override() -> None:
     typing.override = override  # type: ignore[attr-defined]
 
 
+def _shim_router_gemm_without_te() -> None:
+    # Megatron-Core 0.15's router_gating_linear reads `te_general_gemm`, which moe_utils only
+    # defines when Transformer Engine imports: without TE the router raises NameError. The
+    # function's own fallback (torch.mm) runs when the name is None.
+    try:
+        from megatron.core.transformer.moe import moe_utils
+    except ImportError:  # no Megatron-Core: nothing to patch
+        return
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
 def apply_megatron_cpu_shims() -> None:
     """Install every CPU shim once per process; later calls do nothing.
 
-    Must run before ``megatron.core`` is imported (the paged-stash stub works only then).
+    Must run before ``megatron.core`` is imported (the paged-stash stub works only then); the
+    last shim imports Megatron's MoE utilities itself, after the others are in place.
     """
     global _APPLIED
     if _APPLIED:
@@ -169,6 +182,7 @@ def apply_megatron_cpu_shims() -> None:
     _shim_cuda_streams_and_device()
     _shim_gloo_all_to_all_split_sizes()
     _shim_typing_override()
+    _shim_router_gemm_without_te()
     _APPLIED = True
 
 

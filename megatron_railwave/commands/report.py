@@ -1,18 +1,24 @@
 """``railwave report LOG_DIR``: summary table and plots of RailWave's per-layer JSONL logs.
 
-Per-rank logs repeat each (layer, step) on every rank: the path and the descriptors are global,
-the times rank-local, so a (layer, step) counts once and its time is the slowest rank's
-dispatch + combine. Table per layer: calls, path mix, P50/P95 of dispatch + combine, mean B, rho_g,
-and the rail shares (mean over nodes of the busiest and idlest rail's share of remote egress).
+A log directory may hold several runs (each run writes its own files and tags its records with
+its ``run`` id): ``report`` summarises each run on its own, or the one named with ``--run``; it
+never mixes runs.
 
-Plots (matplotlib, Agg) in ``--out`` (default ``LOG_DIR/report``):
+Per-rank logs repeat each layer call on every rank: the path and the descriptors are global, the
+times rank-local, so a call (layer, step, micro-batch, pass) counts once and its time is the
+slowest rank's dispatch + combine. Table per layer: calls, path mix, P50/P95 of dispatch +
+combine, mean B, rho_g, kappa, relayed records, waves, bytes per rail, overload factor and the
+rail shares (mean over nodes of the busiest and idlest rail's share of remote egress).
+
+Plots (matplotlib, Agg) in ``--out`` (default ``LOG_DIR/report``; one subdirectory per run when
+several are reported):
   * ``path_choice.png``: path per layer (rows) and step (columns);
   * ``nic_shares.png``: per path, the mean share of each node's remote egress carried by its
     busiest, second busiest, ... rail (the paper's NIC-share view);
   * ``latency.png``: distribution of dispatch + combine per path.
 
-JSON written by ``--json``: ``layers`` (one row per layer as in the table) and ``paths`` (per path:
-calls, p50_ms, p95_ms, nic_shares sorted descending).
+JSON written by ``--json``: one run: its summary (``run``, ``layers``, ``paths``, ...); several:
+``{"runs": {run: summary}}``.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ import numpy as np
 
 from . import _common, _outputs, _render
 
-__all__ = ["register", "run", "summarize_logs", "write_plots"]
+__all__ = ["register", "run", "summarize_logs", "write_plots", "layer_table"]
 
 PATHS = ("native", "rail", "perm", "joint")
 COLORS = {"native": "#7f7f7f", "rail": "#1f77b4", "perm": "#ff7f0e", "joint": "#2ca02c"}
@@ -43,24 +49,41 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--out", default=None, metavar="DIR", help="plot directory (default LOG_DIR/report)")
     parser.add_argument("--no-plots", action="store_true", help="table (and JSON) only")
     parser.add_argument("--json", default=None, metavar="FILE", help="write the summary as JSON")
+    parser.add_argument("--run", default=None, metavar="ID",
+                        help="summarise only this run (default: each run of LOG_DIR on its own)")
     parser.set_defaults(handler=run)
     _outputs.declare_outputs(parser, files=("json",), dirs=("out",))
 
 
 def _calls(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One entry per (layer, step): the first record's globals, the slowest rank's time."""
-    by_key: dict[tuple[int, int], dict[str, Any]] = {}
+    """One entry per layer call (layer, step, micro-batch, pass): the first record's globals, the
+    slowest rank's time."""
+    runs = {rec.get("run") for rec in records}
+    if len(runs) > 1:
+        raise ValueError(f"log records of {len(runs)} runs ({sorted(map(str, runs))}); summarise each run on its "
+                         "own (commlog.split_runs)")
+    by_key: dict[tuple[int, int, int, str], dict[str, Any]] = {}
     for rec in records:
         for key in ("layer", "step", "path"):
             if key not in rec:
                 raise ValueError(f"log record without {key!r}: {sorted(rec)[:8]}...; not a RailWave log")
         ms = float(rec.get("dispatch_ms", 0.0)) + float(rec.get("combine_ms", 0.0))
-        key = (int(rec["layer"]), int(rec["step"]))
+        key = (int(rec["layer"]), int(rec["step"]), int(rec.get("microbatch", 0)), str(rec.get("pass_kind", "train")))
         if key not in by_key:
             by_key[key] = {**rec, "comm_ms": ms}
         else:
             by_key[key]["comm_ms"] = max(by_key[key]["comm_ms"], ms)
     return [by_key[k] for k in sorted(by_key)]
+
+
+def _mean(calls: list[dict[str, Any]], key: str, default: float = 0.0) -> float:
+    return float(np.mean([c.get(key, default) for c in calls]))
+
+
+def _rail_bytes(calls: list[dict[str, Any]]) -> list[float]:
+    """[R] mean over calls of the bytes each rail carries, summed over nodes (dispatch rows)."""
+    rows = [np.asarray(c["rail_bytes"], dtype=np.float64).sum(axis=0) for c in calls if c.get("rail_bytes")]
+    return np.mean(rows, axis=0).tolist() if rows else []
 
 
 def _sorted_shares(rec: dict[str, Any]) -> np.ndarray:
@@ -89,8 +112,15 @@ def summarize_logs(records: list[dict[str, Any]]) -> dict[str, Any]:
             "layer": layer, "calls": len(cs),
             "path_mix": {p: sum(c["path"] == p for c in cs) / len(cs) for p in PATHS},
             "p50_ms": float(np.percentile(ms, 50)), "p95_ms": float(np.percentile(ms, 95)),
-            "B_mean_MiB": float(np.mean([c.get("B_mean_bytes", 0.0) for c in cs]) / (1 << 20)),
-            "rho_g": float(np.mean([c.get("rho_g", 1.0) for c in cs])),
+            "dispatch_ms": _mean(cs, "dispatch_ms"), "combine_ms": _mean(cs, "combine_ms"),
+            "B_mean_MiB": _mean(cs, "B_mean_bytes") / (1 << 20),
+            "rho_g": _mean(cs, "rho_g", 1.0), "kappa": _mean(cs, "kappa", 1.0),
+            "relayed_records": _mean(cs, "relayed_records"), "num_waves": _mean(cs, "num_waves"),
+            "rail_bytes": _rail_bytes(cs),
+            "tokens_per_expert_min": _mean(cs, "tokens_per_expert_min"),
+            "tokens_per_expert_max": _mean(cs, "tokens_per_expert_max"),
+            "tokens_per_expert_std": _mean(cs, "tokens_per_expert_std"),
+            "overload_factor": _mean(cs, "overload_factor"),
             "rail_share_max": float(shares[:, 0].mean()), "rail_share_min": float(shares[:, -1].mean()),
         })
     per_path = {}
@@ -99,7 +129,30 @@ def summarize_logs(records: list[dict[str, Any]]) -> dict[str, Any]:
         per_path[p] = {"calls": len(cs), "p50_ms": float(np.percentile(ms, 50)),
                        "p95_ms": float(np.percentile(ms, 95)),
                        "nic_shares": np.mean([_sorted_shares(c) for c in cs], axis=0).tolist()}
-    return {"layers": rows, "paths": per_path, "num_calls": len(calls), "num_records": len(records)}
+    run = str(records[0].get("run", "")) if records else ""
+    passes = sorted({str(c.get("pass_kind", "train")) for c in calls})
+    return {"run": run, "layers": rows, "paths": per_path, "num_calls": len(calls), "num_records": len(records),
+            "passes": passes}
+
+
+def _kib(values: list[float]) -> str:
+    return "/".join(f"{v / 1024:.1f}" for v in values) if values else "-"
+
+
+def layer_table(summary: dict[str, Any]) -> tuple[list[str], list[list[Any]]]:
+    """Header and rows of the per-layer table (``railwave report`` and ``make demo``)."""
+    header = ["layer", "calls", "path", "B MiB", "rho_g", "kappa", "relayed", "waves", "KiB per rail",
+              "tok/expert min/max/std", "overload", "dispatch ms", "combine ms"]
+    rows = []
+    for r in summary["layers"]:
+        mix = [f"{p} {r['path_mix'][p]:.0%}" for p in PATHS if r["path_mix"][p] > 0]
+        rows.append([r["layer"], r["calls"], " ".join(mix) if len(mix) > 1 else mix[0].split()[0] if mix else "-",
+                     r["B_mean_MiB"], r["rho_g"], r["kappa"], r["relayed_records"], r["num_waves"],
+                     _kib(r["rail_bytes"]),
+                     f"{r['tokens_per_expert_min']:.0f}/{r['tokens_per_expert_max']:.0f}/"
+                     f"{r['tokens_per_expert_std']:.1f}",
+                     r["overload_factor"], r["dispatch_ms"], r["combine_ms"]])
+    return header, rows
 
 
 def write_plots(records: list[dict[str, Any]], summary: dict[str, Any], out_dir: str | FsPath) -> list[FsPath]:
@@ -166,24 +219,32 @@ def _save(fig: Any, path: FsPath) -> FsPath:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..commlog import read_logs
+    from ..commlog import read_logs, split_runs
     from ..outputs import check_output_dir
 
-    plot_dir = args.out or FsPath(args.log_dir) / "report"
-    records = read_logs(args.log_dir)
+    plot_dir = FsPath(args.out) if args.out else FsPath(args.log_dir) / "report"
+    runs = split_runs(read_logs(args.log_dir))
+    if args.run is not None:
+        if args.run not in runs:
+            raise ValueError(f"--run {args.run!r} is not in {args.log_dir} (runs there: {', '.join(runs)})")
+        runs = {args.run: runs[args.run]}
     if not args.no_plots:
         check_output_dir(plot_dir, "--out")
-    summary = summarize_logs(records)
-    _render.print_table(
-        f"{args.log_dir}: {summary['num_calls']} layer calls ({summary['num_records']} records)",
-        ["layer", "calls", "native", "rail", "perm", "joint", "P50 ms", "P95 ms", "B MiB", "rho_g",
-         "max rail share", "min rail share"],
-        [[r["layer"], r["calls"], *[f"{r['path_mix'][p]:.0%}" for p in PATHS], r["p50_ms"], r["p95_ms"],
-          r["B_mean_MiB"], r["rho_g"], f"{r['rail_share_max']:.1%}", f"{r['rail_share_min']:.1%}"]
-         for r in summary["layers"]])
-    if not args.no_plots:
-        files = write_plots(records, summary, plot_dir)
-        _render.print_text("wrote " + ", ".join(str(f) for f in files))
+    summaries = {}
+    for run_id, records in runs.items():
+        summary = summarize_logs(records)
+        summaries[run_id] = summary
+        header, rows = layer_table(summary)
+        _render.print_table(
+            f"{args.log_dir} run {run_id}: {summary['num_calls']} layer calls ({summary['num_records']} records; "
+            f"passes: {', '.join(summary['passes'])})", header, rows)
+        _render.print_table(
+            "rail shares and latency (slowest rank)", ["layer", "P50 ms", "P95 ms", "max rail share", "min rail share"],
+            [[r["layer"], r["p50_ms"], r["p95_ms"], f"{r['rail_share_max']:.1%}", f"{r['rail_share_min']:.1%}"]
+             for r in summary["layers"]])
+        if not args.no_plots:
+            files = write_plots(records, summary, plot_dir if len(runs) == 1 else plot_dir / run_id)
+            _render.print_text("wrote " + ", ".join(str(f) for f in files))
     if args.json:
-        _common.write_json(args.json, summary)
+        _common.write_json(args.json, next(iter(summaries.values())) if len(summaries) == 1 else {"runs": summaries})
     return 0

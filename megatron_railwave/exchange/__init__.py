@@ -5,6 +5,8 @@ Only the torch.distributed backend exists; it has run on gloo (CPU) only.
 """
 
 from .groups import RankGroups, build_rail_groups, rank_groups, survey_unresponsive, virtual_rank_groups
+from .placement import (ConfigMismatchError, Placement, PlacementError, RankFacts, check_fingerprints,
+                        gather_rank_facts, identity_placement, place_ranks)
 from .layer import (EntryIndex, InputError, LayerDemand, LayerHandle, RankContext, combine_backward, combine_forward,
                     dispatch_backward, dispatch_forward, gather_demand, prepare_layer)
 from .torch_dist import DispatchOutput, ExchangeHandle, TorchDistExchange
@@ -17,6 +19,14 @@ __all__ = [
     "rank_groups",
     "survey_unresponsive",
     "virtual_rank_groups",
+    "ConfigMismatchError",
+    "Placement",
+    "PlacementError",
+    "RankFacts",
+    "check_fingerprints",
+    "gather_rank_facts",
+    "identity_placement",
+    "place_ranks",
     "EntryIndex",
     "InputError",
     "LayerDemand",

@@ -81,6 +81,8 @@ class LayerDemand:
         token_C, node_C, mask_C: [T * N] int64 (device) this rank's records in canonical order;
             the first ``num_records`` are valid.
         num_records: n_rec of this rank (host).
+        expert_load_E: [E] int64 (host), global tokens per expert (railwave column order), when
+            ``gather_demand`` was asked for it; else None.
     """
 
     demand: DemandCounts
@@ -90,6 +92,7 @@ class LayerDemand:
     node_C: torch.Tensor
     mask_C: torch.Tensor
     num_records: int
+    expert_load_E: torch.Tensor | None = None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -153,8 +156,13 @@ def input_status(ctx: RankContext, hidden: torch.Tensor, probs: torch.Tensor,
 
 
 def gather_demand(ctx: RankContext, hidden: torch.Tensor, probs: torch.Tensor,
-                  routing_map: torch.Tensor) -> Program:
+                  routing_map: torch.Tensor, *, expert_loads: bool = False) -> Program:
     """Program: the count exchange (see module docstring). Returns a ``LayerDemand``.
+
+    Args:
+        expert_loads: also carry every rank's full [E] expert histogram (E more int64 per row,
+            in the same all-to-all and the same host copy), for the layer's expert-load statistics.
+            Must be the same on every rank.
 
     Collective: yes (EP group, one all-to-all). Host sync: yes (one, the counts).
 
@@ -167,7 +175,7 @@ def gather_demand(ctx: RankContext, hidden: torch.Tensor, probs: torch.Tensor,
     device = routing_map.device
     code, message = input_status(ctx, hidden, probs, routing_map)
     width = n + 2 + m + e_loc
-    send = torch.zeros(w, width, dtype=torch.int64, device=device)
+    send = torch.zeros(w, width + (ctx.num_experts if expert_loads else 0), dtype=torch.int64, device=device)
     t = int(routing_map.shape[0]) if routing_map.dim() >= 1 else 0
     if code == 0:
         token_C, node_C, mask_C, counts_NM = ops.records_from_routing(routing_map, n, g)
@@ -175,7 +183,10 @@ def gather_demand(ctx: RankContext, hidden: torch.Tensor, probs: torch.Tensor,
         send[:, n] = t
         node_of_peer = torch.arange(w, device=device) // g
         send[:, n + 2:n + 2 + m] = counts_NM[node_of_peer]
-        send[:, n + 2 + m:] = routing_map.sum(dim=0, dtype=torch.int64).view(w, e_loc)
+        per_expert = routing_map.sum(dim=0, dtype=torch.int64)
+        send[:, n + 2 + m:width] = per_expert.view(w, e_loc)
+        if expert_loads:
+            send[:, width:] = per_expert
     else:
         token_C = node_C = mask_C = torch.zeros(0, dtype=torch.int64, device=device)
     send[:, n + 1] = code
@@ -186,14 +197,15 @@ def gather_demand(ctx: RankContext, hidden: torch.Tensor, probs: torch.Tensor,
     if bad:
         own = f" (this rank: {message})" if code else ""
         raise InputError(
-            f"malformed dispatcher input on EP rank(s) {bad}{own}; expected hidden [T, H] and probs [T, "
+            f"malformed dispatcher input on EP rank(s) {ctx.groups.ep_ranks(bad)}{own}; expected hidden [T, H] and probs [T, "
             f"{ctx.num_experts}] (floating point) and a bool routing_map [T, {ctx.num_experts}] with top-k "
             "True per row, all on one device")
     demand = DemandCounts(records_WN=counts[:, :n], view_node=ctx.groups.node_index,
                           view_masks_WM=counts[:, n + 2:n + 2 + m],
-                          view_experts_X=counts[:, n + 2 + m:].sum(dim=0))
+                          view_experts_X=counts[:, n + 2 + m:width].sum(dim=0))
     return LayerDemand(demand=demand, max_tokens=int(counts[:, n].max()), num_tokens=t, token_C=token_C,
-                       node_C=node_C, mask_C=mask_C, num_records=int(counts[ctx.groups.ep_rank, :n].sum()))
+                       node_C=node_C, mask_C=mask_C, num_records=int(counts[ctx.groups.railwave_rank, :n].sum()),
+                       expert_load_E=counts[:, width:].sum(dim=0) if expert_loads else None)
 
 
 def prepare_layer(ctx: RankContext, layer: LayerDemand, plan: PathPlan, *, hidden_dtype: torch.dtype,
@@ -202,9 +214,9 @@ def prepare_layer(ctx: RankContext, layer: LayerDemand, plan: PathPlan, *, hidde
     wire = RecordWireFormat(hidden=hidden_size, payload_dtype=hidden_dtype, probs_dtype=probs_dtype,
                             experts_per_node=ctx.experts_per_node)
     schedule = compile_schedule(plan, wire, demand=layer.demand)
-    view = rank_view(schedule, ctx.groups.ep_rank)
+    view = rank_view(schedule, ctx.groups.railwave_rank)
     if view.num_records != layer.num_records:
-        raise RuntimeError(f"internal: EP rank {ctx.groups.ep_rank}: the plan counts {view.num_records} "
+        raise RuntimeError(f"internal: railwave rank {ctx.groups.railwave_rank}: the plan counts {view.num_records} "
                            f"records of this rank, its routing has {layer.num_records}")
     n_rec = layer.num_records
     layout = build_layout(plan, view, token_R=layer.token_C[:n_rec], node_R=layer.node_C[:n_rec],
@@ -252,7 +264,7 @@ def dispatch_forward(ctx: RankContext, handle: LayerHandle, hidden: torch.Tensor
     order = layout.owner_order
     token_o = layout.token_R.index_select(0, order)
     row_o = token_o * n + layout.node_R.index_select(0, order)  # (token, node) row of probs/routing
-    meta = torch.cat([torch.full_like(token_o, ctx.groups.ep_rank).unsqueeze(1), token_o.unsqueeze(1)], dim=1)
+    meta = torch.cat([torch.full_like(token_o, ctx.groups.railwave_rank).unsqueeze(1), token_o.unsqueeze(1)], dim=1)
     meta = torch.cat([meta.to(torch.int32), _routing_words(routing_map, row_o, ctx, wire.meta_words - META_FIXED_WORDS)],
                      dim=1)
     rows = ops.pack_rows([hidden, probs.reshape(-1, ctx.experts_per_node), meta], [token_o, row_o, None])

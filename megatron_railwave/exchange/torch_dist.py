@@ -117,7 +117,9 @@ class TorchDistExchange:
         self.options = self.ctx.options
         self.timeout_s = timeout_s
         self._calls = 0
-        self.transport = TorchDistTransport(rank=groups.ep_rank, timeout_s=timeout_s, survey=self._survey)
+        placement = groups.placement
+        self.transport = TorchDistTransport(rank=groups.railwave_rank, timeout_s=timeout_s, survey=self._survey,
+                                            ep_rank_of=None if placement.identity else placement.ep_rank_of_railwave)
 
     @property
     def experts_per_rank(self) -> int:
@@ -131,8 +133,10 @@ class TorchDistExchange:
         return drive(program, self.transport)
 
     # ------------------------------------------------------------------ step 1: counts
-    def gather_demand(self, hidden: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor) -> LayerDemand:
-        """The count exchange (``exchange.layer.gather_demand``).
+    def gather_demand(self, hidden: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor, *,
+                      expert_loads: bool = False) -> LayerDemand:
+        """The count exchange (``exchange.layer.gather_demand``); ``expert_loads`` adds the
+        global tokens per expert (same on every rank).
 
         Collective: yes (EP group). Host sync: yes (one, the counts).
 
@@ -140,7 +144,7 @@ class TorchDistExchange:
             InputError: on every rank, when any rank's input is malformed (names the ranks).
         """
         self._calls += 1
-        return self._run(gather_demand(self.ctx, hidden, probs, routing_map))
+        return self._run(gather_demand(self.ctx, hidden, probs, routing_map, expert_loads=expert_loads))
 
     # ------------------------------------------------------------------ step 2: plan
     def plan(self, demand: LayerDemand | DemandCounts, path: str, *, phase: int = 0) -> PathPlan:

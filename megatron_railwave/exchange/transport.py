@@ -46,7 +46,8 @@ class GroupRef:
     Attributes:
         kind: 'ep' (the whole expert-parallel group, for the count exchange), 'node' or 'rail'.
         index: node index (node group), rail index (rail group), 0 for 'ep'.
-        ranks: EP ranks of the members in group-rank order.
+        ranks: railwave ranks (node * G + local; ``exchange.placement``) of the members, in the
+            order the rank programs index them (node group: local GPU; rail group: node).
         handle: the ``torch.distributed`` process group (None in the virtual cluster).
     """
 
@@ -56,6 +57,14 @@ class GroupRef:
     handle: Any = None
     label: str = ""
     """How errors name the group (e.g. 'rail 1 (GPU 1 of every node)')."""
+    group_ranks: tuple[int, ...] | None = None
+    """torch.distributed group rank of each member (``ranks`` order); None: the same order.
+    ``torch.distributed.new_group`` orders members by global rank, which differs from the
+    railwave order when the launcher numbers ranks another way (``exchange.placement``)."""
+
+    def peer(self, index: int) -> int:
+        """The torch.distributed group rank of member ``index``."""
+        return index if self.group_ranks is None else self.group_ranks[index]
 
     def describe(self) -> str:
         if self.label:
@@ -113,7 +122,8 @@ class TorchDistTransport:
     """Drives rank programs over torch.distributed.
 
     Args:
-        rank: this rank's EP rank.
+        rank: this rank's railwave rank.
+        ep_rank_of: Megatron EP rank of each railwave rank, for messages (None: the same).
         timeout_s: limit of every wait (None: the process groups' own timeouts). The groups
             are created with the same timeout, so collectives are bounded too.
         survey: on a failure, ``survey(stage, group)`` returns the group's members that did not
@@ -123,9 +133,11 @@ class TorchDistTransport:
 
     rank: int
     timeout_s: float | None = None
+    ep_rank_of: tuple[int, ...] | None = None
     survey: Callable[[str, GroupRef], list[int]] | None = None
     bytes_sent: dict[str, int] = field(default_factory=dict)
     bytes_received: dict[str, int] = field(default_factory=dict)
+    _orders: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict, repr=False)
 
     def post(self, req: Post) -> _Ticket:
         group = req.group
@@ -133,12 +145,12 @@ class TorchDistTransport:
         # Receives first: on gloo's TCP pairs, two ranks exchanging both ways otherwise take turns.
         for peer, buf in enumerate(req.recvs):
             if _nonempty(buf) and peer != self._me(group):
-                ops.append(dist.P2POp(dist.irecv, buf, group=group.handle, group_peer=peer, tag=req.tag))
+                ops.append(dist.P2POp(dist.irecv, buf, group=group.handle, group_peer=group.peer(peer), tag=req.tag))
                 peers.append(peer)
                 self.bytes_received[req.stage] = self.bytes_received.get(req.stage, 0) + _nbytes(buf)
         for peer, buf in enumerate(req.sends):
             if _nonempty(buf) and peer != self._me(group):
-                ops.append(dist.P2POp(dist.isend, buf, group=group.handle, group_peer=peer, tag=req.tag))
+                ops.append(dist.P2POp(dist.isend, buf, group=group.handle, group_peer=group.peer(peer), tag=req.tag))
                 peers.append(peer)
                 self.bytes_sent[req.stage] = self.bytes_sent.get(req.stage, 0) + _nbytes(buf)
         started = time.monotonic()
@@ -161,17 +173,36 @@ class TorchDistTransport:
 
     def collective(self, req: Collective) -> None:
         started = time.monotonic()
+        order = req.group.group_ranks
+        send, recv = req.send, req.recv
+        if order is not None:  # rows in member order <-> rows in torch group-rank order (device, no sync)
+            to_group, from_group = self._row_orders(order, send.device)
+            if req.kind == "all_to_all":
+                send = send.index_select(0, from_group)
+            recv = torch.empty_like(recv)
         try:
             if req.kind == "all_gather":
-                work = dist.all_gather_into_tensor(req.recv, req.send, group=req.group.handle, async_op=True)
+                work = dist.all_gather_into_tensor(recv, send, group=req.group.handle, async_op=True)
             else:
-                work = dist.all_to_all_single(req.recv, req.send, group=req.group.handle, async_op=True)
+                work = dist.all_to_all_single(recv, send, group=req.group.handle, async_op=True)
             timeout = datetime.timedelta(seconds=self.timeout_s) if self.timeout_s else None
             done = work.wait(timeout) if timeout is not None else work.wait()
         except Exception as exc:  # noqa: BLE001
             raise self._error(req.stage, req.group, list(range(len(req.group.ranks))), started, exc) from exc
         if done is False:
             raise self._error(req.stage, req.group, list(range(len(req.group.ranks))), started, None)
+        if order is not None:
+            rows = recv.view(len(order), -1).index_select(0, to_group)
+            req.recv.copy_(rows.view_as(req.recv))
+
+    def _row_orders(self, order: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(member -> group rank, group rank -> member) index tensors, made once per device."""
+        key = (order, device)
+        if key not in self._orders:
+            to_group = torch.tensor(order, dtype=torch.int64, device=device)
+            from_group = torch.empty_like(to_group).index_copy_(0, to_group, torch.arange(len(order), device=device))
+            self._orders[key] = (to_group, from_group)
+        return self._orders[key]
 
     def _me(self, group: GroupRef) -> int:
         return group.ranks.index(self.rank)
@@ -180,25 +211,26 @@ class TorchDistTransport:
                exc: BaseException | None) -> ExchangeError:
         waited = time.monotonic() - started
         timed_out = self.timeout_s is not None and waited >= 0.9 * self.timeout_s
-        ranks = sorted({group.ranks[p] for p in peers if group.ranks[p] != self.rank})
+        ep = (lambda r: r) if self.ep_rank_of is None else self.ep_rank_of.__getitem__
+        ranks = sorted({ep(group.ranks[p]) for p in peers if group.ranks[p] != self.rank})
         me = group.ranks.index(self.rank)
         others = sorted({p for p in peers if p != me})
         if group.kind == "rail" and others:  # group ranks of a rail group are node indices
             link = f"{group.describe()} between node {me} and " + ", ".join(f"node {p}" for p in others)
         else:
             link = group.describe()
-        unresponsive = self.survey(stage, group) if self.survey is not None else []
+        unresponsive = sorted(ep(r) for r in self.survey(stage, group)) if self.survey is not None else []
         who = (f"unresponsive: EP rank(s) {unresponsive}" if unresponsive
                else f"peers of this step: EP rank(s) {ranks}")
         cause = f" ({type(exc).__name__}: {exc})" if exc is not None else ""
         if timed_out or exc is None:
             return ExchangeTimeoutError(
-                f"RailWave exchange, EP rank {self.rank}: stage '{stage}' on {link} did not "
+                f"RailWave exchange, EP rank {ep(self.rank)}: stage '{stage}' on {link} did not "
                 f"complete within {self.timeout_s} s; {who}{cause}. If a rail is down, list it in "
                 "failed_rails (RailWaveConfig) so that no traffic is planned on it; if a rank is slow "
                 "or stuck, see its own log.")
         return ExchangeError(
-            f"RailWave exchange, EP rank {self.rank}: stage '{stage}' on {link} failed after "
+            f"RailWave exchange, EP rank {ep(self.rank)}: stage '{stage}' on {link} failed after "
             f"{waited:.1f} s; {who}{cause}")
 
 

@@ -20,10 +20,19 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["build_and_run_moe_layer", "canonical_weights", "dense_moe_reference", "rank_inputs"]
+__all__ = ["build_and_run_moe_layer", "build_from_spec", "canonical_weights", "dense_moe_reference",
+           "load_canonical_weights", "rank_inputs"]
 
 # Config keys the dense oracle models; anything else in extra_config is Megatron-only.
 _ORACLE_KEYS = frozenset({"moe_router_score_function", "moe_router_pre_softmax"})
+
+
+def build_from_spec(spec: Any, **kwargs: Any) -> Any:
+    """Build a module from what ``get_moe_module_spec`` returns: a ``ModuleSpec`` (Megatron-Core
+    0.15) or a ``functools.partial`` builder (0.19)."""
+    from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+
+    return build_module(spec, **kwargs) if isinstance(spec, ModuleSpec) else spec(**kwargs)
 
 
 def canonical_weights(
@@ -39,6 +48,17 @@ def canonical_weights(
     fc1 = torch.randn(num_experts, 2 * ffn_hidden, hidden, generator=gen) / hidden**0.5
     fc2 = torch.randn(num_experts, hidden, ffn_hidden, generator=gen) / ffn_hidden**0.5
     return {"router": router, "fc1": fc1, "fc2": fc2}
+
+
+def load_canonical_weights(layer: Any, *, num_experts: int, hidden: int, ffn_hidden: int, seed: int) -> None:
+    """Copy ``canonical_weights`` into a MoELayer (router, and this rank's local experts)."""
+    weights = canonical_weights(num_experts=num_experts, hidden=hidden, ffn_hidden=ffn_hidden, seed=seed)
+    with torch.no_grad():
+        layer.router.weight.copy_(weights["router"])
+        for local_idx, global_idx in enumerate(layer.local_expert_indices):
+            expert = layer.experts.local_experts[local_idx]
+            expert.linear_fc1.weight.copy_(weights["fc1"][global_idx])
+            expert.linear_fc2.weight.copy_(weights["fc2"][global_idx])
 
 
 def rank_inputs(
@@ -144,18 +164,10 @@ def build_and_run_moe_layer(
     try:
         pg_collection = ProcessGroupCollection.use_mpu_process_groups()
         spec = get_moe_module_spec(use_te=False, num_experts=num_experts, moe_grouped_gemm=False)
-        layer = spec(config=config, layer_number=1, pg_collection=pg_collection)
+        layer = build_from_spec(spec, config=config, layer_number=1, pg_collection=pg_collection)
         layer.set_layer_number(1)
 
-        weights = canonical_weights(
-            num_experts=num_experts, hidden=hidden, ffn_hidden=ffn_hidden, seed=seed
-        )
-        with torch.no_grad():
-            layer.router.weight.copy_(weights["router"])
-            for local_idx, global_idx in enumerate(layer.local_expert_indices):
-                expert = layer.experts.local_experts[local_idx]
-                expert.linear_fc1.weight.copy_(weights["fc1"][global_idx])
-                expert.linear_fc2.weight.copy_(weights["fc2"][global_idx])
+        load_canonical_weights(layer, num_experts=num_experts, hidden=hidden, ffn_hidden=ffn_hidden, seed=seed)
 
         x, grad_weight = rank_inputs(
             rank, seq_len=seq_len, micro_batch=micro_batch, hidden=hidden, seed=seed

@@ -12,7 +12,13 @@ records, per rank, what each case raised; the tests below check those records:
 * a rank with zero tokens (rank 1) and a rank that receives nothing (no token picks rank 3's
   experts): every path returns the right shapes and values (identity experts) and gradients;
 * path 'auto' with a missing anchors file: one logger warning in the whole job (global rank 0),
-  however many MoE layers are built.
+  however many MoE layers are built;
+* placement from facts: a launcher that numbers ranks cyclically (EP rank e on host e % 2 as local
+  GPU 1 - e // 2) gives the same outputs and gradients, bitwise, as node-by-node numbering; an uneven
+  layout (3 + 1 ranks per host) and a rank with another ``failed_rails`` / ``path`` raise one clear
+  error on every rank, naming the layout or the ranks and fields;
+* statistics on demand: a fixed path without a sink computes no descriptors and no statistics; a
+  sink gets the layer's global tokens-per-expert min / max / std and overload factor.
 """
 
 from __future__ import annotations
@@ -126,7 +132,90 @@ def dispatcher_errors_worker(rank: int, world: int) -> dict[str, Any]:
         per, local, config(), pgs, railwave=RailWaveConfig(gpus_per_node=3, path="native")))
     out["unsupported"] = {key: _error_text(lambda k=key, v=value: make(**{k: v}))
                           for key, value in UNSUPPORTED.items()}
-    out["tensor_parallel"] = _error_text(lambda: make(tensor_model_parallel_size=2))
+    out["tensor_parallel"] = _error_text(lambda: make(expert_tensor_parallel_size=2))
+    out["attention_tp_accepted"] = _error_text(lambda: make(tensor_model_parallel_size=2, sequence_parallel=True,
+                                                            moe_permute_fusion=True))
+
+    # Placement from facts: hosts and local ranks as a cyclic launcher would give them.
+    import os
+
+    def with_env(env: dict[str, str], fn):
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            return fn()
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+
+    # Cyclic over hosts, and GPUs numbered against the rank order within a host, so that torch's
+    # group ranks (by global rank) differ from the railwave order in the node groups too.
+    cyclic = {"RAILWAVE_HOST": f"host{rank % 2}", "LOCAL_RANK": str(1 - rank // 2)}
+    out["placement"] = {}
+    for name, env in (("node_by_node", {}), ("cyclic", cyclic)):
+        d = with_env(env, lambda: make("joint"))
+        out["placement"][name] = {"railwave_rank_of_ep": list(d.placement.railwave_rank_of_ep),
+                                  "hosts": list(d.placement.node_hosts)}
+        hidden, probs, routing = _inputs(rank, 5, seed=3)
+        hidden.requires_grad_(True)
+        probs.requires_grad_(True)
+        result, tokens_per_expert = _run_hooks(d, hidden, probs, routing)
+        (result * torch.linspace(-1, 1, result.numel()).view_as(result)).sum().backward()
+        out["placement"][name].update(out=result.detach().numpy(), dx=hidden.grad.numpy(), dp=probs.grad.numpy(),
+                                      tokens_per_expert=tokens_per_expert.tolist())
+    uneven = {"RAILWAVE_HOST": "hostA" if rank < 3 else "hostB"}
+    out["uneven"] = with_env(uneven, lambda: _error_text(lambda: make("joint")))
+    out["mismatch_failed_rail"] = _error_text(lambda: RailWaveTokenDispatcher(
+        per, local, config(), pgs, railwave=RailWaveConfig(gpus_per_node=2, path="native",
+                                                           failed_rails=[[1, 0]] if rank == 3 else [])))
+    out["mismatch_path"] = _error_text(lambda: make("rail" if rank in (0, 2) else "perm"))
+
+    # Statistics on demand: count the descriptor and statistics calls of one layer call each.
+    import megatron_railwave.dispatcher as dispatcher_module
+
+    calls = {"demand_stats": 0, "layer_comm_stats": 0}
+
+    def counting(name):
+        original = getattr(dispatcher_module, name)
+
+        def wrapper(*args, **kwargs):
+            calls[name] += 1
+            return original(*args, **kwargs)
+        return original, wrapper
+
+    originals = {}
+    for name in calls:
+        originals[name], wrapper = counting(name)
+        setattr(dispatcher_module, name, wrapper)
+    out["stats_calls"] = {}
+    seen: list[Any] = []
+    try:
+        class Selector:  # a calibrated selector reads the descriptors
+            def select(self, stats):
+                assert stats is not None
+                return "rail"
+
+        for case, kwargs in (("fixed_no_sink", dict(path="native")),
+                             ("selector_no_sink", dict(path="auto", selector=Selector())),
+                             ("fixed_with_sink", dict(path="native", stats_sink=seen.append))):
+            calls.update(demand_stats=0, layer_comm_stats=0)
+            d = RailWaveTokenDispatcher(per, local, config(), pgs,
+                                        railwave=RailWaveConfig(gpus_per_node=2, path=kwargs["path"]),
+                                        selector=kwargs.get("selector"), stats_sink=kwargs.get("stats_sink"))
+            _run_hooks(d, *_inputs(rank, 6, seed=4))
+            out["stats_calls"][case] = dict(calls)
+    finally:
+        for name, original in originals.items():
+            setattr(dispatcher_module, name, original)
+    _, _, routing = _inputs(rank, 6, seed=4)
+    load = routing.sum(0).to(torch.int64)
+    dist.all_reduce(load)
+    out["expert_load"] = {"expected": load.tolist(), "logged": {k: getattr(seen[0], k) for k in (
+        "tokens_per_expert_min", "tokens_per_expert_max", "tokens_per_expert_std", "overload_factor")},
+        "pass_kind": seen[0].pass_kind, "rail_bytes": seen[0].rail_bytes}
 
     # path 'auto' without its anchors file: three MoE layers, one warning on global rank 0 only.
     import logging
@@ -226,7 +315,7 @@ def test_dispatcher_missing_anchors_warns_once_on_rank_zero(ranks):
 
 @pytest.mark.parametrize("option", sorted(UNSUPPORTED) + ["tensor_parallel"])
 def test_dispatcher_unsupported_option_raises_naming_it(ranks, option):
-    name = "tensor_model_parallel_size" if option == "tensor_parallel" else option
+    name = "expert_tensor_parallel_size" if option == "tensor_parallel" else option
     for res in ranks:
         text = res[option] if option == "tensor_parallel" else res["unsupported"][option]
         assert text.startswith("ValueError: moe_token_dispatcher_type='railwave' does not support"), text
@@ -255,3 +344,63 @@ def test_topology_mismatch_names_sizes_and_fix():
         RailWaveConfig(gpus_per_node=3).topology(4)
     with pytest.raises(ValueError):
         RailWaveConfig(cluster=str(_REPO_ROOT / "configs" / "clusters" / "h800_4x8.yaml")).topology(4)
+
+
+def test_dispatcher_accepts_attention_tensor_parallel_and_permute_fusion(ranks):
+    # Attention TP is folded out of the expert grid: with expert-TP 1 nothing changes for the exchange.
+    # --moe-permute-fusion selects Megatron's fused permute kernels, which railwave does not call.
+    assert all(res["attention_tp_accepted"] == "no error" for res in ranks), [r["attention_tp_accepted"] for r in ranks]
+
+
+def test_placement_follows_hosts_and_local_ranks_not_rank_numbers(ranks):
+    # EP rank e on host e % 2 as local GPU 1 - e // 2, so railwave rank = (e % 2) * 2 + 1 - e // 2.
+    for res in ranks:
+        assert res["placement"]["node_by_node"]["railwave_rank_of_ep"] == [0, 1, 2, 3]
+        assert res["placement"]["cyclic"]["railwave_rank_of_ep"] == [1, 3, 0, 2]
+        assert res["placement"]["cyclic"]["hosts"] == ["host0", "host1"]
+    for rank, res in enumerate(ranks):
+        a, b = res["placement"]["node_by_node"], res["placement"]["cyclic"]
+        for key in ("out", "dx", "dp"):
+            assert np.array_equal(a[key], b[key]), f"rank {rank}: {key} differs under the cyclic placement"
+        assert a["tokens_per_expert"] == b["tokens_per_expert"]
+        # And the identity experts' closed form (hidden * sum of probs) holds.
+        assert np.abs(a["out"]).sum() > 0
+
+
+def test_uneven_layout_raises_one_clear_error_on_every_rank(ranks):
+    for res in ranks:
+        text = res["uneven"]
+        assert text.startswith("PlacementError: RailWave cannot serve this EP layout: 4 EP ranks over 2 node(s) "
+                               "(hostA: EP ranks [0, 1, 2]; hostB: EP ranks [3])"), text
+        assert "every node must hold the same number of EP ranks" in text and "Fix:" in text
+
+
+@pytest.mark.parametrize("case,field,groups", [
+    ("mismatch_failed_rail", "failed_rails", "EP ranks [0, 1, 2] vs EP ranks [3]"),
+    ("mismatch_path", "path", "EP ranks [0, 2] vs EP ranks [1, 3]"),
+])
+def test_config_mismatch_is_one_error_on_every_rank(ranks, case, field, groups):
+    texts = {res[case].split(" (this rank:")[0] for res in ranks}
+    assert len(texts) == 1, texts  # the same message everywhere (only the own values differ)
+    text = ranks[0][case]
+    assert text.startswith("ConfigMismatchError: RailWave configuration differs between ranks of one EP group: "
+                           f"'{field}' differs ({groups})"), text
+
+
+def test_statistics_only_when_a_selector_or_sink_needs_them(ranks):
+    for res in ranks:
+        assert res["stats_calls"]["fixed_no_sink"] == {"demand_stats": 0, "layer_comm_stats": 0}
+        assert res["stats_calls"]["selector_no_sink"] == {"demand_stats": 1, "layer_comm_stats": 0}
+        assert res["stats_calls"]["fixed_with_sink"] == {"demand_stats": 1, "layer_comm_stats": 1}
+
+
+def test_stats_carry_the_global_expert_load(ranks):
+    load = np.array(ranks[0]["expert_load"]["expected"], dtype=np.float64)
+    for res in ranks:
+        logged = res["expert_load"]["logged"]
+        assert res["expert_load"]["expected"] == list(load.astype(int))
+        assert logged["tokens_per_expert_min"] == load.min() and logged["tokens_per_expert_max"] == load.max()
+        assert logged["tokens_per_expert_std"] == pytest.approx(load.std())
+        assert logged["overload_factor"] == pytest.approx(load.max() / load.mean())
+        assert res["expert_load"]["pass_kind"] == "train"
+        assert len(res["expert_load"]["rail_bytes"]) == 2 and sum(map(sum, res["expert_load"]["rail_bytes"])) > 0

@@ -39,7 +39,7 @@ EXPECTED_FLAGS = {
         "--anchors", "--cluster", "--backend", "--warmups", "--repeats", "--no-progress", "--requests", "--seed",
         "--payload-ratio", "--shape-distance", "--bench", "--json",
     ],
-    "report": ["--out", "--no-plots", "--json"],
+    "report": ["--out", "--no-plots", "--json", "--run"],
     "ops-bench": ["--device", "--quick", "--tokens", "--hidden", "--experts", "--topk", "--nodes", "--gpus-per-node",
                   "--repeats", "--seed", "--json"],
     "testbed": [],

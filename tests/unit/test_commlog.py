@@ -40,30 +40,72 @@ class FakeTimer:
 
 # ---------------------------------------------------------------------- JSONL
 def test_jsonl_per_rank_files_and_interval(tmp_path):
-    sinks = [JsonlStatsSink(tmp_path, interval=2, rank=r) for r in range(2)]
+    sinks = [JsonlStatsSink(tmp_path, interval=2, rank=r, run_id="r1") for r in range(2)]
     for step in range(4):
         for layer in (1, 2):
             for sink in sinks:
-                sink(make_stats(layer, step))
+                if sink.wants(step):  # what the dispatcher asks before computing statistics
+                    sink(make_stats(layer, step))
     for sink in sinks:
         sink.close()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["railwave_rank0.jsonl", "railwave_rank1.jsonl"]
-    lines = (tmp_path / "railwave_rank1.jsonl").read_text().splitlines()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["railwave_r1_rank0.jsonl", "railwave_r1_rank1.jsonl"]
+    lines = (tmp_path / "railwave_r1_rank1.jsonl").read_text().splitlines()
     records = [json.loads(line) for line in lines]
     assert [(r["layer"], r["step"]) for r in records] == [(1, 0), (2, 0), (1, 2), (2, 2)]  # steps 0 and 2
     assert records[0]["rank"] == 1 and records[0]["rail_shares"] == [[0.5, 0.5], [0.75, 0.25]]
-    assert "timers" not in records[0]
+    assert records[0]["run"] == "r1" and "timers" not in records[0]
+    assert [sinks[0].wants(s) for s in range(4)] == [True, False, True, False]
 
 
 def test_jsonl_per_job_only_rank0_writes(tmp_path):
-    sinks = [JsonlStatsSink(tmp_path, rank=r, mode="job") for r in range(3)]
+    sinks = [JsonlStatsSink(tmp_path, rank=r, mode="job", run_id="r1") for r in range(3)]
     for sink in sinks:
         sink(make_stats(1, 0))
         sink.close()
-    assert [p.name for p in tmp_path.iterdir()] == ["railwave.jsonl"]
+    assert [p.name for p in tmp_path.iterdir()] == ["railwave_r1.jsonl"]
     assert len(read_logs(tmp_path)) == 1
+    assert all(sink.wants(0) for sink in sinks)  # every rank answers alike: the count exchange's width
     with pytest.raises(ValueError, match="log mode must be 'rank' or 'job'"):
         JsonlStatsSink(tmp_path, mode="node")
+
+
+def test_second_run_gets_its_own_files_and_report_keeps_runs_apart(tmp_path, capsys):
+    """A second run into the same directory writes new files; report summarises each run alone."""
+    from megatron_railwave.commlog import split_runs
+    from megatron_railwave.commands.report import summarize_logs
+
+    for run, (steps, ms) in {"20250101-000000-1": (3, 1.0), "20250102-000000-2": (5, 7.0)}.items():
+        sink = JsonlStatsSink(tmp_path, rank=0, run_id=run)
+        for step in range(steps):
+            sink(make_stats(1, step, "rail", ms=ms))
+        sink.close()
+    (tmp_path / "railwave_rank0.jsonl").write_text(json.dumps(make_stats(1, 0).to_dict()) + "\n")  # an old file
+    runs = split_runs(read_logs(tmp_path))
+    assert {run: len(records) for run, records in runs.items()} == {"-": 1, "20250101-000000-1": 3,
+                                                                     "20250102-000000-2": 5}
+    second = summarize_logs(runs["20250102-000000-2"])
+    assert second["run"] == "20250102-000000-2" and second["layers"][0]["calls"] == 5
+    assert second["layers"][0]["p50_ms"] == pytest.approx(10.5)  # 7 + 3.5, none of the first run's times
+    with pytest.raises(ValueError, match="log records of 3 runs"):
+        summarize_logs(read_logs(tmp_path))
+    out_json = tmp_path / "one.json"
+    assert main(["report", str(tmp_path), "--no-plots", "--run", "20250101-000000-1", "--json", str(out_json)]) == 0
+    assert json.loads(out_json.read_text())["num_calls"] == 3
+    assert main(["report", str(tmp_path), "--no-plots", "--json", str(out_json)]) == 0
+    assert sorted(json.loads(out_json.read_text())["runs"]) == ["-", "20250101-000000-1", "20250102-000000-2"]
+    assert capsys.readouterr().out.count(" run ") >= 4  # one table per run (plus the --run one)
+
+
+def test_job_run_id_is_agreed_through_the_store(monkeypatch):
+    from megatron_railwave import commlog
+
+    monkeypatch.setattr(commlog, "_RUN_ID", [])
+    monkeypatch.setenv(commlog.RUN_ENV, "bad id/..")
+    with pytest.raises(ValueError, match="RAILWAVE_RUN_ID='bad id/..' must use only"):
+        commlog.job_run_id()
+    monkeypatch.setattr(commlog, "_RUN_ID", [])
+    monkeypatch.setenv(commlog.RUN_ENV, "exp-7")
+    assert commlog.job_run_id() == "exp-7" and commlog.job_run_id() == "exp-7"
 
 
 def test_jsonl_waits_for_cuda_events_without_blocking(tmp_path):
@@ -74,7 +116,7 @@ def test_jsonl_waits_for_cuda_events_without_blocking(tmp_path):
     second.set_timers(dispatch=t2)
     sink(first)
     sink(second)
-    assert not (tmp_path / "railwave_rank0.jsonl").exists() or read_logs(tmp_path) == []
+    assert not sink.path.exists() or read_logs(tmp_path) == []
     t1.done = True
     sink(make_stats(3, 0))  # the next record drains what is ready, in order, and stops at layer 2
     assert [r["layer"] for r in read_logs(tmp_path)] == [1]
