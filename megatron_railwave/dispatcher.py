@@ -34,7 +34,7 @@ from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 
 from .capture import TraceMeta, TraceRecorder
 from .config import RailWaveConfig
-from .exchange import DispatchOutput, TorchDistExchange, build_rail_groups
+from .exchange import DispatchOutput, TorchDistExchange, build_exchange, build_rail_groups
 from .planner import Path
 from .selector import FixedSelector, PathSelector, selector_from_config
 from .stats import LayerCommStats, Stopwatch, demand_stats, layer_comm_stats
@@ -86,6 +86,15 @@ def check_supported(config: Any) -> None:
             "moe_token_dispatcher_type='railwave' does not support: " + "; ".join(problems)
             + ". Change these options or use the 'alltoall' dispatcher."
         )
+
+
+def _hidden_dtype(config: Any) -> torch.dtype:
+    """The dtype of the hidden states Megatron hands the dispatcher (sizes DeepEP's buffer)."""
+    if getattr(config, "bf16", False):
+        return torch.bfloat16
+    if getattr(config, "fp16", False):
+        return torch.float16
+    return getattr(config, "params_dtype", None) or torch.float32
 
 
 @dataclass(kw_only=True, slots=True)
@@ -141,8 +150,11 @@ class RailWaveTokenDispatcher(MoETokenDispatcher):
         self._num_calls = 0
         options = self.railwave.plan_options(self.topology)
         groups = build_rail_groups(self.ep_group, self.topology, timeout_s=self.railwave.timeout_s)
-        self._exchange = TorchDistExchange(self.topology, groups, num_experts=self.num_experts, options=options,
-                                           timeout_s=self.railwave.timeout_s)
+        self._exchange = build_exchange(
+            self.topology, groups, backend=self.railwave.backend, num_experts=self.num_experts,
+            topk=int(config.moe_router_topk), hidden_size=int(config.hidden_size), hidden_dtype=_hidden_dtype(config),
+            deepep_buffer=self.railwave.deepep_buffer, deepep_num_sms=self.railwave.deepep_num_sms, options=options,
+            timeout_s=self.railwave.timeout_s)
         self._state: _LayerState | None = None
 
     # ------------------------------------------------------------------ helpers

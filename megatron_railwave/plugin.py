@@ -188,6 +188,8 @@ def add_railwave_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                        help="Record routing traces for replay here.")
     group.add_argument("--railwave-capture-interval", type=int, default=None,
                        help="Record a trace every this many steps.")
+    group.add_argument("--railwave-backend", type=str, default=None, choices=["torch", "deepep", "auto"],
+                       help="Execution backend; overrides the config file's 'backend' (docs/deepep.md).")
     return parser
 
 
@@ -197,7 +199,8 @@ def config_from_args(args: argparse.Namespace) -> RailWaveConfig:
     for flag, key in (("railwave_path", "path"), ("railwave_log_dir", "log_dir"),
                       ("railwave_log_mode", "log_mode"),
                       ("railwave_capture_dir", "capture_dir"),
-                      ("railwave_capture_interval", "capture_interval")):
+                      ("railwave_capture_interval", "capture_interval"),
+                      ("railwave_backend", "backend")):
         value = getattr(args, flag, None)
         if value is not None:
             base[key] = value
