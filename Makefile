@@ -5,7 +5,7 @@ VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.railwave-installed
 
 .PHONY: demo test test-all setup clean plan-bench bench bench-exchange testbed-bench gpu-check simulate-exchange \
-	ext kernels-check ops-bench
+	ext kernels-check ops-bench deepep-conformance deepep-hardware-check
 
 $(STAMP): pyproject.toml
 	@test -x $(VPY) || $(PY) -m venv $(VENV)
@@ -67,6 +67,12 @@ demo: $(STAMP)
 
 bench-exchange: $(STAMP)
 	$(VPY) -m megatron_railwave.cli bench-exchange --json out/bench_exchange.json
+
+# The DeepEP backend and its fake against the real DeepEP wheel (signatures, return arities,
+# handle layout, Config hints), without a GPU: builds a CUDA-torch venv OUTSIDE the repository
+# (DEEPEP_VENV, default /tmp/deepep-venv, ~5.5 GB, once) and runs the `deepep`-marked tests.
+deepep-conformance:
+	bash scripts/deepep_conformance.sh
 
 # Each compiled op against its pure-torch reference and a plain copy, GLM-4.5-Air sizes, one thread.
 ops-bench: $(EXT_STAMP)

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from ..planner import PlanOptions
 from ..topology import RailTopology
-from .deepep_api import check_deepep_layout, deep_ep_importable, deepep_layout_problems, load_deep_ep
+from .deepep_api import REAL_LIMITS, check_deepep_layout, deep_ep_importable, deepep_layout_problems, load_deep_ep
 from .groups import RankGroups
 from .torch_dist import TorchDistExchange
 
@@ -88,7 +88,7 @@ def build_exchange(topo: RailTopology, groups: RankGroups, *, backend: BackendNa
         if not importable:
             reason = f"deep_ep does not import ({why})"
         else:
-            problems = deepep_layout_problems(topo, load_deep_ep("real", gpus_per_node=8), **limits)
+            problems = deepep_layout_problems(topo, REAL_LIMITS, **limits)
             reason = "; ".join(problems)
     failing = _ranks_failing(groups, not reason) if on_gpu else [groups.ep_rank]
     if failing and not reason:
@@ -99,4 +99,5 @@ def build_exchange(topo: RailTopology, groups: RankGroups, *, backend: BackendNa
     if reason:
         return TorchDistExchange(topo, groups, **common)
     return DeepEPExchange(topo, groups, topk=topk, hidden_size=hidden_size, hidden_dtype=hidden_dtype,
-                          api=load_deep_ep("real", gpus_per_node=8), num_sms=deepep_num_sms, **common)
+                          api=load_deep_ep("real", gpus_per_node=REAL_LIMITS.nvl_peers), num_sms=deepep_num_sms,
+                          **common)

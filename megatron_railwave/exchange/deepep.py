@@ -295,7 +295,8 @@ class DeepEPExchange(TorchDistExchange):
         meta = rx[:, h:].contiguous().view(torch.int32)
         flat = select_positions((ridx >= 0).reshape(-1), layer.num_entries)
         copy, expert = flat // self.topk_slots, ridx.reshape(-1).index_select(0, flat)
-        owner, token = meta[:, 0].to(torch.int64).index_select(0, copy), meta[:, 1].to(torch.int64).index_select(0, copy)
+        owner = meta[:, 0].to(torch.int64).index_select(0, copy)
+        token = meta[:, 1].to(torch.int64).index_select(0, copy)
         key = (expert * self.topo.world_size + owner) * max(layer.max_tokens, 1) + token
         perm = torch.sort(key).indices
         copy_of_entry, slot_of_entry = copy.index_select(0, perm), flat.index_select(0, perm)

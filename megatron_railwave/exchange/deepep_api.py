@@ -28,16 +28,34 @@ import torch
 from ..topology import RailTopology
 from .deepep_fake import fake_deep_ep
 
-__all__ = ["DeepEPApi", "load_deep_ep", "deep_ep_importable", "check_deepep_layout", "deepep_layout_problems",
-           "deepep_buffer_bytes", "record_meta_bytes", "dispatch_row_bytes", "REAL_WHEEL"]
+__all__ = ["DeepEPApi", "DeepEPLimits", "REAL_LIMITS", "load_deep_ep", "deep_ep_importable", "check_deepep_layout",
+           "deepep_layout_problems", "deepep_buffer_bytes", "record_meta_bytes", "dispatch_row_bytes", "REAL_WHEEL"]
 
 REAL_WHEEL = "tokenspeed-deepep"
-_REAL_NVL_PEERS = 8
-_REAL_NODE_COUNTS = (2, 3, 4, 6, 8, 12, 16, 18, 20)
 _MAX_TOPK = 32
 _MAX_LOCAL_EXPERTS = 1024
 _TMA_BYTES_PER_WARP = 16384  # internode dispatch: kNumTMABytesPerWarp
 _SOURCE_META_BYTES = 8
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DeepEPLimits:
+    """What a DeepEP implementation supports in internode normal mode.
+
+    Attributes:
+        nvl_peers: GPUs per node the Buffer needs (8 for the real one).
+        node_counts: node counts its internode kernels are built for.
+        combine_dtypes: dtypes its combine reduces.
+    """
+
+    nvl_peers: int
+    node_counts: tuple[int, ...]
+    combine_dtypes: tuple[torch.dtype, ...]
+
+
+REAL_LIMITS = DeepEPLimits(nvl_peers=8, node_counts=(2, 3, 4, 6, 8, 12, 16, 18, 20),
+                           combine_dtypes=(torch.bfloat16,))
+"""DeepEP 2.1 (``LEGACY_NUM_MAX_NVL_PEERS``, ``SWITCH_RDMA_RANKS``, ``internode::combine``)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -47,18 +65,14 @@ class DeepEPApi:
     Attributes:
         kind: 'real' (the wheel) or 'fake' (``exchange.deepep_fake`` on gloo).
         Buffer, Config, EventOverlap: ``deep_ep``'s classes (or the fake's).
-        nvl_peers: GPUs per node the Buffer needs (8 for the real one).
-        combine_dtypes: dtypes its combine reduces.
-        node_counts: node counts its internode kernels support.
+        limits: what it supports.
     """
 
     kind: Literal["real", "fake"]
     Buffer: Any
     Config: Any
     EventOverlap: Any
-    nvl_peers: int
-    combine_dtypes: tuple[torch.dtype, ...]
-    node_counts: tuple[int, ...]
+    limits: DeepEPLimits
 
 
 def load_deep_ep(kind: Literal["real", "fake"], *, gpus_per_node: int) -> DeepEPApi:
@@ -73,8 +87,9 @@ def load_deep_ep(kind: Literal["real", "fake"], *, gpus_per_node: int) -> DeepEP
     """
     if kind == "fake":
         ns = fake_deep_ep(gpus_per_node)
-        return DeepEPApi(kind="fake", Buffer=ns.Buffer, Config=ns.Config, EventOverlap=ns.EventOverlap,
-                         nvl_peers=gpus_per_node, combine_dtypes=ns.combine_dtypes, node_counts=ns.known_node_counts)
+        limits = DeepEPLimits(nvl_peers=gpus_per_node, node_counts=ns.known_node_counts,
+                              combine_dtypes=ns.combine_dtypes)
+        return DeepEPApi(kind="fake", Buffer=ns.Buffer, Config=ns.Config, EventOverlap=ns.EventOverlap, limits=limits)
     if kind != "real":
         raise ValueError(f"deepep_buffer={kind!r} must be 'real' or 'fake'")
     try:
@@ -84,15 +99,14 @@ def load_deep_ep(kind: Literal["real", "fake"], *, gpus_per_node: int) -> DeepEP
             f"backend 'deepep' needs DeepEP 2.1 (`import deep_ep` failed: {type(exc).__name__}: {exc}). "
             f"Install the `{REAL_WHEEL}` wheel (DeepEP 2.1 for CUDA 13, next to a CUDA torch), or set "
             "backend: torch (backend: auto falls back to torch by itself)") from exc
-    return DeepEPApi(kind="real", Buffer=Buffer, Config=Config, EventOverlap=EventOverlap,
-                     nvl_peers=_REAL_NVL_PEERS, combine_dtypes=(torch.bfloat16,), node_counts=_REAL_NODE_COUNTS)
+    return DeepEPApi(kind="real", Buffer=Buffer, Config=Config, EventOverlap=EventOverlap, limits=REAL_LIMITS)
 
 
 def deep_ep_importable() -> tuple[bool, str]:
     """(whether ``deep_ep`` imports, why not). Imports it when it can (its import has side effects:
     NCCL checks and the JIT runtime)."""
     try:
-        load_deep_ep("real", gpus_per_node=_REAL_NVL_PEERS)
+        load_deep_ep("real", gpus_per_node=REAL_LIMITS.nvl_peers)
     except ImportError as exc:
         return False, str(exc.__cause__ or exc)
     return True, ""
@@ -109,29 +123,30 @@ def dispatch_row_bytes(hidden_size: int, hidden_dtype: torch.dtype) -> int:
     return hidden_size * torch.empty(0, dtype=hidden_dtype).element_size() + record_meta_bytes()
 
 
-def deepep_layout_problems(topo: RailTopology, api: DeepEPApi, *, hidden_size: int, hidden_dtype: torch.dtype,
-                           topk: int, num_experts: int) -> list[str]:
-    """What keeps ``api``'s Buffer from running this layer layout (empty: nothing). Pure."""
+def deepep_layout_problems(topo: RailTopology, limits: DeepEPLimits, *, hidden_size: int,
+                           hidden_dtype: torch.dtype, topk: int, num_experts: int) -> list[str]:
+    """What keeps a DeepEP with ``limits`` from running this layer layout (empty: nothing). Pure."""
     n, g, w = topo.num_nodes, topo.gpus_per_node, topo.world_size
-    p = api.nvl_peers
+    p = limits.nvl_peers
     problems = []
     if g != p:
         problems.append(f"{g} GPUs per node (DeepEP's internode kernels need exactly {p})")
     if n < 2:
         problems.append(f"an EP group of {w} ranks inside one node (DeepEP's internode mode needs more than {p} "
                         f"ranks, a multiple of {p}; its intranode mode is not driven by this backend)")
-    elif n not in api.node_counts:
-        problems.append(f"{n} nodes (DeepEP's internode kernels are built for {list(api.node_counts)} nodes)")
+    elif n not in limits.node_counts:
+        problems.append(f"{n} nodes (DeepEP's internode kernels are built for {list(limits.node_counts)} nodes)")
     elt = torch.empty(0, dtype=hidden_dtype).element_size()
-    if hidden_dtype not in api.combine_dtypes:
-        problems.append(f"hidden dtype {hidden_dtype} (DeepEP's combine reduces {list(api.combine_dtypes)} only)")
+    if hidden_dtype not in limits.combine_dtypes:
+        problems.append(f"hidden dtype {hidden_dtype} (DeepEP's combine reduces {list(limits.combine_dtypes)} only)")
     if hidden_size * elt % 512:
         problems.append(f"hidden size {hidden_size} ({hidden_size * elt} bytes per row; DeepEP's internode combine "
                         "needs a multiple of 512 bytes, i.e. a multiple of 256 in bf16)")
     e_node = num_experts // n if n else num_experts
     slots = min(topk, e_node)
     if slots > _MAX_TOPK:
-        problems.append(f"top-k {topk} with {e_node} experts per node ({slots} slots per record; DeepEP: <= {_MAX_TOPK})")
+        problems.append(f"top-k {topk} with {e_node} experts per node ({slots} slots per record; "
+                        f"DeepEP: <= {_MAX_TOPK})")
     token_bytes = -(-(dispatch_row_bytes(hidden_size, hidden_dtype) + _SOURCE_META_BYTES + 8 * slots) // 16) * 16
     if token_bytes + 8 > _TMA_BYTES_PER_WARP:
         problems.append(f"{token_bytes} bytes per dispatched row (hidden {hidden_size}, {slots} top-k slots, 16 bytes "
@@ -148,16 +163,17 @@ def check_deepep_layout(topo: RailTopology, api: DeepEPApi, *, hidden_size: int,
     Raises:
         ValueError: names each problem and the fallback (backend: torch).
     """
-    problems = deepep_layout_problems(topo, api, hidden_size=hidden_size, hidden_dtype=hidden_dtype, topk=topk,
+    problems = deepep_layout_problems(topo, api.limits, hidden_size=hidden_size, hidden_dtype=hidden_dtype, topk=topk,
                                       num_experts=num_experts)
     if problems:
-        kind = "DeepEP" if api.kind == "real" else f"the fake DeepEP ({api.nvl_peers} GPUs per node)"
+        kind = "DeepEP" if api.kind == "real" else f"the fake DeepEP ({api.limits.nvl_peers} GPUs per node)"
         raise ValueError(f"backend 'deepep' cannot run {topo.num_nodes} nodes x {topo.gpus_per_node} GPUs with "
                          f"{kind}: " + "; ".join(problems) + ". Use backend: torch (or auto, which picks torch "
                          "for such layouts)")
 
 
-def deepep_buffer_bytes(dispatch_config: Any, combine_config: Any, *, num_ranks: int, row_bytes: int) -> tuple[int, int]:
+def deepep_buffer_bytes(dispatch_config: Any, combine_config: Any, *, num_ranks: int,
+                        row_bytes: int) -> tuple[int, int]:
     """(num_nvl_bytes, num_rdma_bytes) of the Buffer: the larger of the two configs' hints for
     rows of ``row_bytes`` (``dispatch_row_bytes``). Sized by the Config, not by token counts:
     DeepEP streams rows through fixed per-channel ring buffers. Pure."""

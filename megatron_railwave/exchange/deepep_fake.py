@@ -140,6 +140,11 @@ def _channel_of_row(num_rows: int, channels: int) -> torch.Tensor:
     return torch.arange(num_rows, dtype=torch.int64) // per
 
 
+def _counts_from_prefix(prefix_W: torch.Tensor) -> torch.Tensor:
+    """[W] int64 counts from DeepEP's inclusive prefix sums."""
+    return torch.diff(prefix_W.to(torch.int64), prepend=torch.zeros(1, dtype=torch.int64))
+
+
 def _pairs(in_rank_TW: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
     """(row [n], rank [n], rows per rank [W]) of every (row, destination rank), rank-major."""
     rank_n, row_n = torch.nonzero(in_rank_TW.t(), as_tuple=True)
@@ -265,7 +270,7 @@ class _FakeBuffer:
         if handle is not None:
             assert topk_idx is None and topk_weights is None
             fields = dict(zip(INTERNODE_HANDLE_FIELDS, handle, strict=True))
-            recv_counts = torch.diff(fields["recv_gbl_rank_prefix_sum"].to(torch.int64), prepend=torch.zeros(1, dtype=torch.int64))
+            recv_counts = _counts_from_prefix(fields["recv_gbl_rank_prefix_sum"])
             row_n, _, send_counts = _pairs(fields["is_token_in_rank"])
             recv = self._exchange(x.index_select(0, row_n), send_counts, recv_counts.tolist())
             return recv, None, None, None, None, FakeEventOverlap()
@@ -316,9 +321,7 @@ class _FakeBuffer:
         per_expert_list = [-(-c // alignment) * alignment for c in per_expert_list]
         # Data: every row once per destination rank, with its top-k and its source meta.
         bits = (in_rank.view(t, n, p).to(torch.int64) << torch.arange(p)).sum(dim=2)  # [T, N] NVL bits
-        meta_T2 = torch.stack([torch.full((t,), self.rdma_rank, dtype=torch.int64), torch.zeros(t, dtype=torch.int64)], 1)
-        meta_n2 = meta_T2.index_select(0, row_n)
-        meta_n2[:, 1] = bits[row_n, rank_n // p]
+        meta_n2 = torch.stack([torch.full_like(row_n, self.rdma_rank), bits[row_n, rank_n // p]], dim=1)
         parts = [x.index_select(0, row_n), meta_n2.to(torch.int32)]
         if k:
             parts += [topk_idx.index_select(0, row_n), topk_weights.index_select(0, row_n)]
@@ -395,8 +398,7 @@ class _FakeBuffer:
             _check(topk_weights.dim() == 2 and topk_weights.is_contiguous() and topk_weights.dtype == torch.float32
                    and topk_weights.shape[0] == x.shape[0], "topk_weights float32 [n, K] contiguous")
             k = topk_weights.shape[1]
-        recv_counts = torch.diff(fields["recv_gbl_rank_prefix_sum"].to(torch.int64),
-                                 prepend=torch.zeros(1, dtype=torch.int64)).tolist()
+        recv_counts = _counts_from_prefix(fields["recv_gbl_rank_prefix_sum"]).tolist()
         row_n, rank_n, send_counts = _pairs(in_rank)
         parts = [x] + ([topk_weights] if k else [])
         back = self._exchange(ops.pack_rows(parts, [None] * len(parts)), recv_counts, send_counts)

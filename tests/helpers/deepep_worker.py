@@ -17,9 +17,11 @@ from tests.helpers.exchange_worker import expert_weights, make_inputs
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def run_backends(rank: int, world: int, topo_kwargs: dict, paths: list[str], kw: dict, dtype: str) -> dict[str, Any]:
+def run_backends(rank: int, world: int, topo_kwargs: dict, paths: list[str], kw: dict, dtype: str,
+                 torch_paths: tuple[str, ...] = ("native",)) -> dict[str, Any]:
     """One layer per (backend, path): dispatch, linear experts ``y = p * x @ A_e``, combine, and the
-    backward of ``sum(out * out)``. Returns {"torch/<path>" | "deepep/<path>": (out, dx, dprobs)} as
+    backward of ``sum(out * out)``; the DeepEP backend (fake Buffer) runs ``paths``, the torch
+    backend ``torch_paths``. Returns {"torch/<path>" | "deepep/<path>": (out, dx, dprobs)} as
     float32 numpy (bf16 widens exactly, so equal arrays mean equal bits), and per path
     "shape/<path>": the DeepEP run's waves, rows relayed into this rank and rows it dispatched."""
     topo = RailTopology(**topo_kwargs)
@@ -36,7 +38,7 @@ def run_backends(rank: int, world: int, topo_kwargs: dict, paths: list[str], kw:
     local_w = local_w.to(hidden_dtype)
     results = {}
     for name, ex in backends.items():
-        for path in paths:
+        for path in (torch_paths if name == "torch" else paths):
             x, probs, routing = make_inputs(rank, **kw)
             x = x.to(hidden_dtype).requires_grad_(True)
             probs.requires_grad_(True)
@@ -72,3 +74,23 @@ def run_moe_layer_backends(rank: int, world: int, railwave: dict, paths: list[st
         megatron_railwave.install({**railwave, "path": path, "backend": "deepep", "deepep_buffer": "fake"})
         out[f"deepep/{path}"] = build_and_run_moe_layer(rank, world, "railwave", **kw)
     return out
+
+
+def run_unsupported_layouts(rank: int, world: int) -> dict[str, str]:
+    """Every rank builds a DeepEP exchange the layout or the install cannot run; returns the error
+    text each construction raised (nothing may hang: the checks come before any communication)."""
+    from megatron_railwave.exchange import build_exchange
+
+    topo = RailTopology(num_nodes=2, gpus_per_node=world // 2)
+    groups = build_rail_groups(None, topo)
+    common = dict(backend="deepep", num_experts=2 * world, topk=2, options=PlanOptions())
+    errors = {}
+    for name, kwargs in (("hidden", dict(hidden_size=100, hidden_dtype=torch.float32, deepep_buffer="fake")),
+                         ("real", dict(hidden_size=256, hidden_dtype=torch.bfloat16, deepep_buffer="real"))):
+        try:
+            build_exchange(topo, groups, **kwargs, **common)
+            errors[name] = "no error"
+        except (ValueError, ImportError) as exc:
+            errors[name] = f"{type(exc).__name__}: {exc}"
+    dist.barrier()
+    return errors
