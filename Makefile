@@ -74,6 +74,11 @@ bench-exchange: $(STAMP)
 deepep-conformance:
 	bash scripts/deepep_conformance.sh
 
+# The first hardware run of the DeepEP backend (NOT YET RUN): on every node of a >= 2 x 8 GPU rail
+# cluster, NNODES=.. NODE_RANK=.. MASTER_ADDR=.. make deepep-hardware-check (docs/deepep.md).
+deepep-hardware-check:
+	bash scripts/deepep_hardware_check.sh
+
 # Each compiled op against its pure-torch reference and a plain copy, GLM-4.5-Air sizes, one thread.
 ops-bench: $(EXT_STAMP)
 	$(VPY) -m megatron_railwave.cli ops-bench --device cpu --json out/ops_bench_cpu.json
