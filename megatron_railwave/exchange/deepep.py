@@ -45,7 +45,7 @@ from .groups import RankGroups
 from .layer import InputError, LayerDemand, LayerHandle
 from .layout import HostCounts, select_positions
 from .moves import relay_backward, relay_forward
-from .torch_dist import DispatchOutput, TorchDistExchange
+from .torch_dist import TorchDistExchange
 from .transport import Program
 
 __all__ = ["DeepEPExchange", "DeepEPLayer", "DeepEPHandle"]
@@ -74,6 +74,10 @@ class DeepEPLayer:
     def plan(self) -> PathPlan:
         return self.layer.plan
 
+    @property
+    def tokens_per_expert(self) -> torch.Tensor:
+        return self.layer.tokens_per_expert
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class DeepEPHandle:
@@ -100,41 +104,6 @@ class DeepEPHandle:
         return self.layer.plan
 
 
-class _Box:
-    __slots__ = ("handle",)
-
-    def __init__(self) -> None:
-        self.handle: DeepEPHandle | None = None
-
-
-class _DispatchFn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, hidden, probs, routing_map, exchange: DeepEPExchange, layer: DeepEPLayer, box: _Box):  # type: ignore[override]
-        tokens, entry_probs, handle = exchange._run(exchange._dispatch_forward(layer, hidden, probs, routing_map))
-        box.handle = handle
-        ctx.exchange, ctx.handle, ctx.probs_dtype = exchange, handle, probs.dtype
-        return tokens, entry_probs
-
-    @staticmethod
-    def backward(ctx, g_tokens, g_probs):  # type: ignore[override]
-        ex: DeepEPExchange = ctx.exchange
-        g_hidden, g_probs_TE = ex._run(ex._dispatch_backward(ctx.handle, g_tokens.contiguous(), g_probs.contiguous(),
-                                                             ctx.probs_dtype))
-        return g_hidden, g_probs_TE, None, None, None, None
-
-
-class _CombineFn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, expert_out, exchange: DeepEPExchange, handle: DeepEPHandle):  # type: ignore[override]
-        ctx.exchange, ctx.handle = exchange, handle
-        return exchange._run(exchange._combine_forward(handle, expert_out))
-
-    @staticmethod
-    def backward(ctx, g_out):  # type: ignore[override]
-        ex: DeepEPExchange = ctx.exchange
-        return ex._run(ex._combine_backward(ctx.handle, g_out.contiguous())), None, None
-
-
 class DeepEPExchange(TorchDistExchange):
     """Executes path plans with DeepEP's internode dispatch / combine (see module docstring).
 
@@ -149,6 +118,9 @@ class DeepEPExchange(TorchDistExchange):
         num_sms: SMs of DeepEP's normal kernels (even; DeepEP's default 20).
         options, timeout_s: as ``TorchDistExchange`` (the relay and the count exchange; DeepEP's
             own calls have DeepEP's timeouts, the fake's the EP group's).
+
+    ``dispatch`` / ``combine`` are ``TorchDistExchange``'s (same outputs, same entry order); unlike
+    it, ``dispatch`` has one host sync per wave (DeepEP's CPU wait on the received counts).
 
     Raises:
         ValueError: the layout breaks a DeepEP limit (every rank, before any communication).
@@ -212,20 +184,6 @@ class DeepEPExchange(TorchDistExchange):
         inverse = torch.empty_like(order).scatter_(0, order, torch.arange(total, dtype=torch.int64,
                                                                           device=hidden.device))
         return DeepEPLayer(layer=handle, order=order, inverse=inverse, wave_rows=wave_rows, num_local=num_local)
-
-    # ------------------------------------------------------------------ public moves
-    def dispatch(self, hidden: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor,
-                 handle: DeepEPLayer) -> DispatchOutput:
-        """As ``TorchDistExchange.dispatch`` (same entries, same order). Host sync: yes (DeepEP's
-        CPU wait on the received counts, once per wave)."""
-        box = _Box()
-        tokens, entry_probs = _DispatchFn.apply(hidden, probs, routing_map, self, handle, box)
-        return DispatchOutput(tokens=tokens, tokens_per_expert=handle.layer.tokens_per_expert, probs=entry_probs,
-                              handle=box.handle)
-
-    def combine(self, expert_out: torch.Tensor, handle: DeepEPHandle) -> torch.Tensor:
-        """As ``TorchDistExchange.combine``. Host sync: no."""
-        return _CombineFn.apply(expert_out, self, handle)
 
     # ------------------------------------------------------------------ programs
     def _records_topk(self, routing_map: torch.Tensor, token_R: torch.Tensor, node_R: torch.Tensor) -> torch.Tensor:
