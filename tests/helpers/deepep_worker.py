@@ -7,7 +7,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron_railwave.exchange import TorchDistExchange, build_rail_groups
+from megatron_railwave.exchange import InputError, TorchDistExchange, build_rail_groups
 from megatron_railwave.exchange.deepep import DeepEPExchange
 from megatron_railwave.exchange.deepep_api import load_deep_ep
 from megatron_railwave.planner import PlanOptions
@@ -92,5 +92,17 @@ def run_unsupported_layouts(rank: int, world: int) -> dict[str, str]:
             errors[name] = "no error"
         except (ValueError, ImportError) as exc:
             errors[name] = f"{type(exc).__name__}: {exc}"
+    # A routing map with more experts per token than the exchange was built for (top-3 routed,
+    # topk=1 declared): DeepEP's per-expert counts disagree with the count exchange.
+    ex = build_exchange(topo, groups, hidden_size=256, hidden_dtype=torch.float32, deepep_buffer="fake",
+                        **{**common, "topk": 1})
+    x, probs, routing = make_inputs(rank, tokens=[16] * world, experts=2 * world, topk=3, hidden=256, seed=3,
+                                    gpus_per_node=world // 2)
+    layer = ex.gather_demand(x, probs, routing)
+    try:
+        ex.dispatch(x, probs, routing, ex.prepare(layer, ex.plan(layer, "native"), x, probs))
+        errors["topk"] = "no error"
+    except InputError as exc:
+        errors["topk"] = f"InputError: {exc}"
     dist.barrier()
     return errors

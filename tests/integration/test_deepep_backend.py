@@ -73,7 +73,7 @@ def test_deepep_moe_layer_matches_alltoall(world):
                     f"rank {rank}: deepep/{path} {key} not bitwise equal to the torch backend")
 
 
-def test_deepep_unsupported_layout_fails_on_every_rank_before_communication():
+def test_deepep_unsupported_layout_and_routing_fail_on_every_rank():
     results = run_distributed(run_unsupported_layouts, 4, timeout_s=120)
     for rank, errors in enumerate(results):
         assert errors["hidden"].startswith("ValueError: backend 'deepep' cannot run 2 nodes x 2 GPUs"), errors
@@ -85,3 +85,5 @@ def test_deepep_unsupported_layout_fails_on_every_rank_before_communication():
             assert "tokenspeed-deepep" in errors["real"] and "backend: torch" in errors["real"]
         else:  # with the wheel: 2 GPUs per node is not a DeepEP layout
             assert "2 GPUs per node (DeepEP's internode kernels need exactly 8)" in errors["real"], errors
+        assert errors["topk"].startswith(f"InputError: EP rank {rank}: DeepEP delivered"), errors
+        assert "a token routes to more than 1 experts of one node" in errors["topk"]
