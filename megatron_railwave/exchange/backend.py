@@ -29,6 +29,7 @@ __all__ = ["build_exchange", "BackendName"]
 
 BackendName = Literal["torch", "deepep", "auto"]
 _LOG = logging.getLogger("megatron_railwave.exchange")
+_LOGGED: set[str] = set()  # 'auto' decisions already logged in this process (one per layer otherwise)
 
 
 def _ranks_failing(groups: RankGroups, ok: bool) -> list[int]:
@@ -94,8 +95,10 @@ def build_exchange(topo: RailTopology, groups: RankGroups, *, backend: BackendNa
     if failing and not reason:
         reason = f"DeepEP is not usable on EP rank(s) {failing}"
     chosen = "torch" if reason else "deepep"
-    if groups.ep_rank == 0:
-        _LOG.info("railwave backend 'auto' -> %s%s", chosen, f" ({reason})" if reason else "")
+    message = f"railwave backend 'auto' -> {chosen}" + (f" ({reason})" if reason else "")
+    if groups.ep_rank == 0 and message not in _LOGGED:
+        _LOGGED.add(message)
+        _LOG.info(message)
     if reason:
         return TorchDistExchange(topo, groups, **common)
     return DeepEPExchange(topo, groups, topk=topk, hidden_size=hidden_size, hidden_dtype=hidden_dtype,

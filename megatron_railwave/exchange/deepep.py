@@ -104,6 +104,22 @@ class DeepEPHandle:
         return self.layer.plan
 
 
+_BUFFERS: dict[tuple, tuple[Any, Any]] = {}
+
+
+def _shared_buffer(api: DeepEPApi, groups: RankGroups, num_nvl_bytes: int, num_rdma_bytes: int) -> Any:
+    """One Buffer per (implementation, EP group, sizes) in this process, shared by every MoE layer
+    (as Megatron's flex dispatcher shares its one): a layer's dispatch, experts and combine finish
+    before the next layer's start, and each call's handle holds its own layout tensors.
+
+    Collective: yes (the EP group), the first time only.
+    """
+    key = (id(api.Buffer), id(groups.ep.handle), num_nvl_bytes, num_rdma_bytes)
+    if key not in _BUFFERS:  # the value keeps the group alive, so its id is not reused
+        _BUFFERS[key] = (api.Buffer(groups.ep.handle, num_nvl_bytes, num_rdma_bytes), groups.ep.handle)
+    return _BUFFERS[key][0]
+
+
 class DeepEPExchange(TorchDistExchange):
     """Executes path plans with DeepEP's internode dispatch / combine (see module docstring).
 
@@ -147,7 +163,7 @@ class DeepEPExchange(TorchDistExchange):
         self.num_nvl_bytes, self.num_rdma_bytes = deepep_buffer_bytes(
             self.dispatch_config, self.combine_config, num_ranks=topo.world_size,
             row_bytes=dispatch_row_bytes(hidden_size, hidden_dtype))
-        self.buffer = api.Buffer(groups.ep.handle, self.num_nvl_bytes, self.num_rdma_bytes)
+        self.buffer = _shared_buffer(api, groups, self.num_nvl_bytes, self.num_rdma_bytes)
 
     # ------------------------------------------------------------------ preparation
     def prepare(self, layer: LayerDemand, plan: PathPlan, hidden: torch.Tensor, probs: torch.Tensor) -> DeepEPLayer:
