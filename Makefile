@@ -5,7 +5,7 @@ VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.railwave-installed
 
 .PHONY: demo test test-all test-mcore-oldest setup clean plan-bench bench bench-exchange testbed-bench gpu-check \
-	simulate-exchange ext kernels-check ops-bench
+	simulate-exchange ext kernels-check ops-bench deepep-conformance deepep-hardware-check
 
 # setup.py ships the opt-in RAILWAVE_AUTO_INSTALL startup hook (megatron_railwave_autoinstall.pth).
 $(STAMP): pyproject.toml setup.py megatron_railwave_autoinstall.pth
@@ -83,6 +83,17 @@ demo: $(STAMP)
 
 bench-exchange: $(STAMP)
 	$(VPY) -m megatron_railwave.cli bench-exchange --json out/bench_exchange.json
+
+# The DeepEP backend and its fake against the real DeepEP wheel (signatures, return arities,
+# handle layout, Config hints), without a GPU: builds a CUDA-torch venv OUTSIDE the repository
+# (DEEPEP_VENV, default /tmp/deepep-venv, ~5.5 GB, once) and runs the `deepep`-marked tests.
+deepep-conformance:
+	bash scripts/deepep_conformance.sh
+
+# The first hardware run of the DeepEP backend (NOT YET RUN): on every node of a >= 2 x 8 GPU rail
+# cluster, NNODES=.. NODE_RANK=.. MASTER_ADDR=.. make deepep-hardware-check (docs/deepep.md).
+deepep-hardware-check:
+	bash scripts/deepep_hardware_check.sh
 
 # Each compiled op against its pure-torch reference and a plain copy, GLM-4.5-Air sizes, one thread.
 ops-bench: $(EXT_STAMP)

@@ -19,6 +19,7 @@ __all__ = ["RailWaveConfig", "load_config"]
 
 PathName = Literal["auto", "native", "rail", "perm", "joint"]
 _PATH_NAMES = "auto, native, rail, perm, joint"
+BackendName = Literal["torch", "deepep", "auto"]
 
 
 def _is_int(value: Any) -> bool:
@@ -87,6 +88,16 @@ class RailWaveConfig:
     """Record routing traces for replay here."""
     capture_interval: int = 100
     """... every this many steps."""
+    backend: BackendName = "torch"
+    """Execution backend: 'torch' (torch.distributed point-to-point; any layout), 'deepep'
+    (DeepEP's internode dispatch / combine: 8 GPUs per node, 2..20 nodes, bf16; not yet run on
+    hardware, docs/deepep.md) or 'auto' (deepep when it imports on every rank, the job runs on
+    NCCL and the layout meets DeepEP's limits; else torch)."""
+    deepep_buffer: Literal["real", "fake"] = "real"
+    """'real': the deep_ep wheel (tokenspeed-deepep); 'fake': its CPU stand-in on gloo (tests;
+    only with backend 'deepep')."""
+    deepep_num_sms: int = 20
+    """SMs of DeepEP's normal kernels (an even number; DeepEP's default 20)."""
 
     def __post_init__(self) -> None:
         # Every field is checked here, on every rank, before the first collective: a bad value
@@ -149,6 +160,20 @@ class RailWaveConfig:
         if self.timeout_s is not None:
             _check_number("timeout_s", self.timeout_s, low=0.0, inclusive=False,
                           unit="seconds; null = the process group's timeout")
+        self._check_backend()
+
+    def _check_backend(self) -> None:
+        if self.backend not in ("torch", "deepep", "auto"):
+            raise ValueError(f"backend={self.backend!r} must be 'torch', 'deepep' or 'auto'")
+        if self.deepep_buffer not in ("real", "fake"):
+            raise ValueError(f"deepep_buffer={self.deepep_buffer!r} must be 'real' (the deep_ep wheel) or 'fake' "
+                             "(its CPU stand-in for gloo tests)")
+        if self.deepep_buffer == "fake" and self.backend != "deepep":
+            raise ValueError(f"deepep_buffer 'fake' needs backend: deepep (got backend {self.backend!r}); "
+                             "'auto' only ever picks the real DeepEP")
+        if not _is_int(self.deepep_num_sms) or self.deepep_num_sms < 2 or self.deepep_num_sms % 2:
+            raise ValueError(f"deepep_num_sms={self.deepep_num_sms!r} must be an even integer >= 2 (DeepEP runs "
+                             "two SMs per channel; its default is 20)")
 
     def _check_cluster(self) -> None:
         if self.cluster is None:

@@ -46,8 +46,8 @@ from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 
 from .capture import TraceMeta, TraceRecorder
 from .config import RailWaveConfig
-from .exchange import (DispatchOutput, TorchDistExchange, build_rail_groups, check_fingerprints, gather_rank_facts,
-                       place_ranks)
+from .exchange import (DispatchOutput, TorchDistExchange, build_exchange, build_rail_groups, check_fingerprints,
+                       gather_rank_facts, place_ranks)
 from .planner import Path
 from .selector import FixedSelector, PathSelector, selector_from_config
 from .stats import LayerCommStats, Stopwatch, demand_stats, layer_comm_stats
@@ -102,6 +102,15 @@ def check_supported(config: Any) -> None:
             "moe_token_dispatcher_type='railwave' does not support: " + "; ".join(problems)
             + ". Change these options or use the 'alltoall' dispatcher."
         )
+
+
+def _hidden_dtype(config: Any) -> torch.dtype:
+    """The dtype of the hidden states Megatron hands the dispatcher (sizes DeepEP's buffer)."""
+    if getattr(config, "bf16", False):
+        return torch.bfloat16
+    if getattr(config, "fp16", False):
+        return torch.float16
+    return getattr(config, "params_dtype", None) or torch.float32
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -190,8 +199,11 @@ class RailWaveTokenDispatcher(MoETokenDispatcher):
         options = self.railwave.plan_options(self.topology)
         groups = build_rail_groups(self.ep_group, self.topology, timeout_s=self.railwave.timeout_s,
                                    placement=self.placement)
-        self._exchange = TorchDistExchange(self.topology, groups, num_experts=self.num_experts, options=options,
-                                           timeout_s=self.railwave.timeout_s)
+        self._exchange = build_exchange(
+            self.topology, groups, backend=self.railwave.backend, num_experts=self.num_experts,
+            topk=int(config.moe_router_topk), hidden_size=int(config.hidden_size), hidden_dtype=_hidden_dtype(config),
+            deepep_buffer=self.railwave.deepep_buffer, deepep_num_sms=self.railwave.deepep_num_sms, options=options,
+            timeout_s=self.railwave.timeout_s)
         self._columns: dict[torch.device, torch.Tensor] = {}
         self._train_forwards = 0
         self._step: int | None = None

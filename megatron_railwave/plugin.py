@@ -258,6 +258,8 @@ def add_railwave_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                        help="Record a trace every this many steps.")
     group.add_argument("--railwave-no-metrics", action="store_true", default=None,
                        help="Do not report railwave_* scalars through Megatron's MoE metrics tracker.")
+    group.add_argument("--railwave-backend", type=str, default=None, choices=["torch", "deepep", "auto"],
+                       help="Execution backend; overrides the config file's 'backend' (docs/deepep.md).")
     return parser
 
 
@@ -267,7 +269,8 @@ def config_from_args(args: argparse.Namespace) -> RailWaveConfig:
     for flag, key in (("railwave_path", "path"), ("railwave_log_dir", "log_dir"),
                       ("railwave_log_mode", "log_mode"),
                       ("railwave_capture_dir", "capture_dir"),
-                      ("railwave_capture_interval", "capture_interval")):
+                      ("railwave_capture_interval", "capture_interval"),
+                      ("railwave_backend", "backend")):
         value = getattr(args, flag, None)
         if value is not None:
             base[key] = value

@@ -1,9 +1,13 @@
 """Execution of path plans: rank programs that follow the ``ExecutionSchedule``, driven over
 torch.distributed (``TorchDistExchange``) or in one process (``VirtualCluster``).
 
-Only the torch.distributed backend exists; it has run on gloo (CPU) only.
+Two backends: the torch.distributed one (``TorchDistExchange``; run on gloo, CPU, only) and
+DeepEP's internode dispatch / combine (``DeepEPExchange``; run only against the CPU fake of
+``deepep_fake``, not yet on hardware). ``build_exchange`` picks one (backend torch | deepep | auto).
 """
 
+from .backend import build_exchange
+from .deepep import DeepEPExchange
 from .groups import RankGroups, build_rail_groups, rank_groups, survey_unresponsive, virtual_rank_groups
 from .placement import (ConfigMismatchError, Placement, PlacementError, RankFacts, check_fingerprints,
                         gather_rank_facts, identity_placement, place_ranks)
@@ -14,6 +18,8 @@ from .transport import ExchangeError, ExchangeTimeoutError, TorchDistTransport, 
 from .virtual import PhaseEvent, VirtualCluster
 
 __all__ = [
+    "build_exchange",
+    "DeepEPExchange",
     "RankGroups",
     "build_rail_groups",
     "rank_groups",

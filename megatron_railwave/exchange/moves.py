@@ -13,6 +13,8 @@ is exactly what runs.
 * ``backward_moves`` (combine direction): copies -> owner rows; where dispatch fanned a record
   out to several GPUs, the arrival GPU sums the returned copies in local-GPU order
   (``ops.segment_sum``, fixed order), so every path gives bitwise-identical sums.
+* ``relay_forward`` / ``relay_backward``: the relay phase alone (owner -> proxy and back), for a
+  backend that moves the rest itself (``exchange.deepep``).
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ from .groups import RankGroups
 from .layout import LayerLayout
 from .transport import Post, Program, Wait
 
-__all__ = ["forward_moves", "backward_moves", "as_row_bytes", "part_view", "unpack_views"]
+__all__ = ["forward_moves", "backward_moves", "relay_forward", "relay_backward", "as_row_bytes", "part_view",
+           "unpack_views"]
 
 
 def _copy_slices(copies: torch.Tensor, view: RankView, schedule: ExecutionSchedule) -> dict[tuple[int, int], torch.Tensor]:
@@ -88,6 +91,66 @@ def _post(phase: Phase, groups: RankGroups, sends: list, recvs: list) -> Post:
     return Post(tag=phase.index, stage=phase.name, group=group, sends=sends, recvs=recvs)
 
 
+def _relay_out(phase: Phase, groups: RankGroups, owner_rows: list[torch.Tensor],
+               pool_rows: list[torch.Tensor]) -> Post:
+    """The relay phase: owner rows of category l != me go to GPU l; the kept rows (category me)
+    are copied to the first pool block; pool block b >= 1 receives from the b-th other owner.
+    No pool blocks (nothing relayed in): only the sends."""
+    g, me = len(owner_rows) - 1, groups.local  # owner categories: egress GPUs 0..G-1, then local
+    sends = [owner_rows[l] if l != me else None for l in range(g)]
+    recvs: list = [None] * g
+    if pool_rows:
+        pool_rows[0].copy_(owner_rows[me])  # kept records leave on this GPU's own rail
+        for block, owner in enumerate([o for o in range(g) if o != me], start=1):
+            recvs[owner] = pool_rows[block]
+    return _post(phase, groups, sends, recvs)
+
+
+def _relay_back(phase: Phase, groups: RankGroups, pool_rows: list[torch.Tensor],
+                out_rows: list[torch.Tensor]) -> Post:
+    """The mirror of ``_relay_out``: pool blocks return to their owners' egress categories."""
+    g, me = len(pool_rows), groups.local
+    out_rows[me].copy_(pool_rows[0])
+    sends: list = [None] * g
+    for block, owner in enumerate([o for o in range(g) if o != me], start=1):
+        sends[owner] = pool_rows[block]
+    recvs = [out_rows[l] if l != me else None for l in range(g)]
+    return _post(phase, groups, sends, recvs)
+
+
+def relay_forward(rows: torch.Tensor, *, layout: LayerLayout, schedule: ExecutionSchedule,
+                  groups: RankGroups) -> Program:
+    """The dispatch relay phase alone (owner -> proxy inside the node).
+
+    Args:
+        rows: [n_rec, b] uint8, this rank's records in owner order (``layout.owner_order``).
+
+    Returns (as the program's result):
+        [n_pool, b] uint8 pool: the kept records, then those relayed by each other owner in
+        owner order (``layout.pool_counts``).
+    """
+    owner_rows = list(rows.split(layout.category_counts))
+    pool = rows.new_empty((sum(layout.pool_counts), rows.shape[1]))
+    ticket = yield _relay_out(schedule.phase("dispatch", PhaseKind.RELAY), groups, owner_rows,
+                              list(pool.split(layout.pool_counts)))
+    yield Wait(ticket=ticket)
+    return pool
+
+
+def relay_backward(pool: torch.Tensor, out: torch.Tensor, *, layout: LayerLayout, schedule: ExecutionSchedule,
+                   groups: RankGroups) -> Program:
+    """The combine relay phase alone: pool rows back to their owners.
+
+    Args:
+        pool: [n_pool, b] uint8 in ``relay_forward``'s pool order.
+        out: [n_rec, b] uint8 in owner order; its egress categories (0..G-1) are written here,
+            the local-node category is left as it is.
+    """
+    ticket = yield _relay_back(schedule.phase("combine", PhaseKind.RELAY), groups,
+                               list(pool.split(layout.pool_counts)), list(out.split(layout.category_counts)))
+    yield Wait(ticket=ticket)
+
+
 def forward_moves(rows: torch.Tensor, *, layout: LayerLayout, view: RankView, schedule: ExecutionSchedule,
                   groups: RankGroups) -> Program:
     """Dispatch-direction program.
@@ -100,9 +163,9 @@ def forward_moves(rows: torch.Tensor, *, layout: LayerLayout, view: RankView, sc
     """
     g, me = schedule.plan.topology.gpus_per_node, view.local
     owner_rows = list(rows.split(layout.category_counts))
+    # Without records relayed in, the kept rows are the egress rows already: no pool, no copy.
     pool = rows.new_empty((0 if layout.egress_is_kept else sum(layout.pool_counts), rows.shape[1]))
-    pool_rows = list(pool.split(layout.pool_counts)) if pool.shape[0] else []
-    other_owners = [o for o in range(g) if o != me]
+    pool_rows = [] if layout.egress_is_kept else list(pool.split(layout.pool_counts))
     copies = rows.new_empty((layout.num_copies, rows.shape[1]))
     copy_rows = _copy_slices(copies, view, schedule)
     arrivals: dict[int, torch.Tensor] = {0: owner_rows[g]}
@@ -122,13 +185,9 @@ def forward_moves(rows: torch.Tensor, *, layout: LayerLayout, view: RankView, sc
                 yield from finish(dep)
         counts = view.counts(phase)
         if phase.kind == PhaseKind.RELAY:
-            if not layout.egress_is_kept:
-                pool_rows[0].copy_(owner_rows[me])  # kept records leave on this GPU's own rail
-            sends = [owner_rows[l] if l != me else None for l in range(g)]
-            recvs: list = [None] * g
-            for block, owner in enumerate(other_owners if pool_rows else [], start=1):
-                recvs[owner] = pool_rows[block]
-        elif phase.kind == PhaseKind.RAIL:
+            tickets[phase.index] = yield _relay_out(phase, groups, owner_rows, pool_rows)
+            continue
+        if phase.kind == PhaseKind.RAIL:
             sends = [egress_rows[d] if c else None for d, c in enumerate(counts.send_Q)]
             buf = rows.new_empty((sum(counts.recv_Q), rows.shape[1]))
             arrivals[phase.step + 1] = buf
@@ -200,12 +259,8 @@ def backward_moves(rows: torch.Tensor, specs: Sequence[ops.RowSpec], *, layout: 
             recvs = [egress_rows[d] if c else None for d, c in enumerate(counts.recv_Q)]
         else:
             pool = egress if layout.egress_is_kept else _take_rows(egress, layout.egress_inverse)
-            pool_rows = list(pool.split(layout.pool_counts))
-            out_rows[me].copy_(pool_rows[0])
-            sends = [None] * g
-            for block, owner in enumerate([o for o in range(g) if o != me], start=1):
-                sends[owner] = pool_rows[block]
-            recvs = [out_rows[l] if l != me else None for l in range(g)]
+            tickets[phase.index] = yield _relay_back(phase, groups, list(pool.split(layout.pool_counts)), out_rows)
+            continue
         tickets[phase.index] = yield _post(phase, groups, sends, recvs)
     for index in list(tickets):
         yield from finish(index)

@@ -13,6 +13,7 @@ failure names the stage, the group and the unresponsive peers.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -22,7 +23,7 @@ from ..traffic import DemandCounts
 from .groups import RankGroups, survey_unresponsive
 from .layer import (EntryIndex, InputError, LayerDemand, LayerHandle, RankContext, combine_backward, combine_forward,
                     dispatch_backward, dispatch_forward, gather_demand, prepare_layer)
-from .transport import GroupRef, TorchDistTransport, drive
+from .transport import GroupRef, Program, TorchDistTransport, drive
 
 __all__ = ["ExchangeHandle", "DispatchOutput", "TorchDistExchange", "InputError"]
 
@@ -50,51 +51,53 @@ class DispatchOutput:
         tokens: [n_ent, H], hidden dtype, rows contiguous per local expert (ascending).
         tokens_per_expert: [E_loc] int64 on CPU.
         probs: [n_ent], probs dtype, routing probability of each entry.
-        handle: pass back to ``combine``.
+        handle: pass back to ``combine`` (the backend's own handle: ``ExchangeHandle`` for the
+            torch backend, ``exchange.deepep.DeepEPHandle`` for DeepEP).
     """
 
     tokens: torch.Tensor
     tokens_per_expert: torch.Tensor
     probs: torch.Tensor
-    handle: ExchangeHandle
+    handle: Any
 
 
 class _Box:
-    """Carries the entries out of the autograd function (not a tensor)."""
+    """Carries the dispatch handle out of the autograd function (not a tensor)."""
 
-    __slots__ = ("entries",)
+    __slots__ = ("handle",)
 
     def __init__(self) -> None:
-        self.entries: EntryIndex | None = None
+        self.handle: Any = None
 
 
+# The autograd functions of every backend: each direction's backward runs the other direction's
+# program. A backend supplies the four programs (``_dispatch_forward`` ... ``_combine_backward``).
 class _DispatchFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, probs, routing_map, exchange: TorchDistExchange, layer: LayerHandle, box: _Box):  # type: ignore[override]
-        tokens, entry_probs, entries = exchange._run(dispatch_forward(exchange.ctx, layer, hidden, probs, routing_map))
-        box.entries = entries
-        ctx.exchange, ctx.layer, ctx.entries = exchange, layer, entries
+    def forward(ctx, hidden, probs, routing_map, exchange: TorchDistExchange, layer: Any, box: _Box):  # type: ignore[override]
+        tokens, entry_probs, handle = exchange._run(exchange._dispatch_forward(layer, hidden, probs, routing_map))
+        box.handle = handle
+        ctx.exchange, ctx.handle, ctx.probs_dtype = exchange, handle, probs.dtype
         return tokens, entry_probs
 
     @staticmethod
     def backward(ctx, g_tokens, g_probs):  # type: ignore[override]
         ex: TorchDistExchange = ctx.exchange
-        g_hidden, g_probs_TE = ex._run(dispatch_backward(ex.ctx, ctx.layer, ctx.entries, g_tokens.contiguous(),
-                                                         g_probs.contiguous()))
+        g_hidden, g_probs_TE = ex._run(ex._dispatch_backward(ctx.handle, g_tokens.contiguous(), g_probs.contiguous(),
+                                                             ctx.probs_dtype))
         return g_hidden, g_probs_TE, None, None, None, None
 
 
 class _CombineFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, expert_out, exchange: TorchDistExchange, handle: ExchangeHandle):  # type: ignore[override]
+    def forward(ctx, expert_out, exchange: TorchDistExchange, handle: Any):  # type: ignore[override]
         ctx.exchange, ctx.handle = exchange, handle
-        return exchange._run(combine_forward(exchange.ctx, handle.layer, handle.entries, expert_out))
+        return exchange._run(exchange._combine_forward(handle, expert_out))
 
     @staticmethod
     def backward(ctx, g_out):  # type: ignore[override]
         ex: TorchDistExchange = ctx.exchange
-        handle: ExchangeHandle = ctx.handle
-        return ex._run(combine_backward(ex.ctx, handle.layer, handle.entries, g_out.contiguous())), None, None
+        return ex._run(ex._combine_backward(ctx.handle, g_out.contiguous())), None, None
 
 
 class TorchDistExchange:
@@ -174,9 +177,25 @@ class TorchDistExchange:
         box = _Box()
         tokens, entry_probs = _DispatchFn.apply(hidden, probs, routing_map, self, handle, box)
         return DispatchOutput(tokens=tokens, tokens_per_expert=handle.tokens_per_expert, probs=entry_probs,
-                              handle=ExchangeHandle(layer=handle, entries=box.entries))
+                              handle=box.handle)
 
     def combine(self, expert_out: torch.Tensor, handle: ExchangeHandle) -> torch.Tensor:
         """Expert outputs [n_ent, H] (rows as ``DispatchOutput.tokens``) -> [T, H], summed over a
         token's experts in the canonical order. Host sync: no."""
         return _CombineFn.apply(expert_out, self, handle)
+
+    # ------------------------------------------------------------------ the four programs
+    def _dispatch_forward(self, layer: LayerHandle, hidden: torch.Tensor, probs: torch.Tensor,
+                          routing_map: torch.Tensor) -> Program:
+        tokens, entry_probs, entries = yield from dispatch_forward(self.ctx, layer, hidden, probs, routing_map)
+        return tokens, entry_probs, ExchangeHandle(layer=layer, entries=entries)
+
+    def _dispatch_backward(self, handle: ExchangeHandle, g_tokens: torch.Tensor, g_probs: torch.Tensor,
+                           probs_dtype: torch.dtype) -> Program:
+        return (yield from dispatch_backward(self.ctx, handle.layer, handle.entries, g_tokens, g_probs))
+
+    def _combine_forward(self, handle: ExchangeHandle, expert_out: torch.Tensor) -> Program:
+        return (yield from combine_forward(self.ctx, handle.layer, handle.entries, expert_out))
+
+    def _combine_backward(self, handle: ExchangeHandle, g_out: torch.Tensor) -> Program:
+        return (yield from combine_backward(self.ctx, handle.layer, handle.entries, g_out))

@@ -1,0 +1,106 @@
+"""Which execution backend runs a layer: the torch.distributed one or DeepEP; one construction point.
+
+``build_exchange`` is what the dispatcher calls. ``backend``:
+
+* 'torch': ``TorchDistExchange`` (point-to-point phases of the ``ExecutionSchedule``; any layout).
+* 'deepep': ``DeepEPExchange`` over ``deep_ep.Buffer`` (``deepep_buffer`` 'real') or the CPU fake
+  ('fake'); a layout DeepEP cannot run raises ``ValueError`` on every rank before any
+  communication, a rank where DeepEP does not import makes every rank raise ``ImportError``.
+* 'auto': 'deepep' when the job runs on GPUs (NCCL), ``deep_ep`` imports on every EP rank and the
+  layout meets DeepEP's limits; else 'torch'. The choice is agreed on the EP group (one small
+  all-gather), so every rank takes the same backend.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+
+from ..planner import PlanOptions
+from ..topology import RailTopology
+from .deepep_api import REAL_LIMITS, check_deepep_layout, deep_ep_importable, deepep_layout_problems, load_deep_ep
+from .groups import RankGroups
+from .torch_dist import TorchDistExchange
+
+__all__ = ["build_exchange", "BackendName"]
+
+BackendName = Literal["torch", "deepep", "auto"]
+_LOG = logging.getLogger("megatron_railwave.exchange")
+_LOGGED: set[str] = set()  # 'auto' decisions already logged in this process (one per layer otherwise)
+
+
+def _ranks_failing(groups: RankGroups, ok: bool) -> list[int]:
+    """EP ranks for which ``ok`` is False (collective on the EP group; one all-gather)."""
+    handle = groups.ep.handle
+    if handle is None or not dist.is_initialized():
+        return [] if ok else [groups.ep_rank]
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(handle) == "nccl" else "cpu"
+    flags = torch.zeros(len(groups.ep.ranks), dtype=torch.int32, device=device)
+    dist.all_gather_into_tensor(flags, torch.tensor([int(ok)], dtype=torch.int32, device=device), group=handle)
+    return [r for r, f in enumerate(flags.tolist()) if not f]
+
+
+def build_exchange(topo: RailTopology, groups: RankGroups, *, backend: BackendName, num_experts: int, topk: int,
+                   hidden_size: int, hidden_dtype: torch.dtype, deepep_buffer: Literal["real", "fake"] = "real",
+                   deepep_num_sms: int = 20, options: PlanOptions | None = None,
+                   timeout_s: float | None = None) -> TorchDistExchange:
+    """The exchange of one MoE layer's EP group (see module docstring).
+
+    Collective: yes (the EP group: the backend agreement for 'deepep' / 'auto', DeepEP's Buffer).
+
+    Raises:
+        ValueError: 'deepep' and the layout breaks a DeepEP limit (every rank, no communication).
+        ImportError: 'deepep' and ``deep_ep`` does not import on some rank (every rank raises).
+    """
+    common = dict(num_experts=num_experts, options=options, timeout_s=timeout_s)
+    if backend == "torch":
+        return TorchDistExchange(topo, groups, **common)
+    if backend not in ("deepep", "auto"):
+        raise ValueError(f"backend={backend!r} must be 'torch', 'deepep' or 'auto'")
+    from .deepep import DeepEPExchange
+
+    limits = dict(hidden_size=hidden_size, hidden_dtype=hidden_dtype, topk=topk, num_experts=num_experts)
+    if backend == "deepep":
+        api = error = None
+        try:
+            api = load_deep_ep(deepep_buffer, gpus_per_node=topo.gpus_per_node)
+        except ImportError as exc:
+            error = exc
+        if api is not None:  # limits are the same on every rank: raise before any communication
+            check_deepep_layout(topo, api, **limits)
+        failing = _ranks_failing(groups, api is not None)
+        if error is not None:
+            raise error
+        if failing:
+            raise ImportError(f"backend 'deepep': DeepEP does not import on EP rank(s) {failing} (see their errors); "
+                              "install it on every node, or set backend: torch")
+        return DeepEPExchange(topo, groups, topk=topk, hidden_size=hidden_size, hidden_dtype=hidden_dtype, api=api,
+                              num_sms=deepep_num_sms, **common)
+    # auto: real DeepEP only (the fake is for tests and is never picked by itself).
+    reason = ""
+    on_gpu = groups.ep.handle is not None and dist.get_backend(groups.ep.handle) == "nccl"
+    if not on_gpu:
+        reason = "the EP group is not on NCCL (CPU job)"
+    else:
+        importable, why = deep_ep_importable()
+        if not importable:
+            reason = f"deep_ep does not import ({why})"
+        else:
+            problems = deepep_layout_problems(topo, REAL_LIMITS, **limits)
+            reason = "; ".join(problems)
+    failing = _ranks_failing(groups, not reason) if on_gpu else [groups.ep_rank]
+    if failing and not reason:
+        reason = f"DeepEP is not usable on EP rank(s) {failing}"
+    chosen = "torch" if reason else "deepep"
+    message = f"railwave backend 'auto' -> {chosen}" + (f" ({reason})" if reason else "")
+    if groups.ep_rank == 0 and message not in _LOGGED:
+        _LOGGED.add(message)
+        _LOG.info(message)
+    if reason:
+        return TorchDistExchange(topo, groups, **common)
+    return DeepEPExchange(topo, groups, topk=topk, hidden_size=hidden_size, hidden_dtype=hidden_dtype,
+                          api=load_deep_ep("real", gpus_per_node=REAL_LIMITS.nvl_peers), num_sms=deepep_num_sms,
+                          **common)
