@@ -313,7 +313,7 @@ class RailWaveTokenDispatcher(MoETokenDispatcher):
         if state.wants_stats:
             state.stats = layer_comm_stats(layer=self.layer_number or 0, step=call.step, plan=plan,
                                            demand_descr=descr, record_bytes=record_bytes, plan_ms=plan_ms,
-                                           wire_row_bytes=handle.wire.dispatch_bytes,
+                                           wire_row_bytes=handle.dispatch_row_bytes,
                                            tokens_per_expert_E=layer.expert_load_E, microbatch=call.microbatch,
                                            pass_kind=str(call.kind))
         out = exchange.dispatch(hidden_states, probs, routing_map, handle)

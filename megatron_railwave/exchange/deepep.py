@@ -78,6 +78,11 @@ class DeepEPLayer:
     def tokens_per_expert(self) -> torch.Tensor:
         return self.layer.tokens_per_expert
 
+    @property
+    def dispatch_row_bytes(self) -> int:
+        """Bytes of one row of DeepEP's dispatch input (payload and record meta)."""
+        return dispatch_row_bytes(self.layer.wire.hidden, self.layer.wire.payload_dtype)
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class DeepEPHandle:

@@ -134,6 +134,11 @@ class LayerHandle:
     def wire(self) -> RecordWireFormat:
         return self.schedule.wire
 
+    @property
+    def dispatch_row_bytes(self) -> int:
+        """Bytes of one dispatched record row (what the statistics count per record)."""
+        return self.schedule.wire.dispatch_bytes
+
 
 def input_status(ctx: RankContext, hidden: torch.Tensor, probs: torch.Tensor,
                  routing_map: torch.Tensor) -> tuple[int, str]:
