@@ -20,7 +20,7 @@ is exactly what runs.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -151,6 +151,22 @@ def relay_backward(pool: torch.Tensor, out: torch.Tensor, *, layout: LayerLayout
     yield Wait(ticket=ticket)
 
 
+def _execute(phases: tuple[Phase, ...], start: Callable[[Phase], Post], complete: Callable[[Phase], None]) -> Program:
+    """The schedule's executor: post each phase (``start``) once every phase in its ``depends_on``
+    has completed (``complete`` consumes its result), then wait for the rest in order."""
+    tickets: dict[int, object] = {}
+    by_index = {p.index: p for p in phases}
+    for phase in phases:
+        for dep in phase.depends_on:
+            if dep in tickets:
+                yield Wait(ticket=tickets.pop(dep))
+                complete(by_index[dep])
+        tickets[phase.index] = yield start(phase)
+    for index in list(tickets):
+        yield Wait(ticket=tickets.pop(index))
+        complete(by_index[index])
+
+
 def forward_moves(rows: torch.Tensor, *, layout: LayerLayout, view: RankView, schedule: ExecutionSchedule,
                   groups: RankGroups) -> Program:
     """Dispatch-direction program.
@@ -170,37 +186,29 @@ def forward_moves(rows: torch.Tensor, *, layout: LayerLayout, view: RankView, sc
     copy_rows = _copy_slices(copies, view, schedule)
     arrivals: dict[int, torch.Tensor] = {0: owner_rows[g]}
     egress_rows: list[torch.Tensor] = []
-    tickets: dict[int, object] = {}
 
-    def finish(index: int) -> Program:
-        yield Wait(ticket=tickets.pop(index))
-        if schedule.phases[index].kind == PhaseKind.RELAY:
+    def start(phase: Phase) -> Post:
+        counts = view.counts(phase)
+        if phase.kind == PhaseKind.RELAY:
+            return _relay_out(phase, groups, owner_rows, pool_rows)
+        if phase.kind == PhaseKind.RAIL:
+            buf = rows.new_empty((sum(counts.recv_Q), rows.shape[1]))
+            arrivals[phase.step + 1] = buf
+            return _post(phase, groups, [egress_rows[d] if c else None for d, c in enumerate(counts.send_Q)],
+                         list(buf.split(counts.recv_Q)))
+        rnd = phase.step
+        delivered = _take_rows(arrivals.pop(rnd), layout.deliver_index[rnd]).split(counts.send_Q)
+        copy_rows[(rnd, me)].copy_(delivered[me])
+        return _post(phase, groups, [delivered[j] if j != me else None for j in range(g)],
+                     [copy_rows[(rnd, l)] if l != me else None for l in range(g)])
+
+    def complete(phase: Phase) -> None:
+        if phase.kind == PhaseKind.RELAY:
             # Without relayed records the kept rows are already in egress order (node ascending).
             egress = owner_rows[me] if layout.egress_is_kept else _take_rows(pool, layout.egress_perm)
             egress_rows.extend(egress.split(view.egress_N))
 
-    for phase in schedule.dispatch_phases():
-        for dep in phase.depends_on:
-            if dep in tickets:
-                yield from finish(dep)
-        counts = view.counts(phase)
-        if phase.kind == PhaseKind.RELAY:
-            tickets[phase.index] = yield _relay_out(phase, groups, owner_rows, pool_rows)
-            continue
-        if phase.kind == PhaseKind.RAIL:
-            sends = [egress_rows[d] if c else None for d, c in enumerate(counts.send_Q)]
-            buf = rows.new_empty((sum(counts.recv_Q), rows.shape[1]))
-            arrivals[phase.step + 1] = buf
-            recvs = list(buf.split(counts.recv_Q))
-        else:
-            rnd = phase.step
-            delivered = _take_rows(arrivals.pop(rnd), layout.deliver_index[rnd]).split(counts.send_Q)
-            copy_rows[(rnd, me)].copy_(delivered[me])
-            sends = [delivered[j] if j != me else None for j in range(g)]
-            recvs = [copy_rows[(rnd, l)] if l != me else None for l in range(g)]
-        tickets[phase.index] = yield _post(phase, groups, sends, recvs)
-    for index in list(tickets):
-        yield from finish(index)
+    yield from _execute(schedule.dispatch_phases(), start, complete)
     return copies
 
 
@@ -232,19 +240,8 @@ def backward_moves(rows: torch.Tensor, specs: Sequence[ops.RowSpec], *, layout: 
     egress_rows = list(egress.split(view.egress_N))
     returned: dict[int, torch.Tensor] = {}
     reduced: dict[int, torch.Tensor] = {}
-    tickets: dict[int, object] = {}
 
-    def finish(index: int) -> Program:
-        yield Wait(ticket=tickets.pop(index))
-        phase = schedule.phases[index]
-        if phase.kind == PhaseKind.DELIVER:
-            rnd = phase.step
-            reduced[rnd] = _reduce_rows(returned.pop(rnd), layout.deliver_index[rnd], layout.arrivals[rnd], specs, g)
-
-    for phase in schedule.combine_phases():
-        for dep in phase.depends_on:
-            if dep in tickets:
-                yield from finish(dep)
+    def start(phase: Phase) -> Post:
         counts = view.counts(phase)
         if phase.kind == PhaseKind.DELIVER:
             rnd = phase.step
@@ -252,17 +249,19 @@ def backward_moves(rows: torch.Tensor, specs: Sequence[ops.RowSpec], *, layout: 
             returned[rnd] = buf
             back = list(buf.split(counts.recv_Q))
             back[me].copy_(copy_rows[(rnd, me)])
-            sends = [copy_rows[(rnd, l)] if l != me else None for l in range(g)]
-            recvs = [back[j] if j != me else None for j in range(g)]
-        elif phase.kind == PhaseKind.RAIL:
-            sends = list(reduced.pop(phase.step + 1).split(counts.send_Q))
-            recvs = [egress_rows[d] if c else None for d, c in enumerate(counts.recv_Q)]
-        else:
-            pool = egress if layout.egress_is_kept else _take_rows(egress, layout.egress_inverse)
-            tickets[phase.index] = yield _relay_back(phase, groups, list(pool.split(layout.pool_counts)), out_rows)
-            continue
-        tickets[phase.index] = yield _post(phase, groups, sends, recvs)
-    for index in list(tickets):
-        yield from finish(index)
+            return _post(phase, groups, [copy_rows[(rnd, l)] if l != me else None for l in range(g)],
+                         [back[j] if j != me else None for j in range(g)])
+        if phase.kind == PhaseKind.RAIL:
+            return _post(phase, groups, list(reduced.pop(phase.step + 1).split(counts.send_Q)),
+                         [egress_rows[d] if c else None for d, c in enumerate(counts.recv_Q)])
+        pool = egress if layout.egress_is_kept else _take_rows(egress, layout.egress_inverse)
+        return _relay_back(phase, groups, list(pool.split(layout.pool_counts)), out_rows)
+
+    def complete(phase: Phase) -> None:
+        if phase.kind == PhaseKind.DELIVER:
+            rnd = phase.step
+            reduced[rnd] = _reduce_rows(returned.pop(rnd), layout.deliver_index[rnd], layout.arrivals[rnd], specs, g)
+
+    yield from _execute(schedule.combine_phases(), start, complete)
     out_rows[g].copy_(reduced.pop(0))  # round 0: the local node's records, summed here
     return out
