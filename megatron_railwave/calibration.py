@@ -375,7 +375,7 @@ def _variants(name: str, demand: Any, topo: RailTopology, *, arrangements: Seque
         windows = None
         arranged = demand
         if arr != "none":
-            from .replay import arrange
+            from .workloads import arrange
 
             arranged, windows = arrange(demand, arr, topo)
         base = arranged.records_NGN()
@@ -393,7 +393,7 @@ def synthetic_requests(topo: RailTopology, *, families: Sequence[int], payload_s
     locality and hot-expert ratio, so rho_g varies), under each arrangement at every payload scale
     (counts x scale).
     """
-    from .replay import synthetic_routing_maps
+    from .workloads import synthetic_routing_maps
     from .traffic import DemandCounts
 
     num_experts = num_experts or _default_experts(topo)
@@ -414,7 +414,7 @@ def glm_requests(topo: RailTopology, *, layers: Sequence[int] | None, step: int,
                  payload_scales: Sequence[float], record_bytes: int, tokens: int = 1024,
                  arrangements: Sequence[str] = ("none",)) -> list[ReplayRequest]:
     """Requests from the synthetic GLM-4.5-Air routing (``replay.glm``): layers at one step."""
-    from .replay import GlmAirWorkload, glm_air_demands
+    from .workloads import GlmAirWorkload, glm_air_demands
 
     work = GlmAirWorkload(num_tokens=tokens, seed=seed, step=step,
                           layers=tuple(layers) if layers else None)

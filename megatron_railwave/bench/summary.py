@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from ..planner import PlanOptions, build_plan
-from ..replay import synthetic_routing_maps
+from ..workloads import synthetic_routing_maps
 from ..schedule import RecordWireFormat, compile_schedule
 from ..traffic import DemandCounts
 from .exchange_bench import ALLTOALL, BenchSpec, bench_worker

@@ -5,7 +5,7 @@ Letters: W ranks (N nodes x G GPUs), T tokens of one rank, K top-k, E experts.
 This is part of the runtime (``RailWaveConfig.capture_dir``): ``recorder.TraceRecorder`` writes
 every rank's routing of a captured step, ``trace`` defines the versioned on-disk format and
 reads it back, ``routing`` converts between routing maps, top-k ids and demand counts. The replay
-tools (``megatron_railwave.replay``) read traces through this package.
+tools (``megatron_railwave.workloads``) read traces through this package.
 """
 
 from .recorder import TraceRecorder, merge_captures, step_dir

@@ -105,7 +105,7 @@ def sparse_demand_from_topk_ids(ids_WTK: np.ndarray, topo: Any, num_experts: int
 
 
 def _model_spec(topo: Any) -> Any:
-    from ..replay import GLM45_AIR
+    from ..workloads import GLM45_AIR
 
     world = topo.world_size
     if GLM45_AIR.num_experts % world == 0:
@@ -116,7 +116,7 @@ def _model_spec(topo: Any) -> Any:
 
 def layer_demands(topo: Any, *, layer: int, step: int, tokens: int, seed: int) -> Any:
     """One layer's demand: `DemandCounts` when small enough, else `SparseDemand`."""
-    from ..replay import GlmAirWorkload, demand_from_topk_ids, glm_air_layer_ids
+    from ..workloads import GlmAirWorkload, demand_from_topk_ids, glm_air_layer_ids
 
     spec = _model_spec(topo)
     work = GlmAirWorkload(num_tokens=tokens, seed=seed, step=step, model=spec, layers=(layer,))
@@ -275,7 +275,7 @@ def run(args: argparse.Namespace) -> int:
     from ..netmodel import NetModelConfig, execute_plan, load_netmodel_config
     from ..netmodel.calibrate import scaled_demand
     from ..planner import PlanOptions
-    from ..replay import GLM45_AIR, arrange
+    from ..workloads import GLM45_AIR, arrange
 
     topo = _common.cluster_from_args(args)
     model = load_netmodel_config(args.model) if args.model else NetModelConfig()

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from ..planner import Path, PlanOptions
-from ..replay import synthetic_routing_maps
+from ..workloads import synthetic_routing_maps
 from ..topology import RailTopology
 from ..bench.planning import time_rank_planning
 from ..traffic import DemandCounts

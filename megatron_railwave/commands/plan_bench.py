@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from ..planner import PlanOptions
-from ..replay import synthetic_routing_maps
+from ..workloads import synthetic_routing_maps
 from ..topology import RailTopology
 from ..bench.planning import time_rank_planning
 from ..traffic import DemandCounts, local_demand

@@ -87,7 +87,7 @@ def scaled_demand(demand: DemandCounts, scale: float) -> DemandCounts:
 def arranged_layers(topo: RailTopology, pattern: str, *, tokens: int, seed: int = 0, step: int = 0,
                     layers: Sequence[int] | None = None) -> dict[int, tuple[DemandCounts, WaveSchedule]]:
     """The synthetic GLM-4.5-Air layers arranged into ``pattern``'s windows."""
-    from ..replay import GlmAirWorkload, arrange, glm_air_demands
+    from ..workloads import GlmAirWorkload, arrange, glm_air_demands
 
     work = GlmAirWorkload(num_tokens=tokens, seed=seed, step=step, layers=tuple(layers) if layers else None)
     return {layer: arrange(demand, pattern, topo) for layer, demand in glm_air_demands(topo, work).items()}

@@ -32,7 +32,7 @@ import torch
 from megatron_railwave.bench.wire_bytes import railwave_record_bytes
 from megatron_railwave.schedule import RecordWireFormat
 from megatron_railwave.planner import PlanOptions, build_plan, parse_path, schedule_from_windows
-from megatron_railwave.replay import (GLM45_AIR, GlmAirWorkload, Pattern, arrange_topk_ids, demand_from_topk_ids,
+from megatron_railwave.workloads import (GLM45_AIR, GlmAirWorkload, Pattern, arrange_topk_ids, demand_from_topk_ids,
                                       glm_air_layer_ids, window_peaks)
 from megatron_railwave.stats import demand_stats
 from megatron_railwave.testbed.launch import run_workers

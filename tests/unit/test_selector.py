@@ -15,7 +15,7 @@ from megatron_railwave import selector as selector_mod
 from megatron_railwave.anchors import Anchor, AnchorSet, CalibrationContext, PathLatency, save_anchors
 from megatron_railwave.config import RailWaveConfig
 from megatron_railwave.planner import Path
-from megatron_railwave.replay import synthetic_routing_maps
+from megatron_railwave.workloads import synthetic_routing_maps
 from megatron_railwave.selector import AnchorSelector, FixedSelector, selector_from_config
 from megatron_railwave.stats import demand_stats
 from megatron_railwave.topology import RailTopology

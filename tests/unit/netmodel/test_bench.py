@@ -8,7 +8,7 @@ import torch
 
 from megatron_railwave.cli import main
 from megatron_railwave.commands.bench import layer_demands, sparse_demand_from_topk_ids, summarize_samples
-from megatron_railwave.replay import GlmAirWorkload, demand_from_topk_ids, glm_air_layer_ids
+from megatron_railwave.workloads import GlmAirWorkload, demand_from_topk_ids, glm_air_layer_ids
 from megatron_railwave.topology import RailTopology
 
 

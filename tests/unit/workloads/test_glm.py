@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from megatron_railwave.planner import build_plan
-from megatron_railwave.replay import (
+from megatron_railwave.workloads import (
     GLM45_AIR,
     GlmAirWorkload,
     glm_air_demands,

@@ -3,7 +3,7 @@
 import numpy as np
 import torch
 
-from megatron_railwave.replay import sample_topk_ids, synthetic_routing_maps
+from megatron_railwave.workloads import sample_topk_ids, synthetic_routing_maps
 from megatron_railwave.topology import RailTopology
 
 

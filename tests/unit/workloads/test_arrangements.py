@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatron_railwave.planner import PlanOptions, build_plan
-from megatron_railwave.replay import (
+from megatron_railwave.workloads import (
     GlmAirWorkload,
     Pattern,
     arrange,
