@@ -198,10 +198,13 @@ def test_held_out_glm_settings_use_another_seed_and_other_layers():
     assert held["seed"] == 7 and held["tokens"] == [32, 64] and held["arrangements"] == ["none", "ring"]
     assert held["layers"] == [2, 4] + list(range(6, 46))  # every layer calibration did not use
     assert calibration.held_out_settings(GLM_SETTINGS, seed=7, count=2)["layers"] == [2, 4]
-    with pytest.raises(ValueError, match="another GLM seed than calibration's 0"):
+    with pytest.raises(ValueError, match=r"another GLM seed than calibration's \[0\]"):
         calibration.held_out_settings(GLM_SETTINGS, seed=0)
     with pytest.raises(ValueError, match=r"held-out layers \[3\] were calibrated"):
         calibration.held_out_settings(GLM_SETTINGS, seed=7, layers=[2, 3])
+    with pytest.raises(ValueError, match=r"another GLM seed than calibration's \[0, 7\] \(shared: \[7\]\)"):
+        calibration.held_out_settings({**GLM_SETTINGS, "extra_seeds": [7]}, seed=7)
+    assert "extra_seeds" not in calibration.held_out_settings({**GLM_SETTINGS, "extra_seeds": [3]}, seed=7)
     with pytest.raises(ValueError, match="calibration used every GLM-4.5-Air MoE layer"):
         calibration.held_out_settings({**GLM_SETTINGS, "layers": None}, seed=7)
 
