@@ -54,7 +54,7 @@ setup: $(STAMP)
 # RAILWAVE_REQUIRE_EXT=1: the ops tests fail (rather than skip) if the compiled ops did not load.
 test: $(STAMP) $(SIMGRID_STAMP) $(EXT_STAMP) kernels-check
 	$(VENV)/bin/lint-imports
-	RAILWAVE_REQUIRE_EXT=1 $(VPY) -m pytest -q -m "not slow" --timeout=900
+	RAILWAVE_REQUIRE_EXT=1 $(VPY) -m pytest -q -m "not slow" --timeout=900 --durations=15
 
 # The oldest supported Megatron-Core (plugin.SUPPORTED_MEGATRON_CORE) laid over the venv's newest
 # with PYTHONPATH (no second torch): the Megatron integration tests only (~6 min here).
