@@ -417,7 +417,12 @@ def execute_plan(plan: PathPlan, *, record_bytes: int | None = None, model: NetM
         if record_bytes is None:
             raise ValueError("execute_plan needs record_bytes (payload bytes per record) or wire (a RecordWireFormat)")
         wire = model_wire(plan.topology, record_bytes, model)
-    schedule = compile_schedule(plan, wire, demand=demand)
+    # Any MaskSource (DemandCounts, a sparse demand, a test double) answers masks_into for every
+    # node; a node view (view_node set) knows one node only and compiles that one.
+    nodes = None
+    if demand is not None and getattr(demand, "view_node", None) is None:
+        nodes = tuple(range(plan.topology.num_nodes))
+    schedule = compile_schedule(plan, wire, demand=demand, delivery_nodes=nodes)
     return execute_schedule(schedule, model=model)
 
 

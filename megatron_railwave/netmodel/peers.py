@@ -162,7 +162,7 @@ def fast_program(rail_plan: PathPlan, demand, waves: list[np.ndarray], *, record
     local = table(PhaseKind.DELIVER, 0)
     remote_deliv = table(PhaseKind.DELIVER, 1) if rail_plan.num_waves else (np.zeros(0, np.int64),) * 2 + (np.zeros(0),)
     rail = table(PhaseKind.RAIL, 0) if rail_plan.num_waves else (np.zeros(0, np.int64),) * 2 + (np.zeros(0),)
-    pair = np.array(rail_plan.records_NNG.sum(dim=-1), dtype=np.float64)  # [s, d] records
+    pair = rail_plan.records_NNG.sum(dim=-1).numpy().astype(np.float64)  # [s, d] records
     incoming = pair.sum(axis=0) - np.diag(pair)
     share_rail = [np.divide(w, pair, out=np.zeros_like(pair), where=pair > 0) for w in waves]  # [s, d]
     share_deliv = [np.divide(w.sum(axis=0), incoming, out=np.zeros(n), where=incoming > 0) for w in waves]  # [d]
