@@ -5,7 +5,7 @@ VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.railwave-installed
 
 .PHONY: demo test test-all test-mcore-oldest setup clean plan-bench bench bench-exchange testbed-bench gpu-check \
-	simulate-exchange ext kernels-check ops-bench deepep-conformance deepep-hardware-check
+	simulate-exchange workload-fit ext kernels-check ops-bench deepep-conformance deepep-hardware-check
 
 # setup.py ships the opt-in RAILWAVE_AUTO_INSTALL startup hook (megatron_railwave_autoinstall.pth).
 $(STAMP): pyproject.toml setup.py megatron_railwave_autoinstall.pth
@@ -107,6 +107,12 @@ bench: $(STAMP)
 	@mkdir -p out
 	$(VPY) -m megatron_railwave.cli bench --backend netmodel --cluster configs/clusters/h800_4x8.yaml \
 		--workload glm45-air --json out/bench.json --plot out/bench.png
+
+# The synthetic GLM-4.5-Air workload next to the paper's published statistics (docs/workloads.md);
+# WORKLOAD_FIT_ARGS=--refit reruns the fit of its knobs first (minutes).
+workload-fit: $(STAMP)
+	@mkdir -p out
+	$(VPY) -m megatron_railwave.cli workloads fit --json out/workload_fit.json $(WORKLOAD_FIT_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis megatron_railwave/_C*.so

@@ -352,10 +352,6 @@ def validate(backend: MeasureBackend, selector: AnchorSelector, requests: Sequen
 
 
 # ---------------------------------------------------------------------- requests
-def _scaled(records_NGN: torch.Tensor, scale: float) -> torch.Tensor:
-    return torch.round(records_NGN.to(torch.float64) * scale).to(torch.int64)
-
-
 def _default_experts(topo: RailTopology) -> int:
     return topo.world_size * max(1, 128 // topo.world_size)
 
@@ -368,6 +364,8 @@ sends), else the replay's RING / MODERATE / EXTREME windows (``replay.arrange``)
 def _variants(name: str, demand: Any, topo: RailTopology, *, arrangements: Sequence[str],
               payload_scales: Sequence[float], record_bytes: int, meta: dict[str, Any]) -> list[ReplayRequest]:
     """``demand`` under every arrangement at every payload scale."""
+    from .workloads import scaled_demand
+
     out = []
     for arr in arrangements:
         if arr not in ARRANGEMENTS:
@@ -380,7 +378,7 @@ def _variants(name: str, demand: Any, topo: RailTopology, *, arrangements: Seque
             arranged, windows = arrange(demand, arr, topo)
         base = arranged.records_NGN()
         for scale in payload_scales:
-            out.append(ReplayRequest(name=f"{name}-{arr}-x{scale:g}", records_NGN=_scaled(base, scale),
+            out.append(ReplayRequest(name=f"{name}-{arr}-x{scale:g}", records_NGN=scaled_demand(base, scale),
                                      record_bytes=record_bytes, windows=windows,
                                      meta={**meta, "arrangement": arr, "scale": float(scale)}))
     return out
