@@ -5,7 +5,7 @@ VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.railwave-installed
 
 .PHONY: demo test test-all test-mcore-oldest setup clean plan-bench bench bench-exchange testbed-bench gpu-check \
-	simulate-exchange workload-fit ext kernels-check ops-bench deepep-conformance deepep-hardware-check
+	simulate-exchange workload-fit call-costs ext kernels-check ops-bench deepep-conformance deepep-hardware-check
 
 # setup.py ships the opt-in RAILWAVE_AUTO_INSTALL startup hook (megatron_railwave_autoinstall.pth).
 $(STAMP): pyproject.toml setup.py megatron_railwave_autoinstall.pth
@@ -83,6 +83,11 @@ demo: $(STAMP)
 
 bench-exchange: $(STAMP)
 	$(VPY) -m megatron_railwave.cli bench-exchange --json out/bench_exchange.json
+
+# Per-call costs of the exchange on CPU gloo and the virtual cluster (count exchange, per phase,
+# RailBalance planning), the numbers behind the flow model's per-call cost fields (docs/selector.md).
+call-costs: $(STAMP)
+	$(VPY) -m megatron_railwave.cli call-costs --json out/call_costs.json
 
 # The DeepEP backend and its fake against the real DeepEP wheel (signatures, return arities,
 # handle layout, Config hints), without a GPU: builds a CUDA-torch venv OUTSIDE the repository
