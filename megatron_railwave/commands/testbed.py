@@ -83,6 +83,9 @@ def _add_spec_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port-buffer-bytes", type=int, default=32768,
                         help="receiver-facing switch port queue (default 32768 = 8 packets of 4 KiB)")
     parser.add_argument("--rto-min-ms", type=int, default=50, help="TCP minimum RTO on the rails (default 50)")
+    parser.add_argument("--sender-queue-bytes", type=int, default=32768,
+                        help="bytes a TCP socket may queue on its NIC (tcp_limit_output_bytes; default 32768; "
+                             "0 = kernel default 4 MiB)")
     parser.add_argument("--prefix", default="rwb", help="name prefix, 1-4 lowercase chars (default rwb)")
 
 
@@ -91,6 +94,7 @@ def _spec_from_args(args: argparse.Namespace):  # type: ignore[no-untyped-def]
 
     return TestbedSpec(nodes=args.nodes, gpus_per_node=args.gpus_per_node, rail_mbit=args.rail_mbit,
                        mtu=args.mtu, port_buffer_bytes=args.port_buffer_bytes, rto_min_ms=args.rto_min_ms,
+                       sender_queue_bytes=args.sender_queue_bytes or None,
                        prefix=args.prefix)
 
 
