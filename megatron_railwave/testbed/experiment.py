@@ -19,6 +19,7 @@ counters of every rail NIC, read by its own rank before and after each exchange 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import tempfile
 import time
@@ -334,6 +335,7 @@ def run_study(spec: TestbedSpec, cfg: StudyConfig) -> dict[str, Any]:
         "recv_first": cfg.recv_first,
     }
     cores = _cores()
+    load0 = os.getloadavg()
     busy0, tot0 = cpu_snapshot()
     nic0 = nic_counters(spec)
     t0 = time.perf_counter()
@@ -347,6 +349,7 @@ def run_study(spec: TestbedSpec, cfg: StudyConfig) -> dict[str, Any]:
     return {
         "config": asdict(cfg), "testbed": _spec_json(spec), "record_bytes": record_bytes(topo, cfg),
         "run_wall_s": wall, "machine_cpu_busy_fraction": (busy1 - busy0) / max(tot1 - tot0, 1.0),
+        "loadavg_start": load0, "loadavg_end": os.getloadavg(),
         "cores": cores,
         "nic_bytes_check": {"measured_blocks": in_blocks, "whole_run_all_nics": whole_run,
                             "note": "whole run = measured blocks + warm-ups + group set-up"},
@@ -355,8 +358,6 @@ def run_study(spec: TestbedSpec, cfg: StudyConfig) -> dict[str, Any]:
 
 
 def _cores() -> int:
-    import os
-
     return len(os.sched_getaffinity(0))
 
 
