@@ -122,9 +122,10 @@ workload-fit: $(STAMP)
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis megatron_railwave/_C*.so
 
-# Needs root, ip and tc: 4 nodes x 2 rails in network namespaces, the exchange study and the rail fault.
+# Needs root, ip and tc: 4 nodes x 4 rails at 10 Mbit/s in network namespaces, the exchange study, the
+# k-to-1 probe, the flow model and the rail fault (4 x 2: add --gpus-per-node 2). About 20 min.
 testbed-bench: $(STAMP)
-	$(VPY) -m megatron_railwave.cli testbed run --nodes 4 --gpus-per-node 2 --samples 20 --incast --json out/testbed.json
+	$(VPY) -m megatron_railwave.cli testbed run --nodes 4 --gpus-per-node 4 --rail-mbit 10 --samples 12 --incast --json out/testbed.json
 
 # The virtual cluster on this CPU: every path of an H800 4x8 layer (T=512, H=256) in one process.
 simulate-exchange: $(STAMP)
