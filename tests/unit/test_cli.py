@@ -36,7 +36,7 @@ EXPECTED_FLAGS = {
         "--hidden", "--dtype", "--max-spread", "--min-gain", "--json",
     ],
     "validate": [
-        "--anchors", "--cluster", "--backend", "--warmups", "--repeats", "--no-progress", "--requests", "--seed",
+        "--anchors", "--cluster", "--backend", "--warmups", "--repeats", "--no-progress", "--requests", "--layers", "--seed", "--require-goals",
         "--payload-ratio", "--shape-distance", "--bench", "--json",
     ],
     "report": ["--out", "--no-plots", "--json", "--run"],
@@ -45,6 +45,8 @@ EXPECTED_FLAGS = {
     "testbed": [],
     "netmodel": [],
     "workloads": [],
+    "call-costs": ["--nodes", "--gpus-per-node", "--tokens", "--hidden", "--experts", "--topk", "--seed", "--warmups",
+                   "--samples", "--no-virtual", "--timeout", "--json"],
     "simulate-exchange": [
         "--cluster", "--nodes", "--failed-rail", "--tokens", "--hidden", "--experts", "--topk", "--dtype",
         "--device", "--seed", "--max-error", "--json",
