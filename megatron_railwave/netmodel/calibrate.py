@@ -77,11 +77,14 @@ class IncastCalibration:
 
 
 def scaled_demand(demand: DemandCounts, scale: float) -> DemandCounts:
-    """``demand`` with every record count multiplied by ``scale`` and rounded."""
+    """``demand`` with every record and (token, expert) count multiplied by ``scale`` and rounded."""
     if scale == 1.0:
         return demand
     records = torch.round(demand.records_WNM.to(torch.float64) * scale).to(torch.int64)
-    return DemandCounts(records_WNM=records, experts_WE=demand.experts_WE)
+    experts = demand.experts_WE
+    if experts is not None:  # the (token, expert) pairs scale with the records (Megatron peer)
+        experts = torch.round(experts.to(torch.float64) * scale).to(torch.int64)
+    return DemandCounts(records_WNM=records, experts_WE=experts)
 
 
 def arranged_layers(topo: RailTopology, pattern: str, *, tokens: int, seed: int = 0, step: int = 0,
