@@ -184,6 +184,8 @@ class WorkloadFit:
     expected: dict[str, float]
     """Statistics of the fitted knobs on the fit's samples (expected counts)."""
     loss: float
+    start_loss: float
+    """Loss of the starting knobs."""
     evaluations: int
     seconds: float
     steps: tuple[int, ...]
@@ -250,6 +252,7 @@ def fit_workload(topo: RailTopology, *, start: GlmAirWorkload | None = None, ste
         return _loss(stats), stats
 
     best, _ = evaluate(work)
+    start_loss = best
     history = []
     for sweep in range(sweeps):
         for knob in knobs:
@@ -261,7 +264,7 @@ def fit_workload(topo: RailTopology, *, start: GlmAirWorkload | None = None, ste
             if log:
                 log(f"sweep {sweep} {knob} = {getattr(work, knob):.4g}  loss {best:.4g}")
     loss, stats = evaluate(work)
-    return WorkloadFit(knobs={k: float(getattr(work, k)) for k in knobs}, expected=stats, loss=loss,
+    return WorkloadFit(knobs={k: float(getattr(work, k)) for k in knobs}, expected=stats, loss=loss, start_loss=start_loss,
                        evaluations=calls, seconds=time.perf_counter() - t0, steps=steps, history=history)
 
 

@@ -81,7 +81,7 @@ def test_fit_moves_a_knob_towards_the_published_shares():
     fit = fit_workload(H20, start=start, steps=range(4), layers=(1, 20, 40), knobs=("token_skew",), sweeps=1,
                        tol=0.05)
     assert fit.knobs["token_skew"] > 1.0
-    assert fit.history[-1]["loss"] < fit.history[0]["loss"] or fit.loss < 0.5
+    assert fit.loss < 0.8 * fit.start_loss
     assert set(fit.to_dict()) >= {"knobs", "expected", "loss", "evaluations", "history"}
     with pytest.raises(ValueError, match=r"knobs \['num_tokens'\] cannot be fitted"):
         fit_workload(H20, knobs=("num_tokens",))
