@@ -354,3 +354,32 @@ def test_validate_cli_errors(tmp_path):
     with pytest.raises(SystemExit) as exc:  # argparse: not a choice (the placeholder backends are gone)
         main(["calibrate", "--backend", "testbed", "--cluster", "h800_4x8", "--out", str(tmp_path / "a.yaml")])
     assert exc.value.code == 2
+
+
+def test_tune_selector_leaves_each_routing_out_and_picks_the_smallest_safe_thresholds():
+    # Three routings whose requests all favour RAIL by 10% over JOINT (best by 10%: JOINT is
+    # 1.11x the best, over the 3% goal). Each is an anchor; their rho coordinates are 0.10, 0.30
+    # and 0.20. Left out, a request sees only the other two anchors, 0.1 or 0.2 away: with shape
+    # distance 0.02 or 0.05 all three fall back to JOINT; 0.1 is the smallest that serves all.
+    # Without leaving its own anchor out every setting would look perfect.
+    from megatron_railwave.anchors import Anchor, AnchorSet, CalibrationContext
+    from megatron_railwave.traffic import TrafficStats
+
+    ref, rho_s, kappa_s = AnchorSet.scales_for(TOPO)
+    lat = {p: _lat(1.0, 1.0, 1.0) for p in ALL_PATHS}
+    lat[Path.RAIL] = _lat(0.9, 0.9, 0.9)
+    rows, anchors = [], []
+    for group, y in (("g1", 0.10), ("g2", 0.30), ("g3", 0.20)):
+        st = TrafficStats(B_mean_bytes=ref, B_max_bytes=ref, rho_g=1 + rho_s * y, kappa=1 + kappa_s * 0.5,
+                          coords=(0.0, y, 0.5), records_total=1, remote_records=1)
+        rows.append(calibration.CalibrationRow(request=group, stats=st, coords=st.coords, latency=lat,
+                                               best=Path.RAIL, kept=True, gain=0.1, reason="kept", group=group))
+        anchors.append(Anchor(name=group, coords=st.coords, B_mean_bytes=ref, rho_g=st.rho_g, kappa=st.kappa,
+                              path=Path.RAIL, latency_s=lat))
+    ctx = CalibrationContext(topology=TOPO.to_dict(), hidden_size=1, dtype="bf16", backend="fake", date="x")
+    result = calibration.CalibrationResult(anchor_set=AnchorSet(anchors=tuple(anchors), scales=(ref, rho_s, kappa_s),
+                                                                context=ctx), rows=tuple(rows))
+    tuned = calibration.tune_selector(result, grid={"payload_ratio": (1.25,), "shape_distance": (0.02, 0.05, 0.1, 0.2)})
+    over = {sc["shape_distance"]: sc["over_tolerance"] for sc in tuned["scores"]}
+    assert over == {0.02: 3, 0.05: 3, 0.1: 0, 0.2: 0}
+    assert (tuned["payload_ratio"], tuned["shape_distance"]) == (1.25, 0.1)  # 0.2 ties: the smaller wins

@@ -31,13 +31,17 @@ EXPECTED_FLAGS = {
         "--profile-out", "--json",
     ],
     "calibrate": [
-        "--cluster", "--nodes", "--failed-rail", "--backend", "--warmups", "--repeats", "--no-progress", "--out",
+        "--cluster", "--nodes", "--failed-rail", "--backend", "--model", "--warmups", "--repeats", "--no-progress", "--out",
         "--workload", "--families", "--layers", "--seed", "--arrangements", "--payload-scales", "--tokens",
         "--hidden", "--dtype", "--max-spread", "--min-gain", "--json",
     ],
     "validate": [
-        "--anchors", "--cluster", "--backend", "--warmups", "--repeats", "--no-progress", "--requests", "--layers", "--seed", "--require-goals",
-        "--payload-ratio", "--shape-distance", "--bench", "--json",
+        "--anchors", "--cluster", "--backend", "--model", "--warmups", "--repeats", "--no-progress", "--requests", "--layers",
+        "--seed", "--require-goals", "--payload-ratio", "--shape-distance", "--bench", "--json",
+    ],
+    "call-costs": [
+        "--nodes", "--gpus-per-node", "--tokens", "--hidden", "--experts", "--topk", "--seed", "--warmups",
+        "--samples", "--no-virtual", "--timeout", "--json",
     ],
     "report": ["--out", "--no-plots", "--json", "--run"],
     "ops-bench": ["--device", "--quick", "--tokens", "--hidden", "--experts", "--topk", "--nodes", "--gpus-per-node",
@@ -45,8 +49,6 @@ EXPECTED_FLAGS = {
     "testbed": [],
     "netmodel": [],
     "workloads": [],
-    "call-costs": ["--nodes", "--gpus-per-node", "--tokens", "--hidden", "--experts", "--topk", "--seed", "--warmups",
-                   "--samples", "--no-virtual", "--timeout", "--json"],
     "simulate-exchange": [
         "--cluster", "--nodes", "--failed-rail", "--tokens", "--hidden", "--experts", "--topk", "--dtype",
         "--device", "--seed", "--max-error", "--json",
