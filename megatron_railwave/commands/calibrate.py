@@ -1,13 +1,16 @@
 """``railwave calibrate``: profile the four paths on replay requests and write the anchors file.
 
-Requests: ``--workload synthetic`` (``replay.synthetic_routing_maps``: ``--families`` routing seeds
-from ``--seed``, each with its own locality and hot-expert ratio) or ``--workload glm`` (synthetic
-GLM-4.5-Air layers at step 0), each under every ``--arrangements`` sending arrangement (none = all
-node pairs at once, as a training step sends; ring / moderate / extreme: ``replay.arrange``) at
-every ``--payload-scales`` factor (record counts x factor).
+Requests: ``--workload synthetic`` (``workloads.synthetic_routing_maps``: ``--families`` routing
+seeds from ``--seed``, each with its own locality and hot-expert ratio) or ``--workload glm``
+(synthetic GLM-4.5-Air layers at step 0, ``--layers``, default the odd-numbered MoE layers so that
+``railwave validate`` has the even ones held out), at every T per GPU of ``--tokens`` (decode-like
+128 up to training sizes, e.g. 128,512,2048,4096), each under every ``--arrangements`` sending
+arrangement (none = all node pairs at once, as a training step sends; ring / moderate / extreme:
+``workloads.arrange``) at every ``--payload-scales`` factor (record counts x factor).
 Each request: ``--warmups`` discarded calls per path, ``--repeats`` interleaved rounds, medians.
 An anchor is kept when the fastest path is not JOINT, it and JOINT are repeatable
-(p90/p10 <= ``--max-spread``) and p90(best) <= (1 - ``--min-gain``) x p10(JOINT).
+(p90/p10 <= ``--max-spread``) and it beats JOINT by at least ``--min-gain`` (5%) conservatively:
+p90(best) <= (1 - ``--min-gain``) x p10(JOINT).
 
 JSON written by ``--json``: ``anchors`` (the file's content) and ``requests`` (one row per request:
 coords, B_mean_bytes, rho_g, kappa, best, kept, gain, reason, latency_s per path).
@@ -31,6 +34,16 @@ def parse_floats(text: str) -> list[float]:
         values = []
     if not values or any(not v > 0 for v in values):
         raise argparse.ArgumentTypeError(f"expected positive numbers separated by commas (e.g. 1,2,4), got {text!r}")
+    return values
+
+
+def _token_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        values = []
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"expected tokens per GPU >= 1 separated by commas (e.g. 128,4096), got {text!r}")
     return values
 
 
@@ -74,14 +87,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                        help="request generator (default synthetic)")
     group.add_argument("--families", type=int, default=8, help="synthetic routing families (default 8)")
     group.add_argument("--layers", type=_layers, default=None, metavar="L,L",
-                       help="glm: MoE layer numbers (default all 45)")
+                       help="glm: MoE layer numbers (default the odd ones, 1,3,...,45; validation holds out the rest)")
     group.add_argument("--seed", type=int, default=0, help="first family seed / glm seed (default 0)")
     group.add_argument("--arrangements", type=_arrangements, default=["none", "ring", "moderate", "extreme"],
                        metavar="A,A", help="sending arrangements: none (all pairs at once, as in training), "
                        "ring, moderate, extreme (default all four)")
-    group.add_argument("--payload-scales", type=parse_floats, default=[1.0, 2.0, 4.0, 8.0], metavar="X,X",
-                       help="payload factors applied to every routing (default 1,2,4,8)")
-    group.add_argument("--tokens", type=int, default=1024, metavar="T", help="tokens per GPU (default 1024)")
+    group.add_argument("--payload-scales", type=parse_floats, default=[1.0], metavar="X,X",
+                       help="payload factors applied to every routing, on top of --tokens (default 1)")
+    group.add_argument("--tokens", type=_token_list, default=[128, 512, 2048, 4096], metavar="T,T",
+                       help="tokens per GPU, one request set per value (default 128,512,2048,4096)")
     group.add_argument("--hidden", type=int, default=4096, metavar="H", help="hidden size (default 4096)")
     group.add_argument("--dtype", default="bf16", help="payload element type (default bf16)")
     rule = parser.add_argument_group("keep rule")
@@ -113,17 +127,18 @@ def run(args: argparse.Namespace) -> int:
 
     topo = _common.cluster_from_args(args)
     check_measure_args(args)
-    if args.tokens < 1 or args.hidden < 1 or args.families < 1:
-        raise ValueError(f"--tokens, --hidden and --families must be >= 1, got {args.tokens}, "
-                         f"{args.hidden}, {args.families}")
+    if args.hidden < 1 or args.families < 1:
+        raise ValueError(f"--hidden and --families must be >= 1, got {args.hidden}, {args.families}")
     if args.max_spread < 1 or not 0 <= args.min_gain < 1:
         raise ValueError(f"need --max-spread >= 1 and 0 <= --min-gain < 1, got {args.max_spread}, {args.min_gain}")
     record_bytes = args.hidden * dtype_bytes(args.dtype)
-    settings: dict[str, Any] = {"workload": args.workload, "seed": args.seed, "tokens": args.tokens,
+    settings: dict[str, Any] = {"workload": args.workload, "seed": args.seed, "tokens": list(args.tokens),
                                 "payload_scales": list(args.payload_scales),
                                 "arrangements": list(args.arrangements)}
     if args.workload == "glm":
-        settings["layers"] = args.layers
+        from ..workloads import GLM45_AIR
+
+        settings["layers"] = args.layers or [layer for layer in GLM45_AIR.layer_numbers if layer % 2 == 1]
     else:
         settings["families"] = list(range(args.seed, args.seed + args.families))
     backend = calibration.make_backend(args.backend, topo)

@@ -21,7 +21,8 @@ KEYS = ["output", "input_grad", "fc1_grad", "fc2_grad", "router_grad"]
     "world,railwave",
     [
         (4, dict(gpus_per_node=2)),  # EP 4 = 2 nodes x 2 GPUs
-        (8, dict(gpus_per_node=2)),  # EP 8 = 4 nodes x 2 GPUs
+        # EP 8 = 4 nodes x 2 GPUs (~2 min here): behind `slow`; the failed-rail case keeps 4 x 2 in CI.
+        pytest.param(8, dict(gpus_per_node=2), marks=pytest.mark.slow),
         (8, dict(gpus_per_node=2, failed_rails=[[2, 1]])),
     ],
     ids=["ep4-2x2", "ep8-4x2", "ep8-4x2-failed-rail"],

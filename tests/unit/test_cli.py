@@ -36,7 +36,7 @@ EXPECTED_FLAGS = {
         "--hidden", "--dtype", "--max-spread", "--min-gain", "--json",
     ],
     "validate": [
-        "--anchors", "--cluster", "--backend", "--warmups", "--repeats", "--no-progress", "--requests", "--seed",
+        "--anchors", "--cluster", "--backend", "--warmups", "--repeats", "--no-progress", "--requests", "--layers", "--seed", "--require-goals",
         "--payload-ratio", "--shape-distance", "--bench", "--json",
     ],
     "report": ["--out", "--no-plots", "--json", "--run"],
@@ -44,6 +44,9 @@ EXPECTED_FLAGS = {
                   "--repeats", "--seed", "--json"],
     "testbed": [],
     "netmodel": [],
+    "workloads": [],
+    "call-costs": ["--nodes", "--gpus-per-node", "--tokens", "--hidden", "--experts", "--topk", "--seed", "--warmups",
+                   "--samples", "--no-virtual", "--timeout", "--json"],
     "simulate-exchange": [
         "--cluster", "--nodes", "--failed-rail", "--tokens", "--hidden", "--experts", "--topk", "--dtype",
         "--device", "--seed", "--max-error", "--json",
@@ -206,10 +209,11 @@ def _commands_writing_to(path: str, log_dir: str, anchors: str) -> list[list[str
         ["netmodel", "fit-incast", "--out", path],
         ["netmodel", "bench-engine", "--nodes", "2", "--json", path],
         ["simulate-exchange", "--cluster", H800, "--json", path],
+        ["workloads", "fit", "--json", path],
     ]
 
 
-@pytest.mark.parametrize("case", range(15))
+@pytest.mark.parametrize("case", range(16))
 def test_output_path_that_is_a_directory_fails_before_any_work(tmp_path, capsys, case):
     argv = _commands_writing_to(str(tmp_path), str(tmp_path), str(tmp_path / "anchors.yaml"))[case]
     with pytest.raises(SystemExit) as exc:
