@@ -27,6 +27,7 @@ same position, and a difference can only come from the exchange.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import warnings
 from dataclasses import dataclass
@@ -245,13 +246,11 @@ def _count_syncs(spec: VirtualSpec, inputs: dict[str, Any], path: str) -> float:
     return audit.count / w
 
 
-def simulate_exchange(spec: VirtualSpec) -> dict[str, Any]:
-    """Run every path of ``spec`` (see module docstring); a JSON-ready report."""
-    inputs = make_virtual_inputs(spec)
-    w = spec.topology.world_size
+def _run_paths(spec: VirtualSpec, inputs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, float]]:
+    """Every path once for warm-up (allocator, kernels, the capacity plan's cache), once timed."""
     results, times = {}, {}
     for path in spec.paths:
-        run_virtual_layer(spec, inputs, path)  # warm-up (allocator, kernels)
+        run_virtual_layer(spec, inputs, path)
         if spec.device == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -259,10 +258,20 @@ def simulate_exchange(spec: VirtualSpec) -> dict[str, Any]:
         if spec.device == "cuda":
             torch.cuda.synchronize()
         times[path] = (time.perf_counter() - t0) * 1e3
+    return results, times
+
+
+def _equal(a: dict[str, Any], b: dict[str, Any], w: int) -> bool:
+    return all(torch.equal(a[k][r], b[k][r]) for k in ("out", "grad_hidden", "grad_probs") for r in range(w))
+
+
+def simulate_exchange(spec: VirtualSpec) -> dict[str, Any]:
+    """Run every path of ``spec`` (see module docstring); a JSON-ready report."""
+    inputs = make_virtual_inputs(spec)
+    w = spec.topology.world_size
+    results, times = _run_paths(spec, inputs)
     base = spec.paths[0]
-    bitwise = {path: all(torch.equal(results[path][k][r], results[base][k][r])
-                         for k in ("out", "grad_hidden", "grad_probs") for r in range(w))
-               for path in spec.paths}
+    bitwise = {path: _equal(results[path], results[base], w) for path in spec.paths}
     errors = {path: {k: 0.0 for k in ("out", "grad_hidden", "grad_probs")} for path in spec.paths}
     for r in range(w):
         ref = dense_reference(spec, inputs, r)
@@ -271,11 +280,12 @@ def simulate_exchange(spec: VirtualSpec) -> dict[str, Any]:
                 errors[path][k] = max(errors[path][k], _rel_error(results[path][k][r], ref[k]))
     syncs = {path: _count_syncs(spec, inputs, path) for path in spec.paths}
     topo = spec.topology
-    return {
+    report = {
         "schema": "railwave.simulate_exchange/1",
         "topology": topo.to_dict(),
         "tokens": spec.tokens, "hidden": spec.hidden, "experts": spec.experts, "topk": spec.topk,
         "dtype": spec.dtype, "device": spec.device, "seed": spec.seed,
+        "max_tokens_per_rank": spec.max_tokens_per_rank,
         "bitwise_equal_to": base,
         "bitwise_equal": bitwise,
         "all_bitwise_equal": all(bitwise.values()),
@@ -283,3 +293,13 @@ def simulate_exchange(spec: VirtualSpec) -> dict[str, Any]:
         "host_syncs_per_layer": syncs,
         "time_ms": times,
     }
+    if spec.max_tokens_per_rank is not None:
+        normal_spec = dataclasses.replace(spec, max_tokens_per_rank=None)
+        normal, normal_times = _run_paths(normal_spec, inputs)
+        report["bitwise_equal_to_normal_mode"] = {path: _equal(results[path], normal[path], w) for path in spec.paths}
+        report["all_bitwise_equal"] = report["all_bitwise_equal"] and all(report["bitwise_equal_to_normal_mode"].values())
+        report["normal_mode"] = {
+            "host_syncs_per_layer": {path: _count_syncs(normal_spec, inputs, path) for path in spec.paths},
+            "time_ms": normal_times,
+        }
+    return report
