@@ -51,11 +51,11 @@ EXPECTED_FLAGS = {
     "workloads": [],
     "simulate-exchange": [
         "--cluster", "--nodes", "--failed-rail", "--tokens", "--hidden", "--experts", "--topk", "--dtype",
-        "--device", "--seed", "--max-error", "--json",
+        "--device", "--seed", "--max-tokens-per-rank", "--max-error", "--json",
     ],
     "bench": [
         "--cluster", "--nodes", "--failed-rail", "--backend", "--model", "--alpha", "--workload", "--pattern", "--layers",
-        "--steps", "--tokens", "--payload-scale", "--seed", "--paths", "--fanin", "--plan-repeats", "--json", "--plot",
+        "--steps", "--tokens", "--payload-scale", "--seed", "--paths", "--fanin", "--peers", "--plan-repeats", "--json", "--plot",
         "--no-progress",
     ],
 }
