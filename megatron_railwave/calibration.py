@@ -490,10 +490,6 @@ def validate(backend: MeasureBackend, selector: AnchorSelector, requests: Sequen
 
 
 # ---------------------------------------------------------------------- requests
-def _scaled(records_NGN: torch.Tensor, scale: float) -> torch.Tensor:
-    return torch.round(records_NGN.to(torch.float64) * scale).to(torch.int64)
-
-
 def _default_experts(topo: RailTopology) -> int:
     return topo.world_size * max(1, 128 // topo.world_size)
 
@@ -519,6 +515,8 @@ def _variants(name: str, demand: Any, topo: RailTopology, *, arrangements: Seque
 
     ``sequence`` + arrangement + scale names the run of consecutive layers a request belongs to
     and ``position`` its place there (validation counts path changes along it)."""
+    from .workloads import scaled_demand
+
     out = []
     for arr in arrangements:
         if arr not in ARRANGEMENTS:
@@ -531,7 +529,7 @@ def _variants(name: str, demand: Any, topo: RailTopology, *, arrangements: Seque
             arranged, windows = arrange(demand, arr, topo)
         base = arranged.records_NGN()
         for scale in payload_scales:
-            out.append(ReplayRequest(name=f"{name}-{arr}-x{scale:g}", records_NGN=_scaled(base, scale),
+            out.append(ReplayRequest(name=f"{name}-{arr}-x{scale:g}", records_NGN=scaled_demand(base, scale),
                                      record_bytes=record_bytes, windows=windows,
                                      meta={**meta, "arrangement": arr, "scale": float(scale),
                                            "sequence": f"{sequence}-{arr}-x{scale:g}", "position": position}))

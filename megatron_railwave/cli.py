@@ -35,6 +35,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "megatron_railwave.commands.report",
     "megatron_railwave.commands.testbed",
     "megatron_railwave.commands.netmodel",
+    "megatron_railwave.commands.workloads",
     "megatron_railwave.commands.ops_bench",
 )
 """Modules that each register one subcommand, in the order ``--help`` lists them."""

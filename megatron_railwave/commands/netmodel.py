@@ -30,8 +30,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                      help="cluster file or preset (default h800_4x8)")
     fit.add_argument("--tokens", type=int, default=2048, help="tokens per GPU before scaling (default 2048)")
     fit.add_argument("--seed", type=int, default=0, help="routing seed (default 0)")
-    fit.add_argument("--delivery", choices=["after_rail", "pipelined"], default="after_rail",
-                     help="NVLink delivery model (default after_rail)")
+    fit.add_argument("--delivery", choices=["after_rail", "streamed"], default="after_rail",
+                     help="NVLink delivery model (default after_rail, as the exchange runs it)")
+    fit.add_argument("--combine-overlap", action="store_true",
+                     help="combine's local round overlaps its rail waves (mirrored from dispatch)")
+    fit.add_argument("--k-sat", type=int, default=2,
+                     help="incast saturation: excess senders after which the loss stops growing (default 2)")
+    fit.add_argument("--max-alpha", type=float, default=1.0, help="upper end of the alpha search (default 1)")
     fit.add_argument("--out", default=None, metavar="YAML", help="write the fitted model here")
     fit.set_defaults(handler=_fit_incast)
     _outputs.declare_outputs(fit, files=("out",))
@@ -59,8 +64,11 @@ def _fit_incast(args: argparse.Namespace) -> int:
         raise ValueError(f"--tokens must be >= 1, got {args.tokens}")
     args.nodes, args.failed_rail = None, []
     topo = _common.cluster_from_args(args)
-    calib = calibrate_incast(topo, base=NetModelConfig(delivery=args.delivery), tokens=args.tokens,
-                             seed=args.seed, log=_render.print_text)
+    if args.k_sat < 1 or not args.max_alpha > 0:
+        raise ValueError(f"need --k-sat >= 1 and --max-alpha > 0, got {args.k_sat}, {args.max_alpha}")
+    base = NetModelConfig(delivery=args.delivery, combine_overlap=args.combine_overlap, k_sat=args.k_sat)
+    calib = calibrate_incast(topo, base=base, tokens=args.tokens, seed=args.seed, log=_render.print_text,
+                             bounds=(0.0, args.max_alpha), tol=2e-3)
     _render.print_text(
         f"alpha = {calib.model.alpha} (ratio {calib.fitted_ratio:.4f}, target {calib.target_ratio:.4f}); "
         f"RING {calib.low_s:.3f} s, EXTREME {calib.high_s:.3f} s; {calib.seconds:.0f} s")

@@ -6,8 +6,11 @@ Shape letters: L links, F flows, H hops per flow (padded), Q phases, S samples.
 `IncastModel` (receiver-port goodput and per-phase latency); see `maxmin` for the algorithm,
 `problem` for the input and output types and `incast` for the stated penalty. `simgrid_check` (run by the system python3) replays a
 flow set in SimGrid for cross-checks; `bench_engine` times the engine.
-`cluster` builds the links of a rail-optimized cluster, `execute` runs a `PathPlan` on them
-(`execute_plan`, `simulate_plan`), `calibrate` fits the incast alpha (docs/netmodel.md).
+`cluster` builds the links of a rail-optimized cluster; `program` turns phases and transfers into
+flows on them and runs them in one simulation with their bandwidth lower bound; `execute` runs a
+`PathPlan`'s compiled `ExecutionSchedule` (`execute_plan`, `simulate_plan`, `execute_schedule`);
+`peers` models Megatron's flat all-to-all and a FAST-style per-layer schedule on the same links;
+`calibrate` fits the incast alpha (docs/netmodel.md).
 """
 
 from megatron_railwave.netmodel.cluster import Fabric, build_fabric
@@ -16,6 +19,7 @@ from megatron_railwave.netmodel.execute import (
     NetModelConfig,
     PlanTiming,
     execute_plan,
+    execute_schedule,
     load_netmodel_config,
     simulate_plan,
 )
@@ -37,6 +41,7 @@ __all__ = [
     "PlanTiming",
     "build_fabric",
     "execute_plan",
+    "execute_schedule",
     "load_netmodel_config",
     "simulate_plan",
     "FlowSet",

@@ -1,33 +1,41 @@
-"""Execute a `PathPlan` on the flow model: its stages and waves become flows and phases.
+"""Execute a `PathPlan` on the flow model: the `ExecutionSchedule` the exchange runs, on links.
 
 Shape letters: N nodes (s source, d destination), G GPUs per node (g owner, l egress /
-arrival, j target), R rails, A adapters, V waves (or sending windows), V' = max(V, 1) delivery
-rounds, Q phases, F flows.
+arrival, j target), W = N * G ranks, R rails, A adapters, V waves (or sending windows),
+V' = V + 1 delivery rounds, Q phases, F flows.
 
-One record crosses every stage as ``record_bytes + metadata_bytes`` bytes (payload row plus
-`NetModelConfig.metadata_bytes`), in dispatch and in combine alike. Dispatch, exactly as
-`exchange.moves` runs it:
+What is simulated is `schedule.compile_schedule(plan, wire, demand=demand)`: its phases, their
+``depends_on`` and ``mirror_of``, its transfer table (src rank, dst rank, rows) and the bytes per
+row of its `RecordWireFormat` (dispatch rows carry payload, probs and metadata; combine rows the
+payload only). Each transfer becomes a flow: node-group phases (relay, deliver) cross the NVLink
+out-port of the source GPU and the in-port of the target GPU; rail phases cross NIC up / down
+(and adapters, leaf uplinks: `cluster`). All phases of the layer run in one engine simulation
+(`program.run_program`), so phases that overlap share ports.
 
-    relay       owner GPU (s, g) -> proxy (s, l) over NVLink, every remote pair at once
-    rail[v]     wave v: GPU (s, l) -> GPU (d, l) for the wave's pairs (starts after relay / rail[v-1])
-    deliv[v]    GPU (d, l) -> GPU (d, j) over NVLink, copies of delivery_copies_NGG of wave v's
-                sources (round 0 also carries the local records); after rail[v] and deliv[v-1],
-                so it overlaps rail[v+1]
+Phases, as the exchange posts them (see `schedule.execution` for the exact graph): a flowless
+``counts`` phase (the layer's count all-to-all, `NetModelConfig.count_exchange_s`) precedes
+dispatch; dispatch = relay (with RailBalance's barrier and quota steps as a fixed cost),
+deliver[0] (the local node's records, overlapping relay and rail[0]), rail[v] (each paying
+`wave_latency_s` plus the sync jitter), deliver[v+1] (after rail[v] and deliver[v]); a flowless
+``experts`` phase (expert compute is not modelled) separates dispatch from combine, whose
+phases are dispatch's transfers backwards.
 
-and combine is the same path backwards with the same bytes: rdeliv[v] (after rdeliv[v-1] and
-rrail[v-2]), rrail[v] (after rdeliv[v] and rrail[v-1]), rrelay (after the last rrail); combine
-starts when dispatch is complete (expert compute is not modelled). NATIVE / RAIL with one window
-have V = 1; with a replay's windows V = number of windows, run like waves.
+Variants (`NetModelConfig`):
+  * ``delivery='streamed'`` (DeepEP-like): deliver[v+1] forwards chunks over NVLink as they
+    arrive, so it starts with rail[v] and completes at max(its own flows, rail[v]); combine
+    mirrors it (crail[v] sends partial sums while cdeliver[v+1] returns them). The exchange
+    (`exchange.moves`) executes the schedule's depends_on: store and forward ('after_rail').
+  * ``combine_overlap=True``: combine's local round cdeliver[0] overlaps its rail waves as
+    dispatch's deliver[0] does (cdeliver[1] no longer waits for it). The compiled schedule
+    orders cdeliver[0] first, so the exchange does not do this today.
 
-Every rail phase pays `NetModelConfig.wave_latency_s` before its flows start (launch, notify,
-barrier of one exchange call). Receiver ports (NIC downlinks) lose goodput with concurrent
-senders (`incast.IncastModel`: ``C / (1 + alpha * max(0, k - k_free))``).
+Receiver ports (NIC downlinks) lose goodput with concurrent senders (`incast.IncastModel`).
+Every result carries the bandwidth lower bound (`program.bandwidth_bound`); the time is never
+below it (tests/unit/netmodel/test_bound.py).
 
-NVLink phases never overlap each other (each waits for the previous one) and share no link with
-rail phases, so their rates are independent of everything else: each is simulated on its own and
-enters the rail simulation as a flowless phase whose latency is its duration (exact, and much
-cheaper at large N). Combine's NVLink phases move the same bytes backwards over symmetric links,
-so they take as long as dispatch's.
+Without target-mask histograms (``demand=None``, e.g. the selector's calibration requests)
+stage 3 is synthetic: `NetModelConfig.delivery_fanout` copies per record, even over the
+destination node's GPUs.
 """
 
 from __future__ import annotations
@@ -36,92 +44,109 @@ import functools
 import time
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path as FsPath
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
 
 import numpy as np
 import torch
 import yaml
 
-from ..planner import PathPlan, delivery_copies_NGG
+from ..planner import Path, PathPlan
+from ..schedule import Direction, ExecutionSchedule, MaskSource, PhaseKind, RecordWireFormat, compile_schedule
 from ..topology import RailTopology
 from .cluster import Fabric, build_fabric
 from .incast import IncastModel
-from .maxmin import simulate
-from .problem import FlowSet, PhaseGraph
+from .program import LinkProgram, ProgramBuilder, run_program
 
-__all__ = ["MaskSource", "NetModelConfig", "PlanTiming", "execute_plan", "load_netmodel_config", "simulate_plan"]
-
-
-class MaskSource(Protocol):
-    """Anything with the mask histograms of the records into one node (e.g. `DemandCounts`)."""
-
-    def masks_into(self, node: int) -> torch.Tensor:
-        """[W, M] int64: records every rank sends to ``node``, by target mask."""
-        ...
+__all__ = ["MaskSource", "NetModelConfig", "PlanTiming", "execute_plan", "execute_schedule", "load_netmodel_config",
+           "model_wire", "schedule_program", "simulate_plan"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class NetModelConfig:
-    """Parameters of the network model. Defaults: the calibration of docs/netmodel.md (H800 4x8)."""
+    """Parameters of the network model. Defaults: docs/netmodel.md (H800 4x8 calibration)."""
 
-    alpha: float = 0.1273
-    """Incast: fractional goodput loss of a receiver port per concurrent sender beyond ``k_free``."""
+    alpha: float = 0.2135
+    """Incast: fractional goodput loss of a receiver port per concurrent sender beyond ``k_free``
+    (fitted to the paper's +67.1%: `railwave netmodel fit-incast`)."""
     k_free: int = 1
     """Incast: concurrent senders a receiver port absorbs without loss."""
+    k_sat: int | None = 2
+    """Incast: the loss stops growing after ``k_sat`` senders beyond ``k_free`` (saturating law,
+    `incast.IncastModel`); 2 = flat beyond the 3 senders of the paper's experiment. None = linear."""
     wave_latency_s: float = 30e-6
     """Fixed cost of one rail phase (one wave or window, dispatch or combine): kernel launch,
-    count notify and barrier. Stated, not fitted (docs/netmodel.md)."""
-    metadata_bytes: int = 64
-    """Bytes that travel with every record besides the payload row (top-8 expert ids as int32
-    and weights as fp32)."""
+    notify and host wait of one exchange call. Stated: DeepEP's normal-mode notify plus the CPU
+    wait on the receive counter; its low-latency kernels take ~77 us for a whole 128-token
+    dispatch on EP8 (DeepEP README, H800), an upper bound for a call's fixed part."""
+    wave_jitter_s: float = 0.0
+    """Sync jitter: each rank's readiness for a rail phase is late by an exponential delay of this
+    mean; the phase starts when the slowest of its W ranks is ready, i.e. ``wave_jitter_s * H_W``
+    later on average (H_W = 1 + 1/2 + ... + 1/W), paid by every rail phase. 0 = off."""
+    count_exchange_s: float = 25e-6
+    """The layer's count exchange (one all-to-all of per-node record counts before dispatch):
+    latency-bound, a few KiB; stated as one small all-to-all over the EP group."""
+    railbalance_barrier_s: float = 5e-6
+    """RailBalance (RAIL, JOINT): the node-local barrier after the count step (NVLink)."""
+    railbalance_quota_s: float = 5e-6
+    """RailBalance (RAIL, JOINT): computing the quota plan and moving notify counts (one kernel)."""
+    num_experts: int = 128
+    """E, only for the wire format when ``execute_plan`` gets ``record_bytes`` and no ``wire``:
+    probs and routing bits of E / N experts travel with each dispatch row (GLM-4.5-Air: 128)."""
     nodes_per_leaf: int = 32
     """Nodes under one rail leaf switch; more nodes go through spines. 0 = one leaf per rail."""
     spine_oversubscription: float = 1.0
     """Leaf downlink / uplink capacity (1 = non-blocking)."""
-    nvlink: Literal["maxmin", "bound"] = "maxmin"
-    """NVLink stages: 'maxmin' simulates their flows; 'bound' takes the crossbar bound (busiest
-    NVLink port's bytes / capacity), a lower bound of 'maxmin' that is much cheaper at large N."""
+    nvlink: Literal["maxmin", "ports"] = "maxmin"
+    """NVLink flows: 'maxmin' simulates each GPU -> GPU transfer; 'ports' merges a phase's NVLink
+    flows into one flow per GPU port (out and in apart): cheaper at large N, ports still shared
+    between overlapping phases."""
     delivery_fanout: float = 3.3
     """Without mask histograms (``demand=None``): target GPUs per record, spread evenly over the
-    destination node's GPUs (the synthetic GLM-4.5-Air routing on 4 x 8 averages 3.3, 2.0-4.9
-    over layers)."""
-    delivery: Literal["after_rail", "pipelined"] = "after_rail"
+    destination node's GPUs."""
+    delivery: Literal["after_rail", "streamed"] = "after_rail"
     """Stage 3 of wave v: 'after_rail' starts it when rail[v] is complete (store and forward, as
-    `exchange.moves` runs it; it overlaps rail[v+1]); 'pipelined' runs it during rail[v] (a GPU
-    kernel that forwards records as they arrive) and starts wave v+1 when both are done."""
+    the exchange runs the schedule); 'streamed' forwards chunks as they arrive (DeepEP's
+    forwarder warps): it runs during rail[v] and completes no earlier than rail[v]."""
+    combine_overlap: bool = False
+    """Combine's local round overlaps its rail waves, mirrored from dispatch's deliver[0]."""
     rel_tol: float = 1e-3
-    """Event batching tolerance of the engine (`maxmin.simulate`) for the rail phases."""
+    """Event batching tolerance of the engine (`maxmin.simulate`)."""
     large_rel_tol: float = 1e-2
-    """Tolerance used instead when a layer has more than ``large_flows`` rail flows (all-at-once
+    """Tolerance used instead when a layer has more than ``large_flows`` flows (all-at-once
     NATIVE/RAIL on hundreds of nodes): measured error <= 0.9% per flow and 0.04% on the makespan
     (netmodel/maxmin.py), at about a sixth of the cost."""
     large_flows: int = 100_000
     """Flow count above which ``large_rel_tol`` applies."""
-    nvlink_rel_tol: float = 1e-2
-    """The same for the NVLink phases (many flows of distinct sizes; 1e-2 keeps their durations
-    within about 2% of the exact ones at a third of the cost)."""
 
     def __post_init__(self) -> None:
-        IncastModel(alpha=self.alpha, k_free=self.k_free)  # validates both
-        for name in ("wave_latency_s", "delivery_fanout"):
+        self.incast()  # validates alpha, k_free, k_sat
+        for name in ("wave_latency_s", "wave_jitter_s", "count_exchange_s", "railbalance_barrier_s",
+                     "railbalance_quota_s", "delivery_fanout"):
             value = getattr(self, name)
-            if not (np.isfinite(value) and value >= 0):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (np.isfinite(value) and value >= 0):
                 raise ValueError(f"NetModelConfig.{name} must be a finite number >= 0, got {value!r}")
-        if isinstance(self.metadata_bytes, bool) or not isinstance(self.metadata_bytes, int) or self.metadata_bytes < 0:
-            raise ValueError(f"NetModelConfig.metadata_bytes must be an int >= 0, got {self.metadata_bytes!r}")
-        if self.delivery not in ("after_rail", "pipelined"):
-            raise ValueError(f"NetModelConfig.delivery must be 'after_rail' or 'pipelined', got {self.delivery!r}")
-        if self.nvlink not in ("maxmin", "bound"):
-            raise ValueError(f"NetModelConfig.nvlink must be 'maxmin' or 'bound', got {self.nvlink!r}")
-        for name in ("rel_tol", "nvlink_rel_tol", "large_rel_tol"):
+        if isinstance(self.num_experts, bool) or not isinstance(self.num_experts, int) or self.num_experts < 1:
+            raise ValueError(f"NetModelConfig.num_experts must be an int >= 1, got {self.num_experts!r}")
+        if self.delivery not in ("after_rail", "streamed"):
+            raise ValueError(f"NetModelConfig.delivery must be 'after_rail' or 'streamed', got {self.delivery!r}")
+        if self.nvlink not in ("maxmin", "ports"):
+            raise ValueError(f"NetModelConfig.nvlink must be 'maxmin' or 'ports', got {self.nvlink!r}")
+        if not isinstance(self.combine_overlap, bool):
+            raise ValueError(f"NetModelConfig.combine_overlap must be true or false, got {self.combine_overlap!r}")
+        for name in ("rel_tol", "large_rel_tol"):
             if not 0.0 <= getattr(self, name) <= 0.1:
                 raise ValueError(f"NetModelConfig.{name} must be in [0, 0.1], got {getattr(self, name)!r}")
         build_fabric(RailTopology(num_nodes=1, gpus_per_node=1), nodes_per_leaf=self.nodes_per_leaf,
                      spine_oversubscription=self.spine_oversubscription)  # validates the fabric knobs
 
     def incast(self) -> IncastModel:
-        """The receiver-port model (per-phase latency is applied to rail phases only, not here)."""
-        return IncastModel(alpha=self.alpha, k_free=self.k_free)
+        """The receiver-port model (fixed costs are phase latencies, not here)."""
+        return IncastModel(alpha=self.alpha, k_free=self.k_free, k_sat=self.k_sat)
+
+    def wave_cost_s(self, num_ranks: int) -> float:
+        """Fixed cost of one rail phase over ``num_ranks`` ranks, jitter included."""
+        harmonic = float(np.sum(1.0 / np.arange(1, max(num_ranks, 1) + 1)))
+        return self.wave_latency_s + self.wave_jitter_s * harmonic
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -153,22 +178,28 @@ def load_netmodel_config(path: str | FsPath) -> NetModelConfig:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class PlanTiming:
-    """Modelled times of one dispatch + combine of a plan (seconds) and where the bytes go."""
+    """Modelled times of one dispatch + combine (seconds), its bandwidth bound and where bytes go."""
 
     dispatch_s: float
-    """From the start to the end of dispatch's last delivery."""
+    """From the start (count exchange included) to the end of dispatch's last phase."""
     combine_s: float
-    """From the end of dispatch to the end of combine's relay."""
+    """From the end of dispatch to the end of combine's last phase."""
     relay_s: float
-    """Stage 1 of dispatch (owner -> proxy)."""
+    """Dispatch's relay phase (owner -> proxy), start to end (0 without relays)."""
     rail_s_V: tuple[float, ...]
     """Per wave: duration of dispatch's rail phase, fixed wave cost included."""
     delivery_s_V: tuple[float, ...]
-    """Per round: duration of dispatch's delivery phase (runs during the next rail phase)."""
+    """Per round: duration of dispatch's delivery phase (round 0: the local node's records)."""
+    bound_dispatch_s: float
+    """Bandwidth lower bound of dispatch: max over links (NVLink ports, NICs, adapters, leaf
+    uplinks) of the bytes dispatch puts on the link / its capacity."""
+    bound_combine_s: float
+    bound_link: str
+    """The link that sets the larger of the two bounds, e.g. 'nvlink-in (0, 3)', 'nic-down (2, 5)'."""
     nic_egress_bytes_NR: np.ndarray
-    """[N, R] float64, stage-2 bytes each NIC port sends in dispatch (combine sends the mirror)."""
+    """[N, R] float64, dispatch's rail bytes each NIC port sends (combine sends the mirror)."""
     nic_ingress_bytes_NR: np.ndarray
-    """[N, R] float64, stage-2 bytes each NIC port receives in dispatch."""
+    """[N, R] float64, dispatch's rail bytes each NIC port receives."""
     adapter_egress_bytes_NA: np.ndarray
     """[N, A] float64, egress bytes per physical adapter (= per port when one port per adapter)."""
     num_flows: int
@@ -179,6 +210,11 @@ class PlanTiming:
     @property
     def total_s(self) -> float:
         return self.dispatch_s + self.combine_s
+
+    @property
+    def bound_s(self) -> float:
+        """Bandwidth lower bound of dispatch + combine (combine starts after dispatch)."""
+        return self.bound_dispatch_s + self.bound_combine_s
 
     def nic_shares(self) -> np.ndarray:
         """[A] mean over nodes of each node's adapter egress shares, sorted descending per node."""
@@ -192,168 +228,208 @@ class PlanTiming:
 
     def to_dict(self) -> dict[str, Any]:
         return {"dispatch_s": self.dispatch_s, "combine_s": self.combine_s, "total_s": self.total_s,
+                "bound_s": self.bound_s, "bound_dispatch_s": self.bound_dispatch_s,
+                "bound_combine_s": self.bound_combine_s, "bound_link": self.bound_link,
                 "relay_s": self.relay_s, "rail_s_V": list(self.rail_s_V), "delivery_s_V": list(self.delivery_s_V),
                 "nic_shares": self.nic_shares().tolist(), "num_flows": self.num_flows,
                 "num_events": self.num_events, "wall_s": self.wall_s}
 
 
 @functools.lru_cache(maxsize=16)
-def _fabric(topo: RailTopology, nodes_per_leaf: int, oversub: float) -> Fabric:
+def fabric_for(topo: RailTopology, nodes_per_leaf: int, oversub: float) -> Fabric:
+    """The (cached) links of ``topo``."""
     return build_fabric(topo, nodes_per_leaf=nodes_per_leaf, spine_oversubscription=oversub)
 
 
-def _delivery_VNGG(plan: PathPlan, demand: MaskSource | None, fanout: float) -> np.ndarray:
-    """[V', N, G, G] float64 copies moved GPU (d, l) -> GPU (d, j) in each round (diagonal kept)."""
+def link_name(fabric: Fabric, link: int) -> str:
+    """A readable name of link ``link`` (for the bound's busiest link)."""
+    topo = fabric.topology
+    n, g = topo.num_nodes, topo.gpus_per_node
+    if link < 0:
+        return "-"
+    if link < 2 * n * g:
+        side, rank = ("out", link) if link < n * g else ("in", link - n * g)
+        return f"nvlink-{side} ({rank // g}, {rank % g})"
+    for label, table in (("nic-up", fabric.nic_up_NR), ("nic-down", fabric.nic_down_NR),
+                         ("adapter-up", fabric.adapter_up_NA), ("adapter-down", fabric.adapter_down_NA),
+                         ("leaf-up", fabric.leaf_up_RQ), ("leaf-down", fabric.leaf_down_RQ)):
+        if table is not None and (hit := np.argwhere(table == link)).size:
+            return f"{label} {tuple(int(x) for x in hit[0])}"
+    return f"link {link}"
+
+
+def model_wire(topo: RailTopology, record_bytes: int, model: NetModelConfig) -> RecordWireFormat:
+    """The wire format when only the payload bytes are known: ``record_bytes`` payload bytes,
+    fp32 probs and the routing bits of E / N experts (E = ``model.num_experts``)."""
+    if isinstance(record_bytes, bool) or not isinstance(record_bytes, int) or record_bytes < 0:
+        raise ValueError(f"record_bytes must be an int >= 0, got {record_bytes!r}")
+    return RecordWireFormat(hidden=record_bytes, payload_dtype=torch.uint8, probs_dtype=torch.float32,
+                            experts_per_node=max(1, model.num_experts // topo.num_nodes))
+
+
+def _synthetic_delivery_RNGG(plan: PathPlan, fanout: float) -> np.ndarray:
+    """[V', N, G, G] float64 copies arrival GPU (d, l) -> target GPU (d, j) per round, when no
+    mask histograms are known: ``fanout`` copies per record, even over the node's GPUs."""
     topo = plan.topology
     n, g = topo.num_nodes, topo.gpus_per_node
-    rounds = plan.num_waves + 1
-    round_NN = plan.pair_wave_NN + 1  # wave v is delivered in round v + 1
-    round_NN.fill_diagonal_(0)  # round 0: the local node's records (no rail)
-    out = torch.zeros(rounds, n, g, g, dtype=torch.float64)
-    if demand is None:
-        # arrivals[s, d, l]: remote records arrive on GPU l (its quota); local ones at the owner.
-        arrivals = plan.quota_NNG.to(torch.float64).clone()
-        idx = torch.arange(n)
-        arrivals[idx, idx] = plan.records_NNG[idx, idx].to(torch.float64)
-        per_target = arrivals * (fanout / g)  # [s, d, l], same for every j
-        for d in range(n):
-            out[:, d].index_add_(0, round_NN[:, d], per_target[:, d].unsqueeze(-1).expand(n, g, g))
-        return out.numpy()
-    for d in range(n):
-        copies = delivery_copies_NGG(plan, demand, d).to(torch.float64)  # [s, l, j]
-        out[:, d].index_add_(0, round_NN[:, d], copies)
-    return out.numpy()
+    round_NN = (plan.pair_wave_NN + 1).numpy()
+    np.fill_diagonal(round_NN, 0)
+    arrivals = plan.quota_NNG.to(torch.float64).numpy().copy()  # [s, d, l]
+    idx = np.arange(n)
+    arrivals[idx, idx] = plan.records_NNG[idx, idx].to(torch.float64).numpy()  # local: at the owner
+    out = np.zeros((plan.num_waves + 1, n, g, g))
+    per_target = arrivals * (fanout / g)
+    for s in range(n):
+        np.add.at(out, (round_NN[s], idx), np.broadcast_to(per_target[s][:, :, None], (n, g, g)))
+    return out
 
 
-def _nvlink_durations(fabric: Fabric, bytes_PNGG: np.ndarray, model: NetModelConfig) -> tuple[np.ndarray, int]:
-    """[P] duration of each NVLink phase run alone (bytes [P, N, G_src, G_dst]; diagonal ignored)."""
-    num_phases, n, g, _ = bytes_PNGG.shape
-    off = bytes_PNGG * (1.0 - np.eye(g))
-    if model.nvlink == "bound":
-        port = np.maximum(off.sum(axis=3), off.sum(axis=2)).reshape(num_phases, -1)
-        return port.max(axis=1, initial=0.0) / fabric.topology.nvlink_bytes_per_s, 0
-    phase, node, src, dst = np.nonzero(off)
-    if phase.size == 0:
-        return np.zeros(num_phases), 0
-    flows = FlowSet(size_bytes_F=off[phase, node, src, dst], links_FH=fabric.nvlink_links_FH(node, src, dst),
-                    phase_F=phase)
-    res = simulate(fabric.network, flows, PhaseGraph.chain(num_phases), rel_tol=model.nvlink_rel_tol)
-    return res.phase_finish_s_Q - res.phase_start_s_Q, res.num_events
-
-
-def execute_plan(plan: PathPlan, *, record_bytes: int, model: NetModelConfig | None = None,
-                 demand: MaskSource | None = None) -> PlanTiming:
-    """Model one dispatch + combine of ``plan`` (deterministic).
-
-    Args:
-        plan: the path plan (stages, waves or windows).
-        record_bytes: payload bytes of one record (hidden size x element size).
-        model: parameters; default `NetModelConfig()` (the H800 calibration).
-        demand: mask histograms of the records (`DemandCounts` of the plan's demand) for exact
-            stage-3 copies; None = `NetModelConfig.delivery_fanout` copies per record, even
-            over the destination GPUs.
+def schedule_program(schedule: ExecutionSchedule, model: NetModelConfig,
+                     fabric: Fabric | None = None) -> tuple[LinkProgram, dict[str, int]]:
+    """The `LinkProgram` of ``schedule`` under ``model`` (see the module docstring).
 
     Returns:
-        `PlanTiming`. Host sync: no (CPU only).
+        (program, ids): ``ids`` maps the schedule's phase names (and 'counts', 'experts') to
+        program phase ids; streamed deliveries add 'join' phases named '<consumer>.done'.
     """
+    plan = schedule.plan
+    topo = plan.topology
+    fabric = fabric or fabric_for(topo, model.nodes_per_leaf, float(model.spine_oversubscription))
+    b = ProgramBuilder(fabric=fabric)
+    counts = b.phase("counts", "sync", -1, (), model.count_exchange_s)
+    ids = {"counts": counts}
+    balanced = Path(plan.path).balanced
+    wave_cost = model.wave_cost_s(topo.world_size)
+    offset = counts + 1
+    for p in schedule.phases:
+        latency = 0.0
+        if p.kind == PhaseKind.RAIL:
+            latency = wave_cost
+        elif p.kind == PhaseKind.RELAY and p.direction == Direction.DISPATCH and balanced:
+            latency = model.railbalance_barrier_s + model.railbalance_quota_s
+        direction = 0 if p.direction == Direction.DISPATCH else 1
+        deps = [d + offset for d in p.depends_on]
+        if p.direction == Direction.COMBINE and model.combine_overlap and p.kind == PhaseKind.DELIVER and p.step == 1:
+            deps = [d for d in deps if schedule.phases[d - offset].step != 0]
+        ids[p.name] = b.phase(p.name, p.kind.value, direction, tuple(deps), latency)
+    experts = b.phase("experts", "sync", -1, tuple(ids[p.name] for p in schedule.dispatch_phases()))
+    ids["experts"] = experts
+    for p in schedule.phases:  # roots: dispatch after the counts, combine after expert compute
+        q = ids[p.name]
+        if not b.deps[q]:
+            b.deps[q] = (counts,) if p.direction == Direction.DISPATCH else (experts,)
+    if model.delivery == "streamed":
+        V = schedule.num_waves
+        pairs = [(f"dispatch.rail[{v}]", f"dispatch.deliver[{v + 1}]") for v in range(V)]
+        pairs += [(f"combine.deliver[{v + 1}]", f"combine.rail[{v}]") for v in range(V)]
+        for producer, consumer in pairs:
+            prod, cons = ids[producer], ids[consumer]
+            b.deps[cons] = tuple(dict.fromkeys([d for d in b.deps[cons] if d != prod] + list(b.deps[prod])))
+            join = b.phase(f"{consumer}.done", "sync", b.directions[cons], (cons, prod))
+            for q in range(len(b.deps)):
+                if q not in (join, cons) and cons in b.deps[q]:
+                    b.deps[q] = tuple(join if d == cons else d for d in b.deps[q])
+            ids[f"{consumer}.done"] = join
+    # Flows: every transfer of every phase, with the bytes of its rows.
+    for p in schedule.phases:
+        src, dst, rows = (t.numpy() for t in schedule.transfers(p))
+        size = rows.astype(np.float64) * schedule.row_bytes(p)
+        if p.group == "node":
+            b.nvlink(ids[p.name], src, dst, size)
+        elif src.size:
+            b.rail(ids[p.name], src, dst, size)
+    if not schedule.delivery_nodes:
+        g = topo.gpus_per_node
+        copies = _synthetic_delivery_RNGG(plan, model.delivery_fanout)
+        for r in range(schedule.num_rounds):
+            rr, d, l, j = np.nonzero(copies[r:r + 1])
+            src, dst, cnt = d * g + l, d * g + j, copies[r, d, l, j]
+            b.nvlink(ids[f"dispatch.deliver[{r}]"], src, dst, cnt * schedule.wire.dispatch_bytes)
+            b.nvlink(ids[f"combine.deliver[{r}]"], dst, src, cnt * schedule.wire.combine_bytes)
+    return b.build(), ids
+
+
+def execute_schedule(schedule: ExecutionSchedule, *, model: NetModelConfig | None = None) -> PlanTiming:
+    """Model one dispatch + combine of a compiled schedule (deterministic). Host sync: no."""
     t0 = time.perf_counter()
     model = model or NetModelConfig()
-    if record_bytes < 0:
-        raise ValueError(f"record_bytes must be >= 0, got {record_bytes}")
+    plan = schedule.plan
     topo = plan.topology
-    n, g = topo.num_nodes, topo.gpus_per_node
-    fabric = _fabric(topo, model.nodes_per_leaf, float(model.spine_oversubscription))
-    row = float(record_bytes + model.metadata_bytes)
-    num_waves = plan.num_waves
-    rounds = num_waves + 1  # round 0: local records; round v + 1: rail wave v
+    n = topo.num_nodes
+    fabric = fabric_for(topo, model.nodes_per_leaf, float(model.spine_oversubscription))
+    program, ids = schedule_program(schedule, model, fabric)
+    rel_tol = model.large_rel_tol if program.flows.num_flows > model.large_flows else model.rel_tol
+    run = run_program(fabric, program, incast=model.incast(), rel_tol=rel_tol, nvlink=model.nvlink)
+    start, finish = run.result.phase_start_s_Q, run.result.phase_finish_s_Q
+    lat = program.latency_s_Q
 
-    # NVLink phases: relay, then one delivery per round (combine mirrors them).
-    remote = ~torch.eye(n, dtype=torch.bool)
-    relay_NGG = (plan.relay_NNGG * remote.view(n, n, 1, 1)).sum(dim=1).to(torch.float64).numpy()
-    nvl_bytes = np.concatenate([relay_NGG[None], _delivery_VNGG(plan, demand, model.delivery_fanout)]) * row
-    nvl_s, nvl_events = _nvlink_durations(fabric, nvl_bytes, model)
-    relay_s, deliv_s = float(nvl_s[0]), nvl_s[1:]
+    def span(name: str) -> float:
+        q = ids[name]
+        return float(finish[q] - start[q] + lat[q])
 
-    # Phase ids.
-    rail = [1 + v for v in range(num_waves)]
-    deliv = [1 + num_waves + r for r in range(rounds)]
-    rdeliv = [1 + num_waves + rounds + r for r in range(rounds)]
-    rrail = [1 + num_waves + 2 * rounds + v for v in range(num_waves)]
-    rrelay = 1 + 2 * num_waves + 2 * rounds
-    deps: list[tuple[int, ...]] = [()] * (rrelay + 1)
-    latency = np.zeros(rrelay + 1)
-    latency[0] = relay_s
-    piped = model.delivery == "pipelined" and num_waves > 0
-    # As exchange.moves runs them: dispatch posts wave 0 after the relay, delivers the local
-    # records (round 0) while it flies, then for each round r >= 1 waits wave r - 1, posts wave r
-    # and delivers wave r - 1. Combine returns round r's copies, then waits wave r - 2's return and
-    # posts wave r - 1's.
-    deps[deliv[0]] = (0,)
-    deps[rdeliv[0]] = (deliv[-1], rail[-1]) if num_waves else (deliv[-1],)
-    for v in range(num_waves):
-        if piped:  # wave v's delivery runs during its rails; wave v+1 waits for both
-            deps[rail[v]] = (rail[v - 1], deliv[v]) if v else (0,)
-            deps[deliv[v + 1]] = deps[rail[v]]
-            deps[rrail[v]] = deps[rdeliv[v + 1]] = (rrail[v - 1], rdeliv[v]) if v else (rdeliv[0],)
-        else:
-            deps[rail[v]] = (rail[v - 1], deliv[v - 1]) if v else (0,)
-            deps[deliv[v + 1]] = (rail[v], deliv[v])
-            deps[rrail[v]] = (rdeliv[v + 1],) + ((rrail[v - 1],) if v else ())
-            deps[rdeliv[v + 1]] = (rdeliv[v],) + ((rrail[v - 2],) if v >= 2 else ())
-        latency[rail[v]] = latency[rrail[v]] = model.wave_latency_s
-    for r in range(rounds):
-        latency[deliv[r]] = latency[rdeliv[r]] = deliv_s[r]
-    deps[rrelay] = (rrail[-1], rdeliv[-1]) if num_waves else (rdeliv[-1],)
-    latency[rrelay] = relay_s
-    phases = PhaseGraph(depends_on=tuple(deps), latency_s_Q=latency)
+    relay = ids["dispatch.relay"]
+    relay_s = float(finish[relay] - start[relay])
+    rail_s = tuple(span(f"dispatch.rail[{v}]") for v in range(schedule.num_waves))
+    delivery_s = tuple(float(finish[ids[f"dispatch.deliver[{r}]"]] - start[ids[f"dispatch.deliver[{r}]"]])
+                       for r in range(schedule.num_rounds))
 
-    # Rail flows: dispatch GPU (s, l) -> (d, l) in phase rail[wave], combine the reverse.
-    quota = (plan.quota_NNG * remote.unsqueeze(-1)).numpy()
-    s_F, d_F, l_F = np.nonzero(quota)
-    wave_F = plan.pair_wave_NN.numpy()[s_F, d_F]
-    size_F = quota[s_F, d_F, l_F].astype(np.float64) * row
-    if s_F.size:
-        links = np.concatenate([fabric.rail_links_FH(s_F, d_F, l_F), fabric.rail_links_FH(d_F, s_F, l_F)])
-        flows = FlowSet(size_bytes_F=np.concatenate([size_F, size_F]), links_FH=links,
-                        phase_F=np.concatenate([1 + wave_F, rrail[0] + wave_F]),
-                        sender_F=np.concatenate([s_F * g + l_F, d_F * g + l_F]))
-    else:  # nothing remote: only the NVLink phases (flowless phases with their latencies)
-        flows = FlowSet(size_bytes_F=np.zeros(0), links_FH=np.zeros((0, 1), dtype=np.int64),
-                        phase_F=np.zeros(0, dtype=np.int64))
-    rel_tol = model.large_rel_tol if flows.num_flows > model.large_flows else model.rel_tol
-    res = simulate(fabric.network, flows, phases, incast=model.incast(), rel_tol=rel_tol)
-    start, finish = res.phase_start_s_Q, res.phase_finish_s_Q
-    dispatch_end = float(max(finish[deliv[-1]], finish[rail[-1]] if num_waves else 0.0))
-    rail_s = tuple(float(finish[p] - start[p] + latency[p]) for p in rail)
-
-    rails = torch.tensor(topo.rail_of_gpu, dtype=torch.int64)
-    send_NG = torch.from_numpy(quota.sum(axis=1)).to(torch.float64) * row  # [s, l]
-    recv_NG = torch.from_numpy(quota.sum(axis=0)).to(torch.float64) * row  # [d, l]
-    egress = torch.zeros(n, topo.num_rails, dtype=torch.float64).index_add_(1, rails, send_NG).numpy()
-    ingress = torch.zeros(n, topo.num_rails, dtype=torch.float64).index_add_(1, rails, recv_NG).numpy()
+    # NIC bytes of dispatch's rail phases.
+    g = topo.gpus_per_node
+    rails = np.asarray(topo.rail_of_gpu, dtype=np.int64)
+    egress = np.zeros((n, topo.num_rails))
+    ingress = np.zeros((n, topo.num_rails))
+    for p in schedule.dispatch_phases():
+        if p.kind != PhaseKind.RAIL:
+            continue
+        src, dst, rows = (t.numpy() for t in schedule.transfers(p))
+        size = rows * float(schedule.row_bytes(p))
+        np.add.at(egress, (src // g, rails[src % g]), size)
+        np.add.at(ingress, (dst // g, rails[dst % g]), size)
     adapters = np.asarray(topo.adapter_of_rail)
     adapter = np.zeros((n, int(adapters.max()) + 1))
     np.add.at(adapter, (slice(None), adapters), egress)
     return PlanTiming(
-        dispatch_s=dispatch_end,
-        combine_s=float(finish[rrelay]) - dispatch_end,
-        relay_s=relay_s,
-        rail_s_V=rail_s,
-        delivery_s_V=tuple(float(x) for x in deliv_s),
-        nic_egress_bytes_NR=egress,
-        nic_ingress_bytes_NR=ingress,
-        adapter_egress_bytes_NA=adapter,
-        num_flows=int(flows.num_flows) + int(np.count_nonzero(nvl_bytes * (1.0 - np.eye(g)))),
-        num_events=int(res.num_events) + nvl_events,
-        wall_s=time.perf_counter() - t0,
-    )
+        dispatch_s=run.dispatch_s, combine_s=run.combine_s, relay_s=relay_s, rail_s_V=rail_s,
+        delivery_s_V=delivery_s, bound_dispatch_s=run.bound_dispatch_s, bound_combine_s=run.bound_combine_s,
+        bound_link=link_name(fabric, run.bound_link), nic_egress_bytes_NR=egress, nic_ingress_bytes_NR=ingress,
+        adapter_egress_bytes_NA=adapter, num_flows=run.num_flows, num_events=int(run.result.num_events),
+        wall_s=time.perf_counter() - t0)
 
 
-def simulate_plan(plan: PathPlan, *, record_bytes: int, model: NetModelConfig | None = None,
-                  demand: MaskSource | None = None) -> float:
+def execute_plan(plan: PathPlan, *, record_bytes: int | None = None, model: NetModelConfig | None = None,
+                 demand: MaskSource | None = None, wire: RecordWireFormat | None = None) -> PlanTiming:
+    """Model one dispatch + combine of ``plan``: its compiled `ExecutionSchedule` on the links.
+
+    Args:
+        plan: the path plan (stages, waves or windows).
+        record_bytes: payload bytes of one record (hidden size x element size); used only
+            without ``wire`` (`model_wire`: plus fp32 probs and routing bits of E / N experts).
+        model: parameters; default `NetModelConfig()`.
+        demand: mask histograms of the records (`DemandCounts` of the plan's demand) for the
+            exact stage-3 copies; None = `NetModelConfig.delivery_fanout` copies per record.
+        wire: the exchange's record wire format (bytes per row of every message).
+
+    Returns:
+        `PlanTiming`. Host sync: no (CPU only).
+    """
+    model = model or NetModelConfig()
+    if wire is None:
+        if record_bytes is None:
+            raise ValueError("execute_plan needs record_bytes (payload bytes per record) or wire (a RecordWireFormat)")
+        wire = model_wire(plan.topology, record_bytes, model)
+    # Any MaskSource (DemandCounts, a sparse demand, a test double) answers masks_into for every
+    # node; a node view (view_node set) knows one node only and compiles that one.
+    nodes = None
+    if demand is not None and getattr(demand, "view_node", None) is None:
+        nodes = tuple(range(plan.topology.num_nodes))
+    schedule = compile_schedule(plan, wire, demand=demand, delivery_nodes=nodes)
+    return execute_schedule(schedule, model=model)
+
+
+def simulate_plan(plan: PathPlan, *, record_bytes: int | None = None, model: NetModelConfig | None = None,
+                  demand: MaskSource | None = None, wire: RecordWireFormat | None = None) -> float:
     """Seconds of one dispatch + combine of ``plan`` on the flow model (deterministic).
 
-    The function `calibration.NetmodelBackend` calls; see `execute_plan` for the arguments and
-    for the stage times.
+    The function `calibration.NetmodelBackend` calls; see `execute_plan` for the arguments.
     """
-    return execute_plan(plan, record_bytes=record_bytes, model=model, demand=demand).total_s
+    return execute_plan(plan, record_bytes=record_bytes, model=model, demand=demand, wire=wire).total_s

@@ -1,4 +1,4 @@
-"""Flow model (``netmodel.simulate_plan``) configured for a testbed, against the testbed's P50s.
+"""Flow model (``netmodel.simulate_plan``, public API only) configured for a testbed, against the testbed's P50s.
 
 Letters: N nodes, G GPUs per node (= rails), V windows / waves.
 
@@ -7,7 +7,8 @@ timings unless ``fit_wave_latency``):
   * rail rate: ``rail_mbit`` x TCP wire efficiency at the testbed's MTU;
   * incast: ``alpha`` from the k-to-1 goodput probe of the same run (``alpha_from_slowdowns``);
   * NVLink stand-in: loopback at ``loopback_gBps`` (stated; gloo over ``lo`` on this host);
-  * per-record extra bytes: the exchange's probs + metadata, averaged over dispatch and combine.
+  * bytes per row: the exchange's wire format (``testbed.experiment.wire_format``), as the
+    compiled schedule the model simulates uses it (dispatch rows: payload + probs + metadata).
 The comparison is against the measured P50 of the slowest rank's dispatch + combine (planning
 and the count all-gather are not part of the model) and, for reference, against the total.
 Optionally, one free parameter is fitted on one workload/path and used for all others: the fixed
@@ -21,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from megatron_railwave.planner import PlanOptions, build_plan, schedule_from_windows
-from megatron_railwave.testbed.experiment import StudyConfig, build_workloads, record_bytes, wire_efficiency
+from megatron_railwave.testbed.experiment import StudyConfig, build_workloads, wire_efficiency, wire_format
 from megatron_railwave.topology import RailTopology
 
 __all__ = ["compare_with_netmodel"]
@@ -58,7 +59,7 @@ def compare_with_netmodel(study: dict[str, Any], *, incast: list[dict[str, Any]]
     Raises:
         ImportError: the flow model (``netmodel.execute``) is not available in this checkout.
     """
-    from megatron_railwave.netmodel.execute import NetModelConfig, simulate_plan
+    from megatron_railwave.netmodel import NetModelConfig, simulate_plan
 
     tb = study["testbed"]
     cfg_data = dict(study["config"])
@@ -75,14 +76,16 @@ def compare_with_netmodel(study: dict[str, Any], *, incast: list[dict[str, Any]]
                             name="testbed")
 
     topo = testbed_topo(1.0)
-    rb = record_bytes(topo, cfg)
-    extra = (rb["dispatch"] + rb["combine"]) // 2 - rb["payload"]
+    wire = wire_format(topo, cfg)
     alpha = _alpha(incast)
     workloads = {w["name"]: w for w in build_workloads(topo, cfg)}
     keys = [(name, path) for name in workloads for path in cfg.paths]
 
     def model(latency: float) -> NetModelConfig:
-        return NetModelConfig(alpha=alpha or 0.0, wave_latency_s=latency, metadata_bytes=int(extra),
+        # The probe's alpha is a linear fit over its own k (no saturation); the count all-gather is
+        # outside the measured dispatch + combine, RailBalance's steps are host-side here.
+        return NetModelConfig(alpha=alpha or 0.0, k_sat=None, wave_latency_s=latency, count_exchange_s=0.0,
+                              railbalance_barrier_s=0.0, railbalance_quota_s=0.0,
                               nodes_per_leaf=max(topo.num_nodes, 1))
 
     def predict(key: tuple[str, str], value: float) -> float:
@@ -91,7 +94,7 @@ def compare_with_netmodel(study: dict[str, Any], *, incast: list[dict[str, Any]]
         wl = workloads[key[0]]
         plan = build_plan(wl["demand"], testbed_topo(scale), key[1],
                           options=PlanOptions(windows=schedule_from_windows(topo.num_nodes, wl["windows"])))
-        return simulate_plan(plan, record_bytes=rb["payload"], model=model(latency), demand=wl["demand"])
+        return simulate_plan(plan, wire=wire, model=model(latency), demand=wl["demand"])
 
     def measured_comm(name: str, path: str) -> float:
         data = study["workloads"][name]["paths"][path]
@@ -126,7 +129,7 @@ def compare_with_netmodel(study: dict[str, Any], *, incast: list[dict[str, Any]]
     errs = np.abs([r["rel_error_comm"] for r in rows])
     return {
         "model": {"alpha": alpha, "rail_gbps_shaped_x_tcp_efficiency": topo.rail_gbps,
-                  "loopback_gBps": loopback_gBps, "metadata_bytes": int(extra), "fit_param": fit_param,
+                  "loopback_gBps": loopback_gBps, "wire": wire.to_dict(), "fit_param": fit_param,
                   "fitted_value": fitted, "fitted_on": list(fit_on) if fitted is not None else None,
                   "stated_wave_latency_s": wave_latency_s},
         "rows": rows,

@@ -1,0 +1,92 @@
+"""Peers on the flow model: Megatron's flat all-to-all (no de-duplication, PXN) and the
+FAST-style Birkhoff-von-Neumann schedule."""
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from megatron_railwave.netmodel import NetModelConfig
+from megatron_railwave.netmodel.execute import fabric_for
+from megatron_railwave.netmodel.peers import bvn_waves, copies_WW, fast_program, megatron_program
+from megatron_railwave.netmodel.program import run_program
+from megatron_railwave.planner import build_plan
+from megatron_railwave.topology import RailTopology
+from megatron_railwave.traffic import DemandCounts
+
+FREE = NetModelConfig(alpha=0.0, k_sat=None, wave_latency_s=0.0, count_exchange_s=0.0, railbalance_barrier_s=0.0,
+                      railbalance_quota_s=0.0, num_experts=1, rel_tol=0.0)
+
+
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(2, 7), seed=st.integers(0, 10_000), density=st.floats(0.1, 1.0))
+def test_bvn_waves_are_one_to_one_and_cover_the_demand(n, seed, density):
+    rng = np.random.default_rng(seed)
+    records = rng.integers(0, 50, size=(n, n)) * (rng.random((n, n)) < density)
+    waves = bvn_waves(records)
+    off = records * (1 - np.eye(n, dtype=np.int64))
+    total = sum(waves, np.zeros((n, n), dtype=np.int64))
+    np.testing.assert_array_equal(total, off)
+    for w in waves:
+        assert ((w > 0).sum(axis=0) <= 1).all() and ((w > 0).sum(axis=1) <= 1).all()
+        assert np.diag(w).sum() == 0
+    assert len(waves) <= max(n * n - 2 * n + 2, 0)
+
+
+def test_bvn_of_a_permutation_is_one_wave_and_of_uniform_is_n_minus_1():
+    # 4 nodes, s -> s + 1: a single permutation. Uniform all-to-all: the N - 1 shifts.
+    shift = np.roll(np.eye(4, dtype=np.int64), 1, axis=1) * 5
+    assert len(bvn_waves(shift)) == 1
+    uniform = 3 * (1 - np.eye(4, dtype=np.int64))
+    waves = bvn_waves(uniform)
+    assert len(waves) == 3 and all(w.sum() == 12 for w in waves)
+
+
+def _one_token_demand():
+    # 2 nodes x 2 GPUs, 2 experts per GPU (E = 8). GPU (0,0) routes token a to experts 6 and 7 and
+    # token b to expert 6, all on GPU (1,1): Megatron sends 3 copies; the record view 2 records.
+    experts = torch.zeros(4, 8, dtype=torch.int64)
+    experts[0, 6], experts[0, 7] = 2, 1
+    rec = torch.zeros(4, 2, 4, dtype=torch.int64)
+    rec[0, 1, 0b10] = 2
+    return DemandCounts(records_WNM=rec, experts_WE=experts)
+
+
+def test_megatron_sends_every_copy_through_pxn_by_hand():
+    # Copies: 3 from rank 0 to rank 3. PXN: NVLink (0,0) -> (0,1) at 2 GB/s, then rail 1 at 1 GB/s,
+    # one streamed flow: 3 x (1e6 + 4) B at 1 GB/s = 3.000012 ms dispatch; combine 3 ms back.
+    topo = RailTopology(num_nodes=2, gpus_per_node=2, rail_gbps=8.0, nvlink_gBps=2.0)
+    demand = _one_token_demand()
+    assert copies_WW(demand, topo)[0, 3] == 3
+    program = megatron_program(demand, topo, record_bytes=1_000_000, model=FREE)
+    fabric = fabric_for(topo, 32, 1.0)
+    run = run_program(fabric, program, incast=FREE.incast(), rel_tol=0.0)
+    assert run.dispatch_s == pytest.approx(3 * (1e6 + 4) / 1e9) and run.combine_s == pytest.approx(3e-3)
+    link_bytes = program.link_bytes_DL(fabric.num_links)
+    nvl_out_00, nic_up_01 = 0, int(fabric.nic_up_NR[0, 1])
+    assert link_bytes[0, nvl_out_00] == pytest.approx(3 * (1e6 + 4))  # the PXN hop
+    assert link_bytes[0, nic_up_01] == pytest.approx(3 * (1e6 + 4))  # the destination GPU's rail
+    assert link_bytes[0, int(fabric.nic_up_NR[0, 0])] == 0
+
+
+def test_fast_program_moves_the_rail_plans_bytes_in_bvn_waves():
+    # Random 4 x 2 demand: the FAST program's rail bytes equal the RAIL plan's (split over waves),
+    # and each wave is one-to-one between nodes.
+    topo = RailTopology(num_nodes=4, gpus_per_node=2, rail_gbps=8.0, nvlink_gBps=2.0)
+    rng = np.random.default_rng(0)
+    rec = torch.from_numpy(rng.poisson(3.0, size=(8, 4, 4)))
+    rec[:, :, 0] = 0
+    demand = DemandCounts(records_WNM=rec, experts_WE=torch.zeros(8, 8, dtype=torch.int64))
+    plan = build_plan(demand, topo, "rail")
+    waves = bvn_waves(plan.records_NNG.sum(dim=-1).numpy())
+    program = fast_program(plan, demand, waves, record_bytes=1000, model=FREE)
+    fabric = fabric_for(topo, 32, 1.0)
+    rail_phases = [q for q, name in enumerate(program.names) if name.startswith("dispatch.rail")]
+    assert len(rail_phases) == len(waves)
+    nvl = program.flows.nvlink_F if hasattr(program.flows, "nvlink_F") else program.nvlink_F
+    sel = np.isin(program.flows.phase_F, rail_phases) & ~nvl
+    remote = plan.quota_NNG.sum().item() - torch.diagonal(plan.quota_NNG, dim1=0, dim2=1).sum().item()
+    assert program.flows.size_bytes_F[sel].sum() == pytest.approx(remote * (1000 + 4 + 12))
+    run = run_program(fabric, program, incast=FREE.incast(), rel_tol=0.0)
+    assert run.total_s >= run.bound_s
