@@ -5,7 +5,7 @@ VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.railwave-installed
 
 .PHONY: demo test test-all test-mcore-oldest setup clean plan-bench bench bench-paper scale-study bench-exchange testbed-bench gpu-check \
-	simulate-exchange ext kernels-check ops-bench deepep-conformance deepep-hardware-check
+	simulate-exchange workload-fit call-costs ext kernels-check ops-bench deepep-conformance deepep-hardware-check
 
 # setup.py ships the opt-in RAILWAVE_AUTO_INSTALL startup hook (megatron_railwave_autoinstall.pth).
 $(STAMP): pyproject.toml setup.py megatron_railwave_autoinstall.pth
@@ -54,7 +54,7 @@ setup: $(STAMP)
 # RAILWAVE_REQUIRE_EXT=1: the ops tests fail (rather than skip) if the compiled ops did not load.
 test: $(STAMP) $(SIMGRID_STAMP) $(EXT_STAMP) kernels-check
 	$(VENV)/bin/lint-imports
-	RAILWAVE_REQUIRE_EXT=1 $(VPY) -m pytest -q -m "not slow" --timeout=900
+	RAILWAVE_REQUIRE_EXT=1 $(VPY) -m pytest -q -m "not slow" --timeout=900 --durations=15
 
 # The oldest supported Megatron-Core (plugin.SUPPORTED_MEGATRON_CORE) laid over the venv's newest
 # with PYTHONPATH (no second torch): the Megatron integration tests only (~6 min here).
@@ -84,6 +84,11 @@ demo: $(STAMP)
 bench-exchange: $(STAMP)
 	$(VPY) -m megatron_railwave.cli bench-exchange --json out/bench_exchange.json
 
+# Per-call costs of the exchange on CPU gloo and the virtual cluster (count exchange, per phase,
+# RailBalance planning), the numbers behind the flow model's per-call cost fields (docs/selector.md).
+call-costs: $(STAMP)
+	$(VPY) -m megatron_railwave.cli call-costs --json out/call_costs.json
+
 # The DeepEP backend and its fake against the real DeepEP wheel (signatures, return arities,
 # handle layout, Config hints), without a GPU: builds a CUDA-torch venv OUTSIDE the repository
 # (DEEPEP_VENV, default /tmp/deepep-venv, ~5.5 GB, once) and runs the `deepep`-marked tests.
@@ -108,12 +113,19 @@ bench: $(STAMP)
 	$(VPY) -m megatron_railwave.cli bench --backend netmodel --cluster configs/clusters/h800_4x8.yaml \
 		--workload glm45-air --json out/bench.json --plot out/bench.png
 
+# The synthetic GLM-4.5-Air workload next to the paper's published statistics (docs/workloads.md);
+# WORKLOAD_FIT_ARGS=--refit reruns the fit of its knobs first (minutes).
+workload-fit: $(STAMP)
+	@mkdir -p out
+	$(VPY) -m megatron_railwave.cli workloads fit --json out/workload_fit.json $(WORKLOAD_FIT_ARGS)
+
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis megatron_railwave/_C*.so
 
-# Needs root, ip and tc: 4 nodes x 2 rails in network namespaces, the exchange study and the rail fault.
+# Needs root, ip and tc: 4 nodes x 4 rails at 10 Mbit/s in network namespaces, the exchange study, the
+# k-to-1 probe, the flow model and the rail fault (4 x 2: add --gpus-per-node 2). About 20 min.
 testbed-bench: $(STAMP)
-	$(VPY) -m megatron_railwave.cli testbed run --nodes 4 --gpus-per-node 2 --samples 20 --incast --json out/testbed.json
+	$(VPY) -m megatron_railwave.cli testbed run --nodes 4 --gpus-per-node 4 --rail-mbit 10 --samples 12 --incast --json out/testbed.json
 
 # The virtual cluster on this CPU: every path of an H800 4x8 layer (T=512, H=256) in one process.
 simulate-exchange: $(STAMP)

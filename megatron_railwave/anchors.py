@@ -27,6 +27,7 @@ File layout (``format: railwave-anchors``, ``version: 1``)::
         rho_g: 1.84
         kappa: 2.96
         path: rail                            # native | rail | perm | joint
+        input_windows: 1                      # sending windows of the input (1 = all pairs at once)
         latency_s:                            # all four paths: median and spread in seconds
           native: {median: 0.0123, p10: 0.0121, p90: 0.0125, samples: 10}
           rail:   {...}
@@ -107,6 +108,16 @@ class Anchor:
     kappa: float
     path: Path
     latency_s: dict[Path, PathLatency] = field(default_factory=dict)
+    input_windows: int = 1
+    """Sending windows of the calibrated input: 1 = all node pairs at once (what a training step
+    sends), N - 1 = a replay arrangement, whose windows NATIVE and RAIL keep. The selector reuses
+    an anchor only for an input with as many windows: with the same descriptors, one window and
+    three favour different paths (NATIVE / RAIL post one rail phase in the first, three in the
+    second)."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.input_windows, bool) or not isinstance(self.input_windows, int) or self.input_windows < 1:
+            raise ValueError(f"Anchor.input_windows must be an integer >= 1, got {self.input_windows!r}")
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -116,6 +127,7 @@ class Anchor:
             "rho_g": float(self.rho_g),
             "kappa": float(self.kappa),
             "path": str(self.path),
+            "input_windows": int(self.input_windows),
             "latency_s": {str(p): self.latency_s[p].to_dict() for p in _PATHS if p in self.latency_s},
         }
 
@@ -236,7 +248,11 @@ def _anchor(data: Any, source: str, where: str) -> Anchor:
     missing = [str(p) for p in _PATHS if p not in latency]
     if missing:
         raise _fail(source, f"{where}.latency_s", f"lacks the path(s) {missing}; all four are required")
+    windows = data.get("input_windows", 1)
+    if isinstance(windows, bool) or not isinstance(windows, int) or windows < 1:
+        raise _fail(source, f"{where}.input_windows", f"must be an integer >= 1, got {windows!r}")
     return Anchor(
+        input_windows=windows,
         name=name,
         coords=(float(coords[0]), float(coords[1]), float(coords[2])),
         B_mean_bytes=_number(data, "B_mean_bytes", source, where, positive=True),

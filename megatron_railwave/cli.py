@@ -27,6 +27,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "megatron_railwave.commands.plan_bench",
     "megatron_railwave.commands.demo",
     "megatron_railwave.commands.bench_exchange",
+    "megatron_railwave.commands.call_costs",
     "megatron_railwave.commands.simulate_exchange",
     "megatron_railwave.commands.bench",
     "megatron_railwave.commands.calibrate",
@@ -34,6 +35,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "megatron_railwave.commands.report",
     "megatron_railwave.commands.testbed",
     "megatron_railwave.commands.netmodel",
+    "megatron_railwave.commands.workloads",
     "megatron_railwave.commands.ops_bench",
 )
 """Modules that each register one subcommand, in the order ``--help`` lists them."""

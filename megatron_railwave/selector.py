@@ -86,7 +86,7 @@ class AnchorSelector:
         self.shape_distance = float(shape_distance)
         self.fallback = parse_path(fallback)
         # Flat tuples: the hot loop touches only floats (no attribute lookups per anchor).
-        self._points = tuple((a.coords[0], a.coords[1], a.coords[2], a.path, a.name)
+        self._points = tuple((a.coords[0], a.coords[1], a.coords[2], a.path, a.name, a.input_windows)
                              for a in anchor_set.anchors)
         self._scales = anchor_set.scales
         # Tiny slack so a ratio of exactly payload_ratio stays eligible despite rounding.
@@ -98,12 +98,20 @@ class AnchorSelector:
         return (math.log2(b / ref) if b > 0 else -math.inf,
                 (stats.rho_g - 1.0) / rho_scale, (stats.kappa - 1.0) / kappa_scale)
 
-    def explain(self, stats: TrafficStats) -> Selection:
-        """The decision with the anchor that made it."""
+    def explain(self, stats: TrafficStats, *, input_windows: int = 1) -> Selection:
+        """The decision with the anchor that made it.
+
+        Args:
+            input_windows: sending windows the input comes in (1: all node pairs at once, as a
+                training step sends; replay tools pass their arrangement's count). Only anchors
+                calibrated with as many windows are eligible.
+        """
         x, y, z = self._coords(stats)
         best, best_d2 = None, math.inf
         lr, sd = self._log_ratio, self.shape_distance + 1e-12
-        for ax, ay, az, path, name in self._points:
+        for ax, ay, az, path, name, windows in self._points:
+            if windows != input_windows:
+                continue
             dx, dy, dz = x - ax, y - ay, z - az
             if abs(dx) > lr or abs(dy) > sd or abs(dz) > sd:
                 continue

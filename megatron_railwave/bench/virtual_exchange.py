@@ -14,10 +14,20 @@ routing probability. It reports:
   ``torch.cuda.set_sync_debug_mode`` on CUDA;
 * the wall time of each path (all W ranks one after another: a functional check of cost,
   not a cluster timing).
+
+With ``max_tokens_per_rank`` (fixed-capacity mode) every path also runs in the normal mode on
+the same inputs, and the report adds bitwise equality of each path to its normal-mode run and
+the normal mode's syncs and times next to the fixed mode's.
+
+The experts run on blocks of ``EXPERT_BLOCK_ROWS`` rows (the last one zero-padded), each a fresh
+tensor: a GEMM's rounding may depend on its row count (on this CPU a 1- or 2-row product takes
+another kernel than a 17-row one), so both modes give every entry row the same GEMM call at the
+same position, and a difference can only come from the exchange.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import warnings
 from dataclasses import dataclass
@@ -25,15 +35,19 @@ from typing import Any
 
 import torch
 
-from ..exchange import (RankContext, VirtualCluster, combine_backward, combine_forward, dispatch_backward,
-                        dispatch_forward, gather_demand, prepare_layer, virtual_rank_groups)
+from ..exchange import (RankContext, VirtualCluster, check_capacity, combine_backward, combine_forward,
+                        dispatch_backward, dispatch_forward, gather_demand, prepare_capacity_layer, prepare_layer,
+                        virtual_rank_groups)
 from ..planner import Path, PlanOptions, build_plan
 from ..topology import RailTopology
 from .sync_audit import SyncAudit
 
-__all__ = ["VirtualSpec", "make_virtual_inputs", "run_virtual_layer", "simulate_exchange", "dense_reference"]
+__all__ = ["VirtualSpec", "make_virtual_inputs", "run_virtual_layer", "simulate_exchange", "dense_reference",
+           "EXPERT_BLOCK_ROWS"]
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+EXPERT_BLOCK_ROWS = 32
+"""Rows of every expert GEMM of the harness (see module docstring)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -50,6 +64,8 @@ class VirtualSpec:
     seed: int = 0
     paths: tuple[str, ...] = ("native", "rail", "perm", "joint")
     options: PlanOptions = PlanOptions()
+    max_tokens_per_rank: int | None = None
+    """Fixed-capacity mode's C (None: the normal mode)."""
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -61,6 +77,13 @@ class VirtualSpec:
             raise ValueError(f"--topk {self.topk} must be in 1..{self.experts}")
         if self.tokens < 0 or self.hidden < 1:
             raise ValueError(f"need --tokens >= 0 and --hidden >= 1, got {self.tokens}, {self.hidden}")
+        try:
+            check_capacity(self.max_tokens_per_rank)
+        except ValueError as exc:
+            raise ValueError(f"--max-tokens-per-rank: {exc}") from None
+        if self.max_tokens_per_rank is not None and self.tokens > self.max_tokens_per_rank:
+            raise ValueError(f"--tokens {self.tokens} exceeds --max-tokens-per-rank {self.max_tokens_per_rank}; "
+                             "give a capacity of at least the tokens per rank")
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("--device cuda: this torch has no CUDA device; use --device cpu")
 
@@ -93,32 +116,43 @@ def make_virtual_inputs(spec: VirtualSpec) -> dict[str, Any]:
     return {"hidden": hidden, "probs": probs, "routing": routing, "grad_out": grad_out, "maps_EHH": maps}
 
 
-def _experts(tokens: torch.Tensor, probs: torch.Tensor, counts: list[int], maps: torch.Tensor, g_y: torch.Tensor | None):
-    """Local experts on [n_ent, H] rows contiguous per expert: y, and (g_tokens, g_probs) when g_y is given."""
-    ys, g_tok, g_p = [], [], []
-    start = 0
-    for e, c in enumerate(counts):
-        x, p = tokens[start:start + c], probs[start:start + c]
-        xa = x @ maps[e]
-        ys.append(xa * p.to(x.dtype).unsqueeze(1))
-        if g_y is not None:
-            gy = g_y[start:start + c]
-            g_tok.append((gy * p.to(gy.dtype).unsqueeze(1)) @ maps[e].t())
-            g_p.append((gy.float() * xa.float()).sum(dim=1).to(probs.dtype))
-        start += c
-    y = torch.cat(ys) if ys else tokens[:0]
-    if g_y is None:
-        return y, None, None
-    return y, (torch.cat(g_tok) if g_tok else tokens[:0]), (torch.cat(g_p) if g_p else probs[:0])
+def _block(t: torch.Tensor, start: int, rows: int) -> torch.Tensor:
+    """Rows [start, start + rows) of ``t`` in a fresh zero-padded [EXPERT_BLOCK_ROWS, ...] tensor."""
+    out = t.new_zeros((EXPERT_BLOCK_ROWS,) + tuple(t.shape[1:]))
+    out[:rows] = t[start:start + rows]
+    return out
+
+
+def _experts(tokens: torch.Tensor, probs: torch.Tensor, spans: list[tuple[int, int]], maps: torch.Tensor,
+             g_y: torch.Tensor | None):
+    """Local expert e = per-expert linear map on rows [start_e, start_e + rows_e) of ``tokens``
+    (``spans``), weighted by the entry's prob; returns y [rows, H] and, when g_y is given,
+    (g_tokens, g_probs). Rows outside the spans stay zero."""
+    y = torch.zeros_like(tokens)
+    g_tok = torch.zeros_like(tokens) if g_y is not None else None
+    g_p = torch.zeros_like(probs) if g_y is not None else None
+    for e, (start, rows) in enumerate(spans):
+        for b0 in range(0, rows, EXPERT_BLOCK_ROWS):
+            r = min(EXPERT_BLOCK_ROWS, rows - b0)
+            x, p = _block(tokens, start + b0, r), _block(probs, start + b0, r)
+            xa = x @ maps[e]
+            y[start + b0:start + b0 + r] = (xa * p.to(x.dtype).unsqueeze(1))[:r]
+            if g_y is not None:
+                gy = _block(g_y, start + b0, r)
+                g_tok[start + b0:start + b0 + r] = ((gy * p.to(gy.dtype).unsqueeze(1)) @ maps[e].t())[:r]
+                g_p[start + b0:start + b0 + r] = (gy.float() * xa.float()).sum(dim=1).to(probs.dtype)[:r]
+    return y, g_tok, g_p
 
 
 def run_virtual_layer(spec: VirtualSpec, inputs: dict[str, Any], path: str | Path, *,
                       cluster: VirtualCluster | None = None, phase: int = 0) -> dict[str, list[torch.Tensor]]:
-    """One layer forward + backward on every rank, through the rank programs.
+    """One layer forward + backward on every rank, through the rank programs
+    (fixed-capacity mode when ``spec.max_tokens_per_rank`` is set).
 
     Returns:
-        per rank: 'out' [T, H], 'grad_hidden' [T, H], 'grad_probs' [T, E], and 'handles' (the
-        ``LayerHandle`` of each rank: schedule, rank view, index maps).
+        per rank: 'out' [T, H], 'grad_hidden' [T, H], 'grad_probs' [T, E], 'handles' (the
+        ``LayerHandle`` of each rank: schedule, rank view, index maps) and 'tokens_per_expert'
+        ([E_loc] int64; host in the normal mode, device in fixed-capacity mode).
     """
     topo = spec.topology
     w, e_loc = topo.world_size, spec.experts // topo.world_size
@@ -126,25 +160,39 @@ def run_virtual_layer(spec: VirtualSpec, inputs: dict[str, Any], path: str | Pat
     ctxs = [RankContext(topo=topo, groups=virtual_rank_groups(topo, r), num_experts=spec.experts,
                         options=spec.options) for r in range(w)]
     h, p, rm = inputs["hidden"], inputs["probs"], inputs["routing"]
-    layers = cluster.run([gather_demand(ctxs[r], h[r], p[r], rm[r]) for r in range(w)])
-    handles = []
-    for r in range(w):
-        plan = build_plan(layers[r].demand, topo, path, options=spec.options, phase=phase)
-        handles.append(prepare_layer(ctxs[r], layers[r], plan, hidden_dtype=h[r].dtype, probs_dtype=p[r].dtype,
-                                     hidden_size=spec.hidden))
+    capacity = spec.max_tokens_per_rank
+    if capacity is None:
+        layers = cluster.run([gather_demand(ctxs[r], h[r], p[r], rm[r]) for r in range(w)])
+        handles = []
+        for r in range(w):
+            plan = build_plan(layers[r].demand, topo, path, options=spec.options, phase=phase)
+            handles.append(prepare_layer(ctxs[r], layers[r], plan, hidden_dtype=h[r].dtype, probs_dtype=p[r].dtype,
+                                         hidden_size=spec.hidden))
+    else:
+        handles = [prepare_capacity_layer(ctxs[r], h[r], p[r], rm[r], path=path, capacity=capacity)
+                   for r in range(w)]
     dispatched = cluster.run([dispatch_forward(ctxs[r], handles[r], h[r], p[r], rm[r]) for r in range(w)])
     maps = inputs["maps_EHH"]
     local_maps = [maps[r * e_loc:(r + 1) * e_loc] for r in range(w)]
-    counts = [handles[r].tokens_per_expert.tolist() for r in range(w)]
-    ys = [_experts(dispatched[r][0], dispatched[r][1], counts[r], local_maps[r], None)[0] for r in range(w)]
+    if capacity is None:  # host counts: expert e's rows follow expert e - 1's
+        tokens_per_expert = [handles[r].tokens_per_expert for r in range(w)]
+        spans = []
+        for r in range(w):
+            counts = tokens_per_expert[r].tolist()
+            starts = [sum(counts[:e]) for e in range(e_loc)]
+            spans.append(list(zip(starts, counts)))
+    else:  # padded layout: expert e owns rows [e * W * C, (e + 1) * W * C), the padding is zero
+        tokens_per_expert = [dispatched[r][2].tokens_per_expert for r in range(w)]
+        spans = [[(e * w * capacity, w * capacity) for e in range(e_loc)]] * w
+    ys = [_experts(dispatched[r][0], dispatched[r][1], spans[r], local_maps[r], None)[0] for r in range(w)]
     outs = cluster.run([combine_forward(ctxs[r], handles[r], dispatched[r][2], ys[r]) for r in range(w)])
     g_ys = cluster.run([combine_backward(ctxs[r], handles[r], dispatched[r][2], inputs["grad_out"][r])
                         for r in range(w)])
-    grads = [_experts(dispatched[r][0], dispatched[r][1], counts[r], local_maps[r], g_ys[r]) for r in range(w)]
+    grads = [_experts(dispatched[r][0], dispatched[r][1], spans[r], local_maps[r], g_ys[r]) for r in range(w)]
     back = cluster.run([dispatch_backward(ctxs[r], handles[r], dispatched[r][2], grads[r][1], grads[r][2])
                         for r in range(w)])
     return {"out": outs, "grad_hidden": [b[0] for b in back], "grad_probs": [b[1] for b in back],
-            "handles": handles}
+            "handles": handles, "tokens_per_expert": tokens_per_expert}
 
 
 def dense_reference(spec: VirtualSpec, inputs: dict[str, Any], rank: int) -> dict[str, torch.Tensor]:
@@ -198,13 +246,11 @@ def _count_syncs(spec: VirtualSpec, inputs: dict[str, Any], path: str) -> float:
     return audit.count / w
 
 
-def simulate_exchange(spec: VirtualSpec) -> dict[str, Any]:
-    """Run every path of ``spec`` (see module docstring); a JSON-ready report."""
-    inputs = make_virtual_inputs(spec)
-    w = spec.topology.world_size
+def _run_paths(spec: VirtualSpec, inputs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, float]]:
+    """Every path once for warm-up (allocator, kernels, the capacity plan's cache), once timed."""
     results, times = {}, {}
     for path in spec.paths:
-        run_virtual_layer(spec, inputs, path)  # warm-up (allocator, kernels)
+        run_virtual_layer(spec, inputs, path)
         if spec.device == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -212,10 +258,20 @@ def simulate_exchange(spec: VirtualSpec) -> dict[str, Any]:
         if spec.device == "cuda":
             torch.cuda.synchronize()
         times[path] = (time.perf_counter() - t0) * 1e3
+    return results, times
+
+
+def _equal(a: dict[str, Any], b: dict[str, Any], w: int) -> bool:
+    return all(torch.equal(a[k][r], b[k][r]) for k in ("out", "grad_hidden", "grad_probs") for r in range(w))
+
+
+def simulate_exchange(spec: VirtualSpec) -> dict[str, Any]:
+    """Run every path of ``spec`` (see module docstring); a JSON-ready report."""
+    inputs = make_virtual_inputs(spec)
+    w = spec.topology.world_size
+    results, times = _run_paths(spec, inputs)
     base = spec.paths[0]
-    bitwise = {path: all(torch.equal(results[path][k][r], results[base][k][r])
-                         for k in ("out", "grad_hidden", "grad_probs") for r in range(w))
-               for path in spec.paths}
+    bitwise = {path: _equal(results[path], results[base], w) for path in spec.paths}
     errors = {path: {k: 0.0 for k in ("out", "grad_hidden", "grad_probs")} for path in spec.paths}
     for r in range(w):
         ref = dense_reference(spec, inputs, r)
@@ -224,11 +280,12 @@ def simulate_exchange(spec: VirtualSpec) -> dict[str, Any]:
                 errors[path][k] = max(errors[path][k], _rel_error(results[path][k][r], ref[k]))
     syncs = {path: _count_syncs(spec, inputs, path) for path in spec.paths}
     topo = spec.topology
-    return {
+    report = {
         "schema": "railwave.simulate_exchange/1",
         "topology": topo.to_dict(),
         "tokens": spec.tokens, "hidden": spec.hidden, "experts": spec.experts, "topk": spec.topk,
         "dtype": spec.dtype, "device": spec.device, "seed": spec.seed,
+        "max_tokens_per_rank": spec.max_tokens_per_rank,
         "bitwise_equal_to": base,
         "bitwise_equal": bitwise,
         "all_bitwise_equal": all(bitwise.values()),
@@ -236,3 +293,13 @@ def simulate_exchange(spec: VirtualSpec) -> dict[str, Any]:
         "host_syncs_per_layer": syncs,
         "time_ms": times,
     }
+    if spec.max_tokens_per_rank is not None:
+        normal_spec = dataclasses.replace(spec, max_tokens_per_rank=None)
+        normal, normal_times = _run_paths(normal_spec, inputs)
+        report["bitwise_equal_to_normal_mode"] = {path: _equal(results[path], normal[path], w) for path in spec.paths}
+        report["all_bitwise_equal"] = report["all_bitwise_equal"] and all(report["bitwise_equal_to_normal_mode"].values())
+        report["normal_mode"] = {
+            "host_syncs_per_layer": {path: _count_syncs(normal_spec, inputs, path) for path in spec.paths},
+            "time_ms": normal_times,
+        }
+    return report

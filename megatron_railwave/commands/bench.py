@@ -15,7 +15,7 @@ their sum; speedup over NATIVE (ratio of P50s, and the range of per-sample ratio
 
 Experts: E = 128 (GLM-4.5-Air) when W divides 128, else one expert per rank beyond that (E = the
 next multiple of W at or above 128). Beyond ``W * T * N`` = 2**24 the demand is built sparsely
-(no [W, T, N] masks; `SparseDemand`), which supports ``--pattern none`` only.
+(no [W, T, N] masks; `workloads.SparseDemand`), which supports ``--pattern none`` only.
 
 JSON (``--json``): ``config``, ``model`` (NetModelConfig), ``samples`` (one row per sample and
 variant) and ``summary`` (per pattern: per variant the percentiles, speedups and NIC shares,
@@ -35,73 +35,11 @@ import torch
 
 from . import _common, _outputs, _render
 
-__all__ = ["register", "run", "SparseDemand", "sparse_demand_from_topk_ids", "layer_demands", "summarize_samples"]
+__all__ = ["register", "run", "layer_demands", "summarize_samples"]
 
 _PATTERNS = ("none", "ring", "moderate", "extreme")
 _PATHS = ("native", "rail", "perm", "joint")
 _DENSE_MAX = 1 << 24
-
-
-class SparseDemand:
-    """Demand counts of one layer without the dense [W, N, M] histogram (a `netmodel.MaskSource`).
-
-    Attributes:
-        records_NGN_: [N_src, G, N_dst] int64, records owned by GPU (s, g) for node d.
-    """
-
-    def __init__(self, world: int, num_nodes: int, num_masks: int, node_D: np.ndarray, rank_D: np.ndarray,
-                 mask_D: np.ndarray, count_D: np.ndarray) -> None:
-        order = np.argsort(node_D, kind="stable")
-        self.world, self.num_nodes, self.num_masks = world, num_nodes, num_masks
-        self._ptr = np.searchsorted(node_D[order], np.arange(num_nodes + 1))
-        self._rank, self._mask, self._count = rank_D[order], mask_D[order], count_D[order]
-        records = np.zeros((world, num_nodes), dtype=np.int64)
-        np.add.at(records, (rank_D, node_D), count_D)
-        self.records_NGN_ = torch.from_numpy(records.reshape(num_nodes, world // num_nodes, num_nodes))
-
-    def records_NGN(self) -> torch.Tensor:
-        return self.records_NGN_
-
-    def masks_into(self, node: int) -> torch.Tensor:
-        """[W, M] int64: records every rank sends to ``node``, by target mask."""
-        lo, hi = self._ptr[node], self._ptr[node + 1]
-        out = np.zeros(self.world * self.num_masks, dtype=np.int64)
-        np.add.at(out, self._rank[lo:hi] * self.num_masks + self._mask[lo:hi], self._count[lo:hi])
-        return torch.from_numpy(out.reshape(self.world, self.num_masks))
-
-    def scaled(self, scale: float) -> SparseDemand:
-        """Every count multiplied by ``scale`` and rounded."""
-        nodes = np.repeat(np.arange(self.num_nodes), np.diff(self._ptr))
-        count = np.round(self._count * scale).astype(np.int64)
-        return SparseDemand(self.world, self.num_nodes, self.num_masks, nodes, self._rank, self._mask, count)
-
-
-def sparse_demand_from_topk_ids(ids_WTK: np.ndarray, topo: Any, num_experts: int, *, chunk: int = 64) -> SparseDemand:
-    """The counts of `replay.demand_from_topk_ids`, built ``chunk`` ranks at a time (no dense masks).
-
-    Args:
-        ids_WTK: [W, T, K] expert ids, -1 = empty slot; global.
-    """
-    world, num_tokens, _ = ids_WTK.shape
-    n, g = topo.num_nodes, topo.gpus_per_node
-    per_rank = num_experts // world
-    parts = []
-    for lo in range(0, world, chunk):
-        ids = np.sort(np.asarray(ids_WTK[lo:lo + chunk]).astype(np.int64), axis=-1)
-        valid = ids >= 0
-        owner = np.where(valid, ids // per_rank, -1)
-        first = valid.copy()
-        first[..., 1:] &= owner[..., 1:] != owner[..., :-1]  # one bit per owner GPU
-        src = np.broadcast_to((lo + np.arange(ids.shape[0]))[:, None, None], ids.shape)[first]
-        tok = np.broadcast_to(np.arange(num_tokens)[None, :, None], ids.shape)[first]
-        own = owner[first]
-        key, inv = np.unique((src * num_tokens + tok) * n + own // g, return_inverse=True)
-        mask = np.bincount(inv, weights=(1 << (own % g)).astype(np.float64)).astype(np.int64)
-        rank, node = key // n // num_tokens, key % n
-        cell, count = np.unique((node * world + rank) * (1 << g) + mask, return_counts=True)
-        parts.append((cell // (1 << g) // world, (cell // (1 << g)) % world, cell % (1 << g), count))
-    node_D, rank_D, mask_D, count_D = (np.concatenate(x) for x in zip(*parts))
-    return SparseDemand(world, n, 1 << g, node_D, rank_D, mask_D, count_D)
 
 
 def _model_spec(topo: Any) -> Any:
@@ -116,7 +54,7 @@ def _model_spec(topo: Any) -> Any:
 
 def layer_demands(topo: Any, *, layer: int, step: int, tokens: int, seed: int) -> Any:
     """One layer's demand: `DemandCounts` when small enough, else `SparseDemand`."""
-    from ..workloads import GlmAirWorkload, demand_from_topk_ids, glm_air_layer_ids
+    from ..workloads import GlmAirWorkload, demand_from_topk_ids, glm_air_layer_ids, sparse_demand_from_topk_ids
 
     spec = _model_spec(topo)
     work = GlmAirWorkload(num_tokens=tokens, seed=seed, step=step, model=spec, layers=(layer,))
@@ -290,10 +228,9 @@ def run(args: argparse.Namespace) -> int:
     from tqdm.auto import tqdm
 
     from ..netmodel import NetModelConfig, execute_plan, load_netmodel_config
-    from ..netmodel.calibrate import scaled_demand
     from ..netmodel.peers import model_peer
     from ..planner import PlanOptions
-    from ..workloads import GLM45_AIR, arrange
+    from ..workloads import GLM45_AIR, arrange, scaled_demand
 
     topo = _common.cluster_from_args(args)
     model = load_netmodel_config(args.model) if args.model else NetModelConfig()
@@ -327,9 +264,7 @@ def run(args: argparse.Namespace) -> int:
                 base = layer_demands(topo, layer=layer, step=step, tokens=args.tokens, seed=args.seed)
                 for pattern in args.pattern:
                     demand, windows = (base, None) if pattern == "none" else arrange(base, pattern, topo)
-                    if args.payload_scale != 1.0:
-                        demand = (demand.scaled(args.payload_scale) if sparse
-                                  else scaled_demand(demand, args.payload_scale))
+                    demand = scaled_demand(demand, args.payload_scale)
                     records = demand.records_NGN()
                     masks = _rank0_masks(demand, topo) if args.plan_repeats else None
                     for variant, path, fanin in variants:

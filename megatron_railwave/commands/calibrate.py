@@ -1,13 +1,16 @@
 """``railwave calibrate``: profile the four paths on replay requests and write the anchors file.
 
-Requests: ``--workload synthetic`` (``replay.synthetic_routing_maps``: ``--families`` routing seeds
-from ``--seed``, each with its own locality and hot-expert ratio) or ``--workload glm`` (synthetic
-GLM-4.5-Air layers at step 0), each under every ``--arrangements`` sending arrangement (none = all
-node pairs at once, as a training step sends; ring / moderate / extreme: ``replay.arrange``) at
-every ``--payload-scales`` factor (record counts x factor).
+Requests: ``--workload synthetic`` (``workloads.synthetic_routing_maps``: ``--families`` routing
+seeds from ``--seed``, each with its own locality and hot-expert ratio) or ``--workload glm``
+(synthetic GLM-4.5-Air layers at step 0, ``--layers``, default the odd-numbered MoE layers so that
+``railwave validate`` has the even ones held out), at every T per GPU of ``--tokens`` (decode-like
+128 up to training sizes, e.g. 128,512,2048,4096), each under every ``--arrangements`` sending
+arrangement (none = all node pairs at once, as a training step sends; ring / moderate / extreme:
+``workloads.arrange``) at every ``--payload-scales`` factor (record counts x factor).
 Each request: ``--warmups`` discarded calls per path, ``--repeats`` interleaved rounds, medians.
 An anchor is kept when the fastest path is not JOINT, it and JOINT are repeatable
-(p90/p10 <= ``--max-spread``) and p90(best) <= (1 - ``--min-gain``) x p10(JOINT).
+(p90/p10 <= ``--max-spread``) and it beats JOINT by at least ``--min-gain`` (5%) conservatively:
+p90(best) <= (1 - ``--min-gain``) x p10(JOINT).
 
 JSON written by ``--json``: ``anchors`` (the file's content) and ``requests`` (one row per request:
 coords, B_mean_bytes, rho_g, kappa, best, kept, gain, reason, latency_s per path).
@@ -20,7 +23,7 @@ from typing import Any
 
 from . import _common, _outputs, _render
 
-__all__ = ["register", "run", "parse_floats"]
+__all__ = ["register", "run", "parse_floats", "load_model", "model_dict"]
 
 
 def parse_floats(text: str) -> list[float]:
@@ -31,6 +34,16 @@ def parse_floats(text: str) -> list[float]:
         values = []
     if not values or any(not v > 0 for v in values):
         raise argparse.ArgumentTypeError(f"expected positive numbers separated by commas (e.g. 1,2,4), got {text!r}")
+    return values
+
+
+def _token_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        values = []
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"expected tokens per GPU >= 1 separated by commas (e.g. 128,4096), got {text!r}")
     return values
 
 
@@ -53,6 +66,9 @@ def add_measure_args(parser: argparse.ArgumentParser, *, backend_required: bool 
     group = parser.add_argument_group("measurement")
     group.add_argument("--backend", choices=["netmodel"], required=backend_required,
                        default=None, help="what times the paths: netmodel (the flow model; the only backend so far)")
+    group.add_argument("--model", default=None, metavar="YAML",
+                       help="netmodel parameters (configs/netmodel/*.yaml; default: calibrate: the built-in "
+                            "NetModelConfig; validate: the model recorded in the anchors file)")
     group.add_argument("--warmups", type=int, default=5, help="discarded calls per path (default 5)")
     group.add_argument("--repeats", type=int, default=10, help="interleaved rounds per request (default 10)")
     group.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -74,14 +90,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                        help="request generator (default synthetic)")
     group.add_argument("--families", type=int, default=8, help="synthetic routing families (default 8)")
     group.add_argument("--layers", type=_layers, default=None, metavar="L,L",
-                       help="glm: MoE layer numbers (default all 45)")
+                       help="glm: MoE layer numbers (default the odd ones, 1,3,...,45; validation holds out the rest)")
     group.add_argument("--seed", type=int, default=0, help="first family seed / glm seed (default 0)")
     group.add_argument("--arrangements", type=_arrangements, default=["none", "ring", "moderate", "extreme"],
                        metavar="A,A", help="sending arrangements: none (all pairs at once, as in training), "
                        "ring, moderate, extreme (default all four)")
-    group.add_argument("--payload-scales", type=parse_floats, default=[1.0, 2.0, 4.0, 8.0], metavar="X,X",
-                       help="payload factors applied to every routing (default 1,2,4,8)")
-    group.add_argument("--tokens", type=int, default=1024, metavar="T", help="tokens per GPU (default 1024)")
+    group.add_argument("--payload-scales", type=parse_floats, default=[1.0], metavar="X,X",
+                       help="payload factors applied to every routing, on top of --tokens (default 1)")
+    group.add_argument("--tokens", type=_token_list, default=[128, 512, 2048, 4096], metavar="T,T",
+                       help="tokens per GPU, one request set per value (default 128,512,2048,4096)")
     group.add_argument("--hidden", type=int, default=4096, metavar="H", help="hidden size (default 4096)")
     group.add_argument("--dtype", default="bf16", help="payload element type (default bf16)")
     rule = parser.add_argument_group("keep rule")
@@ -91,6 +108,30 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--json", default=None, metavar="FILE", help="also write every request's numbers")
     parser.set_defaults(handler=run)
     _outputs.declare_outputs(parser, files=("out", "json"))
+
+
+def load_model(path: str | None):
+    """The ``NetModelConfig`` of ``--model`` (None: the built-in defaults)."""
+    from ..netmodel import NetModelConfig, load_netmodel_config
+
+    return load_netmodel_config(path) if path else NetModelConfig()
+
+
+def model_dict(model) -> dict[str, Any]:
+    """The model's parameters as recorded in the anchors file (provenance; validate reuses them)."""
+    return model.to_dict()
+
+
+def with_selector_settings(anchor_set, tuned: dict[str, Any]):
+    """``anchor_set`` with the tuned thresholds in ``context.settings.selector`` (scores stay in the JSON)."""
+    from ..anchors import AnchorSet, CalibrationContext
+
+    ctx = anchor_set.context
+    settings = {**ctx.settings, "selector": {k: tuned[k] for k in ("payload_ratio", "shape_distance", "method",
+                                                                   "tolerance")}}
+    return AnchorSet(anchors=anchor_set.anchors, scales=anchor_set.scales,
+                     context=CalibrationContext(topology=ctx.topology, hidden_size=ctx.hidden_size, dtype=ctx.dtype,
+                                                backend=ctx.backend, date=ctx.date, settings=settings))
 
 
 def check_measure_args(args: argparse.Namespace) -> None:
@@ -113,32 +154,41 @@ def run(args: argparse.Namespace) -> int:
 
     topo = _common.cluster_from_args(args)
     check_measure_args(args)
-    if args.tokens < 1 or args.hidden < 1 or args.families < 1:
-        raise ValueError(f"--tokens, --hidden and --families must be >= 1, got {args.tokens}, "
-                         f"{args.hidden}, {args.families}")
+    if args.hidden < 1 or args.families < 1:
+        raise ValueError(f"--hidden and --families must be >= 1, got {args.hidden}, {args.families}")
     if args.max_spread < 1 or not 0 <= args.min_gain < 1:
         raise ValueError(f"need --max-spread >= 1 and 0 <= --min-gain < 1, got {args.max_spread}, {args.min_gain}")
     record_bytes = args.hidden * dtype_bytes(args.dtype)
-    settings: dict[str, Any] = {"workload": args.workload, "seed": args.seed, "tokens": args.tokens,
+    settings: dict[str, Any] = {"workload": args.workload, "seed": args.seed, "tokens": list(args.tokens),
                                 "payload_scales": list(args.payload_scales),
                                 "arrangements": list(args.arrangements)}
     if args.workload == "glm":
-        settings["layers"] = args.layers
+        from ..workloads import GLM45_AIR
+
+        settings["layers"] = args.layers or [layer for layer in GLM45_AIR.layer_numbers if layer % 2 == 1]
     else:
         settings["families"] = list(range(args.seed, args.seed + args.families))
-    backend = calibration.make_backend(args.backend, topo)
+    model = load_model(args.model)
+    backend = calibration.make_backend(args.backend, topo, model=model)
     requests = calibration.calibration_requests(topo, settings, record_bytes=record_bytes)
     result = calibration.calibrate(
         backend, requests, topo, hidden_size=args.hidden, dtype=args.dtype, warmups=args.warmups,
         repeats=args.repeats, max_spread=args.max_spread, min_gain=args.min_gain,
-        settings={"requests": settings}, progress=not args.no_progress)
-    save_anchors(result.anchor_set, args.out)
+        settings={"requests": settings, "model_file": args.model, "model": model_dict(model)},
+        progress=not args.no_progress)
+    tuned = calibration.tune_selector(result)
+    anchor_set = with_selector_settings(result.anchor_set, tuned)
+    save_anchors(anchor_set, args.out)
     rows = [r.to_dict() for r in result.rows]
     print_latencies(f"calibration on {topo.name} with {backend.name} (median of {args.repeats})", rows)
-    kept = result.anchor_set.anchors
+    kept = anchor_set.anchors
     _render.print_text(f"kept {len(kept)} of {len(rows)} requests as anchors "
                        f"({', '.join(f'{a.name}: {a.path}' for a in kept) or 'none: always JOINT'}); "
                        f"wrote {args.out}")
+    _render.print_text(
+        f"selector thresholds (leave-one-routing-out on these requests): payload ratio {tuned['payload_ratio']}, "
+        f"shape distance {tuned['shape_distance']} (recorded in context.settings.selector; railwave validate "
+        "uses them, a RailWave config sets payload_ratio / shape_distance)")
     if args.json:
-        _common.write_json(args.json, {"anchors": result.anchor_set.to_dict(), "requests": rows})
+        _common.write_json(args.json, {"anchors": anchor_set.to_dict(), "requests": rows, "selector": tuned})
     return 0

@@ -1,17 +1,26 @@
-"""``railwave validate``: the calibrated selector on requests not used for calibration.
+"""``railwave validate``: the calibrated selector on held-out requests.
 
-Requests come from the generator recorded in the anchors file (``context.settings.requests``):
-glm at another training step; synthetic as half resampled variants of the calibration requests
-(Poisson counts, payload jitter) and half unseen routing families. For each request: the selected
-path (and anchor), its median latency, JOINT's and the best fixed path's. Summary: switches away
-from JOINT and their gains, worst selected/best ratio.
+Requests come from the generator recorded in the anchors file (``context.settings.requests``),
+held out from calibration (``calibration.held_out_settings``, checked by
+``calibration.check_held_out``): glm takes another workload seed (``--seed``) and layers that
+calibration did not use (``--layers``, default all the others; ``--requests`` keeps the first
+that many); synthetic takes routing families numbered from ``--seed`` that calibration never saw.
+T per GPU, arrangements and payload scales are calibration's. For each request: the selected path
+(and anchor), its median latency, JOINT's and the best fixed path's.
+
+Goals, printed as met or missed: the selected path is within 3% of the best fixed path on every
+request, and the total over all requests beats always-JOINT. Also: path changes between
+consecutive layers (per sequence of layers with one seed, T, arrangement and scale), totals of
+every always-X policy. ``--require-goals`` exits 1 when a goal is missed.
 
 ``--bench`` measures the selector's decision cost (descriptors to path, and for reference the
 descriptors from gathered counts) on the requests' descriptors and needs no backend.
 
-JSON written by ``--json``: ``summary``, ``requests`` (per request: selected, anchor, selected_s,
-joint_s, best_path, best_s, ratio_to_best, gain_vs_joint, median_s per path) and, with
-``--bench``, ``bench`` (us_per_decision, us_per_descriptors, num_anchors, repeats).
+JSON written by ``--json``: ``held_out`` (the validation settings), ``summary`` (``goals``,
+``num_path_changes``, ``path_changes_per_sequence``, totals, worst ratio, ...), ``requests`` (per
+request: sequence, position, selected, anchor, selected_s, joint_s, best_path, best_s,
+ratio_to_best, within_goal, gain_vs_joint, median_s per path) and, with ``--bench``, ``bench``
+(us_per_decision, us_per_descriptors, num_anchors, repeats).
 """
 
 from __future__ import annotations
@@ -23,7 +32,7 @@ import time
 from typing import Any
 
 from . import _common, _outputs, _render
-from .calibrate import add_measure_args, check_measure_args
+from .calibrate import _layers, add_measure_args, check_measure_args, load_model
 
 __all__ = ["register", "run", "bench_selector"]
 
@@ -39,11 +48,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--cluster", default=None, metavar="YAML",
                         help="cluster file or preset (default: the anchors file's topology)")
     add_measure_args(parser, backend_required=False)
-    parser.add_argument("--requests", type=int, default=24, help="unseen requests (default 24)")
-    parser.add_argument("--seed", type=int, default=1, help="seed of the unseen requests (default 1)")
-    parser.add_argument("--payload-ratio", type=float, default=1.25, help="selector payload ratio (default 1.25)")
-    parser.add_argument("--shape-distance", type=float, default=0.02,
-                        help="selector shape distance (default 0.02)")
+    parser.add_argument("--requests", type=int, default=None, metavar="K",
+                        help="glm: keep the first K held-out layers; synthetic: K held-out families "
+                             "(default: all held-out layers / as many families as calibration)")
+    parser.add_argument("--layers", type=_layers, default=None, metavar="L,L",
+                        help="glm: held-out layer numbers (default: every layer calibration did not use)")
+    parser.add_argument("--seed", type=int, default=1000,
+                        help="glm workload seed / first synthetic family of the held-out requests; must "
+                             "differ from calibration's (default 1000)")
+    parser.add_argument("--require-goals", action="store_true", help="exit 1 when a validation goal is missed")
+    parser.add_argument("--payload-ratio", type=float, default=None,
+                        help="selector payload ratio (default: the anchors file's context.settings.selector, else 1.25)")
+    parser.add_argument("--shape-distance", type=float, default=None,
+                        help="selector shape distance (default: the anchors file's context.settings.selector, else 0.02)")
     parser.add_argument("--bench", action="store_true",
                         help="print the selector decision cost per layer (no backend needed)")
     parser.add_argument("--json", default=None, metavar="FILE", help="write the per-request table and summary")
@@ -82,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
     from ..traffic import SelectorScales
 
     check_measure_args(args)
-    if args.requests < 1:
+    if args.requests is not None and args.requests < 1:
         raise ValueError(f"--requests must be >= 1, got {args.requests}")
     if args.backend is None and not args.bench:
         raise ValueError("--backend is required (unless only --bench is asked for)")
@@ -99,7 +116,10 @@ def run(args: argparse.Namespace) -> int:
         anchor_set = load_anchors(args.anchors, None)
         topo = RailTopology.from_dict({k: v for k, v in anchor_set.context.topology.items()},
                                       source=f"anchors file {args.anchors!r}: context.topology")
-    selector = AnchorSelector(anchor_set, payload_ratio=args.payload_ratio, shape_distance=args.shape_distance)
+    recorded = anchor_set.context.settings.get("selector") or {}
+    payload_ratio = args.payload_ratio if args.payload_ratio is not None else recorded.get("payload_ratio", 1.25)
+    shape_distance = args.shape_distance if args.shape_distance is not None else recorded.get("shape_distance", 0.02)
+    selector = AnchorSelector(anchor_set, payload_ratio=payload_ratio, shape_distance=shape_distance)
     settings = anchor_set.context.settings.get("requests")
     if not isinstance(settings, dict) or "payload_scales" not in settings:
         raise ValueError(f"anchors file {args.anchors!r}: field 'context.settings.requests' is missing; it "
@@ -107,9 +127,12 @@ def run(args: argparse.Namespace) -> int:
     from ..traffic import dtype_bytes
 
     record_bytes = anchor_set.context.hidden_size * dtype_bytes(anchor_set.context.dtype)
-    requests = calibration.validation_requests(topo, settings, count=args.requests, seed=args.seed,
-                                               record_bytes=record_bytes)
-    out: dict[str, Any] = {}
+    held_out = calibration.held_out_settings(settings, seed=args.seed, count=args.requests, layers=args.layers)
+    requests = calibration.validation_requests(topo, settings, seed=args.seed, count=args.requests,
+                                               layers=args.layers, record_bytes=record_bytes)
+    out: dict[str, Any] = {"held_out": held_out,
+                           "selector": {"payload_ratio": payload_ratio, "shape_distance": shape_distance}}
+    status = 0
     if args.bench:
         torch.set_num_threads(1)
         ref, rho_s, kappa_s = anchor_set.scales
@@ -122,27 +145,57 @@ def run(args: argparse.Namespace) -> int:
             f"anchors, median of 5 x {bench['repeats']} calls, 1 thread); "
             f"descriptors from counts: {bench['us_per_descriptors']:.0f} us")
     if args.backend is not None:
-        backend = calibration.make_backend(args.backend, topo)
+        backend = calibration.make_backend(args.backend, topo, model=_model(args, anchor_set))
         result = calibration.validate(backend, selector, requests, topo, warmups=args.warmups,
                                       repeats=args.repeats, progress=not args.no_progress)
         data = result.to_dict()
         out.update(data)
         _render.print_table(
-            f"validation on {len(requests)} unseen requests ({backend.name}, median of {args.repeats})",
+            f"validation on {len(requests)} held-out requests ({backend.name}, median of {args.repeats})",
             ["request", "selected", "anchor", "selected ms", "joint ms", "best", "best ms", "sel/best",
              "gain vs joint"],
             [[r["request"], r["selected"], r["anchor"] or "-", r["selected_s"] * 1e3, r["joint_s"] * 1e3,
               r["best_path"], r["best_s"] * 1e3, r["ratio_to_best"], f"{r['gain_vs_joint']:+.1%}"]
              for r in data["requests"]])
         s = data["summary"]
-        gains = ", ".join(f"{g:.1%}" for g in s["switch_gains_vs_joint"]) or "-"
+        goals = s["goals"]
+        tol = 1 + s["tolerance"]
         _render.print_text(
-            f"{s['num_switches']} of {s['num_requests']} switched away from JOINT (gains {gains}); "
-            f"{s['num_fallback_joint']} fell back to JOINT; worst selected/best = "
-            f"{s['worst_ratio_to_best']:.3f} ({s['worst_request']}); "
-            f"{s['num_over_tolerance']} over {1 + s['tolerance']:.2f}x best; total vs always-"
-            f"{s['best_fixed_policy']} (best fixed policy) {s['selected_vs_best_policy']:.3f}, vs always-joint "
-            f"{s['selected_vs_joint_policy']:.3f}")
+            f"selector: payload ratio {payload_ratio}, shape distance {shape_distance}; "
+            f"held out: {_describe_held_out(held_out)}; {s['num_requests']} requests in {s['num_sequences']} "
+            f"sequences of consecutive layers; selected {s['selected_paths']}; best per request {s['best_paths']}; "
+            f"{s['num_path_changes']} path changes between consecutive layers")
+        _render.print_text(
+            f"totals: selected {s['total_selected_s'] * 1e3:.3f} ms, always-JOINT "
+            f"{s['total_fixed_s']['joint'] * 1e3:.3f} ms (selected/JOINT {s['selected_vs_joint_policy']:.3f}), "
+            f"best fixed policy always-{s['best_fixed_policy']} {s['total_fixed_s'][s['best_fixed_policy']] * 1e3:.3f} ms, "
+            f"best path per request {s['total_best_per_request_s'] * 1e3:.3f} ms")
+        _render.print_text(
+            f"goal 1, selected within {tol:.2f}x of the best fixed path on every request: "
+            f"{'MET' if goals['within_tolerance_of_best_on_every_request'] else 'MISSED'} (worst "
+            f"{s['worst_ratio_to_best']:.3f} on {s['worst_request']}; {s['num_over_tolerance']} over)")
+        _render.print_text(
+            f"goal 2, total beats always-JOINT: {'MET' if goals['total_beats_always_joint'] else 'MISSED'} "
+            f"({s['selected_vs_joint_policy']:.3f})")
+        status = 1 if args.require_goals and not goals["all_met"] else 0
     if args.json:
         _common.write_json(args.json, out)
-    return 0
+    return status
+
+
+def _model(args: argparse.Namespace, anchor_set: Any):
+    """``--model``, else the model recorded in the anchors file, else the built-in defaults."""
+    from ..netmodel import NetModelConfig
+
+    if args.model:
+        return load_model(args.model)
+    recorded = anchor_set.context.settings.get("model")
+    if isinstance(recorded, dict):
+        return NetModelConfig.from_dict(recorded, source=f"anchors file {args.anchors!r}: context.settings.model")
+    return NetModelConfig()
+
+
+def _describe_held_out(held: dict[str, Any]) -> str:
+    if held.get("workload") == "glm":
+        return f"glm seed {held['seed']}, layers {held['layers']}"
+    return f"synthetic families {held['families']}"

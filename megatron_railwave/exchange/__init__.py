@@ -11,8 +11,10 @@ from .deepep import DeepEPExchange
 from .groups import RankGroups, build_rail_groups, rank_groups, survey_unresponsive, virtual_rank_groups
 from .placement import (ConfigMismatchError, Placement, PlacementError, RankFacts, check_fingerprints,
                         gather_rank_facts, identity_placement, place_ranks)
-from .layer import (EntryIndex, InputError, LayerDemand, LayerHandle, RankContext, combine_backward, combine_forward,
-                    dispatch_backward, dispatch_forward, gather_demand, prepare_layer)
+from .capacity import PaddedEntries, capacity_demand, capacity_layer, capacity_plan, check_capacity
+from .layer import (CapacityOverflowError, EntryIndex, InputError, LayerDemand, LayerHandle, RankContext,
+                    combine_backward, combine_forward, dispatch_backward, dispatch_forward, gather_demand,
+                    prepare_capacity_layer, prepare_layer)
 from .torch_dist import DispatchOutput, ExchangeHandle, TorchDistExchange
 from .transport import ExchangeError, ExchangeTimeoutError, TorchDistTransport, drive
 from .virtual import PhaseEvent, VirtualCluster
@@ -33,6 +35,13 @@ __all__ = [
     "gather_rank_facts",
     "identity_placement",
     "place_ranks",
+    "PaddedEntries",
+    "capacity_demand",
+    "capacity_layer",
+    "capacity_plan",
+    "check_capacity",
+    "CapacityOverflowError",
+    "prepare_capacity_layer",
     "EntryIndex",
     "InputError",
     "LayerDemand",

@@ -7,7 +7,8 @@
   ('fake'); a layout DeepEP cannot run raises ``ValueError`` on every rank before any
   communication, a rank where DeepEP does not import makes every rank raise ``ImportError``.
 * 'auto': 'deepep' when the job runs on GPUs (NCCL), ``deep_ep`` imports on every EP rank and the
-  layout meets DeepEP's limits; else 'torch'. The choice is agreed on the EP group (one small
+  layout meets DeepEP's limits; else 'torch'. With ``max_tokens_per_rank`` (fixed-capacity mode,
+  which only the torch backend runs) 'auto' is 'torch' and 'deepep' raises ``ValueError``. The choice is agreed on the EP group (one small
   all-gather), so every rank takes the same backend.
 """
 
@@ -46,7 +47,7 @@ def _ranks_failing(groups: RankGroups, ok: bool) -> list[int]:
 def build_exchange(topo: RailTopology, groups: RankGroups, *, backend: BackendName, num_experts: int, topk: int,
                    hidden_size: int, hidden_dtype: torch.dtype, deepep_buffer: Literal["real", "fake"] = "real",
                    deepep_num_sms: int = 20, options: PlanOptions | None = None,
-                   timeout_s: float | None = None) -> TorchDistExchange:
+                   timeout_s: float | None = None, max_tokens_per_rank: int | None = None) -> TorchDistExchange:
     """The exchange of one MoE layer's EP group (see module docstring).
 
     Collective: yes (the EP group: the backend agreement for 'deepep' / 'auto', DeepEP's Buffer).
@@ -56,8 +57,11 @@ def build_exchange(topo: RailTopology, groups: RankGroups, *, backend: BackendNa
         ImportError: 'deepep' and ``deep_ep`` does not import on some rank (every rank raises).
     """
     common = dict(num_experts=num_experts, options=options, timeout_s=timeout_s)
-    if backend == "torch":
-        return TorchDistExchange(topo, groups, **common)
+    if backend == "torch" or (backend == "auto" and max_tokens_per_rank is not None):
+        return TorchDistExchange(topo, groups, max_tokens_per_rank=max_tokens_per_rank, **common)
+    if backend == "deepep" and max_tokens_per_rank is not None:
+        raise ValueError(f"max_tokens_per_rank={max_tokens_per_rank} (fixed-capacity mode) runs on the torch backend "
+                         "only; set backend: torch (or auto), or max_tokens_per_rank: null for DeepEP")
     if backend not in ("deepep", "auto"):
         raise ValueError(f"backend={backend!r} must be 'torch', 'deepep' or 'auto'")
     from .deepep import DeepEPExchange

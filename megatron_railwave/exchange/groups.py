@@ -36,7 +36,8 @@ from ..topology import RailTopology
 from .placement import Placement, identity_placement
 from .transport import GroupRef
 
-__all__ = ["RankGroups", "build_rail_groups", "rank_groups", "virtual_rank_groups", "survey_unresponsive"]
+__all__ = ["RankGroups", "build_rail_groups", "rank_groups", "virtual_rank_groups", "survey_unresponsive",
+           "report_failure", "reported_failures"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -194,3 +195,40 @@ def survey_unresponsive(groups: RankGroups, call: int, stage: str, group: GroupR
         if missing:
             time.sleep(0.05)
     return missing
+
+
+def _store() -> Any:
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except Exception:  # noqa: BLE001 - reports are best effort
+        return None
+
+
+def report_failure(groups: RankGroups, call: int, message: str) -> None:
+    """Leave ``message`` in the job's store for call ``call`` before this rank raises without
+    communicating (fixed-capacity mode's local checks), so that its peers, which then time out
+    waiting for it, can say why (``reported_failures``). Best effort; host only."""
+    store = _store()
+    if store is None:
+        return
+    try:
+        store.set(f"railwave/{call}/failed/{groups.railwave_rank}", message)
+    except Exception:  # noqa: BLE001
+        pass
+
+
+def reported_failures(groups: RankGroups, call: int) -> dict[int, str]:
+    """{railwave rank: message} of the EP ranks that reported a failure of call ``call``
+    (``report_failure``); read only after a step of this rank failed. No waiting."""
+    store = _store()
+    if store is None:
+        return {}
+    out = {}
+    for r in groups.ep.ranks:
+        key = f"railwave/{call}/failed/{r}"
+        try:
+            if store.check([key]):
+                out[r] = store.get(key).decode(errors="replace")
+        except Exception:  # noqa: BLE001
+            return out
+    return out

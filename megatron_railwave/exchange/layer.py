@@ -15,6 +15,12 @@ Lifecycle (the same programs run over torch.distributed and in the virtual clust
      the device index maps follow from it and from this rank's records.
   3. ``dispatch_forward`` / ``combine_forward`` and their backwards (programs).
 
+Fixed-capacity mode (``max_tokens_per_rank`` = C; ``exchange.capacity``): steps 1 and 2 are
+replaced by ``prepare_capacity_layer`` (no communication, no host sync: the capacity plan's
+schedule and index maps are cached, the slots are filled on the device) and the received
+entries come in the padded layout [E_loc, W * C] with a device ``tokens_per_expert``. The same
+four programs run; where the modes differ they branch on ``LayerHandle.capacity``.
+
 Reductions happen in a fixed order that does not depend on the path: local experts
 ascending per copy, the destination node's GPUs in local order per record, destination
 nodes in order per token (``ops.segment_sum``). All four paths give bitwise-identical outputs
@@ -23,28 +29,35 @@ and gradients on any device.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
 from .. import ops
-from ..planner import PathPlan, PlanOptions
+from ..planner import Path, PathPlan, PlanOptions
 from ..schedule import ExecutionSchedule, RankView, RecordWireFormat, compile_schedule, rank_view
 from ..schedule.wire import META_FIXED_WORDS, ROUTING_BITS_PER_WORD
 from ..topology import RailTopology
 from ..traffic import DemandCounts
+from .capacity import PaddedEntries, capacity_layer, expand_padded, slot_tokens
 from .groups import RankGroups
 from .layout import LayerLayout, build_layout, select_positions
 from .moves import as_row_bytes, backward_moves, forward_moves, part_view, unpack_views
 from .transport import Collective, Program
 
-__all__ = ["InputError", "RankContext", "LayerDemand", "LayerHandle", "EntryIndex", "gather_demand",
+__all__ = ["InputError", "CapacityOverflowError", "RankContext", "LayerDemand", "LayerHandle", "EntryIndex", "gather_demand",
            "prepare_layer", "dispatch_forward", "dispatch_backward", "combine_forward", "combine_backward",
-           "input_status"]
+           "input_status", "prepare_capacity_layer"]
 
 
 class InputError(ValueError):
-    """Bad dispatcher input, raised identically on every rank."""
+    """Bad dispatcher input, raised identically on every rank (normal mode; in fixed-capacity
+    mode on the rank whose input it is, before any communication)."""
+
+
+class CapacityOverflowError(InputError):
+    """Fixed-capacity mode: a rank has more tokens than ``max_tokens_per_rank``."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -114,17 +127,21 @@ class LayerHandle:
 
     Attributes:
         schedule: the compiled schedule; view: this rank's view; layout: device index maps.
-        tokens_per_expert: [E_loc] int64 on the host (from the gathered counts).
-        num_entries, num_tokens, max_tokens: host ints.
+        tokens_per_expert: [E_loc] int64 on the host (from the gathered counts); None in
+            fixed-capacity mode (there it is a device tensor of the dispatch's entries).
+        num_entries: entry rows dispatch returns (fixed capacity: the padded E_loc * W * C).
+        num_tokens, max_tokens: host ints (fixed capacity: max_tokens = C).
+        capacity: C in fixed-capacity mode, else None.
     """
 
     schedule: ExecutionSchedule
     view: RankView
     layout: LayerLayout
-    tokens_per_expert: torch.Tensor
+    tokens_per_expert: torch.Tensor | None
     num_entries: int
     num_tokens: int
     max_tokens: int
+    capacity: int | None = None
 
     @property
     def plan(self) -> PathPlan:
@@ -232,6 +249,54 @@ def prepare_layer(ctx: RankContext, layer: LayerDemand, plan: PathPlan, *, hidde
                        max_tokens=layer.max_tokens)
 
 
+def prepare_capacity_layer(ctx: RankContext, hidden: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor,
+                           *, path: Path | str, capacity: int) -> LayerHandle:
+    """Fixed-capacity mode: this rank's handle for one layer, with no communication and no host
+    sync (``exchange.capacity``). Replaces ``gather_demand`` + ``prepare_layer``.
+
+    The checks are host-local (shapes, dtypes, T <= C) and raise on this rank only, before any
+    communication; its peers then wait for it and end with ``ExchangeTimeoutError`` naming it
+    (see docs/exchange.md, "Fixed-capacity mode").
+
+    Raises:
+        InputError: malformed input on this rank.
+        CapacityOverflowError: T > ``capacity``.
+    """
+    code, message = input_status(ctx, hidden, probs, routing_map)
+    ep_rank = ctx.groups.ep_rank
+    if code:
+        raise InputError(f"malformed dispatcher input on EP rank {ep_rank}: {message}; expected hidden [T, H] and "
+                         f"probs [T, {ctx.num_experts}] (floating point) and a bool routing_map [T, {ctx.num_experts}] "
+                         "with top-k True per row, all on one device")
+    t = int(routing_map.shape[0])
+    if t > capacity:
+        raise CapacityOverflowError(
+            f"EP rank {ep_rank}: {t} tokens in this layer call exceed max_tokens_per_rank={capacity} (the fixed "
+            f"capacity every buffer is sized for); raise max_tokens_per_rank to at least {t} (micro-batch size x "
+            "sequence length / tensor-parallel size for Megatron), or set it to None for the normal mode")
+    wire = RecordWireFormat(hidden=int(hidden.shape[-1]), payload_dtype=hidden.dtype, probs_dtype=probs.dtype,
+                            experts_per_node=ctx.experts_per_node)
+    fixed = capacity_layer(ctx.topo, path, capacity, ctx.options, wire, ctx.groups.railwave_rank, routing_map.device)
+    layout = dataclasses.replace(fixed.layout, token_R=slot_tokens(routing_map, ctx.topo.num_nodes, capacity))
+    return LayerHandle(schedule=fixed.schedule, view=fixed.view, layout=layout, tokens_per_expert=None,
+                       num_entries=ctx.experts_per_rank * ctx.topo.world_size * capacity, num_tokens=t,
+                       max_tokens=capacity, capacity=capacity)
+
+
+def _trash(handle: LayerHandle) -> int:
+    """Extra segment / row that padding goes to in fixed-capacity mode (dropped); 0 otherwise."""
+    return 0 if handle.capacity is None else 1
+
+
+def _entry_rows(rows_C: torch.Tensor, entries: EntryIndex | PaddedEntries) -> torch.Tensor:
+    """Each entry's row of the per-copy ``rows_C``; padding rows (fixed capacity) are zero."""
+    if isinstance(entries, PaddedEntries):
+        picked = rows_C.index_select(0, entries.copy_of_slot.clamp(max=max(rows_C.shape[0] - 1, 0)))
+        valid = entries.valid.view((-1,) + (1,) * (picked.dim() - 1))
+        return picked.masked_fill_(~valid, 0)
+    return rows_C.index_select(0, entries.copy_of_entry)
+
+
 def _routing_words(routing_map: torch.Tensor, rows: torch.Tensor, ctx: RankContext, words: int) -> torch.Tensor:
     """[n, words] int32: the routing bits of each (token, node) row, 32 per word."""
     e_node = ctx.experts_per_node
@@ -257,32 +322,56 @@ def _expand(meta_C: torch.Tensor, ctx: RankContext, handle: LayerHandle) -> Entr
     return EntryIndex(copy_of_entry=copy_idx.index_select(0, order), expert_of_entry=expert_idx.index_select(0, order))
 
 
-def _probs_column(ctx: RankContext, entries: EntryIndex) -> torch.Tensor:
+def _probs_column(ctx: RankContext, entries: EntryIndex | PaddedEntries) -> torch.Tensor:
     """[n_ent] column of each entry's expert in a node's probs row."""
     return ctx.groups.local * ctx.experts_per_rank + entries.expert_of_entry
 
 
 def dispatch_forward(ctx: RankContext, handle: LayerHandle, hidden: torch.Tensor, probs: torch.Tensor,
                      routing_map: torch.Tensor) -> Program:
-    """Program: tokens to the experts. Returns (tokens [n_ent, H], probs [n_ent], ``EntryIndex``)."""
+    """Program: tokens to the experts. Returns (tokens [n_ent, H], probs [n_ent], ``EntryIndex``).
+
+    Fixed capacity: tokens [E_loc * W * C, H] and probs [E_loc * W * C] in the padded layout
+    (padding rows zero) and ``PaddedEntries`` (its ``tokens_per_expert`` is a device tensor).
+    """
     layout, wire, n = handle.layout, handle.wire, ctx.topo.num_nodes
+    e_node = ctx.experts_per_node
     order = layout.owner_order
     token_o = layout.token_R.index_select(0, order)
     row_o = token_o * n + layout.node_R.index_select(0, order)  # (token, node) row of probs/routing
-    meta = torch.cat([torch.full_like(token_o, ctx.groups.railwave_rank).unsqueeze(1), token_o.unsqueeze(1)], dim=1)
+    source_o = torch.full_like(token_o, ctx.groups.railwave_rank)
+    probs_rows = probs.reshape(-1, e_node)
+    if handle.capacity is not None:
+        # Padding slots (token T) read an appended zero row and carry source rank -1, no routing bits.
+        t = handle.num_tokens
+        valid_o = token_o < t
+        row_o = torch.where(valid_o, row_o, t * n)
+        source_o = torch.where(valid_o, source_o, -1)
+        hidden = torch.cat([hidden, hidden.new_zeros((1, hidden.shape[1]))])
+        probs_rows = torch.cat([probs_rows, probs_rows.new_zeros((1, e_node))])
+        routing_map = torch.cat([routing_map.reshape(-1, e_node), routing_map.new_zeros((1, e_node))])
+    meta = torch.cat([source_o.unsqueeze(1), token_o.unsqueeze(1)], dim=1)
     meta = torch.cat([meta.to(torch.int32), _routing_words(routing_map, row_o, ctx, wire.meta_words - META_FIXED_WORDS)],
                      dim=1)
-    rows = ops.pack_rows([hidden, probs.reshape(-1, ctx.experts_per_node), meta], [token_o, row_o, None])
+    rows = ops.pack_rows([hidden, probs_rows, meta], [token_o, row_o, None])
     copies = yield from forward_moves(rows, layout=layout, view=handle.view, schedule=handle.schedule,
                                       groups=ctx.groups)
     specs = wire.dispatch_specs()
     _, probs_C, meta_C = ops.unpack_rows(copies[:, wire.payload_bytes:], [(torch.uint8, (0,))] + specs[1:])
-    entries = _expand(meta_C, ctx, handle)
+    if handle.capacity is None:
+        entries: EntryIndex | PaddedEntries = _expand(meta_C, ctx, handle)
+    else:
+        entries = expand_padded(meta_C, local=ctx.groups.local, experts_per_rank=ctx.experts_per_rank,
+                                world_size=ctx.topo.world_size, capacity=handle.capacity)
     payload_C = part_view(copies, specs, 0)  # rows gathered straight from the packed copies
     if payload_C is None:
         payload_C = ops.unpack_rows(copies, specs)[0]
-    tokens = payload_C.index_select(0, entries.copy_of_entry)
-    entry_probs = probs_C[entries.copy_of_entry, _probs_column(ctx, entries)]
+    tokens = _entry_rows(payload_C, entries)
+    if isinstance(entries, PaddedEntries):
+        copy = entries.copy_of_slot.clamp(max=max(entries.num_copies - 1, 0))
+        entry_probs = probs_C[copy, _probs_column(ctx, entries)].masked_fill_(~entries.valid, 0)
+    else:
+        entry_probs = probs_C[entries.copy_of_entry, _probs_column(ctx, entries)]
     return tokens, entry_probs, entries
 
 
@@ -290,22 +379,24 @@ def dispatch_backward(ctx: RankContext, handle: LayerHandle, entries: EntryIndex
                       g_probs: torch.Tensor) -> Program:
     """Program: gradients of dispatch. Returns (g_hidden [T, H], g_probs [T, E])."""
     layout, wire, n = handle.layout, handle.wire, ctx.topo.num_nodes
-    n_copy = layout.num_copies
-    g_payload_C = ops.segment_sum(g_tokens, entries.copy_of_entry, n_copy, out_dtype=wire.payload_dtype,
-                                  max_segment_len=ctx.experts_per_rank)
-    g_probs_C = torch.zeros((n_copy, ctx.experts_per_node), dtype=wire.probs_dtype, device=g_tokens.device)
+    n_copy, trash = layout.num_copies, _trash(handle)  # fixed capacity: padding rows sum into a dropped row
+    g_payload_C = ops.segment_sum(g_tokens, entries.copy_of_entry, n_copy + trash, out_dtype=wire.payload_dtype,
+                                  max_segment_len=ctx.experts_per_rank)[:n_copy]
+    g_probs_C = torch.zeros((n_copy + trash, ctx.experts_per_node), dtype=wire.probs_dtype, device=g_tokens.device)
     g_probs_C.index_put_((entries.copy_of_entry, _probs_column(ctx, entries)), g_probs.to(wire.probs_dtype))
-    rows = ops.pack_rows([g_payload_C, g_probs_C], [None, None])
+    rows = ops.pack_rows([g_payload_C, g_probs_C[:n_copy]], [None, None])
     back = yield from backward_moves(rows, wire.dispatch_grad_specs(), layout=layout, view=handle.view,
                                      schedule=handle.schedule, groups=ctx.groups)
     n_rec = handle.view.num_records
     g_payload_R, g_probs_R = ops.unpack_rows(back, wire.dispatch_grad_specs(), row_index=layout.owner_order,
                                              num_rows=n_rec)
     t = handle.num_tokens
-    g_hidden = ops.segment_sum(g_payload_R, layout.token_R, t, out_dtype=wire.payload_dtype, max_segment_len=n)
-    g_probs_full = torch.zeros((t * n, ctx.experts_per_node), dtype=wire.probs_dtype, device=g_tokens.device)
+    g_hidden = ops.segment_sum(g_payload_R, layout.token_R, t + trash, out_dtype=wire.payload_dtype,
+                               max_segment_len=n)[:t]
+    g_probs_full = torch.zeros(((t + trash) * n, ctx.experts_per_node), dtype=wire.probs_dtype,
+                               device=g_tokens.device)
     g_probs_full.index_copy_(0, layout.token_R * n + layout.node_R, g_probs_R)
-    return g_hidden, g_probs_full.view(t, ctx.num_experts)
+    return g_hidden, g_probs_full[:t * n].view(t, ctx.num_experts)
 
 
 def combine_forward(ctx: RankContext, handle: LayerHandle, entries: EntryIndex, expert_out: torch.Tensor) -> Program:
@@ -314,20 +405,28 @@ def combine_forward(ctx: RankContext, handle: LayerHandle, entries: EntryIndex, 
     if expert_out.dtype != wire.payload_dtype:
         raise ValueError(f"combine: expert output dtype {expert_out.dtype} differs from the dispatched hidden "
                          f"dtype {wire.payload_dtype}")
-    y_C = ops.segment_sum(expert_out, entries.copy_of_entry, layout.num_copies, max_segment_len=ctx.experts_per_rank)
+    if expert_out.shape[0] != handle.num_entries:
+        raise ValueError(f"combine: expert output has {expert_out.shape[0]} rows, dispatch returned "
+                         f"{handle.num_entries}")
+    n_copy, trash, t = layout.num_copies, _trash(handle), handle.num_tokens
+    y_C = ops.segment_sum(expert_out, entries.copy_of_entry, n_copy + trash,
+                          max_segment_len=ctx.experts_per_rank)[:n_copy]
     back = yield from backward_moves(as_row_bytes(y_C), wire.combine_specs(), layout=layout,
                                      view=handle.view, schedule=handle.schedule, groups=ctx.groups)
     (y_R,) = ops.unpack_rows(back, wire.combine_specs(), row_index=layout.owner_order,
                              num_rows=handle.view.num_records)
-    return ops.segment_sum(y_R, layout.token_R, handle.num_tokens, max_segment_len=ctx.topo.num_nodes)
+    return ops.segment_sum(y_R, layout.token_R, t + trash, max_segment_len=ctx.topo.num_nodes)[:t]
 
 
 def combine_backward(ctx: RankContext, handle: LayerHandle, entries: EntryIndex, g_out: torch.Tensor) -> Program:
     """Program: gradient of combine. Returns g_expert_out [n_ent, H]."""
     layout, wire = handle.layout, handle.wire
     token_o = layout.token_R.index_select(0, layout.owner_order)
-    rows = ops.pack_rows([g_out.to(wire.payload_dtype)], [token_o])
+    g_out = g_out.to(wire.payload_dtype)
+    if handle.capacity is not None:  # padding slots (token T) read an appended zero row
+        g_out = torch.cat([g_out, g_out.new_zeros((1, g_out.shape[1]))])
+    rows = ops.pack_rows([g_out], [token_o])
     copies = yield from forward_moves(rows, layout=layout, view=handle.view, schedule=handle.schedule,
                                       groups=ctx.groups)
     (g_y_C,) = unpack_views(copies, wire.combine_specs())
-    return g_y_C.index_select(0, entries.copy_of_entry)
+    return _entry_rows(g_y_C, entries)

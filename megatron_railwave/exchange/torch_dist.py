@@ -5,7 +5,9 @@ Letters: T tokens of this rank, E experts, E_loc local experts, H hidden, n_ent 
 
 Per layer: ``gather_demand`` (one all-to-all on the EP group, then the layer's one host
 sync), ``plan`` (pure, host), ``dispatch`` and ``combine`` (autograd functions whose backward
-is the other's data movement). Every tensor the exchange makes lives on the input's device;
+is the other's data movement). In fixed-capacity mode (``max_tokens_per_rank``),
+``prepare_capacity`` replaces the first three: no communication and no host sync before
+``dispatch``, and none in the whole layer. Every tensor the exchange makes lives on the input's device;
 the phases follow the ``ExecutionSchedule``; every wait is bounded by ``timeout_s`` and a
 failure names the stage, the group and the unresponsive peers.
 """
@@ -20,9 +22,11 @@ import torch
 from ..planner import PathPlan, PlanOptions, build_plan
 from ..topology import RailTopology
 from ..traffic import DemandCounts
-from .groups import RankGroups, survey_unresponsive
+from ..planner import Path
+from .capacity import PaddedEntries, check_capacity
+from .groups import RankGroups, report_failure, reported_failures, survey_unresponsive
 from .layer import (EntryIndex, InputError, LayerDemand, LayerHandle, RankContext, combine_backward, combine_forward,
-                    dispatch_backward, dispatch_forward, gather_demand, prepare_layer)
+                    dispatch_backward, dispatch_forward, gather_demand, prepare_capacity_layer, prepare_layer)
 from .transport import GroupRef, Program, TorchDistTransport, drive
 
 __all__ = ["ExchangeHandle", "DispatchOutput", "TorchDistExchange", "InputError"]
@@ -38,7 +42,7 @@ class ExchangeHandle:
     """
 
     layer: LayerHandle
-    entries: EntryIndex
+    entries: EntryIndex | PaddedEntries
 
     @property
     def plan(self) -> PathPlan:
@@ -49,8 +53,10 @@ class ExchangeHandle:
 class DispatchOutput:
     """Attributes:
         tokens: [n_ent, H], hidden dtype, rows contiguous per local expert (ascending).
-        tokens_per_expert: [E_loc] int64 on CPU.
-        probs: [n_ent], probs dtype, routing probability of each entry.
+            Fixed-capacity mode: [E_loc * W * C, H], the padded layout (expert e's entries are
+            rows e * W * C + k, k < tokens_per_expert[e]; the other rows are zero).
+        tokens_per_expert: [E_loc] int64 on CPU (fixed-capacity mode: on the input's device).
+        probs: [n_ent], probs dtype, routing probability of each entry (padding rows: 0).
         handle: pass back to ``combine`` (the backend's own handle: ``ExchangeHandle`` for the
             torch backend, ``exchange.deepep.DeepEPHandle`` for DeepEP).
     """
@@ -109,19 +115,24 @@ class TorchDistExchange:
         num_experts: E (global), divisible by W.
         options: planner options (eligible policy, fan-in, replay windows).
         timeout_s: bound of every wait of a layer (None: the process groups' own timeouts).
+        max_tokens_per_rank: C, the fixed-capacity mode (None: the normal mode); see
+            ``prepare_capacity``.
     """
 
     def __init__(self, topo: RailTopology, groups: RankGroups, *, num_experts: int,
-                 options: PlanOptions | None = None, timeout_s: float | None = None) -> None:
+                 options: PlanOptions | None = None, timeout_s: float | None = None,
+                 max_tokens_per_rank: int | None = None) -> None:
         self.topo = topo
         self.groups = groups
         self.ctx = RankContext(topo=topo, groups=groups, num_experts=num_experts, options=options or PlanOptions())
         self.num_experts = num_experts
         self.options = self.ctx.options
         self.timeout_s = timeout_s
+        self.max_tokens_per_rank = check_capacity(max_tokens_per_rank)
         self._calls = 0
         placement = groups.placement
         self.transport = TorchDistTransport(rank=groups.railwave_rank, timeout_s=timeout_s, survey=self._survey,
+                                            explain=self._explain,
                                             ep_rank_of=None if placement.identity else placement.ep_rank_of_railwave)
 
     @property
@@ -131,6 +142,11 @@ class TorchDistExchange:
     def _survey(self, stage: str, group: GroupRef) -> list[int]:
         return survey_unresponsive(self.groups, self._calls, stage, group,
                                    grace_s=min(2.0, (self.timeout_s or 8.0) / 4))
+
+    def _explain(self) -> str:
+        reports = reported_failures(self.groups, self._calls)
+        return "; ".join(f"EP rank {self.groups.ep_ranks([r])[0]} raised before communicating: {message}"
+                         for r, message in sorted(reports.items()))
 
     def _run(self, program):
         return drive(program, self.transport)
@@ -161,6 +177,31 @@ class TorchDistExchange:
         return prepare_layer(self.ctx, layer, plan, hidden_dtype=hidden.dtype, probs_dtype=probs.dtype,
                              hidden_size=hidden.shape[-1])
 
+    # ------------------------------------------------------------------ fixed capacity
+    def prepare_capacity(self, hidden: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor,
+                         path: Path | str) -> LayerHandle:
+        """Fixed-capacity mode: this layer's handle for ``dispatch`` without any communication or
+        host sync (replaces ``gather_demand``, ``plan`` and ``prepare``; ``exchange.capacity``).
+
+        Its checks are host-local and raise here, on this rank only; the message is left in the
+        job's store first, so the peers (which time out waiting for this rank, within
+        ``timeout_s``) name it and quote it in their ``ExchangeTimeoutError``.
+
+        Raises:
+            InputError / CapacityOverflowError: malformed input, or T > ``max_tokens_per_rank``.
+            RuntimeError: the exchange was built without ``max_tokens_per_rank``.
+        """
+        if self.max_tokens_per_rank is None:
+            raise RuntimeError("prepare_capacity: this exchange runs the normal mode (max_tokens_per_rank=None); "
+                               "use gather_demand / plan / prepare, or build it with max_tokens_per_rank")
+        self._calls += 1
+        try:
+            return prepare_capacity_layer(self.ctx, hidden, probs, routing_map, path=path,
+                                          capacity=self.max_tokens_per_rank)
+        except InputError as exc:
+            report_failure(self.groups, self._calls, f"{type(exc).__name__}: {exc}")
+            raise
+
     # ------------------------------------------------------------------ step 3: move
     def dispatch(self, hidden: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor,
                  handle: LayerHandle) -> DispatchOutput:
@@ -176,7 +217,10 @@ class TorchDistExchange:
         """
         box = _Box()
         tokens, entry_probs = _DispatchFn.apply(hidden, probs, routing_map, self, handle, box)
-        return DispatchOutput(tokens=tokens, tokens_per_expert=handle.tokens_per_expert, probs=entry_probs,
+        tokens_per_expert = handle.tokens_per_expert
+        if tokens_per_expert is None:  # fixed capacity: counted on the device by dispatch
+            tokens_per_expert = box.handle.entries.tokens_per_expert
+        return DispatchOutput(tokens=tokens, tokens_per_expert=tokens_per_expert, probs=entry_probs,
                               handle=box.handle)
 
     def combine(self, expert_out: torch.Tensor, handle: ExchangeHandle) -> torch.Tensor:

@@ -128,6 +128,8 @@ class TorchDistTransport:
             are created with the same timeout, so collectives are bounded too.
         survey: on a failure, ``survey(stage, group)`` returns the group's members that did not
             report reaching the stage (``groups.survey_unresponsive``); None names no one.
+        explain: on a failure, ``explain()`` returns text naming what peers reported about the
+            layer (``groups.reported_failures``: e.g. a peer's capacity overflow); None: nothing.
         bytes_sent / bytes_received: per stage, bytes this rank handed to sends and receives.
     """
 
@@ -135,6 +137,7 @@ class TorchDistTransport:
     timeout_s: float | None = None
     ep_rank_of: tuple[int, ...] | None = None
     survey: Callable[[str, GroupRef], list[int]] | None = None
+    explain: Callable[[], str] | None = None
     bytes_sent: dict[str, int] = field(default_factory=dict)
     bytes_received: dict[str, int] = field(default_factory=dict)
     _orders: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict, repr=False)
@@ -223,6 +226,9 @@ class TorchDistTransport:
         who = (f"unresponsive: EP rank(s) {unresponsive}" if unresponsive
                else f"peers of this step: EP rank(s) {ranks}")
         cause = f" ({type(exc).__name__}: {exc})" if exc is not None else ""
+        reported = self.explain() if self.explain is not None else ""
+        if reported:
+            who = f"{who}; {reported}"
         if timed_out or exc is None:
             return ExchangeTimeoutError(
                 f"RailWave exchange, EP rank {ep(self.rank)}: stage '{stage}' on {link} did not "

@@ -28,15 +28,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-import torch
 import yaml
 
 from ..planner import Path, PlanOptions, WaveSchedule, build_plan
 from ..topology import RailTopology
 from ..traffic import DemandCounts
+from ..workloads import scaled_demand
 from .execute import NetModelConfig, execute_plan
 
-__all__ = ["PAPER_INCAST", "IncastCalibration", "arranged_layers", "pattern_sum_s", "scaled_demand", "calibrate_incast",
+__all__ = ["PAPER_INCAST", "IncastCalibration", "arranged_layers", "pattern_sum_s", "calibrate_incast",
            "write_config"]
 
 PAPER_INCAST = {"low_s": 1.801, "high_s": 3.009, "low": "ring", "high": "extreme", "layers": 45,
@@ -74,17 +74,6 @@ class IncastCalibration:
                 "low_s": self.low_s, "high_s": self.high_s, "payload_scale": self.payload_scale,
                 "tokens": self.tokens, "implied_tokens": self.implied_tokens, "layers": list(self.layers),
                 "curve": [list(c) for c in self.curve], "seconds": self.seconds}
-
-
-def scaled_demand(demand: DemandCounts, scale: float) -> DemandCounts:
-    """``demand`` with every record and (token, expert) count multiplied by ``scale`` and rounded."""
-    if scale == 1.0:
-        return demand
-    records = torch.round(demand.records_WNM.to(torch.float64) * scale).to(torch.int64)
-    experts = demand.experts_WE
-    if experts is not None:  # the (token, expert) pairs scale with the records (Megatron peer)
-        experts = torch.round(experts.to(torch.float64) * scale).to(torch.int64)
-    return DemandCounts(records_WNM=records, experts_WE=experts)
 
 
 def arranged_layers(topo: RailTopology, pattern: str, *, tokens: int, seed: int = 0, step: int = 0,

@@ -1,4 +1,4 @@
-"""Flow model (``netmodel.simulate_plan``) configured for a testbed, against the testbed's P50s.
+"""Flow model (``netmodel.simulate_plan``, public API only) configured for a testbed, against the testbed's P50s.
 
 Letters: N nodes, G GPUs per node (= rails), V windows / waves.
 
@@ -59,7 +59,7 @@ def compare_with_netmodel(study: dict[str, Any], *, incast: list[dict[str, Any]]
     Raises:
         ImportError: the flow model (``netmodel.execute``) is not available in this checkout.
     """
-    from megatron_railwave.netmodel.execute import NetModelConfig, simulate_plan
+    from megatron_railwave.netmodel import NetModelConfig, simulate_plan
 
     tb = study["testbed"]
     cfg_data = dict(study["config"])

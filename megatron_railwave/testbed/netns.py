@@ -81,6 +81,13 @@ class TestbedSpec:
     rto_min_ms: int | None = None
     """TCP minimum retransmission timeout on the rail routes (``ip route ... rto_min``); None keeps
     the kernel default (200 ms). The incast penalty per lost window scales with it."""
+    sender_queue_bytes: int | None = None
+    """Bytes one TCP socket may keep queued below it on its node's NIC (TCP small queues,
+    ``net.ipv4.tcp_limit_output_bytes`` of the node namespaces); None keeps the kernel default
+    (4 MiB). The NIC's HTB queue holds what the sockets push into it: at a low shaped rate the
+    default lets one socket queue seconds of data, and the acknowledgements that a node sends to
+    its peers (in the same TCP stream as its own payload) wait behind it, so a bidirectional
+    exchange stalls in slow start. An RDMA NIC has no such queue."""
     mtu: int = 1500
     """MTU of every rail NIC and switch port (RoCE fabrics use 4096). Larger packets cost the host
     fewer per-packet kernel cycles per byte; scale ``port_buffer_bytes`` with it."""
@@ -112,6 +119,13 @@ class TestbedSpec:
             raise ValueError(
                 f"rto_min_ms must be None (kernel default) or an integer in 1..200, "
                 f"got {self.rto_min_ms!r}"
+            )
+        if self.sender_queue_bytes is not None and not (
+            isinstance(self.sender_queue_bytes, int) and self.sender_queue_bytes >= 2 * self.mtu
+        ):
+            raise ValueError(
+                f"sender_queue_bytes must be None (kernel default) or an integer >= 2 x mtu = "
+                f"{2 * self.mtu}, got {self.sender_queue_bytes!r}"
             )
         if not re.fullmatch(r"[a-z][a-z0-9]{0,3}", self.prefix):
             raise ValueError(
@@ -263,6 +277,9 @@ def _build(spec: TestbedSpec) -> None:
         for key in ("net.ipv6.conf.all.disable_ipv6", "net.ipv6.conf.default.disable_ipv6"):
             _run("ip", "netns", "exec", ns, "sysctl", "-qw", f"{key}=1", check=False)
     _sysctl(fab, "net.ipv4.ip_forward", "1")
+    if spec.sender_queue_bytes is not None:
+        for n in range(spec.nodes):
+            _sysctl(spec.node_ns(n), "net.ipv4.tcp_limit_output_bytes", str(spec.sender_queue_bytes))
     for rail in range(spec.gpus_per_node):
         br = spec.bridge_name(rail)
         _run("ip", "-n", fab, "link", "add", br, "type", "bridge")

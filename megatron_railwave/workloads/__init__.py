@@ -1,5 +1,6 @@
-"""Replay workloads: synthetic GLM-4.5-Air routing, sending arrangements, and the routing traces
-that training captures.
+"""Workloads: synthetic GLM-4.5-Air routing and its fit to the paper's published statistics,
+sending arrangements, demand forms and payload scaling, and the routing traces that training
+captures.
 
 Letters: W ranks (N nodes x G GPUs), T tokens per rank, K top-k, E experts.
 
@@ -19,6 +20,21 @@ from .arrangements import (
     arrangement_schedule,
     window_peaks,
 )
+from .demand import SparseDemand, scaled_counts, scaled_demand, sparse_demand_from_topk_ids
+from .fit import (
+    FIT_KNOBS,
+    PUBLISHED,
+    LayerSample,
+    Published,
+    WorkloadFit,
+    collect_samples,
+    compare_to_published,
+    expected_sample,
+    fit_workload,
+    sampled_sample,
+    workload_report,
+    workload_statistics,
+)
 from .glm import GLM45_AIR, GlmAirWorkload, ModelSpec, glm_air_demands, glm_air_layer_ids, glm_air_trace
 from .synthetic import sample_topk_ids, synthetic_routing_maps, synthetic_topk_ids
 
@@ -30,6 +46,22 @@ __all__ = [
     "arrange_trace",
     "arrangement_schedule",
     "window_peaks",
+    "SparseDemand",
+    "scaled_counts",
+    "scaled_demand",
+    "sparse_demand_from_topk_ids",
+    "FIT_KNOBS",
+    "PUBLISHED",
+    "LayerSample",
+    "Published",
+    "WorkloadFit",
+    "collect_samples",
+    "compare_to_published",
+    "expected_sample",
+    "fit_workload",
+    "sampled_sample",
+    "workload_report",
+    "workload_statistics",
     "GLM45_AIR",
     "GlmAirWorkload",
     "ModelSpec",

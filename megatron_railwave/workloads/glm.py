@@ -2,23 +2,28 @@
 
 Letters: W ranks (N nodes x G GPUs), T tokens per rank, E experts, K top-k.
 
-The generator stands in for the paper's captured training routing. Each layer has
-  * an expert popularity ``a * z_e`` (z ~ N(0, 1), fixed per layer and seed), with the scale ``a``
-    solved per layer so that the expected max/mean expert load is ``hot_ratio`` (about 8);
-  * a skew level in [0, 1]: the 45 layers take the levels of ``linspace(0, 1, 45)`` in a seeded
-    order, so every trace has nearly balanced layers and strongly skewed ones;
-  * per-rank preferences (they change with the step, like the data): each rank *focuses* on one
-    node with log-weight bonus ``skew * focus_strength`` on that node's experts: its own node
-    (probability ``own_node_prob``), the node of the layer's most popular expert
-    (``hot_node_prob``) or a random remote one; *dispersed* ranks (probability
-    ``dispersed_prob``, at least one per layer) ignore the focus and route over all nodes.
-A rank focused on its own node sends almost no remote records, one focused on a remote node
-about one per token, a dispersed one up to N - 1 per token: source rails become hot. Focusing on
-the popular node keeps the hottest expert hot for many ranks, so the popularity scale stays
-moderate (at most ``max_popularity_scale``: a token's 8 most likely experts hold about 30-70% of
-its rank's routing probability, not a fixed set) while max/mean expert load stays near 8. Under
-NATIVE on 4 x 8 GPUs rho_g runs from about 1 (skew 0) to 4-5 (skew 1), unrelated to the
-expert-load imbalance.
+The generator stands in for the paper's captured training routing. GLM-4.5-Air has no
+node-limited routing and places experts contiguously (expert e on rank e // (E / W)), so by
+symmetry about 1/N of a token's experts are on its own node; nothing here favours the own node
+unless ``own_node_bias`` says so. What makes rails unequal is modelled where it comes from:
+  * per-rank token counts (per step, the same for every layer, as one micro-batch passes all
+    layers): variable-length RL micro-batches and packed sequences give ranks different token
+    counts, ``T_w = T * m_w`` with ``log m_w ~ N(-s^2 / 2, s^2)``, ``s = token_skew`` (mean T);
+    the ``[W, T_max, K]`` ids pad the shorter ranks with -1 rows (empty tokens, as
+    ``merge_captures`` pads captured ranks);
+  * per-rank preferences for *sets* of experts (per step and layer; a topic or a language makes
+    a micro-batch favour some experts): each rank draws ``pref_set_size`` experts uniformly,
+    wherever they live, and adds the log-weight ``pref_strength * level`` to them, where the
+    layer's ``level`` in [0, 1] (``skew_of_layer``) says how specialised that layer's routing is;
+  * expert popularity ``a * z_e`` (per seed, step and layer: loads drift with the data and the
+    router's expert-bias updates), with
+    ``z_e = sqrt(1 - c) * eps_e + sqrt(c) * gamma_gpu(e)``, ``c = dest_gpu_skew``: the part of the
+    popularity that the experts of one GPU share, i.e. how much hot experts concentrate on some
+    GPUs (and so on some destination rails and receivers). The scale ``a`` is solved per layer and
+    step so that the expected max/mean expert load is the layer's target
+    ``hot_ratio * exp(hot_ratio_spread * xi)``, ``xi ~ N(0, 1)`` per (seed, step, layer).
+The default knobs are fitted to the paper's published workload statistics only (``workloads.fit``,
+docs/workloads.md); its speedups are never a fitting target.
 
 Expected loads use Rosen's approximation of successive-sampling inclusion probabilities,
 ``p_e = 1 - exp(-lambda * w_e)`` with ``sum_e p_e = K`` per rank; tokens are drawn exactly by
@@ -31,11 +36,10 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from ..capture import LayerTrace, Trace, TraceMeta, demand_from_topk_ids
 from ..topology import RailTopology
 from ..traffic import DemandCounts
-from ..capture import demand_from_topk_ids
 from .synthetic import sample_topk_ids
-from ..capture import LayerTrace, Trace, TraceMeta
 
 __all__ = [
     "ModelSpec",
@@ -72,29 +76,38 @@ GLM45_AIR = ModelSpec(name="GLM-4.5-Air", first_moe_layer=1, num_moe_layers=45, 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class GlmAirWorkload:
-    """Knobs of the synthetic GLM-4.5-Air routing (defaults reproduce the documented ranges)."""
+    """Knobs of the synthetic GLM-4.5-Air routing.
+
+    The defaults of ``token_skew``, ``pref_strength``, ``hot_ratio``, ``hot_ratio_spread`` and
+    ``dest_gpu_skew`` are the fit of ``workloads.fit.fit_workload`` (``railwave workloads fit``)
+    to the paper's published statistics; the others are stated.
+    """
 
     num_tokens: int = 4096
-    """T, tokens per GPU per layer."""
+    """T, mean tokens per GPU per layer (ranks differ by ``token_skew``; ids are padded to the
+    largest rank's count with -1 rows)."""
     seed: int = 0
-    """Fixes the layers' popularity and skew order; same seed and step, same trace."""
+    """Fixes the layers' levels and, with the step, everything else; same seed and step, same trace."""
     step: int = 0
-    """Training step stand-in: per-rank preferences and tokens change with it."""
+    """Training step stand-in: token counts, popularity, preferences and tokens change with it."""
     layers: tuple[int, ...] | None = None
     """Layer numbers to generate (default all MoE layers of ``model``)."""
-    hot_ratio: float = 8.0
-    """Target max/mean expert load of every layer."""
-    focus_strength: float = 8.0
-    """Log-weight bonus of a focused rank's node at skew 1."""
-    own_node_prob: float = 0.6
-    """Probability that a rank focuses on its own node."""
-    hot_node_prob: float = 0.3
-    """Probability that a rank focuses on the node of the layer's most popular expert (the rest
-    focus on a random remote node)."""
-    dispersed_prob: float = 0.08
-    """Probability that a rank ignores the focus (routes over all nodes)."""
-    max_popularity_scale: float = 2.5
-    """Cap of the popularity scale a; where it binds, max/mean expert load ends below hot_ratio."""
+    token_skew: float = 1.23
+    """s, standard deviation of log tokens per rank (0: every rank has T tokens)."""
+    pref_strength: float = 3.0
+    """Log-weight bonus of a rank's preferred expert set in a layer of level 1."""
+    pref_set_size: int = 8
+    """Experts in a rank's preferred set (stated: one token's worth, K)."""
+    hot_ratio: float = 8.3
+    """Median over layers of the target max/mean expert load."""
+    hot_ratio_spread: float = 0.2
+    """Standard deviation of the log target max/mean expert load over layers."""
+    dest_gpu_skew: float = 0.2
+    """c in [0, 1): share of the expert-popularity variance common to the experts of one GPU
+    (0: hot experts fall on GPUs independently; towards 1: whole GPUs are hot)."""
+    own_node_bias: float = 0.0
+    """Log-weight bonus of the experts on a rank's own node (0: no node-limited routing, about
+    1 / N of the choices are local)."""
     model: ModelSpec = GLM45_AIR
 
     def __post_init__(self) -> None:
@@ -104,12 +117,15 @@ class GlmAirWorkload:
             raise ValueError(f"seed and step must be >= 0, got seed={self.seed} step={self.step}")
         if self.hot_ratio < 1:
             raise ValueError(f"hot_ratio must be >= 1 (max/mean), got {self.hot_ratio}")
-        for name in ("own_node_prob", "hot_node_prob", "dispersed_prob"):
-            if not 0 <= getattr(self, name) <= 1:
-                raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
-        if self.own_node_prob + self.hot_node_prob > 1:
+        for name in ("token_skew", "pref_strength", "hot_ratio_spread"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if not 0 <= self.dest_gpu_skew < 1:
+            raise ValueError(f"dest_gpu_skew must be in [0, 1), got {self.dest_gpu_skew}")
+        if not 0 <= self.pref_set_size <= self.model.num_experts:
             raise ValueError(
-                f"own_node_prob + hot_node_prob must be <= 1, got {self.own_node_prob} + {self.hot_node_prob}"
+                f"pref_set_size must be in [0, {self.model.num_experts}] (experts of {self.model.name}), "
+                f"got {self.pref_set_size}"
             )
         known = self.model.layer_numbers
         bad = [v for v in (self.layers or ()) if v not in known]
@@ -123,73 +139,112 @@ class GlmAirWorkload:
         return tuple(self.layers) if self.layers is not None else self.model.layer_numbers
 
     def skew_of_layer(self) -> dict[int, float]:
-        """Skew level in [0, 1] of every MoE layer (depends on the seed only)."""
+        """Level in [0, 1] of every MoE layer: how strongly its ranks prefer their expert sets
+        (``linspace(0, 1, layers)`` in a seeded order; depends on the seed only)."""
         numbers = self.model.layer_numbers
         levels = np.random.default_rng([self.seed, 0x5EED]).permutation(np.linspace(0.0, 1.0, len(numbers)))
         return {layer: float(level) for layer, level in zip(numbers, levels)}
 
+    def hot_ratio_of_layer(self, layer: int) -> float:
+        """Target max/mean expert load of ``layer`` at this step."""
+        xi = np.random.default_rng([self.seed, self.step, layer, 0x407]).standard_normal()
+        return float(max(1.0, self.hot_ratio * np.exp(self.hot_ratio_spread * xi)))
 
-def _inclusion_WE(log_w_WE: np.ndarray, topk: int) -> np.ndarray:
-    """Rosen's approximation of per-rank inclusion probabilities (rows sum to K)."""
+    def tokens_per_rank(self, world: int) -> np.ndarray:
+        """[W] int64 tokens of every rank at this step (at least 1; mean about ``num_tokens``)."""
+        z = np.random.default_rng([self.seed, self.step, 0x70C]).standard_normal(world)
+        s = self.token_skew
+        return np.maximum(1, np.rint(self.num_tokens * np.exp(s * z - 0.5 * s * s))).astype(np.int64)
+
+
+def inclusion_WE(log_w_WE: np.ndarray, topk: int) -> np.ndarray:
+    """[W, E] Rosen's approximation of per-rank inclusion probabilities (rows sum to K).
+
+    Solves ``sum_e 1 - exp(-lambda w_e) = K`` per row by Newton's method from
+    ``lambda = K / sum w``, where the sum is <= K (1 - exp(-x) <= x); the sum is concave in
+    lambda, so the iterates rise monotonically to the root.
+    """
     w = np.exp(log_w_WE - log_w_WE.max(axis=1, keepdims=True))
-    lo, hi = np.full(w.shape[0], 1e-12), np.full(w.shape[0], 1e12)
-    for _ in range(50):  # geometric bisection on lambda (1e-12..1e12), vectorised over ranks
-        mid = np.sqrt(lo * hi)
-        low = (1.0 - np.exp(-mid[:, None] * w)).sum(axis=1) < topk
-        lo, hi = np.where(low, mid, lo), np.where(low, hi, mid)
-    return 1.0 - np.exp(-hi[:, None] * w)
+    lam = topk / w.sum(axis=1)
+    for _ in range(100):
+        e = np.exp(-lam[:, None] * w)
+        gap = topk - (1.0 - e).sum(axis=1)
+        if gap.max() < 1e-10 * topk:
+            break
+        lam = lam + gap / (w * e).sum(axis=1)
+    return 1.0 - np.exp(-lam[:, None] * w)
 
 
-def _popularity_scale(z_E: np.ndarray, bonus_WE: np.ndarray, topk: int, target: float,
-                      cap: float) -> float:
-    """Scale a with expected max/mean expert load of exp(a z + bonus) equal to ``target``."""
-    def ratio(a: float) -> float:
-        load_E = _inclusion_WE(a * z_E[None, :] + bonus_WE, topk).sum(axis=0)
-        return float(load_E.max() / load_E.mean())
-
-    lo, hi = 0.0, cap
-    if ratio(hi) < target:  # unreachable under the cap: take the cap
-        return hi
-    for _ in range(24):  # 8 / 2**24: far below the sampling noise
-        mid = 0.5 * (lo + hi)
-        lo, hi = (mid, hi) if ratio(mid) < target else (lo, mid)
-    return 0.5 * (lo + hi)
+_MAX_SCALE = 6.0
+"""Upper end of the popularity-scale search; where even it misses the target, it is taken."""
 
 
-def _layer_weights(topo: RailTopology, work: GlmAirWorkload, layer: int, skew: float,
-                   rng: np.random.Generator) -> tuple[np.ndarray, float]:
-    model, world, n = work.model, topo.world_size, topo.num_nodes
-    z_E = np.random.default_rng([work.seed, layer, 1]).standard_normal(model.num_experts)
-    node_of_expert_E = np.arange(model.num_experts) // (model.num_experts // n)
-    node_of_rank_W = np.arange(world) // topo.gpus_per_node
-    hot_node = int(node_of_expert_E[np.argmax(z_E)])
-    u_W = rng.random(world)
-    remote_W = (node_of_rank_W + rng.integers(1, max(n, 2), world)) % n
-    focus_W = np.where(u_W < work.own_node_prob, node_of_rank_W,
-                       np.where(u_W < work.own_node_prob + work.hot_node_prob, hot_node, remote_W))
-    if n == 1:
-        focus_W[:] = 0
-    dispersed_W = rng.random(world) < work.dispersed_prob
-    dispersed_W[rng.integers(world)] = True  # someone always sends everywhere: the hot rail
-    strength_W = np.where(dispersed_W, 0.0, skew * work.focus_strength)
-    bonus_WE = strength_W[:, None] * (node_of_expert_E[None, :] == focus_W[:, None])
-    scale = _popularity_scale(z_E, bonus_WE, model.topk, work.hot_ratio, work.max_popularity_scale)
-    log_w_WE = scale * z_E[None, :] + bonus_WE
-    return np.exp(log_w_WE - log_w_WE.max(axis=1, keepdims=True)), scale
+def _popularity_scale(z_E: np.ndarray, bonus_WE: np.ndarray, tokens_W: np.ndarray, topk: int,
+                      target: float) -> float:
+    """Scale a with expected max/mean expert load of exp(a z + bonus), tokens-weighted, = ``target``."""
+    def gap(a: float) -> float:
+        load_E = tokens_W @ inclusion_WE(a * z_E[None, :] + bonus_WE, topk)
+        return float(load_E.max() / load_E.mean()) - target
+
+    lo, hi = 0.0, _MAX_SCALE
+    g_lo, g_hi = gap(lo), gap(hi)
+    if g_hi <= 0 or g_lo >= 0:  # unreachable under the cap, or already there without popularity
+        return hi if g_hi <= 0 else lo
+    a = hi
+    for _ in range(40):  # regula falsi, Illinois variant: a ratio within 1e-4 of the target
+        a = hi - g_hi * (hi - lo) / (g_hi - g_lo)
+        g = gap(a)
+        if abs(g) < 1e-4 * target:
+            break
+        if g > 0:
+            hi, g_hi = a, g
+            g_lo *= 0.5
+        else:
+            lo, g_lo = a, g
+            g_hi *= 0.5
+    return a
+
+
+def layer_model(topo: RailTopology, layer: int, work: GlmAirWorkload) -> tuple[np.ndarray, np.ndarray]:
+    """The routing distribution of one layer at ``work.step``.
+
+    Returns:
+        ([W, E] float64 log expert weights per rank, [W] int64 tokens per rank).
+    """
+    model, world = work.model, topo.world_size
+    if model.num_experts % world:
+        raise ValueError(
+            f"{model.name} has {model.num_experts} experts, not divisible by the "
+            f"{world} ranks of topology {topo.name!r}"
+        )
+    num_experts = model.num_experts
+    per_gpu = num_experts // world
+    pop = np.random.default_rng([work.seed, work.step, layer, 1])
+    c = work.dest_gpu_skew
+    z_E = np.sqrt(1.0 - c) * pop.standard_normal(num_experts) + np.sqrt(c) * np.repeat(pop.standard_normal(world), per_gpu)
+    tokens_W = work.tokens_per_rank(world)
+    pref = np.random.default_rng([work.seed, work.step, layer, 3])
+    bonus_WE = np.zeros((world, num_experts))
+    if work.pref_set_size and work.pref_strength:
+        chosen_WS = np.argsort(pref.random((world, num_experts)), axis=1)[:, : work.pref_set_size]
+        np.put_along_axis(bonus_WE, chosen_WS, work.pref_strength * work.skew_of_layer()[layer], axis=1)
+    if work.own_node_bias:
+        node_of_expert_E = np.arange(num_experts) // (per_gpu * topo.gpus_per_node)
+        node_of_rank_W = np.arange(world) // topo.gpus_per_node
+        bonus_WE += work.own_node_bias * (node_of_expert_E[None, :] == node_of_rank_W[:, None])
+    scale = _popularity_scale(z_E, bonus_WE, tokens_W.astype(np.float64), model.topk,
+                              work.hot_ratio_of_layer(layer))
+    return scale * z_E[None, :] + bonus_WE, tokens_W
 
 
 def glm_air_layer_ids(topo: RailTopology, layer: int, work: GlmAirWorkload | None = None) -> np.ndarray:
-    """[W, T, K] int16 top-k ids of one layer, rows ascending; global. Deterministic."""
+    """[W, T_max, K] int16 top-k ids of one layer, rows ascending, -1 rows past a rank's tokens;
+    global. Deterministic."""
     work = work or GlmAirWorkload()
-    if work.model.num_experts % topo.world_size:
-        raise ValueError(
-            f"{work.model.name} has {work.model.num_experts} experts, not divisible by the "
-            f"{topo.world_size} ranks of topology {topo.name!r}"
-        )
-    skew = work.skew_of_layer()[layer]
+    log_w_WE, tokens_W = layer_model(topo, layer, work)
+    weights_WE = np.exp(log_w_WE - log_w_WE.max(axis=1, keepdims=True))
     rng = np.random.default_rng([work.seed, work.step, layer, 2])
-    weights_WE, _ = _layer_weights(topo, work, layer, skew, rng)
-    return sample_topk_ids(weights_WE, num_tokens=work.num_tokens, topk=work.model.topk, rng=rng)
+    return sample_topk_ids(weights_WE, num_tokens=tokens_W, topk=work.model.topk, rng=rng)
 
 
 def glm_air_trace(topo: RailTopology, work: GlmAirWorkload | None = None) -> Trace:

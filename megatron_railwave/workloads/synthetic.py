@@ -16,7 +16,7 @@ imbalance):
   * per-rank locality: each source rank draws a preference strength for its *own* node's experts
     (a rank that keeps most tokens local sends few remote records, its neighbours many), which is
     what makes some source rails hot.
-The GLM-4.5-Air workload (``replay.glm``) uses the same sampler with per-layer parameters.
+The GLM-4.5-Air workload (``workloads.glm``) uses the same sampler with per-layer parameters.
 """
 
 from __future__ import annotations
@@ -35,22 +35,27 @@ _MAX_ROUNDS = 4
 """Rounds of K extra draws for unfinished tokens before the exact Gumbel completion."""
 
 def sample_topk_ids(
-    weights_WE: np.ndarray, *, num_tokens: int, topk: int, rng: np.random.Generator
+    weights_WE: np.ndarray, *, num_tokens: int | np.ndarray, topk: int, rng: np.random.Generator
 ) -> np.ndarray:
     """K distinct experts per token, by successive sampling from per-rank weights.
 
     Args:
         weights_WE: [W, E] non-negative float, global; row w is rank w's unnormalised expert
             weights (each row needs at least K positive entries).
-        num_tokens: T, tokens per rank.
+        num_tokens: T, tokens per rank, or [W] int tokens of every rank (ranks may differ).
         topk: K.
         rng: the numpy generator (same state, same ids).
 
     Returns:
-        [W, T, K] int16, each row ascending (the order within a token carries no meaning).
+        [W, T_max, K] int16, each row ascending (the order within a token carries no meaning);
+        rank w's rows past its token count are -1 (empty tokens).
     """
     weights_WE = np.asarray(weights_WE, dtype=np.float64)
     world, num_experts = weights_WE.shape
+    tokens_W = np.broadcast_to(np.asarray(num_tokens, dtype=np.int64), (world,))
+    if int(tokens_W.min()) < 0:
+        raise ValueError(f"token counts must be >= 0, got {int(tokens_W.min())}")
+    width = int(tokens_W.max()) if world else 0
     positive_W = (weights_WE > 0).sum(axis=1)
     if topk > num_experts or int(positive_W.min()) < topk:
         raise ValueError(
@@ -61,15 +66,15 @@ def sample_topk_ids(
     cdf_WE /= cdf_WE[:, -1:]
     # Rank w's CDF shifted into (w, w + 1]: one searchsorted serves every rank.
     flat_cdf = (cdf_WE + np.arange(world)[:, None]).ravel()
-    rank_X = np.repeat(np.arange(world), num_tokens)
+    rank_X = np.repeat(np.arange(world), tokens_W)
 
     def draw(rank_x: np.ndarray, count: int) -> np.ndarray:
         u = rng.random((rank_x.size, count)) + rank_x[:, None]
         ids = np.searchsorted(flat_cdf, u, side="right") - rank_x[:, None] * num_experts
         return np.clip(ids, 0, num_experts - 1)  # guards rounding at the last bin only
 
-    out_XK = np.empty((world * num_tokens, topk), dtype=np.int16)
-    pending_X = np.arange(world * num_tokens)
+    out_XK = np.empty((rank_X.size, topk), dtype=np.int16)
+    pending_X = np.arange(rank_X.size)
     draws_XL = draw(rank_X, topk + topk // 2)
     for round_ in range(_MAX_ROUNDS):
         chosen_XK, found_X = _first_distinct(draws_XL, topk)
@@ -93,7 +98,11 @@ def sample_topk_ids(
         top_XK = np.argpartition(-keys_XE, topk - 1, axis=1)[:, :topk]
         out_XK[pending_X] = top_XK
     out_XK.sort(axis=1)
-    return out_XK.reshape(world, num_tokens, topk)
+    if int(tokens_W.min()) == width:
+        return out_XK.reshape(world, width, topk)
+    out_WTK = np.full((world, width, topk), -1, dtype=np.int16)
+    out_WTK[np.arange(width)[None, :] < tokens_W[:, None]] = out_XK  # rank-major, as rank_X
+    return out_WTK
 
 
 def _first_distinct(draws_XL: np.ndarray, topk: int) -> tuple[np.ndarray, np.ndarray]:

@@ -149,3 +149,89 @@ def run_fault(rank: int, world: int, topo_kwargs: dict, victim: int, stage: str,
     except Exception as exc:  # noqa: BLE001 - the test inspects what each rank raised
         return {"error": type(exc).__name__, "message": str(exc), "after_s": time.monotonic() - t0}
     return {"ok": True, "after_s": time.monotonic() - t0}
+
+
+def _blocked_experts(tokens: torch.Tensor, probs: torch.Tensor, spans: list[tuple[int, int]],
+                     weights: torch.Tensor, block: int = 32) -> torch.Tensor:
+    """y = (x @ W_e) * p over every span's rows, each GEMM on a fresh [block, H] tensor: a GEMM's
+    rounding can depend on its row count, so both modes give a row the same call and position."""
+    pieces = []
+    for e, (start, rows) in enumerate(spans):
+        for b0 in range(0, rows, block):
+            r = min(block, rows - b0)
+            x = torch.nn.functional.pad(tokens[start + b0:start + b0 + r], (0, 0, 0, block - r)).clone()
+            pieces.append((x @ weights[e])[:r])
+    y = torch.cat(pieces) if pieces else tokens[:0]
+    return y * probs.unsqueeze(1)
+
+
+def run_fixed_capacity(rank: int, world: int, topo_kwargs: dict, path: str, capacity: int, kw: dict) -> dict:
+    """One layer of ``path`` in the normal mode and in fixed-capacity mode on the same inputs:
+    outputs and gradients of both, the bytes each phase moved against the capacity schedule,
+    and the host syncs SyncAudit counts in the fixed mode's forward (dispatch + combine)."""
+    from megatron_railwave.bench.sync_audit import SyncAudit
+
+    topo = RailTopology(**topo_kwargs)
+    groups = build_rail_groups(None, topo)
+    w = expert_weights(kw["experts"], kw["hidden"], kw["seed"])
+    per_rank = kw["experts"] // world
+    local_w = w[rank * per_rank:(rank + 1) * per_rank]
+    results = {}
+    for mode in ("normal", "fixed"):
+        ex = TorchDistExchange(topo, groups, num_experts=kw["experts"],
+                               max_tokens_per_rank=capacity if mode == "fixed" else None)
+        x, probs, routing = make_inputs(rank, **kw)
+        x.requires_grad_(True)
+        probs.requires_grad_(True)
+        with SyncAudit() as audit:
+            audit.mark(x, probs, routing)
+            if mode == "normal":
+                layer = ex.gather_demand(x, probs, routing)
+                handle = ex.prepare(layer, ex.plan(layer, path), x, probs)
+            else:
+                handle = ex.prepare_capacity(x, probs, routing, path)
+            d = ex.dispatch(x, probs, routing, handle)
+            if mode == "normal":
+                counts = d.tokens_per_expert.tolist()
+                spans = list(zip([sum(counts[:e]) for e in range(per_rank)], counts))
+            else:
+                spans = [(e * world * capacity, world * capacity) for e in range(per_rank)]
+            out = ex.combine(_blocked_experts(d.tokens, d.probs, spans, local_w), d.handle)
+        syncs = audit.count
+        (out * out).sum().backward()
+        sched = d.handle.layer.schedule
+        fwd, bwd = sched.rank_bytes(rank), sched.rank_bytes(rank, backward=True)
+        results[mode] = {
+            "arrays": (out.detach().numpy(), x.grad.numpy(), probs.grad.numpy()),
+            "syncs": syncs,
+            "tokens_per_expert": d.tokens_per_expert.tolist(),
+            "wire": ({k: v for k, v in ex.transport.bytes_sent.items() if v},
+                     {p.name: fwd["sent"][p.index] + bwd["sent"][p.index] for p in sched.phases
+                      if fwd["sent"][p.index] + bwd["sent"][p.index]}),
+        }
+    dist.barrier()
+    return results
+
+
+def run_capacity_overflow(rank: int, world: int, topo_kwargs: dict, timeout_s: float) -> dict:
+    """Fixed-capacity mode, rank 1 has more tokens than the capacity: it raises at once; every
+    other rank times out waiting for it and reports what it raised."""
+    import time
+
+    from megatron_railwave.exchange import CapacityOverflowError
+
+    topo = RailTopology(**topo_kwargs)
+    groups = build_rail_groups(None, topo, timeout_s=timeout_s)
+    ex = TorchDistExchange(topo, groups, num_experts=8, timeout_s=timeout_s, max_tokens_per_rank=12)
+    tokens = [12] * world
+    tokens[1] = 13
+    x, probs, routing = make_inputs(rank, tokens=tokens, experts=8, topk=3, hidden=4, seed=4)
+    t0 = time.monotonic()
+    try:
+        d = ex.dispatch(x, probs, routing, ex.prepare_capacity(x, probs, routing, "rail"))
+        ex.combine(d.tokens * d.probs.unsqueeze(1), d.handle)
+    except CapacityOverflowError as exc:
+        return {"error": "CapacityOverflowError", "message": str(exc), "after_s": time.monotonic() - t0}
+    except Exception as exc:  # noqa: BLE001 - the test inspects what each rank raised
+        return {"error": type(exc).__name__, "message": str(exc), "after_s": time.monotonic() - t0}
+    return {"ok": True}

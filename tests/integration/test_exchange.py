@@ -51,3 +51,39 @@ def test_exchange_paths_match_reference_and_each_other(topo, kw):
 def test_exchange_bad_routing_map_raises_on_every_rank():
     with pytest.raises(DistributedRankError, match="malformed dispatcher input on EP rank"):
         run_distributed(run_bad_input, 4, dict(num_nodes=2, gpus_per_node=2), timeout_s=120)
+
+
+def test_fixed_capacity_on_gloo_equals_normal_mode_without_host_sync():
+    """max_tokens_per_rank on 4 gloo ranks (uneven T, a rank with none): outputs and gradients
+    bitwise equal to the normal mode, no host sync in the forward, bytes = capacity schedule."""
+    from tests.helpers.exchange_worker import run_fixed_capacity
+
+    kw = dict(tokens=[20, 0, 13, 7], experts=8, topk=3, hidden=8, seed=5)
+    results = run_distributed(run_fixed_capacity, 4, dict(num_nodes=2, gpus_per_node=2), "joint", 24, kw,
+                              timeout_s=240)
+    for rank, res in enumerate(results):
+        normal, fixed = res["normal"], res["fixed"]
+        assert fixed["syncs"] == 0 and normal["syncs"] == 1, (rank, fixed["syncs"], normal["syncs"])
+        assert fixed["tokens_per_expert"] == normal["tokens_per_expert"], rank
+        for want, got, name in zip(normal["arrays"], fixed["arrays"], ("out", "dx", "dp")):
+            assert torch.equal(torch.from_numpy(got), torch.from_numpy(want)), (rank, name)
+        measured, scheduled = fixed["wire"]
+        assert measured == scheduled, (rank, measured, scheduled)
+
+
+def test_fixed_capacity_overflow_named_on_every_rank():
+    """Rank 1 exceeds max_tokens_per_rank: it raises CapacityOverflowError before communicating;
+    the others end within timeout_s + a margin with an error that names it and quotes its error."""
+    from tests.helpers.exchange_worker import run_capacity_overflow
+
+    timeout_s = 3.0
+    results = run_distributed(run_capacity_overflow, 4, dict(num_nodes=2, gpus_per_node=2), timeout_s,
+                              timeout_s=180)
+    assert results[1]["error"] == "CapacityOverflowError", results[1]
+    assert "13 tokens in this layer call exceed max_tokens_per_rank=12" in results[1]["message"]
+    for rank in (0, 2, 3):
+        res = results[rank]
+        assert res["error"] in ("ExchangeTimeoutError", "ExchangeError"), (rank, res)
+        assert res["after_s"] <= timeout_s + 4.0, (rank, res)
+        assert ("EP rank 1 raised before communicating: CapacityOverflowError: EP rank 1: 13 tokens"
+                in res["message"]), (rank, res["message"])

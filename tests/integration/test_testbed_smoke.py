@@ -105,6 +105,7 @@ def test_testbed_fail_and_restore_rail(testbed_2x2):
         fail_rail(spec, 2, 0)
 
 
+@pytest.mark.slow  # prints goodputs only (~55 s on a loaded 2-core host); `testbed run --incast` measures them
 def test_testbed_shaped_rail_and_incast_throughput_printed():
     spec = up(TestbedSpec(nodes=4, gpus_per_node=1, prefix="rwt"))
     try:

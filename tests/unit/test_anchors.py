@@ -48,6 +48,26 @@ def test_anchors_round_trip_keeps_every_field(tmp_path):
     assert back.anchors[0].latency_s[Path.RAIL].spread == pytest.approx(1.05 ** 2)
 
 
+def test_anchors_round_trip_keeps_input_windows_and_settings(tmp_path):
+    # What calibrate writes: an anchor of an arranged input (3 windows) next to an all-pairs one,
+    # and the provenance of the requests (validate rebuilds held-out requests from it).
+    base = make_set().anchors[0]
+    arranged = Anchor(name="req-2", coords=(-5.0, 0.2, 0.9), B_mean_bytes=1_700_000.0, rho_g=2.4, kappa=2.8,
+                      path=Path.PERM, latency_s=base.latency_s, input_windows=3)
+    settings = {"repeats": 1, "requests": {"workload": "glm", "seed": 0, "layers": [1, 3], "tokens": [128, 4096],
+                                           "payload_scales": [1.0], "arrangements": ["none", "extreme"]}}
+    aset = make_set(anchors=(base, arranged))
+    aset = AnchorSet(anchors=aset.anchors, scales=aset.scales,
+                     context=CalibrationContext(**{**aset.context.to_dict(), "settings": settings}))
+    back = load_anchors(save_anchors(aset, tmp_path / "a.yaml"), TOPO)
+    assert back == aset
+    assert [a.input_windows for a in back.anchors] == [1, 3]
+    assert back.context.settings["requests"]["tokens"] == [128, 4096]
+    legacy = aset.to_dict()
+    del legacy["anchors"][0]["input_windows"]  # files written before the field: all pairs at once
+    assert anchors_from_dict(legacy, topo=TOPO).anchors[0].input_windows == 1
+
+
 def test_anchors_scales_default_to_topology():
     # 4 nodes x 8 rails: rho scale R - 1 = 7, kappa scale N - 2 = 2, payload reference 56 MiB.
     assert make_set().scales == (56.0 * 2**20, 7.0, 2.0)
@@ -91,6 +111,8 @@ def _mutate(data: dict, dotted: str, value) -> dict:
     ("anchors.0.latency_s.rail.p90", "x", r"field 'anchors\[0\].latency_s.rail.p90' must be a number"),
     ("anchors.0.latency_s.rail.p10", 1.0, r"field 'anchors\[0\].latency_s.rail' need 0 <= p10 <= median"),
     ("anchors.0.latency_s.rail.samples", 0, r"field 'anchors\[0\].latency_s.rail.samples' must be a positive"),
+    ("anchors.0.input_windows", 0, r"field 'anchors\[0\].input_windows' must be an integer >= 1, got 0"),
+    ("anchors.0.input_windows", "3", r"field 'anchors\[0\].input_windows' must be an integer >= 1"),
 ])
 def test_anchors_malformed_field_is_named(field, value, message):
     data = _mutate(make_set().to_dict(), field, value)

@@ -119,11 +119,19 @@ def test_keep_anchor_rule(rail, joint, kept, reason):
         assert best == Path.RAIL and gain == pytest.approx(1 - rail.p90 / joint.p10)
 
 
-def test_keep_anchor_conservative_boundary_is_inclusive():
-    latency = {p: _lat(20.0, 19.9, 20.1) for p in ALL_PATHS}
-    latency[Path.JOINT] = _lat(10.0, 10.0, 10.0)
-    latency[Path.PERM] = _lat(9.5, 9.5, 9.5)  # exactly 5% below JOINT's p10
-    assert keep_anchor(latency, min_gain=0.05 - 1e-12)[1]
+@pytest.mark.parametrize("joint_s", [1e-4, 3.3e-4, 0.1, 0.7, 10.0])
+def test_keep_anchor_threshold_is_exactly_five_percent(joint_s):
+    # The rule is "beats JOINT by >= 5%": a path at exactly 0.95 x JOINT is kept (whatever the
+    # float rounding of 0.95 x t), one 0.1% short of it is dropped, with the default min_gain.
+    latency = {p: _lat(2 * joint_s, 2 * joint_s, 2 * joint_s) for p in ALL_PATHS}
+    latency[Path.JOINT] = _lat(joint_s, joint_s, joint_s)
+    for best_s in (joint_s * 0.95, joint_s - 0.05 * joint_s, joint_s * (1 - 0.05)):
+        latency[Path.RAIL] = _lat(best_s, best_s, best_s)
+        best, kept, gain, why = keep_anchor(latency)
+        assert (best, kept, why) == (Path.RAIL, True, "kept"), (joint_s, best_s, gain)
+    latency[Path.RAIL] = _lat(joint_s * 0.951, joint_s * 0.951, joint_s * 0.951)  # 4.9% faster
+    best, kept, gain, why = keep_anchor(latency)
+    assert best == Path.RAIL and not kept and "< 5%" in why and gain == pytest.approx(0.049)
 
 
 def test_calibrate_keeps_only_winners_over_joint(calibrated, requests):
@@ -162,17 +170,97 @@ def test_validate_on_calibration_points_reuses_their_anchors(calibrated, request
         assert (row.selected, row.anchor) == (a.path, a.name)
         assert row.ratio_to_best == pytest.approx(1.0) and row.gain_vs_joint > 0.05
     s = result.summary()
-    assert s["num_switches"] == len(calibrated.anchor_set.anchors)
-    assert s["num_switches"] + s["num_fallback_joint"] == len(requests)
+    assert s["num_not_joint"] == len(calibrated.anchor_set.anchors)
+    assert s["num_not_joint"] + s["num_fallback_joint"] == len(requests)
     assert s["worst_ratio_to_best"] >= 1.0
 
 
-def test_validation_requests_are_not_calibration_requests(requests):
-    unseen = validation_requests(TOPO, SETTINGS, count=7, seed=5, record_bytes=RECORD_BYTES)
-    assert len(unseen) == 7
+def test_validation_requests_are_held_out_families(requests):
+    unseen = validation_requests(TOPO, SETTINGS, count=3, seed=50, record_bytes=RECORD_BYTES)
+    assert {r.meta["family"] for r in unseen} == {50, 51, 52}
+    assert len(unseen) == 3 * len(SETTINGS["payload_scales"])
     assert not {r.name for r in unseen} & {r.name for r in requests}
-    again = validation_requests(TOPO, SETTINGS, count=7, seed=5, record_bytes=RECORD_BYTES)
+    again = validation_requests(TOPO, SETTINGS, count=3, seed=50, record_bytes=RECORD_BYTES)
     assert all(torch.equal(a.records_NGN, b.records_NGN) for a, b in zip(unseen, again))
+    # Families are ordered as consecutive layers of one sequence per (T, arrangement, scale).
+    assert [(r.meta["sequence"], r.meta["position"]) for r in unseen] == sorted(
+        (r.meta["sequence"], r.meta["position"]) for r in unseen)
+    with pytest.raises(ValueError, match=r"held-out routing families \[2, 3\] were calibrated"):
+        validation_requests(TOPO, SETTINGS, count=3, seed=2, record_bytes=RECORD_BYTES)
+
+
+GLM_SETTINGS = {"workload": "glm", "seed": 0, "layers": [1, 3, 5], "payload_scales": [1.0], "tokens": [32, 64],
+                "arrangements": ["none", "ring"]}
+
+
+def test_held_out_glm_settings_use_another_seed_and_other_layers():
+    held = calibration.held_out_settings(GLM_SETTINGS, seed=7)
+    assert held["seed"] == 7 and held["tokens"] == [32, 64] and held["arrangements"] == ["none", "ring"]
+    assert held["layers"] == [2, 4] + list(range(6, 46))  # every layer calibration did not use
+    assert calibration.held_out_settings(GLM_SETTINGS, seed=7, count=2)["layers"] == [2, 4]
+    with pytest.raises(ValueError, match="another GLM seed than calibration's 0"):
+        calibration.held_out_settings(GLM_SETTINGS, seed=0)
+    with pytest.raises(ValueError, match=r"held-out layers \[3\] were calibrated"):
+        calibration.held_out_settings(GLM_SETTINGS, seed=7, layers=[2, 3])
+    with pytest.raises(ValueError, match="calibration used every GLM-4.5-Air MoE layer"):
+        calibration.held_out_settings({**GLM_SETTINGS, "layers": None}, seed=7)
+
+
+def test_glm_validation_requests_share_no_seed_or_layer_with_calibration():
+    cal = calibration_requests(TOPO, GLM_SETTINGS, record_bytes=RECORD_BYTES)
+    val = validation_requests(TOPO, GLM_SETTINGS, seed=9, layers=[2, 4], record_bytes=RECORD_BYTES)
+    assert len(cal) == 3 * 2 * 2 and len(val) == 2 * 2 * 2
+    assert {(r.meta["seed"], r.meta["layer"]) for r in cal}.isdisjoint({(r.meta["seed"], r.meta["layer"]) for r in val})
+    assert {r.meta["tokens"] for r in val} == {32, 64}
+    # One sequence per (T, arrangement), layers in order inside it.
+    seqs = {}
+    for r in val:
+        seqs.setdefault(r.meta["sequence"], []).append(r.meta["layer"])
+    assert len(seqs) == 4 and all(layers == [2, 4] for layers in seqs.values())
+
+
+def _row(name: str, selected: Path, times: dict[Path, float], *, seq: str = "s", pos: int = 0):
+    median = {p: times.get(p, 1.0) for p in ALL_PATHS}
+    best = min(ALL_PATHS, key=lambda p: (median[p], p != Path.JOINT))
+    return calibration.ValidationRow(request=name, coords=(0.0, 0.0, 0.0), selected=selected, anchor=None,
+                                     median_s=median, best=best, sequence=seq, position=pos)
+
+
+def test_validation_goal_one_allows_exactly_three_percent():
+    at_limit = _row("a", Path.JOINT, {Path.JOINT: 0.103, Path.RAIL: 0.1})       # 1.03x the best: within
+    result = calibration.ValidationResult(rows=(at_limit,))
+    goals = result.summary()["goals"]
+    assert goals["within_tolerance_of_best_on_every_request"]
+    over = _row("b", Path.JOINT, {Path.JOINT: 0.1031, Path.RAIL: 0.1}, pos=1)  # 1.031x: over
+    s = calibration.ValidationResult(rows=(at_limit, over)).summary()
+    assert not s["goals"]["within_tolerance_of_best_on_every_request"] and not s["goals"]["all_met"]
+    assert s["num_over_tolerance"] == 1 and s["over_tolerance_requests"] == ["b"]
+    assert s["worst_request"] == "b" and s["worst_ratio_to_best"] == pytest.approx(1.031)
+
+
+def test_validation_goal_two_needs_a_total_strictly_below_always_joint():
+    same = _row("a", Path.JOINT, {Path.JOINT: 0.1})
+    s = calibration.ValidationResult(rows=(same,)).summary()
+    assert not s["goals"]["total_beats_always_joint"]  # equal totals do not beat JOINT
+    faster = _row("b", Path.RAIL, {Path.JOINT: 0.1, Path.RAIL: 0.09}, pos=1)
+    slower = _row("c", Path.NATIVE, {Path.JOINT: 0.1, Path.NATIVE: 0.102}, pos=2)
+    s = calibration.ValidationResult(rows=(same, faster, slower)).summary()
+    assert s["total_selected_s"] == pytest.approx(0.1 + 0.09 + 0.102)
+    assert s["total_fixed_s"]["joint"] == pytest.approx(0.3)
+    assert s["goals"] == {"within_tolerance_of_best_on_every_request": True, "total_beats_always_joint": True,
+                          "all_met": True}
+    assert s["selected_vs_joint_policy"] == pytest.approx(0.292 / 0.3)
+
+
+def test_path_changes_count_consecutive_layers_per_sequence():
+    # Sequence x: layers 1..4 select rail, joint, joint, rail -> 2 changes (given out of order);
+    # sequence y: one layer -> 0. A change across sequences does not count.
+    rows = (_row("x3", Path.JOINT, {}, seq="x", pos=3), _row("x1", Path.RAIL, {}, seq="x", pos=1),
+            _row("x2", Path.JOINT, {}, seq="x", pos=2), _row("x4", Path.RAIL, {}, seq="x", pos=4),
+            _row("y1", Path.NATIVE, {}, seq="y", pos=1))
+    assert calibration.count_path_changes(rows) == {"x": 2, "y": 0}
+    s = calibration.ValidationResult(rows=rows).summary()
+    assert s["num_path_changes"] == 2 and s["num_sequences"] == 2
 
 
 def test_requests_under_arrangements_carry_their_windows():
@@ -237,13 +325,26 @@ def test_calibrate_and_validate_cli_with_fake_backend(tmp_path, monkeypatch, cap
     assert "kept" in capsys.readouterr().out
 
     val_json = tmp_path / "val.json"
-    assert main(["validate", "--anchors", str(out), "--backend", "netmodel", "--requests", "5", "--seed", "3",
+    assert main(["validate", "--anchors", str(out), "--backend", "netmodel", "--requests", "2", "--seed", "30",
                  "--warmups", "0", "--repeats", "1", "--no-progress", "--bench", "--json", str(val_json)]) == 0
     data = json.loads(val_json.read_text())
-    assert data["summary"]["num_requests"] == 5 and len(data["requests"]) == 5
-    assert {"selected", "selected_s", "joint_s", "best_path", "best_s", "ratio_to_best"} <= set(data["requests"][0])
+    # 2 held-out families x 2 arrangements x 2 scales, never a calibrated family.
+    assert data["held_out"]["families"] == [30, 31]
+    assert data["summary"]["num_requests"] == 8 and len(data["requests"]) == 8
+    assert {"selected", "selected_s", "joint_s", "best_path", "best_s", "ratio_to_best",
+            "within_goal"} <= set(data["requests"][0])
+    assert set(data["summary"]["goals"]) == {"within_tolerance_of_best_on_every_request",
+                                             "total_beats_always_joint", "all_met"}
     assert data["bench"]["us_per_decision"] > 0
-    assert "selector decision cost" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "selector decision cost" in printed and "goal 1" in printed and "goal 2" in printed
+    met = data["summary"]["goals"]["all_met"]
+    status = main(["validate", "--anchors", str(out), "--backend", "netmodel", "--requests", "2", "--seed", "30",
+                   "--warmups", "0", "--repeats", "1", "--no-progress", "--require-goals"])
+    assert status == (0 if met else 1)
+    with pytest.raises(SystemExit) as exc:  # held-out families must not be calibrated ones
+        main(["validate", "--anchors", str(out), "--backend", "netmodel", "--seed", "1", "--no-progress"])
+    assert exc.value.code == 2
 
 
 def test_validate_cli_errors(tmp_path):
@@ -253,3 +354,32 @@ def test_validate_cli_errors(tmp_path):
     with pytest.raises(SystemExit) as exc:  # argparse: not a choice (the placeholder backends are gone)
         main(["calibrate", "--backend", "testbed", "--cluster", "h800_4x8", "--out", str(tmp_path / "a.yaml")])
     assert exc.value.code == 2
+
+
+def test_tune_selector_leaves_each_routing_out_and_picks_the_smallest_safe_thresholds():
+    # Three routings whose requests all favour RAIL by 10% over JOINT (best by 10%: JOINT is
+    # 1.11x the best, over the 3% goal). Each is an anchor; their rho coordinates are 0.10, 0.30
+    # and 0.20. Left out, a request sees only the other two anchors, 0.1 or 0.2 away: with shape
+    # distance 0.02 or 0.05 all three fall back to JOINT; 0.1 is the smallest that serves all.
+    # Without leaving its own anchor out every setting would look perfect.
+    from megatron_railwave.anchors import Anchor, AnchorSet, CalibrationContext
+    from megatron_railwave.traffic import TrafficStats
+
+    ref, rho_s, kappa_s = AnchorSet.scales_for(TOPO)
+    lat = {p: _lat(1.0, 1.0, 1.0) for p in ALL_PATHS}
+    lat[Path.RAIL] = _lat(0.9, 0.9, 0.9)
+    rows, anchors = [], []
+    for group, y in (("g1", 0.10), ("g2", 0.30), ("g3", 0.20)):
+        st = TrafficStats(B_mean_bytes=ref, B_max_bytes=ref, rho_g=1 + rho_s * y, kappa=1 + kappa_s * 0.5,
+                          coords=(0.0, y, 0.5), records_total=1, remote_records=1)
+        rows.append(calibration.CalibrationRow(request=group, stats=st, coords=st.coords, latency=lat,
+                                               best=Path.RAIL, kept=True, gain=0.1, reason="kept", group=group))
+        anchors.append(Anchor(name=group, coords=st.coords, B_mean_bytes=ref, rho_g=st.rho_g, kappa=st.kappa,
+                              path=Path.RAIL, latency_s=lat))
+    ctx = CalibrationContext(topology=TOPO.to_dict(), hidden_size=1, dtype="bf16", backend="fake", date="x")
+    result = calibration.CalibrationResult(anchor_set=AnchorSet(anchors=tuple(anchors), scales=(ref, rho_s, kappa_s),
+                                                                context=ctx), rows=tuple(rows))
+    tuned = calibration.tune_selector(result, grid={"payload_ratio": (1.25,), "shape_distance": (0.02, 0.05, 0.1, 0.2)})
+    over = {sc["shape_distance"]: sc["over_tolerance"] for sc in tuned["scores"]}
+    assert over == {0.02: 3, 0.05: 3, 0.1: 0, 0.2: 0}
+    assert (tuned["payload_ratio"], tuned["shape_distance"]) == (1.25, 0.1)  # 0.2 ties: the smaller wins

@@ -31,26 +31,31 @@ EXPECTED_FLAGS = {
         "--profile-out", "--json",
     ],
     "calibrate": [
-        "--cluster", "--nodes", "--failed-rail", "--backend", "--warmups", "--repeats", "--no-progress", "--out",
+        "--cluster", "--nodes", "--failed-rail", "--backend", "--model", "--warmups", "--repeats", "--no-progress", "--out",
         "--workload", "--families", "--layers", "--seed", "--arrangements", "--payload-scales", "--tokens",
         "--hidden", "--dtype", "--max-spread", "--min-gain", "--json",
     ],
     "validate": [
-        "--anchors", "--cluster", "--backend", "--warmups", "--repeats", "--no-progress", "--requests", "--seed",
-        "--payload-ratio", "--shape-distance", "--bench", "--json",
+        "--anchors", "--cluster", "--backend", "--model", "--warmups", "--repeats", "--no-progress", "--requests", "--layers",
+        "--seed", "--require-goals", "--payload-ratio", "--shape-distance", "--bench", "--json",
+    ],
+    "call-costs": [
+        "--nodes", "--gpus-per-node", "--tokens", "--hidden", "--experts", "--topk", "--seed", "--warmups",
+        "--samples", "--no-virtual", "--timeout", "--json",
     ],
     "report": ["--out", "--no-plots", "--json", "--run"],
     "ops-bench": ["--device", "--quick", "--tokens", "--hidden", "--experts", "--topk", "--nodes", "--gpus-per-node",
                   "--repeats", "--seed", "--json"],
     "testbed": [],
     "netmodel": [],
+    "workloads": [],
     "simulate-exchange": [
         "--cluster", "--nodes", "--failed-rail", "--tokens", "--hidden", "--experts", "--topk", "--dtype",
-        "--device", "--seed", "--max-error", "--json",
+        "--device", "--seed", "--max-tokens-per-rank", "--max-error", "--json",
     ],
     "bench": [
         "--cluster", "--nodes", "--failed-rail", "--backend", "--model", "--alpha", "--workload", "--pattern", "--layers",
-        "--steps", "--tokens", "--payload-scale", "--seed", "--paths", "--fanin", "--plan-repeats", "--json", "--plot",
+        "--steps", "--tokens", "--payload-scale", "--seed", "--paths", "--fanin", "--peers", "--plan-repeats", "--json", "--plot",
         "--no-progress",
     ],
 }
@@ -206,10 +211,11 @@ def _commands_writing_to(path: str, log_dir: str, anchors: str) -> list[list[str
         ["netmodel", "fit-incast", "--out", path],
         ["netmodel", "bench-engine", "--nodes", "2", "--json", path],
         ["simulate-exchange", "--cluster", H800, "--json", path],
+        ["workloads", "fit", "--json", path],
     ]
 
 
-@pytest.mark.parametrize("case", range(15))
+@pytest.mark.parametrize("case", range(16))
 def test_output_path_that_is_a_directory_fails_before_any_work(tmp_path, capsys, case):
     argv = _commands_writing_to(str(tmp_path), str(tmp_path), str(tmp_path / "anchors.yaml"))[case]
     with pytest.raises(SystemExit) as exc:

@@ -69,6 +69,21 @@ def test_anchor_selector_rule_by_hand(descr, expected, why):
     assert SEL.select(descr) == expected, why
 
 
+def test_anchor_selector_matches_the_number_of_input_windows():
+    # Same descriptors, different sending windows: an all-pairs anchor (1 window) never decides
+    # for an arranged input (3 windows) and the reverse; the default is a training step's 1.
+    arranged = Anchor(name="w3", coords=A.coords, B_mean_bytes=A.B_mean_bytes, rho_g=A.rho_g, kappa=A.kappa,
+                      path=Path.PERM, latency_s=LAT, input_windows=3)
+    sel = AnchorSelector(anchor_set((A, arranged)))
+    on_a = stats(1.0, 0.10, 0.5)
+    assert sel.select(on_a) == Path.RAIL
+    assert sel.explain(on_a, input_windows=1).anchor == "a"
+    assert sel.explain(on_a, input_windows=3).anchor == "w3"
+    assert sel.explain(on_a, input_windows=2).path == Path.JOINT
+    with pytest.raises(ValueError, match="input_windows must be an integer >= 1"):
+        Anchor(name="bad", coords=A.coords, B_mean_bytes=1.0, rho_g=1.0, kappa=1.0, path=Path.RAIL, input_windows=0)
+
+
 def test_anchor_selector_thresholds_are_configurable():
     wide = AnchorSelector(anchor_set((A, B, C)), payload_ratio=2.0, shape_distance=0.05)
     assert wide.select(stats(1.0, 0.10, 0.53)) == Path.RAIL  # kappa 0.03 < 0.05

@@ -1,8 +1,12 @@
 """The exchange's rank programs on the in-process virtual cluster: the four paths bitwise equal,
 the dense closed form within 1e-5 (fp32), one host sync per layer and rank, phases posted after
-their dependencies, and the bytes moved equal to the schedule's."""
+their dependencies, and the bytes moved equal to the schedule's; in fixed-capacity mode
+(max_tokens_per_rank) no host sync at all, results bitwise equal to the normal mode, the padded
+expert layout, fixed bytes, and the overflow / bad-input errors."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -139,3 +143,138 @@ def test_phases_wait_for_dependencies_and_move_the_scheduled_bytes(path):
             want_received = fwd["received"][p.index] + bwd["received"][p.index]
             assert cluster.bytes_sent[r].get(p.name, 0) == want_sent, (r, p.name)
             assert cluster.bytes_received[r].get(p.name, 0) == want_received, (r, p.name)
+
+
+# ---------------------------------------------------------------------------- fixed capacity
+# max_tokens_per_rank = C: the capacity plan's buffers, no host sync, results equal to the normal mode.
+
+def _fixed(spec: VirtualSpec, inputs: dict, slack: int = 3) -> VirtualSpec:
+    """The spec in fixed-capacity mode, C a little above the largest T of the case's ranks."""
+    return dataclasses.replace(spec, max_tokens_per_rank=max(h.shape[0] for h in inputs["hidden"]) + slack)
+
+
+def _mark_inputs(audit: SyncAudit, inputs: dict) -> None:
+    audit.mark(*inputs["hidden"], *inputs["probs"], *inputs["routing"], *inputs["grad_out"], inputs["maps_EHH"])
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_fixed_capacity_equals_normal_mode_bitwise_on_every_path(name):
+    spec, inputs = _inputs(name)
+    fixed = _fixed(spec, inputs)
+    for path in PATHS:
+        normal = run_virtual_layer(spec, inputs, path)
+        got = run_virtual_layer(fixed, inputs, path)
+        for r in range(spec.topology.world_size):
+            assert torch.equal(got["tokens_per_expert"][r].cpu(), normal["tokens_per_expert"][r]), (path, r)
+            for key in ("out", "grad_hidden", "grad_probs"):
+                assert got[key][r].shape == normal[key][r].shape
+                assert torch.equal(got[key][r], normal[key][r]), f"{path} rank {r} {key}: fixed capacity != normal"
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("name", ["4x2-uneven-failed-rail", "3x3-bf16"])
+def test_fixed_capacity_needs_no_host_sync(name, path):
+    spec, inputs = _inputs(name)
+    fixed = _fixed(spec, inputs)
+    run_virtual_layer(fixed, inputs, path)  # first call: builds the cached capacity plan (host work)
+    with SyncAudit() as audit:
+        _mark_inputs(audit, inputs)
+        run_virtual_layer(fixed, inputs, path)
+    # Forward and backward of dispatch and combine, every rank, and the experts: nothing reads
+    # device data back (not even the first call's cache build touches routing data).
+    assert audit.count == 0, [(e.name, e.where) for e in audit.events]
+
+
+def test_sync_audit_counts_a_sync_added_to_the_fixed_capacity_mode(monkeypatch):
+    """The audit sees the fixed mode's device data: a .tolist() on the slot tokens is counted."""
+    import megatron_railwave.exchange.layer as layer
+
+    spec, inputs = _inputs("2x2-fp32")
+    original = layer.slot_tokens
+
+    def slot_tokens_with_sync(routing_map, num_nodes, capacity):
+        out = original(routing_map, num_nodes, capacity)
+        out.tolist()
+        return out
+
+    monkeypatch.setattr(layer, "slot_tokens", slot_tokens_with_sync)
+    with SyncAudit() as audit:
+        _mark_inputs(audit, inputs)
+        run_virtual_layer(_fixed(spec, inputs), inputs, "perm")
+    assert audit.count == spec.topology.world_size
+
+
+def test_fixed_capacity_padded_layout_and_fixed_bytes():
+    """Entries of expert e are rows [e * W * C, e * W * C + tokens_per_expert[e]) in the normal
+    mode's order, padding rows are zero, and the bytes moved are the capacity schedule's: the
+    same for any routing."""
+    spec, inputs = _inputs("4x2-uneven-failed-rail")
+    fixed = _fixed(spec, inputs)
+    w, c = spec.topology.world_size, fixed.max_tokens_per_rank
+    e_loc = spec.experts // w
+    sent = []
+    other = _uneven_inputs(dataclasses.replace(spec, seed=7), [5, 36, 0, 2, 30, 1, 0, 9], {0: [0, 1, 2]})
+    for case_inputs in (inputs, other):
+        cluster = VirtualCluster(world_size=w)
+        out = run_virtual_layer(fixed, case_inputs, "joint", cluster=cluster)
+        sent.append(cluster.bytes_sent)
+        for r, handle in enumerate(out["handles"]):
+            sched = handle.schedule
+            fwd, bwd = sched.rank_bytes(r), sched.rank_bytes(r, backward=True)
+            for p in sched.phases:
+                assert cluster.bytes_sent[r].get(p.name, 0) == fwd["sent"][p.index] + bwd["sent"][p.index]
+                assert cluster.bytes_received[r].get(p.name, 0) == fwd["received"][p.index] + bwd["received"][p.index]
+    assert sent[0] == sent[1]
+
+    # The dispatched rows themselves, rank by rank, against the normal mode's.
+    from megatron_railwave.exchange import (RankContext, dispatch_forward, gather_demand, prepare_capacity_layer,
+                                            prepare_layer, virtual_rank_groups)
+    from megatron_railwave.planner import build_plan
+
+    topo = spec.topology
+    ctxs = [RankContext(topo=topo, groups=virtual_rank_groups(topo, r), num_experts=spec.experts,
+                        options=spec.options) for r in range(w)]
+    h, p, rm = inputs["hidden"], inputs["probs"], inputs["routing"]
+    cluster = VirtualCluster(world_size=w)
+    layers = cluster.run([gather_demand(ctxs[r], h[r], p[r], rm[r]) for r in range(w)])
+    normal = [prepare_layer(ctxs[r], layers[r], build_plan(layers[r].demand, topo, "rail"), hidden_dtype=h[r].dtype,
+                            probs_dtype=p[r].dtype, hidden_size=spec.hidden) for r in range(w)]
+    padded = [prepare_capacity_layer(ctxs[r], h[r], p[r], rm[r], path="rail", capacity=c) for r in range(w)]
+    assert padded[0].schedule is prepare_capacity_layer(ctxs[0], h[0], p[0], rm[0], path="rail",
+                                                        capacity=c).schedule  # planned once, cached
+    want = cluster.run([dispatch_forward(ctxs[r], normal[r], h[r], p[r], rm[r]) for r in range(w)])
+    got = cluster.run([dispatch_forward(ctxs[r], padded[r], h[r], p[r], rm[r]) for r in range(w)])
+    for r in range(w):
+        tokens, probs, entries = got[r]
+        assert tokens.shape == (e_loc * w * c, spec.hidden) and probs.shape == (e_loc * w * c,)
+        counts = normal[r].tokens_per_expert.tolist()
+        assert entries.tokens_per_expert.tolist() == counts
+        start = 0
+        for e, n_e in enumerate(counts):
+            block = slice(e * w * c, (e + 1) * w * c)
+            assert torch.equal(tokens[block][:n_e], want[r][0][start:start + n_e]), (r, e)
+            assert torch.equal(probs[block][:n_e], want[r][1][start:start + n_e]), (r, e)
+            assert not tokens[block][n_e:].any() and not probs[block][n_e:].any(), (r, e)
+            start += n_e
+
+
+def test_fixed_capacity_overflow_and_bad_input_raise_before_any_communication():
+    from megatron_railwave.exchange import (CapacityOverflowError, InputError, RankContext, check_capacity,
+                                            prepare_capacity_layer, virtual_rank_groups)
+
+    spec, inputs = _inputs("2x2-fp32")  # T = 24
+    topo = spec.topology
+    ctx = RankContext(topo=topo, groups=virtual_rank_groups(topo, 3), num_experts=spec.experts, options=spec.options)
+    h, p, rm = inputs["hidden"][3], inputs["probs"][3], inputs["routing"][3]
+    with pytest.raises(CapacityOverflowError, match=r"EP rank 3: 24 tokens in this layer call exceed "
+                                                    r"max_tokens_per_rank=20 .*at least 24"):
+        prepare_capacity_layer(ctx, h, p, rm, path="joint", capacity=20)
+    with pytest.raises(InputError, match=r"EP rank 3: routing_map has dtype torch.float32"):
+        prepare_capacity_layer(ctx, h, p, rm.float(), path="joint", capacity=24)
+    handle = prepare_capacity_layer(ctx, h, p, rm, path="joint", capacity=24)  # T == C is fine
+    assert handle.capacity == 24 and handle.num_entries == 2 * 4 * 24
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises(ValueError, match="max_tokens_per_rank"):
+            check_capacity(bad)
+    with pytest.raises(ValueError, match="--tokens 24 exceeds --max-tokens-per-rank 8"):
+        dataclasses.replace(spec, max_tokens_per_rank=8)

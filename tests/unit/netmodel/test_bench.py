@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from megatron_railwave.cli import main
-from megatron_railwave.commands.bench import layer_demands, sparse_demand_from_topk_ids, summarize_samples
-from megatron_railwave.workloads import GlmAirWorkload, demand_from_topk_ids, glm_air_layer_ids
+from megatron_railwave.commands.bench import layer_demands, summarize_samples
+from megatron_railwave.workloads import (GlmAirWorkload, demand_from_topk_ids, glm_air_layer_ids, scaled_demand,
+                                         sparse_demand_from_topk_ids)
 from megatron_railwave.topology import RailTopology
 
 
@@ -67,7 +68,7 @@ def test_sparse_demand_matches_dense():
     assert torch.equal(sparse.records_NGN(), dense.records_NGN())
     for d in range(4):
         assert torch.equal(sparse.masks_into(d), dense.masks_into(d))
-    half = sparse.scaled(0.5)
+    half = scaled_demand(sparse, 0.5)
     assert half.records_NGN().sum() <= dense.records_NGN().sum() // 2 + 4 * 32 * 256
 
 

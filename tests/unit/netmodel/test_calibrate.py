@@ -1,22 +1,13 @@
 """Incast calibration: scaling, the fit on a small GLM replay, and the written config."""
 
 import pytest
-import torch
 import yaml
 
 from megatron_railwave.netmodel import NetModelConfig, load_netmodel_config
-from megatron_railwave.netmodel.calibrate import PAPER_INCAST, calibrate_incast, scaled_demand, write_config
+from megatron_railwave.netmodel.calibrate import PAPER_INCAST, calibrate_incast, write_config
 from megatron_railwave.topology import RailTopology
-from megatron_railwave.traffic import DemandCounts
 
 H800 = RailTopology(num_nodes=4, gpus_per_node=8, rail_gbps=400.0, nvlink_gBps=155.0, name="h800_4x8")
-
-
-def test_scaled_demand_rounds_every_count():
-    rec = torch.tensor([[[0, 3, 1, 2]]])
-    demand = DemandCounts(records_WNM=rec, experts_WE=torch.zeros(1, 1, dtype=torch.int64))
-    assert scaled_demand(demand, 1.5).records_WNM.tolist() == [[[0, 4, 2, 3]]]  # 4.5 -> 4 (half to even)
-    assert scaled_demand(demand, 1.0) is demand
 
 
 @pytest.fixture(scope="module")

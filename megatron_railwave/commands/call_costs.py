@@ -1,0 +1,89 @@
+"""``railwave call-costs``: per-call costs of the exchange on CPU (count exchange, fixed cost per
+phase, RailBalance's planning steps), for the flow model's per-call cost fields.
+
+Letters: N nodes, G GPUs per node, W = N * G processes, T tokens per rank, H hidden.
+
+W gloo processes on loopback run the exchange (``bench.call_costs``; the module docstring says
+what each number is); the in-process virtual cluster runs the same rank programs without a
+transport. These are CPU software costs; GPU / NCCL / DeepEP values are not yet measured.
+
+JSON written by ``--json`` (schema ``railwave.call_costs/1``): ``spec``, ``topology``,
+``gloo`` (``steps``: median / p10 / p90 microseconds per step, slowest rank per sample;
+``phases_per_call`` and ``move_us`` per path; ``per_phase_fit``: per_phase_us, fixed_us, r2;
+``railbalance_us``) and ``virtual`` (count exchange and per path move time and phases per rank).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from . import _common, _outputs, _render
+
+__all__ = ["register", "run"]
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "call-costs",
+        help="measure the exchange's per-call costs on CPU (count exchange, per phase, RailBalance)",
+        description="Time the count exchange, an empty phase on the rail and node groups, a node "
+                    "barrier and every path's plan / prepare / dispatch / combine at a small payload on "
+                    "W gloo processes (loopback), fit a per-phase cost, and repeat on the virtual cluster.",
+    )
+    group = parser.add_argument_group("cluster and workload")
+    group.add_argument("--nodes", type=int, default=4, metavar="N", help="nodes (default 4)")
+    group.add_argument("--gpus-per-node", type=int, default=2, metavar="G",
+                       help="GPUs (processes) per node (default 2)")
+    group.add_argument("--tokens", type=int, default=128, metavar="T", help="tokens per rank (default 128)")
+    group.add_argument("--hidden", type=int, default=64, metavar="H", help="hidden size (default 64)")
+    group.add_argument("--experts", type=int, default=32, metavar="E", help="experts, a multiple of W (default 32)")
+    group.add_argument("--topk", type=int, default=8, metavar="K", help="experts per token (default 8)")
+    group.add_argument("--seed", type=int, default=0, help="routing seed (default 0)")
+    group = parser.add_argument_group("measurement")
+    group.add_argument("--warmups", type=int, default=5, help="untimed calls per step (default 5)")
+    group.add_argument("--samples", type=int, default=30, help="timed calls per step (default 30)")
+    group.add_argument("--no-virtual", action="store_true", help="skip the virtual-cluster measurement")
+    group.add_argument("--timeout", type=float, default=600.0, metavar="S",
+                       help="limit for the multi-process run in seconds (default 600)")
+    parser.add_argument("--json", default=None, metavar="FILE", help="write the result as JSON")
+    parser.set_defaults(handler=run)
+    _outputs.declare_outputs(parser, files=("json",))
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..bench.call_costs import CallCostSpec, measure_call_costs
+
+    if args.timeout <= 0:
+        raise ValueError(f"--timeout must be > 0, got {args.timeout}")
+    spec = CallCostSpec(num_nodes=args.nodes, gpus_per_node=args.gpus_per_node, tokens=args.tokens,
+                        hidden=args.hidden, experts=args.experts, topk=args.topk, seed=args.seed,
+                        warmups=args.warmups, samples=args.samples)
+    result = measure_call_costs(spec, timeout_s=args.timeout, virtual=not args.no_virtual)
+    g = result["gloo"]
+    steps = g["steps"]
+    world = args.nodes * args.gpus_per_node
+    _render.print_table(
+        f"per-call costs, {args.nodes}x{args.gpus_per_node} ({world} gloo processes, loopback), T={args.tokens} "
+        f"H={args.hidden}; {args.samples} samples, slowest rank per sample (us)",
+        ["step", "median", "p10", "p90"],
+        [[name, s["median_us"], s["p10_us"], s["p90_us"]] for name, s in steps.items()])
+    fit = g["per_phase_fit"]
+    _render.print_table("dispatch + combine per path", ["path", "phases per call", "move us (median)"],
+                        [[p, g["phases_per_call"][p], g["move_us"][p]] for p in g["phases_per_call"]])
+    rb = g["railbalance_us"]
+    _render.print_text(
+        f"count exchange {steps['count_exchange']['median_us']:.0f} us; empty phase rail "
+        f"{steps['empty_phase_rail']['median_us']:.0f} us, node {steps['empty_phase_node']['median_us']:.0f} us; "
+        f"fit: {fit['per_phase_us']:.0f} us per phase + {fit['fixed_us']:.0f} us (r2 {fit['r2']:.2f}); "
+        f"RailBalance quota (plan RAIL - NATIVE) {rb['quota_rail_minus_native']:.0f} us, node barrier "
+        f"{rb['node_barrier']:.0f} us. CPU gloo numbers: GPU / NCCL / DeepEP values are not yet measured.")
+    if "virtual" in result:
+        v = result["virtual"]
+        _render.print_table(
+            f"virtual cluster (host work per rank, no transport): count exchange "
+            f"{v['count_exchange_us_per_rank']:.0f} us", ["path", "phases per rank", "move us per rank"],
+            [[p, d["phases_per_rank"], d["move_us_per_rank"]] for p, d in v["paths"].items()])
+    if args.json:
+        _common.write_json(args.json, result)
+        _render.print_text(f"wrote {args.json}")
+    return 0

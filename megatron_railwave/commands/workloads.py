@@ -1,0 +1,84 @@
+"""``railwave workloads``: the synthetic GLM-4.5-Air workload against the paper's statistics.
+
+* ``fit``: print the workload statistics of the generator's knobs (``workloads.workload_report``:
+  expected counts over ``--steps`` steps x 45 layers, and drawn tokens over ``--sampled-steps``)
+  next to the published ones; with ``--refit``, first rerun the fit (``workloads.fit_workload``)
+  and report the fitted knobs instead of the defaults. JSON (``--json``): ``report`` and, with
+  ``--refit``, ``fit``.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import replace
+
+from . import _common, _outputs, _render
+
+__all__ = ["register"]
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "workloads",
+        help="synthetic GLM-4.5-Air workload: fit and statistics",
+        description="Tools of the synthetic GLM-4.5-Air workload (docs/workloads.md).",
+    )
+    sub = parser.add_subparsers(dest="workloads_command", metavar="ACTION", required=True)
+    fit = sub.add_parser("fit", help="workload statistics next to the paper's published ones (optionally refit)",
+                         description="Statistics of the synthetic GLM-4.5-Air routing (NIC shares under NATIVE, "
+                                     "expert-load and destination-rail skew, R^2) next to the paper's published "
+                                     "values; --refit reruns the fit of the knobs to them.")
+    fit.add_argument("--cluster", default="h20_4x8", metavar="YAML",
+                     help="cluster whose NIC adapters define the shares (default h20_4x8, the paper's)")
+    fit.add_argument("--seed", type=int, default=0, help="routing seed (default 0)")
+    fit.add_argument("--steps", type=int, default=20,
+                     help="steps of expected counts, each with all 45 layers (default 20: 900 pairs, as the paper)")
+    fit.add_argument("--sampled-steps", type=int, default=2,
+                     help="steps of drawn tokens, to check the expected counts (default 2; 0 = skip)")
+    fit.add_argument("--tokens", type=int, default=1024, help="mean tokens per GPU of the drawn steps (default 1024)")
+    fit.add_argument("--refit", action="store_true", help="rerun the fit first (minutes)")
+    fit.add_argument("--fit-steps", type=int, default=20,
+                     help="steps the fit samples, each with every third layer (default 20)")
+    fit.add_argument("--sweeps", type=int, default=2, help="coordinate-descent sweeps of the fit (default 2)")
+    fit.add_argument("--json", default=None, metavar="FILE", help="write the report (and fit) as JSON")
+    fit.set_defaults(handler=_fit)
+    _outputs.declare_outputs(fit, files=("json",))
+
+
+def _fit(args: argparse.Namespace) -> int:
+    from ..workloads import GlmAirWorkload, fit_workload, workload_report
+
+    if min(args.steps, args.tokens, args.fit_steps, args.sweeps) < 1 or args.sampled_steps < 0 or args.seed < 0:
+        raise ValueError(f"need --steps, --tokens, --fit-steps, --sweeps >= 1 and --sampled-steps, --seed >= 0, got "
+                         f"{args.steps}, {args.tokens}, {args.fit_steps}, {args.sweeps}, {args.sampled_steps}, "
+                         f"{args.seed}")
+    args.nodes, args.failed_rail = None, []
+    topo = _common.cluster_from_args(args)
+    work = GlmAirWorkload(seed=args.seed)
+    out = {}
+    if args.refit:
+        fit = fit_workload(topo, start=work, steps=range(args.fit_steps), sweeps=args.sweeps,
+                           log=_render.print_text)
+        work = replace(work, **fit.knobs)  # the fit's layer subset stays with the fit
+        out["fit"] = fit.to_dict()
+        _render.print_text(f"fit: {fit.evaluations} evaluations, {fit.seconds:.0f} s, loss {fit.loss:.4g}")
+    report = workload_report(topo, work, steps=range(args.steps),
+                             sampled_steps=range(args.steps, args.steps + args.sampled_steps),
+                             sampled_tokens=args.tokens)
+    out["report"] = report
+    _render.print_table("knobs", ["knob", "value"], [[k, v] for k, v in report["knobs"].items()])
+    for kind in ("expected", "sampled"):
+        if kind not in report:
+            continue
+        part = report[kind]
+        what = (f"expected counts, {args.steps} steps x 45 layers" if kind == "expected" else
+                f"drawn tokens ({args.tokens}/GPU), {args.sampled_steps} steps x 45 layers")
+        rows = [[r["statistic"], f"{r['published']:.4g}", f"{r['ours']:.4g}", f"{100 * r['rel_err']:+.1f}%",
+                 ("yes" if r["within"] else "NO") if r["fitted"] else "(not fitted)"] for r in part["rows"]]
+        rows += [[k, "", f"{part['statistics'][k]:.4g}", "", ""] for k in ("rho_g_p50", "rho_g_p90")]
+        _render.print_table(f"workload statistics vs the paper ({what}; {topo.name})",
+                            ["statistic", "paper", "ours", "rel. err", "within 10%"], rows)
+    if args.json:
+        _common.write_json(args.json, out)
+        _render.print_text(f"wrote {args.json}")
+    return 0
