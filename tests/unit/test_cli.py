@@ -32,7 +32,7 @@ EXPECTED_FLAGS = {
     ],
     "calibrate": [
         "--cluster", "--nodes", "--failed-rail", "--backend", "--model", "--warmups", "--repeats", "--no-progress", "--out",
-        "--workload", "--families", "--layers", "--seed", "--arrangements", "--payload-scales", "--tokens",
+        "--workload", "--families", "--layers", "--seed", "--extra-seeds", "--arrangements", "--payload-scales", "--tokens",
         "--hidden", "--dtype", "--max-spread", "--min-gain", "--json",
     ],
     "validate": [
