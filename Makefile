@@ -4,7 +4,7 @@ VENV := .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.railwave-installed
 
-.PHONY: demo test test-all test-mcore-oldest setup clean plan-bench bench bench-exchange testbed-bench gpu-check \
+.PHONY: demo test test-all test-mcore-oldest setup clean plan-bench bench bench-paper scale-study bench-exchange testbed-bench gpu-check \
 	simulate-exchange workload-fit call-costs ext kernels-check ops-bench deepep-conformance deepep-hardware-check
 
 # setup.py ships the opt-in RAILWAVE_AUTO_INSTALL startup hook (megatron_railwave_autoinstall.pth).
@@ -135,3 +135,18 @@ simulate-exchange: $(STAMP)
 # The one prepared check for a lent GPU machine (see scripts/gpu_check.sh); needs no venv there.
 gpu-check:
 	bash scripts/gpu_check.sh
+
+# The paper's grid on the flow model: H800 and H20 x RING / MODERATE / EXTREME, every path and the
+# peers (Megatron all-to-all, FAST-style BvN), payload scaled to the paper's layer times.
+bench-paper: $(STAMP)
+	@mkdir -p out
+	$(VPY) -m megatron_railwave.cli bench --cluster configs/clusters/h800_4x8.yaml --model configs/netmodel/h800_4x8.yaml \
+		--payload-scale 12.66 --plan-repeats 1 --no-progress --json out/bench_paper_h800.json --plot out/bench_paper_h800.png
+	$(VPY) -m megatron_railwave.cli bench --cluster configs/clusters/h20_4x8.yaml --model configs/netmodel/h20_4x8.yaml \
+		--payload-scale 12.66 --plan-repeats 1 --no-progress --json out/bench_paper_h20.json --plot out/bench_paper_h20.png
+
+# The 256-node study of docs/results.md ("Scale study"), saturating incast (slow: ~hours of CPU).
+scale-study: $(STAMP)
+	@mkdir -p out
+	$(VPY) -m megatron_railwave.cli bench --cluster configs/clusters/h800_4x8.yaml --nodes 256 --pattern none \
+		--layers 8,17,36 --tokens 2048 --fanin 1,4,16 --plan-repeats 1 --no-progress --json out/scale_256.json

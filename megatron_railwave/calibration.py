@@ -43,6 +43,9 @@ __all__ = [
     "request_plan",
     "request_stats",
     "request_windows",
+    "request_group",
+    "SELECTOR_GRID",
+    "tune_selector",
     "profile_request",
     "summarize",
     "keep_anchor",
@@ -59,6 +62,7 @@ __all__ = [
     "token_counts",
     "held_out_settings",
     "check_held_out",
+    "glm_seeds",
     "ARRANGEMENTS",
     "calibration_requests",
     "validation_requests",
@@ -112,6 +116,17 @@ def request_windows(request: ReplayRequest) -> int:
     return request.windows.num_waves if request.windows is not None else 1
 
 
+def request_group(request: ReplayRequest) -> str:
+    """The routing a request replays: workload, seed and layer (glm) or family (synthetic); the
+    same for every T, arrangement and scale of it."""
+    m = request.meta
+    if "layer" in m:
+        return f"{m.get('workload', '')}{m.get('seed', '')}-l{m['layer']}"
+    if "family" in m:
+        return f"{m.get('workload', '')}-f{m['family']}"
+    return request.name
+
+
 def request_stats(request: ReplayRequest, topo: RailTopology,
                   scales: SelectorScales | None = None) -> TrafficStats:
     """The selector's descriptors of ``request`` (as the dispatcher computes them)."""
@@ -120,31 +135,34 @@ def request_stats(request: ReplayRequest, topo: RailTopology,
 
 
 class NetmodelBackend:
-    """Latencies from the flow-level network model (``netmodel.simulate_plan``, default
-    ``NetModelConfig``): deterministic, one simulation per (request, path)."""
+    """Latencies from the flow-level network model (``netmodel.simulate_plan`` with ``model``, default
+    ``NetModelConfig()``): deterministic, one simulation per (request, path)."""
 
     name = "netmodel"
 
-    def __init__(self, topo: RailTopology, options: PlanOptions | None = None) -> None:
+    def __init__(self, topo: RailTopology, options: PlanOptions | None = None, model: Any = None) -> None:
         from .netmodel import simulate_plan
 
         self._simulate: Callable[..., float] = simulate_plan
         self.topo = topo
         self.options = options
+        self.model = model
         self._cache: dict[tuple[str, int, int, str], float] = {}
 
     def measure(self, request: ReplayRequest, path: Path, repeats: int) -> list[float]:
         key = (request.name, int(request.records_NGN.sum()), request.record_bytes, str(path))
         if key not in self._cache:
             plan = request_plan(request, self.topo, path, self.options)
-            self._cache[key] = float(self._simulate(plan, record_bytes=request.record_bytes))
+            self._cache[key] = float(self._simulate(plan, record_bytes=request.record_bytes, model=self.model))
         return [self._cache[key]] * repeats
 
 
-def make_backend(name: str, topo: RailTopology, *, options: PlanOptions | None = None) -> MeasureBackend:
-    """The backend called ``name`` (``--backend``)."""
+def make_backend(name: str, topo: RailTopology, *, options: PlanOptions | None = None,
+                 model: Any = None) -> MeasureBackend:
+    """The backend called ``name`` (``--backend``); ``model``: the netmodel's ``NetModelConfig``
+    (None: its defaults)."""
     if name == "netmodel":
-        return NetmodelBackend(topo, options)
+        return NetmodelBackend(topo, options, model)
     raise ValueError(f"--backend {name!r} is unknown; choose one of {list(BACKENDS)}")
 
 
@@ -225,9 +243,14 @@ class CalibrationRow:
     kept: bool
     gain: float
     reason: str
+    input_windows: int = 1
+    group: str = ""
+    """The routing the request replays (workload seed and layer or family): the unit that
+    ``tune_selector`` leaves out."""
 
     def to_dict(self) -> dict[str, Any]:
-        return {"request": self.request, "coords": list(self.coords), "B_mean_bytes": self.stats.B_mean_bytes,
+        return {"request": self.request, "group": self.group, "input_windows": self.input_windows,
+                "coords": list(self.coords), "B_mean_bytes": self.stats.B_mean_bytes,
                 "rho_g": self.stats.rho_g, "kappa": self.stats.kappa, "best": str(self.best),
                 "kept": self.kept, "gain": self.gain, "reason": self.reason,
                 "latency_s": {str(p): v.to_dict() for p, v in self.latency.items()}}
@@ -261,7 +284,8 @@ def calibrate(backend: MeasureBackend, requests: Sequence[ReplayRequest], topo: 
             if kept and not math.isfinite(st.coords[0]):
                 kept, reason = False, "no remote payload"
             rows.append(CalibrationRow(request=req.name, stats=st, coords=st.coords, latency=latency,
-                                       best=best, kept=kept, gain=gain, reason=reason))
+                                       best=best, kept=kept, gain=gain, reason=reason,
+                                       input_windows=request_windows(req), group=request_group(req)))
             if kept:
                 anchors.append(Anchor(name=req.name, coords=st.coords, B_mean_bytes=st.B_mean_bytes,
                                       rho_g=st.rho_g, kappa=st.kappa, path=best, latency_s=latency,
@@ -273,6 +297,56 @@ def calibrate(backend: MeasureBackend, requests: Sequence[ReplayRequest], topo: 
                   "min_gain": min_gain, "num_requests": len(requests), **(settings or {})})
     return CalibrationResult(anchor_set=AnchorSet(anchors=tuple(anchors), scales=resolved, context=context),
                              rows=tuple(rows))
+
+
+# ---------------------------------------------------------------------- selector thresholds
+SELECTOR_GRID: dict[str, tuple[float, ...]] = {"payload_ratio": (1.25, 1.5, 2.0),
+                                               "shape_distance": (0.02, 0.05, 0.1, 0.2)}
+"""Thresholds ``tune_selector`` tries, smallest first (the paper's 1.25 and 0.02 first)."""
+
+
+def tune_selector(result: CalibrationResult, *, grid: dict[str, Sequence[float]] | None = None,
+                  tolerance: float = 0.03) -> dict[str, Any]:
+    """Pick the selector thresholds by leave-one-routing-out on the calibration requests alone.
+
+    For each (payload_ratio, shape_distance) of ``grid``, every calibration request is decided by
+    an ``AnchorSelector`` over the anchors of *other* routings (``CalibrationRow.group``: another
+    layer or family) and scored as ``railwave validate`` scores a held-out request: how many are
+    more than ``1 + tolerance`` slower than their best path, then the total time of the choices.
+    The setting with the fewest such requests, then the least total, then the smallest
+    thresholds (the grid's order) wins. Held-out requests play no part.
+
+    Returns:
+        ``payload_ratio``, ``shape_distance`` (the choice) and ``scores`` (one dict per setting:
+        thresholds, over_tolerance, total_s, vs_joint).
+    """
+    grid = {**SELECTOR_GRID, **(grid or {})}
+    rows = result.rows
+    aset = result.anchor_set
+    group_of = {r.request: r.group for r in rows}
+    joint_total = sum(r.latency[Path.JOINT].median for r in rows)
+    selectors: dict[tuple[str, float, float], AnchorSelector] = {}
+    scores = []
+    for ratio in grid["payload_ratio"]:
+        for dist in grid["shape_distance"]:
+            over, total = 0, 0.0
+            for r in rows:
+                key = (r.group, ratio, dist)
+                if key not in selectors:
+                    others = tuple(a for a in aset.anchors if group_of.get(a.name, a.name) != r.group)
+                    selectors[key] = AnchorSelector(AnchorSet(anchors=others, scales=aset.scales, context=aset.context),
+                                                    payload_ratio=ratio, shape_distance=dist)
+                path = selectors[key].explain(r.stats, input_windows=r.input_windows).path
+                chosen = r.latency[path].median
+                best = min(v.median for v in r.latency.values())
+                over += chosen > (1.0 + tolerance) * best * (1.0 + _RULE_RTOL)
+                total += chosen
+            scores.append({"payload_ratio": ratio, "shape_distance": dist, "over_tolerance": int(over),
+                           "total_s": total, "vs_joint": total / joint_total if joint_total > 0 else 1.0})
+    best_score = min(scores, key=lambda sc: (sc["over_tolerance"], round(sc["total_s"], 12)))
+    return {"payload_ratio": best_score["payload_ratio"], "shape_distance": best_score["shape_distance"],
+            "method": "leave-one-routing-out on the calibration requests", "tolerance": tolerance,
+            "scores": scores}
 
 
 # ---------------------------------------------------------------------- validation
@@ -506,15 +580,22 @@ def glm_requests(topo: RailTopology, *, layers: Sequence[int] | None, step: int,
     return out
 
 
+def glm_seeds(settings: dict[str, Any]) -> list[int]:
+    """The glm workload seeds of ``settings``: ``seed`` (one) plus ``extra_seeds`` (more routings
+    of the same layers, to cover more skew levels)."""
+    return [int(settings["seed"])] + [int(v) for v in settings.get("extra_seeds", [])]
+
+
 def calibration_requests(topo: RailTopology, settings: dict[str, Any], *, record_bytes: int) -> list[ReplayRequest]:
     """The requests that ``settings`` (``workload``, ``families`` or ``layers``, ``seed``,
     ``payload_scales``, ``tokens``: one T or a list) describe; stored in the anchors file for
     validation."""
     scales, arrs = settings["payload_scales"], settings.get("arrangements", ("none",))
     if settings.get("workload", "synthetic") == "glm":
-        return glm_requests(topo, layers=settings.get("layers"), step=0, seed=settings["seed"],
-                            payload_scales=scales, record_bytes=record_bytes, tokens=token_counts(settings),
-                            arrangements=arrs)
+        return [req for seed in glm_seeds(settings)
+                for req in glm_requests(topo, layers=settings.get("layers"), step=0, seed=seed,
+                                        payload_scales=scales, record_bytes=record_bytes,
+                                        tokens=token_counts(settings), arrangements=arrs)]
     return synthetic_requests(topo, families=settings["families"], payload_scales=scales,
                               record_bytes=record_bytes, tokens=token_counts(settings),
                               num_experts=settings.get("num_experts"), topk=settings.get("topk", 8),
@@ -534,7 +615,7 @@ def held_out_settings(settings: dict[str, Any], *, seed: int, count: int | None 
     Raises:
         ValueError: the result would overlap calibration (``check_held_out``).
     """
-    out = {k: v for k, v in settings.items() if k not in ("layers", "families")}
+    out = {k: v for k, v in settings.items() if k not in ("layers", "families", "extra_seeds")}
     out["seed"] = int(seed)
     if settings.get("workload", "synthetic") == "glm":
         from .workloads import GLM45_AIR
@@ -565,9 +646,10 @@ def check_held_out(calibration: dict[str, Any], validation: dict[str, Any]) -> N
     if workload == "glm":
         from .workloads import GLM45_AIR
 
-        if int(validation["seed"]) == int(calibration["seed"]):
-            raise ValueError(f"held-out requests need another GLM seed than calibration's {calibration['seed']}; "
-                             "pass railwave validate --seed with another value")
+        shared_seeds = sorted(set(glm_seeds(validation)) & set(glm_seeds(calibration)))
+        if shared_seeds:
+            raise ValueError(f"held-out requests need another GLM seed than calibration's {glm_seeds(calibration)} "
+                             f"(shared: {shared_seeds}); pass railwave validate --seed with another value")
         cal_layers = set(calibration.get("layers") or GLM45_AIR.layer_numbers)
         val_layers = set(validation.get("layers") or GLM45_AIR.layer_numbers)
         shared = sorted(cal_layers & val_layers)

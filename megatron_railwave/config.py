@@ -98,6 +98,11 @@ class RailWaveConfig:
     only with backend 'deepep')."""
     deepep_num_sms: int = 20
     """SMs of DeepEP's normal kernels (an even number; DeepEP's default 20)."""
+    max_tokens_per_rank: int | None = None
+    """Fixed-capacity mode (like DeepEP's ``num_max_dispatch_tokens_per_rank``): every buffer of a
+    layer is sized for this many tokens per rank (micro-batch x sequence / TP), so the exchange
+    needs no host sync at all; a rank with more tokens raises. None = the normal mode (one host
+    sync per layer, buffers sized from the gathered counts). Backend torch only; docs/exchange.md."""
 
     def __post_init__(self) -> None:
         # Every field is checked here, on every rank, before the first collective: a bad value
@@ -171,6 +176,14 @@ class RailWaveConfig:
         if self.deepep_buffer == "fake" and self.backend != "deepep":
             raise ValueError(f"deepep_buffer 'fake' needs backend: deepep (got backend {self.backend!r}); "
                              "'auto' only ever picks the real DeepEP")
+        if self.max_tokens_per_rank is not None:
+            if not _is_int(self.max_tokens_per_rank) or self.max_tokens_per_rank < 1:
+                raise ValueError(f"max_tokens_per_rank={self.max_tokens_per_rank!r} must be an integer >= 1 (the most "
+                                 "tokens one rank dispatches per layer: micro-batch x sequence / TP), or null for "
+                                 "the normal mode")
+            if self.backend == "deepep":
+                raise ValueError(f"max_tokens_per_rank={self.max_tokens_per_rank} (fixed-capacity mode) runs on the "
+                                 "torch backend only; set backend: torch (or auto), or max_tokens_per_rank: null")
         if not _is_int(self.deepep_num_sms) or self.deepep_num_sms < 2 or self.deepep_num_sms % 2:
             raise ValueError(f"deepep_num_sms={self.deepep_num_sms!r} must be an even integer >= 2 (DeepEP runs "
                              "two SMs per channel; its default is 20)")
@@ -223,6 +236,7 @@ class RailWaveConfig:
             "failed_rails": repr(sorted(self.failed_rails)),
             "policy": repr((str(self.policy), self.rail_mask)),
             "fanin": str(self.fanin),
+            "max_tokens_per_rank": str(self.max_tokens_per_rank),
         }
 
     def configured_gpus_per_node(self) -> int | None:

@@ -11,6 +11,13 @@ Workflow of one MoE layer (Megatron calls the hooks in this order):
      from global descriptors (same on every rank), plan, compile the schedule and run its
      dispatch phases. Returns the received entries [n_ent, H] and their probs [n_ent].
   3. ``dispatch_postprocess``: hand the experts ``tokens_per_expert`` (CPU int64). No comm.
+     Fixed-capacity mode (``max_tokens_per_rank`` = C): step 2 has no count exchange and no host
+     sync (``TorchDistExchange.prepare_capacity``; the path for 'auto' is selected once, from the
+     capacity demand), the entries come in the padded layout [E_loc * W * C, H], and the experts
+     get C * W rows per expert as a constant CPU tensor: Megatron's experts call
+     ``tokens_per_expert.tolist()``, which on the exchange's device counts would be a host sync;
+     on the constant it is not, and the padding rows (zero tokens, zero probs) cost expert
+     compute instead. The true counts stay on the device (``dispatched.tokens_per_expert``).
   4. ``combine_preprocess``: nothing to do (the experts applied the probs). No comm.
   5. ``token_combine``: the combine phases, reducing in a canonical order.
   6. ``combine_postprocess``: back to [S, B, H]; release the layer's state.
@@ -46,8 +53,8 @@ from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 
 from .capture import TraceMeta, TraceRecorder
 from .config import RailWaveConfig
-from .exchange import (DispatchOutput, TorchDistExchange, build_exchange, build_rail_groups, check_fingerprints,
-                       gather_rank_facts, place_ranks)
+from .exchange import (DispatchOutput, TorchDistExchange, build_exchange, build_rail_groups, capacity_demand,
+                       check_fingerprints, gather_rank_facts, place_ranks)
 from .planner import Path
 from .selector import FixedSelector, PathSelector, selector_from_config
 from .stats import LayerCommStats, Stopwatch, demand_stats, layer_comm_stats
@@ -203,7 +210,10 @@ class RailWaveTokenDispatcher(MoETokenDispatcher):
             self.topology, groups, backend=self.railwave.backend, num_experts=self.num_experts,
             topk=int(config.moe_router_topk), hidden_size=int(config.hidden_size), hidden_dtype=_hidden_dtype(config),
             deepep_buffer=self.railwave.deepep_buffer, deepep_num_sms=self.railwave.deepep_num_sms, options=options,
-            timeout_s=self.railwave.timeout_s)
+            timeout_s=self.railwave.timeout_s, max_tokens_per_rank=self.railwave.max_tokens_per_rank)
+        self._capacity_path: Path | None = None
+        self._capacity_descr: Any = None
+        self._capacity_rows: torch.Tensor | None = None
         self._columns: dict[torch.device, torch.Tensor] = {}
         self._train_forwards = 0
         self._step: int | None = None
@@ -296,6 +306,8 @@ class RailWaveTokenDispatcher(MoETokenDispatcher):
         call = state.call
         exchange = self._get_exchange()
         routing_map, probs = self._to_railwave(state.routing_map, probs)
+        if self.railwave.max_tokens_per_rank is not None:
+            return self._token_dispatch_fixed(state, exchange, hidden_states, probs, routing_map)
         layer = exchange.gather_demand(hidden_states, probs, routing_map, expert_loads=state.wants_stats)
         t0 = time.perf_counter()
         record_bytes = hidden_states.shape[-1] * dtype_bytes(hidden_states.dtype)
@@ -322,9 +334,46 @@ class RailWaveTokenDispatcher(MoETokenDispatcher):
             state.timers["dispatch"].stop()
         return out.tokens, out.probs
 
+    def _token_dispatch_fixed(self, state: _LayerState, exchange: TorchDistExchange, hidden_states: torch.Tensor,
+                              probs: torch.Tensor, routing_map: torch.Tensor):
+        """``token_dispatch`` in fixed-capacity mode: no count exchange, no host sync."""
+        call = state.call
+        t0 = time.perf_counter()
+        record_bytes = hidden_states.shape[-1] * dtype_bytes(hidden_states.dtype)
+        if self._capacity_descr is None and (state.wants_stats or not isinstance(self.selector, FixedSelector)):
+            # The descriptors of the capacity demand: the same every layer call, computed once.
+            demand = capacity_demand(self.topology, self.railwave.max_tokens_per_rank)
+            self._capacity_descr = demand_stats(demand, self.topology, record_bytes=record_bytes)
+        if self._capacity_path is None:
+            self._capacity_path = self.selector.select(self._capacity_descr)
+        path = call.path if call.path is not None else self._capacity_path
+        handle = exchange.prepare_capacity(hidden_states, probs, routing_map, path)
+        plan_ms = (time.perf_counter() - t0) * 1e3
+        if call.kind == PassKind.TRAIN:
+            self._replay.append(_Call(kind=PassKind.RECOMPUTE, step=call.step, microbatch=call.microbatch,
+                                      phase=call.phase, path=path))
+            self._capture(hidden_states, routing_map, call)
+        if state.wants_stats:  # the capacity plan: the bytes that move; expert loads are not gathered
+            state.stats = layer_comm_stats(layer=self.layer_number or 0, step=call.step, plan=handle.plan,
+                                           demand_descr=self._capacity_descr, record_bytes=record_bytes,
+                                           plan_ms=plan_ms, wire_row_bytes=handle.dispatch_row_bytes,
+                                           microbatch=call.microbatch, pass_kind=str(call.kind))
+        state.dispatched = exchange.dispatch(hidden_states, probs, routing_map, handle)
+        if "dispatch" in state.timers:
+            state.timers["dispatch"].stop()
+        return state.dispatched.tokens, state.dispatched.probs
+
     def dispatch_postprocess(self, hidden_states: torch.Tensor, probs: torch.Tensor):
-        """Returns (tokens [n_ent, H], tokens_per_expert [E_loc] CPU int64, probs [n_ent])."""
+        """Returns (tokens [n_ent, H], tokens_per_expert [E_loc] CPU int64, probs [n_ent]).
+
+        Fixed-capacity mode: the padded layout's W * C rows per expert (a constant; no sync)."""
         state = self._require_state("dispatch_postprocess")
+        capacity = self.railwave.max_tokens_per_rank
+        if capacity is not None:
+            if self._capacity_rows is None:
+                self._capacity_rows = torch.full((self.num_local_experts,), self.ep_size * capacity,
+                                                 dtype=torch.int64)
+            return hidden_states, self._capacity_rows, probs
         return hidden_states, state.dispatched.tokens_per_expert, probs
 
     def combine_preprocess(self, hidden_states: torch.Tensor):

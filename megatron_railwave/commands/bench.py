@@ -116,6 +116,11 @@ def summarize_samples(samples: list[dict[str, Any]]) -> dict[str, Any]:
             for name, vals in (("comm", comm), ("plan", plan), ("total", total)):
                 entry[f"{name}_p50_ms"], entry[f"{name}_p95_ms"], entry[f"{name}_p99_ms"] = _pct(vals)
             entry["nic_shares"] = np.mean([s["nic_shares"] for s in sel], axis=0).tolist()
+            bounds = [s.get("bound_s", 0.0) * 1e3 for s in sel]
+            entry["bound_p50_ms"], entry["bound_p95_ms"], entry["bound_p99_ms"] = _pct(bounds)
+            # >= 1 always (tests/unit/netmodel/test_bound.py); how far above the bound the model is.
+            over = [c / b for c, b in zip(comm, bounds) if b > 0]
+            entry["comm_over_bound_min"] = min(over) if over else None
             entry["rail_p50_ms"] = _pct([s["rail_s"] * 1e3 for s in sel])[0]
             if native:
                 ratios = [_ratio(native[(s["layer"], s["step"])]["comm_s"], s["comm_s"]) for s in sel]
@@ -132,6 +137,15 @@ def summarize_samples(samples: list[dict[str, Any]]) -> dict[str, Any]:
         if {"rail", "perm", "joint"} <= set(per):
             best = min(per["rail"]["comm_p50_ms"], per["perm"]["comm_p50_ms"])
             summary["joint_over_best_single"] = _ratio(best, per["joint"]["comm_p50_ms"])
+            for key in ("p50", "p95", "p99"):
+                best_k = min(per["rail"][f"comm_{key}_ms"], per["perm"][f"comm_{key}_ms"])
+                summary[f"joint_over_best_single_{key}"] = _ratio(best_k, per["joint"][f"comm_{key}_ms"])
+        if "joint" in per:
+            for peer in ("megatron", "fast"):
+                if peer in per:
+                    summary[f"{peer}_over_joint_p50"] = _ratio(per[peer]["comm_p50_ms"], per["joint"]["comm_p50_ms"])
+                    summary[f"{peer}_plan_over_joint_plan_p50"] = _ratio(per[peer]["plan_p50_ms"],
+                                                                         per["joint"]["plan_p50_ms"])
         out[pattern] = summary
     return out
 
@@ -166,6 +180,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                        help="native, rail, perm, joint (default all)")
     group.add_argument("--fanin", type=_ints, default=[1], metavar="F,F",
                        help="wave fan-ins for perm/joint (default 1: cyclic, N-1 waves)")
+    group.add_argument("--peers", type=_choices(("megatron", "fast", "none")), default=["megatron", "fast"],
+                       metavar="P,P", help="peers on the same demand and model: megatron (flat all-to-all, "
+                                           "PXN), fast (per-layer BvN waves); none (default megatron,fast)")
     group.add_argument("--plan-repeats", type=int, default=3,
                        help="timed planning runs per sample after one warm-up (0: do not time; default 3)")
     parser.add_argument("--json", default=None, metavar="FILE", help="write samples and summary")
@@ -211,6 +228,7 @@ def run(args: argparse.Namespace) -> int:
     from tqdm.auto import tqdm
 
     from ..netmodel import NetModelConfig, execute_plan, load_netmodel_config
+    from ..netmodel.peers import model_peer
     from ..planner import PlanOptions
     from ..workloads import GLM45_AIR, arrange, scaled_demand
 
@@ -230,12 +248,15 @@ def run(args: argparse.Namespace) -> int:
     if sparse and set(args.pattern) != {"none"}:
         raise ValueError(f"--pattern {','.join(args.pattern)} needs the dense demand, which is too large at "
                          f"{topo.num_nodes} nodes x {args.tokens} tokens; use --pattern none")
+    peers = [p for p in args.peers if p != "none"]
+    if sparse:
+        peers = []  # the peers need experts_WE / dense masks
     variants = _variants(args.paths, args.fanin)
     if "native" not in args.paths:
         variants.insert(0, ("native", "native", 1))  # the speedup baseline
     record_bytes = GLM45_AIR.hidden_size * 2
     samples: list[dict[str, Any]] = []
-    total = len(layers) * args.steps * len(args.pattern) * len(variants)
+    total = len(layers) * args.steps * len(args.pattern) * (len(variants) + len(peers))
     torch.set_num_threads(1)
     with tqdm(total=total, desc="bench", unit="plan", disable=args.no_progress, leave=False) as bar:
         for step in range(args.steps):
@@ -252,13 +273,24 @@ def run(args: argparse.Namespace) -> int:
                                                    args.plan_repeats, layer)
                         timing = execute_plan(plan, record_bytes=record_bytes, model=model, demand=demand)
                         stats = plan.stats(record_bytes=record_bytes)
-                        samples.append({"pattern": pattern, "layer": layer, "step": step, "variant": variant,
+                        samples.append({"bound_s": timing.bound_s, "bound_link": timing.bound_link,
+                                        "pattern": pattern, "layer": layer, "step": step, "variant": variant,
                                         "path": path, "fanin": fanin, "comm_s": timing.total_s,
                                         "dispatch_s": timing.dispatch_s, "combine_s": timing.combine_s,
                                         "rail_s": sum(timing.rail_s_V),
                                         "plan_s": plan_s, "nic_shares": timing.nic_shares().tolist(),
                                         "rho_g": stats.rho_g, "kappa": stats.kappa, "waves": plan.num_waves,
                                         "model_wall_s": timing.wall_s})
+                        bar.update(1)
+                    for peer in peers:
+                        got = model_peer(peer, demand, topo, record_bytes=record_bytes, model=model,
+                                         repeats=args.plan_repeats)
+                        samples.append({"pattern": pattern, "layer": layer, "step": step, "variant": peer,
+                                        "path": peer, "fanin": 1, "comm_s": got["comm_s"],
+                                        "dispatch_s": got["dispatch_s"], "combine_s": got["combine_s"],
+                                        "bound_s": got["bound_s"], "rail_s": 0.0, "plan_s": got["plan_s"],
+                                        "bvn_s": got["bvn_s"],
+                                        "nic_shares": [0.0] * topo.num_rails, "waves": got["waves"]})
                         bar.update(1)
     summary = summarize_samples(samples)
     _print(summary, topo, args)
@@ -281,7 +313,8 @@ def _print(summary: dict[str, Any], topo: Any, args: argparse.Namespace) -> None
     for pattern, entry in summary.items():
         rows = []
         for variant, v in entry["variants"].items():
-            rows.append([variant, v["comm_p50_ms"], v["comm_p95_ms"], v["comm_p99_ms"], v["plan_p50_ms"],
+            rows.append([variant, v["comm_p50_ms"], v["comm_p95_ms"], v["comm_p99_ms"], v["bound_p50_ms"],
+                         v["plan_p50_ms"],
                          v["total_p50_ms"], _times(v.get("speedup_p50", 1.0)),
                          f"{_times(v.get('speedup_min', 1.0), '')}-{_times(v.get('speedup_max', 1.0), '')}",
                          _times(v.get("speedup_total_p50", 1.0)), v["rail_p50_ms"],
@@ -290,8 +323,14 @@ def _print(summary: dict[str, Any], topo: Any, args: argparse.Namespace) -> None
         _render.print_table(
             f"{pattern} on {topo.name} ({topo.num_nodes}x{topo.gpus_per_node}), "
             f"{entry['variants']['native']['samples']} samples, ms",
-            ["variant", "P50", "P95", "P99", "plan P50", "total P50", "speedup P50", "per-sample", "speedup total",
+            ["variant", "P50", "P95", "P99", "bound P50", "plan P50", "total P50", "speedup P50", "per-sample", "speedup total",
              "rails P50", "rails speedup", "NIC shares % (top 4)"], rows)
+        for peer in ("megatron", "fast"):
+            if entry.get(f"{peer}_over_joint_p50") is not None:
+                plan_ratio = entry.get(f"{peer}_plan_over_joint_plan_p50")
+                _render.print_text(f"{pattern}: {peer} P50 / JOINT P50 {entry[f'{peer}_over_joint_p50']:.2f}x; "
+                                   f"planning {peer} / JOINT "
+                                   f"{'-' if plan_ratio is None else f'{plan_ratio:.2f}x'}")
         if entry.get("joint_over_best_single") is not None:
             _render.print_text(f"{pattern}: JOINT over the better single mechanism "
                                f"{entry['joint_over_best_single']:.2f}x")

@@ -23,7 +23,7 @@ from typing import Any
 
 from . import _common, _outputs, _render
 
-__all__ = ["register", "run", "parse_floats"]
+__all__ = ["register", "run", "parse_floats", "load_model", "model_dict"]
 
 
 def parse_floats(text: str) -> list[float]:
@@ -66,6 +66,9 @@ def add_measure_args(parser: argparse.ArgumentParser, *, backend_required: bool 
     group = parser.add_argument_group("measurement")
     group.add_argument("--backend", choices=["netmodel"], required=backend_required,
                        default=None, help="what times the paths: netmodel (the flow model; the only backend so far)")
+    group.add_argument("--model", default=None, metavar="YAML",
+                       help="netmodel parameters (configs/netmodel/*.yaml; default: calibrate: the built-in "
+                            "NetModelConfig; validate: the model recorded in the anchors file)")
     group.add_argument("--warmups", type=int, default=5, help="discarded calls per path (default 5)")
     group.add_argument("--repeats", type=int, default=10, help="interleaved rounds per request (default 10)")
     group.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -89,6 +92,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     group.add_argument("--layers", type=_layers, default=None, metavar="L,L",
                        help="glm: MoE layer numbers (default the odd ones, 1,3,...,45; validation holds out the rest)")
     group.add_argument("--seed", type=int, default=0, help="first family seed / glm seed (default 0)")
+    group.add_argument("--extra-seeds", type=_layers, default=[], metavar="S,S",
+                       help="glm: more workload seeds of the same layers (more skew levels covered; default none)")
     group.add_argument("--arrangements", type=_arrangements, default=["none", "ring", "moderate", "extreme"],
                        metavar="A,A", help="sending arrangements: none (all pairs at once, as in training), "
                        "ring, moderate, extreme (default all four)")
@@ -105,6 +110,30 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--json", default=None, metavar="FILE", help="also write every request's numbers")
     parser.set_defaults(handler=run)
     _outputs.declare_outputs(parser, files=("out", "json"))
+
+
+def load_model(path: str | None):
+    """The ``NetModelConfig`` of ``--model`` (None: the built-in defaults)."""
+    from ..netmodel import NetModelConfig, load_netmodel_config
+
+    return load_netmodel_config(path) if path else NetModelConfig()
+
+
+def model_dict(model) -> dict[str, Any]:
+    """The model's parameters as recorded in the anchors file (provenance; validate reuses them)."""
+    return model.to_dict()
+
+
+def with_selector_settings(anchor_set, tuned: dict[str, Any]):
+    """``anchor_set`` with the tuned thresholds in ``context.settings.selector`` (scores stay in the JSON)."""
+    from ..anchors import AnchorSet, CalibrationContext
+
+    ctx = anchor_set.context
+    settings = {**ctx.settings, "selector": {k: tuned[k] for k in ("payload_ratio", "shape_distance", "method",
+                                                                   "tolerance")}}
+    return AnchorSet(anchors=anchor_set.anchors, scales=anchor_set.scales,
+                     context=CalibrationContext(topology=ctx.topology, hidden_size=ctx.hidden_size, dtype=ctx.dtype,
+                                                backend=ctx.backend, date=ctx.date, settings=settings))
 
 
 def check_measure_args(args: argparse.Namespace) -> None:
@@ -138,22 +167,32 @@ def run(args: argparse.Namespace) -> int:
     if args.workload == "glm":
         from ..workloads import GLM45_AIR
 
+        if args.extra_seeds:
+            settings["extra_seeds"] = list(args.extra_seeds)
         settings["layers"] = args.layers or [layer for layer in GLM45_AIR.layer_numbers if layer % 2 == 1]
     else:
         settings["families"] = list(range(args.seed, args.seed + args.families))
-    backend = calibration.make_backend(args.backend, topo)
+    model = load_model(args.model)
+    backend = calibration.make_backend(args.backend, topo, model=model)
     requests = calibration.calibration_requests(topo, settings, record_bytes=record_bytes)
     result = calibration.calibrate(
         backend, requests, topo, hidden_size=args.hidden, dtype=args.dtype, warmups=args.warmups,
         repeats=args.repeats, max_spread=args.max_spread, min_gain=args.min_gain,
-        settings={"requests": settings}, progress=not args.no_progress)
-    save_anchors(result.anchor_set, args.out)
+        settings={"requests": settings, "model_file": args.model, "model": model_dict(model)},
+        progress=not args.no_progress)
+    tuned = calibration.tune_selector(result)
+    anchor_set = with_selector_settings(result.anchor_set, tuned)
+    save_anchors(anchor_set, args.out)
     rows = [r.to_dict() for r in result.rows]
     print_latencies(f"calibration on {topo.name} with {backend.name} (median of {args.repeats})", rows)
-    kept = result.anchor_set.anchors
+    kept = anchor_set.anchors
     _render.print_text(f"kept {len(kept)} of {len(rows)} requests as anchors "
                        f"({', '.join(f'{a.name}: {a.path}' for a in kept) or 'none: always JOINT'}); "
                        f"wrote {args.out}")
+    _render.print_text(
+        f"selector thresholds (leave-one-routing-out on these requests): payload ratio {tuned['payload_ratio']}, "
+        f"shape distance {tuned['shape_distance']} (recorded in context.settings.selector; railwave validate "
+        "uses them, a RailWave config sets payload_ratio / shape_distance)")
     if args.json:
-        _common.write_json(args.json, {"anchors": result.anchor_set.to_dict(), "requests": rows})
+        _common.write_json(args.json, {"anchors": anchor_set.to_dict(), "requests": rows, "selector": tuned})
     return 0

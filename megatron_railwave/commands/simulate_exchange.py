@@ -4,8 +4,11 @@ All W ranks of ``--cluster`` run in this process on one device (``--device cpu``
 through the same rank programs as the distributed exchange, on one seeded routing. Prints, per
 path: bitwise equality with the first path (outputs and gradients of every rank), the max
 relative error against the dense float64 reference, host syncs per layer per rank (forward +
-backward) and the wall time; ``--json`` writes the report (``bench.virtual_exchange``).
-Exits 1 when the paths differ or the error exceeds ``--max-error``.
+backward), the wall time and the bytes the schedules send over rails and NVLink; ``--json`` writes the report (``bench.virtual_exchange``).
+With ``--max-tokens-per-rank C`` the layer runs in fixed-capacity mode, and each path also runs
+in the normal mode on the same inputs: the table adds bitwise equality to the normal mode and
+the normal mode's syncs and time. Exits 1 when the paths differ (from each other or, in
+fixed-capacity mode, from the normal mode) or the error exceeds ``--max-error``.
 """
 
 from __future__ import annotations
@@ -32,6 +35,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="hidden dtype (default fp32)")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="device (default cpu)")
     parser.add_argument("--seed", type=int, default=0, help="routing and data seed (default 0)")
+    parser.add_argument("--max-tokens-per-rank", type=int, default=None, metavar="C",
+                        help="fixed-capacity mode: buffers sized for C tokens per rank, no host sync "
+                             "(C >= --tokens; default: the normal mode)")
     parser.add_argument("--max-error", type=float, default=None,
                         help="fail when a relative error exceeds this (default 1e-5 for fp32, 2e-2 for bf16)")
     parser.add_argument("--json", default=None, metavar="FILE", help="write the report as JSON")
@@ -39,31 +45,51 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     _outputs.declare_outputs(parser, files=("json",))
 
 
+def _megabytes(wire: dict[str, int]) -> str:
+    """Bytes all ranks send per layer (forward + backward) over rails / NVLink, in MB."""
+    return f"{wire['rail'] / 1e6:.2f} / {wire['nvlink'] / 1e6:.2f}"
+
+
 def run(args: argparse.Namespace) -> int:
     from ..bench.virtual_exchange import VirtualSpec, simulate_exchange
 
     topo = _common.cluster_from_args(args)
+    capacity = args.max_tokens_per_rank
     spec = VirtualSpec(topology=topo, tokens=args.tokens, hidden=args.hidden, experts=args.experts,
-                       topk=args.topk, dtype=args.dtype, device=args.device, seed=args.seed)
+                       topk=args.topk, dtype=args.dtype, device=args.device, seed=args.seed,
+                       max_tokens_per_rank=capacity)  # a bad value raises ValueError: exit 2
     report = simulate_exchange(spec)
     limit = args.max_error if args.max_error is not None else (1e-5 if args.dtype == "fp32" else 2e-2)
     rows = []
     for path in spec.paths:
         err = report["max_rel_error"][path]
-        rows.append([path, "yes" if report["bitwise_equal"][path] else "NO", f"{max(err.values()):.2e}",
-                     report["host_syncs_per_layer"][path], report["time_ms"][path]])
+        row = [path, "yes" if report["bitwise_equal"][path] else "NO"]
+        if capacity is not None:
+            row.append("yes" if report["bitwise_equal_to_normal_mode"][path] else "NO")
+        row += [f"{max(err.values()):.2e}", report["host_syncs_per_layer"][path], report["time_ms"][path],
+                _megabytes(report["wire_bytes"][path])]
+        if capacity is not None:
+            normal = report["normal_mode"]
+            row += [normal["host_syncs_per_layer"][path], normal["time_ms"][path],
+                    _megabytes(normal["wire_bytes"][path])]
+        rows.append(row)
+    mode = f", fixed capacity C={capacity}" if capacity is not None else ""
+    columns = ["path", f"bitwise = {report['bitwise_equal_to']}"]
+    if capacity is not None:
+        columns.append("bitwise = normal mode")
+    columns += ["max rel. error", "host syncs / layer / rank", "time ms (all ranks)", "MB rail / NVLink"]
+    if capacity is not None:
+        columns += ["normal mode: syncs", "normal mode: time ms", "normal mode: MB rail / NVLink"]
     _render.print_table(
         f"virtual cluster {topo.name} ({topo.num_nodes}x{topo.gpus_per_node}), T={args.tokens} H={args.hidden} "
-        f"E={args.experts} top-{args.topk} {args.dtype} on {args.device}",
-        ["path", f"bitwise = {report['bitwise_equal_to']}", "max rel. error", "host syncs / layer / rank",
-         "time ms (all ranks)"], rows)
+        f"E={args.experts} top-{args.topk} {args.dtype} on {args.device}{mode}", columns, rows)
     worst = max(max(e.values()) for e in report["max_rel_error"].values())
     report["max_error_limit"] = limit
     report["ok"] = report["all_bitwise_equal"] and worst <= limit
     if args.json:
         _common.write_json(args.json, report)
     if not report["ok"]:
-        _render.print_text(f"FAILED: paths bitwise equal: {report['all_bitwise_equal']}, worst error {worst:.3g} "
+        _render.print_text(f"FAILED: bitwise equal: {report['all_bitwise_equal']}, worst error {worst:.3g} "
                            f"(limit {limit:g})")
         return 1
     return 0

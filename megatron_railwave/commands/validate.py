@@ -32,7 +32,7 @@ import time
 from typing import Any
 
 from . import _common, _outputs, _render
-from .calibrate import _layers, add_measure_args, check_measure_args
+from .calibrate import _layers, add_measure_args, check_measure_args, load_model
 
 __all__ = ["register", "run", "bench_selector"]
 
@@ -57,9 +57,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="glm workload seed / first synthetic family of the held-out requests; must "
                              "differ from calibration's (default 1000)")
     parser.add_argument("--require-goals", action="store_true", help="exit 1 when a validation goal is missed")
-    parser.add_argument("--payload-ratio", type=float, default=1.25, help="selector payload ratio (default 1.25)")
-    parser.add_argument("--shape-distance", type=float, default=0.02,
-                        help="selector shape distance (default 0.02)")
+    parser.add_argument("--payload-ratio", type=float, default=None,
+                        help="selector payload ratio (default: the anchors file's context.settings.selector, else 1.25)")
+    parser.add_argument("--shape-distance", type=float, default=None,
+                        help="selector shape distance (default: the anchors file's context.settings.selector, else 0.02)")
     parser.add_argument("--bench", action="store_true",
                         help="print the selector decision cost per layer (no backend needed)")
     parser.add_argument("--json", default=None, metavar="FILE", help="write the per-request table and summary")
@@ -115,7 +116,10 @@ def run(args: argparse.Namespace) -> int:
         anchor_set = load_anchors(args.anchors, None)
         topo = RailTopology.from_dict({k: v for k, v in anchor_set.context.topology.items()},
                                       source=f"anchors file {args.anchors!r}: context.topology")
-    selector = AnchorSelector(anchor_set, payload_ratio=args.payload_ratio, shape_distance=args.shape_distance)
+    recorded = anchor_set.context.settings.get("selector") or {}
+    payload_ratio = args.payload_ratio if args.payload_ratio is not None else recorded.get("payload_ratio", 1.25)
+    shape_distance = args.shape_distance if args.shape_distance is not None else recorded.get("shape_distance", 0.02)
+    selector = AnchorSelector(anchor_set, payload_ratio=payload_ratio, shape_distance=shape_distance)
     settings = anchor_set.context.settings.get("requests")
     if not isinstance(settings, dict) or "payload_scales" not in settings:
         raise ValueError(f"anchors file {args.anchors!r}: field 'context.settings.requests' is missing; it "
@@ -126,7 +130,8 @@ def run(args: argparse.Namespace) -> int:
     held_out = calibration.held_out_settings(settings, seed=args.seed, count=args.requests, layers=args.layers)
     requests = calibration.validation_requests(topo, settings, seed=args.seed, count=args.requests,
                                                layers=args.layers, record_bytes=record_bytes)
-    out: dict[str, Any] = {"held_out": held_out}
+    out: dict[str, Any] = {"held_out": held_out,
+                           "selector": {"payload_ratio": payload_ratio, "shape_distance": shape_distance}}
     status = 0
     if args.bench:
         torch.set_num_threads(1)
@@ -140,7 +145,7 @@ def run(args: argparse.Namespace) -> int:
             f"anchors, median of 5 x {bench['repeats']} calls, 1 thread); "
             f"descriptors from counts: {bench['us_per_descriptors']:.0f} us")
     if args.backend is not None:
-        backend = calibration.make_backend(args.backend, topo)
+        backend = calibration.make_backend(args.backend, topo, model=_model(args, anchor_set))
         result = calibration.validate(backend, selector, requests, topo, warmups=args.warmups,
                                       repeats=args.repeats, progress=not args.no_progress)
         data = result.to_dict()
@@ -156,6 +161,7 @@ def run(args: argparse.Namespace) -> int:
         goals = s["goals"]
         tol = 1 + s["tolerance"]
         _render.print_text(
+            f"selector: payload ratio {payload_ratio}, shape distance {shape_distance}; "
             f"held out: {_describe_held_out(held_out)}; {s['num_requests']} requests in {s['num_sequences']} "
             f"sequences of consecutive layers; selected {s['selected_paths']}; best per request {s['best_paths']}; "
             f"{s['num_path_changes']} path changes between consecutive layers")
@@ -175,6 +181,18 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         _common.write_json(args.json, out)
     return status
+
+
+def _model(args: argparse.Namespace, anchor_set: Any):
+    """``--model``, else the model recorded in the anchors file, else the built-in defaults."""
+    from ..netmodel import NetModelConfig
+
+    if args.model:
+        return load_model(args.model)
+    recorded = anchor_set.context.settings.get("model")
+    if isinstance(recorded, dict):
+        return NetModelConfig.from_dict(recorded, source=f"anchors file {args.anchors!r}: context.settings.model")
+    return NetModelConfig()
 
 
 def _describe_held_out(held: dict[str, Any]) -> str:

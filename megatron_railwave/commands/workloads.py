@@ -37,7 +37,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                      help="steps of drawn tokens, to check the expected counts (default 2; 0 = skip)")
     fit.add_argument("--tokens", type=int, default=1024, help="mean tokens per GPU of the drawn steps (default 1024)")
     fit.add_argument("--refit", action="store_true", help="rerun the fit first (minutes)")
-    fit.add_argument("--fit-steps", type=int, default=8, help="steps the fit samples (default 8)")
+    fit.add_argument("--fit-steps", type=int, default=20,
+                     help="steps the fit samples, each with every third layer (default 20)")
     fit.add_argument("--sweeps", type=int, default=2, help="coordinate-descent sweeps of the fit (default 2)")
     fit.add_argument("--json", default=None, metavar="FILE", help="write the report (and fit) as JSON")
     fit.set_defaults(handler=_fit)
@@ -58,7 +59,7 @@ def _fit(args: argparse.Namespace) -> int:
     if args.refit:
         fit = fit_workload(topo, start=work, steps=range(args.fit_steps), sweeps=args.sweeps,
                            log=_render.print_text)
-        work = replace(work, **fit.knobs)
+        work = replace(work, **fit.knobs)  # the fit's layer subset stays with the fit
         out["fit"] = fit.to_dict()
         _render.print_text(f"fit: {fit.evaluations} evaluations, {fit.seconds:.0f} s, loss {fit.loss:.4g}")
     report = workload_report(topo, work, steps=range(args.steps),

@@ -11,7 +11,7 @@ from .deepep import DeepEPExchange
 from .groups import RankGroups, build_rail_groups, rank_groups, survey_unresponsive, virtual_rank_groups
 from .placement import (ConfigMismatchError, Placement, PlacementError, RankFacts, check_fingerprints,
                         gather_rank_facts, identity_placement, place_ranks)
-from .capacity import PaddedEntries, capacity_layer, capacity_plan, check_capacity
+from .capacity import PaddedEntries, capacity_demand, capacity_layer, capacity_plan, check_capacity
 from .layer import (CapacityOverflowError, EntryIndex, InputError, LayerDemand, LayerHandle, RankContext,
                     combine_backward, combine_forward, dispatch_backward, dispatch_forward, gather_demand,
                     prepare_capacity_layer, prepare_layer)
@@ -36,6 +36,7 @@ __all__ = [
     "identity_placement",
     "place_ranks",
     "PaddedEntries",
+    "capacity_demand",
     "capacity_layer",
     "capacity_plan",
     "check_capacity",

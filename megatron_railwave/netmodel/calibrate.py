@@ -28,7 +28,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-import numpy as np
 import yaml
 
 from ..planner import Path, PlanOptions, WaveSchedule, build_plan
@@ -36,7 +35,6 @@ from ..topology import RailTopology
 from ..traffic import DemandCounts
 from ..workloads import scaled_demand
 from .execute import NetModelConfig, execute_plan
-from .incast import IncastModel, fit_incast_alpha
 
 __all__ = ["PAPER_INCAST", "IncastCalibration", "arranged_layers", "pattern_sum_s", "calibrate_incast",
            "write_config"]
@@ -138,18 +136,42 @@ def calibrate_incast(topo: RailTopology, *, base: NetModelConfig | None = None, 
     at_zero = ratio(0.0)
     say(f"EXTREME / RING at alpha = 0: {at_zero:.4f} (paper {target:.4f})")
 
-    def predict(incast: IncastModel) -> np.ndarray:
-        got = ratio(incast.alpha)
-        say(f"  alpha {incast.alpha:.4f}: ratio {got:.4f}")
-        return np.array([got])
-
-    fitted = fit_incast_alpha(predict, [target], base=IncastModel(alpha=0.0, k_free=base.k_free, k_sat=base.k_sat),
-                              bounds=bounds, tol=tol)
-    model = replace(base, alpha=round(fitted.alpha, 4))
+    # The ratio grows with alpha: bracketed secant (Illinois) on ratio(alpha) - target, a few
+    # model runs instead of a golden-section search's dozen.
+    seen = {0.0: at_zero}
+    lo, hi = bounds
+    f_lo = (seen[lo] if lo in seen else ratio(lo)) - target
+    if f_lo >= 0:
+        alpha = lo
+    else:
+        f_hi = ratio(hi) - target
+        seen[hi] = f_hi + target
+        if f_hi <= 0:
+            alpha = hi
+        else:
+            side = 0
+            alpha = lo
+            while hi - lo > tol:
+                alpha = hi - f_hi * (hi - lo) / (f_hi - f_lo)
+                f = ratio(alpha) - target
+                seen[alpha] = f + target
+                say(f"  alpha {alpha:.4f}: ratio {f + target:.4f}")
+                if abs(f) < 1e-4:
+                    break
+                if f > 0:
+                    hi, f_hi = alpha, f
+                    if side == 1:
+                        f_lo /= 2
+                    side = 1
+                else:
+                    lo, f_lo = alpha, f
+                    if side == -1:
+                        f_hi /= 2
+                    side = -1
+    model = replace(base, alpha=round(alpha, 4))
     lo_s = pattern_sum_s(low, topo, model, record_bytes=record_bytes, scale=scale)
     hi_s = pattern_sum_s(high, topo, model, record_bytes=record_bytes, scale=scale)
-    alphas = (0.0, 0.5 * model.alpha, model.alpha, 2.0 * model.alpha) if model.alpha else ()
-    curve = tuple((a, ratio(a)) for a in alphas)
+    curve = tuple(sorted(seen.items()))
     return IncastCalibration(model=model, target_ratio=target, ratio_at_zero=at_zero, fitted_ratio=hi_s / lo_s,
                              low_s=lo_s, high_s=hi_s, payload_scale=scale, tokens=tokens,
                              implied_tokens=tokens * scale, layers=tuple(low), curve=curve,

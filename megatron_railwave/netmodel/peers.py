@@ -36,7 +36,7 @@ from ..topology import RailTopology
 from .execute import NetModelConfig, fabric_for, model_wire
 from .program import LinkProgram, ProgramBuilder
 
-__all__ = ["bvn_waves", "copies_WW", "fast_program", "megatron_program"]
+__all__ = ["bvn_waves", "copies_WW", "fast_program", "megatron_program", "model_peer"]
 
 
 def copies_WW(demand, topo: RailTopology) -> np.ndarray:
@@ -205,3 +205,42 @@ def fast_program(rail_plan: PathPlan, demand, waves: list[np.ndarray], *, record
             src, dst, rows = remote_deliv
             put("node", ph_deliv[k + 1], src, dst, rows * share_deliv[k][dst // g])
     return b.build()
+
+
+def model_peer(name: str, demand, topo: RailTopology, *, record_bytes: int, model: NetModelConfig,
+               repeats: int = 1) -> dict:
+    """Model one peer on one layer: {'comm_s', 'dispatch_s', 'combine_s', 'bound_s', 'plan_s',
+    'bvn_s', 'waves'}. ``plan_s``: FAST's per-layer planning (its RAIL plan + `bvn_waves`, median
+    of ``repeats`` timed runs after one warm-up; 0 when ``repeats`` is 0), ``bvn_s`` the
+    decomposition alone (what JOINT replaces by its cached cyclic waves); Megatron plans nothing."""
+    import statistics
+    import time
+
+    from ..planner import build_plan
+
+    fabric = fabric_for(topo, model.nodes_per_leaf, float(model.spine_oversubscription))
+    plan_s, bvn_s, waves = 0.0, 0.0, 1
+    if name == "megatron":
+        program = megatron_program(demand, topo, record_bytes=record_bytes, model=model)
+    elif name == "fast":
+        times, bvn_times = [], []
+        for i in range(1 + repeats):
+            t0 = time.perf_counter()
+            plan = build_plan(demand.records_NGN(), topo, "rail")
+            t1 = time.perf_counter()
+            bvn = bvn_waves(plan.records_NNG.sum(dim=-1).numpy())
+            if i:
+                times.append(time.perf_counter() - t0)
+                bvn_times.append(time.perf_counter() - t1)
+        plan_s = statistics.median(times) if times else 0.0
+        bvn_s = statistics.median(bvn_times) if bvn_times else 0.0
+        waves = len(bvn)
+        program = fast_program(plan, demand, bvn, record_bytes=record_bytes, model=model)
+    else:
+        raise ValueError(f"peer {name!r} is unknown; choose 'megatron' or 'fast'")
+    from .program import run_program
+
+    rel_tol = model.large_rel_tol if program.flows.num_flows > model.large_flows else model.rel_tol
+    run = run_program(fabric, program, incast=model.incast(), rel_tol=rel_tol, nvlink=model.nvlink)
+    return {"comm_s": run.total_s, "dispatch_s": run.dispatch_s, "combine_s": run.combine_s,
+            "bound_s": run.bound_s, "plan_s": plan_s, "bvn_s": bvn_s, "waves": waves}

@@ -107,7 +107,8 @@ def scaled_demand(demand: _Demand, scale: float) -> _Demand:
     """``demand`` with every record count multiplied by ``scale`` and rounded (half to even).
 
     Args:
-        demand: a ``DemandCounts`` (full form: ``records_WNM``; ``experts_WE`` is kept as is),
+        demand: a ``DemandCounts`` (full form: ``records_WNM``; ``experts_WE``, the (token, expert)
+            pairs Megatron's flat all-to-all sends, scales with the records),
             a ``SparseDemand``, or a record-count tensor such as ``[N, G, N]`` int64.
         scale: the payload factor (> 0); 1.0 returns ``demand`` itself.
     """
@@ -118,7 +119,8 @@ def scaled_demand(demand: _Demand, scale: float) -> _Demand:
     if isinstance(demand, DemandCounts):
         if demand.records_WNM is None:
             raise ValueError("scaled_demand needs the full demand (records_WNM), not a node view")
-        return DemandCounts(records_WNM=scaled_counts(demand.records_WNM, scale), experts_WE=demand.experts_WE)
+        experts = None if demand.experts_WE is None else scaled_counts(demand.experts_WE, scale)
+        return DemandCounts(records_WNM=scaled_counts(demand.records_WNM, scale), experts_WE=experts)
     if isinstance(demand, SparseDemand):
         return demand.with_counts(scaled_counts(demand.counts_D, scale))
     if isinstance(demand, torch.Tensor):

@@ -119,7 +119,7 @@ def test_keep_anchor_rule(rail, joint, kept, reason):
         assert best == Path.RAIL and gain == pytest.approx(1 - rail.p90 / joint.p10)
 
 
-@pytest.mark.parametrize("joint_s", [1e-4, 3.3e-4, 0.1, 0.7, 10.0])
+@pytest.mark.parametrize("joint_s", [1e-4, 3.3e-4, 0.0123, 0.1, 0.7, 10.0])
 def test_keep_anchor_threshold_is_exactly_five_percent(joint_s):
     # The rule is "beats JOINT by >= 5%": a path at exactly 0.95 x JOINT is kept (whatever the
     # float rounding of 0.95 x t), one 0.1% short of it is dropped, with the default min_gain.
@@ -198,10 +198,13 @@ def test_held_out_glm_settings_use_another_seed_and_other_layers():
     assert held["seed"] == 7 and held["tokens"] == [32, 64] and held["arrangements"] == ["none", "ring"]
     assert held["layers"] == [2, 4] + list(range(6, 46))  # every layer calibration did not use
     assert calibration.held_out_settings(GLM_SETTINGS, seed=7, count=2)["layers"] == [2, 4]
-    with pytest.raises(ValueError, match="another GLM seed than calibration's 0"):
+    with pytest.raises(ValueError, match=r"another GLM seed than calibration's \[0\]"):
         calibration.held_out_settings(GLM_SETTINGS, seed=0)
     with pytest.raises(ValueError, match=r"held-out layers \[3\] were calibrated"):
         calibration.held_out_settings(GLM_SETTINGS, seed=7, layers=[2, 3])
+    with pytest.raises(ValueError, match=r"another GLM seed than calibration's \[0, 7\] \(shared: \[7\]\)"):
+        calibration.held_out_settings({**GLM_SETTINGS, "extra_seeds": [7]}, seed=7)
+    assert "extra_seeds" not in calibration.held_out_settings({**GLM_SETTINGS, "extra_seeds": [3]}, seed=7)
     with pytest.raises(ValueError, match="calibration used every GLM-4.5-Air MoE layer"):
         calibration.held_out_settings({**GLM_SETTINGS, "layers": None}, seed=7)
 
@@ -228,7 +231,9 @@ def _row(name: str, selected: Path, times: dict[Path, float], *, seq: str = "s",
 
 def test_validation_goal_one_allows_exactly_three_percent():
     at_limit = _row("a", Path.JOINT, {Path.JOINT: 0.103, Path.RAIL: 0.1})       # 1.03x the best: within
-    result = calibration.ValidationResult(rows=(at_limit,))
+    # 0.003843 x 1.03 / 0.003843 rounds to 1.0300000000000002: still exactly 3%, still within.
+    rounded = _row("r", Path.JOINT, {Path.JOINT: 0.003843 * 1.03, Path.RAIL: 0.003843}, pos=5)
+    result = calibration.ValidationResult(rows=(at_limit, rounded))
     goals = result.summary()["goals"]
     assert goals["within_tolerance_of_best_on_every_request"]
     over = _row("b", Path.JOINT, {Path.JOINT: 0.1031, Path.RAIL: 0.1}, pos=1)  # 1.031x: over
@@ -354,3 +359,32 @@ def test_validate_cli_errors(tmp_path):
     with pytest.raises(SystemExit) as exc:  # argparse: not a choice (the placeholder backends are gone)
         main(["calibrate", "--backend", "testbed", "--cluster", "h800_4x8", "--out", str(tmp_path / "a.yaml")])
     assert exc.value.code == 2
+
+
+def test_tune_selector_leaves_each_routing_out_and_picks_the_smallest_safe_thresholds():
+    # Three routings whose requests all favour RAIL by 10% over JOINT (best by 10%: JOINT is
+    # 1.11x the best, over the 3% goal). Each is an anchor; their rho coordinates are 0.10, 0.30
+    # and 0.20. Left out, a request sees only the other two anchors, 0.1 or 0.2 away: with shape
+    # distance 0.02 or 0.05 all three fall back to JOINT; 0.1 is the smallest that serves all.
+    # Without leaving its own anchor out every setting would look perfect.
+    from megatron_railwave.anchors import Anchor, AnchorSet, CalibrationContext
+    from megatron_railwave.traffic import TrafficStats
+
+    ref, rho_s, kappa_s = AnchorSet.scales_for(TOPO)
+    lat = {p: _lat(1.0, 1.0, 1.0) for p in ALL_PATHS}
+    lat[Path.RAIL] = _lat(0.9, 0.9, 0.9)
+    rows, anchors = [], []
+    for group, y in (("g1", 0.10), ("g2", 0.30), ("g3", 0.20)):
+        st = TrafficStats(B_mean_bytes=ref, B_max_bytes=ref, rho_g=1 + rho_s * y, kappa=1 + kappa_s * 0.5,
+                          coords=(0.0, y, 0.5), records_total=1, remote_records=1)
+        rows.append(calibration.CalibrationRow(request=group, stats=st, coords=st.coords, latency=lat,
+                                               best=Path.RAIL, kept=True, gain=0.1, reason="kept", group=group))
+        anchors.append(Anchor(name=group, coords=st.coords, B_mean_bytes=ref, rho_g=st.rho_g, kappa=st.kappa,
+                              path=Path.RAIL, latency_s=lat))
+    ctx = CalibrationContext(topology=TOPO.to_dict(), hidden_size=1, dtype="bf16", backend="fake", date="x")
+    result = calibration.CalibrationResult(anchor_set=AnchorSet(anchors=tuple(anchors), scales=(ref, rho_s, kappa_s),
+                                                                context=ctx), rows=tuple(rows))
+    tuned = calibration.tune_selector(result, grid={"payload_ratio": (1.25,), "shape_distance": (0.02, 0.05, 0.1, 0.2)})
+    over = {sc["shape_distance"]: sc["over_tolerance"] for sc in tuned["scores"]}
+    assert over == {0.02: 3, 0.05: 3, 0.1: 0, 0.2: 0}
+    assert (tuned["payload_ratio"], tuned["shape_distance"]) == (1.25, 0.1)  # 0.2 ties: the smaller wins

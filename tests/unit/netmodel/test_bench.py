@@ -20,10 +20,19 @@ def test_bench_writes_percentiles_speedups_and_plot(tmp_path, capsys):
                  "--json", str(out), "--plot", str(png), "--no-progress"]) == 0
     data = json.loads(out.read_text())
     assert png.stat().st_size > 0 and data["config"]["layers"] == [1, 2]
-    assert len(data["samples"]) == 2 * 2 * 4
+    assert len(data["samples"]) == 2 * 2 * (4 + 2)  # 4 paths + the peers megatron and fast
     ring, extreme = data["summary"]["ring"], data["summary"]["extreme"]
     v = ring["variants"]
-    assert set(v) == {"native", "rail", "perm", "joint"}
+    assert set(v) == {"native", "rail", "perm", "joint", "megatron", "fast"}
+    # Every modelled time sits at or above its bandwidth bound (engine tolerance 1e-3).
+    for summary in (ring, extreme):
+        for name, entry in summary["variants"].items():
+            assert entry["bound_p50_ms"] > 0 and entry["comm_over_bound_min"] >= 1 - 1e-3, name
+    assert all(s["bound_s"] > 0 for s in data["samples"])
+    for key in ("megatron_over_joint_p50", "fast_over_joint_p50", "fast_plan_over_joint_plan_p50",
+                "joint_over_best_single_p95", "joint_over_best_single_p99"):
+        assert key in extreme, key
+    assert all(s["plan_s"] > 0 for s in data["samples"] if s["variant"] == "fast")
     for key in ("comm_p50_ms", "comm_p95_ms", "comm_p99_ms", "plan_p50_ms", "total_p50_ms", "speedup_p50",
                 "speedup_min", "speedup_max", "nic_shares", "rail_speedup_p50"):
         assert key in v["joint"], key
@@ -43,7 +52,8 @@ def test_bench_writes_percentiles_speedups_and_plot(tmp_path, capsys):
 def test_bench_fanin_variants_on_more_nodes(tmp_path):
     out = tmp_path / "s.json"
     assert main(["bench", "--cluster", "h800_4x8", "--nodes", "8", "--pattern", "none", "--paths", "rail,joint",
-                 "--fanin", "1,3", "--layers", "1", "--tokens", "64", "--plan-repeats", "0", "--json", str(out),
+                 "--fanin", "1,3", "--layers", "1", "--tokens", "64", "--plan-repeats", "0", "--peers", "none",
+                 "--json", str(out),
                  "--no-progress"]) == 0
     rows = json.loads(out.read_text())["samples"]
     assert [(r["variant"], r["waves"]) for r in rows] == [("native", 1), ("rail", 1), ("joint", 7), ("joint/f3", 3)]

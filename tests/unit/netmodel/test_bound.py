@@ -36,20 +36,21 @@ def _demand(n, g, seed, density, skew):
 
 
 def _check(t):
-    assert t.bound_s > 0
+    assert t.bound_s >= 0
     assert t.dispatch_s >= t.bound_dispatch_s * (1 - 1e-9)
     assert t.combine_s >= t.bound_combine_s * (1 - 1e-9)
     assert t.total_s >= t.bound_s * (1 - 1e-9)
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=16, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 10_000), n=st.sampled_from([2, 3, 4]), g=st.sampled_from([2, 4]),
        density=st.floats(0.05, 0.6), skew=st.integers(1, 6),
        pattern=st.sampled_from(["none", "ring", "moderate", "extreme"]),
        path=st.sampled_from(["native", "rail", "perm", "joint"]), variant=st.sampled_from(sorted(MODELS)),
-       alpha=st.sampled_from([0.0, 0.3]))
-def test_no_modelled_time_below_the_bandwidth_bound(seed, n, g, density, skew, pattern, path, variant, alpha):
-    topo = RailTopology(num_nodes=n, gpus_per_node=g, rail_gbps=100.0, nvlink_gBps=20.0)
+       alpha=st.sampled_from([0.0, 0.3]), nvlink=st.sampled_from([4.0, 40.0]))
+def test_no_modelled_time_below_the_bandwidth_bound(seed, n, g, density, skew, pattern, path, variant, alpha, nvlink):
+    # NVLink (4 GB/s) slower than a rail (12.5 GB/s): both kinds of port set bounds.
+    topo = RailTopology(num_nodes=n, gpus_per_node=g, rail_gbps=100.0, nvlink_gBps=nvlink)
     demand = _demand(n, g, seed, density, skew)
     if not int(demand.records_WN.sum()):
         return

@@ -44,29 +44,29 @@ def test_bvn_of_a_permutation_is_one_wave_and_of_uniform_is_n_minus_1():
 
 
 def _one_token_demand():
-    # 2 nodes x 2 GPUs, 2 experts per GPU (E = 8). GPU (0,0) routes one token to experts 6 and 7,
-    # both on GPU (1,1): Megatron sends it twice; the record view sends one record (mask 0b10).
+    # 2 nodes x 2 GPUs, 2 experts per GPU (E = 8). GPU (0,0) routes token a to experts 6 and 7 and
+    # token b to expert 6, all on GPU (1,1): Megatron sends 3 copies; the record view 2 records.
     experts = torch.zeros(4, 8, dtype=torch.int64)
-    experts[0, 6] = experts[0, 7] = 1
+    experts[0, 6], experts[0, 7] = 2, 1
     rec = torch.zeros(4, 2, 4, dtype=torch.int64)
-    rec[0, 1, 0b10] = 1
+    rec[0, 1, 0b10] = 2
     return DemandCounts(records_WNM=rec, experts_WE=experts)
 
 
 def test_megatron_sends_every_copy_through_pxn_by_hand():
-    # Copies: 2 from rank 0 to rank 3. PXN: NVLink (0,0) -> (0,1) at 2 GB/s, then rail 1 at 1 GB/s,
-    # one streamed flow: 2 x (1e6 + 4) B at 1 GB/s = 2.000008 ms dispatch; combine 2 ms back.
+    # Copies: 3 from rank 0 to rank 3. PXN: NVLink (0,0) -> (0,1) at 2 GB/s, then rail 1 at 1 GB/s,
+    # one streamed flow: 3 x (1e6 + 4) B at 1 GB/s = 3.000012 ms dispatch; combine 3 ms back.
     topo = RailTopology(num_nodes=2, gpus_per_node=2, rail_gbps=8.0, nvlink_gBps=2.0)
     demand = _one_token_demand()
-    assert copies_WW(demand, topo)[0, 3] == 2
+    assert copies_WW(demand, topo)[0, 3] == 3
     program = megatron_program(demand, topo, record_bytes=1_000_000, model=FREE)
     fabric = fabric_for(topo, 32, 1.0)
     run = run_program(fabric, program, incast=FREE.incast(), rel_tol=0.0)
-    assert run.dispatch_s == pytest.approx(2 * (1e6 + 4) / 1e9) and run.combine_s == pytest.approx(2e-3)
+    assert run.dispatch_s == pytest.approx(3 * (1e6 + 4) / 1e9) and run.combine_s == pytest.approx(3e-3)
     link_bytes = program.link_bytes_DL(fabric.num_links)
     nvl_out_00, nic_up_01 = 0, int(fabric.nic_up_NR[0, 1])
-    assert link_bytes[0, nvl_out_00] == pytest.approx(2 * (1e6 + 4))  # the PXN hop
-    assert link_bytes[0, nic_up_01] == pytest.approx(2 * (1e6 + 4))  # the destination GPU's rail
+    assert link_bytes[0, nvl_out_00] == pytest.approx(3 * (1e6 + 4))  # the PXN hop
+    assert link_bytes[0, nic_up_01] == pytest.approx(3 * (1e6 + 4))  # the destination GPU's rail
     assert link_bytes[0, int(fabric.nic_up_NR[0, 0])] == 0
 
 
