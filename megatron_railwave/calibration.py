@@ -62,6 +62,7 @@ __all__ = [
     "token_counts",
     "held_out_settings",
     "check_held_out",
+    "glm_seeds",
     "ARRANGEMENTS",
     "calibration_requests",
     "validation_requests",
@@ -579,15 +580,22 @@ def glm_requests(topo: RailTopology, *, layers: Sequence[int] | None, step: int,
     return out
 
 
+def glm_seeds(settings: dict[str, Any]) -> list[int]:
+    """The glm workload seeds of ``settings``: ``seed`` (one) plus ``extra_seeds`` (more routings
+    of the same layers, to cover more skew levels)."""
+    return [int(settings["seed"])] + [int(v) for v in settings.get("extra_seeds", [])]
+
+
 def calibration_requests(topo: RailTopology, settings: dict[str, Any], *, record_bytes: int) -> list[ReplayRequest]:
     """The requests that ``settings`` (``workload``, ``families`` or ``layers``, ``seed``,
     ``payload_scales``, ``tokens``: one T or a list) describe; stored in the anchors file for
     validation."""
     scales, arrs = settings["payload_scales"], settings.get("arrangements", ("none",))
     if settings.get("workload", "synthetic") == "glm":
-        return glm_requests(topo, layers=settings.get("layers"), step=0, seed=settings["seed"],
-                            payload_scales=scales, record_bytes=record_bytes, tokens=token_counts(settings),
-                            arrangements=arrs)
+        return [req for seed in glm_seeds(settings)
+                for req in glm_requests(topo, layers=settings.get("layers"), step=0, seed=seed,
+                                        payload_scales=scales, record_bytes=record_bytes,
+                                        tokens=token_counts(settings), arrangements=arrs)]
     return synthetic_requests(topo, families=settings["families"], payload_scales=scales,
                               record_bytes=record_bytes, tokens=token_counts(settings),
                               num_experts=settings.get("num_experts"), topk=settings.get("topk", 8),
@@ -607,7 +615,7 @@ def held_out_settings(settings: dict[str, Any], *, seed: int, count: int | None 
     Raises:
         ValueError: the result would overlap calibration (``check_held_out``).
     """
-    out = {k: v for k, v in settings.items() if k not in ("layers", "families")}
+    out = {k: v for k, v in settings.items() if k not in ("layers", "families", "extra_seeds")}
     out["seed"] = int(seed)
     if settings.get("workload", "synthetic") == "glm":
         from .workloads import GLM45_AIR
@@ -638,9 +646,10 @@ def check_held_out(calibration: dict[str, Any], validation: dict[str, Any]) -> N
     if workload == "glm":
         from .workloads import GLM45_AIR
 
-        if int(validation["seed"]) == int(calibration["seed"]):
-            raise ValueError(f"held-out requests need another GLM seed than calibration's {calibration['seed']}; "
-                             "pass railwave validate --seed with another value")
+        shared_seeds = sorted(set(glm_seeds(validation)) & set(glm_seeds(calibration)))
+        if shared_seeds:
+            raise ValueError(f"held-out requests need another GLM seed than calibration's {glm_seeds(calibration)} "
+                             f"(shared: {shared_seeds}); pass railwave validate --seed with another value")
         cal_layers = set(calibration.get("layers") or GLM45_AIR.layer_numbers)
         val_layers = set(validation.get("layers") or GLM45_AIR.layer_numbers)
         shared = sorted(cal_layers & val_layers)

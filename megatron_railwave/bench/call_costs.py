@@ -26,7 +26,8 @@ them on the exchange as it exists, two ways:
 * virtual (``virtual_call_costs``): the same rank programs on the in-process virtual cluster
   (``exchange.VirtualCluster``), every rank's host work with buffers moved by local copies and
   no transport at all; per rank = cluster time / W. The posted phases per rank per path come from
-  the cluster's events, a cross-check of the gloo count.
+  the cluster's events, a cross-check of the gloo count. ``plan_us``: one ``build_plan`` in this
+  process (no other rank competing), so RAIL - NATIVE is RailBalance's quota step on the host.
 
 Loopback has neither rails nor NVLink and the ranks share this machine's cores, so these are
 software costs of the CPU exchange, not GPU / NCCL / DeepEP numbers (not yet run on hardware).
@@ -260,6 +261,12 @@ def virtual_call_costs(spec: CallCostSpec) -> dict[str, Any]:
     per_path: dict[str, Any] = {}
     for path in _PATHS:
         move: list[float] = []
+        plan_us: list[float] = []
+        for i in range(spec.warmups + spec.samples):  # one rank's plan: every rank computes the same
+            t0 = time.perf_counter()
+            build_plan(layers[0].demand, topo, path, phase=i)
+            if i >= spec.warmups:
+                plan_us.append((time.perf_counter() - t0) * 1e6)
         posts = 0
         for i in range(spec.warmups + spec.samples):
             handles = [prepare_layer(ctxs[r], layers[r], build_plan(layers[r].demand, topo, path, phase=i),
@@ -273,8 +280,11 @@ def virtual_call_costs(spec: CallCostSpec) -> dict[str, Any]:
             if i >= spec.warmups:
                 move.append((time.perf_counter() - t0) * 1e6 / w)
             posts = sum(e.event == "post" for e in cluster.events)
-        per_path[path] = {"move_us_per_rank": statistics.median(move), "phases_per_rank": posts / w}
-    return {"count_exchange_us_per_rank": statistics.median(counts), "paths": per_path}
+        per_path[path] = {"move_us_per_rank": statistics.median(move), "phases_per_rank": posts / w,
+                          "plan_us": statistics.median(plan_us)}
+    return {"count_exchange_us_per_rank": statistics.median(counts), "paths": per_path,
+            "quota_rail_minus_native_us": per_path["rail"]["plan_us"] - per_path["native"]["plan_us"],
+            "quota_joint_minus_perm_us": per_path["joint"]["plan_us"] - per_path["perm"]["plan_us"]}
 
 
 def measure_call_costs(spec: CallCostSpec, *, timeout_s: float = 600.0, virtual: bool = True) -> dict[str, Any]:

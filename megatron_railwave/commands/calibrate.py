@@ -92,6 +92,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     group.add_argument("--layers", type=_layers, default=None, metavar="L,L",
                        help="glm: MoE layer numbers (default the odd ones, 1,3,...,45; validation holds out the rest)")
     group.add_argument("--seed", type=int, default=0, help="first family seed / glm seed (default 0)")
+    group.add_argument("--extra-seeds", type=_layers, default=[], metavar="S,S",
+                       help="glm: more workload seeds of the same layers (more skew levels covered; default none)")
     group.add_argument("--arrangements", type=_arrangements, default=["none", "ring", "moderate", "extreme"],
                        metavar="A,A", help="sending arrangements: none (all pairs at once, as in training), "
                        "ring, moderate, extreme (default all four)")
@@ -165,6 +167,8 @@ def run(args: argparse.Namespace) -> int:
     if args.workload == "glm":
         from ..workloads import GLM45_AIR
 
+        if args.extra_seeds:
+            settings["extra_seeds"] = list(args.extra_seeds)
         settings["layers"] = args.layers or [layer for layer in GLM45_AIR.layer_numbers if layer % 2 == 1]
     else:
         settings["families"] = list(range(args.seed, args.seed + args.families))

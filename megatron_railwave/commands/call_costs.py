@@ -81,8 +81,10 @@ def run(args: argparse.Namespace) -> int:
         v = result["virtual"]
         _render.print_table(
             f"virtual cluster (host work per rank, no transport): count exchange "
-            f"{v['count_exchange_us_per_rank']:.0f} us", ["path", "phases per rank", "move us per rank"],
-            [[p, d["phases_per_rank"], d["move_us_per_rank"]] for p, d in v["paths"].items()])
+            f"{v['count_exchange_us_per_rank']:.0f} us", ["path", "phases per rank", "move us per rank", "plan us"],
+            [[p, d["phases_per_rank"], d["move_us_per_rank"], d["plan_us"]] for p, d in v["paths"].items()])
+        _render.print_text(f"RailBalance quota step on the host (plan RAIL - NATIVE, one process): "
+                           f"{v['quota_rail_minus_native_us']:.0f} us; JOINT - PERM {v['quota_joint_minus_perm_us']:.0f} us")
     if args.json:
         _common.write_json(args.json, result)
         _render.print_text(f"wrote {args.json}")

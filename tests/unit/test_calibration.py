@@ -119,7 +119,7 @@ def test_keep_anchor_rule(rail, joint, kept, reason):
         assert best == Path.RAIL and gain == pytest.approx(1 - rail.p90 / joint.p10)
 
 
-@pytest.mark.parametrize("joint_s", [1e-4, 3.3e-4, 0.1, 0.7, 10.0])
+@pytest.mark.parametrize("joint_s", [1e-4, 3.3e-4, 0.0123, 0.1, 0.7, 10.0])
 def test_keep_anchor_threshold_is_exactly_five_percent(joint_s):
     # The rule is "beats JOINT by >= 5%": a path at exactly 0.95 x JOINT is kept (whatever the
     # float rounding of 0.95 x t), one 0.1% short of it is dropped, with the default min_gain.
@@ -198,10 +198,13 @@ def test_held_out_glm_settings_use_another_seed_and_other_layers():
     assert held["seed"] == 7 and held["tokens"] == [32, 64] and held["arrangements"] == ["none", "ring"]
     assert held["layers"] == [2, 4] + list(range(6, 46))  # every layer calibration did not use
     assert calibration.held_out_settings(GLM_SETTINGS, seed=7, count=2)["layers"] == [2, 4]
-    with pytest.raises(ValueError, match="another GLM seed than calibration's 0"):
+    with pytest.raises(ValueError, match=r"another GLM seed than calibration's \[0\]"):
         calibration.held_out_settings(GLM_SETTINGS, seed=0)
     with pytest.raises(ValueError, match=r"held-out layers \[3\] were calibrated"):
         calibration.held_out_settings(GLM_SETTINGS, seed=7, layers=[2, 3])
+    with pytest.raises(ValueError, match=r"another GLM seed than calibration's \[0, 7\] \(shared: \[7\]\)"):
+        calibration.held_out_settings({**GLM_SETTINGS, "extra_seeds": [7]}, seed=7)
+    assert "extra_seeds" not in calibration.held_out_settings({**GLM_SETTINGS, "extra_seeds": [3]}, seed=7)
     with pytest.raises(ValueError, match="calibration used every GLM-4.5-Air MoE layer"):
         calibration.held_out_settings({**GLM_SETTINGS, "layers": None}, seed=7)
 
@@ -228,7 +231,9 @@ def _row(name: str, selected: Path, times: dict[Path, float], *, seq: str = "s",
 
 def test_validation_goal_one_allows_exactly_three_percent():
     at_limit = _row("a", Path.JOINT, {Path.JOINT: 0.103, Path.RAIL: 0.1})       # 1.03x the best: within
-    result = calibration.ValidationResult(rows=(at_limit,))
+    # 0.003843 x 1.03 / 0.003843 rounds to 1.0300000000000002: still exactly 3%, still within.
+    rounded = _row("r", Path.JOINT, {Path.JOINT: 0.003843 * 1.03, Path.RAIL: 0.003843}, pos=5)
+    result = calibration.ValidationResult(rows=(at_limit, rounded))
     goals = result.summary()["goals"]
     assert goals["within_tolerance_of_best_on_every_request"]
     over = _row("b", Path.JOINT, {Path.JOINT: 0.1031, Path.RAIL: 0.1}, pos=1)  # 1.031x: over

@@ -54,6 +54,8 @@ def test_virtual_call_costs_smoke():
     assert set(out["paths"]) == set(PATHS)
     for p in PATHS:
         assert out["paths"][p]["phases_per_rank"] >= 1 and out["paths"][p]["move_us_per_rank"] > 0
+        assert out["paths"][p]["plan_us"] > 0
+    assert out["quota_rail_minus_native_us"] == out["paths"]["rail"]["plan_us"] - out["paths"]["native"]["plan_us"]
 
 
 def test_call_cost_spec_rejects_bad_values():
