@@ -141,9 +141,9 @@ gpu-check:
 bench-paper: $(STAMP)
 	@mkdir -p out
 	$(VPY) -m megatron_railwave.cli bench --cluster configs/clusters/h800_4x8.yaml --model configs/netmodel/h800_4x8.yaml \
-		--payload-scale 12.66 --plan-repeats 1 --no-progress --json out/bench_paper_h800.json --plot out/bench_paper_h800.png
+		--payload-scale 2.19 --plan-repeats 1 --no-progress --json out/bench_paper_h800.json --plot out/bench_paper_h800.png
 	$(VPY) -m megatron_railwave.cli bench --cluster configs/clusters/h20_4x8.yaml --model configs/netmodel/h20_4x8.yaml \
-		--payload-scale 12.66 --plan-repeats 1 --no-progress --json out/bench_paper_h20.json --plot out/bench_paper_h20.png
+		--payload-scale 2.19 --plan-repeats 1 --no-progress --json out/bench_paper_h20.json --plot out/bench_paper_h20.png
 
 # The 256-node study of docs/results.md ("Scale study"), saturating incast (slow: ~hours of CPU).
 scale-study: $(STAMP)

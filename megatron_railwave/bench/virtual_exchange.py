@@ -13,16 +13,19 @@ routing probability. It reports:
 * host syncs per layer per rank (fwd + bwd): ``SyncAudit`` on the CPU,
   ``torch.cuda.set_sync_debug_mode`` on CUDA;
 * the wall time of each path (all W ranks one after another: a functional check of cost,
-  not a cluster timing).
+  not a cluster timing);
+* the bytes all ranks send over rails and over NVLink per layer (forward + backward), from the
+  schedules.
 
 With ``max_tokens_per_rank`` (fixed-capacity mode) every path also runs in the normal mode on
 the same inputs, and the report adds bitwise equality of each path to its normal-mode run and
 the normal mode's syncs and times next to the fixed mode's.
 
-The experts run on blocks of ``EXPERT_BLOCK_ROWS`` rows (the last one zero-padded), each a fresh
-tensor: a GEMM's rounding may depend on its row count (on this CPU a 1- or 2-row product takes
-another kernel than a 17-row one), so both modes give every entry row the same GEMM call at the
-same position, and a difference can only come from the exchange.
+The experts run on blocks of ``EXPERT_BLOCK_ROWS`` rows (the last of each expert zero-padded) in
+one batched GEMM: a GEMM's rounding may depend on its row count (on this CPU a 1- or 2-row
+product takes another kernel than a 17-row one), so both modes give every entry row the same
+[B, H] x [H, H] product at the same position in its block, and a difference between the modes
+can only come from the exchange (checked: the tests compare them bitwise).
 """
 
 from __future__ import annotations
@@ -116,31 +119,51 @@ def make_virtual_inputs(spec: VirtualSpec) -> dict[str, Any]:
     return {"hidden": hidden, "probs": probs, "routing": routing, "grad_out": grad_out, "maps_EHH": maps}
 
 
-def _block(t: torch.Tensor, start: int, rows: int) -> torch.Tensor:
-    """Rows [start, start + rows) of ``t`` in a fresh zero-padded [EXPERT_BLOCK_ROWS, ...] tensor."""
-    out = t.new_zeros((EXPERT_BLOCK_ROWS,) + tuple(t.shape[1:]))
-    out[:rows] = t[start:start + rows]
-    return out
+def _block_rows(spans: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Host index maps of the expert blocks: (rows [n_blk * B] (a valid row or 0), valid [n_blk * B]
+    bool, expert of each block [n_blk], positions of the valid rows [n]) for ``spans``."""
+    b = EXPERT_BLOCK_ROWS
+    rows, valid, experts = [], [], []
+    for e, (start, count) in enumerate(spans):
+        for b0 in range(0, count, b):
+            r = min(b, count - b0)
+            rows += list(range(start + b0, start + b0 + r)) + [0] * (b - r)
+            valid += [True] * r + [False] * (b - r)
+            experts.append(e)
+    valid_t = torch.tensor(valid, dtype=torch.bool)
+    return (torch.tensor(rows, dtype=torch.int64), valid_t, torch.tensor(experts, dtype=torch.int64),
+            torch.arange(valid_t.numel())[valid_t])
 
 
 def _experts(tokens: torch.Tensor, probs: torch.Tensor, spans: list[tuple[int, int]], maps: torch.Tensor,
              g_y: torch.Tensor | None):
     """Local expert e = per-expert linear map on rows [start_e, start_e + rows_e) of ``tokens``
-    (``spans``), weighted by the entry's prob; returns y [rows, H] and, when g_y is given,
-    (g_tokens, g_probs). Rows outside the spans stay zero."""
-    y = torch.zeros_like(tokens)
-    g_tok = torch.zeros_like(tokens) if g_y is not None else None
-    g_p = torch.zeros_like(probs) if g_y is not None else None
-    for e, (start, rows) in enumerate(spans):
-        for b0 in range(0, rows, EXPERT_BLOCK_ROWS):
-            r = min(EXPERT_BLOCK_ROWS, rows - b0)
-            x, p = _block(tokens, start + b0, r), _block(probs, start + b0, r)
-            xa = x @ maps[e]
-            y[start + b0:start + b0 + r] = (xa * p.to(x.dtype).unsqueeze(1))[:r]
-            if g_y is not None:
-                gy = _block(g_y, start + b0, r)
-                g_tok[start + b0:start + b0 + r] = ((gy * p.to(gy.dtype).unsqueeze(1)) @ maps[e].t())[:r]
-                g_p[start + b0:start + b0 + r] = (gy.float() * xa.float()).sum(dim=1).to(probs.dtype)[:r]
+    (``spans``, host ints), weighted by the entry's prob; returns y [rows, H] and, when g_y is
+    given, (g_tokens, g_probs). Rows outside the spans stay zero.
+
+    The rows go in blocks of ``EXPERT_BLOCK_ROWS`` (the last of an expert zero-padded) through
+    one batched GEMM: every block is one [B, H] x [H, H] product whatever the mode or the row
+    counts (see module docstring)."""
+    b, h = EXPERT_BLOCK_ROWS, tokens.shape[1]
+    rows, valid, experts, positions = (t.to(tokens.device) for t in _block_rows(spans))
+    keep = valid
+
+    def blocks(t: torch.Tensor) -> torch.Tensor:  # [n_blk * B, ...] gathered rows, padding zero
+        picked = t.index_select(0, rows)
+        return torch.where(keep.view((-1,) + (1,) * (picked.dim() - 1)), picked, 0)
+
+    def scatter(out: torch.Tensor, blocked: torch.Tensor) -> torch.Tensor:
+        return out.index_copy_(0, rows.index_select(0, positions), blocked.index_select(0, positions))
+
+    a = maps.index_select(0, experts)  # [n_blk, H, H]
+    x, p = blocks(tokens).view(-1, b, h), blocks(probs).view(-1, b)
+    xa = torch.bmm(x, a)
+    y = scatter(torch.zeros_like(tokens), (xa * p.to(x.dtype).unsqueeze(2)).view(-1, h))
+    if g_y is None:
+        return y, None, None
+    gy = blocks(g_y).view(-1, b, h)
+    g_tok = scatter(torch.zeros_like(tokens), torch.bmm(gy * p.to(gy.dtype).unsqueeze(2), a.transpose(1, 2)).view(-1, h))
+    g_p = scatter(torch.zeros_like(probs), (gy.float() * xa.float()).sum(dim=2).to(probs.dtype).view(-1))
     return y, g_tok, g_p
 
 
@@ -261,6 +284,19 @@ def _run_paths(spec: VirtualSpec, inputs: dict[str, Any]) -> tuple[dict[str, Any
     return results, times
 
 
+def _wire_bytes(result: dict[str, Any]) -> dict[str, int]:
+    """Bytes all ranks send over rails and over NVLink in one layer, forward + backward, from
+    each rank's schedule (self copies excluded)."""
+    out = {"rail": 0, "nvlink": 0}
+    for r, handle in enumerate(result["handles"]):
+        sched = handle.schedule
+        for backward in (False, True):
+            sent = sched.rank_bytes(r, backward=backward)["sent"]
+            for p in sched.phases:
+                out["rail" if p.group == "rail" else "nvlink"] += sent[p.index]
+    return out
+
+
 def _equal(a: dict[str, Any], b: dict[str, Any], w: int) -> bool:
     return all(torch.equal(a[k][r], b[k][r]) for k in ("out", "grad_hidden", "grad_probs") for r in range(w))
 
@@ -292,6 +328,7 @@ def simulate_exchange(spec: VirtualSpec) -> dict[str, Any]:
         "max_rel_error": errors,
         "host_syncs_per_layer": syncs,
         "time_ms": times,
+        "wire_bytes": {path: _wire_bytes(results[path]) for path in spec.paths},
     }
     if spec.max_tokens_per_rank is not None:
         normal_spec = dataclasses.replace(spec, max_tokens_per_rank=None)
@@ -301,5 +338,6 @@ def simulate_exchange(spec: VirtualSpec) -> dict[str, Any]:
         report["normal_mode"] = {
             "host_syncs_per_layer": {path: _count_syncs(normal_spec, inputs, path) for path in spec.paths},
             "time_ms": normal_times,
+            "wire_bytes": {path: _wire_bytes(normal[path]) for path in spec.paths},
         }
     return report

@@ -4,7 +4,7 @@ All W ranks of ``--cluster`` run in this process on one device (``--device cpu``
 through the same rank programs as the distributed exchange, on one seeded routing. Prints, per
 path: bitwise equality with the first path (outputs and gradients of every rank), the max
 relative error against the dense float64 reference, host syncs per layer per rank (forward +
-backward) and the wall time; ``--json`` writes the report (``bench.virtual_exchange``).
+backward), the wall time and the bytes the schedules send over rails and NVLink; ``--json`` writes the report (``bench.virtual_exchange``).
 With ``--max-tokens-per-rank C`` the layer runs in fixed-capacity mode, and each path also runs
 in the normal mode on the same inputs: the table adds bitwise equality to the normal mode and
 the normal mode's syncs and time. Exits 1 when the paths differ (from each other or, in
@@ -45,6 +45,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     _outputs.declare_outputs(parser, files=("json",))
 
 
+def _megabytes(wire: dict[str, int]) -> str:
+    """Bytes all ranks send per layer (forward + backward) over rails / NVLink, in MB."""
+    return f"{wire['rail'] / 1e6:.2f} / {wire['nvlink'] / 1e6:.2f}"
+
+
 def run(args: argparse.Namespace) -> int:
     from ..bench.virtual_exchange import VirtualSpec, simulate_exchange
 
@@ -61,18 +66,20 @@ def run(args: argparse.Namespace) -> int:
         row = [path, "yes" if report["bitwise_equal"][path] else "NO"]
         if capacity is not None:
             row.append("yes" if report["bitwise_equal_to_normal_mode"][path] else "NO")
-        row += [f"{max(err.values()):.2e}", report["host_syncs_per_layer"][path], report["time_ms"][path]]
+        row += [f"{max(err.values()):.2e}", report["host_syncs_per_layer"][path], report["time_ms"][path],
+                _megabytes(report["wire_bytes"][path])]
         if capacity is not None:
             normal = report["normal_mode"]
-            row += [normal["host_syncs_per_layer"][path], normal["time_ms"][path]]
+            row += [normal["host_syncs_per_layer"][path], normal["time_ms"][path],
+                    _megabytes(normal["wire_bytes"][path])]
         rows.append(row)
     mode = f", fixed capacity C={capacity}" if capacity is not None else ""
     columns = ["path", f"bitwise = {report['bitwise_equal_to']}"]
     if capacity is not None:
         columns.append("bitwise = normal mode")
-    columns += ["max rel. error", "host syncs / layer / rank", "time ms (all ranks)"]
+    columns += ["max rel. error", "host syncs / layer / rank", "time ms (all ranks)", "MB rail / NVLink"]
     if capacity is not None:
-        columns += ["normal mode: syncs", "normal mode: time ms"]
+        columns += ["normal mode: syncs", "normal mode: time ms", "normal mode: MB rail / NVLink"]
     _render.print_table(
         f"virtual cluster {topo.name} ({topo.num_nodes}x{topo.gpus_per_node}), T={args.tokens} H={args.hidden} "
         f"E={args.experts} top-{args.topk} {args.dtype} on {args.device}{mode}", columns, rows)

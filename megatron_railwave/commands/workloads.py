@@ -33,13 +33,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     fit.add_argument("--seed", type=int, default=0, help="routing seed (default 0)")
     fit.add_argument("--steps", type=int, default=20,
                      help="steps of expected counts, each with all 45 layers (default 20: 900 pairs, as the paper)")
+    fit.add_argument("--nic-steps", type=int, default=100,
+                     help="steps of the NIC shares' expected counts, 3 layers each (default 100)")
     fit.add_argument("--sampled-steps", type=int, default=2,
                      help="steps of drawn tokens, to check the expected counts (default 2; 0 = skip)")
     fit.add_argument("--tokens", type=int, default=1024, help="mean tokens per GPU of the drawn steps (default 1024)")
     fit.add_argument("--refit", action="store_true", help="rerun the fit first (minutes)")
     fit.add_argument("--fit-steps", type=int, default=20,
                      help="steps the fit samples, each with every third layer (default 20)")
-    fit.add_argument("--sweeps", type=int, default=2, help="coordinate-descent sweeps of the fit (default 2)")
+    fit.add_argument("--sweeps", type=int, default=1, help="coordinate-descent sweeps of the fit (default 1)")
     fit.add_argument("--json", default=None, metavar="FILE", help="write the report (and fit) as JSON")
     fit.set_defaults(handler=_fit)
     _outputs.declare_outputs(fit, files=("json",))
@@ -48,21 +50,22 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def _fit(args: argparse.Namespace) -> int:
     from ..workloads import GlmAirWorkload, fit_workload, workload_report
 
-    if min(args.steps, args.tokens, args.fit_steps, args.sweeps) < 1 or args.sampled_steps < 0 or args.seed < 0:
-        raise ValueError(f"need --steps, --tokens, --fit-steps, --sweeps >= 1 and --sampled-steps, --seed >= 0, got "
-                         f"{args.steps}, {args.tokens}, {args.fit_steps}, {args.sweeps}, {args.sampled_steps}, "
-                         f"{args.seed}")
+    if min(args.steps, args.nic_steps, args.tokens, args.fit_steps, args.sweeps) < 1 or min(args.sampled_steps,
+                                                                                         args.seed) < 0:
+        raise ValueError(f"need --steps, --nic-steps, --tokens, --fit-steps, --sweeps >= 1 and --sampled-steps, --seed "
+                         f">= 0, got {args.steps}, {args.nic_steps}, {args.tokens}, {args.fit_steps}, {args.sweeps}, "
+                         f"{args.sampled_steps}, {args.seed}")
     args.nodes, args.failed_rail = None, []
     topo = _common.cluster_from_args(args)
     work = GlmAirWorkload(seed=args.seed)
     out = {}
     if args.refit:
-        fit = fit_workload(topo, start=work, steps=range(args.fit_steps), sweeps=args.sweeps,
-                           log=_render.print_text)
+        fit = fit_workload(topo, start=work, steps=range(args.fit_steps), nic_steps=range(args.nic_steps),
+                           sweeps=args.sweeps, log=_render.print_text)
         work = replace(work, **fit.knobs)  # the fit's layer subset stays with the fit
         out["fit"] = fit.to_dict()
         _render.print_text(f"fit: {fit.evaluations} evaluations, {fit.seconds:.0f} s, loss {fit.loss:.4g}")
-    report = workload_report(topo, work, steps=range(args.steps),
+    report = workload_report(topo, work, steps=range(args.steps), nic_steps=range(args.nic_steps),
                              sampled_steps=range(args.steps, args.steps + args.sampled_steps),
                              sampled_tokens=args.tokens)
     out["report"] = report
@@ -71,7 +74,8 @@ def _fit(args: argparse.Namespace) -> int:
         if kind not in report:
             continue
         part = report[kind]
-        what = (f"expected counts, {args.steps} steps x 45 layers" if kind == "expected" else
+        what = (f"expected counts, {args.steps} steps x 45 layers, NIC shares {args.nic_steps} steps x 3 layers"
+                if kind == "expected" else
                 f"drawn tokens ({args.tokens}/GPU), {args.sampled_steps} steps x 45 layers")
         rows = [[r["statistic"], f"{r['published']:.4g}", f"{r['ours']:.4g}", f"{100 * r['rel_err']:+.1f}%",
                  ("yes" if r["within"] else "NO") if r["fitted"] else "(not fitted)"] for r in part["rows"]]

@@ -65,7 +65,7 @@ __all__ = ["MaskSource", "NetModelConfig", "PlanTiming", "execute_plan", "execut
 class NetModelConfig:
     """Parameters of the network model. Defaults: docs/netmodel.md (H800 4x8 calibration)."""
 
-    alpha: float = 0.2135
+    alpha: float = 0.0042
     """Incast: fractional goodput loss of a receiver port per concurrent sender beyond ``k_free``
     (fitted to the paper's +67.1%: `railwave netmodel fit-incast`)."""
     k_free: int = 1

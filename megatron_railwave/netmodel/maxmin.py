@@ -172,7 +172,7 @@ def simulate(
             f"FlowSet.phase_F has phase {phase_F.max()} but the phase graph has {num_phases} phases"
         )
     rx_L = network.receiver_port_L
-    use_incast = incast.penalizes and rx_L is not None and bool(rx_L.any())
+    use_incast = incast.penalizes and rx_L is not None and bool(rx_L.any()) and num_flows > 0
 
     # ---- grouping: classes sorted by phase --------------------------------------------
     class_of_F, rep_C, weight_C = _group_flows(flows, phase_F, flows.sender_F if use_incast else None)

@@ -108,8 +108,11 @@ def wire_format(topo: RailTopology, cfg: StudyConfig) -> RecordWireFormat:
 
 def build_workloads(topo: RailTopology, cfg: StudyConfig) -> list[dict[str, Any]]:
     """One workload per (rails, pattern): routing ids [W, T, K], windows and descriptors."""
-    work = GlmAirWorkload(num_tokens=cfg.tokens, seed=cfg.seed)
-    skew = work.skew_of_layer()
+    # Rails differ mostly through the ranks' token counts (``GlmAirWorkload.token_skew``): the
+    # balanced workload gives every rank T tokens, the skewed one keeps the generator's defaults.
+    work_of = {"balanced": GlmAirWorkload(num_tokens=cfg.tokens, seed=cfg.seed, token_skew=0.0),
+               "skewed": GlmAirWorkload(num_tokens=cfg.tokens, seed=cfg.seed)}
+    skew = work_of["skewed"].skew_of_layer()
     layer_of = {"balanced": cfg.balanced_layer if cfg.balanced_layer is not None else min(skew, key=skew.get),
                 "skewed": cfg.skewed_layer if cfg.skewed_layer is not None else max(skew, key=skew.get)}
     for rails, layer in layer_of.items():
@@ -119,7 +122,7 @@ def build_workloads(topo: RailTopology, cfg: StudyConfig) -> list[dict[str, Any]
     rec_bytes = record_bytes(topo, cfg)["dispatch"]
     out = []
     for rails in cfg.rails:
-        base = glm_air_layer_ids(topo, layer_of[rails], work)
+        base = glm_air_layer_ids(topo, layer_of[rails], work_of[rails])
         for pattern in cfg.patterns:
             ids, schedule = arrange_topk_ids(base, pattern, topo, num_experts=num_experts, mode=cfg.arrange_mode)
             demand = demand_from_topk_ids(ids, topo, num_experts)
@@ -274,6 +277,9 @@ def summarize_study(results: list[dict[str, Any]], workloads: list[dict[str, Any
             "pattern": wl["pattern"], "rails": wl["rails"], "layer": wl["layer"],
             "skew_level": wl["skew_level"], "windows": wl["windows"], "peak_fanin": wl["peak_fanin"],
             "native_demand_stats": wl["native_stats"], "all_paths_bitwise_equal": same,
+            # The routing itself, so that tools (model_compare) replay exactly what was measured
+            # even after the workload generator changes.
+            "topk_ids_WTK": np.asarray(wl["ids_WTK"]).tolist(),
             "paths": per_path,
         }
     return out

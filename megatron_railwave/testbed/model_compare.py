@@ -3,7 +3,7 @@
 Letters: N nodes, G GPUs per node (= rails), V windows / waves.
 
 What the model is given, all from the testbed and its own probes (nothing fitted to the exchange
-timings unless ``fit_wave_latency``):
+timings unless ``fit_on``), on the routing the study recorded:
   * rail rate: ``rail_mbit`` x TCP wire efficiency at the testbed's MTU;
   * incast: ``alpha`` from the k-to-1 goodput probe of the same run (``alpha_from_slowdowns``);
   * NVLink stand-in: loopback at ``loopback_gBps`` (stated; gloo over ``lo`` on this host);
@@ -24,8 +24,20 @@ import numpy as np
 from megatron_railwave.planner import PlanOptions, build_plan, schedule_from_windows
 from megatron_railwave.testbed.experiment import StudyConfig, build_workloads, wire_efficiency, wire_format
 from megatron_railwave.topology import RailTopology
+from megatron_railwave.workloads import GLM45_AIR, demand_from_topk_ids
 
 __all__ = ["compare_with_netmodel"]
+
+
+def _study_workloads(study: dict[str, Any], topo: RailTopology, cfg: StudyConfig) -> dict[str, dict[str, Any]]:
+    """The measured workloads: the routing and windows the study recorded (``topk_ids_WTK``), or,
+    for results that lack them, the same config rebuilt by the current generator."""
+    recorded = study["workloads"]
+    if all("topk_ids_WTK" in wl for wl in recorded.values()):
+        return {name: {"demand": demand_from_topk_ids(np.asarray(wl["topk_ids_WTK"], dtype=np.int64), topo,
+                                                      GLM45_AIR.num_experts),
+                       "windows": wl["windows"]} for name, wl in recorded.items()}
+    return {w["name"]: w for w in build_workloads(topo, cfg)}
 
 
 def _alpha(incast: list[dict[str, Any]] | None) -> float | None:
@@ -78,7 +90,7 @@ def compare_with_netmodel(study: dict[str, Any], *, incast: list[dict[str, Any]]
     topo = testbed_topo(1.0)
     wire = wire_format(topo, cfg)
     alpha = _alpha(incast)
-    workloads = {w["name"]: w for w in build_workloads(topo, cfg)}
+    workloads = _study_workloads(study, topo, cfg)
     keys = [(name, path) for name in workloads for path in cfg.paths]
 
     def model(latency: float) -> NetModelConfig:

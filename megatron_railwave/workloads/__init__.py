@@ -22,6 +22,10 @@ from .arrangements import (
 )
 from .demand import SparseDemand, scaled_counts, scaled_demand, sparse_demand_from_topk_ids
 from .fit import (
+    FIT_LAYERS,
+    NIC_LAYERS,
+    NIC_STEPS,
+    fit_statistics,
     FIT_KNOBS,
     PUBLISHED,
     LayerSample,
@@ -51,6 +55,10 @@ __all__ = [
     "scaled_demand",
     "sparse_demand_from_topk_ids",
     "FIT_KNOBS",
+    "FIT_LAYERS",
+    "NIC_LAYERS",
+    "NIC_STEPS",
+    "fit_statistics",
     "PUBLISHED",
     "LayerSample",
     "Published",

@@ -92,17 +92,17 @@ class GlmAirWorkload:
     """Training step stand-in: token counts, popularity, preferences and tokens change with it."""
     layers: tuple[int, ...] | None = None
     """Layer numbers to generate (default all MoE layers of ``model``)."""
-    token_skew: float = 1.23
+    token_skew: float = 1.46
     """s, standard deviation of log tokens per rank (0: every rank has T tokens)."""
-    pref_strength: float = 3.0
+    pref_strength: float = 4.09
     """Log-weight bonus of a rank's preferred expert set in a layer of level 1."""
     pref_set_size: int = 8
     """Experts in a rank's preferred set (stated: one token's worth, K)."""
-    hot_ratio: float = 8.3
+    hot_ratio: float = 7.21
     """Median over layers of the target max/mean expert load."""
-    hot_ratio_spread: float = 0.2
+    hot_ratio_spread: float = 0.278
     """Standard deviation of the log target max/mean expert load over layers."""
-    dest_gpu_skew: float = 0.2
+    dest_gpu_skew: float = 0.575
     """c in [0, 1): share of the expert-popularity variance common to the experts of one GPU
     (0: hot experts fall on GPUs independently; towards 1: whole GPUs are hot)."""
     own_node_bias: float = 0.0

@@ -302,3 +302,25 @@ def test_testbed_run_refuses_one_node_up_front(capsys):
     captured = capsys.readouterr()
     assert captured.out == ""
     assert "the testbed study needs at least 2 nodes (got 1)" in captured.err and "--nodes 2 or more" in captured.err
+
+
+def test_simulate_exchange_fixed_capacity_reports_zero_syncs_and_equality(tmp_path, capsys):
+    """--max-tokens-per-rank: 0 host syncs per layer, every path bitwise equal to the others and
+    to the normal mode (which makes 1), in the table and the JSON; a capacity below --tokens is
+    one error line, exit 2, before any work."""
+    out = tmp_path / "sim.json"
+    cluster = tmp_path / "c2x2.yaml"
+    cluster.write_text("name: c2x2\nnum_nodes: 2\ngpus_per_node: 2\n")
+    assert main(["simulate-exchange", "--cluster", str(cluster), "--tokens", "12", "--hidden", "8",
+                 "--experts", "8", "--topk", "3", "--max-tokens-per-rank", "16", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["max_tokens_per_rank"] == 16 and report["all_bitwise_equal"]
+    assert all(report["bitwise_equal_to_normal_mode"].values())
+    assert set(report["host_syncs_per_layer"].values()) == {0.0}
+    assert set(report["normal_mode"]["host_syncs_per_layer"].values()) == {1.0}
+    assert "fixed capacity C=16" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exc:
+        main(["simulate-exchange", "--cluster", str(cluster), "--tokens", "12", "--experts", "8",
+              "--max-tokens-per-rank", "8"])
+    assert exc.value.code == 2
+    assert "--tokens 12 exceeds --max-tokens-per-rank 8" in capsys.readouterr().err

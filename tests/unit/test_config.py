@@ -51,6 +51,10 @@ REPO = Path(__file__).resolve().parents[2]
         ({"cluster": "h800_4x8", "failed_rails": [[0, 8]]}, r"rail 8 is out of range 0\.\.7"),
         ({"anchors": 5}, r"anchors=5 must be the path of an anchors YAML file"),
         ({"log_dir": 5}, r"log_dir=5 must be a directory path or null"),
+        ({"max_tokens_per_rank": 0}, r"max_tokens_per_rank=0 must be an integer >= 1 .*or null for the normal mode"),
+        ({"max_tokens_per_rank": 4.5}, r"max_tokens_per_rank=4.5 must be an integer >= 1"),
+        ({"max_tokens_per_rank": 512, "backend": "deepep"},
+         r"max_tokens_per_rank=512 \(fixed-capacity mode\) runs on the torch backend only"),
     ],
 )
 def test_config_rejects_bad_field_naming_it(fields, match):
@@ -126,3 +130,10 @@ def test_install_rejects_a_directory(tmp_path):
 def test_the_shipped_config_is_valid():
     cfg = load_config(REPO / "configs" / "railwave" / "glm45_air_h800.yaml")
     assert cfg.topology(32).num_nodes == 4
+
+
+def test_config_max_tokens_per_rank_is_part_of_the_fingerprint():
+    """Ranks that disagree on the fixed capacity move different buffers: the construction check
+    must tell them apart."""
+    assert RailWaveConfig(max_tokens_per_rank=512).fingerprint()["max_tokens_per_rank"] == "512"
+    assert RailWaveConfig().fingerprint()["max_tokens_per_rank"] == "None"

@@ -16,6 +16,10 @@ def small_fit():
     return calibrate_incast(H800, tokens=128, layers=(1, 2), tol=1e-2, log=None)
 
 
+@pytest.mark.xfail(strict=True, reason=(
+    "issue 13: with the fitted GLM workload (source-rail skew from token counts) max-min alone gives "
+    "EXTREME / RING 1.09 on this 2-layer case and the linear law needs alpha 5.27, beyond the bounds "
+    "(0, 4); the incast law is being replaced (saturating, refitted) by the model part of the issue"))
 def test_calibrate_incast_hits_the_paper_ratio(small_fit):
     target = PAPER_INCAST["high_s"] / PAPER_INCAST["low_s"]
     assert small_fit.target_ratio == pytest.approx(1.6707, abs=1e-4)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import asdict
 
+import numpy as np
 import pytest
 
 from megatron_railwave.testbed.experiment import StudyConfig
@@ -50,3 +51,22 @@ def test_alpha_from_the_k_to_1_probe():
     res = compare_with_netmodel(_study({("ring-skewed", "native"): 1.0, ("ring-skewed", "joint"): 1.0}),
                                 incast=incast, fit_on=None)
     assert res["model"]["alpha"] == pytest.approx(0.25, rel=1e-6)
+
+
+def test_recorded_routing_is_replayed_not_regenerated():
+    # A study that recorded its routing: the model runs on those ids, whatever the generator
+    # makes today. Recording the generator's own ids gives the same predictions as rebuilding;
+    # recording other ids (every token to expert 0) gives other ones.
+    from megatron_railwave.testbed.experiment import build_workloads
+    from megatron_railwave.topology import RailTopology
+
+    keys = [("ring-skewed", "native"), ("ring-skewed", "joint")]
+    study = _study({k: 1.0 for k in keys})
+    rebuilt = compare_with_netmodel(study, fit_on=None)
+    wl = build_workloads(RailTopology(num_nodes=2, gpus_per_node=2), _CFG)[0]
+    study["workloads"]["ring-skewed"].update(topk_ids_WTK=wl["ids_WTK"].tolist(), windows=wl["windows"])
+    replayed = compare_with_netmodel(study, fit_on=None)
+    assert [r["model_s"] for r in replayed["rows"]] == pytest.approx([r["model_s"] for r in rebuilt["rows"]])
+    study["workloads"]["ring-skewed"]["topk_ids_WTK"] = np.zeros_like(wl["ids_WTK"]).tolist()
+    other = compare_with_netmodel(study, fit_on=None)
+    assert [r["model_s"] for r in other["rows"]] != pytest.approx([r["model_s"] for r in rebuilt["rows"]])
