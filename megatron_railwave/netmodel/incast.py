@@ -53,6 +53,8 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from ..workloads.fit import golden_section_min
+
 __all__ = ["IncastModel", "alpha_from_slowdowns", "fit_incast_alpha"]
 
 
@@ -207,19 +209,5 @@ def fit_incast_alpha(
             )
         return float(np.sum(np.log(predicted / measured) ** 2))
 
-    inv_phi = (math.sqrt(5.0) - 1.0) / 2.0
-    a, b = lo, hi
-    c, d = b - inv_phi * (b - a), a + inv_phi * (b - a)
-    fc, fd = loss(c), loss(d)
-    while b - a > tol:
-        if fc <= fd:
-            b, d, fd = d, c, fc
-            c = b - inv_phi * (b - a)
-            fc = loss(c)
-        else:
-            a, c, fc = c, d, fd
-            d = a + inv_phi * (b - a)
-            fd = loss(d)
-    # The ends are candidates too: the loss is often monotone (alpha pinned at a bound).
-    best = min((loss(lo), lo), (fc, c), (fd, d), (loss(hi), hi))[1]
+    best, _ = golden_section_min(loss, lo, hi, tol=tol, include_ends=True)
     return replace(base, alpha=best)

@@ -38,7 +38,7 @@ from ..capture import demand_from_topk_ids
 from ..topology import RailTopology
 from .glm import GlmAirWorkload, glm_air_layer_ids, inclusion_WE, layer_model
 
-__all__ = ["PUBLISHED", "FIT_KNOBS", "Published", "LayerSample", "WorkloadFit", "expected_sample", "sampled_sample",
+__all__ = ["golden_section_min", "PUBLISHED", "FIT_KNOBS", "Published", "LayerSample", "WorkloadFit", "expected_sample", "sampled_sample",
            "collect_samples", "workload_statistics", "fit_statistics", "compare_to_published", "workload_report",
            "fit_workload", "FIT_LAYERS", "NIC_STEPS", "NIC_LAYERS"]
 
@@ -223,8 +223,15 @@ class WorkloadFit:
         return asdict(self)
 
 
-def _golden(f: Callable[[float], float], lo: float, hi: float, *, tol: float) -> tuple[float, float]:
-    """Minimum of ``f`` on [lo, hi] by golden-section search (f unimodal there)."""
+def golden_section_min(f: Callable[[float], float], lo: float, hi: float, *, tol: float,
+                       include_ends: bool = False) -> tuple[float, float]:
+    """(x, f(x)) at the minimum of ``f`` on [lo, hi] by golden-section search (f unimodal there).
+
+    Args:
+        tol: stop when the bracket is shorter than ``tol`` (absolute, in x units).
+        include_ends: also evaluate ``lo`` and ``hi`` and return one of them when it is lower
+            (a monotone loss pins the minimum at a bound, which the search only approaches).
+    """
     inv = (math.sqrt(5) - 1) / 2
     a, b = lo, hi
     c, d = b - inv * (b - a), a + inv * (b - a)
@@ -238,7 +245,11 @@ def _golden(f: Callable[[float], float], lo: float, hi: float, *, tol: float) ->
             a, c, fc = c, d, fd
             d = a + inv * (b - a)
             fd = f(d)
-    return (c, fc) if fc < fd else (d, fd)
+    candidates = [(fc, c), (fd, d)]
+    if include_ends:
+        candidates += [(f(lo), lo), (f(hi), hi)]
+    fx, x = min(candidates)
+    return x, fx
 
 
 def fit_workload(topo: RailTopology, *, start: GlmAirWorkload | None = None, steps: Sequence[int] = range(20),
@@ -283,7 +294,7 @@ def fit_workload(topo: RailTopology, *, start: GlmAirWorkload | None = None, ste
             lo, hi = FIT_KNOBS[knob]
             nic = knob == "token_skew"
             best = group_loss(work, nic)
-            value, loss = _golden(lambda v: group_loss(replace(work, **{knob: v}), nic), lo, hi, tol=tol * (hi - lo))
+            value, loss = golden_section_min(lambda v: group_loss(replace(work, **{knob: v}), nic), lo, hi, tol=tol * (hi - lo))
             if loss < best:
                 work, best = replace(work, **{knob: value}), loss
             history.append({"sweep": sweep, "knob": knob, "value": getattr(work, knob),
