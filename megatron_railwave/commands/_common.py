@@ -84,7 +84,7 @@ def add_cluster_args(parser: argparse.ArgumentParser, *, default: str | None = N
 
 
 def add_workload_args(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("workload (seeded synthetic routing, replay.synthetic_routing_maps)")
+    group = parser.add_argument_group("workload (seeded synthetic routing, workloads.synthetic_routing_maps)")
     group.add_argument("--tokens", type=int, default=4096, metavar="T", help="tokens per GPU (default 4096)")
     group.add_argument("--experts", type=int, default=128, metavar="E",
                        help="routed experts, divisible by the world size (default 128)")

@@ -3,8 +3,8 @@
 Letters: N nodes, G GPUs per node, W = N * G ranks, T tokens per rank, K top-k, E experts,
 M = 2**G target masks.
 
-Samples: every (layer, step) of the synthetic GLM-4.5-Air routing (`replay.glm`), arranged into
-each ``--pattern``'s sending windows (`replay.arrange`; ``none`` = all node pairs at once, as a
+Samples: every (layer, step) of the synthetic GLM-4.5-Air routing (`workloads.glm`), arranged into
+each ``--pattern``'s sending windows (`workloads.arrange`; ``none`` = all node pairs at once, as a
 training step sends). Per sample and variant (a path; PERM / JOINT once per ``--fanin``):
   * communication: `netmodel.execute_plan` (dispatch + combine, seconds; deterministic);
   * planning: wall time on this CPU of one rank's ``build_plan`` + ``route_records`` +

@@ -5,7 +5,7 @@ Letters: N nodes, G GPUs per node, R rails, W = N * G processes, T tokens per ra
 K top-k, H hidden.
 
 W processes on this machine form one gloo group (EP = W); rank e plays GPU e % G of node e // G.
-All variants see the same seeded routing (``replay.synthetic_routing_maps``) and inputs; they run
+All variants see the same seeded routing (``workloads.synthetic_routing_maps``) and inputs; they run
 interleaved (warm-ups, then round-robin per sample) and each sample keeps the slowest rank's time.
 Loopback has no rails, so times measure software overhead (planning, index building, message
 count, copies) rather than incast or rail imbalance; the bytes come from the plan.

@@ -70,7 +70,7 @@ def plan_layer(
     maps = synthetic_routing_maps(topo, num_tokens=num_tokens, num_experts=num_experts, topk=topk, seed=seed)
     demand = DemandCounts.from_routing_maps(maps, topo)
     workload = {"tokens_per_gpu": num_tokens, "experts": num_experts, "topk": topk, "seed": seed,
-                "record_bytes": record_bytes, "generator": "replay.synthetic_routing_maps"}
+                "record_bytes": record_bytes, "generator": "workloads.synthetic_routing_maps"}
     plans, desc_rows = [], []
     for path in paths:
         plan, timing = time_rank_planning(demand, topo, path, rank=0, routing_TE=maps[0],

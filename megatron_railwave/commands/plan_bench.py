@@ -12,7 +12,7 @@ a shared machine it leaves out the time slices given to other processes) and the
 (``min_ms_per_layer``). Not timed: the count gather (a collective) and the data movement.
 
 Demand: up to ``--full-routing-max-ranks`` ranks every rank's routing map comes from
-``replay.synthetic_routing_maps``. Beyond that, generating W routing maps is too slow, so a few
+``workloads.synthetic_routing_maps``. Beyond that, generating W routing maps is too slow, so a few
 prototype ranks of node 0 get real synthetic routing maps (same model: log-normal expert popularity,
 a per-rank bonus for its own node's experts) and every other rank w of node s copies the counts of
 prototype ``w mod P`` with destinations shifted by s (node n -> node (n + s) mod N). The measured
@@ -109,7 +109,7 @@ def _node0_routing_maps(topo: RailTopology, *, num_tokens: int, num_experts: int
                         seed: int, count: int) -> list[torch.Tensor]:
     """[T, E] bool routing maps of ``count`` ranks on node 0 of ``topo``.
 
-    The model of ``replay.synthetic_routing_maps`` (log-normal expert popularity with max/mean
+    The model of ``workloads.synthetic_routing_maps`` (log-normal expert popularity with max/mean
     about 8, Gumbel top-k, a per-rank bonus uniform in [0, 6] for the rank's own node's experts)
     drawn for these ranks only, so that the cost does not grow with W.
     """

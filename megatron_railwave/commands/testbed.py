@@ -60,7 +60,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     run.add_argument("--balanced-layer", type=int, default=None, help="MoE layer for 'balanced' (default: lowest skew)")
     run.add_argument("--skewed-layer", type=int, default=None, help="MoE layer for 'skewed' (default: highest skew)")
     run.add_argument("--arrange-mode", default="even", choices=["even", "relabel"],
-                     help="how replay.arrange_topk_ids moves records onto the windows (default even)")
+                     help="how workloads.arrange_topk_ids moves records onto the windows (default even)")
     run.add_argument("--warmup", type=int, default=2, help="untimed rounds per workload (default 2)")
     run.add_argument("--samples", type=int, default=10, help="timed rounds per workload (default 10)")
     run.add_argument("--no-recv-first", action="store_true",

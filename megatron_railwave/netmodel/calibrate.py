@@ -6,7 +6,7 @@ The experiment (REFERENCE.md section 1): GLM-4.5-Air, all 45 MoE layers, H800 4 
 the same demand sent in three windows; only which node pairs share a window changes. The sum
 over layers of the per-layer P50 dispatch + combine time goes from 1.801 s (pairs one-to-one)
 to 3.009 s (concentrated pairs), +67.1%. We replay it with the synthetic GLM-4.5-Air routing
-(`replay.glm_air_demands`) arranged as RING (one-to-one) and EXTREME (peak incast [3, 3, 2]),
+(`workloads.glm_air_demands`) arranged as RING (one-to-one) and EXTREME (peak incast [3, 3, 2]),
 and fit one number, `NetModelConfig.alpha`, so that the modelled EXTREME / RING ratio of the
 sums is 3.009 / 1.801. The model is deterministic, so a layer's P50 is its modelled time.
 
@@ -185,7 +185,7 @@ def write_config(path: str, calib: IncastCalibration, *, cluster: str) -> None:
         "calibration": {
             "experiment": dict(PAPER_INCAST),
             "cluster_file": cluster,
-            "workload": f"synthetic GLM-4.5-Air (replay.glm_air_demands), seed 0, {calib.tokens} tokens/GPU "
+            "workload": f"synthetic GLM-4.5-Air (workloads.glm_air_demands), seed 0, {calib.tokens} tokens/GPU "
                         f"x payload scale {calib.payload_scale:.3f}",
             **{k: v for k, v in calib.to_dict().items() if k not in ("model", "layers")},
         },
