@@ -81,7 +81,7 @@ demo: $(STAMP)
 	$(VPY) -m megatron_railwave.cli demo
 	$(VPY) examples/demo.py --steps 5
 
-bench-exchange: $(STAMP)
+bench-exchange: $(STAMP) $(EXT_STAMP)
 	$(VPY) -m megatron_railwave.cli bench-exchange --json out/bench_exchange.json
 
 # Per-call costs of the exchange on CPU gloo and the virtual cluster (count exchange, per phase,

@@ -10,9 +10,9 @@ Letters: N nodes, G GPUs per node, W = N * G ranks.
 
 from .exchange_bench import ALLTOALL, RAILWAVE_PATHS, BenchSpec, bench_worker
 from .launch import RankFailedError, run_gloo_processes
-from .summary import NATIVE_GOAL, SCHEMA, run_bench_exchange, wire_bytes_of
+from .summary import NATIVE_GOALS, SCHEMA, native_goal, run_bench_exchange, wire_bytes_of
 from .wire_bytes import alltoall_bytes, alltoall_entry_bytes, railwave_bytes, railwave_record_bytes
 
 __all__ = ["ALLTOALL", "RAILWAVE_PATHS", "BenchSpec", "bench_worker", "RankFailedError", "run_gloo_processes",
-           "NATIVE_GOAL", "SCHEMA", "run_bench_exchange", "wire_bytes_of", "alltoall_bytes",
+           "NATIVE_GOALS", "native_goal", "SCHEMA", "run_bench_exchange", "wire_bytes_of", "alltoall_bytes",
            "alltoall_entry_bytes", "railwave_bytes", "railwave_record_bytes"]

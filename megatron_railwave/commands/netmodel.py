@@ -32,8 +32,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     fit.add_argument("--seed", type=int, default=0, help="routing seed (default 0)")
     fit.add_argument("--delivery", choices=["after_rail", "streamed"], default="after_rail",
                      help="NVLink delivery model (default after_rail, as the exchange runs it)")
-    fit.add_argument("--combine-overlap", action="store_true",
-                     help="combine's local round overlaps its rail waves (mirrored from dispatch)")
     fit.add_argument("--k-sat", type=int, default=2,
                      help="incast saturation: excess senders after which the loss stops growing (default 2)")
     fit.add_argument("--max-alpha", type=float, default=1.0, help="upper end of the alpha search (default 1)")
@@ -66,7 +64,7 @@ def _fit_incast(args: argparse.Namespace) -> int:
     topo = _common.cluster_from_args(args)
     if args.k_sat < 1 or not args.max_alpha > 0:
         raise ValueError(f"need --k-sat >= 1 and --max-alpha > 0, got {args.k_sat}, {args.max_alpha}")
-    base = NetModelConfig(delivery=args.delivery, combine_overlap=args.combine_overlap, k_sat=args.k_sat)
+    base = NetModelConfig(delivery=args.delivery, k_sat=args.k_sat)
     calib = calibrate_incast(topo, base=base, tokens=args.tokens, seed=args.seed, log=_render.print_text,
                              bounds=(0.0, args.max_alpha), tol=2e-3)
     _render.print_text(

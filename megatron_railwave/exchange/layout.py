@@ -152,9 +152,13 @@ def build_layout(plan: PathPlan, view: RankView, *, token_R: torch.Tensor, node_
     owner_order = torch.sort(category_R, stable=True).indices
 
     pool_total = int(pool_NB.sum())
-    egress_perm = torch.sort(_runs(dev["pool_key"], dev["pool_count"], pool_total), stable=True).indices
-    egress_inverse = torch.empty_like(egress_perm).scatter_(
-        0, egress_perm, torch.arange(pool_total, dtype=torch.int64, device=device))
+    egress_is_kept = not bool(pool_NB[:, 1:].any())
+    if egress_is_kept:  # the pool is the kept records, already in egress order: the identity
+        egress_perm = egress_inverse = torch.arange(pool_total, dtype=torch.int64, device=device)
+    else:
+        egress_perm = torch.sort(_runs(dev["pool_key"], dev["pool_count"], pool_total), stable=True).indices
+        egress_inverse = torch.empty_like(egress_perm).scatter_(
+            0, egress_perm, torch.arange(pool_total, dtype=torch.int64, device=device))
 
     masks = [mask_R[owner_order[n_rec - view.owner_category_counts[g]:]]]  # round 0: own local records
     arrivals = [view.owner_category_counts[g]]
@@ -171,7 +175,7 @@ def build_layout(plan: PathPlan, view: RankView, *, token_R: torch.Tensor, node_
         deliver_index.append(pos % max(mask_A.numel(), 1))
     return LayerLayout(token_R=token_R, node_R=node_R, owner_order=owner_order,
                        category_counts=list(view.owner_category_counts), egress_perm=egress_perm,
-                       egress_inverse=egress_inverse, egress_is_kept=not bool(pool_NB[:, 1:].any()),
+                       egress_inverse=egress_inverse, egress_is_kept=egress_is_kept,
                        pool_counts=pool_NB.sum(axis=0).tolist(), deliver_index=deliver_index,
                        arrivals=arrivals, num_copies=view.num_copies)
 

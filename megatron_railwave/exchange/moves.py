@@ -28,21 +28,39 @@ from .. import ops
 from ..schedule import ExecutionSchedule, Phase, PhaseKind, RankView
 from .groups import RankGroups
 from .layout import LayerLayout
-from .transport import Post, Program, Wait
+from .transport import FlatBlocks, Post, Program, Wait
 
 __all__ = ["forward_moves", "backward_moves", "relay_forward", "relay_backward", "as_row_bytes", "part_view",
            "unpack_views"]
 
 
-def _copy_slices(copies: torch.Tensor, view: RankView, schedule: ExecutionSchedule) -> dict[tuple[int, int], torch.Tensor]:
-    """Rows of the copies buffer per (round, sending GPU): rounds ascending, then GPUs."""
-    out, offset = {}, 0
+def _copy_slices(copies: torch.Tensor, view: RankView, schedule: ExecutionSchedule
+                 ) -> tuple[dict[tuple[int, int], torch.Tensor], list[torch.Tensor]]:
+    """Rows of the copies buffer per (round, sending GPU), rounds ascending, then GPUs; and the
+    rows of each round (its GPUs' blocks, contiguous)."""
+    out, rounds, offset = {}, [], 0
     for rnd in range(schedule.num_rounds):
         counts = view.counts(schedule.phase("dispatch", "deliver", rnd)).recv_Q
+        rounds.append(copies[offset:offset + sum(counts)])
         for l, c in enumerate(counts):
             out[(rnd, l)] = copies[offset:offset + c]
             offset += c
-    return out
+    return out, rounds
+
+
+def _flat(phase: Phase, schedule: ExecutionSchedule, send: torch.Tensor, send_rows: list[int],
+          recv: torch.Tensor, recv_rows: list[int]) -> FlatBlocks | None:
+    """The phase as one buffer per direction (``transport.FlatBlocks``) where that is decided by
+    the schedule alone, hence the same on every member of the group: every delivery round (all
+    GPUs of the node are peers), and the rail phase when all node pairs travel in one wave (the
+    egress rows of all destination nodes lie in one buffer). Waves of a permutation keep the
+    point-to-point form: one peer each."""
+    if phase.kind == PhaseKind.RELAY or (phase.kind == PhaseKind.RAIL and schedule.num_waves != 1):
+        return None
+    if send.shape[0] != sum(send_rows) or recv.shape[0] != sum(recv_rows):
+        raise RuntimeError(f"internal: {phase.name}: flat buffers of {send.shape[0]} / {recv.shape[0]} rows for "
+                           f"{sum(send_rows)} / {sum(recv_rows)} rows of blocks")
+    return FlatBlocks(send=send, send_rows=send_rows, recv=recv, recv_rows=recv_rows)
 
 
 def as_row_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -86,9 +104,9 @@ def _take_rows(rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return ops.pack_rows([rows], [index])
 
 
-def _post(phase: Phase, groups: RankGroups, sends: list, recvs: list) -> Post:
+def _post(phase: Phase, groups: RankGroups, sends: list, recvs: list, flat: FlatBlocks | None = None) -> Post:
     group = groups.rail if phase.kind == PhaseKind.RAIL else groups.node
-    return Post(tag=phase.index, stage=phase.name, group=group, sends=sends, recvs=recvs)
+    return Post(tag=phase.index, stage=phase.name, group=group, sends=sends, recvs=recvs, flat=flat)
 
 
 def _relay_out(phase: Phase, groups: RankGroups, owner_rows: list[torch.Tensor],
@@ -183,8 +201,9 @@ def forward_moves(rows: torch.Tensor, *, layout: LayerLayout, view: RankView, sc
     pool = rows.new_empty((0 if layout.egress_is_kept else sum(layout.pool_counts), rows.shape[1]))
     pool_rows = [] if layout.egress_is_kept else list(pool.split(layout.pool_counts))
     copies = rows.new_empty((layout.num_copies, rows.shape[1]))
-    copy_rows = _copy_slices(copies, view, schedule)
+    copy_rows, round_rows = _copy_slices(copies, view, schedule)
     arrivals: dict[int, torch.Tensor] = {0: owner_rows[g]}
+    egress: list[torch.Tensor] = []  # the egress buffer, once the relay is done
     egress_rows: list[torch.Tensor] = []
 
     def start(phase: Phase) -> Post:
@@ -195,18 +214,21 @@ def forward_moves(rows: torch.Tensor, *, layout: LayerLayout, view: RankView, sc
             buf = rows.new_empty((sum(counts.recv_Q), rows.shape[1]))
             arrivals[phase.step + 1] = buf
             return _post(phase, groups, [egress_rows[d] if c else None for d, c in enumerate(counts.send_Q)],
-                         list(buf.split(counts.recv_Q)))
+                         list(buf.split(counts.recv_Q)),
+                         _flat(phase, schedule, egress[0], counts.send_Q, buf, counts.recv_Q))
         rnd = phase.step
-        delivered = _take_rows(arrivals.pop(rnd), layout.deliver_index[rnd]).split(counts.send_Q)
+        delivered_all = _take_rows(arrivals.pop(rnd), layout.deliver_index[rnd])
+        delivered = delivered_all.split(counts.send_Q)
         copy_rows[(rnd, me)].copy_(delivered[me])
         return _post(phase, groups, [delivered[j] if j != me else None for j in range(g)],
-                     [copy_rows[(rnd, l)] if l != me else None for l in range(g)])
+                     [copy_rows[(rnd, l)] if l != me else None for l in range(g)],
+                     _flat(phase, schedule, delivered_all, counts.send_Q, round_rows[rnd], counts.recv_Q))
 
     def complete(phase: Phase) -> None:
         if phase.kind == PhaseKind.RELAY:
             # Without relayed records the kept rows are already in egress order (node ascending).
-            egress = owner_rows[me] if layout.egress_is_kept else _take_rows(pool, layout.egress_perm)
-            egress_rows.extend(egress.split(view.egress_N))
+            egress.append(owner_rows[me] if layout.egress_is_kept else _take_rows(pool, layout.egress_perm))
+            egress_rows.extend(egress[0].split(view.egress_N))
 
     yield from _execute(schedule.dispatch_phases(), start, complete)
     return copies
@@ -233,7 +255,7 @@ def backward_moves(rows: torch.Tensor, specs: Sequence[ops.RowSpec], *, layout: 
     """
     g, me = schedule.plan.topology.gpus_per_node, view.local
     width = rows.shape[1]
-    copy_rows = _copy_slices(rows, view, schedule)
+    copy_rows, round_rows = _copy_slices(rows, view, schedule)
     out = rows.new_empty((view.num_records, width))
     out_rows = list(out.split(layout.category_counts))
     egress = rows.new_empty((sum(view.egress_N), width))
@@ -250,10 +272,13 @@ def backward_moves(rows: torch.Tensor, specs: Sequence[ops.RowSpec], *, layout: 
             back = list(buf.split(counts.recv_Q))
             back[me].copy_(copy_rows[(rnd, me)])
             return _post(phase, groups, [copy_rows[(rnd, l)] if l != me else None for l in range(g)],
-                         [back[j] if j != me else None for j in range(g)])
+                         [back[j] if j != me else None for j in range(g)],
+                         _flat(phase, schedule, round_rows[rnd], counts.send_Q, buf, counts.recv_Q))
         if phase.kind == PhaseKind.RAIL:
-            return _post(phase, groups, list(reduced.pop(phase.step + 1).split(counts.send_Q)),
-                         [egress_rows[d] if c else None for d, c in enumerate(counts.recv_Q)])
+            arrived = reduced.pop(phase.step + 1)
+            return _post(phase, groups, list(arrived.split(counts.send_Q)),
+                         [egress_rows[d] if c else None for d, c in enumerate(counts.recv_Q)],
+                         _flat(phase, schedule, arrived, counts.send_Q, egress, counts.recv_Q))
         pool = egress if layout.egress_is_kept else _take_rows(egress, layout.egress_inverse)
         return _relay_back(phase, groups, list(pool.split(layout.pool_counts)), out_rows)
 

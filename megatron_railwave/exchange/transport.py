@@ -27,7 +27,7 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
-__all__ = ["GroupRef", "Post", "Wait", "Collective", "Program", "ExchangeError", "ExchangeTimeoutError",
+__all__ = ["GroupRef", "FlatBlocks", "Post", "Wait", "Collective", "Program", "ExchangeError", "ExchangeTimeoutError",
            "TorchDistTransport", "drive"]
 
 
@@ -72,16 +72,33 @@ class GroupRef:
         return "the EP group" if self.kind == "ep" else f"{self.kind} group {self.index}"
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class FlatBlocks:
+    """The same phase as one buffer per direction: ``send`` holds the blocks for every group
+    peer in peer order (the own block included), ``send_rows[p]`` rows each; ``recv`` likewise.
+    A transport may then move the phase as one all-to-all (``TorchDistTransport``)."""
+
+    send: torch.Tensor
+    send_rows: list[int]
+    recv: torch.Tensor
+    recv_rows: list[int]
+
+
 @dataclass(kw_only=True, slots=True)
 class Post:
     """Start one phase: ``sends[p]`` to group peer p, ``recvs[p]`` preallocated from peer p
-    (None or zero rows: nothing)."""
+    (None or zero rows: nothing).
+
+    ``flat`` (optional) describes the same phase as contiguous blocks. Programs set it from the
+    schedule alone (phase kind, number of waves), so every member of the group sets it for the
+    same phases: a transport that turns such phases into collectives needs exactly that."""
 
     tag: int
     stage: str
     group: GroupRef
     sends: list[torch.Tensor | None]
     recvs: list[torch.Tensor | None]
+    flat: FlatBlocks | None = None
 
 
 @dataclass(kw_only=True, slots=True)
@@ -115,6 +132,8 @@ class _Ticket:
     works: list[Any]
     peers: list[int]
     started: float
+    finish: Callable[[], None] | None = None
+    """Runs after the works complete (reorders an all-to-all's blocks for rare rank orders)."""
 
 
 @dataclass(kw_only=True)
@@ -140,10 +159,16 @@ class TorchDistTransport:
     explain: Callable[[], str] | None = None
     bytes_sent: dict[str, int] = field(default_factory=dict)
     bytes_received: dict[str, int] = field(default_factory=dict)
+    flat_collectives: bool = True
+    """Run phases given as ``FlatBlocks`` as one all-to-all where the group is gloo (see
+    ``_flat_collectives``); False: always point-to-point."""
     _orders: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict, repr=False)
+    _backend_is_gloo: dict[int, bool] = field(default_factory=dict, repr=False)
 
     def post(self, req: Post) -> _Ticket:
         group = req.group
+        if req.flat is not None and self._flat_collectives(group):
+            return self._post_all_to_all(req)
         ops, peers = [], []
         # Receives first: on gloo's TCP pairs, two ranks exchanging both ways otherwise take turns.
         for peer, buf in enumerate(req.recvs):
@@ -163,6 +188,56 @@ class TorchDistTransport:
             raise self._error(req.stage, group, peers, started, exc) from exc
         return _Ticket(post=req, works=works, peers=peers, started=started)
 
+    def _flat_collectives(self, group: GroupRef) -> bool:
+        """Whether phases with ``FlatBlocks`` run as one all-to-all on ``group``: on gloo, where
+        one alltoallv costs about what one point-to-point message does and a phase would
+        otherwise post up to 2 (P - 1) of them; NCCL runs both as the same grouped send/recv
+        calls, so it keeps the point-to-point batch. The same on every member (the group's
+        backend), as a collective requires."""
+        if not self.flat_collectives or group.handle is None:
+            return False
+        key = id(group.handle)
+        if key not in self._backend_is_gloo:
+            self._backend_is_gloo[key] = dist.get_backend(group.handle) == "gloo"
+        return self._backend_is_gloo[key]
+
+    def _post_all_to_all(self, req: Post) -> _Ticket:
+        group, flat = req.group, req.flat
+        assert flat is not None
+        me = self._me(group)
+        order = group.group_ranks
+        send_rows, recv_rows = flat.send_rows, flat.recv_rows
+        send, recv = flat.send, flat.recv
+        if order is not None and list(order) != sorted(order):
+            # Blocks in member order -> torch group-rank order (rare launcher orders): copies.
+            by_group = sorted(range(len(order)), key=order.__getitem__)
+            send = torch.cat([b for b in (send.split(send_rows)[m] for m in by_group)])
+            send_rows = [send_rows[m] for m in by_group]
+            recv = recv.new_empty(recv.shape)
+            recv_rows_g = [recv_rows[m] for m in by_group]
+        else:
+            by_group, recv_rows_g = None, recv_rows
+        row_bytes = _nbytes(flat.send) // max(flat.send.shape[0], 1) if flat.send.shape[0] else 0
+        sent = (sum(flat.send_rows) - flat.send_rows[me]) * row_bytes
+        row_bytes = _nbytes(flat.recv) // max(flat.recv.shape[0], 1) if flat.recv.shape[0] else 0
+        received = (sum(flat.recv_rows) - flat.recv_rows[me]) * row_bytes
+        if sent:
+            self.bytes_sent[req.stage] = self.bytes_sent.get(req.stage, 0) + sent
+        if received:
+            self.bytes_received[req.stage] = self.bytes_received.get(req.stage, 0) + received
+        peers = list(range(len(group.ranks)))
+        started = time.monotonic()
+        try:
+            work = dist.all_to_all_single(recv, send, recv_rows_g, send_rows, group=group.handle, async_op=True)
+        except Exception as exc:  # noqa: BLE001 - a failed post names the stage too
+            raise self._error(req.stage, group, peers, started, exc) from exc
+        finish = None
+        if by_group is not None:
+            def finish(recv=recv, by_group=by_group, recv_rows_g=recv_rows_g, out=flat.recv) -> None:
+                blocks = dict(zip(by_group, recv.split(recv_rows_g)))
+                out.copy_(torch.cat([blocks[m] for m in range(len(by_group))]))
+        return _Ticket(post=req, works=[work], peers=peers, started=started, finish=finish)
+
     def wait(self, ticket: _Ticket) -> None:
         timeout = datetime.timedelta(seconds=self.timeout_s) if self.timeout_s else None
         for work in ticket.works:
@@ -173,6 +248,9 @@ class TorchDistTransport:
             if done is False:
                 raise self._error(ticket.post.stage, ticket.post.group, ticket.peers, ticket.started, None)
         ticket.works = []
+        if ticket.finish is not None:
+            ticket.finish()
+            ticket.finish = None
 
     def collective(self, req: Collective) -> None:
         started = time.monotonic()

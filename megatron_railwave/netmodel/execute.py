@@ -25,9 +25,8 @@ Variants (`NetModelConfig`):
     arrive, so it starts with rail[v] and completes at max(its own flows, rail[v]); combine
     mirrors it (crail[v] sends partial sums while cdeliver[v+1] returns them). The exchange
     (`exchange.moves`) executes the schedule's depends_on: store and forward ('after_rail').
-  * ``combine_overlap=True``: combine's local round cdeliver[0] overlaps its rail waves as
-    dispatch's deliver[0] does (cdeliver[1] no longer waits for it). The compiled schedule
-    orders cdeliver[0] first, so the exchange does not do this today.
+  Combine's local round cdeliver[0] overlaps its rail waves as dispatch's deliver[0] does:
+  the compiled schedule says so (cdeliver[1] does not wait for it) and the exchange runs it so.
 
 Receiver ports (NIC downlinks) lose goodput with concurrent senders (`incast.IncastModel`).
 Every result carries the bandwidth lower bound (`program.bandwidth_bound`); the time is never
@@ -107,8 +106,6 @@ class NetModelConfig:
     """Stage 3 of wave v: 'after_rail' starts it when rail[v] is complete (store and forward, as
     the exchange runs the schedule); 'streamed' forwards chunks as they arrive (DeepEP's
     forwarder warps): it runs during rail[v] and completes no earlier than rail[v]."""
-    combine_overlap: bool = False
-    """Combine's local round overlaps its rail waves, mirrored from dispatch's deliver[0]."""
     rel_tol: float = 1e-3
     """Event batching tolerance of the engine (`maxmin.simulate`)."""
     large_rel_tol: float = 1e-2
@@ -131,8 +128,6 @@ class NetModelConfig:
             raise ValueError(f"NetModelConfig.delivery must be 'after_rail' or 'streamed', got {self.delivery!r}")
         if self.nvlink not in ("maxmin", "ports"):
             raise ValueError(f"NetModelConfig.nvlink must be 'maxmin' or 'ports', got {self.nvlink!r}")
-        if not isinstance(self.combine_overlap, bool):
-            raise ValueError(f"NetModelConfig.combine_overlap must be true or false, got {self.combine_overlap!r}")
         for name in ("rel_tol", "large_rel_tol"):
             if not 0.0 <= getattr(self, name) <= 0.1:
                 raise ValueError(f"NetModelConfig.{name} must be in [0, 0.1], got {getattr(self, name)!r}")
@@ -154,6 +149,10 @@ class NetModelConfig:
     @classmethod
     def from_dict(cls, data: dict[str, Any], *, source: str = "netmodel config") -> NetModelConfig:
         known = {f.name for f in fields(cls)}
+        if "combine_overlap" in data:
+            raise ValueError(f"{source}: 'combine_overlap' was removed: the schedule the exchange runs overlaps "
+                             "combine's local round with its rail waves (combine.deliver[1] does not wait for "
+                             "combine.deliver[0]) and the model simulates that schedule; delete the key")
         unknown = sorted(set(data) - known)
         if unknown:
             raise ValueError(f"{source}: unknown key(s) {unknown}; allowed keys are {sorted(known)}")
@@ -309,8 +308,6 @@ def schedule_program(schedule: ExecutionSchedule, model: NetModelConfig,
             latency = model.railbalance_barrier_s + model.railbalance_quota_s
         direction = 0 if p.direction == Direction.DISPATCH else 1
         deps = [d + offset for d in p.depends_on]
-        if p.direction == Direction.COMBINE and model.combine_overlap and p.kind == PhaseKind.DELIVER and p.step == 1:
-            deps = [d for d in deps if schedule.phases[d - offset].step != 0]
         ids[p.name] = b.phase(p.name, p.kind.value, direction, tuple(deps), latency)
     experts = b.phase("experts", "sync", -1, tuple(ids[p.name] for p in schedule.dispatch_phases()))
     ids["experts"] = experts

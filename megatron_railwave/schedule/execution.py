@@ -26,8 +26,12 @@ return their copies; the arrival GPU sums them in local-GPU order), rail back cr
 back crelay, listed as cdeliver[0], cdeliver[1], crail[0], cdeliver[2], crail[1], ...,
 cdeliver[V], crail[V-1], crelay with
 
-    cdeliver[0]: ()   cdeliver[r]: (cdeliver[r-1],)   crail[v]: (cdeliver[v+1], crail[v-1])
-    crelay: (crail[V-1],)
+    cdeliver[0]: ()   cdeliver[1]: ()   cdeliver[r]: (cdeliver[r-1],) for r >= 2
+    crail[v]: (cdeliver[v+1], crail[v-1])   crelay: (crail[V-1],)
+
+The local round cdeliver[0] overlaps the rail waves in combine as deliver[0] does in dispatch;
+the arrival GPU sums its returned local copies at the end, so the order of the sums (and the
+result, bitwise) is the same.
 
 Transfers are stored for the dispatch phases as one table (phase, src rank, dst rank, rows);
 a combine phase's transfers are its mirror's with source and destination swapped. Rows count
@@ -139,7 +143,9 @@ def _build_phases(num_waves: int) -> tuple[Phase, ...]:
             mirror = None
         else:
             if kind == DL:
-                deps = () if step == 0 else (index[(C, DL, step - 1)],)
+                # Round 1 does not wait for round 0 (the local node's copies): the local round
+                # overlaps the rail waves, as dispatch's deliver[0] does.
+                deps = () if step <= 1 else (index[(C, DL, step - 1)],)
             elif kind == L:
                 deps = (index[(C, DL, step + 1)],) + ((index[(C, L, step - 1)],) if step else ())
             else:

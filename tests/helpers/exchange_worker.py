@@ -46,14 +46,27 @@ def dense_reference(rank: int, world: int, **kw):
 
 
 def run_exchange(rank: int, world: int, topo_kwargs: dict, paths: list[str], kw: dict) -> dict:
+    """Every path forward + backward. ``kw['point_to_point_too']``: also run each path with the
+    transport's flat collectives off (results keyed '<path>/p2p')."""
+    kw = dict(kw)
+    modes = [True, False] if kw.pop("point_to_point_too", False) else [True]
     topo = RailTopology(**topo_kwargs)
     groups = build_rail_groups(None, topo)
     ex = TorchDistExchange(topo, groups, num_experts=kw["experts"], options=PlanOptions())
     w = expert_weights(kw["experts"], kw["hidden"], kw["seed"])
     per_rank = kw["experts"] // world
     local_w = w[rank * per_rank:(rank + 1) * per_rank]
-    results, wire = {}, {}
-    for path in paths:
+    results, wire, a2a_calls = {}, {}, {}
+    real_all_to_all = dist.all_to_all_single
+
+    def counting_all_to_all(*args, **kwargs):
+        a2a_calls[key] = a2a_calls.get(key, 0) + 1
+        return real_all_to_all(*args, **kwargs)
+
+    dist.all_to_all_single = counting_all_to_all
+    for flat, path in [(f, p) for f in modes for p in paths]:
+        ex.transport.flat_collectives = flat
+        key = path if flat else f"{path}/p2p"
         ex.transport.bytes_sent.clear()
         ex.transport.bytes_received.clear()
         x, probs, routing = make_inputs(rank, **kw)
@@ -68,11 +81,11 @@ def run_exchange(rank: int, world: int, topo_kwargs: dict, paths: list[str], kw:
         y = torch.cat(outs) * d.probs.unsqueeze(1) if outs else d.tokens[:0]
         out = ex.combine(y, d.handle)
         (out * out).sum().backward()
-        results[path] = (out.detach().numpy(), x.grad.numpy(), probs.grad.numpy())
+        results[key] = (out.detach().numpy(), x.grad.numpy(), probs.grad.numpy())
         # Bytes handed to sends / receives per phase, against the schedule (forward + backward).
         sched = d.handle.layer.schedule
         fwd, bwd = sched.rank_bytes(rank), sched.rank_bytes(rank, backward=True)
-        wire[path] = {
+        wire[key] = {
             "measured": ({k: v for k, v in ex.transport.bytes_sent.items() if v},
                          {k: v for k, v in ex.transport.bytes_received.items() if v}),
             "schedule": ({p.name: fwd["sent"][p.index] + bwd["sent"][p.index] for p in sched.phases
@@ -80,11 +93,12 @@ def run_exchange(rank: int, world: int, topo_kwargs: dict, paths: list[str], kw:
                          {p.name: fwd["received"][p.index] + bwd["received"][p.index] for p in sched.phases
                           if fwd["received"][p.index] + bwd["received"][p.index]}),
         }
+    dist.all_to_all_single = real_all_to_all
     ref = tuple(t.numpy() for t in dense_reference(rank, world, **kw))
     dist.barrier()
     # numpy, not tensors: torch tensors cross process queues via shared-memory handles that die
     # with the worker process.
-    return {"paths": results, "ref": ref, "wire": wire}
+    return {"paths": results, "ref": ref, "wire": wire, "all_to_all_calls": a2a_calls}
 
 
 def run_bad_input(rank: int, world: int, topo_kwargs: dict) -> str:

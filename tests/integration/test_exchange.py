@@ -33,9 +33,10 @@ def _check(results, rtol=1e-5):
     [
         (dict(num_nodes=2, gpus_per_node=2), dict(tokens=[24] * 4, experts=8, topk=3, hidden=8, seed=1)),
         # 4 nodes x 2 GPUs, uneven token counts, a rank with zero tokens, ranks skipping nodes.
+        # Also with point-to-point phases only (no flat all-to-alls on gloo): bitwise the same.
         (dict(num_nodes=4, gpus_per_node=2),
          dict(tokens=[20, 0, 33, 7, 16, 25, 1, 12], experts=16, topk=4, hidden=8, seed=2,
-              skip_nodes={2: [1, 3], 5: [0], 7: [2, 3, 1]})),
+              skip_nodes={2: [1, 3], 5: [0], 7: [2, 3, 1]}, point_to_point_too=True)),
         # A failed rail: node 1 rail 0 down; everything leaves node 1 (and enters it) on rail 1.
         (dict(num_nodes=4, gpus_per_node=2, failed_rails=frozenset({(1, 0)})),
          dict(tokens=[18] * 8, experts=16, topk=4, hidden=8, seed=3)),
@@ -46,6 +47,13 @@ def test_exchange_paths_match_reference_and_each_other(topo, kw):
     results = run_distributed(run_exchange, topo["num_nodes"] * topo["gpus_per_node"], topo, PATHS, kw,
                               timeout_s=240)
     _check(results)
+    if kw.get("point_to_point_too"):
+        assert {f"{p}/p2p" for p in PATHS} <= set(results[0]["paths"])
+        for res in results:
+            # NATIVE (one wave): every delivery round and the rail phase, in dispatch, combine and
+            # both backwards, ran as one all-to-all each (3 x 4), plus the count exchange; with
+            # the flat collectives off only the count exchange is an all-to-all.
+            assert res["all_to_all_calls"]["native"] == 13 and res["all_to_all_calls"]["native/p2p"] == 1
 
 
 def test_exchange_bad_routing_map_raises_on_every_rank():

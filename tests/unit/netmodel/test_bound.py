@@ -20,7 +20,7 @@ from megatron_railwave.workloads import arrange
 # rel_tol = 0: the engine is exact, so the bound must hold to rounding.
 MODELS = {
     "after_rail": NetModelConfig(rel_tol=0.0),
-    "streamed": NetModelConfig(rel_tol=0.0, delivery="streamed", combine_overlap=True),
+    "streamed": NetModelConfig(rel_tol=0.0, delivery="streamed"),
     "ports": NetModelConfig(rel_tol=0.0, nvlink="ports", delivery="streamed"),
 }
 

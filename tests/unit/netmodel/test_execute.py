@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from megatron_railwave.netmodel.execute import model_wire
 from megatron_railwave.netmodel import (
     FlowSet,
     NetModelConfig,
@@ -149,25 +150,22 @@ def test_execute_overlapping_phases_share_nvlink_ports():
     # Dispatch: relay and deliver[0] both push 2 MB through out-port (0,0) and in-port (0,1) at
     # once: 4 MB at 2 GB/s, both end at 2 ms (1 ms each if each had the ports to itself). Rails
     # 1 MB and 2 MB in parallel: 2 ms (2 -> 4 ms); deliver[1] (1,0) -> (1,1) 1 MB: 0.5 ms -> 4.5 ms.
-    # Combine (exchange order): cdeliver[0] returns the 2 local copies (1 ms), cdeliver[1] waits
-    # for it (1 -> 1.5 ms), rails back 2 ms (-> 3.5), relay back 1 ms: 4.5 ms.
+    # Combine (exchange order): cdeliver[0] returns the 2 local copies (1 ms) while cdeliver[1]
+    # (0.5 ms), the rails back (2 ms, -> 2.5) and the relay back (1 ms, -> 3.5) run: the local
+    # round overlaps the waves, as in dispatch: 3.5 ms.
     topo, demand = _relay_and_local_demand()
     plan = build_plan(demand, topo, "rail")
     assert plan.quota_NNG[0, 1].tolist() == [1, 2]
     t = execute_plan(plan, record_bytes=int(MB), model=PLAIN, demand=demand)
     assert t.relay_s == approx(2e-3) and t.delivery_s_V == approx((2e-3, 0.5e-3))
-    assert t.dispatch_s == approx(4.5e-3) and t.combine_s == approx(4.5e-3)
+    assert t.dispatch_s == approx(4.5e-3) and t.combine_s == approx(3.5e-3)
     # The busiest NVLink port carries 4 MB (+ the 1 MB delivery on node 1 elsewhere) in dispatch.
     assert t.bound_dispatch_s == approx(2e-3) and t.bound_combine_s == approx(2e-3)
 
 
-def test_execute_combine_overlap_mirrors_dispatchs_local_round():
-    # Same case with combine_overlap: cdeliver[1] does not wait for cdeliver[0]: 0.5 ms, rails back
-    # 2 ms (-> 2.5), relay back 1 ms (-> 3.5); cdeliver[0] (1 ms) hides under them. Dispatch as before.
-    topo, demand = _relay_and_local_demand()
-    t = execute_plan(build_plan(demand, topo, "rail"), record_bytes=int(MB),
-                     model=replace(PLAIN, combine_overlap=True), demand=demand)
-    assert t.dispatch_s == approx(4.5e-3) and t.combine_s == approx(3.5e-3)
+def test_execute_model_config_refuses_the_removed_combine_overlap_key():
+    with pytest.raises(ValueError, match="'combine_overlap' was removed"):
+        NetModelConfig.from_dict({"combine_overlap": False})
 
 
 def test_execute_per_call_costs_add_up_on_the_critical_path():
@@ -381,7 +379,11 @@ def test_execute_256x8_layer_timing(capsys):
                          demand=uniform)
         print(f"256x8 rail-aligned all-to-all, joint fanin {fanin}: {t.total_s * 1e3:.1f} ms modelled, "
               f"{time.process_time() - c0:.1f} s CPU")
-        assert t.total_s == approx(_hand_worked_rail_ms(senders, alpha) * 1e-3, rel=1e-6)
+        # Dispatch rows carry probs and metadata beyond the 1 MB payload; combine rows do not.
+        wire = model_wire(topo, int(MB), PLAIN)
+        per_direction_ms = _hand_worked_rail_ms(senders, alpha) / 2
+        want_s = per_direction_ms * (wire.dispatch_bytes + wire.combine_bytes) / MB * 1e-3
+        assert t.total_s == approx(want_s, rel=1e-6)
     assert _hand_worked_rail_ms([1] * 255, alpha) == 510.0
     assert _hand_worked_rail_ms([16] * 15 + [15], alpha) == approx(2 * (15 * 16 * 2.5 + 15 * 2.4))
 

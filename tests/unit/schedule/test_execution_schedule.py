@@ -50,6 +50,9 @@ def test_phase_order_and_dependencies_three_waves():
     assert deps["dispatch.deliver[0]"] == []
     assert deps["dispatch.deliver[2]"] == ["dispatch.deliver[1]", "dispatch.rail[1]"]
     assert deps["combine.rail[1]"] == ["combine.deliver[2]", "combine.rail[0]"]
+    # Combine's local round overlaps the waves, as dispatch's does; later rounds stay in order.
+    assert deps["combine.deliver[0]"] == [] and deps["combine.deliver[1]"] == []
+    assert deps["combine.deliver[2]"] == ["combine.deliver[1]"]
     assert deps["combine.relay"] == ["combine.rail[2]"]
     for p in sched.phases:  # every dependency is posted earlier: the posting order is a topological order
         assert all(d < p.index for d in p.depends_on)
