@@ -28,6 +28,11 @@ Variants (`NetModelConfig`):
   * ``combine_overlap=True``: combine's local round cdeliver[0] overlaps its rail waves as
     dispatch's deliver[0] does (cdeliver[1] no longer waits for it). The compiled schedule
     orders cdeliver[0] first, so the exchange does not do this today.
+  * ``phase_sync='rank'``: phases start per rank (`program.rank_synced`): a rank posts its next
+    phase once its own parts of the phases it depends on are done, in the schedule's order, and
+    a transfer moves once both ends have posted it, as ``exchange.moves`` runs; expert compute is
+    per rank, the count exchange stays global. 'global' (default): when the phases it depends on
+    are complete on every rank. Bounds in rank mode: `program.rank_bandwidth_bound`.
 
 Receiver ports (NIC downlinks) lose goodput with concurrent senders (`incast.IncastModel`).
 Every result carries the bandwidth lower bound (`program.bandwidth_bound`); the time is never
