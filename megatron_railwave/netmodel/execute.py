@@ -25,6 +25,11 @@ Variants (`NetModelConfig`):
     arrive, so it starts with rail[v] and completes at max(its own flows, rail[v]); combine
     mirrors it (crail[v] sends partial sums while cdeliver[v+1] returns them). The exchange
     (`exchange.moves`) executes the schedule's depends_on: store and forward ('after_rail').
+  * ``phase_sync='rank'``: phases start per rank (`program.rank_synced`): a rank posts its next
+    phase once its own parts of the phases it depends on are done, in the schedule's order, and
+    a transfer moves once both ends have posted it, as ``exchange.moves`` runs; expert compute is
+    per rank, the count exchange stays global. 'global' (default): when the phases it depends on
+    are complete on every rank. Bounds in rank mode: `program.rank_bandwidth_bound`.
   Combine's local round cdeliver[0] overlaps its rail waves as dispatch's deliver[0] does:
   the compiled schedule says so (cdeliver[1] does not wait for it) and the exchange runs it so.
 
@@ -54,10 +59,10 @@ from ..schedule import Direction, ExecutionSchedule, MaskSource, PhaseKind, Reco
 from ..topology import RailTopology
 from .cluster import Fabric, build_fabric
 from .incast import IncastModel
-from .program import LinkProgram, ProgramBuilder, run_program
+from .program import LinkProgram, ProgramBuilder, phase_times, rank_synced, run_program
 
 __all__ = ["MaskSource", "NetModelConfig", "PlanTiming", "execute_plan", "execute_schedule", "load_netmodel_config",
-           "model_wire", "schedule_program", "simulate_plan"]
+           "model_wire", "schedule_program", "simulate_plan", "synced_program"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -106,6 +111,16 @@ class NetModelConfig:
     """Stage 3 of wave v: 'after_rail' starts it when rail[v] is complete (store and forward, as
     the exchange runs the schedule); 'streamed' forwards chunks as they arrive (DeepEP's
     forwarder warps): it runs during rail[v] and completes no earlier than rail[v]."""
+    phase_sync: Literal["global", "rank"] = "global"
+    """When a phase may start. 'global': once the phases it depends on are complete on every
+    rank (phase k + 1 of the whole cluster after all of phase k). 'rank': as the exchange runs
+    (`exchange.moves`): each rank posts its next phase once its OWN sends and receives of the
+    phases it depends on are done, in its program order, and a transfer moves once both its
+    ends have posted it; expert compute is per rank too, the count all-to-all stays global
+    (`program.rank_synced`). Costs about (3 W + transfers) engine phases per phase and more
+    events; refused above ``rank_sync_max_ranks``."""
+    rank_sync_max_ranks: int = 128
+    """Largest W for ``phase_sync='rank'`` (docs/netmodel.md, "Per-rank phases": its cost)."""
     rel_tol: float = 1e-3
     """Event batching tolerance of the engine (`maxmin.simulate`)."""
     large_rel_tol: float = 1e-2
@@ -128,6 +143,11 @@ class NetModelConfig:
             raise ValueError(f"NetModelConfig.delivery must be 'after_rail' or 'streamed', got {self.delivery!r}")
         if self.nvlink not in ("maxmin", "ports"):
             raise ValueError(f"NetModelConfig.nvlink must be 'maxmin' or 'ports', got {self.nvlink!r}")
+        if self.phase_sync not in ("global", "rank"):
+            raise ValueError(f"NetModelConfig.phase_sync must be 'global' or 'rank', got {self.phase_sync!r}")
+        if (isinstance(self.rank_sync_max_ranks, bool) or not isinstance(self.rank_sync_max_ranks, int)
+                or self.rank_sync_max_ranks < 1):
+            raise ValueError(f"NetModelConfig.rank_sync_max_ranks must be an int >= 1, got {self.rank_sync_max_ranks!r}")
         for name in ("rel_tol", "large_rel_tol"):
             if not 0.0 <= getattr(self, name) <= 0.1:
                 raise ValueError(f"NetModelConfig.{name} must be in [0, 0.1], got {getattr(self, name)!r}")
@@ -193,6 +213,11 @@ class PlanTiming:
     """Bandwidth lower bound of dispatch: max over links (NVLink ports, NICs, adapters, leaf
     uplinks) of the bytes dispatch puts on the link / its capacity."""
     bound_combine_s: float
+    """Bandwidth lower bound of combine (``phase_sync='rank'``: the least any rank's own
+    combine flows need, `program.rank_bandwidth_bound`)."""
+    bound_s: float
+    """Bandwidth lower bound of dispatch + combine: the sum of the two ('global': combine
+    starts after dispatch); 'rank': `program.rank_bandwidth_bound`."""
     bound_link: str
     """The link that sets the larger of the two bounds, e.g. 'nvlink-in (0, 3)', 'nic-down (2, 5)'."""
     nic_egress_bytes_NR: np.ndarray
@@ -209,11 +234,6 @@ class PlanTiming:
     @property
     def total_s(self) -> float:
         return self.dispatch_s + self.combine_s
-
-    @property
-    def bound_s(self) -> float:
-        """Bandwidth lower bound of dispatch + combine (combine starts after dispatch)."""
-        return self.bound_dispatch_s + self.bound_combine_s
 
     def nic_shares(self) -> np.ndarray:
         """[A] mean over nodes of each node's adapter egress shares, sorted descending per node."""
@@ -283,13 +303,34 @@ def _synthetic_delivery_RNGG(plan: PathPlan, fanout: float) -> np.ndarray:
     return out
 
 
+def synced_program(program: LinkProgram, model: NetModelConfig, num_ranks: int,
+                   post_order: tuple[int, ...] = ()) -> LinkProgram:
+    """``program`` as ``model.phase_sync`` says: unchanged ('global') or split per rank ('rank';
+    the 'counts' phase, a collective, stays global; ``post_order``: the ranks' program order).
+
+    Raises:
+        ValueError: 'rank' with more than ``model.rank_sync_max_ranks`` ranks.
+    """
+    if model.phase_sync == "global":
+        return program
+    if num_ranks > model.rank_sync_max_ranks:
+        raise ValueError(
+            f"NetModelConfig.phase_sync='rank' splits every phase per rank and per transfer; {num_ranks} ranks is "
+            f"above rank_sync_max_ranks={model.rank_sync_max_ranks} (docs/netmodel.md, 'Per-rank phases', for "
+            "its cost); use phase_sync='global' at this size or raise rank_sync_max_ranks")
+    counts = tuple(q for q, name in enumerate(program.names) if name == "counts")
+    return rank_synced(program, num_ranks=num_ranks, post_order=post_order, global_phases=counts)
+
+
 def schedule_program(schedule: ExecutionSchedule, model: NetModelConfig,
                      fabric: Fabric | None = None) -> tuple[LinkProgram, dict[str, int]]:
     """The `LinkProgram` of ``schedule`` under ``model`` (see the module docstring).
 
     Returns:
         (program, ids): ``ids`` maps the schedule's phase names (and 'counts', 'experts') to
-        program phase ids; streamed deliveries add 'join' phases named '<consumer>.done'.
+        phase ids of the global program (``program`` itself, or ``program.source`` when
+        ``model.phase_sync='rank'``); streamed deliveries add 'join' phases named
+        '<consumer>.done'.
     """
     plan = schedule.plan
     topo = plan.topology
@@ -343,7 +384,10 @@ def schedule_program(schedule: ExecutionSchedule, model: NetModelConfig,
             src, dst, cnt = d * g + l, d * g + j, copies[r, d, l, j]
             b.nvlink(ids[f"dispatch.deliver[{r}]"], src, dst, cnt * schedule.wire.dispatch_bytes)
             b.nvlink(ids[f"combine.deliver[{r}]"], dst, src, cnt * schedule.wire.combine_bytes)
-    return b.build(), ids
+    # The exchange posts the schedule's phases in order (`exchange.moves`); a streamed delivery is
+    # a forwarder running beside the rail phase, outside that order.
+    order = tuple(ids[p.name] for p in schedule.phases) if model.delivery == "after_rail" else ()
+    return synced_program(b.build(), model, topo.world_size, order), ids
 
 
 def execute_schedule(schedule: ExecutionSchedule, *, model: NetModelConfig | None = None) -> PlanTiming:
@@ -357,8 +401,8 @@ def execute_schedule(schedule: ExecutionSchedule, *, model: NetModelConfig | Non
     program, ids = schedule_program(schedule, model, fabric)
     rel_tol = model.large_rel_tol if program.flows.num_flows > model.large_flows else model.rel_tol
     run = run_program(fabric, program, incast=model.incast(), rel_tol=rel_tol, nvlink=model.nvlink)
-    start, finish = run.result.phase_start_s_Q, run.result.phase_finish_s_Q
-    lat = program.latency_s_Q
+    start, finish = phase_times(program, run.result)
+    lat = (program.source or program).latency_s_Q
 
     def span(name: str) -> float:
         q = ids[name]
@@ -388,6 +432,7 @@ def execute_schedule(schedule: ExecutionSchedule, *, model: NetModelConfig | Non
     return PlanTiming(
         dispatch_s=run.dispatch_s, combine_s=run.combine_s, relay_s=relay_s, rail_s_V=rail_s,
         delivery_s_V=delivery_s, bound_dispatch_s=run.bound_dispatch_s, bound_combine_s=run.bound_combine_s,
+        bound_s=run.bound_s,
         bound_link=link_name(fabric, run.bound_link), nic_egress_bytes_NR=egress, nic_ingress_bytes_NR=ingress,
         adapter_egress_bytes_NA=adapter, num_flows=run.num_flows, num_events=int(run.result.num_events),
         wall_s=time.perf_counter() - t0)

@@ -33,8 +33,8 @@ import numpy as np
 from ..planner import PathPlan
 from ..schedule import PhaseKind, compile_schedule
 from ..topology import RailTopology
-from .execute import NetModelConfig, fabric_for, model_wire
-from .program import LinkProgram, ProgramBuilder
+from .execute import NetModelConfig, fabric_for, model_wire, synced_program
+from .program import LinkProgram, ProgramBuilder, run_program
 
 __all__ = ["bvn_waves", "copies_WW", "fast_program", "megatron_program", "model_peer"]
 
@@ -238,8 +238,7 @@ def model_peer(name: str, demand, topo: RailTopology, *, record_bytes: int, mode
         program = fast_program(plan, demand, bvn, record_bytes=record_bytes, model=model)
     else:
         raise ValueError(f"peer {name!r} is unknown; choose 'megatron' or 'fast'")
-    from .program import run_program
-
+    program = synced_program(program, model, topo.world_size)
     rel_tol = model.large_rel_tol if program.flows.num_flows > model.large_flows else model.rel_tol
     run = run_program(fabric, program, incast=model.incast(), rel_tol=rel_tol, nvlink=model.nvlink)
     return {"comm_s": run.total_s, "dispatch_s": run.dispatch_s, "combine_s": run.combine_s,

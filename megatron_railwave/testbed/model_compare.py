@@ -9,6 +9,8 @@ timings unless ``fit_on``), on the routing the study recorded:
   * NVLink stand-in: loopback at ``loopback_gBps`` (stated; gloo over ``lo`` on this host);
   * bytes per row: the exchange's wire format (``testbed.experiment.wire_format``), as the
     compiled schedule the model simulates uses it (dispatch rows: payload + probs + metadata).
+  * phase dependencies per rank (``phase_sync='rank'``), as the exchange runs: each rank posts
+    its next phase once its own sends and receives of the phases it depends on are done.
 The comparison is against the measured P50 of the slowest rank's dispatch + combine (planning
 and the count all-gather are not part of the model) and, for reference, against the total.
 Optionally, one free parameter is fitted on one workload/path and used for all others: the fixed
@@ -56,7 +58,7 @@ def _alpha(incast: list[dict[str, Any]] | None) -> float | None:
 def compare_with_netmodel(study: dict[str, Any], *, incast: list[dict[str, Any]] | None = None,
                           loopback_gBps: float = 1.0, wave_latency_s: float = 2e-3,
                           fit_on: tuple[str, str] | None = ("ring-balanced", "native"),
-                          fit_param: str = "wave_latency") -> dict[str, Any]:
+                          fit_param: str = "wave_latency", phase_sync: str = "rank") -> dict[str, Any]:
     """Model every (workload, path) of a ``run_study`` result; relative errors against the measurement.
 
     Args:
@@ -67,6 +69,8 @@ def compare_with_netmodel(study: dict[str, Any], *, incast: list[dict[str, Any]]
         fit_on: (workload, path) whose measured P50 fixes one parameter by bisection; None = stated.
         fit_param: the parameter fitted: "wave_latency" (fixed cost per rail phase) or "rail_rate"
             (the rails' effective goodput for the exchange, as a fraction of the shaped rate).
+        phase_sync: `NetModelConfig.phase_sync`: 'rank' (what the exchange does) or 'global' (a
+            phase starts when the phases before it are complete on every rank).
 
     Raises:
         ImportError: the flow model (``netmodel.execute``) is not available in this checkout.
@@ -98,7 +102,7 @@ def compare_with_netmodel(study: dict[str, Any], *, incast: list[dict[str, Any]]
         # outside the measured dispatch + combine, RailBalance's steps are host-side here.
         return NetModelConfig(alpha=alpha or 0.0, k_sat=None, wave_latency_s=latency, count_exchange_s=0.0,
                               railbalance_barrier_s=0.0, railbalance_quota_s=0.0,
-                              nodes_per_leaf=max(topo.num_nodes, 1))
+                              nodes_per_leaf=max(topo.num_nodes, 1), phase_sync=phase_sync)
 
     def predict(key: tuple[str, str], value: float) -> float:
         """Model seconds with the fitted parameter at ``value``."""
@@ -143,7 +147,7 @@ def compare_with_netmodel(study: dict[str, Any], *, incast: list[dict[str, Any]]
         "model": {"alpha": alpha, "rail_gbps_shaped_x_tcp_efficiency": topo.rail_gbps,
                   "loopback_gBps": loopback_gBps, "wire": wire.to_dict(), "fit_param": fit_param,
                   "fitted_value": fitted, "fitted_on": list(fit_on) if fitted is not None else None,
-                  "stated_wave_latency_s": wave_latency_s},
+                  "stated_wave_latency_s": wave_latency_s, "phase_sync": phase_sync},
         "rows": rows,
         "within_25pct_comm": int((errs <= 0.25).sum()), "cases": len(rows),
         "max_abs_rel_error_comm": float(errs.max()) if len(errs) else None,

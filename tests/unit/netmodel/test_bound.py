@@ -1,5 +1,6 @@
 """No modelled time is below its bandwidth lower bound: every path, arrangement, both delivery
-variants (and combine overlap), random demands (hypothesis), and the peers in `netmodel.peers`."""
+variants (and combine overlap), global and per-rank phase dependencies, random demands
+(hypothesis), and the peers in `netmodel.peers`."""
 
 from dataclasses import replace
 
@@ -10,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from megatron_railwave.netmodel import NetModelConfig, execute_plan
-from megatron_railwave.netmodel.execute import fabric_for
+from megatron_railwave.netmodel.execute import fabric_for, synced_program
 from megatron_railwave.netmodel.program import run_program
 from megatron_railwave.planner import PlanOptions, build_plan
 from megatron_railwave.topology import RailTopology
@@ -22,6 +23,9 @@ MODELS = {
     "after_rail": NetModelConfig(rel_tol=0.0),
     "streamed": NetModelConfig(rel_tol=0.0, delivery="streamed"),
     "ports": NetModelConfig(rel_tol=0.0, nvlink="ports", delivery="streamed"),
+    "rank": NetModelConfig(rel_tol=0.0, phase_sync="rank"),
+    "rank_streamed": NetModelConfig(rel_tol=0.0, phase_sync="rank", delivery="streamed"),
+    "rank_ports": NetModelConfig(rel_tol=0.0, phase_sync="rank", nvlink="ports"),
 }
 
 
@@ -42,7 +46,7 @@ def _check(t):
     assert t.total_s >= t.bound_s * (1 - 1e-9)
 
 
-@settings(max_examples=16, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=24, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 10_000), n=st.sampled_from([2, 3, 4]), g=st.sampled_from([2, 4]),
        density=st.floats(0.05, 0.6), skew=st.integers(1, 6),
        pattern=st.sampled_from(["none", "ring", "moderate", "extreme"]),
@@ -75,20 +79,23 @@ def test_bound_is_the_busiest_ports_bytes_by_hand():
     assert t.bound_link in ("nic-up (0, 0)", "nic-down (1, 0)")
 
 
+@pytest.mark.parametrize("phase_sync", ["global", "rank"])
 @pytest.mark.parametrize("peer", ["megatron", "fast"])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_peers_respect_the_bound(peer, seed):
+def test_peers_respect_the_bound(peer, seed, phase_sync):
     from megatron_railwave.netmodel.peers import bvn_waves, fast_program, megatron_program
 
     topo = RailTopology(num_nodes=4, gpus_per_node=4, rail_gbps=100.0, nvlink_gBps=20.0)
     demand = _demand(4, 4, seed, 0.3, 3)
-    model = NetModelConfig(rel_tol=0.0)
+    model = NetModelConfig(rel_tol=0.0, phase_sync=phase_sync)
     if peer == "megatron":
         program = megatron_program(demand, topo, record_bytes=4096, model=model)
     else:
         plan = build_plan(demand, topo, "rail")
         waves = bvn_waves(plan.records_NNG.sum(dim=-1).numpy())
         program = fast_program(plan, demand, waves, record_bytes=4096, model=model)
+    program = synced_program(program, model, topo.world_size)
     run = run_program(fabric_for(topo, 32, 1.0), program, incast=model.incast(), rel_tol=0.0)
     assert run.bound_s > 0 and run.total_s >= run.bound_s * (1 - 1e-9)
     assert run.dispatch_s >= run.bound_dispatch_s * (1 - 1e-9)
+    assert run.combine_s >= run.bound_combine_s * (1 - 1e-9)

@@ -43,6 +43,11 @@ def test_fit_reproduces_its_case_and_predicts_the_rest():
     assert {r["path"]: r["model_s"] for r in res2["rows"]} == {r["path"]: r["model_s"] for r in res["rows"]}
     assert res2["within_25pct_comm"] == 1 and res2["cases"] == 2
 
+    # Per-rank phases by default (what the exchange does); 'global' is the earlier model.
+    assert res["model"]["phase_sync"] == "rank"
+    glob = compare_with_netmodel(_study(measured), fit_on=None, phase_sync="global")
+    assert glob["model"]["phase_sync"] == "global" and len(glob["rows"]) == 2
+
 
 def test_alpha_from_the_k_to_1_probe():
     # k = 2 senders take 2.5 x one sender's time: slowdown 1.25 over the max-min time (2 x one
