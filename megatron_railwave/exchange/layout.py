@@ -54,14 +54,10 @@ class HostCounts:
 def select_positions(flags: torch.Tensor, total: int) -> torch.Tensor:
     """[total] int64: positions of the True entries of the 1-D ``flags``, ascending.
 
-    ``total`` (their number) is known on the host, so this needs no sync (``nonzero`` does).
+    ``total`` (their number) is known on the host, so this needs no sync: ``nonzero_static``
+    has a fixed output size (``nonzero`` without it would wait for the device to count).
     """
-    n = flags.numel()
-    slot = torch.cumsum(flags.to(torch.int64), 0) - 1
-    slot = torch.where(flags, slot, total)  # everything else lands in a spare slot
-    out = torch.empty(total + 1, dtype=torch.int64, device=flags.device)
-    out.scatter_(0, slot, torch.arange(n, dtype=torch.int64, device=flags.device))
-    return out[:total]
+    return torch.nonzero_static(flags, size=total).view(-1)
 
 
 def _runs(values: torch.Tensor, counts: torch.Tensor, total: int) -> torch.Tensor:

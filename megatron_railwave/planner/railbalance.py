@@ -23,6 +23,10 @@ to the eligible GPUs.
 
 from __future__ import annotations
 
+import functools
+from typing import TypeVar
+
+import numpy as np
 import torch
 
 from ..topology import RailTopology
@@ -30,15 +34,33 @@ from .paths import EligiblePolicy
 
 __all__ = ["healthy_gpus_NG", "eligible_NNG", "rail_quota_NNG", "relay_NNGG", "surplus_deficit_bounds"]
 
+ArrayT = TypeVar("ArrayT", np.ndarray, torch.Tensor)
 
-def healthy_gpus_NG(topo: RailTopology) -> torch.Tensor:
-    """[N, G] bool: the rail of GPU (n, l) is healthy."""
-    healthy = torch.ones(topo.num_nodes, topo.gpus_per_node, dtype=torch.bool)
+
+# Host arithmetic on tiny [N, N, G] arrays, on every layer's planning path: numpy inside (a
+# fraction of torch's per-call cost), torch CPU tensors at the interface.
+
+@functools.lru_cache(maxsize=64)
+def _healthy_NG(topo: RailTopology) -> np.ndarray:
+    healthy = np.ones((topo.num_nodes, topo.gpus_per_node), dtype=bool)
     for node, rail in topo.failed_rails:
         for gpu, r in enumerate(topo.rail_of_gpu):
             if r == rail:
                 healthy[node, gpu] = False
+    healthy.flags.writeable = False
     return healthy
+
+
+def healthy_gpus_NG(topo: RailTopology) -> torch.Tensor:
+    """[N, G] bool: the rail of GPU (n, l) is healthy."""
+    return torch.from_numpy(_healthy_NG(topo).copy())
+
+
+@functools.lru_cache(maxsize=64)
+def _diagonal_N(n: int) -> np.ndarray:
+    diag = np.eye(n, dtype=bool)
+    diag.flags.writeable = False
+    return diag
 
 
 def eligible_NNG(
@@ -53,12 +75,12 @@ def eligible_NNG(
     healthy set further, falling back to all healthy GPUs when the narrowed set is empty.
     Local pairs (s, s) are marked all eligible; they are never balanced.
     """
-    healthy = healthy_gpus_NG(topo)
-    base = healthy.unsqueeze(1) & healthy.unsqueeze(0)  # [s, d, l]
+    healthy = _healthy_NG(topo)
+    base = healthy[:, None, :] & healthy[None, :, :]  # [s, d, l]
     if policy == EligiblePolicy.ALL:
         narrowed = base
     elif policy == EligiblePolicy.ACTIVE:
-        narrowed = base & (records_NNG > 0)
+        narrowed = base & (records_NNG.numpy() > 0)
     elif policy == EligiblePolicy.MASK:
         if mask_NG is None:
             raise ValueError("eligible policy 'mask' needs a rail mask [N, G]; pass rail_mask")
@@ -67,13 +89,12 @@ def eligible_NNG(
                 f"rail mask has shape {tuple(mask_NG.shape)}, expected [N, G] = "
                 f"[{topo.num_nodes}, {topo.gpus_per_node}]"
             )
-        narrowed = base & mask_NG.to(torch.bool).unsqueeze(1)
+        narrowed = base & mask_NG.to(torch.bool).cpu().numpy()[:, None, :]
     else:  # pragma: no cover - enum exhausted
         raise ValueError(f"unknown eligible policy {policy!r}")
-    out = torch.where(narrowed.any(dim=-1, keepdim=True), narrowed, base)
-    diag = torch.eye(topo.num_nodes, dtype=torch.bool)
-    out[diag] = True
-    return out
+    out = np.where(narrowed.any(axis=-1, keepdims=True), narrowed, base)
+    out[_diagonal_N(topo.num_nodes)] = True
+    return torch.from_numpy(out)
 
 
 def rail_quota_NNG(
@@ -91,39 +112,40 @@ def rail_quota_NNG(
         balanced: RailBalance (counts within one over eligible GPUs) or owner-keeps.
         phase: rotation counter for the remainder placement (same on every rank).
     """
-    n, _, g = records_NNG.shape
-    num_eligible = eligible.sum(dim=-1)  # [s, d], >= 1 by construction
-    if balanced:
-        to_spread = records_NNG.sum(dim=-1)
-    else:
-        to_spread = (records_NNG * ~eligible).sum(dim=-1)
-    base = torch.div(to_spread, num_eligible, rounding_mode="floor")
+    records, allowed = records_NNG.numpy(), eligible.numpy()
+    n = records.shape[0]
+    num_eligible = allowed.sum(axis=-1)  # [s, d], >= 1 by construction
+    to_spread = records.sum(axis=-1) if balanced else (records * ~allowed).sum(axis=-1)
+    base = to_spread // num_eligible
     rem = to_spread - base * num_eligible
-    pos = eligible.cumsum(dim=-1) - 1
-    node = torch.arange(n, dtype=torch.int64)
-    rot = (node.view(n, 1) + node.view(1, n) + int(phase)) % num_eligible
-    extra = ((pos - rot.unsqueeze(-1)) % num_eligible.unsqueeze(-1)) < rem.unsqueeze(-1)
-    share = base.unsqueeze(-1) + extra.to(torch.int64)
-    quota = torch.where(eligible, share + (0 if balanced else records_NNG), 0)
-    diag = torch.eye(n, dtype=torch.bool)
-    quota[diag] = records_NNG[diag]  # the local node is never balanced
-    return quota
+    pos = allowed.cumsum(axis=-1) - 1
+    node = np.arange(n, dtype=np.int64)
+    rot = (node[:, None] + node[None, :] + int(phase)) % num_eligible
+    extra = ((pos - rot[:, :, None]) % num_eligible[:, :, None]) < rem[:, :, None]
+    share = base[:, :, None] + extra
+    quota = np.where(allowed, share + (0 if balanced else records), 0).astype(np.int64)
+    diag = _diagonal_N(n)
+    quota[diag] = records[diag]  # the local node is never balanced
+    return torch.from_numpy(quota)
 
 
-def surplus_deficit_bounds(
-    records_NNG: torch.Tensor, quota_NNG: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Greedy-fill intervals: (keep, s_lo, s_hi, d_lo, d_hi), each [N, N, G] int64.
+def surplus_deficit_bounds(records_NNG: ArrayT, quota_NNG: ArrayT) -> tuple[ArrayT, ArrayT, ArrayT, ArrayT, ArrayT]:
+    """Greedy-fill intervals: (keep, s_lo, s_hi, d_lo, d_hi), each [N, N, G] int64 (numpy in,
+    numpy out; CPU torch tensors in, torch tensors out).
 
     Owner g keeps its first ``keep`` records; its surplus occupies [s_lo, s_hi) of the pair's
     surplus line and GPU l's deficit occupies [d_lo, d_hi) of the deficit line.
     """
-    keep = torch.minimum(records_NNG, quota_NNG)
-    surplus = records_NNG - keep
-    deficit = quota_NNG - keep
-    s_hi = surplus.cumsum(dim=-1)
-    d_hi = deficit.cumsum(dim=-1)
-    return keep, s_hi - surplus, s_hi, d_hi - deficit, d_hi
+    as_torch = isinstance(records_NNG, torch.Tensor)
+    records = records_NNG.numpy() if as_torch else records_NNG
+    quota = quota_NNG.numpy() if isinstance(quota_NNG, torch.Tensor) else quota_NNG
+    keep = np.minimum(records, quota)
+    surplus = records - keep
+    deficit = quota - keep
+    s_hi = surplus.cumsum(axis=-1)
+    d_hi = deficit.cumsum(axis=-1)
+    out = (keep, s_hi - surplus, s_hi, d_hi - deficit, d_hi)
+    return tuple(torch.from_numpy(a) for a in out) if as_torch else out  # type: ignore[return-value]
 
 
 def relay_NNGG(records_NNG: torch.Tensor, quota_NNG: torch.Tensor) -> torch.Tensor:
@@ -131,8 +153,10 @@ def relay_NNGG(records_NNG: torch.Tensor, quota_NNG: torch.Tensor) -> torch.Tens
 
     The diagonal (g == l) is what owners keep; off-diagonal entries move over NVLink.
     """
-    keep, s_lo, s_hi, d_lo, d_hi = surplus_deficit_bounds(records_NNG, quota_NNG)
-    hi = torch.minimum(s_hi.unsqueeze(-1), d_hi.unsqueeze(-2))
-    lo = torch.maximum(s_lo.unsqueeze(-1), d_lo.unsqueeze(-2))
-    moved = (hi - lo).clamp(min=0)
-    return moved + torch.diag_embed(keep)
+    keep, s_lo, s_hi, d_lo, d_hi = surplus_deficit_bounds(records_NNG.numpy(), quota_NNG.numpy())
+    hi = np.minimum(s_hi[..., :, None], d_hi[..., None, :])
+    lo = np.maximum(s_lo[..., :, None], d_lo[..., None, :])
+    moved = np.clip(hi - lo, 0, None)
+    g = keep.shape[-1]
+    moved[..., np.arange(g), np.arange(g)] += keep
+    return torch.from_numpy(moved)

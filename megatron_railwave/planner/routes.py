@@ -15,6 +15,8 @@ delivery runs while rail wave 0 is in flight); round v + 1 carries the records o
 
 from __future__ import annotations
 
+import functools
+
 from dataclasses import dataclass
 
 import numpy as np
@@ -108,8 +110,18 @@ def _keep_and_moved(plan: PathPlan, dest_node: int) -> tuple[np.ndarray, np.ndar
     """
     relay_NGG = plan.relay_NNGG[:, dest_node].numpy()
     keep = np.einsum("sgg->sg", relay_NGG)
-    moved = relay_NGG - keep[:, :, None] * np.eye(relay_NGG.shape[-1], dtype=np.int64)
+    g = relay_NGG.shape[-1]
+    moved = relay_NGG.copy()
+    moved[:, np.arange(g), np.arange(g)] = 0
     return keep, moved
+
+
+@functools.lru_cache(maxsize=16)
+def _mask_bits_f64(gpus_per_node: int) -> np.ndarray:
+    """[M, G] float64 bits of every mask (read-only, cached: on every layer's planning path)."""
+    bits = mask_bits(gpus_per_node).numpy().astype(np.float64)
+    bits.flags.writeable = False
+    return bits
 
 
 def delivery_copies_NGG(plan: PathPlan, demand: DemandCounts, dest_node: int) -> torch.Tensor:
@@ -132,7 +144,7 @@ def delivery_copies_NGG(plan: PathPlan, demand: DemandCounts, dest_node: int) ->
     c_lo = np.cumsum(hist, axis=-1) - hist
     below = np.clip(ends[:, :, :, None].astype(np.float64) - c_lo[:, :, None, :], 0.0, None)
     below = np.minimum(below, hist[:, :, None, :])  # [s, g, G+1, m]
-    f_NGPG = below @ mask_bits(g).numpy().astype(np.float64)  # [s, g, G+1, j]
+    f_NGPG = below @ _mask_bits_f64(g)  # [s, g, G+1, j]
     copies = f_NGPG[:, :, 1:, :] - f_NGPG[:, :, :-1, :]  # [s, g, l, j], relays
     eye = np.eye(g, dtype=bool)[None, :, :, None]
     copies = np.where(eye, f_NGPG[:, :, :1, :], copies)  # kept part: F(keep) - F(0)

@@ -329,9 +329,9 @@ def compile_schedule(plan: PathPlan, wire: RecordWireFormat, *, demand: MaskSour
         rnd, src, dst, rows = _delivery_transfers(plan, demand, node)  # type: ignore[arg-type]
         parts.append((deliver_phase_R[rnd], src, dst, rows))
 
-    phase_X, src_X, dst_X, rows_X = (torch.from_numpy(np.concatenate([p[k] for p in parts]).astype(np.int64))
-                                     for k in range(4))
-    order = torch.sort(phase_X, stable=True).indices
+    table = np.stack([np.concatenate([p[k] for p in parts]).astype(np.int64, copy=False) for k in range(4)])
+    table = table[:, np.argsort(table[0], kind="stable")]  # sorted by phase, stable
+    phase_X, src_X, dst_X, rows_X = (torch.from_numpy(row) for row in table)
     return ExecutionSchedule(plan=plan, wire=wire, phases=phases, delivery_nodes=tuple(delivery_nodes),
-                             demand=demand if delivery_nodes else None, phase_X=phase_X[order], src_X=src_X[order],
-                             dst_X=dst_X[order], rows_X=rows_X[order])
+                             demand=demand if delivery_nodes else None, phase_X=phase_X, src_X=src_X,
+                             dst_X=dst_X, rows_X=rows_X)
