@@ -10,6 +10,9 @@
 #                               error vs the float64 reference, host syncs counted with
 #                               torch.cuda.set_sync_debug_mode, time per path
 #   virtual_fp32.json           the same at T=512, H=256 fp32 (error goal 1e-5)
+#   virtual_fixed_bf16.json     fixed-capacity mode (max_tokens_per_rank = 1024, T = 1024,
+#                               H = 4096 bf16): bitwise equal to the normal mode and across paths,
+#                               0 host syncs per layer under set_sync_debug_mode
 #   gpu_check.log               everything printed
 # Usage: make gpu-check (or OUT=... bash scripts/gpu_check.sh).
 set -u -o pipefail
@@ -42,6 +45,10 @@ PYEOF
   timeout 120 $PY -m megatron_railwave.cli simulate-exchange --cluster configs/clusters/h800_4x8.yaml \
       --tokens 512 --hidden 256 --experts 128 --topk 8 --dtype fp32 --device cuda \
       --json "$OUT/virtual_fp32.json" || status=1
+  echo "== virtual cluster, fixed-capacity mode, bf16, CUDA"
+  timeout 120 $PY -m megatron_railwave.cli simulate-exchange --cluster configs/clusters/h800_4x8.yaml \
+      --tokens 1024 --hidden 4096 --experts 128 --topk 8 --dtype bf16 --device cuda \
+      --max-tokens-per-rank 1024 --json "$OUT/virtual_fixed_bf16.json" || status=1
   echo "== done: status $status"
 } 2>&1 | tee "$OUT/gpu_check.log"
 exit $status
