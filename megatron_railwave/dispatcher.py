@@ -53,13 +53,13 @@ from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 
 from .capture import TraceMeta, TraceRecorder
 from .config import RailWaveConfig
-from .exchange import (DispatchOutput, TorchDistExchange, build_exchange, build_rail_groups, capacity_demand,
-                       check_fingerprints, gather_rank_facts, place_ranks)
+from .exchange import (DispatchOutput, LayerHandle, TorchDistExchange, build_exchange, build_rail_groups,
+                       capacity_demand, check_fingerprints, gather_rank_facts, place_ranks)
 from .planner import Path
 from .selector import FixedSelector, PathSelector, selector_from_config
 from .stats import LayerCommStats, Stopwatch, demand_stats, layer_comm_stats
 from .steps import PassKind, current_step, pass_kind
-from .traffic import dtype_bytes
+from .traffic import TrafficStats, dtype_bytes
 
 __all__ = ["RailWaveTokenDispatcher", "check_supported", "flush_captures"]
 
@@ -317,22 +317,9 @@ class RailWaveTokenDispatcher(MoETokenDispatcher):
         path: Path = call.path if call.path is not None else self.selector.select(descr)
         plan = exchange.plan(layer, path, phase=call.phase)
         handle = exchange.prepare(layer, plan, hidden_states, probs)
-        plan_ms = (time.perf_counter() - t0) * 1e3
-        if call.kind == PassKind.TRAIN:
-            self._replay.append(_Call(kind=PassKind.RECOMPUTE, step=call.step, microbatch=call.microbatch,
-                                      phase=call.phase, path=path))
-            self._capture(hidden_states, routing_map, call)
-        if state.wants_stats:
-            state.stats = layer_comm_stats(layer=self.layer_number or 0, step=call.step, plan=plan,
-                                           demand_descr=descr, record_bytes=record_bytes, plan_ms=plan_ms,
-                                           wire_row_bytes=handle.dispatch_row_bytes,
-                                           tokens_per_expert_E=layer.expert_load_E, microbatch=call.microbatch,
-                                           pass_kind=str(call.kind))
-        out = exchange.dispatch(hidden_states, probs, routing_map, handle)
-        state.dispatched = out
-        if "dispatch" in state.timers:
-            state.timers["dispatch"].stop()
-        return out.tokens, out.probs
+        return self._move(state, exchange, hidden_states, probs, routing_map, path=path, handle=handle, descr=descr,
+                          record_bytes=record_bytes, plan_ms=(time.perf_counter() - t0) * 1e3,
+                          expert_loads=layer.expert_load_E)
 
     def _token_dispatch_fixed(self, state: _LayerState, exchange: TorchDistExchange, hidden_states: torch.Tensor,
                               probs: torch.Tensor, routing_map: torch.Tensor):
@@ -348,15 +335,26 @@ class RailWaveTokenDispatcher(MoETokenDispatcher):
             self._capacity_path = self.selector.select(self._capacity_descr)
         path = call.path if call.path is not None else self._capacity_path
         handle = exchange.prepare_capacity(hidden_states, probs, routing_map, path)
-        plan_ms = (time.perf_counter() - t0) * 1e3
+        # The statistics describe the capacity plan (the bytes that move); expert loads are not gathered.
+        return self._move(state, exchange, hidden_states, probs, routing_map, path=path, handle=handle,
+                          descr=self._capacity_descr, record_bytes=record_bytes,
+                          plan_ms=(time.perf_counter() - t0) * 1e3, expert_loads=None)
+
+    def _move(self, state: _LayerState, exchange: TorchDistExchange, hidden_states: torch.Tensor,
+              probs: torch.Tensor, routing_map: torch.Tensor, *, path: Path, handle: LayerHandle,
+              descr: TrafficStats | None,
+              record_bytes: int, plan_ms: float, expert_loads: torch.Tensor | None):
+        """The common tail of both modes: remember the path for recompute, capture, statistics,
+        then the dispatch itself. Returns (entries [n_ent, H], probs [n_ent])."""
+        call = state.call
         if call.kind == PassKind.TRAIN:
             self._replay.append(_Call(kind=PassKind.RECOMPUTE, step=call.step, microbatch=call.microbatch,
                                       phase=call.phase, path=path))
             self._capture(hidden_states, routing_map, call)
-        if state.wants_stats:  # the capacity plan: the bytes that move; expert loads are not gathered
+        if state.wants_stats:
             state.stats = layer_comm_stats(layer=self.layer_number or 0, step=call.step, plan=handle.plan,
-                                           demand_descr=self._capacity_descr, record_bytes=record_bytes,
-                                           plan_ms=plan_ms, wire_row_bytes=handle.dispatch_row_bytes,
+                                           demand_descr=descr, record_bytes=record_bytes, plan_ms=plan_ms,
+                                           wire_row_bytes=handle.dispatch_row_bytes, tokens_per_expert_E=expert_loads,
                                            microbatch=call.microbatch, pass_kind=str(call.kind))
         state.dispatched = exchange.dispatch(hidden_states, probs, routing_map, handle)
         if "dispatch" in state.timers:
