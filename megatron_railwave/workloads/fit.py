@@ -79,6 +79,7 @@ FIT_KNOBS: dict[str, tuple[float, float]] = {
     "pref_strength": (0.0, 8.0),
     "hot_ratio": (4.0, 14.0),
     "dest_gpu_skew": (0.0, 0.9),
+    "dest_rail_balance": (0.0, 1.0),
     "hot_ratio_spread": (0.0, 0.6),
 }
 """Fitted ``GlmAirWorkload`` knobs and their search brackets, in coordinate-descent order.

@@ -21,7 +21,10 @@ unless ``own_node_bias`` says so. What makes rails unequal is modelled where it 
     popularity that the experts of one GPU share, i.e. how much hot experts concentrate on some
     GPUs (and so on some destination rails and receivers). The scale ``a`` is solved per layer and
     step so that the expected max/mean expert load is the layer's target
-    ``hot_ratio * exp(hot_ratio_spread * xi)``, ``xi ~ N(0, 1)`` per (seed, step, layer).
+    ``hot_ratio * exp(hot_ratio_spread * xi)``, ``xi ~ N(0, 1)`` per (seed, step, layer);
+    ``dest_rail_balance = b`` then removes the share b of each destination rail's mean ``z``
+    (over the experts on that rail, GPU l of every node) from its experts: popularity
+    anti-correlated among the experts that share a rail (placement stays contiguous).
 The default knobs are fitted to the paper's published workload statistics only (``workloads.fit``,
 docs/workloads.md); its speedups are never a fitting target.
 
@@ -105,6 +108,11 @@ class GlmAirWorkload:
     dest_gpu_skew: float = 0.575
     """c in [0, 1): share of the expert-popularity variance common to the experts of one GPU
     (0: hot experts fall on GPUs independently; towards 1: whole GPUs are hot)."""
+    dest_rail_balance: float = 0.0
+    """b in [0, 1]: share of each destination rail's mean popularity ``z`` (over its experts, those
+    of GPU l on every node) taken off its experts, i.e. popularity anti-correlated among experts
+    that share a rail (0: no such coupling; 1: every rail's experts have mean ``z`` 0, so a hot
+    expert's rail-mates are colder than average). Changes popularity, not placement."""
     own_node_bias: float = 0.0
     """Log-weight bonus of the experts on a rank's own node (0: no node-limited routing, about
     1 / N of the choices are local)."""
@@ -122,6 +130,8 @@ class GlmAirWorkload:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if not 0 <= self.dest_gpu_skew < 1:
             raise ValueError(f"dest_gpu_skew must be in [0, 1), got {self.dest_gpu_skew}")
+        if not 0 <= self.dest_rail_balance <= 1:
+            raise ValueError(f"dest_rail_balance must be in [0, 1], got {self.dest_rail_balance}")
         if not 0 <= self.pref_set_size <= self.model.num_experts:
             raise ValueError(
                 f"pref_set_size must be in [0, {self.model.num_experts}] (experts of {self.model.name}), "
@@ -222,6 +232,11 @@ def layer_model(topo: RailTopology, layer: int, work: GlmAirWorkload) -> tuple[n
     pop = np.random.default_rng([work.seed, work.step, layer, 1])
     c = work.dest_gpu_skew
     z_E = np.sqrt(1.0 - c) * pop.standard_normal(num_experts) + np.sqrt(c) * np.repeat(pop.standard_normal(world), per_gpu)
+    if work.dest_rail_balance:
+        rail_E = np.asarray(topo.rail_of_gpu)[np.arange(world) % topo.gpus_per_node].repeat(per_gpu)
+        rail_mean_R = np.bincount(rail_E, weights=z_E, minlength=topo.num_rails) / np.maximum(
+            np.bincount(rail_E, minlength=topo.num_rails), 1)
+        z_E = z_E - work.dest_rail_balance * rail_mean_R[rail_E]
     tokens_W = work.tokens_per_rank(world)
     pref = np.random.default_rng([work.seed, work.step, layer, 3])
     bonus_WE = np.zeros((world, num_experts))
