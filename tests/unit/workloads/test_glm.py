@@ -108,6 +108,22 @@ def test_dest_gpu_skew_concentrates_receivers():
     assert high[0] > 1.3 * low[0] and high[1] > low[1], (low, high)
 
 
+def test_dest_rail_balance_makes_the_busiest_destination_rail_lighter():
+    # Same target max/mean expert load (expected counts, no draws); b = 1 takes each rail's mean
+    # popularity off its 16 experts, so a hot expert's rail-mates are colder than average and the
+    # busiest destination rail carries a smaller share. Placement is unchanged.
+    layers = tuple(range(1, 46, 3))
+
+    def busiest_rail(b: float) -> tuple[float, float]:
+        work = GlmAirWorkload(layers=layers, dest_rail_balance=b, hot_ratio_spread=0.0)
+        stats = workload_statistics(collect_samples(TOPO, work, steps=(0, 1)), TOPO)
+        return stats["expert_max_mean_p50"], stats["dst_rail_share_p90"]
+
+    (ratio_free, rail_free), (ratio_balanced, rail_balanced) = busiest_rail(0.0), busiest_rail(1.0)
+    assert ratio_balanced == pytest.approx(ratio_free, rel=1e-3)
+    assert rail_balanced < 0.85 * rail_free, (rail_free, rail_balanced)
+
+
 def test_hot_ratio_sets_expert_load_imbalance():
     work = GlmAirWorkload(num_tokens=512, layers=(4, 17, 33), hot_ratio_spread=0.0, token_skew=0.3)
     for layer in work.layer_numbers:
@@ -129,6 +145,8 @@ def test_glm_air_workload_validation():
         GlmAirWorkload(layers=(0, 3, 46))
     with pytest.raises(ValueError, match=r"dest_gpu_skew must be in \[0, 1\), got 1.0"):
         GlmAirWorkload(dest_gpu_skew=1.0)
+    with pytest.raises(ValueError, match=r"dest_rail_balance must be in \[0, 1\], got 1.5"):
+        GlmAirWorkload(dest_rail_balance=1.5)
     with pytest.raises(ValueError, match=r"token_skew must be >= 0, got -0.5"):
         GlmAirWorkload(token_skew=-0.5)
     with pytest.raises(ValueError, match=r"pref_set_size must be in \[0, 128\]"):
