@@ -40,7 +40,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     fit.add_argument("--tokens", type=int, default=1024, help="mean tokens per GPU of the drawn steps (default 1024)")
     fit.add_argument("--refit", action="store_true", help="rerun the fit first (minutes)")
     fit.add_argument("--fit-steps", type=int, default=20,
-                     help="steps the fit samples, each with every third layer (default 20)")
+                     help="steps the fit samples, each with all 45 layers (default 20)")
     fit.add_argument("--sweeps", type=int, default=1, help="coordinate-descent sweeps of the fit (default 1)")
     fit.add_argument("--json", default=None, metavar="FILE", help="write the report (and fit) as JSON")
     fit.set_defaults(handler=_fit)
