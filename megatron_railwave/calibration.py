@@ -44,6 +44,7 @@ __all__ = [
     "request_stats",
     "request_windows",
     "request_group",
+    "request_seed",
     "SELECTOR_GRID",
     "tune_selector",
     "profile_request",
@@ -125,6 +126,16 @@ def request_group(request: ReplayRequest) -> str:
     if "family" in m:
         return f"{m.get('workload', '')}-f{m['family']}"
     return request.name
+
+
+def request_seed(request: ReplayRequest) -> str:
+    """The generator seed a request comes from: glm's workload seed (one seed sets the token skew
+    and payload level of every layer, and a held-out glm request has another seed), synthetic's
+    routing family (its own seed), else the request itself."""
+    m = request.meta
+    if "layer" in m and "seed" in m:
+        return f"{m.get('workload', '')}{m['seed']}"
+    return request_group(request)
 
 
 def request_stats(request: ReplayRequest, topo: RailTopology,
@@ -245,12 +256,14 @@ class CalibrationRow:
     reason: str
     input_windows: int = 1
     group: str = ""
-    """The routing the request replays (workload seed and layer or family): the unit that
-    ``tune_selector`` leaves out."""
+    """The routing the request replays (workload seed and layer or family)."""
+    seed: str = ""
+    """The generator seed it comes from (``request_seed``): the unit ``tune_selector`` leaves out
+    when the calibration spans several."""
 
     def to_dict(self) -> dict[str, Any]:
-        return {"request": self.request, "group": self.group, "input_windows": self.input_windows,
-                "coords": list(self.coords), "B_mean_bytes": self.stats.B_mean_bytes,
+        return {"request": self.request, "group": self.group, "seed": self.seed,
+                "input_windows": self.input_windows, "coords": list(self.coords), "B_mean_bytes": self.stats.B_mean_bytes,
                 "rho_g": self.stats.rho_g, "kappa": self.stats.kappa, "best": str(self.best),
                 "kept": self.kept, "gain": self.gain, "reason": self.reason,
                 "latency_s": {str(p): v.to_dict() for p, v in self.latency.items()}}
@@ -285,7 +298,8 @@ def calibrate(backend: MeasureBackend, requests: Sequence[ReplayRequest], topo: 
                 kept, reason = False, "no remote payload"
             rows.append(CalibrationRow(request=req.name, stats=st, coords=st.coords, latency=latency,
                                        best=best, kept=kept, gain=gain, reason=reason,
-                                       input_windows=request_windows(req), group=request_group(req)))
+                                       input_windows=request_windows(req), group=request_group(req),
+                                       seed=request_seed(req)))
             if kept:
                 anchors.append(Anchor(name=req.name, coords=st.coords, B_mean_bytes=st.B_mean_bytes,
                                       rho_g=st.rho_g, kappa=st.kappa, path=best, latency_s=latency,
@@ -307,23 +321,29 @@ SELECTOR_GRID: dict[str, tuple[float, ...]] = {"payload_ratio": (1.25, 1.5, 2.0)
 
 def tune_selector(result: CalibrationResult, *, grid: dict[str, Sequence[float]] | None = None,
                   tolerance: float = 0.03) -> dict[str, Any]:
-    """Pick the selector thresholds by leave-one-routing-out on the calibration requests alone.
+    """Pick the selector thresholds by leaving calibration data out, on the calibration requests alone.
 
-    For each (payload_ratio, shape_distance) of ``grid``, every calibration request is decided by
-    an ``AnchorSelector`` over the anchors of *other* routings (``CalibrationRow.group``: another
-    layer or family) and scored as ``railwave validate`` scores a held-out request: how many are
-    more than ``1 + tolerance`` slower than their best path, then the total time of the choices.
-    The setting with the fewest such requests, then the least total, then the smallest
-    thresholds (the grid's order) wins. Held-out requests play no part.
+    The unit left out is what validation holds out: the generator seed (``CalibrationRow.seed``)
+    when the calibration spans two or more (a held-out glm request comes from another workload
+    seed, whose payload and skew levels differ for every layer, so leaving out one layer of a
+    seed whose other layers stay would make every threshold look safe), else the routing
+    (``CalibrationRow.group``: one layer or family). For each (payload_ratio, shape_distance) of
+    ``grid``, every calibration request is decided by the runtime rule (``AnchorSelector``) over
+    the anchors of the *other* units and scored as ``railwave validate`` scores a held-out
+    request: how many are more than ``1 + tolerance`` slower than their best path, then the total
+    time of the choices. The setting with the fewest such requests, then the least total, then
+    the smallest thresholds (the grid's order) wins. Held-out requests play no part.
 
     Returns:
-        ``payload_ratio``, ``shape_distance`` (the choice) and ``scores`` (one dict per setting:
-        thresholds, over_tolerance, total_s, vs_joint).
+        ``payload_ratio``, ``shape_distance`` (the choice), ``left_out`` ('seed' or 'routing'),
+        ``method`` (in words) and ``scores`` (one dict per setting: thresholds, over_tolerance,
+        total_s, vs_joint).
     """
     grid = {**SELECTOR_GRID, **(grid or {})}
     rows = result.rows
     aset = result.anchor_set
-    group_of = {r.request: r.group for r in rows}
+    by_seed = len({r.seed for r in rows}) >= 2
+    unit_of_row = {r.request: (r.seed if by_seed else r.group) for r in rows}
     joint_total = sum(r.latency[Path.JOINT].median for r in rows)
     selectors: dict[tuple[str, float, float], AnchorSelector] = {}
     scores = []
@@ -331,9 +351,10 @@ def tune_selector(result: CalibrationResult, *, grid: dict[str, Sequence[float]]
         for dist in grid["shape_distance"]:
             over, total = 0, 0.0
             for r in rows:
-                key = (r.group, ratio, dist)
+                unit = unit_of_row[r.request]
+                key = (unit, ratio, dist)
                 if key not in selectors:
-                    others = tuple(a for a in aset.anchors if group_of.get(a.name, a.name) != r.group)
+                    others = tuple(a for a in aset.anchors if unit_of_row.get(a.name, a.name) != unit)
                     selectors[key] = AnchorSelector(AnchorSet(anchors=others, scales=aset.scales, context=aset.context),
                                                     payload_ratio=ratio, shape_distance=dist)
                 path = selectors[key].explain(r.stats, input_windows=r.input_windows).path
@@ -344,9 +365,10 @@ def tune_selector(result: CalibrationResult, *, grid: dict[str, Sequence[float]]
             scores.append({"payload_ratio": ratio, "shape_distance": dist, "over_tolerance": int(over),
                            "total_s": total, "vs_joint": total / joint_total if joint_total > 0 else 1.0})
     best_score = min(scores, key=lambda sc: (sc["over_tolerance"], round(sc["total_s"], 12)))
+    left_out = "seed" if by_seed else "routing"
     return {"payload_ratio": best_score["payload_ratio"], "shape_distance": best_score["shape_distance"],
-            "method": "leave-one-routing-out on the calibration requests", "tolerance": tolerance,
-            "scores": scores}
+            "method": f"leave-one-{left_out}-out on the calibration requests", "left_out": left_out,
+            "tolerance": tolerance, "scores": scores}
 
 
 # ---------------------------------------------------------------------- validation

@@ -8,6 +8,14 @@ Runtime rule (paper): an anchor is *eligible* for a phase when its payload is wi
 coordinates are within ``shape_distance``; the nearest eligible anchor (Euclidean distance over
 the three coordinates, ties to the earlier anchor in the file) gives the path; with none, JOINT.
 Anchors come from ``railwave calibrate`` (file format in ``anchors``).
+
+One extension of the paper's payload window (``extend_below``, on by default): an anchor whose
+path posts fewer phases than the JOINT fallback (NATIVE or RAIL on an input with fewer sending
+windows than the N - 1 waves of the permutation schedule, e.g. all node pairs at once) is also
+eligible at *any smaller* payload, same shape window. Why: the fewer-phase path saves fixed
+per-phase costs, whose weight grows as the payload shrinks, so where it beat JOINT it beats JOINT
+by at least as much below (checked on the flow model: docs/selector.md, "Results"). Above the
+anchor's payload the paper's ratio still applies.
 """
 
 from __future__ import annotations
@@ -20,7 +28,7 @@ from functools import lru_cache
 from pathlib import Path as FsPath
 from typing import TYPE_CHECKING, Protocol
 
-from .anchors import AnchorSet, load_anchors
+from .anchors import Anchor, AnchorSet, load_anchors
 from .planner import Path, parse_path
 from .topology import RailTopology
 from .traffic import TrafficStats
@@ -28,7 +36,8 @@ from .traffic import TrafficStats
 if TYPE_CHECKING:
     from .config import RailWaveConfig
 
-__all__ = ["PathSelector", "FixedSelector", "AnchorSelector", "Selection", "selector_from_config"]
+__all__ = ["PathSelector", "FixedSelector", "AnchorSelector", "Selection", "selector_from_config",
+           "fallback_phases_of", "posts_fewer_phases"]
 
 
 class PathSelector(Protocol):
@@ -70,13 +79,16 @@ class AnchorSelector:
         payload_ratio: reuse an anchor only within this payload ratio (>= 1; paper 1.25).
         shape_distance: ... and within this distance on both shape coordinates (>= 0; paper 0.02).
         fallback: the path outside every anchor's neighbourhood (JOINT).
+        extend_below: an anchor whose path posts fewer phases than the fallback is also eligible
+            at any smaller payload (module docstring); False: the paper's two-sided ratio only.
     """
 
-    __slots__ = ("anchor_set", "payload_ratio", "shape_distance", "fallback", "_points", "_scales",
-                 "_log_ratio")
+    __slots__ = ("anchor_set", "payload_ratio", "shape_distance", "fallback", "extend_below", "_points",
+                 "_scales", "_log_ratio")
 
     def __init__(self, anchor_set: AnchorSet, *, payload_ratio: float = 1.25,
-                 shape_distance: float = 0.02, fallback: Path | str = Path.JOINT) -> None:
+                 shape_distance: float = 0.02, fallback: Path | str = Path.JOINT,
+                 extend_below: bool = True) -> None:
         if not payload_ratio >= 1:
             raise ValueError(f"payload_ratio must be >= 1, got {payload_ratio}")
         if not shape_distance >= 0:
@@ -85,8 +97,11 @@ class AnchorSelector:
         self.payload_ratio = float(payload_ratio)
         self.shape_distance = float(shape_distance)
         self.fallback = parse_path(fallback)
+        self.extend_below = bool(extend_below)
+        fallback_phases = fallback_phases_of(anchor_set, self.fallback)
         # Flat tuples: the hot loop touches only floats (no attribute lookups per anchor).
-        self._points = tuple((a.coords[0], a.coords[1], a.coords[2], a.path, a.name, a.input_windows)
+        self._points = tuple((a.coords[0], a.coords[1], a.coords[2], a.path, a.name, a.input_windows,
+                              self.extend_below and posts_fewer_phases(a, fallback_phases))
                              for a in anchor_set.anchors)
         self._scales = anchor_set.scales
         # Tiny slack so a ratio of exactly payload_ratio stays eligible despite rounding.
@@ -107,13 +122,15 @@ class AnchorSelector:
                 calibrated with as many windows are eligible.
         """
         x, y, z = self._coords(stats)
+        if not math.isfinite(x):  # no remote payload: every path is the same, nothing to reuse
+            return Selection(path=self.fallback, anchor=None, distance=math.inf, coords=(x, y, z))
         best, best_d2 = None, math.inf
         lr, sd = self._log_ratio, self.shape_distance + 1e-12
-        for ax, ay, az, path, name, windows in self._points:
+        for ax, ay, az, path, name, windows, below_ok in self._points:
             if windows != input_windows:
                 continue
             dx, dy, dz = x - ax, y - ay, z - az
-            if abs(dx) > lr or abs(dy) > sd or abs(dz) > sd:
+            if dx > lr or (dx < -lr and not below_ok) or abs(dy) > sd or abs(dz) > sd:
                 continue
             d2 = dx * dx + dy * dy + dz * dz
             if d2 < best_d2:
@@ -124,6 +141,22 @@ class AnchorSelector:
 
     def select(self, stats: TrafficStats) -> Path:
         return self.explain(stats).path
+
+
+def fallback_phases_of(anchor_set: AnchorSet, fallback: Path) -> int | None:
+    """Rail phases the fallback posts per call on the calibrated cluster: N - 1 waves for a waved
+    path (the cyclic permutation schedule calibration plans with), None (unknown: the input's
+    windows) for NATIVE / RAIL."""
+    nodes = anchor_set.context.topology.get("num_nodes")
+    if not fallback.waved or isinstance(nodes, bool) or not isinstance(nodes, int):
+        return None
+    return nodes - 1
+
+
+def posts_fewer_phases(anchor: Anchor, fallback_phases: int | None) -> bool:
+    """Whether ``anchor``'s path posts fewer rail phases than the fallback on its input: NATIVE and
+    RAIL keep the input's sending windows (``anchor.input_windows`` phases)."""
+    return fallback_phases is not None and not anchor.path.waved and anchor.input_windows < fallback_phases
 
 
 # ---------------------------------------------------------------------- from the config

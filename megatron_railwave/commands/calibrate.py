@@ -130,7 +130,7 @@ def with_selector_settings(anchor_set, tuned: dict[str, Any]):
 
     ctx = anchor_set.context
     settings = {**ctx.settings, "selector": {k: tuned[k] for k in ("payload_ratio", "shape_distance", "method",
-                                                                   "tolerance")}}
+                                                                   "left_out", "tolerance")}}
     return AnchorSet(anchors=anchor_set.anchors, scales=anchor_set.scales,
                      context=CalibrationContext(topology=ctx.topology, hidden_size=ctx.hidden_size, dtype=ctx.dtype,
                                                 backend=ctx.backend, date=ctx.date, settings=settings))
@@ -190,7 +190,7 @@ def run(args: argparse.Namespace) -> int:
                        f"({', '.join(f'{a.name}: {a.path}' for a in kept) or 'none: always JOINT'}); "
                        f"wrote {args.out}")
     _render.print_text(
-        f"selector thresholds (leave-one-routing-out on these requests): payload ratio {tuned['payload_ratio']}, "
+        f"selector thresholds ({tuned['method']}): payload ratio {tuned['payload_ratio']}, "
         f"shape distance {tuned['shape_distance']} (recorded in context.settings.selector; railwave validate "
         "uses them, a RailWave config sets payload_ratio / shape_distance)")
     if args.json:

@@ -388,3 +388,53 @@ def test_tune_selector_leaves_each_routing_out_and_picks_the_smallest_safe_thres
     over = {sc["shape_distance"]: sc["over_tolerance"] for sc in tuned["scores"]}
     assert over == {0.02: 3, 0.05: 3, 0.1: 0, 0.2: 0}
     assert (tuned["payload_ratio"], tuned["shape_distance"]) == (1.25, 0.1)  # 0.2 ties: the smaller wins
+
+
+def _twin_layer_result(seeds: dict[str, float]):
+    """Two layers per seed at one rho coordinate per seed; every request favours RAIL by 10%
+    (JOINT 1.11x the best) and is an anchor."""
+    from megatron_railwave.anchors import Anchor, AnchorSet, CalibrationContext
+    from megatron_railwave.traffic import TrafficStats
+
+    ref, rho_s, kappa_s = AnchorSet.scales_for(TOPO)
+    lat = {p: _lat(1.0, 1.0, 1.0) for p in ALL_PATHS}
+    lat[Path.RAIL] = _lat(0.9, 0.9, 0.9)
+    rows, anchors = [], []
+    for seed, y in seeds.items():
+        for layer in (1, 3):
+            name = f"{seed}-l{layer}"
+            st = TrafficStats(B_mean_bytes=ref, B_max_bytes=ref, rho_g=1 + rho_s * y, kappa=1 + kappa_s * 0.5,
+                              coords=(0.0, y, 0.5), records_total=1, remote_records=1)
+            rows.append(calibration.CalibrationRow(request=name, stats=st, coords=st.coords, latency=lat,
+                                                   best=Path.RAIL, kept=True, gain=0.1, reason="kept",
+                                                   group=name, seed=seed))
+            anchors.append(Anchor(name=name, coords=st.coords, B_mean_bytes=ref, rho_g=st.rho_g, kappa=st.kappa,
+                                  path=Path.RAIL, latency_s=lat))
+    ctx = CalibrationContext(topology=TOPO.to_dict(), hidden_size=1, dtype="bf16", backend="fake", date="x")
+    return calibration.CalibrationResult(anchor_set=AnchorSet(anchors=tuple(anchors), scales=(ref, rho_s, kappa_s),
+                                                              context=ctx), rows=tuple(rows))
+
+
+def test_tune_selector_leaves_out_whole_seeds_when_calibration_spans_several():
+    # Seeds s1 (rho 0.10) and s2 (rho 0.20), two layers each at their seed's point. Left out one
+    # layer at a time, each request still has its twin layer's anchor on its own point and every
+    # threshold looks safe; left out one seed at a time (what validation holds out), a request
+    # sees only the other seed's anchors 0.1 away: 0.02 and 0.05 fall back to JOINT (4 requests
+    # over 1.03x), 0.1 serves all.
+    grid = {"payload_ratio": (1.25,), "shape_distance": (0.02, 0.05, 0.1, 0.2)}
+    tuned = calibration.tune_selector(_twin_layer_result({"glm1": 0.10, "glm2": 0.20}), grid=grid)
+    assert tuned["left_out"] == "seed" and tuned["method"] == "leave-one-seed-out on the calibration requests"
+    assert {sc["shape_distance"]: sc["over_tolerance"] for sc in tuned["scores"]} == {0.02: 4, 0.05: 4, 0.1: 0, 0.2: 0}
+    assert tuned["shape_distance"] == 0.1
+    # One seed only: leaving it out would leave no anchor, so routings are left out instead.
+    one = calibration.tune_selector(_twin_layer_result({"glm1": 0.10}), grid=grid)
+    assert one["left_out"] == "routing" and one["shape_distance"] == 0.02
+    assert {sc["over_tolerance"] for sc in one["scores"]} == {0}
+
+
+def test_calibration_rows_name_their_generator_seed():
+    glm = calibration_requests(TOPO, {**GLM_SETTINGS, "extra_seeds": [5]}, record_bytes=RECORD_BYTES)
+    assert {calibration.request_seed(r) for r in glm} == {"glm0", "glm5"}
+    assert len({calibration.request_group(r) for r in glm}) == 2 * len(GLM_SETTINGS["layers"])
+    syn = calibration_requests(TOPO, SETTINGS, record_bytes=RECORD_BYTES)
+    assert {calibration.request_seed(r) for r in syn} == {"synthetic-f0", "synthetic-f1", "synthetic-f2", "synthetic-f3"}

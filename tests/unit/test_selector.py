@@ -62,11 +62,41 @@ SEL = AnchorSelector(anchor_set((A, B, C)))
     (stats(1.0, 0.114, 0.5), Path.RAIL, "A at 0.014, C at 0.016: A nearer"),
     (stats(1.0, 0.085, 0.5), Path.RAIL, "A at 0.015, C at 0.045: only A"),
     (stats(1.0, 0.10, 0.53), Path.JOINT, "kappa 0.03 away from every anchor"),
+    (stats(0.5, 0.10, 0.5), Path.RAIL, "2x below A: RAIL (1 phase < JOINT's 3) is eligible at any smaller payload"),
+    (stats(1.0 / 64, 0.10, 0.5), Path.RAIL, "64x below A: still A"),
+    (stats(1.0 / 64, 0.12, 0.5), Path.NATIVE, "64x below A and C, C nearer in rho"),
+    (stats(0.5, 0.16, 0.5), Path.JOINT, "below A and C, but rho 0.03 from C: the shape window still holds"),
+    (stats(1.5, 0.10, 0.5), Path.JOINT, "1.5x above A (never extended upward), 1.33x below B (PERM: not extended)"),
     (stats(1.0, 0.10, 0.48), Path.RAIL, "kappa 0.02 below A: boundary is eligible"),
     (stats(0.0, 0.10, 0.5), Path.JOINT, "no remote payload: log2(0) = -inf"),
 ])
 def test_anchor_selector_rule_by_hand(descr, expected, why):
     assert SEL.select(descr) == expected, why
+
+
+def test_extension_below_applies_only_to_paths_with_fewer_phases_than_joint():
+    # The paper's two-sided window when switched off: 2x below A is nobody's.
+    assert AnchorSelector(anchor_set((A, B, C)), extend_below=False).select(stats(0.5, 0.10, 0.5)) == Path.JOINT
+    # PERM posts JOINT's N - 1 waves: its window stays two-sided.
+    perm = AnchorSelector(anchor_set((B,)))
+    assert perm.select(stats(2.0 / 1.25, 0.10, 0.5)) == Path.PERM
+    assert perm.select(stats(2.0 / 1.3, 0.10, 0.5)) == Path.JOINT
+    # RAIL on an arranged input with N - 1 = 3 windows posts 3 phases, as many as JOINT: not extended.
+    arranged = Anchor(name="w3", coords=A.coords, B_mean_bytes=A.B_mean_bytes, rho_g=A.rho_g, kappa=A.kappa,
+                      path=Path.RAIL, latency_s=LAT, input_windows=3)
+    sel = AnchorSelector(anchor_set((arranged,)))
+    assert sel.explain(stats(1.0 / 1.25, 0.10, 0.5), input_windows=3).path == Path.RAIL
+    assert sel.explain(stats(0.5, 0.10, 0.5), input_windows=3).path == Path.JOINT
+    # On 2 nodes JOINT has one wave, as many phases as RAIL: not extended (4 x 8's scales kept, so
+    # only the node count recorded in the file differs).
+    two = RailTopology(num_nodes=2, gpus_per_node=8)
+    ctx = CalibrationContext(topology=two.to_dict(), hidden_size=4096, dtype="bf16", backend="fake",
+                             date="2026-01-01T00:00:00+00:00")
+    on_two = AnchorSelector(AnchorSet(anchors=(A,), scales=AnchorSet.scales_for(TOPO), context=ctx))
+    assert on_two.select(stats(1.0 / 1.25, 0.10, 0.5)) == Path.RAIL
+    assert on_two.select(stats(0.5, 0.10, 0.5)) == Path.JOINT
+    # The distance still counts the whole payload gap (nearest wins among the extended anchors).
+    assert SEL.explain(stats(0.25, 0.10, 0.5)).distance == pytest.approx(2.0)
 
 
 def test_anchor_selector_matches_the_number_of_input_windows():
@@ -110,11 +140,16 @@ def test_anchor_selector_without_anchors_is_always_joint():
 
 
 def _reference_rule(sel: AnchorSelector, s: TrafficStats) -> Path:
-    """The rule written plainly: filter eligible anchors, take the nearest (first on ties)."""
+    """The rule written plainly: filter eligible anchors, take the nearest (first on ties). On
+    4 nodes with all-pairs inputs, NATIVE and RAIL anchors (1 phase, JOINT 3) reach any smaller
+    payload."""
     x = sel.anchor_set.coords(s)
+    lr = math.log2(sel.payload_ratio) + 1e-12
     eligible = [a for a in sel.anchor_set.anchors
-                if abs(x[0] - a.coords[0]) <= math.log2(sel.payload_ratio) + 1e-12
-                and abs(x[1] - a.coords[1]) <= sel.shape_distance + 1e-12
+                if -lr <= x[0] - a.coords[0] <= lr
+                or (x[0] - a.coords[0] < -lr and a.path in (Path.NATIVE, Path.RAIL))]
+    eligible = [a for a in eligible
+                if abs(x[1] - a.coords[1]) <= sel.shape_distance + 1e-12
                 and abs(x[2] - a.coords[2]) <= sel.shape_distance + 1e-12]
     if not eligible:
         return Path.JOINT
@@ -125,7 +160,7 @@ _coord = st.floats(min_value=-0.2, max_value=0.4, allow_nan=False)
 
 
 @settings(max_examples=150, deadline=None)
-@given(queries=st.lists(st.tuples(st.floats(min_value=0.7, max_value=1.5), _coord, _coord), min_size=1, max_size=8),
+@given(queries=st.lists(st.tuples(st.floats(min_value=0.05, max_value=1.5), _coord, _coord), min_size=1, max_size=8),
        points=st.lists(st.tuples(st.floats(min_value=-0.3, max_value=0.3), _coord, _coord,
                                  st.sampled_from(list(Path))), max_size=6))
 def test_anchor_selector_is_pure_and_matches_reference(queries, points):
