@@ -19,6 +19,7 @@ Peers are group ranks. A program never posts to itself: it copies its own chunk.
 from __future__ import annotations
 
 import datetime
+import math
 import time
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
@@ -219,10 +220,9 @@ class TorchDistTransport:
             recv_rows_g = [recv_rows[m] for m in by_group]
         else:
             by_group, recv_rows_g = None, recv_rows
-        row_bytes = _nbytes(flat.send) // max(flat.send.shape[0], 1) if flat.send.shape[0] else 0
-        sent = (sum(flat.send_rows) - flat.send_rows[me]) * row_bytes
-        row_bytes = _nbytes(flat.recv) // max(flat.recv.shape[0], 1) if flat.recv.shape[0] else 0
-        received = (sum(flat.recv_rows) - flat.recv_rows[me]) * row_bytes
+        # Like the point-to-point form, count what crosses to peers: all blocks but the own one.
+        sent = (sum(flat.send_rows) - flat.send_rows[me]) * _row_nbytes(flat.send)
+        received = (sum(flat.recv_rows) - flat.recv_rows[me]) * _row_nbytes(flat.recv)
         if sent:
             self.bytes_sent[req.stage] = self.bytes_sent.get(req.stage, 0) + sent
         if received:
@@ -322,6 +322,11 @@ class TorchDistTransport:
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
+
+
+def _row_nbytes(t: torch.Tensor) -> int:
+    """Bytes of one row (dim 0) of ``t``."""
+    return math.prod(t.shape[1:]) * t.element_size()
 
 
 def drive(program: Program, transport: TorchDistTransport) -> Any:
