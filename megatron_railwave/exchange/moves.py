@@ -48,15 +48,23 @@ def _copy_slices(copies: torch.Tensor, view: RankView, schedule: ExecutionSchedu
     return out, rounds
 
 
-def _flat(phase: Phase, schedule: ExecutionSchedule, send: torch.Tensor, send_rows: list[int],
+def _flat(phase: Phase, schedule: ExecutionSchedule, local: int, send: torch.Tensor, send_rows: list[int],
           recv: torch.Tensor, recv_rows: list[int]) -> FlatBlocks | None:
     """The phase as one buffer per direction (``transport.FlatBlocks``) where that is decided by
     the schedule alone, hence the same on every member of the group: every delivery round (all
     GPUs of the node are peers), and the rail phase when all node pairs travel in one wave (the
-    egress rows of all destination nodes lie in one buffer). Waves of a permutation keep the
-    point-to-point form: one peer each."""
-    if phase.kind == PhaseKind.RELAY or (phase.kind == PhaseKind.RAIL and schedule.num_waves != 1):
+    egress rows of all destination nodes lie in one buffer) and the rail of GPU ``local`` is
+    healthy on every node. Waves of a permutation keep the point-to-point form: one peer each.
+
+    A failed rail keeps its group point-to-point: an all-to-all reaches every member, even with
+    nothing to send, and waits forever on the member whose NIC is down (gloo; seen on the
+    testbed), where the point-to-point form never posts to it."""
+    if phase.kind == PhaseKind.RELAY:
         return None
+    if phase.kind == PhaseKind.RAIL:
+        topo = schedule.plan.topology
+        if schedule.num_waves != 1 or not all(topo.gpu_rail_healthy(n, local) for n in range(topo.num_nodes)):
+            return None
     if send.shape[0] != sum(send_rows) or recv.shape[0] != sum(recv_rows):
         raise RuntimeError(f"internal: {phase.name}: flat buffers of {send.shape[0]} / {recv.shape[0]} rows for "
                            f"{sum(send_rows)} / {sum(recv_rows)} rows of blocks")
@@ -215,14 +223,14 @@ def forward_moves(rows: torch.Tensor, *, layout: LayerLayout, view: RankView, sc
             arrivals[phase.step + 1] = buf
             return _post(phase, groups, [egress_rows[d] if c else None for d, c in enumerate(counts.send_Q)],
                          list(buf.split(counts.recv_Q)),
-                         _flat(phase, schedule, egress[0], counts.send_Q, buf, counts.recv_Q))
+                         _flat(phase, schedule, me, egress[0], counts.send_Q, buf, counts.recv_Q))
         rnd = phase.step
         delivered_all = _take_rows(arrivals.pop(rnd), layout.deliver_index[rnd])
         delivered = delivered_all.split(counts.send_Q)
         copy_rows[(rnd, me)].copy_(delivered[me])
         return _post(phase, groups, [delivered[j] if j != me else None for j in range(g)],
                      [copy_rows[(rnd, l)] if l != me else None for l in range(g)],
-                     _flat(phase, schedule, delivered_all, counts.send_Q, round_rows[rnd], counts.recv_Q))
+                     _flat(phase, schedule, me, delivered_all, counts.send_Q, round_rows[rnd], counts.recv_Q))
 
     def complete(phase: Phase) -> None:
         if phase.kind == PhaseKind.RELAY:
@@ -273,12 +281,12 @@ def backward_moves(rows: torch.Tensor, specs: Sequence[ops.RowSpec], *, layout: 
             back[me].copy_(copy_rows[(rnd, me)])
             return _post(phase, groups, [copy_rows[(rnd, l)] if l != me else None for l in range(g)],
                          [back[j] if j != me else None for j in range(g)],
-                         _flat(phase, schedule, round_rows[rnd], counts.send_Q, buf, counts.recv_Q))
+                         _flat(phase, schedule, me, round_rows[rnd], counts.send_Q, buf, counts.recv_Q))
         if phase.kind == PhaseKind.RAIL:
             arrived = reduced.pop(phase.step + 1)
             return _post(phase, groups, list(arrived.split(counts.send_Q)),
                          [egress_rows[d] if c else None for d, c in enumerate(counts.recv_Q)],
-                         _flat(phase, schedule, arrived, counts.send_Q, egress, counts.recv_Q))
+                         _flat(phase, schedule, me, arrived, counts.send_Q, egress, counts.recv_Q))
         pool = egress if layout.egress_is_kept else _take_rows(egress, layout.egress_inverse)
         return _relay_back(phase, groups, list(pool.split(layout.pool_counts)), out_rows)
 

@@ -160,11 +160,12 @@ class TorchDistTransport:
     explain: Callable[[], str] | None = None
     bytes_sent: dict[str, int] = field(default_factory=dict)
     bytes_received: dict[str, int] = field(default_factory=dict)
-    flat_collectives: bool = False
+    flat_collectives: bool = True
     """Run phases given as ``FlatBlocks`` as one all-to-all where the group is gloo (see
-    ``_flat_collectives``); False (default): always point-to-point. Off by default: with a rail
-    failing mid-run the gloo all-to-all did not end within ``timeout_s`` (the 2 x 2 testbed fault
-    test hung until its 120 s limit), while the point-to-point waits raise in time."""
+    ``_flat_collectives``); False: always point-to-point. Programs give no ``FlatBlocks`` for a
+    rail group with a failed member (``moves._flat``): an all-to-all would wait on it forever.
+    A rail failing without being listed raises ``ExchangeTimeoutError`` after ``timeout_s`` in
+    both forms (the 2 x 2 testbed fault test)."""
     _orders: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict, repr=False)
     _backend_is_gloo: dict[int, bool] = field(default_factory=dict, repr=False)
 
