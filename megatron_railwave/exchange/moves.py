@@ -112,9 +112,21 @@ def _take_rows(rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return ops.pack_rows([rows], [index])
 
 
-def _post(phase: Phase, groups: RankGroups, sends: list, recvs: list, flat: FlatBlocks | None = None) -> Post:
+def _joins_next(phase: Phase, schedule: ExecutionSchedule) -> bool:
+    """Whether the program posts the next delivery round before it waits for this one: round 0
+    (the local node's copies) when round 1 does not depend on it (``_execute`` posts in schedule
+    order and waits only for dependencies). Decided by the schedule alone: the same on every
+    member of the node group, as joining two phases into one collective requires."""
+    if phase.kind != PhaseKind.DELIVER or phase.step != 0 or schedule.num_rounds < 2:
+        return False
+    return phase.index not in schedule.phase(phase.direction, PhaseKind.DELIVER, 1).depends_on
+
+
+def _post(phase: Phase, groups: RankGroups, sends: list, recvs: list, flat: FlatBlocks | None = None,
+          schedule: ExecutionSchedule | None = None) -> Post:
     group = groups.rail if phase.kind == PhaseKind.RAIL else groups.node
-    return Post(tag=phase.index, stage=phase.name, group=group, sends=sends, recvs=recvs, flat=flat)
+    hold = flat is not None and schedule is not None and _joins_next(phase, schedule)
+    return Post(tag=phase.index, stage=phase.name, group=group, sends=sends, recvs=recvs, flat=flat, hold=hold)
 
 
 def _relay_out(phase: Phase, groups: RankGroups, owner_rows: list[torch.Tensor],
@@ -230,7 +242,8 @@ def forward_moves(rows: torch.Tensor, *, layout: LayerLayout, view: RankView, sc
         copy_rows[(rnd, me)].copy_(delivered[me])
         return _post(phase, groups, [delivered[j] if j != me else None for j in range(g)],
                      [copy_rows[(rnd, l)] if l != me else None for l in range(g)],
-                     _flat(phase, schedule, me, delivered_all, counts.send_Q, round_rows[rnd], counts.recv_Q))
+                     _flat(phase, schedule, me, delivered_all, counts.send_Q, round_rows[rnd], counts.recv_Q),
+                     schedule)
 
     def complete(phase: Phase) -> None:
         if phase.kind == PhaseKind.RELAY:
@@ -281,7 +294,8 @@ def backward_moves(rows: torch.Tensor, specs: Sequence[ops.RowSpec], *, layout: 
             back[me].copy_(copy_rows[(rnd, me)])
             return _post(phase, groups, [copy_rows[(rnd, l)] if l != me else None for l in range(g)],
                          [back[j] if j != me else None for j in range(g)],
-                         _flat(phase, schedule, me, round_rows[rnd], counts.send_Q, buf, counts.recv_Q))
+                         _flat(phase, schedule, me, round_rows[rnd], counts.send_Q, buf, counts.recv_Q),
+                         schedule)
         if phase.kind == PhaseKind.RAIL:
             arrived = reduced.pop(phase.step + 1)
             return _post(phase, groups, list(arrived.split(counts.send_Q)),

@@ -100,6 +100,10 @@ class Post:
     sends: list[torch.Tensor | None]
     recvs: list[torch.Tensor | None]
     flat: FlatBlocks | None = None
+    hold: bool = False
+    """The program posts another phase with ``flat`` on this group before it waits for this one
+    (set from the schedule alone, so on every member alike): a transport that moves flat phases
+    as collectives may hold this one and move both as one all-to-all."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -135,6 +139,10 @@ class _Ticket:
     started: float
     finish: Callable[[], None] | None = None
     """Runs after the works complete (reorders an all-to-all's blocks for rare rank orders)."""
+    held: bool = False
+    """Not started yet: a held flat phase (``Post.hold``), waiting for the next one on its group."""
+    joined: _Ticket | None = None
+    """The ticket of the all-to-all that moves this held phase together with the next one."""
 
 
 @dataclass(kw_only=True)
@@ -168,11 +176,25 @@ class TorchDistTransport:
     both forms (the 2 x 2 testbed fault test)."""
     _orders: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict, repr=False)
     _backend_is_gloo: dict[int, bool] = field(default_factory=dict, repr=False)
+    _held: dict[int, _Ticket] = field(default_factory=dict, repr=False)
+    """Held flat phase per group (key: id of the process group), at most one."""
 
     def post(self, req: Post) -> _Ticket:
         group = req.group
+        held = self._held.pop(id(group.handle), None)
         if req.flat is not None and self._flat_collectives(group):
-            return self._post_all_to_all(req)
+            self._count_flat(req)
+            if held is not None and _joinable(held.post.flat, req.flat):
+                return self._post_joined(held, req)
+            if held is not None:
+                self._start_held(held)
+            if req.hold:
+                ticket = _Ticket(post=req, works=[], peers=[], started=time.monotonic(), held=True)
+                self._held[id(group.handle)] = ticket
+                return ticket
+            return self._post_all_to_all(req.stage, group, req.flat)
+        if held is not None:  # collectives of a group start in program order on every member
+            self._start_held(held)
         ops, peers = [], []
         # Receives first: on gloo's TCP pairs, two ranks exchanging both ways otherwise take turns.
         for peer, buf in enumerate(req.recvs):
@@ -205,9 +227,53 @@ class TorchDistTransport:
             self._backend_is_gloo[key] = dist.get_backend(group.handle) == "gloo"
         return self._backend_is_gloo[key]
 
-    def _post_all_to_all(self, req: Post) -> _Ticket:
-        group, flat = req.group, req.flat
+    def _count_flat(self, req: Post) -> None:
+        """Bytes of a flat phase, like the point-to-point form: all blocks but the own one."""
+        flat, me = req.flat, self._me(req.group)
         assert flat is not None
+        sent = (sum(flat.send_rows) - flat.send_rows[me]) * _row_nbytes(flat.send)
+        received = (sum(flat.recv_rows) - flat.recv_rows[me]) * _row_nbytes(flat.recv)
+        if sent:
+            self.bytes_sent[req.stage] = self.bytes_sent.get(req.stage, 0) + sent
+        if received:
+            self.bytes_received[req.stage] = self.bytes_received.get(req.stage, 0) + received
+
+    def _start_held(self, ticket: _Ticket) -> None:
+        """Start a held phase alone (the program waits for it, or posts something else first)."""
+        assert ticket.post.flat is not None
+        started = self._post_all_to_all(ticket.post.stage, ticket.post.group, ticket.post.flat)
+        ticket.works, ticket.peers, ticket.finish, ticket.started = (started.works, started.peers, started.finish,
+                                                                    started.started)
+        ticket.held = False
+
+    def _post_joined(self, held: _Ticket, req: Post) -> _Ticket:
+        """One all-to-all for a held phase and the next flat phase of its group: each peer's
+        block is the held phase's block, then this phase's; the received blocks are split back
+        into both phases' buffers when the all-to-all completes."""
+        a, b = held.post.flat, req.flat
+        assert a is not None and b is not None
+        a_send, b_send = a.send.split(a.send_rows), b.send.split(b.send_rows)
+        send = torch.cat([t for pair in zip(a_send, b_send) for t in pair])
+        send_rows = [x + y for x, y in zip(a.send_rows, b.send_rows)]
+        recv_rows = [x + y for x, y in zip(a.recv_rows, b.recv_rows)]
+        recv = b.recv.new_empty((sum(recv_rows),) + tuple(b.recv.shape[1:]))
+        stage = f"{held.post.stage}+{req.stage}"
+        ticket = self._post_all_to_all(stage, req.group, FlatBlocks(send=send, send_rows=send_rows, recv=recv,
+                                                                    recv_rows=recv_rows))
+        reorder = ticket.finish
+
+        def finish(recv=recv, a=a, b=b) -> None:
+            if reorder is not None:
+                reorder()
+            parts = recv.split([r for pair in zip(a.recv_rows, b.recv_rows) for r in pair])
+            torch.cat(parts[0::2], out=a.recv)
+            torch.cat(parts[1::2], out=b.recv)
+
+        ticket.finish = finish
+        held.held, held.joined = False, ticket
+        return ticket
+
+    def _post_all_to_all(self, stage: str, group: GroupRef, flat: FlatBlocks) -> _Ticket:
         me = self._me(group)
         order = group.group_ranks
         send_rows, recv_rows = flat.send_rows, flat.recv_rows
@@ -221,27 +287,26 @@ class TorchDistTransport:
             recv_rows_g = [recv_rows[m] for m in by_group]
         else:
             by_group, recv_rows_g = None, recv_rows
-        # Like the point-to-point form, count what crosses to peers: all blocks but the own one.
-        sent = (sum(flat.send_rows) - flat.send_rows[me]) * _row_nbytes(flat.send)
-        received = (sum(flat.recv_rows) - flat.recv_rows[me]) * _row_nbytes(flat.recv)
-        if sent:
-            self.bytes_sent[req.stage] = self.bytes_sent.get(req.stage, 0) + sent
-        if received:
-            self.bytes_received[req.stage] = self.bytes_received.get(req.stage, 0) + received
-        peers = list(range(len(group.ranks)))
+        peers = [p for p in range(len(group.ranks)) if p != me]
         started = time.monotonic()
         try:
             work = dist.all_to_all_single(recv, send, recv_rows_g, send_rows, group=group.handle, async_op=True)
         except Exception as exc:  # noqa: BLE001 - a failed post names the stage too
-            raise self._error(req.stage, group, peers, started, exc) from exc
+            raise self._error(stage, group, peers, started, exc) from exc
         finish = None
         if by_group is not None:
             def finish(recv=recv, by_group=by_group, recv_rows_g=recv_rows_g, out=flat.recv) -> None:
                 blocks = dict(zip(by_group, recv.split(recv_rows_g)))
                 out.copy_(torch.cat([blocks[m] for m in range(len(by_group))]))
-        return _Ticket(post=req, works=[work], peers=peers, started=started, finish=finish)
+        post = Post(tag=-1, stage=stage, group=group, sends=[], recvs=[], flat=flat)
+        return _Ticket(post=post, works=[work], peers=peers, started=started, finish=finish)
 
     def wait(self, ticket: _Ticket) -> None:
+        if ticket.held:
+            self._held.pop(id(ticket.post.group.handle), None)
+            self._start_held(ticket)
+        if ticket.joined is not None:
+            ticket = ticket.joined
         timeout = datetime.timedelta(seconds=self.timeout_s) if self.timeout_s else None
         for work in ticket.works:
             try:
@@ -323,6 +388,13 @@ class TorchDistTransport:
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
+
+
+def _joinable(a: FlatBlocks | None, b: FlatBlocks | None) -> bool:
+    """Whether two flat phases can travel as one all-to-all: rows of one dtype and width."""
+    return (a is not None and b is not None and a.send.dtype == b.send.dtype == a.recv.dtype == b.recv.dtype
+            and a.send.shape[1:] == b.send.shape[1:] == a.recv.shape[1:] == b.recv.shape[1:]
+            and len(a.send_rows) == len(b.send_rows))
 
 
 def _row_nbytes(t: torch.Tensor) -> int:
