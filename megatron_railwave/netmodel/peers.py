@@ -181,11 +181,13 @@ def fast_program(rail_plan: PathPlan, demand, waves: list[np.ndarray], *, record
         d_rail.append(b.phase(f"dispatch.rail[{k}]", "rail", 0, (d_rail[-1] if k else d_relay,), wave_cost))
         d_deliv.append(b.phase(f"dispatch.deliver[{k + 1}]", "deliver", 0, (d_rail[k], d_deliv[k])))
     experts = b.phase("experts", "sync", -1, tuple([d_relay] + d_deliv + d_rail))
-    # Combine: cdeliver[0], then cdeliver[k+1] -> crail[k] in order, crelay after the last.
+    # Combine: cdeliver[k+1] -> crail[k] in order, crelay after the last; the local round
+    # cdeliver[0] overlaps the waves (cdeliver[1] does not wait for it), as in the schedule
+    # JOINT runs (schedule.execution), so both get the same combine overlap.
     c_deliv = [b.phase("combine.deliver[0]", "deliver", 1, (experts,))]
     c_rail: list[int] = []
     for k in range(num):
-        c_deliv.append(b.phase(f"combine.deliver[{k + 1}]", "deliver", 1, (c_deliv[k],)))
+        c_deliv.append(b.phase(f"combine.deliver[{k + 1}]", "deliver", 1, (c_deliv[k] if k else experts,)))
         c_rail.append(b.phase(f"combine.rail[{k}]", "rail", 1, (c_deliv[k + 1],) + ((c_rail[-1],) if k else ()),
                               wave_cost))
     c_relay = b.phase("combine.relay", "relay", 1, (c_rail[-1],) if c_rail else (c_deliv[-1],))

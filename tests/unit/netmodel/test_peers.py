@@ -90,3 +90,23 @@ def test_fast_program_moves_the_rail_plans_bytes_in_bvn_waves():
     assert program.flows.size_bytes_F[sel].sum() == pytest.approx(remote * (1000 + 4 + 12))
     run = run_program(fabric, program, incast=FREE.incast(), rel_tol=0.0)
     assert run.total_s >= run.bound_s
+
+
+def test_fast_program_overlaps_the_combine_local_round_like_the_schedule():
+    # The schedule lets combine.deliver[1] start without combine.deliver[0] (the local round
+    # overlaps the waves); the FAST program must give its combine the same overlap, and keep
+    # later rounds in order.
+    topo = RailTopology(num_nodes=4, gpus_per_node=2, rail_gbps=8.0, nvlink_gBps=2.0)
+    rng = np.random.default_rng(1)
+    rec = torch.from_numpy(rng.poisson(3.0, size=(8, 4, 4)))
+    rec[:, :, 0] = 0
+    demand = DemandCounts(records_WNM=rec, experts_WE=torch.zeros(8, 8, dtype=torch.int64))
+    plan = build_plan(demand, topo, "rail")
+    waves = bvn_waves(plan.records_NNG.sum(dim=-1).numpy())
+    assert len(waves) >= 2
+    program = fast_program(plan, demand, waves, record_bytes=1000, model=FREE)
+    index = {name: q for q, name in enumerate(program.names)}
+    local, first, second = (index[f"combine.deliver[{r}]"] for r in range(3))
+    assert local not in program.depends_on[first]
+    assert program.depends_on[first] == (index["experts"],)
+    assert first in program.depends_on[second]
