@@ -56,6 +56,8 @@ from .traffic import SelectorScales, TrafficStats
 __all__ = [
     "ANCHORS_FORMAT",
     "ANCHORS_VERSION",
+    "DEFAULT_PAYLOAD_RATIO",
+    "DEFAULT_SHAPE_DISTANCE",
     "PathLatency",
     "Anchor",
     "CalibrationContext",
@@ -64,6 +66,12 @@ __all__ = [
     "load_anchors",
     "save_anchors",
 ]
+
+DEFAULT_PAYLOAD_RATIO = 1.25
+"""The paper's selector thresholds, used where an anchors file records no tuned ones: reuse an
+anchor within this payload ratio ..."""
+DEFAULT_SHAPE_DISTANCE = 0.02
+"""... and within this distance on both shape coordinates."""
 
 ANCHORS_FORMAT = "railwave-anchors"
 ANCHORS_VERSION = 1
@@ -163,6 +171,14 @@ class AnchorSet:
     scales: tuple[float, float, float]
     """(payload_ref_bytes, rho_scale, kappa_scale), resolved for the calibrated topology."""
     context: CalibrationContext
+
+    def thresholds(self) -> tuple[float, float]:
+        """(payload_ratio, shape_distance) tuned by `railwave calibrate` and recorded under
+        ``context.settings.selector`` (checked when the file is loaded), or the paper's defaults
+        for a file that records none."""
+        tuned = self.context.settings.get("selector") or {}
+        return (float(tuned.get("payload_ratio", DEFAULT_PAYLOAD_RATIO)),
+                float(tuned.get("shape_distance", DEFAULT_SHAPE_DISTANCE)))
 
     def coords(self, stats: TrafficStats) -> tuple[float, float, float]:
         """Selector coordinates of ``stats`` under this file's scales (pure, ~1 us)."""
@@ -284,6 +300,19 @@ def _check_topology(recorded: dict[str, Any], topo: RailTopology, source: str) -
             )
 
 
+def _check_thresholds(settings: dict[str, Any], source: str) -> None:
+    """The tuned selector thresholds, where recorded, are what the runtime uses: check them."""
+    if settings.get("selector") is None:
+        return
+    tuned = _mapping(settings["selector"], source, "context.settings.selector")
+    for key, low in (("payload_ratio", 1.0), ("shape_distance", 0.0)):
+        if key in tuned:
+            value = _number(tuned, key, source, "context.settings.selector")
+            if not (math.isfinite(value) and value >= low):
+                raise _fail(source, f"context.settings.selector.{key}",
+                            f"must be a finite number >= {low:g}, got {value!r}; re-run `railwave calibrate`")
+
+
 def anchors_from_dict(data: Any, *, source: str = "<dict>", topo: RailTopology | None = None) -> AnchorSet:
     """Validate and build an ``AnchorSet``; errors name the offending field.
 
@@ -313,6 +342,7 @@ def anchors_from_dict(data: Any, *, source: str = "<dict>", topo: RailTopology |
     context = CalibrationContext(topology=topo_data, hidden_size=hidden, dtype=ctx["dtype"],
                                  backend=ctx["backend"], date=ctx["date"],
                                  settings=_mapping(ctx.get("settings", {}), source, "context.settings"))
+    _check_thresholds(context.settings, source)
     if topo is not None:
         _check_topology(topo_data, topo, source)
     sc = _mapping(data.get("scales"), source, "scales")

@@ -67,10 +67,13 @@ class RailWaveConfig:
     """Wave schedule: senders per receiver per wave (1 = the paper's cyclic schedule)."""
     anchors: str | None = None
     """Selector anchors YAML (``railwave calibrate``); None = always JOINT for 'auto'."""
-    payload_ratio: float = 1.25
-    """Selector: reuse an anchor only within this payload ratio."""
-    shape_distance: float = 0.02
-    """Selector: ... and within this distance on both shape coordinates."""
+    payload_ratio: float | None = None
+    """Selector: reuse an anchor only within this payload ratio. None: the ratio the anchors file
+    was tuned with (``context.settings.selector``, written by ``railwave calibrate``), or the
+    paper's 1.25 for a file that records none."""
+    shape_distance: float | None = None
+    """Selector: ... and within this distance on both shape coordinates. None: as recorded in
+    the anchors file, or the paper's 0.02."""
     log_dir: str | None = None
     """Write one JSONL record per MoE layer per logged step here (one set of files per run)."""
     metrics: bool = True
@@ -145,8 +148,12 @@ class RailWaveConfig:
             if FsPath(self.anchors).expanduser().is_dir():
                 raise ValueError(f"anchors {str(self.anchors)!r} is a directory; give the anchors YAML file "
                                  "written by `railwave calibrate --out`")
-        _check_number("payload_ratio", self.payload_ratio, low=1.0, inclusive=True, unit="ratio")
-        _check_number("shape_distance", self.shape_distance, low=0.0, inclusive=True, unit="distance")
+        if self.payload_ratio is not None:
+            _check_number("payload_ratio", self.payload_ratio, low=1.0, inclusive=True,
+                          unit="ratio; null = the anchors file's tuned value")
+        if self.shape_distance is not None:
+            _check_number("shape_distance", self.shape_distance, low=0.0, inclusive=True,
+                          unit="distance; null = the anchors file's tuned value")
         for name in ("log_dir", "capture_dir"):
             value = getattr(self, name)
             if value is not None:

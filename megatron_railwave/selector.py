@@ -28,7 +28,7 @@ from functools import lru_cache
 from pathlib import Path as FsPath
 from typing import TYPE_CHECKING, Protocol
 
-from .anchors import Anchor, AnchorSet, load_anchors
+from .anchors import DEFAULT_PAYLOAD_RATIO, DEFAULT_SHAPE_DISTANCE, Anchor, AnchorSet, load_anchors
 from .planner import Path, parse_path
 from .topology import RailTopology
 from .traffic import TrafficStats
@@ -86,8 +86,8 @@ class AnchorSelector:
     __slots__ = ("anchor_set", "payload_ratio", "shape_distance", "fallback", "extend_below", "_points",
                  "_scales", "_log_ratio")
 
-    def __init__(self, anchor_set: AnchorSet, *, payload_ratio: float = 1.25,
-                 shape_distance: float = 0.02, fallback: Path | str = Path.JOINT,
+    def __init__(self, anchor_set: AnchorSet, *, payload_ratio: float = DEFAULT_PAYLOAD_RATIO,
+                 shape_distance: float = DEFAULT_SHAPE_DISTANCE, fallback: Path | str = Path.JOINT,
                  extend_below: bool = True) -> None:
         if not payload_ratio >= 1:
             raise ValueError(f"payload_ratio must be >= 1, got {payload_ratio}")
@@ -198,5 +198,9 @@ def selector_from_config(config: RailWaveConfig, topo: RailTopology, *, warn: bo
                    "runs JOINT (run `railwave calibrate --out` to create it)", warn=warn)
         return FixedSelector(Path.JOINT)
     anchor_set = _cached_anchors(str(path), mtime, topo)
-    return AnchorSelector(anchor_set, payload_ratio=config.payload_ratio,
-                          shape_distance=config.shape_distance)
+    # The thresholds the file was tuned with (calibrate's leave-one-out choice), unless the
+    # config overrides them: anchors are only validated with the thresholds they were tuned for.
+    recorded_ratio, recorded_distance = anchor_set.thresholds()
+    return AnchorSelector(anchor_set,
+                          payload_ratio=recorded_ratio if config.payload_ratio is None else config.payload_ratio,
+                          shape_distance=recorded_distance if config.shape_distance is None else config.shape_distance)

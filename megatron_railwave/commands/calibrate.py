@@ -191,8 +191,8 @@ def run(args: argparse.Namespace) -> int:
                        f"wrote {args.out}")
     _render.print_text(
         f"selector thresholds ({tuned['method']}): payload ratio {tuned['payload_ratio']}, "
-        f"shape distance {tuned['shape_distance']} (recorded in context.settings.selector; railwave validate "
-        "uses them, a RailWave config sets payload_ratio / shape_distance)")
+        f"shape distance {tuned['shape_distance']} (recorded in context.settings.selector; the runtime and "
+        "railwave validate use them unless a RailWave config sets payload_ratio / shape_distance)")
     if args.json:
         _common.write_json(args.json, {"anchors": anchor_set.to_dict(), "requests": rows, "selector": tuned})
     return 0

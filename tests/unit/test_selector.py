@@ -252,6 +252,36 @@ def test_selector_from_config_loads_anchors_with_config_thresholds(tmp_path, fre
     assert sel.select(stats(1.4, 0.14, 0.5)) == Path.RAIL
 
 
+def _tuned_set(ratio, distance):
+    base = anchor_set((A,))
+    ctx = CalibrationContext(topology=TOPO.to_dict(), hidden_size=4096, dtype="bf16", backend="fake",
+                             date="2026-01-01T00:00:00+00:00",
+                             settings={"selector": {"payload_ratio": ratio, "shape_distance": distance}})
+    return AnchorSet(anchors=base.anchors, scales=base.scales, context=ctx)
+
+
+def test_selector_from_config_takes_the_files_tuned_thresholds_unless_the_config_sets_them(tmp_path, fresh_warnings):
+    tuned = save_anchors(_tuned_set(1.5, 0.2), tmp_path / "tuned.yaml")
+    sel = selector_from_config(RailWaveConfig(anchors=str(tuned)), TOPO)
+    assert (sel.payload_ratio, sel.shape_distance) == (1.5, 0.2)
+    # 1.4x A's payload and 0.15 off in kappa: only the tuned thresholds reach A.
+    assert sel.select(stats(1.4, 0.10, 0.65)) == Path.RAIL
+    over = selector_from_config(RailWaveConfig(anchors=str(tuned), payload_ratio=1.25), TOPO)
+    assert (over.payload_ratio, over.shape_distance) == (1.25, 0.2)
+    assert over.select(stats(1.4, 0.10, 0.65)) == Path.JOINT
+    plain = save_anchors(anchor_set((A,)), tmp_path / "plain.yaml")  # records none: the paper's
+    sel = selector_from_config(RailWaveConfig(anchors=str(plain)), TOPO)
+    assert (sel.payload_ratio, sel.shape_distance) == (1.25, 0.02)
+
+
+@pytest.mark.parametrize(("ratio", "distance", "field"), [
+    (0.8, 0.2, "payload_ratio"), (1.5, -0.1, "shape_distance"), ("wide", 0.2, "payload_ratio")])
+def test_anchors_file_with_bad_tuned_thresholds_is_rejected(tmp_path, fresh_warnings, ratio, distance, field):
+    path = save_anchors(_tuned_set(ratio, distance), tmp_path / "bad.yaml")
+    with pytest.raises(ValueError, match=rf"field 'context.settings.selector.{field}'"):
+        selector_from_config(RailWaveConfig(anchors=str(path)), TOPO)
+
+
 def test_selector_from_config_rejects_bad_files(tmp_path, fresh_warnings):
     path = save_anchors(anchor_set((A,)), tmp_path / "a.yaml")
     with pytest.raises(ValueError, match=r"another topology: field 'context.topology.num_nodes'"):
