@@ -19,7 +19,10 @@ rail[v+1] is posted before deliver[v+1] so that stage 3 of wave v overlaps stage
 v + 1. A phase starts once every phase in its ``depends_on`` has completed on that rank:
 
     relay: ()            rail[0]: (relay,)          rail[v]: (rail[v-1],)
-    deliver[0]: ()       deliver[r]: (rail[r-1], deliver[r-1])
+    deliver[0]: ()       deliver[1]: (rail[0],)     deliver[r]: (rail[r-1], deliver[r-1]) for r >= 2
+
+(the local round deliver[0] and the first wave's round write disjoint copy slots, so neither
+waits for the other; on gloo the transport may then move both as one all-to-all).
 
 Combine runs the same transfers backwards (``mirror_of``): deliver back cdeliver[r] (targets
 return their copies; the arrival GPU sums them in local-GPU order), rail back crail[v], relay
@@ -139,7 +142,10 @@ def _build_phases(num_waves: int) -> tuple[Phase, ...]:
             elif kind == L:
                 deps = (index[(D, R, 0)],) if step == 0 else (index[(D, L, step - 1)],)
             else:
-                deps = () if step == 0 else (index[(D, L, step - 1)], index[(D, DL, step - 1)])
+                # Round 1 does not wait for round 0 (the local node's copies) either: the two
+                # write disjoint copy slots, so the first wave's copies go on as they arrive.
+                deps = (() if step == 0 else (index[(D, L, step - 1)],)
+                        + ((index[(D, DL, step - 1)],) if step >= 2 else ()))
             mirror = None
         else:
             if kind == DL:

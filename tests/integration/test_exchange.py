@@ -50,19 +50,18 @@ def test_exchange_paths_match_reference_and_each_other(topo, kw):
     if kw.get("point_to_point_too"):
         assert {f"{p}/p2p" for p in PATHS} <= set(results[0]["paths"])
         for res in results:
-            # NATIVE (one wave): every delivery round and the rail phase, in dispatch, combine and
-            # both backwards, ran as one all-to-all each (3 x 4), less the two the combine
-            # direction saves by joining its two independent delivery rounds into one (combine and
-            # the dispatch backward), plus the count exchange; with the flat collectives off only
-            # the count exchange is an all-to-all.
-            assert res["all_to_all_calls"]["native"] == 11 and res["all_to_all_calls"]["native/p2p"] == 1
+            # NATIVE (one wave): in dispatch, combine and both backwards, the rail phase and the
+            # two delivery rounds (independent in the schedule, so joined) ran as one all-to-all
+            # each (2 x 4), plus the count exchange; with the flat collectives off only the count
+            # exchange is an all-to-all.
+            assert res["all_to_all_calls"]["native"] == 9 and res["all_to_all_calls"]["native/p2p"] == 1
     if topo.get("failed_rails"):
         for rank, res in enumerate(results):
             # Rail 0 failed on node 1: the rail-0 group's phase stays point-to-point (an all-to-all
             # would reach the member whose NIC is down); NATIVE's 4 x 2 delivery rounds and the
-            # count exchange remain all-to-alls there (the combine direction's two joined into one),
+            # count exchange remain all-to-alls there (each direction's two joined into one),
             # rail 1 also moves its rail phase as one.
-            assert res["all_to_all_calls"]["native"] == (7 if rank % 2 == 0 else 11), (rank, res["all_to_all_calls"])
+            assert res["all_to_all_calls"]["native"] == (5 if rank % 2 == 0 else 9), (rank, res["all_to_all_calls"])
 
 
 def test_exchange_bad_routing_map_raises_on_every_rank():
