@@ -70,17 +70,22 @@ def test_megatron_sends_every_copy_through_pxn_by_hand():
     assert link_bytes[0, int(fabric.nic_up_NR[0, 0])] == 0
 
 
-def test_fast_program_moves_the_rail_plans_bytes_in_bvn_waves():
-    # Random 4 x 2 demand: the FAST program's rail bytes equal the RAIL plan's (split over waves),
-    # and each wave is one-to-one between nodes.
+def _random_fast_program(seed: int):
+    """A random 4 x 2 demand, its RAIL plan, BvN waves and FAST program (record 1000 B)."""
     topo = RailTopology(num_nodes=4, gpus_per_node=2, rail_gbps=8.0, nvlink_gBps=2.0)
-    rng = np.random.default_rng(0)
+    rng = np.random.default_rng(seed)
     rec = torch.from_numpy(rng.poisson(3.0, size=(8, 4, 4)))
     rec[:, :, 0] = 0
     demand = DemandCounts(records_WNM=rec, experts_WE=torch.zeros(8, 8, dtype=torch.int64))
     plan = build_plan(demand, topo, "rail")
     waves = bvn_waves(plan.records_NNG.sum(dim=-1).numpy())
-    program = fast_program(plan, demand, waves, record_bytes=1000, model=FREE)
+    return topo, plan, waves, fast_program(plan, demand, waves, record_bytes=1000, model=FREE)
+
+
+def test_fast_program_moves_the_rail_plans_bytes_in_bvn_waves():
+    # Random 4 x 2 demand: the FAST program's rail bytes equal the RAIL plan's (split over waves),
+    # and each wave is one-to-one between nodes.
+    topo, plan, waves, program = _random_fast_program(0)
     fabric = fabric_for(topo, 32, 1.0)
     rail_phases = [q for q, name in enumerate(program.names) if name.startswith("dispatch.rail")]
     assert len(rail_phases) == len(waves)
@@ -96,15 +101,8 @@ def test_fast_program_overlaps_the_combine_local_round_like_the_schedule():
     # The schedule lets combine.deliver[1] start without combine.deliver[0] (the local round
     # overlaps the waves); the FAST program must give its combine the same overlap, and keep
     # later rounds in order.
-    topo = RailTopology(num_nodes=4, gpus_per_node=2, rail_gbps=8.0, nvlink_gBps=2.0)
-    rng = np.random.default_rng(1)
-    rec = torch.from_numpy(rng.poisson(3.0, size=(8, 4, 4)))
-    rec[:, :, 0] = 0
-    demand = DemandCounts(records_WNM=rec, experts_WE=torch.zeros(8, 8, dtype=torch.int64))
-    plan = build_plan(demand, topo, "rail")
-    waves = bvn_waves(plan.records_NNG.sum(dim=-1).numpy())
+    _, _, waves, program = _random_fast_program(1)
     assert len(waves) >= 2
-    program = fast_program(plan, demand, waves, record_bytes=1000, model=FREE)
     index = {name: q for q, name in enumerate(program.names)}
     local, first, second = (index[f"combine.deliver[{r}]"] for r in range(3))
     assert local not in program.depends_on[first]
