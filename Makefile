@@ -146,7 +146,7 @@ bench-paper: $(STAMP)
 	$(VPY) -m megatron_railwave.cli bench --cluster configs/clusters/h20_4x8.yaml --model configs/netmodel/h20_4x8.yaml \
 		--payload-scale 1.895 --plan-repeats 1 --no-progress --json out/bench_paper_h20.json --plot out/bench_paper_h20.png
 
-# The 256-node study of docs/results.md ("Scale study"), saturating incast (slow: ~hours of CPU).
+# The 256-node study of docs/results.md ("Scale study"), saturating incast (slow: ~20 min wall, ~12 min CPU, up to ~7 GB memory).
 scale-study: $(STAMP)
 	@mkdir -p out
 	$(VPY) -m megatron_railwave.cli bench --cluster configs/clusters/h800_4x8.yaml --nodes 256 --pattern none \
