@@ -172,13 +172,16 @@ class AnchorSet:
     """(payload_ref_bytes, rho_scale, kappa_scale), resolved for the calibrated topology."""
     context: CalibrationContext
 
-    def thresholds(self) -> tuple[float, float]:
-        """(payload_ratio, shape_distance) tuned by `railwave calibrate` and recorded under
-        ``context.settings.selector`` (checked when the file is loaded), or the paper's defaults
-        for a file that records none."""
+    def thresholds(self, payload_ratio: float | None = None,
+                   shape_distance: float | None = None) -> tuple[float, float]:
+        """(payload_ratio, shape_distance) for a selector over this file: each one given here
+        (a RailWave config's or a command line's override), else the one `railwave calibrate`
+        tuned and recorded under ``context.settings.selector`` (checked when the file is loaded),
+        else the paper's default."""
         tuned = self.context.settings.get("selector") or {}
-        return (float(tuned.get("payload_ratio", DEFAULT_PAYLOAD_RATIO)),
-                float(tuned.get("shape_distance", DEFAULT_SHAPE_DISTANCE)))
+        return (float(tuned.get("payload_ratio", DEFAULT_PAYLOAD_RATIO)) if payload_ratio is None else payload_ratio,
+                float(tuned.get("shape_distance", DEFAULT_SHAPE_DISTANCE)) if shape_distance is None
+                else shape_distance)
 
     def coords(self, stats: TrafficStats) -> tuple[float, float, float]:
         """Selector coordinates of ``stats`` under this file's scales (pure, ~1 us)."""

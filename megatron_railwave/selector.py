@@ -200,7 +200,5 @@ def selector_from_config(config: RailWaveConfig, topo: RailTopology, *, warn: bo
     anchor_set = _cached_anchors(str(path), mtime, topo)
     # The thresholds the file was tuned with (calibrate's leave-one-out choice), unless the
     # config overrides them: anchors are only validated with the thresholds they were tuned for.
-    recorded_ratio, recorded_distance = anchor_set.thresholds()
-    return AnchorSelector(anchor_set,
-                          payload_ratio=recorded_ratio if config.payload_ratio is None else config.payload_ratio,
-                          shape_distance=recorded_distance if config.shape_distance is None else config.shape_distance)
+    payload_ratio, shape_distance = anchor_set.thresholds(config.payload_ratio, config.shape_distance)
+    return AnchorSelector(anchor_set, payload_ratio=payload_ratio, shape_distance=shape_distance)

@@ -116,9 +116,7 @@ def run(args: argparse.Namespace) -> int:
         anchor_set = load_anchors(args.anchors, None)
         topo = RailTopology.from_dict({k: v for k, v in anchor_set.context.topology.items()},
                                       source=f"anchors file {args.anchors!r}: context.topology")
-    recorded_ratio, recorded_distance = anchor_set.thresholds()
-    payload_ratio = args.payload_ratio if args.payload_ratio is not None else recorded_ratio
-    shape_distance = args.shape_distance if args.shape_distance is not None else recorded_distance
+    payload_ratio, shape_distance = anchor_set.thresholds(args.payload_ratio, args.shape_distance)
     selector = AnchorSelector(anchor_set, payload_ratio=payload_ratio, shape_distance=shape_distance)
     settings = anchor_set.context.settings.get("requests")
     if not isinstance(settings, dict) or "payload_scales" not in settings:
