@@ -15,7 +15,7 @@ from megatron_railwave.netmodel import load_netmodel_config, execute_plan
 from megatron_railwave.netmodel.execute import fabric_for, synced_program
 from megatron_railwave.netmodel.program import run_program
 from megatron_railwave.netmodel.peers import bvn_waves, fast_program
-from megatron_railwave.planner import build_plan, PlanOptions
+from megatron_railwave.planner import build_plan, cyclic_schedule, PlanOptions
 from megatron_railwave.workloads import GLM45_AIR, arrange, scaled_demand
 torch.set_num_threads(1)
 cluster, mfile = sys.argv[1], sys.argv[2]; nl = int(sys.argv[3])
@@ -37,9 +37,9 @@ for layer in GLM45_AIR.layer_numbers[:nl]:
     bvn = bvn_waves(pair); res["nbvn"].append(len(bvn))
     n = topo.num_nodes
     cyc = []
-    for k in range(1, n):
+    for wave in cyclic_schedule(n).waves:  # JOINT's waves, whole pairs
         w = np.zeros((n, n), np.int64)
-        for s in range(n): w[s, (s + k) % n] = pair[s, (s + k) % n]
+        for s, d in wave: w[s, d] = pair[s, d]
         cyc.append(w)
     merged = {}
     for w in bvn:
