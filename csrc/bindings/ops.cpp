@@ -12,6 +12,9 @@ TORCH_LIBRARY(railwave, m) {
   m.def("pack_rows(Tensor[] tensors, Tensor?[] row_index) -> Tensor");
   m.def("unpack_rows(Tensor packed, int[] widths, Tensor? row_index, int num_rows) -> Tensor[]");
   m.def("segment_sum(Tensor values, Tensor segment_ids, int num_segments, ScalarType out_dtype) -> Tensor");
+  // Host planning: CPU only (its inputs are the gathered counts, always on the host).
+  m.def("rank_schedule(Tensor records, Tensor quota, Tensor relay, Tensor wave, Tensor masks, int rank, "
+        "int num_phases, int relay_phase, int[] rail_phase, int[] deliver_phase) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(railwave, CPU, m) {
@@ -21,6 +24,7 @@ TORCH_LIBRARY_IMPL(railwave, CPU, m) {
   m.impl("pack_rows", &railwave::cpu::pack_rows);
   m.impl("unpack_rows", &railwave::cpu::unpack_rows);
   m.impl("segment_sum", &railwave::cpu::segment_sum);
+  m.impl("rank_schedule", &railwave::cpu::rank_schedule);
 }
 
 #if defined(RAILWAVE_WITH_CUDA)

@@ -27,6 +27,12 @@
 
 namespace railwave::cpu {
 RAILWAVE_OP_SIGNATURES
+
+// Host planning (CPU tensors only, whatever the exchange's device): csrc/cpu/schedule.cpp.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> rank_schedule(
+    const at::Tensor& records_NNG, const at::Tensor& quota_NNG, const at::Tensor& relay_NNGG,
+    const at::Tensor& wave_NN, const at::Tensor& masks_WM, int64_t rank, int64_t num_phases, int64_t relay_phase,
+    at::IntArrayRef rail_phase_V, at::IntArrayRef deliver_phase_R);
 }  // namespace railwave::cpu
 
 #if defined(RAILWAVE_WITH_CUDA)

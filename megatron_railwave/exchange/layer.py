@@ -36,7 +36,7 @@ import torch
 
 from .. import ops
 from ..planner import Path, PathPlan, PlanOptions
-from ..schedule import ExecutionSchedule, RankView, RecordWireFormat, compile_schedule, rank_view
+from ..schedule import ExecutionSchedule, RankView, RecordWireFormat, compile_for_rank
 from ..schedule.wire import META_FIXED_WORDS, ROUTING_BITS_PER_WORD
 from ..topology import RailTopology
 from ..traffic import DemandCounts
@@ -235,14 +235,15 @@ def prepare_layer(ctx: RankContext, layer: LayerDemand, plan: PathPlan, *, hidde
     """Compile the schedule and build this rank's index maps. No communication, no host sync."""
     wire = RecordWireFormat(hidden=hidden_size, payload_dtype=hidden_dtype, probs_dtype=probs_dtype,
                             experts_per_node=ctx.experts_per_node)
-    schedule = compile_schedule(plan, wire, demand=layer.demand)
-    view = rank_view(schedule, ctx.groups.railwave_rank)
+    compiled = compile_for_rank(plan, wire, demand=layer.demand, node=ctx.groups.node_index,
+                                rank=ctx.groups.railwave_rank)
+    schedule, view = compiled.schedule, compiled.view
     if view.num_records != layer.num_records:
         raise RuntimeError(f"internal: railwave rank {ctx.groups.railwave_rank}: the plan counts {view.num_records} "
                            f"records of this rank, its routing has {layer.num_records}")
     n_rec = layer.num_records
     layout = build_layout(plan, view, token_R=layer.token_C[:n_rec], node_R=layer.node_C[:n_rec],
-                          mask_R=layer.mask_C[:n_rec])
+                          mask_R=layer.mask_C[:n_rec], counts=compiled.layout_counts)
     tokens_per_expert = layer.demand.view_experts_X
     return LayerHandle(schedule=schedule, view=view, layout=layout, tokens_per_expert=tokens_per_expert,
                        num_entries=int(tokens_per_expert.sum()), num_tokens=layer.num_tokens,

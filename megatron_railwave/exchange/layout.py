@@ -6,8 +6,8 @@ this GPU's egress, n_arr rows arriving in one round, n_copy copies received, n_e
 
 Everything here runs on the input's device with tensor ops whose output sizes are host
 integers from the rank view: no host sync, no Python loop over records. The small count
-tensors the maps are built from travel to the device in one non-blocking copy
-(``HostCounts``). Row orders are those of ``schedule.rank_view``.
+tensors the maps are built from (``layout_counts``, or ``ops.rank_schedule``'s copy of them)
+travel to the device in one non-blocking copy. Row orders are those of ``schedule.rank_view``.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from .. import ops
 from ..planner import PathPlan
 from ..schedule import RankView
 
-__all__ = ["HostCounts", "LayerLayout", "build_layout", "select_positions"]
+__all__ = ["HostCounts", "LayerLayout", "build_layout", "layout_counts", "select_positions"]
 
 
 class HostCounts:
@@ -98,8 +98,35 @@ class LayerLayout:
     num_copies: int
 
 
+def layout_counts(plan: PathPlan, view: RankView) -> np.ndarray:
+    """[K] int64 (numpy): the host counts ``build_layout`` needs, in this order: counts_N,
+    keep_N, surplus_lo_N, deficit_hi_NG, wave_N, pool_key [G, N], pool_count [G, N], then the
+    arrival masks' counts of rounds 1..V (the round's sources ascending, owner, mask).
+
+    ``ops.rank_schedule`` computes the same array with the schedule (``schedule.compile_for_rank``).
+    """
+    g = plan.topology.gpus_per_node
+    s, me = view.node, view.local
+    # The greedy fill's intervals of this node's pairs, from the plan's relay counts. keep = what
+    # owners keep; surplus / deficit lines = relayed out / in.
+    relay_DGL = plan.relay_NNGG[s].numpy()  # [d, owner, egress]
+    keep_DG = np.einsum("dgg->dg", relay_DGL)
+    moved_DGL = relay_DGL - keep_DG[:, :, None] * np.eye(g, dtype=np.int64)
+    surplus_DG, deficit_DG = moved_DGL.sum(axis=2), moved_DGL.sum(axis=1)
+    # Pool rows (kept, then owners o != me), each block by destination node: key node * G + owner.
+    owners = [me] + [o for o in range(g) if o != me]
+    pool_NB = np.concatenate([view.kept_N[:, None], view.relay_in_NG[:, owners[1:]]], axis=1)  # [N, blocks]
+    parts = [plan.records_NNG[s, :, me].numpy(), keep_DG[:, me],
+             np.cumsum(surplus_DG, axis=1)[:, me] - surplus_DG[:, me], np.cumsum(deficit_DG, axis=1).reshape(-1),
+             plan.pair_wave_NN[s].numpy(), (np.arange(view.kept_N.size)[None, :] * g + np.array(owners)[:, None]).reshape(-1),
+             pool_NB.T.reshape(-1)]
+    for rnd in range(1, plan.num_waves + 1):
+        parts.append(view.arrival_counts_NGM[view.source_round_N == rnd].reshape(-1))
+    return np.concatenate(parts).astype(np.int64, copy=False)
+
+
 def build_layout(plan: PathPlan, view: RankView, *, token_R: torch.Tensor, node_R: torch.Tensor,
-                 mask_R: torch.Tensor) -> LayerLayout:
+                 mask_R: torch.Tensor, counts: np.ndarray | None = None) -> LayerLayout:
     """Owner, egress and delivery maps of rank ``view.rank`` (device; no host sync).
 
     Args:
@@ -107,6 +134,7 @@ def build_layout(plan: PathPlan, view: RankView, *, token_R: torch.Tensor, node_
         view: the rank's view of the schedule.
         token_R, node_R, mask_R: [n_rec] int64 (device), the rank's records in canonical order
             (``ops.records_from_routing`` cut to n_rec).
+        counts: ``layout_counts(plan, view)`` when already computed (``schedule.compile_for_rank``).
     """
     topo = plan.topology
     n, g = topo.num_nodes, topo.gpus_per_node
@@ -114,65 +142,54 @@ def build_layout(plan: PathPlan, view: RankView, *, token_R: torch.Tensor, node_
     s, me = view.node, view.local
     device = token_R.device
     n_rec = view.num_records
-
-    # The greedy fill's intervals of this node's pairs, from the plan's relay counts (numpy:
-    # small host arrays). keep = what owners keep; surplus / deficit lines = relayed out / in.
-    relay_DGL = plan.relay_NNGG[s].numpy()  # [d, owner, egress]
-    keep_DG = np.einsum("dgg->dg", relay_DGL)
-    moved_DGL = relay_DGL - keep_DG[:, :, None] * np.eye(g, dtype=np.int64)
-    surplus_DG, deficit_DG = moved_DGL.sum(axis=2), moved_DGL.sum(axis=1)
-    host = HostCounts()
-    host.add("counts_N", plan.records_NNG[s, :, me])
-    host.add("keep_N", keep_DG[:, me])
-    host.add("surplus_lo_N", np.cumsum(surplus_DG, axis=1)[:, me] - surplus_DG[:, me])
-    host.add("deficit_hi_NG", np.cumsum(deficit_DG, axis=1))
-    host.add("wave_N", plan.pair_wave_NN[s])
-    # Pool rows (kept, then owners o != me), each block by destination node: key node * G + owner.
-    owners = [me] + [o for o in range(g) if o != me]
-    pool_NB = np.concatenate([view.kept_N[:, None], view.relay_in_NG[:, owners[1:]]], axis=1)  # [N, blocks]
-    host.add("pool_key", np.arange(n)[None, :] * g + np.array(owners)[:, None])
-    host.add("pool_count", pool_NB.T)
+    if counts is None:
+        counts = layout_counts(plan, view)
+    # One copy to the device (pinned, non-blocking on CUDA); the named parts are views of it.
+    flat = torch.from_numpy(counts)
+    flat = flat.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else flat.to(device)
+    offsets = np.cumsum([0, n, n, n, n * g, n, g * n, g * n])
+    counts_N, keep_N, surplus_lo_N, deficit_hi_NG, wave_N, pool_key, pool_count = (
+        flat[a:b] for a, b in zip(offsets[:-1], offsets[1:]))
+    pool_GN = counts[offsets[6]:offsets[7]].reshape(g, n)  # host: pool rows per (block, node)
     # Arrival masks of rounds >= 1: sources of the round ascending, then owner, then mask.
-    arrival_rounds = []
+    arrival_rounds, start = [], int(offsets[-1])
     for rnd in range(1, plan.num_waves + 1):
-        sources = np.flatnonzero(view.source_round_N == rnd)
-        counts = view.arrival_counts_NGM[sources].reshape(-1)
-        host.add(f"arrive_count_{rnd}", counts)
-        arrival_rounds.append((rnd, int(counts.sum()), sources.size))
-    dev = host.to(device)
+        num_sources = int(np.count_nonzero(view.source_round_N == rnd))
+        size = num_sources * g * m
+        arrival_rounds.append((rnd, int(counts[start:start + size].sum()), num_sources, flat[start:start + size]))
+        start += size
 
-    egress_R, _ = ops.assign_egress(node_R, owner_gpu=me, counts_N=dev["counts_N"], keep_N=dev["keep_N"],
-                                    surplus_lo_N=dev["surplus_lo_N"],
-                                    deficit_hi_NG=dev["deficit_hi_NG"].view(n, g), wave_N=dev["wave_N"])
+    egress_R, _ = ops.assign_egress(node_R, owner_gpu=me, counts_N=counts_N, keep_N=keep_N,
+                                    surplus_lo_N=surplus_lo_N, deficit_hi_NG=deficit_hi_NG.view(n, g), wave_N=wave_N)
     category_R = torch.where(node_R == s, g, egress_R)
     owner_order = torch.sort(category_R, stable=True).indices
 
-    pool_total = int(pool_NB.sum())
-    egress_is_kept = not bool(pool_NB[:, 1:].any())
+    pool_total = int(pool_GN.sum())
+    egress_is_kept = not bool(pool_GN[1:].any())
     if egress_is_kept:  # the pool is the kept records, already in egress order: the identity
         egress_perm = egress_inverse = torch.arange(pool_total, dtype=torch.int64, device=device)
     else:
-        egress_perm = torch.sort(_runs(dev["pool_key"], dev["pool_count"], pool_total), stable=True).indices
+        egress_perm = torch.sort(_runs(pool_key, pool_count, pool_total), stable=True).indices
         egress_inverse = torch.empty_like(egress_perm).scatter_(
             0, egress_perm, torch.arange(pool_total, dtype=torch.int64, device=device))
 
     masks = [mask_R[owner_order[n_rec - view.owner_category_counts[g]:]]]  # round 0: own local records
     arrivals = [view.owner_category_counts[g]]
     mask_ids = torch.arange(m, dtype=torch.int64, device=device)
-    for rnd, total, num_sources in arrival_rounds:
-        masks.append(_runs(mask_ids.repeat(num_sources * g), dev[f"arrive_count_{rnd}"], total))
+    for _, total, num_sources, arrive_count in arrival_rounds:
+        masks.append(_runs(mask_ids.repeat(num_sources * g), arrive_count, total))
         arrivals.append(total)
     bits_G = torch.ones(g, dtype=torch.int64, device=device) << torch.arange(g, device=device)
     deliver_index = []
     for rnd, mask_A in enumerate(masks):
-        counts = view.phases[_deliver_phase(view, rnd)].send_Q
+        delivered = sum(view.phases[_deliver_phase(view, rnd)].send_Q)
         hit_GA = (mask_A.unsqueeze(0) & bits_G.unsqueeze(1)) != 0  # [G, n_arr], j-major
-        pos = select_positions(hit_GA.reshape(-1), sum(counts))
+        pos = select_positions(hit_GA.reshape(-1), delivered)
         deliver_index.append(pos % max(mask_A.numel(), 1))
     return LayerLayout(token_R=token_R, node_R=node_R, owner_order=owner_order,
                        category_counts=list(view.owner_category_counts), egress_perm=egress_perm,
                        egress_inverse=egress_inverse, egress_is_kept=egress_is_kept,
-                       pool_counts=pool_NB.sum(axis=0).tolist(), deliver_index=deliver_index,
+                       pool_counts=pool_GN.sum(axis=1).tolist(), deliver_index=deliver_index,
                        arrivals=arrivals, num_copies=view.num_copies)
 
 

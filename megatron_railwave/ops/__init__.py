@@ -1,5 +1,5 @@
 """RailWave data-movement ops: records from routing, RailBalance egress, row packing and the
-fixed-order segment sum.
+fixed-order segment sum; and one host-planning op, ``rank_schedule`` (compiled only).
 
 Letters: T tokens of one rank, E experts, N nodes, G GPUs per node, M = 2**G target masks,
 C = T * N record capacity, n rows, S segments, R rails.
@@ -30,6 +30,7 @@ __all__ = [
     "row_bytes",
     "segment_sum",
     "records_per_node_rail",
+    "rank_schedule",
     "compiled_for",
     "load_error",
     "set_forced_reference",
@@ -164,3 +165,46 @@ def records_per_node_rail(
     if compiled_for(node_R.device):
         return torch.ops.railwave.records_per_node_rail(node_R, egress_R, rail_of_gpu_G, num_nodes, num_rails)
     return reference.records_per_node_rail(node_R, egress_R, rail_of_gpu_G, num_nodes, num_rails)
+
+
+def rank_schedule(
+    records_NNG: torch.Tensor,
+    quota_NNG: torch.Tensor,
+    relay_NNGG: torch.Tensor,
+    wave_NN: torch.Tensor,
+    masks_WM: torch.Tensor,
+    *,
+    rank: int,
+    num_phases: int,
+    relay_phase: int,
+    rail_phase_V: Sequence[int],
+    deliver_phase_R: Sequence[int],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """One rank's part of compiling a plan, in one compiled call (csrc/cpu/schedule.cpp); None
+    where the compiled ops do not load (the caller then runs the Python pipeline it replaces).
+
+    Meaning: ``schedule.compile_schedule`` with the deliveries of the rank's node, then
+    ``schedule.rank_view`` and ``exchange.layout``'s host counts; that pipeline is the reference
+    (it sits above this package, so the equality is checked by tests/unit/test_rank_schedule_op.py).
+
+    Args:
+        records_NNG, quota_NNG: [N, N, G] int64, relay_NNGG: [N, N, G, G] int64, wave_NN: [N, N]
+            int64: the ``PathPlan``'s tensors (CPU).
+        masks_WM: [W, M] int64 (CPU), records every rank sends to the rank's node, by target mask.
+        rank: the EP rank (node * G + local GPU).
+        num_phases, relay_phase, rail_phase_V [V], deliver_phase_R [V + 1]: the schedule's phase
+            count and the indices of its dispatch phases.
+
+    Returns:
+        table [4, X] (phase, src, dst, rows of the dispatch transfers, sorted by phase, stable),
+        send_PQ and recv_PQ [P, max(N, G)] (rows to / from each peer per phase: node on rails,
+        GPU on NVLink; combine phases zero), view (categories [G + 1], kept_N [N], relay_in_NG
+        [N * G], egress_N [N], source_round_N [N], arrival_NGM [N * G * M], num_copies [1]) and
+        layout (``exchange.layout``'s host counts, in its order); all int64 on the CPU. Host
+        sync: no (host tensors only).
+    """
+    if not compiled_for(torch.device("cpu")):
+        return None
+    return torch.ops.railwave.rank_schedule(records_NNG.contiguous(), quota_NNG.contiguous(), relay_NNGG.contiguous(),
+                                            wave_NN.contiguous(), masks_WM.contiguous(), rank, num_phases, relay_phase,
+                                            list(rail_phase_V), list(deliver_phase_R))

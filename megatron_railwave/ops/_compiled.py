@@ -125,6 +125,17 @@ def _register_python_parts() -> None:
     def _segment_sum_fake(values, segment_ids, num_segments, out_dtype):
         return values.new_empty((num_segments, *values.shape[1:]), dtype=out_dtype)
 
+    @torch.library.register_fake(lib + "rank_schedule")
+    def _rank_schedule_fake(records, quota, relay, wave, masks, rank, num_phases, relay_phase, rail_phase,
+                            deliver_phase):
+        n, g = records.shape[0], records.shape[2]
+        m, width = 1 << g, max(n, g)
+        new = records.new_empty
+        transfers = torch.library.get_ctx().new_dynamic_size()
+        return (new((4, transfers)), new((num_phases, width)), new((num_phases, width)),
+                new((g + 1 + 3 * n + n * g + n * g * m + 1,)),
+                new((4 * n + n * g + 2 * g * n + (n - 1) * g * m,)))
+
     def _segment_sum_setup(ctx, inputs, output):
         values, segment_ids, _, _ = inputs
         ctx.save_for_backward(segment_ids)

@@ -4,6 +4,7 @@ counters count. Pure: no communication, host tensors only.
 """
 
 from .execution import Direction, ExecutionSchedule, MaskSource, Phase, PhaseKind, compile_schedule
+from .for_rank import RankSchedule, compile_for_rank
 from .rank_view import PhaseCounts, RankView, rank_view
 from .wire import META_FIXED_WORDS, ROUTING_BITS_PER_WORD, RecordWireFormat
 
@@ -17,6 +18,8 @@ __all__ = [
     "PhaseCounts",
     "RankView",
     "rank_view",
+    "RankSchedule",
+    "compile_for_rank",
     "RecordWireFormat",
     "META_FIXED_WORDS",
     "ROUTING_BITS_PER_WORD",

@@ -74,6 +74,21 @@ class RankView:
         return self.phases[phase.index]
 
 
+def phase_counts(phases: tuple[Phase, ...], send_PQ: list[list[int]], recv_PQ: list[list[int]], n: int,
+                 g: int) -> tuple[PhaseCounts, ...]:
+    """Per phase, the rank's rows to / from each peer (``send_PQ`` / ``recv_PQ``: [P, >= max(N, G)]
+    rows per dispatch phase and peer; a combine phase runs its mirror backwards)."""
+    counts = []
+    for p in phases:
+        q = n if p.group == "rail" else g
+        if p.mirror_of is None:
+            send, recv = send_PQ[p.index][:q], recv_PQ[p.index][:q]
+        else:
+            send, recv = recv_PQ[p.mirror_of][:q], send_PQ[p.mirror_of][:q]
+        counts.append(PhaseCounts(phase=p, send_Q=send, recv_Q=recv))
+    return tuple(counts)
+
+
 def rank_view(schedule: ExecutionSchedule, rank: int) -> RankView:
     """This rank's row counts per phase (from the transfer table) and buffer-order counts.
 
@@ -102,16 +117,7 @@ def rank_view(schedule: ExecutionSchedule, rank: int) -> RankView:
         np.add.at(out, phase * width + peer_index, rows)
         return out.reshape(num_phases, width).tolist()
 
-    send_PQ = dense(src_X == rank, dst_X)
-    recv_PQ = dense(dst_X == rank, src_X)
-    counts = []
-    for p in schedule.phases:
-        q = n if p.group == "rail" else g
-        if p.mirror_of is None:
-            send, recv = send_PQ[p.index][:q], recv_PQ[p.index][:q]
-        else:  # combine runs its mirror backwards
-            send, recv = recv_PQ[p.mirror_of][:q], send_PQ[p.mirror_of][:q]
-        counts.append(PhaseCounts(phase=p, send_Q=send, recv_Q=recv))
+    counts = phase_counts(schedule.phases, dense(src_X == rank, dst_X), dense(dst_X == rank, src_X), n, g)
 
     wave_N = plan.pair_wave_NN.numpy()
     remote_N = wave_N[node] >= 0
@@ -126,7 +132,7 @@ def rank_view(schedule: ExecutionSchedule, rank: int) -> RankView:
     num_copies = sum(sum(c.recv_Q) for c in counts if c.phase.direction == Direction.DISPATCH
                      and c.phase.kind == "deliver")
     return RankView(
-        rank=rank, node=node, local=me, phases=tuple(counts), owner_category_counts=categories,
+        rank=rank, node=node, local=me, phases=counts, owner_category_counts=categories,
         kept_N=kept_N, relay_in_NG=relay_in_NG, egress_N=egress_N,
         arrival_counts_NGM=arrival_mask_counts_NGM(plan, schedule.demand, node, me).numpy(),
         source_round_N=source_round_N, num_copies=num_copies,

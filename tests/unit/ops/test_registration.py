@@ -27,6 +27,13 @@ def _samples(compiled):
         (compiled.pack_rows.default, ([payload, probs], [token.clamp(min=0), token.clamp(min=0)])),
         (compiled.unpack_rows.default, (packed, [16, 12], None, -1)),
         (compiled.unpack_rows.default, (packed, [16, 12], torch.randperm(40, generator=gen)[:32], 40)),
+        (compiled.rank_schedule.default, (torch.tensor([[[2, 1], [3, 0]], [[1, 1], [0, 4]]]),
+                                          torch.tensor([[[2, 1], [2, 1]], [[1, 1], [2, 2]]]),
+                                          torch.tensor([[[[2, 0], [0, 1]], [[2, 1], [0, 0]]],
+                                                        [[[1, 0], [0, 1]], [[0, 0], [0, 4]]]]),
+                                          torch.tensor([[-1, 0], [0, -1]]), torch.tensor([[0, 1, 1, 0], [0, 1, 0, 0],
+                                                                                          [0, 0, 1, 0], [0, 0, 0, 1]]),
+                                          1, 8, 0, [2], [1, 3])),
         (compiled.segment_sum.default, (torch.randn(10, 4, generator=gen, requires_grad=True),
                                         torch.randint(0, 3, (10,), generator=gen), 3, torch.bfloat16)),
     ]

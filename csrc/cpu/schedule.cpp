@@ -1,0 +1,261 @@
+// rank_schedule: one rank's part of compiling a PathPlan (host planning of every layer).
+//
+// Letters: N nodes (s source, d destination), G GPUs per node (o owner, l egress / arrival,
+// j target), W = N * G ranks, M = 2**G target masks, V waves, P phases, X transfers.
+//
+// Meaning (the Python pipeline this replaces on the exchange's path, bit for bit; tests/unit/
+// test_rank_schedule_op.py checks it): schedule.compile_schedule (the transfer table, with the
+// deliveries of the rank's node only), schedule.rank_view (its counts) and the host counts of
+// exchange.layout.build_layout. That pipeline is ~400 small numpy calls per layer; here it is a
+// few loops over N * N * G * G integers, so the per-layer planning cost is the Python glue.
+//
+// Host only: CPU int64 tensors in and out, no device data.
+
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "../common/check.h"
+#include "../common/ops.h"
+
+namespace railwave::cpu {
+namespace {
+
+struct Transfer {
+  int64_t phase, src, dst, rows;
+};
+
+void check_host_long(const at::Tensor& t, const char* name, std::initializer_list<int64_t> shape) {
+  RW_CHECK(t.device().is_cpu(), name, " must be a CPU tensor (host planning), got ", t.device());
+  RW_CHECK(t.scalar_type() == at::kLong, name, " must be int64, got ", t.scalar_type());
+  RW_CHECK(t.is_contiguous(), name, " must be contiguous");
+  RW_CHECK(t.sizes().equals(shape), name, " has shape ", t.sizes(), ", expected ", at::IntArrayRef(shape));
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> rank_schedule(
+    const at::Tensor& records_NNG, const at::Tensor& quota_NNG, const at::Tensor& relay_NNGG,
+    const at::Tensor& wave_NN, const at::Tensor& masks_WM, int64_t rank, int64_t num_phases, int64_t relay_phase,
+    at::IntArrayRef rail_phase_V, at::IntArrayRef deliver_phase_R) {
+  RW_CHECK(records_NNG.dim() == 3, "records_NNG must be [N, N, G], got ", records_NNG.sizes());
+  const int64_t N = records_NNG.size(0), G = records_NNG.size(2), W = N * G;
+  RW_CHECK(G >= 1 && G <= 8, "G must be in 1..8, got ", G);
+  const int64_t M = int64_t{1} << G, V = static_cast<int64_t>(rail_phase_V.size());
+  check_host_long(records_NNG, "records_NNG", {N, N, G});
+  check_host_long(quota_NNG, "quota_NNG", {N, N, G});
+  check_host_long(relay_NNGG, "relay_NNGG", {N, N, G, G});
+  check_host_long(wave_NN, "wave_NN", {N, N});
+  check_host_long(masks_WM, "masks_WM", {W, M});
+  RW_CHECK(rank >= 0 && rank < W, "rank ", rank, " is not in 0..", W - 1);
+  RW_CHECK(static_cast<int64_t>(deliver_phase_R.size()) == V + 1, "deliver_phase_R has ", deliver_phase_R.size(),
+           " entries, expected V + 1 = ", V + 1);
+  const int64_t* records = records_NNG.data_ptr<int64_t>();
+  const int64_t* quota = quota_NNG.data_ptr<int64_t>();
+  const int64_t* relay = relay_NNGG.data_ptr<int64_t>();
+  const int64_t* wave = wave_NN.data_ptr<int64_t>();
+  const int64_t* masks = masks_WM.data_ptr<int64_t>();
+  const int64_t s = rank / G, me = rank % G;
+  auto rel = [&](int64_t a, int64_t b, int64_t o, int64_t l) { return relay[((a * N + b) * G + o) * G + l]; };
+  auto remote = [&](int64_t a, int64_t b) { return wave[a * N + b] >= 0; };
+  for (int64_t a = 0; a < N; ++a) {
+    for (int64_t b = 0; b < N; ++b) {
+      const int64_t w = wave[a * N + b];
+      RW_CHECK(w < V && (w >= 0) == (a != b), "wave_NN[", a, ", ", b, "] = ", w, " is not a wave of ", V,
+               " (or -1 on the diagonal only)");
+    }
+  }
+
+  // ---- the transfer table (compile_schedule): relay, rail, then this node's deliveries.
+  std::vector<Transfer> table;
+  for (int64_t a = 0; a < N; ++a) {  // stage 1: owner (a, o) -> proxy (a, l), remote pairs summed
+    for (int64_t o = 0; o < G; ++o) {
+      for (int64_t l = 0; l < G; ++l) {
+        if (o == l) continue;
+        int64_t rows = 0;
+        for (int64_t b = 0; b < N; ++b) rows += remote(a, b) ? rel(a, b, o, l) : 0;
+        if (rows) table.push_back({relay_phase, a * G + o, a * G + l, rows});
+      }
+    }
+  }
+  for (int64_t a = 0; a < N; ++a) {  // stage 2: GPU (a, l) -> GPU (b, l) in the pair's wave
+    for (int64_t b = 0; b < N; ++b) {
+      if (!remote(a, b)) continue;
+      for (int64_t l = 0; l < G; ++l) {
+        const int64_t rows = quota[(a * N + b) * G + l];
+        if (rows) table.push_back({rail_phase_V[wave[a * N + b]], a * G + l, b * G + l, rows});
+      }
+    }
+  }
+  // Stage 3 into node s. Owner o's list of records into s is sorted by mask; [0, keep) stays on
+  // o, then its surplus goes to the proxies in GPU order. F(x)[j] = copies for target j among the
+  // first x records: with P[m][j] the copies of the runs before mask m, F(x) = P[m*] + (x - lo(m*))
+  // * bit(m*, j) for the run m* holding x. The ends of the proxies' parts ascend, so one sweep.
+  std::vector<int64_t> copies_NGG(static_cast<size_t>(N * G * G), 0);  // [a, arrival l, target j]
+  std::vector<int64_t> f_prev(static_cast<size_t>(G)), f_cur(static_cast<size_t>(G)), run_P(static_cast<size_t>(G));
+  for (int64_t a = 0; a < N; ++a) {
+    for (int64_t o = 0; o < G; ++o) {
+      const int64_t* hist = masks + (a * G + o) * M;
+      const int64_t keep = rel(a, s, o, o);
+      int64_t m = 0, lo = 0;  // current run and its start
+      std::fill(run_P.begin(), run_P.end(), 0);
+      auto value_at = [&](int64_t x, std::vector<int64_t>& out) {
+        while (m < M && lo + hist[m] <= x) {
+          for (int64_t j = 0; j < G; ++j) run_P[j] += ((m >> j) & 1) ? hist[m] : 0;
+          lo += hist[m];
+          ++m;
+        }
+        for (int64_t j = 0; j < G; ++j) out[j] = run_P[j] + (m < M && ((m >> j) & 1) ? x - lo : 0);
+      };
+      value_at(keep, f_prev);
+      for (int64_t j = 0; j < G; ++j) copies_NGG[(a * G + o) * G + j] += f_prev[j];  // kept: arrives at o
+      int64_t end = keep;
+      for (int64_t l = 0; l < G; ++l) {
+        if (l == o) continue;
+        const int64_t moved = rel(a, s, o, l);
+        if (!moved) continue;
+        end += moved;
+        value_at(end, f_cur);
+        for (int64_t j = 0; j < G; ++j) copies_NGG[(a * G + l) * G + j] += f_cur[j] - f_prev[j];
+        std::swap(f_prev, f_cur);
+      }
+    }
+  }
+  std::vector<int64_t> round_N(static_cast<size_t>(N));
+  for (int64_t a = 0; a < N; ++a) round_N[a] = a == s ? 0 : wave[a * N + s] + 1;
+  std::vector<int64_t> per_round(static_cast<size_t>((V + 1) * G * G), 0);
+  for (int64_t a = 0; a < N; ++a) {
+    for (int64_t k = 0; k < G * G; ++k) per_round[round_N[a] * G * G + k] += copies_NGG[a * G * G + k];
+  }
+  for (int64_t r = 0; r <= V; ++r) {
+    for (int64_t l = 0; l < G; ++l) {
+      for (int64_t j = 0; j < G; ++j) {
+        const int64_t rows = per_round[(r * G + l) * G + j];
+        if (rows) table.push_back({deliver_phase_R[r], s * G + l, s * G + j, rows});
+      }
+    }
+  }
+  std::stable_sort(table.begin(), table.end(), [](const Transfer& x, const Transfer& y) { return x.phase < y.phase; });
+  const int64_t X = static_cast<int64_t>(table.size());
+  at::Tensor table_4X = at::empty({4, X}, records_NNG.options());
+  int64_t* t = table_4X.data_ptr<int64_t>();
+  for (int64_t x = 0; x < X; ++x) {
+    t[x] = table[x].phase;
+    t[X + x] = table[x].src;
+    t[2 * X + x] = table[x].dst;
+    t[3 * X + x] = table[x].rows;
+  }
+
+  // ---- the rank view: rows to / from each peer per phase (peer = node on rails, GPU on NVLink).
+  std::vector<bool> is_rail(static_cast<size_t>(num_phases), false);
+  for (int64_t v = 0; v < V; ++v) {
+    RW_CHECK(rail_phase_V[v] >= 0 && rail_phase_V[v] < num_phases, "rail phase ", rail_phase_V[v], " out of range");
+    is_rail[rail_phase_V[v]] = true;
+  }
+  std::vector<bool> is_deliver(static_cast<size_t>(num_phases), false);
+  for (int64_t r = 0; r <= V; ++r) {
+    RW_CHECK(deliver_phase_R[r] >= 0 && deliver_phase_R[r] < num_phases, "deliver phase ", deliver_phase_R[r],
+             " out of range");
+    is_deliver[deliver_phase_R[r]] = true;
+  }
+  RW_CHECK(relay_phase >= 0 && relay_phase < num_phases, "relay phase ", relay_phase, " out of range");
+  const int64_t width = std::max(N, G);
+  at::Tensor send_PQ = at::zeros({num_phases, width}, records_NNG.options());
+  at::Tensor recv_PQ = at::zeros({num_phases, width}, records_NNG.options());
+  int64_t* send = send_PQ.data_ptr<int64_t>();
+  int64_t* recv = recv_PQ.data_ptr<int64_t>();
+  int64_t num_copies = 0;
+  for (const Transfer& x : table) {
+    const bool rail = is_rail[x.phase];
+    if (x.src == rank) send[x.phase * width + (rail ? x.dst / G : x.dst % G)] += x.rows;
+    if (x.dst == rank) {
+      recv[x.phase * width + (rail ? x.src / G : x.src % G)] += x.rows;
+      if (is_deliver[x.phase]) num_copies += x.rows;
+    }
+  }
+
+  // view: categories [G + 1], kept_N [N], relay_in_NG [N * G], egress_N [N], source_round_N [N],
+  // arrival_NGM [N * G * M] (records of owner (a, o) arriving at this GPU, by mask), num_copies [1].
+  at::Tensor view = at::zeros({G + 1 + N + N * G + N + N + N * G * M + 1}, records_NNG.options());
+  int64_t* v = view.data_ptr<int64_t>();
+  int64_t* categories = v;
+  int64_t* kept_N = categories + G + 1;
+  int64_t* relay_in_NG = kept_N + N;
+  int64_t* egress_N = relay_in_NG + N * G;
+  int64_t* source_round_N = egress_N + N;
+  int64_t* arrival_NGM = source_round_N + N;
+  for (int64_t b = 0; b < N; ++b) {
+    if (!remote(s, b)) continue;
+    for (int64_t l = 0; l < G; ++l) categories[l] += rel(s, b, me, l);
+    kept_N[b] = rel(s, b, me, me);
+    for (int64_t o = 0; o < G; ++o) relay_in_NG[b * G + o] = o == me ? 0 : rel(s, b, o, me);
+    egress_N[b] = quota[(s * N + b) * G + me];
+  }
+  categories[G] = records[(s * N + s) * G + me];
+  for (int64_t a = 0; a < N; ++a) source_round_N[a] = round_N[a];
+  for (int64_t a = 0; a < N; ++a) {
+    for (int64_t o = 0; o < G; ++o) {
+      const int64_t* hist = masks + (a * G + o) * M;
+      const int64_t keep = rel(a, s, o, o);
+      int64_t start = keep;
+      for (int64_t l = 0; l < me; ++l) start += l == o ? 0 : rel(a, s, o, l);
+      const int64_t lo_x = o == me ? 0 : start;
+      const int64_t hi_x = o == me ? keep : start + rel(a, s, o, me);
+      int64_t c_lo = 0;
+      for (int64_t m = 0; m < M; ++m) {
+        const int64_t c_hi = c_lo + hist[m];
+        arrival_NGM[(a * G + o) * M + m] = std::max<int64_t>(std::min(hi_x, c_hi) - std::max(lo_x, c_lo), 0);
+        c_lo = c_hi;
+      }
+    }
+  }
+  v[view.numel() - 1] = num_copies;
+
+  // ---- layout host counts (exchange.layout.build_layout's HostCounts, same order): counts_N,
+  // keep_N, surplus_lo_N, deficit_hi_NG, wave_N, pool_key [G, N], pool_count [G, N], then the
+  // arrival counts of rounds 1..V (sources of the round ascending, owner, mask).
+  int64_t arrive_total = 0;
+  for (int64_t a = 0; a < N; ++a) arrive_total += round_N[a] >= 1 ? G * M : 0;
+  at::Tensor layout = at::zeros({N + N + N + N * G + N + 2 * G * N + arrive_total}, records_NNG.options());
+  int64_t* counts_N = layout.data_ptr<int64_t>();
+  int64_t* keep_N = counts_N + N;
+  int64_t* surplus_lo_N = keep_N + N;
+  int64_t* deficit_hi_NG = surplus_lo_N + N;
+  int64_t* wave_N = deficit_hi_NG + N * G;
+  int64_t* pool_key = wave_N + N;
+  int64_t* pool_count = pool_key + G * N;
+  int64_t* arrive = pool_count + G * N;
+  for (int64_t b = 0; b < N; ++b) {
+    counts_N[b] = records[(s * N + b) * G + me];
+    keep_N[b] = rel(s, b, me, me);
+    for (int64_t o = 0; o < me; ++o) {
+      for (int64_t l = 0; l < G; ++l) surplus_lo_N[b] += l == o ? 0 : rel(s, b, o, l);
+    }
+    int64_t deficit = 0;
+    for (int64_t l = 0; l < G; ++l) {
+      for (int64_t o = 0; o < G; ++o) deficit += o == l ? 0 : rel(s, b, o, l);
+      deficit_hi_NG[b * G + l] = deficit;
+    }
+    wave_N[b] = wave[s * N + b];
+  }
+  for (int64_t blk = 0; blk < G; ++blk) {  // owners: this GPU (its kept records), then the others
+    const int64_t owner = blk == 0 ? me : (blk - 1 < me ? blk - 1 : blk);
+    for (int64_t b = 0; b < N; ++b) {
+      pool_key[blk * N + b] = b * G + owner;
+      pool_count[blk * N + b] = blk == 0 ? kept_N[b] : relay_in_NG[b * G + owner];
+    }
+  }
+  for (int64_t r = 1; r <= V; ++r) {
+    for (int64_t a = 0; a < N; ++a) {
+      if (round_N[a] != r) continue;
+      std::copy(arrival_NGM + a * G * M, arrival_NGM + (a + 1) * G * M, arrive);
+      arrive += G * M;
+    }
+  }
+  return {table_4X, send_PQ, recv_PQ, view, layout};
+}
+
+}  // namespace railwave::cpu
