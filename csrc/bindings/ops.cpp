@@ -13,6 +13,7 @@ TORCH_LIBRARY(railwave, m) {
   m.def("unpack_rows(Tensor packed, int[] widths, Tensor? row_index, int num_rows) -> Tensor[]");
   m.def("segment_sum(Tensor values, Tensor segment_ids, int num_segments, ScalarType out_dtype) -> Tensor");
   // Host planning: CPU only (its inputs are the gathered counts, always on the host).
+  m.def("rail_plan(Tensor records, Tensor eligible, bool balanced, int phase) -> (Tensor, Tensor)");
   m.def("rank_schedule(Tensor records, Tensor quota, Tensor relay, Tensor wave, Tensor masks, int rank, "
         "int num_phases, int relay_phase, int[] rail_phase, int[] deliver_phase) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
 }
@@ -25,6 +26,7 @@ TORCH_LIBRARY_IMPL(railwave, CPU, m) {
   m.impl("unpack_rows", &railwave::cpu::unpack_rows);
   m.impl("segment_sum", &railwave::cpu::segment_sum);
   m.impl("rank_schedule", &railwave::cpu::rank_schedule);
+  m.impl("rail_plan", &railwave::cpu::rail_plan);
 }
 
 #if defined(RAILWAVE_WITH_CUDA)

@@ -33,6 +33,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> rank_sche
     const at::Tensor& records_NNG, const at::Tensor& quota_NNG, const at::Tensor& relay_NNGG,
     const at::Tensor& wave_NN, const at::Tensor& masks_WM, int64_t rank, int64_t num_phases, int64_t relay_phase,
     at::IntArrayRef rail_phase_V, at::IntArrayRef deliver_phase_R);
+std::tuple<at::Tensor, at::Tensor> rail_plan(const at::Tensor& records_NNG, const at::Tensor& eligible_NNG,
+                                             bool balanced, int64_t phase);
 }  // namespace railwave::cpu
 
 #if defined(RAILWAVE_WITH_CUDA)

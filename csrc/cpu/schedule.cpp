@@ -1,4 +1,5 @@
-// rank_schedule: one rank's part of compiling a PathPlan (host planning of every layer).
+// Host planning of every layer: rank_schedule (one rank's part of compiling a PathPlan) and
+// rail_plan (RailBalance's quotas and relay counts).
 //
 // Letters: N nodes (s source, d destination), G GPUs per node (o owner, l egress / arrival,
 // j target), W = N * G ranks, M = 2**G target masks, V waves, P phases, X transfers.
@@ -256,6 +257,77 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> rank_sche
     }
   }
   return {table_4X, send_PQ, recv_PQ, view, layout};
+}
+
+}  // namespace railwave::cpu
+
+namespace railwave::cpu {
+
+// RailBalance's quotas and relay counts (meaning: planner.railbalance.rail_quota_NNG and
+// relay_NNGG, bit for bit; tests/unit/planner/test_rail_plan_op.py).
+std::tuple<at::Tensor, at::Tensor> rail_plan(const at::Tensor& records_NNG, const at::Tensor& eligible_NNG,
+                                             bool balanced, int64_t phase) {
+  RW_CHECK(records_NNG.dim() == 3 && records_NNG.size(0) == records_NNG.size(1), "records_NNG must be [N, N, G], got ",
+           records_NNG.sizes());
+  const int64_t N = records_NNG.size(0), G = records_NNG.size(2);
+  RW_CHECK(records_NNG.device().is_cpu() && records_NNG.scalar_type() == at::kLong && records_NNG.is_contiguous(),
+           "records_NNG must be a contiguous CPU int64 tensor");
+  RW_CHECK(eligible_NNG.device().is_cpu() && eligible_NNG.scalar_type() == at::kBool && eligible_NNG.is_contiguous() &&
+               eligible_NNG.sizes().equals(records_NNG.sizes()),
+           "eligible_NNG must be a contiguous CPU bool tensor of records_NNG's shape ", records_NNG.sizes());
+  const int64_t* records = records_NNG.data_ptr<int64_t>();
+  const bool* allowed = eligible_NNG.data_ptr<bool>();
+  at::Tensor quota_NNG = at::zeros({N, N, G}, records_NNG.options());
+  at::Tensor relay_NNGG = at::zeros({N, N, G, G}, records_NNG.options());
+  int64_t* quota = quota_NNG.data_ptr<int64_t>();
+  int64_t* relay = relay_NNGG.data_ptr<int64_t>();
+  std::vector<int64_t> keep(static_cast<size_t>(G)), s_lo(static_cast<size_t>(G)), s_hi(static_cast<size_t>(G)),
+      d_lo(static_cast<size_t>(G)), d_hi(static_cast<size_t>(G));
+  for (int64_t s = 0; s < N; ++s) {
+    for (int64_t d = 0; d < N; ++d) {
+      const int64_t* rec = records + (s * N + d) * G;
+      const bool* ok = allowed + (s * N + d) * G;
+      int64_t* q = quota + (s * N + d) * G;
+      if (s == d) {  // the local node is never balanced
+        std::copy(rec, rec + G, q);
+      } else {
+        int64_t num_eligible = 0, to_spread = 0;
+        for (int64_t l = 0; l < G; ++l) {
+          num_eligible += ok[l];
+          to_spread += (balanced || !ok[l]) ? rec[l] : 0;
+        }
+        RW_CHECK(num_eligible >= 1, "node pair (", s, ", ", d, ") has no eligible rail");
+        const int64_t base = to_spread / num_eligible, rem = to_spread - base * num_eligible;
+        const int64_t rot = (s + d + phase) % num_eligible;
+        int64_t pos = -1;
+        for (int64_t l = 0; l < G; ++l) {
+          if (!ok[l]) continue;
+          ++pos;
+          const int64_t shifted = ((pos - rot) % num_eligible + num_eligible) % num_eligible;
+          q[l] = base + (shifted < rem ? 1 : 0) + (balanced ? 0 : rec[l]);
+        }
+      }
+      // Greedy fill: owners' surpluses end to end against the GPUs' deficits end to end.
+      int64_t s_run = 0, d_run = 0;
+      for (int64_t l = 0; l < G; ++l) {
+        keep[l] = std::min(rec[l], q[l]);
+        s_lo[l] = s_run;
+        s_run += rec[l] - keep[l];
+        s_hi[l] = s_run;
+        d_lo[l] = d_run;
+        d_run += q[l] - keep[l];
+        d_hi[l] = d_run;
+      }
+      int64_t* r = relay + (s * N + d) * G * G;
+      for (int64_t o = 0; o < G; ++o) {
+        for (int64_t l = 0; l < G; ++l) {
+          r[o * G + l] = std::max<int64_t>(std::min(s_hi[o], d_hi[l]) - std::max(s_lo[o], d_lo[l]), 0);
+        }
+        r[o * G + o] += keep[o];
+      }
+    }
+  }
+  return {quota_NNG, relay_NNGG};
 }
 
 }  // namespace railwave::cpu

@@ -1,5 +1,5 @@
 """RailWave data-movement ops: records from routing, RailBalance egress, row packing and the
-fixed-order segment sum; and one host-planning op, ``rank_schedule`` (compiled only).
+fixed-order segment sum; and two host-planning ops, ``rail_plan`` and ``rank_schedule`` (compiled only).
 
 Letters: T tokens of one rank, E experts, N nodes, G GPUs per node, M = 2**G target masks,
 C = T * N record capacity, n rows, S segments, R rails.
@@ -31,6 +31,7 @@ __all__ = [
     "segment_sum",
     "records_per_node_rail",
     "rank_schedule",
+    "rail_plan",
     "compiled_for",
     "load_error",
     "set_forced_reference",
@@ -208,3 +209,23 @@ def rank_schedule(
     return torch.ops.railwave.rank_schedule(records_NNG.contiguous(), quota_NNG.contiguous(), relay_NNGG.contiguous(),
                                             wave_NN.contiguous(), masks_WM.contiguous(), rank, num_phases, relay_phase,
                                             list(rail_phase_V), list(deliver_phase_R))
+
+
+def rail_plan(records_NNG: torch.Tensor, eligible_NNG: torch.Tensor, *, balanced: bool,
+              phase: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """RailBalance's quotas and relay counts in one compiled call (csrc/cpu/schedule.cpp); None
+    where the compiled ops do not load (the caller then runs ``planner.railbalance``'s numpy,
+    the reference: tests/unit/planner/test_rail_plan_op.py checks the equality).
+
+    Args:
+        records_NNG: [N, N, G] int64 (CPU), records owned by GPU (s, g) for node d.
+        eligible_NNG: [N, N, G] bool (CPU), GPUs of s allowed to carry the pair's records.
+        balanced: RailBalance (counts within one over the eligible GPUs) or owner-keeps.
+        phase: remainder-rotation counter.
+
+    Returns:
+        quota_NNG [N, N, G] and relay_NNGG [N, N, G, G], int64 on the CPU. Host sync: no.
+    """
+    if not compiled_for(torch.device("cpu")):
+        return None
+    return torch.ops.railwave.rail_plan(records_NNG.contiguous(), eligible_NNG.contiguous(), balanced, phase)

@@ -125,6 +125,11 @@ def _register_python_parts() -> None:
     def _segment_sum_fake(values, segment_ids, num_segments, out_dtype):
         return values.new_empty((num_segments, *values.shape[1:]), dtype=out_dtype)
 
+    @torch.library.register_fake(lib + "rail_plan")
+    def _rail_plan_fake(records, eligible, balanced, phase):
+        n, g = records.shape[0], records.shape[2]
+        return records.new_empty((n, n, g)), records.new_empty((n, n, g, g))
+
     @torch.library.register_fake(lib + "rank_schedule")
     def _rank_schedule_fake(records, quota, relay, wave, masks, rank, num_phases, relay_phase, rail_phase,
                             deliver_phase):

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from .. import ops
 from ..topology import RailTopology
 from ..traffic import DemandCounts, SelectorScales, TrafficStats, rail_load_NRN, traffic_stats
 from .paths import EligiblePolicy, Path, parse_path
@@ -142,8 +143,11 @@ def build_plan(
         )
     records_NNG = records_NGN.permute(0, 2, 1).to(torch.int64).cpu()
     eligible = eligible_NNG(topo, records_NNG, options.policy, options.rail_mask_NG)
-    quota = rail_quota_NNG(records_NNG, eligible, balanced=path.balanced, phase=phase)
-    relay = relay_NNGG(records_NNG, quota)
+    compiled = ops.rail_plan(records_NNG, eligible, balanced=path.balanced, phase=phase)
+    if compiled is None:  # the numpy reference
+        quota = rail_quota_NNG(records_NNG, eligible, balanced=path.balanced, phase=phase)
+        compiled = quota, relay_NNGG(records_NNG, quota)
+    quota, relay = compiled
     if path.waved:
         schedule = bounded_fanin_schedule(n, options.fanin)
     else:
