@@ -5,7 +5,9 @@ Letters: T tokens of the rank, E experts, N nodes, W ranks.
 Timed steps (the host and index work of a layer besides the data movement):
   * records: ``ops.records_from_routing`` on the rank's routing map (the count step's local work);
   * plan: ``build_plan`` from the node view of the gathered counts (pure, host);
-  * schedule: ``compile_schedule`` (this node's deliveries) + ``rank_view``;
+  * schedule: ``schedule.compile_for_rank`` (the schedule with this node's deliveries, the rank
+    view and the layout's counts: one ``ops.rank_schedule`` call where the compiled ops load,
+    else ``compile_schedule`` + ``rank_view``), as the exchange runs it;
   * layout: ``exchange.layout.build_layout`` (egress via ``ops.assign_egress``, relay / egress /
     delivery index maps).
 Medians over repeats after warm-ups; wall and thread CPU time.
@@ -22,7 +24,7 @@ import torch
 from .. import ops
 from ..exchange.layout import build_layout
 from ..planner import Path, PathPlan, PlanOptions, build_plan
-from ..schedule import RecordWireFormat, compile_schedule, rank_view
+from ..schedule import RecordWireFormat, compile_for_rank
 from ..topology import RailTopology
 from ..traffic import DemandCounts
 
@@ -106,10 +108,10 @@ def time_rank_planning(
         t.append(time.perf_counter())
         plan = build_plan(demand, topo, path, options=options, phase=phase)
         t.append(time.perf_counter())
-        view = rank_view(compile_schedule(plan, wire, demand=demand), rank)
+        compiled = compile_for_rank(plan, wire, demand=demand, node=node, rank=rank)
         t.append(time.perf_counter())
-        build_layout(plan, view, token_R=token_C[:num_records], node_R=node_C[:num_records],
-                     mask_R=mask_C[:num_records])
+        build_layout(plan, compiled.view, token_R=token_C[:num_records], node_R=node_C[:num_records],
+                     mask_R=mask_C[:num_records], counts=compiled.layout_counts)
         t.append(time.perf_counter())
         c1 = time.thread_time()
         if i >= warmup:

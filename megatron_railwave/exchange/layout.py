@@ -12,6 +12,7 @@ travel to the device in one non-blocking copy. Row orders are those of ``schedul
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -175,15 +176,14 @@ def build_layout(plan: PathPlan, view: RankView, *, token_R: torch.Tensor, node_
 
     masks = [mask_R[owner_order[n_rec - view.owner_category_counts[g]:]]]  # round 0: own local records
     arrivals = [view.owner_category_counts[g]]
-    mask_ids = torch.arange(m, dtype=torch.int64, device=device)
+    mask_ids, bits_G1 = _mask_constants(g, device)
     for _, total, num_sources, arrive_count in arrival_rounds:
         masks.append(_runs(mask_ids.repeat(num_sources * g), arrive_count, total))
         arrivals.append(total)
-    bits_G = torch.ones(g, dtype=torch.int64, device=device) << torch.arange(g, device=device)
     deliver_index = []
     for rnd, mask_A in enumerate(masks):
         delivered = sum(view.phases[_deliver_phase(view, rnd)].send_Q)
-        hit_GA = (mask_A.unsqueeze(0) & bits_G.unsqueeze(1)) != 0  # [G, n_arr], j-major
+        hit_GA = (mask_A & bits_G1) != 0  # [G, n_arr], j-major
         pos = select_positions(hit_GA.reshape(-1), delivered)
         deliver_index.append(pos % max(mask_A.numel(), 1))
     return LayerLayout(token_R=token_R, node_R=node_R, owner_order=owner_order,
@@ -191,6 +191,13 @@ def build_layout(plan: PathPlan, view: RankView, *, token_R: torch.Tensor, node_
                        egress_inverse=egress_inverse, egress_is_kept=egress_is_kept,
                        pool_counts=pool_GN.sum(axis=1).tolist(), deliver_index=deliver_index,
                        arrivals=arrivals, num_copies=view.num_copies)
+
+
+@functools.lru_cache(maxsize=32)
+def _mask_constants(g: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mask ids [M], GPU bits [G, 1]) int64 on ``device``: read-only, cached (every layer needs them)."""
+    return (torch.arange(1 << g, dtype=torch.int64, device=device),
+            (torch.ones(g, dtype=torch.int64, device=device) << torch.arange(g, device=device)).unsqueeze(1))
 
 
 def _deliver_phase(view: RankView, rnd: int) -> int:
