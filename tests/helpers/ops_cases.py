@@ -25,3 +25,20 @@ def random_routing_map(num_tokens: int, num_experts: int, topk: int, generator: 
         ids = torch.rand(num_tokens, num_experts, generator=generator).topk(k, dim=1).indices
         routing.scatter_(1, ids, True)
     return routing
+
+
+def random_failed_topology(rng, num_nodes: int, gpus: int, failed: int):
+    """A ``RailTopology`` with up to ``failed`` random failed rails (every node keeps a healthy
+    one), or None when two nodes are left without a common healthy rail (the topology rejects it).
+
+    Args:
+        rng: a numpy ``Generator``.
+    """
+    from megatron_railwave.topology import RailTopology
+
+    picked = {(int(rng.integers(num_nodes)), int(rng.integers(gpus))) for _ in range(failed)}
+    failed_rails = frozenset((n, r) for n, r in picked if sum(1 for m, _ in picked if m == n) < gpus)
+    try:
+        return RailTopology(num_nodes=num_nodes, gpus_per_node=gpus, failed_rails=failed_rails)
+    except ValueError:
+        return None

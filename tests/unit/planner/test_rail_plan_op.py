@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 from megatron_railwave import ops
 from megatron_railwave.planner import EligiblePolicy, PlanOptions, build_plan
 from megatron_railwave.planner.railbalance import eligible_NNG, rail_quota_NNG, relay_NNGG
-from megatron_railwave.topology import RailTopology
+
+from tests.helpers.ops_cases import random_failed_topology
 
 pytestmark = pytest.mark.skipif(ops.load_error() is not None or not ops.compiled_for(torch.device("cpu")),
                                 reason="the compiled ops did not load (make ext)")
@@ -25,12 +26,8 @@ pytestmark = pytest.mark.skipif(ops.load_error() is not None or not ops.compiled
        sparsity=st.sampled_from([0.0, 0.5, 0.9]), seed=st.integers(0, 2**16))
 def test_rail_plan_matches_railbalance(num_nodes, gpus, balanced, policy, phase, failed, sparsity, seed):
     rng = np.random.default_rng(seed)
-    picked = {(int(rng.integers(num_nodes)), int(rng.integers(gpus))) for _ in range(failed)}
-    failed_rails = frozenset((n, r) for n, r in picked if sum(1 for m, _ in picked if m == n) < gpus)
-    try:
-        topo = RailTopology(num_nodes=num_nodes, gpus_per_node=gpus, failed_rails=failed_rails)
-    except ValueError:  # two nodes without a common healthy rail
-        assume(False)
+    topo = random_failed_topology(rng, num_nodes, gpus, failed)
+    assume(topo is not None)  # two nodes without a common healthy rail
     records = rng.integers(0, 40, size=(num_nodes, num_nodes, gpus)) * (rng.random((num_nodes, num_nodes, gpus))
                                                                         > sparsity)
     records_NNG = torch.from_numpy(records.astype(np.int64))

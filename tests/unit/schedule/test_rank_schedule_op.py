@@ -17,6 +17,8 @@ from megatron_railwave.planner import EligiblePolicy, PlanOptions, build_plan
 from megatron_railwave.planner.waves import schedule_from_windows
 from megatron_railwave.schedule import RecordWireFormat, compile_for_rank, compile_schedule, rank_view
 from megatron_railwave.topology import RailTopology
+
+from tests.helpers.ops_cases import random_failed_topology
 from megatron_railwave.traffic import DemandCounts
 
 pytestmark = pytest.mark.skipif(ops.load_error() is not None or not ops.compiled_for(torch.device("cpu")),
@@ -73,13 +75,8 @@ def _assert_same(plan, demand: DemandCounts, rank: int) -> None:
 def test_rank_schedule_matches_the_python_pipeline(num_nodes, gpus, path, policy, fanin, phase, failed, sparsity,
                                                   seed):
     rng = np.random.default_rng(seed)
-    picked = {(int(rng.integers(num_nodes)), int(rng.integers(gpus))) for _ in range(failed)}
-    # Every node keeps a healthy rail (a node without one is rejected by the topology).
-    failed_rails = frozenset((n, r) for n, r in picked if sum(1 for m, _ in picked if m == n) < gpus)
-    try:
-        topo = RailTopology(num_nodes=num_nodes, gpus_per_node=gpus, failed_rails=failed_rails)
-    except ValueError:  # two nodes without a common healthy rail
-        assume(False)
+    topo = random_failed_topology(rng, num_nodes, gpus, failed)
+    assume(topo is not None)  # two nodes without a common healthy rail
     demand = _random_demand(rng, topo, sparsity)
     mask_NG = torch.from_numpy(rng.random((num_nodes, gpus)) > 0.5)
     options = PlanOptions(policy=policy, fanin=fanin, rail_mask_NG=mask_NG if policy == EligiblePolicy.MASK else None)
