@@ -24,7 +24,7 @@ import torch
 from .. import ops
 from ..exchange.layout import build_layout
 from ..planner import Path, PathPlan, PlanOptions, build_plan
-from ..schedule import RecordWireFormat, compile_for_rank
+from ..schedule import MaskSource, RecordWireFormat, compile_for_rank
 from ..topology import RailTopology
 from ..traffic import DemandCounts
 
@@ -69,7 +69,7 @@ def node_view(demand: DemandCounts, node: int) -> DemandCounts:
 
 
 def time_rank_planning(
-    demand: DemandCounts,
+    demand: DemandCounts | MaskSource,
     topo: RailTopology,
     path: Path | str,
     *,
@@ -85,7 +85,8 @@ def time_rank_planning(
     """One rank's planning work for one layer, timed (module docstring).
 
     Args:
-        demand: the gathered counts (a node view of the rank's node, or the full counts).
+        demand: the gathered counts (a node view of the rank's node, the full counts, or a
+            ``workloads.SparseDemand``: anything with ``records_NGN()`` and ``masks_into(node)``).
         rank: the EP rank whose records ``routing_TE`` holds.
         routing_TE: [T, E] bool routing map of ``rank``, consistent with ``demand``.
 
@@ -93,9 +94,8 @@ def time_rank_planning(
         (the plan, medians over ``repeats`` runs after ``warmup`` untimed ones).
     """
     node = topo.node_of(rank)
-    if demand.view_node != node:
-        demand = node_view(demand, node)
-    num_records = int(demand.records_WN[rank].sum())
+    records_NGN = demand.records_NGN()
+    num_records = int(records_NGN[node, topo.local_of(rank)].sum())
     wire = RecordWireFormat(hidden=hidden, payload_dtype=dtype, probs_dtype=torch.float32,
                             experts_per_node=routing_TE.shape[1] // topo.num_nodes)
     samples: list[list[float]] = []
@@ -106,7 +106,7 @@ def time_rank_planning(
         t = [time.perf_counter()]
         token_C, node_C, mask_C, _ = ops.records_from_routing(routing_TE, topo.num_nodes, topo.gpus_per_node)
         t.append(time.perf_counter())
-        plan = build_plan(demand, topo, path, options=options, phase=phase)
+        plan = build_plan(records_NGN, topo, path, options=options, phase=phase)
         t.append(time.perf_counter())
         compiled = compile_for_rank(plan, wire, demand=demand, node=node, rank=rank)
         t.append(time.perf_counter())

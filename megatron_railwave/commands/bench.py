@@ -7,8 +7,10 @@ Samples: every (layer, step) of the synthetic GLM-4.5-Air routing (`workloads.gl
 each ``--pattern``'s sending windows (`workloads.arrange`; ``none`` = all node pairs at once, as a
 training step sends). Per sample and variant (a path; PERM / JOINT once per ``--fanin``):
   * communication: `netmodel.execute_plan` (dispatch + combine, seconds; deterministic);
-  * planning: wall time on this CPU of one rank's ``build_plan`` + ``route_records`` +
-    ``rank_splits`` (rank 0, median of ``--plan-repeats`` after one warm-up), added unscaled.
+  * planning: wall time on this CPU of rank 0's per-layer planning as the exchange runs it
+    (``bench.planning.time_rank_planning``: records from its routing, ``build_plan``, the
+    schedule and rank view, the index maps; median of ``--plan-repeats`` after one warm-up), added
+    unscaled.
 Summary per pattern and variant: P50 / P95 / P99 over samples of communication, planning and
 their sum; speedup over NATIVE (ratio of P50s, and the range of per-sample ratios); NIC shares
 (each node's adapter egress shares sorted descending, mean over nodes and samples).
@@ -64,30 +66,35 @@ def layer_demands(topo: Any, *, layer: int, step: int, tokens: int, seed: int) -
     return sparse_demand_from_topk_ids(ids, topo, spec.num_experts)
 
 
-def _rank0_masks(demand: Any, topo: Any) -> torch.Tensor:
-    """[T, N] masks of rank 0 laid out from its counts (token order is irrelevant to the cost)."""
-    hists = [demand.masks_into(d)[0] for d in range(topo.num_nodes)]
+def _rank0_routing(demand: Any, topo: Any, num_experts: int) -> torch.Tensor:
+    """[T, E] bool routing map of rank 0 laid out from its counts: per destination node its
+    records' target masks, each GPU bit as the first expert of that GPU (token order and which of
+    a GPU's experts are hit do not change the planning cost)."""
+    n, g = topo.num_nodes, topo.gpus_per_node
+    e_node, e_gpu = num_experts // n, num_experts // topo.world_size
+    hists = [demand.masks_into(d)[0] for d in range(n)]
     count = [int(h.sum()) for h in hists]
-    out = torch.zeros(max(count + [1]), topo.num_nodes, dtype=torch.int64)
+    routing = torch.zeros(max(count + [1]), num_experts, dtype=torch.bool)
+    bits = (torch.arange(1 << g).unsqueeze(1) >> torch.arange(g)) & 1  # [M, G]
     for d, h in enumerate(hists):
-        out[: count[d], d] = torch.repeat_interleave(torch.arange(h.numel()), h)
-    return out
+        masks = torch.repeat_interleave(torch.arange(h.numel()), h)
+        routing[: count[d], d * e_node: (d + 1) * e_node: e_gpu] = bits[masks].bool()
+    return routing
 
 
-def _plan_timed(records_NGN: torch.Tensor, demand: Any, topo: Any, path: str, options: Any,
-                masks_TN: torch.Tensor, repeats: int, phase: int) -> tuple[Any, float]:
-    from ..planner import build_plan, rank_splits, route_records
+def _plan_timed(demand: Any, topo: Any, path: str, options: Any, routing_TE: torch.Tensor | None, repeats: int,
+                phase: int) -> tuple[Any, float]:
+    """(plan, seconds): rank 0's per-layer planning as the exchange runs it (``bench.planning``:
+    records, ``build_plan``, ``schedule.compile_for_rank``, index maps), median of ``repeats``
+    after one warm-up; ``repeats`` 0: the plan alone, untimed."""
+    from ..bench.planning import time_rank_planning
+    from ..planner import build_plan
 
-    samples = []
-    for i in range(1 + repeats):
-        t0 = time.perf_counter()
-        plan = build_plan(records_NGN, topo, path, options=options, phase=phase)
-        if repeats:
-            route_records(plan, 0, masks_TN)
-            rank_splits(plan, demand, 0)
-        if i:
-            samples.append(time.perf_counter() - t0)
-    return plan, statistics.median(samples) if samples else 0.0
+    if not repeats:
+        return build_plan(demand.records_NGN(), topo, path, options=options, phase=phase), 0.0
+    plan, timing = time_rank_planning(demand, topo, path, rank=0, routing_TE=routing_TE, options=options,
+                                      phase=phase, warmup=1, repeats=repeats)
+    return plan, timing.total_ms / 1e3
 
 
 def _pct(values: list[float]) -> tuple[float, float, float]:
@@ -265,12 +272,11 @@ def run(args: argparse.Namespace) -> int:
                 for pattern in args.pattern:
                     demand, windows = (base, None) if pattern == "none" else arrange(base, pattern, topo)
                     demand = scaled_demand(demand, args.payload_scale)
-                    records = demand.records_NGN()
-                    masks = _rank0_masks(demand, topo) if args.plan_repeats else None
+                    routing = (_rank0_routing(demand, topo, _model_spec(topo).num_experts)
+                               if args.plan_repeats else None)
                     for variant, path, fanin in variants:
                         options = PlanOptions(fanin=fanin, windows=windows)
-                        plan, plan_s = _plan_timed(records, demand, topo, path, options, masks,
-                                                   args.plan_repeats, layer)
+                        plan, plan_s = _plan_timed(demand, topo, path, options, routing, args.plan_repeats, layer)
                         timing = execute_plan(plan, record_bytes=record_bytes, model=model, demand=demand)
                         stats = plan.stats(record_bytes=record_bytes)
                         samples.append({"bound_s": timing.bound_s, "bound_link": timing.bound_link,
