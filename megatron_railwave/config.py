@@ -65,6 +65,10 @@ class RailWaveConfig:
     """[N][G] 0/1 allowed GPUs for policy 'mask'."""
     fanin: int = 1
     """Wave schedule: senders per receiver per wave (1 = the paper's cyclic schedule)."""
+    chunks: int = 1
+    """PERM / JOINT: rail chunks per wave (each wave's records on a rail leave in this many parts,
+    each delivered while the next is on the rail; 1 = whole waves, the paper's schedule). Torch
+    backend only."""
     anchors: str | None = None
     """Selector anchors YAML (``railwave calibrate``); None = always JOINT for 'auto'."""
     payload_ratio: float | None = None
@@ -141,6 +145,9 @@ class RailWaveConfig:
         if not _is_int(self.fanin) or self.fanin < 1:
             raise ValueError(f"fanin={self.fanin!r} must be an integer >= 1 (remote senders per receiver per "
                              "wave; 1 = the cyclic schedule)")
+        if not _is_int(self.chunks) or self.chunks < 1:
+            raise ValueError(f"chunks={self.chunks!r} must be an integer >= 1 (rail chunks per wave; 1 = whole "
+                             "waves)")
         if self.anchors is not None:
             if not isinstance(self.anchors, (str, os.PathLike)):
                 raise ValueError(f"anchors={self.anchors!r} must be the path of an anchors YAML file "
@@ -191,6 +198,9 @@ class RailWaveConfig:
             if self.backend == "deepep":
                 raise ValueError(f"max_tokens_per_rank={self.max_tokens_per_rank} (fixed-capacity mode) runs on the "
                                  "torch backend only; set backend: torch (or auto), or max_tokens_per_rank: null")
+        if self.backend == "deepep" and _is_int(self.chunks) and self.chunks > 1:
+            raise ValueError(f"chunks={self.chunks} (rail chunks per wave) runs on the torch backend only; DeepEP "
+                             "dispatches whole waves. Set backend: torch (or auto), or chunks: 1")
         if not _is_int(self.deepep_num_sms) or self.deepep_num_sms < 2 or self.deepep_num_sms % 2:
             raise ValueError(f"deepep_num_sms={self.deepep_num_sms!r} must be an even integer >= 2 (DeepEP runs "
                              "two SMs per channel; its default is 20)")
@@ -243,6 +253,7 @@ class RailWaveConfig:
             "failed_rails": repr(sorted(self.failed_rails)),
             "policy": repr((str(self.policy), self.rail_mask)),
             "fanin": str(self.fanin),
+            "chunks": str(self.chunks),
             "max_tokens_per_rank": str(self.max_tokens_per_rank),
         }
 
@@ -310,7 +321,7 @@ class RailWaveConfig:
             if tuple(mask.shape) != (topo.num_nodes, topo.gpus_per_node):
                 raise ValueError(f"rail_mask is {list(mask.shape)} but the topology is {topo.num_nodes} nodes x "
                                  f"{topo.gpus_per_node} GPUs; give one row per node and one 0/1 per local GPU")
-        return PlanOptions(policy=self.policy, rail_mask_NG=mask, fanin=self.fanin)
+        return PlanOptions(policy=self.policy, rail_mask_NG=mask, fanin=self.fanin, chunks=self.chunks)
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)

@@ -5,7 +5,8 @@ M = 2**G target masks.
 
 Samples: every (layer, step) of the synthetic GLM-4.5-Air routing (`workloads.glm`), arranged into
 each ``--pattern``'s sending windows (`workloads.arrange`; ``none`` = all node pairs at once, as a
-training step sends). Per sample and variant (a path; PERM / JOINT once per ``--fanin``):
+training step sends). Per sample and variant (a path; PERM / JOINT once per ``--fanin`` and
+``--chunks``):
   * communication: `netmodel.execute_plan` (dispatch + combine, seconds; deterministic);
   * planning: wall time on this CPU of rank 0's per-layer planning as the exchange runs it
     (``bench.planning.time_rank_planning``: records from its routing, ``build_plan``, the
@@ -153,6 +154,10 @@ def summarize_samples(samples: list[dict[str, Any]]) -> dict[str, Any]:
                     summary[f"{peer}_over_joint_p50"] = _ratio(per[peer]["comm_p50_ms"], per["joint"]["comm_p50_ms"])
                     summary[f"{peer}_plan_over_joint_plan_p50"] = _ratio(per[peer]["plan_p50_ms"],
                                                                          per["joint"]["plan_p50_ms"])
+                    for name in per:  # JOINT's other variants (fan-in, chunks)
+                        if name.startswith("joint/"):
+                            summary[f"{peer}_over_{name}_p50"] = _ratio(per[peer]["comm_p50_ms"],
+                                                                        per[name]["comm_p50_ms"])
         out[pattern] = summary
     return out
 
@@ -187,6 +192,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                        help="native, rail, perm, joint (default all)")
     group.add_argument("--fanin", type=_ints, default=[1], metavar="F,F",
                        help="wave fan-ins for perm/joint (default 1: cyclic, N-1 waves)")
+    group.add_argument("--chunks", type=_ints, default=[1], metavar="C,C",
+                       help="rail chunks per wave for perm/joint (default 1: whole waves)")
     group.add_argument("--peers", type=_choices(("megatron", "fast", "none")), default=["megatron", "fast"],
                        metavar="P,P", help="peers on the same demand and model: megatron (flat all-to-all, "
                                            "PXN), fast (per-layer BvN waves); none (default megatron,fast)")
@@ -223,11 +230,16 @@ def _layers(text: str) -> list[int]:
     return values if "," in text else [-values[0]]  # negative: "the first K layers"
 
 
-def _variants(paths: list[str], fanins: list[int]) -> list[tuple[str, str, int]]:
+def _variants(paths: list[str], fanins: list[int], chunks: list[int]) -> list[tuple[str, str, int, int]]:
+    """(name, path, fan-in, rail chunks): PERM / JOINT once per fan-in and chunk count, e.g.
+    'joint/f4' or 'joint/c2'; NATIVE / RAIL once."""
     out = []
     for path in paths:
-        for f in (fanins if path in ("perm", "joint") else [1]):
-            out.append((path if f == 1 else f"{path}/f{f}", path, f))
+        waved = path in ("perm", "joint")
+        for f in (fanins if waved else [1]):
+            for c in (chunks if waved else [1]):
+                name = path + ("" if f == 1 else f"/f{f}") + ("" if c == 1 else f"/c{c}")
+                out.append((name, path, f, c))
     return out
 
 
@@ -258,9 +270,11 @@ def run(args: argparse.Namespace) -> int:
     peers = [p for p in args.peers if p != "none"]
     if sparse:
         peers = []  # the peers need experts_WE / dense masks
-    variants = _variants(args.paths, args.fanin)
+    if any(c < 1 for c in args.chunks):
+        raise ValueError(f"--chunks must be >= 1, got {args.chunks}")
+    variants = _variants(args.paths, args.fanin, args.chunks)
     if "native" not in args.paths:
-        variants.insert(0, ("native", "native", 1))  # the speedup baseline
+        variants.insert(0, ("native", "native", 1, 1))  # the speedup baseline
     record_bytes = GLM45_AIR.hidden_size * 2
     samples: list[dict[str, Any]] = []
     total = len(layers) * args.steps * len(args.pattern) * (len(variants) + len(peers))
@@ -274,14 +288,14 @@ def run(args: argparse.Namespace) -> int:
                     demand = scaled_demand(demand, args.payload_scale)
                     routing = (_rank0_routing(demand, topo, _model_spec(topo).num_experts)
                                if args.plan_repeats else None)
-                    for variant, path, fanin in variants:
-                        options = PlanOptions(fanin=fanin, windows=windows)
+                    for variant, path, fanin, chunks in variants:
+                        options = PlanOptions(fanin=fanin, windows=windows, chunks=chunks)
                         plan, plan_s = _plan_timed(demand, topo, path, options, routing, args.plan_repeats, layer)
                         timing = execute_plan(plan, record_bytes=record_bytes, model=model, demand=demand)
                         stats = plan.stats(record_bytes=record_bytes)
                         samples.append({"bound_s": timing.bound_s, "bound_link": timing.bound_link,
                                         "pattern": pattern, "layer": layer, "step": step, "variant": variant,
-                                        "path": path, "fanin": fanin, "comm_s": timing.total_s,
+                                        "path": path, "fanin": fanin, "chunks": chunks, "comm_s": timing.total_s,
                                         "dispatch_s": timing.dispatch_s, "combine_s": timing.combine_s,
                                         "rail_s": sum(timing.rail_s_V),
                                         "plan_s": plan_s, "nic_shares": timing.nic_shares().tolist(),
@@ -337,6 +351,10 @@ def _print(summary: dict[str, Any], topo: Any, args: argparse.Namespace) -> None
                 _render.print_text(f"{pattern}: {peer} P50 / JOINT P50 {entry[f'{peer}_over_joint_p50']:.2f}x; "
                                    f"planning {peer} / JOINT "
                                    f"{'-' if plan_ratio is None else f'{plan_ratio:.2f}x'}")
+                for key, value in entry.items():
+                    prefix = f"{peer}_over_joint/"
+                    if key.startswith(prefix) and value is not None:
+                        _render.print_text(f"{pattern}: {peer} P50 / joint/{key[len(prefix):-4]} P50 {value:.3f}x")
         if entry.get("joint_over_best_single") is not None:
             _render.print_text(f"{pattern}: JOINT over the better single mechanism "
                                f"{entry['joint_over_best_single']:.2f}x")

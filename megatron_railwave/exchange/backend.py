@@ -53,15 +53,20 @@ def build_exchange(topo: RailTopology, groups: RankGroups, *, backend: BackendNa
     Collective: yes (the EP group: the backend agreement for 'deepep' / 'auto', DeepEP's Buffer).
 
     Raises:
-        ValueError: 'deepep' and the layout breaks a DeepEP limit (every rank, no communication).
+        ValueError: 'deepep' and the layout breaks a DeepEP limit, or with fixed capacity or rail
+            chunks (every rank, no communication).
         ImportError: 'deepep' and ``deep_ep`` does not import on some rank (every rank raises).
     """
     common = dict(num_experts=num_experts, options=options, timeout_s=timeout_s)
-    if backend == "torch" or (backend == "auto" and max_tokens_per_rank is not None):
+    chunked = options is not None and options.chunks != 1
+    if backend == "torch" or (backend == "auto" and (max_tokens_per_rank is not None or chunked)):
         return TorchDistExchange(topo, groups, max_tokens_per_rank=max_tokens_per_rank, **common)
     if backend == "deepep" and max_tokens_per_rank is not None:
         raise ValueError(f"max_tokens_per_rank={max_tokens_per_rank} (fixed-capacity mode) runs on the torch backend "
                          "only; set backend: torch (or auto), or max_tokens_per_rank: null for DeepEP")
+    if backend == "deepep" and chunked:
+        raise ValueError(f"chunks={options.chunks} (rail chunks per wave) runs on the torch backend only; DeepEP "
+                         "dispatches whole waves. Set backend: torch (or auto), or chunks: 1 for DeepEP")
     if backend not in ("deepep", "auto"):
         raise ValueError(f"backend={backend!r} must be 'torch', 'deepep' or 'auto'")
     from .deepep import DeepEPExchange

@@ -179,6 +179,9 @@ class DeepEPExchange(TorchDistExchange):
         if probs.dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(f"backend 'deepep': probs dtype {probs.dtype}; DeepEP carries them as float32 top-k "
                              "weights, exact for float32, bfloat16 and float16 only")
+        if plan.chunks != 1:
+            raise ValueError(f"backend 'deepep': the plan has {plan.chunks} rail chunks per wave; DeepEP dispatches "
+                             "whole waves. Set chunks: 1 in the RailWave config, or use backend 'torch'")
         handle = super().prepare(layer, plan, hidden, probs)
         view, layout = handle.view, handle.layout
         g, s = self.topo.gpus_per_node, view.node

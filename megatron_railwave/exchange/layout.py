@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from .. import ops
-from ..planner import PathPlan
+from ..planner import PathPlan, chunk_arrival_counts
 from ..schedule import RankView
 
 __all__ = ["HostCounts", "LayerLayout", "build_layout", "layout_counts", "select_positions"]
@@ -121,9 +121,17 @@ def layout_counts(plan: PathPlan, view: RankView) -> np.ndarray:
              np.cumsum(surplus_DG, axis=1)[:, me] - surplus_DG[:, me], np.cumsum(deficit_DG, axis=1).reshape(-1),
              plan.pair_wave_NN[s].numpy(), (np.arange(view.kept_N.size)[None, :] * g + np.array(owners)[:, None]).reshape(-1),
              pool_NB.T.reshape(-1)]
-    for rnd in range(1, plan.num_waves + 1):
-        parts.append(view.arrival_counts_NGM[view.source_round_N == rnd].reshape(-1))
+    for rnd in range(1, plan.num_rail_phases + 1):
+        sources, chunk = _round_sources(view, rnd, plan.chunks)
+        arrival = view.arrival_counts_NGM[sources]
+        parts.append((arrival if plan.chunks == 1 else chunk_arrival_counts(arrival, plan.chunks)[:, chunk]).reshape(-1))
     return np.concatenate(parts).astype(np.int64, copy=False)
+
+
+def _round_sources(view: RankView, rnd: int, chunks: int) -> tuple[np.ndarray, int]:
+    """(source nodes ascending, chunk) of delivery round ``rnd`` >= 1."""
+    first = (rnd - 1) // chunks * chunks + 1  # the round of the wave's first chunk
+    return np.flatnonzero(view.source_round_N == first), rnd - first
 
 
 def build_layout(plan: PathPlan, view: RankView, *, token_R: torch.Tensor, node_R: torch.Tensor,
@@ -154,8 +162,8 @@ def build_layout(plan: PathPlan, view: RankView, *, token_R: torch.Tensor, node_
     pool_GN = counts[offsets[6]:offsets[7]].reshape(g, n)  # host: pool rows per (block, node)
     # Arrival masks of rounds >= 1: sources of the round ascending, then owner, then mask.
     arrival_rounds, start = [], int(offsets[-1])
-    for rnd in range(1, plan.num_waves + 1):
-        num_sources = int(np.count_nonzero(view.source_round_N == rnd))
+    for rnd in range(1, plan.num_rail_phases + 1):
+        num_sources = _round_sources(view, rnd, plan.chunks)[0].size
         size = num_sources * g * m
         arrival_rounds.append((rnd, int(counts[start:start + size].sum()), num_sources, flat[start:start + size]))
         start += size

@@ -22,9 +22,11 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 
+import numpy as np
 import torch
 
 from .. import ops
+from ..planner import chunk_sizes
 from ..schedule import ExecutionSchedule, Phase, PhaseKind, RankView
 from .groups import RankGroups
 from .layout import LayerLayout
@@ -104,6 +106,14 @@ def unpack_views(packed: torch.Tensor, specs: Sequence[ops.RowSpec]) -> list[tor
         if view is not None:
             return [view]
     return ops.unpack_rows(packed, specs)
+
+
+def _egress_parts(egress: torch.Tensor, view: RankView, chunks: int) -> list[torch.Tensor]:
+    """The egress buffer's rows per (destination node, rail chunk), node-major: part d * chunks + k
+    is what rail phase w * chunks + k carries to node d (w: the pair's wave)."""
+    if chunks == 1:
+        return list(egress.split(view.egress_N))
+    return list(egress.split(chunk_sizes(np.asarray(view.egress_N, dtype=np.int64), chunks).reshape(-1).tolist()))
 
 
 def _take_rows(rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -215,7 +225,7 @@ def forward_moves(rows: torch.Tensor, *, layout: LayerLayout, view: RankView, sc
     Returns (as the program's result):
         [n_copy, b] uint8 copies received, ordered by (round, sending GPU).
     """
-    g, me = schedule.plan.topology.gpus_per_node, view.local
+    g, me, chunks = schedule.plan.topology.gpus_per_node, view.local, schedule.plan.chunks
     owner_rows = list(rows.split(layout.category_counts))
     # Without records relayed in, the kept rows are the egress rows already: no pool, no copy.
     pool = rows.new_empty((0 if layout.egress_is_kept else sum(layout.pool_counts), rows.shape[1]))
@@ -233,7 +243,8 @@ def forward_moves(rows: torch.Tensor, *, layout: LayerLayout, view: RankView, sc
         if phase.kind == PhaseKind.RAIL:
             buf = rows.new_empty((sum(counts.recv_Q), rows.shape[1]))
             arrivals[phase.step + 1] = buf
-            return _post(phase, groups, [egress_rows[d] if c else None for d, c in enumerate(counts.send_Q)],
+            k = phase.step % chunks
+            return _post(phase, groups, [egress_rows[d * chunks + k] if c else None for d, c in enumerate(counts.send_Q)],
                          list(buf.split(counts.recv_Q)),
                          _flat(phase, schedule, me, egress[0], counts.send_Q, buf, counts.recv_Q))
         rnd = phase.step
@@ -249,7 +260,7 @@ def forward_moves(rows: torch.Tensor, *, layout: LayerLayout, view: RankView, sc
         if phase.kind == PhaseKind.RELAY:
             # Without relayed records the kept rows are already in egress order (node ascending).
             egress.append(owner_rows[me] if layout.egress_is_kept else _take_rows(pool, layout.egress_perm))
-            egress_rows.extend(egress[0].split(view.egress_N))
+            egress_rows.extend(_egress_parts(egress[0], view, chunks))
 
     yield from _execute(schedule.dispatch_phases(), start, complete)
     return copies
@@ -274,13 +285,13 @@ def backward_moves(rows: torch.Tensor, specs: Sequence[ops.RowSpec], *, layout: 
     Returns (as the program's result):
         [n_rec, b] uint8, this rank's records in owner order.
     """
-    g, me = schedule.plan.topology.gpus_per_node, view.local
+    g, me, chunks = schedule.plan.topology.gpus_per_node, view.local, schedule.plan.chunks
     width = rows.shape[1]
     copy_rows, round_rows = _copy_slices(rows, view, schedule)
     out = rows.new_empty((view.num_records, width))
     out_rows = list(out.split(layout.category_counts))
     egress = rows.new_empty((sum(view.egress_N), width))
-    egress_rows = list(egress.split(view.egress_N))
+    egress_rows = _egress_parts(egress, view, chunks)
     returned: dict[int, torch.Tensor] = {}
     reduced: dict[int, torch.Tensor] = {}
 
@@ -298,8 +309,9 @@ def backward_moves(rows: torch.Tensor, specs: Sequence[ops.RowSpec], *, layout: 
                          schedule)
         if phase.kind == PhaseKind.RAIL:
             arrived = reduced.pop(phase.step + 1)
+            k = phase.step % chunks
             return _post(phase, groups, list(arrived.split(counts.send_Q)),
-                         [egress_rows[d] if c else None for d, c in enumerate(counts.recv_Q)],
+                         [egress_rows[d * chunks + k] if c else None for d, c in enumerate(counts.recv_Q)],
                          _flat(phase, schedule, me, arrived, counts.send_Q, egress, counts.recv_Q))
         pool = egress if layout.egress_is_kept else _take_rows(egress, layout.egress_inverse)
         return _relay_back(phase, groups, list(pool.split(layout.pool_counts)), out_rows)

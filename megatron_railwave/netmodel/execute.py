@@ -377,6 +377,9 @@ def schedule_program(schedule: ExecutionSchedule, model: NetModelConfig,
         elif src.size:
             b.rail(ids[p.name], src, dst, size)
     if not schedule.delivery_nodes:
+        if plan.chunks != 1:
+            raise ValueError(f"a plan with {plan.chunks} rail chunks per wave needs the demand's target masks "
+                             "(pass demand=...): the synthetic delivery fan-out has no chunk rounds")
         g = topo.gpus_per_node
         copies = _synthetic_delivery_RNGG(plan, model.delivery_fanout)
         for r in range(schedule.num_rounds):

@@ -5,10 +5,10 @@ on every rank; nothing here communicates.
 """
 
 from .paths import EligiblePolicy, Path, parse_path
-from .plan import PathPlan, PlanOptions, build_plan
+from .plan import PathPlan, PlanOptions, build_plan, chunk_sizes
 from .railbalance import eligible_NNG, healthy_gpus_NG, rail_quota_NNG, relay_NNGG
-from .routes import (RankSplits, RecordRoutes, arrival_mask_counts_NGM, delivery_copies_NGG, rank_splits,
-                     route_records)
+from .routes import (RankSplits, RecordRoutes, arrival_mask_counts_NGM, chunk_arrival_counts, delivery_copies_NGG,
+                     rank_splits, route_records)
 from .waves import WaveSchedule, all_at_once, bounded_fanin_schedule, cyclic_schedule, schedule_from_windows
 
 __all__ = [
@@ -18,6 +18,8 @@ __all__ = [
     "PathPlan",
     "PlanOptions",
     "build_plan",
+    "chunk_sizes",
+    "chunk_arrival_counts",
     "eligible_NNG",
     "healthy_gpus_NG",
     "rail_quota_NNG",

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from .. import ops
@@ -23,7 +24,7 @@ from .paths import EligiblePolicy, Path, parse_path
 from .railbalance import eligible_NNG, rail_quota_NNG, relay_NNGG
 from .waves import WaveSchedule, all_at_once, bounded_fanin_schedule
 
-__all__ = ["PathPlan", "PlanOptions", "build_plan"]
+__all__ = ["PathPlan", "PlanOptions", "build_plan", "chunk_sizes"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -38,10 +39,16 @@ class PlanOptions:
     """Senders per receiver per wave for PERM / JOINT: 1 is the paper's cyclic schedule."""
     windows: WaveSchedule | None = None
     """Sending windows kept by NATIVE / RAIL (a replay arrangement); None = all pairs at once."""
+    chunks: int = 1
+    """Rail chunks per wave for PERM / JOINT: each pair's records on a rail leave in ``chunks``
+    near-equal parts, one rail phase each, and each part is delivered while the next is on the
+    rail (more, smaller waves; 1 = whole waves, the paper's schedule)."""
 
     def __post_init__(self) -> None:
         if self.fanin < 1:
             raise ValueError(f"fanin must be >= 1, got {self.fanin}")
+        if isinstance(self.chunks, bool) or not isinstance(self.chunks, int) or self.chunks < 1:
+            raise ValueError(f"chunks must be an integer >= 1 (rail chunks per wave), got {self.chunks!r}")
         object.__setattr__(self, "policy", EligiblePolicy(self.policy))
 
 
@@ -59,6 +66,8 @@ class PathPlan:
         relay_NNGG: [N_src, N_dst, G_owner, G_egress] int64, owner -> egress record counts
             (diagonal = kept, off-diagonal = relayed over NVLink). Local pairs are diagonal.
         pair_wave_NN: [N, N] int64, wave of each remote pair, -1 on the diagonal.
+        chunks: rail chunks per wave (``PlanOptions.chunks``; 1 for NATIVE / RAIL): wave v's
+            chunk k is rail phase v * chunks + k.
     """
 
     path: Path
@@ -69,10 +78,17 @@ class PathPlan:
     quota_NNG: torch.Tensor
     relay_NNGG: torch.Tensor
     pair_wave_NN: torch.Tensor
+    chunks: int = 1
 
     @property
     def num_waves(self) -> int:
+        """Waves (or sending windows) of node pairs."""
         return self.schedule.num_waves
+
+    @property
+    def num_rail_phases(self) -> int:
+        """Rail phases of a layer: every wave's chunks, V x chunks."""
+        return self.schedule.num_waves * self.chunks
 
     def rail_load_NRN(self) -> torch.Tensor:
         """[N_src, R, N_dst] int64: records sent on rail r of node s to node d (local: owner rail)."""
@@ -109,6 +125,14 @@ class PathPlan:
             "relayed_records": self.relayed_records(),
             "stats": self.stats(record_bytes=record_bytes).to_dict(),
         }
+
+
+def chunk_sizes(rows: np.ndarray | int, chunks: int) -> np.ndarray:
+    """[..., chunks] int64: ``rows`` split into ``chunks`` contiguous parts, sizes within one,
+    the larger ones first (rows // chunks, plus one for the first rows % chunks parts)."""
+    rows = np.asarray(rows, dtype=np.int64)
+    k = np.arange(chunks, dtype=np.int64)
+    return rows[..., None] // chunks + (k < rows[..., None] % chunks)
 
 
 def build_plan(
@@ -163,4 +187,5 @@ def build_plan(
         quota_NNG=quota,
         relay_NNGG=relay,
         pair_wave_NN=schedule.pair_wave_NN(),
+        chunks=options.chunks if path.waved and n > 1 else 1,
     )

@@ -23,11 +23,11 @@ import numpy as np
 import torch
 
 from ..traffic import DemandCounts, mask_bits
-from .plan import PathPlan
+from .plan import PathPlan, chunk_sizes
 from .railbalance import surplus_deficit_bounds
 
 __all__ = ["RecordRoutes", "route_records", "delivery_copies_NGG", "arrival_mask_counts_NGM",
-           "RankSplits", "rank_splits"]
+           "chunk_arrival_counts", "RankSplits", "rank_splits"]
 
 
 def _stable_order(key_R: torch.Tensor, num_keys: int) -> torch.Tensor:
@@ -174,6 +174,22 @@ def arrival_mask_counts_NGM(plan: PathPlan, demand: DemandCounts, dest_node: int
     return torch.from_numpy(np.clip(out, 0, None))
 
 
+def chunk_arrival_counts(arrival_NGM: np.ndarray, chunks: int) -> np.ndarray:
+    """[N_src, chunks, G_owner, M] int64: the records of each source node arriving at one GPU
+    (``arrival_NGM`` [N_src, G_owner, M], in arrival order: owner, then mask) that travel in each
+    rail chunk. Chunk k is the k-th contiguous part of the source's block (``plan.chunk_sizes``),
+    so its counts are the cut of the block's cumulative counts at the chunk's bounds."""
+    n, g, m = arrival_NGM.shape
+    flat = arrival_NGM.reshape(n, g * m)
+    hi = np.cumsum(flat, axis=1)
+    lo = hi - flat
+    sizes = chunk_sizes(hi[:, -1] if g * m else np.zeros(n, dtype=np.int64), chunks)  # [N, c]
+    b_hi = np.cumsum(sizes, axis=1)
+    b_lo = b_hi - sizes
+    cut = np.minimum(hi[:, None, :], b_hi[:, :, None]) - np.maximum(lo[:, None, :], b_lo[:, :, None])
+    return np.clip(cut, 0, None).reshape(n, chunks, g, m)
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class RankSplits:
     """Split sizes (record or copy counts) of one rank for the three stages, all host ints.
@@ -196,7 +212,15 @@ class RankSplits:
 
 
 def rank_splits(plan: PathPlan, demand: DemandCounts, rank: int) -> RankSplits:
-    """Every split size ``rank`` needs, from the global counts only."""
+    """Every split size ``rank`` needs, from the global counts only (whole waves only: a
+    chunked plan's rounds are in ``schedule.compile_for_rank``).
+
+    Raises:
+        ValueError: for a plan with rail chunks.
+    """
+    if plan.chunks != 1:
+        raise ValueError(f"rank_splits covers whole waves only; this plan has {plan.chunks} rail chunks per wave "
+                         "(use schedule.compile_for_rank and its rank view)")
     topo = plan.topology
     n, g = topo.num_nodes, topo.gpus_per_node
     s, me = topo.node_of(rank), topo.local_of(rank)

@@ -1,7 +1,11 @@
 """``ExecutionSchedule``: a ``PathPlan`` compiled into the ordered phases of one layer.
 
-Letters: N nodes, G GPUs per node, W = N * G ranks, V waves (or sending windows), V' = V + 1
-delivery rounds, M = 2**G target masks, X transfers.
+Letters: N nodes, G GPUs per node, W = N * G ranks, V rail phases (waves or sending windows,
+times the plan's rail chunks), V' = V + 1 delivery rounds, M = 2**G target masks, X transfers.
+
+With rail chunks (``PlanOptions.chunks`` = c > 1) wave w's records on every rail leave in c
+contiguous parts, rail[w * c + k] carrying part k (``planner.chunk_sizes`` of the quota), and
+deliver[w * c + k + 1] delivering it: the phase graph below is the same, with V = waves x c.
 
 The schedule is the one truth that three consumers share: the exchange executes it
 (``exchange``), the flow model simulates it (``netmodel``) and the byte counters count it
@@ -52,7 +56,8 @@ from typing import Literal, Protocol
 import numpy as np
 import torch
 
-from ..planner import PathPlan, delivery_copies_NGG
+from ..planner import PathPlan, arrival_mask_counts_NGM, chunk_arrival_counts, chunk_sizes, delivery_copies_NGG
+from ..traffic import mask_bits
 from .wire import RecordWireFormat
 
 __all__ = ["Direction", "PhaseKind", "Phase", "ExecutionSchedule", "MaskSource", "compile_schedule"]
@@ -190,12 +195,13 @@ class ExecutionSchedule:
 
     @property
     def num_waves(self) -> int:
-        return self.plan.num_waves
+        """V: rail phases (the plan's waves x its rail chunks)."""
+        return self.plan.num_rail_phases
 
     @property
     def num_rounds(self) -> int:
         """V' = V + 1 delivery rounds (round 0: the local node's records)."""
-        return self.plan.num_waves + 1
+        return self.plan.num_rail_phases + 1
 
     def dispatch_phases(self) -> tuple[Phase, ...]:
         return tuple(p for p in self.phases if p.direction == Direction.DISPATCH)
@@ -272,21 +278,42 @@ def _relay_transfers(plan: PathPlan) -> tuple[np.ndarray, np.ndarray, np.ndarray
 
 
 def _rail_transfers(plan: PathPlan) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    g = plan.topology.gpus_per_node
+    """(rail phase, src, dst, rows): wave v's chunk k of every remote (s, d, l) is rail phase
+    v * chunks + k (rows: ``chunk_sizes`` of the quota)."""
+    g, c = plan.topology.gpus_per_node, plan.chunks
     wave_NN = plan.pair_wave_NN.numpy()
     remote_quota = plan.quota_NNG.numpy() * (wave_NN >= 0)[:, :, None]
     s, d, l = np.nonzero(remote_quota)
-    return wave_NN[s, d], s * g + l, d * g + l, remote_quota[s, d, l]
+    if c == 1:
+        return wave_NN[s, d], s * g + l, d * g + l, remote_quota[s, d, l]
+    rows_XC = chunk_sizes(remote_quota[s, d, l], c)
+    phase_XC = wave_NN[s, d][:, None] * c + np.arange(c)
+    keep = rows_XC > 0
+    src, dst = np.broadcast_to((s * g + l)[:, None], keep.shape), np.broadcast_to((d * g + l)[:, None], keep.shape)
+    return phase_XC[keep], src[keep], dst[keep], rows_XC[keep]
 
 
 def _delivery_transfers(plan: PathPlan, demand: MaskSource, node: int
                         ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    g = plan.topology.gpus_per_node
+    g, c = plan.topology.gpus_per_node, plan.chunks
     copies_NGG = delivery_copies_NGG(plan, demand, node).numpy()  # [s, arrive l, target j]
-    round_N = plan.pair_wave_NN[:, node].numpy() + 1
-    round_N[node] = 0
-    per_round = np.zeros((plan.num_waves + 1, g, g), dtype=np.int64)
-    np.add.at(per_round, round_N, copies_NGG)
+    wave_N = plan.pair_wave_NN[:, node].numpy()
+    per_round = np.zeros((plan.num_rail_phases + 1, g, g), dtype=np.int64)
+    if c == 1:
+        round_N = wave_N + 1
+        round_N[node] = 0
+        np.add.at(per_round, round_N, copies_NGG)
+    else:
+        # Round 0 as above; chunk k of a remote source's block at arrival GPU l holds the cut of its
+        # (owner, mask) arrival counts (``chunk_arrival_counts``): its copies per target follow.
+        per_round[0] = copies_NGG[node]
+        remote = np.flatnonzero(wave_N >= 0)
+        bits = mask_bits(g).numpy()  # [M, G]
+        for l in range(g):
+            arrival_NGM = arrival_mask_counts_NGM(plan, demand, node, l).numpy()[remote]
+            copies_NCJ = chunk_arrival_counts(arrival_NGM, c).sum(axis=2) @ bits  # [remote s, k, j]
+            rounds_NC = 1 + wave_N[remote][:, None] * c + np.arange(c)
+            np.add.at(per_round[:, l, :], rounds_NC, copies_NCJ)
     r, l, j = np.nonzero(per_round)
     return r, node * g + l, node * g + j, per_round[r, l, j]
 
@@ -317,20 +344,20 @@ def compile_schedule(plan: PathPlan, wire: RecordWireFormat, *, demand: MaskSour
             delivery_nodes = () if view is None else (int(view),)
     elif delivery_nodes and demand is None:
         raise ValueError("compile_schedule: delivery_nodes need the demand's target-mask histograms")
-    phases = _build_phases(plan.num_waves)
+    phases = _build_phases(plan.num_rail_phases)
     index = {(p.direction, p.kind, p.step): p.index for p in phases}
     parts = []  # (phase [x], src [x], dst [x], rows [x])
 
     src, dst, rows = _relay_transfers(plan)
     parts.append((np.full(src.shape, index[(Direction.DISPATCH, PhaseKind.RELAY, 0)]), src, dst, rows))
 
-    rail_phase_V = np.array([index[(Direction.DISPATCH, PhaseKind.RAIL, v)] for v in range(plan.num_waves)],
+    rail_phase_V = np.array([index[(Direction.DISPATCH, PhaseKind.RAIL, v)] for v in range(plan.num_rail_phases)],
                             dtype=np.int64)
     wave, src, dst, rows = _rail_transfers(plan)
     parts.append((rail_phase_V[wave], src, dst, rows))
 
-    deliver_phase_R = np.array([index[(Direction.DISPATCH, PhaseKind.DELIVER, r)] for r in range(plan.num_waves + 1)],
-                               dtype=np.int64)
+    deliver_phase_R = np.array([index[(Direction.DISPATCH, PhaseKind.DELIVER, r)]
+                                for r in range(plan.num_rail_phases + 1)], dtype=np.int64)
     for node in delivery_nodes:
         rnd, src, dst, rows = _delivery_transfers(plan, demand, node)  # type: ignore[arg-type]
         parts.append((deliver_phase_R[rnd], src, dst, rows))

@@ -50,7 +50,8 @@ class RankView:
         relay_in_NG: [N, G] int64 (numpy), records owner o relays to this GPU for node d (o == local: 0).
         egress_N: [N] rows leaving on this rail per destination node (own node: 0).
         arrival_counts_NGM: [N, G, M] int64 (numpy), records of owner (s, o) arriving here, by mask.
-        source_round_N: [N] int64 (numpy), delivery round of each source node's records (own node: 0).
+        source_round_N: [N] int64 (numpy), delivery round of each source node's records (own node: 0);
+            with rail chunks, that of its first chunk (chunk k arrives in that round + k).
         num_copies: copies this rank receives over all rounds.
     """
 
@@ -127,7 +128,7 @@ def rank_view(schedule: ExecutionSchedule, rank: int) -> RankView:
     relay_in_NG = relay_DOL[:, :, me].copy()
     relay_in_NG[:, me] = 0
     egress_N = (plan.quota_NNG[node, :, me].numpy() * remote_N).tolist()
-    source_round_N = wave_N[:, node] + 1
+    source_round_N = wave_N[:, node] * plan.chunks + 1
     source_round_N[node] = 0
     num_copies = sum(sum(c.recv_Q) for c in counts if c.phase.direction == Direction.DISPATCH
                      and c.phase.kind == "deliver")

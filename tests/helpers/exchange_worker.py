@@ -47,12 +47,14 @@ def dense_reference(rank: int, world: int, **kw):
 
 def run_exchange(rank: int, world: int, topo_kwargs: dict, paths: list[str], kw: dict) -> dict:
     """Every path forward + backward. ``kw['point_to_point_too']``: also run each path with the
-    transport's flat collectives off (results keyed '<path>/p2p')."""
+    transport's flat collectives off (results keyed '<path>/p2p'); ``kw['chunks']``: rail chunks
+    per wave (PERM / JOINT)."""
     kw = dict(kw)
     modes = [True, False] if kw.pop("point_to_point_too", False) else [True]
+    options = PlanOptions(chunks=kw.pop("chunks", 1))
     topo = RailTopology(**topo_kwargs)
     groups = build_rail_groups(None, topo)
-    ex = TorchDistExchange(topo, groups, num_experts=kw["experts"], options=PlanOptions())
+    ex = TorchDistExchange(topo, groups, num_experts=kw["experts"], options=options)
     w = expert_weights(kw["experts"], kw["hidden"], kw["seed"])
     per_rank = kw["experts"] // world
     local_w = w[rank * per_rank:(rank + 1) * per_rank]

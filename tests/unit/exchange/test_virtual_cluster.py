@@ -59,6 +59,15 @@ CASES = {
                                            4, [[(0, 1), (1, 0), (2, 3), (3, 2)],
                                                [(0, 2), (0, 3), (1, 2), (1, 3), (2, 0), (2, 1), (3, 0), (3, 1)]]))),
                            None),
+    # Rail chunks (PERM / JOINT; NATIVE / RAIL keep whole windows): 3 per wave with a failed rail,
+    # uneven and empty ranks; 2 per wave in bf16 with 3 GPUs per node.
+    "4x2-uneven-failed-rail-chunks3": (VirtualSpec(topology=RailTopology(num_nodes=4, gpus_per_node=2,
+                                                                         failed_rails=frozenset({(1, 0)})),
+                                                   tokens=0, hidden=8, experts=16, topk=4, seed=2,
+                                                   options=PlanOptions(chunks=3)),
+                                       ([20, 0, 33, 7, 16, 25, 1, 12], {2: [1, 3], 5: [0], 7: [2, 3, 1]})),
+    "3x3-bf16-chunks2": (VirtualSpec(topology=RailTopology(num_nodes=3, gpus_per_node=3), tokens=17, hidden=16,
+                                     experts=18, topk=5, dtype="bf16", seed=3, options=PlanOptions(chunks=2)), None),
 }
 
 
@@ -118,8 +127,9 @@ def test_sync_audit_counts_a_sync_added_to_the_exchange(monkeypatch):
 
 
 @pytest.mark.parametrize("path", PATHS)
-def test_phases_wait_for_dependencies_and_move_the_scheduled_bytes(path):
-    spec, inputs = _inputs("4x2-uneven-failed-rail")
+@pytest.mark.parametrize("name", ["4x2-uneven-failed-rail", "4x2-uneven-failed-rail-chunks3"])
+def test_phases_wait_for_dependencies_and_move_the_scheduled_bytes(name, path):
+    spec, inputs = _inputs(name)
     cluster = VirtualCluster(world_size=spec.topology.world_size)
     out = run_virtual_layer(spec, inputs, path, cluster=cluster)
     for r, handle in enumerate(out["handles"]):

@@ -3,10 +3,11 @@ mirrored combine, wire format bytes, rank views."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
-from megatron_railwave.planner import build_plan
+from megatron_railwave.planner import PlanOptions, build_plan, chunk_arrival_counts, chunk_sizes
 from megatron_railwave.schedule import Direction, PhaseKind, RecordWireFormat, compile_schedule, rank_view
 from megatron_railwave.topology import RailTopology
 from megatron_railwave.traffic import DemandCounts
@@ -95,11 +96,12 @@ def test_transfers_match_record_simulation(path, failed, sim_tools):
         assert got == want, rnd
 
 
+@pytest.mark.parametrize("chunks", [1, 3])
 @pytest.mark.parametrize("path", PATHS)
-def test_combine_mirrors_dispatch_and_rank_views_add_up(path):
+def test_combine_mirrors_dispatch_and_rank_views_add_up(path, chunks):
     topo = RailTopology(num_nodes=4, gpus_per_node=2, failed_rails=frozenset({(1, 0)}))
     demand = _random_demand(topo, 3)
-    plan = build_plan(demand, topo, path)
+    plan = build_plan(demand, topo, path, options=PlanOptions(chunks=chunks))
     sched = compile_schedule(plan, WIRE, demand=demand)
     for p in sched.combine_phases():
         src, dst, rows = sched.transfers(p)
@@ -137,3 +139,73 @@ def test_rank_view_needs_its_node_deliveries():
     plan = build_plan(_random_demand(topo, 1), topo, "native")
     with pytest.raises(ValueError, match="compiled without node 0's deliveries"):
         rank_view(compile_schedule(plan, WIRE), 0)
+
+
+def _pair_rows(sched, phase) -> dict[tuple[int, int], int]:
+    src, dst, rows = sched.transfers(phase)
+    out: dict[tuple[int, int], int] = {}
+    for s, d, r in zip(src.tolist(), dst.tolist(), rows.tolist()):
+        out[(s, d)] = out.get((s, d), 0) + r
+    return out
+
+
+@pytest.mark.parametrize("chunks", [2, 3, 5])
+@pytest.mark.parametrize("path", ["perm", "joint"])
+def test_rail_chunks_split_every_wave_and_its_delivery(path, chunks):
+    """Wave v's chunk k is rail[v * c + k]; its rows per rail are chunk_sizes of the quota, and
+    the chunks of a wave (and their delivery rounds) add up to the whole wave's transfers."""
+    topo = RailTopology(num_nodes=4, gpus_per_node=2, failed_rails=frozenset({(1, 0)}))
+    demand = _random_demand(topo, 11, tokens=23)
+    whole = compile_schedule(build_plan(demand, topo, path), WIRE, demand=demand)
+    plan = build_plan(demand, topo, path, options=PlanOptions(chunks=chunks))
+    sched = compile_schedule(plan, WIRE, demand=demand)
+    assert plan.chunks == chunks and sched.num_waves == plan.num_waves * chunks == whole.num_waves * chunks
+    assert sched.wire_rows_P().sum() == whole.wire_rows_P().sum()
+    g = topo.gpus_per_node
+    for v in range(plan.num_waves):
+        want = _pair_rows(whole, whole.phase("dispatch", "rail", v))
+        parts = [_pair_rows(sched, sched.phase("dispatch", "rail", v * chunks + k)) for k in range(chunks)]
+        for (s, d), rows in want.items():
+            assert [p.get((s, d), 0) for p in parts] == chunk_sizes(rows, chunks).tolist(), (v, s, d)
+            assert s % g == d % g  # on one rail
+        assert set().union(*parts) <= set(want)
+        delivered = _pair_rows(whole, whole.phase("dispatch", "deliver", v + 1))
+        got: dict = {}
+        for k in range(chunks):
+            for key, rows in _pair_rows(sched, sched.phase("dispatch", "deliver", v * chunks + k + 1)).items():
+                got[key] = got.get(key, 0) + rows
+        assert got == delivered, v
+    assert _pair_rows(sched, sched.phase("dispatch", "deliver", 0)) == _pair_rows(whole, whole.phase("dispatch",
+                                                                                                   "deliver", 0))
+
+
+def test_rail_chunks_leave_native_and_rail_whole():
+    topo = RailTopology(num_nodes=3, gpus_per_node=2)
+    demand = _random_demand(topo, 2)
+    for path in ("native", "rail"):
+        assert build_plan(demand, topo, path, options=PlanOptions(chunks=4)).chunks == 1
+    one_node = RailTopology(num_nodes=1, gpus_per_node=2)
+    assert build_plan(_random_demand(one_node, 2), one_node, "joint",
+                      options=PlanOptions(chunks=4)).chunks == 1  # one node: no waves
+    with pytest.raises(ValueError, match="chunks must be an integer >= 1"):
+        PlanOptions(chunks=0)
+
+
+def test_chunk_arrival_counts_cut_each_block_in_order():
+    rng = np.random.default_rng(0)
+    arrival = rng.integers(0, 4, size=(5, 3, 8))
+    for chunks in (1, 2, 3, 7):
+        cut = chunk_arrival_counts(arrival, chunks)  # [N, c, G, M]
+        assert (cut.sum(axis=1) == arrival).all()
+        assert (cut.reshape(5, chunks, -1).sum(axis=2) == chunk_sizes(arrival.reshape(5, -1).sum(axis=1),
+                                                                      chunks)).all()
+        # Chunk k takes a contiguous run of the (owner, mask) order: once a later chunk holds a
+        # cell's records, no earlier chunk holds any of a later cell.
+        flat = cut.reshape(5, chunks, -1)
+        for n in range(5):
+            last = -1
+            for k in range(chunks):
+                cells = np.flatnonzero(flat[n, k])
+                if cells.size:
+                    assert cells[0] >= last
+                    last = cells[-1]
