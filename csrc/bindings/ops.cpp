@@ -14,7 +14,7 @@ TORCH_LIBRARY(railwave, m) {
   m.def("segment_sum(Tensor values, Tensor segment_ids, int num_segments, ScalarType out_dtype) -> Tensor");
   // Host planning: CPU only (its inputs are the gathered counts, always on the host).
   m.def("rail_plan(Tensor records, Tensor eligible, bool balanced, int phase) -> (Tensor, Tensor)");
-  m.def("rank_schedule(Tensor records, Tensor quota, Tensor relay, Tensor wave, Tensor masks, int rank, "
+  m.def("rank_schedule(Tensor records, Tensor quota, Tensor relay, Tensor wave, Tensor masks, int rank, int chunks, "
         "int num_phases, int relay_phase, int[] rail_phase, int[] deliver_phase) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
 }
 

@@ -31,8 +31,8 @@ RAILWAVE_OP_SIGNATURES
 // Host planning (CPU tensors only, whatever the exchange's device): csrc/cpu/schedule.cpp.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> rank_schedule(
     const at::Tensor& records_NNG, const at::Tensor& quota_NNG, const at::Tensor& relay_NNGG,
-    const at::Tensor& wave_NN, const at::Tensor& masks_WM, int64_t rank, int64_t num_phases, int64_t relay_phase,
-    at::IntArrayRef rail_phase_V, at::IntArrayRef deliver_phase_R);
+    const at::Tensor& wave_NN, const at::Tensor& masks_WM, int64_t rank, int64_t chunks, int64_t num_phases,
+    int64_t relay_phase, at::IntArrayRef rail_phase_V, at::IntArrayRef deliver_phase_R);
 std::tuple<at::Tensor, at::Tensor> rail_plan(const at::Tensor& records_NNG, const at::Tensor& eligible_NNG,
                                              bool balanced, int64_t phase);
 }  // namespace railwave::cpu

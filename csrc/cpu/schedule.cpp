@@ -40,8 +40,8 @@ void check_host_long(const at::Tensor& t, const char* name, std::initializer_lis
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> rank_schedule(
     const at::Tensor& records_NNG, const at::Tensor& quota_NNG, const at::Tensor& relay_NNGG,
-    const at::Tensor& wave_NN, const at::Tensor& masks_WM, int64_t rank, int64_t num_phases, int64_t relay_phase,
-    at::IntArrayRef rail_phase_V, at::IntArrayRef deliver_phase_R) {
+    const at::Tensor& wave_NN, const at::Tensor& masks_WM, int64_t rank, int64_t chunks, int64_t num_phases,
+    int64_t relay_phase, at::IntArrayRef rail_phase_V, at::IntArrayRef deliver_phase_R) {
   RW_CHECK(records_NNG.dim() == 3, "records_NNG must be [N, N, G], got ", records_NNG.sizes());
   const int64_t N = records_NNG.size(0), G = records_NNG.size(2), W = N * G;
   RW_CHECK(G >= 1 && G <= 8, "G must be in 1..8, got ", G);
@@ -52,6 +52,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> rank_sche
   check_host_long(wave_NN, "wave_NN", {N, N});
   check_host_long(masks_WM, "masks_WM", {W, M});
   RW_CHECK(rank >= 0 && rank < W, "rank ", rank, " is not in 0..", W - 1);
+  RW_CHECK(chunks >= 1 && V % chunks == 0, "chunks=", chunks, " must be >= 1 and divide the ", V, " rail phases");
+  const int64_t C = chunks, waves = V / C;
   RW_CHECK(static_cast<int64_t>(deliver_phase_R.size()) == V + 1, "deliver_phase_R has ", deliver_phase_R.size(),
            " entries, expected V + 1 = ", V + 1);
   const int64_t* records = records_NNG.data_ptr<int64_t>();
@@ -65,7 +67,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> rank_sche
   for (int64_t a = 0; a < N; ++a) {
     for (int64_t b = 0; b < N; ++b) {
       const int64_t w = wave[a * N + b];
-      RW_CHECK(w < V && (w >= 0) == (a != b), "wave_NN[", a, ", ", b, "] = ", w, " is not a wave of ", V,
+      RW_CHECK(w < waves && (w >= 0) == (a != b), "wave_NN[", a, ", ", b, "] = ", w, " is not a wave of ", waves,
                " (or -1 on the diagonal only)");
     }
   }
@@ -82,15 +84,52 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> rank_sche
       }
     }
   }
-  for (int64_t a = 0; a < N; ++a) {  // stage 2: GPU (a, l) -> GPU (b, l) in the pair's wave
+  // Stage 2: GPU (a, l) -> GPU (b, l), chunk k of the pair's wave w in rail phase w * C + k.
+  auto chunk_rows = [C](int64_t total, int64_t k) { return total / C + (k < total % C ? 1 : 0); };
+  for (int64_t a = 0; a < N; ++a) {
     for (int64_t b = 0; b < N; ++b) {
       if (!remote(a, b)) continue;
       for (int64_t l = 0; l < G; ++l) {
-        const int64_t rows = quota[(a * N + b) * G + l];
-        if (rows) table.push_back({rail_phase_V[wave[a * N + b]], a * G + l, b * G + l, rows});
+        const int64_t q = quota[(a * N + b) * G + l];
+        for (int64_t k = 0; k < C && q; ++k) {
+          const int64_t rows = chunk_rows(q, k);
+          if (rows) table.push_back({rail_phase_V[wave[a * N + b] * C + k], a * G + l, b * G + l, rows});
+        }
       }
     }
   }
+  // Records of owner (a, o) into node s that arrive at GPU (s, l), by mask ([G * M], owner-major):
+  // owner o's mask-sorted list keeps [0, keep) and relays the next parts to GPUs in order.
+  auto arrival_cells = [&](int64_t a, int64_t l, int64_t* out) {
+    for (int64_t o = 0; o < G; ++o) {
+      const int64_t* hist = masks + (a * G + o) * M;
+      const int64_t keep = rel(a, s, o, o);
+      int64_t start = keep;
+      for (int64_t p = 0; p < l; ++p) start += p == o ? 0 : rel(a, s, o, p);
+      const int64_t lo_x = o == l ? 0 : start;
+      const int64_t hi_x = o == l ? keep : start + rel(a, s, o, l);
+      int64_t c_lo = 0;
+      for (int64_t m = 0; m < M; ++m) {
+        const int64_t c_hi = c_lo + hist[m];
+        out[o * M + m] = std::max<int64_t>(std::min(hi_x, c_hi) - std::max(lo_x, c_lo), 0);
+        c_lo = c_hi;
+      }
+    }
+  };
+  // The part of those cells in chunk k (the k-th contiguous part of the block, chunk_rows long).
+  auto chunk_cut = [&](const int64_t* cells, int64_t k, int64_t* out) {
+    int64_t total = 0;
+    for (int64_t x = 0; x < G * M; ++x) total += cells[x];
+    int64_t b_lo = 0;
+    for (int64_t p = 0; p < k; ++p) b_lo += chunk_rows(total, p);
+    const int64_t b_hi = b_lo + chunk_rows(total, k);
+    int64_t lo = 0;
+    for (int64_t x = 0; x < G * M; ++x) {
+      const int64_t hi = lo + cells[x];
+      out[x] = std::max<int64_t>(std::min(hi, b_hi) - std::max(lo, b_lo), 0);
+      lo = hi;
+    }
+  };
   // Stage 3 into node s. Owner o's list of records into s is sorted by mask; [0, keep) stays on
   // o, then its surplus goes to the proxies in GPU order. F(x)[j] = copies for target j among the
   // first x records: with P[m][j] the copies of the runs before mask m, F(x) = P[m*] + (x - lo(m*))
@@ -125,11 +164,27 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> rank_sche
       }
     }
   }
-  std::vector<int64_t> round_N(static_cast<size_t>(N));
-  for (int64_t a = 0; a < N; ++a) round_N[a] = a == s ? 0 : wave[a * N + s] + 1;
+  std::vector<int64_t> round_N(static_cast<size_t>(N));  // round of each source's first chunk
+  for (int64_t a = 0; a < N; ++a) round_N[a] = a == s ? 0 : wave[a * N + s] * C + 1;
   std::vector<int64_t> per_round(static_cast<size_t>((V + 1) * G * G), 0);
+  std::vector<int64_t> cells(static_cast<size_t>(G * M)), cut(static_cast<size_t>(G * M));
   for (int64_t a = 0; a < N; ++a) {
-    for (int64_t k = 0; k < G * G; ++k) per_round[round_N[a] * G * G + k] += copies_NGG[a * G * G + k];
+    if (C == 1 || a == s) {
+      for (int64_t k = 0; k < G * G; ++k) per_round[round_N[a] * G * G + k] += copies_NGG[a * G * G + k];
+      continue;
+    }
+    for (int64_t l = 0; l < G; ++l) {  // chunk k of the block arriving at GPU l: its copies per target
+      arrival_cells(a, l, cells.data());
+      for (int64_t k = 0; k < C; ++k) {
+        chunk_cut(cells.data(), k, cut.data());
+        int64_t* row = per_round.data() + ((round_N[a] + k) * G + l) * G;
+        for (int64_t x = 0; x < G * M; ++x) {
+          if (!cut[x]) continue;
+          const int64_t m = x % M;
+          for (int64_t j = 0; j < G; ++j) row[j] += ((m >> j) & 1) ? cut[x] : 0;
+        }
+      }
+    }
   }
   for (int64_t r = 0; r <= V; ++r) {
     for (int64_t l = 0; l < G; ++l) {
@@ -197,29 +252,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> rank_sche
   }
   categories[G] = records[(s * N + s) * G + me];
   for (int64_t a = 0; a < N; ++a) source_round_N[a] = round_N[a];
-  for (int64_t a = 0; a < N; ++a) {
-    for (int64_t o = 0; o < G; ++o) {
-      const int64_t* hist = masks + (a * G + o) * M;
-      const int64_t keep = rel(a, s, o, o);
-      int64_t start = keep;
-      for (int64_t l = 0; l < me; ++l) start += l == o ? 0 : rel(a, s, o, l);
-      const int64_t lo_x = o == me ? 0 : start;
-      const int64_t hi_x = o == me ? keep : start + rel(a, s, o, me);
-      int64_t c_lo = 0;
-      for (int64_t m = 0; m < M; ++m) {
-        const int64_t c_hi = c_lo + hist[m];
-        arrival_NGM[(a * G + o) * M + m] = std::max<int64_t>(std::min(hi_x, c_hi) - std::max(lo_x, c_lo), 0);
-        c_lo = c_hi;
-      }
-    }
-  }
+  for (int64_t a = 0; a < N; ++a) arrival_cells(a, me, arrival_NGM + a * G * M);
   v[view.numel() - 1] = num_copies;
 
   // ---- layout host counts (exchange.layout.build_layout's HostCounts, same order): counts_N,
   // keep_N, surplus_lo_N, deficit_hi_NG, wave_N, pool_key [G, N], pool_count [G, N], then the
-  // arrival counts of rounds 1..V (sources of the round ascending, owner, mask).
+  // arrival counts of rounds 1..V (sources of the round ascending, owner, mask; a source's chunk
+  // of the round: the cut of its block).
   int64_t arrive_total = 0;
-  for (int64_t a = 0; a < N; ++a) arrive_total += round_N[a] >= 1 ? G * M : 0;
+  for (int64_t a = 0; a < N; ++a) arrive_total += round_N[a] >= 1 ? G * M * C : 0;
   at::Tensor layout = at::zeros({N + N + N + N * G + N + 2 * G * N + arrive_total}, records_NNG.options());
   int64_t* counts_N = layout.data_ptr<int64_t>();
   int64_t* keep_N = counts_N + N;
@@ -250,9 +291,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> rank_sche
     }
   }
   for (int64_t r = 1; r <= V; ++r) {
+    const int64_t first = (r - 1) / C * C + 1, k = r - first;
     for (int64_t a = 0; a < N; ++a) {
-      if (round_N[a] != r) continue;
-      std::copy(arrival_NGM + a * G * M, arrival_NGM + (a + 1) * G * M, arrive);
+      if (round_N[a] != first) continue;
+      if (C == 1) {
+        std::copy(arrival_NGM + a * G * M, arrival_NGM + (a + 1) * G * M, arrive);
+      } else {
+        chunk_cut(arrival_NGM + a * G * M, k, arrive);
+      }
       arrive += G * M;
     }
   }

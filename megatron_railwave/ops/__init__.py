@@ -176,6 +176,7 @@ def rank_schedule(
     masks_WM: torch.Tensor,
     *,
     rank: int,
+    chunks: int = 1,
     num_phases: int,
     relay_phase: int,
     rail_phase_V: Sequence[int],
@@ -193,6 +194,7 @@ def rank_schedule(
             int64: the ``PathPlan``'s tensors (CPU).
         masks_WM: [W, M] int64 (CPU), records every rank sends to the rank's node, by target mask.
         rank: the EP rank (node * G + local GPU).
+        chunks: the plan's rail chunks per wave (``PathPlan.chunks``).
         num_phases, relay_phase, rail_phase_V [V], deliver_phase_R [V + 1]: the schedule's phase
             count and the indices of its dispatch phases.
 
@@ -207,7 +209,8 @@ def rank_schedule(
     if not compiled_for(torch.device("cpu")):
         return None
     return torch.ops.railwave.rank_schedule(records_NNG.contiguous(), quota_NNG.contiguous(), relay_NNGG.contiguous(),
-                                            wave_NN.contiguous(), masks_WM.contiguous(), rank, num_phases, relay_phase,
+                                            wave_NN.contiguous(), masks_WM.contiguous(), rank, chunks, num_phases,
+                                            relay_phase,
                                             list(rail_phase_V), list(deliver_phase_R))
 
 

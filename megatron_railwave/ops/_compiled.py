@@ -131,7 +131,7 @@ def _register_python_parts() -> None:
         return records.new_empty((n, n, g)), records.new_empty((n, n, g, g))
 
     @torch.library.register_fake(lib + "rank_schedule")
-    def _rank_schedule_fake(records, quota, relay, wave, masks, rank, num_phases, relay_phase, rail_phase,
+    def _rank_schedule_fake(records, quota, relay, wave, masks, rank, chunks, num_phases, relay_phase, rail_phase,
                             deliver_phase):
         n, g = records.shape[0], records.shape[2]
         m, width = 1 << g, max(n, g)
@@ -139,7 +139,7 @@ def _register_python_parts() -> None:
         transfers = torch.library.get_ctx().new_dynamic_size()
         return (new((4, transfers)), new((num_phases, width)), new((num_phases, width)),
                 new((g + 1 + 3 * n + n * g + n * g * m + 1,)),
-                new((4 * n + n * g + 2 * g * n + (n - 1) * g * m,)))
+                new((4 * n + n * g + 2 * g * n + (n - 1) * g * m * chunks,)))
 
     def _segment_sum_setup(ctx, inputs, output):
         values, segment_ids, _, _ = inputs

@@ -5,8 +5,8 @@ Letters: N nodes, G GPUs per node, M = 2**G target masks, P phases.
 The exchange needs, per layer, the ``ExecutionSchedule`` with its own node's deliveries, its
 ``RankView`` and the host counts its device index maps are built from (``exchange.layout``).
 Where the compiled ops load, one call of ``ops.rank_schedule`` computes all three (a few
-microseconds); otherwise, and for plans with rail chunks, ``compile_schedule`` and ``rank_view``
-run, and the layout computes its counts itself. Both give the same schedule and view (tests/unit/test_rank_schedule_op.py).
+microseconds); otherwise ``compile_schedule`` and ``rank_view`` run, and the layout computes its
+counts itself. Both give the same schedule and view (tests/unit/schedule/test_rank_schedule_op.py).
 """
 
 from __future__ import annotations
@@ -60,8 +60,8 @@ def compile_for_rank(plan: PathPlan, wire: RecordWireFormat, *, demand: MaskSour
     topo = plan.topology
     n, g = topo.num_nodes, topo.gpus_per_node
     num_phases, relay_phase, rail_phase_V, deliver_phase_R = _phase_indices(plan.num_rail_phases)
-    out = None if plan.chunks != 1 else ops.rank_schedule(plan.records_NNG, plan.quota_NNG, plan.relay_NNGG, plan.pair_wave_NN,
-                            demand.masks_into(node), rank=rank, num_phases=num_phases,
+    out = ops.rank_schedule(plan.records_NNG, plan.quota_NNG, plan.relay_NNGG, plan.pair_wave_NN,
+                            demand.masks_into(node), rank=rank, chunks=plan.chunks, num_phases=num_phases,
                             relay_phase=relay_phase, rail_phase_V=rail_phase_V, deliver_phase_R=deliver_phase_R)
     if out is None:
         schedule = compile_schedule(plan, wire, demand=demand, delivery_nodes=(node,))

@@ -37,6 +37,9 @@ REPO = Path(__file__).resolve().parents[2]
         ({"path": 3}, r"path=3 must be a string: one of auto, native, rail, perm, joint"),
         ({"fanin": 0}, r"fanin=0 must be an integer >= 1"),
         ({"fanin": 1.5}, r"fanin=1.5 must be an integer >= 1"),
+        ({"chunks": 0}, r"chunks=0 must be an integer >= 1 \(rail chunks per wave"),
+        ({"chunks": True}, r"chunks=True must be an integer >= 1"),
+        ({"chunks": 2, "backend": "deepep"}, r"chunks=2 \(rail chunks per wave\) runs on the torch backend only"),
         ({"rail_gbps": 0}, r"rail_gbps=0 must be a finite number > 0"),
         ({"rail_of_gpu": [0, "a"]}, r"rail_of_gpu=\[0, 'a'\] must be a list of rail indices >= 0"),
         ({"gpus_per_node": 2, "rail_of_gpu": [0]}, r"rail_of_gpu has 1 entries but gpus_per_node is 2"),
@@ -137,3 +140,9 @@ def test_config_max_tokens_per_rank_is_part_of_the_fingerprint():
     must tell them apart."""
     assert RailWaveConfig(max_tokens_per_rank=512).fingerprint()["max_tokens_per_rank"] == "512"
     assert RailWaveConfig().fingerprint()["max_tokens_per_rank"] == "None"
+
+
+def test_config_chunks_reach_the_plan_and_the_fingerprint():
+    cfg = RailWaveConfig.from_dict({"chunks": 3, "gpus_per_node": 2})
+    assert cfg.plan_options(cfg.topology(8)).chunks == 3
+    assert cfg.fingerprint()["chunks"] == "3" != RailWaveConfig().fingerprint()["chunks"]

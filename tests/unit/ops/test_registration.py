@@ -36,7 +36,7 @@ def _samples(compiled):
                                                         [[[1, 0], [0, 1]], [[0, 0], [0, 4]]]]),
                                           torch.tensor([[-1, 0], [0, -1]]), torch.tensor([[0, 1, 1, 0], [0, 1, 0, 0],
                                                                                           [0, 0, 1, 0], [0, 0, 0, 1]]),
-                                          1, 8, 0, [2], [1, 3])),
+                                          1, 1, 8, 0, [2], [1, 3])),
         (compiled.segment_sum.default, (torch.randn(10, 4, generator=gen, requires_grad=True),
                                         torch.randint(0, 3, (10,), generator=gen), 3, torch.bfloat16)),
     ]

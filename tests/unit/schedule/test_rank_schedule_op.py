@@ -1,7 +1,7 @@
 """``ops.rank_schedule`` (compiled, csrc/cpu/schedule.cpp) against the Python pipeline it replaces
 on the exchange's path: ``compile_schedule`` with the rank's node's deliveries, ``rank_view`` and
-``exchange.layout.layout_counts``, field by field, for every path, eligible policy, fan-in,
-failed rails, replay windows and rotation phase."""
+``exchange.layout.layout_counts``, field by field, for every path, eligible policy, fan-in, rail
+chunks, failed rails, replay windows and rotation phase."""
 
 from __future__ import annotations
 
@@ -67,19 +67,21 @@ def _assert_same(plan, demand: DemandCounts, rank: int) -> None:
     path=st.sampled_from(PATHS),
     policy=st.sampled_from(list(EligiblePolicy)),
     fanin=st.integers(1, 3),
+    chunks=st.sampled_from([1, 1, 2, 3, 5]),
     phase=st.integers(0, 7),
     failed=st.integers(0, 3),
     sparsity=st.sampled_from([0.0, 0.5, 0.95]),
     seed=st.integers(0, 2**16),
 )
-def test_rank_schedule_matches_the_python_pipeline(num_nodes, gpus, path, policy, fanin, phase, failed, sparsity,
-                                                  seed):
+def test_rank_schedule_matches_the_python_pipeline(num_nodes, gpus, path, policy, fanin, chunks, phase, failed,
+                                                  sparsity, seed):
     rng = np.random.default_rng(seed)
     topo = random_failed_topology(rng, num_nodes, gpus, failed)
     assume(topo is not None)  # two nodes without a common healthy rail
     demand = _random_demand(rng, topo, sparsity)
     mask_NG = torch.from_numpy(rng.random((num_nodes, gpus)) > 0.5)
-    options = PlanOptions(policy=policy, fanin=fanin, rail_mask_NG=mask_NG if policy == EligiblePolicy.MASK else None)
+    options = PlanOptions(policy=policy, fanin=fanin, chunks=chunks,
+                          rail_mask_NG=mask_NG if policy == EligiblePolicy.MASK else None)
     plan = build_plan(demand, topo, path, options=options, phase=phase)
     for rank in range(topo.world_size):
         _assert_same(plan, demand, rank)
