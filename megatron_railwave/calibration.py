@@ -19,6 +19,7 @@ must beat JOINT conservatively: its slow quantile against JOINT's fast one,
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -107,8 +108,7 @@ def request_plan(request: ReplayRequest, topo: RailTopology, path: Path,
                  options: PlanOptions | None = None) -> PathPlan:
     """The plan a backend executes for ``request`` on ``path`` (windows kept by NATIVE / RAIL)."""
     base = options or PlanOptions()
-    opts = PlanOptions(policy=base.policy, rail_mask_NG=base.rail_mask_NG, fanin=base.fanin,
-                       windows=request.windows if request.windows is not None else base.windows)
+    opts = dataclasses.replace(base, windows=request.windows if request.windows is not None else base.windows)
     return build_plan(request.records_NGN, topo, path, options=opts)
 
 

@@ -76,6 +76,9 @@ class LayerCommStats:
     """'train' (a training forward; its recompute is not logged again) or 'forward_only' (eval)."""
     rail_bytes: list[list[int]] = field(default_factory=list)
     """[N][R] dispatch bytes (wire rows: payload, probs, metadata) each node sends on each rail."""
+    rail_chunks: int = 1
+    """Rail chunks per wave of the executed plan (``PathPlan.chunks``): num_waves x rail_chunks rail
+    phases ran."""
     tokens_per_expert_min: int = 0
     tokens_per_expert_max: int = 0
     tokens_per_expert_std: float = 0.0
@@ -170,6 +173,7 @@ def layer_comm_stats(*, layer: int, step: int, plan: PathPlan, demand_descr: Tra
         num_waves=plan.num_waves,
         peak_fanin=plan.schedule.max_fanin(),
         plan_ms=plan_ms,
+        rail_chunks=plan.chunks,
     )
 
 
