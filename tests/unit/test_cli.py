@@ -55,7 +55,7 @@ EXPECTED_FLAGS = {
     ],
     "bench": [
         "--cluster", "--nodes", "--failed-rail", "--backend", "--model", "--alpha", "--workload", "--pattern", "--layers",
-        "--steps", "--tokens", "--payload-scale", "--seed", "--paths", "--fanin", "--peers", "--plan-repeats", "--json", "--plot",
+        "--steps", "--tokens", "--payload-scale", "--seed", "--paths", "--fanin", "--chunks", "--peers", "--plan-repeats", "--json", "--plot",
         "--no-progress",
     ],
 }
