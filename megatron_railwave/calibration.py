@@ -154,6 +154,10 @@ class NetmodelBackend:
     def __init__(self, topo: RailTopology, options: PlanOptions | None = None, model: Any = None) -> None:
         from .netmodel import simulate_plan
 
+        if options is not None and options.chunks != 1:
+            raise ValueError(f"the netmodel calibration backend simulates whole waves only (chunks=1), got "
+                             f"chunks={options.chunks}: its requests carry per-node counts without the target masks "
+                             "that rail chunks need; calibrate with chunks=1")
         self._simulate: Callable[..., float] = simulate_plan
         self.topo = topo
         self.options = options

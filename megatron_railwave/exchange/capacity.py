@@ -28,6 +28,7 @@ from C before any data is seen, so no split size has to come back to the host:
 
 from __future__ import annotations
 
+import dataclasses
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -68,9 +69,10 @@ def capacity_demand(topo: RailTopology, capacity: int, num_experts: int = 0) -> 
 
 
 def _options_key(options: PlanOptions) -> tuple:
-    mask = options.rail_mask_NG
-    return (str(options.policy), options.fanin, None if mask is None else tuple(map(tuple, mask.tolist())),
-            options.windows)
+    """Every field of the options, hashable (a tensor as nested tuples): a field added to
+    ``PlanOptions`` keys the caches without being listed here."""
+    return tuple((f.name, tuple(map(tuple, v.tolist())) if isinstance(v := getattr(options, f.name), torch.Tensor)
+                  else v) for f in dataclasses.fields(options))
 
 
 def _lru_get(cache: OrderedDict, key: tuple, make):

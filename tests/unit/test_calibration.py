@@ -24,7 +24,7 @@ from megatron_railwave.calibration import (
     validation_requests,
 )
 from megatron_railwave.cli import main
-from megatron_railwave.planner import Path
+from megatron_railwave.planner import Path, PlanOptions
 from megatron_railwave.selector import AnchorSelector
 from megatron_railwave.topology import RailTopology
 
@@ -438,3 +438,8 @@ def test_calibration_rows_name_their_generator_seed():
     assert len({calibration.request_group(r) for r in glm}) == 2 * len(GLM_SETTINGS["layers"])
     syn = calibration_requests(TOPO, SETTINGS, record_bytes=RECORD_BYTES)
     assert {calibration.request_seed(r) for r in syn} == {"synthetic-f0", "synthetic-f1", "synthetic-f2", "synthetic-f3"}
+
+
+def test_netmodel_backend_refuses_rail_chunks_naming_the_fix():
+    with pytest.raises(ValueError, match=r"whole waves only \(chunks=1\), got chunks=2.*calibrate with chunks=1"):
+        make_backend("netmodel", TOPO, options=PlanOptions(chunks=2))

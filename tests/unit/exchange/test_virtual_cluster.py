@@ -288,3 +288,17 @@ def test_fixed_capacity_overflow_and_bad_input_raise_before_any_communication():
             check_capacity(bad)
     with pytest.raises(ValueError, match="--tokens 24 exceeds --max-tokens-per-rank 8"):
         dataclasses.replace(spec, max_tokens_per_rank=8)
+
+
+def test_capacity_cache_keys_on_every_plan_option():
+    """Two exchanges that differ only in rail chunks get their own capacity plans (the cache key
+    covers every PlanOptions field)."""
+    from megatron_railwave.exchange.capacity import capacity_layer
+    from megatron_railwave.schedule import RecordWireFormat
+
+    topo = RailTopology(num_nodes=3, gpus_per_node=2)
+    wire = RecordWireFormat(hidden=8, payload_dtype=torch.float32, probs_dtype=torch.float32, experts_per_node=4)
+    whole = capacity_layer(topo, "joint", 4, PlanOptions(), wire, 0, torch.device("cpu"))
+    chunked = capacity_layer(topo, "joint", 4, PlanOptions(chunks=3), wire, 0, torch.device("cpu"))
+    assert whole.schedule.plan.chunks == 1 and chunked.schedule.plan.chunks == 3
+    assert capacity_layer(topo, "joint", 4, PlanOptions(chunks=3), wire, 0, torch.device("cpu")) is chunked
