@@ -12,6 +12,7 @@ from typing import Any, Literal
 import yaml
 
 from .planner import EligiblePolicy, PlanOptions, parse_path
+from .planner.plan import MAX_CHUNKS
 from .outputs import check_output_dir
 from .topology import RailTopology, load_topology, resolve_cluster_file
 
@@ -145,9 +146,9 @@ class RailWaveConfig:
         if not _is_int(self.fanin) or self.fanin < 1:
             raise ValueError(f"fanin={self.fanin!r} must be an integer >= 1 (remote senders per receiver per "
                              "wave; 1 = the cyclic schedule)")
-        if not _is_int(self.chunks) or self.chunks < 1:
-            raise ValueError(f"chunks={self.chunks!r} must be an integer >= 1 (rail chunks per wave; 1 = whole "
-                             "waves)")
+        if not _is_int(self.chunks) or not 1 <= self.chunks <= MAX_CHUNKS:
+            raise ValueError(f"chunks={self.chunks!r} must be an integer in 1..{MAX_CHUNKS} (rail chunks per wave; "
+                             "1 = whole waves)")
         if self.anchors is not None:
             if not isinstance(self.anchors, (str, os.PathLike)):
                 raise ValueError(f"anchors={self.anchors!r} must be the path of an anchors YAML file "

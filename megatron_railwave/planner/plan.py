@@ -27,6 +27,11 @@ from .waves import WaveSchedule, all_at_once, bounded_fanin_schedule
 __all__ = ["PathPlan", "PlanOptions", "build_plan", "chunk_sizes"]
 
 
+MAX_CHUNKS = 64
+"""Most rail chunks per wave (``PlanOptions.chunks``): beyond a few parts each adds only its
+per-phase cost, and the layout's counts grow with the parts (N x G x M per source and part)."""
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class PlanOptions:
     """Knobs of the planner that are not part of the demand."""
@@ -47,8 +52,9 @@ class PlanOptions:
     def __post_init__(self) -> None:
         if self.fanin < 1:
             raise ValueError(f"fanin must be >= 1, got {self.fanin}")
-        if isinstance(self.chunks, bool) or not isinstance(self.chunks, int) or self.chunks < 1:
-            raise ValueError(f"chunks must be an integer >= 1 (rail chunks per wave), got {self.chunks!r}")
+        if isinstance(self.chunks, bool) or not isinstance(self.chunks, int) or not 1 <= self.chunks <= MAX_CHUNKS:
+            raise ValueError(f"chunks must be an integer in 1..{MAX_CHUNKS} (rail chunks per wave; every part adds a "
+                             f"rail phase and a delivery round per wave), got {self.chunks!r}")
         object.__setattr__(self, "policy", EligiblePolicy(self.policy))
 
 
