@@ -45,6 +45,10 @@ PYEOF
   timeout 120 $PY -m megatron_railwave.cli simulate-exchange --cluster configs/clusters/h800_4x8.yaml \
       --tokens 512 --hidden 256 --experts 128 --topk 8 --dtype fp32 --device cuda \
       --json "$OUT/virtual_fp32.json" || status=1
+  echo "== virtual cluster, fp32, CUDA, 3 rail chunks per wave (PERM / JOINT)"
+  timeout 120 $PY -m megatron_railwave.cli simulate-exchange --cluster configs/clusters/h800_4x8.yaml \
+      --tokens 512 --hidden 256 --experts 128 --topk 8 --dtype fp32 --device cuda --chunks 3 \
+      --json "$OUT/virtual_fp32_chunks3.json" || status=1
   echo "== virtual cluster, fixed-capacity mode, bf16, CUDA"
   timeout 120 $PY -m megatron_railwave.cli simulate-exchange --cluster configs/clusters/h800_4x8.yaml \
       --tokens 1024 --hidden 4096 --experts 128 --topk 8 --dtype bf16 --device cuda \

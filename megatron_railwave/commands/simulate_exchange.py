@@ -38,6 +38,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--max-tokens-per-rank", type=int, default=None, metavar="C",
                         help="fixed-capacity mode: buffers sized for C tokens per rank, no host sync "
                              "(C >= --tokens; default: the normal mode)")
+    parser.add_argument("--chunks", type=int, default=1, metavar="C",
+                        help="rail chunks per wave for perm / joint (default 1: whole waves)")
     parser.add_argument("--max-error", type=float, default=None,
                         help="fail when a relative error exceeds this (default 1e-5 for fp32, 2e-2 for bf16)")
     parser.add_argument("--json", default=None, metavar="FILE", help="write the report as JSON")
@@ -52,12 +54,14 @@ def _megabytes(wire: dict[str, int]) -> str:
 
 def run(args: argparse.Namespace) -> int:
     from ..bench.virtual_exchange import VirtualSpec, simulate_exchange
+    from ..planner import PlanOptions
 
     topo = _common.cluster_from_args(args)
     capacity = args.max_tokens_per_rank
     spec = VirtualSpec(topology=topo, tokens=args.tokens, hidden=args.hidden, experts=args.experts,
                        topk=args.topk, dtype=args.dtype, device=args.device, seed=args.seed,
-                       max_tokens_per_rank=capacity)  # a bad value raises ValueError: exit 2
+                       max_tokens_per_rank=capacity,
+                       options=PlanOptions(chunks=args.chunks))  # a bad value raises ValueError: exit 2
     report = simulate_exchange(spec)
     limit = args.max_error if args.max_error is not None else (1e-5 if args.dtype == "fp32" else 2e-2)
     rows = []

@@ -51,7 +51,7 @@ EXPECTED_FLAGS = {
     "workloads": [],
     "simulate-exchange": [
         "--cluster", "--nodes", "--failed-rail", "--tokens", "--hidden", "--experts", "--topk", "--dtype",
-        "--device", "--seed", "--max-tokens-per-rank", "--max-error", "--json",
+        "--device", "--seed", "--max-tokens-per-rank", "--chunks", "--max-error", "--json",
     ],
     "bench": [
         "--cluster", "--nodes", "--failed-rail", "--backend", "--model", "--alpha", "--workload", "--pattern", "--layers",
