@@ -104,6 +104,8 @@ def add_plan_args(parser: argparse.ArgumentParser, *, default_path: str = "joint
                        help="local GPUs (rails) allowed under --policy mask on every node, e.g. 0,1,2,3")
     group.add_argument("--fanin", type=int, default=1, metavar="F",
                        help="remote senders per receiver per wave for perm/joint (default 1: cyclic)")
+    group.add_argument("--chunks", type=int, default=1, metavar="C",
+                       help="rail chunks per wave for perm/joint (default 1: whole waves)")
     group.add_argument("--phase", type=int, default=0, help="remainder-rotation counter (default 0)")
 
 
@@ -145,7 +147,7 @@ def check_workload_args(args: argparse.Namespace, topo: RailTopology) -> None:
 
 
 def options_from_args(args: argparse.Namespace, topo: RailTopology) -> PlanOptions:
-    """``PlanOptions`` from ``--policy``, ``--rail-mask`` and ``--fanin``."""
+    """``PlanOptions`` from ``--policy``, ``--rail-mask``, ``--fanin`` and ``--chunks``."""
     if args.fanin < 1:
         raise ValueError(f"--fanin must be >= 1, got {args.fanin}")
     mask_NG = None
@@ -159,7 +161,8 @@ def options_from_args(args: argparse.Namespace, topo: RailTopology) -> PlanOptio
         mask_NG[:, args.rail_mask] = True
     if args.policy == EligiblePolicy.MASK and mask_NG is None:
         raise ValueError("--policy mask needs --rail-mask GPUS (e.g. --rail-mask 0,1,2,3)")
-    return PlanOptions(policy=EligiblePolicy(args.policy), rail_mask_NG=mask_NG, fanin=args.fanin)
+    return PlanOptions(policy=EligiblePolicy(args.policy), rail_mask_NG=mask_NG, fanin=args.fanin,
+                       chunks=getattr(args, "chunks", 1))
 
 
 def json_ready(value: Any) -> Any:

@@ -82,7 +82,8 @@ def print_rail_egress(plan: PathPlan, *, record_bytes: int) -> None:
 def print_waves(plan: PathPlan, *, max_pairs: int = 16) -> None:
     """The sending windows (NATIVE, RAIL) or waves (PERM, JOINT) as 's->d' lists."""
     sched = plan.schedule
-    lines = [f"{plan.path}: {sched.num_waves} {'wave' if plan.path.waved else 'window'}(s), "
+    chunks = f", each in {plan.chunks} rail chunks" if plan.chunks > 1 else ""
+    lines = [f"{plan.path}: {sched.num_waves} {'wave' if plan.path.waved else 'window'}(s){chunks}, "
              f"schedule {sched.kind}, max fan-in {sched.max_fanin()}"]
     for v, wave in enumerate(sched.waves):
         pairs = [f"{s}->{d}" for s, d in wave]

@@ -18,7 +18,7 @@ H800 = str(Path(__file__).resolve().parents[2] / "configs" / "clusters" / "h800_
 EXPECTED_FLAGS = {
     "plan": [
         "--cluster", "--nodes", "--failed-rail", "--tokens", "--experts", "--topk", "--hidden", "--dtype",
-        "--seed", "--path", "--policy", "--rail-mask", "--fanin", "--phase", "--repeats", "--json",
+        "--seed", "--path", "--policy", "--rail-mask", "--fanin", "--chunks", "--phase", "--repeats", "--json",
     ],
     "plan-bench": [
         "--configs", "--tokens", "--experts", "--topk", "--path", "--fanin", "--seed", "--warmup", "--repeats",
