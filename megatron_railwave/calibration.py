@@ -85,6 +85,9 @@ class ReplayRequest:
         windows: the input's sending windows (replay arrangement) kept by NATIVE / RAIL and used
             for the descriptors; None = all node pairs at once.
         meta: where the request came from (workload, seed, payload scale), for reports.
+        demand: the target-mask histograms behind ``records_NGN`` (a ``traffic.DemandCounts`` in
+            full form), so a backend moves the exact stage-3 copies (and can run rail chunks);
+            None = the model's synthetic delivery fan-out.
     """
 
     name: str
@@ -92,6 +95,7 @@ class ReplayRequest:
     record_bytes: int
     windows: WaveSchedule | None = None
     meta: dict[str, Any] = field(default_factory=dict)
+    demand: Any = None
 
 
 class MeasureBackend(Protocol):
@@ -154,10 +158,7 @@ class NetmodelBackend:
     def __init__(self, topo: RailTopology, options: PlanOptions | None = None, model: Any = None) -> None:
         from .netmodel import simulate_plan
 
-        if options is not None and options.chunks != 1:
-            raise ValueError(f"the netmodel calibration backend simulates whole waves only (chunks=1), got "
-                             f"chunks={options.chunks}: its requests carry per-node counts without the target masks "
-                             "that rail chunks need; calibrate with chunks=1")
+
         self._simulate: Callable[..., float] = simulate_plan
         self.topo = topo
         self.options = options
@@ -168,7 +169,12 @@ class NetmodelBackend:
         key = (request.name, int(request.records_NGN.sum()), request.record_bytes, str(path))
         if key not in self._cache:
             plan = request_plan(request, self.topo, path, self.options)
-            self._cache[key] = float(self._simulate(plan, record_bytes=request.record_bytes, model=self.model))
+            if plan.chunks != 1 and request.demand is None:
+                raise ValueError(f"request {request.name!r}: a plan with {plan.chunks} rail chunks per wave needs the "
+                                 "request's target masks (ReplayRequest.demand); build the requests with "
+                                 "glm_requests / synthetic_requests, or calibrate with chunks=1")
+            self._cache[key] = float(self._simulate(plan, record_bytes=request.record_bytes, model=self.model,
+                                                    demand=request.demand))
         return [self._cache[key]] * repeats
 
 
@@ -555,10 +561,10 @@ def _variants(name: str, demand: Any, topo: RailTopology, *, arrangements: Seque
             from .workloads import arrange
 
             arranged, windows = arrange(demand, arr, topo)
-        base = arranged.records_NGN()
         for scale in payload_scales:
-            out.append(ReplayRequest(name=f"{name}-{arr}-x{scale:g}", records_NGN=scaled_demand(base, scale),
-                                     record_bytes=record_bytes, windows=windows,
+            scaled = arranged if scale == 1 else scaled_demand(arranged, scale)
+            out.append(ReplayRequest(name=f"{name}-{arr}-x{scale:g}", records_NGN=scaled.records_NGN(),
+                                     record_bytes=record_bytes, windows=windows, demand=scaled,
                                      meta={**meta, "arrangement": arr, "scale": float(scale),
                                            "sequence": f"{sequence}-{arr}-x{scale:g}", "position": position}))
     return out

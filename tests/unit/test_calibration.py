@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -294,7 +295,8 @@ def test_make_backend_netmodel_times_each_path_with_the_flow_model(requests):
     request = requests[0]
     times = {}
     for path in ALL_PATHS:
-        expected = simulate_plan(request_plan(request, TOPO, path), record_bytes=request.record_bytes)
+        expected = simulate_plan(request_plan(request, TOPO, path), record_bytes=request.record_bytes,
+                                 demand=request.demand)
         got = backend.measure(request, path, 3)
         assert got == [pytest.approx(expected, rel=1e-12)] * 3, path
         times[path] = got[0]
@@ -440,6 +442,12 @@ def test_calibration_rows_name_their_generator_seed():
     assert {calibration.request_seed(r) for r in syn} == {"synthetic-f0", "synthetic-f1", "synthetic-f2", "synthetic-f3"}
 
 
-def test_netmodel_backend_refuses_rail_chunks_naming_the_fix():
-    with pytest.raises(ValueError, match=r"whole waves only \(chunks=1\), got chunks=2.*calibrate with chunks=1"):
-        make_backend("netmodel", TOPO, options=PlanOptions(chunks=2))
+def test_netmodel_backend_runs_rail_chunks_only_with_the_request_masks(requests):
+    backend = make_backend("netmodel", TOPO, options=PlanOptions(chunks=2))
+    request = requests[0]
+    assert request.demand is not None  # the workloads' requests carry their target masks
+    assert backend.measure(request, Path("joint"), 1)[0] > 0
+    bare = dataclasses.replace(request, name="bare", demand=None)
+    with pytest.raises(ValueError, match=r"request 'bare': a plan with 2 rail chunks per wave needs the request's "
+                                         r"target masks"):
+        backend.measure(bare, Path("joint"), 1)
