@@ -137,6 +137,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> rank_sche
   std::vector<int64_t> copies_NGG(static_cast<size_t>(N * G * G), 0);  // [a, arrival l, target j]
   std::vector<int64_t> f_prev(static_cast<size_t>(G)), f_cur(static_cast<size_t>(G)), run_P(static_cast<size_t>(G));
   for (int64_t a = 0; a < N; ++a) {
+    if (C > 1 && a != s) continue;  // chunked remote blocks are cut from their arrival cells below
     for (int64_t o = 0; o < G; ++o) {
       const int64_t* hist = masks + (a * G + o) * M;
       const int64_t keep = rel(a, s, o, o);

@@ -187,7 +187,8 @@ def rank_schedule(
 
     Meaning: ``schedule.compile_schedule`` with the deliveries of the rank's node, then
     ``schedule.rank_view`` and ``exchange.layout``'s host counts; that pipeline is the reference
-    (it sits above this package, so the equality is checked by tests/unit/test_rank_schedule_op.py).
+    (it sits above this package, so the equality is checked by
+    tests/unit/schedule/test_rank_schedule_op.py).
 
     Args:
         records_NNG, quota_NNG: [N, N, G] int64, relay_NNGG: [N, N, G, G] int64, wave_NN: [N, N]

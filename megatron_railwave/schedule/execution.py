@@ -168,6 +168,15 @@ def _build_phases(num_waves: int) -> tuple[Phase, ...]:
     return tuple(phases)
 
 
+@functools.lru_cache(maxsize=256)
+def _dispatch_phase_indices(num_waves: int) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
+    """(relay phase, rail phases [V], deliver phases [V + 1]) of a schedule with V rail phases."""
+    index = {(p.direction, p.kind, p.step): p.index for p in _build_phases(num_waves)}
+    D = Direction.DISPATCH
+    return (index[(D, PhaseKind.RELAY, 0)], tuple(index[(D, PhaseKind.RAIL, v)] for v in range(num_waves)),
+            tuple(index[(D, PhaseKind.DELIVER, r)] for r in range(num_waves + 1)))
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ExecutionSchedule:
     """The phases, transfers and wire format of one layer (identical on every rank).
@@ -284,8 +293,6 @@ def _rail_transfers(plan: PathPlan) -> tuple[np.ndarray, np.ndarray, np.ndarray,
     wave_NN = plan.pair_wave_NN.numpy()
     remote_quota = plan.quota_NNG.numpy() * (wave_NN >= 0)[:, :, None]
     s, d, l = np.nonzero(remote_quota)
-    if c == 1:
-        return wave_NN[s, d], s * g + l, d * g + l, remote_quota[s, d, l]
     rows_XC = chunk_sizes(remote_quota[s, d, l], c)
     phase_XC = wave_NN[s, d][:, None] * c + np.arange(c)
     keep = rows_XC > 0
@@ -345,19 +352,17 @@ def compile_schedule(plan: PathPlan, wire: RecordWireFormat, *, demand: MaskSour
     elif delivery_nodes and demand is None:
         raise ValueError("compile_schedule: delivery_nodes need the demand's target-mask histograms")
     phases = _build_phases(plan.num_rail_phases)
-    index = {(p.direction, p.kind, p.step): p.index for p in phases}
+    relay_phase, rail_phases, deliver_phases = _dispatch_phase_indices(plan.num_rail_phases)
     parts = []  # (phase [x], src [x], dst [x], rows [x])
 
     src, dst, rows = _relay_transfers(plan)
-    parts.append((np.full(src.shape, index[(Direction.DISPATCH, PhaseKind.RELAY, 0)]), src, dst, rows))
+    parts.append((np.full(src.shape, relay_phase), src, dst, rows))
 
-    rail_phase_V = np.array([index[(Direction.DISPATCH, PhaseKind.RAIL, v)] for v in range(plan.num_rail_phases)],
-                            dtype=np.int64)
+    rail_phase_V = np.array(rail_phases, dtype=np.int64)
     wave, src, dst, rows = _rail_transfers(plan)
     parts.append((rail_phase_V[wave], src, dst, rows))
 
-    deliver_phase_R = np.array([index[(Direction.DISPATCH, PhaseKind.DELIVER, r)]
-                                for r in range(plan.num_rail_phases + 1)], dtype=np.int64)
+    deliver_phase_R = np.array(deliver_phases, dtype=np.int64)
     for node in delivery_nodes:
         rnd, src, dst, rows = _delivery_transfers(plan, demand, node)  # type: ignore[arg-type]
         parts.append((deliver_phase_R[rnd], src, dst, rows))

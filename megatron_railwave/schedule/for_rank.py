@@ -11,13 +11,13 @@ counts itself. Both give the same schedule and view (tests/unit/schedule/test_ra
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import numpy as np
+
 from .. import ops
 from ..planner import PathPlan
-from .execution import Direction, ExecutionSchedule, MaskSource, PhaseKind, _build_phases, compile_schedule
+from .execution import ExecutionSchedule, MaskSource, _build_phases, _dispatch_phase_indices, compile_schedule
 from .rank_view import RankView, phase_counts, rank_view
 from .wire import RecordWireFormat
 
@@ -38,17 +38,6 @@ class RankSchedule:
     layout_counts: np.ndarray | None
 
 
-@functools.lru_cache(maxsize=256)
-def _phase_indices(num_waves: int) -> tuple[int, int, tuple[int, ...], tuple[int, ...]]:
-    """(P, relay phase, rail phases [V], deliver phases [V + 1]) of a schedule with V waves."""
-    phases = _build_phases(num_waves)
-    index = {(p.direction, p.kind, p.step): p.index for p in phases}
-    D = Direction.DISPATCH
-    return (len(phases), index[(D, PhaseKind.RELAY, 0)],
-            tuple(index[(D, PhaseKind.RAIL, v)] for v in range(num_waves)),
-            tuple(index[(D, PhaseKind.DELIVER, r)] for r in range(num_waves + 1)))
-
-
 def compile_for_rank(plan: PathPlan, wire: RecordWireFormat, *, demand: MaskSource, node: int,
                      rank: int) -> RankSchedule:
     """The schedule of ``plan`` with the deliveries of ``node`` (the rank's node), the rank's view
@@ -59,15 +48,15 @@ def compile_for_rank(plan: PathPlan, wire: RecordWireFormat, *, demand: MaskSour
     """
     topo = plan.topology
     n, g = topo.num_nodes, topo.gpus_per_node
-    num_phases, relay_phase, rail_phase_V, deliver_phase_R = _phase_indices(plan.num_rail_phases)
+    phases = _build_phases(plan.num_rail_phases)
+    relay_phase, rail_phase_V, deliver_phase_R = _dispatch_phase_indices(plan.num_rail_phases)
     out = ops.rank_schedule(plan.records_NNG, plan.quota_NNG, plan.relay_NNGG, plan.pair_wave_NN,
-                            demand.masks_into(node), rank=rank, chunks=plan.chunks, num_phases=num_phases,
+                            demand.masks_into(node), rank=rank, chunks=plan.chunks, num_phases=len(phases),
                             relay_phase=relay_phase, rail_phase_V=rail_phase_V, deliver_phase_R=deliver_phase_R)
     if out is None:
         schedule = compile_schedule(plan, wire, demand=demand, delivery_nodes=(node,))
         return RankSchedule(schedule=schedule, view=rank_view(schedule, rank), layout_counts=None)
     table, send_PQ, recv_PQ, view_counts, layout_counts = out
-    phases = _build_phases(plan.num_rail_phases)
     schedule = ExecutionSchedule(plan=plan, wire=wire, phases=phases, delivery_nodes=(node,), demand=demand,
                                  phase_X=table[0], src_X=table[1], dst_X=table[2], rows_X=table[3])
     v = view_counts.numpy()
