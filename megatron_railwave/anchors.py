@@ -15,7 +15,7 @@ File layout (``format: railwave-anchors``, ``version: 1``)::
       dtype: bf16
       backend: netmodel           # netmodel | testbed | torchrun | ...
       date: '2026-01-01T00:00:00+00:00'
-      settings: {...}             # warm-ups, repeats, thresholds, requests (free-form)
+      settings: {...}             # warm-ups, repeats, thresholds, requests, chunks (free-form)
     scales:                       # coordinate normalisation (SelectorScales, resolved)
       payload_ref_bytes: 58720256.0
       rho_scale: 7.0
@@ -50,6 +50,7 @@ from typing import Any
 import yaml
 
 from .planner import Path, parse_path
+from .planner.plan import MAX_CHUNKS
 from .topology import RailTopology
 from .traffic import SelectorScales, TrafficStats
 
@@ -182,6 +183,13 @@ class AnchorSet:
         return (float(tuned.get("payload_ratio", DEFAULT_PAYLOAD_RATIO)) if payload_ratio is None else payload_ratio,
                 float(tuned.get("shape_distance", DEFAULT_SHAPE_DISTANCE)) if shape_distance is None
                 else shape_distance)
+
+    @property
+    def chunks(self) -> int:
+        """Rail chunks per wave of the PERM / JOINT plans the file was calibrated with
+        (``context.settings.chunks``, checked when the file is loaded; absent = 1, whole waves). The
+        anchors compare paths against *that* JOINT, so a selector over them needs the same chunks."""
+        return int(self.context.settings.get("chunks", 1))
 
     def coords(self, stats: TrafficStats) -> tuple[float, float, float]:
         """Selector coordinates of ``stats`` under this file's scales (pure, ~1 us)."""
@@ -316,6 +324,17 @@ def _check_thresholds(settings: dict[str, Any], source: str) -> None:
                             f"must be a finite number >= {low:g}, got {value!r}; re-run `railwave calibrate`")
 
 
+def _check_chunks(settings: dict[str, Any], source: str) -> None:
+    """The recorded rail chunks, where present, decide which JOINT the anchors beat: check them."""
+    if "chunks" not in settings:
+        return
+    value = settings["chunks"]
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_CHUNKS:
+        raise _fail(source, "context.settings.chunks",
+                    f"must be an integer in 1..{MAX_CHUNKS} (rail chunks per wave), got {value!r}; "
+                    "re-run `railwave calibrate`")
+
+
 def anchors_from_dict(data: Any, *, source: str = "<dict>", topo: RailTopology | None = None) -> AnchorSet:
     """Validate and build an ``AnchorSet``; errors name the offending field.
 
@@ -346,6 +365,7 @@ def anchors_from_dict(data: Any, *, source: str = "<dict>", topo: RailTopology |
                                  backend=ctx["backend"], date=ctx["date"],
                                  settings=_mapping(ctx.get("settings", {}), source, "context.settings"))
     _check_thresholds(context.settings, source)
+    _check_chunks(context.settings, source)
     if topo is not None:
         _check_topology(topo_data, topo, source)
     sc = _mapping(data.get("scales"), source, "scales")

@@ -144,13 +144,13 @@ class AnchorSelector:
 
 
 def fallback_phases_of(anchor_set: AnchorSet, fallback: Path) -> int | None:
-    """Rail phases the fallback posts per call on the calibrated cluster: N - 1 waves for a waved
-    path (the cyclic permutation schedule calibration plans with), None (unknown: the input's
-    windows) for NATIVE / RAIL."""
+    """Rail phases the fallback posts per call on the calibrated cluster: N - 1 waves of the
+    file's rail chunks each for a waved path (the cyclic permutation schedule calibration plans
+    with), None (unknown: the input's windows) for NATIVE / RAIL."""
     nodes = anchor_set.context.topology.get("num_nodes")
     if not fallback.waved or isinstance(nodes, bool) or not isinstance(nodes, int):
         return None
-    return nodes - 1
+    return (nodes - 1) * anchor_set.chunks
 
 
 def posts_fewer_phases(anchor: Anchor, fallback_phases: int | None) -> bool:
@@ -183,8 +183,9 @@ def selector_from_config(config: RailWaveConfig, topo: RailTopology, *, warn: bo
 
     A missing anchors file means "always JOINT": one warning through the ``megatron_railwave``
     logger per process, when ``warn`` (the dispatcher passes True on global rank 0 only). A
-    malformed file or one calibrated for another topology raises ``ValueError`` naming the field
-    (on every rank, at construction, before any collective).
+    malformed file, one calibrated for another topology or with other rail chunks than the
+    config's raises ``ValueError`` naming the field (on every rank, at construction, before any
+    collective).
     """
     if config.anchors is None:
         _warn_once("<none>", "railwave path 'auto' without an anchors file: every layer runs JOINT "
@@ -198,6 +199,12 @@ def selector_from_config(config: RailWaveConfig, topo: RailTopology, *, warn: bo
                    "runs JOINT (run `railwave calibrate --out` to create it)", warn=warn)
         return FixedSelector(Path.JOINT)
     anchor_set = _cached_anchors(str(path), mtime, topo)
+    if anchor_set.chunks != config.chunks:
+        # The anchors say where a path beats JOINT with the file's chunks; another JOINT (more or
+        # fewer rail phases per wave) moves every boundary, so the file does not apply.
+        raise ValueError(f"anchors file {str(path)!r} was calibrated with chunks={anchor_set.chunks} (field "
+                         f"'context.settings.chunks') but this RailWave config has chunks={config.chunks}; set "
+                         f"chunks: {anchor_set.chunks} or run `railwave calibrate --chunks {config.chunks}`")
     # The thresholds the file was tuned with (calibrate's leave-one-out choice), unless the
     # config overrides them: anchors are only validated with the thresholds they were tuned for.
     payload_ratio, shape_distance = anchor_set.thresholds(config.payload_ratio, config.shape_distance)

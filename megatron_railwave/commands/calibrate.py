@@ -102,6 +102,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     group.add_argument("--tokens", type=_token_list, default=[128, 512, 2048, 4096], metavar="T,T",
                        help="tokens per GPU, one request set per value (default 128,512,2048,4096)")
     group.add_argument("--hidden", type=int, default=4096, metavar="H", help="hidden size (default 4096)")
+    group.add_argument("--chunks", type=int, default=1, metavar="C",
+                       help="rail chunks per wave of the PERM / JOINT plans (PlanOptions.chunks, recorded as "
+                            "context.settings.chunks; a RailWave config using the file must set the same chunks; "
+                            "default 1, whole waves)")
     group.add_argument("--dtype", default="bf16", help="payload element type (default bf16)")
     rule = parser.add_argument_group("keep rule")
     rule.add_argument("--max-spread", type=float, default=1.2, help="max p90/p10 (default 1.2)")
@@ -160,6 +164,9 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--hidden and --families must be >= 1, got {args.hidden}, {args.families}")
     if args.max_spread < 1 or not 0 <= args.min_gain < 1:
         raise ValueError(f"need --max-spread >= 1 and 0 <= --min-gain < 1, got {args.max_spread}, {args.min_gain}")
+    from ..planner import PlanOptions
+
+    options = PlanOptions(chunks=args.chunks)  # rejects chunks outside 1..MAX_CHUNKS, naming the field
     record_bytes = args.hidden * dtype_bytes(args.dtype)
     settings: dict[str, Any] = {"workload": args.workload, "seed": args.seed, "tokens": list(args.tokens),
                                 "payload_scales": list(args.payload_scales),
@@ -173,12 +180,13 @@ def run(args: argparse.Namespace) -> int:
     else:
         settings["families"] = list(range(args.seed, args.seed + args.families))
     model = load_model(args.model)
-    backend = calibration.make_backend(args.backend, topo, model=model)
+    backend = calibration.make_backend(args.backend, topo, options=options, model=model)
     requests = calibration.calibration_requests(topo, settings, record_bytes=record_bytes)
     result = calibration.calibrate(
         backend, requests, topo, hidden_size=args.hidden, dtype=args.dtype, warmups=args.warmups,
         repeats=args.repeats, max_spread=args.max_spread, min_gain=args.min_gain,
-        settings={"requests": settings, "model_file": args.model, "model": model_dict(model)},
+        settings={"requests": settings, "model_file": args.model, "model": model_dict(model),
+                  "chunks": args.chunks},
         progress=not args.no_progress)
     tuned = calibration.tune_selector(result)
     anchor_set = with_selector_settings(result.anchor_set, tuned)

@@ -143,7 +143,11 @@ def run(args: argparse.Namespace) -> int:
             f"anchors, median of 5 x {bench['repeats']} calls, 1 thread); "
             f"descriptors from counts: {bench['us_per_descriptors']:.0f} us")
     if args.backend is not None:
-        backend = calibration.make_backend(args.backend, topo, model=_model(args, anchor_set))
+        from ..planner import PlanOptions
+
+        # The JOINT the anchors were calibrated against (context.settings.chunks).
+        backend = calibration.make_backend(args.backend, topo, options=PlanOptions(chunks=anchor_set.chunks),
+                                           model=_model(args, anchor_set))
         result = calibration.validate(backend, selector, requests, topo, warmups=args.warmups,
                                       repeats=args.repeats, progress=not args.no_progress)
         data = result.to_dict()
