@@ -346,10 +346,16 @@ def tune_selector(result: CalibrationResult, *, grid: dict[str, Sequence[float]]
     time of the choices. The setting with the fewest such requests, then the least total, then
     the smallest thresholds (the grid's order) wins. Held-out requests play no part.
 
+    Anchors must earn their place: "no anchors" (always JOINT) is scored the same way and wins
+    unless some setting is strictly better (fewer requests over the tolerance, or as many and a
+    smaller total). Then ``use_anchors`` is False and ``railwave calibrate`` writes a file without
+    anchors (every row stays in its JSON).
+
     Returns:
-        ``payload_ratio``, ``shape_distance`` (the choice), ``left_out`` ('seed' or 'routing'),
-        ``method`` (in words) and ``scores`` (one dict per setting: thresholds, over_tolerance,
-        total_s, vs_joint).
+        ``use_anchors``, ``payload_ratio``, ``shape_distance`` (the choice; without anchors the best
+        setting with them, for the record), ``left_out`` ('seed' or 'routing'), ``method`` (in
+        words) and ``scores`` (one dict per setting: thresholds, over_tolerance, total_s, vs_joint;
+        the first, with thresholds None, is "no anchors").
     """
     grid = {**SELECTOR_GRID, **(grid or {})}
     rows = result.rows
@@ -358,6 +364,10 @@ def tune_selector(result: CalibrationResult, *, grid: dict[str, Sequence[float]]
     unit_of_row = {r.request: (r.seed if by_seed else r.group) for r in rows}
     joint_total = sum(r.latency[Path.JOINT].median for r in rows)
     selectors: dict[tuple[str, float, float], AnchorSelector] = {}
+    joint_over = sum(r.latency[Path.JOINT].median > (1.0 + tolerance) * min(v.median for v in r.latency.values())
+                     * (1.0 + _RULE_RTOL) for r in rows)
+    no_anchors = {"payload_ratio": None, "shape_distance": None, "over_tolerance": int(joint_over),
+                  "total_s": joint_total, "vs_joint": 1.0}
     scores = []
     for ratio in grid["payload_ratio"]:
         for dist in grid["shape_distance"]:
@@ -376,11 +386,18 @@ def tune_selector(result: CalibrationResult, *, grid: dict[str, Sequence[float]]
                 total += chosen
             scores.append({"payload_ratio": ratio, "shape_distance": dist, "over_tolerance": int(over),
                            "total_s": total, "vs_joint": total / joint_total if joint_total > 0 else 1.0})
-    best_score = min(scores, key=lambda sc: (sc["over_tolerance"], round(sc["total_s"], 12)))
+    def rank(sc: dict[str, Any]) -> tuple[int, float]:
+        return sc["over_tolerance"], round(sc["total_s"], 12)
+
+    best_score = min(scores, key=rank)
+    use_anchors = bool(aset.anchors) and rank(best_score) < rank(no_anchors)
     left_out = "seed" if by_seed else "routing"
-    return {"payload_ratio": best_score["payload_ratio"], "shape_distance": best_score["shape_distance"],
-            "method": f"leave-one-{left_out}-out on the calibration requests", "left_out": left_out,
-            "tolerance": tolerance, "scores": scores}
+    method = f"leave-one-{left_out}-out on the calibration requests"
+    if not use_anchors and aset.anchors:
+        method += "; no setting beats always-JOINT, so no anchors are kept"
+    return {"use_anchors": use_anchors, "payload_ratio": best_score["payload_ratio"],
+            "shape_distance": best_score["shape_distance"], "method": method, "left_out": left_out,
+            "tolerance": tolerance, "scores": [no_anchors, *scores]}
 
 
 # ---------------------------------------------------------------------- validation

@@ -129,13 +129,18 @@ def model_dict(model) -> dict[str, Any]:
 
 
 def with_selector_settings(anchor_set, tuned: dict[str, Any]):
-    """``anchor_set`` with the tuned thresholds in ``context.settings.selector`` (scores stay in the JSON)."""
+    """``anchor_set`` with the tuned thresholds in ``context.settings.selector`` (scores stay in the
+    JSON); without its anchors when the tuning found that none beat always-JOINT
+    (``tuned['use_anchors']`` False: the count dropped is recorded as ``anchors_dropped``)."""
     from ..anchors import AnchorSet, CalibrationContext
 
     ctx = anchor_set.context
-    settings = {**ctx.settings, "selector": {k: tuned[k] for k in ("payload_ratio", "shape_distance", "method",
-                                                                   "left_out", "tolerance")}}
-    return AnchorSet(anchors=anchor_set.anchors, scales=anchor_set.scales,
+    use = tuned.get("use_anchors", True)
+    selector = {k: tuned[k] for k in ("payload_ratio", "shape_distance", "method", "left_out", "tolerance")}
+    if not use:
+        selector["anchors_dropped"] = len(anchor_set.anchors)
+    settings = {**ctx.settings, "selector": selector}
+    return AnchorSet(anchors=anchor_set.anchors if use else (), scales=anchor_set.scales,
                      context=CalibrationContext(topology=ctx.topology, hidden_size=ctx.hidden_size, dtype=ctx.dtype,
                                                 backend=ctx.backend, date=ctx.date, settings=settings))
 
@@ -194,6 +199,9 @@ def run(args: argparse.Namespace) -> int:
     rows = [r.to_dict() for r in result.rows]
     print_latencies(f"calibration on {topo.name} with {backend.name} (median of {args.repeats})", rows)
     kept = anchor_set.anchors
+    if not tuned["use_anchors"] and result.anchor_set.anchors:
+        _render.print_text(f"{len(result.anchor_set.anchors)} requests passed the keep rule, but no selector setting "
+                           "beats always-JOINT when a seed is left out: the file keeps none")
     _render.print_text(f"kept {len(kept)} of {len(rows)} requests as anchors "
                        f"({', '.join(f'{a.name}: {a.path}' for a in kept) or 'none: always JOINT'}); "
                        f"wrote {args.out}")

@@ -387,9 +387,12 @@ def test_tune_selector_leaves_each_routing_out_and_picks_the_smallest_safe_thres
     result = calibration.CalibrationResult(anchor_set=AnchorSet(anchors=tuple(anchors), scales=(ref, rho_s, kappa_s),
                                                                 context=ctx), rows=tuple(rows))
     tuned = calibration.tune_selector(result, grid={"payload_ratio": (1.25,), "shape_distance": (0.02, 0.05, 0.1, 0.2)})
-    over = {sc["shape_distance"]: sc["over_tolerance"] for sc in tuned["scores"]}
+    no_anchors, *scores = tuned["scores"]
+    assert no_anchors["shape_distance"] is None and no_anchors["over_tolerance"] == 3  # JOINT 1.11x the best
+    over = {sc["shape_distance"]: sc["over_tolerance"] for sc in scores}
     assert over == {0.02: 3, 0.05: 3, 0.1: 0, 0.2: 0}
     assert (tuned["payload_ratio"], tuned["shape_distance"]) == (1.25, 0.1)  # 0.2 ties: the smaller wins
+    assert tuned["use_anchors"] is True
 
 
 def _twin_layer_result(seeds: dict[str, float]):
@@ -426,12 +429,42 @@ def test_tune_selector_leaves_out_whole_seeds_when_calibration_spans_several():
     grid = {"payload_ratio": (1.25,), "shape_distance": (0.02, 0.05, 0.1, 0.2)}
     tuned = calibration.tune_selector(_twin_layer_result({"glm1": 0.10, "glm2": 0.20}), grid=grid)
     assert tuned["left_out"] == "seed" and tuned["method"] == "leave-one-seed-out on the calibration requests"
-    assert {sc["shape_distance"]: sc["over_tolerance"] for sc in tuned["scores"]} == {0.02: 4, 0.05: 4, 0.1: 0, 0.2: 0}
-    assert tuned["shape_distance"] == 0.1
+    assert {sc["shape_distance"]: sc["over_tolerance"] for sc in tuned["scores"][1:]} == {0.02: 4, 0.05: 4, 0.1: 0,
+                                                                                           0.2: 0}
+    assert tuned["shape_distance"] == 0.1 and tuned["use_anchors"] is True
     # One seed only: leaving it out would leave no anchor, so routings are left out instead.
     one = calibration.tune_selector(_twin_layer_result({"glm1": 0.10}), grid=grid)
     assert one["left_out"] == "routing" and one["shape_distance"] == 0.02
-    assert {sc["over_tolerance"] for sc in one["scores"]} == {0}
+    assert {sc["over_tolerance"] for sc in one["scores"][1:]} == {0}
+    assert one["scores"][0]["over_tolerance"] == 2 and one["use_anchors"] is True  # always-JOINT misses both
+
+
+def test_tune_selector_keeps_no_anchors_when_none_beat_always_joint():
+    # Two seeds whose layers favour RAIL by 10% are anchors; with RAIL faster the anchors earn
+    # their place (always-JOINT misses all 4 requests, shape distance 0.1 none).
+    res = _twin_layer_result({"glm1": 0.10, "glm2": 0.20})
+    grid = {"payload_ratio": (1.25,), "shape_distance": (0.02, 0.05, 0.1, 0.2)}
+    assert calibration.tune_selector(res, grid=grid)["use_anchors"] is True
+    from megatron_railwave.anchors import AnchorSet
+
+    # The same anchors, but every request is now faster on JOINT (RAIL 10% slower): anchors
+    # chosen from the other seed always hurt, so the tuning keeps none.
+    lat = {p: _lat(1.0, 1.0, 1.0) for p in ALL_PATHS}
+    lat[Path.RAIL] = _lat(1.1, 1.1, 1.1)
+    rows = tuple(dataclasses.replace(r, latency=lat, best=Path.JOINT) for r in res.rows)
+    worse = calibration.CalibrationResult(anchor_set=res.anchor_set, rows=rows)
+    tuned = calibration.tune_selector(worse, grid=grid)
+    assert tuned["use_anchors"] is False and tuned["scores"][0]["over_tolerance"] == 0
+    assert "no anchors are kept" in tuned["method"]
+    # Equal scores also keep none: anchors must be strictly better than always-JOINT.
+    flat = {p: _lat(1.0, 1.0, 1.0) for p in ALL_PATHS}
+    tie = calibration.CalibrationResult(anchor_set=res.anchor_set,
+                                        rows=tuple(dataclasses.replace(r, latency=flat) for r in res.rows))
+    assert calibration.tune_selector(tie, grid=grid)["use_anchors"] is False
+    # An empty anchor set never "uses" anchors.
+    empty = calibration.CalibrationResult(anchor_set=AnchorSet(anchors=(), scales=res.anchor_set.scales,
+                                                               context=res.anchor_set.context), rows=res.rows)
+    assert calibration.tune_selector(empty, grid=grid)["use_anchors"] is False
 
 
 def test_calibration_rows_name_their_generator_seed():
@@ -451,3 +484,41 @@ def test_netmodel_backend_runs_rail_chunks_only_with_the_request_masks(requests)
     with pytest.raises(ValueError, match=r"request 'bare': a plan with 2 rail chunks per wave needs the request's "
                                          r"target masks"):
         backend.measure(bare, Path("joint"), 1)
+
+
+def test_calibrate_with_rail_chunks_times_the_chunked_joint_and_validate_reuses_it(tmp_path):
+    # The anchors compare paths against JOINT with --chunks 2: the file records it, the JOINT
+    # latencies are those of the 2-chunk plan (not whole waves), and validate times that JOINT too.
+    from megatron_railwave.netmodel import simulate_plan
+
+    cluster = tmp_path / "tiny.yaml"
+    cluster.write_text("name: tiny_4x2\nnum_nodes: 4\ngpus_per_node: 2\n")
+    topo = RailTopology(num_nodes=4, gpus_per_node=2)
+    out, cal_json, val_json = tmp_path / "a.yaml", tmp_path / "cal.json", tmp_path / "val.json"
+    common = ["--backend", "netmodel", "--warmups", "0", "--repeats", "1", "--no-progress"]
+    assert main(["calibrate", *common, "--cluster", str(cluster), "--out", str(out), "--families", "2",
+                 "--arrangements", "none", "--tokens", "64", "--hidden", "64", "--chunks", "2",
+                 "--json", str(cal_json)]) == 0
+    aset = load_anchors(out, topo)
+    assert aset.chunks == 2
+    settings = aset.context.settings["requests"]
+    reqs = calibration_requests(topo, settings, record_bytes=64 * 2)
+    rows = {r["request"]: r for r in json.loads(cal_json.read_text())["requests"]}
+
+    def joint_s(req, chunks):
+        plan = calibration.request_plan(req, topo, Path.JOINT, PlanOptions(chunks=chunks))
+        return simulate_plan(plan, record_bytes=req.record_bytes, demand=req.demand)
+
+    for req in reqs:
+        got = rows[req.name]["latency_s"]["joint"]["median"]
+        assert got == pytest.approx(joint_s(req, 2), rel=1e-12) and got != pytest.approx(joint_s(req, 1), rel=1e-6)
+    assert main(["validate", "--anchors", str(out), *common, "--requests", "1", "--seed", "40",
+                 "--json", str(val_json)]) == 0
+    val = json.loads(val_json.read_text())["requests"]
+    held = calibration.validation_requests(topo, settings, seed=40, count=1, record_bytes=64 * 2)
+    assert [r["request"] for r in val] == [r.name for r in held]
+    for row, req in zip(val, held):
+        assert row["joint_s"] == pytest.approx(joint_s(req, 2), rel=1e-12)
+    with pytest.raises(SystemExit) as exc:  # outside 1..64: a clear error before any work
+        main(["calibrate", *common, "--cluster", str(cluster), "--out", str(tmp_path / "b.yaml"), "--chunks", "0"])
+    assert exc.value.code == 2

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import warnings
@@ -12,11 +13,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatron_railwave import selector as selector_mod
-from megatron_railwave.anchors import Anchor, AnchorSet, CalibrationContext, PathLatency, save_anchors
+from megatron_railwave.anchors import Anchor, AnchorSet, CalibrationContext, PathLatency, load_anchors, save_anchors
 from megatron_railwave.config import RailWaveConfig
 from megatron_railwave.planner import Path
 from megatron_railwave.workloads import synthetic_routing_maps
-from megatron_railwave.selector import AnchorSelector, FixedSelector, selector_from_config
+from megatron_railwave.selector import (AnchorSelector, FixedSelector, fallback_phases_of, posts_fewer_phases,
+                                        selector_from_config)
 from megatron_railwave.stats import demand_stats
 from megatron_railwave.topology import RailTopology
 from megatron_railwave.traffic import MiB, DemandCounts, TrafficStats, local_demand
@@ -290,3 +292,46 @@ def test_selector_from_config_rejects_bad_files(tmp_path, fresh_warnings):
     bad.write_text(path.read_text().replace("path: rail", "path: sideways"))
     with pytest.raises(ValueError, match=r"field 'anchors\[0\].path'"):
         selector_from_config(RailWaveConfig(anchors=str(bad)), TOPO)
+
+
+def _chunked_set(chunks):
+    base = anchor_set((A,))
+    ctx = CalibrationContext(topology=TOPO.to_dict(), hidden_size=4096, dtype="bf16", backend="fake",
+                             date="2026-01-01T00:00:00+00:00", settings={"chunks": chunks})
+    return AnchorSet(anchors=base.anchors, scales=base.scales, context=ctx)
+
+
+def test_selector_from_config_needs_the_rail_chunks_the_anchors_were_calibrated_with(tmp_path, fresh_warnings):
+    # The anchors say where a path beats JOINT with 2 rail chunks per wave; a job running whole
+    # waves (or 3 chunks) would reuse boundaries of another JOINT: refused, naming both values.
+    path = save_anchors(_chunked_set(2), tmp_path / "c2.yaml")
+    assert load_anchors(path, TOPO).chunks == 2
+    sel = selector_from_config(RailWaveConfig(anchors=str(path), chunks=2), TOPO)
+    assert isinstance(sel, AnchorSelector) and sel.select(stats(1.0, 0.1, 0.5)) == Path.RAIL
+    for chunks in (1, 3):
+        with pytest.raises(ValueError, match=rf"calibrated with chunks=2 \(field 'context.settings.chunks'\) but "
+                                             rf"this RailWave config has chunks={chunks}; set chunks: 2 or run "
+                                             rf"`railwave calibrate --chunks {chunks}`"):
+            selector_from_config(RailWaveConfig(anchors=str(path), chunks=chunks), TOPO)
+    # A file recording no chunks was calibrated with whole waves.
+    plain = save_anchors(anchor_set((A,)), tmp_path / "plain.yaml")
+    assert load_anchors(plain, TOPO).chunks == 1
+    with pytest.raises(ValueError, match=r"calibrated with chunks=1"):
+        selector_from_config(RailWaveConfig(anchors=str(plain), chunks=2), TOPO)
+
+
+@pytest.mark.parametrize("chunks", [0, 65, True, "2", 1.5])
+def test_anchors_file_with_bad_chunks_is_rejected(tmp_path, fresh_warnings, chunks):
+    path = save_anchors(_chunked_set(chunks), tmp_path / "bad.yaml")
+    with pytest.raises(ValueError, match=r"field 'context.settings.chunks' must be an integer in 1..64"):
+        load_anchors(path, TOPO)
+
+
+def test_fewer_phase_rule_counts_the_chunked_joint_phases():
+    # On 4 nodes JOINT posts 3 waves x chunks rail phases; an arranged input's RAIL posts 3 windows:
+    # as many as whole-wave JOINT (no reach-down), fewer than JOINT with 2 chunks (reach-down).
+    assert fallback_phases_of(anchor_set((A,)), Path.JOINT) == TOPO.num_nodes - 1
+    assert fallback_phases_of(_chunked_set(2), Path.JOINT) == 2 * (TOPO.num_nodes - 1)
+    arranged = dataclasses.replace(A, input_windows=TOPO.num_nodes - 1)
+    assert not posts_fewer_phases(arranged, fallback_phases_of(anchor_set((A,)), Path.JOINT))
+    assert posts_fewer_phases(arranged, fallback_phases_of(_chunked_set(2), Path.JOINT))
