@@ -3,7 +3,7 @@
 FAST's program (`netmodel.peers.fast_program`, its RAIL plan) run with (a) its BvN waves, (b) the
 cyclic waves JOINT runs (wave k: s -> (s + k) mod N, whole pairs), (c) its BvN waves merged by
 permutation, (d) each cyclic wave cut into 2 or 3 equal waves (same pairs: only the wave count
-changes); P50 over the first L RING layers next to JOINT's, payload scale 1.895 (make bench-paper).
+changes); P50 over the first L RING layers next to JOINT's, payload scale PAPER_PAYLOAD_SCALE (make bench-paper).
 
     PYTHONPATH=. .venv/bin/python scripts/netmodel_fast_waves.py h800_4x8 configs/netmodel/h800_4x8.yaml 45
 """
@@ -16,7 +16,7 @@ from megatron_railwave.netmodel.execute import fabric_for, synced_program
 from megatron_railwave.netmodel.program import run_program
 from megatron_railwave.netmodel.peers import bvn_waves, fast_program
 from megatron_railwave.planner import build_plan, cyclic_schedule, PlanOptions
-from megatron_railwave.workloads import GLM45_AIR, arrange, scaled_demand
+from megatron_railwave.workloads import GLM45_AIR, PAPER_PAYLOAD_SCALE, arrange, scaled_demand
 torch.set_num_threads(1)
 cluster, mfile = sys.argv[1], sys.argv[2]; nl = int(sys.argv[3])
 topo = load_topology(cluster); model = load_netmodel_config(mfile)
@@ -29,7 +29,7 @@ def run(plan, demand, waves):
 res = {k: [] for k in ("joint", "fast_bvn", "fast_cyclic", "fast_bvn_merged", "fast_cyclic_x2", "fast_cyclic_x3", "nbvn", "nmerged")}
 for layer in GLM45_AIR.layer_numbers[:nl]:
     demand, windows = arrange(layer_demands(topo, layer=layer, step=0, tokens=2048, seed=0), "ring", topo)
-    demand = scaled_demand(demand, 1.895); rec = demand.records_NGN()
+    demand = scaled_demand(demand, PAPER_PAYLOAD_SCALE); rec = demand.records_NGN()
     jp = build_plan(rec, topo, "joint", options=PlanOptions(fanin=1, windows=windows), phase=layer)
     res["joint"].append(execute_plan(jp, record_bytes=rb, model=model, demand=demand).total_s)
     rp = build_plan(rec, topo, "rail")

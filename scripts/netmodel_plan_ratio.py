@@ -8,7 +8,7 @@ from megatron_railwave.topology import load_topology
 from megatron_railwave.planner import build_plan, cyclic_schedule
 from megatron_railwave.netmodel.calibrate import arranged_layers, scaled_demand
 from megatron_railwave.netmodel.peers import bvn_waves
-PAYLOAD_SCALE = 1.895  # the bench-paper scale (Makefile): NATIVE RING on H800 sums to 1.801 s over 45 layers
+from megatron_railwave.workloads import PAPER_PAYLOAD_SCALE as PAYLOAD_SCALE  # make bench-paper's scale
 topo = load_topology("h800_4x8")
 layers = arranged_layers(topo, "extreme", tokens=2048, layers=[8, 17, 36])
 j, f, b, c = [], [], [], []

@@ -184,8 +184,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                        help="one number K: the first K MoE layers; a list: those layer numbers (default 45)")
     group.add_argument("--steps", type=int, default=1, help="training steps per layer (default 1)")
     group.add_argument("--tokens", type=int, default=2048, metavar="T", help="tokens per GPU (default 2048)")
-    group.add_argument("--payload-scale", type=float, default=1.0, metavar="X",
-                       help="multiply every record count (12 ~ the paper's layer times; default 1)")
+    group.add_argument("--payload-scale", type=_payload_scale, default=1.0, metavar="X|paper",
+                       help="multiply every record count; 'paper': workloads.PAPER_PAYLOAD_SCALE (1.895: the "
+                            "paper's layer times, NATIVE RING on H800); default 1")
     group.add_argument("--seed", type=int, default=0, help="routing seed (default 0)")
     group = parser.add_argument_group("paths")
     group.add_argument("--paths", type=_choices(_PATHS), default=list(_PATHS), metavar="P,P",
@@ -223,6 +224,21 @@ def _ints(text: str) -> list[int]:
     if not values or min(values) < 1:
         raise argparse.ArgumentTypeError(f"expected positive integers separated by commas, got {text!r}")
     return values
+
+
+def _payload_scale(text: str) -> float:
+    """argparse type of --payload-scale: a positive number, or 'paper' (workloads.PAPER_PAYLOAD_SCALE)."""
+    from ..workloads import PAPER_PAYLOAD_SCALE
+
+    if text.strip().lower() == "paper":
+        return PAPER_PAYLOAD_SCALE
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number or 'paper', got {text!r}")
+    return value
 
 
 def _layers(text: str) -> list[int]:

@@ -39,7 +39,7 @@ from .fit import (
     workload_report,
     workload_statistics,
 )
-from .glm import GLM45_AIR, GlmAirWorkload, ModelSpec, glm_air_demands, glm_air_layer_ids, glm_air_trace
+from .glm import GLM45_AIR, PAPER_PAYLOAD_SCALE, GlmAirWorkload, ModelSpec, glm_air_demands, glm_air_layer_ids, glm_air_trace
 from .synthetic import sample_topk_ids, synthetic_routing_maps, synthetic_topk_ids
 
 __all__ = [
@@ -71,6 +71,7 @@ __all__ = [
     "workload_report",
     "workload_statistics",
     "GLM45_AIR",
+    "PAPER_PAYLOAD_SCALE",
     "GlmAirWorkload",
     "ModelSpec",
     "glm_air_demands",

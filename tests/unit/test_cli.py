@@ -33,7 +33,7 @@ EXPECTED_FLAGS = {
     "calibrate": [
         "--cluster", "--nodes", "--failed-rail", "--backend", "--model", "--warmups", "--repeats", "--no-progress", "--out",
         "--workload", "--families", "--layers", "--seed", "--extra-seeds", "--arrangements", "--payload-scales", "--tokens",
-        "--hidden", "--dtype", "--max-spread", "--min-gain", "--json",
+        "--hidden", "--dtype", "--chunks", "--max-spread", "--min-gain", "--json",
     ],
     "validate": [
         "--anchors", "--cluster", "--backend", "--model", "--warmups", "--repeats", "--no-progress", "--requests", "--layers",

@@ -101,6 +101,8 @@ def test_summarize_samples_percentiles_by_hand():
         (["--layers", "46,47"], r"--layers: \[46, 47\] are not MoE layers of GLM-4.5-Air \(1..45\)"),
         (["--nodes", "256", "--pattern", "ring"], r"--pattern ring needs the dense demand"),
         (["--steps", "0"], r"need --steps >= 1"),
+        (["--payload-scale", "-1"], r"argument --payload-scale: expected a positive number or 'paper', got '-1'"),
+        (["--payload-scale", "papers"], r"argument --payload-scale: expected a positive number or 'paper'"),
     ],
 )
 def test_bench_bad_input_gives_clear_error(capsys, argv, match):
@@ -108,3 +110,11 @@ def test_bench_bad_input_gives_clear_error(capsys, argv, match):
         main(["bench", "--cluster", "h800_4x8", "--no-progress", *argv])
     assert exc.value.code == 2
     assert __import__("re").search(match, capsys.readouterr().err)
+
+
+def test_bench_payload_scale_paper_is_the_workloads_constant():
+    from megatron_railwave.commands.bench import _payload_scale
+    from megatron_railwave.workloads import PAPER_PAYLOAD_SCALE
+
+    assert _payload_scale("paper") == _payload_scale("Paper") == PAPER_PAYLOAD_SCALE == 1.895
+    assert _payload_scale("2.5") == 2.5
