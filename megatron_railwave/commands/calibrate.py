@@ -201,7 +201,7 @@ def run(args: argparse.Namespace) -> int:
     kept = anchor_set.anchors
     if not tuned["use_anchors"] and result.anchor_set.anchors:
         _render.print_text(f"{len(result.anchor_set.anchors)} requests passed the keep rule, but no selector setting "
-                           "beats always-JOINT when a seed is left out: the file keeps none")
+                           f"beats always-JOINT when a {tuned['left_out']} is left out: the file keeps none")
     _render.print_text(f"kept {len(kept)} of {len(rows)} requests as anchors "
                        f"({', '.join(f'{a.name}: {a.path}' for a in kept) or 'none: always JOINT'}); "
                        f"wrote {args.out}")
