@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from .anchors import Anchor, AnchorSet, CalibrationContext, PathLatency
-from .planner import Path, PathPlan, PlanOptions, WaveSchedule, build_plan
+from .planner import Path, PathPlan, PlanOptions, WaveSchedule, build_plan, parse_path
 from .selector import AnchorSelector
 from .stats import demand_stats
 from .topology import RailTopology
@@ -58,6 +58,7 @@ __all__ = [
     "ValidationRow",
     "ValidationResult",
     "count_path_changes",
+    "result_from_json",
     "validate",
     "synthetic_requests",
     "glm_requests",
@@ -283,6 +284,51 @@ class CalibrationRow:
 class CalibrationResult:
     anchor_set: AnchorSet
     rows: tuple[CalibrationRow, ...]
+
+
+def result_from_json(data: Any, *, source: str = "<json>", topo: RailTopology | None = None) -> CalibrationResult:
+    """The ``CalibrationResult`` behind a ``railwave calibrate --json`` file, to re-tune the selector
+    without measuring again (``railwave calibrate --retune``).
+
+    The anchors are rebuilt from the rows the keep rule kept (``kept``), so a file whose anchors
+    the tuning dropped still yields them; context and scales come from its ``anchors`` block. The
+    selector reads only B_mean, rho_g and kappa of a row; B_max and the record counts, which the
+    JSON does not hold, are set to B_mean and 0.
+
+    Args:
+        topo: when given, the calibration must have been for this topology.
+
+    Raises:
+        ValueError: not such a file (names the field), or another topology.
+    """
+    from .anchors import anchors_from_dict
+
+    if not isinstance(data, dict) or not isinstance(data.get("requests"), list) or "anchors" not in data:
+        raise ValueError(f"{source}: expected the JSON of `railwave calibrate --json` (fields 'anchors' and "
+                         "'requests')")
+    base = anchors_from_dict(data["anchors"], source=f"{source}: field 'anchors'", topo=topo)
+    rows, anchors = [], []
+    for i, row in enumerate(data["requests"]):
+        try:
+            coords = tuple(-math.inf if c is None else float(c) for c in row["coords"])
+            latency = {parse_path(p): PathLatency(**v) for p, v in row["latency_s"].items()}
+            st = TrafficStats(B_mean_bytes=float(row["B_mean_bytes"]), B_max_bytes=float(row["B_mean_bytes"]),
+                              rho_g=float(row["rho_g"]), kappa=float(row["kappa"]), coords=coords,  # type: ignore[arg-type]
+                              records_total=0, remote_records=0)
+            out = CalibrationRow(request=str(row["request"]), stats=st, coords=coords, latency=latency,  # type: ignore[arg-type]
+                                 best=parse_path(row["best"]), kept=bool(row["kept"]), gain=float(row["gain"]),
+                                 reason=str(row["reason"]), input_windows=int(row["input_windows"]),
+                                 group=str(row["group"]), seed=str(row["seed"]))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"{source}: field 'requests[{i}]' is malformed ({exc!r}); write it with "
+                             "`railwave calibrate --json`") from None
+        rows.append(out)
+        if out.kept:
+            anchors.append(Anchor(name=out.request, coords=coords, B_mean_bytes=st.B_mean_bytes,  # type: ignore[arg-type]
+                                  rho_g=st.rho_g, kappa=st.kappa, path=out.best, latency_s=latency,
+                                  input_windows=out.input_windows))
+    return CalibrationResult(anchor_set=AnchorSet(anchors=tuple(anchors), scales=base.scales, context=base.context),
+                             rows=tuple(rows))
 
 
 def calibrate(backend: MeasureBackend, requests: Sequence[ReplayRequest], topo: RailTopology, *,

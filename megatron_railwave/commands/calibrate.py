@@ -83,8 +83,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "conservatively.",
     )
     _common.add_cluster_args(parser)
-    add_measure_args(parser)
+    add_measure_args(parser, backend_required=False)
     parser.add_argument("--out", required=True, metavar="YAML", help="anchors file to write")
+    parser.add_argument("--retune", default=None, metavar="JSON",
+                        help="measure nothing: re-tune the selector over the rows of an earlier `calibrate --json` "
+                             "file of this --cluster (its context and keep decisions) and write --out (and --json)")
     group = parser.add_argument_group("requests")
     group.add_argument("--workload", choices=["synthetic", "glm"], default="synthetic",
                        help="request generator (default synthetic)")
@@ -160,7 +163,11 @@ def print_latencies(title: str, rows: list[dict[str, Any]]) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from .. import calibration
-    from ..anchors import save_anchors
+
+    if args.retune is not None:
+        return _retune(args)
+    if args.backend is None:
+        raise ValueError("--backend is required (unless --retune re-tunes an earlier calibration)")
     from ..traffic import dtype_bytes
 
     topo = _common.cluster_from_args(args)
@@ -193,11 +200,36 @@ def run(args: argparse.Namespace) -> int:
         settings={"requests": settings, "model_file": args.model, "model": model_dict(model),
                   "chunks": args.chunks},
         progress=not args.no_progress)
+    print_latencies(f"calibration on {topo.name} with {backend.name} (median of {args.repeats})",
+                    [r.to_dict() for r in result.rows])
+    return _tune_and_write(args, result)
+
+
+def _retune(args: argparse.Namespace) -> int:
+    import json
+
+    from .. import calibration
+
+    try:
+        with open(args.retune) as fh:
+            data = json.load(fh)
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"--retune {args.retune!r}: cannot read it as JSON ({exc})") from None
+    result = calibration.result_from_json(data, source=f"--retune {args.retune!r}",
+                                          topo=_common.cluster_from_args(args))
+    _render.print_text(f"re-tuning over {len(result.rows)} calibration rows of {args.retune} "
+                       f"({len(result.anchor_set.anchors)} passed the keep rule); nothing is measured")
+    return _tune_and_write(args, result)
+
+
+def _tune_and_write(args: argparse.Namespace, result) -> int:
+    from .. import calibration
+    from ..anchors import save_anchors
+
     tuned = calibration.tune_selector(result)
     anchor_set = with_selector_settings(result.anchor_set, tuned)
     save_anchors(anchor_set, args.out)
     rows = [r.to_dict() for r in result.rows]
-    print_latencies(f"calibration on {topo.name} with {backend.name} (median of {args.repeats})", rows)
     kept = anchor_set.anchors
     if not tuned["use_anchors"] and result.anchor_set.anchors:
         _render.print_text(f"{len(result.anchor_set.anchors)} requests passed the keep rule, but no selector setting "

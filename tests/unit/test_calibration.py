@@ -522,3 +522,34 @@ def test_calibrate_with_rail_chunks_times_the_chunked_joint_and_validate_reuses_
     with pytest.raises(SystemExit) as exc:  # outside 1..64: a clear error before any work
         main(["calibrate", *common, "--cluster", str(cluster), "--out", str(tmp_path / "b.yaml"), "--chunks", "0"])
     assert exc.value.code == 2
+
+
+def test_calibrate_retune_rebuilds_the_same_file_from_the_json_without_measuring(tmp_path, monkeypatch):
+    cluster = tmp_path / "tiny.yaml"
+    cluster.write_text("name: tiny_4x2\nnum_nodes: 4\ngpus_per_node: 2\n")
+    topo = RailTopology(num_nodes=4, gpus_per_node=2)
+    out, cal_json = tmp_path / "a.yaml", tmp_path / "cal.json"
+    assert main(["calibrate", "--backend", "netmodel", "--cluster", str(cluster), "--out", str(out),
+                 "--families", "3", "--arrangements", "none", "--tokens", "32,64", "--hidden", "64", "--warmups", "0",
+                 "--repeats", "1", "--no-progress", "--json", str(cal_json)]) == 0
+
+    def no_backend(*args, **kwargs):
+        raise AssertionError("--retune must not measure")
+
+    monkeypatch.setattr(calibration, "make_backend", no_backend)
+    again, again_json = tmp_path / "b.yaml", tmp_path / "b.json"
+    assert main(["calibrate", "--retune", str(cal_json), "--cluster", str(cluster), "--out", str(again),
+                 "--json", str(again_json)]) == 0
+    first, second = load_anchors(out, topo), load_anchors(again, topo)
+    assert second.anchors == first.anchors and second.scales == first.scales
+    assert second.context.settings == first.context.settings
+    assert json.loads(again_json.read_text())["requests"] == json.loads(cal_json.read_text())["requests"]
+    # The rows' keep decisions rebuild the anchors even where a file dropped them.
+    data = json.loads(cal_json.read_text())
+    data["anchors"]["anchors"] = []
+    result = calibration.result_from_json(data, topo=topo)
+    assert [a.name for a in result.anchor_set.anchors] == [r["request"] for r in data["requests"] if r["kept"]]
+    with pytest.raises(ValueError, match=r"field 'requests\[0\]' is malformed"):
+        calibration.result_from_json({**data, "requests": [{"request": "x"}]})
+    with pytest.raises(ValueError, match=r"expected the JSON of `railwave calibrate --json`"):
+        calibration.result_from_json({"requests": []})

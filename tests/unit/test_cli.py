@@ -31,7 +31,7 @@ EXPECTED_FLAGS = {
         "--profile-out", "--json",
     ],
     "calibrate": [
-        "--cluster", "--nodes", "--failed-rail", "--backend", "--model", "--warmups", "--repeats", "--no-progress", "--out",
+        "--cluster", "--nodes", "--failed-rail", "--backend", "--model", "--warmups", "--repeats", "--no-progress", "--out", "--retune",
         "--workload", "--families", "--layers", "--seed", "--extra-seeds", "--arrangements", "--payload-scales", "--tokens",
         "--hidden", "--dtype", "--chunks", "--max-spread", "--min-gain", "--json",
     ],
