@@ -116,18 +116,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> rank_sche
       }
     }
   };
-  // The part of those cells in chunk k (the k-th contiguous part of the block, chunk_rows long).
-  auto chunk_cut = [&](const int64_t* cells, int64_t k, int64_t* out) {
+  // Those cells cut into the C chunks (chunk k = the k-th contiguous part of the block in cell
+  // order, chunk_rows long): one walk over the cells, fn(k, x, rows) for every nonempty piece.
+  auto for_each_chunk_piece = [&](const int64_t* cells, auto&& fn) {
     int64_t total = 0;
     for (int64_t x = 0; x < G * M; ++x) total += cells[x];
-    int64_t b_lo = 0;
-    for (int64_t p = 0; p < k; ++p) b_lo += chunk_rows(total, p);
-    const int64_t b_hi = b_lo + chunk_rows(total, k);
-    int64_t lo = 0;
+    int64_t k = 0, k_end = chunk_rows(total, 0), pos = 0;
     for (int64_t x = 0; x < G * M; ++x) {
-      const int64_t hi = lo + cells[x];
-      out[x] = std::max<int64_t>(std::min(hi, b_hi) - std::max(lo, b_lo), 0);
-      lo = hi;
+      for (int64_t left = cells[x]; left > 0;) {
+        while (pos >= k_end) k_end += chunk_rows(total, ++k);  // chunks of 0 rows (total < C) are skipped
+        const int64_t take = std::min(left, k_end - pos);
+        fn(k, x, take);
+        pos += take;
+        left -= take;
+      }
     }
   };
   // Stage 3 into node s. Owner o's list of records into s is sorted by mask; [0, keep) stays on
@@ -168,7 +170,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> rank_sche
   std::vector<int64_t> round_N(static_cast<size_t>(N));  // round of each source's first chunk
   for (int64_t a = 0; a < N; ++a) round_N[a] = a == s ? 0 : wave[a * N + s] * C + 1;
   std::vector<int64_t> per_round(static_cast<size_t>((V + 1) * G * G), 0);
-  std::vector<int64_t> cells(static_cast<size_t>(G * M)), cut(static_cast<size_t>(G * M));
+  std::vector<int64_t> cells(static_cast<size_t>(G * M));
   for (int64_t a = 0; a < N; ++a) {
     if (C == 1 || a == s) {
       for (int64_t k = 0; k < G * G; ++k) per_round[round_N[a] * G * G + k] += copies_NGG[a * G * G + k];
@@ -176,15 +178,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> rank_sche
     }
     for (int64_t l = 0; l < G; ++l) {  // chunk k of the block arriving at GPU l: its copies per target
       arrival_cells(a, l, cells.data());
-      for (int64_t k = 0; k < C; ++k) {
-        chunk_cut(cells.data(), k, cut.data());
+      for_each_chunk_piece(cells.data(), [&](int64_t k, int64_t x, int64_t rows) {
         int64_t* row = per_round.data() + ((round_N[a] + k) * G + l) * G;
-        for (int64_t x = 0; x < G * M; ++x) {
-          if (!cut[x]) continue;
-          const int64_t m = x % M;
-          for (int64_t j = 0; j < G; ++j) row[j] += ((m >> j) & 1) ? cut[x] : 0;
-        }
-      }
+        const int64_t m = x % M;
+        for (int64_t j = 0; j < G; ++j) row[j] += ((m >> j) & 1) ? rows : 0;
+      });
     }
   }
   for (int64_t r = 0; r <= V; ++r) {
@@ -291,17 +289,21 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> rank_sche
       pool_count[blk * N + b] = blk == 0 ? kept_N[b] : relay_in_NG[b * G + owner];
     }
   }
+  // Where each (source, chunk) block goes (rounds ascending, then sources), then one walk per
+  // source fills its C blocks (the buffer is zeroed).
+  std::vector<int64_t*> block_NC(static_cast<size_t>(N * C), nullptr);
   for (int64_t r = 1; r <= V; ++r) {
     const int64_t first = (r - 1) / C * C + 1, k = r - first;
     for (int64_t a = 0; a < N; ++a) {
       if (round_N[a] != first) continue;
-      if (C == 1) {
-        std::copy(arrival_NGM + a * G * M, arrival_NGM + (a + 1) * G * M, arrive);
-      } else {
-        chunk_cut(arrival_NGM + a * G * M, k, arrive);
-      }
+      block_NC[a * C + k] = arrive;
       arrive += G * M;
     }
+  }
+  for (int64_t a = 0; a < N; ++a) {
+    if (round_N[a] < 1) continue;
+    for_each_chunk_piece(arrival_NGM + a * G * M,
+                         [&](int64_t k, int64_t x, int64_t rows) { block_NC[a * C + k][x] += rows; });
   }
   return {table_4X, send_PQ, recv_PQ, view, layout};
 }
