@@ -379,70 +379,91 @@ missed 14 requests at 0.2, the old edge of the grid, and none from 0.3 on (docs/
 
 def tune_selector(result: CalibrationResult, *, grid: dict[str, Sequence[float]] | None = None,
                   tolerance: float = 0.03) -> dict[str, Any]:
-    """Pick the selector thresholds by leaving calibration data out, on the calibration requests alone.
+    """Pick the selector thresholds and the anchors that hold, by leaving calibration data out, on
+    the calibration requests alone.
 
     The unit left out is what validation holds out: the generator seed (``CalibrationRow.seed``)
     when the calibration spans two or more (a held-out glm request comes from another workload
     seed, whose payload and skew levels differ for every layer, so leaving out one layer of a
     seed whose other layers stay would make every threshold look safe), else the routing
-    (``CalibrationRow.group``: one layer or family). For each (payload_ratio, shape_distance) of
-    ``grid``, every calibration request is decided by the runtime rule (``AnchorSelector``) over
-    the anchors of the *other* units and scored as ``railwave validate`` scores a held-out
-    request: how many are more than ``1 + tolerance`` slower than their best path, then the total
-    time of the choices. The setting with the fewest such requests, then the least total, then
-    the smallest thresholds (the grid's order) wins. Held-out requests play no part.
+    (``CalibrationRow.group``: one layer or family).
 
-    Anchors must earn their place: "no anchors" (always JOINT) is scored the same way and wins
-    unless some setting is strictly better (fewer requests over the tolerance, or as many and a
-    smaller total). Then ``use_anchors`` is False and ``railwave calibrate`` writes a file without
-    anchors (every row stays in its JSON).
+    **Anchors must hold across units.** For a setting (payload_ratio, shape_distance), an anchor
+    *holds* when, on every calibration request of another unit that the runtime rule would let it
+    serve (``AnchorSelector.reach_AR``), its path is within ``1 + tolerance`` of that request's
+    best path. An anchor that fails somewhere marks a region where the descriptors do not decide
+    the path; it is dropped. When a unit is left out, its own requests do not count against an
+    anchor (they are what is being predicted).
+
+    For each setting of ``grid``, every calibration request is decided by the runtime rule
+    (``AnchorSelector``) over the anchors of the *other* units that hold without its unit, and
+    scored as ``railwave validate`` scores a held-out request: how many are more than ``1 +
+    tolerance`` slower than their best path, then the total time of the choices. The setting with
+    the fewest such requests, then the least total, then the smallest thresholds (the grid's order)
+    wins. "No anchors" (always JOINT) is scored the same way and wins unless some setting is
+    strictly better (fewer requests over, or as many and a smaller total); then ``use_anchors``
+    is False and ``railwave calibrate`` writes a file without anchors (every row stays in its
+    JSON). Held-out requests play no part.
 
     Returns:
-        ``use_anchors``, ``payload_ratio``, ``shape_distance`` (the choice; without anchors the best
-        setting with them, for the record), ``left_out`` ('seed' or 'routing'), ``method`` (in
-        words) and ``scores`` (one dict per setting: thresholds, over_tolerance, total_s, vs_joint;
-        the first, with thresholds None, is "no anchors").
+        ``use_anchors``; ``payload_ratio``, ``shape_distance`` (the choice; without anchors the
+        best setting with them, for the record); ``held`` (names of the anchors that hold under
+        the choice, file order; empty without anchors); ``left_out`` ('seed' or 'routing');
+        ``method`` (in words); ``scores`` (one dict per setting: thresholds, over_tolerance,
+        total_s, vs_joint, anchors_held; the first, with thresholds None, is "no anchors").
     """
     grid = {**SELECTOR_GRID, **(grid or {})}
     rows = result.rows
     aset = result.anchor_set
     by_seed = len({r.seed for r in rows}) >= 2
     unit_of_row = {r.request: (r.seed if by_seed else r.group) for r in rows}
+    units_R = np.array([unit_of_row[r.request] for r in rows], dtype=object)
+    rows_of_unit: dict[str, list[int]] = {}
+    for i, r in enumerate(rows):
+        rows_of_unit.setdefault(unit_of_row[r.request], []).append(i)
+    anchor_units = [unit_of_row.get(a.name, a.name) for a in aset.anchors]
+    best_R = np.array([min(v.median for v in r.latency.values()) for r in rows])
+    limit_R = (1.0 + tolerance) * best_R * (1.0 + _RULE_RTOL)
+    slow_PR = {p: np.array([r.latency[p].median for r in rows]) > limit_R for p in ALL_PATHS}
+    coords_R3 = np.array([aset.coords(r.stats) for r in rows]).reshape(len(rows), 3)
+    windows_R = np.array([r.input_windows for r in rows])
     joint_total = sum(r.latency[Path.JOINT].median for r in rows)
-    selectors: dict[tuple[str, float, float], AnchorSelector] = {}
-    joint_over = sum(r.latency[Path.JOINT].median > (1.0 + tolerance) * min(v.median for v in r.latency.values())
-                     * (1.0 + _RULE_RTOL) for r in rows)
-    no_anchors = {"payload_ratio": None, "shape_distance": None, "over_tolerance": int(joint_over),
-                  "total_s": joint_total, "vs_joint": 1.0}
-    scores = []
+    no_anchors = {"payload_ratio": None, "shape_distance": None, "over_tolerance": int(slow_PR[Path.JOINT].sum()),
+                  "total_s": joint_total, "vs_joint": 1.0, "anchors_held": 0}
+    scores, held_of = [], {}
     for ratio in grid["payload_ratio"]:
         for dist in grid["shape_distance"]:
+            reach_AR = AnchorSelector(aset, payload_ratio=ratio, shape_distance=dist).reach_AR(coords_R3, windows_R)
+            # The units where each anchor's path is more than the tolerance off the best.
+            fails = [set(units_R[reach_AR[i] & slow_PR[a.path] & (units_R != unit)])
+                     for i, (a, unit) in enumerate(zip(aset.anchors, anchor_units))]
+            held_of[(ratio, dist)] = tuple(a.name for a, f in zip(aset.anchors, fails) if not f)
             over, total = 0, 0.0
-            for r in rows:
-                unit = unit_of_row[r.request]
-                key = (unit, ratio, dist)
-                if key not in selectors:
-                    others = tuple(a for a in aset.anchors if unit_of_row.get(a.name, a.name) != unit)
-                    selectors[key] = AnchorSelector(AnchorSet(anchors=others, scales=aset.scales, context=aset.context),
-                                                    payload_ratio=ratio, shape_distance=dist)
-                path = selectors[key].explain(r.stats, input_windows=r.input_windows).path
-                chosen = r.latency[path].median
-                best = min(v.median for v in r.latency.values())
-                over += chosen > (1.0 + tolerance) * best * (1.0 + _RULE_RTOL)
-                total += chosen
+            for unit, idx in rows_of_unit.items():
+                others = tuple(a for a, u, f in zip(aset.anchors, anchor_units, fails) if u != unit and f <= {unit})
+                sel = AnchorSelector(AnchorSet(anchors=others, scales=aset.scales, context=aset.context),
+                                     payload_ratio=ratio, shape_distance=dist)
+                for i in idx:
+                    r = rows[i]
+                    chosen = r.latency[sel.explain(r.stats, input_windows=r.input_windows).path].median
+                    over += chosen > limit_R[i]
+                    total += chosen
             scores.append({"payload_ratio": ratio, "shape_distance": dist, "over_tolerance": int(over),
-                           "total_s": total, "vs_joint": total / joint_total if joint_total > 0 else 1.0})
+                           "total_s": total, "vs_joint": total / joint_total if joint_total > 0 else 1.0,
+                           "anchors_held": len(held_of[(ratio, dist)])})
+
     def rank(sc: dict[str, Any]) -> tuple[int, float]:
         return sc["over_tolerance"], round(sc["total_s"], 12)
 
     best_score = min(scores, key=rank)
-    use_anchors = bool(aset.anchors) and rank(best_score) < rank(no_anchors)
+    choice = (best_score["payload_ratio"], best_score["shape_distance"])
+    use_anchors = bool(held_of[choice]) and rank(best_score) < rank(no_anchors)
     left_out = "seed" if by_seed else "routing"
-    method = f"leave-one-{left_out}-out on the calibration requests"
+    method = f"leave-one-{left_out}-out on the calibration requests, anchors that hold across {left_out}s"
     if not use_anchors and aset.anchors:
         method += "; no setting beats always-JOINT, so no anchors are kept"
-    return {"use_anchors": use_anchors, "payload_ratio": best_score["payload_ratio"],
-            "shape_distance": best_score["shape_distance"], "method": method, "left_out": left_out,
+    return {"use_anchors": use_anchors, "payload_ratio": choice[0], "shape_distance": choice[1],
+            "held": list(held_of[choice]) if use_anchors else [], "method": method, "left_out": left_out,
             "tolerance": tolerance, "scores": [no_anchors, *scores]}
 
 

@@ -28,6 +28,8 @@ from functools import lru_cache
 from pathlib import Path as FsPath
 from typing import TYPE_CHECKING, Protocol
 
+import numpy as np
+
 from .anchors import DEFAULT_PAYLOAD_RATIO, DEFAULT_SHAPE_DISTANCE, Anchor, AnchorSet, load_anchors
 from .planner import Path, parse_path
 from .topology import RailTopology
@@ -141,6 +143,24 @@ class AnchorSelector:
 
     def select(self, stats: TrafficStats) -> Path:
         return self.explain(stats).path
+
+    def reach_AR(self, coords_R3: np.ndarray, windows_R: np.ndarray) -> np.ndarray:
+        """[A, R] bool: whether anchor ``a`` (file order) is eligible for point ``r`` under the
+        runtime rule of ``explain`` (calibration's cross-seed check; not used at run time).
+
+        Args:
+            coords_R3: [R, 3] float, selector coordinates of R points (x may be -inf: never eligible).
+            windows_R: [R] int, the points' input windows.
+        """
+        x, y, z = (np.asarray(coords_R3, dtype=np.float64)[:, k] for k in range(3))
+        windows_R = np.asarray(windows_R)
+        lr, sd = self._log_ratio, self.shape_distance + 1e-12
+        out = np.zeros((len(self._points), x.size), dtype=bool)
+        for i, (ax, ay, az, _, _, windows, below_ok) in enumerate(self._points):
+            dx = x - ax
+            out[i] = (np.isfinite(x) & (windows_R == windows) & (dx <= lr) & ((dx >= -lr) | below_ok)
+                      & (np.abs(y - ay) <= sd) & (np.abs(z - az) <= sd))
+        return out
 
 
 def fallback_phases_of(anchor_set: AnchorSet, fallback: Path) -> int | None:

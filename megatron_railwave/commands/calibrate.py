@@ -19,6 +19,7 @@ coords, B_mean_bytes, rho_g, kappa, best, kept, gain, reason, latency_s per path
 from __future__ import annotations
 
 import argparse
+from collections import Counter
 from typing import Any
 
 from . import _common, _outputs, _render
@@ -133,17 +134,18 @@ def model_dict(model) -> dict[str, Any]:
 
 def with_selector_settings(anchor_set, tuned: dict[str, Any]):
     """``anchor_set`` with the tuned thresholds in ``context.settings.selector`` (scores stay in the
-    JSON); without its anchors when the tuning found that none beat always-JOINT
-    (``tuned['use_anchors']`` False: the count dropped is recorded as ``anchors_dropped``)."""
+    JSON), keeping only the anchors that hold across seeds under them (``tuned['held']``; none when
+    no setting beats always-JOINT): ``anchors_dropped`` records how many passed the keep rule but
+    not that check."""
     from ..anchors import AnchorSet, CalibrationContext
 
     ctx = anchor_set.context
-    use = tuned.get("use_anchors", True)
+    held = set(tuned.get("held", [a.name for a in anchor_set.anchors]))
+    anchors = tuple(a for a in anchor_set.anchors if a.name in held)
     selector = {k: tuned[k] for k in ("payload_ratio", "shape_distance", "method", "left_out", "tolerance")}
-    if not use:
-        selector["anchors_dropped"] = len(anchor_set.anchors)
+    selector["anchors_dropped"] = len(anchor_set.anchors) - len(anchors)
     settings = {**ctx.settings, "selector": selector}
-    return AnchorSet(anchors=anchor_set.anchors if use else (), scales=anchor_set.scales,
+    return AnchorSet(anchors=anchors, scales=anchor_set.scales,
                      context=CalibrationContext(topology=ctx.topology, hidden_size=ctx.hidden_size, dtype=ctx.dtype,
                                                 backend=ctx.backend, date=ctx.date, settings=settings))
 
@@ -231,12 +233,14 @@ def _tune_and_write(args: argparse.Namespace, result) -> int:
     save_anchors(anchor_set, args.out)
     rows = [r.to_dict() for r in result.rows]
     kept = anchor_set.anchors
-    if not tuned["use_anchors"] and result.anchor_set.anchors:
-        _render.print_text(f"{len(result.anchor_set.anchors)} requests passed the keep rule, but no selector setting "
-                           f"beats always-JOINT when a {tuned['left_out']} is left out: the file keeps none")
-    _render.print_text(f"kept {len(kept)} of {len(rows)} requests as anchors "
-                       f"({', '.join(f'{a.name}: {a.path}' for a in kept) or 'none: always JOINT'}); "
-                       f"wrote {args.out}")
+    passed = len(result.anchor_set.anchors)
+    if not tuned["use_anchors"] and passed:
+        _render.print_text(f"{passed} requests passed the keep rule, but no selector setting beats always-JOINT "
+                           f"when a {tuned['left_out']} is left out: the file keeps none")
+    paths = ", ".join(f"{p}: {n}" for p, n in sorted(Counter(str(a.path) for a in kept).items()))
+    _render.print_text(f"kept {len(kept)} of {len(rows)} requests as anchors ({paths or 'none: always JOINT'}; "
+                       f"{passed} passed the keep rule, {passed - len(kept)} of them do not hold across "
+                       f"{tuned['left_out']}s); wrote {args.out}")
     _render.print_text(
         f"selector thresholds ({tuned['method']}): payload ratio {tuned['payload_ratio']}, "
         f"shape distance {tuned['shape_distance']} (recorded in context.settings.selector; the runtime and "

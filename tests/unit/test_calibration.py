@@ -428,7 +428,8 @@ def test_tune_selector_leaves_out_whole_seeds_when_calibration_spans_several():
     # over 1.03x), 0.1 serves all.
     grid = {"payload_ratio": (1.25,), "shape_distance": (0.02, 0.05, 0.1, 0.2)}
     tuned = calibration.tune_selector(_twin_layer_result({"glm1": 0.10, "glm2": 0.20}), grid=grid)
-    assert tuned["left_out"] == "seed" and tuned["method"] == "leave-one-seed-out on the calibration requests"
+    assert tuned["left_out"] == "seed"
+    assert tuned["method"] == "leave-one-seed-out on the calibration requests, anchors that hold across seeds"
     assert {sc["shape_distance"]: sc["over_tolerance"] for sc in tuned["scores"][1:]} == {0.02: 4, 0.05: 4, 0.1: 0,
                                                                                            0.2: 0}
     assert tuned["shape_distance"] == 0.1 and tuned["use_anchors"] is True
@@ -553,3 +554,40 @@ def test_calibrate_retune_rebuilds_the_same_file_from_the_json_without_measuring
         calibration.result_from_json({**data, "requests": [{"request": "x"}]})
     with pytest.raises(ValueError, match=r"expected the JSON of `railwave calibrate --json`"):
         calibration.result_from_json({"requests": []})
+
+
+def test_tune_selector_drops_anchors_that_do_not_hold_on_other_seeds():
+    # Seeds glm1 (rho 0.10) and glm2 (rho 0.20): RAIL 10% faster, all four layers anchors. Seed
+    # glm3 at rho 0.15 is between them, but there RAIL is 10% *slower* than JOINT. With shape
+    # distance 0.1 every anchor would serve glm3's layers, where its path is off the best: none
+    # holds. Left out, glm3 does not count against them (its rows are what is predicted), so they
+    # serve it badly; glm1 or glm2 left out lose the other seed's anchors (they fail on glm3) and
+    # fall back to JOINT. With 0.02 they hold (nobody else is near) but serve no other seed.
+    # "No anchors" is at least as good as every setting: the file keeps none.
+    res = _twin_layer_result({"glm1": 0.10, "glm2": 0.20})
+    from megatron_railwave.anchors import AnchorSet
+    from megatron_railwave.traffic import TrafficStats
+
+    ref, rho_s, kappa_s = AnchorSet.scales_for(TOPO)
+    slow_rail = {p: _lat(1.0, 1.0, 1.0) for p in ALL_PATHS}
+    slow_rail[Path.RAIL] = _lat(1.1, 1.1, 1.1)
+    extra = []
+    for layer in (1, 3):
+        st = TrafficStats(B_mean_bytes=ref, B_max_bytes=ref, rho_g=1 + rho_s * 0.15, kappa=1 + kappa_s * 0.5,
+                          coords=(0.0, 0.15, 0.5), records_total=1, remote_records=1)
+        extra.append(calibration.CalibrationRow(request=f"glm3-l{layer}", stats=st, coords=st.coords,
+                                                latency=slow_rail, best=Path.JOINT, kept=False, gain=0.0,
+                                                reason="JOINT is fastest", group=f"glm3-l{layer}", seed="glm3"))
+    mixed = calibration.CalibrationResult(anchor_set=res.anchor_set, rows=res.rows + tuple(extra))
+    grid = {"payload_ratio": (1.25,), "shape_distance": (0.02, 0.1)}
+    tuned = calibration.tune_selector(mixed, grid=grid)
+    held = {sc["shape_distance"]: sc["anchors_held"] for sc in tuned["scores"][1:]}
+    assert held == {0.02: 4, 0.1: 0}
+    # 0.02: glm1 / glm2 fall back to JOINT (4 over); 0.1: those 4 plus glm3's 2 on RAIL. Always-
+    # JOINT: 4 over, the least total: it wins.
+    assert {sc["shape_distance"]: sc["over_tolerance"] for sc in tuned["scores"][1:]} == {0.02: 4, 0.1: 6}
+    assert tuned["scores"][0]["over_tolerance"] == 4
+    assert tuned["use_anchors"] is False and tuned["held"] == []
+    # Without glm3, the anchors hold at 0.1 and serve each other's seed: all kept.
+    plain = calibration.tune_selector(res, grid=grid)
+    assert plain["use_anchors"] is True and plain["shape_distance"] == 0.1 and len(plain["held"]) == 4

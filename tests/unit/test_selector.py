@@ -7,6 +7,7 @@ import logging
 import math
 import warnings
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -335,3 +336,26 @@ def test_fewer_phase_rule_counts_the_chunked_joint_phases():
     arranged = dataclasses.replace(A, input_windows=TOPO.num_nodes - 1)
     assert not posts_fewer_phases(arranged, fallback_phases_of(anchor_set((A,)), Path.JOINT))
     assert posts_fewer_phases(arranged, fallback_phases_of(_chunked_set(2), Path.JOINT))
+
+
+def test_reach_matches_the_runtime_rule():
+    # reach_AR (calibration's cross-seed check) marks exactly the anchors explain may pick from:
+    # a point gets an anchor iff one reaches it, and the one it gets reaches it.
+    rng = np.random.default_rng(7)
+    paths = [Path.RAIL, Path.NATIVE, Path.PERM]
+    anchors = tuple(dataclasses.replace(anchor(f"a{i}", (float(rng.uniform(-2, 2)), float(rng.uniform(0, 0.5)),
+                                                         float(rng.uniform(0, 1))), paths[i % 3]),
+                                        input_windows=int(rng.choice([1, 3])))
+                    for i in range(12))
+    sel = AnchorSelector(anchor_set(anchors), payload_ratio=1.5, shape_distance=0.15)
+    points = [stats(float(2 ** rng.uniform(-4, 3)), float(rng.uniform(0, 0.5)), float(rng.uniform(0, 1)))
+              for _ in range(400)] + [stats(0.0, 0.1, 0.5)]
+    windows = rng.choice([1, 3], size=len(points))
+    reach = sel.reach_AR(np.array([p.coords for p in points]), windows)
+    names = [a.name for a in anchors]
+    assert reach.any() and not reach.all()
+    for r, (p, w) in enumerate(zip(points, windows)):
+        got = sel.explain(p, input_windows=int(w))
+        assert (got.anchor is not None) == bool(reach[:, r].any()), r
+        if got.anchor is not None:
+            assert reach[names.index(got.anchor), r]
