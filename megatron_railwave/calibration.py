@@ -59,6 +59,7 @@ __all__ = [
     "ValidationResult",
     "count_path_changes",
     "result_from_json",
+    "merge_results",
     "validate",
     "synthetic_requests",
     "glm_requests",
@@ -186,6 +187,53 @@ def make_backend(name: str, topo: RailTopology, *, options: PlanOptions | None =
     if name == "netmodel":
         return NetmodelBackend(topo, options, model)
     raise ValueError(f"--backend {name!r} is unknown; choose one of {list(BACKENDS)}")
+
+
+def merge_results(results: Sequence[CalibrationResult], sources: Sequence[str]) -> CalibrationResult:
+    """One calibration from several runs of the same calibration at different T per GPU (e.g. a
+    second run that fills the payload axis between the first's T values).
+
+    Everything but the T values must agree: topology, hidden size, dtype, backend, rail chunks,
+    keep-rule settings, model and the request settings (workload, seeds, layers, arrangements,
+    payload scales). The merged ``context.settings.requests.tokens`` is the sorted union (so
+    ``railwave validate`` holds out requests at every T), rows and anchors keep the runs' order.
+
+    Raises:
+        ValueError: the runs differ in another field (named), or share a request.
+    """
+    if not results:
+        raise ValueError("merge_results needs at least one calibration")
+    first, ctx = results[0], results[0].anchor_set.context
+    skip_settings = {"num_requests", "requests", "selector"}
+
+    def comparable(res: CalibrationResult) -> dict[str, Any]:
+        c = res.anchor_set.context
+        req = {k: v for k, v in c.settings.get("requests", {}).items() if k != "tokens"}
+        return {"context.topology": c.topology, "context.hidden_size": c.hidden_size, "context.dtype": c.dtype,
+                "context.backend": c.backend, "scales": list(res.anchor_set.scales),
+                **{f"context.settings.{k}": v for k, v in c.settings.items() if k not in skip_settings},
+                "context.settings.requests (besides tokens)": req}
+
+    want = comparable(first)
+    for res, src in zip(results[1:], sources[1:]):
+        got = comparable(res)
+        for key in sorted(set(want) | set(got)):
+            if want.get(key) != got.get(key):
+                raise ValueError(f"{src} is another calibration than {sources[0]}: field {key!r} is "
+                                 f"{got.get(key)!r} there and {want.get(key)!r} here; only the T values may differ")
+    rows = tuple(r for res in results for r in res.rows)
+    names = [r.request for r in rows]
+    if len(set(names)) != len(names):
+        dup = sorted({n for n in names if names.count(n) > 1})[:3]
+        raise ValueError(f"the calibrations {list(sources)} share requests (e.g. {dup}); merge runs of other T values")
+    tokens = sorted({t for res in results for t in token_counts(res.anchor_set.context.settings.get("requests", {}))})
+    settings = {**ctx.settings, "num_requests": len(rows),
+                "requests": {**ctx.settings.get("requests", {}), "tokens": tokens}}
+    context = CalibrationContext(topology=ctx.topology, hidden_size=ctx.hidden_size, dtype=ctx.dtype,
+                                 backend=ctx.backend, date=ctx.date, settings=settings)
+    anchors = tuple(a for res in results for a in res.anchor_set.anchors)
+    return CalibrationResult(anchor_set=AnchorSet(anchors=anchors, scales=first.anchor_set.scales, context=context),
+                             rows=rows)
 
 
 # ---------------------------------------------------------------------- profiling

@@ -86,9 +86,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     _common.add_cluster_args(parser)
     add_measure_args(parser, backend_required=False)
     parser.add_argument("--out", required=True, metavar="YAML", help="anchors file to write")
-    parser.add_argument("--retune", default=None, metavar="JSON",
-                        help="measure nothing: re-tune the selector over the rows of an earlier `calibrate --json` "
-                             "file of this --cluster (its context and keep decisions) and write --out (and --json)")
+    parser.add_argument("--retune", default=None, metavar="JSON[,JSON]",
+                        help="measure nothing: re-tune the selector over the rows of earlier `calibrate --json` files "
+                             "of this --cluster (their context and keep decisions; several: the same calibration at "
+                             "other T values, merged) and write --out (and --json)")
     group = parser.add_argument_group("requests")
     group.add_argument("--workload", choices=["synthetic", "glm"], default="synthetic",
                        help="request generator (default synthetic)")
@@ -212,14 +213,18 @@ def _retune(args: argparse.Namespace) -> int:
 
     from .. import calibration
 
-    try:
-        with open(args.retune) as fh:
-            data = json.load(fh)
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ValueError(f"--retune {args.retune!r}: cannot read it as JSON ({exc})") from None
-    result = calibration.result_from_json(data, source=f"--retune {args.retune!r}",
-                                          topo=_common.cluster_from_args(args))
-    _render.print_text(f"re-tuning over {len(result.rows)} calibration rows of {args.retune} "
+    topo = _common.cluster_from_args(args)
+    files = [f for f in args.retune.split(",") if f]
+    results = []
+    for name in files:
+        try:
+            with open(name) as fh:
+                data = json.load(fh)
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ValueError(f"--retune {name!r}: cannot read it as JSON ({exc})") from None
+        results.append(calibration.result_from_json(data, source=f"--retune {name!r}", topo=topo))
+    result = calibration.merge_results(results, [repr(f) for f in files]) if len(results) > 1 else results[0]
+    _render.print_text(f"re-tuning over {len(result.rows)} calibration rows of {', '.join(files)} "
                        f"({len(result.anchor_set.anchors)} passed the keep rule); nothing is measured")
     return _tune_and_write(args, result)
 

@@ -591,3 +591,36 @@ def test_tune_selector_drops_anchors_that_do_not_hold_on_other_seeds():
     # Without glm3, the anchors hold at 0.1 and serve each other's seed: all kept.
     plain = calibration.tune_selector(res, grid=grid)
     assert plain["use_anchors"] is True and plain["shape_distance"] == 0.1 and len(plain["held"]) == 4
+
+
+def test_calibrate_retune_merges_runs_at_other_token_counts(tmp_path):
+    # Two runs at T = 32 and T = 64, merged by --retune, give the file one run at 32,64 gives
+    # (same rows, anchors, thresholds; tokens the union); a run with other chunks is refused.
+    cluster = tmp_path / "tiny.yaml"
+    cluster.write_text("name: tiny_4x2\nnum_nodes: 4\ngpus_per_node: 2\n")
+    topo = RailTopology(num_nodes=4, gpus_per_node=2)
+
+    def run(name, tokens, chunks="2"):
+        assert main(["calibrate", "--backend", "netmodel", "--cluster", str(cluster), "--families", "3",
+                     "--arrangements", "none,extreme", "--tokens", tokens, "--hidden", "64", "--chunks", chunks,
+                     "--warmups", "0", "--repeats", "1", "--no-progress", "--out", str(tmp_path / f"{name}.yaml"),
+                     "--json", str(tmp_path / f"{name}.json")]) == 0
+        return str(tmp_path / f"{name}.json")
+
+    both, low, high, other = run("both", "32,64"), run("low", "32"), run("high", "64"), run("other", "64", "1")
+    merged = tmp_path / "merged.yaml"
+    assert main(["calibrate", "--retune", f"{low},{high}", "--cluster", str(cluster), "--out", str(merged),
+                 "--json", str(tmp_path / "merged.json")]) == 0
+    got, want = load_anchors(merged, topo), load_anchors(tmp_path / "both.yaml", topo)
+    assert got.anchors == want.anchors
+    assert got.context.settings["requests"] == want.context.settings["requests"]
+    assert got.context.settings["selector"] == want.context.settings["selector"]
+    assert json.loads((tmp_path / "merged.json").read_text())["requests"] == json.loads(open(both).read())["requests"]
+    with pytest.raises(SystemExit) as exc:
+        main(["calibrate", "--retune", f"{low},{other}", "--cluster", str(cluster), "--out", str(merged)])
+    assert exc.value.code == 2
+    results = [calibration.result_from_json(json.loads(open(f).read())) for f in (low, other)]
+    with pytest.raises(ValueError, match=r"field 'context.settings.chunks' is 1 there and 2 here"):
+        calibration.merge_results(results, ["low", "other"])
+    with pytest.raises(ValueError, match=r"share requests"):
+        calibration.merge_results(results[:1] * 2, ["low", "low"])
