@@ -185,6 +185,16 @@ class AnchorSet:
                 else shape_distance)
 
     @property
+    def fallback_below(self) -> tuple[float, Path] | None:
+        """(B_mean bytes, path) tuned by ``railwave calibrate`` (``context.settings.selector.
+        fallback_below``, checked when the file is loaded): below this payload, outside every
+        anchor, the selector runs this fewer-phase path instead of JOINT; None: JOINT everywhere."""
+        below = (self.context.settings.get("selector") or {}).get("fallback_below")
+        if not below:
+            return None
+        return float(below["payload_bytes"]), parse_path(below["path"])
+
+    @property
     def chunks(self) -> int:
         """Rail chunks per wave of the PERM / JOINT plans the file was calibrated with
         (``context.settings.chunks``, checked when the file is loaded; absent = 1, whole waves). The
@@ -322,6 +332,13 @@ def _check_thresholds(settings: dict[str, Any], source: str) -> None:
             if not (math.isfinite(value) and value >= low):
                 raise _fail(source, f"context.settings.selector.{key}",
                             f"must be a finite number >= {low:g}, got {value!r}; re-run `railwave calibrate`")
+    if tuned.get("fallback_below") is not None:
+        where = "context.settings.selector.fallback_below"
+        below = _mapping(tuned["fallback_below"], source, where)
+        _number(below, "payload_bytes", source, where, positive=True)
+        path = _path(below.get("path"), source, f"{where}.path")
+        if path.waved:
+            raise _fail(source, f"{where}.path", f"must be native or rail (fewer phases than JOINT), got {path}")
 
 
 def _check_chunks(settings: dict[str, Any], source: str) -> None:

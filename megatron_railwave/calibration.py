@@ -30,7 +30,7 @@ import torch
 
 from .anchors import Anchor, AnchorSet, CalibrationContext, PathLatency
 from .planner import Path, PathPlan, PlanOptions, WaveSchedule, build_plan, parse_path
-from .selector import AnchorSelector
+from .selector import AnchorSelector, fallback_phases_of
 from .stats import demand_stats
 from .topology import RailTopology
 from .traffic import SelectorScales, TrafficStats
@@ -426,7 +426,7 @@ missed 14 requests at 0.2, the old edge of the grid, and none from 0.3 on (docs/
 
 
 def tune_selector(result: CalibrationResult, *, grid: dict[str, Sequence[float]] | None = None,
-                  tolerance: float = 0.03) -> dict[str, Any]:
+                  tolerance: float = 0.03, split_fallback: bool = True) -> dict[str, Any]:
     """Pick the selector thresholds and the anchors that hold, by leaving calibration data out, on
     the calibration requests alone.
 
@@ -453,12 +453,20 @@ def tune_selector(result: CalibrationResult, *, grid: dict[str, Sequence[float]]
     is False and ``railwave calibrate`` writes a file without anchors (every row stays in its
     JSON). Held-out requests play no part.
 
+    With ``split_fallback`` the fallback outside the anchors is tuned too: for every setting (and
+    for "no anchors") the best payload cut x* (no cut first, then every payload level of the rows)
+    below which RAIL runs instead of JOINT where it posts fewer phases
+    (``AnchorSelector.fallback_below``; with rail chunks JOINT posts more phases and loses at small
+    payloads whatever the shape). The cut is scored with the same leave-out decisions.
+
     Returns:
         ``use_anchors``; ``payload_ratio``, ``shape_distance`` (the choice; without anchors the
         best setting with them, for the record); ``held`` (names of the anchors that hold under
-        the choice, file order; empty without anchors); ``left_out`` ('seed' or 'routing');
+        the choice, file order; empty without anchors); ``fallback_below`` (None or
+        ``{"payload_bytes", "path"}``); ``left_out`` ('seed' or 'routing');
         ``method`` (in words); ``scores`` (one dict per setting: thresholds, over_tolerance,
-        total_s, vs_joint, anchors_held; the first, with thresholds None, is "no anchors").
+        total_s, vs_joint, anchors_held, fallback_below_bytes; the first, with thresholds None, is
+        "no anchors").
     """
     grid = {**SELECTOR_GRID, **(grid or {})}
     rows = result.rows
@@ -476,8 +484,36 @@ def tune_selector(result: CalibrationResult, *, grid: dict[str, Sequence[float]]
     coords_R3 = np.array([aset.coords(r.stats) for r in rows]).reshape(len(rows), 3)
     windows_R = np.array([r.input_windows for r in rows])
     joint_total = sum(r.latency[Path.JOINT].median for r in rows)
-    no_anchors = {"payload_ratio": None, "shape_distance": None, "over_tolerance": int(slow_PR[Path.JOINT].sum()),
-                  "total_s": joint_total, "vs_joint": 1.0, "anchors_held": 0}
+    # The split fallback: below payload coordinate x*, outside every anchor, RAIL where it posts
+    # fewer phases than JOINT (AnchorSelector.fallback_below). Candidates: no split, then every
+    # payload level of the rows (0.01 apart), ascending.
+    below_ok_R = windows_R < (fallback_phases_of(aset, Path.JOINT) or 0)
+    x_R = coords_R3[:, 0]
+    levels = np.unique(np.round(x_R[np.isfinite(x_R)], 2)) + 0.005 if split_fallback else np.zeros(0)
+    cuts = np.concatenate([[-math.inf], levels])
+    lat_rail_R, lat_joint_R = (np.array([r.latency[p].median for r in rows]) for p in (Path.RAIL, Path.JOINT))
+    slow_rail_R, slow_joint_R = slow_PR[Path.RAIL], slow_PR[Path.JOINT]
+
+    def score(anchored_R: np.ndarray, anchored_lat_R: np.ndarray, anchored_slow_R: np.ndarray) -> tuple[int, float, float]:
+        """(over, total, cut) of the best cut for these anchor decisions (first minimal cut wins)."""
+        base_over = int(anchored_slow_R[anchored_R].sum())
+        base_total = float(anchored_lat_R[anchored_R].sum())
+        free = ~anchored_R
+        below_CR = (x_R[None, :] < cuts[:, None]) & (below_ok_R & free)[None, :]
+        joint_R = free
+        over_C = base_over + (below_CR & slow_rail_R).sum(1) + ((joint_R & ~below_CR) & slow_joint_R).sum(1)
+        total_C = base_total + (below_CR * lat_rail_R).sum(1) + ((joint_R & ~below_CR) * lat_joint_R).sum(1)
+        best = min(range(cuts.size), key=lambda c: (int(over_C[c]), round(float(total_C[c]), 12)))
+        return int(over_C[best]), float(total_C[best]), float(cuts[best])
+
+    def entry(ratio: float | None, dist: float | None, result: tuple[int, float, float], held: int) -> dict[str, Any]:
+        over, total, cut = result
+        return {"payload_ratio": ratio, "shape_distance": dist, "over_tolerance": over, "total_s": total,
+                "vs_joint": total / joint_total if joint_total > 0 else 1.0, "anchors_held": held,
+                "fallback_below_bytes": aset.scales[0] * 2.0 ** cut if math.isfinite(cut) else None}
+
+    none_R = np.zeros(len(rows), dtype=bool)
+    no_anchors = entry(None, None, score(none_R, lat_joint_R, slow_joint_R), 0)
     scores, held_of = [], {}
     for ratio in grid["payload_ratio"]:
         for dist in grid["shape_distance"]:
@@ -486,19 +522,21 @@ def tune_selector(result: CalibrationResult, *, grid: dict[str, Sequence[float]]
             fails = [set(units_R[reach_AR[i] & slow_PR[a.path] & (units_R != unit)])
                      for i, (a, unit) in enumerate(zip(aset.anchors, anchor_units))]
             held_of[(ratio, dist)] = tuple(a.name for a, f in zip(aset.anchors, fails) if not f)
-            over, total = 0, 0.0
+            anchored_R = np.zeros(len(rows), dtype=bool)
+            anchored_lat_R, anchored_slow_R = np.zeros(len(rows)), np.zeros(len(rows), dtype=bool)
             for unit, idx in rows_of_unit.items():
                 others = tuple(a for a, u, f in zip(aset.anchors, anchor_units, fails) if u != unit and f <= {unit})
                 sel = AnchorSelector(AnchorSet(anchors=others, scales=aset.scales, context=aset.context),
                                      payload_ratio=ratio, shape_distance=dist)
                 for i in idx:
                     r = rows[i]
-                    chosen = r.latency[sel.explain(r.stats, input_windows=r.input_windows).path].median
-                    over += chosen > limit_R[i]
-                    total += chosen
-            scores.append({"payload_ratio": ratio, "shape_distance": dist, "over_tolerance": int(over),
-                           "total_s": total, "vs_joint": total / joint_total if joint_total > 0 else 1.0,
-                           "anchors_held": len(held_of[(ratio, dist)])})
+                    choice = sel.explain(r.stats, input_windows=r.input_windows)
+                    if choice.anchor is not None:
+                        anchored_R[i] = True
+                        anchored_lat_R[i] = r.latency[choice.path].median
+                        anchored_slow_R[i] = anchored_lat_R[i] > limit_R[i]
+            scores.append(entry(ratio, dist, score(anchored_R, anchored_lat_R, anchored_slow_R),
+                                len(held_of[(ratio, dist)])))
 
     def rank(sc: dict[str, Any]) -> tuple[int, float]:
         return sc["over_tolerance"], round(sc["total_s"], 12)
@@ -506,13 +544,16 @@ def tune_selector(result: CalibrationResult, *, grid: dict[str, Sequence[float]]
     best_score = min(scores, key=rank)
     choice = (best_score["payload_ratio"], best_score["shape_distance"])
     use_anchors = bool(held_of[choice]) and rank(best_score) < rank(no_anchors)
+    chosen = best_score if use_anchors else no_anchors
     left_out = "seed" if by_seed else "routing"
     method = f"leave-one-{left_out}-out on the calibration requests, anchors that hold across {left_out}s"
     if not use_anchors and aset.anchors:
         method += "; no setting beats always-JOINT, so no anchors are kept"
+    below = chosen["fallback_below_bytes"]
     return {"use_anchors": use_anchors, "payload_ratio": choice[0], "shape_distance": choice[1],
-            "held": list(held_of[choice]) if use_anchors else [], "method": method, "left_out": left_out,
-            "tolerance": tolerance, "scores": [no_anchors, *scores]}
+            "held": list(held_of[choice]) if use_anchors else [],
+            "fallback_below": {"payload_bytes": below, "path": str(Path.RAIL)} if below is not None else None,
+            "method": method, "left_out": left_out, "tolerance": tolerance, "scores": [no_anchors, *scores]}
 
 
 # ---------------------------------------------------------------------- validation

@@ -83,24 +83,38 @@ class AnchorSelector:
         fallback: the path outside every anchor's neighbourhood (JOINT).
         extend_below: an anchor whose path posts fewer phases than the fallback is also eligible
             at any smaller payload (module docstring); False: the paper's two-sided ratio only.
+        fallback_below: (B_mean bytes, path) or None. Outside every anchor's neighbourhood, a
+            phase whose B_mean is below these bytes runs this path instead of ``fallback``, when
+            the path posts fewer rail phases than the fallback on its input (NATIVE / RAIL on fewer
+            windows than JOINT's waves x chunks): the payload below which fixed per-phase costs
+            decide, tuned by ``railwave calibrate`` (``AnchorSet.fallback_below``).
     """
 
-    __slots__ = ("anchor_set", "payload_ratio", "shape_distance", "fallback", "extend_below", "_points",
-                 "_scales", "_log_ratio")
+    __slots__ = ("anchor_set", "payload_ratio", "shape_distance", "fallback", "extend_below", "fallback_below",
+                 "_points", "_scales", "_log_ratio", "_below_x", "_fallback_phases")
 
     def __init__(self, anchor_set: AnchorSet, *, payload_ratio: float = DEFAULT_PAYLOAD_RATIO,
                  shape_distance: float = DEFAULT_SHAPE_DISTANCE, fallback: Path | str = Path.JOINT,
-                 extend_below: bool = True) -> None:
+                 extend_below: bool = True, fallback_below: tuple[float, Path | str] | None = None) -> None:
         if not payload_ratio >= 1:
             raise ValueError(f"payload_ratio must be >= 1, got {payload_ratio}")
         if not shape_distance >= 0:
             raise ValueError(f"shape_distance must be >= 0, got {shape_distance}")
+        if fallback_below is not None:
+            below_bytes, below_path = float(fallback_below[0]), parse_path(fallback_below[1])
+            if not (below_bytes > 0 and math.isfinite(below_bytes)) or below_path.waved:
+                raise ValueError(f"fallback_below must be (bytes > 0, native or rail), got {fallback_below!r}")
+            fallback_below = (below_bytes, below_path)
+        self.fallback_below = fallback_below
         self.anchor_set = anchor_set
         self.payload_ratio = float(payload_ratio)
         self.shape_distance = float(shape_distance)
         self.fallback = parse_path(fallback)
         self.extend_below = bool(extend_below)
         fallback_phases = fallback_phases_of(anchor_set, self.fallback)
+        self._fallback_phases = fallback_phases
+        self._below_x = (math.log2(fallback_below[0] / anchor_set.scales[0]) if fallback_below is not None
+                         else -math.inf)
         # Flat tuples: the hot loop touches only floats (no attribute lookups per anchor).
         self._points = tuple((a.coords[0], a.coords[1], a.coords[2], a.path, a.name, a.input_windows,
                               self.extend_below and posts_fewer_phases(a, fallback_phases))
@@ -138,8 +152,17 @@ class AnchorSelector:
             if d2 < best_d2:
                 best, best_d2 = (path, name), d2
         if best is None:
-            return Selection(path=self.fallback, anchor=None, distance=math.inf, coords=(x, y, z))
+            return Selection(path=self.fallback_path(x, input_windows), anchor=None, distance=math.inf,
+                             coords=(x, y, z))
         return Selection(path=best[0], anchor=best[1], distance=math.sqrt(best_d2), coords=(x, y, z))
+
+    def fallback_path(self, x: float, input_windows: int = 1) -> Path:
+        """The path outside every anchor's neighbourhood at payload coordinate ``x``:
+        ``fallback_below``'s path below its payload where it posts fewer phases, else ``fallback``."""
+        if (x < self._below_x and self._fallback_phases is not None and input_windows < self._fallback_phases
+                and self.fallback_below is not None):
+            return self.fallback_below[1]
+        return self.fallback
 
     def select(self, stats: TrafficStats) -> Path:
         return self.explain(stats).path
@@ -228,4 +251,5 @@ def selector_from_config(config: RailWaveConfig, topo: RailTopology, *, warn: bo
     # The thresholds the file was tuned with (calibrate's leave-one-out choice), unless the
     # config overrides them: anchors are only validated with the thresholds they were tuned for.
     payload_ratio, shape_distance = anchor_set.thresholds(config.payload_ratio, config.shape_distance)
-    return AnchorSelector(anchor_set, payload_ratio=payload_ratio, shape_distance=shape_distance)
+    return AnchorSelector(anchor_set, payload_ratio=payload_ratio, shape_distance=shape_distance,
+                          fallback_below=anchor_set.fallback_below)

@@ -145,6 +145,8 @@ def with_selector_settings(anchor_set, tuned: dict[str, Any]):
     anchors = tuple(a for a in anchor_set.anchors if a.name in held)
     selector = {k: tuned[k] for k in ("payload_ratio", "shape_distance", "method", "left_out", "tolerance")}
     selector["anchors_dropped"] = len(anchor_set.anchors) - len(anchors)
+    if tuned.get("fallback_below"):
+        selector["fallback_below"] = dict(tuned["fallback_below"])
     settings = {**ctx.settings, "selector": selector}
     return AnchorSet(anchors=anchors, scales=anchor_set.scales,
                      context=CalibrationContext(topology=ctx.topology, hidden_size=ctx.hidden_size, dtype=ctx.dtype,
@@ -246,10 +248,14 @@ def _tune_and_write(args: argparse.Namespace, result) -> int:
     _render.print_text(f"kept {len(kept)} of {len(rows)} requests as anchors ({paths or 'none: always JOINT'}; "
                        f"{passed} passed the keep rule, {passed - len(kept)} of them do not hold across "
                        f"{tuned['left_out']}s); wrote {args.out}")
+    below = tuned.get("fallback_below")
     _render.print_text(
         f"selector thresholds ({tuned['method']}): payload ratio {tuned['payload_ratio']}, "
-        f"shape distance {tuned['shape_distance']} (recorded in context.settings.selector; the runtime and "
-        "railwave validate use them unless a RailWave config sets payload_ratio / shape_distance)")
+        f"shape distance {tuned['shape_distance']}, outside the anchors "
+        + (f"{below['path'].upper()} below B_mean {below['payload_bytes'] / 2**20:.3f} MiB where it posts fewer "
+           "phases, else JOINT" if below else "JOINT")
+        + " (recorded in context.settings.selector; the runtime and railwave validate use them unless a RailWave "
+        "config sets payload_ratio / shape_distance)")
     if args.json:
         _common.write_json(args.json, {"anchors": anchor_set.to_dict(), "requests": rows, "selector": tuned})
     return 0

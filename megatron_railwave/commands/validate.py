@@ -117,7 +117,8 @@ def run(args: argparse.Namespace) -> int:
         topo = RailTopology.from_dict({k: v for k, v in anchor_set.context.topology.items()},
                                       source=f"anchors file {args.anchors!r}: context.topology")
     payload_ratio, shape_distance = anchor_set.thresholds(args.payload_ratio, args.shape_distance)
-    selector = AnchorSelector(anchor_set, payload_ratio=payload_ratio, shape_distance=shape_distance)
+    selector = AnchorSelector(anchor_set, payload_ratio=payload_ratio, shape_distance=shape_distance,
+                              fallback_below=anchor_set.fallback_below)
     settings = anchor_set.context.settings.get("requests")
     if not isinstance(settings, dict) or "payload_scales" not in settings:
         raise ValueError(f"anchors file {args.anchors!r}: field 'context.settings.requests' is missing; it "
@@ -128,8 +129,11 @@ def run(args: argparse.Namespace) -> int:
     held_out = calibration.held_out_settings(settings, seed=args.seed, count=args.requests, layers=args.layers)
     requests = calibration.validation_requests(topo, settings, seed=args.seed, count=args.requests,
                                                layers=args.layers, record_bytes=record_bytes)
+    below = anchor_set.fallback_below
     out: dict[str, Any] = {"held_out": held_out,
-                           "selector": {"payload_ratio": payload_ratio, "shape_distance": shape_distance}}
+                           "selector": {"payload_ratio": payload_ratio, "shape_distance": shape_distance,
+                                        "fallback_below": {"payload_bytes": below[0], "path": str(below[1])}
+                                        if below else None}}
     status = 0
     if args.bench:
         torch.set_num_threads(1)

@@ -386,7 +386,8 @@ def test_tune_selector_leaves_each_routing_out_and_picks_the_smallest_safe_thres
     ctx = CalibrationContext(topology=TOPO.to_dict(), hidden_size=1, dtype="bf16", backend="fake", date="x")
     result = calibration.CalibrationResult(anchor_set=AnchorSet(anchors=tuple(anchors), scales=(ref, rho_s, kappa_s),
                                                                 context=ctx), rows=tuple(rows))
-    tuned = calibration.tune_selector(result, grid={"payload_ratio": (1.25,), "shape_distance": (0.02, 0.05, 0.1, 0.2)})
+    tuned = calibration.tune_selector(result, grid={"payload_ratio": (1.25,), "shape_distance": (0.02, 0.05, 0.1, 0.2)},
+                                      split_fallback=False)
     no_anchors, *scores = tuned["scores"]
     assert no_anchors["shape_distance"] is None and no_anchors["over_tolerance"] == 3  # JOINT 1.11x the best
     over = {sc["shape_distance"]: sc["over_tolerance"] for sc in scores}
@@ -427,14 +428,14 @@ def test_tune_selector_leaves_out_whole_seeds_when_calibration_spans_several():
     # sees only the other seed's anchors 0.1 away: 0.02 and 0.05 fall back to JOINT (4 requests
     # over 1.03x), 0.1 serves all.
     grid = {"payload_ratio": (1.25,), "shape_distance": (0.02, 0.05, 0.1, 0.2)}
-    tuned = calibration.tune_selector(_twin_layer_result({"glm1": 0.10, "glm2": 0.20}), grid=grid)
+    tuned = calibration.tune_selector(_twin_layer_result({"glm1": 0.10, "glm2": 0.20}), grid=grid, split_fallback=False)
     assert tuned["left_out"] == "seed"
     assert tuned["method"] == "leave-one-seed-out on the calibration requests, anchors that hold across seeds"
     assert {sc["shape_distance"]: sc["over_tolerance"] for sc in tuned["scores"][1:]} == {0.02: 4, 0.05: 4, 0.1: 0,
                                                                                            0.2: 0}
     assert tuned["shape_distance"] == 0.1 and tuned["use_anchors"] is True
     # One seed only: leaving it out would leave no anchor, so routings are left out instead.
-    one = calibration.tune_selector(_twin_layer_result({"glm1": 0.10}), grid=grid)
+    one = calibration.tune_selector(_twin_layer_result({"glm1": 0.10}), grid=grid, split_fallback=False)
     assert one["left_out"] == "routing" and one["shape_distance"] == 0.02
     assert {sc["over_tolerance"] for sc in one["scores"][1:]} == {0}
     assert one["scores"][0]["over_tolerance"] == 2 and one["use_anchors"] is True  # always-JOINT misses both
@@ -445,7 +446,7 @@ def test_tune_selector_keeps_no_anchors_when_none_beat_always_joint():
     # their place (always-JOINT misses all 4 requests, shape distance 0.1 none).
     res = _twin_layer_result({"glm1": 0.10, "glm2": 0.20})
     grid = {"payload_ratio": (1.25,), "shape_distance": (0.02, 0.05, 0.1, 0.2)}
-    assert calibration.tune_selector(res, grid=grid)["use_anchors"] is True
+    assert calibration.tune_selector(res, grid=grid, split_fallback=False)["use_anchors"] is True
     from megatron_railwave.anchors import AnchorSet
 
     # The same anchors, but every request is now faster on JOINT (RAIL 10% slower): anchors
@@ -454,18 +455,18 @@ def test_tune_selector_keeps_no_anchors_when_none_beat_always_joint():
     lat[Path.RAIL] = _lat(1.1, 1.1, 1.1)
     rows = tuple(dataclasses.replace(r, latency=lat, best=Path.JOINT) for r in res.rows)
     worse = calibration.CalibrationResult(anchor_set=res.anchor_set, rows=rows)
-    tuned = calibration.tune_selector(worse, grid=grid)
+    tuned = calibration.tune_selector(worse, grid=grid, split_fallback=False)
     assert tuned["use_anchors"] is False and tuned["scores"][0]["over_tolerance"] == 0
     assert "no anchors are kept" in tuned["method"]
     # Equal scores also keep none: anchors must be strictly better than always-JOINT.
     flat = {p: _lat(1.0, 1.0, 1.0) for p in ALL_PATHS}
     tie = calibration.CalibrationResult(anchor_set=res.anchor_set,
                                         rows=tuple(dataclasses.replace(r, latency=flat) for r in res.rows))
-    assert calibration.tune_selector(tie, grid=grid)["use_anchors"] is False
+    assert calibration.tune_selector(tie, grid=grid, split_fallback=False)["use_anchors"] is False
     # An empty anchor set never "uses" anchors.
     empty = calibration.CalibrationResult(anchor_set=AnchorSet(anchors=(), scales=res.anchor_set.scales,
                                                                context=res.anchor_set.context), rows=res.rows)
-    assert calibration.tune_selector(empty, grid=grid)["use_anchors"] is False
+    assert calibration.tune_selector(empty, grid=grid, split_fallback=False)["use_anchors"] is False
 
 
 def test_calibration_rows_name_their_generator_seed():
@@ -580,7 +581,7 @@ def test_tune_selector_drops_anchors_that_do_not_hold_on_other_seeds():
                                                 reason="JOINT is fastest", group=f"glm3-l{layer}", seed="glm3"))
     mixed = calibration.CalibrationResult(anchor_set=res.anchor_set, rows=res.rows + tuple(extra))
     grid = {"payload_ratio": (1.25,), "shape_distance": (0.02, 0.1)}
-    tuned = calibration.tune_selector(mixed, grid=grid)
+    tuned = calibration.tune_selector(mixed, grid=grid, split_fallback=False)
     held = {sc["shape_distance"]: sc["anchors_held"] for sc in tuned["scores"][1:]}
     assert held == {0.02: 4, 0.1: 0}
     # 0.02: glm1 / glm2 fall back to JOINT (4 over); 0.1: those 4 plus glm3's 2 on RAIL. Always-
@@ -589,7 +590,7 @@ def test_tune_selector_drops_anchors_that_do_not_hold_on_other_seeds():
     assert tuned["scores"][0]["over_tolerance"] == 4
     assert tuned["use_anchors"] is False and tuned["held"] == []
     # Without glm3, the anchors hold at 0.1 and serve each other's seed: all kept.
-    plain = calibration.tune_selector(res, grid=grid)
+    plain = calibration.tune_selector(res, grid=grid, split_fallback=False)
     assert plain["use_anchors"] is True and plain["shape_distance"] == 0.1 and len(plain["held"]) == 4
 
 
@@ -624,3 +625,46 @@ def test_calibrate_retune_merges_runs_at_other_token_counts(tmp_path):
         calibration.merge_results(results, ["low", "other"])
     with pytest.raises(ValueError, match=r"share requests"):
         calibration.merge_results(results[:1] * 2, ["low", "low"])
+
+
+def test_tune_selector_splits_the_fallback_at_the_payload_where_rail_stops_winning(tmp_path):
+    # Two seeds, two layers each, at payload coordinates -3 and -1 (all pairs at once): RAIL is
+    # 10% faster than JOINT at -3 and 10% slower at -1, whatever the shape. No anchor is kept (the
+    # keep rule is not asked here), so only the split can serve -3: the cut lands just above -3.
+    from megatron_railwave.anchors import AnchorSet, CalibrationContext, save_anchors
+    from megatron_railwave.traffic import TrafficStats
+
+    ref, rho_s, kappa_s = AnchorSet.scales_for(TOPO)
+    rows = []
+    for seed, y in (("glm1", 0.1), ("glm2", 0.4)):
+        for x, rail in ((-3.0, 0.9), (-1.0, 1.1)):
+            lat = {p: _lat(1.0, 1.0, 1.0) for p in ALL_PATHS}
+            lat[Path.RAIL] = _lat(rail, rail, rail)
+            b = ref * 2 ** x
+            st = TrafficStats(B_mean_bytes=b, B_max_bytes=b, rho_g=1 + rho_s * y, kappa=1.0, coords=(x, y, 0.0),
+                              records_total=1, remote_records=1)
+            rows.append(calibration.CalibrationRow(request=f"{seed}-x{x}", stats=st, coords=st.coords, latency=lat,
+                                                   best=Path.RAIL if rail < 1 else Path.JOINT, kept=False, gain=0.0,
+                                                   reason="-", group=f"{seed}-x{x}", seed=seed))
+    ctx = CalibrationContext(topology=TOPO.to_dict(), hidden_size=1, dtype="bf16", backend="fake", date="x")
+    result = calibration.CalibrationResult(anchor_set=AnchorSet(anchors=(), scales=(ref, rho_s, kappa_s), context=ctx),
+                                           rows=tuple(rows))
+    grid = {"payload_ratio": (1.25,), "shape_distance": (0.1,)}
+    assert calibration.tune_selector(result, grid=grid, split_fallback=False)["fallback_below"] is None
+    tuned = calibration.tune_selector(result, grid=grid)
+    below = tuned["fallback_below"]
+    assert tuned["use_anchors"] is False and below["path"] == "rail"
+    assert below["payload_bytes"] == pytest.approx(ref * 2 ** (-3.0 + 0.005))
+    assert tuned["scores"][0]["over_tolerance"] == 0  # always-JOINT would miss the two at -3
+    # The file records it, the runtime selector applies it: RAIL below the cut (all pairs), JOINT
+    # above it, and JOINT on an input with as many windows as JOINT has waves (no fewer phases).
+    from megatron_railwave.commands.calibrate import with_selector_settings
+
+    path = save_anchors(with_selector_settings(result.anchor_set, tuned), tmp_path / "a.yaml")
+    aset = load_anchors(path, TOPO)
+    assert aset.fallback_below == (pytest.approx(below["payload_bytes"]), Path.RAIL)
+    sel = AnchorSelector(aset, fallback_below=aset.fallback_below)
+    assert sel.select(rows[0].stats) == Path.RAIL and sel.select(rows[1].stats) == Path.JOINT
+    assert sel.explain(rows[0].stats, input_windows=TOPO.num_nodes - 1).path == Path.JOINT
+    with pytest.raises(ValueError, match=r"fallback_below must be \(bytes > 0, native or rail\)"):
+        AnchorSelector(aset, fallback_below=(1.0, "joint"))

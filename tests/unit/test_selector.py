@@ -359,3 +359,30 @@ def test_reach_matches_the_runtime_rule():
         assert (got.anchor is not None) == bool(reach[:, r].any()), r
         if got.anchor is not None:
             assert reach[names.index(got.anchor), r]
+
+
+def _below_set(below):
+    base = anchor_set((A,))
+    ctx = CalibrationContext(topology=TOPO.to_dict(), hidden_size=4096, dtype="bf16", backend="fake",
+                             date="2026-01-01T00:00:00+00:00", settings={"selector": {"fallback_below": below}})
+    return AnchorSet(anchors=base.anchors, scales=base.scales, context=ctx)
+
+
+def test_selector_from_config_applies_the_files_fallback_below(tmp_path, fresh_warnings):
+    # Below 1/4 of A's payload, away from A's shape: RAIL (the file's split); above it, JOINT.
+    path = save_anchors(_below_set({"payload_bytes": REF / 4, "path": "rail"}), tmp_path / "b.yaml")
+    sel = selector_from_config(RailWaveConfig(anchors=str(path)), TOPO)
+    assert sel.fallback_below == (REF / 4, Path.RAIL)
+    assert sel.select(stats(0.2, 0.9, 0.9)) == Path.RAIL
+    assert sel.select(stats(0.3, 0.9, 0.9)) == Path.JOINT
+    assert sel.select(stats(1.0, 0.10, 0.5)) == Path.RAIL  # A itself
+    assert sel.explain(stats(0.2, 0.9, 0.9), input_windows=TOPO.num_nodes - 1).path == Path.JOINT
+
+
+@pytest.mark.parametrize(("below", "field"), [
+    ({"payload_bytes": -1, "path": "rail"}, "payload_bytes"), ({"payload_bytes": 1e6, "path": "joint"}, "path"),
+    ({"payload_bytes": 1e6, "path": "up"}, "path"), ({"path": "rail"}, "payload_bytes")])
+def test_anchors_file_with_bad_fallback_below_is_rejected(tmp_path, fresh_warnings, below, field):
+    path = save_anchors(_below_set(below), tmp_path / "bad.yaml")
+    with pytest.raises(ValueError, match=rf"field 'context.settings.selector.fallback_below.{field}'"):
+        load_anchors(path, TOPO)
