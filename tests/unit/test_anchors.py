@@ -149,3 +149,24 @@ def test_anchors_invalid_yaml_and_missing_file(tmp_path):
 def test_anchors_version_constant_matches_written_files(tmp_path):
     path = save_anchors(make_set(), tmp_path / "a.yaml")
     assert yaml.safe_load(path.read_text())["version"] == ANCHORS_VERSION
+
+
+@pytest.mark.parametrize("name", ["h800_4x8", "h20_4x8", "h800_4x8_c2", "h20_4x8_c2"])
+def test_shipped_anchors_files_load_for_their_cluster_and_chunks(name):
+    # Every file in configs/anchors loads for the preset it names and gives a selector with the
+    # rail chunks it records (the _c2 files: 2 chunks per wave; the others: whole waves).
+    from pathlib import Path as FsPath
+
+    from megatron_railwave.config import RailWaveConfig
+    from megatron_railwave.selector import AnchorSelector, selector_from_config
+    from megatron_railwave.topology import load_topology
+
+    repo = FsPath(__file__).resolve().parents[2]
+    path = repo / "configs" / "anchors" / f"{name}.yaml"
+    topo = load_topology(name.removesuffix("_c2"))
+    aset = load_anchors(path, topo)
+    assert aset.chunks == (2 if name.endswith("_c2") else 1) and aset.anchors
+    sel = selector_from_config(RailWaveConfig(path="auto", anchors=str(path), chunks=aset.chunks), topo)
+    assert isinstance(sel, AnchorSelector) and sel.fallback_below == aset.fallback_below
+    assert sorted(p.name.removesuffix(".yaml") for p in path.parent.glob("*.yaml")) == sorted(
+        ["h800_4x8", "h20_4x8", "h800_4x8_c2", "h20_4x8_c2"])
