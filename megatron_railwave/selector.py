@@ -16,6 +16,10 @@ eligible at *any smaller* payload, same shape window. Why: the fewer-phase path 
 per-phase costs, whose weight grows as the payload shrinks, so where it beat JOINT it beats JOINT
 by at least as much below (checked on the flow model: docs/selector.md, "Results"). Above the
 anchor's payload the paper's ratio still applies.
+
+Outside every anchor the path is JOINT, or, where the anchors file records a tuned fallback split
+(``fallback_below``), RAIL below that payload when it posts fewer phases than JOINT (with rail
+chunks JOINT posts 2-3x the phases and loses at small payloads whatever the shape).
 """
 
 from __future__ import annotations
