@@ -448,7 +448,9 @@ def tune_selector(result: CalibrationResult, *, grid: dict[str, Sequence[float]]
     scored as ``railwave validate`` scores a held-out request: how many are more than ``1 +
     tolerance`` slower than their best path, then the total time of the choices. The setting with
     the fewest such requests, then the least total, then the smallest thresholds (the grid's order)
-    wins. "No anchors" (always JOINT) is scored the same way and wins unless some setting is
+    wins; every setting is also scored without the rule that anchors hold (``hold_rule`` False:
+    it can drop anchors that fail on one request of another unit but serve several well), and the
+    rule wins ties. "No anchors" (always JOINT) is scored the same way and wins unless some setting is
     strictly better (fewer requests over, or as many and a smaller total); then ``use_anchors``
     is False and ``railwave calibrate`` writes a file without anchors (every row stays in its
     JSON). Held-out requests play no part.
@@ -521,36 +523,41 @@ def tune_selector(result: CalibrationResult, *, grid: dict[str, Sequence[float]]
             # The units where each anchor's path is more than the tolerance off the best.
             fails = [set(units_R[reach_AR[i] & slow_PR[a.path] & (units_R != unit)])
                      for i, (a, unit) in enumerate(zip(aset.anchors, anchor_units))]
-            held_of[(ratio, dist)] = tuple(a.name for a, f in zip(aset.anchors, fails) if not f)
-            anchored_R = np.zeros(len(rows), dtype=bool)
-            anchored_lat_R, anchored_slow_R = np.zeros(len(rows)), np.zeros(len(rows), dtype=bool)
-            for unit, idx in rows_of_unit.items():
-                others = tuple(a for a, u, f in zip(aset.anchors, anchor_units, fails) if u != unit and f <= {unit})
-                sel = AnchorSelector(AnchorSet(anchors=others, scales=aset.scales, context=aset.context),
-                                     payload_ratio=ratio, shape_distance=dist)
-                for i in idx:
-                    r = rows[i]
-                    choice = sel.explain(r.stats, input_windows=r.input_windows)
-                    if choice.anchor is not None:
-                        anchored_R[i] = True
-                        anchored_lat_R[i] = r.latency[choice.path].median
-                        anchored_slow_R[i] = anchored_lat_R[i] > limit_R[i]
-            scores.append(entry(ratio, dist, score(anchored_R, anchored_lat_R, anchored_slow_R),
-                                len(held_of[(ratio, dist)])))
+            for hold in (True, False):  # the rule that anchors hold, and (for the record) without it
+                if not hold:
+                    fails = [set() for _ in fails]
+                held_of[(ratio, dist, hold)] = tuple(a.name for a, f in zip(aset.anchors, fails) if not f)
+                anchored_R = np.zeros(len(rows), dtype=bool)
+                anchored_lat_R, anchored_slow_R = np.zeros(len(rows)), np.zeros(len(rows), dtype=bool)
+                for unit, idx in rows_of_unit.items():
+                    others = tuple(a for a, u, f in zip(aset.anchors, anchor_units, fails)
+                                   if u != unit and f <= {unit})
+                    sel = AnchorSelector(AnchorSet(anchors=others, scales=aset.scales, context=aset.context),
+                                         payload_ratio=ratio, shape_distance=dist)
+                    for i in idx:
+                        r = rows[i]
+                        choice = sel.explain(r.stats, input_windows=r.input_windows)
+                        if choice.anchor is not None:
+                            anchored_R[i] = True
+                            anchored_lat_R[i] = r.latency[choice.path].median
+                            anchored_slow_R[i] = anchored_lat_R[i] > limit_R[i]
+                scores.append({**entry(ratio, dist, score(anchored_R, anchored_lat_R, anchored_slow_R),
+                                       len(held_of[(ratio, dist, hold)])), "hold_rule": hold})
 
     def rank(sc: dict[str, Any]) -> tuple[int, float]:
         return sc["over_tolerance"], round(sc["total_s"], 12)
 
     best_score = min(scores, key=rank)
-    choice = (best_score["payload_ratio"], best_score["shape_distance"])
+    choice = (best_score["payload_ratio"], best_score["shape_distance"], best_score["hold_rule"])
     use_anchors = bool(held_of[choice]) and rank(best_score) < rank(no_anchors)
     chosen = best_score if use_anchors else no_anchors
     left_out = "seed" if by_seed else "routing"
-    method = f"leave-one-{left_out}-out on the calibration requests, anchors that hold across {left_out}s"
+    method = (f"leave-one-{left_out}-out on the calibration requests, "
+              + (f"anchors that hold across {left_out}s" if choice[2] else "every anchor (the hold rule scored worse)"))
     if not use_anchors and aset.anchors:
         method += "; no setting beats always-JOINT, so no anchors are kept"
     below = chosen["fallback_below_bytes"]
-    return {"use_anchors": use_anchors, "payload_ratio": choice[0], "shape_distance": choice[1],
+    return {"use_anchors": use_anchors, "payload_ratio": choice[0], "shape_distance": choice[1], "hold_rule": choice[2],
             "held": list(held_of[choice]) if use_anchors else [],
             "fallback_below": {"payload_bytes": below, "path": str(Path.RAIL)} if below is not None else None,
             "method": method, "left_out": left_out, "tolerance": tolerance, "scores": [no_anchors, *scores]}

@@ -389,6 +389,7 @@ def test_tune_selector_leaves_each_routing_out_and_picks_the_smallest_safe_thres
     tuned = calibration.tune_selector(result, grid={"payload_ratio": (1.25,), "shape_distance": (0.02, 0.05, 0.1, 0.2)},
                                       split_fallback=False)
     no_anchors, *scores = tuned["scores"]
+    scores = [sc for sc in scores if sc["hold_rule"]]
     assert no_anchors["shape_distance"] is None and no_anchors["over_tolerance"] == 3  # JOINT 1.11x the best
     over = {sc["shape_distance"]: sc["over_tolerance"] for sc in scores}
     assert over == {0.02: 3, 0.05: 3, 0.1: 0, 0.2: 0}
@@ -431,13 +432,14 @@ def test_tune_selector_leaves_out_whole_seeds_when_calibration_spans_several():
     tuned = calibration.tune_selector(_twin_layer_result({"glm1": 0.10, "glm2": 0.20}), grid=grid, split_fallback=False)
     assert tuned["left_out"] == "seed"
     assert tuned["method"] == "leave-one-seed-out on the calibration requests, anchors that hold across seeds"
-    assert {sc["shape_distance"]: sc["over_tolerance"] for sc in tuned["scores"][1:]} == {0.02: 4, 0.05: 4, 0.1: 0,
+    assert {sc["shape_distance"]: sc["over_tolerance"] for sc in tuned["scores"][1:] if sc["hold_rule"]} == {0.02: 4, 0.05: 4,
+                                                                                                          0.1: 0,
                                                                                            0.2: 0}
     assert tuned["shape_distance"] == 0.1 and tuned["use_anchors"] is True
     # One seed only: leaving it out would leave no anchor, so routings are left out instead.
     one = calibration.tune_selector(_twin_layer_result({"glm1": 0.10}), grid=grid, split_fallback=False)
     assert one["left_out"] == "routing" and one["shape_distance"] == 0.02
-    assert {sc["over_tolerance"] for sc in one["scores"][1:]} == {0}
+    assert {sc["over_tolerance"] for sc in one["scores"][1:]} == {0}  # with and without the hold rule
     assert one["scores"][0]["over_tolerance"] == 2 and one["use_anchors"] is True  # always-JOINT misses both
 
 
@@ -582,13 +584,22 @@ def test_tune_selector_drops_anchors_that_do_not_hold_on_other_seeds():
     mixed = calibration.CalibrationResult(anchor_set=res.anchor_set, rows=res.rows + tuple(extra))
     grid = {"payload_ratio": (1.25,), "shape_distance": (0.02, 0.1)}
     tuned = calibration.tune_selector(mixed, grid=grid, split_fallback=False)
-    held = {sc["shape_distance"]: sc["anchors_held"] for sc in tuned["scores"][1:]}
-    assert held == {0.02: 4, 0.1: 0}
-    # 0.02: glm1 / glm2 fall back to JOINT (4 over); 0.1: those 4 plus glm3's 2 on RAIL. Always-
-    # JOINT: 4 over, the least total: it wins.
-    assert {sc["shape_distance"]: sc["over_tolerance"] for sc in tuned["scores"][1:]} == {0.02: 4, 0.1: 6}
-    assert tuned["scores"][0]["over_tolerance"] == 4
-    assert tuned["use_anchors"] is False and tuned["held"] == []
+    with_rule = [sc for sc in tuned["scores"][1:] if sc["hold_rule"]]
+    assert {sc["shape_distance"]: sc["anchors_held"] for sc in with_rule} == {0.02: 4, 0.1: 0}
+    # 0.02: glm1 / glm2 fall back to JOINT (4 over); 0.1: those 4 plus glm3's 2 on RAIL.
+    assert {sc["shape_distance"]: sc["over_tolerance"] for sc in with_rule} == {0.02: 4, 0.1: 6}
+    assert tuned["scores"][0]["over_tolerance"] == 4  # always-JOINT
+    # Without the rule, 0.1 lets glm1 and glm2 serve each other and sends glm3 to RAIL: 2 over,
+    # fewer than always-JOINT's 4, so the tuning keeps every anchor there (the rule is scored,
+    # not imposed).
+    assert tuned["use_anchors"] is True and tuned["hold_rule"] is False and tuned["shape_distance"] == 0.1
+    assert len(tuned["held"]) == 4
+    # With four glm3 layers, keeping the anchors loses as much as it gains (4 over either way, the
+    # same total): anchors must be strictly better, so none is kept.
+    more = calibration.CalibrationResult(anchor_set=res.anchor_set, rows=res.rows + tuple(extra) + tuple(
+        dataclasses.replace(r, request=r.request + "b", group=r.group + "b") for r in extra))
+    worse = calibration.tune_selector(more, grid=grid, split_fallback=False)
+    assert worse["use_anchors"] is False and worse["held"] == []
     # Without glm3, the anchors hold at 0.1 and serve each other's seed: all kept.
     plain = calibration.tune_selector(res, grid=grid, split_fallback=False)
     assert plain["use_anchors"] is True and plain["shape_distance"] == 0.1 and len(plain["held"]) == 4
