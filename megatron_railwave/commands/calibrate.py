@@ -144,6 +144,8 @@ def with_selector_settings(anchor_set, tuned: dict[str, Any]):
     held = set(tuned.get("held", [a.name for a in anchor_set.anchors]))
     anchors = tuple(a for a in anchor_set.anchors if a.name in held)
     selector = {k: tuned[k] for k in ("payload_ratio", "shape_distance", "method", "left_out", "tolerance")}
+    if "hold_rule" in tuned:
+        selector["hold_rule"] = bool(tuned["hold_rule"])
     selector["anchors_dropped"] = len(anchor_set.anchors) - len(anchors)
     if tuned.get("fallback_below"):
         selector["fallback_below"] = dict(tuned["fallback_below"])
