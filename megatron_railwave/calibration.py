@@ -523,7 +523,7 @@ def tune_selector(result: CalibrationResult, *, grid: dict[str, Sequence[float]]
             # The units where each anchor's path is more than the tolerance off the best.
             fails = [set(units_R[reach_AR[i] & slow_PR[a.path] & (units_R != unit)])
                      for i, (a, unit) in enumerate(zip(aset.anchors, anchor_units))]
-            for hold in (True, False):  # the rule that anchors hold, and (for the record) without it
+            for hold in (True, False):  # with the rule that anchors hold, then without it (it may score better)
                 if not hold:
                     fails = [set() for _ in fails]
                 held_of[(ratio, dist, hold)] = tuple(a.name for a, f in zip(aset.anchors, fails) if not f)
