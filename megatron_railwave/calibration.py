@@ -30,7 +30,7 @@ import torch
 
 from .anchors import Anchor, AnchorSet, CalibrationContext, PathLatency
 from .planner import Path, PathPlan, PlanOptions, WaveSchedule, build_plan, parse_path
-from .selector import AnchorSelector, fallback_phases_of
+from .selector import AnchorSelector, fallback_phases_of, fewer_phases
 from .stats import demand_stats
 from .topology import RailTopology
 from .traffic import SelectorScales, TrafficStats
@@ -159,7 +159,6 @@ class NetmodelBackend:
 
     def __init__(self, topo: RailTopology, options: PlanOptions | None = None, model: Any = None) -> None:
         from .netmodel import simulate_plan
-
 
         self._simulate: Callable[..., float] = simulate_plan
         self.topo = topo
@@ -482,18 +481,19 @@ def tune_selector(result: CalibrationResult, *, grid: dict[str, Sequence[float]]
     anchor_units = [unit_of_row.get(a.name, a.name) for a in aset.anchors]
     best_R = np.array([min(v.median for v in r.latency.values()) for r in rows])
     limit_R = (1.0 + tolerance) * best_R * (1.0 + _RULE_RTOL)
-    slow_PR = {p: np.array([r.latency[p].median for r in rows]) > limit_R for p in ALL_PATHS}
+    lat_PR = {p: np.array([r.latency[p].median for r in rows]) for p in ALL_PATHS}
+    slow_PR = {p: lat > limit_R for p, lat in lat_PR.items()}
     coords_R3 = np.array([aset.coords(r.stats) for r in rows]).reshape(len(rows), 3)
     windows_R = np.array([r.input_windows for r in rows])
     joint_total = sum(r.latency[Path.JOINT].median for r in rows)
     # The split fallback: below payload coordinate x*, outside every anchor, RAIL where it posts
     # fewer phases than JOINT (AnchorSelector.fallback_below). Candidates: no split, then every
     # payload level of the rows (0.01 apart), ascending.
-    below_ok_R = windows_R < (fallback_phases_of(aset, Path.JOINT) or 0)
+    below_ok_R = fewer_phases(windows_R, fallback_phases_of(aset, Path.JOINT))
     x_R = coords_R3[:, 0]
     levels = np.unique(np.round(x_R[np.isfinite(x_R)], 2)) + 0.005 if split_fallback else np.zeros(0)
     cuts = np.concatenate([[-math.inf], levels])
-    lat_rail_R, lat_joint_R = (np.array([r.latency[p].median for r in rows]) for p in (Path.RAIL, Path.JOINT))
+    lat_rail_R, lat_joint_R = lat_PR[Path.RAIL], lat_PR[Path.JOINT]
     slow_rail_R, slow_joint_R = slow_PR[Path.RAIL], slow_PR[Path.JOINT]
 
     def score(anchored_R: np.ndarray, anchored_lat_R: np.ndarray, anchored_slow_R: np.ndarray) -> tuple[int, float, float]:
@@ -502,9 +502,9 @@ def tune_selector(result: CalibrationResult, *, grid: dict[str, Sequence[float]]
         base_total = float(anchored_lat_R[anchored_R].sum())
         free = ~anchored_R
         below_CR = (x_R[None, :] < cuts[:, None]) & (below_ok_R & free)[None, :]
-        joint_R = free
-        over_C = base_over + (below_CR & slow_rail_R).sum(1) + ((joint_R & ~below_CR) & slow_joint_R).sum(1)
-        total_C = base_total + (below_CR * lat_rail_R).sum(1) + ((joint_R & ~below_CR) * lat_joint_R).sum(1)
+        joint_CR = free[None, :] & ~below_CR
+        over_C = base_over + (below_CR & slow_rail_R).sum(1) + (joint_CR & slow_joint_R).sum(1)
+        total_C = base_total + (below_CR * lat_rail_R).sum(1) + (joint_CR * lat_joint_R).sum(1)
         best = min(range(cuts.size), key=lambda c: (int(over_C[c]), round(float(total_C[c]), 12)))
         return int(over_C[best]), float(total_C[best]), float(cuts[best])
 

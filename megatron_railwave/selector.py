@@ -30,7 +30,7 @@ import os
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path as FsPath
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -43,7 +43,7 @@ if TYPE_CHECKING:
     from .config import RailWaveConfig
 
 __all__ = ["PathSelector", "FixedSelector", "AnchorSelector", "Selection", "selector_from_config",
-           "fallback_phases_of", "posts_fewer_phases"]
+           "fallback_phases_of", "fewer_phases", "posts_fewer_phases"]
 
 
 class PathSelector(Protocol):
@@ -163,8 +163,8 @@ class AnchorSelector:
     def fallback_path(self, x: float, input_windows: int = 1) -> Path:
         """The path outside every anchor's neighbourhood at payload coordinate ``x``:
         ``fallback_below``'s path below its payload where it posts fewer phases, else ``fallback``."""
-        if (x < self._below_x and self._fallback_phases is not None and input_windows < self._fallback_phases
-                and self.fallback_below is not None):
+        if x < self._below_x and self.fallback_below is not None and fewer_phases(input_windows,
+                                                                                 self._fallback_phases):
             return self.fallback_below[1]
         return self.fallback
 
@@ -200,10 +200,18 @@ def fallback_phases_of(anchor_set: AnchorSet, fallback: Path) -> int | None:
     return (nodes - 1) * anchor_set.chunks
 
 
+def fewer_phases(input_windows: Any, fallback_phases: int | None) -> Any:
+    """Whether NATIVE / RAIL, which keep the input's sending windows (one rail phase each), post
+    fewer rail phases than the fallback's ``fallback_phases`` (None: unknown, never). Works on an
+    int or elementwise on an array of window counts."""
+    if fallback_phases is None:
+        return np.zeros_like(input_windows, dtype=bool) if isinstance(input_windows, np.ndarray) else False
+    return input_windows < fallback_phases
+
+
 def posts_fewer_phases(anchor: Anchor, fallback_phases: int | None) -> bool:
-    """Whether ``anchor``'s path posts fewer rail phases than the fallback on its input: NATIVE and
-    RAIL keep the input's sending windows (``anchor.input_windows`` phases)."""
-    return fallback_phases is not None and not anchor.path.waved and anchor.input_windows < fallback_phases
+    """Whether ``anchor``'s path posts fewer rail phases than the fallback on its input."""
+    return not anchor.path.waved and bool(fewer_phases(anchor.input_windows, fallback_phases))
 
 
 # ---------------------------------------------------------------------- from the config
