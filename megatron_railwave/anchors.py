@@ -49,6 +49,7 @@ from typing import Any
 
 import yaml
 
+from .path_model import RailJointModel
 from .planner import Path, parse_path
 from .planner.plan import MAX_CHUNKS
 from .topology import RailTopology
@@ -193,6 +194,14 @@ class AnchorSet:
         if not below:
             return None
         return float(below["payload_bytes"]), parse_path(below["path"])
+
+    @property
+    def path_model(self) -> RailJointModel | None:
+        """The RAIL / JOINT model fitted by ``railwave calibrate`` (``context.settings.selector.
+        model``, checked when the file is loaded), when the tuning chose it over the anchors;
+        None: the nearest-anchor rule."""
+        raw = (self.context.settings.get("selector") or {}).get("model")
+        return None if raw is None else RailJointModel.from_dict(raw, source="context.settings.selector.model")
 
     @property
     def chunks(self) -> int:
@@ -341,6 +350,13 @@ def _check_thresholds(settings: dict[str, Any], source: str) -> None:
             raise _fail(source, f"{where}.path", f"must be native or rail (fewer phases than JOINT), got {path}")
 
 
+def _check_model(settings: dict[str, Any], source: str) -> None:
+    """A recorded path model, where present, is what the runtime uses: check it."""
+    tuned = settings.get("selector") or {}
+    if tuned.get("model") is not None:
+        RailJointModel.from_dict(tuned["model"], source=f"{source}: field 'context.settings.selector.model'")
+
+
 def _check_chunks(settings: dict[str, Any], source: str) -> None:
     """The recorded rail chunks, where present, decide which JOINT the anchors beat: check them."""
     if "chunks" not in settings:
@@ -382,6 +398,7 @@ def anchors_from_dict(data: Any, *, source: str = "<dict>", topo: RailTopology |
                                  backend=ctx["backend"], date=ctx["date"],
                                  settings=_mapping(ctx.get("settings", {}), source, "context.settings"))
     _check_thresholds(context.settings, source)
+    _check_model(context.settings, source)
     _check_chunks(context.settings, source)
     if topo is not None:
         _check_topology(topo_data, topo, source)

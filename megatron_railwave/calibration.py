@@ -30,10 +30,11 @@ import torch
 
 from .anchors import Anchor, AnchorSet, CalibrationContext, PathLatency
 from .planner import Path, PathPlan, PlanOptions, WaveSchedule, build_plan, parse_path
-from .selector import AnchorSelector, fallback_phases_of, fewer_phases
+from .path_model import fit_rail_joint, path_features
+from .selector import AnchorSelector, ModelSelector, fallback_phases_of, fewer_phases
 from .stats import demand_stats
 from .topology import RailTopology
-from .traffic import SelectorScales, TrafficStats
+from .traffic import SelectorScales, TrafficStats, dtype_bytes
 
 __all__ = [
     "ALL_PATHS",
@@ -149,6 +150,15 @@ def request_stats(request: ReplayRequest, topo: RailTopology,
     """The selector's descriptors of ``request`` (as the dispatcher computes them)."""
     return demand_stats(request.records_NGN, topo, record_bytes=request.record_bytes,
                         scales=scales, windows=request.windows)
+
+
+def request_features(request: ReplayRequest, topo: RailTopology, stats: TrafficStats) -> tuple[float, ...] | None:
+    """The path model's features of ``request`` (as the dispatcher computes them from the gathered
+    counts), None without its target masks."""
+    if request.demand is None:
+        return None
+    return tuple(float(v) for v in path_features(request.demand, stats, topo, record_bytes=request.record_bytes,
+                                                 windows=request.windows))
 
 
 class NetmodelBackend:
@@ -318,13 +328,19 @@ class CalibrationRow:
     seed: str = ""
     """The generator seed it comes from (``request_seed``): the unit ``tune_selector`` leaves out
     when the calibration spans several."""
+    features: tuple[float, ...] | None = None
+    """The path model's features of the request (``path_model.path_features``); None without the
+    request's target masks (``ReplayRequest.demand``)."""
 
     def to_dict(self) -> dict[str, Any]:
-        return {"request": self.request, "group": self.group, "seed": self.seed,
-                "input_windows": self.input_windows, "coords": list(self.coords), "B_mean_bytes": self.stats.B_mean_bytes,
-                "rho_g": self.stats.rho_g, "kappa": self.stats.kappa, "best": str(self.best),
-                "kept": self.kept, "gain": self.gain, "reason": self.reason,
-                "latency_s": {str(p): v.to_dict() for p, v in self.latency.items()}}
+        out = {"request": self.request, "group": self.group, "seed": self.seed,
+               "input_windows": self.input_windows, "coords": list(self.coords), "B_mean_bytes": self.stats.B_mean_bytes,
+               "rho_g": self.stats.rho_g, "kappa": self.stats.kappa, "best": str(self.best),
+               "kept": self.kept, "gain": self.gain, "reason": self.reason,
+               "latency_s": {str(p): v.to_dict() for p, v in self.latency.items()}}
+        if self.features is not None:
+            out["features"] = list(self.features)
+        return out
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -365,7 +381,9 @@ def result_from_json(data: Any, *, source: str = "<json>", topo: RailTopology | 
             out = CalibrationRow(request=str(row["request"]), stats=st, coords=coords, latency=latency,  # type: ignore[arg-type]
                                  best=parse_path(row["best"]), kept=bool(row["kept"]), gain=float(row["gain"]),
                                  reason=str(row["reason"]), input_windows=int(row["input_windows"]),
-                                 group=str(row["group"]), seed=str(row["seed"]))
+                                 group=str(row["group"]), seed=str(row["seed"]),
+                                 features=None if row.get("features") is None
+                                 else tuple(float(v) for v in row["features"]))
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"{source}: field 'requests[{i}]' is malformed ({exc!r}); write it with "
                              "`railwave calibrate --json`") from None
@@ -376,6 +394,38 @@ def result_from_json(data: Any, *, source: str = "<json>", topo: RailTopology | 
                                   input_windows=out.input_windows))
     return CalibrationResult(anchor_set=AnchorSet(anchors=tuple(anchors), scales=base.scales, context=base.context),
                              rows=tuple(rows))
+
+
+def with_features(result: CalibrationResult, topo: RailTopology, *, progress: bool = True) -> CalibrationResult:
+    """``result`` with the path model's features on every row that lacks them, computed from the
+    requests its settings describe (``context.settings.requests``, regenerated: the generators
+    are deterministic). For calibrations written before the path model (``--retune``).
+
+    Raises:
+        ValueError: the settings do not regenerate a row's request (names the request).
+    """
+    missing = {r.request for r in result.rows if r.features is None}
+    if not missing:
+        return result
+    ctx = result.anchor_set.context
+    settings = ctx.settings.get("requests")
+    if not isinstance(settings, dict):
+        raise ValueError("the calibration records no request settings (context.settings.requests): its rows' "
+                         "features cannot be computed; re-run `railwave calibrate`")
+    record_bytes = ctx.hidden_size * dtype_bytes(ctx.dtype)
+    features = {}
+    with _progress(len(missing), "features", progress) as bar:
+        for req in calibration_requests(topo, settings, record_bytes=record_bytes):
+            if req.name in missing:
+                features[req.name] = request_features(req, topo, request_stats(req, topo))
+                bar.update(1)
+    lost = sorted(missing - features.keys())
+    if lost:
+        raise ValueError(f"the calibration's settings do not regenerate request {lost[0]!r} ({len(lost)} in all): "
+                         "its features cannot be computed; re-run `railwave calibrate`")
+    rows = tuple(dataclasses.replace(r, features=features[r.request]) if r.features is None else r
+                 for r in result.rows)
+    return CalibrationResult(anchor_set=result.anchor_set, rows=rows)
 
 
 def calibrate(backend: MeasureBackend, requests: Sequence[ReplayRequest], topo: RailTopology, *,
@@ -402,7 +452,7 @@ def calibrate(backend: MeasureBackend, requests: Sequence[ReplayRequest], topo: 
             rows.append(CalibrationRow(request=req.name, stats=st, coords=st.coords, latency=latency,
                                        best=best, kept=kept, gain=gain, reason=reason,
                                        input_windows=request_windows(req), group=request_group(req),
-                                       seed=request_seed(req)))
+                                       seed=request_seed(req), features=request_features(req, topo, st)))
             if kept:
                 anchors.append(Anchor(name=req.name, coords=st.coords, B_mean_bytes=st.B_mean_bytes,
                                       rho_g=st.rho_g, kappa=st.kappa, path=best, latency_s=latency,
@@ -425,7 +475,7 @@ missed 14 requests at 0.2, the old edge of the grid, and none from 0.3 on (docs/
 
 
 def tune_selector(result: CalibrationResult, *, grid: dict[str, Sequence[float]] | None = None,
-                  tolerance: float = 0.03, split_fallback: bool = True) -> dict[str, Any]:
+                  tolerance: float = 0.03, split_fallback: bool = True, fit_model: bool = True) -> dict[str, Any]:
     """Pick the selector thresholds and the anchors that hold, by leaving calibration data out, on
     the calibration requests alone.
 
@@ -460,14 +510,22 @@ def tune_selector(result: CalibrationResult, *, grid: dict[str, Sequence[float]]
     (``AnchorSelector.fallback_below``; with rail chunks JOINT posts more phases and loses at small
     payloads whatever the shape). The cut is scored with the same leave-out decisions.
 
+    With ``fit_model`` and features on every row (``CalibrationRow.features``) the **path model**
+    (``path_model``: log(t_RAIL / t_JOINT) least squares over the features) is scored the same
+    way: for each unit, fitted on the other units' rows, it decides the unit's rows (RAIL where
+    it predicts RAIL faster, else JOINT). When it scores strictly better than the chosen anchors
+    setting (or "no anchors"), it is fitted on every row and returned: the runtime then decides
+    with it and not with the anchors.
+
     Returns:
         ``use_anchors``; ``payload_ratio``, ``shape_distance`` (the choice; without anchors the
         best setting with them, for the record); ``held`` (names of the anchors that hold under
         the choice, file order; empty without anchors); ``fallback_below`` (None or
         ``{"payload_bytes", "path"}``); ``left_out`` ('seed' or 'routing');
+        ``model`` (``RailJointModel.to_dict()`` when the path model won, else None);
         ``method`` (in words); ``scores`` (one dict per setting: thresholds, over_tolerance,
         total_s, vs_joint, anchors_held, fallback_below_bytes; the first, with thresholds None, is
-        "no anchors").
+        "no anchors"; the last, with ``model`` True, the path model's when it was scored).
     """
     grid = {**SELECTOR_GRID, **(grid or {})}
     rows = result.rows
@@ -556,11 +614,32 @@ def tune_selector(result: CalibrationResult, *, grid: dict[str, Sequence[float]]
               + (f"anchors that hold across {left_out}s" if choice[2] else "every anchor (the hold rule scored worse)"))
     if not use_anchors and aset.anchors:
         method += "; no setting beats always-JOINT, so no anchors are kept"
+    # The path model, scored with the same leave-out: fitted without the unit, deciding its rows.
+    model, model_score = None, None
+    if fit_model and rows and all(r.features is not None for r in rows):
+        features_RF = np.array([r.features for r in rows], dtype=np.float64)
+        target_R = np.log(lat_rail_R / lat_joint_R)
+        rail_R = np.zeros(len(rows), dtype=bool)
+        for unit, idx in rows_of_unit.items():
+            train = units_R != unit
+            fitted = fit_rail_joint(features_RF[train], windows_R[train], target_R[train])
+            for i in idx:
+                predicted = fitted.log_ratio(features_RF[i], input_windows=int(windows_R[i])) if fitted else None
+                rail_R[i] = predicted is not None and predicted < 0
+        over = int((rail_R & slow_rail_R).sum() + (~rail_R & slow_joint_R).sum())
+        model_score = {**entry(None, None, (over, float(np.where(rail_R, lat_rail_R, lat_joint_R).sum()), -math.inf), 0),
+                       "model": True}
+        if rank(model_score) < rank(chosen):
+            model = fit_rail_joint(features_RF, windows_R, target_R)
+            method += (f"; the RAIL / JOINT path model (leave-one-{left_out}-out: {over} requests over) scored better "
+                       "than the anchors and decides")
     below = chosen["fallback_below_bytes"]
     return {"use_anchors": use_anchors, "payload_ratio": choice[0], "shape_distance": choice[1], "hold_rule": choice[2],
             "held": list(held_of[choice]) if use_anchors else [],
             "fallback_below": {"payload_bytes": below, "path": str(Path.RAIL)} if below is not None else None,
-            "method": method, "left_out": left_out, "tolerance": tolerance, "scores": [no_anchors, *scores]}
+            "model": model.to_dict() if model is not None else None,
+            "method": method, "left_out": left_out, "tolerance": tolerance,
+            "scores": [no_anchors, *scores, *([model_score] if model_score else [])]}
 
 
 # ---------------------------------------------------------------------- validation
@@ -680,18 +759,31 @@ class ValidationResult:
         return {"summary": self.summary(), "requests": [r.to_dict() for r in self.rows]}
 
 
-def validate(backend: MeasureBackend, selector: AnchorSelector, requests: Sequence[ReplayRequest],
-             topo: RailTopology, *, warmups: int = 5, repeats: int = 10,
-             progress: bool = True) -> ValidationResult:
-    """Select a path for every request and time it against all four fixed paths."""
-    scales = SelectorScales(payload_ref_bytes=selector.anchor_set.scales[0],
-                            rho_scale=selector.anchor_set.scales[1],
-                            kappa_scale=selector.anchor_set.scales[2])
+def validate(backend: MeasureBackend, selector: AnchorSelector | ModelSelector, requests: Sequence[ReplayRequest],
+             topo: RailTopology, *, scales: tuple[float, float, float] | None = None, warmups: int = 5,
+             repeats: int = 10, progress: bool = True) -> ValidationResult:
+    """Select a path for every request and time it against all four fixed paths.
+
+    Args:
+        scales: the coordinate scales reported per request (default: the anchor selector's file's,
+            else the package defaults for ``topo``).
+    """
+    if scales is None:
+        scales = (selector.anchor_set.scales if isinstance(selector, AnchorSelector)
+                  else AnchorSet.scales_for(topo, None))
+    coord_scales = SelectorScales(payload_ref_bytes=scales[0], rho_scale=scales[1], kappa_scale=scales[2])
     rows = []
     per_request = len(ALL_PATHS) * (repeats + (1 if warmups else 0))
     with _progress(per_request * len(requests), "validate", progress) as bar:
         for req in requests:
-            choice = selector.explain(request_stats(req, topo, scales), input_windows=request_windows(req))
+            st = request_stats(req, topo, coord_scales)
+            if isinstance(selector, ModelSelector):
+                if req.demand is None:
+                    raise ValueError(f"request {req.name!r}: the path model needs the request's target masks "
+                                     "(ReplayRequest.demand); build the requests with glm_requests / synthetic_requests")
+                choice = selector.explain_layer(st, req.demand, record_bytes=req.record_bytes, windows=req.windows)
+            else:
+                choice = selector.explain(st, input_windows=request_windows(req))
             samples = profile_request(backend, req, warmups=warmups, repeats=repeats,
                                       on_measure=lambda: bar.update(1))
             medians = {p: summarize(v).median for p, v in samples.items()}

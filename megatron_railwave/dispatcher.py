@@ -56,7 +56,7 @@ from .config import RailWaveConfig
 from .exchange import (DispatchOutput, LayerHandle, TorchDistExchange, build_exchange, build_rail_groups,
                        capacity_demand, check_fingerprints, gather_rank_facts, place_ranks)
 from .planner import Path
-from .selector import FixedSelector, PathSelector, selector_from_config
+from .selector import FixedSelector, PathSelector, needs_delivery, select_for_layer, selector_from_config
 from .stats import LayerCommStats, Stopwatch, demand_stats, layer_comm_stats
 from .steps import PassKind, current_step, pass_kind
 from .traffic import TrafficStats, dtype_bytes
@@ -308,13 +308,16 @@ class RailWaveTokenDispatcher(MoETokenDispatcher):
         routing_map, probs = self._to_railwave(state.routing_map, probs)
         if self.railwave.max_tokens_per_rank is not None:
             return self._token_dispatch_fixed(state, exchange, hidden_states, probs, routing_map)
-        layer = exchange.gather_demand(hidden_states, probs, routing_map, expert_loads=state.wants_stats)
+        selecting = call.path is None and not isinstance(self.selector, FixedSelector)
+        layer = exchange.gather_demand(hidden_states, probs, routing_map, expert_loads=state.wants_stats,
+                                       delivery_counts=selecting and needs_delivery(self.selector))
         t0 = time.perf_counter()
         record_bytes = hidden_states.shape[-1] * dtype_bytes(hidden_states.dtype)
         descr = None
-        if state.wants_stats or (call.path is None and not isinstance(self.selector, FixedSelector)):
+        if state.wants_stats or selecting:
             descr = demand_stats(layer.demand, self.topology, record_bytes=record_bytes)
-        path: Path = call.path if call.path is not None else self.selector.select(descr)
+        path: Path = (call.path if call.path is not None
+                      else select_for_layer(self.selector, descr, layer.demand, record_bytes=record_bytes))
         plan = exchange.plan(layer, path, phase=call.phase)
         handle = exchange.prepare(layer, plan, hidden_states, probs)
         return self._move(state, exchange, hidden_states, probs, routing_map, path=path, handle=handle, descr=descr,
@@ -331,6 +334,9 @@ class RailWaveTokenDispatcher(MoETokenDispatcher):
             # The descriptors of the capacity demand: the same every layer call, computed once.
             demand = capacity_demand(self.topology, self.railwave.max_tokens_per_rank)
             self._capacity_descr = demand_stats(demand, self.topology, record_bytes=record_bytes)
+            if not isinstance(self.selector, FixedSelector):
+                self._capacity_path = select_for_layer(self.selector, self._capacity_descr, demand,
+                                                       record_bytes=record_bytes)
         if self._capacity_path is None:
             self._capacity_path = self.selector.select(self._capacity_descr)
         path = call.path if call.path is not None else self._capacity_path

@@ -1,7 +1,11 @@
-"""Path selection per layer: a fixed path, or the calibrated nearest-anchor rule.
+"""Path selection per layer: a fixed path, the calibrated nearest-anchor rule, or the calibrated
+RAIL / JOINT path model.
 
-The selector sees only global descriptors (B, rho_g, kappa of the gathered demand, identical on
-every rank) and keeps no state, so every rank picks the same path for the same layer call.
+A selector sees only global data (the anchor rule: B, rho_g, kappa of the gathered demand; the
+path model: features of the gathered counts, ``path_model``), identical on every rank, and keeps
+no state, so every rank picks the same path for the same layer call. An anchors file whose
+tuning chose the path model (``context.settings.selector.model``) gets a ``ModelSelector``;
+otherwise the anchor rule below applies.
 
 Runtime rule (paper): an anchor is *eligible* for a phase when its payload is within
 ``payload_ratio`` of the phase's (|log2 B - log2 B_a| <= log2 payload_ratio) and both shape
@@ -35,14 +39,16 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 
 from .anchors import DEFAULT_PAYLOAD_RATIO, DEFAULT_SHAPE_DISTANCE, Anchor, AnchorSet, load_anchors
-from .planner import Path, parse_path
+from .path_model import RailJointModel, path_features
+from .planner import Path, WaveSchedule, parse_path
 from .topology import RailTopology
-from .traffic import TrafficStats
+from .traffic import DemandCounts, TrafficStats
 
 if TYPE_CHECKING:
     from .config import RailWaveConfig
 
-__all__ = ["PathSelector", "FixedSelector", "AnchorSelector", "Selection", "selector_from_config",
+__all__ = ["PathSelector", "FixedSelector", "AnchorSelector", "ModelSelector", "Selection", "selector_from_config",
+           "select_for_layer", "needs_delivery",
            "fallback_phases_of", "fewer_phases", "posts_fewer_phases"]
 
 
@@ -190,6 +196,62 @@ class AnchorSelector:
         return out
 
 
+class ModelSelector:
+    """RAIL where the calibrated model (``path_model.RailJointModel``) predicts RAIL faster than
+    JOINT, else JOINT.
+
+    Pure: the features come from the gathered global counts (``path_model.path_features``: the
+    rail, relay and NVLink delivery loads of RAIL's phase and of JOINT's cyclic waves, and the
+    descriptors), so every rank decides the same. It needs every rank's copies per destination
+    GPU, which the count exchange carries when ``needs_delivery`` (the dispatcher asks for them).
+
+    Args:
+        model: the fitted coefficients (``AnchorSet.path_model``).
+        topo: the job's topology (the features' rates and healthy rails).
+        fallback: the path where the model has no coefficients for the input kind (JOINT).
+    """
+
+    __slots__ = ("model", "topo", "fallback")
+    needs_delivery = True
+
+    def __init__(self, model: RailJointModel, topo: RailTopology, *, fallback: Path | str = Path.JOINT) -> None:
+        self.model = model
+        self.topo = topo
+        self.fallback = parse_path(fallback)
+
+    def explain_layer(self, stats: TrafficStats, demand: DemandCounts, *, record_bytes: int,
+                      windows: WaveSchedule | None = None) -> Selection:
+        """The decision; ``distance`` holds the predicted log(t_RAIL / t_JOINT) (inf: no prediction)."""
+        input_windows = windows.num_waves if windows is not None else 1
+        coords = stats.coords
+        if not stats.B_mean_bytes > 0:  # no remote payload: every path is the same
+            return Selection(path=self.fallback, anchor=None, distance=math.inf, coords=coords)
+        features = path_features(demand, stats, self.topo, record_bytes=record_bytes, windows=windows)
+        predicted = self.model.log_ratio(features, input_windows=input_windows)
+        if predicted is None:
+            return Selection(path=self.fallback, anchor=None, distance=math.inf, coords=coords)
+        return Selection(path=Path.RAIL if predicted < 0 else Path.JOINT, anchor="model", distance=predicted,
+                         coords=coords)
+
+    def select_layer(self, stats: TrafficStats, demand: DemandCounts, *, record_bytes: int,
+                     windows: WaveSchedule | None = None) -> Path:
+        return self.explain_layer(stats, demand, record_bytes=record_bytes, windows=windows).path
+
+
+def select_for_layer(selector: PathSelector, stats: TrafficStats, demand: DemandCounts, *, record_bytes: int,
+                     windows: WaveSchedule | None = None) -> Path:
+    """One layer's path: a selector that reads the counts (``select_layer``, the path model) gets
+    them; any other ``PathSelector`` the descriptors alone."""
+    if isinstance(selector, ModelSelector):
+        return selector.select_layer(stats, demand, record_bytes=record_bytes, windows=windows)
+    return selector.select(stats)
+
+
+def needs_delivery(selector: PathSelector) -> bool:
+    """Whether the count exchange must carry every rank's copies per destination GPU for it."""
+    return bool(getattr(selector, "needs_delivery", False))
+
+
 def fallback_phases_of(anchor_set: AnchorSet, fallback: Path) -> int | None:
     """Rail phases the fallback posts per call on the calibrated cluster: N - 1 waves of the
     file's rail chunks each for a waved path (the cyclic permutation schedule calibration plans
@@ -234,7 +296,9 @@ def _cached_anchors(path: str, mtime_ns: int, topo: RailTopology) -> AnchorSet:
 
 
 def selector_from_config(config: RailWaveConfig, topo: RailTopology, *, warn: bool = True) -> PathSelector:
-    """The selector for ``path='auto'``: the calibrated anchors, or JOINT when there are none.
+    """The selector for ``path='auto'``: the file's path model when its tuning recorded one
+    (``ModelSelector``; the config's payload_ratio / shape_distance then play no part), else the
+    calibrated anchors, or JOINT when there are none.
 
     A missing anchors file means "always JOINT": one warning through the ``megatron_railwave``
     logger per process, when ``warn`` (the dispatcher passes True on global rank 0 only). A
@@ -262,6 +326,8 @@ def selector_from_config(config: RailWaveConfig, topo: RailTopology, *, warn: bo
                          f"chunks: {anchor_set.chunks} or run `railwave calibrate --chunks {config.chunks}`")
     # The thresholds the file was tuned with (calibrate's leave-one-out choice), unless the
     # config overrides them: anchors are only validated with the thresholds they were tuned for.
+    if anchor_set.path_model is not None:
+        return ModelSelector(anchor_set.path_model, topo)
     payload_ratio, shape_distance = anchor_set.thresholds(config.payload_ratio, config.shape_distance)
     return AnchorSelector(anchor_set, payload_ratio=payload_ratio, shape_distance=shape_distance,
                           fallback_below=anchor_set.fallback_below)

@@ -120,6 +120,9 @@ class DemandCounts:
         view_masks_WM: [W, M] int64. Records from rank w into ``view_node`` by target mask.
         view_experts_X: [E_loc] int64 or None. (token, expert) pairs every rank routes to the
             experts of the rank that holds this view (host tensor: Megatron's tokens_per_expert).
+        delivery_WNG: [W, N, G] int64 or None. Node view only, when the count exchange carried
+            it (``gather_demand(..., delivery_counts=True)``, for the path model): (record,
+            target GPU) copies from rank w to GPU j of node n, for every rank and GPU.
     """
 
     records_WNM: torch.Tensor | None = None
@@ -128,6 +131,7 @@ class DemandCounts:
     view_node: int | None = None
     view_masks_WM: torch.Tensor | None = None
     view_experts_X: torch.Tensor | None = None
+    delivery_WNG: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.records_WN is None:
@@ -162,9 +166,13 @@ class DemandCounts:
         )
 
     def copies_WNG(self) -> torch.Tensor:
-        """[W, N, G] int64: token copies from rank w delivered to GPU (n, j) (full form only)."""
+        """[W, N, G] int64: token copies from rank w delivered to GPU (n, j) (full form, or a node
+        view gathered with ``delivery_WNG``)."""
+        if self.delivery_WNG is not None:
+            return self.delivery_WNG
         if self.records_WNM is None:
-            raise ValueError("copies_WNG needs the full demand (records_WNM)")
+            raise ValueError("copies_WNG needs the full demand (records_WNM) or a node view gathered with delivery "
+                             "counts (exchange.layer.gather_demand(..., delivery_counts=True))")
         g = self.records_WNM.shape[0] // self.records_WNM.shape[1]
         bits = mask_bits(g).to(self.records_WNM.dtype)
         return torch.einsum("wnm,mj->wnj", self.records_WNM, bits)

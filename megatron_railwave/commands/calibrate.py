@@ -149,6 +149,8 @@ def with_selector_settings(anchor_set, tuned: dict[str, Any]):
     selector["anchors_dropped"] = len(anchor_set.anchors) - len(anchors)
     if tuned.get("fallback_below"):
         selector["fallback_below"] = dict(tuned["fallback_below"])
+    if tuned.get("model"):
+        selector["model"] = dict(tuned["model"])
     settings = {**ctx.settings, "selector": selector}
     return AnchorSet(anchors=anchors, scales=anchor_set.scales,
                      context=CalibrationContext(topology=ctx.topology, hidden_size=ctx.hidden_size, dtype=ctx.dtype,
@@ -230,6 +232,11 @@ def _retune(args: argparse.Namespace) -> int:
     result = calibration.merge_results(results, [repr(f) for f in files]) if len(results) > 1 else results[0]
     _render.print_text(f"re-tuning over {len(result.rows)} calibration rows of {', '.join(files)} "
                        f"({len(result.anchor_set.anchors)} passed the keep rule); nothing is measured")
+    lacking = sum(r.features is None for r in result.rows)
+    if lacking:
+        _render.print_text(f"{lacking} rows carry no path-model features (written before the path model): "
+                           "regenerating their requests from context.settings.requests to compute them")
+        result = calibration.with_features(result, topo, progress=not args.no_progress)
     return _tune_and_write(args, result)
 
 
@@ -258,6 +265,16 @@ def _tune_and_write(args: argparse.Namespace, result) -> int:
            "phases, else JOINT" if below else "JOINT")
         + " (recorded in context.settings.selector; the runtime and railwave validate use them unless a RailWave "
         "config sets payload_ratio / shape_distance)")
+    model_score = next((sc for sc in tuned["scores"] if sc.get("model")), None)
+    if model_score is None:
+        _render.print_text("path model: not scored (rows without features: calibrations written before the path "
+                           "model, or requests without target masks)")
+    else:
+        _render.print_text(
+            f"path model, leave-one-{tuned['left_out']}-out: {model_score['over_tolerance']} requests over "
+            f"{1 + tuned['tolerance']:.2f}x of their best path, total {model_score['vs_joint']:.4f} of always-JOINT: "
+            + ("better than the anchors, recorded in context.settings.selector.model: the runtime decides with it"
+               if tuned.get("model") else "not better than the anchors, not recorded"))
     if args.json:
         _common.write_json(args.json, {"anchors": anchor_set.to_dict(), "requests": rows, "selector": tuned})
     return 0

@@ -63,15 +63,23 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="selector shape distance (default: the anchors file's context.settings.selector, else 0.02)")
     parser.add_argument("--bench", action="store_true",
                         help="print the selector decision cost per layer (no backend needed)")
+    parser.add_argument("--rule", choices=("anchors", "model"), default=None,
+                        help="decide with the nearest-anchor rule or the file's path model (default: what the "
+                             "runtime uses: the model when the file records one, else the anchors)")
     parser.add_argument("--json", default=None, metavar="FILE", help="write the per-request table and summary")
     parser.set_defaults(handler=run)
     _outputs.declare_outputs(parser, files=("json",))
 
 
 def bench_selector(selector: Any, stats: list[Any], demands: list[Any], topo: Any, *,
-                   repeats: int = 2000) -> dict[str, float]:
-    """Median cost in microseconds of ``selector.select`` and of ``demand_stats`` per layer."""
+                   repeats: int = 2000, num_anchors: int = 0) -> dict[str, float]:
+    """Median cost in microseconds of one decision (``selector.select_for_layer``: descriptors,
+    and for the path model the counts, to a path) and of ``demand_stats`` per layer."""
+    from ..selector import ModelSelector, select_for_layer
     from ..stats import demand_stats
+
+    if isinstance(selector, ModelSelector):  # features from the counts: far costlier than a lookup
+        repeats = max(20, repeats // 50)
 
     def per_call(fn, items, n):
         samples = []
@@ -82,11 +90,13 @@ def bench_selector(selector: Any, stats: list[Any], demands: list[Any], topo: An
             samples.append((time.perf_counter() - t0) / n * 1e6)
         return statistics.median(samples)
 
-    select_us = per_call(selector.select, stats, repeats)
+    pairs = list(zip(stats, demands))
+    select_us = per_call(lambda p: select_for_layer(selector, p[0], p[1].demand, record_bytes=p[1].record_bytes),
+                         pairs, repeats)
     descr_us = per_call(lambda r: demand_stats(r.records_NGN, topo, record_bytes=r.record_bytes),
                         demands, max(20, repeats // 50))
     return {"us_per_decision": select_us, "us_per_descriptors": descr_us,
-            "num_anchors": len(selector.anchor_set.anchors), "repeats": repeats}
+            "num_anchors": num_anchors, "repeats": repeats}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -94,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
 
     from .. import calibration
     from ..anchors import load_anchors
-    from ..selector import AnchorSelector
+    from ..selector import AnchorSelector, ModelSelector
     from ..topology import RailTopology
     from ..traffic import SelectorScales
 
@@ -117,8 +127,13 @@ def run(args: argparse.Namespace) -> int:
         topo = RailTopology.from_dict({k: v for k, v in anchor_set.context.topology.items()},
                                       source=f"anchors file {args.anchors!r}: context.topology")
     payload_ratio, shape_distance = anchor_set.thresholds(args.payload_ratio, args.shape_distance)
-    selector = AnchorSelector(anchor_set, payload_ratio=payload_ratio, shape_distance=shape_distance,
-                              fallback_below=anchor_set.fallback_below)
+    rule = args.rule or ("model" if anchor_set.path_model is not None else "anchors")
+    if rule == "model" and anchor_set.path_model is None:
+        raise ValueError(f"--rule model: anchors file {args.anchors!r} records no path model (field "
+                         "'context.settings.selector.model'); re-run `railwave calibrate` or use --rule anchors")
+    selector: Any = (ModelSelector(anchor_set.path_model, topo) if rule == "model" else
+                     AnchorSelector(anchor_set, payload_ratio=payload_ratio, shape_distance=shape_distance,
+                                    fallback_below=anchor_set.fallback_below))
     settings = anchor_set.context.settings.get("requests")
     if not isinstance(settings, dict) or "payload_scales" not in settings:
         raise ValueError(f"anchors file {args.anchors!r}: field 'context.settings.requests' is missing; it "
@@ -131,7 +146,7 @@ def run(args: argparse.Namespace) -> int:
                                                layers=args.layers, record_bytes=record_bytes)
     below = anchor_set.fallback_below
     out: dict[str, Any] = {"held_out": held_out,
-                           "selector": {"payload_ratio": payload_ratio, "shape_distance": shape_distance,
+                           "selector": {"rule": rule, "payload_ratio": payload_ratio, "shape_distance": shape_distance,
                                         "fallback_below": {"payload_bytes": below[0], "path": str(below[1])}
                                         if below else None}}
     status = 0
@@ -140,10 +155,10 @@ def run(args: argparse.Namespace) -> int:
         ref, rho_s, kappa_s = anchor_set.scales
         scales = SelectorScales(payload_ref_bytes=ref, rho_scale=rho_s, kappa_scale=kappa_s)
         stats = [calibration.request_stats(r, topo, scales) for r in requests]
-        bench = bench_selector(selector, stats, requests, topo)
+        bench = bench_selector(selector, stats, requests, topo, num_anchors=len(anchor_set.anchors))
         out["bench"] = bench
         _render.print_text(
-            f"selector decision cost: {bench['us_per_decision']:.2f} us per layer ({bench['num_anchors']} "
+            f"selector decision cost ({rule}): {bench['us_per_decision']:.2f} us per layer ({bench['num_anchors']} "
             f"anchors, median of 5 x {bench['repeats']} calls, 1 thread); "
             f"descriptors from counts: {bench['us_per_descriptors']:.0f} us")
     if args.backend is not None:
@@ -152,7 +167,7 @@ def run(args: argparse.Namespace) -> int:
         # The JOINT the anchors were calibrated against (context.settings.chunks).
         backend = calibration.make_backend(args.backend, topo, options=PlanOptions(chunks=anchor_set.chunks),
                                            model=_model(args, anchor_set))
-        result = calibration.validate(backend, selector, requests, topo, warmups=args.warmups,
+        result = calibration.validate(backend, selector, requests, topo, scales=anchor_set.scales, warmups=args.warmups,
                                       repeats=args.repeats, progress=not args.no_progress)
         data = result.to_dict()
         out.update(data)
@@ -167,7 +182,8 @@ def run(args: argparse.Namespace) -> int:
         goals = s["goals"]
         tol = 1 + s["tolerance"]
         _render.print_text(
-            f"selector: payload ratio {payload_ratio}, shape distance {shape_distance}; "
+            ("selector: the path model; " if rule == "model" else
+             f"selector: anchors, payload ratio {payload_ratio}, shape distance {shape_distance}; ") +
             f"held out: {_describe_held_out(held_out)}; {s['num_requests']} requests in {s['num_sequences']} "
             f"sequences of consecutive layers; selected {s['selected_paths']}; best per request {s['best_paths']}; "
             f"{s['num_path_changes']} path changes between consecutive layers")

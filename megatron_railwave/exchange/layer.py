@@ -7,8 +7,9 @@ copies it receives, n_ent (token, local expert) entries it receives.
 Lifecycle (the same programs run over torch.distributed and in the virtual cluster):
   1. ``gather_demand`` (program): one all-to-all of W x (N + 2 + M + E_loc) int64 on the EP
      group carries every rank's records per node, token count and input status, plus the
-     mask histogram and expert counts each receiver needs; then ONE device-to-host copy of
-     what arrived. This is the layer's only host sync. Bad input anywhere raises the same
+     mask histogram and expert counts each receiver needs (and, on request, E more for the
+     expert loads and W more for every rank's copies per destination GPU, the path model's
+     input); then ONE device-to-host copy of what arrived. This is the layer's only host sync. Bad input anywhere raises the same
      ``InputError`` on every rank right here, before any data moves.
   2. ``prepare_layer`` (plain function, host + asynchronous device work): the plan is passed
      in (pure, same on every rank), compiled into the ``ExecutionSchedule``; the rank view and
@@ -39,7 +40,7 @@ from ..planner import Path, PathPlan, PlanOptions
 from ..schedule import ExecutionSchedule, RankView, RecordWireFormat, compile_for_rank
 from ..schedule.wire import META_FIXED_WORDS, ROUTING_BITS_PER_WORD
 from ..topology import RailTopology
-from ..traffic import DemandCounts
+from ..traffic import DemandCounts, mask_bits
 from .capacity import PaddedEntries, capacity_layer, expand_padded, slot_tokens
 from .groups import RankGroups
 from .layout import LayerLayout, build_layout, select_positions
@@ -178,13 +179,16 @@ def input_status(ctx: RankContext, hidden: torch.Tensor, probs: torch.Tensor,
 
 
 def gather_demand(ctx: RankContext, hidden: torch.Tensor, probs: torch.Tensor,
-                  routing_map: torch.Tensor, *, expert_loads: bool = False) -> Program:
+                  routing_map: torch.Tensor, *, expert_loads: bool = False, delivery_counts: bool = False) -> Program:
     """Program: the count exchange (see module docstring). Returns a ``LayerDemand``.
 
     Args:
         expert_loads: also carry every rank's full [E] expert histogram (E more int64 per row,
             in the same all-to-all and the same host copy), for the layer's expert-load statistics.
             Must be the same on every rank.
+        delivery_counts: also carry every rank's (record, target GPU) copies per destination GPU
+            (W more int64 per row, same all-to-all and host copy) into ``DemandCounts.delivery_WNG``,
+            for the path model (``path_model``). Must be the same on every rank.
 
     Collective: yes (EP group, one all-to-all). Host sync: yes (one, the counts).
 
@@ -197,7 +201,8 @@ def gather_demand(ctx: RankContext, hidden: torch.Tensor, probs: torch.Tensor,
     device = routing_map.device
     code, message = input_status(ctx, hidden, probs, routing_map)
     width = n + 2 + m + e_loc
-    send = torch.zeros(w, width + (ctx.num_experts if expert_loads else 0), dtype=torch.int64, device=device)
+    loads_end = width + (ctx.num_experts if expert_loads else 0)
+    send = torch.zeros(w, loads_end + (w if delivery_counts else 0), dtype=torch.int64, device=device)
     t = int(routing_map.shape[0]) if routing_map.dim() >= 1 else 0
     if code == 0:
         token_C, node_C, mask_C, counts_NM = ops.records_from_routing(routing_map, n, g)
@@ -208,7 +213,9 @@ def gather_demand(ctx: RankContext, hidden: torch.Tensor, probs: torch.Tensor,
         per_expert = routing_map.sum(dim=0, dtype=torch.int64)
         send[:, n + 2 + m:width] = per_expert.view(w, e_loc)
         if expert_loads:
-            send[:, width:] = per_expert
+            send[:, width:loads_end] = per_expert
+        if delivery_counts:  # copies per destination GPU: each record counts once per target bit
+            send[:, loads_end:] = (counts_NM @ mask_bits(g).to(device=device, dtype=torch.int64)).reshape(1, w)
     else:
         token_C = node_C = mask_C = torch.zeros(0, dtype=torch.int64, device=device)
     send[:, n + 1] = code
@@ -224,10 +231,11 @@ def gather_demand(ctx: RankContext, hidden: torch.Tensor, probs: torch.Tensor,
             "True per row, all on one device")
     demand = DemandCounts(records_WN=counts[:, :n], view_node=ctx.groups.node_index,
                           view_masks_WM=counts[:, n + 2:n + 2 + m],
-                          view_experts_X=counts[:, n + 2 + m:width].sum(dim=0))
+                          view_experts_X=counts[:, n + 2 + m:width].sum(dim=0),
+                          delivery_WNG=counts[:, loads_end:].reshape(w, n, g) if delivery_counts else None)
     return LayerDemand(demand=demand, max_tokens=int(counts[:, n].max()), num_tokens=t, token_C=token_C,
                        node_C=node_C, mask_C=mask_C, num_records=int(counts[ctx.groups.railwave_rank, :n].sum()),
-                       expert_load_E=counts[:, width:].sum(dim=0) if expert_loads else None)
+                       expert_load_E=counts[:, width:loads_end].sum(dim=0) if expert_loads else None)
 
 
 def prepare_layer(ctx: RankContext, layer: LayerDemand, plan: PathPlan, *, hidden_dtype: torch.dtype,

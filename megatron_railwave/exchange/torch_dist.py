@@ -153,9 +153,10 @@ class TorchDistExchange:
 
     # ------------------------------------------------------------------ step 1: counts
     def gather_demand(self, hidden: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor, *,
-                      expert_loads: bool = False) -> LayerDemand:
+                      expert_loads: bool = False, delivery_counts: bool = False) -> LayerDemand:
         """The count exchange (``exchange.layer.gather_demand``); ``expert_loads`` adds the
-        global tokens per expert (same on every rank).
+        global tokens per expert, ``delivery_counts`` every rank's copies per destination GPU
+        (the path model's input); both the same on every rank.
 
         Collective: yes (EP group). Host sync: yes (one, the counts).
 
@@ -163,7 +164,8 @@ class TorchDistExchange:
             InputError: on every rank, when any rank's input is malformed (names the ranks).
         """
         self._calls += 1
-        return self._run(gather_demand(self.ctx, hidden, probs, routing_map, expert_loads=expert_loads))
+        return self._run(gather_demand(self.ctx, hidden, probs, routing_map, expert_loads=expert_loads,
+                                       delivery_counts=delivery_counts))
 
     # ------------------------------------------------------------------ step 2: plan
     def plan(self, demand: LayerDemand | DemandCounts, path: str, *, phase: int = 0) -> PathPlan:

@@ -37,7 +37,7 @@ EXPECTED_FLAGS = {
     ],
     "validate": [
         "--anchors", "--cluster", "--backend", "--model", "--warmups", "--repeats", "--no-progress", "--requests", "--layers",
-        "--seed", "--require-goals", "--payload-ratio", "--shape-distance", "--bench", "--json",
+        "--seed", "--require-goals", "--payload-ratio", "--shape-distance", "--bench", "--rule", "--json",
     ],
     "call-costs": [
         "--nodes", "--gpus-per-node", "--tokens", "--hidden", "--experts", "--topk", "--seed", "--warmups",

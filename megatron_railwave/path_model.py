@@ -1,0 +1,193 @@
+"""RAIL or JOINT from the layer's counts: a calibrated log-linear model of their time ratio.
+
+Why: the nearest-anchor rule sees only B, rho_g and kappa, and on the flow model whether RAIL or
+(chunked) JOINT wins a layer also depends on things those three do not see: how each cyclic
+wave's busiest node pair compares to the all-at-once rail load, how many NVLink copies the
+busiest GPU receives per wave against all at once (the "delivery stretch" of docs/selector.md),
+and how the fixed per-phase costs compare to the bandwidth time. This module computes those from
+the gathered global counts, so every rank gets the same features and the same decision, and
+predicts ``log(t_RAIL / t_JOINT)`` with coefficients fitted by ``railwave calibrate``
+(least squares on the calibration requests' measured times; one coefficient vector for inputs
+sent all node pairs at once, one for inputs in several sending windows).
+
+Letters: N nodes, G GPUs per node, F features, P phases.
+
+Per phase (RAIL: one per sending window; JOINT: one per cyclic wave k = 1 .. N - 1, node s to
+s + k mod N), with B the record bytes:
+
+* rail seconds: max over nodes of bytes sent or received in the phase / healthy rails of the
+  pair / the rail rate (RailBalance spreads each pair evenly over its rails);
+* relay seconds: max over GPUs of records moved to or from a proxy on the same node (owner-rail
+  records above or below the even share) x B / NVLink rate;
+* delivery seconds: max over destination GPUs of the (record, target GPU) copies they receive
+  x B / NVLink rate.
+
+Features (``FEATURE_NAMES``), with t_J = JOINT's rail + relay + delivery seconds summed over its
+waves: a constant; x = log2(B_mean / 1 MiB) and x^2; log of RAIL's over JOINT's summed rail
+seconds and summed delivery seconds; and the input's sending windows x 100 us / t_J (the fixed
+per-phase costs against JOINT's bandwidth time). Chosen by leaving calibration seeds out on the
+H800 and H20 4 x 8 calibrations (docs/selector.md): rho_g, kappa, the relay ratio, incast and
+sender counts made the held-out seeds' predictions worse (rho_g most: seeds differ in skew
+level, and RailBalance evens the rails on both paths anyway).
+
+Cost: numpy on [P, N, G, N] arrays, well under a millisecond on 4 x 8 (``railwave validate
+--bench`` times the whole decision).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from .planner import WaveSchedule
+from .topology import RailTopology
+from .traffic import DemandCounts, TrafficStats
+
+__all__ = ["FEATURE_NAMES", "RailJointModel", "path_features", "delivery_copies_NNG", "fit_rail_joint"]
+
+FEATURE_NAMES: tuple[str, ...] = ("const", "x", "x2", "log_rail", "log_delivery", "fixed")
+
+_FIXED_S = 1e-4  # the scale of the fixed-cost features (about one layer's fixed costs)
+_TINY = 1e-12
+
+
+def delivery_copies_NNG(demand: DemandCounts) -> np.ndarray:
+    """[N_src, N_dst, G] float64: (record, target GPU) copies node s sends to GPU j of node d
+    (``DemandCounts.copies_WNG`` summed over the source node's ranks).
+
+    Raises:
+        ValueError: a node view gathered without delivery counts.
+    """
+    copies_WNG = demand.copies_WNG().to(torch.float64).numpy()
+    n, g = copies_WNG.shape[1], copies_WNG.shape[2]
+    return copies_WNG.reshape(n, g, n, g).sum(axis=1)
+
+
+def _phase_masks(pairs: Sequence[Sequence[tuple[int, int]]], n: int) -> np.ndarray:
+    mask = np.zeros((len(pairs), n, n))
+    for p, phase in enumerate(pairs):
+        for s, d in phase:
+            mask[p, s, d] = 1.0
+    return mask
+
+
+def _phase_seconds(mask_PNN: np.ndarray, records_NGN: np.ndarray, copies_NNG: np.ndarray, rails_NN: np.ndarray,
+                   *, record_bytes: int, topo: RailTopology) -> np.ndarray:
+    """[P, 3]: rail, relay and delivery seconds of each phase (module docstring)."""
+    pair_NN = records_NGN.sum(axis=1)
+    per_rail_NN = pair_NN / np.maximum(rails_NN, 1)
+    rail_s = np.maximum(np.einsum("pnd,nd->pn", mask_PNN, per_rail_NN).max(axis=1),
+                        np.einsum("pnd,nd->pd", mask_PNN, per_rail_NN).max(axis=1)) * record_bytes / topo.rail_bytes_per_s
+    share_NGN = pair_NN[:, None, :] / records_NGN.shape[1]
+    out_PNG = np.einsum("pnd,ngd->png", mask_PNN, np.maximum(records_NGN - share_NGN, 0.0))
+    in_PNG = np.einsum("pnd,ngd->png", mask_PNN, np.maximum(share_NGN - records_NGN, 0.0))
+    relay_s = np.maximum(out_PNG, in_PNG).max(axis=(1, 2)) * record_bytes / topo.nvlink_bytes_per_s
+    delivery_s = (np.einsum("psd,sdg->pdg", mask_PNN, copies_NNG).max(axis=(1, 2)) * record_bytes
+                  / topo.nvlink_bytes_per_s)
+    return np.stack([rail_s, relay_s, delivery_s], axis=1)
+
+
+def _log_ratio(a: float, b: float) -> float:
+    """log(a / b) for loads >= 0: 0 when both are 0, a zero side floored at 1e-9 of the other."""
+    top = max(a, b)
+    if top <= 0:
+        return 0.0
+    return math.log(max(a, 1e-9 * top) / max(b, 1e-9 * top))
+
+
+def path_features(demand: DemandCounts, stats: TrafficStats, topo: RailTopology, *, record_bytes: int,
+                  windows: WaveSchedule | None = None) -> np.ndarray:
+    """[F] float64: the model's features of one layer (``FEATURE_NAMES``), identical on every rank.
+
+    Args:
+        demand: the gathered global counts (``records_WN`` plus delivery counts,
+            ``delivery_copies_NNG``).
+        stats: the layer's descriptors (``stats.demand_stats`` with the same ``windows``).
+        record_bytes: payload bytes of one record (hidden x element size).
+        windows: the input's sending windows (replay arrangements); None = all pairs at once.
+    """
+    n = topo.num_nodes
+    records_NGN = demand.records_NGN().to(torch.float64).numpy()
+    copies_NNG = delivery_copies_NNG(demand)
+    rails_NN = np.array([[sum(topo.pair_gpu_eligible(s, d)) if s != d else 0 for d in range(n)] for s in range(n)],
+                        dtype=np.float64)
+    all_pairs = [[(s, d) for s in range(n) for d in range(n) if s != d]]
+    rail_pairs = [list(w) for w in windows.waves] if windows is not None else all_pairs
+    cyclic = [[(s, (s + k) % n) for s in range(n)] for k in range(1, n)]
+    kw = dict(record_bytes=record_bytes, topo=topo)
+    rail = _phase_seconds(_phase_masks(rail_pairs, n), records_NGN, copies_NNG, rails_NN, **kw)
+    joint = _phase_seconds(_phase_masks(cyclic, n), records_NGN, copies_NNG, rails_NN, **kw)
+    sum_r, sum_j = rail.sum(axis=0), joint.sum(axis=0)
+    t_joint = max(float(sum_j.sum()), _TINY)
+    b = stats.B_mean_bytes
+    x = math.log2(b / 2 ** 20) if b > 0 else 0.0
+    return np.array([1.0, x, x * x, _log_ratio(float(sum_r[0]), float(sum_j[0])),
+                     _log_ratio(float(sum_r[2]), float(sum_j[2])), len(rail_pairs) * _FIXED_S / t_joint])
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RailJointModel:
+    """Predicted ``log(t_RAIL / t_JOINT)`` = features . coef, one ``coef`` per input kind.
+
+    Attributes:
+        all_pairs: [F] coefficients for inputs sent all node pairs at once (a training step).
+        windowed: [F] coefficients for inputs in several sending windows (replay arrangements);
+            None: none were calibrated (such inputs then run JOINT).
+    """
+
+    all_pairs: tuple[float, ...]
+    windowed: tuple[float, ...] | None = None
+
+    def log_ratio(self, features: np.ndarray, *, input_windows: int = 1) -> float | None:
+        """The prediction, None when no coefficients cover this input kind."""
+        coef = self.all_pairs if input_windows == 1 else self.windowed
+        return None if coef is None else float(np.dot(features, coef))
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"target": "log(t_rail / t_joint)", "features": list(FEATURE_NAMES),
+                               "all_pairs": [float(v) for v in self.all_pairs]}
+        if self.windowed is not None:
+            out["windowed"] = [float(v) for v in self.windowed]
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Any, *, source: str = "path model") -> RailJointModel:
+        """Parse ``to_dict``'s layout; a wrong one raises ValueError naming the field."""
+        if not isinstance(data, dict):
+            raise ValueError(f"{source}: must be a mapping, got {type(data).__name__}")
+        if data.get("features") != list(FEATURE_NAMES):
+            raise ValueError(f"{source}: field 'features' must be {list(FEATURE_NAMES)} (this version's features), "
+                             f"got {data.get('features')!r}; re-run `railwave calibrate --retune`")
+
+        def coef(key: str) -> tuple[float, ...] | None:
+            raw = data.get(key)
+            if raw is None and key == "windowed":
+                return None
+            if (not isinstance(raw, list) or len(raw) != len(FEATURE_NAMES)
+                    or any(isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) for v in raw)):
+                raise ValueError(f"{source}: field '{key}' must be a list of {len(FEATURE_NAMES)} finite numbers, "
+                                 f"got {raw!r}")
+            return tuple(float(v) for v in raw)
+
+        return cls(all_pairs=coef("all_pairs"), windowed=coef("windowed"))  # type: ignore[arg-type]
+
+
+def fit_rail_joint(features_RF: np.ndarray, windows_R: np.ndarray, log_ratio_R: np.ndarray) -> RailJointModel | None:
+    """Least squares per input kind (all pairs at once / several windows); None without
+    all-pairs requests. A kind with fewer requests than features gets no coefficients."""
+    features_RF = np.asarray(features_RF, dtype=np.float64)
+    windows_R, log_ratio_R = np.asarray(windows_R), np.asarray(log_ratio_R, dtype=np.float64)
+    coefs = {}
+    for kind, rows in (("all_pairs", windows_R == 1), ("windowed", windows_R != 1)):
+        if int(rows.sum()) < features_RF.shape[1]:
+            coefs[kind] = None
+            continue
+        beta = np.linalg.lstsq(features_RF[rows], log_ratio_R[rows], rcond=None)[0]
+        coefs[kind] = tuple(float(v) for v in beta)
+    if coefs["all_pairs"] is None:
+        return None
+    return RailJointModel(all_pairs=coefs["all_pairs"], windowed=coefs["windowed"])

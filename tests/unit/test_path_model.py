@@ -1,0 +1,209 @@
+"""The RAIL / JOINT path model: features from the gathered counts (the same on every rank as from
+the full demand), the fit, the file field, the selector and its place in the tuning."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from megatron_railwave import calibration
+from megatron_railwave.anchors import AnchorSet, CalibrationContext, PathLatency, load_anchors, save_anchors
+from megatron_railwave.bench.virtual_exchange import VirtualSpec, make_virtual_inputs
+from megatron_railwave.config import RailWaveConfig
+from megatron_railwave.exchange import RankContext, VirtualCluster, gather_demand, virtual_rank_groups
+from megatron_railwave.path_model import FEATURE_NAMES, RailJointModel, fit_rail_joint, path_features
+from megatron_railwave.planner import Path, PlanOptions
+from megatron_railwave.selector import ModelSelector, needs_delivery, select_for_layer, selector_from_config
+from megatron_railwave.stats import demand_stats
+from megatron_railwave.topology import RailTopology
+from megatron_railwave.traffic import DemandCounts, TrafficStats
+
+F = len(FEATURE_NAMES)
+
+
+def _gathered(spec: VirtualSpec):
+    inputs = make_virtual_inputs(spec)
+    topo, w = spec.topology, spec.topology.world_size
+    ctxs = [RankContext(topo=topo, groups=virtual_rank_groups(topo, r), num_experts=spec.experts,
+                        options=PlanOptions()) for r in range(w)]
+    layers = VirtualCluster(world_size=w).run([
+        gather_demand(ctxs[r], inputs["hidden"][r], inputs["probs"][r], inputs["routing"][r], delivery_counts=True)
+        for r in range(w)])
+    return layers, DemandCounts.from_routing_maps(inputs["routing"], topo)
+
+
+@pytest.mark.parametrize("topo", [RailTopology(num_nodes=4, gpus_per_node=2),
+                                  RailTopology(num_nodes=3, gpus_per_node=3, failed_rails=frozenset({(1, 2)}))],
+                         ids=["4x2", "3x3-failed-rail"])
+def test_features_from_the_count_exchange_equal_the_full_demand_s_on_every_rank(topo):
+    spec = VirtualSpec(topology=topo, tokens=40, hidden=8, experts=2 * topo.world_size, topk=3, seed=11)
+    layers, full = _gathered(spec)
+    want = path_features(full, demand_stats(full, topo, record_bytes=16), topo, record_bytes=16)
+    assert want.shape == (F,) and np.isfinite(want).all()
+    for layer in layers:
+        assert torch.equal(layer.demand.delivery_WNG, full.copies_WNG())
+        got = path_features(layer.demand, demand_stats(layer.demand, topo, record_bytes=16), topo, record_bytes=16)
+        assert np.array_equal(got, want)  # bitwise: every rank decides the same
+
+
+def test_node_view_without_delivery_counts_names_the_fix():
+    spec = VirtualSpec(topology=RailTopology(num_nodes=2, gpus_per_node=2), tokens=8, hidden=8, experts=8, topk=2, seed=1)
+    inputs = make_virtual_inputs(spec)
+    topo = spec.topology
+    ctxs = [RankContext(topo=topo, groups=virtual_rank_groups(topo, r), num_experts=8, options=PlanOptions())
+            for r in range(4)]
+    layers = VirtualCluster(world_size=4).run([gather_demand(ctxs[r], inputs["hidden"][r], inputs["probs"][r],
+                                                             inputs["routing"][r]) for r in range(4)])
+    assert layers[0].demand.delivery_WNG is None
+    with pytest.raises(ValueError, match="delivery_counts=True"):
+        path_features(layers[0].demand, demand_stats(layers[0].demand, topo, record_bytes=16), topo, record_bytes=16)
+
+
+def test_delivery_feature_sees_where_copies_land():
+    # 3 nodes x 2 GPUs, 10 records from every rank to every other node, one target GPU each. "one":
+    # every copy into a node lands on its GPU 0, so RAIL's one round and JOINT's two waves put the
+    # same 40 copies on that GPU (log ratio 0). "split": the two source nodes of a node target
+    # different GPUs: RAIL's round gives each GPU 20, but each of JOINT's waves still has a GPU
+    # with 20, 40 over the waves: log(20 / 40) (the delivery stretch JOINT pays).
+    topo = RailTopology(num_nodes=3, gpus_per_node=2)
+    feats = {}
+    for name in ("one", "split"):
+        wnm = torch.zeros(6, 3, 4, dtype=torch.int64)
+        for r in range(6):
+            s = r // 2
+            for d in range(3):
+                if d != s:
+                    gpu = 0 if name == "one" else sorted(set(range(3)) - {d}).index(s)
+                    wnm[r, d, 1 << gpu] = 10
+        demand = DemandCounts(records_WNM=wnm)
+        feats[name] = path_features(demand, demand_stats(demand, topo, record_bytes=8), topo, record_bytes=8)
+    i = FEATURE_NAMES.index("log_delivery")
+    assert feats["one"][i] == pytest.approx(0.0, abs=1e-9)
+    assert feats["split"][i] == pytest.approx(np.log(0.5), abs=1e-9)
+    for name in feats:  # the node pairs are uniform: rail loads per phase sum to RAIL's
+        assert feats[name][FEATURE_NAMES.index("log_rail")] == pytest.approx(0.0, abs=1e-9)
+
+
+def test_fit_recovers_linear_coefficients_per_input_kind():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(200, F))
+    windows = np.where(np.arange(200) < 120, 1, 3)
+    beta_one, beta_many = rng.normal(size=F), rng.normal(size=F)
+    y = np.where(windows == 1, x @ beta_one, x @ beta_many)
+    model = fit_rail_joint(x, windows, y)
+    assert np.allclose(model.all_pairs, beta_one) and np.allclose(model.windowed, beta_many)
+    assert model.log_ratio(x[0], input_windows=1) == pytest.approx(y[0])
+    # Too few windowed requests: no windowed coefficients (those inputs run the fallback).
+    few = fit_rail_joint(x[:120 + F - 1], windows[:120 + F - 1], y[:120 + F - 1])
+    assert few.windowed is None and few.log_ratio(x[0], input_windows=3) is None
+    assert fit_rail_joint(x[120:], windows[120:], y[120:]) is None  # no all-pairs requests
+
+
+def test_model_dict_round_trip_and_errors_name_the_field():
+    model = RailJointModel(all_pairs=tuple(float(i) for i in range(F)), windowed=None)
+    assert RailJointModel.from_dict(model.to_dict()) == model
+    with pytest.raises(ValueError, match="field 'features'"):
+        RailJointModel.from_dict({**model.to_dict(), "features": ["x"]})
+    with pytest.raises(ValueError, match="field 'all_pairs'"):
+        RailJointModel.from_dict({**model.to_dict(), "all_pairs": [1.0] * (F - 1)})
+    with pytest.raises(ValueError, match="field 'windowed'"):
+        RailJointModel.from_dict({**model.to_dict(), "windowed": ["a"] * F})
+
+
+def _sign_model(sign: float) -> RailJointModel:
+    """Predicts sign x log_delivery: RAIL where that is negative (sign 1)."""
+    coef = [0.0] * F
+    coef[FEATURE_NAMES.index("log_delivery")] = sign
+    return RailJointModel(all_pairs=tuple(coef), windowed=None)
+
+
+def test_model_selector_follows_the_prediction_and_is_pure():
+    topo = RailTopology(num_nodes=4, gpus_per_node=2)
+    spec = VirtualSpec(topology=topo, tokens=40, hidden=8, experts=16, topk=3, seed=5)
+    _, full = _gathered(spec)
+    st = demand_stats(full, topo, record_bytes=16)
+    d = path_features(full, st, topo, record_bytes=16)[FEATURE_NAMES.index("log_delivery")]
+    assert d != 0
+    for sign in (1.0, -1.0):
+        sel = ModelSelector(_sign_model(sign), topo)
+        want = Path.RAIL if sign * d < 0 else Path.JOINT
+        assert needs_delivery(sel)
+        assert select_for_layer(sel, st, full, record_bytes=16) == want
+        assert {sel.select_layer(st, full, record_bytes=16) for _ in range(3)} == {want}
+    # No windowed coefficients: an arranged input runs the fallback; no remote payload too.
+    from megatron_railwave.planner import cyclic_schedule
+
+    sel = ModelSelector(_sign_model(1.0), topo)
+    assert sel.explain_layer(st, full, record_bytes=16, windows=cyclic_schedule(4)).path == Path.JOINT
+    empty = dataclasses.replace(st, B_mean_bytes=0.0)
+    assert sel.explain_layer(empty, full, record_bytes=16).anchor is None
+
+
+def _model_rows(seeds: int = 4, per_seed: int = 30):
+    """Rows whose RAIL / JOINT ratio is exp(0.5 x feature 'x' - 0.2): RAIL faster below x = 0.4,
+    a rule no single payload cut of the anchors misses, but the model finds from other seeds."""
+    rng = np.random.default_rng(3)
+    topo = RailTopology(num_nodes=4, gpus_per_node=2)
+    ref, rho_s, kappa_s = AnchorSet.scales_for(topo)
+    rows = []
+    for s in range(seeds):
+        for i in range(per_seed):
+            f = rng.normal(size=F)
+            f[0] = 1.0
+            ratio = float(np.exp(0.5 * f[1] - 0.2))
+            lat = {p: PathLatency(median=1.0, p10=1.0, p90=1.0, samples=1) for p in calibration.ALL_PATHS}
+            lat[Path.RAIL] = PathLatency(median=ratio, p10=ratio, p90=ratio, samples=1)
+            lat[Path.NATIVE] = lat[Path.PERM] = PathLatency(median=9.0, p10=9.0, p90=9.0, samples=1)
+            st = TrafficStats(B_mean_bytes=ref, B_max_bytes=ref, rho_g=1.0, kappa=1.0, coords=(0.0, 0.0, 0.0),
+                              records_total=1, remote_records=1)
+            rows.append(calibration.CalibrationRow(
+                request=f"glm{s}-l{i}", stats=st, coords=st.coords, latency=lat,
+                best=Path.RAIL if ratio < 1 else Path.JOINT, kept=False, gain=0.0, reason="joint wins",
+                group=f"glm{s}-l{i}", seed=f"glm{s}", features=tuple(float(v) for v in f)))
+    ctx = CalibrationContext(topology=topo.to_dict(), hidden_size=1, dtype="bf16", backend="fake", date="x")
+    return calibration.CalibrationResult(anchor_set=AnchorSet(anchors=(), scales=(ref, rho_s, kappa_s), context=ctx),
+                                         rows=tuple(rows)), topo
+
+
+def test_tune_selector_records_the_model_when_it_beats_the_anchors(tmp_path):
+    result, topo = _model_rows()
+    tuned = calibration.tune_selector(result, split_fallback=False)
+    model_score = tuned["scores"][-1]
+    assert model_score["model"] is True and model_score["over_tolerance"] == 0
+    assert tuned["scores"][0]["over_tolerance"] > 0  # always-JOINT misses the RAIL rows
+    assert tuned["model"] is not None and "path model" in tuned["method"]
+    coef = tuned["model"]["all_pairs"]
+    assert coef[FEATURE_NAMES.index("x")] == pytest.approx(0.5) and coef[0] == pytest.approx(-0.2)
+    # Written to the file, loaded back, and the runtime decides with it.
+    from megatron_railwave.commands.calibrate import with_selector_settings
+
+    path = tmp_path / "a.yaml"
+    save_anchors(with_selector_settings(result.anchor_set, tuned), path)
+    loaded = load_anchors(path, topo)
+    assert loaded.path_model == RailJointModel.from_dict(tuned["model"])
+    sel = selector_from_config(RailWaveConfig(path="auto", anchors=str(path)), topo)
+    assert isinstance(sel, ModelSelector)
+    # Not recorded when fit_model is off, nor without features on every row.
+    assert calibration.tune_selector(result, split_fallback=False, fit_model=False)["model"] is None
+    bare = calibration.CalibrationResult(anchor_set=result.anchor_set,
+                                         rows=(dataclasses.replace(result.rows[0], features=None), *result.rows[1:]))
+    assert not any(sc.get("model") for sc in calibration.tune_selector(bare, split_fallback=False)["scores"])
+
+
+def test_a_malformed_model_in_the_anchors_file_is_rejected_naming_the_field(tmp_path):
+    import yaml
+
+    result, topo = _model_rows(seeds=2, per_seed=20)
+    from megatron_railwave.commands.calibrate import with_selector_settings
+
+    tuned = calibration.tune_selector(result, split_fallback=False)
+    path = tmp_path / "a.yaml"
+    save_anchors(with_selector_settings(result.anchor_set, tuned), path)
+    data = yaml.safe_load(path.read_text())
+    data["context"]["settings"]["selector"]["model"] = {"features": list(FEATURE_NAMES), "all_pairs": [1.0]}
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(ValueError, match=r"context\.settings\.selector\.model.*field 'all_pairs'"):
+        load_anchors(path, topo)
