@@ -31,7 +31,7 @@ import torch
 from .anchors import Anchor, AnchorSet, CalibrationContext, PathLatency
 from .planner import Path, PathPlan, PlanOptions, WaveSchedule, build_plan, parse_path
 from .path_model import fit_rail_joint, path_features
-from .selector import AnchorSelector, ModelSelector, fallback_phases_of, fewer_phases
+from .selector import AnchorSelector, ModelSelector, Selection, fallback_phases_of, fewer_phases
 from .stats import demand_stats
 from .topology import RailTopology
 from .traffic import SelectorScales, TrafficStats, dtype_bytes
@@ -771,19 +771,11 @@ def validate(backend: MeasureBackend, selector: AnchorSelector | ModelSelector, 
     if scales is None:
         scales = (selector.anchor_set.scales if isinstance(selector, AnchorSelector)
                   else AnchorSet.scales_for(topo, None))
-    coord_scales = SelectorScales(payload_ref_bytes=scales[0], rho_scale=scales[1], kappa_scale=scales[2])
     rows = []
     per_request = len(ALL_PATHS) * (repeats + (1 if warmups else 0))
     with _progress(per_request * len(requests), "validate", progress) as bar:
         for req in requests:
-            st = request_stats(req, topo, coord_scales)
-            if isinstance(selector, ModelSelector):
-                if req.demand is None:
-                    raise ValueError(f"request {req.name!r}: the path model needs the request's target masks "
-                                     "(ReplayRequest.demand); build the requests with glm_requests / synthetic_requests")
-                choice = selector.explain_layer(st, req.demand, record_bytes=req.record_bytes, windows=req.windows)
-            else:
-                choice = selector.explain(st, input_windows=request_windows(req))
+            choice = _decide(selector, req, topo, scales)
             samples = profile_request(backend, req, warmups=warmups, repeats=repeats,
                                       on_measure=lambda: bar.update(1))
             medians = {p: summarize(v).median for p, v in samples.items()}
@@ -793,6 +785,31 @@ def validate(backend: MeasureBackend, selector: AnchorSelector | ModelSelector, 
                                       sequence=str(req.meta.get("sequence", "")),
                                       position=int(req.meta.get("position", 0))))
     return ValidationResult(rows=tuple(rows))
+
+
+def rescore(result: ValidationResult, selector: AnchorSelector | ModelSelector, requests: Sequence[ReplayRequest],
+            topo: RailTopology, *, scales: tuple[float, float, float]) -> ValidationResult:
+    """``result``'s requests decided by another selector, over the same measured medians (nothing
+    is measured again): two rules compared side by side in one run."""
+    by_name = {r.request: r for r in result.rows}
+    rows = []
+    for req in requests:
+        row = by_name[req.name]
+        choice = _decide(selector, req, topo, scales)
+        rows.append(dataclasses.replace(row, coords=choice.coords, selected=choice.path, anchor=choice.anchor))
+    return ValidationResult(rows=tuple(rows))
+
+
+def _decide(selector: AnchorSelector | ModelSelector, req: ReplayRequest, topo: RailTopology,
+            scales: tuple[float, float, float]) -> Selection:
+    st = request_stats(req, topo, SelectorScales(payload_ref_bytes=scales[0], rho_scale=scales[1],
+                                                 kappa_scale=scales[2]))
+    if isinstance(selector, ModelSelector):
+        if req.demand is None:
+            raise ValueError(f"request {req.name!r}: the path model needs the request's target masks "
+                             "(ReplayRequest.demand); build the requests with glm_requests / synthetic_requests")
+        return selector.explain_layer(st, req.demand, record_bytes=req.record_bytes, windows=req.windows)
+    return selector.explain(st, input_windows=request_windows(req))
 
 
 # ---------------------------------------------------------------------- requests

@@ -171,6 +171,12 @@ def run(args: argparse.Namespace) -> int:
                                       repeats=args.repeats, progress=not args.no_progress)
         data = result.to_dict()
         out.update(data)
+        compare = None
+        if rule == "model" and anchor_set.anchors:  # the anchor rule on the same medians, side by side
+            anchors_rule = AnchorSelector(anchor_set, payload_ratio=payload_ratio, shape_distance=shape_distance,
+                                          fallback_below=anchor_set.fallback_below)
+            compare = calibration.rescore(result, anchors_rule, requests, topo, scales=anchor_set.scales).summary()
+            out["compare"] = {"anchors": compare}
         _render.print_table(
             f"validation on {len(requests)} held-out requests ({backend.name}, median of {args.repeats})",
             ["request", "selected", "anchor", "selected ms", "joint ms", "best", "best ms", "sel/best",
@@ -199,6 +205,10 @@ def run(args: argparse.Namespace) -> int:
         _render.print_text(
             f"goal 2, total beats always-JOINT: {'MET' if goals['total_beats_always_joint'] else 'MISSED'} "
             f"({s['selected_vs_joint_policy']:.3f})")
+        if compare is not None:
+            _render.print_text(
+                f"the anchor rule on the same requests and medians: {compare['num_over_tolerance']} over {tol:.2f}x "
+                f"(worst {compare['worst_ratio_to_best']:.3f}), selected/JOINT {compare['selected_vs_joint_policy']:.4f}")
         status = 1 if args.require_goals and not goals["all_met"] else 0
     if args.json:
         _common.write_json(args.json, out)

@@ -18,7 +18,9 @@ records, per rank, what each case raised; the tests below check those records:
   layout (3 + 1 ranks per host) and a rank with another ``failed_rails`` / ``path`` raise one clear
   error on every rank, naming the layout or the ranks and fields;
 * statistics on demand: a fixed path without a sink computes no descriptors and no statistics; a
-  sink gets the layer's global tokens-per-expert min / max / std and overload factor.
+  sink gets the layer's global tokens-per-expert min / max / std and overload factor;
+* path 'auto' with the path model: the count exchange carries the copies per destination GPU and
+  every rank computes the same features and path.
 """
 
 from __future__ import annotations
@@ -217,6 +219,32 @@ def dispatcher_errors_worker(rank: int, world: int) -> dict[str, Any]:
         "tokens_per_expert_min", "tokens_per_expert_max", "tokens_per_expert_std", "overload_factor")},
         "pass_kind": seen[0].pass_kind, "rail_bytes": seen[0].rail_bytes}
 
+    # path 'auto' with the path model: the count exchange carries every rank's copies per
+    # destination GPU, every rank computes the same features and path, and the layer is right.
+    from megatron_railwave.path_model import FEATURE_NAMES, RailJointModel, path_features
+    from megatron_railwave.selector import ModelSelector
+    from megatron_railwave.topology import RailTopology
+
+    class RecordingModel(ModelSelector):
+        decisions: list[Any] = []
+
+        def select_layer(self, stats, demand, *, record_bytes, windows=None):
+            path = super().select_layer(stats, demand, record_bytes=record_bytes, windows=windows)
+            features = path_features(demand, stats, self.topo, record_bytes=record_bytes)
+            self.decisions.append((demand.delivery_WNG is not None, str(path), features.tolist()))
+            return path
+
+    coef = [0.0] * len(FEATURE_NAMES)
+    coef[FEATURE_NAMES.index("log_delivery")] = 1.0  # RAIL where JOINT's waves stretch delivery
+    selector = RecordingModel(RailJointModel(all_pairs=tuple(coef)), RailTopology(num_nodes=2, gpus_per_node=2))
+    model_d = RailWaveTokenDispatcher(per, local, config(), pgs, railwave=RailWaveConfig(gpus_per_node=2, path="auto"),
+                                      selector=selector)
+    hidden, probs, routing = _inputs(rank, 9, seed=7)
+    result, _ = _run_hooks(model_d, hidden, probs, routing)
+    out["model_selector"] = {"decisions": RecordingModel.decisions,
+                             "right": bool(torch.allclose(result.squeeze(1), hidden * probs.sum(1, keepdim=True),
+                                                          atol=1e-6))}
+
     # path 'auto' without its anchors file: three MoE layers, one warning on global rank 0 only.
     import logging
 
@@ -404,3 +432,11 @@ def test_stats_carry_the_global_expert_load(ranks):
         assert logged["overload_factor"] == pytest.approx(load.max() / load.mean())
         assert res["expert_load"]["pass_kind"] == "train"
         assert len(res["expert_load"]["rail_bytes"]) == 2 and sum(map(sum, res["expert_load"]["rail_bytes"])) > 0
+
+
+def test_path_model_selector_gets_delivery_counts_and_ranks_agree(ranks):
+    first = ranks[0]["model_selector"]["decisions"]
+    assert len(first) == 1 and first[0][0] is True  # the count exchange carried the copies
+    for res in ranks:
+        assert res["model_selector"]["decisions"] == first  # same features, same path, bitwise
+        assert res["model_selector"]["right"]

@@ -207,3 +207,25 @@ def test_a_malformed_model_in_the_anchors_file_is_rejected_naming_the_field(tmp_
     path.write_text(yaml.safe_dump(data))
     with pytest.raises(ValueError, match=r"context\.settings\.selector\.model.*field 'all_pairs'"):
         load_anchors(path, topo)
+
+
+def test_validate_decides_with_the_model_and_rescore_compares_the_anchor_rule_on_the_same_medians():
+    from megatron_railwave.selector import AnchorSelector
+    from tests.unit.test_calibration import RECORD_BYTES, SETTINGS, TOPO, FakeBackend
+
+    requests = calibration.calibration_requests(TOPO, SETTINGS, record_bytes=RECORD_BYTES)[:6]
+    backend = FakeBackend(TOPO)
+    model_sel = ModelSelector(_sign_model(1.0), TOPO)
+    result = calibration.validate(backend, model_sel, requests, TOPO, warmups=0, repeats=1, progress=False)
+    for req, row in zip(requests, result.rows):
+        assert row.selected == model_sel.select_layer(calibration.request_stats(req, TOPO), req.demand,
+                                                      record_bytes=req.record_bytes, windows=req.windows)
+        assert row.anchor in ("model", None)
+    calls = len(backend.calls)
+    empty = AnchorSet(anchors=(), scales=AnchorSet.scales_for(TOPO),
+                      context=CalibrationContext(topology=TOPO.to_dict(), hidden_size=1, dtype="bf16", backend="fake",
+                                                 date="x"))
+    other = calibration.rescore(result, AnchorSelector(empty), requests, TOPO, scales=empty.scales)
+    assert len(backend.calls) == calls  # nothing measured again
+    assert [r.median_s for r in other.rows] == [r.median_s for r in result.rows]
+    assert {r.selected for r in other.rows} == {Path.JOINT}  # no anchors: the fallback everywhere
