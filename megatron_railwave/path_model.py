@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any, Sequence
 
 import numpy as np
@@ -75,20 +76,66 @@ def _phase_masks(pairs: Sequence[Sequence[tuple[int, int]]], n: int) -> np.ndarr
     return mask
 
 
-def _phase_seconds(mask_PNN: np.ndarray, records_NGN: np.ndarray, copies_NNG: np.ndarray, rails_NN: np.ndarray,
-                   *, record_bytes: int, topo: RailTopology) -> np.ndarray:
-    """[P, 3]: rail, relay and delivery seconds of each phase (module docstring)."""
-    pair_NN = records_NGN.sum(axis=1)
-    per_rail_NN = pair_NN / np.maximum(rails_NN, 1)
-    rail_s = np.maximum(np.einsum("pnd,nd->pn", mask_PNN, per_rail_NN).max(axis=1),
-                        np.einsum("pnd,nd->pd", mask_PNN, per_rail_NN).max(axis=1)) * record_bytes / topo.rail_bytes_per_s
-    share_NGN = pair_NN[:, None, :] / records_NGN.shape[1]
-    out_PNG = np.einsum("pnd,ngd->png", mask_PNN, np.maximum(records_NGN - share_NGN, 0.0))
-    in_PNG = np.einsum("pnd,ngd->png", mask_PNN, np.maximum(share_NGN - records_NGN, 0.0))
-    relay_s = np.maximum(out_PNG, in_PNG).max(axis=(1, 2)) * record_bytes / topo.nvlink_bytes_per_s
-    delivery_s = (np.einsum("psd,sdg->pdg", mask_PNN, copies_NNG).max(axis=(1, 2)) * record_bytes
-                  / topo.nvlink_bytes_per_s)
-    return np.stack([rail_s, relay_s, delivery_s], axis=1)
+@lru_cache(maxsize=32)
+def _healthy_rails_NN(topo: RailTopology) -> np.ndarray:
+    """[N, N]: GPUs whose rail is healthy on both nodes of the pair (RailBalance's rails)."""
+    healthy_NG = np.ones((topo.num_nodes, topo.gpus_per_node), dtype=bool)
+    for node, local in np.ndindex(*healthy_NG.shape):
+        healthy_NG[node, local] = topo.gpu_rail_healthy(node, local)
+    return (healthy_NG[:, None, :] & healthy_NG[None, :, :]).sum(axis=2).astype(np.float64)
+
+
+@dataclass(frozen=True, slots=True)
+class _Loads:
+    """What every phase's loads are computed from (module docstring)."""
+
+    per_rail_NN: np.ndarray
+    """Records of each node pair per healthy rail."""
+    excess_NGN: np.ndarray
+    """Owner-rail records above the pair's even share (relayed out of the GPU)."""
+    deficit_NGN: np.ndarray
+    """Owner-rail records below it (relayed into the GPU)."""
+    copies_NNG: np.ndarray
+    record_bytes: int
+    topo: RailTopology
+
+    @classmethod
+    def of(cls, records_NGN: np.ndarray, copies_NNG: np.ndarray, *, record_bytes: int, topo: RailTopology) -> _Loads:
+        pair_NN = records_NGN.sum(axis=1)
+        share_NGN = pair_NN[:, None, :] / records_NGN.shape[1]
+        return cls(per_rail_NN=pair_NN / np.maximum(_healthy_rails_NN(topo), 1),
+                   excess_NGN=np.maximum(records_NGN - share_NGN, 0.0),
+                   deficit_NGN=np.maximum(share_NGN - records_NGN, 0.0), copies_NNG=copies_NNG,
+                   record_bytes=record_bytes, topo=topo)
+
+    def seconds(self, rail_NN: np.ndarray, relay_NG: np.ndarray, delivery_NG: np.ndarray) -> np.ndarray:
+        """[3]: one phase's busiest-port rail, relay and delivery seconds from its port loads."""
+        return np.array([rail_NN.max(initial=0.0) * self.record_bytes / self.topo.rail_bytes_per_s,
+                         relay_NG.max(initial=0.0) * self.record_bytes / self.topo.nvlink_bytes_per_s,
+                         delivery_NG.max(initial=0.0) * self.record_bytes / self.topo.nvlink_bytes_per_s])
+
+    def windows(self, mask_PNN: np.ndarray) -> np.ndarray:
+        """[P, 3] for phases given as node-pair masks (RAIL: the input's sending windows)."""
+        out = []
+        for mask in mask_PNN:
+            rail = np.stack([(mask * self.per_rail_NN).sum(axis=1), (mask * self.per_rail_NN).sum(axis=0)])
+            relay = np.maximum(np.einsum("nd,ngd->ng", mask, self.excess_NGN),
+                               np.einsum("nd,ngd->ng", mask, self.deficit_NGN))
+            out.append(self.seconds(rail, relay, np.einsum("sd,sdg->dg", mask, self.copies_NNG)))
+        return np.array(out).reshape(len(out), 3)
+
+    def cyclic(self) -> np.ndarray:
+        """[N - 1, 3] for JOINT's cyclic waves (node s to s + k mod N): each node sends one pair
+        and receives one, so the wave's ports are the pairs' own loads (no mask sums)."""
+        n = self.per_rail_NN.shape[0]
+        src = np.arange(n)
+        out = []
+        for k in range(1, n):
+            dst = (src + k) % n
+            out.append(self.seconds(self.per_rail_NN[src, dst],
+                                    np.maximum(self.excess_NGN[src, :, dst], self.deficit_NGN[src, :, dst]),
+                                    self.copies_NNG[src, dst, :]))
+        return np.array(out).reshape(len(out), 3)
 
 
 def _log_ratio(a: float, b: float) -> float:
@@ -111,16 +158,11 @@ def path_features(demand: DemandCounts, stats: TrafficStats, topo: RailTopology,
         windows: the input's sending windows (replay arrangements); None = all pairs at once.
     """
     n = topo.num_nodes
-    records_NGN = demand.records_NGN().to(torch.float64).numpy()
-    copies_NNG = delivery_copies_NNG(demand)
-    rails_NN = np.array([[sum(topo.pair_gpu_eligible(s, d)) if s != d else 0 for d in range(n)] for s in range(n)],
-                        dtype=np.float64)
-    all_pairs = [[(s, d) for s in range(n) for d in range(n) if s != d]]
-    rail_pairs = [list(w) for w in windows.waves] if windows is not None else all_pairs
-    cyclic = [[(s, (s + k) % n) for s in range(n)] for k in range(1, n)]
-    kw = dict(record_bytes=record_bytes, topo=topo)
-    rail = _phase_seconds(_phase_masks(rail_pairs, n), records_NGN, copies_NNG, rails_NN, **kw)
-    joint = _phase_seconds(_phase_masks(cyclic, n), records_NGN, copies_NNG, rails_NN, **kw)
+    loads = _Loads.of(demand.records_NGN().to(torch.float64).numpy(), delivery_copies_NNG(demand),
+                      record_bytes=record_bytes, topo=topo)
+    rail_pairs = ([list(w) for w in windows.waves] if windows is not None
+                  else [[(s, d) for s in range(n) for d in range(n) if s != d]])
+    rail, joint = loads.windows(_phase_masks(rail_pairs, n)), loads.cyclic()
     sum_r, sum_j = rail.sum(axis=0), joint.sum(axis=0)
     t_joint = max(float(sum_j.sum()), _TINY)
     b = stats.B_mean_bytes

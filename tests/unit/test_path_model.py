@@ -229,3 +229,21 @@ def test_validate_decides_with_the_model_and_rescore_compares_the_anchor_rule_on
     assert len(backend.calls) == calls  # nothing measured again
     assert [r.median_s for r in other.rows] == [r.median_s for r in result.rows]
     assert {r.selected for r in other.rows} == {Path.JOINT}  # no anchors: the fallback everywhere
+
+
+@pytest.mark.parametrize("topo", [RailTopology(num_nodes=4, gpus_per_node=4),
+                                  RailTopology(num_nodes=5, gpus_per_node=3, failed_rails=frozenset({(1, 2), (3, 0)}))],
+                         ids=["4x4", "5x3-failed-rails"])
+def test_rail_windows_equal_to_the_cyclic_waves_give_zero_log_ratios(topo):
+    # RAIL's phases come from the window masks, JOINT's from the cyclic fast path: on an input
+    # whose windows ARE the cyclic waves both must see the same loads, bitwise.
+    from megatron_railwave.planner import cyclic_schedule
+
+    gen = torch.Generator().manual_seed(7)
+    for _ in range(5):
+        demand = DemandCounts(records_WNM=torch.randint(0, 30, (topo.world_size, topo.num_nodes,
+                                                                1 << topo.gpus_per_node), generator=gen))
+        windows = cyclic_schedule(topo.num_nodes)
+        f = path_features(demand, demand_stats(demand, topo, record_bytes=64, windows=windows), topo,
+                          record_bytes=64, windows=windows)
+        assert f[FEATURE_NAMES.index("log_rail")] == 0.0 and f[FEATURE_NAMES.index("log_delivery")] == 0.0
