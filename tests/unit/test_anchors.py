@@ -154,11 +154,12 @@ def test_anchors_version_constant_matches_written_files(tmp_path):
 @pytest.mark.parametrize("name", ["h800_4x8", "h20_4x8", "h800_4x8_c2", "h20_4x8_c2"])
 def test_shipped_anchors_files_load_for_their_cluster_and_chunks(name):
     # Every file in configs/anchors loads for the preset it names and gives a selector with the
-    # rail chunks it records (the _c2 files: 2 chunks per wave; the others: whole waves).
+    # rail chunks it records (the _c2 files: 2 chunks per wave and the path model; the others:
+    # whole waves and the anchor rule).
     from pathlib import Path as FsPath
 
     from megatron_railwave.config import RailWaveConfig
-    from megatron_railwave.selector import AnchorSelector, selector_from_config
+    from megatron_railwave.selector import AnchorSelector, ModelSelector, selector_from_config
     from megatron_railwave.topology import load_topology
 
     repo = FsPath(__file__).resolve().parents[2]
@@ -167,6 +168,9 @@ def test_shipped_anchors_files_load_for_their_cluster_and_chunks(name):
     aset = load_anchors(path, topo)
     assert aset.chunks == (2 if name.endswith("_c2") else 1) and aset.anchors
     sel = selector_from_config(RailWaveConfig(path="auto", anchors=str(path), chunks=aset.chunks), topo)
-    assert isinstance(sel, AnchorSelector) and sel.fallback_below == aset.fallback_below
+    if name.endswith("_c2"):  # their tuning chose the path model over the anchors
+        assert isinstance(sel, ModelSelector) and sel.model == aset.path_model and sel.model.windowed is not None
+    else:
+        assert isinstance(sel, AnchorSelector) and sel.fallback_below == aset.fallback_below
     assert sorted(p.name.removesuffix(".yaml") for p in path.parent.glob("*.yaml")) == sorted(
         ["h800_4x8", "h20_4x8", "h800_4x8_c2", "h20_4x8_c2"])
