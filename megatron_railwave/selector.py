@@ -201,8 +201,8 @@ class ModelSelector:
     JOINT, else JOINT.
 
     Pure: the features come from the gathered global counts (``path_model.path_features``: the
-    rail, relay and NVLink delivery loads of RAIL's phase and of JOINT's cyclic waves, and the
-    descriptors), so every rank decides the same. It needs every rank's copies per destination
+    payload, and the rail and NVLink delivery loads of RAIL's phase against JOINT's cyclic
+    waves), so every rank decides the same. It needs every rank's copies per destination
     GPU, which the count exchange carries when ``needs_delivery`` (the dispatcher asks for them).
 
     Args:
@@ -236,6 +236,10 @@ class ModelSelector:
     def select_layer(self, stats: TrafficStats, demand: DemandCounts, *, record_bytes: int,
                      windows: WaveSchedule | None = None) -> Path:
         return self.explain_layer(stats, demand, record_bytes=record_bytes, windows=windows).path
+
+    def select(self, stats: TrafficStats) -> Path:
+        raise TypeError("ModelSelector decides from the gathered counts, not the descriptors alone: call "
+                        "select_for_layer(selector, stats, demand, record_bytes=...)")
 
 
 def select_for_layer(selector: PathSelector, stats: TrafficStats, demand: DemandCounts, *, record_bytes: int,
@@ -324,10 +328,10 @@ def selector_from_config(config: RailWaveConfig, topo: RailTopology, *, warn: bo
         raise ValueError(f"anchors file {str(path)!r} was calibrated with chunks={anchor_set.chunks} (field "
                          f"'context.settings.chunks') but this RailWave config has chunks={config.chunks}; set "
                          f"chunks: {anchor_set.chunks} or run `railwave calibrate --chunks {config.chunks}`")
-    # The thresholds the file was tuned with (calibrate's leave-one-out choice), unless the
-    # config overrides them: anchors are only validated with the thresholds they were tuned for.
     if anchor_set.path_model is not None:
         return ModelSelector(anchor_set.path_model, topo)
+    # The thresholds the file was tuned with (calibrate's leave-one-out choice), unless the
+    # config overrides them: anchors are only validated with the thresholds they were tuned for.
     payload_ratio, shape_distance = anchor_set.thresholds(config.payload_ratio, config.shape_distance)
     return AnchorSelector(anchor_set, payload_ratio=payload_ratio, shape_distance=shape_distance,
                           fallback_below=anchor_set.fallback_below)

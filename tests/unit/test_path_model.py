@@ -247,3 +247,9 @@ def test_rail_windows_equal_to_the_cyclic_waves_give_zero_log_ratios(topo):
         f = path_features(demand, demand_stats(demand, topo, record_bytes=64, windows=windows), topo,
                           record_bytes=64, windows=windows)
         assert f[FEATURE_NAMES.index("log_rail")] == 0.0 and f[FEATURE_NAMES.index("log_delivery")] == 0.0
+
+
+def test_model_selector_refuses_the_descriptors_only_call():
+    sel = ModelSelector(_sign_model(1.0), RailTopology(num_nodes=2, gpus_per_node=2))
+    with pytest.raises(TypeError, match="select_for_layer"):
+        sel.select(None)  # type: ignore[arg-type]
