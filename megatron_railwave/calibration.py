@@ -618,10 +618,12 @@ def tune_selector(result: CalibrationResult, *, grid: dict[str, Sequence[float]]
     model, model_score = None, None
     if fit_model and rows and all(r.features is not None for r in rows):
         features_RF = np.array([r.features for r in rows], dtype=np.float64)
-        target_R = np.log(lat_rail_R / lat_joint_R)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            target_R = np.log(lat_rail_R / lat_joint_R)
+        fits_R = np.isfinite(target_R)  # a request without time on either path teaches nothing
         rail_R = np.zeros(len(rows), dtype=bool)
         for unit, idx in rows_of_unit.items():
-            train = units_R != unit
+            train = (units_R != unit) & fits_R
             fitted = fit_rail_joint(features_RF[train], windows_R[train], target_R[train])
             for i in idx:
                 predicted = fitted.log_ratio(features_RF[i], input_windows=int(windows_R[i])) if fitted else None
@@ -630,7 +632,8 @@ def tune_selector(result: CalibrationResult, *, grid: dict[str, Sequence[float]]
         model_score = {**entry(None, None, (over, float(np.where(rail_R, lat_rail_R, lat_joint_R).sum()), -math.inf), 0),
                        "model": True}
         if rank(model_score) < rank(chosen):
-            model = fit_rail_joint(features_RF, windows_R, target_R)
+            model = fit_rail_joint(features_RF[fits_R], windows_R[fits_R], target_R[fits_R])
+        if model is not None:
             method += (f"; the RAIL / JOINT path model (leave-one-{left_out}-out: {over} requests over) scored better "
                        "than the anchors and decides")
     below = chosen["fallback_below_bytes"]
