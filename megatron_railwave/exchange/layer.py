@@ -9,7 +9,8 @@ Lifecycle (the same programs run over torch.distributed and in the virtual clust
      group carries every rank's records per node, token count and input status, plus the
      mask histogram and expert counts each receiver needs (and, on request, E more for the
      expert loads and W more for every rank's copies per destination GPU, the path model's
-     input); then ONE device-to-host copy of what arrived. This is the layer's only host sync. Bad input anywhere raises the same
+     input); then ONE device-to-host copy of what arrived. This is the layer's only host
+     sync. Bad input anywhere raises the same
      ``InputError`` on every rank right here, before any data moves.
   2. ``prepare_layer`` (plain function, host + asynchronous device work): the plan is passed
      in (pure, same on every rank), compiled into the ``ExecutionSchedule``; the rank view and
@@ -215,7 +216,9 @@ def gather_demand(ctx: RankContext, hidden: torch.Tensor, probs: torch.Tensor,
         if expert_loads:
             send[:, width:loads_end] = per_expert
         if delivery_counts:  # copies per destination GPU: each record counts once per target bit
-            send[:, loads_end:] = (counts_NM @ mask_bits(g).to(device=device, dtype=torch.int64)).reshape(1, w)
+            # (elementwise product and sum, not a matmul: CUDA has no int64 matmul)
+            bits_MG = mask_bits(g).to(device)
+            send[:, loads_end:] = (counts_NM.unsqueeze(2) * bits_MG.unsqueeze(0)).sum(dim=1).reshape(1, w)
     else:
         token_C = node_C = mask_C = torch.zeros(0, dtype=torch.int64, device=device)
     send[:, n + 1] = code
