@@ -40,12 +40,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import torch
 
-from .planner import WaveSchedule
+from .planner import WaveSchedule, all_at_once
 from .topology import RailTopology
 from .traffic import DemandCounts, TrafficStats
 
@@ -69,21 +69,11 @@ def delivery_copies_NNG(demand: DemandCounts) -> np.ndarray:
     return copies_WNG.reshape(n, g, n, g).sum(axis=1)
 
 
-def _phase_masks(pairs: Sequence[Sequence[tuple[int, int]]], n: int) -> np.ndarray:
-    mask = np.zeros((len(pairs), n, n))
-    for p, phase in enumerate(pairs):
-        for s, d in phase:
-            mask[p, s, d] = 1.0
-    return mask
-
-
 @lru_cache(maxsize=32)
 def _healthy_rails_NN(topo: RailTopology) -> np.ndarray:
     """[N, N]: GPUs whose rail is healthy on both nodes of the pair (RailBalance's rails)."""
-    healthy_NG = np.ones((topo.num_nodes, topo.gpus_per_node), dtype=bool)
-    for node, local in np.ndindex(*healthy_NG.shape):
-        healthy_NG[node, local] = topo.gpu_rail_healthy(node, local)
-    return (healthy_NG[:, None, :] & healthy_NG[None, :, :]).sum(axis=2).astype(np.float64)
+    n = topo.num_nodes
+    return np.array([[sum(topo.pair_gpu_eligible(s, d)) for d in range(n)] for s in range(n)], dtype=np.float64)
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,18 +148,19 @@ def path_features(demand: DemandCounts, stats: TrafficStats, topo: RailTopology,
         record_bytes: payload bytes of one record (hidden x element size).
         windows: the input's sending windows (replay arrangements); None = all pairs at once.
     """
-    n = topo.num_nodes
     loads = _Loads.of(demand.records_NGN().to(torch.float64).numpy(), delivery_copies_NNG(demand),
                       record_bytes=record_bytes, topo=topo)
-    rail_pairs = ([list(w) for w in windows.waves] if windows is not None
-                  else [[(s, d) for s in range(n) for d in range(n) if s != d]])
-    rail, joint = loads.windows(_phase_masks(rail_pairs, n)), loads.cyclic()
+    sending = windows if windows is not None else all_at_once(topo.num_nodes)
+    window_NN = sending.pair_wave_NN().numpy()
+    rail = loads.windows((window_NN[None] == np.arange(sending.num_waves)[:, None, None]).astype(np.float64))
+    joint = loads.cyclic()
     sum_r, sum_j = rail.sum(axis=0), joint.sum(axis=0)
     t_joint = max(float(sum_j.sum()), _TINY)
     b = stats.B_mean_bytes
     x = math.log2(b / 2 ** 20) if b > 0 else 0.0
     return np.array([1.0, x, x * x, _log_ratio(float(sum_r[0]), float(sum_j[0])),
-                     _log_ratio(float(sum_r[2]), float(sum_j[2])), len(rail_pairs) * _FIXED_S / t_joint])
+                     _log_ratio(float(sum_r[2]), float(sum_j[2])),
+                     (windows.num_waves if windows is not None else 1) * _FIXED_S / t_joint])
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

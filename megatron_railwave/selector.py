@@ -203,7 +203,8 @@ class ModelSelector:
     Pure: the features come from the gathered global counts (``path_model.path_features``: the
     payload, and the rail and NVLink delivery loads of RAIL's phase against JOINT's cyclic
     waves), so every rank decides the same. It needs every rank's copies per destination
-    GPU, which the count exchange carries when ``needs_delivery`` (the dispatcher asks for them).
+    GPU, which the count exchange carries when ``needs_delivery(selector)`` (the dispatcher asks
+    for them).
 
     Args:
         model: the fitted coefficients (``AnchorSet.path_model``).
@@ -212,7 +213,6 @@ class ModelSelector:
     """
 
     __slots__ = ("model", "topo", "fallback")
-    needs_delivery = True
 
     def __init__(self, model: RailJointModel, topo: RailTopology, *, fallback: Path | str = Path.JOINT) -> None:
         self.model = model
@@ -252,8 +252,9 @@ def select_for_layer(selector: PathSelector, stats: TrafficStats, demand: Demand
 
 
 def needs_delivery(selector: PathSelector) -> bool:
-    """Whether the count exchange must carry every rank's copies per destination GPU for it."""
-    return bool(getattr(selector, "needs_delivery", False))
+    """Whether the count exchange must carry every rank's copies per destination GPU for it: the
+    selectors ``select_for_layer`` hands the counts to."""
+    return isinstance(selector, ModelSelector)
 
 
 def fallback_phases_of(anchor_set: AnchorSet, fallback: Path) -> int | None:

@@ -131,9 +131,9 @@ def run(args: argparse.Namespace) -> int:
     if rule == "model" and anchor_set.path_model is None:
         raise ValueError(f"--rule model: anchors file {args.anchors!r} records no path model (field "
                          "'context.settings.selector.model'); re-run `railwave calibrate` or use --rule anchors")
-    selector: Any = (ModelSelector(anchor_set.path_model, topo) if rule == "model" else
-                     AnchorSelector(anchor_set, payload_ratio=payload_ratio, shape_distance=shape_distance,
-                                    fallback_below=anchor_set.fallback_below))
+    anchors_rule = AnchorSelector(anchor_set, payload_ratio=payload_ratio, shape_distance=shape_distance,
+                                  fallback_below=anchor_set.fallback_below)
+    selector: Any = ModelSelector(anchor_set.path_model, topo) if rule == "model" else anchors_rule
     settings = anchor_set.context.settings.get("requests")
     if not isinstance(settings, dict) or "payload_scales" not in settings:
         raise ValueError(f"anchors file {args.anchors!r}: field 'context.settings.requests' is missing; it "
@@ -173,8 +173,6 @@ def run(args: argparse.Namespace) -> int:
         out.update(data)
         compare = None
         if rule == "model" and anchor_set.anchors:  # the anchor rule on the same medians, side by side
-            anchors_rule = AnchorSelector(anchor_set, payload_ratio=payload_ratio, shape_distance=shape_distance,
-                                          fallback_below=anchor_set.fallback_below)
             compare = calibration.rescore(result, anchors_rule, requests, topo, scales=anchor_set.scales).summary()
             out["compare"] = {"anchors": compare}
         _render.print_table(
