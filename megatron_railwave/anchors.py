@@ -354,7 +354,12 @@ def _check_model(settings: dict[str, Any], source: str) -> None:
     """A recorded path model, where present, is what the runtime uses: check it."""
     tuned = settings.get("selector") or {}
     if tuned.get("model") is not None:
-        RailJointModel.from_dict(tuned["model"], source=f"{source}: field 'context.settings.selector.model'")
+        model = RailJointModel.from_dict(tuned["model"], source=f"{source}: field 'context.settings.selector.model'")
+        chunks = settings.get("chunks", 1)
+        if model.costs.chunks != chunks:
+            raise _fail(source, "context.settings.selector.model.costs.chunks",
+                        f"is {model.costs.chunks} but the file was calibrated with chunks={chunks} "
+                        "(context.settings.chunks); re-run `railwave calibrate --retune`")
 
 
 def _check_chunks(settings: dict[str, Any], source: str) -> None:
@@ -398,8 +403,8 @@ def anchors_from_dict(data: Any, *, source: str = "<dict>", topo: RailTopology |
                                  backend=ctx["backend"], date=ctx["date"],
                                  settings=_mapping(ctx.get("settings", {}), source, "context.settings"))
     _check_thresholds(context.settings, source)
-    _check_model(context.settings, source)
     _check_chunks(context.settings, source)
+    _check_model(context.settings, source)
     if topo is not None:
         _check_topology(topo_data, topo, source)
     sc = _mapping(data.get("scales"), source, "scales")

@@ -19,6 +19,7 @@ must beat JOINT conservatively: its slow quantile against JOINT's fast one,
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 from collections.abc import Callable, Sequence
@@ -30,7 +31,7 @@ import torch
 
 from .anchors import Anchor, AnchorSet, CalibrationContext, PathLatency
 from .planner import Path, PathPlan, PlanOptions, WaveSchedule, build_plan, parse_path
-from .path_model import fit_rail_joint, path_features
+from .path_model import FEATURE_NAMES, PathCosts, fit_rail_joint, path_features
 from .selector import AnchorSelector, ModelSelector, Selection, fallback_phases_of, fewer_phases
 from .stats import demand_stats
 from .topology import RailTopology
@@ -152,13 +153,26 @@ def request_stats(request: ReplayRequest, topo: RailTopology,
                         scales=scales, windows=request.windows)
 
 
-def request_features(request: ReplayRequest, topo: RailTopology, stats: TrafficStats) -> tuple[float, ...] | None:
+def request_features(request: ReplayRequest, topo: RailTopology, costs: PathCosts) -> tuple[float, ...] | None:
     """The path model's features of ``request`` (as the dispatcher computes them from the gathered
-    counts), None without its target masks."""
+    counts, with the calibration's ``costs``), None without its target masks."""
     if request.demand is None:
         return None
-    return tuple(float(v) for v in path_features(request.demand, stats, topo, record_bytes=request.record_bytes,
-                                                 windows=request.windows))
+    return tuple(float(v) for v in path_features(request.demand, topo, record_bytes=request.record_bytes,
+                                                 windows=request.windows, costs=costs))
+
+
+def path_costs(settings: dict[str, Any], num_ranks: int) -> PathCosts:
+    """The fixed costs the path model's estimate charges, from a calibration's settings: the flow
+    model's per-call costs (``settings['model']``, a ``NetModelConfig`` dict; its defaults when
+    absent) over ``num_ranks`` ranks and the rail chunks (``settings['chunks']``, default 1)."""
+    from .netmodel import NetModelConfig
+
+    raw = settings.get("model")
+    model = NetModelConfig.from_dict(raw, source="context.settings.model") if isinstance(raw, dict) else NetModelConfig()
+    return PathCosts(rail_phase_s=model.wave_cost_s(num_ranks),
+                     layer_s=model.count_exchange_s + model.railbalance_barrier_s + model.railbalance_quota_s,
+                     chunks=int(settings.get("chunks", 1)))
 
 
 class NetmodelBackend:
@@ -356,7 +370,8 @@ def result_from_json(data: Any, *, source: str = "<json>", topo: RailTopology | 
     The anchors are rebuilt from the rows the keep rule kept (``kept``), so a file whose anchors
     the tuning dropped still yields them; context and scales come from its ``anchors`` block. The
     selector reads only B_mean, rho_g and kappa of a row; B_max and the record counts, which the
-    JSON does not hold, are set to B_mean and 0.
+    JSON does not hold, are set to B_mean and 0. Row features are kept only when the file's
+    ``features`` names this version's (``path_model.FEATURE_NAMES``).
 
     Args:
         topo: when given, the calibration must have been for this topology.
@@ -369,7 +384,17 @@ def result_from_json(data: Any, *, source: str = "<json>", topo: RailTopology | 
     if not isinstance(data, dict) or not isinstance(data.get("requests"), list) or "anchors" not in data:
         raise ValueError(f"{source}: expected the JSON of `railwave calibrate --json` (fields 'anchors' and "
                          "'requests')")
-    base = anchors_from_dict(data["anchors"], source=f"{source}: field 'anchors'", topo=topo)
+    # Rows' features are this version's only when the file names the same ones (older files
+    # name none): others are dropped, and --retune recomputes them (``with_features``); so is a
+    # path model fitted on them (the re-tuning fits its own).
+    current = data.get("features") == list(FEATURE_NAMES)
+    block = data["anchors"]
+    if not current and isinstance(block, dict):
+        block = copy.deepcopy(block)
+        tuned = ((block.get("context") or {}).get("settings") or {}).get("selector")
+        if isinstance(tuned, dict):
+            tuned.pop("model", None)
+    base = anchors_from_dict(block, source=f"{source}: field 'anchors'", topo=topo)
     rows, anchors = [], []
     for i, row in enumerate(data["requests"]):
         try:
@@ -382,7 +407,7 @@ def result_from_json(data: Any, *, source: str = "<json>", topo: RailTopology | 
                                  best=parse_path(row["best"]), kept=bool(row["kept"]), gain=float(row["gain"]),
                                  reason=str(row["reason"]), input_windows=int(row["input_windows"]),
                                  group=str(row["group"]), seed=str(row["seed"]),
-                                 features=None if row.get("features") is None
+                                 features=None if row.get("features") is None or not current
                                  else tuple(float(v) for v in row["features"]))
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"{source}: field 'requests[{i}]' is malformed ({exc!r}); write it with "
@@ -399,7 +424,8 @@ def result_from_json(data: Any, *, source: str = "<json>", topo: RailTopology | 
 def with_features(result: CalibrationResult, topo: RailTopology, *, progress: bool = True) -> CalibrationResult:
     """``result`` with the path model's features on every row that lacks them, computed from the
     requests its settings describe (``context.settings.requests``, regenerated: the generators
-    are deterministic). For calibrations written before the path model (``--retune``).
+    are deterministic) with its costs (``path_costs``). For calibrations written before this
+    version's features (``--retune``; ``result_from_json`` drops features of other names).
 
     Raises:
         ValueError: the settings do not regenerate a row's request (names the request).
@@ -413,11 +439,12 @@ def with_features(result: CalibrationResult, topo: RailTopology, *, progress: bo
         raise ValueError("the calibration records no request settings (context.settings.requests): its rows' "
                          "features cannot be computed; re-run `railwave calibrate`")
     record_bytes = ctx.hidden_size * dtype_bytes(ctx.dtype)
+    costs = path_costs(ctx.settings, topo.world_size)
     features = {}
     with _progress(len(missing), "features", progress) as bar:
         for req in calibration_requests(topo, settings, record_bytes=record_bytes):
             if req.name in missing:
-                features[req.name] = request_features(req, topo, request_stats(req, topo))
+                features[req.name] = request_features(req, topo, costs)
                 bar.update(1)
     lost = sorted(missing - features.keys())
     if lost:
@@ -432,11 +459,13 @@ def calibrate(backend: MeasureBackend, requests: Sequence[ReplayRequest], topo: 
               hidden_size: int, dtype: str, warmups: int = 5, repeats: int = 10,
               max_spread: float = 1.2, min_gain: float = 0.05, scales: SelectorScales | None = None,
               settings: dict[str, Any] | None = None, progress: bool = True) -> CalibrationResult:
-    """Profile every request on the four paths and keep the anchors that pass the rule."""
+    """Profile every request on the four paths and keep the anchors that pass the rule; every row
+    carries the path model's features, computed with the costs ``settings`` name (``path_costs``)."""
     if not requests:
         raise ValueError("calibrate needs at least one request")
     resolved = AnchorSet.scales_for(topo, scales)
     ref, rho_s, kappa_s = resolved
+    costs = path_costs(settings or {}, topo.world_size)
     rows, anchors = [], []
     per_request = len(ALL_PATHS) * (repeats + (1 if warmups else 0))
     with _progress(per_request * len(requests), "calibrate", progress) as bar:
@@ -452,7 +481,7 @@ def calibrate(backend: MeasureBackend, requests: Sequence[ReplayRequest], topo: 
             rows.append(CalibrationRow(request=req.name, stats=st, coords=st.coords, latency=latency,
                                        best=best, kept=kept, gain=gain, reason=reason,
                                        input_windows=request_windows(req), group=request_group(req),
-                                       seed=request_seed(req), features=request_features(req, topo, st)))
+                                       seed=request_seed(req), features=request_features(req, topo, costs)))
             if kept:
                 anchors.append(Anchor(name=req.name, coords=st.coords, B_mean_bytes=st.B_mean_bytes,
                                       rho_g=st.rho_g, kappa=st.kappa, path=best, latency_s=latency,
@@ -617,6 +646,8 @@ def tune_selector(result: CalibrationResult, *, grid: dict[str, Sequence[float]]
     # The path model, scored with the same leave-out: fitted without the unit, deciding its rows.
     model, model_score = None, None
     if fit_model and rows and all(r.features is not None for r in rows):
+        topo_dict = aset.context.topology
+        costs = path_costs(aset.context.settings, int(topo_dict["num_nodes"]) * int(topo_dict["gpus_per_node"]))
         features_RF = np.array([r.features for r in rows], dtype=np.float64)
         with np.errstate(divide="ignore", invalid="ignore"):
             target_R = np.log(lat_rail_R / lat_joint_R)
@@ -624,7 +655,7 @@ def tune_selector(result: CalibrationResult, *, grid: dict[str, Sequence[float]]
         rail_R = np.zeros(len(rows), dtype=bool)
         for unit, idx in rows_of_unit.items():
             train = (units_R != unit) & fits_R
-            fitted = fit_rail_joint(features_RF[train], windows_R[train], target_R[train])
+            fitted = fit_rail_joint(features_RF[train], windows_R[train], target_R[train], costs=costs)
             for i in idx:
                 predicted = fitted.log_ratio(features_RF[i], input_windows=int(windows_R[i])) if fitted else None
                 rail_R[i] = predicted is not None and predicted < 0
@@ -632,7 +663,7 @@ def tune_selector(result: CalibrationResult, *, grid: dict[str, Sequence[float]]
         model_score = {**entry(None, None, (over, float(np.where(rail_R, lat_rail_R, lat_joint_R).sum()), -math.inf), 0),
                        "model": True}
         if rank(model_score) < rank(chosen):
-            model = fit_rail_joint(features_RF[fits_R], windows_R[fits_R], target_R[fits_R])
+            model = fit_rail_joint(features_RF[fits_R], windows_R[fits_R], target_R[fits_R], costs=costs)
         if model is not None:
             method += (f"; the RAIL / JOINT path model (leave-one-{left_out}-out: {over} requests over) scored better "
                        "than the anchors and decides")

@@ -1,38 +1,44 @@
-"""RAIL or JOINT from the layer's counts: a calibrated log-linear model of their time ratio.
+"""RAIL or JOINT from the layer's counts: an analytic estimate of both paths' time, calibrated.
 
 Why: the nearest-anchor rule sees only B, rho_g and kappa, and on the flow model whether RAIL or
-(chunked) JOINT wins a layer also depends on things those three do not see: how each cyclic
-wave's busiest node pair compares to the all-at-once rail load, how many NVLink copies the
-busiest GPU receives per wave against all at once (the "delivery stretch" of docs/selector.md),
-and how the fixed per-phase costs compare to the bandwidth time. This module computes those from
-the gathered global counts, so every rank gets the same features and the same decision, and
-predicts ``log(t_RAIL / t_JOINT)`` with coefficients fitted by ``railwave calibrate``
-(least squares on the calibration requests' measured times; one coefficient vector for inputs
-sent all node pairs at once, one for inputs in several sending windows).
+(chunked) JOINT wins a layer depends on what those three do not see: how each cyclic wave's
+busiest node pair compares to the all-at-once rail load, how many NVLink copies the busiest GPU
+receives per wave against all at once, how long the relay and the local round hold the NVLink
+ports before the first rail phase may start, and how the fixed per-phase costs compare to the
+bandwidth time. This module estimates the layer's time on each path from the gathered global
+counts, phase by phase in the schedule's own order (``schedule.execution``), so every rank gets
+the same estimate and the same decision, and predicts ``log(t_RAIL / t_JOINT)`` as an affine
+function of ``log(est_RAIL / est_JOINT)`` fitted by ``railwave calibrate`` (least squares on the
+calibration requests' measured times; one pair of coefficients for inputs sent all node pairs
+at once, one for inputs in several sending windows).
 
-Letters: N nodes, G GPUs per node, F features, P phases.
+Letters: N nodes, G GPUs per node, F features, P phases, B the record bytes.
 
-Per phase (RAIL: one per sending window; JOINT: one per cyclic wave k = 1 .. N - 1, node s to
-s + k mod N), with B the record bytes:
+Port loads per phase (RAIL: one per sending window; JOINT: one per cyclic wave k = 1 .. N - 1,
+node s to s + k mod N, split into the plan's rail chunks):
 
-* rail seconds: max over nodes of bytes sent or received in the phase / healthy rails of the
-  pair / the rail rate (RailBalance spreads each pair evenly over its rails);
-* relay seconds: max over GPUs of records moved to or from a proxy on the same node (owner-rail
-  records above or below the even share) x B / NVLink rate;
+* rail seconds: max over nodes of records sent or received in the phase / healthy rails of the
+  pair x B / the rail rate (RailBalance spreads each pair evenly over its rails);
 * delivery seconds: max over destination GPUs of the (record, target GPU) copies they receive
-  x B / NVLink rate.
+  x (1 - 1/G) x B / NVLink rate (the copies that arrive on the target's own rail stay on it);
+* before the first rail phase (the same on both paths): the relay (owner-rail records above or
+  below the even share, moved to or from a proxy) and the local round (the node's own records
+  to their target GPUs) share the NVLink ports: the busiest GPU port's relay + local-round load.
 
-Features (``FEATURE_NAMES``), with t_J = JOINT's rail + relay + delivery seconds summed over its
-waves: a constant; x = log2(B_mean / 1 MiB) and x^2; log of RAIL's over JOINT's summed rail
-seconds and summed delivery seconds; and the input's sending windows x 100 us / t_J (the fixed
-per-phase costs against JOINT's bandwidth time). Chosen by leaving calibration seeds out on the
-H800 and H20 4 x 8 calibrations (docs/selector.md): rho_g, kappa, the relay ratio, incast and
-sender counts made the held-out seeds' predictions worse (rho_g most: seeds differ in skew
-level, and RailBalance evens the rails on both paths anyway).
+Estimate (dispatch, then combine as its mirror): per-layer cost + the relay and local round +
+the rail phases and delivery rounds as a two-stage pipeline (delivery round v + 1 starts once
+rail phase v and round v are done; rail phase v + 1 once rail phase v is; every rail phase pays
+the per-phase cost) + the same pipeline in combine (reversed, it has the same length) + the
+relay back. The costs (``PathCosts``) are recorded with the fitted coefficients: on the flow
+model they are its stated per-call costs (``NetModelConfig``).
 
-Cost: numpy over [N, G, N] arrays plus one pass per cyclic wave: 0.13 / 0.35 / 0.82 ms per layer
-on 4 x 8 / 16 x 8 / 32 x 8 (one thread, the shared 2-core development machine, median of 20),
-next to 0.3-0.4 ms for the descriptors; part of the planning time the dispatcher logs.
+Features (``FEATURE_NAMES``): a constant and log(est_RAIL / est_JOINT). Chosen by leaving
+calibration seeds out on the H800 and H20 4 x 8 calibrations (docs/selector.md): the earlier
+five load ratios and payload terms fitted separately put 3-8x more held-out requests over 1.03x
+of their best path, and adding the payload terms to the estimate changed little.
+
+Cost: numpy over [N, G, N] arrays plus one pass per cyclic wave (docs/selector.md gives the
+measured time per layer); part of the planning time the dispatcher logs.
 """
 
 from __future__ import annotations
@@ -47,14 +53,52 @@ import torch
 
 from .planner import WaveSchedule, all_at_once
 from .topology import RailTopology
-from .traffic import DemandCounts, TrafficStats
+from .traffic import DemandCounts
 
-__all__ = ["FEATURE_NAMES", "RailJointModel", "path_features", "delivery_copies_NNG", "fit_rail_joint"]
+__all__ = ["FEATURE_NAMES", "PathCosts", "RailJointModel", "path_features", "path_estimates", "delivery_copies_NNG",
+           "fit_rail_joint"]
 
-FEATURE_NAMES: tuple[str, ...] = ("const", "x", "x2", "log_rail", "log_delivery", "fixed")
+FEATURE_NAMES: tuple[str, ...] = ("const", "log_estimate")
 
-_FIXED_S = 1e-4  # the scale of the fixed-cost features (about one layer's fixed costs)
 _TINY = 1e-12
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PathCosts:
+    """The fixed costs and JOINT's rail chunks the estimate charges (recorded with the model).
+
+    Attributes:
+        rail_phase_s: every rail phase, dispatch and combine (launch, notify, host wait).
+        layer_s: once per layer on both paths (the count exchange, RailBalance's steps).
+        chunks: JOINT's rail chunks per wave (``PlanOptions.chunks``; RAIL sends whole windows).
+    """
+
+    rail_phase_s: float = 30e-6
+    layer_s: float = 35e-6
+    chunks: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("rail_phase_s", "layer_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+                raise ValueError(f"PathCosts.{name} must be a finite number of seconds >= 0, got {value!r}")
+        if isinstance(self.chunks, bool) or not isinstance(self.chunks, int) or self.chunks < 1:
+            raise ValueError(f"PathCosts.chunks must be an integer >= 1 (JOINT's rail chunks per wave), "
+                             f"got {self.chunks!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"rail_phase_s": float(self.rail_phase_s), "layer_s": float(self.layer_s), "chunks": int(self.chunks)}
+
+    @classmethod
+    def from_dict(cls, data: Any, *, source: str = "path costs") -> PathCosts:
+        """Parse ``to_dict``'s layout; a wrong one raises ValueError naming the field."""
+        if not isinstance(data, dict) or set(data) != {"rail_phase_s", "layer_s", "chunks"}:
+            raise ValueError(f"{source}: must be a mapping with exactly 'rail_phase_s', 'layer_s' and 'chunks', "
+                             f"got {data!r}")
+        try:
+            return cls(**data)
+        except ValueError as exc:
+            raise ValueError(f"{source}: {exc}") from None
 
 
 def delivery_copies_NNG(demand: DemandCounts) -> np.ndarray:
@@ -78,89 +122,120 @@ def _healthy_rails_NN(topo: RailTopology) -> np.ndarray:
 
 @dataclass(frozen=True, slots=True)
 class _Loads:
-    """What every phase's loads are computed from (module docstring)."""
+    """What every phase's port loads are computed from (module docstring)."""
 
     per_rail_NN: np.ndarray
-    """Records of each node pair per healthy rail."""
+    """Remote records of each node pair per healthy rail (0 on the diagonal)."""
     excess_NGN: np.ndarray
-    """Owner-rail records above the pair's even share (relayed out of the GPU)."""
+    """Owner-rail remote records above the pair's even share (relayed out of the GPU)."""
     deficit_NGN: np.ndarray
-    """Owner-rail records below it (relayed into the GPU)."""
+    """Owner-rail remote records below it (relayed into the GPU)."""
+    local_NG: np.ndarray
+    """Records of GPU (s, g) for its own node (the local round's sources)."""
     copies_NNG: np.ndarray
     record_bytes: int
     topo: RailTopology
 
     @classmethod
     def of(cls, records_NGN: np.ndarray, copies_NNG: np.ndarray, *, record_bytes: int, topo: RailTopology) -> _Loads:
-        pair_NN = records_NGN.sum(axis=1)
+        n = records_NGN.shape[0]
+        remote_NGN = records_NGN * (1.0 - np.eye(n))[:, None, :]  # local records never cross a rail
+        pair_NN = remote_NGN.sum(axis=1)
         share_NGN = pair_NN[:, None, :] / records_NGN.shape[1]
         return cls(per_rail_NN=pair_NN / np.maximum(_healthy_rails_NN(topo), 1),
-                   excess_NGN=np.maximum(records_NGN - share_NGN, 0.0),
-                   deficit_NGN=np.maximum(share_NGN - records_NGN, 0.0), copies_NNG=copies_NNG,
+                   excess_NGN=np.maximum(remote_NGN - share_NGN, 0.0),
+                   deficit_NGN=np.maximum(share_NGN - remote_NGN, 0.0),
+                   local_NG=records_NGN[np.arange(n), :, np.arange(n)], copies_NNG=copies_NNG,
                    record_bytes=record_bytes, topo=topo)
 
-    def seconds(self, rail_NN: np.ndarray, relay_NG: np.ndarray, delivery_NG: np.ndarray) -> np.ndarray:
-        """[3]: one phase's busiest-port rail, relay and delivery seconds from its port loads."""
-        return np.array([rail_NN.max(initial=0.0) * self.record_bytes / self.topo.rail_bytes_per_s,
-                         relay_NG.max(initial=0.0) * self.record_bytes / self.topo.nvlink_bytes_per_s,
-                         delivery_NG.max(initial=0.0) * self.record_bytes / self.topo.nvlink_bytes_per_s])
+    @property
+    def _wire_share(self) -> float:
+        # A copy whose target is the GPU holding the record stays there (no NVLink transfer):
+        # about 1/G of them, as RailBalance spreads a pair's records evenly over the rails.
+        return 1.0 - 1.0 / self.copies_NNG.shape[2]
+
+    def _nvlink_s(self, copies: float) -> float:
+        return copies * self.record_bytes / self.topo.nvlink_bytes_per_s
+
+    def phase_seconds(self, rail_NN: np.ndarray, delivery_NG: np.ndarray) -> tuple[float, float]:
+        """One phase's busiest-port rail seconds and delivery seconds from its port loads."""
+        return (float(rail_NN.max(initial=0.0)) * self.record_bytes / self.topo.rail_bytes_per_s,
+                self._nvlink_s(float(delivery_NG.max(initial=0.0)) * self._wire_share))
 
     def windows(self, mask_PNN: np.ndarray) -> np.ndarray:
-        """[P, 3] for phases given as node-pair masks (RAIL: the input's sending windows)."""
+        """[P, 2] (rail, delivery) seconds for phases given as node-pair masks (RAIL's windows)."""
         out = []
         for mask in mask_PNN:
             rail = np.stack([(mask * self.per_rail_NN).sum(axis=1), (mask * self.per_rail_NN).sum(axis=0)])
-            relay = np.maximum(np.einsum("nd,ngd->ng", mask, self.excess_NGN),
-                               np.einsum("nd,ngd->ng", mask, self.deficit_NGN))
-            out.append(self.seconds(rail, relay, np.einsum("sd,sdg->dg", mask, self.copies_NNG)))
-        return np.array(out).reshape(len(out), 3)
+            out.append(self.phase_seconds(rail, np.einsum("sd,sdg->dg", mask, self.copies_NNG)))
+        return np.array(out, dtype=np.float64).reshape(len(out), 2)
 
     def cyclic(self) -> np.ndarray:
-        """[N - 1, 3] for JOINT's cyclic waves (node s to s + k mod N): each node sends one pair
+        """[N - 1, 2] for JOINT's cyclic waves (node s to s + k mod N): each node sends one pair
         and receives one, so the wave's ports are the pairs' own loads (no mask sums)."""
         n = self.per_rail_NN.shape[0]
         src = np.arange(n)
-        out = []
-        for k in range(1, n):
-            dst = (src + k) % n
-            out.append(self.seconds(self.per_rail_NN[src, dst],
-                                    np.maximum(self.excess_NGN[src, :, dst], self.deficit_NGN[src, :, dst]),
-                                    self.copies_NNG[src, dst, :]))
-        return np.array(out).reshape(len(out), 3)
+        out = [self.phase_seconds(self.per_rail_NN[src, (src + k) % n], self.copies_NNG[src, (src + k) % n, :])
+               for k in range(1, n)]
+        return np.array(out, dtype=np.float64).reshape(len(out), 2)
+
+    def relay_seconds(self) -> float:
+        """The relay alone: its busiest GPU port (combine's relay back, after the last rail phase)."""
+        return self._nvlink_s(float(max(self.excess_NGN.sum(axis=2).max(initial=0.0),
+                                        self.deficit_NGN.sum(axis=2).max(initial=0.0))))
+
+    def before_rail_seconds(self) -> float:
+        """The relay and the local round together (they start at once and share the NVLink
+        ports; the first rail phase waits for the relay): the busiest GPU port's load. A source
+        GPU's local copies are its local records x the node's copies per local record."""
+        n = self.local_NG.shape[0]
+        local_copies_NG = self.copies_NNG[np.arange(n), np.arange(n), :] * self._wire_share
+        per_record_N = local_copies_NG.sum(axis=1) / np.maximum(self.local_NG.sum(axis=1), 1.0)
+        out_NG = self.excess_NGN.sum(axis=2) + self.local_NG * per_record_N[:, None]
+        in_NG = self.deficit_NGN.sum(axis=2) + local_copies_NG
+        return self._nvlink_s(float(max(out_NG.max(initial=0.0), in_NG.max(initial=0.0))))
 
 
-def _log_ratio(a: float, b: float) -> float:
-    """log(a / b) for loads >= 0: 0 when both are 0, a zero side floored at 1e-9 of the other."""
-    top = max(a, b)
-    if top <= 0:
-        return 0.0
-    return math.log(max(a, 1e-9 * top) / max(b, 1e-9 * top))
+def _pipeline_seconds(phases_P2: np.ndarray, phase_s: float) -> float:
+    """Rail phases and their delivery rounds as the schedule orders them: rail phase v + 1 after
+    rail phase v (each paying ``phase_s``), delivery round v after rail phase v and round v - 1."""
+    rail_end = delivery_end = 0.0
+    for rail_s, delivery_s in phases_P2:
+        rail_end += phase_s + float(rail_s)
+        delivery_end = max(rail_end, delivery_end) + float(delivery_s)
+    return delivery_end
 
 
-def path_features(demand: DemandCounts, stats: TrafficStats, topo: RailTopology, *, record_bytes: int,
-                  windows: WaveSchedule | None = None) -> np.ndarray:
-    """[F] float64: the model's features of one layer (``FEATURE_NAMES``), identical on every rank.
+def path_estimates(demand: DemandCounts, topo: RailTopology, *, record_bytes: int,
+                   windows: WaveSchedule | None = None, costs: PathCosts = PathCosts()) -> tuple[float, float]:
+    """(RAIL, JOINT) estimated seconds of one layer's dispatch + combine (module docstring),
+    identical on every rank.
 
     Args:
         demand: the gathered global counts (``records_WN`` plus delivery counts,
             ``delivery_copies_NNG``).
-        stats: the layer's descriptors (``stats.demand_stats`` with the same ``windows``).
         record_bytes: payload bytes of one record (hidden x element size).
-        windows: the input's sending windows (replay arrangements); None = all pairs at once.
+        windows: the input's sending windows (replay arrangements), kept by RAIL; None = all
+            pairs at once.
+        costs: the fixed costs and JOINT's rail chunks.
     """
     loads = _Loads.of(demand.records_NGN().to(torch.float64).numpy(), delivery_copies_NNG(demand),
                       record_bytes=record_bytes, topo=topo)
     sending = windows if windows is not None else all_at_once(topo.num_nodes)
     window_NN = sending.pair_wave_NN().numpy()
-    rail = loads.windows((window_NN[None] == np.arange(sending.num_waves)[:, None, None]).astype(np.float64))
-    joint = loads.cyclic()
-    sum_r, sum_j = rail.sum(axis=0), joint.sum(axis=0)
-    t_joint = max(float(sum_j.sum()), _TINY)
-    b = stats.B_mean_bytes
-    x = math.log2(b / 2 ** 20) if b > 0 else 0.0
-    return np.array([1.0, x, x * x, _log_ratio(float(sum_r[0]), float(sum_j[0])),
-                     _log_ratio(float(sum_r[2]), float(sum_j[2])),
-                     (windows.num_waves if windows is not None else 1) * _FIXED_S / t_joint])
+    rail_P2 = loads.windows((window_NN[None] == np.arange(sending.num_waves)[:, None, None]).astype(np.float64))
+    joint_P2 = np.repeat(loads.cyclic() / costs.chunks, costs.chunks, axis=0)
+    shared = costs.layer_s + loads.before_rail_seconds() + loads.relay_seconds()
+    return (shared + 2 * _pipeline_seconds(rail_P2, costs.rail_phase_s),
+            shared + 2 * _pipeline_seconds(joint_P2, costs.rail_phase_s))
+
+
+def path_features(demand: DemandCounts, topo: RailTopology, *, record_bytes: int,
+                  windows: WaveSchedule | None = None, costs: PathCosts = PathCosts()) -> np.ndarray:
+    """[F] float64: the model's features of one layer (``FEATURE_NAMES``; arguments as
+    ``path_estimates``)."""
+    est_rail, est_joint = path_estimates(demand, topo, record_bytes=record_bytes, windows=windows, costs=costs)
+    return np.array([1.0, math.log(max(est_rail, _TINY) / max(est_joint, _TINY))])
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -171,10 +246,12 @@ class RailJointModel:
         all_pairs: [F] coefficients for inputs sent all node pairs at once (a training step).
         windowed: [F] coefficients for inputs in several sending windows (replay arrangements);
             None: none were calibrated (such inputs then run JOINT).
+        costs: the fixed costs and rail chunks the features were computed with.
     """
 
     all_pairs: tuple[float, ...]
     windowed: tuple[float, ...] | None = None
+    costs: PathCosts = PathCosts()
 
     def log_ratio(self, features: np.ndarray, *, input_windows: int = 1) -> float | None:
         """The prediction, None when no coefficients cover this input kind."""
@@ -183,7 +260,7 @@ class RailJointModel:
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"target": "log(t_rail / t_joint)", "features": list(FEATURE_NAMES),
-                               "all_pairs": [float(v) for v in self.all_pairs]}
+                               "costs": self.costs.to_dict(), "all_pairs": [float(v) for v in self.all_pairs]}
         if self.windowed is not None:
             out["windowed"] = [float(v) for v in self.windowed]
         return out
@@ -196,6 +273,7 @@ class RailJointModel:
         if data.get("features") != list(FEATURE_NAMES):
             raise ValueError(f"{source}: field 'features' must be {list(FEATURE_NAMES)} (this version's features), "
                              f"got {data.get('features')!r}; re-run `railwave calibrate --retune`")
+        costs = PathCosts.from_dict(data.get("costs"), source=f"{source}: field 'costs'")
 
         def coef(key: str) -> tuple[float, ...] | None:
             raw = data.get(key)
@@ -207,12 +285,14 @@ class RailJointModel:
                                  f"got {raw!r}")
             return tuple(float(v) for v in raw)
 
-        return cls(all_pairs=coef("all_pairs"), windowed=coef("windowed"))  # type: ignore[arg-type]
+        return cls(all_pairs=coef("all_pairs"), windowed=coef("windowed"), costs=costs)  # type: ignore[arg-type]
 
 
-def fit_rail_joint(features_RF: np.ndarray, windows_R: np.ndarray, log_ratio_R: np.ndarray) -> RailJointModel | None:
+def fit_rail_joint(features_RF: np.ndarray, windows_R: np.ndarray, log_ratio_R: np.ndarray, *,
+                   costs: PathCosts = PathCosts()) -> RailJointModel | None:
     """Least squares per input kind (all pairs at once / several windows); None without
-    all-pairs requests. A kind with fewer requests than features gets no coefficients."""
+    all-pairs requests. A kind with fewer requests than features gets no coefficients.
+    ``costs``: what the features were computed with (recorded in the model)."""
     features_RF = np.asarray(features_RF, dtype=np.float64)
     windows_R, log_ratio_R = np.asarray(windows_R), np.asarray(log_ratio_R, dtype=np.float64)
     coefs = {}
@@ -224,4 +304,4 @@ def fit_rail_joint(features_RF: np.ndarray, windows_R: np.ndarray, log_ratio_R: 
         coefs[kind] = tuple(float(v) for v in beta)
     if coefs["all_pairs"] is None:
         return None
-    return RailJointModel(all_pairs=coefs["all_pairs"], windowed=coefs["windowed"])
+    return RailJointModel(all_pairs=coefs["all_pairs"], windowed=coefs["windowed"], costs=costs)

@@ -201,13 +201,14 @@ class ModelSelector:
     JOINT, else JOINT.
 
     Pure: the features come from the gathered global counts (``path_model.path_features``: the
-    payload, and the rail and NVLink delivery loads of RAIL's phase against JOINT's cyclic
-    waves), so every rank decides the same. It needs every rank's copies per destination
+    estimated time of RAIL's sending windows against JOINT's cyclic waves, from their rail,
+    relay, local-round and NVLink delivery loads and the model's recorded fixed costs), so every
+    rank decides the same. It needs every rank's copies per destination
     GPU, which the count exchange carries when ``needs_delivery(selector)`` (the dispatcher asks
     for them).
 
     Args:
-        model: the fitted coefficients (``AnchorSet.path_model``).
+        model: the fitted coefficients and the costs they go with (``AnchorSet.path_model``).
         topo: the job's topology (the features' rates and healthy rails).
         fallback: the path where the model has no coefficients for the input kind (JOINT).
     """
@@ -226,7 +227,7 @@ class ModelSelector:
         coords = stats.coords
         if not stats.B_mean_bytes > 0:  # no remote payload: every path is the same
             return Selection(path=self.fallback, anchor=None, distance=math.inf, coords=coords)
-        features = path_features(demand, stats, self.topo, record_bytes=record_bytes, windows=windows)
+        features = path_features(demand, self.topo, record_bytes=record_bytes, windows=windows, costs=self.model.costs)
         predicted = self.model.log_ratio(features, input_windows=input_windows)
         if predicted is None:
             return Selection(path=self.fallback, anchor=None, distance=math.inf, coords=coords)

@@ -234,7 +234,7 @@ def _retune(args: argparse.Namespace) -> int:
                        f"({len(result.anchor_set.anchors)} passed the keep rule); nothing is measured")
     lacking = sum(r.features is None for r in result.rows)
     if lacking:
-        _render.print_text(f"{lacking} rows carry no path-model features (written before the path model): "
+        _render.print_text(f"{lacking} rows carry no path-model features of this version (written before it): "
                            "regenerating their requests from context.settings.requests to compute them")
         result = calibration.with_features(result, topo, progress=not args.no_progress)
     return _tune_and_write(args, result)
@@ -276,5 +276,8 @@ def _tune_and_write(args: argparse.Namespace, result) -> int:
             + ("better than the anchors, recorded in context.settings.selector.model: the runtime decides with it"
                if tuned.get("model") else "not better than the anchors, not recorded"))
     if args.json:
-        _common.write_json(args.json, {"anchors": anchor_set.to_dict(), "requests": rows, "selector": tuned})
+        from ..path_model import FEATURE_NAMES
+
+        _common.write_json(args.json, {"anchors": anchor_set.to_dict(), "features": list(FEATURE_NAMES),
+                                       "requests": rows, "selector": tuned})
     return 0

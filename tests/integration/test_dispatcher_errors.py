@@ -230,12 +230,12 @@ def dispatcher_errors_worker(rank: int, world: int) -> dict[str, Any]:
 
         def select_layer(self, stats, demand, *, record_bytes, windows=None):
             path = super().select_layer(stats, demand, record_bytes=record_bytes, windows=windows)
-            features = path_features(demand, stats, self.topo, record_bytes=record_bytes)
+            features = path_features(demand, self.topo, record_bytes=record_bytes, costs=self.model.costs)
             self.decisions.append((demand.delivery_WNG is not None, str(path), features.tolist()))
             return path
 
     coef = [0.0] * len(FEATURE_NAMES)
-    coef[FEATURE_NAMES.index("log_delivery")] = 1.0  # RAIL where JOINT's waves stretch delivery
+    coef[FEATURE_NAMES.index("log_estimate")] = 1.0  # RAIL where its estimate is below JOINT's
     selector = RecordingModel(RailJointModel(all_pairs=tuple(coef)), RailTopology(num_nodes=2, gpus_per_node=2))
     model_d = RailWaveTokenDispatcher(per, local, config(), pgs, railwave=RailWaveConfig(gpus_per_node=2, path="auto"),
                                       selector=selector)

@@ -548,6 +548,17 @@ def test_calibrate_retune_rebuilds_the_same_file_from_the_json_without_measuring
     assert second.anchors == first.anchors and second.scales == first.scales
     assert second.context.settings == first.context.settings
     assert json.loads(again_json.read_text())["requests"] == json.loads(cal_json.read_text())["requests"]
+    # A file of other path-model features (another version's): its rows' features and its model
+    # are dropped, not refused, and with_features computes this version's again, bitwise.
+    stale = json.loads(cal_json.read_text())
+    stale["features"] = ["const", "x"]
+    for row in stale["requests"]:
+        row["features"] = [1.0, 0.0]
+    stale["anchors"]["context"]["settings"].setdefault("selector", {})["model"] = {"features": ["const", "x"]}
+    dropped = calibration.result_from_json(stale, topo=topo)
+    assert all(r.features is None for r in dropped.rows)
+    assert [list(r.features) for r in calibration.with_features(dropped, topo, progress=False).rows] == \
+        [r["features"] for r in json.loads(cal_json.read_text())["requests"]]
     # The rows' keep decisions rebuild the anchors even where a file dropped them.
     data = json.loads(cal_json.read_text())
     data["anchors"]["anchors"] = []

@@ -1,5 +1,6 @@
-"""The RAIL / JOINT path model: features from the gathered counts (the same on every rank as from
-the full demand), the fit, the file field, the selector and its place in the tuning."""
+"""The RAIL / JOINT path model: the estimate from the gathered counts (the same on every rank as
+from the full demand; hand-worked cases), the fit, the file field, the selector and its place in
+the tuning."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ from megatron_railwave.anchors import AnchorSet, CalibrationContext, PathLatency
 from megatron_railwave.bench.virtual_exchange import VirtualSpec, make_virtual_inputs
 from megatron_railwave.config import RailWaveConfig
 from megatron_railwave.exchange import RankContext, VirtualCluster, gather_demand, virtual_rank_groups
-from megatron_railwave.path_model import FEATURE_NAMES, RailJointModel, fit_rail_joint, path_features
+from megatron_railwave.path_model import (FEATURE_NAMES, PathCosts, RailJointModel, fit_rail_joint, path_estimates,
+                                          path_features)
 from megatron_railwave.planner import Path, PlanOptions
 from megatron_railwave.selector import ModelSelector, needs_delivery, select_for_layer, selector_from_config
 from megatron_railwave.stats import demand_stats
@@ -41,11 +43,12 @@ def _gathered(spec: VirtualSpec):
 def test_features_from_the_count_exchange_equal_the_full_demand_s_on_every_rank(topo):
     spec = VirtualSpec(topology=topo, tokens=40, hidden=8, experts=2 * topo.world_size, topk=3, seed=11)
     layers, full = _gathered(spec)
-    want = path_features(full, demand_stats(full, topo, record_bytes=16), topo, record_bytes=16)
-    assert want.shape == (F,) and np.isfinite(want).all()
+    costs = PathCosts(chunks=2)
+    want = path_features(full, topo, record_bytes=16, costs=costs)
+    assert want.shape == (F,) and np.isfinite(want).all() and want[1] != 0
     for layer in layers:
         assert torch.equal(layer.demand.delivery_WNG, full.copies_WNG())
-        got = path_features(layer.demand, demand_stats(layer.demand, topo, record_bytes=16), topo, record_bytes=16)
+        got = path_features(layer.demand, topo, record_bytes=16, costs=costs)
         assert np.array_equal(got, want)  # bitwise: every rank decides the same
 
 
@@ -59,32 +62,70 @@ def test_node_view_without_delivery_counts_names_the_fix():
                                                              inputs["routing"][r]) for r in range(4)])
     assert layers[0].demand.delivery_WNG is None
     with pytest.raises(ValueError, match="delivery_counts=True"):
-        path_features(layers[0].demand, demand_stats(layers[0].demand, topo, record_bytes=16), topo, record_bytes=16)
+        path_features(layers[0].demand, topo, record_bytes=16)
 
 
-def test_delivery_feature_sees_where_copies_land():
-    # 3 nodes x 2 GPUs, 10 records from every rank to every other node, one target GPU each. "one":
-    # every copy into a node lands on its GPU 0, so RAIL's one round and JOINT's two waves put the
-    # same 40 copies on that GPU (log ratio 0). "split": the two source nodes of a node target
-    # different GPUs: RAIL's round gives each GPU 20, but each of JOINT's waves still has a GPU
-    # with 20, 40 over the waves: log(20 / 40) (the delivery stretch JOINT pays).
+def _three_node_demand(name: str) -> DemandCounts:
+    """3 nodes x 2 GPUs, 10 records from every rank to every other node, one target GPU each, no
+    local records. "one": every copy into a node lands on its GPU 0. "split": the two source
+    nodes of a node target different GPUs."""
+    wnm = torch.zeros(6, 3, 4, dtype=torch.int64)
+    for r in range(6):
+        s = r // 2
+        for d in range(3):
+            if d != s:
+                gpu = 0 if name == "one" else sorted(set(range(3)) - {d}).index(s)
+                wnm[r, d, 1 << gpu] = 10
+    return DemandCounts(records_WNM=wnm)
+
+
+@pytest.mark.parametrize("chunks", [1, 2])
+def test_estimate_hand_worked_delivery_stretch(chunks):
+    # Every pair's 20 records sit 10 per GPU: no relay; no local round. Per rail RAIL sends 20
+    # records (two pairs at once), each JOINT wave 10. A copy stays on its arrival GPU half the
+    # time (G = 2), so a GPU's delivery seconds are half its copies. "one": RAIL's round puts 40
+    # copies on GPU 0 (20 on the wire), each wave 20 (10). "split": RAIL's round gives each GPU
+    # 20 (10), each wave still puts 20 (10) on one GPU: JOINT pays the delivery twice.
     topo = RailTopology(num_nodes=3, gpus_per_node=2)
-    feats = {}
-    for name in ("one", "split"):
-        wnm = torch.zeros(6, 3, 4, dtype=torch.int64)
-        for r in range(6):
-            s = r // 2
-            for d in range(3):
-                if d != s:
-                    gpu = 0 if name == "one" else sorted(set(range(3)) - {d}).index(s)
-                    wnm[r, d, 1 << gpu] = 10
-        demand = DemandCounts(records_WNM=wnm)
-        feats[name] = path_features(demand, demand_stats(demand, topo, record_bytes=8), topo, record_bytes=8)
-    i = FEATURE_NAMES.index("log_delivery")
-    assert feats["one"][i] == pytest.approx(0.0, abs=1e-9)
-    assert feats["split"][i] == pytest.approx(np.log(0.5), abs=1e-9)
-    for name in feats:  # the node pairs are uniform: rail loads per phase sum to RAIL's
-        assert feats[name][FEATURE_NAMES.index("log_rail")] == pytest.approx(0.0, abs=1e-9)
+    costs = PathCosts(rail_phase_s=30e-6, layer_s=35e-6, chunks=chunks)
+    b = 8
+    rail = b / topo.rail_bytes_per_s  # seconds per record on a rail
+    nvl = b / topo.nvlink_bytes_per_s
+
+    def pipeline(phases, f=30e-6):
+        r = d = 0.0
+        for rail_s, delivery_s in phases:
+            r += f + rail_s
+            d = max(r, d) + delivery_s
+        return d
+
+    for name, rail_round in (("one", 20), ("split", 10)):
+        est_rail, est_joint = path_estimates(_three_node_demand(name), topo, record_bytes=b, costs=costs)
+        want_rail = 35e-6 + 2 * pipeline([(20 * rail, rail_round * nvl)])
+        want_joint = 35e-6 + 2 * pipeline([(10 * rail / chunks, 10 * nvl / chunks)] * (2 * chunks))
+        assert est_rail == pytest.approx(want_rail, rel=1e-12)
+        assert est_joint == pytest.approx(want_joint, rel=1e-12)
+        f = path_features(_three_node_demand(name), topo, record_bytes=b, costs=costs)
+        assert f[0] == 1.0 and f[FEATURE_NAMES.index("log_estimate")] == pytest.approx(np.log(want_rail / want_joint))
+
+
+def test_estimate_charges_the_relay_and_the_local_round_before_the_first_rail_phase():
+    # 2 nodes x 2 GPUs. GPU (0, 0) owns 20 records for node 1 (target GPU 0 there) and 10 for its
+    # own node (target GPU 1); GPU (0, 1) owns none. The pair's even share is 10 per rail: 10 are
+    # relayed out of (0, 0). Its local round sends 10 records x 1 copy, half of them counted on the
+    # wire (G = 2): its out-port carries 10 + 5 before rail phase 0 may start; in combine the relay
+    # back (10) comes after the last rail phase. Both paths pay both.
+    topo = RailTopology(num_nodes=2, gpus_per_node=2)
+    wnm = torch.zeros(4, 2, 4, dtype=torch.int64)
+    wnm[0, 1, 0b01] = 20
+    wnm[0, 0, 0b10] = 10
+    costs = PathCosts(rail_phase_s=0.0, layer_s=0.0, chunks=1)
+    b = 8
+    nvl = b / topo.nvlink_bytes_per_s
+    est_rail, est_joint = path_estimates(DemandCounts(records_WNM=wnm), topo, record_bytes=b, costs=costs)
+    # One pair, one wave: RAIL and JOINT are the same here; rail 10 per rail, delivery 20 x 1/2.
+    bandwidth = 2 * (10 * b / topo.rail_bytes_per_s + 10 * nvl)
+    assert est_rail == est_joint == pytest.approx(15 * nvl + 10 * nvl + bandwidth, rel=1e-12)
 
 
 def test_fit_recovers_linear_coefficients_per_input_kind():
@@ -103,8 +144,13 @@ def test_fit_recovers_linear_coefficients_per_input_kind():
 
 
 def test_model_dict_round_trip_and_errors_name_the_field():
-    model = RailJointModel(all_pairs=tuple(float(i) for i in range(F)), windowed=None)
+    model = RailJointModel(all_pairs=tuple(float(i) for i in range(F)), windowed=None,
+                           costs=PathCosts(rail_phase_s=1e-5, layer_s=2e-5, chunks=3))
     assert RailJointModel.from_dict(model.to_dict()) == model
+    with pytest.raises(ValueError, match="field 'costs'"):
+        RailJointModel.from_dict({k: v for k, v in model.to_dict().items() if k != "costs"})
+    with pytest.raises(ValueError, match=r"field 'costs'.*chunks"):
+        RailJointModel.from_dict({**model.to_dict(), "costs": {"rail_phase_s": 0.0, "layer_s": 0.0, "chunks": 0}})
     with pytest.raises(ValueError, match="field 'features'"):
         RailJointModel.from_dict({**model.to_dict(), "features": ["x"]})
     with pytest.raises(ValueError, match="field 'all_pairs'"):
@@ -114,9 +160,9 @@ def test_model_dict_round_trip_and_errors_name_the_field():
 
 
 def _sign_model(sign: float) -> RailJointModel:
-    """Predicts sign x log_delivery: RAIL where that is negative (sign 1)."""
+    """Predicts sign x log_estimate: RAIL where that is negative (sign 1)."""
     coef = [0.0] * F
-    coef[FEATURE_NAMES.index("log_delivery")] = sign
+    coef[FEATURE_NAMES.index("log_estimate")] = sign
     return RailJointModel(all_pairs=tuple(coef), windowed=None)
 
 
@@ -125,7 +171,7 @@ def test_model_selector_follows_the_prediction_and_is_pure():
     spec = VirtualSpec(topology=topo, tokens=40, hidden=8, experts=16, topk=3, seed=5)
     _, full = _gathered(spec)
     st = demand_stats(full, topo, record_bytes=16)
-    d = path_features(full, st, topo, record_bytes=16)[FEATURE_NAMES.index("log_delivery")]
+    d = path_features(full, topo, record_bytes=16)[FEATURE_NAMES.index("log_estimate")]
     assert d != 0
     for sign in (1.0, -1.0):
         sel = ModelSelector(_sign_model(sign), topo)
@@ -143,8 +189,8 @@ def test_model_selector_follows_the_prediction_and_is_pure():
 
 
 def _model_rows(seeds: int = 4, per_seed: int = 30):
-    """Rows whose RAIL / JOINT ratio is exp(0.5 x feature 'x' - 0.2): RAIL faster below x = 0.4,
-    a rule no single payload cut of the anchors misses, but the model finds from other seeds."""
+    """Rows whose RAIL / JOINT ratio is exp(0.5 x log_estimate - 0.2): RAIL faster below 0.4, a rule
+    no single payload cut of the anchors finds, but the model learns from the other seeds."""
     rng = np.random.default_rng(3)
     topo = RailTopology(num_nodes=4, gpus_per_node=2)
     ref, rho_s, kappa_s = AnchorSet.scales_for(topo)
@@ -176,7 +222,7 @@ def test_tune_selector_records_the_model_when_it_beats_the_anchors(tmp_path):
     assert tuned["scores"][0]["over_tolerance"] > 0  # always-JOINT misses the RAIL rows
     assert tuned["model"] is not None and "path model" in tuned["method"]
     coef = tuned["model"]["all_pairs"]
-    assert coef[FEATURE_NAMES.index("x")] == pytest.approx(0.5) and coef[0] == pytest.approx(-0.2)
+    assert coef[FEATURE_NAMES.index("log_estimate")] == pytest.approx(0.5) and coef[0] == pytest.approx(-0.2)
     # Written to the file, loaded back, and the runtime decides with it.
     from megatron_railwave.commands.calibrate import with_selector_settings
 
@@ -203,9 +249,15 @@ def test_a_malformed_model_in_the_anchors_file_is_rejected_naming_the_field(tmp_
     path = tmp_path / "a.yaml"
     save_anchors(with_selector_settings(result.anchor_set, tuned), path)
     data = yaml.safe_load(path.read_text())
-    data["context"]["settings"]["selector"]["model"] = {"features": list(FEATURE_NAMES), "all_pairs": [1.0]}
+    good = data["context"]["settings"]["selector"]["model"]
+    data["context"]["settings"]["selector"]["model"] = {**good, "all_pairs": [1.0]}
     path.write_text(yaml.safe_dump(data))
     with pytest.raises(ValueError, match=r"context\.settings\.selector\.model.*field 'all_pairs'"):
+        load_anchors(path, topo)
+    # Costs computed for other rail chunks than the file's JOINT: the estimate would be another one.
+    data["context"]["settings"]["selector"]["model"] = {**good, "costs": {**good["costs"], "chunks": 2}}
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(ValueError, match=r"context\.settings\.selector\.model\.costs\.chunks.*chunks=1"):
         load_anchors(path, topo)
 
 
@@ -234,7 +286,7 @@ def test_validate_decides_with_the_model_and_rescore_compares_the_anchor_rule_on
 @pytest.mark.parametrize("topo", [RailTopology(num_nodes=4, gpus_per_node=4),
                                   RailTopology(num_nodes=5, gpus_per_node=3, failed_rails=frozenset({(1, 2), (3, 0)}))],
                          ids=["4x4", "5x3-failed-rails"])
-def test_rail_windows_equal_to_the_cyclic_waves_give_zero_log_ratios(topo):
+def test_rail_windows_equal_to_the_cyclic_waves_give_a_zero_log_estimate(topo):
     # RAIL's phases come from the window masks, JOINT's from the cyclic fast path: on an input
     # whose windows ARE the cyclic waves both must see the same loads, bitwise.
     from megatron_railwave.planner import cyclic_schedule
@@ -244,9 +296,8 @@ def test_rail_windows_equal_to_the_cyclic_waves_give_zero_log_ratios(topo):
         demand = DemandCounts(records_WNM=torch.randint(0, 30, (topo.world_size, topo.num_nodes,
                                                                 1 << topo.gpus_per_node), generator=gen))
         windows = cyclic_schedule(topo.num_nodes)
-        f = path_features(demand, demand_stats(demand, topo, record_bytes=64, windows=windows), topo,
-                          record_bytes=64, windows=windows)
-        assert f[FEATURE_NAMES.index("log_rail")] == 0.0 and f[FEATURE_NAMES.index("log_delivery")] == 0.0
+        f = path_features(demand, topo, record_bytes=64, windows=windows, costs=PathCosts(chunks=1))
+        assert f[FEATURE_NAMES.index("log_estimate")] == 0.0
 
 
 def test_model_selector_refuses_the_descriptors_only_call():
