@@ -22,7 +22,7 @@ node s to s + k mod N, split into the plan's rail chunks):
 * delivery seconds: max over destination GPUs of the (record, target GPU) copies they receive
   x (1 - 1/G) x B / NVLink rate (the copies that arrive on the target's own rail stay on it);
 * before the first rail phase (the same on both paths): the relay (owner-rail records above or
-  below the even share, moved to or from a proxy) and the local round (the node's own records
+  below the even share over the pair's healthy rails, moved to or from a proxy) and the local round (the node's own records
   to their target GPUs) share the NVLink ports: the busiest GPU port's relay + local-round load.
 
 Estimate (dispatch, then combine as its mirror): per-layer cost + the relay and local round +
@@ -115,10 +115,12 @@ def delivery_copies_NNG(demand: DemandCounts) -> np.ndarray:
 
 
 @lru_cache(maxsize=32)
-def _healthy_rails_NN(topo: RailTopology) -> np.ndarray:
-    """[N, N]: GPUs whose rail is healthy on both nodes of the pair (RailBalance's rails)."""
+def _eligible_NGN(topo: RailTopology) -> np.ndarray:
+    """[N, G, N] float64: 1 where GPU g's rail is healthy on both nodes of the pair (s, d):
+    RailBalance's rails for that pair."""
     n = topo.num_nodes
-    return np.array([[sum(topo.pair_gpu_eligible(s, d)) for d in range(n)] for s in range(n)], dtype=np.float64)
+    return np.array([[topo.pair_gpu_eligible(s, d) for d in range(n)] for s in range(n)],
+                    dtype=np.float64).transpose(0, 2, 1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,7 +130,8 @@ class _Loads:
     per_rail_NN: np.ndarray
     """Remote records of each node pair per healthy rail (0 on the diagonal)."""
     excess_NGN: np.ndarray
-    """Owner-rail remote records above the pair's even share (relayed out of the GPU)."""
+    """Owner-rail remote records above the pair's even share over its healthy rails (relayed out
+    of the GPU)."""
     deficit_NGN: np.ndarray
     """Owner-rail remote records below it (relayed into the GPU)."""
     local_NG: np.ndarray
@@ -142,8 +145,11 @@ class _Loads:
         n = records_NGN.shape[0]
         remote_NGN = records_NGN * (1.0 - np.eye(n))[:, None, :]  # local records never cross a rail
         pair_NN = remote_NGN.sum(axis=1)
-        share_NGN = pair_NN[:, None, :] / records_NGN.shape[1]
-        return cls(per_rail_NN=pair_NN / np.maximum(_healthy_rails_NN(topo), 1),
+        eligible_NGN = _eligible_NGN(topo)
+        healthy_NN = np.maximum(eligible_NGN.sum(axis=1), 1.0)
+        # The even share over the pair's healthy rails: a GPU on a failed rail relays all out.
+        share_NGN = pair_NN[:, None, :] * eligible_NGN / healthy_NN[:, None, :]
+        return cls(per_rail_NN=pair_NN / healthy_NN,
                    excess_NGN=np.maximum(remote_NGN - share_NGN, 0.0),
                    deficit_NGN=np.maximum(share_NGN - remote_NGN, 0.0),
                    local_NG=records_NGN[np.arange(n), :, np.arange(n)], copies_NNG=copies_NNG,

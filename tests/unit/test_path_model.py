@@ -143,6 +143,24 @@ def test_fit_recovers_linear_coefficients_per_input_kind():
     assert fit_rail_joint(x[120:], windows[120:], y[120:]) is None  # no all-pairs requests
 
 
+@pytest.mark.parametrize("owner", [0, 1])
+def test_estimate_spreads_over_healthy_rails_only(owner):
+    # 2 nodes x 2 GPUs, rail 1 failed on node 1: the pair (0, 1) has one rail, GPU 0's. GPU
+    # (0, owner) owns 20 records for node 1 (target GPU 0 there). On the healthy rail they need no
+    # relay; on the failed one all 20 go to GPU 0 first (and come back in combine). Either way the
+    # one rail carries 20 and GPU (1, 0) gets 20 copies that stay on it half the time (G = 2).
+    topo = RailTopology(num_nodes=2, gpus_per_node=2, failed_rails=frozenset({(1, 1)}))
+    wnm = torch.zeros(4, 2, 4, dtype=torch.int64)
+    wnm[owner, 1, 0b01] = 20
+    b = 8
+    nvl = b / topo.nvlink_bytes_per_s
+    est_rail, est_joint = path_estimates(DemandCounts(records_WNM=wnm), topo, record_bytes=b,
+                                         costs=PathCosts(rail_phase_s=0.0, layer_s=0.0, chunks=1))
+    relay = 20 * nvl if owner == 1 else 0.0
+    assert est_rail == est_joint == pytest.approx(2 * relay + 2 * (20 * b / topo.rail_bytes_per_s + 10 * nvl),
+                                                  rel=1e-12)
+
+
 def test_model_dict_round_trip_and_errors_name_the_field():
     model = RailJointModel(all_pairs=tuple(float(i) for i in range(F)), windowed=None,
                            costs=PathCosts(rail_phase_s=1e-5, layer_s=2e-5, chunks=3))
