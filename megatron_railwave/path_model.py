@@ -129,11 +129,11 @@ class _Loads:
 
     per_rail_NN: np.ndarray
     """Remote records of each node pair per healthy rail (0 on the diagonal)."""
-    excess_NGN: np.ndarray
-    """Owner-rail remote records above the pair's even share over its healthy rails (relayed out
-    of the GPU)."""
-    deficit_NGN: np.ndarray
-    """Owner-rail remote records below it (relayed into the GPU)."""
+    relay_out_NG: np.ndarray
+    """Records GPU (s, g) relays out: its remote records above each pair's even share over the
+    pair's healthy rails, summed over the destination nodes."""
+    relay_in_NG: np.ndarray
+    """Records it relays in: those below the share, summed the same way."""
     local_NG: np.ndarray
     """Records of GPU (s, g) for its own node (the local round's sources)."""
     copies_NNG: np.ndarray
@@ -150,8 +150,8 @@ class _Loads:
         # The even share over the pair's healthy rails: a GPU on a failed rail relays all out.
         share_NGN = pair_NN[:, None, :] * eligible_NGN / healthy_NN[:, None, :]
         return cls(per_rail_NN=pair_NN / healthy_NN,
-                   excess_NGN=np.maximum(remote_NGN - share_NGN, 0.0),
-                   deficit_NGN=np.maximum(share_NGN - remote_NGN, 0.0),
+                   relay_out_NG=np.maximum(remote_NGN - share_NGN, 0.0).sum(axis=2),
+                   relay_in_NG=np.maximum(share_NGN - remote_NGN, 0.0).sum(axis=2),
                    local_NG=records_NGN[np.arange(n), :, np.arange(n)], copies_NNG=copies_NNG,
                    record_bytes=record_bytes, topo=topo)
 
@@ -188,8 +188,7 @@ class _Loads:
 
     def relay_seconds(self) -> float:
         """The relay alone: its busiest GPU port (combine's relay back, after the last rail phase)."""
-        return self._nvlink_s(float(max(self.excess_NGN.sum(axis=2).max(initial=0.0),
-                                        self.deficit_NGN.sum(axis=2).max(initial=0.0))))
+        return self._nvlink_s(float(max(self.relay_out_NG.max(initial=0.0), self.relay_in_NG.max(initial=0.0))))
 
     def before_rail_seconds(self) -> float:
         """The relay and the local round together (they start at once and share the NVLink
@@ -198,8 +197,8 @@ class _Loads:
         n = self.local_NG.shape[0]
         local_copies_NG = self.copies_NNG[np.arange(n), np.arange(n), :] * self._wire_share
         per_record_N = local_copies_NG.sum(axis=1) / np.maximum(self.local_NG.sum(axis=1), 1.0)
-        out_NG = self.excess_NGN.sum(axis=2) + self.local_NG * per_record_N[:, None]
-        in_NG = self.deficit_NGN.sum(axis=2) + local_copies_NG
+        out_NG = self.relay_out_NG + self.local_NG * per_record_N[:, None]
+        in_NG = self.relay_in_NG + local_copies_NG
         return self._nvlink_s(float(max(out_NG.max(initial=0.0), in_NG.max(initial=0.0))))
 
 

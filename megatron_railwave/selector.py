@@ -203,9 +203,8 @@ class ModelSelector:
     Pure: the features come from the gathered global counts (``path_model.path_features``: the
     estimated time of RAIL's sending windows against JOINT's cyclic waves, from their rail,
     relay, local-round and NVLink delivery loads and the model's recorded fixed costs), so every
-    rank decides the same. It needs every rank's copies per destination
-    GPU, which the count exchange carries when ``needs_delivery(selector)`` (the dispatcher asks
-    for them).
+    rank decides the same. It needs every rank's copies per destination GPU, which the count
+    exchange carries when ``needs_delivery(selector)`` (the dispatcher asks for them).
 
     Args:
         model: the fitted coefficients and the costs they go with (``AnchorSet.path_model``).
