@@ -19,24 +19,30 @@ node s to s + k mod N, split into the plan's rail chunks):
 
 * rail seconds: max over nodes of records sent or received in the phase / healthy rails of the
   pair x B / the rail rate (RailBalance spreads each pair evenly over its rails);
-* delivery seconds: max over destination GPUs of the (record, target GPU) copies they receive
-  x (1 - 1/G) x B / NVLink rate (the copies that arrive on the target's own rail stay on it);
+* delivery seconds per destination GPU: the (record, target GPU) copies it receives x (1 - 1/G)
+  x B / NVLink rate (the copies that arrive on the target's own rail stay on it); a round lasts
+  as long as its busiest GPU's;
 * before the first rail phase (the same on both paths): the relay (owner-rail records above or
   below the even share over the pair's healthy rails, moved to or from a proxy) and the local round (the node's own records
   to their target GPUs) share the NVLink ports: the busiest GPU port's relay + local-round load.
 
-Estimate (dispatch, then combine as its mirror): per-layer cost + the relay and local round +
-the rail phases and delivery rounds as a two-stage pipeline (delivery round v + 1 starts once
-rail phase v and round v are done; rail phase v + 1 once rail phase v is; every rail phase pays
-the per-phase cost) + the same pipeline in combine (reversed, it has the same length) + the
-relay back. The costs (``PathCosts``) are recorded with the fitted coefficients: on the flow
-model they are its stated per-call costs (``NetModelConfig``).
+Estimate: per-layer cost + the relay and local round + dispatch's rail phases and delivery
+rounds as a two-stage pipeline (delivery round v + 1 starts once rail phase v and round v are
+done; rail phase v + 1 once rail phase v is; every rail phase pays the per-phase cost) + combine
+in its own order (the delivery rounds back first, one after another; rail phase v back after
+round v; the relay back after the last rail phase). Combine's local round back starts with the
+first round back and shares each GPU's NVLink port with the rounds (dispatch's local round is
+over before its first delivery round: it runs with the relay): where a GPU has both, a round
+waits for half the overlap (``_COMBINE_LOCAL_SHARE``). The costs (``PathCosts``) are recorded
+with the fitted coefficients: on the flow model they are its stated per-call costs
+(``NetModelConfig``).
 
 Features (``FEATURE_NAMES``): a constant and log(est_RAIL / est_JOINT). Chosen by leaving
 calibration seeds out on the H800 and H20 4 x 8 calibrations (docs/selector.md): the first
 path model (payload terms and log ratios of summed rail and delivery loads fitted separately)
-put 80 / 33 of 10,304 requests over 1.03x of their best path, this one 31 / 4; adding the payload
-terms to the estimate changed little.
+put 80 / 33 of 10,304 requests over 1.03x of their best path, the estimate with combine as
+dispatch's mirror 31 / 4, this one (the local round back on the rounds' ports) 9 / 0; adding
+the payload terms to the estimate changed little.
 
 Cost: numpy over [N, G, N] arrays plus one pass per cyclic wave (docs/selector.md gives the
 measured time per layer); part of the planning time the dispatcher logs.
@@ -59,7 +65,14 @@ from .traffic import DemandCounts
 __all__ = ["FEATURE_NAMES", "PathCosts", "RailJointModel", "path_features", "path_estimates", "delivery_copies_NNG",
            "fit_rail_joint"]
 
-FEATURE_NAMES: tuple[str, ...] = ("const", "log_estimate")
+FEATURE_NAMES: tuple[str, ...] = ("const", "log_estimate_v2")
+"""The suffix versions the estimate: v2 charges combine's local round on the delivery rounds'
+GPU ports. A calibration or model naming other features is recomputed or refused."""
+
+_COMBINE_LOCAL_SHARE = 0.5
+"""The part of the overlap with combine's local round that a delivery round back waits for on a
+GPU port (0: the local round costs the rounds nothing, 1: the port is split evenly between them).
+Chosen among 0, 0.25, 0.5, 0.75 and 1 by leaving calibration seeds out (docs/selector.md)."""
 
 _TINY = 1e-12
 
@@ -161,34 +174,37 @@ class _Loads:
         # about 1/G of them, as RailBalance spreads a pair's records evenly over the rails.
         return 1.0 - 1.0 / self.copies_NNG.shape[2]
 
-    def _nvlink_s(self, copies: float) -> float:
+    def _nvlink_s(self, copies: Any) -> Any:
         return copies * self.record_bytes / self.topo.nvlink_bytes_per_s
 
-    def phase_seconds(self, rail_NN: np.ndarray, delivery_NG: np.ndarray) -> tuple[float, float]:
-        """One phase's busiest-port rail seconds and delivery seconds from its port loads."""
-        return (float(rail_NN.max(initial=0.0)) * self.record_bytes / self.topo.rail_bytes_per_s,
-                self._nvlink_s(float(delivery_NG.max(initial=0.0)) * self._wire_share))
+    def _rail_s(self, sent_PNN: np.ndarray) -> np.ndarray:
+        """[P] each phase's busiest rail port: max over nodes of records sent or received per rail."""
+        busiest_P = np.maximum(sent_PNN.sum(axis=2).max(axis=1, initial=0.0), sent_PNN.sum(axis=1).max(axis=1, initial=0.0))
+        return busiest_P * self.record_bytes / self.topo.rail_bytes_per_s
 
-    def windows(self, mask_PNN: np.ndarray) -> np.ndarray:
-        """[P, 2] (rail, delivery) seconds for phases given as node-pair masks (RAIL's windows)."""
-        out = []
-        for mask in mask_PNN:
-            rail = np.stack([(mask * self.per_rail_NN).sum(axis=1), (mask * self.per_rail_NN).sum(axis=0)])
-            out.append(self.phase_seconds(rail, np.einsum("sd,sdg->dg", mask, self.copies_NNG)))
-        return np.array(out, dtype=np.float64).reshape(len(out), 2)
+    def windows(self, mask_PNN: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Phases given as node-pair masks (RAIL's windows): ([P] rail seconds, [P, N, G] delivery
+        seconds into each GPU)."""
+        copies_PNG = np.einsum("psd,sdg->pdg", mask_PNN, self.copies_NNG)
+        return self._rail_s(mask_PNN * self.per_rail_NN), self._nvlink_s(copies_PNG * self._wire_share)
 
-    def cyclic(self) -> np.ndarray:
-        """[N - 1, 2] for JOINT's cyclic waves (node s to s + k mod N): each node sends one pair
-        and receives one, so the wave's ports are the pairs' own loads (no mask sums)."""
+    def cyclic(self) -> tuple[np.ndarray, np.ndarray]:
+        """The same for JOINT's cyclic waves k = 1 .. N - 1 (node s to s + k mod N): each node
+        sends one pair and receives one, so a wave's rail ports are the pairs' own loads."""
         n = self.per_rail_NN.shape[0]
-        src = np.arange(n)
-        out = [self.phase_seconds(self.per_rail_NN[src, (src + k) % n], self.copies_NNG[src, (src + k) % n, :])
-               for k in range(1, n)]
-        return np.array(out, dtype=np.float64).reshape(len(out), 2)
+        dst_N = np.arange(n)
+        src_PN = (dst_N[None, :] - np.arange(1, n)[:, None]) % n  # row d of wave k: node d's sender
+        rail_P = self.per_rail_NN[src_PN, dst_N].max(axis=1, initial=0.0) * self.record_bytes / self.topo.rail_bytes_per_s
+        return rail_P, self._nvlink_s(self.copies_NNG[src_PN, dst_N] * self._wire_share)
+
+    def local_round_NG(self) -> np.ndarray:
+        """[N, G] seconds of the local round's copies into (dispatch) or out of (combine) each GPU."""
+        n = self.copies_NNG.shape[0]
+        return self._nvlink_s(self.copies_NNG[np.arange(n), np.arange(n), :] * self._wire_share)
 
     def relay_seconds(self) -> float:
         """The relay alone: its busiest GPU port (combine's relay back, after the last rail phase)."""
-        return self._nvlink_s(float(max(self.relay_out_NG.max(initial=0.0), self.relay_in_NG.max(initial=0.0))))
+        return float(self._nvlink_s(max(self.relay_out_NG.max(initial=0.0), self.relay_in_NG.max(initial=0.0))))
 
     def before_rail_seconds(self) -> float:
         """The relay and the local round together (they start at once and share the NVLink
@@ -199,17 +215,43 @@ class _Loads:
         per_record_N = local_copies_NG.sum(axis=1) / np.maximum(self.local_NG.sum(axis=1), 1.0)
         out_NG = self.relay_out_NG + self.local_NG * per_record_N[:, None]
         in_NG = self.relay_in_NG + local_copies_NG
-        return self._nvlink_s(float(max(out_NG.max(initial=0.0), in_NG.max(initial=0.0))))
+        return float(self._nvlink_s(max(out_NG.max(initial=0.0), in_NG.max(initial=0.0))))
 
 
-def _pipeline_seconds(phases_P2: np.ndarray, phase_s: float) -> float:
-    """Rail phases and their delivery rounds as the schedule orders them: rail phase v + 1 after
-    rail phase v (each paying ``phase_s``), delivery round v after rail phase v and round v - 1."""
+def _dispatch_seconds(rail_P: np.ndarray, delivery_P: np.ndarray, phase_s: float) -> float:
+    """Dispatch's rail phases and delivery rounds (``delivery_P``: each round's busiest GPU) as
+    the schedule orders them: rail phase v + 1 after rail phase v (each paying ``phase_s``),
+    delivery round v after rail phase v and round v - 1."""
     rail_end = delivery_end = 0.0
-    for rail_s, delivery_s in phases_P2:
-        rail_end += phase_s + float(rail_s)
-        delivery_end = max(rail_end, delivery_end) + float(delivery_s)
+    for rail_s, delivery_s in zip(rail_P.tolist(), delivery_P.tolist()):
+        rail_end += phase_s + rail_s
+        delivery_end = max(rail_end, delivery_end) + delivery_s
     return delivery_end
+
+
+def _combine_seconds(rail_P: np.ndarray, delivery_PNG: np.ndarray, local_NG: np.ndarray, phase_s: float,
+                     relay_s: float) -> float:
+    """Combine in the schedule's order: the delivery rounds back one after another from the
+    start, rail phase v after round v and rail phase v - 1 (paying ``phase_s``), the relay back
+    after the last rail phase. The local round back starts with the first round and shares each
+    GPU's port with the rounds: where both have bytes left, a round is slowed by
+    ``_COMBINE_LOCAL_SHARE`` of the overlap; the local round runs alone between a GPU's round
+    and the round's end on the busiest GPU. Ends with the later of the relay and the local round."""
+    left_NG = np.array(local_NG, dtype=np.float64)
+    busiest_P = delivery_PNG.reshape(len(delivery_PNG), -1).max(axis=1, initial=0.0).tolist()
+    round_end = rail_end = 0.0
+    for v, rail_s in enumerate(rail_P.tolist()):
+        if left_NG.any():  # the local round still runs somewhere: per GPU
+            delivery_NG = delivery_PNG[v]
+            slowed_NG = _COMBINE_LOCAL_SHARE * np.minimum(delivery_NG, left_NG)
+            end_NG = round_end + delivery_NG + slowed_NG
+            end = float(end_NG.max(initial=round_end))
+            left_NG = np.maximum(left_NG - slowed_NG - (end - end_NG), 0.0)
+            round_end = end
+        else:
+            round_end += busiest_P[v]
+        rail_end = max(rail_end, round_end) + phase_s + rail_s
+    return max(rail_end + relay_s, round_end + float(left_NG.max(initial=0.0)))
 
 
 def path_estimates(demand: DemandCounts, topo: RailTopology, *, record_bytes: int,
@@ -229,11 +271,15 @@ def path_estimates(demand: DemandCounts, topo: RailTopology, *, record_bytes: in
                       record_bytes=record_bytes, topo=topo)
     sending = windows if windows is not None else all_at_once(topo.num_nodes)
     window_NN = sending.pair_wave_NN().numpy()
-    rail_P2 = loads.windows((window_NN[None] == np.arange(sending.num_waves)[:, None, None]).astype(np.float64))
-    joint_P2 = np.repeat(loads.cyclic() / costs.chunks, costs.chunks, axis=0)
-    shared = costs.layer_s + loads.before_rail_seconds() + loads.relay_seconds()
-    return (shared + 2 * _pipeline_seconds(rail_P2, costs.rail_phase_s),
-            shared + 2 * _pipeline_seconds(joint_P2, costs.rail_phase_s))
+    rail_path = loads.windows((window_NN[None] == np.arange(sending.num_waves)[:, None, None]).astype(np.float64))
+    # JOINT splits every wave into equal rail chunks, each with its delivery round.
+    joint_path = tuple(np.repeat(part / costs.chunks, costs.chunks, axis=0) for part in loads.cyclic())
+    before_rail, relay, local_NG = loads.before_rail_seconds(), loads.relay_seconds(), loads.local_round_NG()
+    return tuple(costs.layer_s + before_rail
+                 + _dispatch_seconds(rail_P, delivery_PNG.reshape(len(rail_P), -1).max(axis=1, initial=0.0),
+                                     costs.rail_phase_s)
+                 + _combine_seconds(rail_P, delivery_PNG, local_NG, costs.rail_phase_s, relay)
+                 for rail_P, delivery_PNG in (rail_path, joint_path))  # type: ignore[return-value]
 
 
 def path_features(demand: DemandCounts, topo: RailTopology, *, record_bytes: int,

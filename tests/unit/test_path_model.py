@@ -106,7 +106,7 @@ def test_estimate_hand_worked_delivery_stretch(chunks):
         assert est_rail == pytest.approx(want_rail, rel=1e-12)
         assert est_joint == pytest.approx(want_joint, rel=1e-12)
         f = path_features(_three_node_demand(name), topo, record_bytes=b, costs=costs)
-        assert f[0] == 1.0 and f[FEATURE_NAMES.index("log_estimate")] == pytest.approx(np.log(want_rail / want_joint))
+        assert f[0] == 1.0 and f[FEATURE_NAMES.index("log_estimate_v2")] == pytest.approx(np.log(want_rail / want_joint))
 
 
 def test_estimate_charges_the_relay_and_the_local_round_before_the_first_rail_phase():
@@ -126,6 +126,32 @@ def test_estimate_charges_the_relay_and_the_local_round_before_the_first_rail_ph
     # One pair, one wave: RAIL and JOINT are the same here; rail 10 per rail, delivery 20 x 1/2.
     bandwidth = 2 * (10 * b / topo.rail_bytes_per_s + 10 * nvl)
     assert est_rail == est_joint == pytest.approx(15 * nvl + 10 * nvl + bandwidth, rel=1e-12)
+
+
+@pytest.mark.parametrize("local_records", [12, 100])
+def test_estimate_charges_combine_s_local_round_on_the_delivery_round_s_gpu_port(local_records):
+    # 2 nodes x 2 GPUs. Node 0 sends 10 records from each GPU to node 1, all for GPU (1, 1): no
+    # relay, 10 per rail, 20 copies into (1, 1), 10 on the wire (G = 2). GPU (1, 0) has
+    # `local_records` for its own node's GPU 1: half of them (6 or 50) cross NVLink into (1, 1).
+    # Dispatch: the local round before rail phase 0, then rail 10, then delivery 10. Combine: the
+    # round back from (1, 1) starts with the local round back on the same port and is slowed by
+    # half the overlap (min(10, local) / 2); then the rail back; the local round back finishes alone.
+    topo = RailTopology(num_nodes=2, gpus_per_node=2)
+    wnm = torch.zeros(4, 2, 4, dtype=torch.int64)
+    wnm[0, 1, 0b10] = 10
+    wnm[1, 1, 0b10] = 10
+    wnm[2, 1, 0b10] = local_records
+    b = 8
+    nvl, rail = b / topo.nvlink_bytes_per_s, b / topo.rail_bytes_per_s
+    local = local_records / 2
+    est_rail, est_joint = path_estimates(DemandCounts(records_WNM=wnm), topo, record_bytes=b,
+                                         costs=PathCosts(rail_phase_s=0.0, layer_s=0.0, chunks=1))
+    round_back = 10 + min(10, local) / 2
+    left = local - min(10, local) / 2
+    combine = max(round_back * nvl + 10 * rail, (round_back + left) * nvl)
+    assert est_rail == est_joint == pytest.approx(local * nvl + 10 * rail + 10 * nvl + combine, rel=1e-12)
+    if local_records == 100:  # the local round back outlasts the rail back
+        assert combine == pytest.approx(60 * nvl)
 
 
 def test_fit_recovers_linear_coefficients_per_input_kind():
@@ -180,7 +206,7 @@ def test_model_dict_round_trip_and_errors_name_the_field():
 def _sign_model(sign: float) -> RailJointModel:
     """Predicts sign x log_estimate: RAIL where that is negative (sign 1)."""
     coef = [0.0] * F
-    coef[FEATURE_NAMES.index("log_estimate")] = sign
+    coef[FEATURE_NAMES.index("log_estimate_v2")] = sign
     return RailJointModel(all_pairs=tuple(coef), windowed=None)
 
 
@@ -189,7 +215,7 @@ def test_model_selector_follows_the_prediction_and_is_pure():
     spec = VirtualSpec(topology=topo, tokens=40, hidden=8, experts=16, topk=3, seed=5)
     _, full = _gathered(spec)
     st = demand_stats(full, topo, record_bytes=16)
-    d = path_features(full, topo, record_bytes=16)[FEATURE_NAMES.index("log_estimate")]
+    d = path_features(full, topo, record_bytes=16)[FEATURE_NAMES.index("log_estimate_v2")]
     assert d != 0
     for sign in (1.0, -1.0):
         sel = ModelSelector(_sign_model(sign), topo)
@@ -240,7 +266,7 @@ def test_tune_selector_records_the_model_when_it_beats_the_anchors(tmp_path):
     assert tuned["scores"][0]["over_tolerance"] > 0  # always-JOINT misses the RAIL rows
     assert tuned["model"] is not None and "path model" in tuned["method"]
     coef = tuned["model"]["all_pairs"]
-    assert coef[FEATURE_NAMES.index("log_estimate")] == pytest.approx(0.5) and coef[0] == pytest.approx(-0.2)
+    assert coef[FEATURE_NAMES.index("log_estimate_v2")] == pytest.approx(0.5) and coef[0] == pytest.approx(-0.2)
     # Written to the file, loaded back, and the runtime decides with it.
     from megatron_railwave.commands.calibrate import with_selector_settings
 
@@ -315,7 +341,7 @@ def test_rail_windows_equal_to_the_cyclic_waves_give_a_zero_log_estimate(topo):
                                                                 1 << topo.gpus_per_node), generator=gen))
         windows = cyclic_schedule(topo.num_nodes)
         f = path_features(demand, topo, record_bytes=64, windows=windows, costs=PathCosts(chunks=1))
-        assert f[FEATURE_NAMES.index("log_estimate")] == 0.0
+        assert f[FEATURE_NAMES.index("log_estimate_v2")] == 0.0
 
 
 def test_model_selector_refuses_the_descriptors_only_call():
