@@ -72,7 +72,8 @@ GPU ports. A calibration or model naming other features is recomputed or refused
 _COMBINE_LOCAL_SHARE = 0.5
 """The part of the overlap with combine's local round that a delivery round back waits for on a
 GPU port (0: the local round costs the rounds nothing, 1: the port is split evenly between them).
-Chosen among 0, 0.25, 0.5, 0.75 and 1 by leaving calibration seeds out (docs/selector.md)."""
+Chosen among 0, 0.25, 0.5, 0.75 and 1 by leaving calibration seeds out: best on 12 of the 16
+calibration seeds; on all 16 it ties with 0.75 (docs/selector.md, Results)."""
 
 _TINY = 1e-12
 
@@ -179,7 +180,8 @@ class _Loads:
 
     def _rail_s(self, sent_PNN: np.ndarray) -> np.ndarray:
         """[P] each phase's busiest rail port: max over nodes of records sent or received per rail."""
-        busiest_P = np.maximum(sent_PNN.sum(axis=2).max(axis=1, initial=0.0), sent_PNN.sum(axis=1).max(axis=1, initial=0.0))
+        busiest_P = np.maximum(sent_PNN.sum(axis=2).max(axis=1, initial=0.0),
+                               sent_PNN.sum(axis=1).max(axis=1, initial=0.0))
         return busiest_P * self.record_bytes / self.topo.rail_bytes_per_s
 
     def windows(self, mask_PNN: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -194,13 +196,19 @@ class _Loads:
         n = self.per_rail_NN.shape[0]
         dst_N = np.arange(n)
         src_PN = (dst_N[None, :] - np.arange(1, n)[:, None]) % n  # row d of wave k: node d's sender
-        rail_P = self.per_rail_NN[src_PN, dst_N].max(axis=1, initial=0.0) * self.record_bytes / self.topo.rail_bytes_per_s
-        return rail_P, self._nvlink_s(self.copies_NNG[src_PN, dst_N] * self._wire_share)
+        busiest_P = self.per_rail_NN[src_PN, dst_N].max(axis=1, initial=0.0)
+        return (busiest_P * self.record_bytes / self.topo.rail_bytes_per_s,
+                self._nvlink_s(self.copies_NNG[src_PN, dst_N] * self._wire_share))
+
+    @property
+    def _local_copies_NG(self) -> np.ndarray:
+        """The local round's copies on the wire into (dispatch) or out of (combine) each GPU."""
+        n = self.copies_NNG.shape[0]
+        return self.copies_NNG[np.arange(n), np.arange(n), :] * self._wire_share
 
     def local_round_NG(self) -> np.ndarray:
-        """[N, G] seconds of the local round's copies into (dispatch) or out of (combine) each GPU."""
-        n = self.copies_NNG.shape[0]
-        return self._nvlink_s(self.copies_NNG[np.arange(n), np.arange(n), :] * self._wire_share)
+        """[N, G] seconds of the local round at each target GPU's port."""
+        return self._nvlink_s(self._local_copies_NG)
 
     def relay_seconds(self) -> float:
         """The relay alone: its busiest GPU port (combine's relay back, after the last rail phase)."""
@@ -210,8 +218,7 @@ class _Loads:
         """The relay and the local round together (they start at once and share the NVLink
         ports; the first rail phase waits for the relay): the busiest GPU port's load. A source
         GPU's local copies are its local records x the node's copies per local record."""
-        n = self.local_NG.shape[0]
-        local_copies_NG = self.copies_NNG[np.arange(n), np.arange(n), :] * self._wire_share
+        local_copies_NG = self._local_copies_NG
         per_record_N = local_copies_NG.sum(axis=1) / np.maximum(self.local_NG.sum(axis=1), 1.0)
         out_NG = self.relay_out_NG + self.local_NG * per_record_N[:, None]
         in_NG = self.relay_in_NG + local_copies_NG
@@ -275,11 +282,13 @@ def path_estimates(demand: DemandCounts, topo: RailTopology, *, record_bytes: in
     # JOINT splits every wave into equal rail chunks, each with its delivery round.
     joint_path = tuple(np.repeat(part / costs.chunks, costs.chunks, axis=0) for part in loads.cyclic())
     before_rail, relay, local_NG = loads.before_rail_seconds(), loads.relay_seconds(), loads.local_round_NG()
-    return tuple(costs.layer_s + before_rail
-                 + _dispatch_seconds(rail_P, delivery_PNG.reshape(len(rail_P), -1).max(axis=1, initial=0.0),
-                                     costs.rail_phase_s)
-                 + _combine_seconds(rail_P, delivery_PNG, local_NG, costs.rail_phase_s, relay)
-                 for rail_P, delivery_PNG in (rail_path, joint_path))  # type: ignore[return-value]
+
+    def seconds(rail_P: np.ndarray, delivery_PNG: np.ndarray) -> float:
+        busiest_P = delivery_PNG.reshape(len(rail_P), -1).max(axis=1, initial=0.0)
+        return (costs.layer_s + before_rail + _dispatch_seconds(rail_P, busiest_P, costs.rail_phase_s)
+                + _combine_seconds(rail_P, delivery_PNG, local_NG, costs.rail_phase_s, relay))
+
+    return seconds(*rail_path), seconds(*joint_path)
 
 
 def path_features(demand: DemandCounts, topo: RailTopology, *, record_bytes: int,
