@@ -348,3 +348,17 @@ def test_model_selector_refuses_the_descriptors_only_call():
     sel = ModelSelector(_sign_model(1.0), RailTopology(num_nodes=2, gpus_per_node=2))
     with pytest.raises(TypeError, match="select_for_layer"):
         sel.select(None)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("local", "want"), [(4.0, 9.0), (10.0, 14.0)])
+def test_combine_rounds_share_ports_with_the_local_round_until_it_is_done(local, want):
+    # One node, 2 GPUs, two rounds back, each followed by a 1 s rail phase. Round 0: GPU 0 has 2 s
+    # beside the local round (slowed by half the overlap: 3 s), GPU 1 6 s alone: the round ends at
+    # 6 and GPU 0's local round runs alone from 3 to 6. local = 4: done by then (4 - 1 - 3 <= 0),
+    # so round 1 takes its busiest GPU's 2 s: 8, rail back 8 .. 9. local = 10: 6 s left, round 1
+    # on GPU 0 ends at 6 + 2 + 1 = 9 and the local round's last 5 s end the combine at 14.
+    from megatron_railwave.path_model import _combine_seconds
+
+    delivery_PNG = np.array([[[2.0, 6.0]], [[2.0, 0.0]]])
+    got = _combine_seconds(np.array([1.0, 1.0]), delivery_PNG, np.array([[local, 0.0]]), 0.0, 0.0)
+    assert got == pytest.approx(want, rel=1e-12)
