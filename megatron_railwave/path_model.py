@@ -23,8 +23,9 @@ node s to s + k mod N, split into the plan's rail chunks):
   x B / NVLink rate (the copies that arrive on the target's own rail stay on it); a round lasts
   as long as its busiest GPU's;
 * before the first rail phase (the same on both paths): the relay (owner-rail records above or
-  below the even share over the pair's healthy rails, moved to or from a proxy) and the local round (the node's own records
-  to their target GPUs) share the NVLink ports: the busiest GPU port's relay + local-round load.
+  below the even share over the pair's healthy rails, moved to or from a proxy) and the local
+  round (the node's own records to their target GPUs) share the NVLink ports: the busiest GPU
+  port's relay + local-round load.
 
 Estimate: per-layer cost + the relay and local round + dispatch's rail phases and delivery
 rounds as a two-stage pipeline (delivery round v + 1 starts once rail phase v and round v are
@@ -44,8 +45,9 @@ put 80 / 33 of 10,304 requests over 1.03x of their best path, the estimate with 
 dispatch's mirror 31 / 4, this one (the local round back on the rounds' ports) 9 / 0; adding
 the payload terms to the estimate changed little.
 
-Cost: numpy over [N, G, N] arrays plus one pass per cyclic wave (docs/selector.md gives the
-measured time per layer); part of the planning time the dispatcher logs.
+Cost: numpy over [N, G, N] arrays plus a short step per phase in dispatch and combine
+(docs/selector.md gives the measured time per layer); part of the planning time the dispatcher
+logs.
 """
 
 from __future__ import annotations
@@ -178,17 +180,18 @@ class _Loads:
     def _nvlink_s(self, copies: Any) -> Any:
         return copies * self.record_bytes / self.topo.nvlink_bytes_per_s
 
-    def _rail_s(self, sent_PNN: np.ndarray) -> np.ndarray:
-        """[P] each phase's busiest rail port: max over nodes of records sent or received per rail."""
-        busiest_P = np.maximum(sent_PNN.sum(axis=2).max(axis=1, initial=0.0),
-                               sent_PNN.sum(axis=1).max(axis=1, initial=0.0))
-        return busiest_P * self.record_bytes / self.topo.rail_bytes_per_s
+    def _rail_s(self, records: Any) -> Any:
+        return records * self.record_bytes / self.topo.rail_bytes_per_s
 
     def windows(self, mask_PNN: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Phases given as node-pair masks (RAIL's windows): ([P] rail seconds, [P, N, G] delivery
         seconds into each GPU)."""
+        sent_PNN = mask_PNN * self.per_rail_NN
+        # A phase's busiest rail port: max over nodes of records sent or received per rail.
+        busiest_P = np.maximum(sent_PNN.sum(axis=2).max(axis=1, initial=0.0),
+                               sent_PNN.sum(axis=1).max(axis=1, initial=0.0))
         copies_PNG = np.einsum("psd,sdg->pdg", mask_PNN, self.copies_NNG)
-        return self._rail_s(mask_PNN * self.per_rail_NN), self._nvlink_s(copies_PNG * self._wire_share)
+        return self._rail_s(busiest_P), self._nvlink_s(copies_PNG * self._wire_share)
 
     def cyclic(self) -> tuple[np.ndarray, np.ndarray]:
         """The same for JOINT's cyclic waves k = 1 .. N - 1 (node s to s + k mod N): each node
@@ -197,8 +200,7 @@ class _Loads:
         dst_N = np.arange(n)
         src_PN = (dst_N[None, :] - np.arange(1, n)[:, None]) % n  # row d of wave k: node d's sender
         busiest_P = self.per_rail_NN[src_PN, dst_N].max(axis=1, initial=0.0)
-        return (busiest_P * self.record_bytes / self.topo.rail_bytes_per_s,
-                self._nvlink_s(self.copies_NNG[src_PN, dst_N] * self._wire_share))
+        return self._rail_s(busiest_P), self._nvlink_s(self.copies_NNG[src_PN, dst_N] * self._wire_share)
 
     @property
     def _local_copies_NG(self) -> np.ndarray:
@@ -236,16 +238,17 @@ def _dispatch_seconds(rail_P: np.ndarray, delivery_P: np.ndarray, phase_s: float
     return delivery_end
 
 
-def _combine_seconds(rail_P: np.ndarray, delivery_PNG: np.ndarray, local_NG: np.ndarray, phase_s: float,
-                     relay_s: float) -> float:
+def _combine_seconds(rail_P: np.ndarray, delivery_PNG: np.ndarray, busiest_P: np.ndarray, local_NG: np.ndarray,
+                     phase_s: float, relay_s: float) -> float:
     """Combine in the schedule's order: the delivery rounds back one after another from the
     start, rail phase v after round v and rail phase v - 1 (paying ``phase_s``), the relay back
     after the last rail phase. The local round back starts with the first round and shares each
     GPU's port with the rounds: where both have bytes left, a round is slowed by
     ``_COMBINE_LOCAL_SHARE`` of the overlap; the local round runs alone between a GPU's round
-    and the round's end on the busiest GPU. Ends with the later of the relay and the local round."""
+    and the round's end on the busiest GPU (``busiest_P``, once the local round is done). Ends
+    with the later of the relay and the local round."""
     left_NG = np.array(local_NG, dtype=np.float64)
-    busiest_P = delivery_PNG.reshape(len(delivery_PNG), -1).max(axis=1, initial=0.0).tolist()
+    busiest = busiest_P.tolist()
     round_end = rail_end = 0.0
     for v, rail_s in enumerate(rail_P.tolist()):
         if left_NG.any():  # the local round still runs somewhere: per GPU
@@ -256,7 +259,7 @@ def _combine_seconds(rail_P: np.ndarray, delivery_PNG: np.ndarray, local_NG: np.
             left_NG = np.maximum(left_NG - slowed_NG - (end - end_NG), 0.0)
             round_end = end
         else:
-            round_end += busiest_P[v]
+            round_end += busiest[v]
         rail_end = max(rail_end, round_end) + phase_s + rail_s
     return max(rail_end + relay_s, round_end + float(left_NG.max(initial=0.0)))
 
@@ -286,7 +289,7 @@ def path_estimates(demand: DemandCounts, topo: RailTopology, *, record_bytes: in
     def seconds(rail_P: np.ndarray, delivery_PNG: np.ndarray) -> float:
         busiest_P = delivery_PNG.reshape(len(rail_P), -1).max(axis=1, initial=0.0)
         return (costs.layer_s + before_rail + _dispatch_seconds(rail_P, busiest_P, costs.rail_phase_s)
-                + _combine_seconds(rail_P, delivery_PNG, local_NG, costs.rail_phase_s, relay))
+                + _combine_seconds(rail_P, delivery_PNG, busiest_P, local_NG, costs.rail_phase_s, relay))
 
     return seconds(*rail_path), seconds(*joint_path)
 

@@ -106,7 +106,8 @@ def test_estimate_hand_worked_delivery_stretch(chunks):
         assert est_rail == pytest.approx(want_rail, rel=1e-12)
         assert est_joint == pytest.approx(want_joint, rel=1e-12)
         f = path_features(_three_node_demand(name), topo, record_bytes=b, costs=costs)
-        assert f[0] == 1.0 and f[FEATURE_NAMES.index("log_estimate_v2")] == pytest.approx(np.log(want_rail / want_joint))
+        assert f[0] == 1.0
+        assert f[FEATURE_NAMES.index("log_estimate_v2")] == pytest.approx(np.log(want_rail / want_joint))
 
 
 def test_estimate_charges_the_relay_and_the_local_round_before_the_first_rail_phase():
@@ -360,5 +361,6 @@ def test_combine_rounds_share_ports_with_the_local_round_until_it_is_done(local,
     from megatron_railwave.path_model import _combine_seconds
 
     delivery_PNG = np.array([[[2.0, 6.0]], [[2.0, 0.0]]])
-    got = _combine_seconds(np.array([1.0, 1.0]), delivery_PNG, np.array([[local, 0.0]]), 0.0, 0.0)
+    got = _combine_seconds(np.array([1.0, 1.0]), delivery_PNG, np.array([6.0, 2.0]), np.array([[local, 0.0]]),
+                           0.0, 0.0)
     assert got == pytest.approx(want, rel=1e-12)
