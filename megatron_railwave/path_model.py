@@ -19,22 +19,26 @@ node s to s + k mod N, split into the plan's rail chunks):
 
 * rail seconds: max over nodes of records sent or received in the phase / healthy rails of the
   pair x B / the rail rate (RailBalance spreads each pair evenly over its rails);
-* delivery seconds per destination GPU: the (record, target GPU) copies it receives x (1 - 1/G)
-  x B / NVLink rate (the copies that arrive on the target's own rail stay on it); a round lasts
-  as long as its busiest GPU's;
+* delivery seconds per GPU port: the copies that cross NVLink in the round, into each target
+  GPU and out of each arrival GPU, x B / NVLink rate; which copies arrive on which GPU (and in
+  which rail chunk) comes from ``arrivals``: RailBalance's kept and moved parts of each owner's
+  mask-sorted list, expected copies under independent target bits. A copy that arrives on its
+  target stays there. A round lasts as long as its busiest port's;
 * before the first rail phase (the same on both paths): the relay (owner-rail records above or
   below the even share over the pair's healthy rails, moved to or from a proxy) and the local
-  round (the node's own records to their target GPUs) share the NVLink ports: the busiest GPU
-  port's relay + local-round load.
+  round (each owner's copies for the other GPUs of its own node, exact) share the NVLink ports:
+  the busiest GPU port's relay + local-round load.
 
 Estimate: per-layer cost + the relay and local round + dispatch's rail phases and delivery
 rounds as a two-stage pipeline (delivery round v + 1 starts once rail phase v and round v are
 done; rail phase v + 1 once rail phase v is; every rail phase pays the per-phase cost) + combine
 in its own order (the delivery rounds back first, one after another; rail phase v back after
 round v; the relay back after the last rail phase). Combine's local round back starts with the
-first round back and shares each GPU's NVLink port with the rounds (dispatch's local round is
-over before its first delivery round: it runs with the relay): where a GPU has both, a round
-waits for half the overlap (``_COMBINE_LOCAL_SHARE``). The costs (``PathCosts``) are recorded
+first round back and shares both NVLink ports of every GPU with the rounds (out of an expert
+GPU: its copies back; into a source GPU: its local records' copies, on a GPU that also takes the
+round back of the records that arrived on it; dispatch's local round is over before its first
+delivery round: it runs with the relay): where a port has both, a round waits for three
+quarters of the overlap (``_COMBINE_LOCAL_SHARE``). The costs (``PathCosts``) are recorded
 with the fitted coefficients: on the flow model they are its stated per-call costs
 (``NetModelConfig``).
 
@@ -42,12 +46,13 @@ Features (``FEATURE_NAMES``): a constant and log(est_RAIL / est_JOINT). Chosen b
 calibration seeds out on the H800 and H20 4 x 8 calibrations (docs/selector.md): the first
 path model (payload terms and log ratios of summed rail and delivery loads fitted separately)
 put 80 / 33 of 10,304 requests over 1.03x of their best path, the estimate with combine as
-dispatch's mirror 31 / 4, this one (the local round back on the rounds' ports) 9 / 0; adding
-the payload terms to the estimate changed little.
+dispatch's mirror 31 / 4, with the local round back on the rounds' ports 9 / 0, this one
+(copies per arrival GPU and chunk, the exact local round, both ports) 3 / 0; adding the payload
+terms to the estimate changed little.
 
-Cost: numpy over [N, G, N] arrays plus a short step per phase in dispatch and combine
-(docs/selector.md gives the measured time per layer); part of the planning time the dispatcher
-logs.
+Cost: numpy over [N, N, G, G, G] arrays (the arrival model) plus a short step per phase in
+dispatch and combine (docs/selector.md gives the measured time per layer); part of the planning
+time the dispatcher logs.
 """
 
 from __future__ import annotations
@@ -60,22 +65,25 @@ from typing import Any
 import numpy as np
 import torch
 
+from .arrivals import arrival_copies_NNCGG
 from .planner import WaveSchedule, all_at_once
 from .topology import RailTopology
 from .traffic import DemandCounts
 
-__all__ = ["FEATURE_NAMES", "PathCosts", "RailJointModel", "path_features", "path_estimates", "delivery_copies_NNG",
+__all__ = ["FEATURE_NAMES", "PathCosts", "RailJointModel", "path_features", "path_estimates", "owner_copies_NGNG",
            "fit_rail_joint"]
 
-FEATURE_NAMES: tuple[str, ...] = ("const", "log_estimate_v2")
-"""The suffix versions the estimate: v2 charges combine's local round on the delivery rounds'
-GPU ports. A calibration or model naming other features is recomputed or refused."""
+FEATURE_NAMES: tuple[str, ...] = ("const", "log_estimate_v3")
+"""The suffix versions the estimate: v3 takes the delivery rounds' copies per arrival GPU and
+rail chunk from ``arrivals`` and charges combine's local round on both ports of every GPU (v2:
+copies spread as 1 - 1/G, local round on the target side only). A calibration or model naming
+other features is recomputed or refused."""
 
-_COMBINE_LOCAL_SHARE = 0.5
+_COMBINE_LOCAL_SHARE = 0.75
 """The part of the overlap with combine's local round that a delivery round back waits for on a
 GPU port (0: the local round costs the rounds nothing, 1: the port is split evenly between them).
-Chosen among 0, 0.25, 0.5, 0.75 and 1 by leaving calibration seeds out: best on 12 of the 16
-calibration seeds; on all 16 it ties with 0.75 (docs/selector.md, Results)."""
+Chosen among 0.5, 0.75 and 1 by leaving calibration seeds out on both clusters (fewest requests
+over 1.03x and smallest errors; docs/selector.md, Results)."""
 
 _TINY = 1e-12
 
@@ -118,16 +126,16 @@ class PathCosts:
             raise ValueError(f"{source}: {exc}") from None
 
 
-def delivery_copies_NNG(demand: DemandCounts) -> np.ndarray:
-    """[N_src, N_dst, G] float64: (record, target GPU) copies node s sends to GPU j of node d
-    (``DemandCounts.copies_WNG`` summed over the source node's ranks).
+def owner_copies_NGNG(demand: DemandCounts) -> np.ndarray:
+    """[N_src, G_owner, N_dst, G] float64: (record, target GPU) copies owner (s, o) sends to GPU j
+    of node d (``DemandCounts.copies_WNG``).
 
     Raises:
         ValueError: a node view gathered without delivery counts.
     """
     copies_WNG = demand.copies_WNG().to(torch.float64).numpy()
     n, g = copies_WNG.shape[1], copies_WNG.shape[2]
-    return copies_WNG.reshape(n, g, n, g).sum(axis=1)
+    return copies_WNG.reshape(n, g, n, g)
 
 
 @lru_cache(maxsize=32)
@@ -150,32 +158,34 @@ class _Loads:
     pair's healthy rails, summed over the destination nodes."""
     relay_in_NG: np.ndarray
     """Records it relays in: those below the share, summed the same way."""
-    local_NG: np.ndarray
-    """Records of GPU (s, g) for its own node (the local round's sources)."""
-    copies_NNG: np.ndarray
+    local_out_NG: np.ndarray
+    """The local round's copies on the wire out of each source GPU (dispatch)."""
+    local_in_NG: np.ndarray
+    """The local round's copies on the wire into each target GPU (dispatch)."""
+    wire_NNCGG: np.ndarray
+    """[s, d, chunk, arrival l, target j]: expected copies from node s that arrive on GPU (d, l)
+    in each rail chunk and cross NVLink to GPU (d, j) (``arrivals``; zero where l == j)."""
     record_bytes: int
     topo: RailTopology
 
     @classmethod
-    def of(cls, records_NGN: np.ndarray, copies_NNG: np.ndarray, *, record_bytes: int, topo: RailTopology) -> _Loads:
-        n = records_NGN.shape[0]
+    def of(cls, records_NGN: np.ndarray, copies_NGNG: np.ndarray, *, record_bytes: int, topo: RailTopology,
+           chunks: int) -> _Loads:
+        n, g = records_NGN.shape[0], records_NGN.shape[1]
         remote_NGN = records_NGN * (1.0 - np.eye(n))[:, None, :]  # local records never cross a rail
         pair_NN = remote_NGN.sum(axis=1)
         eligible_NGN = _eligible_NGN(topo)
         healthy_NN = np.maximum(eligible_NGN.sum(axis=1), 1.0)
         # The even share over the pair's healthy rails: a GPU on a failed rail relays all out.
         share_NGN = pair_NN[:, None, :] * eligible_NGN / healthy_NN[:, None, :]
+        # The local round: owner (d, o) to GPU (d, j), exact; a copy for the owner itself stays.
+        local_NGG = copies_NGNG[np.arange(n), :, np.arange(n), :] * (1.0 - np.eye(g))
+        wire = arrival_copies_NNCGG(records_NGN, copies_NGNG, topo, chunks) * (1.0 - np.eye(g))
         return cls(per_rail_NN=pair_NN / healthy_NN,
                    relay_out_NG=np.maximum(remote_NGN - share_NGN, 0.0).sum(axis=2),
                    relay_in_NG=np.maximum(share_NGN - remote_NGN, 0.0).sum(axis=2),
-                   local_NG=records_NGN[np.arange(n), :, np.arange(n)], copies_NNG=copies_NNG,
+                   local_out_NG=local_NGG.sum(axis=2), local_in_NG=local_NGG.sum(axis=1), wire_NNCGG=wire,
                    record_bytes=record_bytes, topo=topo)
-
-    @property
-    def _wire_share(self) -> float:
-        # A copy whose target is the GPU holding the record stays there (no NVLink transfer):
-        # about 1/G of them, as RailBalance spreads a pair's records evenly over the rails.
-        return 1.0 - 1.0 / self.copies_NNG.shape[2]
 
     def _nvlink_s(self, copies: Any) -> Any:
         return copies * self.record_bytes / self.topo.nvlink_bytes_per_s
@@ -183,34 +193,29 @@ class _Loads:
     def _rail_s(self, records: Any) -> Any:
         return records * self.record_bytes / self.topo.rail_bytes_per_s
 
-    def windows(self, mask_PNN: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Phases given as node-pair masks (RAIL's windows): ([P] rail seconds, [P, N, G] delivery
-        seconds into each GPU)."""
+    def windows(self, mask_PNN: np.ndarray) -> _Rounds:
+        """Phases given as node-pair masks (RAIL's windows, whole): one round each."""
         sent_PNN = mask_PNN * self.per_rail_NN
         # A phase's busiest rail port: max over nodes of records sent or received per rail.
         busiest_P = np.maximum(sent_PNN.sum(axis=2).max(axis=1, initial=0.0),
                                sent_PNN.sum(axis=1).max(axis=1, initial=0.0))
-        copies_PNG = np.einsum("psd,sdg->pdg", mask_PNN, self.copies_NNG)
-        return self._rail_s(busiest_P), self._nvlink_s(copies_PNG * self._wire_share)
+        wire_PDLJ = np.einsum("psd,sdlj->pdlj", mask_PNN, self.wire_NNCGG.sum(axis=2))
+        return _Rounds.of(self._rail_s(busiest_P), self._nvlink_s(wire_PDLJ))
 
-    def cyclic(self) -> tuple[np.ndarray, np.ndarray]:
-        """The same for JOINT's cyclic waves k = 1 .. N - 1 (node s to s + k mod N): each node
-        sends one pair and receives one, so a wave's rail ports are the pairs' own loads."""
-        n = self.per_rail_NN.shape[0]
+    def cyclic(self) -> _Rounds:
+        """JOINT's cyclic waves k = 1 .. N - 1 (node s to s + k mod N), each in its rail chunks:
+        each node sends one pair and receives one, so a wave's rail ports are the pairs' own
+        loads, split evenly over the chunks."""
+        n, chunks = self.per_rail_NN.shape[0], self.wire_NNCGG.shape[2]
         dst_N = np.arange(n)
         src_PN = (dst_N[None, :] - np.arange(1, n)[:, None]) % n  # row d of wave k: node d's sender
-        busiest_P = self.per_rail_NN[src_PN, dst_N].max(axis=1, initial=0.0)
-        return self._rail_s(busiest_P), self._nvlink_s(self.copies_NNG[src_PN, dst_N] * self._wire_share)
+        rail_P = np.repeat(self.per_rail_NN[src_PN, dst_N].max(axis=1, initial=0.0) / chunks, chunks)
+        wire_PCDLJ = self.wire_NNCGG[src_PN, dst_N].transpose(0, 2, 1, 3, 4)  # [wave, chunk, d, l, j]
+        return _Rounds.of(self._rail_s(rail_P), self._nvlink_s(wire_PCDLJ.reshape((-1,) + wire_PCDLJ.shape[2:])))
 
-    @property
-    def _local_copies_NG(self) -> np.ndarray:
-        """The local round's copies on the wire into (dispatch) or out of (combine) each GPU."""
-        n = self.copies_NNG.shape[0]
-        return self.copies_NNG[np.arange(n), np.arange(n), :] * self._wire_share
-
-    def local_round_NG(self) -> np.ndarray:
-        """[N, G] seconds of the local round at each target GPU's port."""
-        return self._nvlink_s(self._local_copies_NG)
+    def local_round(self) -> tuple[np.ndarray, np.ndarray]:
+        """([N, G] seconds out of each source GPU, [N, G] into each target GPU) of the local round."""
+        return self._nvlink_s(self.local_out_NG), self._nvlink_s(self.local_in_NG)
 
     def relay_seconds(self) -> float:
         """The relay alone: its busiest GPU port (combine's relay back, after the last rail phase)."""
@@ -218,13 +223,30 @@ class _Loads:
 
     def before_rail_seconds(self) -> float:
         """The relay and the local round together (they start at once and share the NVLink
-        ports; the first rail phase waits for the relay): the busiest GPU port's load. A source
-        GPU's local copies are its local records x the node's copies per local record."""
-        local_copies_NG = self._local_copies_NG
-        per_record_N = local_copies_NG.sum(axis=1) / np.maximum(self.local_NG.sum(axis=1), 1.0)
-        out_NG = self.relay_out_NG + self.local_NG * per_record_N[:, None]
-        in_NG = self.relay_in_NG + local_copies_NG
-        return float(self._nvlink_s(max(out_NG.max(initial=0.0), in_NG.max(initial=0.0))))
+        ports; the first rail phase waits for the relay): the busiest GPU port's load."""
+        return float(self._nvlink_s(max((self.relay_out_NG + self.local_out_NG).max(initial=0.0),
+                                        (self.relay_in_NG + self.local_in_NG).max(initial=0.0))))
+
+
+@dataclass(frozen=True, slots=True)
+class _Rounds:
+    """A path's rail phases and their delivery rounds (seconds)."""
+
+    rail_P: np.ndarray
+    """[P] each rail phase's busiest rail port."""
+    into_PNG: np.ndarray
+    """[P, N, G] each round's copies into each target GPU (dispatch; out of it in combine)."""
+    out_PNG: np.ndarray
+    """[P, N, G] each round's copies out of each arrival GPU (dispatch; into it in combine)."""
+    busiest_P: np.ndarray
+    """[P] each round's busiest GPU port."""
+
+    @classmethod
+    def of(cls, rail_P: np.ndarray, wire_PNLJ: np.ndarray) -> _Rounds:
+        into, out = wire_PNLJ.sum(axis=2), wire_PNLJ.sum(axis=3)
+        p = len(rail_P)
+        busiest = np.maximum(into.reshape(p, -1).max(axis=1, initial=0.0), out.reshape(p, -1).max(axis=1, initial=0.0))
+        return cls(rail_P=rail_P, into_PNG=into, out_PNG=out, busiest_P=busiest)
 
 
 def _dispatch_seconds(rail_P: np.ndarray, delivery_P: np.ndarray, phase_s: float) -> float:
@@ -238,30 +260,34 @@ def _dispatch_seconds(rail_P: np.ndarray, delivery_P: np.ndarray, phase_s: float
     return delivery_end
 
 
-def _combine_seconds(rail_P: np.ndarray, delivery_PNG: np.ndarray, busiest_P: np.ndarray, local_NG: np.ndarray,
-                     phase_s: float, relay_s: float) -> float:
+def _combine_seconds(rounds: _Rounds, local_out_NG: np.ndarray, local_in_NG: np.ndarray, phase_s: float,
+                     relay_s: float) -> float:
     """Combine in the schedule's order: the delivery rounds back one after another from the
     start, rail phase v after round v and rail phase v - 1 (paying ``phase_s``), the relay back
-    after the last rail phase. The local round back starts with the first round and shares each
-    GPU's port with the rounds: where both have bytes left, a round is slowed by
-    ``_COMBINE_LOCAL_SHARE`` of the overlap; the local round runs alone between a GPU's round
-    and the round's end on the busiest GPU (``busiest_P``, once the local round is done). Ends
-    with the later of the relay and the local round."""
-    left_NG = np.array(local_NG, dtype=np.float64)
-    busiest = busiest_P.tolist()
+    after the last rail phase. The local round back starts with the first round and shares both
+    NVLink ports of every GPU with the rounds (out of the expert GPU: the round's copies back
+    and its local copies back; into the arrival GPU: the round's copies and, on a source GPU,
+    its local records' copies): where a port has both, a round is slowed by
+    ``_COMBINE_LOCAL_SHARE`` of the overlap, and the local round runs alone between the port's
+    round end and the round's end (once it is done, a round takes its busiest port). Ends with
+    the later of the relay and the local round."""
+    # Combine runs dispatch backwards: the local round back leaves the target GPUs (dispatch's
+    # in-ports) and enters the source GPUs (dispatch's out-ports); the rounds likewise.
+    left = [np.array(local_in_NG, dtype=np.float64), np.array(local_out_NG, dtype=np.float64)]
+    busiest = rounds.busiest_P.tolist()
     round_end = rail_end = 0.0
-    for v, rail_s in enumerate(rail_P.tolist()):
-        if left_NG.any():  # the local round still runs somewhere: per GPU
-            delivery_NG = delivery_PNG[v]
-            slowed_NG = _COMBINE_LOCAL_SHARE * np.minimum(delivery_NG, left_NG)
-            end_NG = round_end + delivery_NG + slowed_NG
-            end = float(end_NG.max(initial=round_end))
-            left_NG = np.maximum(left_NG - slowed_NG - (end - end_NG), 0.0)
+    for v, rail_s in enumerate(rounds.rail_P.tolist()):
+        if any(part.any() for part in left):  # the local round still runs somewhere: per port
+            ports = (rounds.into_PNG[v], rounds.out_PNG[v])
+            slowed = [_COMBINE_LOCAL_SHARE * np.minimum(port, rest) for port, rest in zip(ports, left)]
+            ends = [round_end + port + slow for port, slow in zip(ports, slowed)]
+            end = max(float(e.max(initial=round_end)) for e in ends)
+            left = [np.maximum(rest - slow - (end - e), 0.0) for rest, slow, e in zip(left, slowed, ends)]
             round_end = end
         else:
             round_end += busiest[v]
         rail_end = max(rail_end, round_end) + phase_s + rail_s
-    return max(rail_end + relay_s, round_end + float(left_NG.max(initial=0.0)))
+    return max(rail_end + relay_s, round_end + max(float(part.max(initial=0.0)) for part in left))
 
 
 def path_estimates(demand: DemandCounts, topo: RailTopology, *, record_bytes: int,
@@ -271,27 +297,25 @@ def path_estimates(demand: DemandCounts, topo: RailTopology, *, record_bytes: in
 
     Args:
         demand: the gathered global counts (``records_WN`` plus delivery counts,
-            ``delivery_copies_NNG``).
+            ``owner_copies_NGNG``).
         record_bytes: payload bytes of one record (hidden x element size).
         windows: the input's sending windows (replay arrangements), kept by RAIL; None = all
             pairs at once.
         costs: the fixed costs and JOINT's rail chunks.
     """
-    loads = _Loads.of(demand.records_NGN().to(torch.float64).numpy(), delivery_copies_NNG(demand),
-                      record_bytes=record_bytes, topo=topo)
+    loads = _Loads.of(demand.records_NGN().to(torch.float64).numpy(), owner_copies_NGNG(demand),
+                      record_bytes=record_bytes, topo=topo, chunks=costs.chunks)
     sending = windows if windows is not None else all_at_once(topo.num_nodes)
     window_NN = sending.pair_wave_NN().numpy()
     rail_path = loads.windows((window_NN[None] == np.arange(sending.num_waves)[:, None, None]).astype(np.float64))
-    # JOINT splits every wave into equal rail chunks, each with its delivery round.
-    joint_path = tuple(np.repeat(part / costs.chunks, costs.chunks, axis=0) for part in loads.cyclic())
-    before_rail, relay, local_NG = loads.before_rail_seconds(), loads.relay_seconds(), loads.local_round_NG()
+    before_rail, relay = loads.before_rail_seconds(), loads.relay_seconds()
+    local_out, local_in = loads.local_round()
 
-    def seconds(rail_P: np.ndarray, delivery_PNG: np.ndarray) -> float:
-        busiest_P = delivery_PNG.reshape(len(rail_P), -1).max(axis=1, initial=0.0)
-        return (costs.layer_s + before_rail + _dispatch_seconds(rail_P, busiest_P, costs.rail_phase_s)
-                + _combine_seconds(rail_P, delivery_PNG, busiest_P, local_NG, costs.rail_phase_s, relay))
+    def seconds(rounds: _Rounds) -> float:
+        return (costs.layer_s + before_rail + _dispatch_seconds(rounds.rail_P, rounds.busiest_P, costs.rail_phase_s)
+                + _combine_seconds(rounds, local_out, local_in, costs.rail_phase_s, relay))
 
-    return seconds(*rail_path), seconds(*joint_path)
+    return seconds(rail_path), seconds(loads.cyclic())
 
 
 def path_features(demand: DemandCounts, topo: RailTopology, *, record_bytes: int,

@@ -235,7 +235,7 @@ def dispatcher_errors_worker(rank: int, world: int) -> dict[str, Any]:
             return path
 
     coef = [0.0] * len(FEATURE_NAMES)
-    coef[FEATURE_NAMES.index("log_estimate_v2")] = 1.0  # RAIL where its estimate is below JOINT's
+    coef[FEATURE_NAMES.index("log_estimate_v3")] = 1.0  # RAIL where its estimate is below JOINT's
     selector = RecordingModel(RailJointModel(all_pairs=tuple(coef)), RailTopology(num_nodes=2, gpus_per_node=2))
     model_d = RailWaveTokenDispatcher(per, local, config(), pgs, railwave=RailWaveConfig(gpus_per_node=2, path="auto"),
                                       selector=selector)

@@ -107,15 +107,16 @@ def test_estimate_hand_worked_delivery_stretch(chunks):
         assert est_joint == pytest.approx(want_joint, rel=1e-12)
         f = path_features(_three_node_demand(name), topo, record_bytes=b, costs=costs)
         assert f[0] == 1.0
-        assert f[FEATURE_NAMES.index("log_estimate_v2")] == pytest.approx(np.log(want_rail / want_joint))
+        assert f[FEATURE_NAMES.index("log_estimate_v3")] == pytest.approx(np.log(want_rail / want_joint))
 
 
 def test_estimate_charges_the_relay_and_the_local_round_before_the_first_rail_phase():
     # 2 nodes x 2 GPUs. GPU (0, 0) owns 20 records for node 1 (target GPU 0 there) and 10 for its
     # own node (target GPU 1); GPU (0, 1) owns none. The pair's even share is 10 per rail: 10 are
-    # relayed out of (0, 0). Its local round sends 10 records x 1 copy, half of them counted on the
-    # wire (G = 2): its out-port carries 10 + 5 before rail phase 0 may start; in combine the relay
-    # back (10) comes after the last rail phase. Both paths pay both.
+    # relayed out of (0, 0) (its higher masks: all the same here) and arrive on (1, 1), whose 10
+    # copies cross to (1, 0); the 10 kept ones arrive on their target. Its local round sends 10
+    # copies to (0, 1), all on the wire: its out-port carries 10 + 10 before rail phase 0 may
+    # start; in combine the relay back (10) comes after the last rail phase. Both paths pay both.
     topo = RailTopology(num_nodes=2, gpus_per_node=2)
     wnm = torch.zeros(4, 2, 4, dtype=torch.int64)
     wnm[0, 1, 0b01] = 20
@@ -124,19 +125,20 @@ def test_estimate_charges_the_relay_and_the_local_round_before_the_first_rail_ph
     b = 8
     nvl = b / topo.nvlink_bytes_per_s
     est_rail, est_joint = path_estimates(DemandCounts(records_WNM=wnm), topo, record_bytes=b, costs=costs)
-    # One pair, one wave: RAIL and JOINT are the same here; rail 10 per rail, delivery 20 x 1/2.
+    # One pair, one wave: RAIL and JOINT are the same here; rail 10 per rail, delivery 10.
     bandwidth = 2 * (10 * b / topo.rail_bytes_per_s + 10 * nvl)
-    assert est_rail == est_joint == pytest.approx(15 * nvl + 10 * nvl + bandwidth, rel=1e-12)
+    assert est_rail == est_joint == pytest.approx(20 * nvl + 10 * nvl + bandwidth, rel=1e-12)
 
 
 @pytest.mark.parametrize("local_records", [12, 100])
-def test_estimate_charges_combine_s_local_round_on_the_delivery_round_s_gpu_port(local_records):
+def test_estimate_charges_combine_s_local_round_on_the_delivery_round_s_gpu_ports(local_records):
     # 2 nodes x 2 GPUs. Node 0 sends 10 records from each GPU to node 1, all for GPU (1, 1): no
-    # relay, 10 per rail, 20 copies into (1, 1), 10 on the wire (G = 2). GPU (1, 0) has
-    # `local_records` for its own node's GPU 1: half of them (6 or 50) cross NVLink into (1, 1).
-    # Dispatch: the local round before rail phase 0, then rail 10, then delivery 10. Combine: the
-    # round back from (1, 1) starts with the local round back on the same port and is slowed by
-    # half the overlap (min(10, local) / 2); then the rail back; the local round back finishes alone.
+    # relay, 10 per rail; the 10 arriving on (1, 0) cross to (1, 1). GPU (1, 0) has
+    # `local_records` for its own node's GPU 1: all cross NVLink from (1, 0) to (1, 1), on the
+    # same two ports as the round. Dispatch: the local round before rail phase 0, then rail 10,
+    # then delivery 10. Combine: the round back starts with the local round back on both ports
+    # and is slowed by three quarters of the overlap; then the rail back; the local round back
+    # finishes alone.
     topo = RailTopology(num_nodes=2, gpus_per_node=2)
     wnm = torch.zeros(4, 2, 4, dtype=torch.int64)
     wnm[0, 1, 0b10] = 10
@@ -144,15 +146,15 @@ def test_estimate_charges_combine_s_local_round_on_the_delivery_round_s_gpu_port
     wnm[2, 1, 0b10] = local_records
     b = 8
     nvl, rail = b / topo.nvlink_bytes_per_s, b / topo.rail_bytes_per_s
-    local = local_records / 2
+    local = local_records
     est_rail, est_joint = path_estimates(DemandCounts(records_WNM=wnm), topo, record_bytes=b,
                                          costs=PathCosts(rail_phase_s=0.0, layer_s=0.0, chunks=1))
-    round_back = 10 + min(10, local) / 2
-    left = local - min(10, local) / 2
+    round_back = 10 + 0.75 * min(10, local)
+    left = local - 0.75 * min(10, local)
     combine = max(round_back * nvl + 10 * rail, (round_back + left) * nvl)
     assert est_rail == est_joint == pytest.approx(local * nvl + 10 * rail + 10 * nvl + combine, rel=1e-12)
     if local_records == 100:  # the local round back outlasts the rail back
-        assert combine == pytest.approx(60 * nvl)
+        assert combine == pytest.approx(110 * nvl)
 
 
 def test_fit_recovers_linear_coefficients_per_input_kind():
@@ -175,7 +177,7 @@ def test_estimate_spreads_over_healthy_rails_only(owner):
     # 2 nodes x 2 GPUs, rail 1 failed on node 1: the pair (0, 1) has one rail, GPU 0's. GPU
     # (0, owner) owns 20 records for node 1 (target GPU 0 there). On the healthy rail they need no
     # relay; on the failed one all 20 go to GPU 0 first (and come back in combine). Either way the
-    # one rail carries 20 and GPU (1, 0) gets 20 copies that stay on it half the time (G = 2).
+    # one rail carries 20 and they all arrive on (1, 0), their target: no delivery on NVLink.
     topo = RailTopology(num_nodes=2, gpus_per_node=2, failed_rails=frozenset({(1, 1)}))
     wnm = torch.zeros(4, 2, 4, dtype=torch.int64)
     wnm[owner, 1, 0b01] = 20
@@ -184,8 +186,7 @@ def test_estimate_spreads_over_healthy_rails_only(owner):
     est_rail, est_joint = path_estimates(DemandCounts(records_WNM=wnm), topo, record_bytes=b,
                                          costs=PathCosts(rail_phase_s=0.0, layer_s=0.0, chunks=1))
     relay = 20 * nvl if owner == 1 else 0.0
-    assert est_rail == est_joint == pytest.approx(2 * relay + 2 * (20 * b / topo.rail_bytes_per_s + 10 * nvl),
-                                                  rel=1e-12)
+    assert est_rail == est_joint == pytest.approx(2 * relay + 2 * 20 * b / topo.rail_bytes_per_s, rel=1e-12)
 
 
 def test_model_dict_round_trip_and_errors_name_the_field():
@@ -207,7 +208,7 @@ def test_model_dict_round_trip_and_errors_name_the_field():
 def _sign_model(sign: float) -> RailJointModel:
     """Predicts sign x log_estimate: RAIL where that is negative (sign 1)."""
     coef = [0.0] * F
-    coef[FEATURE_NAMES.index("log_estimate_v2")] = sign
+    coef[FEATURE_NAMES.index("log_estimate_v3")] = sign
     return RailJointModel(all_pairs=tuple(coef), windowed=None)
 
 
@@ -216,7 +217,7 @@ def test_model_selector_follows_the_prediction_and_is_pure():
     spec = VirtualSpec(topology=topo, tokens=40, hidden=8, experts=16, topk=3, seed=5)
     _, full = _gathered(spec)
     st = demand_stats(full, topo, record_bytes=16)
-    d = path_features(full, topo, record_bytes=16)[FEATURE_NAMES.index("log_estimate_v2")]
+    d = path_features(full, topo, record_bytes=16)[FEATURE_NAMES.index("log_estimate_v3")]
     assert d != 0
     for sign in (1.0, -1.0):
         sel = ModelSelector(_sign_model(sign), topo)
@@ -267,7 +268,7 @@ def test_tune_selector_records_the_model_when_it_beats_the_anchors(tmp_path):
     assert tuned["scores"][0]["over_tolerance"] > 0  # always-JOINT misses the RAIL rows
     assert tuned["model"] is not None and "path model" in tuned["method"]
     coef = tuned["model"]["all_pairs"]
-    assert coef[FEATURE_NAMES.index("log_estimate_v2")] == pytest.approx(0.5) and coef[0] == pytest.approx(-0.2)
+    assert coef[FEATURE_NAMES.index("log_estimate_v3")] == pytest.approx(0.5) and coef[0] == pytest.approx(-0.2)
     # Written to the file, loaded back, and the runtime decides with it.
     from megatron_railwave.commands.calibrate import with_selector_settings
 
@@ -342,7 +343,7 @@ def test_rail_windows_equal_to_the_cyclic_waves_give_a_zero_log_estimate(topo):
                                                                 1 << topo.gpus_per_node), generator=gen))
         windows = cyclic_schedule(topo.num_nodes)
         f = path_features(demand, topo, record_bytes=64, windows=windows, costs=PathCosts(chunks=1))
-        assert f[FEATURE_NAMES.index("log_estimate_v2")] == 0.0
+        assert f[FEATURE_NAMES.index("log_estimate_v3")] == 0.0
 
 
 def test_model_selector_refuses_the_descriptors_only_call():
@@ -354,13 +355,15 @@ def test_model_selector_refuses_the_descriptors_only_call():
 @pytest.mark.parametrize(("local", "want"), [(4.0, 9.0), (10.0, 14.0)])
 def test_combine_rounds_share_ports_with_the_local_round_until_it_is_done(local, want):
     # One node, 2 GPUs, two rounds back, each followed by a 1 s rail phase. Round 0: GPU 0 has 2 s
-    # beside the local round (slowed by half the overlap: 3 s), GPU 1 6 s alone: the round ends at
-    # 6 and GPU 0's local round runs alone from 3 to 6. local = 4: done by then (4 - 1 - 3 <= 0),
-    # so round 1 takes its busiest GPU's 2 s: 8, rail back 8 .. 9. local = 10: 6 s left, round 1
-    # on GPU 0 ends at 6 + 2 + 1 = 9 and the local round's last 5 s end the combine at 14.
-    from megatron_railwave.path_model import _combine_seconds
+    # beside the local round (slowed by three quarters of the overlap: 3.5 s), GPU 1 6 s alone:
+    # the round ends at 6 and GPU 0's local round runs alone from 3.5 to 6. local = 4: done by
+    # then (4 - 1.5 - 2.5 = 0), so round 1 takes its busiest GPU's 2 s: 8, rail back 8 .. 9.
+    # local = 10: 6 s left, round 1 on GPU 0 ends at 6 + 2 + 1.5 = 9.5 and the local round's
+    # last 4.5 s end the combine at 14.
+    from megatron_railwave.path_model import _combine_seconds, _Rounds
 
-    delivery_PNG = np.array([[[2.0, 6.0]], [[2.0, 0.0]]])
-    got = _combine_seconds(np.array([1.0, 1.0]), delivery_PNG, np.array([6.0, 2.0]), np.array([[local, 0.0]]),
-                           0.0, 0.0)
+    into_PNG = np.array([[[2.0, 6.0]], [[2.0, 0.0]]])
+    rounds = _Rounds(rail_P=np.array([1.0, 1.0]), into_PNG=into_PNG, out_PNG=np.zeros_like(into_PNG),
+                     busiest_P=np.array([6.0, 2.0]))
+    got = _combine_seconds(rounds, np.zeros((1, 2)), np.array([[local, 0.0]]), 0.0, 0.0)
     assert got == pytest.approx(want, rel=1e-12)
