@@ -110,9 +110,10 @@ def _copies_at(records: np.ndarray, copies: np.ndarray, q: np.ndarray, some: np.
     if where[0].size:
         lists = where[:-1]
         out[where] = _walk(records[lists], q[lists], some[lists], x[where][:, None])[:, 0]
-        # A repeated position takes the value of its first occurrence.
-        index = np.where(inside & ~first, 0, np.arange(x.shape[-1]))
-        out = np.take_along_axis(out, np.maximum.accumulate(index, axis=-1)[..., None], axis=-2)
+        repeated = np.nonzero(inside & ~first)
+        if repeated[0].size:  # a repeated position takes the value of its first occurrence
+            first_at = np.maximum.accumulate(np.where(first, np.arange(x.shape[-1]), 0), axis=-1)
+            out[repeated] = out[repeated[:-1] + (first_at[repeated],)]
     return out
 
 
@@ -143,8 +144,26 @@ def arrival_copies_NNCGG(records_NGN: np.ndarray, copies_NGNG: np.ndarray, topo:
     moved_end = keep[..., None] + np.cumsum(moved, axis=-1)  # [s, d, o, l]: where the part for l ends
     # Where each part ends, in list order: keep, then l = 0 .. G-2 (the last ends at the list's end).
     bounds = np.concatenate([keep[..., None], moved_end[..., :-1]], axis=-1)  # [s, d, o, G]
-    q, some = _bit_probabilities(_target_probabilities(records, owner_copies).reshape(-1, g))
-    q, some = q.reshape(n, n, g, g), some.reshape(n, n, g)
+    walked = ((bounds > 0) & (bounds < records[..., None])).any(axis=-1)  # lists split between rails
+    if chunks > 1:
+        # Chunk cuts inside each arrival block (owners ascending): the owner each cut falls in and
+        # the cut's position in that owner's list.
+        block = relay.transpose(0, 1, 3, 2)  # [s, d, l, o] segment lengths in block order
+        block_end = np.cumsum(block, axis=-1)
+        cuts = np.cumsum(chunk_sizes(block_end[..., -1].astype(np.int64), chunks), axis=-1)[..., :-1].astype(np.float64)
+        cut_owner = np.minimum((block_end[..., None, :] <= cuts[..., None]).sum(axis=-1), g - 1)  # [s, d, l, C-1]
+        pick = np.take_along_axis
+        seg_start = np.where(eye, 0.0, moved_end - moved).transpose(0, 1, 3, 2)  # [s, d, l, o] in the owner's list
+        position = pick(seg_start, cut_owner, axis=-1) + cuts - pick(block_end - block, cut_owner, axis=-1)
+        s_i, d_i, l_i = np.ix_(np.arange(n), np.arange(n), np.arange(g))
+        s_i, d_i, l_i = s_i[..., None], d_i[..., None], l_i[..., None]
+        cut = s_i, d_i, cut_owner
+        inside = (position > 0) & (position < records[cut])
+        walked[np.broadcast_to(s_i, cut_owner.shape)[inside], np.broadcast_to(d_i, cut_owner.shape)[inside],
+               cut_owner[inside]] = True
+    # Bit probabilities only for the lists a walk visits (per list, so the same values as for all).
+    q, some = np.zeros(owner_copies.shape), np.ones(records.shape)
+    q[walked], some[walked] = _bit_probabilities(_target_probabilities(records[walked], owner_copies[walked]))
     at_bounds = _copies_at(records, owner_copies, q, some, bounds)  # [s, d, o, G, j]
     seg_copies = np.empty_like(at_bounds)  # [s, d, o, l, j]: the part moved to l (0 for l == o)
     np.subtract(at_bounds[..., 1:, :], at_bounds[..., :-1, :], out=seg_copies[..., :-1, :])
@@ -153,17 +172,6 @@ def arrival_copies_NNCGG(records_NGN: np.ndarray, copies_NGNG: np.ndarray, topo:
     total = seg_copies.sum(axis=2)  # [s, d, l, j]
     if chunks == 1:
         return total[:, :, None]
-    # Chunk cuts inside each arrival block (owners ascending): cumulative copies at each cut.
-    block = relay.transpose(0, 1, 3, 2)  # [s, d, l, o] segment lengths in block order
-    block_end = np.cumsum(block, axis=-1)
-    cuts = np.cumsum(chunk_sizes(block_end[..., -1].astype(np.int64), chunks), axis=-1)[..., :-1].astype(np.float64)
-    cut_owner = np.minimum((block_end[..., None, :] <= cuts[..., None]).sum(axis=-1), g - 1)  # [s, d, l, C-1]
-    pick = np.take_along_axis
-    seg_start = np.where(eye, 0.0, moved_end - moved).transpose(0, 1, 3, 2)  # [s, d, l, o] in the owner's list
-    position = pick(seg_start, cut_owner, axis=-1) + cuts - pick(block_end - block, cut_owner, axis=-1)
-    s_i, d_i, l_i = np.ix_(np.arange(n), np.arange(n), np.arange(g))
-    s_i, d_i, l_i = s_i[..., None], d_i[..., None], l_i[..., None]
-    cut = s_i, d_i, cut_owner
     at_cut = _copies_at(records[cut], owner_copies[cut], q[cut], some[cut], position[..., None])[..., 0, :]
     # Where the cut owner's part starts: 0 for its kept part, else where its previous part ends.
     at_start = np.where((cut_owner == l_i)[..., None], 0.0, at_bounds[s_i, d_i, cut_owner, l_i])
