@@ -244,8 +244,7 @@ class _Rounds:
     @classmethod
     def of(cls, rail_P: np.ndarray, wire_PNLJ: np.ndarray) -> _Rounds:
         into, out = wire_PNLJ.sum(axis=2), wire_PNLJ.sum(axis=3)
-        p = len(rail_P)
-        busiest = np.maximum(into.reshape(p, -1).max(axis=1, initial=0.0), out.reshape(p, -1).max(axis=1, initial=0.0))
+        busiest = np.maximum(into.max(axis=(1, 2), initial=0.0), out.max(axis=(1, 2), initial=0.0))
         return cls(rail_P=rail_P, into_PNG=into, out_PNG=out, busiest_P=busiest)
 
 

@@ -82,10 +82,10 @@ def _three_node_demand(name: str) -> DemandCounts:
 @pytest.mark.parametrize("chunks", [1, 2])
 def test_estimate_hand_worked_delivery_stretch(chunks):
     # Every pair's 20 records sit 10 per GPU: no relay; no local round. Per rail RAIL sends 20
-    # records (two pairs at once), each JOINT wave 10. A copy stays on its arrival GPU half the
-    # time (G = 2), so a GPU's delivery seconds are half its copies. "one": RAIL's round puts 40
-    # copies on GPU 0 (20 on the wire), each wave 20 (10). "split": RAIL's round gives each GPU
-    # 20 (10), each wave still puts 20 (10) on one GPU: JOINT pays the delivery twice.
+    # records (two pairs at once), each JOINT wave 10. Every owner keeps its 10 on its own rail,
+    # so the copies from GPU 0's owner stay on their target and GPU 1's cross. "one": RAIL's round
+    # puts 40 copies on GPU 0 (20 on the wire), each wave 20 (10). "split": RAIL's round gives
+    # each GPU 20 (10), each wave still puts 20 (10) on one GPU: JOINT pays the delivery twice.
     topo = RailTopology(num_nodes=3, gpus_per_node=2)
     costs = PathCosts(rail_phase_s=30e-6, layer_s=35e-6, chunks=chunks)
     b = 8
@@ -352,18 +352,93 @@ def test_model_selector_refuses_the_descriptors_only_call():
         sel.select(None)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("port", ["out of the expert GPU", "into the arrival GPU"])
 @pytest.mark.parametrize(("local", "want"), [(4.0, 9.0), (10.0, 14.0)])
-def test_combine_rounds_share_ports_with_the_local_round_until_it_is_done(local, want):
+def test_combine_rounds_share_ports_with_the_local_round_until_it_is_done(local, want, port):
     # One node, 2 GPUs, two rounds back, each followed by a 1 s rail phase. Round 0: GPU 0 has 2 s
     # beside the local round (slowed by three quarters of the overlap: 3.5 s), GPU 1 6 s alone:
     # the round ends at 6 and GPU 0's local round runs alone from 3.5 to 6. local = 4: done by
     # then (4 - 1.5 - 2.5 = 0), so round 1 takes its busiest GPU's 2 s: 8, rail back 8 .. 9.
     # local = 10: 6 s left, round 1 on GPU 0 ends at 6 + 2 + 1.5 = 9.5 and the local round's
-    # last 4.5 s end the combine at 14.
+    # last 4.5 s end the combine at 14. The same on either port of the GPU.
     from megatron_railwave.path_model import _combine_seconds, _Rounds
 
-    into_PNG = np.array([[[2.0, 6.0]], [[2.0, 0.0]]])
-    rounds = _Rounds(rail_P=np.array([1.0, 1.0]), into_PNG=into_PNG, out_PNG=np.zeros_like(into_PNG),
-                     busiest_P=np.array([6.0, 2.0]))
-    got = _combine_seconds(rounds, np.zeros((1, 2)), np.array([[local, 0.0]]), 0.0, 0.0)
+    loaded, idle = np.array([[[2.0, 6.0]], [[2.0, 0.0]]]), np.zeros((2, 1, 2))
+    local_NG, none_NG = np.array([[local, 0.0]]), np.zeros((1, 2))
+    if port == "out of the expert GPU":  # dispatch's in-port of the target: round into it, local into it
+        rounds = _Rounds(rail_P=np.array([1.0, 1.0]), into_PNG=loaded, out_PNG=idle, busiest_P=np.array([6.0, 2.0]))
+        got = _combine_seconds(rounds, none_NG, local_NG, 0.0, 0.0)
+    else:  # dispatch's out-port of the arrival / source GPU
+        rounds = _Rounds(rail_P=np.array([1.0, 1.0]), into_PNG=idle, out_PNG=loaded, busiest_P=np.array([6.0, 2.0]))
+        got = _combine_seconds(rounds, local_NG, none_NG, 0.0, 0.0)
     assert got == pytest.approx(want, rel=1e-12)
+
+
+def test_estimate_charges_a_source_gpu_s_local_copies_on_its_own_port():
+    # 2 nodes x 4 GPUs, no remote records. GPU (0, 0) has 10 records for its own node, each for
+    # GPUs 1, 2 and 3: 30 copies leave its port (10 enter each target's). Dispatch's local round
+    # and combine's local round back each take 30 copies' time on (0, 0); both paths the same.
+    topo = RailTopology(num_nodes=2, gpus_per_node=4)
+    wnm = torch.zeros(8, 2, 16, dtype=torch.int64)
+    wnm[0, 0, 0b1110] = 10
+    b = 8
+    nvl = b / topo.nvlink_bytes_per_s
+    est_rail, est_joint = path_estimates(DemandCounts(records_WNM=wnm), topo, record_bytes=b,
+                                         costs=PathCosts(rail_phase_s=0.0, layer_s=0.0, chunks=2))
+    assert est_rail == est_joint == pytest.approx(60 * nvl, rel=1e-12)
+
+
+def test_a_single_node_has_no_rail_phases():
+    topo = RailTopology(num_nodes=1, gpus_per_node=4)
+    wnm = torch.zeros(4, 1, 16, dtype=torch.int64)
+    wnm[0, 0, 0b0110] = 5
+    nvl = 8 / topo.nvlink_bytes_per_s
+    est = path_estimates(DemandCounts(records_WNM=wnm), topo, record_bytes=8, costs=PathCosts(layer_s=1e-6, chunks=2))
+    assert est == pytest.approx((1e-6 + 20 * nvl, 1e-6 + 20 * nvl), rel=1e-12)
+
+
+@pytest.mark.parametrize("chunks", [1, 2])
+@pytest.mark.parametrize("topo", [RailTopology(num_nodes=3, gpus_per_node=4),
+                                  RailTopology(num_nodes=4, gpus_per_node=3, failed_rails=frozenset({(2, 1)}))],
+                         ids=["3x4", "4x3-failed-rail"])
+def test_rounds_and_local_round_match_the_compiled_schedule_s_ports(topo, chunks):
+    # Equal counts on every non-empty subset of each owner's target set (independent bits, the
+    # arrival model exact): each round's wire copies into every target and out of every arrival
+    # GPU, its busiest port, and the local round's ports equal the compiled schedule's transfers.
+    from megatron_railwave.path_model import _Loads, owner_copies_NGNG
+    from megatron_railwave.planner import Path, PlanOptions, build_plan
+    from megatron_railwave.schedule import PhaseKind, RecordWireFormat, compile_schedule
+
+    wire = RecordWireFormat(hidden=8, payload_dtype=torch.float32, probs_dtype=torch.float32, experts_per_node=8)
+    n, g, b = topo.num_nodes, topo.gpus_per_node, 8
+    nvl = b / topo.nvlink_bytes_per_s
+    rng = np.random.default_rng(5)
+    for _ in range(3):
+        wnm = torch.zeros(n * g, n, 1 << g, dtype=torch.int64)
+        for r in range(n * g):
+            for d in range(n):
+                support, k = int(rng.integers(1, 1 << g)), int(rng.integers(0, 8))
+                for mask in range(1, 1 << g):
+                    if mask & ~support == 0:
+                        wnm[r, d, mask] = k
+        demand = DemandCounts(records_WNM=wnm)
+        loads = _Loads.of(demand.records_NGN().double().numpy(), owner_copies_NGNG(demand), record_bytes=b, topo=topo,
+                          chunks=chunks)
+        local_out, local_in = loads.local_round()
+        for path, rounds in ((Path.RAIL, loads.windows((1.0 - np.eye(n))[None])), (Path.JOINT, loads.cyclic())):
+            schedule = compile_schedule(build_plan(demand, topo, path, options=PlanOptions(chunks=chunks)), wire,
+                                        demand=demand)
+            for phase in schedule.phases:
+                if phase.kind != PhaseKind.DELIVER or phase.name.startswith("combine"):
+                    continue
+                src, dst, rows = (t.numpy() for t in schedule.transfers(phase))
+                moves = src != dst
+                into = np.bincount(dst[moves], rows[moves], n * g).reshape(n, g) * nvl
+                out = np.bincount(src[moves], rows[moves], n * g).reshape(n, g) * nvl
+                if phase.step == 0:
+                    assert local_in == pytest.approx(into, abs=1e-15) and local_out == pytest.approx(out, abs=1e-15)
+                    continue
+                v = phase.step - 1
+                assert rounds.into_PNG[v] == pytest.approx(into, abs=1e-15), (path, phase.name)
+                assert rounds.out_PNG[v] == pytest.approx(out, abs=1e-15), (path, phase.name)
+                assert rounds.busiest_P[v] == pytest.approx(max(into.max(), out.max()), abs=1e-15)
