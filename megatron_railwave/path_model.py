@@ -235,9 +235,11 @@ class _Rounds:
     rail_P: np.ndarray
     """[P] each rail phase's busiest rail port."""
     into_PNG: np.ndarray
-    """[P, N, G] each round's copies into each target GPU (dispatch; out of it in combine)."""
+    """[P, N, G] seconds of each round's copies into each target GPU (dispatch; out of it in
+    combine)."""
     out_PNG: np.ndarray
-    """[P, N, G] each round's copies out of each arrival GPU (dispatch; into it in combine)."""
+    """[P, N, G] seconds of each round's copies out of each arrival GPU (dispatch; into it in
+    combine)."""
     busiest_P: np.ndarray
     """[P] each round's busiest GPU port."""
 
