@@ -8,12 +8,10 @@ import pytest
 import torch
 
 from megatron_railwave.arrivals import arrival_copies_NNCGG, prefix_copies
-from megatron_railwave.planner import Path, PlanOptions, build_plan
-from megatron_railwave.schedule import PhaseKind, RecordWireFormat, compile_schedule
+from megatron_railwave.planner import Path
 from megatron_railwave.topology import RailTopology
 from megatron_railwave.traffic import DemandCounts
-
-WIRE = RecordWireFormat(hidden=8, payload_dtype=torch.float32, probs_dtype=torch.float32, experts_per_node=8)
+from tests.helpers.delivery_cases import dispatch_deliveries, subset_demand
 
 
 def test_prefix_copies_walks_masks_in_ascending_order():
@@ -49,20 +47,7 @@ def _one_mask_demand(topo: RailTopology, seed: int) -> DemandCounts:
 
 
 def _subset_demand(topo: RailTopology, seed: int) -> DemandCounts:
-    """Every owner sends each other node the same number of records with every non-empty subset
-    of its own set of target GPUs: bits independent (1/2 on the set) at integer counts, so the
-    model is exact, and the mask order inside a list (which bit sorts first, which end is kept)
-    decides the result."""
-    rng = np.random.default_rng(seed)
-    w, n, m = topo.world_size, topo.num_nodes, 1 << topo.gpus_per_node
-    wnm = torch.zeros(w, n, m, dtype=torch.int64)
-    for r in range(w):
-        for d in range(n):
-            support, k = int(rng.integers(1, m)), int(rng.integers(0, 8))
-            for mask in range(1, m):
-                if mask & ~support == 0:
-                    wnm[r, d, mask] = k
-    return DemandCounts(records_WNM=wnm)
+    return subset_demand(topo, np.random.default_rng(seed))
 
 
 @pytest.mark.parametrize("make_demand", [_one_mask_demand, _subset_demand], ids=["one-mask", "subsets"])
@@ -76,18 +61,16 @@ def test_arrivals_match_the_compiled_schedule_where_target_bits_are_independent(
         demand = make_demand(topo, seed)
         copies_NGNG = demand.copies_WNG().double().numpy().reshape(n, g, n, g)
         got = arrival_copies_NNCGG(demand.records_NGN().double().numpy(), copies_NGNG, topo, chunks)
-        plan = build_plan(demand, topo, Path.JOINT, options=PlanOptions(chunks=chunks))
-        schedule = compile_schedule(plan, WIRE, demand=demand)
-        for phase in schedule.phases:
-            if phase.kind != PhaseKind.DELIVER or phase.step == 0 or phase.name.startswith("combine"):
+        plan, rounds = dispatch_deliveries(demand, topo, Path.JOINT, chunks)
+        for step, src, dst, rows in rounds:
+            if step == 0:
                 continue
-            src, dst, rows = (t.numpy() for t in schedule.transfers(phase))
             want = np.zeros((n, g, g))  # [d, arrival, target]
             np.add.at(want, (dst // g, src % g, dst % g), rows)
-            wave, chunk = divmod(phase.step - 1, chunks)
+            wave, chunk = divmod(step - 1, chunks)
             senders = [(d, s) for d in range(n) for s in range(n) if s != d and plan.pair_wave_NN[s, d] == wave]
             model = np.zeros((n, g, g))
             for d, s in senders:
                 model[d] += got[s, d, chunk]
             off = ~np.eye(g, dtype=bool)  # the schedule lists no transfer for a copy that stays
-            assert model[:, off] == pytest.approx(want[:, off], abs=1e-6), (seed, phase.name)
+            assert model[:, off] == pytest.approx(want[:, off], abs=1e-6), (seed, step)

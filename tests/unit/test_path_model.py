@@ -406,39 +406,26 @@ def test_rounds_and_local_round_match_the_compiled_schedule_s_ports(topo, chunks
     # arrival model exact): each round's wire copies into every target and out of every arrival
     # GPU, its busiest port, and the local round's ports equal the compiled schedule's transfers.
     from megatron_railwave.path_model import _Loads, owner_copies_NGNG
-    from megatron_railwave.planner import Path, PlanOptions, build_plan
-    from megatron_railwave.schedule import PhaseKind, RecordWireFormat, compile_schedule
+    from megatron_railwave.planner import Path
+    from tests.helpers.delivery_cases import dispatch_deliveries, subset_demand
 
-    wire = RecordWireFormat(hidden=8, payload_dtype=torch.float32, probs_dtype=torch.float32, experts_per_node=8)
     n, g, b = topo.num_nodes, topo.gpus_per_node, 8
     nvl = b / topo.nvlink_bytes_per_s
     rng = np.random.default_rng(5)
     for _ in range(3):
-        wnm = torch.zeros(n * g, n, 1 << g, dtype=torch.int64)
-        for r in range(n * g):
-            for d in range(n):
-                support, k = int(rng.integers(1, 1 << g)), int(rng.integers(0, 8))
-                for mask in range(1, 1 << g):
-                    if mask & ~support == 0:
-                        wnm[r, d, mask] = k
-        demand = DemandCounts(records_WNM=wnm)
+        demand = subset_demand(topo, rng)
         loads = _Loads.of(demand.records_NGN().double().numpy(), owner_copies_NGNG(demand), record_bytes=b, topo=topo,
                           chunks=chunks)
         local_out, local_in = loads.local_round()
         for path, rounds in ((Path.RAIL, loads.windows((1.0 - np.eye(n))[None])), (Path.JOINT, loads.cyclic())):
-            schedule = compile_schedule(build_plan(demand, topo, path, options=PlanOptions(chunks=chunks)), wire,
-                                        demand=demand)
-            for phase in schedule.phases:
-                if phase.kind != PhaseKind.DELIVER or phase.name.startswith("combine"):
-                    continue
-                src, dst, rows = (t.numpy() for t in schedule.transfers(phase))
+            for step, src, dst, rows in dispatch_deliveries(demand, topo, path, chunks)[1]:
                 moves = src != dst
                 into = np.bincount(dst[moves], rows[moves], n * g).reshape(n, g) * nvl
                 out = np.bincount(src[moves], rows[moves], n * g).reshape(n, g) * nvl
-                if phase.step == 0:
+                if step == 0:
                     assert local_in == pytest.approx(into, abs=1e-15) and local_out == pytest.approx(out, abs=1e-15)
                     continue
-                v = phase.step - 1
-                assert rounds.into_PNG[v] == pytest.approx(into, abs=1e-15), (path, phase.name)
-                assert rounds.out_PNG[v] == pytest.approx(out, abs=1e-15), (path, phase.name)
+                v = step - 1
+                assert rounds.into_PNG[v] == pytest.approx(into, abs=1e-15), (path, step)
+                assert rounds.out_PNG[v] == pytest.approx(out, abs=1e-15), (path, step)
                 assert rounds.busiest_P[v] == pytest.approx(max(into.max(), out.max()), abs=1e-15)
