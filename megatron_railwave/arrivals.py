@@ -24,11 +24,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from . import ops
 from .planner import chunk_sizes
 from .planner.railbalance import eligible_NNG, rail_quota_NNG, relay_NNGG
 from .topology import RailTopology
 
-__all__ = ["arrival_copies_NNCGG", "prefix_copies"]
+__all__ = ["arrival_copies_NNCGG", "arrival_copies_reference", "prefix_copies"]
 
 _NEWTON_STEPS = 12
 _MIN_SOME = 1e-3
@@ -124,15 +125,43 @@ def arrival_copies_NNCGG(records_NGN: np.ndarray, copies_NGNG: np.ndarray, topo:
     Local pairs (s == d) are zero (no rail). Uses RailBalance's default eligible rails (all
     healthy ones) and remainder rotation 0.
 
+    Runs the compiled twin (``ops.arrival_copies``) where the compiled ops load, else
+    ``arrival_copies_reference`` (the meaning; the two agree to rounding,
+    tests/unit/test_arrival_copies_op.py).
+
     Args:
         records_NGN: [N, G, N] records owned by GPU (s, o) for node d.
         copies_NGNG: [N, G, N, G] copies owner (s, o) sends to GPU (d, j).
         chunks: rail chunks per wave (1: whole waves).
     """
-    n, g = records_NGN.shape[0], records_NGN.shape[1]
+    relay = _relay_NNGG(records_NGN, topo)
+    compiled = ops.arrival_copies(torch.from_numpy(np.ascontiguousarray(records_NGN, dtype=np.float64)),
+                                  torch.from_numpy(np.ascontiguousarray(copies_NGNG, dtype=np.float64)),
+                                  relay, chunks=chunks)
+    if compiled is not None:
+        return compiled.numpy()
+    return _arrival_copies(records_NGN, copies_NGNG, relay.numpy(), chunks)
+
+
+def _relay_NNGG(records_NGN: np.ndarray, topo: RailTopology) -> torch.Tensor:
+    """[N, N, G, G] int64: RailBalance's relay (rotation 0, all healthy rails eligible), from the
+    compiled ``ops.rail_plan`` where it loads, else the planner's numpy (the same counts)."""
     records_NNG = torch.from_numpy(np.ascontiguousarray(records_NGN.transpose(0, 2, 1))).to(torch.int64)
     eligible = eligible_NNG(topo, records_NNG)
-    relay = relay_NNGG(records_NNG, rail_quota_NNG(records_NNG, eligible, balanced=True)).numpy()
+    compiled = ops.rail_plan(records_NNG, eligible, balanced=True, phase=0)
+    if compiled is not None:
+        return compiled[1]
+    return relay_NNGG(records_NNG, rail_quota_NNG(records_NNG, eligible, balanced=True))
+
+
+def arrival_copies_reference(records_NGN: np.ndarray, copies_NGNG: np.ndarray, topo: RailTopology,
+                             chunks: int) -> np.ndarray:
+    """``arrival_copies_NNCGG`` in numpy: the meaning the compiled twin reproduces."""
+    return _arrival_copies(records_NGN, copies_NGNG, _relay_NNGG(records_NGN, topo).numpy(), chunks)
+
+
+def _arrival_copies(records_NGN: np.ndarray, copies_NGNG: np.ndarray, relay: np.ndarray, chunks: int) -> np.ndarray:
+    n, g = records_NGN.shape[0], records_NGN.shape[1]
     remote = ~np.eye(n, dtype=bool)
     relay = np.where(remote[:, :, None, None], relay, 0).astype(np.float64)  # [s, d, owner, arrival]
     eye = np.eye(g, dtype=bool)

@@ -16,6 +16,7 @@ TORCH_LIBRARY(railwave, m) {
   m.def("rail_plan(Tensor records, Tensor eligible, bool balanced, int phase) -> (Tensor, Tensor)");
   m.def("rank_schedule(Tensor records, Tensor quota, Tensor relay, Tensor wave, Tensor masks, int rank, int chunks, "
         "int num_phases, int relay_phase, int[] rail_phase, int[] deliver_phase) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+  m.def("arrival_copies(Tensor records, Tensor copies, Tensor relay, int chunks) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(railwave, CPU, m) {
@@ -27,6 +28,7 @@ TORCH_LIBRARY_IMPL(railwave, CPU, m) {
   m.impl("segment_sum", &railwave::cpu::segment_sum);
   m.impl("rank_schedule", &railwave::cpu::rank_schedule);
   m.impl("rail_plan", &railwave::cpu::rail_plan);
+  m.impl("arrival_copies", &railwave::cpu::arrival_copies);
 }
 
 #if defined(RAILWAVE_WITH_CUDA)

@@ -35,6 +35,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> rank_sche
     int64_t relay_phase, at::IntArrayRef rail_phase_V, at::IntArrayRef deliver_phase_R);
 std::tuple<at::Tensor, at::Tensor> rail_plan(const at::Tensor& records_NNG, const at::Tensor& eligible_NNG,
                                              bool balanced, int64_t phase);
+// The path model's arrival copies (float64): csrc/cpu/arrivals.cpp.
+at::Tensor arrival_copies(const at::Tensor& records_NGN, const at::Tensor& copies_NGNG, const at::Tensor& relay_NNGG,
+                          int64_t chunks);
 }  // namespace railwave::cpu
 
 #if defined(RAILWAVE_WITH_CUDA)

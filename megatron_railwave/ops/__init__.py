@@ -32,6 +32,7 @@ __all__ = [
     "records_per_node_rail",
     "rank_schedule",
     "rail_plan",
+    "arrival_copies",
     "compiled_for",
     "load_error",
     "set_forced_reference",
@@ -233,3 +234,28 @@ def rail_plan(records_NNG: torch.Tensor, eligible_NNG: torch.Tensor, *, balanced
     if not compiled_for(torch.device("cpu")):
         return None
     return torch.ops.railwave.rail_plan(records_NNG.contiguous(), eligible_NNG.contiguous(), balanced, phase)
+
+
+def arrival_copies(records_NGN: torch.Tensor, copies_NGNG: torch.Tensor, relay_NNGG: torch.Tensor, *,
+                   chunks: int) -> torch.Tensor | None:
+    """The path model's expected copies per node pair, rail chunk, arrival GPU and target GPU in
+    one compiled call (csrc/cpu/arrivals.cpp); None where the compiled ops do not load (the
+    caller then runs ``arrivals``' numpy, the reference: tests/unit/test_arrival_copies_op.py
+    checks the agreement).
+
+    Args:
+        records_NGN: [N, G, N] float64 (CPU), records owned by GPU (s, o) for node d.
+        copies_NGNG: [N, G, N, G] float64 (CPU), (record, target GPU) copies owner (s, o) sends
+            to GPU (d, j).
+        relay_NNGG: [N, N, G, G] int64 (CPU), RailBalance's records of owner (s, o) for node d
+            that leave on rail l (``planner.railbalance.relay_NNGG``; o == l: the part it keeps).
+        chunks: rail chunks per wave (1: whole waves).
+
+    Returns:
+        [N, N, chunks, G, G] float64 on the CPU: copies from node s arriving on GPU (d, l) in
+        chunk k for GPU (d, j). Host sync: no (host tensors).
+    """
+    if not compiled_for(torch.device("cpu")):
+        return None
+    return torch.ops.railwave.arrival_copies(records_NGN.contiguous(), copies_NGNG.contiguous(),
+                                             relay_NNGG.contiguous(), chunks)

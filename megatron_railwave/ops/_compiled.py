@@ -130,6 +130,11 @@ def _register_python_parts() -> None:
         n, g = records.shape[0], records.shape[2]
         return records.new_empty((n, n, g)), records.new_empty((n, n, g, g))
 
+    @torch.library.register_fake(lib + "arrival_copies")
+    def _arrival_copies_fake(records, copies, relay, chunks):
+        n, g = records.shape[0], records.shape[1]
+        return records.new_empty((n, n, chunks, g, g))
+
     @torch.library.register_fake(lib + "rank_schedule")
     def _rank_schedule_fake(records, quota, relay, wave, masks, rank, chunks, num_phases, relay_phase, rail_phase,
                             deliver_phase):

@@ -1,0 +1,233 @@
+// Host planning of the path model: arrival_copies, the expected (record, target GPU) copies per
+// node pair, rail chunk, arrival GPU and target GPU (meaning: megatron_railwave/arrivals.py, the
+// numpy reference; tests/unit/test_arrival_copies_op.py checks the two agree).
+//
+// Letters: N nodes (s source, d destination), G GPUs per node (o owner, l arrival, j target),
+// C rail chunks.
+//
+// Why compiled: the reference works on [N, N, G, G, G] arrays in ~100 numpy calls and walks only
+// the lists it must, 1.3 ms per layer at 4 x 8 and ~29 ms at 32 x 8, most of it call overhead.
+// The selector pays it on every MoE layer call, on the critical path. Here it is loops over the
+// same N * N * G lists, each walked at its few interior positions.
+//
+// Host only: CPU float64 / int64 tensors in, a CPU float64 tensor out.
+
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/zeros.h>
+
+#include <algorithm>
+#include <array>
+#include <vector>
+
+#include "../common/check.h"
+#include "../common/ops.h"
+
+namespace railwave::cpu {
+namespace {
+
+constexpr int kMaxGpus = 8;
+constexpr int kNewtonSteps = 12;   // arrivals._NEWTON_STEPS
+constexpr double kMinSome = 1e-3;  // arrivals._MIN_SOME
+constexpr double kTiny = 1e-300;   // arrivals._TINY
+
+using Row = std::array<double, kMaxGpus>;
+
+// One owner's list: its records, copies per target GPU and (once known) its bit probabilities.
+struct OwnerList {
+  double records = 0.0;
+  Row copies{};
+  Row q{};
+  double some = 1.0;
+};
+
+// arrivals._bit_probabilities for one list (Newton from s = 1 on s = 1 - prod(1 - p_j s)).
+void bit_probabilities(OwnerList& list, int G) {
+  Row p{};
+  for (int j = 0; j < G; ++j) {
+    const double raw = list.records > 0.0 ? list.copies[j] / std::max(list.records, 1.0) : 0.0;
+    p[j] = std::min(std::max(raw, 0.0), 1.0);
+  }
+  double some = 1.0;
+  for (int step = 0; step < kNewtonSteps; ++step) {
+    Row free{};
+    double none = 1.0;
+    for (int j = 0; j < G; ++j) {
+      free[j] = std::max(1.0 - p[j] * some, 0.0);
+      none *= free[j];
+    }
+    double ratio = 0.0;
+    for (int j = 0; j < G; ++j) ratio += p[j] / std::max(free[j], kTiny);
+    const double slope = none * ratio - 1.0;
+    const double next = std::min(std::max(some - (1.0 - none - some) / std::min(slope, -kTiny), kMinSome), 1.0);
+    if (next == some) break;  // a fixed point: the remaining steps would return it unchanged
+    some = next;
+  }
+  for (int j = 0; j < G; ++j) list.q[j] = std::min(p[j] * some, 1.0);
+  list.some = some;
+}
+
+// arrivals._walk at one position x strictly inside the list: expected copies per target GPU among
+// its first x records (mask bits walked from the highest; masks without bit b sort first).
+Row walk(const OwnerList& list, double x, int G) {
+  const double mass = list.records / list.some;  // the empty mask counts too: it sorts first
+  double left = x + (mass - list.records), subtree = mass, taken_so_far = 0.0;
+  Row below{}, taken{}, on_path{};
+  for (int b = G - 1; b >= 0; --b) {
+    const double without = subtree * (1.0 - list.q[b]);
+    const bool take = left >= without;
+    below[b] = taken_so_far;
+    taken[b] = take ? without : 0.0;
+    on_path[b] = take ? 1.0 : 0.0;
+    taken_so_far = taken_so_far + taken[b];
+    left = left - taken[b];
+    subtree = take ? subtree - without : without;
+  }
+  const double leaf = std::min(std::max(left, 0.0), subtree);
+  Row out{};
+  for (int j = 0; j < G; ++j) {
+    const double above = taken_so_far - below[j] - taken[j];
+    out[j] = list.q[j] * below[j] + on_path[j] * (above + leaf);
+  }
+  return out;
+}
+
+// arrivals._copies_at at one position: nothing before the list, all its copies at its end.
+Row copies_at(const OwnerList& list, double x, int G) {
+  if (x >= list.records) return list.copies;
+  if (x > 0.0) return walk(list, x, G);
+  return Row{};
+}
+
+void check_host(const at::Tensor& t, const char* name, at::ScalarType dtype, at::IntArrayRef shape) {
+  RW_CHECK(t.device().is_cpu(), name, " must be a CPU tensor (host planning), got ", t.device());
+  RW_CHECK(t.scalar_type() == dtype, name, " must be ", dtype, ", got ", t.scalar_type());
+  RW_CHECK(t.is_contiguous(), name, " must be contiguous");
+  RW_CHECK(t.sizes().equals(shape), name, " has shape ", t.sizes(), ", expected ", shape);
+}
+
+}  // namespace
+
+at::Tensor arrival_copies(const at::Tensor& records_NGN, const at::Tensor& copies_NGNG, const at::Tensor& relay_NNGG,
+                          int64_t chunks) {
+  RW_CHECK(records_NGN.dim() == 3, "records_NGN must be [N, G, N], got ", records_NGN.sizes());
+  const int64_t N = records_NGN.size(0), G = records_NGN.size(1), C = chunks;
+  RW_CHECK(G >= 1 && G <= kMaxGpus, "G must be in 1..", kMaxGpus, ", got ", G);
+  RW_CHECK(C >= 1, "chunks must be >= 1, got ", C);
+  check_host(records_NGN, "records_NGN", at::kDouble, {N, G, N});
+  check_host(copies_NGNG, "copies_NGNG", at::kDouble, {N, G, N, G});
+  check_host(relay_NNGG, "relay_NNGG", at::kLong, {N, N, G, G});
+  const double* records = records_NGN.data_ptr<double>();
+  const double* copies = copies_NGNG.data_ptr<double>();
+  const int64_t* relay = relay_NNGG.data_ptr<int64_t>();
+  at::Tensor out_NNCGG = at::zeros({N, N, C, G, G}, records_NGN.options());
+  double* out = out_NNCGG.data_ptr<double>();
+  const int g = static_cast<int>(G);
+
+  std::array<OwnerList, kMaxGpus> lists;
+  std::array<Row, kMaxGpus> keep_end{}, moved{}, moved_end{};  // [o][l]
+  std::array<std::array<Row, kMaxGpus>, kMaxGpus> at_bounds{}, seg{};  // [o][i or l][j]
+  std::array<double, kMaxGpus> keep{};
+  std::array<bool, kMaxGpus> walked{};
+  std::vector<int> cut_owner(static_cast<size_t>(G * C));          // [l, k]: the owner chunk k's end falls in
+  std::vector<double> cut_position(static_cast<size_t>(G * C));  // [l, k]: its position in that owner's list
+  for (int64_t s = 0; s < N; ++s) {
+    for (int64_t d = 0; d < N; ++d) {
+      if (s == d) continue;  // local pairs use no rail
+      const int64_t* pair_relay = relay + (s * N + d) * G * G;
+      // Each owner's list: kept part first, then its moved parts to arrival GPU 0, 1, ... in turn.
+      for (int o = 0; o < g; ++o) {
+        OwnerList& list = lists[o];
+        list.records = records[(s * G + o) * N + d];
+        for (int j = 0; j < g; ++j) list.copies[j] = copies[((s * G + o) * N + d) * G + j];
+        keep[o] = static_cast<double>(pair_relay[o * G + o]);
+        double run = keep[o];
+        for (int l = 0; l < g; ++l) {
+          moved[o][l] = l == o ? 0.0 : static_cast<double>(pair_relay[o * G + l]);
+          run += moved[o][l];
+          moved_end[o][l] = run;
+        }
+        // Where each part starts: bounds[0] = keep, bounds[l + 1] = where the part for l ends.
+        keep_end[o][0] = keep[o];
+        for (int l = 1; l < g; ++l) keep_end[o][l] = moved_end[o][l - 1];
+        walked[o] = false;
+        for (int l = 0; l < g; ++l) walked[o] = walked[o] || (keep_end[o][l] > 0.0 && keep_end[o][l] < list.records);
+      }
+      // Chunk cuts inside each arrival block (owners ascending): the owner each cut falls in and
+      // the cut's position in that owner's list (arrivals.arrival_copies_NNCGG).
+      if (C > 1) {
+        for (int l = 0; l < g; ++l) {
+          Row block_end{};
+          double run = 0.0;
+          for (int o = 0; o < g; ++o) {
+            run += static_cast<double>(pair_relay[o * G + l]);
+            block_end[o] = run;
+          }
+          const int64_t total = static_cast<int64_t>(block_end[g - 1]);
+          int64_t cut = 0;
+          for (int64_t k = 0; k + 1 < C; ++k) {
+            cut += total / C + (k < total % C ? 1 : 0);
+            const double at = static_cast<double>(cut);
+            int owner = 0;
+            for (int o = 0; o < g; ++o) owner += block_end[o] <= at;
+            owner = std::min(owner, g - 1);
+            const double block_start = block_end[owner] - static_cast<double>(pair_relay[owner * G + l]);
+            const double seg_start = owner == l ? 0.0 : moved_end[owner][l] - moved[owner][l];
+            const double position = seg_start + at - block_start;
+            cut_owner[l * C + k] = owner;
+            cut_position[l * C + k] = position;
+            if (position > 0.0 && position < lists[owner].records) walked[owner] = true;
+          }
+        }
+      }
+      for (int o = 0; o < g; ++o) {
+        if (walked[o]) {
+          bit_probabilities(lists[o], g);
+        } else {
+          lists[o].q = Row{};
+          lists[o].some = 1.0;
+        }
+      }
+      // Copies at each part's start; a part's copies are the difference to the next part's start.
+      for (int o = 0; o < g; ++o) {
+        for (int i = 0; i < g; ++i) {
+          const bool repeated = i > 0 && keep_end[o][i] == keep_end[o][i - 1];
+          at_bounds[o][i] = repeated ? at_bounds[o][i - 1] : copies_at(lists[o], keep_end[o][i], g);
+        }
+        for (int l = 0; l + 1 < g; ++l)
+          for (int j = 0; j < g; ++j) seg[o][l][j] = at_bounds[o][l + 1][j] - at_bounds[o][l][j];
+        for (int j = 0; j < g; ++j) seg[o][g - 1][j] = lists[o].copies[j] - at_bounds[o][g - 1][j];
+        seg[o][o] = at_bounds[o][0];  // the kept part: its first `keep` records
+      }
+      double* pair_out = out + (s * N + d) * C * G * G;
+      for (int l = 0; l < g; ++l) {
+        Row total{};
+        for (int j = 0; j < g; ++j) {
+          double sum = seg[0][l][j];
+          for (int o = 1; o < g; ++o) sum += seg[o][l][j];
+          total[j] = sum;
+        }
+        Row previous{};  // copies of the block before chunk k's start
+        for (int64_t k = 0; k < C; ++k) {
+          Row upto{};
+          if (k + 1 == C) {
+            upto = total;
+          } else {
+            const int owner = cut_owner[l * C + k];
+            const Row at_cut = copies_at(lists[owner], cut_position[l * C + k], g);
+            for (int j = 0; j < g; ++j) {
+              double before = 0.0;
+              for (int o = 0; o < owner; ++o) before += seg[o][l][j];
+              const double at_start = owner == l ? 0.0 : at_bounds[owner][l][j];
+              upto[j] = before + at_cut[j] - at_start;
+            }
+          }
+          for (int j = 0; j < g; ++j) pair_out[(k * G + l) * G + j] = upto[j] - previous[j];
+          previous = upto;
+        }
+      }
+    }
+  }
+  return out_NNCGG;
+}
+
+}  // namespace railwave::cpu

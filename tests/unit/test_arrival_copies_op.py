@@ -1,0 +1,111 @@
+"""``ops.arrival_copies`` (compiled, csrc/cpu/arrivals.cpp) against ``arrivals``' numpy (the
+reference): random full-form and node-view counts, 1-8 GPUs per node, failed rails, 1-5 rail
+chunks; and the path model's features the same with either."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+from megatron_railwave import ops
+from megatron_railwave.arrivals import arrival_copies_NNCGG, arrival_copies_reference
+from megatron_railwave.path_model import PathCosts, owner_copies_NGNG, path_features
+from megatron_railwave.topology import RailTopology
+from megatron_railwave.traffic import DemandCounts
+
+from tests.helpers.ops_cases import random_failed_topology
+
+pytestmark = pytest.mark.skipif(ops.load_error() is not None or not ops.compiled_for(torch.device("cpu")),
+                                reason="the compiled ops did not load (make ext)")
+
+# The twin does the reference's float operations in the reference's order; the tolerance only
+# leaves room for another numpy summing a few terms in another order.
+_RTOL, _ATOL = 1e-12, 1e-9
+
+
+def _full_demand(rng: np.random.Generator, topo: RailTopology, sparsity: float) -> DemandCounts:
+    """Mask histograms with a few masks per (rank, node), some (rank, node) empty."""
+    w, n, m = topo.world_size, topo.num_nodes, 1 << topo.gpus_per_node
+    wnm = np.zeros((w, n, m), dtype=np.int64)
+    for r in range(w):
+        for d in range(n):
+            if rng.random() < sparsity:
+                continue
+            masks = rng.integers(1, m, size=int(rng.integers(1, 6)))
+            wnm[r, d, masks] += rng.integers(0, 60, size=masks.size)
+    return DemandCounts(records_WNM=torch.from_numpy(wnm))
+
+
+def _node_view_demand(rng: np.random.Generator, topo: RailTopology) -> DemandCounts:
+    """Per-rank records and copies per target GPU only (the count exchange's form), as a training
+    step's decision sees them."""
+    w, n, g = topo.world_size, topo.num_nodes, topo.gpus_per_node
+    records = rng.integers(0, 400, size=(w, n))
+    copies = rng.binomial(records[..., None], rng.uniform(0.05, 0.9, size=(w, n, g)))
+    return DemandCounts(records_WN=torch.from_numpy(records), delivery_WNG=torch.from_numpy(copies))
+
+
+def _inputs(demand: DemandCounts) -> tuple[np.ndarray, np.ndarray]:
+    return demand.records_NGN().to(torch.float64).numpy(), owner_copies_NGNG(demand)
+
+
+@settings(max_examples=120, deadline=None)
+@given(num_nodes=st.integers(1, 6), gpus=st.sampled_from([1, 2, 3, 4, 8]), chunks=st.integers(1, 5),
+       failed=st.integers(0, 3), sparsity=st.sampled_from([0.0, 0.5]), node_view=st.booleans(),
+       seed=st.integers(0, 2**16))
+def test_arrival_copies_matches_the_reference(num_nodes, gpus, chunks, failed, sparsity, node_view, seed):
+    rng = np.random.default_rng(seed)
+    topo = random_failed_topology(rng, num_nodes, gpus, failed)
+    assume(topo is not None)  # two nodes without a common healthy rail
+    demand = _node_view_demand(rng, topo) if node_view else _full_demand(rng, topo, sparsity)
+    records, copies = _inputs(demand)
+    got = arrival_copies_NNCGG(records, copies, topo, chunks)
+    want = arrival_copies_reference(records, copies, topo, chunks)
+    assert got.shape == want.shape == (num_nodes, num_nodes, chunks, gpus, gpus)
+    np.testing.assert_allclose(got, want, rtol=_RTOL, atol=_ATOL)
+
+
+def test_arrival_copies_is_the_reference_when_the_compiled_ops_are_off():
+    rng = np.random.default_rng(5)
+    topo = RailTopology(num_nodes=4, gpus_per_node=8)
+    records, copies = _inputs(_node_view_demand(rng, topo))
+    old = ops.set_forced_reference(True)
+    try:
+        assert ops.arrival_copies(torch.from_numpy(records), torch.from_numpy(copies),
+                                  torch.zeros(4, 4, 8, 8, dtype=torch.int64), chunks=2) is None
+        fallback = arrival_copies_NNCGG(records, copies, topo, 2)
+    finally:
+        ops.set_forced_reference(old)
+    assert np.array_equal(fallback, arrival_copies_reference(records, copies, topo, 2))
+    np.testing.assert_allclose(arrival_copies_NNCGG(records, copies, topo, 2), fallback, rtol=_RTOL, atol=_ATOL)
+
+
+@pytest.mark.parametrize("chunks", [1, 2])
+def test_path_features_agree_with_either_implementation(chunks):
+    rng = np.random.default_rng(11 + chunks)
+    topo = RailTopology(num_nodes=4, gpus_per_node=8)
+    costs = PathCosts(rail_phase_s=3e-5, layer_s=3.5e-5, chunks=chunks)
+    for _ in range(4):
+        demand = _node_view_demand(rng, topo)
+        compiled = path_features(demand, topo, record_bytes=8192, costs=costs)
+        old = ops.set_forced_reference(True)
+        try:
+            reference = path_features(demand, topo, record_bytes=8192, costs=costs)
+        finally:
+            ops.set_forced_reference(old)
+        np.testing.assert_allclose(compiled, reference, rtol=_RTOL, atol=1e-12)
+
+
+def test_arrival_copies_rejects_inputs_of_the_wrong_kind():
+    records = torch.zeros(2, 4, 2, dtype=torch.float64)
+    copies = torch.zeros(2, 4, 2, 4, dtype=torch.float64)
+    relay = torch.zeros(2, 2, 4, 4, dtype=torch.int64)
+    with pytest.raises(ValueError, match="records_NGN must be Double"):
+        ops.arrival_copies(records.float(), copies, relay, chunks=1)
+    with pytest.raises(ValueError, match="relay_NNGG has shape"):
+        ops.arrival_copies(records, copies, relay[:, :, :3], chunks=1)
+    with pytest.raises(ValueError, match="chunks must be >= 1"):
+        ops.arrival_copies(records, copies, relay, chunks=0)
