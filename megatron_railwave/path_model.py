@@ -65,7 +65,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from .arrivals import arrival_copies_NNCGG
+from . import ops
+from .arrivals import arrival_copies_NNCGG, rail_relay_NNGG
 from .planner import WaveSchedule, all_at_once
 from .topology import RailTopology
 from .traffic import DemandCounts
@@ -304,9 +305,25 @@ def path_estimates(demand: DemandCounts, topo: RailTopology, *, record_bytes: in
             pairs at once.
         costs: the fixed costs and JOINT's rail chunks.
     """
-    loads = _Loads.of(demand.records_NGN().to(torch.float64).numpy(), owner_copies_NGNG(demand),
-                      record_bytes=record_bytes, topo=topo, chunks=costs.chunks)
+    records_NGN = demand.records_NGN().to(torch.float64).numpy()
+    copies_NGNG = owner_copies_NGNG(demand)
     sending = windows if windows is not None else all_at_once(topo.num_nodes)
+    compiled = ops.path_estimates(
+        torch.from_numpy(records_NGN), torch.from_numpy(copies_NGNG), rail_relay_NNGG(records_NGN, topo),
+        torch.from_numpy(_eligible_NGN(topo)), sending.pair_wave_NN(), num_windows=sending.num_waves,
+        chunks=costs.chunks, record_bytes=record_bytes, nvlink_bytes_per_s=topo.nvlink_bytes_per_s,
+        rail_bytes_per_s=topo.rail_bytes_per_s, rail_phase_s=costs.rail_phase_s, layer_s=costs.layer_s,
+        combine_share=_COMBINE_LOCAL_SHARE)
+    if compiled is not None:
+        rail_s, joint_s = compiled.tolist()
+        return rail_s, joint_s
+    return _estimates(records_NGN, copies_NGNG, sending, topo, record_bytes=record_bytes, costs=costs)
+
+
+def _estimates(records_NGN: np.ndarray, copies_NGNG: np.ndarray, sending: WaveSchedule, topo: RailTopology, *,
+               record_bytes: int, costs: PathCosts) -> tuple[float, float]:
+    """``path_estimates`` in numpy: the meaning its compiled twin (``ops.path_estimates``) reproduces."""
+    loads = _Loads.of(records_NGN, copies_NGNG, record_bytes=record_bytes, topo=topo, chunks=costs.chunks)
     window_NN = sending.pair_wave_NN().numpy()
     rail_path = loads.windows((window_NN[None] == np.arange(sending.num_waves)[:, None, None]).astype(np.float64))
     before_rail, relay = loads.before_rail_seconds(), loads.relay_seconds()

@@ -17,6 +17,9 @@ TORCH_LIBRARY(railwave, m) {
   m.def("rank_schedule(Tensor records, Tensor quota, Tensor relay, Tensor wave, Tensor masks, int rank, int chunks, "
         "int num_phases, int relay_phase, int[] rail_phase, int[] deliver_phase) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("arrival_copies(Tensor records, Tensor copies, Tensor relay, int chunks) -> Tensor");
+  m.def("path_estimates(Tensor records, Tensor copies, Tensor relay, Tensor eligible, Tensor window, int num_windows, "
+        "int chunks, float record_bytes, float nvlink_bytes_per_s, float rail_bytes_per_s, float rail_phase_s, "
+        "float layer_s, float combine_share) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(railwave, CPU, m) {
@@ -29,6 +32,7 @@ TORCH_LIBRARY_IMPL(railwave, CPU, m) {
   m.impl("rank_schedule", &railwave::cpu::rank_schedule);
   m.impl("rail_plan", &railwave::cpu::rail_plan);
   m.impl("arrival_copies", &railwave::cpu::arrival_copies);
+  m.impl("path_estimates", &railwave::cpu::path_estimates);
 }
 
 #if defined(RAILWAVE_WITH_CUDA)

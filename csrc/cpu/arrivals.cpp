@@ -19,8 +19,8 @@
 #include <array>
 #include <vector>
 
-#include "../common/check.h"
 #include "../common/ops.h"
+#include "host_model.h"
 
 namespace railwave::cpu {
 namespace {
@@ -55,9 +55,9 @@ void bit_probabilities(OwnerList& list, int G) {
       free[j] = std::max(1.0 - p[j] * some, 0.0);
       none *= free[j];
     }
-    double ratio = 0.0;
-    for (int j = 0; j < G; ++j) ratio += p[j] / std::max(free[j], kTiny);
-    const double slope = none * ratio - 1.0;
+    Row ratio{};
+    for (int j = 0; j < G; ++j) ratio[j] = p[j] / std::max(free[j], kTiny);
+    const double slope = none * numpy_sum(ratio.data(), G) - 1.0;
     const double next = std::min(std::max(some - (1.0 - none - some) / std::min(slope, -kTiny), kMinSome), 1.0);
     if (next == some) break;  // a fixed point: the remaining steps would return it unchanged
     some = next;
@@ -98,29 +98,10 @@ Row copies_at(const OwnerList& list, double x, int G) {
   return Row{};
 }
 
-void check_host(const at::Tensor& t, const char* name, at::ScalarType dtype, at::IntArrayRef shape) {
-  RW_CHECK(t.device().is_cpu(), name, " must be a CPU tensor (host planning), got ", t.device());
-  RW_CHECK(t.scalar_type() == dtype, name, " must be ", dtype, ", got ", t.scalar_type());
-  RW_CHECK(t.is_contiguous(), name, " must be contiguous");
-  RW_CHECK(t.sizes().equals(shape), name, " has shape ", t.sizes(), ", expected ", shape);
-}
-
 }  // namespace
 
-at::Tensor arrival_copies(const at::Tensor& records_NGN, const at::Tensor& copies_NGNG, const at::Tensor& relay_NNGG,
-                          int64_t chunks) {
-  RW_CHECK(records_NGN.dim() == 3, "records_NGN must be [N, G, N], got ", records_NGN.sizes());
-  const int64_t N = records_NGN.size(0), G = records_NGN.size(1), C = chunks;
-  RW_CHECK(G >= 1 && G <= kMaxGpus, "G must be in 1..", kMaxGpus, ", got ", G);
-  RW_CHECK(C >= 1, "chunks must be >= 1, got ", C);
-  check_host(records_NGN, "records_NGN", at::kDouble, {N, G, N});
-  check_host(copies_NGNG, "copies_NGNG", at::kDouble, {N, G, N, G});
-  check_host(relay_NNGG, "relay_NNGG", at::kLong, {N, N, G, G});
-  const double* records = records_NGN.data_ptr<double>();
-  const double* copies = copies_NGNG.data_ptr<double>();
-  const int64_t* relay = relay_NNGG.data_ptr<int64_t>();
-  at::Tensor out_NNCGG = at::zeros({N, N, C, G, G}, records_NGN.options());
-  double* out = out_NNCGG.data_ptr<double>();
+void arrival_copies_into(const double* records, const double* copies, const int64_t* relay, int64_t N, int64_t G,
+                         int64_t C, double* out) {
   const int g = static_cast<int>(G);
 
   std::array<OwnerList, kMaxGpus> lists;
@@ -227,7 +208,21 @@ at::Tensor arrival_copies(const at::Tensor& records_NGN, const at::Tensor& copie
       }
     }
   }
-  return out_NNCGG;
+}
+
+at::Tensor arrival_copies(const at::Tensor& records_NGN, const at::Tensor& copies_NGNG, const at::Tensor& relay_NNGG,
+                          int64_t chunks) {
+  RW_CHECK(records_NGN.dim() == 3, "records_NGN must be [N, G, N], got ", records_NGN.sizes());
+  const int64_t N = records_NGN.size(0), G = records_NGN.size(1), C = chunks;
+  RW_CHECK(G >= 1 && G <= kMaxGpus, "G must be in 1..", kMaxGpus, ", got ", G);
+  RW_CHECK(C >= 1, "chunks must be >= 1, got ", C);
+  check_host(records_NGN, "records_NGN", at::kDouble, {N, G, N});
+  check_host(copies_NGNG, "copies_NGNG", at::kDouble, {N, G, N, G});
+  check_host(relay_NNGG, "relay_NNGG", at::kLong, {N, N, G, G});
+  at::Tensor out = at::zeros({N, N, C, G, G}, records_NGN.options());
+  arrival_copies_into(records_NGN.data_ptr<double>(), copies_NGNG.data_ptr<double>(), relay_NNGG.data_ptr<int64_t>(),
+                      N, G, C, out.data_ptr<double>());
+  return out;
 }
 
 }  // namespace railwave::cpu

@@ -33,6 +33,7 @@ __all__ = [
     "rank_schedule",
     "rail_plan",
     "arrival_copies",
+    "path_estimates",
     "compiled_for",
     "load_error",
     "set_forced_reference",
@@ -259,3 +260,38 @@ def arrival_copies(records_NGN: torch.Tensor, copies_NGNG: torch.Tensor, relay_N
         return None
     return torch.ops.railwave.arrival_copies(records_NGN.contiguous(), copies_NGNG.contiguous(),
                                              relay_NNGG.contiguous(), chunks)
+
+
+def path_estimates(records_NGN: torch.Tensor, copies_NGNG: torch.Tensor, relay_NNGG: torch.Tensor,
+                   eligible_NGN: torch.Tensor, window_NN: torch.Tensor, *, num_windows: int, chunks: int,
+                   record_bytes: int, nvlink_bytes_per_s: float, rail_bytes_per_s: float, rail_phase_s: float,
+                   layer_s: float, combine_share: float) -> torch.Tensor | None:
+    """The path model's estimated seconds of one layer on RAIL and on JOINT in one compiled call
+    (csrc/cpu/path_model.cpp); None where the compiled ops do not load (the caller then runs
+    ``path_model``'s numpy, the reference: tests/unit/test_arrival_copies_op.py checks the
+    agreement).
+
+    Args:
+        records_NGN: [N, G, N] float64 (CPU), records owned by GPU (s, o) for node d.
+        copies_NGNG: [N, G, N, G] float64 (CPU), (record, target GPU) copies owner (s, o) sends
+            to GPU (d, j).
+        relay_NNGG: [N, N, G, G] int64 (CPU), RailBalance's relay (``arrival_copies``).
+        eligible_NGN: [N, G, N] float64 (CPU), 1 where GPU g's rail is healthy on both nodes of
+            the pair (s, d).
+        window_NN: [N, N] int64 (CPU), the sending window of each node pair (RAIL keeps them;
+            -1: the pair sends nothing remote), windows 0 .. ``num_windows`` - 1.
+        chunks: JOINT's rail chunks per wave.
+        record_bytes: payload bytes of one record.
+        nvlink_bytes_per_s / rail_bytes_per_s: the topology's rates.
+        rail_phase_s / layer_s: the fixed costs per rail phase and per layer.
+        combine_share: the part of the overlap with combine's local round a round back waits for.
+
+    Returns:
+        [2] float64 on the CPU: (RAIL, JOINT) seconds. Host sync: no (host tensors).
+    """
+    if not compiled_for(torch.device("cpu")):
+        return None
+    return torch.ops.railwave.path_estimates(
+        records_NGN.contiguous(), copies_NGNG.contiguous(), relay_NNGG.contiguous(), eligible_NGN.contiguous(),
+        window_NN.contiguous(), num_windows, chunks, float(record_bytes), float(nvlink_bytes_per_s),
+        float(rail_bytes_per_s), float(rail_phase_s), float(layer_s), float(combine_share))

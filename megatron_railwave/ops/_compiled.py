@@ -135,6 +135,11 @@ def _register_python_parts() -> None:
         n, g = records.shape[0], records.shape[1]
         return records.new_empty((n, n, chunks, g, g))
 
+    @torch.library.register_fake(lib + "path_estimates")
+    def _path_estimates_fake(records, copies, relay, eligible, window, num_windows, chunks, record_bytes,
+                             nvlink_bytes_per_s, rail_bytes_per_s, rail_phase_s, layer_s, combine_share):
+        return records.new_empty((2,))
+
     @torch.library.register_fake(lib + "rank_schedule")
     def _rank_schedule_fake(records, quota, relay, wave, masks, rank, chunks, num_phases, relay_phase, rail_phase,
                             deliver_phase):

@@ -1,6 +1,8 @@
-"""``ops.arrival_copies`` (compiled, csrc/cpu/arrivals.cpp) against ``arrivals``' numpy (the
-reference): random full-form and node-view counts, 1-8 GPUs per node, failed rails, 1-5 rail
-chunks; and the path model's features the same with either."""
+"""The path model's compiled parts against their numpy (the reference): ``ops.arrival_copies``
+(csrc/cpu/arrivals.cpp) against ``arrivals``, ``ops.path_estimates`` (csrc/cpu/path_model.cpp)
+against ``path_model``'s numpy; random full-form and node-view counts, 1-8 GPUs per node, failed
+rails, 1-5 rail chunks, random sending windows, a single node. The twins take numpy's float
+operations in numpy's order: equal bits are checked where the inputs are exact."""
 
 from __future__ import annotations
 
@@ -12,7 +14,8 @@ from hypothesis import strategies as st
 
 from megatron_railwave import ops
 from megatron_railwave.arrivals import arrival_copies_NNCGG, arrival_copies_reference
-from megatron_railwave.path_model import PathCosts, owner_copies_NGNG, path_features
+from megatron_railwave.path_model import PathCosts, owner_copies_NGNG, path_estimates, path_features
+from megatron_railwave.planner import WaveSchedule
 from megatron_railwave.topology import RailTopology
 from megatron_railwave.traffic import DemandCounts
 
@@ -109,3 +112,62 @@ def test_arrival_copies_rejects_inputs_of_the_wrong_kind():
         ops.arrival_copies(records, copies, relay[:, :, :3], chunks=1)
     with pytest.raises(ValueError, match="chunks must be >= 1"):
         ops.arrival_copies(records, copies, relay, chunks=0)
+
+
+def _random_windows(rng: np.random.Generator, num_nodes: int) -> WaveSchedule | None:
+    """None (all pairs at once) or every remote pair in one of 1-4 random sending windows."""
+    if num_nodes < 2 or rng.random() < 0.3:
+        return None
+    count = int(rng.integers(1, 5))
+    pairs = [(s, d) for s in range(num_nodes) for d in range(num_nodes) if s != d]
+    slot = rng.integers(0, count, size=len(pairs))
+    waves = tuple(tuple(p for p, w in zip(pairs, slot) if w == k) for k in range(count))
+    return WaveSchedule(num_nodes=num_nodes, waves=tuple(w for w in waves if w))
+
+
+def _reference_estimates(demand, topo, **kwargs) -> tuple[float, float]:
+    old = ops.set_forced_reference(True)
+    try:
+        return path_estimates(demand, topo, **kwargs)
+    finally:
+        ops.set_forced_reference(old)
+
+
+@settings(max_examples=120, deadline=None)
+@given(num_nodes=st.integers(1, 9), gpus=st.sampled_from([1, 2, 3, 4, 8]), chunks=st.integers(1, 4),
+       failed=st.integers(0, 3), node_view=st.booleans(), seed=st.integers(0, 2**16))
+def test_path_estimates_match_the_reference(num_nodes, gpus, chunks, failed, node_view, seed):
+    rng = np.random.default_rng(seed)
+    topo = random_failed_topology(rng, num_nodes, gpus, failed)
+    assume(topo is not None)
+    demand = _node_view_demand(rng, topo) if node_view else _full_demand(rng, topo, 0.3)
+    kwargs = dict(record_bytes=int(rng.choice([2, 7168, 8192])), windows=_random_windows(rng, num_nodes),
+                  costs=PathCosts(rail_phase_s=float(rng.uniform(0, 1e-4)), layer_s=3.5e-5, chunks=chunks))
+    got = path_estimates(demand, topo, **kwargs)
+    want = _reference_estimates(demand, topo, **kwargs)
+    assert all(isinstance(v, float) for v in got)
+    np.testing.assert_allclose(got, want, rtol=_RTOL, atol=0.0)
+
+
+def test_path_estimates_give_the_reference_s_bits_on_a_shipped_size():
+    rng = np.random.default_rng(21)
+    topo = RailTopology(num_nodes=4, gpus_per_node=8)
+    for chunks in (1, 2):
+        for _ in range(10):
+            demand = _node_view_demand(rng, topo)
+            kwargs = dict(record_bytes=8192, windows=_random_windows(rng, 4),
+                          costs=PathCosts(rail_phase_s=3e-5, layer_s=3.5e-5, chunks=chunks))
+            assert path_estimates(demand, topo, **kwargs) == _reference_estimates(demand, topo, **kwargs)
+
+
+def test_path_estimates_reject_inputs_of_the_wrong_kind():
+    n, g = 2, 4
+    args = [torch.zeros(n, g, n, dtype=torch.float64), torch.zeros(n, g, n, g, dtype=torch.float64),
+            torch.zeros(n, n, g, g, dtype=torch.int64), torch.ones(n, g, n, dtype=torch.float64),
+            torch.zeros(n, n, dtype=torch.int64)]
+    kwargs = dict(num_windows=1, chunks=1, record_bytes=8, nvlink_bytes_per_s=1e9, rail_bytes_per_s=1e9,
+                  rail_phase_s=0.0, layer_s=0.0, combine_share=0.75)
+    with pytest.raises(ValueError, match="window_NN must be Long"):
+        ops.path_estimates(*args[:4], args[4].int(), **kwargs)
+    with pytest.raises(ValueError, match="eligible_NGN has shape"):
+        ops.path_estimates(*args[:3], args[3][:, :2], args[4], **kwargs)
