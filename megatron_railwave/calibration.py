@@ -789,6 +789,33 @@ class ValidationResult:
             },
         }
 
+    def with_decision_cost(self, decision_s: float) -> dict[str, Any]:
+        """The selection against always-JOINT once each layer's decision is paid for: JOINT needs
+        none (its plan is built on every path), the selector ``decision_s`` host seconds per layer
+        (measured by the caller, ``railwave validate``: on the critical path, between the count
+        exchange and the plan). The gain per layer of the best path per request against JOINT is
+        the most any selector can save, so a decision costing more cannot pay for itself.
+
+        Raises:
+            ValueError: ``decision_s`` negative or not finite.
+        """
+        if not (math.isfinite(decision_s) and decision_s >= 0):
+            raise ValueError(f"decision_s must be a finite number of seconds >= 0, got {decision_s!r}")
+        n = len(self.rows)
+        joint = sum(r.joint_s for r in self.rows)
+        selected = sum(r.selected_s for r in self.rows)
+        best = sum(r.best_s for r in self.rows)
+        with_decisions = selected + n * decision_s
+        return {
+            "decision_s_per_layer": decision_s,
+            "selected_gain_s_per_layer": (joint - selected) / n if n else 0.0,
+            "best_gain_s_per_layer": (joint - best) / n if n else 0.0,
+            "total_selected_with_decisions_s": with_decisions,
+            "selected_with_decisions_vs_joint_policy": with_decisions / joint if n and joint > 0 else 1.0,
+            "total_with_decisions_beats_always_joint": bool(n) and with_decisions < joint,
+            "a_decision_could_pay": bool(n) and decision_s < (joint - best) / n,
+        }
+
     def to_dict(self) -> dict[str, Any]:
         return {"summary": self.summary(), "requests": [r.to_dict() for r in self.rows]}
 

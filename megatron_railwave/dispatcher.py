@@ -56,7 +56,8 @@ from .config import RailWaveConfig
 from .exchange import (DispatchOutput, LayerHandle, TorchDistExchange, build_exchange, build_rail_groups,
                        capacity_demand, check_fingerprints, gather_rank_facts, place_ranks)
 from .planner import Path
-from .selector import FixedSelector, PathSelector, needs_delivery, select_for_layer, selector_from_config
+from .selector import (FixedSelector, PathSelector, needs_delivery, needs_descriptors, select_for_layer,
+                       selector_from_config)
 from .stats import LayerCommStats, Stopwatch, demand_stats, layer_comm_stats
 from .steps import PassKind, current_step, pass_kind
 from .traffic import TrafficStats, dtype_bytes
@@ -314,7 +315,7 @@ class RailWaveTokenDispatcher(MoETokenDispatcher):
         t0 = time.perf_counter()
         record_bytes = hidden_states.shape[-1] * dtype_bytes(hidden_states.dtype)
         descr = None
-        if state.wants_stats or selecting:
+        if state.wants_stats or (selecting and needs_descriptors(self.selector)):
             descr = demand_stats(layer.demand, self.topology, record_bytes=record_bytes)
         path: Path = (call.path if call.path is not None
                       else select_for_layer(self.selector, descr, layer.demand, record_bytes=record_bytes))

@@ -37,6 +37,7 @@ from pathlib import Path as FsPath
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
+import torch
 
 from .anchors import DEFAULT_PAYLOAD_RATIO, DEFAULT_SHAPE_DISTANCE, Anchor, AnchorSet, load_anchors
 from .path_model import RailJointModel, path_features
@@ -48,7 +49,7 @@ if TYPE_CHECKING:
     from .config import RailWaveConfig
 
 __all__ = ["PathSelector", "FixedSelector", "AnchorSelector", "ModelSelector", "Selection", "selector_from_config",
-           "select_for_layer", "needs_delivery",
+           "select_for_layer", "needs_delivery", "needs_descriptors",
            "fallback_phases_of", "fewer_phases", "posts_fewer_phases"]
 
 
@@ -222,33 +223,54 @@ class ModelSelector:
     def explain_layer(self, stats: TrafficStats, demand: DemandCounts, *, record_bytes: int,
                       windows: WaveSchedule | None = None) -> Selection:
         """The decision; ``distance`` holds the predicted log(t_RAIL / t_JOINT) (inf: no prediction)."""
-        input_windows = windows.num_waves if windows is not None else 1
-        coords = stats.coords
-        if not stats.B_mean_bytes > 0:  # no remote payload: every path is the same
-            return Selection(path=self.fallback, anchor=None, distance=math.inf, coords=coords)
-        features = path_features(demand, self.topo, record_bytes=record_bytes, windows=windows, costs=self.model.costs)
-        predicted = self.model.log_ratio(features, input_windows=input_windows)
+        predicted = self._predict(demand, record_bytes=record_bytes, windows=windows)
         if predicted is None:
-            return Selection(path=self.fallback, anchor=None, distance=math.inf, coords=coords)
+            return Selection(path=self.fallback, anchor=None, distance=math.inf, coords=stats.coords)
         return Selection(path=Path.RAIL if predicted < 0 else Path.JOINT, anchor="model", distance=predicted,
-                         coords=coords)
+                         coords=stats.coords)
 
-    def select_layer(self, stats: TrafficStats, demand: DemandCounts, *, record_bytes: int,
+    def select_layer(self, stats: TrafficStats | None, demand: DemandCounts, *, record_bytes: int,
                      windows: WaveSchedule | None = None) -> Path:
-        return self.explain_layer(stats, demand, record_bytes=record_bytes, windows=windows).path
+        """The path alone. ``stats`` is not read (None is fine): the model decides from the counts,
+        so the dispatcher need not compute the descriptors for it (``needs_descriptors``)."""
+        predicted = self._predict(demand, record_bytes=record_bytes, windows=windows)
+        if predicted is None:
+            return self.fallback
+        return Path.RAIL if predicted < 0 else Path.JOINT
+
+    def _predict(self, demand: DemandCounts, *, record_bytes: int, windows: WaveSchedule | None) -> float | None:
+        """Predicted log(t_RAIL / t_JOINT); None without remote payload (every path is the same)
+        or without coefficients for the input kind."""
+        records_NGN = demand.records_NGN()
+        remote = records_NGN.sum() - torch.diagonal(records_NGN, dim1=0, dim2=2).sum()
+        if not (record_bytes > 0 and int(remote) > 0):
+            return None
+        features = path_features(demand, self.topo, record_bytes=record_bytes, windows=windows, costs=self.model.costs)
+        return self.model.log_ratio(features, input_windows=windows.num_waves if windows is not None else 1)
 
     def select(self, stats: TrafficStats) -> Path:
         raise TypeError("ModelSelector decides from the gathered counts, not the descriptors alone: call "
                         "select_for_layer(selector, stats, demand, record_bytes=...)")
 
 
-def select_for_layer(selector: PathSelector, stats: TrafficStats, demand: DemandCounts, *, record_bytes: int,
-                     windows: WaveSchedule | None = None) -> Path:
+def select_for_layer(selector: PathSelector, stats: TrafficStats | None, demand: DemandCounts, *,
+                     record_bytes: int, windows: WaveSchedule | None = None) -> Path:
     """One layer's path: a selector that reads the counts (``select_layer``, the path model) gets
-    them; any other ``PathSelector`` the descriptors alone."""
+    them; any other ``PathSelector`` the descriptors alone (``stats``; None only where
+    ``needs_descriptors(selector)`` is False)."""
     if isinstance(selector, ModelSelector):
         return selector.select_layer(stats, demand, record_bytes=record_bytes, windows=windows)
+    if stats is None and needs_descriptors(selector):
+        raise ValueError(f"{type(selector).__name__} decides from the descriptors; pass the layer's TrafficStats "
+                         "(stats.demand_stats)")
     return selector.select(stats)
+
+
+def needs_descriptors(selector: PathSelector) -> bool:
+    """Whether ``select_for_layer`` reads the descriptors (B, rho_g, kappa) for this selector: not
+    for a fixed path, nor for the path model, which decides from the counts (the descriptors cost
+    ~0.3 ms per layer on the host at 4 x 8, more than the model's own decision)."""
+    return not isinstance(selector, (ModelSelector, FixedSelector))
 
 
 def needs_delivery(selector: PathSelector) -> bool:

@@ -231,7 +231,7 @@ def dispatcher_errors_worker(rank: int, world: int) -> dict[str, Any]:
         def select_layer(self, stats, demand, *, record_bytes, windows=None):
             path = super().select_layer(stats, demand, record_bytes=record_bytes, windows=windows)
             features = path_features(demand, self.topo, record_bytes=record_bytes, costs=self.model.costs)
-            self.decisions.append((demand.delivery_WNG is not None, str(path), features.tolist()))
+            self.decisions.append((demand.delivery_WNG is not None, stats is None, str(path), features.tolist()))
             return path
 
     coef = [0.0] * len(FEATURE_NAMES)
@@ -437,6 +437,7 @@ def test_stats_carry_the_global_expert_load(ranks):
 def test_path_model_selector_gets_delivery_counts_and_ranks_agree(ranks):
     first = ranks[0]["model_selector"]["decisions"]
     assert len(first) == 1 and first[0][0] is True  # the count exchange carried the copies
+    assert first[0][1] is True  # no statistics asked for: the dispatcher skipped the descriptors
     for res in ranks:
         assert res["model_selector"]["decisions"] == first  # same features, same path, bitwise
         assert res["model_selector"]["right"]

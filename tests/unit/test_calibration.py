@@ -258,6 +258,28 @@ def test_validation_goal_two_needs_a_total_strictly_below_always_joint():
     assert s["selected_vs_joint_policy"] == pytest.approx(0.292 / 0.3)
 
 
+def test_decision_cost_is_charged_per_layer_against_always_joint():
+    # JOINT 0.3 s in all; the selection saves 8 ms (b) and loses 2 ms (c); the best per request
+    # saves 10 ms (b: RAIL, c: JOINT) -> at most 10 / 3 ms per layer for any decision.
+    rows = (_row("a", Path.JOINT, {Path.JOINT: 0.1}),
+            _row("b", Path.RAIL, {Path.JOINT: 0.1, Path.RAIL: 0.09}, pos=1),
+            _row("c", Path.NATIVE, {Path.JOINT: 0.1, Path.NATIVE: 0.102}, pos=2))
+    result = calibration.ValidationResult(rows=rows)
+    cheap = result.with_decision_cost(1e-3)
+    assert cheap["selected_gain_s_per_layer"] == pytest.approx(0.008 / 3)
+    assert cheap["best_gain_s_per_layer"] == pytest.approx(0.010 / 3)
+    assert cheap["total_selected_with_decisions_s"] == pytest.approx(0.292 + 0.003)
+    assert cheap["selected_with_decisions_vs_joint_policy"] == pytest.approx(0.295 / 0.3)
+    assert cheap["total_with_decisions_beats_always_joint"] and cheap["a_decision_could_pay"]
+    # 3 ms per layer: more than the selection saves (beats nothing) and than the best could (0.0033 s: could pay).
+    costly = result.with_decision_cost(3e-3)
+    assert not costly["total_with_decisions_beats_always_joint"] and costly["a_decision_could_pay"]
+    assert not result.with_decision_cost(4e-3)["a_decision_could_pay"]
+    assert result.summary()["goals"]["all_met"]  # the flow-model goals do not read the host timing
+    with pytest.raises(ValueError, match="decision_s must be"):
+        result.with_decision_cost(-1.0)
+
+
 def test_path_changes_count_consecutive_layers_per_sequence():
     # Sequence x: layers 1..4 select rail, joint, joint, rail -> 2 changes (given out of order);
     # sequence y: one layer -> 0. A change across sequences does not count.
@@ -342,9 +364,13 @@ def test_calibrate_and_validate_cli_with_fake_backend(tmp_path, monkeypatch, cap
             "within_goal"} <= set(data["requests"][0])
     assert set(data["summary"]["goals"]) == {"within_tolerance_of_best_on_every_request",
                                              "total_beats_always_joint", "all_met"}
-    assert data["bench"]["us_per_decision"] > 0
+    assert data["bench"]["us_per_decision"] > 0 and data["bench"]["descriptors_in_decision"]
+    paid = data["decision_cost"]
+    assert paid["decision_s_per_layer"] == pytest.approx(data["bench"]["us_per_decision"] * 1e-6)
+    assert paid["total_selected_with_decisions_s"] > data["summary"]["total_selected_s"]
     printed = capsys.readouterr().out
     assert "selector decision cost" in printed and "goal 1" in printed and "goal 2" in printed
+    assert "with the decision cost" in printed
     met = data["summary"]["goals"]["all_met"]
     status = main(["validate", "--anchors", str(out), "--backend", "netmodel", "--requests", "2", "--seed", "30",
                    "--warmups", "0", "--repeats", "1", "--no-progress", "--require-goals"])

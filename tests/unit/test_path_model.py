@@ -18,7 +18,8 @@ from megatron_railwave.exchange import RankContext, VirtualCluster, gather_deman
 from megatron_railwave.path_model import (FEATURE_NAMES, PathCosts, RailJointModel, fit_rail_joint, path_estimates,
                                           path_features)
 from megatron_railwave.planner import Path, PlanOptions
-from megatron_railwave.selector import ModelSelector, needs_delivery, select_for_layer, selector_from_config
+from megatron_railwave.selector import (FixedSelector, ModelSelector, needs_delivery, needs_descriptors, select_for_layer,
+                                       selector_from_config)
 from megatron_railwave.stats import demand_stats
 from megatron_railwave.topology import RailTopology
 from megatron_railwave.traffic import DemandCounts, TrafficStats
@@ -230,8 +231,17 @@ def test_model_selector_follows_the_prediction_and_is_pure():
 
     sel = ModelSelector(_sign_model(1.0), topo)
     assert sel.explain_layer(st, full, record_bytes=16, windows=cyclic_schedule(4)).path == Path.JOINT
-    empty = dataclasses.replace(st, B_mean_bytes=0.0)
-    assert sel.explain_layer(empty, full, record_bytes=16).anchor is None
+    # The model reads the counts, not the descriptors: none are needed (the dispatcher skips them).
+    assert not needs_descriptors(sel) and not needs_descriptors(FixedSelector(Path.RAIL))
+    assert select_for_layer(sel, None, full, record_bytes=16) == sel.select_layer(st, full, record_bytes=16)
+    assert select_for_layer(FixedSelector(Path.RAIL), None, full, record_bytes=16) == Path.RAIL
+    # Only local records (every node keeps its own): no remote payload, no prediction.
+    node_of_rank = torch.arange(topo.world_size) // topo.gpus_per_node
+    remote = node_of_rank[:, None] != torch.arange(topo.num_nodes)[None, :]
+    local_only = full.records_WNM.masked_fill(remote[:, :, None], 0)
+    local = DemandCounts(records_WNM=local_only)
+    assert sel.explain_layer(st, local, record_bytes=16).anchor is None
+    assert select_for_layer(sel, None, local, record_bytes=16) == Path.JOINT
 
 
 def _model_rows(seeds: int = 4, per_seed: int = 30):

@@ -386,3 +386,13 @@ def test_anchors_file_with_bad_fallback_below_is_rejected(tmp_path, fresh_warnin
     path = save_anchors(_below_set(below), tmp_path / "bad.yaml")
     with pytest.raises(ValueError, match=rf"field 'context.settings.selector.fallback_below.{field}'"):
         load_anchors(path, TOPO)
+
+
+def test_the_anchor_rule_needs_the_descriptors_and_says_so():
+    from megatron_railwave.selector import needs_descriptors, select_for_layer
+
+    demand = DemandCounts(records_WN=torch.ones(4, 2, dtype=torch.int64))
+    assert needs_descriptors(SEL)
+    with pytest.raises(ValueError, match="AnchorSelector decides from the descriptors"):
+        select_for_layer(SEL, None, demand, record_bytes=16)
+    assert select_for_layer(SEL, stats(0.5, 0.10, 0.5), demand, record_bytes=16) == SEL.select(stats(0.5, 0.10, 0.5))
