@@ -29,7 +29,7 @@ from .planner import chunk_sizes
 from .planner.railbalance import eligible_NNG, rail_quota_NNG, relay_NNGG
 from .topology import RailTopology
 
-__all__ = ["arrival_copies_NNCGG", "arrival_copies_reference", "prefix_copies", "rail_relay_NNGG"]
+__all__ = ["arrival_copies_NNCGG", "arrival_copies_reference", "prefix_copies"]
 
 _NEWTON_STEPS = 12
 _MIN_SOME = 1e-3
@@ -134,7 +134,7 @@ def arrival_copies_NNCGG(records_NGN: np.ndarray, copies_NGNG: np.ndarray, topo:
         copies_NGNG: [N, G, N, G] copies owner (s, o) sends to GPU (d, j).
         chunks: rail chunks per wave (1: whole waves).
     """
-    relay = rail_relay_NNGG(records_NGN, topo)
+    relay = _rail_relay_NNGG(records_NGN, topo)
     compiled = ops.arrival_copies(torch.from_numpy(np.ascontiguousarray(records_NGN, dtype=np.float64)),
                                   torch.from_numpy(np.ascontiguousarray(copies_NGNG, dtype=np.float64)),
                                   relay, chunks=chunks)
@@ -143,7 +143,7 @@ def arrival_copies_NNCGG(records_NGN: np.ndarray, copies_NGNG: np.ndarray, topo:
     return _arrival_copies(records_NGN, copies_NGNG, relay.numpy(), chunks)
 
 
-def rail_relay_NNGG(records_NGN: np.ndarray, topo: RailTopology) -> torch.Tensor:
+def _rail_relay_NNGG(records_NGN: np.ndarray, topo: RailTopology) -> torch.Tensor:
     """[N, N, G, G] int64: RailBalance's relay (rotation 0, all healthy rails eligible), from the
     compiled ``ops.rail_plan`` where it loads, else the planner's numpy (the same counts)."""
     records_NNG = torch.from_numpy(np.ascontiguousarray(records_NGN.transpose(0, 2, 1))).to(torch.int64)
@@ -157,7 +157,7 @@ def rail_relay_NNGG(records_NGN: np.ndarray, topo: RailTopology) -> torch.Tensor
 def arrival_copies_reference(records_NGN: np.ndarray, copies_NGNG: np.ndarray, topo: RailTopology,
                              chunks: int) -> np.ndarray:
     """``arrival_copies_NNCGG`` in numpy: the meaning the compiled twin reproduces."""
-    return _arrival_copies(records_NGN, copies_NGNG, rail_relay_NNGG(records_NGN, topo).numpy(), chunks)
+    return _arrival_copies(records_NGN, copies_NGNG, _rail_relay_NNGG(records_NGN, topo).numpy(), chunks)
 
 
 def _arrival_copies(records_NGN: np.ndarray, copies_NGNG: np.ndarray, relay: np.ndarray, chunks: int) -> np.ndarray:

@@ -66,8 +66,9 @@ import numpy as np
 import torch
 
 from . import ops
-from .arrivals import arrival_copies_NNCGG, rail_relay_NNGG
+from .arrivals import arrival_copies_NNCGG
 from .planner import WaveSchedule, all_at_once
+from .planner.railbalance import eligible_NNG
 from .topology import RailTopology
 from .traffic import DemandCounts
 
@@ -140,12 +141,18 @@ def owner_copies_NGNG(demand: DemandCounts) -> np.ndarray:
 
 
 @lru_cache(maxsize=32)
+def _rail_eligible_NNG(topo: RailTopology) -> torch.Tensor:
+    """[N, N, G] bool: RailBalance's default rails of each pair (``planner.railbalance.eligible_NNG``:
+    every GPU whose rail is healthy on both nodes; local pairs all True, never balanced). Cached:
+    it depends on the topology only; never written to."""
+    n, g = topo.num_nodes, topo.gpus_per_node
+    return eligible_NNG(topo, torch.zeros(n, n, g, dtype=torch.int64))
+
+
 def _eligible_NGN(topo: RailTopology) -> np.ndarray:
-    """[N, G, N] float64: 1 where GPU g's rail is healthy on both nodes of the pair (s, d):
-    RailBalance's rails for that pair."""
-    n = topo.num_nodes
-    return np.array([[topo.pair_gpu_eligible(s, d) for d in range(n)] for s in range(n)],
-                    dtype=np.float64).transpose(0, 2, 1)
+    """[N, G, N] float64: 1 where GPU g's rail carries the pair (s, d)'s records (the local pairs'
+    entries multiply zero loads)."""
+    return _rail_eligible_NNG(topo).numpy().transpose(0, 2, 1).astype(np.float64)
 
 
 @dataclass(frozen=True, slots=True)
@@ -305,19 +312,17 @@ def path_estimates(demand: DemandCounts, topo: RailTopology, *, record_bytes: in
             pairs at once.
         costs: the fixed costs and JOINT's rail chunks.
     """
-    records_NGN = demand.records_NGN().to(torch.float64).numpy()
-    copies_NGNG = owner_copies_NGNG(demand)
     sending = windows if windows is not None else all_at_once(topo.num_nodes)
     compiled = ops.path_estimates(
-        torch.from_numpy(records_NGN), torch.from_numpy(copies_NGNG), rail_relay_NNGG(records_NGN, topo),
-        torch.from_numpy(_eligible_NGN(topo)), sending.pair_wave_NN(), num_windows=sending.num_waves,
-        chunks=costs.chunks, record_bytes=record_bytes, nvlink_bytes_per_s=topo.nvlink_bytes_per_s,
-        rail_bytes_per_s=topo.rail_bytes_per_s, rail_phase_s=costs.rail_phase_s, layer_s=costs.layer_s,
-        combine_share=_COMBINE_LOCAL_SHARE)
+        demand.records_WN, demand.copies_WNG(), _rail_eligible_NNG(topo), sending.pair_wave_NN(),
+        num_windows=sending.num_waves, chunks=costs.chunks, record_bytes=record_bytes,
+        nvlink_bytes_per_s=topo.nvlink_bytes_per_s, rail_bytes_per_s=topo.rail_bytes_per_s,
+        rail_phase_s=costs.rail_phase_s, layer_s=costs.layer_s, combine_share=_COMBINE_LOCAL_SHARE)
     if compiled is not None:
         rail_s, joint_s = compiled.tolist()
         return rail_s, joint_s
-    return _estimates(records_NGN, copies_NGNG, sending, topo, record_bytes=record_bytes, costs=costs)
+    return _estimates(demand.records_NGN().to(torch.float64).numpy(), owner_copies_NGNG(demand), sending, topo,
+                      record_bytes=record_bytes, costs=costs)
 
 
 def _estimates(records_NGN: np.ndarray, copies_NGNG: np.ndarray, sending: WaveSchedule, topo: RailTopology, *,

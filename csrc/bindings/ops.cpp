@@ -17,7 +17,7 @@ TORCH_LIBRARY(railwave, m) {
   m.def("rank_schedule(Tensor records, Tensor quota, Tensor relay, Tensor wave, Tensor masks, int rank, int chunks, "
         "int num_phases, int relay_phase, int[] rail_phase, int[] deliver_phase) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("arrival_copies(Tensor records, Tensor copies, Tensor relay, int chunks) -> Tensor");
-  m.def("path_estimates(Tensor records, Tensor copies, Tensor relay, Tensor eligible, Tensor window, int num_windows, "
+  m.def("path_estimates(Tensor records, Tensor copies, Tensor eligible, Tensor window, int num_windows, "
         "int chunks, float record_bytes, float nvlink_bytes_per_s, float rail_bytes_per_s, float rail_phase_s, "
         "float layer_s, float combine_share) -> Tensor");
 }

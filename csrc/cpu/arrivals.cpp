@@ -181,12 +181,11 @@ void arrival_copies_into(const double* records, const double* copies, const int6
       }
       double* pair_out = out + (s * N + d) * C * G * G;
       for (int l = 0; l < g; ++l) {
-        Row total{};
-        for (int j = 0; j < g; ++j) {
-          double sum = seg[0][l][j];
-          for (int o = 1; o < g; ++o) sum += seg[o][l][j];
-          total[j] = sum;
-        }
+        // Sums over owners in ascending order (numpy's order over a non-last axis); j innermost, so
+        // the targets' sums run side by side.
+        Row total = seg[0][l];
+        for (int o = 1; o < g; ++o)
+          for (int j = 0; j < g; ++j) total[j] += seg[o][l][j];
         Row previous{};  // copies of the block before chunk k's start
         for (int64_t k = 0; k < C; ++k) {
           Row upto{};
@@ -195,11 +194,12 @@ void arrival_copies_into(const double* records, const double* copies, const int6
           } else {
             const int owner = cut_owner[l * C + k];
             const Row at_cut = copies_at(lists[owner], cut_position[l * C + k], g);
+            Row before{};  // the block's owners before the cut's, in ascending order
+            for (int o = 0; o < owner; ++o)
+              for (int j = 0; j < g; ++j) before[j] += seg[o][l][j];
             for (int j = 0; j < g; ++j) {
-              double before = 0.0;
-              for (int o = 0; o < owner; ++o) before += seg[o][l][j];
               const double at_start = owner == l ? 0.0 : at_bounds[owner][l][j];
-              upto[j] = before + at_cut[j] - at_start;
+              upto[j] = before[j] + at_cut[j] - at_start;
             }
           }
           for (int j = 0; j < g; ++j) pair_out[(k * G + l) * G + j] = upto[j] - previous[j];

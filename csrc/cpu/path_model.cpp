@@ -11,7 +11,8 @@
 // taken in numpy's order (numpy_sum, or one term after another where numpy reduces a non-last
 // axis), so both give the same bits.
 //
-// Host only: CPU float64 / int64 tensors in, a CPU float64 tensor out.
+// Host only: the gathered CPU int64 counts in (as the count exchange leaves them, so the selector
+// pays no conversions in Python), a CPU float64 tensor out.
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -119,23 +120,42 @@ double combine_seconds(const Rounds& r, const std::vector<double>& local_out, co
 
 }  // namespace
 
-at::Tensor path_estimates(const at::Tensor& records_NGN, const at::Tensor& copies_NGNG, const at::Tensor& relay_NNGG,
-                          const at::Tensor& eligible_NGN, const at::Tensor& window_NN, int64_t num_windows,
-                          int64_t chunks, double record_bytes, double nvlink_bytes_per_s, double rail_bytes_per_s,
-                          double rail_phase_s, double layer_s, double combine_share) {
-  RW_CHECK(records_NGN.dim() == 3, "records_NGN must be [N, G, N], got ", records_NGN.sizes());
-  const int64_t N = records_NGN.size(0), G = records_NGN.size(1), C = chunks, V = num_windows, NG = N * G;
+at::Tensor path_estimates(const at::Tensor& records_WN, const at::Tensor& copies_WNG, const at::Tensor& eligible_NNG,
+                          const at::Tensor& window_NN, int64_t num_windows, int64_t chunks, double record_bytes,
+                          double nvlink_bytes_per_s, double rail_bytes_per_s, double rail_phase_s, double layer_s,
+                          double combine_share) {
+  RW_CHECK(eligible_NNG.dim() == 3 && eligible_NNG.size(0) == eligible_NNG.size(1),
+           "eligible_NNG must be [N, N, G], got ", eligible_NNG.sizes());
+  const int64_t N = eligible_NNG.size(0), G = eligible_NNG.size(2), W = N * G, C = chunks, V = num_windows, NG = N * G;
   RW_CHECK(G >= 1 && G <= 8, "G must be in 1..8, got ", G);
   RW_CHECK(C >= 1, "chunks must be >= 1, got ", C);
   RW_CHECK(V >= 0, "num_windows must be >= 0, got ", V);
-  check_host(records_NGN, "records_NGN", at::kDouble, {N, G, N});
-  check_host(copies_NGNG, "copies_NGNG", at::kDouble, {N, G, N, G});
-  check_host(relay_NNGG, "relay_NNGG", at::kLong, {N, N, G, G});
-  check_host(eligible_NGN, "eligible_NGN", at::kDouble, {N, G, N});
+  check_host(records_WN, "records_WN", at::kLong, {W, N});
+  check_host(copies_WNG, "copies_WNG", at::kLong, {W, N, G});
+  check_host(eligible_NNG, "eligible_NNG", at::kBool, {N, N, G});
   check_host(window_NN, "window_NN", at::kLong, {N, N});
-  const double* records = records_NGN.data_ptr<double>();
-  const double* copies = copies_NGNG.data_ptr<double>();
-  const double* eligible = eligible_NGN.data_ptr<double>();
+  // The gathered counts as the reference reads them: records_NGN [s, o, d] and copies_NGNG
+  // [s, o, d, j] in float64 (rank w = s * G + o), records_NNG [s, d, o] for RailBalance's relay.
+  const int64_t* records_w = records_WN.data_ptr<int64_t>();
+  const int64_t* copies_w = copies_WNG.data_ptr<int64_t>();
+  std::vector<double> records_f(static_cast<size_t>(W * N)), copies_f(static_cast<size_t>(W * N * G));
+  for (int64_t i = 0; i < W * N; ++i) records_f[i] = static_cast<double>(records_w[i]);
+  for (int64_t i = 0; i < W * N * G; ++i) copies_f[i] = static_cast<double>(copies_w[i]);
+  at::Tensor records_NNG = at::empty({N, N, G}, records_WN.options());
+  int64_t* rec_nng = records_NNG.data_ptr<int64_t>();
+  for (int64_t s = 0; s < N; ++s)
+    for (int64_t o = 0; o < G; ++o)
+      for (int64_t d = 0; d < N; ++d) rec_nng[(s * N + d) * G + o] = records_w[(s * G + o) * N + d];
+  const at::Tensor relay_NNGG = std::get<1>(rail_plan(records_NNG, eligible_NNG, /*balanced=*/true, /*phase=*/0));
+  // The pair's healthy rails (o eligible for (s, d)) as float64 [s, o, d].
+  const bool* allowed = eligible_NNG.data_ptr<bool>();
+  std::vector<double> eligible_f(static_cast<size_t>(N * G * N));
+  for (int64_t s = 0; s < N; ++s)
+    for (int64_t o = 0; o < G; ++o)
+      for (int64_t d = 0; d < N; ++d) eligible_f[(s * G + o) * N + d] = allowed[(s * N + d) * G + o] ? 1.0 : 0.0;
+  const double* records = records_f.data();
+  const double* copies = copies_f.data();
+  const double* eligible = eligible_f.data();
   const int64_t* window = window_NN.data_ptr<int64_t>();
   auto nvlink_s = [&](double copies_) { return copies_ * record_bytes / nvlink_bytes_per_s; };
   auto rail_s = [&](double records_) { return records_ * record_bytes / rail_bytes_per_s; };
@@ -189,7 +209,9 @@ at::Tensor path_estimates(const at::Tensor& records_NGN, const at::Tensor& copie
   }
   std::vector<double> wire(static_cast<size_t>(N * N * C * G * G), 0.0);
   arrival_copies_into(records, copies, relay_NNGG.data_ptr<int64_t>(), N, G, C, wire.data());
-  for (size_t i = 0; i < wire.size(); ++i) wire[i] *= (i / G) % G == i % G ? 0.0 : 1.0;  // a copy on its target stays
+  for (int64_t block = 0; block < N * N * C; ++block)  // a copy that arrives on its target stays there
+    for (int64_t l = 0; l < G; ++l)
+      for (int64_t j = 0; j < G; ++j) wire[(block * G + l) * G + j] *= l == j ? 0.0 : 1.0;
 
   double before_out = 0.0, before_in = 0.0, most_out = 0.0, most_in = 0.0;
   for (int64_t i = 0; i < NG; ++i) {
@@ -250,7 +272,7 @@ at::Tensor path_estimates(const at::Tensor& records_NGN, const at::Tensor& copie
   }
   const Rounds joint_rounds = rounds_of(std::move(joint_rail), joint_wire, P, N, G);
 
-  at::Tensor out = at::empty({2}, records_NGN.options());
+  at::Tensor out = at::empty({2}, records_WN.options().dtype(at::kDouble));
   double* est = out.data_ptr<double>();
   const Rounds* paths[2] = {&rail_rounds, &joint_rounds};
   for (int i = 0; i < 2; ++i)

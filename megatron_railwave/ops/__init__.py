@@ -262,22 +262,21 @@ def arrival_copies(records_NGN: torch.Tensor, copies_NGNG: torch.Tensor, relay_N
                                              relay_NNGG.contiguous(), chunks)
 
 
-def path_estimates(records_NGN: torch.Tensor, copies_NGNG: torch.Tensor, relay_NNGG: torch.Tensor,
-                   eligible_NGN: torch.Tensor, window_NN: torch.Tensor, *, num_windows: int, chunks: int,
-                   record_bytes: int, nvlink_bytes_per_s: float, rail_bytes_per_s: float, rail_phase_s: float,
-                   layer_s: float, combine_share: float) -> torch.Tensor | None:
+def path_estimates(records_WN: torch.Tensor, copies_WNG: torch.Tensor, eligible_NNG: torch.Tensor,
+                   window_NN: torch.Tensor, *, num_windows: int, chunks: int, record_bytes: int,
+                   nvlink_bytes_per_s: float, rail_bytes_per_s: float, rail_phase_s: float, layer_s: float,
+                   combine_share: float) -> torch.Tensor | None:
     """The path model's estimated seconds of one layer on RAIL and on JOINT in one compiled call
-    (csrc/cpu/path_model.cpp); None where the compiled ops do not load (the caller then runs
+    from the gathered counts (csrc/cpu/path_model.cpp; RailBalance's relay as ``rail_plan``
+    computes it, rotation 0); None where the compiled ops do not load (the caller then runs
     ``path_model``'s numpy, the reference: tests/unit/test_arrival_copies_op.py checks the
     agreement).
 
     Args:
-        records_NGN: [N, G, N] float64 (CPU), records owned by GPU (s, o) for node d.
-        copies_NGNG: [N, G, N, G] float64 (CPU), (record, target GPU) copies owner (s, o) sends
-            to GPU (d, j).
-        relay_NNGG: [N, N, G, G] int64 (CPU), RailBalance's relay (``arrival_copies``).
-        eligible_NGN: [N, G, N] float64 (CPU), 1 where GPU g's rail is healthy on both nodes of
-            the pair (s, d).
+        records_WN: [W, N] int64 (CPU), records rank w = s * G + o sends to node d.
+        copies_WNG: [W, N, G] int64 (CPU), (record, target GPU) copies rank w sends to GPU (d, j).
+        eligible_NNG: [N, N, G] bool (CPU), GPUs of s whose rails carry the pair (s, d)'s records
+            (``planner.railbalance.eligible_NNG``).
         window_NN: [N, N] int64 (CPU), the sending window of each node pair (RAIL keeps them;
             -1: the pair sends nothing remote), windows 0 .. ``num_windows`` - 1.
         chunks: JOINT's rail chunks per wave.
@@ -292,6 +291,6 @@ def path_estimates(records_NGN: torch.Tensor, copies_NGNG: torch.Tensor, relay_N
     if not compiled_for(torch.device("cpu")):
         return None
     return torch.ops.railwave.path_estimates(
-        records_NGN.contiguous(), copies_NGNG.contiguous(), relay_NNGG.contiguous(), eligible_NGN.contiguous(),
-        window_NN.contiguous(), num_windows, chunks, float(record_bytes), float(nvlink_bytes_per_s),
-        float(rail_bytes_per_s), float(rail_phase_s), float(layer_s), float(combine_share))
+        records_WN.contiguous(), copies_WNG.contiguous(), eligible_NNG.contiguous(), window_NN.contiguous(),
+        num_windows, chunks, float(record_bytes), float(nvlink_bytes_per_s), float(rail_bytes_per_s),
+        float(rail_phase_s), float(layer_s), float(combine_share))

@@ -136,7 +136,7 @@ def _register_python_parts() -> None:
         return records.new_empty((n, n, chunks, g, g))
 
     @torch.library.register_fake(lib + "path_estimates")
-    def _path_estimates_fake(records, copies, relay, eligible, window, num_windows, chunks, record_bytes,
+    def _path_estimates_fake(records, copies, eligible, window, num_windows, chunks, record_bytes,
                              nvlink_bytes_per_s, rail_bytes_per_s, rail_phase_s, layer_s, combine_share):
         return records.new_empty((2,))
 

@@ -162,12 +162,14 @@ def test_path_estimates_give_the_reference_s_bits_on_a_shipped_size():
 
 def test_path_estimates_reject_inputs_of_the_wrong_kind():
     n, g = 2, 4
-    args = [torch.zeros(n, g, n, dtype=torch.float64), torch.zeros(n, g, n, g, dtype=torch.float64),
-            torch.zeros(n, n, g, g, dtype=torch.int64), torch.ones(n, g, n, dtype=torch.float64),
-            torch.zeros(n, n, dtype=torch.int64)]
+    args = [torch.zeros(n * g, n, dtype=torch.int64), torch.zeros(n * g, n, g, dtype=torch.int64),
+            torch.ones(n, n, g, dtype=torch.bool), torch.zeros(n, n, dtype=torch.int64)]
     kwargs = dict(num_windows=1, chunks=1, record_bytes=8, nvlink_bytes_per_s=1e9, rail_bytes_per_s=1e9,
                   rail_phase_s=0.0, layer_s=0.0, combine_share=0.75)
+    assert ops.path_estimates(*args, **kwargs).shape == (2,)
     with pytest.raises(ValueError, match="window_NN must be Long"):
-        ops.path_estimates(*args[:4], args[4].int(), **kwargs)
-    with pytest.raises(ValueError, match="eligible_NGN has shape"):
-        ops.path_estimates(*args[:3], args[3][:, :2], args[4], **kwargs)
+        ops.path_estimates(*args[:3], args[3].int(), **kwargs)
+    with pytest.raises(ValueError, match="copies_WNG has shape"):
+        ops.path_estimates(args[0], args[1][:, :, :3], *args[2:], **kwargs)
+    with pytest.raises(ValueError, match="records_WN must be Long"):
+        ops.path_estimates(args[0].double(), *args[1:], **kwargs)
