@@ -178,13 +178,17 @@ def dispatcher_errors_worker(rank: int, world: int) -> dict[str, Any]:
     # Statistics on demand: count the descriptor and statistics calls of one layer call each.
     import megatron_railwave.dispatcher as dispatcher_module
 
+    from megatron_railwave.exchange.torch_dist import TorchDistExchange
+
     calls = {"demand_stats": 0, "layer_comm_stats": 0}
+    order: list[str] = []  # the descriptor / statistics calls and the dispatch, as they happen
 
     def counting(name):
         original = getattr(dispatcher_module, name)
 
         def wrapper(*args, **kwargs):
             calls[name] += 1
+            order.append(name)
             return original(*args, **kwargs)
         return original, wrapper
 
@@ -192,7 +196,15 @@ def dispatcher_errors_worker(rank: int, world: int) -> dict[str, Any]:
     for name in calls:
         originals[name], wrapper = counting(name)
         setattr(dispatcher_module, name, wrapper)
+    original_dispatch = TorchDistExchange.dispatch
+
+    def dispatch(self, *args, **kwargs):
+        order.append("dispatch")
+        return original_dispatch(self, *args, **kwargs)
+
+    TorchDistExchange.dispatch = dispatch
     out["stats_calls"] = {}
+    out["stats_order"] = {}
     seen: list[Any] = []
     try:
         class Selector:  # a calibrated selector reads the descriptors
@@ -204,14 +216,17 @@ def dispatcher_errors_worker(rank: int, world: int) -> dict[str, Any]:
                              ("selector_no_sink", dict(path="auto", selector=Selector())),
                              ("fixed_with_sink", dict(path="native", stats_sink=seen.append))):
             calls.update(demand_stats=0, layer_comm_stats=0)
+            order.clear()
             d = RailWaveTokenDispatcher(per, local, config(), pgs,
                                         railwave=RailWaveConfig(gpus_per_node=2, path=kwargs["path"]),
                                         selector=kwargs.get("selector"), stats_sink=kwargs.get("stats_sink"))
             _run_hooks(d, *_inputs(rank, 6, seed=4))
             out["stats_calls"][case] = dict(calls)
+            out["stats_order"][case] = list(order)
     finally:
         for name, original in originals.items():
             setattr(dispatcher_module, name, original)
+        TorchDistExchange.dispatch = original_dispatch
     _, _, routing = _inputs(rank, 6, seed=4)
     load = routing.sum(0).to(torch.int64)
     dist.all_reduce(load)
@@ -420,6 +435,10 @@ def test_statistics_only_when_a_selector_or_sink_needs_them(ranks):
         assert res["stats_calls"]["fixed_no_sink"] == {"demand_stats": 0, "layer_comm_stats": 0}
         assert res["stats_calls"]["selector_no_sink"] == {"demand_stats": 1, "layer_comm_stats": 0}
         assert res["stats_calls"]["fixed_with_sink"] == {"demand_stats": 1, "layer_comm_stats": 1}
+        # The descriptors a decision reads come before the dispatch; the statistics only after it
+        # is posted (host work no transfer waits for).
+        assert res["stats_order"]["selector_no_sink"] == ["demand_stats", "dispatch"]
+        assert res["stats_order"]["fixed_with_sink"] == ["dispatch", "demand_stats", "layer_comm_stats"]
 
 
 def test_stats_carry_the_global_expert_load(ranks):
