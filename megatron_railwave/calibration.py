@@ -35,7 +35,7 @@ from .path_model import FEATURE_NAMES, PathCosts, fit_rail_joint, path_features
 from .selector import AnchorSelector, ModelSelector, Selection, fallback_phases_of, fewer_phases
 from .stats import demand_stats
 from .topology import RailTopology
-from .traffic import SelectorScales, TrafficStats, dtype_bytes
+from .traffic import MiB, SelectorScales, TrafficStats, dtype_bytes
 
 __all__ = [
     "ALL_PATHS",
@@ -652,12 +652,15 @@ def tune_selector(result: CalibrationResult, *, grid: dict[str, Sequence[float]]
         with np.errstate(divide="ignore", invalid="ignore"):
             target_R = np.log(lat_rail_R / lat_joint_R)
         fits_R = np.isfinite(target_R)  # a request without time on either path teaches nothing
+        payload_R = np.array([r.stats.B_mean_bytes for r in rows], dtype=np.float64)
         rail_R = np.zeros(len(rows), dtype=bool)
         for unit, idx in rows_of_unit.items():
             train = (units_R != unit) & fits_R
             fitted = fit_rail_joint(features_RF[train], windows_R[train], target_R[train], costs=costs)
+            gate = payload_gate(payload_R[units_R != unit], slow_joint_R[units_R != unit])
             for i in idx:
-                predicted = fitted.log_ratio(features_RF[i], input_windows=int(windows_R[i])) if fitted else None
+                decided = fitted is not None and payload_R[i] <= gate
+                predicted = fitted.log_ratio(features_RF[i], input_windows=int(windows_R[i])) if decided else None
                 rail_R[i] = predicted is not None and predicted < 0
         over = int((rail_R & slow_rail_R).sum() + (~rail_R & slow_joint_R).sum())
         model_score = {**entry(None, None, (over, float(np.where(rail_R, lat_rail_R, lat_joint_R).sum()), -math.inf), 0),
@@ -665,8 +668,10 @@ def tune_selector(result: CalibrationResult, *, grid: dict[str, Sequence[float]]
         if rank(model_score) < rank(chosen):
             model = fit_rail_joint(features_RF[fits_R], windows_R[fits_R], target_R[fits_R], costs=costs)
         if model is not None:
-            method += (f"; the RAIL / JOINT path model (leave-one-{left_out}-out: {over} requests over) scored better "
-                       "than the anchors and decides")
+            model = dataclasses.replace(model, max_payload_bytes=payload_gate(payload_R, slow_joint_R))
+            method += (f"; the RAIL / JOINT path model (leave-one-{left_out}-out, with its payload gate: {over} "
+                       f"requests over) scored better than the anchors and decides layers up to "
+                       f"{model.max_payload_bytes / MiB:.2f} MiB per GPU, JOINT above")
     below = chosen["fallback_below_bytes"]
     return {"use_anchors": use_anchors, "payload_ratio": choice[0], "shape_distance": choice[1], "hold_rule": choice[2],
             "held": list(held_of[choice]) if use_anchors else [],
@@ -674,6 +679,30 @@ def tune_selector(result: CalibrationResult, *, grid: dict[str, Sequence[float]]
             "model": model.to_dict() if model is not None else None,
             "method": method, "left_out": left_out, "tolerance": tolerance,
             "scores": [no_anchors, *scores, *([model_score] if model_score else [])]}
+
+
+PAYLOAD_GATE_MARGIN = 1.5
+"""``payload_gate``'s margin over the largest payload where JOINT missed the tolerance: one
+layer's payload at one T varies by ~10% between generator seeds (8.3-9.1 MiB per GPU at T = 384
+on the 4 x 8 GLM workload), and the calibrated T grid steps by 1.33-2x."""
+
+
+def payload_gate(payload_R: np.ndarray, joint_slow_R: np.ndarray, *, margin: float = PAYLOAD_GATE_MARGIN) -> float:
+    """The path model's payload gate (``RailJointModel.max_payload_bytes``): ``margin`` x the
+    largest mean remote payload per GPU among the requests on which JOINT is more than the
+    tolerance slower than the best fixed path (``joint_slow_R``); 0 when JOINT is within it on
+    every request (the model then decides no layer).
+
+    Why: the decision is host time on every layer call (~0.05-0.08 ms at 4 x 8), and above that
+    payload the calibration gave selecting nothing to win that the goal needs: JOINT was within
+    the tolerance everywhere, and the best path's saving is a small share of a long layer.
+
+    Args:
+        payload_R: [R] B_mean bytes of the requests (``TrafficStats.B_mean_bytes``).
+        joint_slow_R: [R] bool, JOINT over the tolerance of the request's best path.
+    """
+    slow = np.asarray(payload_R, dtype=np.float64)[np.asarray(joint_slow_R, dtype=bool)]
+    return float(margin * slow.max()) if slow.size else 0.0
 
 
 # ---------------------------------------------------------------------- validation

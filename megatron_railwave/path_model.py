@@ -358,11 +358,29 @@ class RailJointModel:
         windowed: [F] coefficients for inputs in several sending windows (replay arrangements);
             None: none were calibrated (such inputs then run JOINT).
         costs: the fixed costs and rail chunks the features were computed with.
+        max_payload_bytes: the payload gate: the model decides only layers whose mean remote
+            payload per GPU (``TrafficStats.B_mean_bytes``) is at most this, every other layer
+            runs JOINT without an estimate (its decision costs more than it can earn there:
+            calibration found JOINT within the tolerance of the best path on every request above
+            it, ``calibration.payload_gate``). None: every layer is decided.
     """
 
     all_pairs: tuple[float, ...]
     windowed: tuple[float, ...] | None = None
     costs: PathCosts = PathCosts()
+    max_payload_bytes: float | None = None
+
+    def __post_init__(self) -> None:
+        gate = self.max_payload_bytes
+        if gate is not None and (isinstance(gate, bool) or not isinstance(gate, (int, float))
+                                 or not math.isfinite(gate) or gate < 0):
+            raise ValueError(f"RailJointModel.max_payload_bytes must be a finite number of bytes >= 0 or None, "
+                             f"got {gate!r}")
+
+    def decides(self, payload_bytes: float) -> bool:
+        """Whether a layer with this mean remote payload per GPU is decided by the model (inside
+        the payload gate) rather than run as JOINT."""
+        return self.max_payload_bytes is None or payload_bytes <= self.max_payload_bytes
 
     def log_ratio(self, features: np.ndarray, *, input_windows: int = 1) -> float | None:
         """The prediction, None when no coefficients cover this input kind."""
@@ -374,6 +392,8 @@ class RailJointModel:
                                "costs": self.costs.to_dict(), "all_pairs": [float(v) for v in self.all_pairs]}
         if self.windowed is not None:
             out["windowed"] = [float(v) for v in self.windowed]
+        if self.max_payload_bytes is not None:
+            out["max_payload_bytes"] = float(self.max_payload_bytes)
         return out
 
     @classmethod
@@ -396,7 +416,13 @@ class RailJointModel:
                                  f"got {raw!r}")
             return tuple(float(v) for v in raw)
 
-        return cls(all_pairs=coef("all_pairs"), windowed=coef("windowed"), costs=costs)  # type: ignore[arg-type]
+        gate = data.get("max_payload_bytes")
+        if gate is not None and (isinstance(gate, bool) or not isinstance(gate, (int, float))
+                                 or not math.isfinite(gate) or gate < 0):
+            raise ValueError(f"{source}: field 'max_payload_bytes' must be a finite number of bytes >= 0 (the payload "
+                             f"gate) or absent, got {gate!r}")
+        return cls(all_pairs=coef("all_pairs"), windowed=coef("windowed"), costs=costs,  # type: ignore[arg-type]
+                   max_payload_bytes=None if gate is None else float(gate))
 
 
 def fit_rail_joint(features_RF: np.ndarray, windows_R: np.ndarray, log_ratio_R: np.ndarray, *,

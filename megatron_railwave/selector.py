@@ -222,10 +222,13 @@ class ModelSelector:
 
     def explain_layer(self, stats: TrafficStats, demand: DemandCounts, *, record_bytes: int,
                       windows: WaveSchedule | None = None) -> Selection:
-        """The decision; ``distance`` holds the predicted log(t_RAIL / t_JOINT) (inf: no prediction)."""
+        """The decision; ``distance`` holds the predicted log(t_RAIL / t_JOINT) (inf: no prediction);
+        ``anchor`` is "model", "gate" (above the payload gate) or None (no prediction)."""
         predicted = self._predict(demand, record_bytes=record_bytes, windows=windows)
         if predicted is None:
-            return Selection(path=self.fallback, anchor=None, distance=math.inf, coords=stats.coords)
+            gated = stats.B_mean_bytes > 0 and not self.model.decides(stats.B_mean_bytes)
+            return Selection(path=self.fallback, anchor="gate" if gated else None, distance=math.inf,
+                             coords=stats.coords)
         return Selection(path=Path.RAIL if predicted < 0 else Path.JOINT, anchor="model", distance=predicted,
                          coords=stats.coords)
 
@@ -239,11 +242,14 @@ class ModelSelector:
         return Path.RAIL if predicted < 0 else Path.JOINT
 
     def _predict(self, demand: DemandCounts, *, record_bytes: int, windows: WaveSchedule | None) -> float | None:
-        """Predicted log(t_RAIL / t_JOINT); None without remote payload (every path is the same)
-        or without coefficients for the input kind."""
+        """Predicted log(t_RAIL / t_JOINT); None without remote payload (every path is the same),
+        above the model's payload gate (``RailJointModel.max_payload_bytes``: no estimate is
+        computed) or without coefficients for the input kind."""
         records_NGN = demand.records_NGN()
-        remote = records_NGN.sum() - torch.diagonal(records_NGN, dim1=0, dim2=2).sum()
-        if not (record_bytes > 0 and int(remote) > 0):
+        remote = int(records_NGN.sum() - torch.diagonal(records_NGN, dim1=0, dim2=2).sum())
+        if not (record_bytes > 0 and remote > 0):
+            return None
+        if not self.model.decides(remote * record_bytes / demand.world_size):  # B_mean, as TrafficStats has it
             return None
         features = path_features(demand, self.topo, record_bytes=record_bytes, windows=windows, costs=self.model.costs)
         return self.model.log_ratio(features, input_windows=windows.num_waves if windows is not None else 1)

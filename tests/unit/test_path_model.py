@@ -204,6 +204,45 @@ def test_model_dict_round_trip_and_errors_name_the_field():
         RailJointModel.from_dict({**model.to_dict(), "all_pairs": [1.0] * (F - 1)})
     with pytest.raises(ValueError, match="field 'windowed'"):
         RailJointModel.from_dict({**model.to_dict(), "windowed": ["a"] * F})
+    # The payload gate: optional (older files have none), a number of bytes >= 0.
+    gated = dataclasses.replace(model, max_payload_bytes=12.5 * 2**20)
+    assert RailJointModel.from_dict(gated.to_dict()) == gated and "max_payload_bytes" not in model.to_dict()
+    for bad in (-1.0, float("inf"), "12", True):
+        with pytest.raises(ValueError, match="max_payload_bytes"):
+            RailJointModel.from_dict({**model.to_dict(), "max_payload_bytes": bad})
+    with pytest.raises(ValueError, match="max_payload_bytes"):
+        dataclasses.replace(model, max_payload_bytes=-2.0)
+
+
+def test_the_payload_gate_runs_joint_above_it_without_an_estimate(monkeypatch):
+    import megatron_railwave.selector as selector_module
+
+    topo = RailTopology(num_nodes=4, gpus_per_node=2)
+    spec = VirtualSpec(topology=topo, tokens=40, hidden=8, experts=16, topk=3, seed=5)
+    _, full = _gathered(spec)
+    records_NGN = full.records_NGN()
+    remote = int(records_NGN.sum() - torch.diagonal(records_NGN, dim1=0, dim2=2).sum())
+    payload = remote * 16 / topo.world_size  # B_mean at 16 bytes per record
+    assert demand_stats(full, topo, record_bytes=16).B_mean_bytes == pytest.approx(payload)
+    rail_model = _sign_model(1.0 if path_features(full, topo, record_bytes=16)[1] < 0 else -1.0)  # predicts RAIL
+    inside = ModelSelector(dataclasses.replace(rail_model, max_payload_bytes=payload), topo)
+    assert select_for_layer(inside, None, full, record_bytes=16) == Path.RAIL  # at the gate: decided
+    above = ModelSelector(dataclasses.replace(rail_model, max_payload_bytes=payload * 0.999), topo)
+
+    def no_estimate(*args, **kwargs):
+        raise AssertionError("the estimate ran above the payload gate")
+
+    monkeypatch.setattr(selector_module, "path_features", no_estimate)
+    assert select_for_layer(above, None, full, record_bytes=16) == Path.JOINT
+    assert above.explain_layer(demand_stats(full, topo, record_bytes=16), full, record_bytes=16).anchor == "gate"
+
+
+def test_payload_gate_is_a_margin_over_the_largest_payload_where_joint_misses():
+    payload = np.array([1.0, 5.0, 3.0, 9.0, 2.0])
+    slow = np.array([True, False, True, False, False])
+    assert calibration.payload_gate(payload, slow) == pytest.approx(calibration.PAYLOAD_GATE_MARGIN * 3.0)
+    assert calibration.payload_gate(payload, slow, margin=1.0) == 3.0
+    assert calibration.payload_gate(payload, np.zeros(5, dtype=bool)) == 0.0  # JOINT everywhere
 
 
 def _sign_model(sign: float) -> RailJointModel:
@@ -279,6 +318,9 @@ def test_tune_selector_records_the_model_when_it_beats_the_anchors(tmp_path):
     assert tuned["model"] is not None and "path model" in tuned["method"]
     coef = tuned["model"]["all_pairs"]
     assert coef[FEATURE_NAMES.index("log_estimate_v3")] == pytest.approx(0.5) and coef[0] == pytest.approx(-0.2)
+    # Every row has the same payload and some miss with JOINT: the gate lets the model decide them all.
+    ref = result.anchor_set.scales[0]
+    assert tuned["model"]["max_payload_bytes"] == pytest.approx(calibration.PAYLOAD_GATE_MARGIN * ref)
     # Written to the file, loaded back, and the runtime decides with it.
     from megatron_railwave.commands.calibrate import with_selector_settings
 
@@ -293,6 +335,26 @@ def test_tune_selector_records_the_model_when_it_beats_the_anchors(tmp_path):
     bare = calibration.CalibrationResult(anchor_set=result.anchor_set,
                                          rows=(dataclasses.replace(result.rows[0], features=None), *result.rows[1:]))
     assert not any(sc.get("model") for sc in calibration.tune_selector(bare, split_fallback=False)["scores"])
+
+
+def test_tune_selector_gates_the_model_above_the_payloads_where_joint_missed():
+    result, _ = _model_rows()
+    ref = result.anchor_set.scales[0]
+    rows = list(result.rows)
+    # Every seed gets rows at 4x the payload where RAIL is 1% faster: JOINT within tolerance there.
+    for s in range(4):
+        for i in range(10):
+            lat = dict(rows[0].latency)
+            lat[Path.JOINT] = PathLatency(median=1.0, p10=1.0, p90=1.0, samples=1)
+            lat[Path.RAIL] = PathLatency(median=0.99, p10=0.99, p90=0.99, samples=1)
+            st = dataclasses.replace(rows[0].stats, B_mean_bytes=4 * ref)
+            rows.append(dataclasses.replace(rows[0], request=f"big{s}-{i}", group=f"big{s}-{i}", seed=f"glm{s}",
+                                            stats=st, latency=lat, best=Path.RAIL))
+    tuned = calibration.tune_selector(dataclasses.replace(result, rows=tuple(rows)), split_fallback=False)
+    gate = tuned["model"]["max_payload_bytes"]
+    assert gate == pytest.approx(calibration.PAYLOAD_GATE_MARGIN * ref) and gate < 4 * ref
+    assert "JOINT above" in tuned["method"]
+    assert tuned["scores"][-1]["over_tolerance"] == 0  # the gated rows are within tolerance with JOINT
 
 
 def test_a_malformed_model_in_the_anchors_file_is_rejected_naming_the_field(tmp_path):
