@@ -10,6 +10,11 @@
 // The selector pays it on every MoE layer call, on the critical path. Here it is loops over the
 // same N * N * G lists, each walked at its few interior positions.
 //
+// Same bits as the reference: every float operation is its, in its order (numpy's pairwise sum
+// where it sums along a last axis, numpy_sum; one term after another where it sums another axis).
+// Part bounds and chunk cuts are record counts, integers far below 2^53, so the order in which
+// they are added up does not matter.
+//
 // Host only: CPU float64 / int64 tensors in, a CPU float64 tensor out.
 
 #include <ATen/core/Tensor.h>
