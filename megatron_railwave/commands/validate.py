@@ -84,7 +84,8 @@ def bench_selector(selector: Any, requests: list[Any], topo: Any, *, repeats: in
     (``selector.needs_descriptors``), then ``selector.select_for_layer``; from the counts in the
     count exchange's form (records per rank and node, and copies per destination GPU, which the
     exchange gathers for the path model), all node pairs at once (a training step). Runs on one
-    thread; median of 5 rounds of ``repeats`` calls over the requests.
+    thread; median of 5 rounds, each over every request at least once (``repeats`` calls at
+    least), so that layers the path model's payload gate skips count in their share.
     """
     from ..selector import needs_descriptors, select_for_layer
     from ..stats import demand_stats
@@ -109,10 +110,11 @@ def bench_selector(selector: Any, requests: list[Any], topo: Any, *, repeats: in
             samples.append((time.perf_counter() - t0) / n * 1e6)
         return statistics.median(samples)
 
-    decision_us = per_call(decide, gathered, repeats)
-    descr_us = per_call(lambda item: demand_stats(item[0], topo, record_bytes=item[1]), gathered, repeats)
+    calls = max(repeats, len(gathered))
+    decision_us = per_call(decide, gathered, calls)
+    descr_us = per_call(lambda item: demand_stats(item[0], topo, record_bytes=item[1]), gathered, calls)
     return {"us_per_decision": decision_us, "us_per_descriptors": descr_us,
-            "descriptors_in_decision": reads_descriptors, "num_anchors": num_anchors, "repeats": repeats}
+            "descriptors_in_decision": reads_descriptors, "num_anchors": num_anchors, "repeats": calls}
 
 
 def run(args: argparse.Namespace) -> int:

@@ -214,6 +214,7 @@ def dispatcher_errors_worker(rank: int, world: int) -> dict[str, Any]:
 
         for case, kwargs in (("fixed_no_sink", dict(path="native")),
                              ("selector_no_sink", dict(path="auto", selector=Selector())),
+                             ("selector_with_sink", dict(path="auto", selector=Selector(), stats_sink=[].append)),
                              ("fixed_with_sink", dict(path="native", stats_sink=seen.append))):
             calls.update(demand_stats=0, layer_comm_stats=0)
             order.clear()
@@ -439,6 +440,8 @@ def test_statistics_only_when_a_selector_or_sink_needs_them(ranks):
         # is posted (host work no transfer waits for).
         assert res["stats_order"]["selector_no_sink"] == ["demand_stats", "dispatch"]
         assert res["stats_order"]["fixed_with_sink"] == ["dispatch", "demand_stats", "layer_comm_stats"]
+        # A decision's descriptors serve the statistics too: computed once, before the dispatch.
+        assert res["stats_order"]["selector_with_sink"] == ["demand_stats", "dispatch", "layer_comm_stats"]
 
 
 def test_stats_carry_the_global_expert_load(ranks):

@@ -5,6 +5,7 @@ the tuning."""
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import numpy as np
 import pytest
@@ -340,21 +341,48 @@ def test_tune_selector_records_the_model_when_it_beats_the_anchors(tmp_path):
 def test_tune_selector_gates_the_model_above_the_payloads_where_joint_missed():
     result, _ = _model_rows()
     ref = result.anchor_set.scales[0]
-    rows = list(result.rows)
-    # Every seed gets rows at 4x the payload where RAIL is 1% faster: JOINT within tolerance there.
-    for s in range(4):
-        for i in range(10):
-            lat = dict(rows[0].latency)
-            lat[Path.JOINT] = PathLatency(median=1.0, p10=1.0, p90=1.0, samples=1)
-            lat[Path.RAIL] = PathLatency(median=0.99, p10=0.99, p90=0.99, samples=1)
-            st = dataclasses.replace(rows[0].stats, B_mean_bytes=4 * ref)
-            rows.append(dataclasses.replace(rows[0], request=f"big{s}-{i}", group=f"big{s}-{i}", seed=f"glm{s}",
-                                            stats=st, latency=lat, best=Path.RAIL))
-    tuned = calibration.tune_selector(dataclasses.replace(result, rows=tuple(rows)), split_fallback=False)
-    gate = tuned["model"]["max_payload_bytes"]
+
+    def with_rows_at(payload: float):
+        # Every seed gets rows where RAIL is 1% faster (on the rows' own law, so the model picks
+        # RAIL for them): JOINT is within tolerance there.
+        rows = list(result.rows)
+        lat = dict(rows[0].latency)
+        lat[Path.JOINT] = PathLatency(median=1.0, p10=1.0, p90=1.0, samples=1)
+        lat[Path.RAIL] = PathLatency(median=0.99, p10=0.99, p90=0.99, samples=1)
+        features = (1.0, 2 * (math.log(0.99) + 0.2)) + (0.0,) * (F - 2)
+        for s in range(4):
+            for i in range(10):
+                rows.append(dataclasses.replace(rows[0], request=f"big{s}-{i}", group=f"big{s}-{i}", seed=f"glm{s}",
+                                                stats=dataclasses.replace(rows[0].stats, B_mean_bytes=payload),
+                                                latency=lat, best=Path.RAIL, features=features))
+        return calibration.tune_selector(dataclasses.replace(result, rows=tuple(rows)), split_fallback=False)
+
+    inside, above = with_rows_at(ref), with_rows_at(4 * ref)
+    gate = above["model"]["max_payload_bytes"]
     assert gate == pytest.approx(calibration.PAYLOAD_GATE_MARGIN * ref) and gate < 4 * ref
-    assert "JOINT above" in tuned["method"]
-    assert tuned["scores"][-1]["over_tolerance"] == 0  # the gated rows are within tolerance with JOINT
+    assert inside["model"]["max_payload_bytes"] == gate and "JOINT above" in above["method"]
+    # Scored with the gate: above it the 40 rows run JOINT (1.0 each), inside it the model's RAIL (0.99).
+    assert above["scores"][-1]["total_s"] == pytest.approx(inside["scores"][-1]["total_s"] + 40 * 0.01)
+    assert above["scores"][-1]["over_tolerance"] == inside["scores"][-1]["over_tolerance"]
+
+
+def test_the_model_is_scored_with_the_gate_it_would_have_without_the_left_out_seed():
+    result, _ = _model_rows()
+    ref = result.anchor_set.scales[0]
+    rows = list(result.rows)
+    # Only seed 0 has large layers, and there JOINT misses by 10% while the features say RAIL: left
+    # out, the other seeds' gate (1.5 x ref) sends them to JOINT and they count as over.
+    lat = dict(rows[0].latency)
+    lat[Path.JOINT] = PathLatency(median=1.0, p10=1.0, p90=1.0, samples=1)
+    lat[Path.RAIL] = PathLatency(median=0.9, p10=0.9, p90=0.9, samples=1)
+    features = (1.0, 2 * (math.log(0.9) + 0.2)) + (0.0,) * (F - 2)  # on the rows' own law: RAIL 10% faster
+    for i in range(6):
+        rows.append(dataclasses.replace(rows[0], request=f"big-{i}", group=f"big-{i}", seed="glm0", latency=lat,
+                                        best=Path.RAIL, features=features,
+                                        stats=dataclasses.replace(rows[0].stats, B_mean_bytes=4 * ref)))
+    tuned = calibration.tune_selector(dataclasses.replace(result, rows=tuple(rows)), split_fallback=False)
+    assert tuned["scores"][-1]["model"] and tuned["scores"][-1]["over_tolerance"] == 6
+    assert tuned["model"]["max_payload_bytes"] == pytest.approx(calibration.PAYLOAD_GATE_MARGIN * 4 * ref)
 
 
 def test_a_malformed_model_in_the_anchors_file_is_rejected_naming_the_field(tmp_path):
