@@ -176,10 +176,13 @@ def run(args: argparse.Namespace) -> int:
         finally:
             torch.set_num_threads(threads)
         out["bench"] = bench
+        rule_text = (f"{bench['num_anchors']} anchors" if rule == "anchors" else
+                     "the path model" + (f", payload gate {anchor_set.path_model.max_payload_bytes / 2**20:.2f} MiB"
+                                         if anchor_set.path_model.max_payload_bytes is not None else ""))
         _render.print_text(
             f"selector decision cost ({rule}): {bench['us_per_decision']:.2f} us per layer as the dispatcher pays it "
-            f"({'with' if bench['descriptors_in_decision'] else 'without'} the descriptors; {bench['num_anchors']} "
-            f"anchors, median of 5 x {bench['repeats']} calls, 1 thread, this host); "
+            f"({'with' if bench['descriptors_in_decision'] else 'without'} the descriptors; {rule_text}, "
+            f"median of 5 x {bench['repeats']} calls, 1 thread, this host); "
             f"descriptors from counts: {bench['us_per_descriptors']:.0f} us")
     if args.backend is not None:
         from ..planner import PlanOptions
