@@ -26,7 +26,7 @@ import torch
 
 from . import ops
 from .planner import chunk_sizes
-from .planner.railbalance import eligible_NNG, rail_quota_NNG, relay_NNGG
+from .planner.railbalance import eligible_NNG, quota_and_relay
 from .topology import RailTopology
 
 __all__ = ["arrival_copies_NNCGG", "arrival_copies_reference", "prefix_copies"]
@@ -144,14 +144,9 @@ def arrival_copies_NNCGG(records_NGN: np.ndarray, copies_NGNG: np.ndarray, topo:
 
 
 def _rail_relay_NNGG(records_NGN: np.ndarray, topo: RailTopology) -> torch.Tensor:
-    """[N, N, G, G] int64: RailBalance's relay (rotation 0, all healthy rails eligible), from the
-    compiled ``ops.rail_plan`` where it loads, else the planner's numpy (the same counts)."""
+    """[N, N, G, G] int64: RailBalance's relay (rotation 0, all healthy rails eligible)."""
     records_NNG = torch.from_numpy(np.ascontiguousarray(records_NGN.transpose(0, 2, 1))).to(torch.int64)
-    eligible = eligible_NNG(topo, records_NNG)
-    compiled = ops.rail_plan(records_NNG, eligible, balanced=True, phase=0)
-    if compiled is not None:
-        return compiled[1]
-    return relay_NNGG(records_NNG, rail_quota_NNG(records_NNG, eligible, balanced=True))
+    return quota_and_relay(records_NNG, eligible_NNG(topo, records_NNG), balanced=True, phase=0)[1]
 
 
 def arrival_copies_reference(records_NGN: np.ndarray, copies_NGNG: np.ndarray, topo: RailTopology,

@@ -17,11 +17,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from .. import ops
 from ..topology import RailTopology
 from ..traffic import DemandCounts, SelectorScales, TrafficStats, rail_load_NRN, traffic_stats
 from .paths import EligiblePolicy, Path, parse_path
-from .railbalance import eligible_NNG, rail_quota_NNG, relay_NNGG
+from .railbalance import eligible_NNG, quota_and_relay
 from .waves import WaveSchedule, all_at_once, bounded_fanin_schedule
 
 __all__ = ["PathPlan", "PlanOptions", "build_plan", "chunk_sizes"]
@@ -173,11 +172,7 @@ def build_plan(
         )
     records_NNG = records_NGN.permute(0, 2, 1).to(torch.int64).cpu()
     eligible = eligible_NNG(topo, records_NNG, options.policy, options.rail_mask_NG)
-    compiled = ops.rail_plan(records_NNG, eligible, balanced=path.balanced, phase=phase)
-    if compiled is None:  # the numpy reference
-        quota = rail_quota_NNG(records_NNG, eligible, balanced=path.balanced, phase=phase)
-        compiled = quota, relay_NNGG(records_NNG, quota)
-    quota, relay = compiled
+    quota, relay = quota_and_relay(records_NNG, eligible, balanced=path.balanced, phase=phase)
     if path.waved:
         schedule = bounded_fanin_schedule(n, options.fanin)
     else:

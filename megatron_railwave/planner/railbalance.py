@@ -29,10 +29,12 @@ from typing import TypeVar
 import numpy as np
 import torch
 
+from .. import ops
 from ..topology import RailTopology
 from .paths import EligiblePolicy
 
-__all__ = ["healthy_gpus_NG", "eligible_NNG", "rail_quota_NNG", "relay_NNGG", "surplus_deficit_bounds"]
+__all__ = ["healthy_gpus_NG", "eligible_NNG", "rail_quota_NNG", "relay_NNGG", "quota_and_relay",
+           "surplus_deficit_bounds"]
 
 ArrayT = TypeVar("ArrayT", np.ndarray, torch.Tensor)
 
@@ -160,3 +162,15 @@ def relay_NNGG(records_NNG: torch.Tensor, quota_NNG: torch.Tensor) -> torch.Tens
     g = keep.shape[-1]
     moved[..., np.arange(g), np.arange(g)] += keep
     return torch.from_numpy(moved)
+
+
+def quota_and_relay(records_NNG: torch.Tensor, eligible: torch.Tensor, *, balanced: bool,
+                    phase: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(``rail_quota_NNG``, ``relay_NNGG``) in one call: the compiled ``ops.rail_plan`` where the
+    compiled ops load, else this module's numpy (the same counts; tests/unit/planner/
+    test_rail_plan_op.py)."""
+    compiled = ops.rail_plan(records_NNG, eligible, balanced=balanced, phase=phase)
+    if compiled is not None:
+        return compiled
+    quota = rail_quota_NNG(records_NNG, eligible, balanced=balanced, phase=phase)
+    return quota, relay_NNGG(records_NNG, quota)
