@@ -25,7 +25,7 @@
 #include <vector>
 
 #include "../common/ops.h"
-#include "host_model.h"
+#include "host_planning.h"
 
 namespace railwave::cpu {
 namespace {

@@ -19,8 +19,8 @@
 #include <algorithm>
 #include <vector>
 
-#include "../common/check.h"
 #include "../common/ops.h"
+#include "host_planning.h"
 
 namespace railwave::cpu {
 namespace {
@@ -28,13 +28,6 @@ namespace {
 struct Transfer {
   int64_t phase, src, dst, rows;
 };
-
-void check_host_long(const at::Tensor& t, const char* name, std::initializer_list<int64_t> shape) {
-  RW_CHECK(t.device().is_cpu(), name, " must be a CPU tensor (host planning), got ", t.device());
-  RW_CHECK(t.scalar_type() == at::kLong, name, " must be int64, got ", t.scalar_type());
-  RW_CHECK(t.is_contiguous(), name, " must be contiguous");
-  RW_CHECK(t.sizes().equals(shape), name, " has shape ", t.sizes(), ", expected ", at::IntArrayRef(shape));
-}
 
 }  // namespace
 
@@ -46,11 +39,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> rank_sche
   const int64_t N = records_NNG.size(0), G = records_NNG.size(2), W = N * G;
   RW_CHECK(G >= 1 && G <= 8, "G must be in 1..8, got ", G);
   const int64_t M = int64_t{1} << G, V = static_cast<int64_t>(rail_phase_V.size());
-  check_host_long(records_NNG, "records_NNG", {N, N, G});
-  check_host_long(quota_NNG, "quota_NNG", {N, N, G});
-  check_host_long(relay_NNGG, "relay_NNGG", {N, N, G, G});
-  check_host_long(wave_NN, "wave_NN", {N, N});
-  check_host_long(masks_WM, "masks_WM", {W, M});
+  check_host(records_NNG, "records_NNG", at::kLong, {N, N, G});
+  check_host(quota_NNG, "quota_NNG", at::kLong, {N, N, G});
+  check_host(relay_NNGG, "relay_NNGG", at::kLong, {N, N, G, G});
+  check_host(wave_NN, "wave_NN", at::kLong, {N, N});
+  check_host(masks_WM, "masks_WM", at::kLong, {W, M});
   RW_CHECK(rank >= 0 && rank < W, "rank ", rank, " is not in 0..", W - 1);
   RW_CHECK(chunks >= 1 && V % chunks == 0, "chunks=", chunks, " must be >= 1 and divide the ", V, " rail phases");
   const int64_t C = chunks, waves = V / C;
@@ -319,11 +312,8 @@ std::tuple<at::Tensor, at::Tensor> rail_plan(const at::Tensor& records_NNG, cons
   RW_CHECK(records_NNG.dim() == 3 && records_NNG.size(0) == records_NNG.size(1), "records_NNG must be [N, N, G], got ",
            records_NNG.sizes());
   const int64_t N = records_NNG.size(0), G = records_NNG.size(2);
-  RW_CHECK(records_NNG.device().is_cpu() && records_NNG.scalar_type() == at::kLong && records_NNG.is_contiguous(),
-           "records_NNG must be a contiguous CPU int64 tensor");
-  RW_CHECK(eligible_NNG.device().is_cpu() && eligible_NNG.scalar_type() == at::kBool && eligible_NNG.is_contiguous() &&
-               eligible_NNG.sizes().equals(records_NNG.sizes()),
-           "eligible_NNG must be a contiguous CPU bool tensor of records_NNG's shape ", records_NNG.sizes());
+  check_host(records_NNG, "records_NNG", at::kLong, {N, N, G});
+  check_host(eligible_NNG, "eligible_NNG", at::kBool, {N, N, G});
   const int64_t* records = records_NNG.data_ptr<int64_t>();
   const bool* allowed = eligible_NNG.data_ptr<bool>();
   at::Tensor quota_NNG = at::zeros({N, N, G}, records_NNG.options());

@@ -1,5 +1,5 @@
-// Shared by the path model's compiled parts (csrc/cpu/arrivals.cpp, csrc/cpu/path_model.cpp):
-// numpy's summation order, the host-tensor check and the arrival model's kernel.
+// Shared by the host-planning ops (csrc/cpu/schedule.cpp, arrivals.cpp, path_model.cpp): the
+// host-tensor check, numpy's summation order and the arrival model's kernel.
 #pragma once
 
 #include <ATen/core/Tensor.h>
