@@ -416,13 +416,11 @@ class RailJointModel:
                                  f"got {raw!r}")
             return tuple(float(v) for v in raw)
 
-        gate = data.get("max_payload_bytes")
-        if gate is not None and (isinstance(gate, bool) or not isinstance(gate, (int, float))
-                                 or not math.isfinite(gate) or gate < 0):
-            raise ValueError(f"{source}: field 'max_payload_bytes' must be a finite number of bytes >= 0 (the payload "
-                             f"gate) or absent, got {gate!r}")
-        return cls(all_pairs=coef("all_pairs"), windowed=coef("windowed"), costs=costs,  # type: ignore[arg-type]
-                   max_payload_bytes=None if gate is None else float(gate))
+        try:
+            return cls(all_pairs=coef("all_pairs"), windowed=coef("windowed"), costs=costs,  # type: ignore[arg-type]
+                       max_payload_bytes=data.get("max_payload_bytes"))
+        except ValueError as exc:  # the payload gate's check (__post_init__)
+            raise ValueError(f"{source}: field 'max_payload_bytes': {exc}") from None
 
 
 def fit_rail_joint(features_RF: np.ndarray, windows_R: np.ndarray, log_ratio_R: np.ndarray, *,
