@@ -830,10 +830,10 @@ class ValidationResult:
         """
         if not (math.isfinite(decision_s) and decision_s >= 0):
             raise ValueError(f"decision_s must be a finite number of seconds >= 0, got {decision_s!r}")
-        n = len(self.rows)
-        joint = sum(r.joint_s for r in self.rows)
-        selected = sum(r.selected_s for r in self.rows)
-        best = sum(r.best_s for r in self.rows)
+        totals = self.summary()
+        n = totals["num_requests"]
+        joint, selected = totals["total_fixed_s"][str(Path.JOINT)], totals["total_selected_s"]
+        best = totals["total_best_per_request_s"]
         with_decisions = selected + n * decision_s
         return {
             "decision_s_per_layer": decision_s,

@@ -155,7 +155,7 @@ def run(args: argparse.Namespace) -> int:
     if not isinstance(settings, dict) or "payload_scales" not in settings:
         raise ValueError(f"anchors file {args.anchors!r}: field 'context.settings.requests' is missing; it "
                          "names the calibration requests (write the file with `railwave calibrate`)")
-    from ..traffic import dtype_bytes
+    from ..traffic import MiB, dtype_bytes
 
     record_bytes = anchor_set.context.hidden_size * dtype_bytes(anchor_set.context.dtype)
     held_out = calibration.held_out_settings(settings, seed=args.seed, count=args.requests, layers=args.layers)
@@ -177,7 +177,7 @@ def run(args: argparse.Namespace) -> int:
             torch.set_num_threads(threads)
         out["bench"] = bench
         rule_text = (f"{bench['num_anchors']} anchors" if rule == "anchors" else
-                     "the path model" + (f", payload gate {anchor_set.path_model.max_payload_bytes / 2**20:.2f} MiB"
+                     "the path model" + (f", payload gate {anchor_set.path_model.max_payload_bytes / MiB:.2f} MiB"
                                          if anchor_set.path_model.max_payload_bytes is not None else ""))
         _render.print_text(
             f"selector decision cost ({rule}): {bench['us_per_decision']:.2f} us per layer as the dispatcher pays it "
