@@ -72,6 +72,11 @@ __all__ = [
     "ARRANGEMENTS",
     "calibration_requests",
     "validation_requests",
+    "PAYLOAD_GATE_MARGIN",
+    "PAYLOAD_GATINGS",
+    "payload_gate",
+    "payload_gates",
+    "score_path_model",
 ]
 
 ALL_PATHS: tuple[Path, ...] = (Path.NATIVE, Path.RAIL, Path.PERM, Path.JOINT)
@@ -542,9 +547,13 @@ def tune_selector(result: CalibrationResult, *, grid: dict[str, Sequence[float]]
     With ``fit_model`` and features on every row (``CalibrationRow.features``) the **path model**
     (``path_model``: log(t_RAIL / t_JOINT) least squares over the features) is scored the same
     way: for each unit, fitted on the other units' rows, it decides the unit's rows (RAIL where
-    it predicts RAIL faster, else JOINT). When it scores strictly better than the chosen anchors
-    setting (or "no anchors"), it is fitted on every row and returned: the runtime then decides
-    with it and not with the anchors.
+    it predicts RAIL faster, else JOINT), once for every payload gating (``PAYLOAD_GATINGS``: no
+    gate, one gate, a gate per input kind; each gate fitted without the unit, ``payload_gates``).
+    The gating with the fewest requests over, then the least total, then the fewest decided
+    requests (a decision costs host time) is the model's score. When it scores strictly better
+    than the chosen anchors setting (or "no anchors"), the model is fitted on every row, with
+    that gating's gates from every row, and returned: the runtime then decides with it and not
+    with the anchors.
 
     Returns:
         ``use_anchors``; ``payload_ratio``, ``shape_distance`` (the choice; without anchors the
@@ -552,9 +561,11 @@ def tune_selector(result: CalibrationResult, *, grid: dict[str, Sequence[float]]
         the choice, file order; empty without anchors); ``fallback_below`` (None or
         ``{"payload_bytes", "path"}``); ``left_out`` ('seed' or 'routing');
         ``model`` (``RailJointModel.to_dict()`` when the path model won, else None);
+        ``model_score`` (the path model's score under its chosen gating, None when not scored);
         ``method`` (in words); ``scores`` (one dict per setting: thresholds, over_tolerance,
         total_s, vs_joint, anchors_held, fallback_below_bytes; the first, with thresholds None, is
-        "no anchors"; the last, with ``model`` True, the path model's when it was scored).
+        "no anchors"; the last ones, with ``model`` True, the path model's per gating, with
+        ``gate`` and ``decided``, when it was scored).
     """
     grid = {**SELECTOR_GRID, **(grid or {})}
     rows = result.rows
@@ -644,7 +655,7 @@ def tune_selector(result: CalibrationResult, *, grid: dict[str, Sequence[float]]
     if not use_anchors and aset.anchors:
         method += "; no setting beats always-JOINT, so no anchors are kept"
     # The path model, scored with the same leave-out: fitted without the unit, deciding its rows.
-    model, model_score = None, None
+    model, model_scores, model_score = None, [], None
     if fit_model and rows and all(r.features is not None for r in rows):
         topo_dict = aset.context.topology
         costs = path_costs(aset.context.settings, int(topo_dict["num_nodes"]) * int(topo_dict["gpus_per_node"]))
@@ -653,32 +664,33 @@ def tune_selector(result: CalibrationResult, *, grid: dict[str, Sequence[float]]
             target_R = np.log(lat_rail_R / lat_joint_R)
         fits_R = np.isfinite(target_R)  # a request without time on either path teaches nothing
         payload_R = np.array([r.stats.B_mean_bytes for r in rows], dtype=np.float64)
-        rail_R = np.zeros(len(rows), dtype=bool)
-        for unit, idx in rows_of_unit.items():
-            train = (units_R != unit) & fits_R
-            fitted = fit_rail_joint(features_RF[train], windows_R[train], target_R[train], costs=costs)
-            gate = payload_gate(payload_R[units_R != unit], slow_joint_R[units_R != unit])
-            for i in idx:
-                decided = fitted is not None and payload_R[i] <= gate
-                predicted = fitted.log_ratio(features_RF[i], input_windows=int(windows_R[i])) if decided else None
-                rail_R[i] = predicted is not None and predicted < 0
-        over = int((rail_R & slow_rail_R).sum() + (~rail_R & slow_joint_R).sum())
-        model_score = {**entry(None, None, (over, float(np.where(rail_R, lat_rail_R, lat_joint_R).sum()), -math.inf), 0),
-                       "model": True}
+        for gating in PAYLOAD_GATINGS:
+            sc = score_path_model(features_RF, windows_R, target_R, payload_R, units_R, lat_rail_R, lat_joint_R,
+                                  limit_R, costs=costs, gating=gating)
+            model_scores.append({**entry(None, None, (sc["over_tolerance"], sc["total_s"], -math.inf), 0),
+                                 "model": True, "gate": gating, "decided": sc["decided"]})
+        model_score = min(model_scores, key=lambda sc: (*rank(sc), sc["decided"]))  # the first of ties: no gate
         if rank(model_score) < rank(chosen):
             model = fit_rail_joint(features_RF[fits_R], windows_R[fits_R], target_R[fits_R], costs=costs)
         if model is not None:
-            model = dataclasses.replace(model, max_payload_bytes=payload_gate(payload_R, slow_joint_R))
-            method += (f"; the RAIL / JOINT path model (leave-one-{left_out}-out, with its payload gate: {over} "
-                       f"requests over) scored better than the anchors and decides layers up to "
-                       f"{model.max_payload_bytes / MiB:.2f} MiB per GPU, JOINT above")
+            gating = model_score["gate"]
+            gate_all, gate_windowed = payload_gates(payload_R, slow_joint_R, windows_R == 1, gating=gating)
+            model = dataclasses.replace(model, max_payload_bytes=gate_all, max_payload_bytes_windowed=gate_windowed)
+            over = model_score["over_tolerance"]
+            method += (f"; the RAIL / JOINT path model (leave-one-{left_out}-out: {over} requests over) scored "
+                       "better than the anchors and decides "
+                       + ("every layer (no payload gate: none scored better)" if gating == "none" else
+                          f"layers up to {gate_all / MiB:.2f} MiB per GPU, JOINT above" if gating == "one" else
+                          f"layers up to {gate_all / MiB:.2f} MiB per GPU sent all pairs at once and "
+                          f"{gate_windowed / MiB:.2f} MiB in windows (gates per input kind), JOINT above"))
     below = chosen["fallback_below_bytes"]
     return {"use_anchors": use_anchors, "payload_ratio": choice[0], "shape_distance": choice[1], "hold_rule": choice[2],
             "held": list(held_of[choice]) if use_anchors else [],
             "fallback_below": {"payload_bytes": below, "path": str(Path.RAIL)} if below is not None else None,
             "model": model.to_dict() if model is not None else None,
             "method": method, "left_out": left_out, "tolerance": tolerance,
-            "scores": [no_anchors, *scores, *([model_score] if model_score else [])]}
+            "scores": [no_anchors, *scores, *model_scores],
+            "model_score": model_score}
 
 
 PAYLOAD_GATE_MARGIN = 1.5
@@ -703,6 +715,75 @@ def payload_gate(payload_R: np.ndarray, joint_slow_R: np.ndarray, *, margin: flo
     """
     slow = np.asarray(payload_R, dtype=np.float64)[np.asarray(joint_slow_R, dtype=bool)]
     return float(margin * slow.max()) if slow.size else 0.0
+
+
+PAYLOAD_GATINGS = ("none", "one", "per_kind")
+"""The payload gates ``tune_selector`` scores for the path model, in its tie order: no gate, one
+gate for both input kinds, a gate per input kind (all node pairs at once / several windows)."""
+
+
+def payload_gates(payload_R: np.ndarray, joint_slow_R: np.ndarray, all_pairs_R: np.ndarray, *,
+                  gating: str) -> tuple[float | None, float | None]:
+    """(all pairs at once, several windows) payload gates of ``gating`` (``PAYLOAD_GATINGS``), each
+    ``payload_gate`` over the requests it covers; None: no gate.
+
+    Args:
+        payload_R, joint_slow_R: as ``payload_gate``.
+        all_pairs_R: [R] bool, the request's input is sent all node pairs at once.
+    """
+    if gating == "none":
+        return None, None
+    if gating == "one":
+        gate = payload_gate(payload_R, joint_slow_R)
+        return gate, gate
+    if gating == "per_kind":
+        all_pairs_R = np.asarray(all_pairs_R, dtype=bool)
+        payload_R, joint_slow_R = np.asarray(payload_R), np.asarray(joint_slow_R, dtype=bool)
+        return (payload_gate(payload_R[all_pairs_R], joint_slow_R[all_pairs_R]),
+                payload_gate(payload_R[~all_pairs_R], joint_slow_R[~all_pairs_R]))
+    raise ValueError(f"gating must be one of {PAYLOAD_GATINGS}, got {gating!r}")
+
+
+def score_path_model(features_RF: np.ndarray, windows_R: np.ndarray, log_ratio_R: np.ndarray, payload_R: np.ndarray,
+                     units_R: np.ndarray, rail_s_R: np.ndarray, joint_s_R: np.ndarray, limit_s_R: np.ndarray, *,
+                     costs: PathCosts, gating: str) -> dict[str, Any]:
+    """The path model's leave-one-unit-out score under a payload gating (``tune_selector``): for
+    each unit, the model fitted on the other units' rows (``fit_rail_joint``, rows with a finite
+    target) and their gates (``payload_gates``) decide the unit's rows, RAIL where it predicts
+    RAIL faster, else JOINT.
+
+    Args:
+        features_RF: [R, F] the rows' features; windows_R: [R] their input windows.
+        log_ratio_R: [R] log(t_RAIL / t_JOINT) (not finite: the row does not teach the fit).
+        payload_R: [R] B_mean bytes; units_R: [R] the unit each row belongs to (a seed).
+        rail_s_R, joint_s_R: [R] seconds on RAIL and JOINT; limit_s_R: [R] the tolerance's limit
+            (``1 + tolerance`` x the row's best path).
+        costs: what the features were computed with.
+
+    Returns:
+        ``over_tolerance`` (rows whose decided path is over its limit, JOINT where JOINT runs),
+        ``total_s`` (the decided paths' seconds), ``decided`` (rows the model decided).
+    """
+    features_RF, windows_R = np.asarray(features_RF, dtype=np.float64), np.asarray(windows_R)
+    log_ratio_R, payload_R = np.asarray(log_ratio_R, dtype=np.float64), np.asarray(payload_R, dtype=np.float64)
+    units_R = np.asarray(units_R, dtype=object)
+    fits_R, all_pairs_R = np.isfinite(log_ratio_R), windows_R == 1
+    joint_slow_R = np.asarray(joint_s_R) > np.asarray(limit_s_R)
+    rail_R = np.zeros(len(units_R), dtype=bool)
+    decided_R = np.zeros(len(units_R), dtype=bool)
+    for unit in dict.fromkeys(units_R.tolist()):
+        train, idx = (units_R != unit), np.flatnonzero(units_R == unit)
+        fitted = fit_rail_joint(features_RF[train & fits_R], windows_R[train & fits_R], log_ratio_R[train & fits_R],
+                                costs=costs)
+        gates = payload_gates(payload_R[train], joint_slow_R[train], all_pairs_R[train], gating=gating)
+        for i in idx:
+            gate = gates[0] if all_pairs_R[i] else gates[1]
+            decided_R[i] = fitted is not None and (gate is None or payload_R[i] <= gate)
+            predicted = fitted.log_ratio(features_RF[i], input_windows=int(windows_R[i])) if decided_R[i] else None
+            rail_R[i] = predicted is not None and predicted < 0
+    chosen_s_R = np.where(rail_R, rail_s_R, joint_s_R)
+    return {"over_tolerance": int((chosen_s_R > np.asarray(limit_s_R)).sum()), "total_s": float(chosen_s_R.sum()),
+            "decided": int(decided_R.sum())}
 
 
 # ---------------------------------------------------------------------- validation

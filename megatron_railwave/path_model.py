@@ -358,29 +358,39 @@ class RailJointModel:
         windowed: [F] coefficients for inputs in several sending windows (replay arrangements);
             None: none were calibrated (such inputs then run JOINT).
         costs: the fixed costs and rail chunks the features were computed with.
-        max_payload_bytes: the payload gate: the model decides only layers whose mean remote
-            payload per GPU (``TrafficStats.B_mean_bytes``) is at most this, every other layer
-            runs JOINT without an estimate (its decision costs more than it can earn there:
-            calibration found JOINT within the tolerance of the best path on every request above
-            it, ``calibration.payload_gate``). None: every layer is decided.
+        max_payload_bytes: the payload gate for inputs sent all node pairs at once: the model
+            decides only layers whose mean remote payload per GPU (``TrafficStats.B_mean_bytes``)
+            is at most this, every larger layer runs JOINT without an estimate (its decision costs
+            more than it can earn there: calibration found JOINT within the tolerance of the best
+            path on every request above it, ``calibration.payload_gate``). None: every layer of
+            that kind is decided.
+        max_payload_bytes_windowed: the same gate for inputs in several sending windows (the
+            calibration fits the gates per kind where that scores as well leaving seeds out:
+            ``calibration.tune_selector``).
     """
 
     all_pairs: tuple[float, ...]
     windowed: tuple[float, ...] | None = None
     costs: PathCosts = PathCosts()
     max_payload_bytes: float | None = None
+    max_payload_bytes_windowed: float | None = None
 
     def __post_init__(self) -> None:
-        gate = self.max_payload_bytes
-        if gate is not None and (isinstance(gate, bool) or not isinstance(gate, (int, float))
-                                 or not math.isfinite(gate) or gate < 0):
-            raise ValueError(f"RailJointModel.max_payload_bytes must be a finite number of bytes >= 0 or None, "
-                             f"got {gate!r}")
+        for name in ("max_payload_bytes", "max_payload_bytes_windowed"):
+            gate = getattr(self, name)
+            if gate is not None and (isinstance(gate, bool) or not isinstance(gate, (int, float))
+                                     or not math.isfinite(gate) or gate < 0):
+                raise ValueError(f"RailJointModel.{name} must be a finite number of bytes >= 0 or None, got {gate!r}")
 
-    def decides(self, payload_bytes: float) -> bool:
-        """Whether a layer with this mean remote payload per GPU is decided by the model (inside
-        the payload gate) rather than run as JOINT."""
-        return self.max_payload_bytes is None or payload_bytes <= self.max_payload_bytes
+    def gate(self, *, input_windows: int = 1) -> float | None:
+        """The payload gate of this input kind (None: no gate)."""
+        return self.max_payload_bytes if input_windows == 1 else self.max_payload_bytes_windowed
+
+    def decides(self, payload_bytes: float, *, input_windows: int = 1) -> bool:
+        """Whether a layer of this input kind with this mean remote payload per GPU is decided by
+        the model (inside its payload gate) rather than run as JOINT."""
+        gate = self.gate(input_windows=input_windows)
+        return gate is None or payload_bytes <= gate
 
     def log_ratio(self, features: np.ndarray, *, input_windows: int = 1) -> float | None:
         """The prediction, None when no coefficients cover this input kind."""
@@ -392,8 +402,12 @@ class RailJointModel:
                                "costs": self.costs.to_dict(), "all_pairs": [float(v) for v in self.all_pairs]}
         if self.windowed is not None:
             out["windowed"] = [float(v) for v in self.windowed]
-        if self.max_payload_bytes is not None:
-            out["max_payload_bytes"] = float(self.max_payload_bytes)
+        if self.max_payload_bytes is not None or self.max_payload_bytes_windowed is not None:
+            # Both keys once there is a gate: a file with the first alone (written before the gates
+            # per kind) gates every input kind with it (from_dict).
+            for name in ("max_payload_bytes", "max_payload_bytes_windowed"):
+                value = getattr(self, name)
+                out[name] = None if value is None else float(value)
         return out
 
     @classmethod
@@ -416,11 +430,14 @@ class RailJointModel:
                                  f"got {raw!r}")
             return tuple(float(v) for v in raw)
 
+        gates = {"max_payload_bytes": data.get("max_payload_bytes"),
+                 # Files from before the gates per kind have one gate for every input kind.
+                 "max_payload_bytes_windowed": data.get("max_payload_bytes_windowed", data.get("max_payload_bytes"))}
+        all_pairs, windowed = coef("all_pairs"), coef("windowed")
         try:
-            return cls(all_pairs=coef("all_pairs"), windowed=coef("windowed"), costs=costs,  # type: ignore[arg-type]
-                       max_payload_bytes=data.get("max_payload_bytes"))
-        except ValueError as exc:  # the payload gate's check (__post_init__)
-            raise ValueError(f"{source}: field 'max_payload_bytes': {exc}") from None
+            return cls(all_pairs=all_pairs, windowed=windowed, costs=costs, **gates)  # type: ignore[arg-type]
+        except ValueError as exc:  # a payload gate's check (__post_init__ names the field)
+            raise ValueError(f"{source}: {exc}") from None
 
 
 def fit_rail_joint(features_RF: np.ndarray, windows_R: np.ndarray, log_ratio_R: np.ndarray, *,

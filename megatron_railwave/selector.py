@@ -226,7 +226,8 @@ class ModelSelector:
         ``anchor`` is "model", "gate" (above the payload gate) or None (no prediction)."""
         predicted = self._predict(demand, record_bytes=record_bytes, windows=windows)
         if predicted is None:
-            gated = stats.B_mean_bytes > 0 and not self.model.decides(stats.B_mean_bytes)
+            gated = stats.B_mean_bytes > 0 and not self.model.decides(stats.B_mean_bytes,
+                                                                      input_windows=_input_windows(windows))
             return Selection(path=self.fallback, anchor="gate" if gated else None, distance=math.inf,
                              coords=stats.coords)
         return Selection(path=Path.RAIL if predicted < 0 else Path.JOINT, anchor="model", distance=predicted,
@@ -243,20 +244,27 @@ class ModelSelector:
 
     def _predict(self, demand: DemandCounts, *, record_bytes: int, windows: WaveSchedule | None) -> float | None:
         """Predicted log(t_RAIL / t_JOINT); None without remote payload (every path is the same),
-        above the model's payload gate (``RailJointModel.max_payload_bytes``: no estimate is
+        above the model's payload gate for the input kind (``RailJointModel.gate``: no estimate is
         computed) or without coefficients for the input kind."""
         records_NGN = demand.records_NGN()
         remote = int(records_NGN.sum() - torch.diagonal(records_NGN, dim1=0, dim2=2).sum())
         if not (record_bytes > 0 and remote > 0):
             return None
-        if not self.model.decides(remote * record_bytes / demand.world_size):  # B_mean, as TrafficStats has it
+        input_windows = _input_windows(windows)
+        if not self.model.decides(remote * record_bytes / demand.world_size,  # B_mean, as TrafficStats has it
+                                  input_windows=input_windows):
             return None
         features = path_features(demand, self.topo, record_bytes=record_bytes, windows=windows, costs=self.model.costs)
-        return self.model.log_ratio(features, input_windows=windows.num_waves if windows is not None else 1)
+        return self.model.log_ratio(features, input_windows=input_windows)
 
     def select(self, stats: TrafficStats) -> Path:
         raise TypeError("ModelSelector decides from the gathered counts, not the descriptors alone: call "
                         "select_for_layer(selector, stats, demand, record_bytes=...)")
+
+
+def _input_windows(windows: WaveSchedule | None) -> int:
+    """The input's sending windows (None: all node pairs at once, one window)."""
+    return windows.num_waves if windows is not None else 1
 
 
 def select_for_layer(selector: PathSelector, stats: TrafficStats | None, demand: DemandCounts, *,

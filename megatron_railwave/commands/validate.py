@@ -75,6 +75,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     _outputs.declare_outputs(parser, files=("json",))
 
 
+def _describe_gates(model: Any) -> str:
+    """The path model's payload gates in words (``RailJointModel.gate``), "" without any."""
+    from ..traffic import MiB
+
+    gates = {kind: model.gate(input_windows=windows) for kind, windows in (("all pairs", 1), ("windowed", 2))}
+    if all(g is None for g in gates.values()):
+        return ""
+    mib = {kind: "none" if g is None else f"{g / MiB:.2f} MiB" for kind, g in gates.items()}
+    if len(set(mib.values())) == 1:
+        return f", payload gate {mib['all pairs']}"
+    return ", payload gates " + ", ".join(f"{kind} {text}" for kind, text in mib.items())
+
+
 def bench_selector(selector: Any, requests: list[Any], topo: Any, *, repeats: int = 200,
                    num_anchors: int = 0) -> dict[str, Any]:
     """Median host cost in microseconds of one layer's decision as the dispatcher pays it, and of
@@ -177,8 +190,7 @@ def run(args: argparse.Namespace) -> int:
             torch.set_num_threads(threads)
         out["bench"] = bench
         rule_text = (f"{bench['num_anchors']} anchors" if rule == "anchors" else
-                     "the path model" + (f", payload gate {anchor_set.path_model.max_payload_bytes / MiB:.2f} MiB"
-                                         if anchor_set.path_model.max_payload_bytes is not None else ""))
+                     "the path model" + _describe_gates(anchor_set.path_model))
         _render.print_text(
             f"selector decision cost ({rule}): {bench['us_per_decision']:.2f} us per layer as the dispatcher pays it "
             f"({'with' if bench['descriptors_in_decision'] else 'without'} the descriptors; {rule_text}, "

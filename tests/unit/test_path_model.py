@@ -5,6 +5,7 @@ the tuning."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import numpy as np
@@ -205,14 +206,22 @@ def test_model_dict_round_trip_and_errors_name_the_field():
         RailJointModel.from_dict({**model.to_dict(), "all_pairs": [1.0] * (F - 1)})
     with pytest.raises(ValueError, match="field 'windowed'"):
         RailJointModel.from_dict({**model.to_dict(), "windowed": ["a"] * F})
-    # The payload gate: optional (older files have none), a number of bytes >= 0.
+    # The payload gates: optional (older files have none), numbers of bytes >= 0, one per input kind.
     gated = dataclasses.replace(model, max_payload_bytes=12.5 * 2**20)
     assert RailJointModel.from_dict(gated.to_dict()) == gated and "max_payload_bytes" not in model.to_dict()
-    for bad in (-1.0, float("inf"), "12", True):
-        with pytest.raises(ValueError, match="max_payload_bytes"):
-            RailJointModel.from_dict({**model.to_dict(), "max_payload_bytes": bad})
-    with pytest.raises(ValueError, match="max_payload_bytes"):
-        dataclasses.replace(model, max_payload_bytes=-2.0)
+    assert gated.decides(12.5 * 2**20) and not gated.decides(13 * 2**20) and gated.decides(1e12, input_windows=3)
+    per_kind = dataclasses.replace(gated, max_payload_bytes_windowed=3.0 * 2**20)
+    assert RailJointModel.from_dict(per_kind.to_dict()) == per_kind
+    assert not per_kind.decides(4 * 2**20, input_windows=3) and per_kind.decides(4 * 2**20)
+    # A file from before the gates per kind (max_payload_bytes alone) gates every input kind with it.
+    old_file = {k: v for k, v in gated.to_dict().items() if k != "max_payload_bytes_windowed"}
+    assert RailJointModel.from_dict(old_file).max_payload_bytes_windowed == 12.5 * 2**20
+    for field in ("max_payload_bytes", "max_payload_bytes_windowed"):
+        for bad in (-1.0, float("inf"), "12", True):
+            with pytest.raises(ValueError, match=field):
+                RailJointModel.from_dict({**model.to_dict(), field: bad})
+        with pytest.raises(ValueError, match=field):
+            dataclasses.replace(model, **{field: -2.0})
 
 
 def test_the_payload_gate_runs_joint_above_it_without_an_estimate(monkeypatch):
@@ -236,6 +245,14 @@ def test_the_payload_gate_runs_joint_above_it_without_an_estimate(monkeypatch):
     monkeypatch.setattr(selector_module, "path_features", no_estimate)
     assert select_for_layer(above, None, full, record_bytes=16) == Path.JOINT
     assert above.explain_layer(demand_stats(full, topo, record_bytes=16), full, record_bytes=16).anchor == "gate"
+    # The gate of the input's kind: windowed inputs take max_payload_bytes_windowed.
+    from megatron_railwave.planner import cyclic_schedule
+
+    per_kind = ModelSelector(dataclasses.replace(rail_model, windowed=rail_model.all_pairs, max_payload_bytes=payload,
+                                                 max_payload_bytes_windowed=payload * 0.999), topo)
+    stats = demand_stats(full, topo, record_bytes=16)
+    assert per_kind.explain_layer(stats, full, record_bytes=16, windows=cyclic_schedule(4)).anchor == "gate"
+    assert select_for_layer(per_kind, None, full, record_bytes=16, windows=cyclic_schedule(4)) == Path.JOINT
 
 
 def test_payload_gate_is_a_margin_over_the_largest_payload_where_joint_misses():
@@ -319,9 +336,10 @@ def test_tune_selector_records_the_model_when_it_beats_the_anchors(tmp_path):
     assert tuned["model"] is not None and "path model" in tuned["method"]
     coef = tuned["model"]["all_pairs"]
     assert coef[FEATURE_NAMES.index("log_estimate_v3")] == pytest.approx(0.5) and coef[0] == pytest.approx(-0.2)
-    # Every row has the same payload and some miss with JOINT: the gate lets the model decide them all.
-    ref = result.anchor_set.scales[0]
-    assert tuned["model"]["max_payload_bytes"] == pytest.approx(calibration.PAYLOAD_GATE_MARGIN * ref)
+    # Every row has the same payload and some miss with JOINT: a gate would let the model decide
+    # them all, so it gains nothing and none is recorded (the first of tied gatings).
+    assert tuned["model_score"]["gate"] == "none" and "max_payload_bytes" not in tuned["model"]
+    assert [sc["gate"] for sc in tuned["scores"] if sc.get("model")] == list(calibration.PAYLOAD_GATINGS)
     # Written to the file, loaded back, and the runtime decides with it.
     from megatron_railwave.commands.calibrate import with_selector_settings
 
@@ -338,32 +356,61 @@ def test_tune_selector_records_the_model_when_it_beats_the_anchors(tmp_path):
     assert not any(sc.get("model") for sc in calibration.tune_selector(bare, split_fallback=False)["scores"])
 
 
-def test_tune_selector_gates_the_model_above_the_payloads_where_joint_missed():
+def _with_big_rows(result, *, payload: float, rail_s: float, windows: int = 1, seeds: int = 4, per_seed: int = 10,
+                   prefix: str = "big"):
+    """``result`` plus rows at ``payload`` whose RAIL takes ``rail_s`` against JOINT's 1.0, with the
+    features the rows' law gives that ratio (the model predicts them right)."""
+    rows = list(result.rows)
+    lat = dict(rows[0].latency)
+    lat[Path.JOINT] = PathLatency(median=1.0, p10=1.0, p90=1.0, samples=1)
+    lat[Path.RAIL] = PathLatency(median=rail_s, p10=rail_s, p90=rail_s, samples=1)
+    features = (1.0, 2 * (math.log(rail_s) + 0.2)) + (0.0,) * (F - 2)
+    for s in range(seeds):
+        for i in range(per_seed):
+            rows.append(dataclasses.replace(rows[0], request=f"{prefix}{s}-{i}", group=f"{prefix}{s}-{i}",
+                                            seed=f"glm{s}", input_windows=windows,
+                                            stats=dataclasses.replace(rows[0].stats, B_mean_bytes=payload),
+                                            latency=lat, best=Path.RAIL if rail_s < 1 else Path.JOINT,
+                                            features=features))
+    return dataclasses.replace(result, rows=tuple(rows))
+
+
+def test_tune_selector_keeps_a_payload_gate_only_where_it_loses_nothing_leaving_seeds_out():
     result, _ = _model_rows()
     ref = result.anchor_set.scales[0]
+    tune = functools.partial(calibration.tune_selector, split_fallback=False)
+    # Large layers where JOINT wins (RAIL 2% slower) and the model says so: a gate at 1.5 x ref
+    # (JOINT misses only at ref) runs them as JOINT without a decision, at the same score.
+    joint_wins = tune(_with_big_rows(result, payload=4 * ref, rail_s=1.02))
+    gate = joint_wins["model"]["max_payload_bytes"]
+    assert joint_wins["model_score"]["gate"] == "one" and gate == pytest.approx(calibration.PAYLOAD_GATE_MARGIN * ref)
+    assert joint_wins["model"]["max_payload_bytes_windowed"] == gate and "JOINT above" in joint_wins["method"]
+    by_gate = {sc["gate"]: sc for sc in joint_wins["scores"] if sc.get("model")}
+    assert by_gate["none"]["total_s"] == pytest.approx(by_gate["one"]["total_s"])
+    assert by_gate["one"]["decided"] == by_gate["none"]["decided"] - 40
+    # Large layers where RAIL is 1% faster (JOINT within tolerance): the gate would cost 40 x 0.01,
+    # so no gate.
+    rail_wins = tune(_with_big_rows(result, payload=4 * ref, rail_s=0.99))
+    assert rail_wins["model_score"]["gate"] == "none" and "max_payload_bytes" not in rail_wins["model"]
+    by_gate = {sc["gate"]: sc for sc in rail_wins["scores"] if sc.get("model")}
+    assert by_gate["one"]["total_s"] == pytest.approx(by_gate["none"]["total_s"] + 40 * 0.01)
 
-    def with_rows_at(payload: float):
-        # Every seed gets rows where RAIL is 1% faster (on the rows' own law, so the model picks
-        # RAIL for them): JOINT is within tolerance there.
-        rows = list(result.rows)
-        lat = dict(rows[0].latency)
-        lat[Path.JOINT] = PathLatency(median=1.0, p10=1.0, p90=1.0, samples=1)
-        lat[Path.RAIL] = PathLatency(median=0.99, p10=0.99, p90=0.99, samples=1)
-        features = (1.0, 2 * (math.log(0.99) + 0.2)) + (0.0,) * (F - 2)
-        for s in range(4):
-            for i in range(10):
-                rows.append(dataclasses.replace(rows[0], request=f"big{s}-{i}", group=f"big{s}-{i}", seed=f"glm{s}",
-                                                stats=dataclasses.replace(rows[0].stats, B_mean_bytes=payload),
-                                                latency=lat, best=Path.RAIL, features=features))
-        return calibration.tune_selector(dataclasses.replace(result, rows=tuple(rows)), split_fallback=False)
 
-    inside, above = with_rows_at(ref), with_rows_at(4 * ref)
-    gate = above["model"]["max_payload_bytes"]
-    assert gate == pytest.approx(calibration.PAYLOAD_GATE_MARGIN * ref) and gate < 4 * ref
-    assert inside["model"]["max_payload_bytes"] == gate and "JOINT above" in above["method"]
-    # Scored with the gate: above it the 40 rows run JOINT (1.0 each), inside it the model's RAIL (0.99).
-    assert above["scores"][-1]["total_s"] == pytest.approx(inside["scores"][-1]["total_s"] + 40 * 0.01)
-    assert above["scores"][-1]["over_tolerance"] == inside["scores"][-1]["over_tolerance"]
+def test_tune_selector_fits_a_gate_per_input_kind_where_that_saves_decisions():
+    result, _ = _model_rows()
+    ref = result.anchor_set.scales[0]
+    # Windowed inputs where JOINT misses at 3 x ref (RAIL 10% faster) and all-pairs inputs at 2 x ref
+    # where JOINT wins: one gate (4.5 x ref) decides the latter, a gate per kind (1.5 x ref for all
+    # pairs) runs them as JOINT at the same score.
+    rows = _with_big_rows(result, payload=3 * ref, rail_s=0.9, windows=3, prefix="win")
+    tuned = calibration.tune_selector(_with_big_rows(rows, payload=2 * ref, rail_s=1.02), split_fallback=False)
+    assert tuned["model_score"]["gate"] == "per_kind"
+    assert tuned["model"]["max_payload_bytes"] == pytest.approx(calibration.PAYLOAD_GATE_MARGIN * ref)
+    assert tuned["model"]["max_payload_bytes_windowed"] == pytest.approx(calibration.PAYLOAD_GATE_MARGIN * 3 * ref)
+    assert "gates per input kind" in tuned["method"]
+    model = RailJointModel.from_dict(tuned["model"])
+    assert model.decides(1.5 * ref) and not model.decides(2 * ref)
+    assert model.decides(4 * ref, input_windows=3) and not model.decides(5 * ref, input_windows=3)
 
 
 def test_the_model_is_scored_with_the_gate_it_would_have_without_the_left_out_seed():
@@ -381,8 +428,10 @@ def test_the_model_is_scored_with_the_gate_it_would_have_without_the_left_out_se
                                         best=Path.RAIL, features=features,
                                         stats=dataclasses.replace(rows[0].stats, B_mean_bytes=4 * ref)))
     tuned = calibration.tune_selector(dataclasses.replace(result, rows=tuple(rows)), split_fallback=False)
-    assert tuned["scores"][-1]["model"] and tuned["scores"][-1]["over_tolerance"] == 6
-    assert tuned["model"]["max_payload_bytes"] == pytest.approx(calibration.PAYLOAD_GATE_MARGIN * 4 * ref)
+    by_gate = {sc["gate"]: sc for sc in tuned["scores"] if sc.get("model")}
+    assert by_gate["one"]["over_tolerance"] == 6 and by_gate["none"]["over_tolerance"] == 0
+    # So the gate is not kept: without it the model decides the large layers right.
+    assert tuned["model_score"]["gate"] == "none" and "max_payload_bytes" not in tuned["model"]
 
 
 def test_a_malformed_model_in_the_anchors_file_is_rejected_naming_the_field(tmp_path):
