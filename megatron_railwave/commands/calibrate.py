@@ -271,10 +271,10 @@ def _tune_and_write(args: argparse.Namespace, result) -> int:
                            "model, or requests without target masks)")
     else:
         _render.print_text(
-            f"path model, leave-one-{tuned['left_out']}-out, payload gate {model_score['gate']} (of "
-            + ", ".join(f"{sc['gate']}: {sc['over_tolerance']} over, {sc['vs_joint']:.5f}, {sc['decided']} decided"
-                        for sc in tuned["scores"] if sc.get("model"))
-            + f"): {model_score['over_tolerance']} requests over "
+            f"path model, leave-one-{tuned['left_out']}-out, per payload gating ("
+            + "; ".join(f"{sc['gate']}: {sc['over_tolerance']} over, {sc['vs_joint']:.5f} of always-JOINT, "
+                        f"{sc['decided']} decided" for sc in tuned["scores"] if sc.get("model"))
+            + f"), gating {model_score['gate']}: {model_score['over_tolerance']} requests over "
             f"{1 + tuned['tolerance']:.2f}x of their best path, total {model_score['vs_joint']:.4f} of always-JOINT: "
             + ("better than the anchors, recorded in context.settings.selector.model: the runtime decides with it"
                if tuned.get("model") else "not better than the anchors, not recorded"))
