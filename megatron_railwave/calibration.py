@@ -77,6 +77,7 @@ __all__ = [
     "payload_gate",
     "payload_gates",
     "score_path_model",
+    "choose_gating",
 ]
 
 ALL_PATHS: tuple[Path, ...] = (Path.NATIVE, Path.RAIL, Path.PERM, Path.JOINT)
@@ -669,7 +670,8 @@ def tune_selector(result: CalibrationResult, *, grid: dict[str, Sequence[float]]
                                   limit_R, costs=costs, gating=gating)
             model_scores.append({**entry(None, None, (sc["over_tolerance"], sc["total_s"], -math.inf), 0),
                                  "model": True, "gate": gating, "decided": sc["decided"]})
-        model_score = min(model_scores, key=lambda sc: (*rank(sc), sc["decided"]))  # the first of ties: no gate
+        model_score = next(sc for sc in model_scores
+                           if sc["gate"] == choose_gating({sc["gate"]: sc for sc in model_scores}))
         if rank(model_score) < rank(chosen):
             model = fit_rail_joint(features_RF[fits_R], windows_R[fits_R], target_R[fits_R], costs=costs)
         if model is not None:
@@ -744,6 +746,15 @@ def payload_gates(payload_R: np.ndarray, joint_slow_R: np.ndarray, all_pairs_R: 
     raise ValueError(f"gating must be one of {PAYLOAD_GATINGS}, got {gating!r}")
 
 
+def choose_gating(scores: dict[str, dict[str, Any]]) -> str:
+    """The payload gating ``tune_selector`` keeps from ``score_path_model``'s scores per gating: the
+    fewest requests over the tolerance, then the least total time, then the fewest decided
+    requests (a decision is host time), then ``PAYLOAD_GATINGS``' order."""
+    order = [g for g in PAYLOAD_GATINGS if g in scores]
+    return min(order, key=lambda g: (scores[g]["over_tolerance"], round(scores[g]["total_s"], 12),
+                                     scores[g]["decided"]))
+
+
 def score_path_model(features_RF: np.ndarray, windows_R: np.ndarray, log_ratio_R: np.ndarray, payload_R: np.ndarray,
                      units_R: np.ndarray, rail_s_R: np.ndarray, joint_s_R: np.ndarray, limit_s_R: np.ndarray, *,
                      costs: PathCosts, gating: str) -> dict[str, Any]:
@@ -775,11 +786,15 @@ def score_path_model(features_RF: np.ndarray, windows_R: np.ndarray, log_ratio_R
         train, idx = (units_R != unit), np.flatnonzero(units_R == unit)
         fitted = fit_rail_joint(features_RF[train & fits_R], windows_R[train & fits_R], log_ratio_R[train & fits_R],
                                 costs=costs)
-        gates = payload_gates(payload_R[train], joint_slow_R[train], all_pairs_R[train], gating=gating)
-        for i in idx:
-            gate = gates[0] if all_pairs_R[i] else gates[1]
-            decided_R[i] = fitted is not None and (gate is None or payload_R[i] <= gate)
-            predicted = fitted.log_ratio(features_RF[i], input_windows=int(windows_R[i])) if decided_R[i] else None
+        if fitted is None:
+            continue  # no model for this unit: its rows run JOINT
+        gate_all, gate_windowed = payload_gates(payload_R[train], joint_slow_R[train], all_pairs_R[train],
+                                                gating=gating)
+        fitted = dataclasses.replace(fitted, max_payload_bytes=gate_all, max_payload_bytes_windowed=gate_windowed)
+        for i in idx:  # the runtime's rule (ModelSelector): the gate, then the prediction
+            windows = int(windows_R[i])
+            decided_R[i] = fitted.decides(payload_R[i], input_windows=windows)
+            predicted = fitted.log_ratio(features_RF[i], input_windows=windows) if decided_R[i] else None
             rail_R[i] = predicted is not None and predicted < 0
     chosen_s_R = np.where(rail_R, rail_s_R, joint_s_R)
     return {"over_tolerance": int((chosen_s_R > np.asarray(limit_s_R)).sum()), "total_s": float(chosen_s_R.sum()),

@@ -349,6 +349,16 @@ def path_features(demand: DemandCounts, topo: RailTopology, *, record_bytes: int
     return np.array([1.0, math.log(max(est_rail, _TINY) / max(est_joint, _TINY))])
 
 
+_GATE_FIELDS = ("max_payload_bytes", "max_payload_bytes_windowed")
+"""``RailJointModel``'s payload gates: inputs sent all node pairs at once, inputs in windows."""
+
+
+def _check_gate(name: str, gate: Any) -> None:
+    if gate is not None and (isinstance(gate, bool) or not isinstance(gate, (int, float))
+                             or not math.isfinite(gate) or gate < 0):
+        raise ValueError(f"RailJointModel.{name} must be a finite number of bytes >= 0 or None, got {gate!r}")
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class RailJointModel:
     """Predicted ``log(t_RAIL / t_JOINT)`` = features . coef, one ``coef`` per input kind.
@@ -376,17 +386,14 @@ class RailJointModel:
     max_payload_bytes_windowed: float | None = None
 
     def __post_init__(self) -> None:
-        for name in ("max_payload_bytes", "max_payload_bytes_windowed"):
-            gate = getattr(self, name)
-            if gate is not None and (isinstance(gate, bool) or not isinstance(gate, (int, float))
-                                     or not math.isfinite(gate) or gate < 0):
-                raise ValueError(f"RailJointModel.{name} must be a finite number of bytes >= 0 or None, got {gate!r}")
+        for name in _GATE_FIELDS:
+            _check_gate(name, getattr(self, name))
 
-    def gate(self, *, input_windows: int = 1) -> float | None:
+    def gate(self, *, input_windows: int) -> float | None:
         """The payload gate of this input kind (None: no gate)."""
         return self.max_payload_bytes if input_windows == 1 else self.max_payload_bytes_windowed
 
-    def decides(self, payload_bytes: float, *, input_windows: int = 1) -> bool:
+    def decides(self, payload_bytes: float, *, input_windows: int) -> bool:
         """Whether a layer of this input kind with this mean remote payload per GPU is decided by
         the model (inside its payload gate) rather than run as JOINT."""
         gate = self.gate(input_windows=input_windows)
@@ -405,7 +412,7 @@ class RailJointModel:
         if self.max_payload_bytes is not None or self.max_payload_bytes_windowed is not None:
             # Both keys once there is a gate: a file with the first alone (written before the gates
             # per kind) gates every input kind with it (from_dict).
-            for name in ("max_payload_bytes", "max_payload_bytes_windowed"):
+            for name in _GATE_FIELDS:
                 value = getattr(self, name)
                 out[name] = None if value is None else float(value)
         return out
@@ -430,14 +437,16 @@ class RailJointModel:
                                  f"got {raw!r}")
             return tuple(float(v) for v in raw)
 
-        gates = {"max_payload_bytes": data.get("max_payload_bytes"),
-                 # Files from before the gates per kind have one gate for every input kind.
-                 "max_payload_bytes_windowed": data.get("max_payload_bytes_windowed", data.get("max_payload_bytes"))}
-        all_pairs, windowed = coef("all_pairs"), coef("windowed")
-        try:
-            return cls(all_pairs=all_pairs, windowed=windowed, costs=costs, **gates)  # type: ignore[arg-type]
-        except ValueError as exc:  # a payload gate's check (__post_init__ names the field)
-            raise ValueError(f"{source}: {exc}") from None
+        for name in _GATE_FIELDS:
+            if name in data:
+                try:
+                    _check_gate(name, data[name])
+                except ValueError as exc:
+                    raise ValueError(f"{source}: field '{name}': {exc}") from None
+        # Files from before the gates per kind have one gate for every input kind.
+        windowed_gate = data.get("max_payload_bytes_windowed", data.get("max_payload_bytes"))
+        return cls(all_pairs=coef("all_pairs"), windowed=coef("windowed"), costs=costs,  # type: ignore[arg-type]
+                   max_payload_bytes=data.get("max_payload_bytes"), max_payload_bytes_windowed=windowed_gate)
 
 
 def fit_rail_joint(features_RF: np.ndarray, windows_R: np.ndarray, log_ratio_R: np.ndarray, *,

@@ -1,7 +1,6 @@
 """Choose an anchors file's payload gating leaving seeds out, from RAIL / JOINT rows of its
 calibration requests (scripts/selector_lab_rows.py), as `railwave calibrate` does from its own
-rows (`calibration.tune_selector`: `score_path_model` per `PAYLOAD_GATINGS`; fewest requests
-over 1.03x, then least total, then fewest decisions). Checks first that the rows reproduce the
+rows (`calibration.tune_selector`: `score_path_model` per `PAYLOAD_GATINGS`, `choose_gating`). Checks first that the rows reproduce the
 file's coefficients (least squares on every row); with --write puts the chosen gates into the
 file (`context.settings.selector.model`) and says so in its `method`.
 
@@ -61,8 +60,7 @@ for gating in calibration.PAYLOAD_GATINGS:
     print(f"gating {gating:9s}: leave-one-seed-out {sc['over_tolerance']} over, total / always-JOINT "
           f"{sc['total_s'] / joint_R.sum():.6f}, decided {sc['decided']} of {len(rows)}; gates from every row "
           f"(all pairs, windowed) MiB: " + ", ".join("none" if g is None else f"{g / MiB:.2f}" for g in gates))
-chosen = min(calibration.PAYLOAD_GATINGS,
-             key=lambda g: (scores[g]["over_tolerance"], round(scores[g]["total_s"], 12), scores[g]["decided"]))
+chosen = calibration.choose_gating(scores)
 gate_all, gate_windowed = calibration.payload_gates(payload_R, joint_R > limit_R, windows_R == 1, gating=chosen)
 print(f"chosen: {chosen}")
 if args.write:
@@ -71,7 +69,8 @@ if args.write:
     model = dataclasses.replace(shipped, max_payload_bytes=gate_all, max_payload_bytes_windowed=gate_windowed)
     selector["model"] = model.to_dict()
     sc = scores[chosen]
-    selector["method"] = selector["method"].split("; payload gate")[0] + (
+    # Replaces what an earlier run (or the first gate, "; payload gate ...") wrote there.
+    selector["method"] = selector["method"].split("; payload gat")[0] + (
         f"; payload gating {chosen} (scripts/selector_gate_loso.py on RAIL / JOINT rows of the calibration requests, "
         f"{datetime.date.today()}: leave-one-seed-out {sc['over_tolerance']} over, "
         + ", ".join(f"{g} {scores[g]['over_tolerance']} over / {scores[g]['decided']} decided"

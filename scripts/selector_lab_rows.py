@@ -12,7 +12,8 @@ PERM are left out: on the calibrated clusters they are never the best path (chec
     PYTHONPATH=. .venv/bin/python scripts/selector_lab_rows.py configs/anchors/h800_4x8_c2.yaml \
         configs/anchors/rows/h800_4x8_c2.jsonl.gz [--tokens 128,256] [--limit K]
 
-~40 min per file for all 10,304 requests on one core of the development machine.
+~40 min per file for all 10,304 requests on one core of the development machine; building the
+requests alone takes ~8 min (also with --limit, which keeps the first K after building them all).
 """
 import argparse
 import gzip

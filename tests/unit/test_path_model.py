@@ -209,19 +209,23 @@ def test_model_dict_round_trip_and_errors_name_the_field():
     # The payload gates: optional (older files have none), numbers of bytes >= 0, one per input kind.
     gated = dataclasses.replace(model, max_payload_bytes=12.5 * 2**20)
     assert RailJointModel.from_dict(gated.to_dict()) == gated and "max_payload_bytes" not in model.to_dict()
-    assert gated.decides(12.5 * 2**20) and not gated.decides(13 * 2**20) and gated.decides(1e12, input_windows=3)
+    assert gated.decides(12.5 * 2**20, input_windows=1) and not gated.decides(13 * 2**20, input_windows=1)
+    assert gated.decides(1e12, input_windows=3)
     per_kind = dataclasses.replace(gated, max_payload_bytes_windowed=3.0 * 2**20)
     assert RailJointModel.from_dict(per_kind.to_dict()) == per_kind
-    assert not per_kind.decides(4 * 2**20, input_windows=3) and per_kind.decides(4 * 2**20)
+    assert not per_kind.decides(4 * 2**20, input_windows=3) and per_kind.decides(4 * 2**20, input_windows=1)
     # A file from before the gates per kind (max_payload_bytes alone) gates every input kind with it.
     old_file = {k: v for k, v in gated.to_dict().items() if k != "max_payload_bytes_windowed"}
     assert RailJointModel.from_dict(old_file).max_payload_bytes_windowed == 12.5 * 2**20
     for field in ("max_payload_bytes", "max_payload_bytes_windowed"):
         for bad in (-1.0, float("inf"), "12", True):
-            with pytest.raises(ValueError, match=field):
+            with pytest.raises(ValueError, match=rf"field '{field}': RailJointModel\.{field} must"):
                 RailJointModel.from_dict({**model.to_dict(), field: bad})
-        with pytest.raises(ValueError, match=field):
+        with pytest.raises(ValueError, match=rf"RailJointModel\.{field} must"):
             dataclasses.replace(model, **{field: -2.0})
+    # An older file with a bad gate: the error names its own field, not the one it would fill.
+    with pytest.raises(ValueError, match=r"field 'max_payload_bytes': RailJointModel\.max_payload_bytes must"):
+        RailJointModel.from_dict({**old_file, "max_payload_bytes": -1.0})
 
 
 def test_the_payload_gate_runs_joint_above_it_without_an_estimate(monkeypatch):
@@ -330,7 +334,7 @@ def _model_rows(seeds: int = 4, per_seed: int = 30):
 def test_tune_selector_records_the_model_when_it_beats_the_anchors(tmp_path):
     result, topo = _model_rows()
     tuned = calibration.tune_selector(result, split_fallback=False)
-    model_score = tuned["scores"][-1]
+    model_score = tuned["model_score"]
     assert model_score["model"] is True and model_score["over_tolerance"] == 0
     assert tuned["scores"][0]["over_tolerance"] > 0  # always-JOINT misses the RAIL rows
     assert tuned["model"] is not None and "path model" in tuned["method"]
@@ -409,7 +413,7 @@ def test_tune_selector_fits_a_gate_per_input_kind_where_that_saves_decisions():
     assert tuned["model"]["max_payload_bytes_windowed"] == pytest.approx(calibration.PAYLOAD_GATE_MARGIN * 3 * ref)
     assert "gates per input kind" in tuned["method"]
     model = RailJointModel.from_dict(tuned["model"])
-    assert model.decides(1.5 * ref) and not model.decides(2 * ref)
+    assert model.decides(1.5 * ref, input_windows=1) and not model.decides(2 * ref, input_windows=1)
     assert model.decides(4 * ref, input_windows=3) and not model.decides(5 * ref, input_windows=3)
 
 
@@ -578,3 +582,51 @@ def test_rounds_and_local_round_match_the_compiled_schedule_s_ports(topo, chunks
                 assert rounds.into_PNG[v] == pytest.approx(into, abs=1e-15), (path, step)
                 assert rounds.out_PNG[v] == pytest.approx(out, abs=1e-15), (path, step)
                 assert rounds.busiest_P[v] == pytest.approx(max(into.max(), out.max()), abs=1e-15)
+
+
+def test_score_path_model_fits_without_the_left_out_seed_and_gates_like_the_runtime():
+    rng = np.random.default_rng(0)
+    # Seed s0: 100 rows where RAIL is 40% faster; seeds s1, s2: 10 rows each where JOINT is 10%
+    # faster. Left out, each seed is decided by a fit on the others, so it is decided wrong.
+    units = np.array(["s0"] * 100 + ["s1"] * 10 + ["s2"] * 10, dtype=object)
+    target = np.where(units == "s0", -0.5, 0.1)
+    features = np.stack([np.ones(120), rng.normal(size=120)], axis=1)
+    joint, rail = np.ones(120), np.exp(target)
+    limit = calibration.MAX_RATIO_TO_BEST * np.minimum(rail, joint)
+    windows, payload = np.ones(120, dtype=int), np.full(120, 1e6)
+    score = calibration.score_path_model(features, windows, target, payload, units, rail, joint, limit,
+                                         costs=PathCosts(), gating="none")
+    assert score == {"over_tolerance": 120, "total_s": pytest.approx(100.0 + 20 * math.exp(0.1)), "decided": 120}
+    # A gate from the other seeds' misses: s1 / s2 left out see s0's misses (JOINT 40% slower at
+    # 1 MB) and decide; s0 left out sees none (gate 0) and runs JOINT without a decision.
+    gated = calibration.score_path_model(features, windows, target, payload, units, rail, joint, limit,
+                                         costs=PathCosts(), gating="one")
+    assert gated["decided"] == 20 and gated["over_tolerance"] == 120
+    # A row without a finite target teaches nothing but is still decided and scored.
+    target_nan = target.copy()
+    target_nan[0] = np.nan
+    assert calibration.score_path_model(features, windows, target_nan, payload, units, rail, joint, limit,
+                                        costs=PathCosts(), gating="none")["decided"] == 120
+    with pytest.raises(ValueError, match="gating must be one of"):
+        calibration.payload_gates(payload, joint > limit, windows == 1, gating="two")
+    # The choice: fewest over, then least total, then fewest decided, then PAYLOAD_GATINGS' order.
+    scores = {"none": {"over_tolerance": 1, "total_s": 1.0, "decided": 9},
+              "one": {"over_tolerance": 1, "total_s": 1.0, "decided": 5},
+              "per_kind": {"over_tolerance": 1, "total_s": 1.0, "decided": 5}}
+    assert calibration.choose_gating(scores) == "one"
+    assert calibration.choose_gating({**scores, "none": {**scores["none"], "total_s": 0.5}}) == "none"
+    assert calibration.choose_gating({**scores, "per_kind": {**scores["per_kind"], "over_tolerance": 0}}) == "per_kind"
+
+
+def test_validate_names_the_payload_gates_per_input_kind():
+    from megatron_railwave.commands.validate import _describe_gates
+
+    model = RailJointModel(all_pairs=(0.0,) * F)
+    mib = 2**20
+    assert _describe_gates(model) == ""
+    assert _describe_gates(dataclasses.replace(model, max_payload_bytes=mib, max_payload_bytes_windowed=mib)) == \
+        ", payload gate 1.00 MiB"
+    assert _describe_gates(dataclasses.replace(model, max_payload_bytes=mib, max_payload_bytes_windowed=3 * mib)) == \
+        ", payload gates all pairs 1.00 MiB, windowed 3.00 MiB"
+    assert _describe_gates(dataclasses.replace(model, max_payload_bytes_windowed=3 * mib)) == \
+        ", payload gates all pairs none, windowed 3.00 MiB"
