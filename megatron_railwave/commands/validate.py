@@ -168,7 +168,7 @@ def run(args: argparse.Namespace) -> int:
     if not isinstance(settings, dict) or "payload_scales" not in settings:
         raise ValueError(f"anchors file {args.anchors!r}: field 'context.settings.requests' is missing; it "
                          "names the calibration requests (write the file with `railwave calibrate`)")
-    from ..traffic import MiB, dtype_bytes
+    from ..traffic import dtype_bytes
 
     record_bytes = anchor_set.context.hidden_size * dtype_bytes(anchor_set.context.dtype)
     held_out = calibration.held_out_settings(settings, seed=args.seed, count=args.requests, layers=args.layers)
