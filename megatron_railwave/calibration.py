@@ -670,8 +670,8 @@ def tune_selector(result: CalibrationResult, *, grid: dict[str, Sequence[float]]
                                   limit_R, costs=costs, gating=gating)
             model_scores.append({**entry(None, None, (sc["over_tolerance"], sc["total_s"], -math.inf), 0),
                                  "model": True, "gate": gating, "decided": sc["decided"]})
-        model_score = next(sc for sc in model_scores
-                           if sc["gate"] == choose_gating({sc["gate"]: sc for sc in model_scores}))
+        by_gating = {sc["gate"]: sc for sc in model_scores}
+        model_score = by_gating[choose_gating(by_gating)]
         if rank(model_score) < rank(chosen):
             model = fit_rail_joint(features_RF[fits_R], windows_R[fits_R], target_R[fits_R], costs=costs)
         if model is not None:
