@@ -22,7 +22,8 @@ node s to s + k mod N, split into the plan's rail chunks):
 * delivery seconds per GPU port: the copies that cross NVLink in the round, into each target
   GPU and out of each arrival GPU, x B / NVLink rate; which copies arrive on which GPU (and in
   which rail chunk) comes from ``arrivals``: RailBalance's kept and moved parts of each owner's
-  mask-sorted list, expected copies under independent target bits. A copy that arrives on its
+  mask-sorted list, exact per mask class (the top two target bits), expected copies under
+  independent low target bits inside a class. A copy that arrives on its
   target stays there. A round lasts as long as its busiest port's;
 * before the first rail phase (the same on both paths): the relay (owner-rail records above or
   below the even share over the pair's healthy rails, moved to or from a proxy) and the local
@@ -47,8 +48,9 @@ calibration seeds out on the H800 and H20 4 x 8 calibrations (docs/selector.md):
 path model (payload terms and log ratios of summed rail and delivery loads fitted separately)
 put 80 / 33 of 10,304 requests over 1.03x of their best path, the estimate with combine as
 dispatch's mirror 31 / 4, with the local round back on the rounds' ports 9 / 0, this one
-(copies per arrival GPU and chunk, the exact local round, both ports) 3 / 0; adding the payload
-terms to the estimate changed little.
+(copies per arrival GPU and chunk, the exact local round, both ports) 3 / 0 (v3, one mask
+class); adding the payload terms to the estimate changed little. v4 (mask classes) is scored in
+docs/selector.md.
 
 Cost: numpy over [N, N, G, G, G] arrays (the arrival model) plus a short step per phase in
 dispatch and combine (docs/selector.md gives the measured time per layer); part of the planning
@@ -72,12 +74,14 @@ from .planner.railbalance import eligible_NNG
 from .topology import RailTopology
 from .traffic import DemandCounts
 
-__all__ = ["FEATURE_NAMES", "PathCosts", "RailJointModel", "path_features", "path_estimates", "owner_copies_NGNG",
+__all__ = ["FEATURE_NAMES", "PathCosts", "RailJointModel", "path_features", "path_estimates", "class_copies_NGNKG",
            "fit_rail_joint"]
 
-FEATURE_NAMES: tuple[str, ...] = ("const", "log_estimate_v3")
-"""The suffix versions the estimate: v3 takes the delivery rounds' copies per arrival GPU and
-rail chunk from ``arrivals`` and charges combine's local round on both ports of every GPU (v2:
+FEATURE_NAMES: tuple[str, ...] = ("const", "log_estimate_v4")
+"""The suffix versions the estimate: v4 walks each owner's list per mask class (``arrivals``:
+copies per target GPU of the records sharing their top two target bits, which the count exchange
+carries); v3 took the delivery rounds' copies per arrival GPU and rail chunk from copies per
+target alone (one class) and charged combine's local round on both ports of every GPU (v2:
 copies spread as 1 - 1/G, local round on the target side only). A calibration or model naming
 other features is recomputed or refused."""
 
@@ -128,16 +132,16 @@ class PathCosts:
             raise ValueError(f"{source}: {exc}") from None
 
 
-def owner_copies_NGNG(demand: DemandCounts) -> np.ndarray:
-    """[N_src, G_owner, N_dst, G] float64: (record, target GPU) copies owner (s, o) sends to GPU j
-    of node d (``DemandCounts.copies_WNG``).
+def class_copies_NGNKG(demand: DemandCounts) -> np.ndarray:
+    """[N_src, G_owner, N_dst, K, G] float64: (record, target GPU) copies owner (s, o) sends to
+    GPU j of node d among its records of mask class k (``DemandCounts.class_copies_WNKG``).
 
     Raises:
         ValueError: a node view gathered without delivery counts.
     """
-    copies_WNG = demand.copies_WNG().to(torch.float64).numpy()
-    n, g = copies_WNG.shape[1], copies_WNG.shape[2]
-    return copies_WNG.reshape(n, g, n, g)
+    copies_WNKG = demand.class_copies_WNKG().to(torch.float64).numpy()
+    n, k, g = copies_WNKG.shape[1:]
+    return copies_WNKG.reshape(n, g, n, k, g)
 
 
 @lru_cache(maxsize=32)
@@ -177,7 +181,7 @@ class _Loads:
     topo: RailTopology
 
     @classmethod
-    def of(cls, records_NGN: np.ndarray, copies_NGNG: np.ndarray, *, record_bytes: int, topo: RailTopology,
+    def of(cls, records_NGN: np.ndarray, class_copies_NGNKG: np.ndarray, *, record_bytes: int, topo: RailTopology,
            chunks: int) -> _Loads:
         n, g = records_NGN.shape[0], records_NGN.shape[1]
         remote_NGN = records_NGN * (1.0 - np.eye(n))[:, None, :]  # local records never cross a rail
@@ -187,8 +191,9 @@ class _Loads:
         # The even share over the pair's healthy rails: a GPU on a failed rail relays all out.
         share_NGN = pair_NN[:, None, :] * eligible_NGN / healthy_NN[:, None, :]
         # The local round: owner (d, o) to GPU (d, j), exact; a copy for the owner itself stays.
+        copies_NGNG = class_copies_NGNKG.sum(axis=3)  # counts: exact in any order
         local_NGG = copies_NGNG[np.arange(n), :, np.arange(n), :] * (1.0 - np.eye(g))
-        wire = arrival_copies_NNCGG(records_NGN, copies_NGNG, topo, chunks) * (1.0 - np.eye(g))
+        wire = arrival_copies_NNCGG(records_NGN, class_copies_NGNKG, topo, chunks) * (1.0 - np.eye(g))
         return cls(per_rail_NN=pair_NN / healthy_NN,
                    relay_out_NG=np.maximum(remote_NGN - share_NGN, 0.0).sum(axis=2),
                    relay_in_NG=np.maximum(share_NGN - remote_NGN, 0.0).sum(axis=2),
@@ -306,7 +311,7 @@ def path_estimates(demand: DemandCounts, topo: RailTopology, *, record_bytes: in
 
     Args:
         demand: the gathered global counts (``records_WN`` plus delivery counts,
-            ``owner_copies_NGNG``).
+            ``class_copies_NGNKG``).
         record_bytes: payload bytes of one record (hidden x element size).
         windows: the input's sending windows (replay arrangements), kept by RAIL; None = all
             pairs at once.
@@ -314,21 +319,21 @@ def path_estimates(demand: DemandCounts, topo: RailTopology, *, record_bytes: in
     """
     sending = windows if windows is not None else all_at_once(topo.num_nodes)
     compiled = ops.path_estimates(
-        demand.records_WN, demand.copies_WNG(), _rail_eligible_NNG(topo), sending.pair_wave_NN(),
+        demand.records_WN, demand.class_copies_WNKG(), _rail_eligible_NNG(topo), sending.pair_wave_NN(),
         num_windows=sending.num_waves, chunks=costs.chunks, record_bytes=record_bytes,
         nvlink_bytes_per_s=topo.nvlink_bytes_per_s, rail_bytes_per_s=topo.rail_bytes_per_s,
         rail_phase_s=costs.rail_phase_s, layer_s=costs.layer_s, combine_share=_COMBINE_LOCAL_SHARE)
     if compiled is not None:
         rail_s, joint_s = compiled.tolist()
         return rail_s, joint_s
-    return _estimates(demand.records_NGN().to(torch.float64).numpy(), owner_copies_NGNG(demand), sending, topo,
+    return _estimates(demand.records_NGN().to(torch.float64).numpy(), class_copies_NGNKG(demand), sending, topo,
                       record_bytes=record_bytes, costs=costs)
 
 
-def _estimates(records_NGN: np.ndarray, copies_NGNG: np.ndarray, sending: WaveSchedule, topo: RailTopology, *,
+def _estimates(records_NGN: np.ndarray, class_copies_NGNKG: np.ndarray, sending: WaveSchedule, topo: RailTopology, *,
                record_bytes: int, costs: PathCosts) -> tuple[float, float]:
     """``path_estimates`` in numpy: the meaning its compiled twin (``ops.path_estimates``) reproduces."""
-    loads = _Loads.of(records_NGN, copies_NGNG, record_bytes=record_bytes, topo=topo, chunks=costs.chunks)
+    loads = _Loads.of(records_NGN, class_copies_NGNKG, record_bytes=record_bytes, topo=topo, chunks=costs.chunks)
     window_NN = sending.pair_wave_NN().numpy()
     rail_path = loads.windows((window_NN[None] == np.arange(sending.num_waves)[:, None, None]).astype(np.float64))
     before_rail, relay = loads.before_rail_seconds(), loads.relay_seconds()

@@ -204,8 +204,8 @@ class ModelSelector:
     Pure: the features come from the gathered global counts (``path_model.path_features``: the
     estimated time of RAIL's sending windows against JOINT's cyclic waves, from their rail,
     relay, local-round and NVLink delivery loads and the model's recorded fixed costs), so every
-    rank decides the same. It needs every rank's copies per destination GPU, which the count
-    exchange carries when ``needs_delivery(selector)`` (the dispatcher asks for them).
+    rank decides the same. It needs every rank's copies per destination GPU and mask class, which
+    the count exchange carries when ``needs_delivery(selector)`` (the dispatcher asks for them).
 
     Args:
         model: the fitted coefficients and the costs they go with (``AnchorSet.path_model``).
@@ -288,8 +288,9 @@ def needs_descriptors(selector: PathSelector) -> bool:
 
 
 def needs_delivery(selector: PathSelector) -> bool:
-    """Whether the count exchange must carry every rank's copies per destination GPU for it: the
-    selectors ``select_for_layer`` hands the counts to."""
+    """Whether the count exchange must carry every rank's copies per destination GPU and mask class
+    for it (``traffic.DemandCounts.delivery_WNKG``): the selectors ``select_for_layer`` hands the
+    counts to."""
     return isinstance(selector, ModelSelector)
 
 

@@ -3,12 +3,12 @@
 // numpy reference; tests/unit/test_arrival_copies_op.py checks the two agree).
 //
 // Letters: N nodes (s source, d destination), G GPUs per node (o owner, l arrival, j target),
-// C rail chunks.
+// K mask classes (k), L = G - log2(K) low target bits, C rail chunks.
 //
-// Why compiled: the reference works on [N, N, G, G, G] arrays in ~100 numpy calls and walks only
-// the lists it must, 1.3 ms per layer at 4 x 8 and ~29 ms at 32 x 8, most of it call overhead.
-// The selector pays it on every MoE layer call, on the critical path. Here it is loops over the
-// same N * N * G lists, each walked at its few interior positions.
+// Why compiled: the reference works on [N, N, G, G, G] arrays in ~100 numpy calls, milliseconds
+// per layer, most of it call overhead. The selector pays it on every MoE layer call, on the
+// critical path. Here it is loops over the same N * N * G lists, each walked at its few interior
+// positions, class 0's bit probabilities solved only where a walk needs them.
 //
 // Same bits as the reference: every float operation is its, in its order (numpy's pairwise sum
 // where it sums along a last axis, numpy_sum; one term after another where it sums another axis).
@@ -31,54 +31,96 @@ namespace railwave::cpu {
 namespace {
 
 constexpr int kMaxGpus = 8;
+constexpr int kMaxClasses = 4;     // traffic.mask_classes: 2**min(2, G)
 constexpr int kNewtonSteps = 12;   // arrivals._NEWTON_STEPS
 constexpr double kMinSome = 1e-3;  // arrivals._MIN_SOME
 constexpr double kTiny = 1e-300;   // arrivals._TINY
 
 using Row = std::array<double, kMaxGpus>;
 
-// One owner's list: its records, copies per target GPU and (once known) its bit probabilities.
+// traffic.mask_classes: classes of target masks by their top min(2, G) bits.
+int mask_classes(int G) { return 1 << std::min(2, G); }
+
+// One owner's list split into its mask classes (arrivals._Lists): each class's records, where it
+// starts, the copies before it, and (once a walk needs them) class 0's low-bit probabilities.
 struct OwnerList {
-  double records = 0.0;
-  Row copies{};
-  Row q{};
-  double some = 1.0;
+  std::array<Row, kMaxClasses> class_copies{};
+  std::array<double, kMaxClasses + 1> starts{};
+  std::array<Row, kMaxClasses + 1> before{};
+  Row q0{};  // class 0's bit probabilities (_bit_probabilities); the other classes' are bare frequencies
+  double some0 = 1.0;
+  bool solved = false;
 };
 
-// arrivals._bit_probabilities for one list (Newton from s = 1 on s = 1 - prod(1 - p_j s)).
-void bit_probabilities(OwnerList& list, int G) {
+// _Lists.of for one list: classes >= 1 hold a top bit on every record (their records are its
+// copies), class 0 the rest. Counts only: every sum here is exact in any order.
+void split_classes(OwnerList& list, double records, const double* class_copies, int G, int K, int low) {
+  double top_sum = 0.0;
+  std::array<double, kMaxClasses> class_records{};
+  for (int k = 0; k < K; ++k)
+    for (int j = 0; j < G; ++j) list.class_copies[k][j] = class_copies[k * G + j];
+  for (int k = 1; k < K; ++k) {
+    double most = list.class_copies[k][low];
+    for (int j = low + 1; j < G; ++j) most = std::max(most, list.class_copies[k][j]);
+    class_records[k] = most;
+    top_sum += most;
+  }
+  class_records[0] = std::max(records - top_sum, 0.0);
+  list.starts = {};
+  list.before = {};
+  for (int k = 0; k < K; ++k) {
+    list.starts[k + 1] = list.starts[k] + class_records[k];
+    for (int j = 0; j < G; ++j) list.before[k + 1][j] = list.before[k][j] + list.class_copies[k][j];
+  }
+  for (int k = K + 1; k <= kMaxClasses; ++k) {  // unused classes (G = 1): empty, at the list's end
+    list.starts[k] = list.starts[K];
+    list.before[k] = list.before[K];
+  }
+  list.solved = false;
+}
+
+// arrivals._target_probabilities of one class's low targets.
+Row target_probabilities(double records, const Row& copies, int low) {
   Row p{};
-  for (int j = 0; j < G; ++j) {
-    const double raw = list.records > 0.0 ? list.copies[j] / std::max(list.records, 1.0) : 0.0;
+  for (int j = 0; j < low; ++j) {
+    const double raw = records > 0.0 ? copies[j] / std::max(records, 1.0) : 0.0;
     p[j] = std::min(std::max(raw, 0.0), 1.0);
   }
+  return p;
+}
+
+// arrivals._bit_probabilities for class 0 of one list (Newton from s = 1 on s = 1 - prod(1 - p_j s)).
+void solve_class0(OwnerList& list, int low) {
+  const Row p = target_probabilities(list.starts[1] - list.starts[0], list.class_copies[0], low);
   double some = 1.0;
   for (int step = 0; step < kNewtonSteps; ++step) {
     Row free{};
     double none = 1.0;
-    for (int j = 0; j < G; ++j) {
+    for (int j = 0; j < low; ++j) {
       free[j] = std::max(1.0 - p[j] * some, 0.0);
       none *= free[j];
     }
     Row ratio{};
-    for (int j = 0; j < G; ++j) ratio[j] = p[j] / std::max(free[j], kTiny);
-    const double slope = none * numpy_sum(ratio.data(), G) - 1.0;
+    for (int j = 0; j < low; ++j) ratio[j] = p[j] / std::max(free[j], kTiny);
+    const double slope = none * numpy_sum(ratio.data(), low) - 1.0;
     const double next = std::min(std::max(some - (1.0 - none - some) / std::min(slope, -kTiny), kMinSome), 1.0);
     if (next == some) break;  // a fixed point: the remaining steps would return it unchanged
     some = next;
   }
-  for (int j = 0; j < G; ++j) list.q[j] = std::min(p[j] * some, 1.0);
-  list.some = some;
+  for (int j = 0; j < low; ++j) list.q0[j] = std::min(p[j] * some, 1.0);
+  list.some0 = some;
+  list.solved = true;
 }
 
-// arrivals._walk at one position x strictly inside the list: expected copies per target GPU among
-// its first x records (mask bits walked from the highest; masks without bit b sort first).
-Row walk(const OwnerList& list, double x, int G) {
-  const double mass = list.records / list.some;  // the empty mask counts too: it sorts first
-  double left = x + (mass - list.records), subtree = mass, taken_so_far = 0.0;
+// arrivals._walk at one position x strictly inside a class of `records` records: expected copies
+// per low target among its first x records (bits walked from the highest; masks without bit b
+// sort first).
+Row walk(double records, const Row& q, double some, double x, int low) {
+  const double mass = records / some;  // the empty mask counts too: it sorts first
+  double left = x + (mass - records), subtree = mass, taken_so_far = 0.0;
   Row below{}, taken{}, on_path{};
-  for (int b = G - 1; b >= 0; --b) {
-    const double without = subtree * (1.0 - list.q[b]);
+  for (int b = low - 1; b >= 0; --b) {
+    const double without = subtree * (1.0 - q[b]);
     const bool take = left >= without;
     below[b] = taken_so_far;
     taken[b] = take ? without : 0.0;
@@ -89,31 +131,49 @@ Row walk(const OwnerList& list, double x, int G) {
   }
   const double leaf = std::min(std::max(left, 0.0), subtree);
   Row out{};
-  for (int j = 0; j < G; ++j) {
+  for (int j = 0; j < low; ++j) {
     const double above = taken_so_far - below[j] - taken[j];
-    out[j] = list.q[j] * below[j] + on_path[j] * (above + leaf);
+    out[j] = q[j] * below[j] + on_path[j] * (above + leaf);
   }
   return out;
 }
 
-// arrivals._copies_at at one position: nothing before the list, all its copies at its end.
-Row copies_at(const OwnerList& list, double x, int G) {
-  if (x >= list.records) return list.copies;
-  if (x > 0.0) return walk(list, x, G);
-  return Row{};
+// _Lists.copies_at at one position: all the list's copies at its end; else the copies of the
+// classes before the one x falls in (the last starting at or before x) plus, strictly inside
+// it, the walk of its low bits and its top bits on every record.
+Row copies_at(OwnerList& list, double x, int G, int K, int low) {
+  if (x >= list.starts[K]) return list.before[K];
+  int k = 0;
+  for (int c = 1; c < K; ++c) k += list.starts[c] <= x;
+  const double inside = x - list.starts[k];
+  Row out = list.before[k];
+  if (!(inside > 0.0)) return out;
+  Row part{};
+  const double records = list.starts[k + 1] - list.starts[k];
+  if (low > 0) {
+    if (k == 0) {
+      if (!list.solved) solve_class0(list, low);
+      part = walk(records, list.q0, list.some0, inside, low);
+    } else {
+      part = walk(records, target_probabilities(records, list.class_copies[k], low), 1.0, inside, low);
+    }
+  }
+  for (int j = low; j < G; ++j) part[j] = inside * (list.class_copies[k][j] > 0.0 ? 1.0 : 0.0);
+  for (int j = 0; j < G; ++j) out[j] = out[j] + part[j];
+  return out;
 }
 
 }  // namespace
 
-void arrival_copies_into(const double* records, const double* copies, const int64_t* relay, int64_t N, int64_t G,
-                         int64_t C, double* out) {
-  const int g = static_cast<int>(G);
+void arrival_copies_into(const double* records, const double* class_copies, const int64_t* relay, int64_t N,
+                         int64_t G, int64_t C, double* out) {
+  const int g = static_cast<int>(G), K = mask_classes(g);
+  const int low = g - (K == 4 ? 2 : 1);
 
   std::array<OwnerList, kMaxGpus> lists;
   std::array<Row, kMaxGpus> keep_end{}, moved{}, moved_end{};  // [o][l]
   std::array<std::array<Row, kMaxGpus>, kMaxGpus> at_bounds{}, seg{};  // [o][i or l][j]
   std::array<double, kMaxGpus> keep{};
-  std::array<bool, kMaxGpus> walked{};
   std::vector<int> cut_owner(static_cast<size_t>(G * C));          // [l, k]: the owner chunk k's end falls in
   std::vector<double> cut_position(static_cast<size_t>(G * C));  // [l, k]: its position in that owner's list
   for (int64_t s = 0; s < N; ++s) {
@@ -123,8 +183,7 @@ void arrival_copies_into(const double* records, const double* copies, const int6
       // Each owner's list: kept part first, then its moved parts to arrival GPU 0, 1, ... in turn.
       for (int o = 0; o < g; ++o) {
         OwnerList& list = lists[o];
-        list.records = records[(s * G + o) * N + d];
-        for (int j = 0; j < g; ++j) list.copies[j] = copies[((s * G + o) * N + d) * G + j];
+        split_classes(list, records[(s * G + o) * N + d], class_copies + ((s * G + o) * N + d) * K * G, g, K, low);
         keep[o] = static_cast<double>(pair_relay[o * G + o]);
         double run = keep[o];
         for (int l = 0; l < g; ++l) {
@@ -135,8 +194,6 @@ void arrival_copies_into(const double* records, const double* copies, const int6
         // Where each part starts: bounds[0] = keep, bounds[l + 1] = where the part for l ends.
         keep_end[o][0] = keep[o];
         for (int l = 1; l < g; ++l) keep_end[o][l] = moved_end[o][l - 1];
-        walked[o] = false;
-        for (int l = 0; l < g; ++l) walked[o] = walked[o] || (keep_end[o][l] > 0.0 && keep_end[o][l] < list.records);
       }
       // Chunk cuts inside each arrival block (owners ascending): the owner each cut falls in and
       // the cut's position in that owner's list (arrivals.arrival_copies_NNCGG).
@@ -158,30 +215,21 @@ void arrival_copies_into(const double* records, const double* copies, const int6
             owner = std::min(owner, g - 1);
             const double block_start = block_end[owner] - static_cast<double>(pair_relay[owner * G + l]);
             const double seg_start = owner == l ? 0.0 : moved_end[owner][l] - moved[owner][l];
-            const double position = seg_start + at - block_start;
             cut_owner[l * C + k] = owner;
-            cut_position[l * C + k] = position;
-            if (position > 0.0 && position < lists[owner].records) walked[owner] = true;
+            cut_position[l * C + k] = seg_start + at - block_start;
           }
-        }
-      }
-      for (int o = 0; o < g; ++o) {
-        if (walked[o]) {
-          bit_probabilities(lists[o], g);
-        } else {
-          lists[o].q = Row{};
-          lists[o].some = 1.0;
         }
       }
       // Copies at each part's start; a part's copies are the difference to the next part's start.
       for (int o = 0; o < g; ++o) {
+        const Row& owner_copies = lists[o].before[K];
         for (int i = 0; i < g; ++i) {
           const bool repeated = i > 0 && keep_end[o][i] == keep_end[o][i - 1];
-          at_bounds[o][i] = repeated ? at_bounds[o][i - 1] : copies_at(lists[o], keep_end[o][i], g);
+          at_bounds[o][i] = repeated ? at_bounds[o][i - 1] : copies_at(lists[o], keep_end[o][i], g, K, low);
         }
         for (int l = 0; l + 1 < g; ++l)
           for (int j = 0; j < g; ++j) seg[o][l][j] = at_bounds[o][l + 1][j] - at_bounds[o][l][j];
-        for (int j = 0; j < g; ++j) seg[o][g - 1][j] = lists[o].copies[j] - at_bounds[o][g - 1][j];
+        for (int j = 0; j < g; ++j) seg[o][g - 1][j] = owner_copies[j] - at_bounds[o][g - 1][j];
         seg[o][o] = at_bounds[o][0];  // the kept part: its first `keep` records
       }
       double* pair_out = out + (s * N + d) * C * G * G;
@@ -198,7 +246,7 @@ void arrival_copies_into(const double* records, const double* copies, const int6
             upto = total;
           } else {
             const int owner = cut_owner[l * C + k];
-            const Row at_cut = copies_at(lists[owner], cut_position[l * C + k], g);
+            const Row at_cut = copies_at(lists[owner], cut_position[l * C + k], g, K, low);
             Row before{};  // the block's owners before the cut's, in ascending order
             for (int o = 0; o < owner; ++o)
               for (int j = 0; j < g; ++j) before[j] += seg[o][l][j];
@@ -215,18 +263,18 @@ void arrival_copies_into(const double* records, const double* copies, const int6
   }
 }
 
-at::Tensor arrival_copies(const at::Tensor& records_NGN, const at::Tensor& copies_NGNG, const at::Tensor& relay_NNGG,
-                          int64_t chunks) {
+at::Tensor arrival_copies(const at::Tensor& records_NGN, const at::Tensor& class_copies_NGNKG,
+                          const at::Tensor& relay_NNGG, int64_t chunks) {
   RW_CHECK(records_NGN.dim() == 3, "records_NGN must be [N, G, N], got ", records_NGN.sizes());
   const int64_t N = records_NGN.size(0), G = records_NGN.size(1), C = chunks;
   RW_CHECK(G >= 1 && G <= kMaxGpus, "G must be in 1..", kMaxGpus, ", got ", G);
   RW_CHECK(C >= 1, "chunks must be >= 1, got ", C);
   check_host(records_NGN, "records_NGN", at::kDouble, {N, G, N});
-  check_host(copies_NGNG, "copies_NGNG", at::kDouble, {N, G, N, G});
+  check_host(class_copies_NGNKG, "class_copies_NGNKG", at::kDouble, {N, G, N, mask_classes(static_cast<int>(G)), G});
   check_host(relay_NNGG, "relay_NNGG", at::kLong, {N, N, G, G});
   at::Tensor out = at::zeros({N, N, C, G, G}, records_NGN.options());
-  arrival_copies_into(records_NGN.data_ptr<double>(), copies_NGNG.data_ptr<double>(), relay_NNGG.data_ptr<int64_t>(),
-                      N, G, C, out.data_ptr<double>());
+  arrival_copies_into(records_NGN.data_ptr<double>(), class_copies_NGNKG.data_ptr<double>(),
+                      relay_NNGG.data_ptr<int64_t>(), N, G, C, out.data_ptr<double>());
   return out;
 }
 

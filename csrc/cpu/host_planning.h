@@ -42,8 +42,9 @@ inline void check_host(const at::Tensor& t, const char* name, at::ScalarType dty
 
 // The arrival model (arrivals.cpp): adds into out [N, N, C, G, G], which must hold zeros, the
 // expected copies from node s arriving on GPU (d, l) in chunk k for GPU (d, j). records [N, G, N],
-// copies [N, G, N, G], relay [N, N, G, G] (RailBalance's, o == l: the kept part).
-void arrival_copies_into(const double* records, const double* copies, const int64_t* relay, int64_t N, int64_t G,
+// class copies [N, G, N, K, G] (per mask class, traffic.mask_classes), relay [N, N, G, G]
+// (RailBalance's, o == l: the kept part).
+void arrival_copies_into(const double* records, const double* class_copies, const int64_t* relay, int64_t N, int64_t G,
                          int64_t C, double* out);
 
 }  // namespace railwave::cpu

@@ -120,7 +120,7 @@ double combine_seconds(const Rounds& r, const std::vector<double>& local_out, co
 
 }  // namespace
 
-at::Tensor path_estimates(const at::Tensor& records_WN, const at::Tensor& copies_WNG, const at::Tensor& eligible_NNG,
+at::Tensor path_estimates(const at::Tensor& records_WN, const at::Tensor& copies_WNKG, const at::Tensor& eligible_NNG,
                           const at::Tensor& window_NN, int64_t num_windows, int64_t chunks, double record_bytes,
                           double nvlink_bytes_per_s, double rail_bytes_per_s, double rail_phase_s, double layer_s,
                           double combine_share) {
@@ -128,19 +128,25 @@ at::Tensor path_estimates(const at::Tensor& records_WN, const at::Tensor& copies
            "eligible_NNG must be [N, N, G], got ", eligible_NNG.sizes());
   const int64_t N = eligible_NNG.size(0), G = eligible_NNG.size(2), W = N * G, C = chunks, V = num_windows, NG = N * G;
   RW_CHECK(G >= 1 && G <= 8, "G must be in 1..8, got ", G);
+  const int64_t K = int64_t{1} << std::min<int64_t>(2, G);  // traffic.mask_classes
   RW_CHECK(C >= 1, "chunks must be >= 1, got ", C);
   RW_CHECK(V >= 0, "num_windows must be >= 0, got ", V);
   check_host(records_WN, "records_WN", at::kLong, {W, N});
-  check_host(copies_WNG, "copies_WNG", at::kLong, {W, N, G});
+  check_host(copies_WNKG, "copies_WNKG", at::kLong, {W, N, K, G});
   check_host(eligible_NNG, "eligible_NNG", at::kBool, {N, N, G});
   check_host(window_NN, "window_NN", at::kLong, {N, N});
-  // The gathered counts as the reference reads them: records_NGN [s, o, d] and copies_NGNG
-  // [s, o, d, j] in float64 (rank w = s * G + o), records_NNG [s, d, o] for RailBalance's relay.
+  // The gathered counts as the reference reads them: records_NGN [s, o, d], class copies
+  // [s, o, d, k, j] and their sum over the classes copies_NGNG [s, o, d, j] in float64 (rank
+  // w = s * G + o; counts: exact in any order), records_NNG [s, d, o] for RailBalance's relay.
   const int64_t* records_w = records_WN.data_ptr<int64_t>();
-  const int64_t* copies_w = copies_WNG.data_ptr<int64_t>();
-  std::vector<double> records_f(static_cast<size_t>(W * N)), copies_f(static_cast<size_t>(W * N * G));
+  const int64_t* copies_w = copies_WNKG.data_ptr<int64_t>();
+  std::vector<double> records_f(static_cast<size_t>(W * N)), class_copies_f(static_cast<size_t>(W * N * K * G));
+  std::vector<double> copies_f(static_cast<size_t>(W * N * G), 0.0);
   for (int64_t i = 0; i < W * N; ++i) records_f[i] = static_cast<double>(records_w[i]);
-  for (int64_t i = 0; i < W * N * G; ++i) copies_f[i] = static_cast<double>(copies_w[i]);
+  for (int64_t i = 0; i < W * N * K * G; ++i) class_copies_f[i] = static_cast<double>(copies_w[i]);
+  for (int64_t row = 0; row < W * N; ++row)
+    for (int64_t k = 0; k < K; ++k)
+      for (int64_t j = 0; j < G; ++j) copies_f[row * G + j] += class_copies_f[(row * K + k) * G + j];
   at::Tensor records_NNG = at::empty({N, N, G}, records_WN.options());
   int64_t* rec_nng = records_NNG.data_ptr<int64_t>();
   for (int64_t s = 0; s < N; ++s)
@@ -208,7 +214,7 @@ at::Tensor path_estimates(const at::Tensor& records_WN, const at::Tensor& copies
     }
   }
   std::vector<double> wire(static_cast<size_t>(N * N * C * G * G), 0.0);
-  arrival_copies_into(records, copies, relay_NNGG.data_ptr<int64_t>(), N, G, C, wire.data());
+  arrival_copies_into(records, class_copies_f.data(), relay_NNGG.data_ptr<int64_t>(), N, G, C, wire.data());
   for (int64_t block = 0; block < N * N * C; ++block)  // a copy that arrives on its target stays there
     for (int64_t l = 0; l < G; ++l)
       for (int64_t j = 0; j < G; ++j) wire[(block * G + l) * G + j] *= l == j ? 0.0 : 1.0;

@@ -95,8 +95,8 @@ def bench_selector(selector: Any, requests: list[Any], topo: Any, *, repeats: in
 
     The decision: the descriptors (``stats.demand_stats``) where the selector reads them
     (``selector.needs_descriptors``), then ``selector.select_for_layer``; from the counts in the
-    count exchange's form (records per rank and node, and copies per destination GPU, which the
-    exchange gathers for the path model), all node pairs at once (a training step). Runs on one
+    count exchange's form (records per rank and node, and copies per destination GPU and mask
+    class, which the exchange gathers for the path model), all node pairs at once (a training step). Runs on one
     thread; median of 5 rounds, each over every request at least once (``repeats`` calls at
     least), so that layers the path model's payload gate skips count in their share.
     """
@@ -104,7 +104,7 @@ def bench_selector(selector: Any, requests: list[Any], topo: Any, *, repeats: in
     from ..stats import demand_stats
     from ..traffic import DemandCounts
 
-    gathered = [(DemandCounts(records_WN=r.demand.records_WN, delivery_WNG=r.demand.copies_WNG())
+    gathered = [(DemandCounts(records_WN=r.demand.records_WN, delivery_WNKG=r.demand.class_copies_WNKG())
                  if r.demand is not None else DemandCounts(records_WN=r.records_NGN.reshape(-1, r.records_NGN.shape[0])),
                  r.record_bytes) for r in requests]
     reads_descriptors = needs_descriptors(selector)

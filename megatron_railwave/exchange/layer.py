@@ -8,8 +8,8 @@ Lifecycle (the same programs run over torch.distributed and in the virtual clust
   1. ``gather_demand`` (program): one all-to-all of W x (N + 2 + M + E_loc) int64 on the EP
      group carries every rank's records per node, token count and input status, plus the
      mask histogram and expert counts each receiver needs (and, on request, E more for the
-     expert loads and W more for every rank's copies per destination GPU, the path model's
-     input); then ONE device-to-host copy of what arrived. This is the layer's only host
+     expert loads and W * K more for every rank's copies per destination GPU and mask class,
+     the path model's input); then ONE device-to-host copy of what arrived. This is the layer's only host
      sync. Bad input anywhere raises the same
      ``InputError`` on every rank right here, before any data moves.
   2. ``prepare_layer`` (plain function, host + asynchronous device work): the plan is passed
@@ -41,7 +41,7 @@ from ..planner import Path, PathPlan, PlanOptions
 from ..schedule import ExecutionSchedule, RankView, RecordWireFormat, compile_for_rank
 from ..schedule.wire import META_FIXED_WORDS, ROUTING_BITS_PER_WORD
 from ..topology import RailTopology
-from ..traffic import DemandCounts, mask_bits
+from ..traffic import DemandCounts, mask_bits, mask_classes
 from .capacity import PaddedEntries, capacity_layer, expand_padded, slot_tokens
 from .groups import RankGroups
 from .layout import LayerLayout, build_layout, select_positions
@@ -188,8 +188,9 @@ def gather_demand(ctx: RankContext, hidden: torch.Tensor, probs: torch.Tensor,
             in the same all-to-all and the same host copy), for the layer's expert-load statistics.
             Must be the same on every rank.
         delivery_counts: also carry every rank's (record, target GPU) copies per destination GPU
-            (W more int64 per row, same all-to-all and host copy) into ``DemandCounts.delivery_WNG``,
-            for the path model (``path_model``). Must be the same on every rank.
+            and mask class (``traffic.mask_classes``: W * K more int64 per row, K = 4 from 2 GPUs
+            per node; same all-to-all and host copy) into ``DemandCounts.delivery_WNKG``, for the
+            path model (``path_model``). Must be the same on every rank.
 
     Collective: yes (EP group, one all-to-all). Host sync: yes (one, the counts).
 
@@ -198,12 +199,12 @@ def gather_demand(ctx: RankContext, hidden: torch.Tensor, probs: torch.Tensor,
     """
     topo = ctx.topo
     n, g, w = topo.num_nodes, topo.gpus_per_node, topo.world_size
-    m, e_loc = 1 << g, ctx.experts_per_rank
+    m, e_loc, k = 1 << g, ctx.experts_per_rank, mask_classes(g)
     device = routing_map.device
     code, message = input_status(ctx, hidden, probs, routing_map)
     width = n + 2 + m + e_loc
     loads_end = width + (ctx.num_experts if expert_loads else 0)
-    send = torch.zeros(w, loads_end + (w if delivery_counts else 0), dtype=torch.int64, device=device)
+    send = torch.zeros(w, loads_end + (w * k if delivery_counts else 0), dtype=torch.int64, device=device)
     t = int(routing_map.shape[0]) if routing_map.dim() >= 1 else 0
     if code == 0:
         token_C, node_C, mask_C, counts_NM = ops.records_from_routing(routing_map, n, g)
@@ -215,10 +216,11 @@ def gather_demand(ctx: RankContext, hidden: torch.Tensor, probs: torch.Tensor,
         send[:, n + 2 + m:width] = per_expert.view(w, e_loc)
         if expert_loads:
             send[:, width:loads_end] = per_expert
-        if delivery_counts:  # copies per destination GPU: each record counts once per target bit
-            # (elementwise product and sum, not a matmul: CUDA has no int64 matmul)
-            bits_MG = mask_bits(g).to(device)
-            send[:, loads_end:] = (counts_NM.unsqueeze(2) * bits_MG.unsqueeze(0)).sum(dim=1).reshape(1, w)
+        if delivery_counts:  # copies per destination GPU and mask class: a record counts once per
+            # target bit, in its mask's class (a class is a contiguous range of masks).
+            # Elementwise product and sum, not a matmul: CUDA has no int64 matmul.
+            bits_KMG = mask_bits(g).to(device).view(1, k, m // k, g)
+            send[:, loads_end:] = (counts_NM.view(n, k, m // k, 1) * bits_KMG).sum(dim=2).reshape(1, w * k)
     else:
         token_C = node_C = mask_C = torch.zeros(0, dtype=torch.int64, device=device)
     send[:, n + 1] = code
@@ -235,7 +237,7 @@ def gather_demand(ctx: RankContext, hidden: torch.Tensor, probs: torch.Tensor,
     demand = DemandCounts(records_WN=counts[:, :n], view_node=ctx.groups.node_index,
                           view_masks_WM=counts[:, n + 2:n + 2 + m],
                           view_experts_X=counts[:, n + 2 + m:width].sum(dim=0),
-                          delivery_WNG=counts[:, loads_end:].reshape(w, n, g) if delivery_counts else None)
+                          delivery_WNKG=counts[:, loads_end:].reshape(w, n, k, g) if delivery_counts else None)
     return LayerDemand(demand=demand, max_tokens=int(counts[:, n].max()), num_tokens=t, token_C=token_C,
                        node_C=node_C, mask_C=mask_C, num_records=int(counts[ctx.groups.railwave_rank, :n].sum()),
                        expert_load_E=counts[:, width:loads_end].sum(dim=0) if expert_loads else None)

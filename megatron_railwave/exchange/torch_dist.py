@@ -155,8 +155,8 @@ class TorchDistExchange:
     def gather_demand(self, hidden: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor, *,
                       expert_loads: bool = False, delivery_counts: bool = False) -> LayerDemand:
         """The count exchange (``exchange.layer.gather_demand``); ``expert_loads`` adds the
-        global tokens per expert, ``delivery_counts`` every rank's copies per destination GPU
-        (the path model's input); both the same on every rank.
+        global tokens per expert, ``delivery_counts`` every rank's copies per destination GPU and
+        mask class (the path model's input); both the same on every rank.
 
         Collective: yes (EP group). Host sync: yes (one, the counts).
 

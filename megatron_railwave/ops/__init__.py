@@ -237,7 +237,7 @@ def rail_plan(records_NNG: torch.Tensor, eligible_NNG: torch.Tensor, *, balanced
     return torch.ops.railwave.rail_plan(records_NNG.contiguous(), eligible_NNG.contiguous(), balanced, phase)
 
 
-def arrival_copies(records_NGN: torch.Tensor, copies_NGNG: torch.Tensor, relay_NNGG: torch.Tensor, *,
+def arrival_copies(records_NGN: torch.Tensor, class_copies_NGNKG: torch.Tensor, relay_NNGG: torch.Tensor, *,
                    chunks: int) -> torch.Tensor | None:
     """The path model's expected copies per node pair, rail chunk, arrival GPU and target GPU in
     one compiled call (csrc/cpu/arrivals.cpp); None where the compiled ops do not load (the
@@ -246,8 +246,8 @@ def arrival_copies(records_NGN: torch.Tensor, copies_NGNG: torch.Tensor, relay_N
 
     Args:
         records_NGN: [N, G, N] float64 (CPU), records owned by GPU (s, o) for node d.
-        copies_NGNG: [N, G, N, G] float64 (CPU), (record, target GPU) copies owner (s, o) sends
-            to GPU (d, j).
+        class_copies_NGNKG: [N, G, N, K, G] float64 (CPU), (record, target GPU) copies owner
+            (s, o) sends to GPU (d, j) among its records of mask class k (``traffic.mask_classes``).
         relay_NNGG: [N, N, G, G] int64 (CPU), RailBalance's records of owner (s, o) for node d
             that leave on rail l (``planner.railbalance.relay_NNGG``; o == l: the part it keeps).
         chunks: rail chunks per wave (1: whole waves).
@@ -258,11 +258,11 @@ def arrival_copies(records_NGN: torch.Tensor, copies_NGNG: torch.Tensor, relay_N
     """
     if not compiled_for(torch.device("cpu")):
         return None
-    return torch.ops.railwave.arrival_copies(records_NGN.contiguous(), copies_NGNG.contiguous(),
+    return torch.ops.railwave.arrival_copies(records_NGN.contiguous(), class_copies_NGNKG.contiguous(),
                                              relay_NNGG.contiguous(), chunks)
 
 
-def path_estimates(records_WN: torch.Tensor, copies_WNG: torch.Tensor, eligible_NNG: torch.Tensor,
+def path_estimates(records_WN: torch.Tensor, copies_WNKG: torch.Tensor, eligible_NNG: torch.Tensor,
                    window_NN: torch.Tensor, *, num_windows: int, chunks: int, record_bytes: int,
                    nvlink_bytes_per_s: float, rail_bytes_per_s: float, rail_phase_s: float, layer_s: float,
                    combine_share: float) -> torch.Tensor | None:
@@ -274,7 +274,8 @@ def path_estimates(records_WN: torch.Tensor, copies_WNG: torch.Tensor, eligible_
 
     Args:
         records_WN: [W, N] int64 (CPU), records rank w = s * G + o sends to node d.
-        copies_WNG: [W, N, G] int64 (CPU), (record, target GPU) copies rank w sends to GPU (d, j).
+        copies_WNKG: [W, N, K, G] int64 (CPU), (record, target GPU) copies rank w sends to GPU
+            (d, j) among its records of mask class k (``traffic.mask_classes``).
         eligible_NNG: [N, N, G] bool (CPU), GPUs of s whose rails carry the pair (s, d)'s records
             (``planner.railbalance.eligible_NNG``).
         window_NN: [N, N] int64 (CPU), the sending window of each node pair (RAIL keeps them;
@@ -291,6 +292,6 @@ def path_estimates(records_WN: torch.Tensor, copies_WNG: torch.Tensor, eligible_
     if not compiled_for(torch.device("cpu")):
         return None
     return torch.ops.railwave.path_estimates(
-        records_WN.contiguous(), copies_WNG.contiguous(), eligible_NNG.contiguous(), window_NN.contiguous(),
+        records_WN.contiguous(), copies_WNKG.contiguous(), eligible_NNG.contiguous(), window_NN.contiguous(),
         num_windows, chunks, float(record_bytes), float(nvlink_bytes_per_s), float(rail_bytes_per_s),
         float(rail_phase_s), float(layer_s), float(combine_share))

@@ -247,11 +247,11 @@ def dispatcher_errors_worker(rank: int, world: int) -> dict[str, Any]:
         def select_layer(self, stats, demand, *, record_bytes, windows=None):
             path = super().select_layer(stats, demand, record_bytes=record_bytes, windows=windows)
             features = path_features(demand, self.topo, record_bytes=record_bytes, costs=self.model.costs)
-            self.decisions.append((demand.delivery_WNG is not None, stats is None, str(path), features.tolist()))
+            self.decisions.append((demand.delivery_WNKG is not None, stats is None, str(path), features.tolist()))
             return path
 
     coef = [0.0] * len(FEATURE_NAMES)
-    coef[FEATURE_NAMES.index("log_estimate_v3")] = 1.0  # RAIL where its estimate is below JOINT's
+    coef[FEATURE_NAMES.index("log_estimate_v4")] = 1.0  # RAIL where its estimate is below JOINT's
     selector = RecordingModel(RailJointModel(all_pairs=tuple(coef)), RailTopology(num_nodes=2, gpus_per_node=2))
     model_d = RailWaveTokenDispatcher(per, local, config(), pgs, railwave=RailWaveConfig(gpus_per_node=2, path="auto"),
                                       selector=selector)

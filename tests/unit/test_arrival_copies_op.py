@@ -1,7 +1,7 @@
 """The path model's compiled parts against their numpy (the reference): ``ops.arrival_copies``
 (csrc/cpu/arrivals.cpp) against ``arrivals``, ``ops.path_estimates`` (csrc/cpu/path_model.cpp)
 against ``path_model``'s numpy; random full-form and node-view counts, 1-8 GPUs per node, failed
-rails, 1-5 rail chunks, random sending windows (some empty), a single node. The twins take numpy's
+rails, 1-5 rail chunks, random sending windows (some empty), a single node; copies per mask class. The twins take numpy's
 float operations in numpy's order: equal bits are checked."""
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ from hypothesis import strategies as st
 
 from megatron_railwave import ops
 from megatron_railwave.arrivals import arrival_copies_NNCGG, arrival_copies_reference
-from megatron_railwave.path_model import PathCosts, owner_copies_NGNG, path_estimates, path_features
+from megatron_railwave.path_model import PathCosts, class_copies_NGNKG, path_estimates, path_features
 from megatron_railwave.planner import WaveSchedule
 from megatron_railwave.topology import RailTopology
-from megatron_railwave.traffic import DemandCounts
+from megatron_railwave.traffic import DemandCounts, mask_classes
 
 from tests.helpers.ops_cases import random_failed_topology
 
@@ -50,16 +50,30 @@ def _full_demand(rng: np.random.Generator, topo: RailTopology, sparsity: float) 
 
 
 def _node_view_demand(rng: np.random.Generator, topo: RailTopology) -> DemandCounts:
-    """Per-rank records and copies per target GPU only (the count exchange's form), as a training
-    step's decision sees them."""
+    """Per-rank records and copies per mask class and target GPU only (the count exchange's form),
+    as a training step's decision sees them: a class's top bits on every one of its records, its
+    low bits drawn; now and then counts no routing could give (the twins must still agree)."""
     w, n, g = topo.world_size, topo.num_nodes, topo.gpus_per_node
-    records = rng.integers(0, 400, size=(w, n))
-    copies = rng.binomial(records[..., None], rng.uniform(0.05, 0.9, size=(w, n, g)))
-    return DemandCounts(records_WN=torch.from_numpy(records), delivery_WNG=torch.from_numpy(copies))
+    k = mask_classes(g)
+    top_bits = k.bit_length() - 1
+    low = g - top_bits
+    class_records = rng.integers(0, 120, size=(w, n, k))
+    if low == 0:
+        class_records[..., 0] = 0  # class 0 is the empty mask: no record has it
+    copies = np.zeros((w, n, k, g), dtype=np.int64)
+    copies[..., :low] = rng.binomial(class_records[..., None], rng.uniform(0.05, 0.9, size=(w, n, k, low)))
+    for c in range(k):
+        for b in range(top_bits):
+            if c >> b & 1:
+                copies[..., c, low + b] = class_records[..., c]
+    records = class_records.sum(axis=-1)
+    if rng.random() < 0.2:
+        copies = copies + rng.integers(0, 3, size=copies.shape)
+    return DemandCounts(records_WN=torch.from_numpy(records), delivery_WNKG=torch.from_numpy(copies))
 
 
 def _inputs(demand: DemandCounts) -> tuple[np.ndarray, np.ndarray]:
-    return demand.records_NGN().to(torch.float64).numpy(), owner_copies_NGNG(demand)
+    return demand.records_NGN().to(torch.float64).numpy(), class_copies_NGNKG(demand)
 
 
 @settings(max_examples=120, deadline=None)
@@ -86,7 +100,7 @@ def test_the_compiled_ops_step_aside_when_forced_off():
     try:
         assert ops.arrival_copies(torch.from_numpy(records), torch.from_numpy(copies),
                                   torch.zeros(4, 4, 8, 8, dtype=torch.int64), chunks=2) is None
-        assert ops.path_estimates(torch.zeros(32, 4, dtype=torch.int64), torch.zeros(32, 4, 8, dtype=torch.int64),
+        assert ops.path_estimates(torch.zeros(32, 4, dtype=torch.int64), torch.zeros(32, 4, 4, 8, dtype=torch.int64),
                                   torch.ones(4, 4, 8, dtype=torch.bool), torch.zeros(4, 4, dtype=torch.int64),
                                   num_windows=1, chunks=1, record_bytes=8, nvlink_bytes_per_s=1e9,
                                   rail_bytes_per_s=1e9, rail_phase_s=0.0, layer_s=0.0, combine_share=0.75) is None
@@ -113,12 +127,14 @@ def test_path_features_agree_with_either_implementation(chunks):
 
 def test_arrival_copies_rejects_inputs_of_the_wrong_kind():
     records = torch.zeros(2, 4, 2, dtype=torch.float64)
-    copies = torch.zeros(2, 4, 2, 4, dtype=torch.float64)
+    copies = torch.zeros(2, 4, 2, 4, 4, dtype=torch.float64)
     relay = torch.zeros(2, 2, 4, 4, dtype=torch.int64)
     with pytest.raises(ValueError, match="records_NGN must be Double"):
         ops.arrival_copies(records.float(), copies, relay, chunks=1)
     with pytest.raises(ValueError, match="relay_NNGG has shape"):
         ops.arrival_copies(records, copies, relay[:, :, :3], chunks=1)
+    with pytest.raises(ValueError, match="class_copies_NGNKG has shape"):  # copies per target alone
+        ops.arrival_copies(records, copies.sum(dim=3), relay, chunks=1)
     with pytest.raises(ValueError, match="chunks must be >= 1"):
         ops.arrival_copies(records, copies, relay, chunks=0)
 
@@ -172,14 +188,16 @@ def test_path_estimates_give_the_reference_s_bits_on_a_shipped_size():
 
 def test_path_estimates_reject_inputs_of_the_wrong_kind():
     n, g = 2, 4
-    args = [torch.zeros(n * g, n, dtype=torch.int64), torch.zeros(n * g, n, g, dtype=torch.int64),
+    args = [torch.zeros(n * g, n, dtype=torch.int64), torch.zeros(n * g, n, 4, g, dtype=torch.int64),
             torch.ones(n, n, g, dtype=torch.bool), torch.zeros(n, n, dtype=torch.int64)]
     kwargs = dict(num_windows=1, chunks=1, record_bytes=8, nvlink_bytes_per_s=1e9, rail_bytes_per_s=1e9,
                   rail_phase_s=0.0, layer_s=0.0, combine_share=0.75)
     assert ops.path_estimates(*args, **kwargs).shape == (2,)
     with pytest.raises(ValueError, match="window_NN must be Long"):
         ops.path_estimates(*args[:3], args[3].int(), **kwargs)
-    with pytest.raises(ValueError, match="copies_WNG has shape"):
+    with pytest.raises(ValueError, match="copies_WNKG has shape"):
         ops.path_estimates(args[0], args[1][:, :, :3], *args[2:], **kwargs)
+    with pytest.raises(ValueError, match="copies_WNKG has shape"):  # copies per target alone
+        ops.path_estimates(args[0], args[1].sum(dim=2), *args[2:], **kwargs)
     with pytest.raises(ValueError, match="records_WN must be Long"):
         ops.path_estimates(args[0].double(), *args[1:], **kwargs)

@@ -50,7 +50,7 @@ def test_features_from_the_count_exchange_equal_the_full_demand_s_on_every_rank(
     want = path_features(full, topo, record_bytes=16, costs=costs)
     assert want.shape == (F,) and np.isfinite(want).all() and want[1] != 0
     for layer in layers:
-        assert torch.equal(layer.demand.delivery_WNG, full.copies_WNG())
+        assert torch.equal(layer.demand.delivery_WNKG, full.class_copies_WNKG())
         got = path_features(layer.demand, topo, record_bytes=16, costs=costs)
         assert np.array_equal(got, want)  # bitwise: every rank decides the same
 
@@ -63,7 +63,7 @@ def test_node_view_without_delivery_counts_names_the_fix():
             for r in range(4)]
     layers = VirtualCluster(world_size=4).run([gather_demand(ctxs[r], inputs["hidden"][r], inputs["probs"][r],
                                                              inputs["routing"][r]) for r in range(4)])
-    assert layers[0].demand.delivery_WNG is None
+    assert layers[0].demand.delivery_WNKG is None
     with pytest.raises(ValueError, match="delivery_counts=True"):
         path_features(layers[0].demand, topo, record_bytes=16)
 
@@ -110,7 +110,7 @@ def test_estimate_hand_worked_delivery_stretch(chunks):
         assert est_joint == pytest.approx(want_joint, rel=1e-12)
         f = path_features(_three_node_demand(name), topo, record_bytes=b, costs=costs)
         assert f[0] == 1.0
-        assert f[FEATURE_NAMES.index("log_estimate_v3")] == pytest.approx(np.log(want_rail / want_joint))
+        assert f[FEATURE_NAMES.index("log_estimate_v4")] == pytest.approx(np.log(want_rail / want_joint))
 
 
 def test_estimate_charges_the_relay_and_the_local_round_before_the_first_rail_phase():
@@ -270,7 +270,7 @@ def test_payload_gate_is_a_margin_over_the_largest_payload_where_joint_misses():
 def _sign_model(sign: float) -> RailJointModel:
     """Predicts sign x log_estimate: RAIL where that is negative (sign 1)."""
     coef = [0.0] * F
-    coef[FEATURE_NAMES.index("log_estimate_v3")] = sign
+    coef[FEATURE_NAMES.index("log_estimate_v4")] = sign
     return RailJointModel(all_pairs=tuple(coef), windowed=None)
 
 
@@ -279,7 +279,7 @@ def test_model_selector_follows_the_prediction_and_is_pure():
     spec = VirtualSpec(topology=topo, tokens=40, hidden=8, experts=16, topk=3, seed=5)
     _, full = _gathered(spec)
     st = demand_stats(full, topo, record_bytes=16)
-    d = path_features(full, topo, record_bytes=16)[FEATURE_NAMES.index("log_estimate_v3")]
+    d = path_features(full, topo, record_bytes=16)[FEATURE_NAMES.index("log_estimate_v4")]
     assert d != 0
     for sign in (1.0, -1.0):
         sel = ModelSelector(_sign_model(sign), topo)
@@ -339,7 +339,7 @@ def test_tune_selector_records_the_model_when_it_beats_the_anchors(tmp_path):
     assert tuned["scores"][0]["over_tolerance"] > 0  # always-JOINT misses the RAIL rows
     assert tuned["model"] is not None and "path model" in tuned["method"]
     coef = tuned["model"]["all_pairs"]
-    assert coef[FEATURE_NAMES.index("log_estimate_v3")] == pytest.approx(0.5) and coef[0] == pytest.approx(-0.2)
+    assert coef[FEATURE_NAMES.index("log_estimate_v4")] == pytest.approx(0.5) and coef[0] == pytest.approx(-0.2)
     # Every row has the same payload and some miss with JOINT: a gate would let the model decide
     # them all, so it gains nothing and none is recorded (the first of tied gatings).
     assert tuned["model_score"]["gate"] == "none" and "max_payload_bytes" not in tuned["model"]
@@ -496,7 +496,7 @@ def test_rail_windows_equal_to_the_cyclic_waves_give_a_zero_log_estimate(topo):
                                                                 1 << topo.gpus_per_node), generator=gen))
         windows = cyclic_schedule(topo.num_nodes)
         f = path_features(demand, topo, record_bytes=64, windows=windows, costs=PathCosts(chunks=1))
-        assert f[FEATURE_NAMES.index("log_estimate_v3")] == 0.0
+        assert f[FEATURE_NAMES.index("log_estimate_v4")] == 0.0
 
 
 def test_model_selector_refuses_the_descriptors_only_call():
@@ -558,7 +558,7 @@ def test_rounds_and_local_round_match_the_compiled_schedule_s_ports(topo, chunks
     # Equal counts on every non-empty subset of each owner's target set (independent bits, the
     # arrival model exact): each round's wire copies into every target and out of every arrival
     # GPU, its busiest port, and the local round's ports equal the compiled schedule's transfers.
-    from megatron_railwave.path_model import _Loads, owner_copies_NGNG
+    from megatron_railwave.path_model import _Loads, class_copies_NGNKG
     from megatron_railwave.planner import Path
     from tests.helpers.delivery_cases import dispatch_deliveries, subset_demand
 
@@ -567,7 +567,7 @@ def test_rounds_and_local_round_match_the_compiled_schedule_s_ports(topo, chunks
     rng = np.random.default_rng(5)
     for _ in range(3):
         demand = subset_demand(topo, rng)
-        loads = _Loads.of(demand.records_NGN().double().numpy(), owner_copies_NGNG(demand), record_bytes=b, topo=topo,
+        loads = _Loads.of(demand.records_NGN().double().numpy(), class_copies_NGNKG(demand), record_bytes=b, topo=topo,
                           chunks=chunks)
         local_out, local_in = loads.local_round()
         for path, rounds in ((Path.RAIL, loads.windows((1.0 - np.eye(n))[None])), (Path.JOINT, loads.cyclic())):
