@@ -175,3 +175,44 @@ def test_shipped_anchors_files_load_for_their_cluster_and_chunks(name):
     assert bool(aset.anchors) == (name != "h800_4x8")
     assert sorted(p.name.removesuffix(".yaml") for p in path.parent.glob("*.yaml")) == sorted(
         ["h800_4x8", "h20_4x8", "h800_4x8_c2", "h20_4x8_c2"])
+
+
+@pytest.mark.parametrize("name", ["h800_4x8", "h20_4x8", "h800_4x8_c2", "h20_4x8_c2"])
+def test_shipped_files_coefficients_come_from_their_kept_rows(name):
+    # configs/anchors/rows holds each file's calibration rows (RAIL / JOINT seconds, features of
+    # this version's estimate): least squares on them gives the file's coefficients, and a few
+    # rows' features are this code's, so a change of the estimate that is not refitted
+    # (scripts/selector_refit.py) fails here.
+    import gzip
+    import json
+    from pathlib import Path as FsPath
+
+    import numpy as np
+
+    from megatron_railwave import calibration
+    from megatron_railwave.path_model import fit_rail_joint, path_features
+    from megatron_railwave.topology import load_topology
+    from megatron_railwave.traffic import dtype_bytes
+
+    anchors = FsPath(__file__).resolve().parents[2] / "configs" / "anchors"
+    model = load_anchors(anchors / f"{name}.yaml", None).path_model
+    with gzip.open(anchors / "rows" / f"{name}.jsonl.gz", "rt") as f:
+        rows = [json.loads(line) for line in f]
+    refit = fit_rail_joint(np.array([r["features"] for r in rows]), np.array([r["windows"] for r in rows]),
+                           np.log(np.array([r["rail_s"] for r in rows]) / np.array([r["joint_s"] for r in rows])),
+                           costs=model.costs)
+    assert np.allclose(refit.all_pairs, model.all_pairs, rtol=1e-9, atol=1e-12)
+    assert np.allclose(refit.windowed, model.windowed, rtol=1e-9, atol=1e-12)
+    aset = load_anchors(anchors / f"{name}.yaml", None)
+    topo = load_topology(name.removesuffix("_c2"))
+    record_bytes = aset.context.hidden_size * dtype_bytes(aset.context.dtype)
+    small = [r for r in rows if r["T"] <= 256]
+    assert small[0]["windows"] == 1 and small[-1]["windows"] > 1
+    for row in (small[0], small[-1]):  # all pairs at once, then an arrangement's windows
+        arrangement = row["name"].split("-")[4]
+        (request,) = calibration.glm_requests(topo, layers=[row["layer"]], step=0, seed=row["seed"], payload_scales=[1.0],
+                                              record_bytes=record_bytes, tokens=[row["T"]], arrangements=[arrangement])
+        assert request.name == row["name"]
+        got = path_features(request.demand, topo, record_bytes=request.record_bytes, windows=request.windows,
+                            costs=model.costs)
+        assert np.allclose(got, row["features"], rtol=1e-12, atol=0), row["name"]
