@@ -106,6 +106,8 @@ class _Lists:
     """[...] records of each list."""
     class_copies: np.ndarray
     """[..., K, G] copies per class and target GPU."""
+    class_records: np.ndarray
+    """[..., K] records per class (a top bit's copies; class 0 the rest, at least 0)."""
     starts: np.ndarray
     """[..., K + 1] where each class starts in the list (the last entry: the list's end)."""
     before: np.ndarray
@@ -131,7 +133,8 @@ class _Lists:
             first = q[..., 0, :].reshape(-1, low)
             q0, some0 = _bit_probabilities(np.ascontiguousarray(first))
             q[..., 0, :], some[..., 0] = q0.reshape(q.shape[:-2] + (low,)), some0.reshape(some.shape[:-1])
-        return cls(records=records, class_copies=class_copies, starts=starts, before=before, q=q, some=some)
+        return cls(records=records, class_copies=class_copies, class_records=class_records, starts=starts,
+                   before=before, q=q, some=some)
 
     def copies_at(self, x: np.ndarray, index: tuple[np.ndarray, ...] | None = None) -> np.ndarray:
         """[..., X, G] expected copies per target among the first x records of lists ``index``
@@ -153,9 +156,8 @@ class _Lists:
         if at[0].size:
             lead, cls_at = at[:-1], where_k[at]
             lists = tuple(np.broadcast_to(i, x.shape[:-1])[lead] for i in index) if index is not None else lead
-            records = self.starts[lists + (cls_at + 1,)] - self.starts[lists + (cls_at,)]
             part = np.empty((at[0].size, g))
-            part[:, :low] = _walk(records, self.q[lists + (cls_at,)], self.some[lists + (cls_at,)],
+            part[:, :low] = _walk(self.class_records[lists + (cls_at,)], self.q[lists + (cls_at,)], self.some[lists + (cls_at,)],
                                   inside[at][:, None])[:, 0]
             part[:, low:] = inside[at][:, None] * (self.class_copies[lists + (cls_at,)][:, low:] > 0)
             out[at] = out[at] + part

@@ -192,7 +192,7 @@ class DemandCounts:
         g = w // n
         k = mask_classes(g)
         bits = mask_bits(g).to(self.records_WNM.dtype).view(k, m // k, g)
-        return torch.einsum("wnkm,kmj->wnkj", self.records_WNM.view(w, n, k, m // k), bits)
+        return torch.einsum("wnkm,kmj->wnkj", self.records_WNM.reshape(w, n, k, m // k), bits)
 
     def copies_WNG(self) -> torch.Tensor:
         """[W, N, G] int64: token copies from rank w delivered to GPU (n, j) (``class_copies_WNKG``

@@ -10,15 +10,14 @@ file (`context.settings.selector.model`) and says so in its `method`.
 import argparse
 import dataclasses
 import datetime
-import gzip
-import json
-
 import numpy as np
 
 from megatron_railwave import calibration
 from megatron_railwave.anchors import load_anchors, save_anchors
 from megatron_railwave.path_model import fit_rail_joint
 from megatron_railwave.traffic import MiB
+
+from _selector_rows import load_rows, row_arrays
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("anchors")
@@ -29,21 +28,11 @@ anchor_set = load_anchors(args.anchors, None)
 shipped = anchor_set.path_model
 if shipped is None:
     raise SystemExit(f"{args.anchors}: no path model")
-rows = {}
-for name in args.rows:
-    with gzip.open(name, "rt") as f:
-        for line in f:
-            row = json.loads(line)
-            rows[row["name"]] = row
-rows = list(rows.values())
+rows = load_rows(*args.rows)
+a = row_arrays(rows)
 features_RF = np.array([r["features"] for r in rows])
-windows_R = np.array([r["windows"] for r in rows])
-rail_R, joint_R = np.array([r["rail_s"] for r in rows]), np.array([r["joint_s"] for r in rows])
-payload_R = np.array([r["B_mean"] for r in rows])
-units_R = np.array([str(r["seed"]) for r in rows], dtype=object)
-target_R = np.log(rail_R / joint_R)
-# NATIVE / PERM are not in the rows: the best path is the better of RAIL and JOINT.
-limit_R = calibration.MAX_RATIO_TO_BEST * np.minimum(rail_R, joint_R) * (1.0 + 1e-12)
+windows_R, rail_R, joint_R, payload_R = a["windows"], a["rail_s"], a["joint_s"], a["payload"]
+units_R, target_R, limit_R = a["units"], a["target"], a["limit"]
 refit = fit_rail_joint(features_RF, windows_R, target_R, costs=shipped.costs)
 print(f"{len(rows)} rows, {len(set(units_R))} seeds; least squares on every row: all pairs {refit.all_pairs}, "
       f"windowed {refit.windowed}; the file's: {shipped.all_pairs}, {shipped.windowed}")

@@ -30,13 +30,15 @@ from megatron_railwave.path_model import FEATURE_NAMES, PathCosts, fit_rail_join
 from megatron_railwave.topology import RailTopology
 from megatron_railwave.traffic import dtype_bytes
 
+from _selector_rows import load_rows, row_arrays
+
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("anchors")
 parser.add_argument("rows", help="the file's rows (gzipped JSON lines of scripts/selector_lab_rows.py)")
 parser.add_argument("out", help="the rows with the new features")
 parser.add_argument("--write", action="store_true", help="write the refitted model into the anchors file")
 parser.add_argument("--reuse", action="store_true", help="take the new features from `out` (written by an earlier run "
-                    "of this script) instead of recomputing them")
+                    "of this script with this code's estimate: not checked) instead of recomputing them")
 args = parser.parse_args()
 torch.set_num_threads(1)
 doc = yaml.safe_load(open(args.anchors))
@@ -45,14 +47,14 @@ selector = context["settings"]["selector"]
 old_model = selector.get("model")
 if old_model is None:
     raise SystemExit(f"{args.anchors}: no path model (context.settings.selector.model)")
+if abs(1.0 + float(selector.get("tolerance", 0.03)) - calibration.MAX_RATIO_TO_BEST) > 1e-12:
+    raise SystemExit(f"{args.anchors}: tolerance {selector.get('tolerance')} is not the 3% this script scores with")
 topo = RailTopology.from_dict(context["topology"])
 costs = PathCosts.from_dict(old_model["costs"])
 record_bytes = int(context["hidden_size"]) * dtype_bytes(context["dtype"])
-with gzip.open(args.rows, "rt") as f:
-    old_rows = {row["name"]: row for row in map(json.loads, f)}
+old_rows = {row["name"]: row for row in load_rows(args.rows)}
 if args.reuse:
-    with gzip.open(args.out, "rt") as f:
-        rows = list(map(json.loads, f))
+    rows = load_rows(args.out)
     if sorted(r["name"] for r in rows) != sorted(old_rows) or any(
             {k: v for k, v in r.items() if k != "features"} != {k: v for k, v in old_rows[r["name"]].items()
                                                                  if k != "features"} for r in rows):
@@ -75,12 +77,9 @@ else:
         for row in rows:
             f.write(json.dumps(row) + "\n")
 
-windows_R = np.array([r["windows"] for r in rows])
-rail_R, joint_R = np.array([r["rail_s"] for r in rows]), np.array([r["joint_s"] for r in rows])
-payload_R = np.array([r["B_mean"] for r in rows])
-units_R = np.array([str(r["seed"]) for r in rows], dtype=object)
-target_R = np.log(rail_R / joint_R)
-limit_R = calibration.MAX_RATIO_TO_BEST * np.minimum(rail_R, joint_R) * (1.0 + 1e-12)
+a = row_arrays(rows)
+windows_R, rail_R, joint_R, payload_R = a["windows"], a["rail_s"], a["joint_s"], a["payload"]
+units_R, target_R, limit_R = a["units"], a["target"], a["limit"]
 scores = {}
 for label, features_RF in (("old", np.array([old_rows[r["name"]]["features"] for r in rows])),
                            ("new", np.array([r["features"] for r in rows]))):
@@ -90,14 +89,18 @@ for label, features_RF in (("old", np.array([old_rows[r["name"]]["features"] for
     print(f"{label} features ({'/'.join(old_model['features']) if label == 'old' else '/'.join(FEATURE_NAMES)}): "
           f"leave-one-seed-out {sc['over_tolerance']} over 1.03x, "
           f"total / always-JOINT {sc['total_s'] / joint_R.sum():.6f}")
-model = fit_rail_joint(np.array([r["features"] for r in rows]), windows_R, target_R, costs=costs)
+fits = np.isfinite(target_R)  # as calibration fits: a row without both times teaches nothing
+model = fit_rail_joint(np.array([r["features"] for r in rows])[fits], windows_R[fits], target_R[fits], costs=costs)
+if model is None:
+    raise SystemExit("no all-pairs rows with both times: nothing to fit")
 print(f"new coefficients: all pairs {model.all_pairs}, windowed {model.windowed}")
 if args.write:
     selector["model"] = model.to_dict()
     new = scores["new"]
     method = selector["method"].split("; payload gat")[0]  # the gates are chosen again next
     refit = (f"the RAIL / JOINT path model ({FEATURE_NAMES[-1]}, refitted {datetime.date.today()} on the kept "
-             f"RAIL / JOINT rows, scripts/selector_refit.py: leave-one-seed-out {new['over_tolerance']} requests over)")
+             f"RAIL / JOINT rows, scripts/selector_refit.py: leave-one-seed-out {new['over_tolerance']} requests over "
+             f"1.03x of the better of RAIL and JOINT)")
     method, count = re.subn(r"the RAIL / JOINT path model \([^)]*\)", refit, method)
     if count != 1:
         raise SystemExit(f"{args.anchors}: method does not name the path model's score once: {method!r}")

@@ -45,6 +45,7 @@ int mask_classes(int G) { return 1 << std::min(2, G); }
 // starts, the copies before it, and (once a walk needs them) class 0's low-bit probabilities.
 struct OwnerList {
   std::array<Row, kMaxClasses> class_copies{};
+  std::array<double, kMaxClasses> class_records{};
   std::array<double, kMaxClasses + 1> starts{};
   std::array<Row, kMaxClasses + 1> before{};
   Row q0{};  // class 0's bit probabilities (_bit_probabilities); the other classes' are bare frequencies
@@ -56,7 +57,8 @@ struct OwnerList {
 // copies), class 0 the rest. Counts only: every sum here is exact in any order.
 void split_classes(OwnerList& list, double records, const double* class_copies, int G, int K, int low) {
   double top_sum = 0.0;
-  std::array<double, kMaxClasses> class_records{};
+  std::array<double, kMaxClasses>& class_records = list.class_records;
+  class_records = {};
   for (int k = 0; k < K; ++k)
     for (int j = 0; j < G; ++j) list.class_copies[k][j] = class_copies[k * G + j];
   for (int k = 1; k < K; ++k) {
@@ -91,7 +93,7 @@ Row target_probabilities(double records, const Row& copies, int low) {
 
 // arrivals._bit_probabilities for class 0 of one list (Newton from s = 1 on s = 1 - prod(1 - p_j s)).
 void solve_class0(OwnerList& list, int low) {
-  const Row p = target_probabilities(list.starts[1] - list.starts[0], list.class_copies[0], low);
+  const Row p = target_probabilities(list.class_records[0], list.class_copies[0], low);
   double some = 1.0;
   for (int step = 0; step < kNewtonSteps; ++step) {
     Row free{};
@@ -149,7 +151,7 @@ Row copies_at(OwnerList& list, double x, int G, int K, int low) {
   Row out = list.before[k];
   if (!(inside > 0.0)) return out;
   Row part{};
-  const double records = list.starts[k + 1] - list.starts[k];
+  const double records = list.class_records[k];
   if (low > 0) {
     if (k == 0) {
       if (!list.solved) solve_class0(list, low);

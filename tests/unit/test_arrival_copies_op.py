@@ -201,3 +201,16 @@ def test_path_estimates_reject_inputs_of_the_wrong_kind():
         ops.path_estimates(args[0], args[1].sum(dim=2), *args[2:], **kwargs)
     with pytest.raises(ValueError, match="records_WN must be Long"):
         ops.path_estimates(args[0].double(), *args[1:], **kwargs)
+
+
+@pytest.mark.parametrize("gpus", [1, 3, 4, 8])
+def test_arrival_copies_match_the_reference_on_fractional_counts(gpus):
+    # The op takes any float64 counts (the path model passes whole ones): with fractions no sum is
+    # exact any more, so every value must be derived in the reference's way.
+    rng = np.random.default_rng(gpus)
+    topo = RailTopology(num_nodes=3, gpus_per_node=gpus)
+    records, copies = _inputs(_node_view_demand(rng, topo))
+    scale = rng.uniform(0.3, 0.9)
+    for chunks in (1, 3):
+        _assert_same_bits(arrival_copies_NNCGG(records * scale, copies * scale, topo, chunks),
+                          arrival_copies_reference(records * scale, copies * scale, topo, chunks))
