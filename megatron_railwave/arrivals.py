@@ -102,8 +102,6 @@ def _walk(records: np.ndarray, q: np.ndarray, some: np.ndarray, x_IX: np.ndarray
 class _Lists:
     """Owner lists (any leading shape [...]) split into their mask classes."""
 
-    records: np.ndarray
-    """[...] records of each list."""
     class_copies: np.ndarray
     """[..., K, G] copies per class and target GPU."""
     class_records: np.ndarray
@@ -133,8 +131,8 @@ class _Lists:
             first = q[..., 0, :].reshape(-1, low)
             q0, some0 = _bit_probabilities(np.ascontiguousarray(first))
             q[..., 0, :], some[..., 0] = q0.reshape(q.shape[:-2] + (low,)), some0.reshape(some.shape[:-1])
-        return cls(records=records, class_copies=class_copies, class_records=class_records, starts=starts,
-                   before=before, q=q, some=some)
+        return cls(class_copies=class_copies, class_records=class_records, starts=starts, before=before, q=q,
+                   some=some)
 
     def copies_at(self, x: np.ndarray, index: tuple[np.ndarray, ...] | None = None) -> np.ndarray:
         """[..., X, G] expected copies per target among the first x records of lists ``index``
@@ -157,9 +155,10 @@ class _Lists:
             lead, cls_at = at[:-1], where_k[at]
             lists = tuple(np.broadcast_to(i, x.shape[:-1])[lead] for i in index) if index is not None else lead
             part = np.empty((at[0].size, g))
-            part[:, :low] = _walk(self.class_records[lists + (cls_at,)], self.q[lists + (cls_at,)], self.some[lists + (cls_at,)],
+            cls_index = lists + (cls_at,)
+            part[:, :low] = _walk(self.class_records[cls_index], self.q[cls_index], self.some[cls_index],
                                   inside[at][:, None])[:, 0]
-            part[:, low:] = inside[at][:, None] * (self.class_copies[lists + (cls_at,)][:, low:] > 0)
+            part[:, low:] = inside[at][:, None] * (self.class_copies[cls_index][:, low:] > 0)
             out[at] = out[at] + part
         return out
 

@@ -210,8 +210,9 @@ def test_shipped_files_coefficients_come_from_their_kept_rows(name):
     assert small[0]["windows"] == 1 and small[-1]["windows"] > 1
     for row in (small[0], small[-1]):  # all pairs at once, then an arrangement's windows
         arrangement = row["name"].split("-")[4]
-        (request,) = calibration.glm_requests(topo, layers=[row["layer"]], step=0, seed=row["seed"], payload_scales=[1.0],
-                                              record_bytes=record_bytes, tokens=[row["T"]], arrangements=[arrangement])
+        (request,) = calibration.glm_requests(topo, layers=[row["layer"]], step=0, seed=row["seed"],
+                                              payload_scales=[1.0], record_bytes=record_bytes, tokens=[row["T"]],
+                                              arrangements=[arrangement])
         assert request.name == row["name"]
         got = path_features(request.demand, topo, record_bytes=request.record_bytes, windows=request.windows,
                             costs=model.costs)

@@ -1,8 +1,8 @@
 """The path model's compiled parts against their numpy (the reference): ``ops.arrival_copies``
 (csrc/cpu/arrivals.cpp) against ``arrivals``, ``ops.path_estimates`` (csrc/cpu/path_model.cpp)
-against ``path_model``'s numpy; random full-form and node-view counts, 1-8 GPUs per node, failed
-rails, 1-5 rail chunks, random sending windows (some empty), a single node; copies per mask class. The twins take numpy's
-float operations in numpy's order: equal bits are checked."""
+against ``path_model``'s numpy; random full-form and node-view counts (copies per mask class),
+1-8 GPUs per node, failed rails, 1-5 rail chunks, random sending windows (some empty), a single
+node. The twins take numpy's float operations in numpy's order: equal bits are checked."""
 
 from __future__ import annotations
 
