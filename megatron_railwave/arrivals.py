@@ -140,8 +140,8 @@ class _Lists:
         x [..., X]) at positions x [..., X]: 0 before a list, all its copies at its end, whole
         classes plus the walk of the class a position falls inside."""
         pick = (lambda a: a[index]) if index is not None else (lambda a: a)
-        starts, before, class_copies = pick(self.starts), pick(self.before), pick(self.class_copies)
-        k, g = class_copies.shape[-2:]
+        starts, before = pick(self.starts), pick(self.before)
+        k, g = self.class_copies.shape[-2:]
         low = self.q.shape[-1]
         # The class a position falls in: the last one starting at or before it (empty ones skipped).
         where_k = (starts[..., None, 1:k] <= x[..., None]).sum(axis=-1)  # [..., X]

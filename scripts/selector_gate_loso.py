@@ -1,8 +1,9 @@
 """Choose an anchors file's payload gating leaving seeds out, from RAIL / JOINT rows of its
 calibration requests (scripts/selector_lab_rows.py), as `railwave calibrate` does from its own
-rows (`calibration.tune_selector`: `score_path_model` per `PAYLOAD_GATINGS`, `choose_gating`). Checks first that the rows reproduce the
-file's coefficients (least squares on every row); with --write puts the chosen gates into the
-file (`context.settings.selector.model`) and says so in its `method`.
+rows (`calibration.tune_selector`: `score_path_model` per `PAYLOAD_GATINGS`, `choose_gating`).
+Checks first that the rows reproduce the file's coefficients (least squares on every row); with
+--write puts the chosen gates into the file (`context.settings.selector.model`) and says so in
+its `method`.
 
     PYTHONPATH=. .venv/bin/python scripts/selector_gate_loso.py configs/anchors/h20_4x8_c2.yaml \
         configs/anchors/rows/h20_4x8_c2.jsonl.gz [--write]

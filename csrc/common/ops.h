@@ -36,8 +36,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> rank_sche
 std::tuple<at::Tensor, at::Tensor> rail_plan(const at::Tensor& records_NNG, const at::Tensor& eligible_NNG,
                                              bool balanced, int64_t phase);
 // The path model's arrival copies (float64): csrc/cpu/arrivals.cpp.
-at::Tensor arrival_copies(const at::Tensor& records_NGN, const at::Tensor& class_copies_NGNKG, const at::Tensor& relay_NNGG,
-                          int64_t chunks);
+at::Tensor arrival_copies(const at::Tensor& records_NGN, const at::Tensor& class_copies_NGNKG,
+                          const at::Tensor& relay_NNGG, int64_t chunks);
 // The path model's RAIL and JOINT estimates (float64 seconds): csrc/cpu/path_model.cpp.
 at::Tensor path_estimates(const at::Tensor& records_WN, const at::Tensor& copies_WNKG, const at::Tensor& eligible_NNG,
                           const at::Tensor& window_NN, int64_t num_windows, int64_t chunks, double record_bytes,

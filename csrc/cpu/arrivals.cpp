@@ -39,7 +39,8 @@ constexpr double kTiny = 1e-300;   // arrivals._TINY
 using Row = std::array<double, kMaxGpus>;
 
 // traffic.mask_classes: classes of target masks by their top min(2, G) bits.
-int mask_classes(int G) { return 1 << std::min(2, G); }
+int mask_class_bits(int G) { return std::min(2, G); }
+int mask_classes(int G) { return 1 << mask_class_bits(G); }
 
 // One owner's list split into its mask classes (arrivals._Lists): each class's records, where it
 // starts, the copies before it, and (once a walk needs them) class 0's low-bit probabilities.
@@ -73,10 +74,6 @@ void split_classes(OwnerList& list, double records, const double* class_copies, 
   for (int k = 0; k < K; ++k) {
     list.starts[k + 1] = list.starts[k] + class_records[k];
     for (int j = 0; j < G; ++j) list.before[k + 1][j] = list.before[k][j] + list.class_copies[k][j];
-  }
-  for (int k = K + 1; k <= kMaxClasses; ++k) {  // unused classes (G = 1): empty, at the list's end
-    list.starts[k] = list.starts[K];
-    list.before[k] = list.before[K];
   }
   list.solved = false;
 }
@@ -169,8 +166,7 @@ Row copies_at(OwnerList& list, double x, int G, int K, int low) {
 
 void arrival_copies_into(const double* records, const double* class_copies, const int64_t* relay, int64_t N,
                          int64_t G, int64_t C, double* out) {
-  const int g = static_cast<int>(G), K = mask_classes(g);
-  const int low = g - (K == 4 ? 2 : 1);
+  const int g = static_cast<int>(G), K = mask_classes(g), low = g - mask_class_bits(g);
 
   std::array<OwnerList, kMaxGpus> lists;
   std::array<Row, kMaxGpus> keep_end{}, moved{}, moved_end{};  // [o][l]

@@ -96,9 +96,10 @@ def bench_selector(selector: Any, requests: list[Any], topo: Any, *, repeats: in
     The decision: the descriptors (``stats.demand_stats``) where the selector reads them
     (``selector.needs_descriptors``), then ``selector.select_for_layer``; from the counts in the
     count exchange's form (records per rank and node, and copies per destination GPU and mask
-    class, which the exchange gathers for the path model), all node pairs at once (a training step). Runs on one
-    thread; median of 5 rounds, each over every request at least once (``repeats`` calls at
-    least), so that layers the path model's payload gate skips count in their share.
+    class, which the exchange gathers for the path model), all node pairs at once (a training
+    step). Runs on one thread; median of 5 rounds, each over every request at least once
+    (``repeats`` calls at least), so that layers the path model's payload gate skips count in
+    their share.
     """
     from ..selector import needs_descriptors, select_for_layer
     from ..stats import demand_stats

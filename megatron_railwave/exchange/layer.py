@@ -9,9 +9,9 @@ Lifecycle (the same programs run over torch.distributed and in the virtual clust
      group carries every rank's records per node, token count and input status, plus the
      mask histogram and expert counts each receiver needs (and, on request, E more for the
      expert loads and W * K more for every rank's copies per destination GPU and mask class,
-     the path model's input); then ONE device-to-host copy of what arrived. This is the layer's only host
-     sync. Bad input anywhere raises the same
-     ``InputError`` on every rank right here, before any data moves.
+     the path model's input); then ONE device-to-host copy of what arrived. This is the
+     layer's only host sync. Bad input anywhere raises the same ``InputError`` on every rank
+     right here, before any data moves.
   2. ``prepare_layer`` (plain function, host + asynchronous device work): the plan is passed
      in (pure, same on every rank), compiled into the ``ExecutionSchedule``; the rank view and
      the device index maps follow from it and from this rank's records.
