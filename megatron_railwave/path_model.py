@@ -153,6 +153,14 @@ def _rail_eligible_NNG(topo: RailTopology) -> torch.Tensor:
     return eligible_NNG(topo, torch.zeros(n, n, g, dtype=torch.int64))
 
 
+@lru_cache(maxsize=64)
+def _pair_window_NN(sending: WaveSchedule) -> torch.Tensor:
+    """[N, N] int64: the sending window of each node pair (``WaveSchedule.pair_wave_NN``). Cached:
+    the estimate runs on every layer call, most of them with the same windows (all pairs at
+    once); never written to."""
+    return sending.pair_wave_NN()
+
+
 def _eligible_NGN(topo: RailTopology) -> np.ndarray:
     """[N, G, N] float64: 1 where GPU g's rail carries the pair (s, d)'s records (the local pairs'
     entries multiply zero loads)."""
@@ -319,7 +327,7 @@ def path_estimates(demand: DemandCounts, topo: RailTopology, *, record_bytes: in
     """
     sending = windows if windows is not None else all_at_once(topo.num_nodes)
     compiled = ops.path_estimates(
-        demand.records_WN, demand.class_copies_WNKG(), _rail_eligible_NNG(topo), sending.pair_wave_NN(),
+        demand.records_WN, demand.class_copies_WNKG(), _rail_eligible_NNG(topo), _pair_window_NN(sending),
         num_windows=sending.num_waves, chunks=costs.chunks, record_bytes=record_bytes,
         nvlink_bytes_per_s=topo.nvlink_bytes_per_s, rail_bytes_per_s=topo.rail_bytes_per_s,
         rail_phase_s=costs.rail_phase_s, layer_s=costs.layer_s, combine_share=_COMBINE_LOCAL_SHARE)

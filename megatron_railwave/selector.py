@@ -246,8 +246,10 @@ class ModelSelector:
         """Predicted log(t_RAIL / t_JOINT); None without remote payload (every path is the same),
         above the model's payload gate for the input kind (``RailJointModel.gate``: no estimate is
         computed) or without coefficients for the input kind."""
-        records_NGN = demand.records_NGN()
-        remote = int(records_NGN.sum() - torch.diagonal(records_NGN, dim1=0, dim2=2).sum())
+        # In numpy on the host counts (the path model reads them there too): half the cost of the
+        # torch reductions on these few dozen numbers.
+        records_NGN = demand.records_NGN().numpy()
+        remote = int(records_NGN.sum() - records_NGN.diagonal(axis1=0, axis2=2).sum())
         if not (record_bytes > 0 and remote > 0):
             return None
         input_windows = _input_windows(windows)

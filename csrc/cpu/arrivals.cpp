@@ -39,8 +39,8 @@ constexpr double kTiny = 1e-300;   // arrivals._TINY
 using Row = std::array<double, kMaxGpus>;
 
 // traffic.mask_classes: classes of target masks by their top min(2, G) bits.
-int mask_class_bits(int G) { return std::min(2, G); }
-int mask_classes(int G) { return 1 << mask_class_bits(G); }
+constexpr int mask_class_bits(int G) { return std::min(2, G); }
+constexpr int mask_classes(int G) { return 1 << mask_class_bits(G); }
 
 // One owner's list split into its mask classes (arrivals._Lists): each class's records, where it
 // starts, the copies before it, and (once a walk needs them) class 0's low-bit probabilities.
@@ -56,12 +56,13 @@ struct OwnerList {
 
 // _Lists.of for one list: classes >= 1 hold a top bit on every record (their records are its
 // copies), class 0 the rest. Counts only: every sum here is exact in any order.
-void split_classes(OwnerList& list, double records, const double* class_copies, int G, int K, int low) {
+template <int G, typename Count, int K = mask_classes(G), int low = G - mask_class_bits(G)>
+void split_classes(OwnerList& list, double records, const Count* class_copies) {
   double top_sum = 0.0;
   std::array<double, kMaxClasses>& class_records = list.class_records;
   class_records = {};
   for (int k = 0; k < K; ++k)
-    for (int j = 0; j < G; ++j) list.class_copies[k][j] = class_copies[k * G + j];
+    for (int j = 0; j < G; ++j) list.class_copies[k][j] = static_cast<double>(class_copies[k * G + j]);
   for (int k = 1; k < K; ++k) {
     double most = list.class_copies[k][low];
     for (int j = low + 1; j < G; ++j) most = std::max(most, list.class_copies[k][j]);
@@ -79,7 +80,8 @@ void split_classes(OwnerList& list, double records, const double* class_copies, 
 }
 
 // arrivals._target_probabilities of one class's low targets.
-Row target_probabilities(double records, const Row& copies, int low) {
+template <int low>
+Row target_probabilities(double records, const Row& copies) {
   Row p{};
   for (int j = 0; j < low; ++j) {
     const double raw = records > 0.0 ? copies[j] / std::max(records, 1.0) : 0.0;
@@ -89,8 +91,9 @@ Row target_probabilities(double records, const Row& copies, int low) {
 }
 
 // arrivals._bit_probabilities for class 0 of one list (Newton from s = 1 on s = 1 - prod(1 - p_j s)).
-void solve_class0(OwnerList& list, int low) {
-  const Row p = target_probabilities(list.class_records[0], list.class_copies[0], low);
+template <int low>
+void solve_class0(OwnerList& list) {
+  const Row p = target_probabilities<low>(list.class_records[0], list.class_copies[0]);
   double some = 1.0;
   for (int step = 0; step < kNewtonSteps; ++step) {
     Row free{};
@@ -114,7 +117,8 @@ void solve_class0(OwnerList& list, int low) {
 // arrivals._walk at one position x strictly inside a class of `records` records: expected copies
 // per low target among its first x records (bits walked from the highest; masks without bit b
 // sort first).
-Row walk(double records, const Row& q, double some, double x, int low) {
+template <int low>
+Row walk(double records, const Row& q, double some, double x) {
   const double mass = records / some;  // the empty mask counts too: it sorts first
   double left = x + (mass - records), subtree = mass, taken_so_far = 0.0;
   Row below{}, taken{}, on_path{};
@@ -140,7 +144,8 @@ Row walk(double records, const Row& q, double some, double x, int low) {
 // _Lists.copies_at at one position: all the list's copies at its end; else the copies of the
 // classes before the one x falls in (the last starting at or before x) plus, strictly inside
 // it, the walk of its low bits and its top bits on every record.
-Row copies_at(OwnerList& list, double x, int G, int K, int low) {
+template <int G, int K = mask_classes(G), int low = G - mask_class_bits(G)>
+Row copies_at(OwnerList& list, double x) {
   if (x >= list.starts[K]) return list.before[K];
   int k = 0;
   for (int c = 1; c < K; ++c) k += list.starts[c] <= x;
@@ -149,12 +154,12 @@ Row copies_at(OwnerList& list, double x, int G, int K, int low) {
   if (!(inside > 0.0)) return out;
   Row part{};
   const double records = list.class_records[k];
-  if (low > 0) {
+  if constexpr (low > 0) {
     if (k == 0) {
-      if (!list.solved) solve_class0(list, low);
-      part = walk(records, list.q0, list.some0, inside, low);
+      if (!list.solved) solve_class0<low>(list);
+      part = walk<low>(records, list.q0, list.some0, inside);
     } else {
-      part = walk(records, target_probabilities(records, list.class_copies[k], low), 1.0, inside, low);
+      part = walk<low>(records, target_probabilities<low>(records, list.class_copies[k]), 1.0, inside);
     }
   }
   for (int j = low; j < G; ++j) part[j] = inside * (list.class_copies[k][j] > 0.0 ? 1.0 : 0.0);
@@ -162,11 +167,13 @@ Row copies_at(OwnerList& list, double x, int G, int K, int low) {
   return out;
 }
 
-}  // namespace
-
-void arrival_copies_into(const double* records, const double* class_copies, const int64_t* relay, int64_t N,
-                         int64_t G, int64_t C, double* out) {
-  const int g = static_cast<int>(G), K = mask_classes(g), low = g - mask_class_bits(g);
+// arrival_copies_into for one G (a compile-time constant: the loops over GPUs and bits unroll) and
+// one type of class copies (float64, or the count exchange's int64: exact as float64).
+template <int g, typename Count>
+void arrival_copies_for(const double* records, const Count* class_copies, const int64_t* relay, int64_t N, int64_t C,
+                        double* out) {
+  constexpr int64_t G = g;
+  constexpr int K = mask_classes(g);
 
   std::array<OwnerList, kMaxGpus> lists;
   std::array<Row, kMaxGpus> keep_end{}, moved{}, moved_end{};  // [o][l]
@@ -181,7 +188,7 @@ void arrival_copies_into(const double* records, const double* class_copies, cons
       // Each owner's list: kept part first, then its moved parts to arrival GPU 0, 1, ... in turn.
       for (int o = 0; o < g; ++o) {
         OwnerList& list = lists[o];
-        split_classes(list, records[(s * G + o) * N + d], class_copies + ((s * G + o) * N + d) * K * G, g, K, low);
+        split_classes<g, Count>(list, records[(s * G + o) * N + d], class_copies + ((s * G + o) * N + d) * K * G);
         keep[o] = static_cast<double>(pair_relay[o * G + o]);
         double run = keep[o];
         for (int l = 0; l < g; ++l) {
@@ -223,7 +230,7 @@ void arrival_copies_into(const double* records, const double* class_copies, cons
         const Row& owner_copies = lists[o].before[K];
         for (int i = 0; i < g; ++i) {
           const bool repeated = i > 0 && keep_end[o][i] == keep_end[o][i - 1];
-          at_bounds[o][i] = repeated ? at_bounds[o][i - 1] : copies_at(lists[o], keep_end[o][i], g, K, low);
+          at_bounds[o][i] = repeated ? at_bounds[o][i - 1] : copies_at<g>(lists[o], keep_end[o][i]);
         }
         for (int l = 0; l + 1 < g; ++l)
           for (int j = 0; j < g; ++j) seg[o][l][j] = at_bounds[o][l + 1][j] - at_bounds[o][l][j];
@@ -244,7 +251,7 @@ void arrival_copies_into(const double* records, const double* class_copies, cons
             upto = total;
           } else {
             const int owner = cut_owner[l * C + k];
-            const Row at_cut = copies_at(lists[owner], cut_position[l * C + k], g, K, low);
+            const Row at_cut = copies_at<g>(lists[owner], cut_position[l * C + k]);
             Row before{};  // the block's owners before the cut's, in ascending order
             for (int o = 0; o < owner; ++o)
               for (int j = 0; j < g; ++j) before[j] += seg[o][l][j];
@@ -259,6 +266,34 @@ void arrival_copies_into(const double* records, const double* class_copies, cons
       }
     }
   }
+}
+
+template <typename Count>
+void arrival_copies_any(const double* records, const Count* class_copies, const int64_t* relay, int64_t N, int64_t G,
+                        int64_t C, double* out) {
+  switch (G) {
+    case 1: return arrival_copies_for<1>(records, class_copies, relay, N, C, out);
+    case 2: return arrival_copies_for<2>(records, class_copies, relay, N, C, out);
+    case 3: return arrival_copies_for<3>(records, class_copies, relay, N, C, out);
+    case 4: return arrival_copies_for<4>(records, class_copies, relay, N, C, out);
+    case 5: return arrival_copies_for<5>(records, class_copies, relay, N, C, out);
+    case 6: return arrival_copies_for<6>(records, class_copies, relay, N, C, out);
+    case 7: return arrival_copies_for<7>(records, class_copies, relay, N, C, out);
+    case 8: return arrival_copies_for<8>(records, class_copies, relay, N, C, out);
+    default: RW_CHECK(false, "G must be in 1..", kMaxGpus, ", got ", G);
+  }
+}
+
+}  // namespace
+
+void arrival_copies_into(const double* records, const double* class_copies, const int64_t* relay, int64_t N,
+                         int64_t G, int64_t C, double* out) {
+  arrival_copies_any(records, class_copies, relay, N, G, C, out);
+}
+
+void arrival_copies_into(const double* records, const int64_t* class_copies, const int64_t* relay, int64_t N,
+                         int64_t G, int64_t C, double* out) {
+  arrival_copies_any(records, class_copies, relay, N, G, C, out);
 }
 
 at::Tensor arrival_copies(const at::Tensor& records_NGN, const at::Tensor& class_copies_NGNKG,

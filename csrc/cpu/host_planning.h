@@ -43,8 +43,11 @@ inline void check_host(const at::Tensor& t, const char* name, at::ScalarType dty
 // The arrival model (arrivals.cpp): adds into out [N, N, C, G, G], which must hold zeros, the
 // expected copies from node s arriving on GPU (d, l) in chunk k for GPU (d, j). records [N, G, N],
 // class copies [N, G, N, K, G] (per mask class, traffic.mask_classes), relay [N, N, G, G]
-// (RailBalance's, o == l: the kept part).
+// (RailBalance's, o == l: the kept part). The class copies as float64 (arrival_copies' input,
+// fractional counts allowed) or as the count exchange's int64 (path_estimates: no conversion pass).
 void arrival_copies_into(const double* records, const double* class_copies, const int64_t* relay, int64_t N, int64_t G,
                          int64_t C, double* out);
+void arrival_copies_into(const double* records, const int64_t* class_copies, const int64_t* relay, int64_t N,
+                         int64_t G, int64_t C, double* out);
 
 }  // namespace railwave::cpu

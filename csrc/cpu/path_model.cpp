@@ -135,18 +135,20 @@ at::Tensor path_estimates(const at::Tensor& records_WN, const at::Tensor& copies
   check_host(copies_WNKG, "copies_WNKG", at::kLong, {W, N, K, G});
   check_host(eligible_NNG, "eligible_NNG", at::kBool, {N, N, G});
   check_host(window_NN, "window_NN", at::kLong, {N, N});
-  // The gathered counts as the reference reads them: records_NGN [s, o, d], class copies
-  // [s, o, d, k, j] and their sum over the classes copies_NGNG [s, o, d, j] in float64 (rank
-  // w = s * G + o; counts: exact in any order), records_NNG [s, d, o] for RailBalance's relay.
+  // The gathered counts as the reference reads them: records_NGN [s, o, d] in float64 and, for
+  // the local pairs (the only ones read here), the class copies' sum over the classes
+  // copies_NGNG [s, o, s, j] (rank w = s * G + o; counts: exact as float64 in any order); the
+  // arrival model reads the int64 class copies itself. records_NNG [s, d, o] for the relay.
   const int64_t* records_w = records_WN.data_ptr<int64_t>();
   const int64_t* copies_w = copies_WNKG.data_ptr<int64_t>();
-  std::vector<double> records_f(static_cast<size_t>(W * N)), class_copies_f(static_cast<size_t>(W * N * K * G));
+  std::vector<double> records_f(static_cast<size_t>(W * N));
   std::vector<double> copies_f(static_cast<size_t>(W * N * G), 0.0);
   for (int64_t i = 0; i < W * N; ++i) records_f[i] = static_cast<double>(records_w[i]);
-  for (int64_t i = 0; i < W * N * K * G; ++i) class_copies_f[i] = static_cast<double>(copies_w[i]);
-  for (int64_t row = 0; row < W * N; ++row)
+  for (int64_t w = 0; w < W; ++w) {
+    const int64_t row = w * N + w / G;  // rank w's row for its own node
     for (int64_t k = 0; k < K; ++k)
-      for (int64_t j = 0; j < G; ++j) copies_f[row * G + j] += class_copies_f[(row * K + k) * G + j];
+      for (int64_t j = 0; j < G; ++j) copies_f[row * G + j] += static_cast<double>(copies_w[(row * K + k) * G + j]);
+  }
   at::Tensor records_NNG = at::empty({N, N, G}, records_WN.options());
   int64_t* rec_nng = records_NNG.data_ptr<int64_t>();
   for (int64_t s = 0; s < N; ++s)
@@ -214,7 +216,7 @@ at::Tensor path_estimates(const at::Tensor& records_WN, const at::Tensor& copies
     }
   }
   std::vector<double> wire(static_cast<size_t>(N * N * C * G * G), 0.0);
-  arrival_copies_into(records, class_copies_f.data(), relay_NNGG.data_ptr<int64_t>(), N, G, C, wire.data());
+  arrival_copies_into(records, copies_w, relay_NNGG.data_ptr<int64_t>(), N, G, C, wire.data());
   for (int64_t block = 0; block < N * N * C; ++block)  // a copy that arrives on its target stays there
     for (int64_t l = 0; l < G; ++l)
       for (int64_t j = 0; j < G; ++j) wire[(block * G + l) * G + j] *= l == j ? 0.0 : 1.0;
