@@ -39,6 +39,7 @@ from .traffic import MiB, SelectorScales, TrafficStats, dtype_bytes
 
 __all__ = [
     "ALL_PATHS",
+    "PASS_EXCHANGES",
     "ReplayRequest",
     "MeasureBackend",
     "NetmodelBackend",
@@ -867,6 +868,13 @@ def count_path_changes(rows: Sequence[ValidationRow]) -> dict[str, int]:
     return out
 
 
+PASS_EXCHANGES: dict[str, int] = {"forward only": 1, "training": 2, "training with recompute": 3}
+"""Layer exchanges (dispatch + combine) that run on one decision's path, per kind of layer call
+(``ValidationResult.with_decision_cost``): a forward alone (inference, RL rollouts); training (the
+backward runs the forward's schedule mirrored); training with activation recompute (the recompute
+replays the first forward's path without deciding again)."""
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ValidationResult:
     rows: tuple[ValidationRow, ...]
@@ -914,25 +922,41 @@ class ValidationResult:
             },
         }
 
-    def with_decision_cost(self, decision_s: float) -> dict[str, Any]:
+    def with_decision_cost(self, decision_s: float, *, exchanges_per_decision: int = 1) -> dict[str, Any]:
         """The selection against always-JOINT once each layer's decision is paid for: JOINT needs
         none (its plan is built on every path), the selector ``decision_s`` host seconds per layer
-        (measured by the caller, ``railwave validate``: on the critical path, between the count
+        call (measured by the caller, ``railwave validate``: on the critical path, between the count
         exchange and the plan). The gain per layer of the best path per request against JOINT is
         the most any selector can save, so a decision costing more cannot pay for itself.
 
+        Args:
+            decision_s: host seconds of one decision.
+            exchanges_per_decision: the layer's exchanges (a dispatch and a combine each) that run
+                on one decision's path (``PASS_EXCHANGES``): 1 for a forward-only call, 2 in
+                training, where the backward's combine-backward and dispatch-backward run the
+                forward's schedule mirrored (``exchange.layer``: the same handle, rows of the same
+                payload), 3 with activation recompute, which replays the first forward's path
+                (``dispatcher``: no new decision). Each further exchange is charged the request's
+                modelled time again: the flow model times the mirrored backward as the forward
+                (the same transfers and record bytes; the count exchange, the same on every path,
+                is not repeated, which changes no difference between paths).
+
         Raises:
-            ValueError: ``decision_s`` negative or not finite.
+            ValueError: ``decision_s`` negative or not finite; ``exchanges_per_decision`` < 1.
         """
         if not (math.isfinite(decision_s) and decision_s >= 0):
             raise ValueError(f"decision_s must be a finite number of seconds >= 0, got {decision_s!r}")
+        uses = exchanges_per_decision
+        if isinstance(uses, bool) or not isinstance(uses, int) or uses < 1:
+            raise ValueError(f"exchanges_per_decision must be an integer >= 1, got {uses!r}")
         totals = self.summary()
         n = totals["num_requests"]
-        joint, selected = totals["total_fixed_s"][str(Path.JOINT)], totals["total_selected_s"]
-        best = totals["total_best_per_request_s"]
+        joint, selected = uses * totals["total_fixed_s"][str(Path.JOINT)], uses * totals["total_selected_s"]
+        best = uses * totals["total_best_per_request_s"]
         with_decisions = selected + n * decision_s
         return {
             "decision_s_per_layer": decision_s,
+            "exchanges_per_decision": uses,
             "selected_gain_s_per_layer": (joint - selected) / n if n else 0.0,
             "best_gain_s_per_layer": (joint - best) / n if n else 0.0,
             "total_selected_with_decisions_s": with_decisions,
@@ -940,6 +964,11 @@ class ValidationResult:
             "total_with_decisions_beats_always_joint": bool(n) and with_decisions < joint,
             "a_decision_could_pay": bool(n) and decision_s < (joint - best) / n,
         }
+
+    def decision_cost_by_pass(self, decision_s: float) -> dict[str, dict[str, Any]]:
+        """``with_decision_cost`` for each kind of layer call in ``PASS_EXCHANGES``."""
+        return {name: self.with_decision_cost(decision_s, exchanges_per_decision=uses)
+                for name, uses in PASS_EXCHANGES.items()}
 
     def to_dict(self) -> dict[str, Any]:
         return {"summary": self.summary(), "requests": [r.to_dict() for r in self.rows]}

@@ -17,14 +17,18 @@ The selector's host decision cost per layer (``bench_selector``: as the dispatch
 the counts in the count exchange's form) is measured on every run; with a backend it is set
 against the gain: the selection's and the best path per request's saving per layer against
 always-JOINT, and the totals with the decisions paid (``ValidationResult.with_decision_cost``;
-a host timing of this machine, reported, not a goal). ``--bench`` alone needs no backend.
+a host timing of this machine, reported, not a goal), for a forward-only call and for training,
+where one decision's path also runs the backward (and the recompute). ``--bench`` alone needs no
+backend.
 
 JSON written by ``--json``: ``held_out`` (the validation settings), ``summary`` (``goals``,
 ``num_path_changes``, ``path_changes_per_sequence``, totals, worst ratio, ...), ``requests`` (per
 request: sequence, position, selected, anchor, selected_s, joint_s, best_path, best_s,
 ratio_to_best, within_goal, gain_vs_joint, median_s per path), ``bench`` (us_per_decision,
 us_per_descriptors, descriptors_in_decision, num_anchors, repeats) and, with a backend,
-``decision_cost`` (``ValidationResult.with_decision_cost``).
+``decision_cost`` (``ValidationResult.with_decision_cost``, a forward-only call) and
+``decision_cost_by_pass`` (the same for each kind of layer call: forward only, training, training
+with recompute, ``calibration.PASS_EXCHANGES``).
 """
 
 from __future__ import annotations
@@ -239,15 +243,26 @@ def run(args: argparse.Namespace) -> int:
         _render.print_text(
             f"goal 2, total beats always-JOINT: {'MET' if goals['total_beats_always_joint'] else 'MISSED'} "
             f"({s['selected_vs_joint_policy']:.3f})")
-        paid = result.with_decision_cost(bench["us_per_decision"] * 1e-6)
+        by_pass = result.decision_cost_by_pass(bench["us_per_decision"] * 1e-6)
+        paid = by_pass["forward only"]
         out["decision_cost"] = paid
+        out["decision_cost_by_pass"] = by_pass
         _render.print_text(
-            f"with the decision cost ({paid['decision_s_per_layer'] * 1e6:.0f} us per layer, measured above): "
+            f"with the decision cost ({paid['decision_s_per_layer'] * 1e6:.0f} us per layer call, measured above): "
             f"selected + decisions / JOINT {paid['selected_with_decisions_vs_joint_policy']:.4f} "
             f"({'beats' if paid['total_with_decisions_beats_always_joint'] else 'does not beat'} always-JOINT); "
             f"per layer the selection saves {paid['selected_gain_s_per_layer'] * 1e6:.1f} us against JOINT, the best "
             f"path per request {paid['best_gain_s_per_layer'] * 1e6:.1f} us (the most any decision can earn: "
             f"{'more' if paid['a_decision_could_pay'] else 'less'} than this decision costs)")
+        for name, uses in calibration.PASS_EXCHANGES.items():
+            if uses == 1:
+                continue
+            p = by_pass[name]
+            _render.print_text(
+                f"  {name} ({uses} exchanges on one decision's path): selected + decisions / JOINT "
+                f"{p['selected_with_decisions_vs_joint_policy']:.4f} "
+                f"({'beats' if p['total_with_decisions_beats_always_joint'] else 'does not beat'} always-JOINT), "
+                f"saving {p['selected_gain_s_per_layer'] * 1e6:.1f} us per decision")
         if compare is not None:
             _render.print_text(
                 f"the anchor rule on the same requests and medians: {compare['num_over_tolerance']} over {tol:.2f}x "

@@ -278,6 +278,20 @@ def test_decision_cost_is_charged_per_layer_against_always_joint():
     assert result.summary()["goals"]["all_met"]  # the flow-model goals do not read the host timing
     with pytest.raises(ValueError, match="decision_s must be"):
         result.with_decision_cost(-1.0)
+    # In training one decision's path runs the forward and the backward: twice the saving for one
+    # decision, so 3 ms now pays (0.584 + 0.009 < 0.6) and 4 ms could (best: 6.7 ms per decision).
+    training = result.with_decision_cost(3e-3, exchanges_per_decision=2)
+    assert training["selected_gain_s_per_layer"] == pytest.approx(0.016 / 3)
+    assert training["total_selected_with_decisions_s"] == pytest.approx(0.584 + 0.009)
+    assert training["selected_with_decisions_vs_joint_policy"] == pytest.approx(0.593 / 0.6)
+    assert training["total_with_decisions_beats_always_joint"] and training["a_decision_could_pay"]
+    assert result.with_decision_cost(4e-3, exchanges_per_decision=2)["a_decision_could_pay"]
+    by_pass = result.decision_cost_by_pass(3e-3)
+    assert {name: p["exchanges_per_decision"] for name, p in by_pass.items()} == calibration.PASS_EXCHANGES
+    assert by_pass["forward only"] == costly and by_pass["training"] == training
+    for bad in (0, 1.5, True):
+        with pytest.raises(ValueError, match="exchanges_per_decision must be"):
+            result.with_decision_cost(1e-3, exchanges_per_decision=bad)
 
 
 def test_path_changes_count_consecutive_layers_per_sequence():
@@ -368,6 +382,8 @@ def test_calibrate_and_validate_cli_with_fake_backend(tmp_path, monkeypatch, cap
     paid = data["decision_cost"]
     assert paid["decision_s_per_layer"] == pytest.approx(data["bench"]["us_per_decision"] * 1e-6)
     assert paid["total_selected_with_decisions_s"] > data["summary"]["total_selected_s"]
+    assert data["decision_cost_by_pass"]["forward only"] == paid
+    assert data["decision_cost_by_pass"]["training"]["exchanges_per_decision"] == 2
     printed = capsys.readouterr().out
     assert "selector decision cost" in printed and "goal 1" in printed and "goal 2" in printed
     assert "with the decision cost" in printed
