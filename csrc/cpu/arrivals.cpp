@@ -228,6 +228,14 @@ void arrival_copies_for(const double* records, const Count* class_copies, const 
       // Copies at each part's start; a part's copies are the difference to the next part's start.
       for (int o = 0; o < g; ++o) {
         const Row& owner_copies = lists[o].before[K];
+        if (keep[o] >= lists[o].starts[K]) {
+          // It keeps its whole list (most owners: RailBalance moves only a pair's excess): every
+          // part but the kept one is empty (the general case's x - x, +0.0) and starts at the end.
+          at_bounds[o].fill(owner_copies);
+          seg[o].fill(Row{});
+          seg[o][o] = owner_copies;
+          continue;
+        }
         for (int i = 0; i < g; ++i) {
           const bool repeated = i > 0 && keep_end[o][i] == keep_end[o][i - 1];
           at_bounds[o][i] = repeated ? at_bounds[o][i - 1] : copies_at<g>(lists[o], keep_end[o][i]);
