@@ -8,7 +8,8 @@
 // Why compiled: the reference works on [N, N, G, G, G] arrays in ~100 numpy calls, milliseconds
 // per layer, most of it call overhead. The selector pays it on every MoE layer call, on the
 // critical path. Here it is loops over the same N * N * G lists, each walked at its few interior
-// positions, class 0's bit probabilities solved only where a walk needs them.
+// positions, class 0's bit probabilities solved only where a walk needs them, compiled once per G
+// (1-8, so the loops over GPUs and bits unroll), an owner that keeps its whole list not walked.
 //
 // Same bits as the reference: every float operation is its, in its order (numpy's pairwise sum
 // where it sums along a last axis, numpy_sum; one term after another where it sums another axis).
