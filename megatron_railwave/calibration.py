@@ -813,6 +813,8 @@ class ValidationRow:
 
     ``sequence`` names the run of consecutive layers the request belongs to (same workload seed,
     T, arrangement and scale) and ``position`` its layer there; path changes are counted along it.
+    ``windows``: the sending windows of the request's input (1: all node pairs at once, the input
+    the dispatcher sends; more: a replay arrangement, ``request_windows``).
     """
 
     request: str
@@ -823,6 +825,7 @@ class ValidationRow:
     best: Path
     sequence: str = ""
     position: int = 0
+    windows: int = 1
 
     @property
     def selected_s(self) -> float:
@@ -847,7 +850,7 @@ class ValidationRow:
 
     def to_dict(self) -> dict[str, Any]:
         return {"request": self.request, "sequence": self.sequence, "position": self.position,
-                "coords": list(self.coords), "selected": str(self.selected),
+                "windows": self.windows, "coords": list(self.coords), "selected": str(self.selected),
                 "anchor": self.anchor, "selected_s": self.selected_s, "joint_s": self.joint_s,
                 "best_path": str(self.best), "best_s": self.best_s, "ratio_to_best": self.ratio_to_best,
                 "within_goal": self.ratio_to_best <= MAX_RATIO_TO_BEST * (1.0 + _RULE_RTOL),
@@ -936,10 +939,15 @@ class ValidationResult:
                 training, where the backward's combine-backward and dispatch-backward run the
                 forward's schedule mirrored (``exchange.layer``: the same handle, rows of the same
                 payload), 3 with activation recompute, which replays the first forward's path
-                (``dispatcher``: no new decision). Each further exchange is charged the request's
-                modelled time again: the flow model times the mirrored backward as the forward
-                (the same transfers and record bytes; the count exchange, the same on every path,
-                is not repeated, which changes no difference between paths).
+                (``dispatcher``: the count exchange and the plan again, without the delivery
+                counts, but no decision). Each further exchange is charged the request's modelled
+                time again: the flow model times the mirrored backward as the forward (the same
+                transfers and payload bytes; the backward repeats no count exchange, the same on
+                every path, so no difference between paths changes).
+
+        Returns:
+            the totals with the decisions paid; ``selected_gain_s_per_layer`` and
+            ``best_gain_s_per_layer`` are per decision (a layer call and the exchanges on its path).
 
         Raises:
             ValueError: ``decision_s`` negative or not finite; ``exchanges_per_decision`` < 1.
@@ -957,6 +965,7 @@ class ValidationResult:
         return {
             "decision_s_per_layer": decision_s,
             "exchanges_per_decision": uses,
+            "num_requests": n,
             "selected_gain_s_per_layer": (joint - selected) / n if n else 0.0,
             "best_gain_s_per_layer": (joint - best) / n if n else 0.0,
             "total_selected_with_decisions_s": with_decisions,
@@ -965,9 +974,16 @@ class ValidationResult:
             "a_decision_could_pay": bool(n) and decision_s < (joint - best) / n,
         }
 
+    def all_pairs(self) -> ValidationResult:
+        """The requests whose input is sent all node pairs at once (``ValidationRow.windows`` 1):
+        what the dispatcher sends on every layer call; the others are replay arrangements."""
+        return ValidationResult(rows=tuple(r for r in self.rows if r.windows == 1))
+
     def decision_cost_by_pass(self, decision_s: float) -> dict[str, dict[str, Any]]:
-        """``with_decision_cost`` for each kind of layer call in ``PASS_EXCHANGES``."""
-        return {name: self.with_decision_cost(decision_s, exchanges_per_decision=uses)
+        """``with_decision_cost`` on the all-pairs requests (``all_pairs``: the dispatcher's input)
+        for each kind of layer call in ``PASS_EXCHANGES``."""
+        dispatched = self.all_pairs()
+        return {name: dispatched.with_decision_cost(decision_s, exchanges_per_decision=uses)
                 for name, uses in PASS_EXCHANGES.items()}
 
     def to_dict(self) -> dict[str, Any]:
@@ -998,7 +1014,7 @@ def validate(backend: MeasureBackend, selector: AnchorSelector | ModelSelector, 
             rows.append(ValidationRow(request=req.name, coords=choice.coords, selected=choice.path,
                                       anchor=choice.anchor, median_s=medians, best=best,
                                       sequence=str(req.meta.get("sequence", "")),
-                                      position=int(req.meta.get("position", 0))))
+                                      position=int(req.meta.get("position", 0)), windows=request_windows(req)))
     return ValidationResult(rows=tuple(rows))
 
 

@@ -23,6 +23,7 @@
 
 #include <algorithm>
 #include <array>
+#include <cmath>
 #include <vector>
 
 #include "../common/ops.h"
@@ -229,7 +230,10 @@ void arrival_copies_for(const double* records, const Count* class_copies, const 
       // Copies at each part's start; a part's copies are the difference to the next part's start.
       for (int o = 0; o < g; ++o) {
         const Row& owner_copies = lists[o].before[K];
-        if (keep[o] >= lists[o].starts[K]) {
+        bool whole = true;  // every part starts at the list's end and its copies are finite
+        for (int i = 0; i < g; ++i) whole = whole && keep_end[o][i] >= lists[o].starts[K];
+        for (int j = 0; j < g; ++j) whole = whole && std::isfinite(owner_copies[j]);
+        if (whole) {
           // It keeps its whole list (most owners: RailBalance moves only a pair's excess): every
           // part but the kept one is empty (the general case's x - x, +0.0) and starts at the end.
           at_bounds[o].fill(owner_copies);

@@ -288,7 +288,15 @@ def test_decision_cost_is_charged_per_layer_against_always_joint():
     assert result.with_decision_cost(4e-3, exchanges_per_decision=2)["a_decision_could_pay"]
     by_pass = result.decision_cost_by_pass(3e-3)
     assert {name: p["exchanges_per_decision"] for name, p in by_pass.items()} == calibration.PASS_EXCHANGES
-    assert by_pass["forward only"] == costly and by_pass["training"] == training
+    assert by_pass["forward only"] == costly and by_pass["training"] == training  # every row all pairs
+    # Only the requests sent all node pairs at once count per pass: with b in windows, the
+    # selection saves nothing on a and loses 2 ms on c.
+    windowed = calibration.ValidationResult(rows=(rows[0], dataclasses.replace(rows[1], windows=3), rows[2]))
+    assert windowed.all_pairs().rows == (rows[0], rows[2])
+    by_pass = windowed.decision_cost_by_pass(0.0)
+    assert by_pass["training"]["num_requests"] == 2
+    assert by_pass["training"]["selected_gain_s_per_layer"] == pytest.approx(-0.004 / 2)
+    assert not by_pass["training with recompute"]["total_with_decisions_beats_always_joint"]
     for bad in (0, 1.5, True):
         with pytest.raises(ValueError, match="exchanges_per_decision must be"):
             result.with_decision_cost(1e-3, exchanges_per_decision=bad)
@@ -382,8 +390,13 @@ def test_calibrate_and_validate_cli_with_fake_backend(tmp_path, monkeypatch, cap
     paid = data["decision_cost"]
     assert paid["decision_s_per_layer"] == pytest.approx(data["bench"]["us_per_decision"] * 1e-6)
     assert paid["total_selected_with_decisions_s"] > data["summary"]["total_selected_s"]
-    assert data["decision_cost_by_pass"]["forward only"] == paid
-    assert data["decision_cost_by_pass"]["training"]["exchanges_per_decision"] == 2
+    by_pass = data["decision_cost_by_pass"]
+    all_pairs = [r for r in data["requests"] if r["windows"] == 1]
+    assert 0 < len(all_pairs) < len(data["requests"])  # arrangements in windows are not the dispatcher's input
+    assert by_pass["forward only"]["num_requests"] == len(all_pairs)
+    assert by_pass["training"]["exchanges_per_decision"] == 2
+    assert by_pass["training"]["selected_gain_s_per_layer"] == pytest.approx(
+        2 * sum(r["joint_s"] - r["selected_s"] for r in all_pairs) / len(all_pairs))
     printed = capsys.readouterr().out
     assert "selector decision cost" in printed and "goal 1" in printed and "goal 2" in printed
     assert "with the decision cost" in printed
