@@ -246,9 +246,12 @@ class ModelSelector:
         """Predicted log(t_RAIL / t_JOINT); None without remote payload (every path is the same),
         above the model's payload gate for the input kind (``RailJointModel.gate``: no estimate is
         computed) or without coefficients for the input kind."""
-        # In numpy on the host counts (the path model reads them there too): half the cost of the
-        # torch reductions on these few dozen numbers.
-        records_NGN = demand.records_NGN().numpy()
+        # In numpy on the host counts (the path model reads them there too), records_NGN's layout
+        # reshaped there: a torch view and torch reductions cost twice as much on these few dozen
+        # numbers, on every layer call.
+        records_WN = demand.records_WN.numpy()
+        w, n = records_WN.shape
+        records_NGN = records_WN.reshape(n, w // n, n)
         remote = int(records_NGN.sum() - records_NGN.diagonal(axis1=0, axis2=2).sum())
         if not (record_bytes > 0 and remote > 0):
             return None
