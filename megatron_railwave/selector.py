@@ -37,7 +37,6 @@ from pathlib import Path as FsPath
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
-import torch
 
 from .anchors import DEFAULT_PAYLOAD_RATIO, DEFAULT_SHAPE_DISTANCE, Anchor, AnchorSet, load_anchors
 from .path_model import RailJointModel, path_features
@@ -246,13 +245,7 @@ class ModelSelector:
         """Predicted log(t_RAIL / t_JOINT); None without remote payload (every path is the same),
         above the model's payload gate for the input kind (``RailJointModel.gate``: no estimate is
         computed) or without coefficients for the input kind."""
-        # In numpy on the host counts (the path model reads them there too), records_NGN's layout
-        # reshaped there: a torch view and torch reductions cost twice as much on these few dozen
-        # numbers, on every layer call.
-        records_WN = demand.records_WN.numpy()
-        w, n = records_WN.shape
-        records_NGN = records_WN.reshape(n, w // n, n)
-        remote = int(records_NGN.sum() - records_NGN.diagonal(axis1=0, axis2=2).sum())
+        remote = demand.remote_records()
         if not (record_bytes > 0 and remote > 0):
             return None
         input_windows = _input_windows(windows)

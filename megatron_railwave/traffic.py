@@ -170,6 +170,15 @@ class DemandCounts:
         w, n = self.records_WN.shape
         return self.records_WN.view(n, w // n, n)
 
+    def remote_records(self) -> int:
+        """Records sent to another node, from host counts. In numpy: the selector reads it on
+        every layer call, and a torch view plus torch reductions cost twice as much on these few
+        dozen numbers."""
+        records_WN = self.records_WN.numpy()
+        w, n = records_WN.shape
+        records_NGN = records_WN.reshape(n, w // n, n)
+        return int(records_NGN.sum() - records_NGN.diagonal(axis1=0, axis2=2).sum())
+
     def masks_into(self, node: int) -> torch.Tensor:
         """[W, M] int64: records every rank sends to ``node``, by target mask."""
         if self.records_WNM is not None:

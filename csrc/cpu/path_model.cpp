@@ -135,19 +135,19 @@ at::Tensor path_estimates(const at::Tensor& records_WN, const at::Tensor& copies
   check_host(copies_WNKG, "copies_WNKG", at::kLong, {W, N, K, G});
   check_host(eligible_NNG, "eligible_NNG", at::kBool, {N, N, G});
   check_host(window_NN, "window_NN", at::kLong, {N, N});
-  // The gathered counts as the reference reads them: records_NGN [s, o, d] in float64 and, for
-  // the local pairs (the only ones read here), the class copies' sum over the classes
-  // copies_NGNG [s, o, s, j] (rank w = s * G + o; counts: exact as float64 in any order); the
+  // The gathered counts as the reference reads them: records_NGN [s, o, d] in float64 and each
+  // rank's class copies for its own node summed over the classes, local_copies [w, j] (rank
+  // w = s * G + o; the only copies read here; counts: exact as float64 in any order); the
   // arrival model reads the int64 class copies itself. records_NNG [s, d, o] for the relay.
   const int64_t* records_w = records_WN.data_ptr<int64_t>();
   const int64_t* copies_w = copies_WNKG.data_ptr<int64_t>();
   std::vector<double> records_f(static_cast<size_t>(W * N));
-  std::vector<double> copies_f(static_cast<size_t>(W * N * G), 0.0);
+  std::vector<double> local_copies(static_cast<size_t>(W * G), 0.0);
   for (int64_t i = 0; i < W * N; ++i) records_f[i] = static_cast<double>(records_w[i]);
   for (int64_t w = 0; w < W; ++w) {
     const int64_t row = w * N + w / G;  // rank w's row for its own node
     for (int64_t k = 0; k < K; ++k)
-      for (int64_t j = 0; j < G; ++j) copies_f[row * G + j] += static_cast<double>(copies_w[(row * K + k) * G + j]);
+      for (int64_t j = 0; j < G; ++j) local_copies[w * G + j] += static_cast<double>(copies_w[(row * K + k) * G + j]);
   }
   at::Tensor records_NNG = at::empty({N, N, G}, records_WN.options());
   int64_t* rec_nng = records_NNG.data_ptr<int64_t>();
@@ -162,7 +162,6 @@ at::Tensor path_estimates(const at::Tensor& records_WN, const at::Tensor& copies
     for (int64_t o = 0; o < G; ++o)
       for (int64_t d = 0; d < N; ++d) eligible_f[(s * G + o) * N + d] = allowed[(s * N + d) * G + o] ? 1.0 : 0.0;
   const double* records = records_f.data();
-  const double* copies = copies_f.data();
   const double* eligible = eligible_f.data();
   const int64_t* window = window_NN.data_ptr<int64_t>();
   auto nvlink_s = [&](double copies_) { return copies_ * record_bytes / nvlink_bytes_per_s; };
@@ -203,13 +202,13 @@ at::Tensor path_estimates(const at::Tensor& records_WN, const at::Tensor& copies
   std::vector<double> row(static_cast<size_t>(G));
   for (int64_t d = 0; d < N; ++d) {
     for (int64_t o = 0; o < G; ++o) {  // out of owner (d, o): over targets j, the last axis
-      for (int64_t j = 0; j < G; ++j) row[j] = copies[((d * G + o) * N + d) * G + j] * (o == j ? 0.0 : 1.0);
+      for (int64_t j = 0; j < G; ++j) row[j] = local_copies[(d * G + o) * G + j] * (o == j ? 0.0 : 1.0);
       local_out[d * G + o] = numpy_sum(row.data(), G);
     }
     for (int64_t j = 0; j < G; ++j) {  // into target (d, j): over owners o, a non-last axis
       double sum = 0.0;
       for (int64_t o = 0; o < G; ++o) {
-        const double x = copies[((d * G + o) * N + d) * G + j] * (o == j ? 0.0 : 1.0);
+        const double x = local_copies[(d * G + o) * G + j] * (o == j ? 0.0 : 1.0);
         sum = o == 0 ? x : sum + x;
       }
       local_in[d * G + j] = sum;

@@ -259,10 +259,8 @@ def run(args: argparse.Namespace) -> int:
         if num_all_pairs:
             _render.print_text(f"on the {num_all_pairs} requests sent all node pairs at once (what the dispatcher "
                                "sends; the others are replay arrangements), per kind of layer call:")
-        for name, uses in calibration.PASS_EXCHANGES.items():
+        for name, uses in calibration.PASS_EXCHANGES.items() if num_all_pairs else ():
             p = by_pass[name]
-            if not num_all_pairs:
-                break
             _render.print_text(
                 f"  {name} ({uses} exchange{'s' if uses > 1 else ''} on one decision's path): selected + decisions "
                 f"/ JOINT {p['selected_with_decisions_vs_joint_policy']:.4f} "
