@@ -1,7 +1,8 @@
 """``railwave netmodel``: the flow model's own tools.
 
 * ``fit-incast``: fit the incast alpha to the paper's incast experiment
-  (``netmodel.calibrate.calibrate_incast``) and write the model YAML (``configs/netmodel/``).
+  (``netmodel.calibrate.calibrate_incast``), replay the paper's UltraEP case on the fitted model
+  as a cross-check (4-node clusters) and write the model YAML (``configs/netmodel/``).
 * ``bench-engine``: time the max-min engine on rail all-to-all flow sets
   (``netmodel.bench_engine.time_engine``); JSON: one row per case.
 """
@@ -34,7 +35,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                      help="NVLink delivery model (default after_rail, as the exchange runs it)")
     fit.add_argument("--k-sat", type=int, default=2,
                      help="incast saturation: excess senders after which the loss stops growing (default 2)")
-    fit.add_argument("--max-alpha", type=float, default=1.0, help="upper end of the alpha search (default 1)")
+    fit.add_argument("--max-alpha", type=float, default=8.0,
+                     help="upper end of the alpha search (default 8: a port with 3 senders at 6%% goodput)")
     fit.add_argument("--out", default=None, metavar="YAML", help="write the fitted model here")
     fit.set_defaults(handler=_fit_incast)
     _outputs.declare_outputs(fit, files=("out",))
@@ -56,7 +58,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def _fit_incast(args: argparse.Namespace) -> int:
     from ..netmodel import NetModelConfig
-    from ..netmodel.calibrate import calibrate_incast, write_config
+    from ..netmodel.calibrate import calibrate_incast, ultraep_check, write_config
 
     if args.tokens < 1:
         raise ValueError(f"--tokens must be >= 1, got {args.tokens}")
@@ -70,8 +72,14 @@ def _fit_incast(args: argparse.Namespace) -> int:
     _render.print_text(
         f"alpha = {calib.model.alpha} (ratio {calib.fitted_ratio:.4f}, target {calib.target_ratio:.4f}); "
         f"RING {calib.low_s:.3f} s, EXTREME {calib.high_s:.3f} s; {calib.seconds:.0f} s")
+    check = ultraep_check(topo, calib.model) if topo.num_nodes == 4 else []
+    for row in check:
+        _render.print_text(
+            f"cross-check, the paper's UltraEP case (3 source nodes -> 1, balanced rails, {row.mib_per_gpu:g} MiB per "
+            f"source GPU): PERM over NATIVE {row.dispatch_speedup:.2f}x dispatch, {row.total_speedup:.2f}x dispatch + "
+            f"combine (paper {row.paper_speedup}x per all-to-all)")
     if args.out:
-        write_config(args.out, calib, cluster=args.cluster)
+        write_config(args.out, calib, cluster=args.cluster, cross_check=check)
         _render.print_text(f"wrote {args.out}")
     return 0
 

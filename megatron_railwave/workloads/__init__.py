@@ -40,7 +40,7 @@ from .fit import (
     workload_statistics,
 )
 from .glm import GLM45_AIR, PAPER_PAYLOAD_SCALE, GlmAirWorkload, ModelSpec, glm_air_demands, glm_air_layer_ids, glm_air_trace
-from .synthetic import sample_topk_ids, synthetic_routing_maps, synthetic_topk_ids
+from .synthetic import one_destination_topk_ids, sample_topk_ids, synthetic_routing_maps, synthetic_topk_ids
 
 __all__ = [
     "ArrangeMode",
@@ -78,6 +78,7 @@ __all__ = [
     "glm_air_layer_ids",
     "glm_air_trace",
     "sample_topk_ids",
+    "one_destination_topk_ids",
     "synthetic_routing_maps",
     "synthetic_topk_ids",
     *_capture.__all__,

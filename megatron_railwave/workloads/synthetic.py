@@ -29,7 +29,7 @@ import torch
 from ..topology import RailTopology
 from ..capture import NO_EXPERT, routing_map_from_topk_ids
 
-__all__ = ["sample_topk_ids", "synthetic_topk_ids", "synthetic_routing_maps"]
+__all__ = ["sample_topk_ids", "synthetic_topk_ids", "synthetic_routing_maps", "one_destination_topk_ids"]
 
 _MAX_ROUNDS = 4
 """Rounds of K extra draws for unfinished tokens before the exact Gumbel completion."""
@@ -187,3 +187,36 @@ def synthetic_routing_maps(
         hot_ratio=hot_ratio, locality=locality,
     )
     return [routing_map_from_topk_ids(ids_TK, num_experts) for ids_TK in ids_WTK]
+
+
+def one_destination_topk_ids(topo: RailTopology, *, records_per_gpu: int, destination: int = 0,
+                             source_weights: tuple[float, ...] | None = None) -> np.ndarray:
+    """[W, T, 1] int64 top-1 ids of the paper's UltraEP traffic: every other node sends to one node.
+
+    The paper's appendix A.2 ("three source nodes send to one destination", routing about uniform
+    over the destination node's experts): here E = W experts (one per GPU), every GPU of a source
+    node sends ``round(records_per_gpu * weight)`` tokens, token t of a GPU to GPU t mod G of
+    ``destination`` (uniform over the destination's GPUs, the same count on every source rail:
+    rails locally balanced). The destination node sends nothing; empty slots are -1.
+
+    Args:
+        topo: the cluster (N nodes x G GPUs).
+        records_per_gpu: remote tokens per source GPU at weight 1.
+        destination: the receiving node.
+        source_weights: one factor per source node in node order (source-node skew, the paper's
+            first family; its skew is not published); default all 1.
+    """
+    n, g, world = topo.num_nodes, topo.gpus_per_node, topo.world_size
+    if not 0 <= destination < n:
+        raise ValueError(f"destination must be a node in [0, {n}), got {destination}")
+    sources = [node for node in range(n) if node != destination]
+    weights = tuple(source_weights) if source_weights is not None else (1.0,) * len(sources)
+    if len(weights) != len(sources) or any(not w >= 0 for w in weights) or records_per_gpu < 0:
+        raise ValueError(f"need records_per_gpu >= 0 and {len(sources)} source weights >= 0 (one per source "
+                         f"node), got {records_per_gpu} and {source_weights}")
+    counts = [int(round(records_per_gpu * w)) for w in weights]
+    ids = np.full((world, max(counts, default=0), 1), NO_EXPERT, dtype=np.int64)
+    for node, count in zip(sources, counts):
+        for local in range(g):  # each source GPU starts one GPU further, so remainders spread
+            ids[node * g + local, :count, 0] = destination * g + (np.arange(count) + local) % g
+    return ids

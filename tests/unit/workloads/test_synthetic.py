@@ -3,7 +3,9 @@
 import numpy as np
 import torch
 
-from megatron_railwave.workloads import sample_topk_ids, synthetic_routing_maps
+import pytest
+
+from megatron_railwave.workloads import demand_from_topk_ids, one_destination_topk_ids, sample_topk_ids, synthetic_routing_maps
 from megatron_railwave.topology import RailTopology
 
 
@@ -42,3 +44,20 @@ def test_synthetic_routing_maps_keeps_signature():
     assert len(maps) == 4 and all(m.shape == (16, 8) and m.dtype == torch.bool for m in maps)
     assert all(int(m.sum(dim=1).min()) == 2 == int(m.sum(dim=1).max()) for m in maps)
     assert all(torch.equal(a, b) for a, b in zip(maps, again))
+
+
+def test_one_destination_topk_ids_sends_every_source_node_to_one_node():
+    topo = RailTopology(num_nodes=4, gpus_per_node=8)
+    ids = one_destination_topk_ids(topo, records_per_gpu=20, destination=1, source_weights=(1.0, 0.5, 2.0))
+    demand = demand_from_topk_ids(ids, topo, topo.world_size)
+    records_WN = demand.records_WN.numpy()
+    expected = np.zeros((32, 4), dtype=np.int64)
+    for node, count in zip((0, 2, 3), (20, 10, 40)):
+        expected[node * 8:(node + 1) * 8, 1] = count
+    assert (records_WN == expected).all()  # node 1 sends nothing, every source rail the same count
+    per_gpu = np.bincount(ids[ids >= 0].ravel() - 8, minlength=8)
+    assert per_gpu.max() - per_gpu.min() <= 3  # about uniform over the destination's GPUs
+    with pytest.raises(ValueError, match="source weights"):
+        one_destination_topk_ids(topo, records_per_gpu=20, source_weights=(1.0, 1.0))
+    with pytest.raises(ValueError, match="destination"):
+        one_destination_topk_ids(topo, records_per_gpu=20, destination=4)
