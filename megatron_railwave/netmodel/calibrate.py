@@ -39,7 +39,7 @@ import yaml
 from ..planner import Path, PlanOptions, WaveSchedule, build_plan
 from ..topology import RailTopology
 from ..traffic import DemandCounts
-from ..workloads import scaled_demand
+from ..workloads import demand_from_topk_ids, one_destination_topk_ids, scaled_demand
 from .execute import NetModelConfig, execute_plan
 
 __all__ = ["PAPER_INCAST", "PAPER_ULTRAEP", "IncastCalibration", "ConcentrationCheck", "arranged_layers",
@@ -236,15 +236,12 @@ def ultraep_check(topo: RailTopology, model: NetModelConfig, *, record_bytes: in
             size); default equal sources, where the destination's ports see every sender for
             the whole dispatch.
     """
-    from ..capture import demand_from_topk_ids
-    from ..workloads import one_destination_topk_ids
-
     paper = dict(zip(PAPER_ULTRAEP["mib_per_gpu"], PAPER_ULTRAEP["perm_over_native"]))
     rows = []
     for mib in mib_per_gpu:
         records = int(round(mib * 2**20 / record_bytes))
         ids = one_destination_topk_ids(topo, records_per_gpu=records,
-                                       source_weights=tuple(source_weights) if source_weights else None)
+                                       source_weights=None if source_weights is None else tuple(source_weights))
         demand = demand_from_topk_ids(ids, topo, topo.world_size)
         native, perm = (execute_plan(build_plan(demand, topo, path), record_bytes=record_bytes, model=model,
                                      demand=demand) for path in (Path.NATIVE, Path.PERM))
