@@ -280,12 +280,20 @@ def _model(args: argparse.Namespace, anchor_set: Any):
     """``--model``, else the model recorded in the anchors file, else the built-in defaults."""
     from ..netmodel import NetModelConfig
 
-    if args.model:
-        return load_model(args.model)
     recorded = anchor_set.context.settings.get("model")
-    if isinstance(recorded, dict):
-        return NetModelConfig.from_dict(recorded, source=f"anchors file {args.anchors!r}: context.settings.model")
-    return NetModelConfig()
+    calibrated = (NetModelConfig.from_dict(recorded, source=f"anchors file {args.anchors!r}: context.settings.model")
+                  if isinstance(recorded, dict) else None)
+    if args.model:
+        model = load_model(args.model)
+        if calibrated is not None and model != calibrated:
+            # A what-if, not a validation of the file: its anchors and path model were fitted on
+            # another fabric (e.g. the about max-min presets against the paper-incast ones).
+            changed = ", ".join(f"{k} {calibrated.to_dict()[k]} -> {v}" for k, v in model.to_dict().items()
+                                if calibrated.to_dict().get(k) != v)
+            _render.print_text(f"note: --model differs from the model the anchors file was calibrated on ({changed}); "
+                               "the goals below test the file on another network model")
+        return model
+    return calibrated if calibrated is not None else NetModelConfig()
 
 
 def _describe_held_out(held: dict[str, Any]) -> str:

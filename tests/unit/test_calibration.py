@@ -407,6 +407,13 @@ def test_calibrate_and_validate_cli_with_fake_backend(tmp_path, monkeypatch, cap
     with pytest.raises(SystemExit) as exc:  # held-out families must not be calibrated ones
         main(["validate", "--anchors", str(out), "--backend", "netmodel", "--seed", "1", "--no-progress"])
     assert exc.value.code == 2
+    capsys.readouterr()
+    other = tmp_path / "other_fabric.yaml"  # the file's model with another alpha: a what-if, said so
+    other.write_text("model:\n  alpha: 3.5\n")
+    main(["validate", "--anchors", str(out), "--backend", "netmodel", "--requests", "1", "--seed", "30",
+          "--warmups", "0", "--repeats", "1", "--no-progress", "--model", str(other)])
+    note = [line for line in capsys.readouterr().out.splitlines() if line.startswith("note: --model differs")]
+    assert len(note) == 1 and "alpha 0.0042 -> 3.5" in note[0]
 
 
 def test_validate_cli_errors(tmp_path):
