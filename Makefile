@@ -152,7 +152,7 @@ bench-paper: $(STAMP) $(EXT_STAMP)
 
 # The 256-node study of docs/results.md ("Scale study"), saturating incast on the paper-incast preset
 # (alpha fitted to the paper's +67.1%; SCALE_MODEL=configs/netmodel/h800_4x8.yaml for the about
-# max-min default). Slow: ~20 min wall, up to ~7 GB memory.
+# max-min default). Slow: 11-20 min wall (paper-incast / default), up to ~7 GB memory.
 SCALE_MODEL ?= configs/netmodel/h800_4x8_paper_incast.yaml
 scale-study: $(STAMP)
 	@mkdir -p out

@@ -72,12 +72,14 @@ def _fit_incast(args: argparse.Namespace) -> int:
     _render.print_text(
         f"alpha = {calib.model.alpha} (ratio {calib.fitted_ratio:.4f}, target {calib.target_ratio:.4f}); "
         f"RING {calib.low_s:.3f} s, EXTREME {calib.high_s:.3f} s; {calib.seconds:.0f} s")
-    check = ultraep_check(topo, calib.model) if topo.num_nodes == 4 else []
+    check = ultraep_check(topo, calib.model) if (topo.num_nodes, topo.gpus_per_node) == (4, 8) else []
+    if not check:
+        _render.print_text("cross-check skipped: the paper's UltraEP case ran on 4 nodes x 8 GPUs")
     for row in check:
         _render.print_text(
             f"cross-check, the paper's UltraEP case (3 source nodes -> 1, balanced rails, {row.mib_per_gpu:g} MiB per "
             f"source GPU): PERM over NATIVE {row.dispatch_speedup:.2f}x dispatch, {row.total_speedup:.2f}x dispatch + "
-            f"combine (paper {row.paper_speedup}x per all-to-all)")
+            f"combine (paper, H800: {row.paper_speedup}x per all-to-all)")
     if args.out:
         write_config(args.out, calib, cluster=args.cluster, cross_check=check)
         _render.print_text(f"wrote {args.out}")

@@ -281,10 +281,13 @@ def _model(args: argparse.Namespace, anchor_set: Any):
     from ..netmodel import NetModelConfig
 
     recorded = anchor_set.context.settings.get("model")
-    calibrated = (NetModelConfig.from_dict(recorded, source=f"anchors file {args.anchors!r}: context.settings.model")
-                  if isinstance(recorded, dict) else None)
+    source = f"anchors file {args.anchors!r}: context.settings.model"
     if args.model:
         model = load_model(args.model)
+        try:
+            calibrated = NetModelConfig.from_dict(recorded, source=source) if isinstance(recorded, dict) else None
+        except ValueError:  # an older file's model with a retired field: --model replaces it anyway
+            calibrated = None
         if calibrated is not None and model != calibrated:
             # A what-if, not a validation of the file: its anchors and path model were fitted on
             # another fabric (e.g. the about max-min presets against the paper-incast ones).
@@ -293,7 +296,7 @@ def _model(args: argparse.Namespace, anchor_set: Any):
             _render.print_text(f"note: --model differs from the model the anchors file was calibrated on ({changed}); "
                                "the goals below test the file on another network model")
         return model
-    return calibrated if calibrated is not None else NetModelConfig()
+    return NetModelConfig.from_dict(recorded, source=source) if isinstance(recorded, dict) else NetModelConfig()
 
 
 def _describe_held_out(held: dict[str, Any]) -> str:

@@ -196,14 +196,15 @@ class ConcentrationCheck:
 
     mib_per_gpu: float
     records_per_gpu: int
-    """Tokens each source GPU sends (``mib_per_gpu`` MiB of ``record_bytes`` rows)."""
+    """Tokens a source GPU of weight 1 sends (``mib_per_gpu`` MiB of ``record_bytes`` rows)."""
     native_dispatch_s: float
     native_total_s: float
     """Dispatch + combine (combine sends back from one node: one sender per receiver port)."""
     perm_dispatch_s: float
     perm_total_s: float
     paper_speedup: float | None
-    """The paper's PERM / NATIVE speedup at this payload (None: not measured)."""
+    """The paper's PERM / NATIVE speedup at this payload (None where the replay is not the paper's
+    case: another payload, unequal sources, or not 4 nodes x 8 GPUs)."""
 
     @property
     def dispatch_speedup(self) -> float:
@@ -236,7 +237,9 @@ def ultraep_check(topo: RailTopology, model: NetModelConfig, *, record_bytes: in
             size); default equal sources, where the destination's ports see every sender for
             the whole dispatch.
     """
-    paper = dict(zip(PAPER_ULTRAEP["mib_per_gpu"], PAPER_ULTRAEP["perm_over_native"]))
+    same_case = (topo.num_nodes, topo.gpus_per_node) == (4, 8) and (
+        source_weights is None or len(set(source_weights)) == 1)
+    paper = dict(zip(PAPER_ULTRAEP["mib_per_gpu"], PAPER_ULTRAEP["perm_over_native"])) if same_case else {}
     rows = []
     for mib in mib_per_gpu:
         records = int(round(mib * 2**20 / record_bytes))

@@ -71,7 +71,9 @@ class NetModelConfig:
 
     alpha: float = 0.0042
     """Incast: fractional goodput loss of a receiver port per concurrent sender beyond ``k_free``
-    (fitted to the paper's +67.1%: `railwave netmodel fit-incast`)."""
+    (the default 0.0042 was fitted to the paper's +67.1% on an earlier workload and is about
+    max-min; ``configs/netmodel/*_paper_incast.yaml`` hold the fit on the current one, 4.9121:
+    `railwave netmodel fit-incast`, docs/netmodel.md)."""
     k_free: int = 1
     """Incast: concurrent senders a receiver port absorbs without loss."""
     k_sat: int | None = 2

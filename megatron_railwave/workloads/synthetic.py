@@ -195,9 +195,9 @@ def one_destination_topk_ids(topo: RailTopology, *, records_per_gpu: int, destin
 
     The paper's appendix A.2 ("three source nodes send to one destination", routing about uniform
     over the destination node's experts): here E = W experts (one per GPU), every GPU of a source
-    node sends ``round(records_per_gpu * weight)`` tokens, token t of a GPU to GPU t mod G of
-    ``destination`` (uniform over the destination's GPUs, the same count on every source rail:
-    rails locally balanced). The destination node sends nothing; empty slots are -1.
+    node sends ``round(records_per_gpu * weight)`` tokens, token t of source GPU l to GPU
+    (t + l) mod G of ``destination`` (uniform over the destination's GPUs, the same count on every
+    source rail: rails locally balanced). The destination node sends nothing; empty slots are -1.
 
     Args:
         topo: the cluster (N nodes x G GPUs).
@@ -207,13 +207,16 @@ def one_destination_topk_ids(topo: RailTopology, *, records_per_gpu: int, destin
             first family; its skew is not published); default all 1.
     """
     n, g, world = topo.num_nodes, topo.gpus_per_node, topo.world_size
+    if n < 2:
+        raise ValueError(f"one-destination traffic needs at least 2 nodes, the cluster has {n}")
     if not 0 <= destination < n:
         raise ValueError(f"destination must be a node in [0, {n}), got {destination}")
+    if isinstance(records_per_gpu, bool) or not isinstance(records_per_gpu, (int, np.integer)) or records_per_gpu < 0:
+        raise ValueError(f"records_per_gpu must be an int >= 0, got {records_per_gpu!r}")
     sources = [node for node in range(n) if node != destination]
     weights = tuple(source_weights) if source_weights is not None else (1.0,) * len(sources)
-    if len(weights) != len(sources) or any(not w >= 0 for w in weights) or records_per_gpu < 0:
-        raise ValueError(f"need records_per_gpu >= 0 and {len(sources)} source weights >= 0 (one per source "
-                         f"node), got {records_per_gpu} and {source_weights}")
+    if len(weights) != len(sources) or any(not (math.isfinite(w) and w >= 0) for w in weights):
+        raise ValueError(f"need {len(sources)} finite source weights >= 0 (one per source node), got {source_weights}")
     counts = [int(round(records_per_gpu * w)) for w in weights]
     ids = np.full((world, max(counts, default=0), 1), NO_EXPERT, dtype=np.int64)
     for node, count in zip(sources, counts):

@@ -55,9 +55,16 @@ def test_one_destination_topk_ids_sends_every_source_node_to_one_node():
     for node, count in zip((0, 2, 3), (20, 10, 40)):
         expected[node * 8:(node + 1) * 8, 1] = count
     assert (records_WN == expected).all()  # node 1 sends nothing, every source rail the same count
+    assert ids.dtype == np.int64 and ids.shape == (32, 40, 1)
     per_gpu = np.bincount(ids[ids >= 0].ravel() - 8, minlength=8)
-    assert per_gpu.max() - per_gpu.min() <= 3  # about uniform over the destination's GPUs
+    assert per_gpu.min() == per_gpu.max() == (20 + 10 + 40) * 8 // 8  # uniform over the destination GPUs
     with pytest.raises(ValueError, match="source weights"):
         one_destination_topk_ids(topo, records_per_gpu=20, source_weights=(1.0, 1.0))
+    with pytest.raises(ValueError, match="source weights"):
+        one_destination_topk_ids(topo, records_per_gpu=20, source_weights=(1.0, float("inf"), 1.0))
     with pytest.raises(ValueError, match="destination"):
         one_destination_topk_ids(topo, records_per_gpu=20, destination=4)
+    with pytest.raises(ValueError, match="records_per_gpu"):
+        one_destination_topk_ids(topo, records_per_gpu=2.5)
+    with pytest.raises(ValueError, match="at least 2 nodes"):
+        one_destination_topk_ids(RailTopology(num_nodes=1, gpus_per_node=8), records_per_gpu=4)
