@@ -28,6 +28,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "megatron_railwave.commands.demo",
     "megatron_railwave.commands.bench_exchange",
     "megatron_railwave.commands.call_costs",
+    "megatron_railwave.commands.probe_incast",
     "megatron_railwave.commands.simulate_exchange",
     "megatron_railwave.commands.bench",
     "megatron_railwave.commands.calibrate",

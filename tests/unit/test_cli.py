@@ -43,6 +43,8 @@ EXPECTED_FLAGS = {
         "--nodes", "--gpus-per-node", "--tokens", "--hidden", "--experts", "--topk", "--seed", "--warmups",
         "--samples", "--no-virtual", "--timeout", "--json",
     ],
+    "probe-incast": ["--torchrun", "--local", "--gpus-per-node", "--nbytes", "--repeats", "--warmups", "--timeout",
+                     "--json", "--write-model", "--base-model"],
     "report": ["--out", "--no-plots", "--json", "--run"],
     "ops-bench": ["--device", "--quick", "--tokens", "--hidden", "--experts", "--topk", "--nodes", "--gpus-per-node",
                   "--repeats", "--seed", "--json"],

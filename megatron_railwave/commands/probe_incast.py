@@ -1,0 +1,144 @@
+"""``railwave probe-incast``: measure how the cluster's receiver ports lose goodput to k-to-1 incast,
+fit the flow model's alpha to it and say which kind of fabric the selector files assume.
+
+Letters: N nodes, G GPUs per node, W = N * G ranks.
+
+Two ways to run it (``bench.incast_probe`` has the method):
+  * on a cluster, one process per GPU under ``torchrun`` (``--torchrun``): the default process
+    group from the environment, NCCL when CUDA is there (each rank on ``LOCAL_RANK``'s device),
+    else gloo; rank r is GPU r % G of node r // G. Rank 0 prints and writes. Not yet run on hardware;
+  * ``--local N,G``: W gloo processes on this machine (loopback has no rails: a mechanics check).
+
+JSON (``--json``, schema ``railwave.incast_probe/1``): ``nodes``, ``gpus_per_node``, ``backend``,
+``nbytes``, ``alpha``, ``goodput_at_3_senders``, ``rows`` (per k: ``senders``, ``median_s``,
+``port_goodput_gbps``, ``slowdown``) and ``samples_s`` (per k). ``--write-model`` writes a
+``configs/netmodel/*.yaml`` with the measured alpha on top of ``--base-model``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any
+
+from . import _common, _outputs, _render
+
+__all__ = ["register", "run"]
+
+PAPER_INCAST_ALPHA_THRESHOLD = 0.5
+"""Above this alpha (a port with 3 senders under 50% goodput) the fabric is counted as lossy like
+the paper's: the selector files calibrated on the about max-min presets do not hold there."""
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "probe-incast",
+        help="measure k-to-1 incast goodput on the cluster and fit the flow model's alpha",
+        description="Nodes 1..k send to node 0 at once on every rail (k = 1..N-1); the slowdown beyond "
+                    "max-min sharing gives the flow model's incast alpha for this fabric.")
+    where = parser.add_mutually_exclusive_group(required=True)
+    where.add_argument("--torchrun", action="store_true",
+                       help="run in the process group torchrun set up (one process per GPU)")
+    where.add_argument("--local", default=None, metavar="N,G", help="N x G gloo processes on this machine")
+    parser.add_argument("--gpus-per-node", type=int, default=None, metavar="G",
+                        help="with --torchrun: GPUs per node (default LOCAL_WORLD_SIZE)")
+    parser.add_argument("--nbytes", type=int, default=None,
+                        help="bytes each sending GPU sends per sample (default 64 MiB with --torchrun, 1 MiB local)")
+    parser.add_argument("--repeats", type=int, default=5, help="timed samples per k (default 5)")
+    parser.add_argument("--warmups", type=int, default=1, help="untimed samples per k (default 1)")
+    parser.add_argument("--timeout", type=float, default=600.0, metavar="S", help="--local run limit (default 600)")
+    parser.add_argument("--json", default=None, metavar="FILE", help="write the result as JSON")
+    parser.add_argument("--write-model", default=None, metavar="YAML",
+                        help="write a netmodel config with the measured alpha (on top of --base-model)")
+    parser.add_argument("--base-model", default="configs/netmodel/h800_4x8.yaml", metavar="YAML",
+                        help="netmodel config whose other parameters --write-model keeps (default the H800 preset)")
+    parser.set_defaults(handler=run)
+    _outputs.declare_outputs(parser, files=("json", "write_model"))
+
+
+def _local_shape(text: str) -> tuple[int, int]:
+    try:
+        nodes, gpus = (int(x) for x in text.split(","))
+    except ValueError:
+        raise ValueError(f"--local takes N,G (e.g. 4,2), got {text!r}") from None
+    return nodes, gpus
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..bench.incast_probe import incast_probe_worker, summarize_incast_probe
+
+    if args.repeats < 1 or args.warmups < 0 or (args.nbytes is not None and args.nbytes < 1):
+        raise ValueError(f"need --repeats >= 1, --warmups >= 0, --nbytes >= 1, got {args.repeats}, "
+                         f"{args.warmups}, {args.nbytes}")
+    base = None
+    if args.write_model:  # fail before any measurement on a bad base
+        from ..netmodel import load_netmodel_config
+
+        base = load_netmodel_config(args.base_model)
+    if args.local is not None:
+        from ..bench.launch import run_gloo_processes
+
+        nodes, gpus = _local_shape(args.local)
+        if nodes < 3 or gpus < 1:
+            raise ValueError(f"--local needs N >= 3 nodes (k = 2 senders at least) and G >= 1, got {args.local}")
+        nbytes = args.nbytes or (1 << 20)
+        times = run_gloo_processes(incast_probe_worker, nodes * gpus, gpus, nbytes, args.repeats, args.warmups,
+                                   timeout_s=args.timeout)[0]
+        backend = "gloo (local)"
+    else:
+        import torch
+        import torch.distributed as dist
+
+        world = int(os.environ.get("WORLD_SIZE", "0"))
+        gpus = args.gpus_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", "0"))
+        if world < 1 or gpus < 1 or world % gpus or world // gpus < 3:
+            raise ValueError(f"--torchrun needs WORLD_SIZE = N x G with N >= 3 (torchrun sets WORLD_SIZE and "
+                             f"LOCAL_WORLD_SIZE; or pass --gpus-per-node), got WORLD_SIZE={world}, G={gpus}")
+        nodes = world // gpus
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        try:
+            nbytes = args.nbytes or (64 << 20)
+            times = incast_probe_worker(dist.get_rank(), world, gpus, nbytes, args.repeats, args.warmups)
+            backend = dist.get_backend()
+            rank = dist.get_rank()
+        finally:
+            dist.destroy_process_group()
+        if rank != 0:
+            return 0
+    summary = summarize_incast_probe(times, nbytes)
+    _render.print_table(
+        f"k-to-1 incast into node 0, {nodes} x {gpus} ({backend}), {nbytes} bytes per sending GPU, "
+        f"median of {args.repeats}", ["senders k", "median ms", "port goodput Gb/s", "slowdown vs max-min"],
+        [[r["senders"], r["median_s"] * 1e3, r["port_goodput_gbps"], r["slowdown"]] for r in summary["rows"]])
+    lossy = summary["alpha"] > PAPER_INCAST_ALPHA_THRESHOLD
+    _render.print_text(
+        f"alpha = {summary['alpha']:.4f} (a port with 3 senders at {summary['goodput_at_3_senders']:.1%} goodput); "
+        + ("lossy like the paper's fabric (paper-incast presets, alpha 4.9121): the shipped selector files assume "
+           "a fabric without incast loss; set path: joint or calibrate on this alpha (docs/selector.md)" if lossy else
+           "close to max-min like the default presets (alpha 0.0042), which the shipped selector files assume")
+        + ("" if args.torchrun else "; loopback has no rails: this run checks the mechanics only"))
+    out: dict[str, Any] = {"schema": "railwave.incast_probe/1", "nodes": nodes, "gpus_per_node": gpus,
+                           "backend": backend, **summary, "samples_s": {str(k): v for k, v in times.items()}}
+    if args.json:
+        _common.write_json(args.json, out)
+        _render.print_text(f"wrote {args.json}")
+    if args.write_model:
+        _write_model(args.write_model, base, summary, args.base_model)
+        _render.print_text(f"wrote {args.write_model}")
+    return 0
+
+
+def _write_model(path: str, base: Any, summary: dict[str, Any], base_path: str) -> None:
+    import dataclasses
+
+    import yaml
+
+    model = dataclasses.replace(base, alpha=round(summary["alpha"], 4), k_sat=summary["k_sat"])
+    data = {"model": model.to_dict(),
+            "calibration": {"method": "railwave probe-incast (k-to-1 slowdown beyond max-min, least squares)",
+                            "base_model": base_path, "nbytes": summary["nbytes"], "rows": summary["rows"]}}
+    with open(path, "w", encoding="utf-8") as f:
+        f.write("# Network model parameters with the incast alpha measured by railwave probe-incast.\n")
+        yaml.safe_dump(data, f, sort_keys=False)
