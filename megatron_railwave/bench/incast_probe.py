@@ -8,7 +8,8 @@ exchange's rail phases are: GPU (s, l) -> GPU (0, l) for every rail l, so every 
 node 0 has k senders. Each sample starts after a barrier and lasts until the slowest rank has
 finished (an all-reduce MAX of the per-rank elapsed time). Under max-min sharing k senders into one
 port take k times as long as one; the measured ``slowdown(k) = t(k) / (k t(1))`` is what the flow
-model's incast law (``netmodel.IncastModel``) charges beyond that, so
+model's incast law (``netmodel.IncastModel``) charges beyond that (``summarize_incast_probe`` also
+takes the port's line rate, for senders that cannot fill it alone), so
 
     alpha = least squares of slowdown(k) - 1 = alpha * min(k - 1, k_sat)
 
@@ -38,7 +39,7 @@ __all__ = ["IncastProbeRow", "incast_probe_worker", "summarize_incast_probe"]
 
 
 def incast_probe_worker(rank: int, world: int, gpus_per_node: int, nbytes: int, repeats: int,
-                        warmups: int = 1) -> dict[int, list[float]]:
+                        warmups: int = 1, max_senders: int | None = None) -> dict[int, list[float]]:
     """Run the probe on this rank (every rank of the default group must call it).
 
     Args:
@@ -47,9 +48,13 @@ def incast_probe_worker(rank: int, world: int, gpus_per_node: int, nbytes: int, 
         nbytes: bytes each sending GPU sends per sample (large enough to be bandwidth bound:
             tens of MiB on a 400 Gb/s rail).
         repeats, warmups: timed and discarded samples per k.
+        max_senders: largest k (default N - 1); node 0 holds k receive buffers of ``nbytes``.
 
     Returns:
         {k: [seconds per timed sample]} (the same on every rank: the slowest rank's times).
+
+    Raises:
+        RuntimeError: on every rank, when a receiver did not get its senders' bytes.
     """
     if world % gpus_per_node or world // gpus_per_node < 2:
         raise ValueError(f"the probe needs W = N x G ranks with N >= 2, got W={world}, G={gpus_per_node}")
@@ -58,12 +63,14 @@ def incast_probe_worker(rank: int, world: int, gpus_per_node: int, nbytes: int, 
     on_gpu = dist.get_backend() == "nccl"
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
     nodes = world // gpus_per_node
+    top = nodes - 1 if max_senders is None else min(max_senders, nodes - 1)
     node, local = divmod(rank, gpus_per_node)
-    send = torch.ones(nbytes, dtype=torch.uint8, device=device)
-    recv = [torch.empty(nbytes, dtype=torch.uint8, device=device) for _ in range(nodes - 1)] if node == 0 else []
+    # Each sender's bytes carry its node number, so a receive from the wrong peer shows.
+    send = torch.full((nbytes,), node % 256, dtype=torch.uint8, device=device)
+    recv = [torch.empty(nbytes, dtype=torch.uint8, device=device) for _ in range(top)] if node == 0 else []
     elapsed = torch.zeros(1, dtype=torch.float64, device=device)
     times: dict[int, list[float]] = {}
-    for k in range(1, nodes):
+    for k in range(1, top + 1):
         ops = []
         if 1 <= node <= k:
             ops.append(dist.P2POp(dist.isend, send, local))  # to GPU (0, local)
@@ -82,8 +89,13 @@ def incast_probe_worker(rank: int, world: int, gpus_per_node: int, nbytes: int, 
             if sample >= warmups:
                 samples.append(float(elapsed.item()))  # a probe, not the exchange's hot path
         times[k] = samples
-    if node == 0 and recv and not all(bool((r == 1).all()) for r in recv):
-        raise RuntimeError("incast probe: a receive buffer does not hold the sent bytes")
+    bad = torch.zeros(1, dtype=torch.float64, device=device)
+    if node == 0:
+        bad.fill_(float(sum(not bool((r == s % 256).all()) for s, r in enumerate(recv, start=1))))
+    dist.all_reduce(bad, op=dist.ReduceOp.SUM)
+    if bad.item():
+        raise RuntimeError(f"incast probe: {int(bad.item())} receive buffer(s) on node 0 do not hold their sender's "
+                           "bytes; check that rank r is GPU r % G of node r // G (torchrun: --nproc-per-node G)")
     return times
 
 
@@ -100,23 +112,38 @@ class IncastProbeRow:
     """median_s / (k x median_s at k = 1): 1 under max-min sharing."""
 
 
-def summarize_incast_probe(times: dict[int, list[float]], nbytes: int, *, k_sat: int = 2) -> dict[str, Any]:
+def summarize_incast_probe(times: dict[int, list[float]], nbytes: int, *, k_sat: int = 2,
+                           port_gbps: float | None = None) -> dict[str, Any]:
     """Per-k rows and the fitted alpha (``k_free`` 1, the flow model's saturating law).
 
+    The max-min time of k senders is k x t(1) when one sender fills the port. When the port's
+    rate is known (``port_gbps``) it is ``max(t(1), k x nbytes / rate)`` instead, so a sender that
+    cannot fill the port alone (one NCCL peer on few channels, a small ``nbytes``) is not read as
+    a fabric without loss; ``sender_limited`` says when the one-sender goodput is under 80% of it.
+    Each sample starts when a rank leaves the barrier, so barrier skew adds a little to every t(k)
+    (most to t(1)): keep ``nbytes`` large.
+
     Args:
-        times: ``incast_probe_worker``'s result (keys 1 .. N - 1).
+        times: ``incast_probe_worker``'s result (keys 1 .. max k).
         nbytes: bytes per sending GPU per sample.
-        k_sat: the law's saturation (the presets' 2); the fit uses k up to 1 + k_sat.
+        k_sat: the law's saturation (the presets' 2); the fit uses k = 2 .. 1 + k_sat (larger k
+            are reported, not fitted: the law is flat there).
+        port_gbps: one receiver port's line rate in Gb/s, if known.
     """
     if 1 not in times or len(times) < 2:
         raise ValueError(f"need samples for k = 1 and at least one k > 1, got k = {sorted(times)}")
+    if port_gbps is not None and not port_gbps > 0:
+        raise ValueError(f"port_gbps must be > 0, got {port_gbps}")
     one = statistics.median(times[1])
     rows = []
     for k in sorted(times):
         median = statistics.median(times[k])
+        reference = k * one if port_gbps is None else max(one, k * nbytes * 8 / (port_gbps * 1e9))
         rows.append(IncastProbeRow(senders=k, median_s=median, port_goodput_gbps=k * nbytes * 8 / median / 1e9,
-                                   slowdown=median / (k * one)))
+                                   slowdown=median / reference))
     fit = [r for r in rows if 1 < r.senders <= 1 + k_sat]
     alpha = alpha_from_slowdowns([r.senders for r in fit], [r.slowdown for r in fit], k_free=1, k_sat=k_sat)
-    return {"nbytes": nbytes, "k_sat": k_sat, "alpha": alpha, "goodput_at_3_senders": 1.0 / (1.0 + min(2, k_sat) * alpha),
-            "rows": [asdict(r) for r in rows]}
+    sender_limited = port_gbps is not None and rows[0].port_goodput_gbps < 0.8 * port_gbps
+    return {"nbytes": nbytes, "k_sat": k_sat, "port_gbps": port_gbps, "alpha": alpha,
+            "goodput_at_3_senders": 1.0 / (1.0 + min(2, k_sat) * alpha), "fitted_senders": [r.senders for r in fit],
+            "sender_limited": sender_limited, "rows": [asdict(r) for r in rows]}

@@ -27,6 +27,19 @@ def test_summary_recovers_the_alpha_of_the_law(alpha):
     assert out["rows"][1]["port_goodput_gbps"] == pytest.approx(2 * (1 << 20) * 8 / out["rows"][1]["median_s"] / 1e9)
 
 
+def test_summary_with_the_line_rate_reads_a_sender_that_cannot_fill_the_port():
+    """One sender reaches half the port; the fabric loses goodput with alpha 1. Against k x t(1)
+    the loss would hide (two senders merely fill the port); against the line rate it shows."""
+    nbytes, port_gbps = 1 << 20, 8.0
+    full = nbytes * 8 / (port_gbps * 1e9)  # one sender's bytes at line rate
+    law = IncastModel(alpha=1.0, k_free=1, k_sat=2)
+    times = {k: [max(2 * full, k * full) * float(law.slowdown(k))] for k in (1, 2, 3)}
+    with_rate = summarize_incast_probe(times, nbytes, port_gbps=port_gbps)
+    assert with_rate["alpha"] == pytest.approx(1.0) and with_rate["sender_limited"]
+    assert with_rate["fitted_senders"] == [2, 3]
+    assert summarize_incast_probe(times, nbytes)["alpha"] < 0.5  # what k x t(1) alone would say
+
+
 def test_summary_needs_a_second_sender_count():
     with pytest.raises(ValueError, match="k > 1"):
         summarize_incast_probe({1: [0.01]}, nbytes=8)
@@ -43,6 +56,20 @@ def test_probe_incast_command_on_local_gloo_processes(tmp_path, capsys):
     written = load_netmodel_config(model)
     assert written.alpha == round(data["alpha"], 4) and written.k_sat == 2
     assert "mechanics only" in capsys.readouterr().out
+    # --max-senders bounds k (and node 0's receive buffers)
+    assert main(["probe-incast", "--local", "4,1", "--nbytes", "4096", "--repeats", "1", "--warmups", "0",
+                 "--max-senders", "2", "--json", str(out)]) == 0
+    assert [r["senders"] for r in json.loads(out.read_text())["rows"]] == [1, 2]
+
+
+def test_probe_incast_torchrun_refuses_a_rank_layout_it_cannot_map(monkeypatch, capsys):
+    # rank 1 on its machine's second GPU while G = 1 says every GPU is its own node: refused
+    # before any process group is set up
+    for key, value in {"WORLD_SIZE": "3", "LOCAL_WORLD_SIZE": "3", "RANK": "1", "LOCAL_RANK": "1"}.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(SystemExit) as exc:
+        main(["probe-incast", "--torchrun", "--gpus-per-node", "1"])
+    assert exc.value.code == 2 and "--nproc-per-node G" in capsys.readouterr().err
 
 
 def test_probe_incast_refuses_too_few_nodes(capsys):
