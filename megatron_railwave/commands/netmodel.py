@@ -58,7 +58,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def _fit_incast(args: argparse.Namespace) -> int:
     from ..netmodel import NetModelConfig
-    from ..netmodel.calibrate import calibrate_incast, ultraep_check, write_config
+    from ..netmodel.calibrate import calibrate_incast, is_ultraep_cluster, ultraep_check, write_config
 
     if args.tokens < 1:
         raise ValueError(f"--tokens must be >= 1, got {args.tokens}")
@@ -72,7 +72,7 @@ def _fit_incast(args: argparse.Namespace) -> int:
     _render.print_text(
         f"alpha = {calib.model.alpha} (ratio {calib.fitted_ratio:.4f}, target {calib.target_ratio:.4f}); "
         f"RING {calib.low_s:.3f} s, EXTREME {calib.high_s:.3f} s; {calib.seconds:.0f} s")
-    check = ultraep_check(topo, calib.model) if (topo.num_nodes, topo.gpus_per_node) == (4, 8) else []
+    check = ultraep_check(topo, calib.model) if is_ultraep_cluster(topo) else []
     if not check:
         _render.print_text("cross-check skipped: the paper's UltraEP case ran on 4 nodes x 8 GPUs")
     for row in check:

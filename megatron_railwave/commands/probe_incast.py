@@ -123,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
                              f"node r // G (G = {gpus}{'' if local_world is None else ', LOCAL_WORLD_SIZE ' + local_world})")
         nodes = world // gpus
         if torch.cuda.is_available():
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            torch.cuda.set_device(local_rank)
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
         try:
             nbytes = args.nbytes or (64 << 20)

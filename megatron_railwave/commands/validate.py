@@ -282,21 +282,21 @@ def _model(args: argparse.Namespace, anchor_set: Any):
 
     recorded = anchor_set.context.settings.get("model")
     source = f"anchors file {args.anchors!r}: context.settings.model"
-    if args.model:
-        model = load_model(args.model)
-        try:
-            calibrated = NetModelConfig.from_dict(recorded, source=source) if isinstance(recorded, dict) else None
-        except ValueError:  # an older file's model with a retired field: --model replaces it anyway
-            calibrated = None
-        if calibrated is not None and model != calibrated:
-            # A what-if, not a validation of the file: its anchors and path model were fitted on
-            # another fabric (e.g. the about max-min presets against the paper-incast ones).
-            changed = ", ".join(f"{k} {calibrated.to_dict()[k]} -> {v}" for k, v in model.to_dict().items()
-                                if calibrated.to_dict().get(k) != v)
-            _render.print_text(f"note: --model differs from the model the anchors file was calibrated on ({changed}); "
-                               "the goals below test the file on another network model")
-        return model
-    return NetModelConfig.from_dict(recorded, source=source) if isinstance(recorded, dict) else NetModelConfig()
+    if not args.model:
+        return NetModelConfig.from_dict(recorded, source=source) if isinstance(recorded, dict) else NetModelConfig()
+    model = load_model(args.model)
+    try:
+        calibrated = NetModelConfig.from_dict(recorded, source=source) if isinstance(recorded, dict) else None
+    except ValueError:  # an older file's model with a retired field: --model replaces it anyway
+        calibrated = None
+    if calibrated is not None and model != calibrated:
+        # A what-if, not a validation of the file: its anchors and path model were fitted on
+        # another fabric (e.g. the about max-min presets against the paper-incast ones).
+        before = calibrated.to_dict()
+        changed = ", ".join(f"{k} {before.get(k)} -> {v}" for k, v in model.to_dict().items() if before.get(k) != v)
+        _render.print_text(f"note: --model differs from the model the anchors file was calibrated on ({changed}); "
+                           "the goals below test the file on another network model")
+    return model
 
 
 def _describe_held_out(held: dict[str, Any]) -> str:

@@ -43,14 +43,14 @@ from ..workloads import demand_from_topk_ids, one_destination_topk_ids, scaled_d
 from .execute import NetModelConfig, execute_plan
 
 __all__ = ["PAPER_INCAST", "PAPER_ULTRAEP", "IncastCalibration", "ConcentrationCheck", "arranged_layers",
-           "pattern_sum_s", "calibrate_incast", "ultraep_check", "write_config"]
+           "pattern_sum_s", "calibrate_incast", "is_ultraep_cluster", "ultraep_check", "write_config"]
 
 PAPER_INCAST = {"low_s": 1.801, "high_s": 3.009, "low": "ring", "high": "extreme", "layers": 45,
                 "cluster": "H800 4x8", "path": "native"}
 """The paper's incast experiment: sums of per-layer P50 dispatch + combine, NATIVE."""
 
 PAPER_ULTRAEP = {"mib_per_gpu": (28, 42), "perm_over_native": (9.694, 8.670), "hidden": 7168,
-                 "cluster": "H800 4x8", "sources": 3, "source_rails": "balanced"}
+                 "cluster": "H800 4x8", "nodes": 4, "gpus_per_node": 8, "sources": 3, "source_rails": "balanced"}
 """The paper's UltraEP case (appendix A.2, Table 2, source-node skew with locally balanced rails):
 PERM's speedup over NATIVE per all-to-all at about 28 and 42 MiB per GPU, BF16, hidden 7168."""
 
@@ -222,6 +222,11 @@ class ConcentrationCheck:
                 "paper_speedup": self.paper_speedup}
 
 
+def is_ultraep_cluster(topo: RailTopology) -> bool:
+    """Whether ``topo`` has the shape of the paper's UltraEP runs (4 nodes x 8 GPUs)."""
+    return (topo.num_nodes, topo.gpus_per_node) == (PAPER_ULTRAEP["nodes"], PAPER_ULTRAEP["gpus_per_node"])
+
+
 def ultraep_check(topo: RailTopology, model: NetModelConfig, *, record_bytes: int = PAPER_ULTRAEP["hidden"] * 2,
                   mib_per_gpu: Sequence[float] = PAPER_ULTRAEP["mib_per_gpu"],
                   source_weights: Sequence[float] | None = None) -> list[ConcentrationCheck]:
@@ -237,8 +242,7 @@ def ultraep_check(topo: RailTopology, model: NetModelConfig, *, record_bytes: in
             size); default equal sources, where the destination's ports see every sender for
             the whole dispatch.
     """
-    same_case = (topo.num_nodes, topo.gpus_per_node) == (4, 8) and (
-        source_weights is None or len(set(source_weights)) == 1)
+    same_case = is_ultraep_cluster(topo) and (source_weights is None or len(set(source_weights)) == 1)
     paper = dict(zip(PAPER_ULTRAEP["mib_per_gpu"], PAPER_ULTRAEP["perm_over_native"])) if same_case else {}
     rows = []
     for mib in mib_per_gpu:
