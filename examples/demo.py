@@ -57,7 +57,7 @@ def main() -> int:
 def _print_layer_table(log_dir: Path, run: str) -> None:
     """What railwave did per MoE layer, from this run's own communication log (slowest rank)."""
     from megatron_railwave.commands.report import layer_table, summarize_logs
-    from megatron_railwave.commlog import read_logs, split_runs
+    from megatron_railwave.telemetry.commlog import read_logs, split_runs
 
     summary = summarize_logs(split_runs(read_logs(log_dir))[run])
     header, rows = layer_table(summary)

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from megatron_railwave.bench.megatron_cpu import apply_megatron_cpu_shims, seed_megatron_cpu_rng
+from megatron_railwave.lab.bench.megatron_cpu import apply_megatron_cpu_shims, seed_megatron_cpu_rng
 
 _LOOPBACK = "127.0.0.1"
 _DISPATCHERS = ("alltoall", "railwave")
@@ -203,7 +203,7 @@ def _train(rank: int, world_size: int, port: int, args: argparse.Namespace) -> N
     layer_paths: dict[int, str] = {}
     log_sink = None
     if args.moe_token_dispatcher_type == "railwave":
-        from megatron_railwave.commlog import FanoutSink, JsonlStatsSink
+        from megatron_railwave.telemetry.commlog import FanoutSink, JsonlStatsSink
 
         railwave_config = {
             "gpus_per_node": args.gpus_per_node,

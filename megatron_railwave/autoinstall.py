@@ -41,7 +41,7 @@ def patch_arguments(arguments: Any) -> None:
 
     @functools.wraps(original)
     def parse_args(extra_args_provider: Any = None, *args: Any, **kwargs: Any) -> Any:
-        from .plugin import add_railwave_args, config_from_args, install
+        from megatron_railwave.plugin import add_railwave_args, config_from_args, install
 
         def provider(parser: Any) -> Any:
             if extra_args_provider is not None:
@@ -59,7 +59,7 @@ def patch_arguments(arguments: Any) -> None:
 
 def _on_moe_layer(module: Any) -> None:
     del module
-    from .plugin import install, installed_config
+    from megatron_railwave.plugin import install, installed_config
 
     if installed_config() is None:
         install(os.environ.get(CONFIG_ENV) or None)

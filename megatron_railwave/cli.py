@@ -18,7 +18,7 @@ import importlib
 import sys
 from collections.abc import Sequence
 
-from .commands._outputs import check_outputs
+from megatron_railwave.commands._outputs import check_outputs
 
 __all__ = ["COMMAND_MODULES", "build_parser", "main"]
 

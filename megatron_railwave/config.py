@@ -11,10 +11,10 @@ from typing import Any, Literal
 
 import yaml
 
-from .planner import EligiblePolicy, PlanOptions, parse_path
-from .planner.plan import MAX_CHUNKS
-from .outputs import check_output_dir
-from .topology import RailTopology, load_topology, resolve_cluster_file
+from megatron_railwave.planner import EligiblePolicy, PlanOptions, parse_path
+from megatron_railwave.planner.plan import MAX_CHUNKS
+from megatron_railwave.outputs import check_output_dir
+from megatron_railwave.topology import RailTopology, load_topology, resolve_cluster_file
 
 __all__ = ["RailWaveConfig", "load_config"]
 

@@ -51,16 +51,16 @@ import torch
 import torch.distributed as dist
 from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 
-from .capture import TraceMeta, TraceRecorder
-from .config import RailWaveConfig
-from .exchange import (DispatchOutput, LayerHandle, TorchDistExchange, build_exchange, build_rail_groups,
+from megatron_railwave.telemetry.capture import TraceMeta, TraceRecorder
+from megatron_railwave.config import RailWaveConfig
+from megatron_railwave.exchange import (DispatchOutput, LayerHandle, TorchDistExchange, build_exchange, build_rail_groups,
                        capacity_demand, check_fingerprints, gather_rank_facts, place_ranks)
-from .planner import Path
-from .selector import (FixedSelector, PathSelector, needs_delivery, needs_descriptors, select_for_layer,
+from megatron_railwave.planner import Path
+from megatron_railwave.selector import (FixedSelector, PathSelector, needs_delivery, needs_descriptors, select_for_layer,
                        selector_from_config)
-from .stats import LayerCommStats, Stopwatch, demand_stats, layer_comm_stats
-from .steps import PassKind, current_step, pass_kind
-from .traffic import DemandCounts, TrafficStats, dtype_bytes
+from megatron_railwave.telemetry.stats import LayerCommStats, Stopwatch, demand_stats, layer_comm_stats
+from megatron_railwave.steps import PassKind, current_step, pass_kind
+from megatron_railwave.traffic import DemandCounts, TrafficStats, dtype_bytes
 
 __all__ = ["RailWaveTokenDispatcher", "check_supported", "flush_captures"]
 

@@ -33,8 +33,8 @@ from typing import Any
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.spec_utils import ModuleSpec
 
-from .config import RailWaveConfig, load_config
-from .plugin import _default_sink, build_railwave_moe_layer, check_megatron_version, installed_config
+from megatron_railwave.config import RailWaveConfig, load_config
+from megatron_railwave.plugin import _default_sink, build_railwave_moe_layer, check_megatron_version, installed_config
 
 __all__ = ["RailWaveMoELayer", "use_railwave_moe", "gpt_layer_spec"]
 

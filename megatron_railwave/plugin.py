@@ -18,7 +18,7 @@ import sys
 import threading
 from typing import Any
 
-from .config import RailWaveConfig, load_config
+from megatron_railwave.config import RailWaveConfig, load_config
 
 __all__ = ["install", "uninstall", "installed_config", "add_railwave_args", "config_from_args",
            "check_megatron_version", "SUPPORTED_MEGATRON_CORE", "build_railwave_moe_layer"]
@@ -98,7 +98,7 @@ def install(config: RailWaveConfig | dict | str | os.PathLike | None = None, *,
         _INSTALLED["sink"] = stats_sink if stats_sink is not None else _default_sink(cfg)
         if stats_sink is None and cfg.metrics and _tracker_available():
             # Megatron-LM's per-step MoE report also writes RailWave's scalars (megatron_logging).
-            from .megatron_logging import attach_to_megatron_report
+            from megatron_railwave.telemetry.megatron_logging import attach_to_megatron_report
 
             attach_to_megatron_report()
         _patch_moe_layer()
@@ -120,7 +120,7 @@ def build_railwave_moe_layer(original_init: Any, layer: Any, config: Any, args: 
     """
     from megatron.core.transformer.moe import moe_layer
 
-    from .dispatcher import RailWaveTokenDispatcher
+    from megatron_railwave.dispatcher import RailWaveTokenDispatcher
 
     factory = functools.partial(RailWaveTokenDispatcher, railwave=railwave, stats_sink=stats_sink)
     saved_type = config.moe_token_dispatcher_type
@@ -178,7 +178,7 @@ def uninstall() -> None:
     """Undo ``install`` (tests)."""
     from megatron.core.transformer.moe import moe_layer
 
-    from .megatron_logging import detach_from_megatron_report
+    from megatron_railwave.telemetry.megatron_logging import detach_from_megatron_report
 
     with _LOCK:
         if "original_init" in _INSTALLED:
@@ -203,11 +203,11 @@ def _tracker_available() -> bool:
 def _default_sink(cfg: RailWaveConfig) -> Any:
     """Megatron's tracker sink (``megatron_logging``) unless ``metrics`` is off or this Megatron-Core
     has no tracker, plus JSONL files when ``log_dir`` is set; None when neither."""
-    from .commlog import FanoutSink, JsonlStatsSink
+    from megatron_railwave.telemetry.commlog import FanoutSink, JsonlStatsSink
 
     sinks: list[Any] = []
     if cfg.metrics and _tracker_available():
-        from .megatron_logging import default_metrics_sink
+        from megatron_railwave.telemetry.megatron_logging import default_metrics_sink
 
         sinks.append(default_metrics_sink())
     if cfg.log_dir is not None:

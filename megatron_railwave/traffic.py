@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .topology import RailTopology
+from megatron_railwave.topology import RailTopology
 
 __all__ = [
     "DemandCounts",

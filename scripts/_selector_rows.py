@@ -5,9 +5,7 @@ import json
 
 import numpy as np
 
-from megatron_railwave import calibration
-
-
+from megatron_railwave.lab import calibration
 def load_rows(*paths: str) -> list[dict]:
     """The rows of gzipped JSON-lines files, one per request name (a later file's row wins)."""
     rows = {}

@@ -81,7 +81,7 @@ def railwave_variant(exchange, path: str):
 
 def alltoall_variant(args, world: int):
     if args.device == "cpu":  # the CPU smoke run: Megatron-Core needs the package's CPU shims
-        from megatron_railwave.bench.megatron_cpu import apply_megatron_cpu_shims
+        from megatron_railwave.lab.bench.megatron_cpu import apply_megatron_cpu_shims
 
         apply_megatron_cpu_shims()
     from megatron.core import parallel_state

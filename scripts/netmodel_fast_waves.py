@@ -11,12 +11,12 @@ import sys, statistics as st
 import numpy as np, torch
 from megatron_railwave.commands.bench import layer_demands
 from megatron_railwave.topology import load_topology
-from megatron_railwave.netmodel import load_netmodel_config, execute_plan
-from megatron_railwave.netmodel.execute import fabric_for, synced_program
-from megatron_railwave.netmodel.program import run_program
-from megatron_railwave.netmodel.peers import bvn_waves, fast_program
+from megatron_railwave.lab.netmodel import load_netmodel_config, execute_plan
+from megatron_railwave.lab.netmodel.execute import fabric_for, synced_program
+from megatron_railwave.lab.netmodel.program import run_program
+from megatron_railwave.lab.netmodel.peers import bvn_waves, fast_program
 from megatron_railwave.planner import build_plan, cyclic_schedule, PlanOptions
-from megatron_railwave.workloads import GLM45_AIR, PAPER_PAYLOAD_SCALE, arrange, scaled_demand
+from megatron_railwave.lab.workloads import GLM45_AIR, PAPER_PAYLOAD_SCALE, arrange, scaled_demand
 torch.set_num_threads(1)
 cluster, mfile = sys.argv[1], sys.argv[2]; nl = int(sys.argv[3])
 topo = load_topology(cluster); model = load_netmodel_config(mfile)

@@ -6,9 +6,9 @@ BvN decomposition), and the BvN step alone vs JOINT's cached cyclic waves (docs/
 import time, statistics
 from megatron_railwave.topology import load_topology
 from megatron_railwave.planner import build_plan, cyclic_schedule
-from megatron_railwave.netmodel.calibrate import arranged_layers, scaled_demand
-from megatron_railwave.netmodel.peers import bvn_waves
-from megatron_railwave.workloads import PAPER_PAYLOAD_SCALE as PAYLOAD_SCALE  # make bench-paper's scale
+from megatron_railwave.lab.netmodel.calibrate import arranged_layers, scaled_demand
+from megatron_railwave.lab.netmodel.peers import bvn_waves
+from megatron_railwave.lab.workloads import PAPER_PAYLOAD_SCALE as PAYLOAD_SCALE  # make bench-paper's scale
 topo = load_topology("h800_4x8")
 layers = arranged_layers(topo, "extreme", tokens=2048, layers=[8, 17, 36])
 j, f, b, c = [], [], [], []

@@ -13,9 +13,9 @@ import dataclasses
 import datetime
 import numpy as np
 
-from megatron_railwave import calibration
-from megatron_railwave.anchors import load_anchors, save_anchors
-from megatron_railwave.path_model import fit_rail_joint
+from megatron_railwave.lab import calibration
+from megatron_railwave.selector.anchors import load_anchors, save_anchors
+from megatron_railwave.selector.path_model import fit_rail_joint
 from megatron_railwave.traffic import MiB
 
 from _selector_rows import load_rows, row_arrays

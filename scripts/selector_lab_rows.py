@@ -23,10 +23,10 @@ import time
 import torch
 import yaml
 
-from megatron_railwave import calibration
-from megatron_railwave.anchors import load_anchors
-from megatron_railwave.netmodel import NetModelConfig
-from megatron_railwave.path_model import path_features
+from megatron_railwave.lab import calibration
+from megatron_railwave.selector.anchors import load_anchors
+from megatron_railwave.lab.netmodel import NetModelConfig
+from megatron_railwave.selector.path_model import path_features
 from megatron_railwave.planner import Path, PlanOptions
 from megatron_railwave.topology import RailTopology
 from megatron_railwave.traffic import SelectorScales, dtype_bytes

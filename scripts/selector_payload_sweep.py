@@ -10,12 +10,12 @@ NATIVE / JOINT per scale and counts where either ratio falls as the payload grow
 """
 import sys
 
-from megatron_railwave import calibration
-from megatron_railwave.calibration import NetmodelBackend, ReplayRequest
-from megatron_railwave.netmodel import NetModelConfig, load_netmodel_config
+from megatron_railwave.lab import calibration
+from megatron_railwave.lab.calibration import NetmodelBackend, ReplayRequest
+from megatron_railwave.lab.netmodel import NetModelConfig, load_netmodel_config
 from megatron_railwave.planner import Path
 from megatron_railwave.topology import load_topology
-from megatron_railwave.workloads import scaled_demand
+from megatron_railwave.lab.workloads import scaled_demand
 
 topo = load_topology(sys.argv[1] if len(sys.argv) > 1 else "h800_4x8")
 backend = NetmodelBackend(topo, model=load_netmodel_config(sys.argv[2]) if len(sys.argv) > 2 else NetModelConfig())

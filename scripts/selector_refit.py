@@ -24,9 +24,9 @@ import numpy as np
 import torch
 import yaml
 
-from megatron_railwave import calibration
-from megatron_railwave.anchors import load_anchors, save_anchors
-from megatron_railwave.path_model import FEATURE_NAMES, PathCosts, fit_rail_joint, path_features
+from megatron_railwave.lab import calibration
+from megatron_railwave.selector.anchors import load_anchors, save_anchors
+from megatron_railwave.selector.path_model import FEATURE_NAMES, PathCosts, fit_rail_joint, path_features
 from megatron_railwave.topology import RailTopology
 from megatron_railwave.traffic import dtype_bytes
 

@@ -20,8 +20,8 @@ import sys
 import torch
 import yaml
 
-from megatron_railwave import calibration
-from megatron_railwave.anchors import load_anchors
+from megatron_railwave.lab import calibration
+from megatron_railwave.selector.anchors import load_anchors
 from megatron_railwave.selector import ModelSelector
 from megatron_railwave.topology import RailTopology
 from megatron_railwave.traffic import dtype_bytes

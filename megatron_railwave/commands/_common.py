@@ -13,9 +13,9 @@ from typing import Any
 
 import torch
 
-from ..planner import EligiblePolicy, Path, PlanOptions, parse_path
-from ..topology import RailTopology, load_topology
-from ..traffic import dtype_bytes
+from megatron_railwave.planner import EligiblePolicy, Path, PlanOptions, parse_path
+from megatron_railwave.topology import RailTopology, load_topology
+from megatron_railwave.traffic import dtype_bytes
 
 __all__ = [
     "add_cluster_args",

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..outputs import check_output_dir, check_output_file
+from megatron_railwave.outputs import check_output_dir, check_output_file
 
 __all__ = ["declare_outputs", "check_outputs"]
 

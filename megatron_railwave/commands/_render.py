@@ -9,8 +9,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from ..planner import PathPlan
-from ..traffic import TrafficStats
+from megatron_railwave.planner import PathPlan
+from megatron_railwave.traffic import TrafficStats
 
 __all__ = ["print_table", "print_text", "print_rail_egress", "print_waves", "print_descriptors"]
 

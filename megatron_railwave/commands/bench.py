@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import _common, _outputs, _render
+from megatron_railwave.commands import _common, _outputs, _render
 
 __all__ = ["register", "run", "layer_demands", "summarize_samples"]
 
@@ -46,7 +46,7 @@ _DENSE_MAX = 1 << 24
 
 
 def _model_spec(topo: Any) -> Any:
-    from ..workloads import GLM45_AIR
+    from megatron_railwave.lab.workloads import GLM45_AIR
 
     world = topo.world_size
     if GLM45_AIR.num_experts % world == 0:
@@ -57,7 +57,7 @@ def _model_spec(topo: Any) -> Any:
 
 def layer_demands(topo: Any, *, layer: int, step: int, tokens: int, seed: int) -> Any:
     """One layer's demand: `DemandCounts` when small enough, else `SparseDemand`."""
-    from ..workloads import GlmAirWorkload, demand_from_topk_ids, glm_air_layer_ids, sparse_demand_from_topk_ids
+    from megatron_railwave.lab.workloads import GlmAirWorkload, demand_from_topk_ids, glm_air_layer_ids, sparse_demand_from_topk_ids
 
     spec = _model_spec(topo)
     work = GlmAirWorkload(num_tokens=tokens, seed=seed, step=step, model=spec, layers=(layer,))
@@ -88,8 +88,8 @@ def _plan_timed(demand: Any, topo: Any, path: str, options: Any, routing_TE: tor
     """(plan, seconds): rank 0's per-layer planning as the exchange runs it (``bench.planning``:
     records, ``build_plan``, ``schedule.compile_for_rank``, index maps), median of ``repeats``
     after one warm-up; ``repeats`` 0: the plan alone, untimed."""
-    from ..bench.planning import time_rank_planning
-    from ..planner import build_plan
+    from megatron_railwave.lab.bench.planning import time_rank_planning
+    from megatron_railwave.planner import build_plan
 
     if not repeats:
         return build_plan(demand.records_NGN(), topo, path, options=options, phase=phase), 0.0
@@ -228,7 +228,7 @@ def _ints(text: str) -> list[int]:
 
 def _payload_scale(text: str) -> float:
     """argparse type of --payload-scale: a positive number, or 'paper' (workloads.PAPER_PAYLOAD_SCALE)."""
-    from ..workloads import PAPER_PAYLOAD_SCALE
+    from megatron_railwave.lab.workloads import PAPER_PAYLOAD_SCALE
 
     if text.strip().lower() == "paper":
         return PAPER_PAYLOAD_SCALE
@@ -262,10 +262,10 @@ def _variants(paths: list[str], fanins: list[int], chunks: list[int]) -> list[tu
 def run(args: argparse.Namespace) -> int:
     from tqdm.auto import tqdm
 
-    from ..netmodel import NetModelConfig, execute_plan, load_netmodel_config
-    from ..netmodel.peers import model_peer
-    from ..planner import PlanOptions
-    from ..workloads import GLM45_AIR, arrange, scaled_demand
+    from megatron_railwave.lab.netmodel import NetModelConfig, execute_plan, load_netmodel_config
+    from megatron_railwave.lab.netmodel.peers import model_peer
+    from megatron_railwave.planner import PlanOptions
+    from megatron_railwave.lab.workloads import GLM45_AIR, arrange, scaled_demand
 
     topo = _common.cluster_from_args(args)
     model = load_netmodel_config(args.model) if args.model else NetModelConfig()

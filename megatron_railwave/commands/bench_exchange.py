@@ -14,7 +14,7 @@ The ``alltoall`` baseline drives ``MoEAlltoAllTokenDispatcher`` through its six 
 CPU shims of ``bench.megatron_cpu`` on a CPU-only torch. ``--no-alltoall`` skips it; without
 ``megatron-core`` it is skipped with a message. The JSON says why in ``alltoall_skipped``.
 
-JSON written by ``--json``: see ``megatron_railwave.bench.summary`` (schema
+JSON written by ``--json``: see ``megatron_railwave.lab.bench.summary`` (schema
 ``railwave.bench_exchange/1``): ``config``, ``topology``, ``variants`` (median/P95/mean/min ms,
 samples, phase medians, max error, ratio to alltoall), ``bytes`` (per path and alltoall:
 inter-node rows and bytes, per-rail bytes, node-local bytes), ``summary`` (NATIVE/alltoall,
@@ -28,7 +28,7 @@ import importlib.util
 from pathlib import Path as FsPath
 from typing import Any
 
-from . import _common, _outputs, _render
+from megatron_railwave.commands import _common, _outputs, _render
 
 __all__ = ["register", "run", "alltoall_skip_reason"]
 
@@ -118,7 +118,7 @@ def _rows(result: dict[str, Any]) -> list[list[Any]]:
 
 def run(args: argparse.Namespace) -> int:
     _check(args)
-    from ..bench import ALLTOALL, NATIVE_GOALS, BenchSpec, run_bench_exchange
+    from megatron_railwave.lab.bench import ALLTOALL, NATIVE_GOALS, BenchSpec, run_bench_exchange
 
     skipped = alltoall_skip_reason(args.no_alltoall)
     if skipped:

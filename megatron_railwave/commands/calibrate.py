@@ -22,7 +22,7 @@ import argparse
 from collections import Counter
 from typing import Any
 
-from . import _common, _outputs, _render
+from megatron_railwave.commands import _common, _outputs, _render
 
 __all__ = ["register", "run", "parse_floats", "load_model", "model_dict"]
 
@@ -123,7 +123,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def load_model(path: str | None):
     """The ``NetModelConfig`` of ``--model`` (None: the built-in defaults)."""
-    from ..netmodel import NetModelConfig, load_netmodel_config
+    from megatron_railwave.lab.netmodel import NetModelConfig, load_netmodel_config
 
     return load_netmodel_config(path) if path else NetModelConfig()
 
@@ -138,7 +138,7 @@ def with_selector_settings(anchor_set, tuned: dict[str, Any]):
     JSON), keeping only the anchors that hold across seeds under them (``tuned['held']``; none when
     no setting beats always-JOINT): ``anchors_dropped`` records how many passed the keep rule but
     not that check."""
-    from ..anchors import AnchorSet, CalibrationContext
+    from megatron_railwave.selector.anchors import AnchorSet, CalibrationContext
 
     ctx = anchor_set.context
     held = set(tuned.get("held", [a.name for a in anchor_set.anchors]))
@@ -171,13 +171,12 @@ def print_latencies(title: str, rows: list[dict[str, Any]]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .. import calibration
-
+    from megatron_railwave.lab import calibration
     if args.retune is not None:
         return _retune(args)
     if args.backend is None:
         raise ValueError("--backend is required (unless --retune re-tunes an earlier calibration)")
-    from ..traffic import dtype_bytes
+    from megatron_railwave.traffic import dtype_bytes
 
     topo = _common.cluster_from_args(args)
     check_measure_args(args)
@@ -185,7 +184,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--hidden and --families must be >= 1, got {args.hidden}, {args.families}")
     if args.max_spread < 1 or not 0 <= args.min_gain < 1:
         raise ValueError(f"need --max-spread >= 1 and 0 <= --min-gain < 1, got {args.max_spread}, {args.min_gain}")
-    from ..planner import PlanOptions
+    from megatron_railwave.planner import PlanOptions
 
     options = PlanOptions(chunks=args.chunks)  # rejects chunks outside 1..MAX_CHUNKS, naming the field
     record_bytes = args.hidden * dtype_bytes(args.dtype)
@@ -193,7 +192,7 @@ def run(args: argparse.Namespace) -> int:
                                 "payload_scales": list(args.payload_scales),
                                 "arrangements": list(args.arrangements)}
     if args.workload == "glm":
-        from ..workloads import GLM45_AIR
+        from megatron_railwave.lab.workloads import GLM45_AIR
 
         if args.extra_seeds:
             settings["extra_seeds"] = list(args.extra_seeds)
@@ -217,8 +216,7 @@ def run(args: argparse.Namespace) -> int:
 def _retune(args: argparse.Namespace) -> int:
     import json
 
-    from .. import calibration
-
+    from megatron_railwave.lab import calibration
     topo = _common.cluster_from_args(args)
     files = [f for f in args.retune.split(",") if f]
     results = []
@@ -241,8 +239,8 @@ def _retune(args: argparse.Namespace) -> int:
 
 
 def _tune_and_write(args: argparse.Namespace, result) -> int:
-    from .. import calibration
-    from ..anchors import save_anchors
+    from megatron_railwave.lab import calibration
+    from megatron_railwave.selector.anchors import save_anchors
 
     tuned = calibration.tune_selector(result)
     anchor_set = with_selector_settings(result.anchor_set, tuned)
@@ -279,7 +277,7 @@ def _tune_and_write(args: argparse.Namespace, result) -> int:
             + ("better than the anchors, recorded in context.settings.selector.model: the runtime decides with it"
                if tuned.get("model") else "not better than the anchors, not recorded"))
     if args.json:
-        from ..path_model import FEATURE_NAMES
+        from megatron_railwave.selector.path_model import FEATURE_NAMES
 
         _common.write_json(args.json, {"anchors": anchor_set.to_dict(), "features": list(FEATURE_NAMES),
                                        "requests": rows, "selector": tuned})

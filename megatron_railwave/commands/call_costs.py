@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import argparse
 
-from . import _common, _outputs, _render
+from megatron_railwave.commands import _common, _outputs, _render
 
 __all__ = ["register", "run"]
 
@@ -51,7 +51,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..bench.call_costs import CallCostSpec, measure_call_costs
+    from megatron_railwave.lab.bench.call_costs import CallCostSpec, measure_call_costs
 
     if args.timeout <= 0:
         raise ValueError(f"--timeout must be > 0, got {args.timeout}")

@@ -11,10 +11,10 @@ import argparse
 
 import torch
 
-from ..planner import PlanOptions
-from ..topology import RailTopology
-from . import _common, _outputs, _render
-from .plan import plan_layer
+from megatron_railwave.planner import PlanOptions
+from megatron_railwave.topology import RailTopology
+from megatron_railwave.commands import _common, _outputs, _render
+from megatron_railwave.commands.plan import plan_layer
 
 __all__ = ["register", "run"]
 
@@ -37,7 +37,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _preset() -> RailTopology:
-    from ..topology import CLUSTER_PRESET_DIR, load_topology
+    from megatron_railwave.topology import CLUSTER_PRESET_DIR, load_topology
 
     if (CLUSTER_PRESET_DIR / f"{_PRESET}.yaml").is_file():
         return load_topology(_PRESET)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 
-from . import _common, _outputs, _render
+from megatron_railwave.commands import _common, _outputs, _render
 
 __all__ = ["register"]
 
@@ -57,8 +57,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _fit_incast(args: argparse.Namespace) -> int:
-    from ..netmodel import NetModelConfig
-    from ..netmodel.calibrate import calibrate_incast, is_ultraep_cluster, ultraep_check, write_config
+    from megatron_railwave.lab.netmodel import NetModelConfig
+    from megatron_railwave.lab.netmodel.calibrate import calibrate_incast, is_ultraep_cluster, ultraep_check, write_config
 
     if args.tokens < 1:
         raise ValueError(f"--tokens must be >= 1, got {args.tokens}")
@@ -87,7 +87,7 @@ def _fit_incast(args: argparse.Namespace) -> int:
 
 
 def _bench_engine(args: argparse.Namespace) -> int:
-    from ..netmodel.bench_engine import time_engine
+    from megatron_railwave.lab.netmodel.bench_engine import time_engine
 
     if args.gpus_per_node < 1 or any(t < 0 for t in args.rel_tol):
         raise ValueError(f"need --gpus-per-node >= 1 and --rel-tol >= 0, got {args.gpus_per_node}, {args.rel_tol}")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from . import _outputs, _render
+from megatron_railwave.commands import _outputs, _render
 
 __all__ = ["register", "run"]
 
@@ -38,8 +38,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     import dataclasses
 
-    from ..bench.ops_bench import QUICK, OpsBenchSpec, run_ops_bench
-    from ._common import write_json
+    from megatron_railwave.lab.bench.ops_bench import QUICK, OpsBenchSpec, run_ops_bench
+    from megatron_railwave.commands._common import write_json
 
     base = QUICK if args.quick else OpsBenchSpec()
     overrides = {"num_tokens": args.tokens, "hidden": args.hidden, "num_experts": args.experts, "topk": args.topk,

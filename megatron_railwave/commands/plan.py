@@ -22,12 +22,12 @@ from typing import Any
 
 import torch
 
-from ..planner import Path, PlanOptions
-from ..workloads import synthetic_routing_maps
-from ..topology import RailTopology
-from ..bench.planning import time_rank_planning
-from ..traffic import DemandCounts
-from . import _common, _outputs, _render
+from megatron_railwave.planner import Path, PlanOptions
+from megatron_railwave.lab.workloads import synthetic_routing_maps
+from megatron_railwave.topology import RailTopology
+from megatron_railwave.lab.bench.planning import time_rank_planning
+from megatron_railwave.traffic import DemandCounts
+from megatron_railwave.commands import _common, _outputs, _render
 
 __all__ = ["register", "run", "plan_layer"]
 

@@ -22,7 +22,7 @@ import argparse
 import os
 from typing import Any
 
-from . import _common, _outputs, _render
+from megatron_railwave.commands import _common, _outputs, _render
 
 __all__ = ["register", "run"]
 
@@ -73,7 +73,7 @@ def _local_shape(text: str) -> tuple[int, int]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..bench.incast_probe import incast_probe_worker, summarize_incast_probe
+    from megatron_railwave.lab.bench.incast_probe import incast_probe_worker, summarize_incast_probe
 
     if args.repeats < 1 or args.warmups < 0 or (args.nbytes is not None and args.nbytes < 1):
         raise ValueError(f"need --repeats >= 1, --warmups >= 0, --nbytes >= 1, got {args.repeats}, "
@@ -86,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
                          f"{args.gpus_per_node}")
     base = None
     if args.write_model:  # fail before any measurement on a bad base
-        from ..netmodel import NetModelConfig, load_netmodel_config
+        from megatron_railwave.lab.netmodel import NetModelConfig, load_netmodel_config
 
         if args.base_model is None:
             base = NetModelConfig()
@@ -96,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
             except (OSError, ValueError) as exc:
                 raise ValueError(f"--base-model: {exc}") from None
     if args.local is not None:
-        from ..bench.launch import run_gloo_processes
+        from megatron_railwave.lab.bench.launch import run_gloo_processes
 
         nodes, gpus = _local_shape(args.local)
         if nodes < 3 or gpus < 1:

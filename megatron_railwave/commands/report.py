@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _common, _outputs, _render
+from megatron_railwave.commands import _common, _outputs, _render
 
 __all__ = ["register", "run", "summarize_logs", "write_plots", "layer_table"]
 
@@ -219,8 +219,8 @@ def _save(fig: Any, path: FsPath) -> FsPath:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..commlog import read_logs, split_runs
-    from ..outputs import check_output_dir
+    from megatron_railwave.telemetry.commlog import read_logs, split_runs
+    from megatron_railwave.outputs import check_output_dir
 
     plot_dir = FsPath(args.out) if args.out else FsPath(args.log_dir) / "report"
     runs = split_runs(read_logs(args.log_dir))

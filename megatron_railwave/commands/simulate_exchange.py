@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import argparse
 
-from . import _common, _outputs, _render
+from megatron_railwave.commands import _common, _outputs, _render
 
 __all__ = ["register", "run"]
 
@@ -53,8 +53,8 @@ def _megabytes(wire: dict[str, int]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..bench.virtual_exchange import VirtualSpec, simulate_exchange
-    from ..planner import PlanOptions
+    from megatron_railwave.lab.bench.virtual_exchange import VirtualSpec, simulate_exchange
+    from megatron_railwave.planner import PlanOptions
 
     topo = _common.cluster_from_args(args)
     capacity = args.max_tokens_per_rank

@@ -18,7 +18,7 @@ from dataclasses import asdict
 from pathlib import Path as FsPath
 from typing import Any
 
-from . import _common, _outputs, _render
+from megatron_railwave.commands import _common, _outputs, _render
 
 __all__ = ["register"]
 
@@ -93,7 +93,7 @@ def _add_spec_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _spec_from_args(args: argparse.Namespace):  # type: ignore[no-untyped-def]
-    from ..testbed import TestbedSpec
+    from megatron_railwave.lab.testbed import TestbedSpec
 
     return TestbedSpec(nodes=args.nodes, gpus_per_node=args.gpus_per_node, rail_mbit=args.rail_mbit,
                        mtu=args.mtu, port_buffer_bytes=args.port_buffer_bytes, rto_min_ms=args.rto_min_ms,
@@ -106,7 +106,7 @@ def _state_path(state_dir: str, name: str) -> FsPath:
 
 
 def _up(args: argparse.Namespace) -> int:
-    from ..testbed import check_prerequisites, up
+    from megatron_railwave.lab.testbed import check_prerequisites, up
 
     reason = check_prerequisites()
     if reason is not None:
@@ -122,7 +122,7 @@ def _up(args: argparse.Namespace) -> int:
 
 
 def _down(args: argparse.Namespace) -> int:
-    from ..testbed import down
+    from megatron_railwave.lab.testbed import down
 
     for name in args.names:
         removed = down(name + "-")  # the trailing dash keeps other testbeds sharing the prefix
@@ -132,7 +132,7 @@ def _down(args: argparse.Namespace) -> int:
 
 
 def _load_spec(args: argparse.Namespace):  # type: ignore[no-untyped-def]
-    from ..testbed import TestbedSpec
+    from megatron_railwave.lab.testbed import TestbedSpec
 
     path = _state_path(args.state_dir, args.name)
     if not path.exists():
@@ -145,8 +145,8 @@ def _split(text: str) -> tuple[str, ...]:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from ..testbed import check_prerequisites, down, up
-    from ..testbed.experiment import FaultConfig, StudyConfig, goals, incast_sweep, run_fault, run_study
+    from megatron_railwave.lab.testbed import check_prerequisites, down, up
+    from megatron_railwave.lab.testbed.experiment import FaultConfig, StudyConfig, goals, incast_sweep, run_fault, run_study
 
     temporary = args.name is None
     spec = _spec_from_args(args) if temporary else _load_spec(args)
@@ -199,7 +199,7 @@ def _model_comparison(study: dict[str, Any], incast: list[dict[str, Any]] | None
     """The flow model on the same plans (``testbed.model_compare``), if this checkout has it: the
     primary fit (``_PRIMARY_FIT``, used for the goal) and the other one."""
     try:
-        from ..testbed.model_compare import compare_with_netmodel
+        from megatron_railwave.lab.testbed.model_compare import compare_with_netmodel
 
         res = {fit: compare_with_netmodel(study, incast=incast, fit_param=fit)
                for fit in (_PRIMARY_FIT, "rail_rate")}

@@ -40,8 +40,8 @@ import statistics
 import time
 from typing import Any
 
-from . import _common, _outputs, _render
-from .calibrate import _layers, add_measure_args, check_measure_args, load_model
+from megatron_railwave.commands import _common, _outputs, _render
+from megatron_railwave.commands.calibrate import _layers, add_measure_args, check_measure_args, load_model
 
 __all__ = ["register", "run", "bench_selector"]
 
@@ -82,7 +82,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def _describe_gates(model: Any) -> str:
     """The path model's payload gates in words (``RailJointModel.gate``), "" without any."""
-    from ..traffic import MiB
+    from megatron_railwave.traffic import MiB
 
     gates = {kind: model.gate(input_windows=windows) for kind, windows in (("all pairs", 1), ("windowed", 2))}
     if all(g is None for g in gates.values()):
@@ -106,9 +106,9 @@ def bench_selector(selector: Any, requests: list[Any], topo: Any, *, repeats: in
     (``repeats`` calls at least), so that layers the path model's payload gate skips count in
     their share.
     """
-    from ..selector import needs_descriptors, select_for_layer
-    from ..stats import demand_stats
-    from ..traffic import DemandCounts
+    from megatron_railwave.selector import needs_descriptors, select_for_layer
+    from megatron_railwave.telemetry.stats import demand_stats
+    from megatron_railwave.traffic import DemandCounts
 
     gathered = [(DemandCounts(records_WN=r.demand.records_WN, delivery_WNKG=r.demand.class_copies_WNKG())
                  if r.demand is not None else DemandCounts(records_WN=r.records_NGN.reshape(-1, r.records_NGN.shape[0])),
@@ -139,10 +139,10 @@ def bench_selector(selector: Any, requests: list[Any], topo: Any, *, repeats: in
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from .. import calibration
-    from ..anchors import load_anchors
-    from ..selector import AnchorSelector, ModelSelector
-    from ..topology import RailTopology
+    from megatron_railwave.lab import calibration
+    from megatron_railwave.selector.anchors import load_anchors
+    from megatron_railwave.selector import AnchorSelector, ModelSelector
+    from megatron_railwave.topology import RailTopology
 
     check_measure_args(args)
     if args.requests is not None and args.requests < 1:
@@ -174,7 +174,7 @@ def run(args: argparse.Namespace) -> int:
     if not isinstance(settings, dict) or "payload_scales" not in settings:
         raise ValueError(f"anchors file {args.anchors!r}: field 'context.settings.requests' is missing; it "
                          "names the calibration requests (write the file with `railwave calibrate`)")
-    from ..traffic import dtype_bytes
+    from megatron_railwave.traffic import dtype_bytes
 
     record_bytes = anchor_set.context.hidden_size * dtype_bytes(anchor_set.context.dtype)
     held_out = calibration.held_out_settings(settings, seed=args.seed, count=args.requests, layers=args.layers)
@@ -203,7 +203,7 @@ def run(args: argparse.Namespace) -> int:
             f"median of 5 x {bench['repeats']} calls, 1 thread, this host); "
             f"descriptors from counts: {bench['us_per_descriptors']:.0f} us")
     if args.backend is not None:
-        from ..planner import PlanOptions
+        from megatron_railwave.planner import PlanOptions
 
         # The JOINT the anchors were calibrated against (context.settings.chunks).
         backend = calibration.make_backend(args.backend, topo, options=PlanOptions(chunks=anchor_set.chunks),
@@ -278,7 +278,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _model(args: argparse.Namespace, anchor_set: Any):
     """``--model``, else the model recorded in the anchors file, else the built-in defaults."""
-    from ..netmodel import NetModelConfig
+    from megatron_railwave.lab.netmodel import NetModelConfig
 
     recorded = anchor_set.context.settings.get("model")
     source = f"anchors file {args.anchors!r}: context.settings.model"

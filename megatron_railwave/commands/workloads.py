@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import replace
 
-from . import _common, _outputs, _render
+from megatron_railwave.commands import _common, _outputs, _render
 
 __all__ = ["register"]
 
@@ -48,7 +48,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _fit(args: argparse.Namespace) -> int:
-    from ..workloads import GlmAirWorkload, fit_workload, workload_report
+    from megatron_railwave.lab.workloads import GlmAirWorkload, fit_workload, workload_report
 
     if min(args.steps, args.nic_steps, args.tokens, args.fit_steps, args.sweeps) < 1 or min(args.sampled_steps,
                                                                                          args.seed) < 0:

@@ -6,18 +6,18 @@ DeepEP's internode dispatch / combine (``DeepEPExchange``; run only against the 
 ``deepep_fake``, not yet on hardware). ``build_exchange`` picks one (backend torch | deepep | auto).
 """
 
-from .backend import build_exchange
-from .deepep import DeepEPExchange
-from .groups import RankGroups, build_rail_groups, rank_groups, survey_unresponsive, virtual_rank_groups
-from .placement import (ConfigMismatchError, Placement, PlacementError, RankFacts, check_fingerprints,
+from megatron_railwave.exchange.backend import build_exchange
+from megatron_railwave.exchange.deepep import DeepEPExchange
+from megatron_railwave.exchange.groups import RankGroups, build_rail_groups, rank_groups, survey_unresponsive, virtual_rank_groups
+from megatron_railwave.exchange.placement import (ConfigMismatchError, Placement, PlacementError, RankFacts, check_fingerprints,
                         gather_rank_facts, identity_placement, place_ranks)
-from .capacity import PaddedEntries, capacity_demand, capacity_layer, capacity_plan, check_capacity
-from .layer import (CapacityOverflowError, EntryIndex, InputError, LayerDemand, LayerHandle, RankContext,
+from megatron_railwave.exchange.capacity import PaddedEntries, capacity_demand, capacity_layer, capacity_plan, check_capacity
+from megatron_railwave.exchange.layer import (CapacityOverflowError, EntryIndex, InputError, LayerDemand, LayerHandle, RankContext,
                     combine_backward, combine_forward, dispatch_backward, dispatch_forward, gather_demand,
                     prepare_capacity_layer, prepare_layer)
-from .torch_dist import DispatchOutput, ExchangeHandle, TorchDistExchange
-from .transport import ExchangeError, ExchangeTimeoutError, TorchDistTransport, drive
-from .virtual import PhaseEvent, VirtualCluster
+from megatron_railwave.exchange.torch_dist import DispatchOutput, ExchangeHandle, TorchDistExchange
+from megatron_railwave.exchange.transport import ExchangeError, ExchangeTimeoutError, TorchDistTransport, drive
+from megatron_railwave.exchange.virtual import PhaseEvent, VirtualCluster
 
 __all__ = [
     "build_exchange",

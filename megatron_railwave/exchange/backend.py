@@ -20,11 +20,11 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
-from ..planner import PlanOptions
-from ..topology import RailTopology
-from .deepep_api import REAL_LIMITS, check_deepep_layout, deep_ep_importable, deepep_layout_problems, load_deep_ep
-from .groups import RankGroups
-from .torch_dist import TorchDistExchange
+from megatron_railwave.planner import PlanOptions
+from megatron_railwave.topology import RailTopology
+from megatron_railwave.exchange.deepep_api import REAL_LIMITS, check_deepep_layout, deep_ep_importable, deepep_layout_problems, load_deep_ep
+from megatron_railwave.exchange.groups import RankGroups
+from megatron_railwave.exchange.torch_dist import TorchDistExchange
 
 __all__ = ["build_exchange", "BackendName"]
 
@@ -69,7 +69,7 @@ def build_exchange(topo: RailTopology, groups: RankGroups, *, backend: BackendNa
                          "dispatches whole waves. Set backend: torch (or auto), or chunks: 1 for DeepEP")
     if backend not in ("deepep", "auto"):
         raise ValueError(f"backend={backend!r} must be 'torch', 'deepep' or 'auto'")
-    from .deepep import DeepEPExchange
+    from megatron_railwave.exchange.deepep import DeepEPExchange
 
     limits = dict(hidden_size=hidden_size, hidden_dtype=hidden_dtype, topk=topk, num_experts=num_experts)
     if backend == "deepep":

@@ -34,12 +34,12 @@ from dataclasses import dataclass
 
 import torch
 
-from ..planner import Path, PathPlan, PlanOptions, build_plan, parse_path
-from ..schedule import ExecutionSchedule, RankView, RecordWireFormat, compile_schedule, rank_view
-from ..schedule.wire import META_FIXED_WORDS, ROUTING_BITS_PER_WORD
-from ..topology import RailTopology
-from ..traffic import DemandCounts
-from .layout import LayerLayout, build_layout
+from megatron_railwave.planner import Path, PathPlan, PlanOptions, build_plan, parse_path
+from megatron_railwave.schedule import ExecutionSchedule, RankView, RecordWireFormat, compile_schedule, rank_view
+from megatron_railwave.schedule.wire import META_FIXED_WORDS, ROUTING_BITS_PER_WORD
+from megatron_railwave.topology import RailTopology
+from megatron_railwave.traffic import DemandCounts
+from megatron_railwave.exchange.layout import LayerLayout, build_layout
 
 __all__ = ["CapacityLayer", "capacity_demand", "capacity_plan", "capacity_layer", "slot_tokens", "expand_padded",
            "PaddedEntries", "check_capacity"]

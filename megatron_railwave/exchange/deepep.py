@@ -37,16 +37,16 @@ from typing import Any
 import numpy as np
 import torch
 
-from .. import ops
-from ..planner import PathPlan, PlanOptions
-from ..topology import RailTopology
-from .deepep_api import DeepEPApi, check_deepep_layout, deepep_buffer_bytes, dispatch_row_bytes, record_meta_bytes
-from .groups import RankGroups
-from .layer import InputError, LayerDemand, LayerHandle
-from .layout import HostCounts, select_positions
-from .moves import relay_backward, relay_forward
-from .torch_dist import TorchDistExchange
-from .transport import Program
+from megatron_railwave import ops
+from megatron_railwave.planner import PathPlan, PlanOptions
+from megatron_railwave.topology import RailTopology
+from megatron_railwave.exchange.deepep_api import DeepEPApi, check_deepep_layout, deepep_buffer_bytes, dispatch_row_bytes, record_meta_bytes
+from megatron_railwave.exchange.groups import RankGroups
+from megatron_railwave.exchange.layer import InputError, LayerDemand, LayerHandle
+from megatron_railwave.exchange.layout import HostCounts, select_positions
+from megatron_railwave.exchange.moves import relay_backward, relay_forward
+from megatron_railwave.exchange.torch_dist import TorchDistExchange
+from megatron_railwave.exchange.transport import Program
 
 __all__ = ["DeepEPExchange", "DeepEPLayer", "DeepEPHandle"]
 

@@ -25,8 +25,8 @@ from typing import Any, Literal
 
 import torch
 
-from ..topology import RailTopology
-from .deepep_fake import fake_deep_ep
+from megatron_railwave.topology import RailTopology
+from megatron_railwave.exchange.deepep_fake import fake_deep_ep
 
 __all__ = ["DeepEPApi", "DeepEPLimits", "REAL_LIMITS", "load_deep_ep", "deep_ep_importable", "check_deepep_layout",
            "deepep_layout_problems", "deepep_buffer_bytes", "record_meta_bytes", "dispatch_row_bytes", "REAL_WHEEL"]

@@ -42,7 +42,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .. import ops
+from megatron_railwave import ops
 
 __all__ = ["fake_deep_ep", "INTERNODE_HANDLE_FIELDS", "FakeEventOverlap"]
 

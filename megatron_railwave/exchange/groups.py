@@ -32,9 +32,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..topology import RailTopology
-from .placement import Placement, identity_placement
-from .transport import GroupRef
+from megatron_railwave.topology import RailTopology
+from megatron_railwave.exchange.placement import Placement, identity_placement
+from megatron_railwave.exchange.transport import GroupRef
 
 __all__ = ["RankGroups", "build_rail_groups", "rank_groups", "virtual_rank_groups", "survey_unresponsive",
            "report_failure", "reported_failures"]

@@ -36,17 +36,17 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import ops
-from ..planner import Path, PathPlan, PlanOptions
-from ..schedule import ExecutionSchedule, RankView, RecordWireFormat, compile_for_rank
-from ..schedule.wire import META_FIXED_WORDS, ROUTING_BITS_PER_WORD
-from ..topology import RailTopology
-from ..traffic import DemandCounts, mask_bits, mask_classes
-from .capacity import PaddedEntries, capacity_layer, expand_padded, slot_tokens
-from .groups import RankGroups
-from .layout import LayerLayout, build_layout, select_positions
-from .moves import as_row_bytes, backward_moves, forward_moves, part_view, unpack_views
-from .transport import Collective, Program
+from megatron_railwave import ops
+from megatron_railwave.planner import Path, PathPlan, PlanOptions
+from megatron_railwave.schedule import ExecutionSchedule, RankView, RecordWireFormat, compile_for_rank
+from megatron_railwave.schedule.wire import META_FIXED_WORDS, ROUTING_BITS_PER_WORD
+from megatron_railwave.topology import RailTopology
+from megatron_railwave.traffic import DemandCounts, mask_bits, mask_classes
+from megatron_railwave.exchange.capacity import PaddedEntries, capacity_layer, expand_padded, slot_tokens
+from megatron_railwave.exchange.groups import RankGroups
+from megatron_railwave.exchange.layout import LayerLayout, build_layout, select_positions
+from megatron_railwave.exchange.moves import as_row_bytes, backward_moves, forward_moves, part_view, unpack_views
+from megatron_railwave.exchange.transport import Collective, Program
 
 __all__ = ["InputError", "CapacityOverflowError", "RankContext", "LayerDemand", "LayerHandle", "EntryIndex", "gather_demand",
            "prepare_layer", "dispatch_forward", "dispatch_backward", "combine_forward", "combine_backward",

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .. import ops
-from ..planner import PathPlan, chunk_arrival_counts
-from ..schedule import RankView
+from megatron_railwave import ops
+from megatron_railwave.planner import PathPlan, chunk_arrival_counts
+from megatron_railwave.schedule import RankView
 
 __all__ = ["HostCounts", "LayerLayout", "build_layout", "layout_counts", "select_positions"]
 

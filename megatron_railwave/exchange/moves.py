@@ -25,12 +25,12 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
-from .. import ops
-from ..planner import chunk_sizes
-from ..schedule import ExecutionSchedule, Phase, PhaseKind, RankView
-from .groups import RankGroups
-from .layout import LayerLayout
-from .transport import FlatBlocks, Post, Program, Wait
+from megatron_railwave import ops
+from megatron_railwave.planner import chunk_sizes
+from megatron_railwave.schedule import ExecutionSchedule, Phase, PhaseKind, RankView
+from megatron_railwave.exchange.groups import RankGroups
+from megatron_railwave.exchange.layout import LayerLayout
+from megatron_railwave.exchange.transport import FlatBlocks, Post, Program, Wait
 
 __all__ = ["forward_moves", "backward_moves", "relay_forward", "relay_backward", "as_row_bytes", "part_view",
            "unpack_views"]

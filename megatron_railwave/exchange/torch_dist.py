@@ -19,15 +19,15 @@ from typing import Any
 
 import torch
 
-from ..planner import PathPlan, PlanOptions, build_plan
-from ..topology import RailTopology
-from ..traffic import DemandCounts
-from ..planner import Path
-from .capacity import PaddedEntries, check_capacity
-from .groups import RankGroups, report_failure, reported_failures, survey_unresponsive
-from .layer import (EntryIndex, InputError, LayerDemand, LayerHandle, RankContext, combine_backward, combine_forward,
+from megatron_railwave.planner import PathPlan, PlanOptions, build_plan
+from megatron_railwave.topology import RailTopology
+from megatron_railwave.traffic import DemandCounts
+from megatron_railwave.planner import Path
+from megatron_railwave.exchange.capacity import PaddedEntries, check_capacity
+from megatron_railwave.exchange.groups import RankGroups, report_failure, reported_failures, survey_unresponsive
+from megatron_railwave.exchange.layer import (EntryIndex, InputError, LayerDemand, LayerHandle, RankContext, combine_backward, combine_forward,
                     dispatch_backward, dispatch_forward, gather_demand, prepare_capacity_layer, prepare_layer)
-from .transport import GroupRef, Program, TorchDistTransport, drive
+from megatron_railwave.exchange.transport import GroupRef, Program, TorchDistTransport, drive
 
 __all__ = ["ExchangeHandle", "DispatchOutput", "TorchDistExchange", "InputError"]
 

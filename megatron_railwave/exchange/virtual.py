@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from .transport import Collective, ExchangeError, GroupRef, Post, Program, Wait
+from megatron_railwave.exchange.transport import Collective, ExchangeError, GroupRef, Post, Program, Wait
 
 __all__ = ["VirtualCluster", "PhaseEvent"]
 

@@ -17,9 +17,9 @@ from collections.abc import Sequence
 
 import torch
 
-from . import reference
-from ._compiled import compiled_for, load_error, set_forced_reference
-from .reference import RowSpec, row_bytes
+from megatron_railwave.ops import reference
+from megatron_railwave.ops._compiled import compiled_for, load_error, set_forced_reference
+from megatron_railwave.ops.reference import RowSpec, row_bytes
 
 __all__ = [
     "RowSpec",

@@ -17,11 +17,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..topology import RailTopology
-from ..traffic import DemandCounts, SelectorScales, TrafficStats, rail_load_NRN, traffic_stats
-from .paths import EligiblePolicy, Path, parse_path
-from .railbalance import eligible_NNG, quota_and_relay
-from .waves import WaveSchedule, all_at_once, bounded_fanin_schedule
+from megatron_railwave.topology import RailTopology
+from megatron_railwave.traffic import DemandCounts, SelectorScales, TrafficStats, rail_load_NRN, traffic_stats
+from megatron_railwave.planner.paths import EligiblePolicy, Path, parse_path
+from megatron_railwave.planner.railbalance import eligible_NNG, quota_and_relay
+from megatron_railwave.planner.waves import WaveSchedule, all_at_once, bounded_fanin_schedule
 
 __all__ = ["PathPlan", "PlanOptions", "build_plan", "chunk_sizes"]
 

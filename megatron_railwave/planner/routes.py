@@ -22,9 +22,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..traffic import DemandCounts, mask_bits
-from .plan import PathPlan, chunk_sizes
-from .railbalance import surplus_deficit_bounds
+from megatron_railwave.traffic import DemandCounts, mask_bits
+from megatron_railwave.planner.plan import PathPlan, chunk_sizes
+from megatron_railwave.planner.railbalance import surplus_deficit_bounds
 
 __all__ = ["RecordRoutes", "route_records", "delivery_copies_NGG", "arrival_mask_counts_NGM",
            "chunk_arrival_counts", "RankSplits", "rank_splits"]

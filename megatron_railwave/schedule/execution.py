@@ -56,9 +56,9 @@ from typing import Literal, Protocol
 import numpy as np
 import torch
 
-from ..planner import PathPlan, arrival_mask_counts_NGM, chunk_arrival_counts, chunk_sizes, delivery_copies_NGG
-from ..traffic import mask_bits
-from .wire import RecordWireFormat
+from megatron_railwave.planner import PathPlan, arrival_mask_counts_NGM, chunk_arrival_counts, chunk_sizes, delivery_copies_NGG
+from megatron_railwave.traffic import mask_bits
+from megatron_railwave.schedule.wire import RecordWireFormat
 
 __all__ = ["Direction", "PhaseKind", "Phase", "ExecutionSchedule", "MaskSource", "compile_schedule"]
 

@@ -15,11 +15,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .. import ops
-from ..planner import PathPlan
-from .execution import ExecutionSchedule, MaskSource, _build_phases, _dispatch_phase_indices, compile_schedule
-from .rank_view import RankView, phase_counts, rank_view
-from .wire import RecordWireFormat
+from megatron_railwave import ops
+from megatron_railwave.planner import PathPlan
+from megatron_railwave.schedule.execution import ExecutionSchedule, MaskSource, _build_phases, _dispatch_phase_indices, compile_schedule
+from megatron_railwave.schedule.rank_view import RankView, phase_counts, rank_view
+from megatron_railwave.schedule.wire import RecordWireFormat
 
 __all__ = ["RankSchedule", "compile_for_rank"]
 

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..planner import arrival_mask_counts_NGM
-from .execution import Direction, ExecutionSchedule, Phase
+from megatron_railwave.planner import arrival_mask_counts_NGM
+from megatron_railwave.schedule.execution import Direction, ExecutionSchedule, Phase
 
 __all__ = ["PhaseCounts", "RankView", "rank_view"]
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..ops import RowSpec, row_bytes
+from megatron_railwave.ops import RowSpec, row_bytes
 
 __all__ = ["RecordWireFormat", "META_FIXED_WORDS", "ROUTING_BITS_PER_WORD"]
 

@@ -61,7 +61,7 @@ def run_backends(rank: int, world: int, topo_kwargs: dict, paths: list[str], kw:
 def run_moe_layer_backends(rank: int, world: int, railwave: dict, paths: list[str], kw: dict) -> dict[str, Any]:
     """A real Megatron MoELayer (forward + backward): 'alltoall', railwave on the torch backend
     (native), then railwave on the DeepEP backend with the fake Buffer, once per path."""
-    from megatron_railwave.bench.megatron_cpu import apply_megatron_cpu_shims
+    from megatron_railwave.lab.bench.megatron_cpu import apply_megatron_cpu_shims
 
     apply_megatron_cpu_shims()
     import megatron_railwave

@@ -1,6 +1,6 @@
 """Run a function on several CPU processes joined by a gloo process group (test-only).
 
-A thin front over the package's own launcher (``megatron_railwave.bench.launch``), so the
+A thin front over the package's own launcher (``megatron_railwave.lab.bench.launch``), so the
 tests and the benchmarks start ranks the same way: ``run_distributed(fn, world_size, *args)``
 runs ``fn(rank, world_size, *args)`` on spawned processes over 127.0.0.1 and returns the
 per-rank results. A rank that raises makes the parent raise with that rank's traceback text;
@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from megatron_railwave.bench.launch import RankFailedError, run_gloo_processes
+from megatron_railwave.lab.bench.launch import RankFailedError, run_gloo_processes
 
 __all__ = ["DistributedRankError", "run_distributed"]
 

@@ -185,7 +185,7 @@ def run_fixed_capacity(rank: int, world: int, topo_kwargs: dict, path: str, capa
     """One layer of ``path`` in the normal mode and in fixed-capacity mode on the same inputs:
     outputs and gradients of both, the bytes each phase moved against the capacity schedule,
     and the host syncs SyncAudit counts in the fixed mode's forward (dispatch + combine)."""
-    from megatron_railwave.bench.sync_audit import SyncAudit
+    from megatron_railwave.lab.bench.sync_audit import SyncAudit
 
     topo = RailTopology(**topo_kwargs)
     groups = build_rail_groups(None, topo)

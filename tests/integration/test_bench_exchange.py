@@ -12,7 +12,7 @@ import json
 import pytest
 import torch
 
-from megatron_railwave.bench import (alltoall_bytes, alltoall_entry_bytes, railwave_bytes,
+from megatron_railwave.lab.bench import (alltoall_bytes, alltoall_entry_bytes, railwave_bytes,
                                      railwave_record_bytes)
 from megatron_railwave.schedule import RecordWireFormat, compile_schedule
 from megatron_railwave.cli import main
@@ -96,7 +96,7 @@ def test_wire_bytes_dedup_worked_by_hand():
 
 
 def test_native_goal_is_the_issue_bound_per_size():
-    from megatron_railwave.bench import BenchSpec, native_goal
+    from megatron_railwave.lab.bench import BenchSpec, native_goal
 
     def spec(t, h):
         return BenchSpec(num_nodes=4, gpus_per_node=2, tokens=t, hidden=h, experts=32, topk=8)

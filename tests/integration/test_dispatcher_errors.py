@@ -96,7 +96,7 @@ def _error_text(fn) -> str:
 
 
 def dispatcher_errors_worker(rank: int, world: int) -> dict[str, Any]:
-    from megatron_railwave.bench.megatron_cpu import apply_megatron_cpu_shims
+    from megatron_railwave.lab.bench.megatron_cpu import apply_megatron_cpu_shims
 
     apply_megatron_cpu_shims()
     import torch
@@ -237,7 +237,7 @@ def dispatcher_errors_worker(rank: int, world: int) -> dict[str, Any]:
 
     # path 'auto' with the path model: the count exchange carries every rank's copies per
     # destination GPU, every rank computes the same features and path, and the layer is right.
-    from megatron_railwave.path_model import FEATURE_NAMES, RailJointModel, path_features
+    from megatron_railwave.selector.path_model import FEATURE_NAMES, RailJointModel, path_features
     from megatron_railwave.selector import ModelSelector
     from megatron_railwave.topology import RailTopology
 

@@ -43,7 +43,7 @@ def test_moe_layer_railwave_matches_alltoall(world, railwave):
 def test_moe_layer_railwave_captures_replayable_trace(tmp_path):
     """--railwave-capture-dir: the trace read back holds, for every rank, exactly the routing the
     layer dispatched (token by token), under the layer's number, with the layer's demand."""
-    from megatron_railwave.capture import merge_captures, read_trace, routing_map_from_topk_ids
+    from megatron_railwave.telemetry.capture import merge_captures, read_trace, routing_map_from_topk_ids
     from megatron_railwave.topology import RailTopology
     from megatron_railwave.traffic import DemandCounts
     from tests.helpers.moe_worker import run_layer_with_capture

@@ -12,8 +12,8 @@ import subprocess
 import pytest
 
 from megatron_railwave.cli import main
-from megatron_railwave.testbed import TestbedSpec, check_prerequisites, down, list_leftovers, up
-from megatron_railwave.testbed.experiment import FaultConfig, StudyConfig, run_fault, run_study
+from megatron_railwave.lab.testbed import TestbedSpec, check_prerequisites, down, list_leftovers, up
+from megatron_railwave.lab.testbed.experiment import FaultConfig, StudyConfig, run_fault, run_study
 
 _REASON = check_prerequisites()
 pytestmark = [

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from megatron_railwave.testbed import (
+from megatron_railwave.lab.testbed import (
     TestbedSpec,
     check_prerequisites,
     down,
@@ -22,8 +22,8 @@ from megatron_railwave.testbed import (
     restore_rail,
     up,
 )
-from megatron_railwave.testbed.launch import run_workers
-from megatron_railwave.testbed.probes import incast_goodput
+from megatron_railwave.lab.testbed.launch import run_workers
+from megatron_railwave.lab.testbed.probes import incast_goodput
 
 _REASON = check_prerequisites()
 pytestmark = [
@@ -48,7 +48,7 @@ def test_testbed_alltoall_in_rail_and_node_groups_uses_expected_nics(testbed_2x2
     t0 = time.perf_counter()
     before = nic_counters(spec)
     results = run_workers(
-        spec, "megatron_railwave.testbed.probes:alltoall_check",
+        spec, "megatron_railwave.lab.testbed.probes:alltoall_check",
         {"rail_numel": rail_numel, "node_numel": node_numel}, timeout_s=60,
     )
     after = nic_counters(spec)
@@ -76,7 +76,7 @@ def test_testbed_worker_failure_raises_with_stderr_tail(testbed_2x2):
 def test_testbed_hard_timeout_kills_workers(testbed_2x2):
     t0 = time.perf_counter()
     with pytest.raises(TimeoutError, match=r"timeout_s=3.*ranks still running: \[0, 1, 2, 3\]"):
-        run_workers(testbed_2x2, "megatron_railwave.testbed.probes:sleep_probe",
+        run_workers(testbed_2x2, "megatron_railwave.lab.testbed.probes:sleep_probe",
                     {"seconds": 120}, timeout_s=3)
     assert time.perf_counter() - t0 < 20
     # No worker survives inside the namespaces.
@@ -98,7 +98,7 @@ def test_testbed_fail_and_restore_rail(testbed_2x2):
     assert operstate(1, 1) == "DOWN"
     restore_rail(spec, 1, 1)
     assert operstate(1, 1) == "UP"
-    results = run_workers(spec, "megatron_railwave.testbed.probes:alltoall_check",
+    results = run_workers(spec, "megatron_railwave.lab.testbed.probes:alltoall_check",
                           {"rail_numel": 256, "node_numel": 256}, timeout_s=60)
     assert all(r["rail_bad"] == 0 and r["node_bad"] == 0 for r in results), results
     with pytest.raises(ValueError, match=r"\(node, rail\) = \(2, 0\) is outside"):
@@ -124,7 +124,7 @@ def test_testbed_shaped_rail_and_incast_throughput_printed():
 
 _CRASH_SCRIPT = """
 import os, sys
-from megatron_railwave.testbed import TestbedSpec, up
+from megatron_railwave.lab.testbed import TestbedSpec, up
 spec = up(TestbedSpec(nodes=2, gpus_per_node=2, prefix=sys.argv[1], run_id=sys.argv[2]))
 print("UP", flush=True)
 os._exit(3)  # a crash: no atexit, no signal handler, nothing cleaned

@@ -7,7 +7,7 @@ import copy
 import pytest
 import yaml
 
-from megatron_railwave.anchors import (
+from megatron_railwave.selector.anchors import (
     ANCHORS_VERSION,
     Anchor,
     AnchorSet,
@@ -189,8 +189,8 @@ def test_shipped_files_coefficients_come_from_their_kept_rows(name):
 
     import numpy as np
 
-    from megatron_railwave import calibration
-    from megatron_railwave.path_model import fit_rail_joint, path_features
+    from megatron_railwave.lab import calibration
+    from megatron_railwave.selector.path_model import fit_rail_joint, path_features
     from megatron_railwave.topology import load_topology
     from megatron_railwave.traffic import dtype_bytes
 

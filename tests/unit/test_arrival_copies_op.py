@@ -13,8 +13,8 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from megatron_railwave import ops
-from megatron_railwave.arrivals import arrival_copies_NNCGG, arrival_copies_reference
-from megatron_railwave.path_model import PathCosts, class_copies_NGNKG, path_estimates, path_features
+from megatron_railwave.selector.arrivals import arrival_copies_NNCGG, arrival_copies_reference
+from megatron_railwave.selector.path_model import PathCosts, class_copies_NGNKG, path_estimates, path_features
 from megatron_railwave.planner import WaveSchedule
 from megatron_railwave.topology import RailTopology
 from megatron_railwave.traffic import DemandCounts, mask_classes

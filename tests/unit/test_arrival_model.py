@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_railwave.arrivals import arrival_copies_NNCGG, prefix_copies
-from megatron_railwave.path_model import class_copies_NGNKG
+from megatron_railwave.selector.arrivals import arrival_copies_NNCGG, prefix_copies
+from megatron_railwave.selector.path_model import class_copies_NGNKG
 from megatron_railwave.planner import Path
 from megatron_railwave.topology import RailTopology
 from megatron_railwave.traffic import DemandCounts, mask_classes

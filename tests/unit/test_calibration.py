@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_railwave import calibration
-from megatron_railwave.anchors import PathLatency, load_anchors
-from megatron_railwave.calibration import (
+from megatron_railwave.lab import calibration
+from megatron_railwave.selector.anchors import PathLatency, load_anchors
+from megatron_railwave.lab.calibration import (
     ALL_PATHS,
     ReplayRequest,
     calibrate,
@@ -332,7 +332,7 @@ def test_requests_under_arrangements_carry_their_windows():
 def test_make_backend_netmodel_times_each_path_with_the_flow_model(requests):
     # The backend's samples are the flow model's time of the plan the request names, per path,
     # repeated (deterministic): not a placeholder, and not the same number for every path.
-    from megatron_railwave.netmodel import simulate_plan
+    from megatron_railwave.lab.netmodel import simulate_plan
 
     backend = make_backend("netmodel", TOPO)
     assert backend.name == "netmodel"
@@ -431,7 +431,7 @@ def test_tune_selector_leaves_each_routing_out_and_picks_the_smallest_safe_thres
     # and 0.20. Left out, a request sees only the other two anchors, 0.1 or 0.2 away: with shape
     # distance 0.02 or 0.05 all three fall back to JOINT; 0.1 is the smallest that serves all.
     # Without leaving its own anchor out every setting would look perfect.
-    from megatron_railwave.anchors import Anchor, AnchorSet, CalibrationContext
+    from megatron_railwave.selector.anchors import Anchor, AnchorSet, CalibrationContext
     from megatron_railwave.traffic import TrafficStats
 
     ref, rho_s, kappa_s = AnchorSet.scales_for(TOPO)
@@ -462,7 +462,7 @@ def test_tune_selector_leaves_each_routing_out_and_picks_the_smallest_safe_thres
 def _twin_layer_result(seeds: dict[str, float]):
     """Two layers per seed at one rho coordinate per seed; every request favours RAIL by 10%
     (JOINT 1.11x the best) and is an anchor."""
-    from megatron_railwave.anchors import Anchor, AnchorSet, CalibrationContext
+    from megatron_railwave.selector.anchors import Anchor, AnchorSet, CalibrationContext
     from megatron_railwave.traffic import TrafficStats
 
     ref, rho_s, kappa_s = AnchorSet.scales_for(TOPO)
@@ -511,7 +511,7 @@ def test_tune_selector_keeps_no_anchors_when_none_beat_always_joint():
     res = _twin_layer_result({"glm1": 0.10, "glm2": 0.20})
     grid = {"payload_ratio": (1.25,), "shape_distance": (0.02, 0.05, 0.1, 0.2)}
     assert calibration.tune_selector(res, grid=grid, split_fallback=False)["use_anchors"] is True
-    from megatron_railwave.anchors import AnchorSet
+    from megatron_railwave.selector.anchors import AnchorSet
 
     # The same anchors, but every request is now faster on JOINT (RAIL 10% slower): anchors
     # chosen from the other seed always hurt, so the tuning keeps none.
@@ -555,7 +555,7 @@ def test_netmodel_backend_runs_rail_chunks_only_with_the_request_masks(requests)
 def test_calibrate_with_rail_chunks_times_the_chunked_joint_and_validate_reuses_it(tmp_path):
     # The anchors compare paths against JOINT with --chunks 2: the file records it, the JOINT
     # latencies are those of the 2-chunk plan (not whole waves), and validate times that JOINT too.
-    from megatron_railwave.netmodel import simulate_plan
+    from megatron_railwave.lab.netmodel import simulate_plan
 
     cluster = tmp_path / "tiny.yaml"
     cluster.write_text("name: tiny_4x2\nnum_nodes: 4\ngpus_per_node: 2\n")
@@ -641,7 +641,7 @@ def test_tune_selector_drops_anchors_that_do_not_hold_on_other_seeds():
     # fall back to JOINT. With 0.02 they hold (nobody else is near) but serve no other seed.
     # "No anchors" is at least as good as every setting: the file keeps none.
     res = _twin_layer_result({"glm1": 0.10, "glm2": 0.20})
-    from megatron_railwave.anchors import AnchorSet
+    from megatron_railwave.selector.anchors import AnchorSet
     from megatron_railwave.traffic import TrafficStats
 
     ref, rho_s, kappa_s = AnchorSet.scales_for(TOPO)
@@ -715,7 +715,7 @@ def test_tune_selector_splits_the_fallback_at_the_payload_where_rail_stops_winni
     # Two seeds, two layers each, at payload coordinates -3 and -1 (all pairs at once): RAIL is
     # 10% faster than JOINT at -3 and 10% slower at -1, whatever the shape. No anchor is kept (the
     # keep rule is not asked here), so only the split can serve -3: the cut lands just above -3.
-    from megatron_railwave.anchors import AnchorSet, CalibrationContext, save_anchors
+    from megatron_railwave.selector.anchors import AnchorSet, CalibrationContext, save_anchors
     from megatron_railwave.traffic import TrafficStats
 
     ref, rho_s, kappa_s = AnchorSet.scales_for(TOPO)

@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from megatron_railwave.bench.call_costs import CallCostSpec, fit_per_phase, reduce_call_costs, virtual_call_costs
+from megatron_railwave.lab.bench.call_costs import CallCostSpec, fit_per_phase, reduce_call_costs, virtual_call_costs
 from megatron_railwave.cli import main
 
 PATHS = ("native", "rail", "perm", "joint")

@@ -8,9 +8,9 @@ import json
 import pytest
 
 from megatron_railwave.cli import main
-from megatron_railwave.commlog import FanoutSink, JsonlStatsSink, read_logs
-from megatron_railwave.megatron_logging import MegatronMetricsSink, report_railwave_metrics
-from megatron_railwave.stats import LayerCommStats
+from megatron_railwave.telemetry.commlog import FanoutSink, JsonlStatsSink, read_logs
+from megatron_railwave.telemetry.megatron_logging import MegatronMetricsSink, report_railwave_metrics
+from megatron_railwave.telemetry.stats import LayerCommStats
 
 PATHS = ("native", "rail", "perm", "joint")
 
@@ -71,7 +71,7 @@ def test_jsonl_per_job_only_rank0_writes(tmp_path):
 
 def test_second_run_gets_its_own_files_and_report_keeps_runs_apart(tmp_path, capsys):
     """A second run into the same directory writes new files; report summarises each run alone."""
-    from megatron_railwave.commlog import split_runs
+    from megatron_railwave.telemetry.commlog import split_runs
     from megatron_railwave.commands.report import summarize_logs
 
     for run, (steps, ms) in {"20250101-000000-1": (3, 1.0), "20250102-000000-2": (5, 7.0)}.items():
@@ -97,8 +97,7 @@ def test_second_run_gets_its_own_files_and_report_keeps_runs_apart(tmp_path, cap
 
 
 def test_job_run_id_is_agreed_through_the_store(monkeypatch):
-    from megatron_railwave import commlog
-
+    from megatron_railwave.telemetry import commlog
     monkeypatch.setattr(commlog, "_RUN_ID", [])
     monkeypatch.setenv(commlog.RUN_ENV, "bad id/..")
     with pytest.raises(ValueError, match="RAILWAVE_RUN_ID='bad id/..' must use only"):
@@ -167,10 +166,10 @@ class FakeWandb:
 
 @pytest.fixture
 def sink():
-    from megatron_railwave.bench.megatron_cpu import apply_megatron_cpu_shims
+    from megatron_railwave.lab.bench.megatron_cpu import apply_megatron_cpu_shims
 
     apply_megatron_cpu_shims()  # CPU torch: Megatron's MoE package imports Triton kernels
-    from megatron_railwave.megatron_logging import _make_tracker
+    from megatron_railwave.telemetry.megatron_logging import _make_tracker
 
     return MegatronMetricsSink(tracker=_make_tracker())
 
@@ -241,7 +240,7 @@ def test_megatron_sink_ignores_unnumbered_layers(sink):
 def test_megatron_report_hook_appends_railwave_scalars(sink, monkeypatch):
     from megatron.core.transformer.moe import moe_logging
 
-    from megatron_railwave.megatron_logging import attach_to_megatron_report, detach_from_megatron_report
+    from megatron_railwave.telemetry.megatron_logging import attach_to_megatron_report, detach_from_megatron_report
 
     monkeypatch.setattr(moe_logging, "_MOE_METRICS_TRACKER", moe_logging.MoEMetricsTracker())
     tracker = moe_logging.get_moe_metrics_tracker()

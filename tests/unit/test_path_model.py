@@ -12,17 +12,17 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_railwave import calibration
-from megatron_railwave.anchors import AnchorSet, CalibrationContext, PathLatency, load_anchors, save_anchors
-from megatron_railwave.bench.virtual_exchange import VirtualSpec, make_virtual_inputs
+from megatron_railwave.lab import calibration
+from megatron_railwave.selector.anchors import AnchorSet, CalibrationContext, PathLatency, load_anchors, save_anchors
+from megatron_railwave.lab.bench.virtual_exchange import VirtualSpec, make_virtual_inputs
 from megatron_railwave.config import RailWaveConfig
 from megatron_railwave.exchange import RankContext, VirtualCluster, gather_demand, virtual_rank_groups
-from megatron_railwave.path_model import (FEATURE_NAMES, PathCosts, RailJointModel, fit_rail_joint, path_estimates,
+from megatron_railwave.selector.path_model import (FEATURE_NAMES, PathCosts, RailJointModel, fit_rail_joint, path_estimates,
                                           path_features)
 from megatron_railwave.planner import Path, PlanOptions
 from megatron_railwave.selector import (FixedSelector, ModelSelector, needs_delivery, needs_descriptors, select_for_layer,
                                        selector_from_config)
-from megatron_railwave.stats import demand_stats
+from megatron_railwave.telemetry.stats import demand_stats
 from megatron_railwave.topology import RailTopology
 from megatron_railwave.traffic import DemandCounts, TrafficStats
 
@@ -229,7 +229,7 @@ def test_model_dict_round_trip_and_errors_name_the_field():
 
 
 def test_the_payload_gate_runs_joint_above_it_without_an_estimate(monkeypatch):
-    import megatron_railwave.selector as selector_module
+    import megatron_railwave.selector.policies as selector_module
 
     topo = RailTopology(num_nodes=4, gpus_per_node=2)
     spec = VirtualSpec(topology=topo, tokens=40, hidden=8, experts=16, topk=3, seed=5)
@@ -514,7 +514,7 @@ def test_combine_rounds_share_ports_with_the_local_round_until_it_is_done(local,
     # then (4 - 1.5 - 2.5 = 0), so round 1 takes its busiest GPU's 2 s: 8, rail back 8 .. 9.
     # local = 10: 6 s left, round 1 on GPU 0 ends at 6 + 2 + 1.5 = 9.5 and the local round's
     # last 4.5 s end the combine at 14. The same on either port of the GPU.
-    from megatron_railwave.path_model import _combine_seconds, _Rounds
+    from megatron_railwave.selector.path_model import _combine_seconds, _Rounds
 
     loaded, idle = np.array([[[2.0, 6.0]], [[2.0, 0.0]]]), np.zeros((2, 1, 2))
     local_NG, none_NG = np.array([[local, 0.0]]), np.zeros((1, 2))
@@ -558,7 +558,7 @@ def test_rounds_and_local_round_match_the_compiled_schedule_s_ports(topo, chunks
     # Equal counts on every non-empty subset of each owner's target set (independent bits, the
     # arrival model exact): each round's wire copies into every target and out of every arrival
     # GPU, its busiest port, and the local round's ports equal the compiled schedule's transfers.
-    from megatron_railwave.path_model import _Loads, class_copies_NGNKG
+    from megatron_railwave.selector.path_model import _Loads, class_copies_NGNKG
     from megatron_railwave.planner import Path
     from tests.helpers.delivery_cases import dispatch_deliveries, subset_demand
 

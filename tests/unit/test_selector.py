@@ -13,14 +13,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_railwave import selector as selector_mod
-from megatron_railwave.anchors import Anchor, AnchorSet, CalibrationContext, PathLatency, load_anchors, save_anchors
+from megatron_railwave.selector import policies as selector_mod
+from megatron_railwave.selector.anchors import Anchor, AnchorSet, CalibrationContext, PathLatency, load_anchors, save_anchors
 from megatron_railwave.config import RailWaveConfig
 from megatron_railwave.planner import Path
-from megatron_railwave.workloads import synthetic_routing_maps
+from megatron_railwave.lab.workloads import synthetic_routing_maps
 from megatron_railwave.selector import (AnchorSelector, FixedSelector, fallback_phases_of, posts_fewer_phases,
                                         selector_from_config)
-from megatron_railwave.stats import demand_stats
+from megatron_railwave.telemetry.stats import demand_stats
 from megatron_railwave.topology import RailTopology
 from megatron_railwave.traffic import MiB, DemandCounts, TrafficStats, local_demand
 

@@ -4,9 +4,9 @@ import json
 
 import pytest
 
-from megatron_railwave.bench.incast_probe import summarize_incast_probe
+from megatron_railwave.lab.bench.incast_probe import summarize_incast_probe
 from megatron_railwave.cli import main
-from megatron_railwave.netmodel import IncastModel, load_netmodel_config
+from megatron_railwave.lab.netmodel import IncastModel, load_netmodel_config
 
 
 def _times(alpha: float, nodes: int = 5, one_s: float = 0.01) -> dict[int, list[float]]:

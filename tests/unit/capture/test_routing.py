@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_railwave.capture import (
+from megatron_railwave.telemetry.capture import (
     demand_from_topk_ids,
     routing_map_from_topk_ids,
     topk_ids_from_routing_map,

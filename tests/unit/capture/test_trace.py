@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_railwave.capture import (
+from megatron_railwave.telemetry.capture import (
     LayerTrace,
     Trace,
     TraceFormatError,

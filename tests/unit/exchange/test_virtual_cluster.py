@@ -11,8 +11,8 @@ import dataclasses
 import pytest
 import torch
 
-from megatron_railwave.bench.sync_audit import SyncAudit
-from megatron_railwave.bench.virtual_exchange import (VirtualSpec, dense_reference, make_virtual_inputs,
+from megatron_railwave.lab.bench.sync_audit import SyncAudit
+from megatron_railwave.lab.bench.virtual_exchange import (VirtualSpec, dense_reference, make_virtual_inputs,
                                                       run_virtual_layer)
 from megatron_railwave.exchange import VirtualCluster
 from megatron_railwave.planner import PlanOptions, schedule_from_windows

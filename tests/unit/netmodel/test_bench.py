@@ -8,7 +8,7 @@ import torch
 
 from megatron_railwave.cli import main
 from megatron_railwave.commands.bench import layer_demands, summarize_samples
-from megatron_railwave.workloads import (GlmAirWorkload, demand_from_topk_ids, glm_air_layer_ids, scaled_demand,
+from megatron_railwave.lab.workloads import (GlmAirWorkload, demand_from_topk_ids, glm_air_layer_ids, scaled_demand,
                                          sparse_demand_from_topk_ids)
 from megatron_railwave.topology import RailTopology
 
@@ -114,7 +114,7 @@ def test_bench_bad_input_gives_clear_error(capsys, argv, match):
 
 def test_bench_payload_scale_paper_is_the_workloads_constant():
     from megatron_railwave.commands.bench import _payload_scale
-    from megatron_railwave.workloads import PAPER_PAYLOAD_SCALE
+    from megatron_railwave.lab.workloads import PAPER_PAYLOAD_SCALE
 
     assert _payload_scale("paper") == _payload_scale("Paper") == PAPER_PAYLOAD_SCALE == 1.895
     assert _payload_scale("2.5") == 2.5

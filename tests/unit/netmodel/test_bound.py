@@ -10,13 +10,13 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from megatron_railwave.netmodel import NetModelConfig, execute_plan
-from megatron_railwave.netmodel.execute import fabric_for, synced_program
-from megatron_railwave.netmodel.program import run_program
+from megatron_railwave.lab.netmodel import NetModelConfig, execute_plan
+from megatron_railwave.lab.netmodel.execute import fabric_for, synced_program
+from megatron_railwave.lab.netmodel.program import run_program
 from megatron_railwave.planner import PlanOptions, build_plan
 from megatron_railwave.topology import RailTopology
 from megatron_railwave.traffic import DemandCounts
-from megatron_railwave.workloads import arrange
+from megatron_railwave.lab.workloads import arrange
 
 # rel_tol = 0: the engine is exact, so the bound must hold to rounding.
 MODELS = {
@@ -83,7 +83,7 @@ def test_bound_is_the_busiest_ports_bytes_by_hand():
 @pytest.mark.parametrize("peer", ["megatron", "fast"])
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_peers_respect_the_bound(peer, seed, phase_sync):
-    from megatron_railwave.netmodel.peers import bvn_waves, fast_program, megatron_program
+    from megatron_railwave.lab.netmodel.peers import bvn_waves, fast_program, megatron_program
 
     topo = RailTopology(num_nodes=4, gpus_per_node=4, rail_gbps=100.0, nvlink_gBps=20.0)
     demand = _demand(4, 4, seed, 0.3, 3)

@@ -3,10 +3,10 @@
 import pytest
 import yaml
 
-from megatron_railwave.netmodel import NetModelConfig, load_netmodel_config
+from megatron_railwave.lab.netmodel import NetModelConfig, load_netmodel_config
 from dataclasses import replace
 
-from megatron_railwave.netmodel.calibrate import PAPER_INCAST, calibrate_incast, ultraep_check, write_config
+from megatron_railwave.lab.netmodel.calibrate import PAPER_INCAST, calibrate_incast, ultraep_check, write_config
 from megatron_railwave.topology import RailTopology
 
 H800 = RailTopology(num_nodes=4, gpus_per_node=8, rail_gbps=400.0, nvlink_gBps=155.0, name="h800_4x8")

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_railwave.netmodel.execute import model_wire
-from megatron_railwave.netmodel import (
+from megatron_railwave.lab.netmodel.execute import model_wire
+from megatron_railwave.lab.netmodel import (
     FlowSet,
     NetModelConfig,
     PhaseGraph,

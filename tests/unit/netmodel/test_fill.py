@@ -4,7 +4,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_railwave.netmodel.fill import LinkIndex, max_min_rates, max_min_rates_indexed
+from megatron_railwave.lab.netmodel.fill import LinkIndex, max_min_rates, max_min_rates_indexed
 
 
 def test_max_min_rates_hand_worked_chain():

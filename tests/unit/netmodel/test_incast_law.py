@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from megatron_railwave.netmodel import IncastModel, alpha_from_slowdowns
+from megatron_railwave.lab.netmodel import IncastModel, alpha_from_slowdowns
 
 
 def test_saturating_law_levels_off_after_k_sat_excess_senders():

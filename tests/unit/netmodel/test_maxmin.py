@@ -5,8 +5,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_railwave.netmodel import maxmin
-from megatron_railwave.netmodel import (
+from megatron_railwave.lab.netmodel import maxmin
+from megatron_railwave.lab.netmodel import (
     FlowSet,
     IncastModel,
     Network,

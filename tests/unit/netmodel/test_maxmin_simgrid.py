@@ -1,14 +1,14 @@
 """Cross-check of the max-min engine against SimGrid (CM02, zero latency, Full update).
 
 SimGrid runs under the system interpreter (Debian's python3-simgrid) through
-`megatron_railwave.netmodel.simgrid_check`; the test is skipped when that is missing.
+`megatron_railwave.lab.netmodel.simgrid_check`; the test is skipped when that is missing.
 """
 
 import numpy as np
 import pytest
 
-from megatron_railwave.netmodel import FlowSet, Network, simulate
-from megatron_railwave.netmodel.simgrid_check import SYSTEM_PYTHON, simgrid_available, simulate_in_simgrid
+from megatron_railwave.lab.netmodel import FlowSet, Network, simulate
+from megatron_railwave.lab.netmodel.simgrid_check import SYSTEM_PYTHON, simgrid_available, simulate_in_simgrid
 
 pytestmark = [
     pytest.mark.simgrid,

@@ -7,10 +7,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_railwave.netmodel import NetModelConfig
-from megatron_railwave.netmodel.execute import fabric_for
-from megatron_railwave.netmodel.peers import bvn_waves, copies_WW, fast_program, megatron_program
-from megatron_railwave.netmodel.program import run_program
+from megatron_railwave.lab.netmodel import NetModelConfig
+from megatron_railwave.lab.netmodel.execute import fabric_for
+from megatron_railwave.lab.netmodel.peers import bvn_waves, copies_WW, fast_program, megatron_program
+from megatron_railwave.lab.netmodel.program import run_program
 from megatron_railwave.planner import build_plan
 from megatron_railwave.topology import RailTopology
 from megatron_railwave.traffic import DemandCounts

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_railwave.netmodel import NetModelConfig, execute_plan
-from megatron_railwave.netmodel.execute import fabric_for
-from megatron_railwave.netmodel.program import ProgramBuilder, phase_times, rank_synced, run_program
+from megatron_railwave.lab.netmodel import NetModelConfig, execute_plan
+from megatron_railwave.lab.netmodel.execute import fabric_for
+from megatron_railwave.lab.netmodel.program import ProgramBuilder, phase_times, rank_synced, run_program
 from megatron_railwave.planner import PlanOptions, build_plan, schedule_from_windows
 from megatron_railwave.topology import RailTopology
 from megatron_railwave.traffic import DemandCounts

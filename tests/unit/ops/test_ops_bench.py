@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from megatron_railwave.bench.ops_bench import SCHEMA, OpsBenchSpec
+from megatron_railwave.lab.bench.ops_bench import SCHEMA, OpsBenchSpec
 from megatron_railwave.cli import main
 
 OPS = ["records_from_routing", "assign_egress", "records_per_node_rail", "pack_rows", "unpack_rows",

@@ -11,8 +11,8 @@ from dataclasses import asdict
 import numpy as np
 import pytest
 
-from megatron_railwave.testbed.experiment import StudyConfig
-from megatron_railwave.testbed.model_compare import compare_with_netmodel
+from megatron_railwave.lab.testbed.experiment import StudyConfig
+from megatron_railwave.lab.testbed.model_compare import compare_with_netmodel
 
 _TB = {"nodes": 2, "gpus_per_node": 2, "rail_mbit": 10.0, "mtu": 4096}
 _CFG = StudyConfig(patterns=("ring",), rails=("skewed",), paths=("native", "joint"), tokens=16, hidden=256)
@@ -62,7 +62,7 @@ def test_recorded_routing_is_replayed_not_regenerated():
     # A study that recorded its routing: the model runs on those ids, whatever the generator
     # makes today. Recording the generator's own ids gives the same predictions as rebuilding;
     # recording other ids (every token to expert 0) gives other ones.
-    from megatron_railwave.testbed.experiment import build_workloads
+    from megatron_railwave.lab.testbed.experiment import build_workloads
     from megatron_railwave.topology import RailTopology
 
     keys = [("ring-skewed", "native"), ("ring-skewed", "joint")]

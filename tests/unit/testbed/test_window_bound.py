@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_railwave.capture import demand_from_topk_ids
+from megatron_railwave.telemetry.capture import demand_from_topk_ids
 from megatron_railwave.planner import build_plan, parse_path
 from megatron_railwave.schedule import RecordWireFormat, compile_schedule
-from megatron_railwave.testbed.experiment import window_bound
+from megatron_railwave.lab.testbed.experiment import window_bound
 from megatron_railwave.topology import RailTopology
 
 _WIRE = RecordWireFormat(hidden=64, payload_dtype=torch.bfloat16, probs_dtype=torch.float32, experts_per_node=2)

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatron_railwave.planner import PlanOptions, build_plan
-from megatron_railwave.workloads import (
+from megatron_railwave.lab.workloads import (
     GlmAirWorkload,
     Pattern,
     arrange,

@@ -6,7 +6,7 @@ import torch
 
 from megatron_railwave.topology import RailTopology
 from megatron_railwave.traffic import DemandCounts
-from megatron_railwave.workloads import (
+from megatron_railwave.lab.workloads import (
     GlmAirWorkload,
     demand_from_topk_ids,
     glm_air_layer_ids,

@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 
 from megatron_railwave.cli import main
-from megatron_railwave.netmodel import execute_plan
+from megatron_railwave.lab.netmodel import execute_plan
 from megatron_railwave.planner import PlanOptions, build_plan
 from megatron_railwave.topology import load_topology
-from megatron_railwave.workloads import (
+from megatron_railwave.lab.workloads import (
     PUBLISHED,
     GlmAirWorkload,
     arrange,

@@ -5,7 +5,7 @@ import pytest
 
 from megatron_railwave.planner import build_plan
 from megatron_railwave.topology import RailTopology
-from megatron_railwave.workloads import (
+from megatron_railwave.lab.workloads import (
     GLM45_AIR,
     GlmAirWorkload,
     collect_samples,

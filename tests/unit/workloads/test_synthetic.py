@@ -5,7 +5,7 @@ import torch
 
 import pytest
 
-from megatron_railwave.workloads import demand_from_topk_ids, one_destination_topk_ids, sample_topk_ids, synthetic_routing_maps
+from megatron_railwave.lab.workloads import demand_from_topk_ids, one_destination_topk_ids, sample_topk_ids, synthetic_routing_maps
 from megatron_railwave.topology import RailTopology
 
 

@@ -1,0 +1,57 @@
+"""Flow-level network model: max-min fair sharing with an incast penalty.
+
+Shape letters: L links, F flows, H hops per flow (padded), Q phases, S samples.
+
+`simulate` runs a `FlowSet` on a `Network` under a `PhaseGraph` of start conditions and an
+`IncastModel` (receiver-port goodput and per-phase latency); see `maxmin` for the algorithm,
+`problem` for the input and output types and `incast` for the stated penalty. `simgrid_check` (run by the system python3) replays a
+flow set in SimGrid for cross-checks; `bench_engine` times the engine.
+`cluster` builds the links of a rail-optimized cluster; `program` turns phases and transfers into
+flows on them and runs them in one simulation with their bandwidth lower bound; `execute` runs a
+`PathPlan`'s compiled `ExecutionSchedule` (`execute_plan`, `simulate_plan`, `execute_schedule`);
+`peers` models Megatron's flat all-to-all and a FAST-style per-layer schedule on the same links;
+`calibrate` fits the incast alpha (docs/netmodel.md).
+"""
+
+from megatron_railwave.lab.netmodel.cluster import Fabric, build_fabric
+from megatron_railwave.lab.netmodel.execute import (
+    MaskSource,
+    NetModelConfig,
+    PlanTiming,
+    execute_plan,
+    execute_schedule,
+    load_netmodel_config,
+    simulate_plan,
+)
+from megatron_railwave.lab.netmodel.incast import IncastModel, alpha_from_slowdowns, fit_incast_alpha
+from megatron_railwave.lab.netmodel.maxmin import simulate
+from megatron_railwave.lab.netmodel.problem import (
+    FlowSet,
+    Network,
+    PhaseGraph,
+    SimResult,
+    TraceSegment,
+    links_from_csr,
+)
+
+__all__ = [
+    "Fabric",
+    "MaskSource",
+    "NetModelConfig",
+    "PlanTiming",
+    "build_fabric",
+    "execute_plan",
+    "execute_schedule",
+    "load_netmodel_config",
+    "simulate_plan",
+    "FlowSet",
+    "IncastModel",
+    "Network",
+    "PhaseGraph",
+    "SimResult",
+    "TraceSegment",
+    "alpha_from_slowdowns",
+    "fit_incast_alpha",
+    "links_from_csr",
+    "simulate",
+]
