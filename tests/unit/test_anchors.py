@@ -182,7 +182,7 @@ def test_shipped_files_coefficients_come_from_their_kept_rows(name):
     # configs/anchors/rows holds each file's calibration rows (RAIL / JOINT seconds, features of
     # this version's estimate): least squares on them gives the file's coefficients, and a few
     # rows' features are this code's, so a change of the estimate that is not refitted
-    # (scripts/selector_refit.py) fails here.
+    # (scripts/selector_refit.py, in git history at 7438618: configs/anchors/README.md) fails here.
     import gzip
     import json
     from pathlib import Path as FsPath
