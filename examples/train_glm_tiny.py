@@ -186,6 +186,16 @@ def _quiet_known_warnings() -> None:
         warnings.filterwarnings("ignore", message=message)
 
 
+def _ops_in_use() -> str:
+    """Which data-movement ops railwave ran on CPU here: the compiled ones or the pure-torch
+    reference (with the reason, ``ops.load_error``)."""
+    from megatron_railwave import ops
+
+    if ops.compiled_for(torch.device("cpu")):
+        return "compiled (megatron_railwave._C)"
+    return f"pure-torch reference ({ops.load_error()})"
+
+
 def _train(rank: int, world_size: int, port: int, args: argparse.Namespace) -> None:
     t_start = time.perf_counter()
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
@@ -290,6 +300,7 @@ def _train(rank: int, world_size: int, port: int, args: argparse.Namespace) -> N
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({
             "railwave_run": log_sink.run_id if log_sink is not None else None,
+            "railwave_ops": _ops_in_use() if args.moe_token_dispatcher_type == "railwave" else None,
             "moe_token_dispatcher_type": args.moe_token_dispatcher_type,
             "nprocs": world_size,
             "steps": args.steps,

@@ -2,7 +2,10 @@
 
 The library is imported lazily, on the first op call, never at package import. When it is
 missing, or was built without CUDA and a CUDA tensor comes in, the public ops fall back to the
-pure-torch reference and log ONE warning per reason for the whole process, naming it.
+pure-torch reference and log ONE warning per reason for the whole job, naming it: on global
+rank 0 (``torch.distributed``'s rank, else the ``RANK`` variable, else 0), as the dispatcher's
+other notices; the other ranks log the same line at INFO (a rank whose reason differs is seen
+with ``logging`` at INFO), so eight processes do not print it eight times.
 
 On load this module also registers, for every op, the fake implementation (output shapes and
 dtypes only, so ``torch.compile`` traces through the ops) and the autograd of ``segment_sum``.
@@ -31,10 +34,23 @@ _warned: set[str] = set()
 _forced_reference = os.environ.get("RAILWAVE_OPS", "auto").strip().lower() == "reference"
 
 
+def _global_rank() -> int:
+    # Before init_process_group (or without it) a launcher's RANK says which process this is.
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    try:
+        return int(os.environ.get("RANK", "0"))
+    except ValueError:
+        return 0
+
+
 def _warn_once(reason: str) -> None:
     if reason not in _warned:
         _warned.add(reason)
-        _LOG.warning("megatron_railwave.ops: using the pure-torch reference ops: %s", reason)
+        level = logging.WARNING if _global_rank() == 0 else logging.INFO
+        _LOG.log(level, "megatron_railwave.ops: using the pure-torch reference ops: %s", reason)
 
 
 def _load() -> None:

@@ -44,6 +44,25 @@ def test_missing_module_falls_back_with_one_warning(monkeypatch, caplog):
     assert "reference" in warnings[0].getMessage()
 
 
+def test_fallback_warning_is_rank_zeros_other_ranks_log_it_at_info(monkeypatch, caplog):
+    # Eight processes of one job would print the same line eight times: rank 0 warns, the others
+    # (RANK from the launcher here: no process group) log it at INFO.
+    monkeypatch.setattr(_compiled, "_forced_reference", False)
+    monkeypatch.setattr(_compiled, "_loaded", True)
+    monkeypatch.setattr(_compiled, "_module", None)
+    monkeypatch.setattr(_compiled, "_load_error", "the compiled ops megatron_railwave._C did not load (test)")
+    levels = {}
+    for rank in ("0", "3"):
+        monkeypatch.setenv("RANK", rank)
+        monkeypatch.setattr(_compiled, "_warned", set())
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="megatron_railwave.ops"):
+            assert not ops.compiled_for(torch.device("cpu"))
+            assert not ops.compiled_for(torch.device("cpu"))
+        levels[rank] = [r.levelno for r in caplog.records if r.name == "megatron_railwave.ops"]
+    assert levels == {"0": [logging.WARNING], "3": [logging.INFO]}
+
+
 def test_cuda_tensors_with_a_cpu_only_build_warn_once(monkeypatch, caplog):
     class CpuOnly:
         with_cuda = 0
