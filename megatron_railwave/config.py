@@ -9,12 +9,10 @@ from dataclasses import dataclass
 from pathlib import Path as FsPath
 from typing import Any, Literal
 
-import yaml
-
 from megatron_railwave.planner import EligiblePolicy, PlanOptions, parse_path
 from megatron_railwave.planner.plan import MAX_CHUNKS
 from megatron_railwave.outputs import check_output_dir
-from megatron_railwave.topology import RailTopology, load_topology, resolve_cluster_file
+from megatron_railwave.topology import RailTopology, load_topology, read_yaml, resolve_cluster_file
 
 __all__ = ["RailWaveConfig", "load_config"]
 
@@ -369,9 +367,7 @@ def load_config(config: RailWaveConfig | dict[str, Any] | str | os.PathLike | No
         raise ValueError(f"railwave config {str(path)!r} is a directory; give the YAML file "
                          "(e.g. configs/railwave/glm45_air_h800.yaml)")
     try:
-        data = yaml.safe_load(path.read_text())
+        data = read_yaml(path, "railwave config file")
     except FileNotFoundError:
         raise ValueError(f"railwave config file {str(path)!r} does not exist") from None
-    except yaml.YAMLError as exc:
-        raise ValueError(f"railwave config file {str(path)!r} is not valid YAML: {exc}") from None
     return RailWaveConfig.from_dict(data or {}, source=f"railwave config {str(path)!r}")

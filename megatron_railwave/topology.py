@@ -16,7 +16,7 @@ from typing import Any
 
 import yaml
 
-__all__ = ["RailTopology", "load_topology", "resolve_cluster_file", "CLUSTER_PRESET_DIR"]
+__all__ = ["RailTopology", "load_topology", "resolve_cluster_file", "read_yaml", "CLUSTER_PRESET_DIR"]
 
 CLUSTER_PRESET_DIR = FsPath(__file__).resolve().parents[1] / "configs" / "clusters"
 """Cluster presets of a source checkout (``h800_4x8``, ...): a cluster given by name is looked up
@@ -244,14 +244,26 @@ def resolve_cluster_file(cluster: str | FsPath) -> FsPath:
     )
 
 
+def read_yaml(path: str | FsPath, what: str) -> Any:
+    """The YAML document in ``path`` (None for an empty file): the one reader of the runtime's
+    files (cluster, railwave config, anchors).
+
+    Raises:
+        FileNotFoundError: no such file (the caller says what a missing file means).
+        ValueError: not valid YAML; names ``what`` (e.g. "cluster file"), the path and the parser's
+            message.
+    """
+    text = FsPath(path).read_text()
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ValueError(f"{what} {str(path)!r} is not valid YAML: {exc}") from None
+
+
 def load_topology(path: str | FsPath, **overrides: Any) -> RailTopology:
     """Read a cluster YAML file or preset (see ``resolve_cluster_file``); ``overrides`` replace keys."""
     path = resolve_cluster_file(path)
-    text = path.read_text()
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise ValueError(f"cluster file {str(path)!r} is not valid YAML: {exc}") from None
+    data = read_yaml(path, "cluster file")
     if isinstance(data, dict) and "topology" in data:
         data = data["topology"]
     if isinstance(data, dict):

@@ -52,7 +52,7 @@ import yaml
 from megatron_railwave.selector.path_model import RailJointModel
 from megatron_railwave.planner import Path, parse_path
 from megatron_railwave.planner.plan import MAX_CHUNKS
-from megatron_railwave.topology import RailTopology
+from megatron_railwave.topology import RailTopology, read_yaml
 from megatron_railwave.traffic import SelectorScales, TrafficStats
 
 __all__ = [
@@ -428,11 +428,7 @@ def load_anchors(path: str | os.PathLike, topo: RailTopology | None) -> AnchorSe
         ValueError: malformed file (the message names the field) or another topology.
     """
     path = FsPath(path)
-    text = path.read_text()
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise ValueError(f"anchors file {str(path)!r} is not valid YAML: {exc}") from None
+    data = read_yaml(path, "anchors file")
     return anchors_from_dict(data, source=repr(str(path)), topo=topo)
 
 

@@ -112,6 +112,15 @@ def test_config_yaml_nulls_mean_empty_lists(tmp_path):
     assert cfg.failed_rails == () and cfg.rail_of_gpu == ()
 
 
+def test_config_file_missing_or_not_yaml_names_the_file(tmp_path):
+    with pytest.raises(ValueError, match=re.escape(f"railwave config file {str(tmp_path / 'no.yaml')!r} does not exist")):
+        load_config(tmp_path / "no.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("gpus_per_node: [2\n")
+    with pytest.raises(ValueError, match=re.escape(f"railwave config file {str(bad)!r} is not valid YAML")):
+        load_config(bad)
+
+
 @pytest.mark.parametrize(
     ("config", "match"),
     [
