@@ -76,10 +76,11 @@ test-all: $(STAMP) $(EXT_STAMP)
 	$(VPY) -m pytest -q --timeout=1800
 
 # The main job: plan one GLM-4.5-Air layer per path, then train the tiny GLM-shaped MoE GPT on
-# 8 CPU processes (4 nodes x 2 GPUs) with railwave and with alltoall, losses side by side.
-# The compiled ops are built first (`ext`, output in $(VENV)/ext-build.log); where they cannot be
-# built, one line says so and the demo runs the pure-torch reference ops (RAILWAVE_OPS=reference:
-# the same numbers, and no per-process fallback warning).
+# 8 CPU processes (4 nodes x 2 GPUs) with railwave and with alltoall, losses side by side, then a
+# summary (ops used, each layer's path and bytes, where to look next). The compiled ops are built
+# first (`ext`, output in $(VENV)/ext-build.log); where they cannot be built, one line says so and
+# the demo runs the pure-torch reference ops (RAILWAVE_OPS=reference: the same numbers, and the job
+# does not warn about the fallback again).
 demo: $(STAMP)
 	@if $(MAKE) --no-print-directory $(EXT_STAMP) >$(VENV)/ext-build.log 2>&1; then ops=auto; \
 		echo "compiled ops: megatron_railwave._C is built"; \
