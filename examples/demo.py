@@ -78,11 +78,12 @@ def _print_summary(rail: dict, ok: bool, worst: float, summary: dict, log_dir: P
     print("\n=== summary ===")
     print(f"railwave: {rail['nprocs']} CPU processes (gloo), {rail['steps']} steps, ops "
           f"{rail.get('railwave_ops') or 'unknown'}")
-    print(f"losses against Megatron's alltoall: {'the same' if ok else 'DIFFERENT'} (max |diff| {worst:.2e})")
+    print(f"losses against Megatron's alltoall: {'match' if ok else 'DIFFER'} (max |diff| {worst:.2e}, "
+          f"tolerance 1e-4 x max(1, |first loss|))")
     for layer in summary["layers"]:
         paths = ", ".join(f"{p} {share:.0%}" for p, share in layer["path_mix"].items() if share > 0)
         sent = sum(layer["rail_bytes"]) / 1024
-        print(f"  MoE layer {layer['layer']}: {paths} of {layer['calls']} calls; per call the dispatch sends "
+        print(f"  MoE layer {layer['layer']}: {paths} of {layer['calls']} calls; per call (mean) the dispatch sends "
               f"{sent:.1f} KiB over {len(layer['rail_bytes'])} rails in {layer['num_waves']:g} wave(s), "
               f"{layer['relayed_records']:g} records relayed to balance the rails")
     print(f"next: railwave report {log_dir} --run {run}   (this run's table, plots and JSON)")
