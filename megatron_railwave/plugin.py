@@ -7,6 +7,13 @@ with the light 'allgather' branch and the module's ``MoEAllGatherTokenDispatcher
 at ``RailWaveTokenDispatcher`` (restored right after), then puts 'railwave' back into the config.
 Nothing else in MoELayer reads the type. ``layer_spec.RailWaveMoELayer`` does the same without
 patching anything, for a custom layer spec.
+
+Megatron's config check (``TransformerConfig.__post_init__``) allows ``moe_shared_expert_overlap``
+and ``overlap_moe_expert_parallel_comm`` only for its 'alltoall' and 'flex' dispatchers. The same
+hook that gives the flag its meaning (``install``, and ``add_railwave_args`` where Megatron-Core is
+already imported) runs that check for type 'railwave' as for 'alltoall' (Megatron's dispatcher-type
+checks; the rest is unchanged) and puts 'railwave' back; what RailWave itself does not support is
+refused by ``dispatcher.check_supported`` when the layer is built, with the reason.
 """
 
 from __future__ import annotations
@@ -148,6 +155,7 @@ def _patch_moe_layer() -> None:
 
     if "original_init" in _INSTALLED:
         return
+    _patch_config_check()
     original_init = moe_layer.MoELayer.__init__
     original_set_layer = moe_layer.MoELayer.set_layer_number
 
@@ -174,13 +182,39 @@ def _patch_moe_layer() -> None:
     _INSTALLED["original_set_layer"] = original_set_layer
 
 
+def _patch_config_check() -> None:
+    """Wrap ``TransformerConfig.__post_init__`` once (caller holds ``_LOCK``; see the module
+    docstring): for type 'railwave', Megatron's checks run as for 'alltoall'."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    if "original_post_init" in _INSTALLED:
+        return
+    original = TransformerConfig.__post_init__
+
+    @functools.wraps(original)
+    def post_init(self: Any) -> None:
+        if getattr(self, "moe_token_dispatcher_type", None) != "railwave":
+            return original(self)
+        self.moe_token_dispatcher_type = "alltoall"
+        try:
+            original(self)
+        finally:
+            self.moe_token_dispatcher_type = "railwave"
+
+    TransformerConfig.__post_init__ = post_init
+    _INSTALLED["original_post_init"] = original
+
+
 def uninstall() -> None:
     """Undo ``install`` (tests)."""
     from megatron.core.transformer.moe import moe_layer
+    from megatron.core.transformer.transformer_config import TransformerConfig
 
     from megatron_railwave.telemetry.megatron_logging import detach_from_megatron_report
 
     with _LOCK:
+        if "original_post_init" in _INSTALLED:
+            TransformerConfig.__post_init__ = _INSTALLED.pop("original_post_init")
         if "original_init" in _INSTALLED:
             moe_layer.MoELayer.__init__ = _INSTALLED.pop("original_init")
             moe_layer.MoELayer.set_layer_number = _INSTALLED.pop("original_set_layer")

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["GroupRef", "FlatBlocks", "Post", "Wait", "Collective", "Program", "ExchangeError", "ExchangeTimeoutError",
-           "TorchDistTransport", "drive"]
+           "TorchDistTransport", "answer", "drive"]
 
 
 class ExchangeError(RuntimeError):
@@ -301,6 +301,16 @@ class TorchDistTransport:
         post = Post(tag=-1, stage=stage, group=group, sends=[], recvs=[], flat=flat)
         return _Ticket(post=post, works=[work], peers=peers, started=started, finish=finish)
 
+    def in_flight(self, ticket: _Ticket) -> bool:
+        """Whether ``wait(ticket)`` would block now. Starts a held phase (as ``wait`` would), so
+        that it travels while the caller computes (``exchange.pending``). Never blocks."""
+        if ticket.held:
+            self._held.pop(id(ticket.post.group.handle), None)
+            self._start_held(ticket)
+        if ticket.joined is not None:
+            ticket = ticket.joined
+        return not all(work.is_completed() for work in ticket.works)
+
     def wait(self, ticket: _Ticket) -> None:
         if ticket.held:
             self._held.pop(id(ticket.post.group.handle), None)
@@ -402,19 +412,22 @@ def _row_nbytes(t: torch.Tensor) -> int:
     return math.prod(t.shape[1:]) * t.element_size()
 
 
+def answer(request: Any, transport: TorchDistTransport) -> Any:
+    """Carry out one request of a rank program over ``transport``; returns what the program gets back."""
+    if isinstance(request, Post):
+        return transport.post(request)
+    if isinstance(request, Wait):
+        return transport.wait(request.ticket)
+    if isinstance(request, Collective):
+        return transport.collective(request)
+    raise TypeError(f"rank program yielded {type(request).__name__}")  # pragma: no cover - programming error
+
+
 def drive(program: Program, transport: TorchDistTransport) -> Any:
     """Run one rank program to completion over ``transport``; returns its result."""
     try:
         request = next(program)
         while True:
-            if isinstance(request, Post):
-                answer = transport.post(request)
-            elif isinstance(request, Wait):
-                answer = transport.wait(request.ticket)
-            elif isinstance(request, Collective):
-                answer = transport.collective(request)
-            else:  # pragma: no cover - programming error
-                raise TypeError(f"rank program yielded {type(request).__name__}")
-            request = program.send(answer)
+            request = program.send(answer(request, transport))
     except StopIteration as stop:
         return stop.value
