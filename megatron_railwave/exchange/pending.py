@@ -38,7 +38,7 @@ import torch
 
 from megatron_railwave.exchange.transport import Program, TorchDistTransport, Wait, answer, drive
 
-__all__ = ["PendingProgram", "start", "finish", "comm_stream_for"]
+__all__ = ["PendingProgram", "start", "finish", "comm_stream_for", "run_on_comm_stream"]
 
 _COMM_STREAMS: dict[torch.device, Any] = {}
 
@@ -71,7 +71,7 @@ class PendingProgram:
     """
 
     program: Program | None
-    transport: TorchDistTransport
+    transport: TorchDistTransport | None
     request: Any = None
     result: Any = None
     event: Any = None
@@ -80,9 +80,14 @@ class PendingProgram:
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
-    """The tensors of a result: the value itself, or the top-level items of a tuple / list."""
-    items = value if isinstance(value, (tuple, list)) else (value,)
-    return [t for t in items if isinstance(t, torch.Tensor)]
+    """The tensors of a result: the value itself, or those inside (nested) tuples / lists. Tensors
+    inside other objects (an ``ExchangeHandle``'s index maps) are read later only by work that is
+    ordered after the next ``start``'s ``wait_stream``, so the allocator may not reuse them early."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for item in value for t in _tensors(item)]
+    return []
 
 
 def _advance(pending: PendingProgram, reply: Any, *, until_blocked: bool) -> None:
@@ -115,18 +120,26 @@ def start(program: Program, transport: TorchDistTransport, *, comm_stream: Any =
     Collective: whatever the program posts. Host sync: none of its own.
     """
     if comm_stream is not None:
-        current = torch.cuda.current_stream(comm_stream.device)
-        comm_stream.wait_stream(current)
-        for t in inputs:
-            if t.is_cuda:
-                t.record_stream(comm_stream)
-        with torch.cuda.stream(comm_stream):
-            result = drive(program, transport)
-            event = comm_stream.record_event()
-        return PendingProgram(program=None, transport=transport, result=result, event=event, stream=comm_stream)
+        return run_on_comm_stream(lambda: drive(program, transport), comm_stream, inputs=inputs, transport=transport)
     pending = PendingProgram(program=program, transport=transport)
     _advance(pending, None, until_blocked=True)
     return pending
+
+
+def run_on_comm_stream(work: Any, comm_stream: Any, *, inputs: tuple[torch.Tensor, ...] = (),
+                       transport: Any = None) -> PendingProgram:
+    """CUDA: run ``work()`` (a driver of rank programs) on ``comm_stream`` after it waited on the
+    current stream; ``finish`` then joins it (the stream and event protocol of ``start``, also
+    for the in-process virtual cluster in the GPU check). No host sync."""
+    current = torch.cuda.current_stream(comm_stream.device)
+    comm_stream.wait_stream(current)
+    for t in inputs:
+        if t.is_cuda:
+            t.record_stream(comm_stream)
+    with torch.cuda.stream(comm_stream):
+        result = work()
+        event = comm_stream.record_event()
+    return PendingProgram(program=None, transport=transport, result=result, event=event, stream=comm_stream)
 
 
 def finish(pending: PendingProgram) -> Any:
