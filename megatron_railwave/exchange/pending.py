@@ -10,9 +10,11 @@ compute while dispatch / combine travel), for RailWave's rank programs:
     (``TorchDistTransport.in_flight``; a held flat phase is started there). The posted works
     progress on gloo's own threads while the caller computes on the host.
   - CUDA (``comm_stream`` given): the communication stream first waits on the current stream
-    (the inputs are ready), then the whole program is driven on it; NCCL's waits are stream
-    waits, so the host returns once every phase is enqueued. An event is recorded at the end
-    and the inputs are marked as used on the communication stream (caching allocator).
+    (the inputs are ready), then the whole program is driven on it with stream waits
+    (``TorchDistTransport.device_waits``: no timeout argument, which on NCCL would block the
+    host), so the host returns once every phase is enqueued; the phases are then bounded by the
+    groups' timeout (NCCL's watchdog) rather than by a named ``ExchangeTimeoutError``. An event
+    is recorded at the end and the inputs are marked as used on the communication stream.
 
 * ``finish(pending)`` returns the program's result.
 
@@ -120,7 +122,14 @@ def start(program: Program, transport: TorchDistTransport, *, comm_stream: Any =
     Collective: whatever the program posts. Host sync: none of its own.
     """
     if comm_stream is not None:
-        return run_on_comm_stream(lambda: drive(program, transport), comm_stream, inputs=inputs, transport=transport)
+        def work() -> Any:
+            saved, transport.device_waits = transport.device_waits, True
+            try:
+                return drive(program, transport)
+            finally:
+                transport.device_waits = saved
+
+        return run_on_comm_stream(work, comm_stream, inputs=inputs, transport=transport)
     pending = PendingProgram(program=program, transport=transport)
     _advance(pending, None, until_blocked=True)
     return pending

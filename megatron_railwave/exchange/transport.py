@@ -174,6 +174,12 @@ class TorchDistTransport:
     rail group with a failed member (``moves._flat``): an all-to-all would wait on it forever.
     A rail failing without being listed raises ``ExchangeTimeoutError`` after ``timeout_s`` in
     both forms (the 2 x 2 testbed fault test)."""
+    device_waits: bool = False
+    """Wait for phases without a timeout argument (``exchange.pending`` sets it while it drives a
+    program on a CUDA communication stream): NCCL's ``Work.wait(timeout)`` blocks the host until
+    the work completes, ``Work.wait()`` only makes the current stream wait. The phases are then
+    bounded by the groups' own timeout (the same ``timeout_s``, enforced by NCCL's watchdog), not
+    by an ``ExchangeTimeoutError`` naming the stage."""
     _orders: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict, repr=False)
     _backend_is_gloo: dict[int, bool] = field(default_factory=dict, repr=False)
     _held: dict[int, _Ticket] = field(default_factory=dict, repr=False)
@@ -317,7 +323,7 @@ class TorchDistTransport:
             self._start_held(ticket)
         if ticket.joined is not None:
             ticket = ticket.joined
-        timeout = datetime.timedelta(seconds=self.timeout_s) if self.timeout_s else None
+        timeout = datetime.timedelta(seconds=self.timeout_s) if self.timeout_s and not self.device_waits else None
         for work in ticket.works:
             try:
                 done = work.wait(timeout) if timeout is not None else work.wait()

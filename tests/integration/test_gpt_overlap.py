@@ -71,3 +71,15 @@ def test_gpt_ep_overlap_schedule_railwave_matches_alltoall():
         scale = np.abs(ref["grads"]).max()
         np.testing.assert_allclose(ours["grads"], ref["grads"], rtol=0, atol=2e-2 * scale,
                                    err_msg=f"rank {rank} grads")
+
+
+@pytest.mark.slow
+def test_gpt_ep_overlap_schedule_four_paths_bitwise():
+    """The four paths under the EP-overlap schedule (bf16): bitwise equal (~5 min here)."""
+    common = dict(loop="ep_overlap", ep_overlap=True, steps=2, microbatches=3, seed=11)
+    runs = [dict(name=p, dispatcher="railwave", railwave=_railwave(p), **common) for p in PATHS]
+    results = run_distributed(gpt_runs_worker, WORLD, runs, timeout_s=1500)
+    for rank, res in enumerate(results):
+        for path in PATHS:
+            for key in ("losses", "grads"):
+                assert np.array_equal(res[path][key], res["native"][key]), f"rank {rank}: {path} {key} != native"
