@@ -106,7 +106,7 @@ def test_shared_expert_overlap_flag_passes_megatron_check_with_the_hook():
     """--moe-shared-expert-overlap with --moe-token-dispatcher-type railwave: Megatron's config
     check (alltoall / flex only) passes through the hook's install(), and MoELayer hands the
     shared expert to RailWave's dispatcher."""
-    extra = ["--moe-shared-expert-intermediate-size", "32", "--moe-shared-expert-overlap",
+    extra = ["--moe-shared-expert-intermediate-size", "32", "--moe-shared-expert-overlap", "--disable-bias-linear",
              "--moe-token-dispatcher-type", "railwave"]
     env = {**os.environ, "WORLD_SIZE": "1", "RANK": "0", "LOCAL_WORLD_SIZE": "1", "RAILWAVE_AUTO_INSTALL": "1"}
     script = textwrap.dedent(SCRIPT).replace(
