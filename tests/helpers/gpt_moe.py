@@ -28,7 +28,7 @@ __all__ = ["gpt_runs_worker"]
 VOCAB, SEQ, MICRO_BATCH, HIDDEN, EXPERTS, TOPK = 128, 16, 2, 64, 8, 2
 
 
-def _config(world: int, dispatcher: str, *, shared_overlap: bool, ep_overlap: bool = False):
+def _config(world: int, dispatcher: str, *, shared_overlap: bool, ep_overlap: bool = False, recompute: bool = False):
     import torch.nn.functional as F
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -47,6 +47,9 @@ def _config(world: int, dispatcher: str, *, shared_overlap: bool, ep_overlap: bo
         tensor_model_parallel_size=1, pipeline_model_parallel_size=1, expert_model_parallel_size=world,
         use_cpu_initialization=True, masked_softmax_fusion=False, bias_activation_fusion=False,
         bias_dropout_fusion=False, apply_rope_fusion=False, gradient_accumulation_fusion=False,
+        # Selective recompute of the MoE layers: their forward (dispatch, shared expert, combine)
+        # runs again inside backward.
+        **(dict(recompute_granularity="selective", recompute_modules=["moe"]) if recompute else {}),
     )
 
 
@@ -131,12 +134,13 @@ def _broadcast_dense(model) -> None:
 
 
 def train_hand_loop(rank: int, world: int, dispatcher: str, *, shared_overlap: bool, steps: int,
-                    seed: int) -> dict[str, Any]:
-    """``steps`` optimizer steps of one micro-batch each. Returns per-step mean loss over ranks
-    and this rank's reduced grads per step (flat, name order)."""
+                    seed: int, recompute: bool = False) -> dict[str, Any]:
+    """``steps`` optimizer steps of one micro-batch each, then one forward-only pass (eval mode,
+    no grad). Returns per-step mean loss over ranks, this rank's reduced grads per step (flat, name
+    order) and the forward-only pass's mean loss (``eval_loss``)."""
     import torch.distributed as dist
 
-    config = _config(world, dispatcher, shared_overlap=shared_overlap)
+    config = _config(world, dispatcher, shared_overlap=shared_overlap, recompute=recompute)
     model = _model(config, seed)
     _broadcast_dense(model)
     optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
@@ -152,7 +156,11 @@ def train_hand_loop(rank: int, world: int, dispatcher: str, *, shared_overlap: b
         total = loss.detach().clone()
         dist.all_reduce(total)
         losses.append(total.item() / world)
-    return {"losses": np.array(losses), "grads": np.stack(grads)}
+    model.eval()
+    with torch.no_grad():
+        eval_loss = model(**_batch(rank, steps, seed)).mean()
+    dist.all_reduce(eval_loss)
+    return {"losses": np.array(losses), "grads": np.stack(grads), "eval_loss": eval_loss.item() / world}
 
 
 class _CpuTorch:

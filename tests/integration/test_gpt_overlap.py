@@ -2,9 +2,10 @@
 GPUs): RailWave under Megatron's overlap features against Megatron's 'alltoall' under the same.
 
 * ``moe_shared_expert_overlap``: the shared expert's fc1 runs while the dispatch phases travel
-  and its fc2 while the combine's do (``exchange.pending``). Several Adam steps: the losses and
-  every gradient match 'alltoall' with the same flag within 1e-5 (fp32), and the four paths are
-  bitwise equal.
+  and its fc2 while the combine's do (``exchange.pending``). Several Adam steps and a
+  forward-only pass: the losses and every gradient match 'alltoall' with the same flag within
+  1e-5 (fp32), and the four paths are bitwise equal; the same under selective recompute of the
+  MoE layers.
 * ``overlap_moe_expert_parallel_comm``: Megatron's combined 1F1B schedule (one micro-batch's
   forward interleaved with another's backward, layer by layer); Megatron allows it only in
   bf16. RailWave under it equals RailWave under the plain schedule bit for bit, and 'alltoall'
@@ -51,10 +52,26 @@ def test_gpt_shared_expert_overlap_railwave_matches_alltoall():
                                        err_msg=f"rank {rank} {path} losses")
             np.testing.assert_allclose(res[path]["grads"], ref["grads"], rtol=1e-5, atol=1e-7,
                                        err_msg=f"rank {rank} {path} grads")
-            for key in ("losses", "grads"):
+            np.testing.assert_allclose(res[path]["eval_loss"], ref["eval_loss"], rtol=1e-5,
+                                       err_msg=f"rank {rank} {path} forward-only loss")
+            for key in ("losses", "grads", "eval_loss"):
                 assert np.array_equal(res[path][key], res["native"][key]), f"rank {rank}: {path} {key} != native"
     # Training moved: the three steps' losses are not all equal (the comparison is not vacuous).
     assert len(set(results[0]["alltoall"]["losses"].round(6))) == 3
+
+
+def test_gpt_shared_expert_overlap_with_moe_recompute_matches_alltoall():
+    """Selective recompute of the MoE layers: dispatch, the shared expert's overlapped halves and
+    combine run again inside backward (RailWave replays the first forward's plan)."""
+    common = dict(loop="hand", shared_overlap=True, recompute=True, steps=2, seed=11)
+    runs = [dict(name="alltoall", dispatcher="alltoall", **common),
+            dict(name="joint", dispatcher="railwave", railwave=_railwave("joint"), **common)]
+    results = run_distributed(gpt_runs_worker, WORLD, runs, timeout_s=900)
+    for rank, res in enumerate(results):
+        np.testing.assert_allclose(res["joint"]["losses"], res["alltoall"]["losses"], rtol=1e-5, atol=0,
+                                   err_msg=f"rank {rank} losses")
+        np.testing.assert_allclose(res["joint"]["grads"], res["alltoall"]["grads"], rtol=1e-5, atol=1e-7,
+                                   err_msg=f"rank {rank} grads")
 
 
 def test_gpt_ep_overlap_schedule_railwave_matches_alltoall():
