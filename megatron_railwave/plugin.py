@@ -8,6 +8,10 @@ at ``RailWaveTokenDispatcher`` (restored right after), then puts 'railwave' back
 Nothing else in MoELayer reads the type. ``layer_spec.RailWaveMoELayer`` does the same without
 patching anything, for a custom layer spec.
 
+``moe_token_dispatcher_type='flex'`` with ``moe_flex_dispatcher_backend='railwave'`` builds the same
+dispatcher (Megatron's flex dispatcher has no registry of backends either): the spelling of the
+flex route, for recipes that set the backend rather than the type.
+
 Megatron's config check (``TransformerConfig.__post_init__``) allows ``moe_shared_expert_overlap``
 and ``overlap_moe_expert_parallel_comm`` only for its 'alltoall' and 'flex' dispatchers. The same
 hook that gives the flag its meaning (``install``, and ``add_railwave_args`` where Megatron-Core is
@@ -28,7 +32,7 @@ from typing import Any
 from megatron_railwave.config import RailWaveConfig, load_config
 
 __all__ = ["install", "uninstall", "installed_config", "add_railwave_args", "config_from_args",
-           "check_megatron_version", "SUPPORTED_MEGATRON_CORE", "build_railwave_moe_layer"]
+           "check_megatron_version", "SUPPORTED_MEGATRON_CORE", "build_railwave_moe_layer", "wants_railwave"]
 
 _LOCK = threading.Lock()
 _INSTALLED: dict[str, Any] = {}
@@ -112,6 +116,13 @@ def install(config: RailWaveConfig | dict | str | os.PathLike | None = None, *,
     return cfg
 
 
+def wants_railwave(config: Any) -> bool:
+    """Whether a Megatron config (or parsed arguments) selects RailWave: type 'railwave', or type
+    'flex' with ``moe_flex_dispatcher_backend='railwave'``."""
+    kind = getattr(config, "moe_token_dispatcher_type", None)
+    return kind == "railwave" or (kind == "flex" and getattr(config, "moe_flex_dispatcher_backend", None) == "railwave")
+
+
 _NOT_INSTALLED = (
     "moe_token_dispatcher_type='railwave' needs megatron_railwave.install() before the model is built: "
     "call megatron_railwave.install(config) (Megatron-LM: install(megatron_railwave.plugin.config_from_args(args)) "
@@ -161,7 +172,7 @@ def _patch_moe_layer() -> None:
 
     @functools.wraps(original_init)
     def init(self: Any, config: Any, *args: Any, **kwargs: Any) -> None:
-        if getattr(config, "moe_token_dispatcher_type", None) != "railwave":
+        if not wants_railwave(config):
             return original_init(self, config, *args, **kwargs)
         rw = _INSTALLED.get("config")
         if rw is None:
@@ -269,6 +280,10 @@ def add_railwave_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                 _patch_moe_layer()
         except ImportError:  # a Megatron-Core without the MoE package: only the flags
             pass
+    for action in parser._actions:  # the flex route's spelling: --moe-flex-dispatcher-backend railwave
+        if "--moe-flex-dispatcher-backend" in action.option_strings:
+            if action.choices is not None and "railwave" not in action.choices:
+                action.choices = list(action.choices) + ["railwave"]
     for action in parser._actions:  # argparse keeps choices on the action; extend in place
         if "--moe-token-dispatcher-type" in action.option_strings:
             if action.choices is not None and "railwave" not in action.choices:

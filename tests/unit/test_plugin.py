@@ -313,3 +313,15 @@ def test_install_lets_megatron_config_check_accept_overlap_flags_for_railwave():
     assert out["before"] == refusal and out["uninstalled"] == refusal
     assert out["flag"] == out["installed"] == out["ep_overlap"] == "railwave"
     assert "moe_shared_expert_intermediate_size must be" in out["still_checked"]
+
+
+def test_add_railwave_args_adds_railwave_flex_backend_and_wants_railwave():
+    from megatron_railwave.plugin import wants_railwave
+
+    parser = _megatron_like_parser()
+    parser.add_argument("--moe-flex-dispatcher-backend", default="deepep", choices=["deepep", "hybridep", "ncclep"])
+    args = add_railwave_args(parser).parse_args(["--moe-token-dispatcher-type", "flex",
+                                                 "--moe-flex-dispatcher-backend", "railwave"])
+    assert wants_railwave(args)
+    assert not wants_railwave(argparse.Namespace(moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="deepep"))
+    assert wants_railwave(argparse.Namespace(moe_token_dispatcher_type="railwave"))
