@@ -119,10 +119,9 @@ def _loss(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
 
 
 def forward_step(data_iterator, model, return_schedule_plan: bool = False):
-    """One micro-batch: next-token cross entropy of the GPT model."""
-    if return_schedule_plan:
-        raise ValueError("the built-in glue does not support --overlap-moe-expert-parallel-comm "
-                         "(RailWave does not either)")
+    """One micro-batch: next-token cross entropy of the GPT model. ``return_schedule_plan``
+    (--overlap-moe-expert-parallel-comm's combined 1F1B schedule): the model's schedule plan
+    instead of its output, as Megatron-LM's pretrain_gpt.py returns it."""
     batch = next(data_iterator)
     device = torch.cuda.current_device()
     tokens, labels, loss_mask, position_ids = (batch[k].to(device, non_blocking=True)
@@ -130,6 +129,9 @@ def forward_step(data_iterator, model, return_schedule_plan: bool = False):
     attention_mask = batch.get("attention_mask")
     if attention_mask is not None:
         attention_mask = attention_mask.to(device, non_blocking=True)
+    if return_schedule_plan:
+        plan = model.build_schedule_plan(tokens, position_ids, attention_mask, labels=labels, loss_mask=loss_mask)
+        return plan, partial(_loss, loss_mask)
     output = model(tokens, position_ids, attention_mask, labels=labels, loss_mask=loss_mask)
     return output, partial(_loss, loss_mask)
 

@@ -41,7 +41,7 @@ def patch_arguments(arguments: Any) -> None:
 
     @functools.wraps(original)
     def parse_args(extra_args_provider: Any = None, *args: Any, **kwargs: Any) -> Any:
-        from megatron_railwave.plugin import add_railwave_args, config_from_args, install
+        from megatron_railwave.plugin import add_railwave_args, config_from_args, install, wants_railwave
 
         def provider(parser: Any) -> Any:
             if extra_args_provider is not None:
@@ -49,7 +49,7 @@ def patch_arguments(arguments: Any) -> None:
             return add_railwave_args(parser)
 
         parsed = original(provider, *args, **kwargs)
-        if getattr(parsed, "moe_token_dispatcher_type", None) == "railwave":
+        if wants_railwave(parsed):
             install(config_from_args(parsed))
         return parsed
 

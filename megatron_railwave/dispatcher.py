@@ -21,6 +21,10 @@ Workflow of one MoE layer (Megatron calls the hooks in this order):
   4. ``combine_preprocess``: nothing to do (the experts applied the probs). No comm.
   5. ``token_combine``: the combine phases, reducing in a canonical order.
   6. ``combine_postprocess``: back to [S, B, H]; release the layer's state.
+With ``moe_shared_expert_overlap`` MoELayer hands the dispatcher its shared expert
+(``set_shared_experts``); step 2 posts the dispatch (``TorchDistExchange.start_dispatch``), runs
+the shared expert's fc1 while the phases travel, then completes it; step 5 does the same with
+fc2 and the combine; step 6 adds the shared expert's output (``exchange.pending``).
 Megatron's six calls force per-layer state onto the dispatcher: it is kept in exactly one
 attribute, ``self._state``, set in step 1 and cleared in step 6.
 
@@ -94,17 +98,15 @@ def check_supported(config: Any) -> None:
             "need None)")
     if getattr(config, "moe_pad_expert_input_to_capacity", False):
         problems.append("moe_pad_expert_input_to_capacity=True (need False)")
-    if getattr(config, "moe_shared_expert_overlap", False):
-        problems.append("moe_shared_expert_overlap=True (need False: RailWave does not run the shared expert "
-                        "on Megatron's side stream; without the flag MoELayer runs it before dispatch)")
-    if getattr(config, "overlap_moe_expert_parallel_comm", False):
-        problems.append("overlap_moe_expert_parallel_comm=True (need False)")
     if getattr(config, "fp8", None) or getattr(config, "fp4", None):
         problems.append("fp8/fp4 training (fp8 dispatch is not implemented; need fp8=None)")
     if getattr(config, "moe_latent_size", None):
         problems.append(f"moe_latent_size={config.moe_latent_size} (need None)")
-    if getattr(config, "moe_router_padding_for_quantization", False):
-        problems.append("moe_router_padding_for_quantization=True (need False)")
+    if getattr(config, "moe_router_padding_for_quantization", False) or getattr(config, "moe_router_padding_for_fp8",
+                                                                               False):
+        problems.append("moe_router_padding_for_quantization / moe_router_padding_for_fp8=True (need False: the "
+                        "padding rounds every expert's rows up to the fp8/fp4 GEMM alignment and Megatron allows it "
+                        "only with fp8/fp4 training, whose quantized payload RailWave does not carry)")
     if problems:
         raise ValueError(
             "moe_token_dispatcher_type='railwave' does not support: " + "; ".join(problems)
@@ -290,6 +292,14 @@ class RailWaveTokenDispatcher(MoETokenDispatcher):
         # index_select's backward scatters the probs gradient back to Megatron's columns.
         return routing_map.index_select(1, columns), probs.index_select(1, columns)
 
+    def _schedule_owned(self, x: torch.Tensor) -> torch.Tensor:
+        """``x``, copied under the EP-overlap schedule (``overlap_moe_expert_parallel_comm``).
+
+        That schedule frees the storage of its dispatch and mlp nodes' inputs right after their
+        forward; Megatron's dispatchers hand those nodes permuted copies, while ours would hand
+        views of tensors that the router and the experts saved for their backward."""
+        return x.clone() if getattr(self.config, "overlap_moe_expert_parallel_comm", False) else x
+
     # ------------------------------------------------------------------ the six hooks
     def dispatch_preprocess(self, tokens: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor):
         """[S, B, H] -> [T, H]; keeps the routing map. No communication."""
@@ -299,7 +309,7 @@ class RailWaveTokenDispatcher(MoETokenDispatcher):
         self._state = _LayerState(hidden_shape=hidden_shape, routing_map=routing_map, call=call, wants_stats=wants)
         if wants:
             self._state.timers["dispatch"] = Stopwatch(tokens.device)
-        return tokens.reshape(-1, hidden_shape[-1]), probs
+        return self._schedule_owned(tokens.reshape(-1, hidden_shape[-1])), probs
 
     def token_dispatch(self, hidden_states: torch.Tensor, probs: torch.Tensor):
         """Gather counts, select, plan, move. Returns (entries [n_ent, H], probs [n_ent])."""
@@ -361,7 +371,16 @@ class RailWaveTokenDispatcher(MoETokenDispatcher):
             self._replay.append(_Call(kind=PassKind.RECOMPUTE, step=call.step, microbatch=call.microbatch,
                                       phase=call.phase, path=path))
             self._capture(hidden_states, routing_map, call)
-        state.dispatched = exchange.dispatch(hidden_states, probs, routing_map, handle)
+        shared = self.shared_experts
+        if shared is None:
+            state.dispatched = exchange.dispatch(hidden_states, probs, routing_map, handle)
+        else:
+            # moe_shared_expert_overlap (MoELayer handed us the shared expert): its fc1 runs while
+            # the dispatch phases travel, in the order of Megatron's flex dispatcher.
+            pending = exchange.start_dispatch(hidden_states, probs, routing_map, handle)
+            shared.pre_forward_comm(hidden_states.view(state.hidden_shape))
+            shared.linear_fc1_forward_and_act()
+            state.dispatched = exchange.finish_dispatch(hidden_states, probs, routing_map, pending)
         if "dispatch" in state.timers:
             state.timers["dispatch"].stop()
         if state.wants_stats:
@@ -380,6 +399,7 @@ class RailWaveTokenDispatcher(MoETokenDispatcher):
 
         Fixed-capacity mode: the padded layout's W * C rows per expert (a constant; no sync)."""
         state = self._require_state("dispatch_postprocess")
+        hidden_states = self._schedule_owned(hidden_states)
         capacity = self.railwave.max_tokens_per_rank
         if capacity is not None:
             if self._capacity_rows is None:
@@ -398,7 +418,14 @@ class RailWaveTokenDispatcher(MoETokenDispatcher):
     def token_combine(self, hidden_states: torch.Tensor):
         """Entries [n_ent, H] -> this rank's tokens [T, H] (canonical reduction order)."""
         state = self._require_state("token_combine")
-        out = self._get_exchange().combine(hidden_states, state.dispatched.handle)
+        exchange, shared = self._get_exchange(), self.shared_experts
+        if shared is None:
+            out = exchange.combine(hidden_states, state.dispatched.handle)
+        else:  # the shared expert's fc2 while the combine phases travel
+            pending = exchange.start_combine(hidden_states, state.dispatched.handle)
+            shared.linear_fc2_forward()
+            shared.post_forward_comm()
+            out = exchange.finish_combine(hidden_states, pending)
         if "combine" in state.timers:
             state.timers["combine"].stop()
         return out
@@ -411,7 +438,10 @@ class RailWaveTokenDispatcher(MoETokenDispatcher):
             # CUDA times stay pending (no event sync here); sinks read them when they write.
             state.stats.set_timers(dispatch=state.timers["dispatch"], combine=state.timers["combine"])
             self.stats_sink(state.stats)
-        return hidden_states.view(state.hidden_shape)
+        output = hidden_states.view(state.hidden_shape)
+        if self.shared_experts is not None:  # computed during the exchange (token_dispatch, token_combine)
+            output = output + self.shared_experts.get_output()
+        return output
 
     def _capture(self, hidden_states: torch.Tensor, routing_map: torch.Tensor, call: _Call) -> None:
         """Record this rank's routing (railwave rank and expert order: what the network carries)

@@ -7,6 +7,17 @@ with the light 'allgather' branch and the module's ``MoEAllGatherTokenDispatcher
 at ``RailWaveTokenDispatcher`` (restored right after), then puts 'railwave' back into the config.
 Nothing else in MoELayer reads the type. ``layer_spec.RailWaveMoELayer`` does the same without
 patching anything, for a custom layer spec.
+
+``moe_token_dispatcher_type='flex'`` with ``moe_flex_dispatcher_backend='railwave'`` builds the same
+dispatcher (Megatron's flex dispatcher has no registry of backends either): the spelling of the
+flex route, for recipes that set the backend rather than the type.
+
+Megatron's config check (``TransformerConfig.__post_init__``) allows ``moe_shared_expert_overlap``
+and ``overlap_moe_expert_parallel_comm`` only for its 'alltoall' and 'flex' dispatchers. The same
+hook that gives the flag its meaning (``install``, and ``add_railwave_args`` where Megatron-Core is
+already imported) runs that check for type 'railwave' as for 'alltoall' (Megatron's dispatcher-type
+checks; the rest is unchanged) and puts 'railwave' back; what RailWave itself does not support is
+refused by ``dispatcher.check_supported`` when the layer is built, with the reason.
 """
 
 from __future__ import annotations
@@ -21,7 +32,7 @@ from typing import Any
 from megatron_railwave.config import RailWaveConfig, load_config
 
 __all__ = ["install", "uninstall", "installed_config", "add_railwave_args", "config_from_args",
-           "check_megatron_version", "SUPPORTED_MEGATRON_CORE", "build_railwave_moe_layer"]
+           "check_megatron_version", "SUPPORTED_MEGATRON_CORE", "build_railwave_moe_layer", "wants_railwave"]
 
 _LOCK = threading.Lock()
 _INSTALLED: dict[str, Any] = {}
@@ -105,6 +116,13 @@ def install(config: RailWaveConfig | dict | str | os.PathLike | None = None, *,
     return cfg
 
 
+def wants_railwave(config: Any) -> bool:
+    """Whether a Megatron config (or parsed arguments) selects RailWave: type 'railwave', or type
+    'flex' with ``moe_flex_dispatcher_backend='railwave'``."""
+    kind = getattr(config, "moe_token_dispatcher_type", None)
+    return kind == "railwave" or (kind == "flex" and getattr(config, "moe_flex_dispatcher_backend", None) == "railwave")
+
+
 _NOT_INSTALLED = (
     "moe_token_dispatcher_type='railwave' needs megatron_railwave.install() before the model is built: "
     "call megatron_railwave.install(config) (Megatron-LM: install(megatron_railwave.plugin.config_from_args(args)) "
@@ -148,12 +166,13 @@ def _patch_moe_layer() -> None:
 
     if "original_init" in _INSTALLED:
         return
+    _patch_config_check()
     original_init = moe_layer.MoELayer.__init__
     original_set_layer = moe_layer.MoELayer.set_layer_number
 
     @functools.wraps(original_init)
     def init(self: Any, config: Any, *args: Any, **kwargs: Any) -> None:
-        if getattr(config, "moe_token_dispatcher_type", None) != "railwave":
+        if not wants_railwave(config):
             return original_init(self, config, *args, **kwargs)
         rw = _INSTALLED.get("config")
         if rw is None:
@@ -174,13 +193,39 @@ def _patch_moe_layer() -> None:
     _INSTALLED["original_set_layer"] = original_set_layer
 
 
+def _patch_config_check() -> None:
+    """Wrap ``TransformerConfig.__post_init__`` once (caller holds ``_LOCK``; see the module
+    docstring): for type 'railwave', Megatron's checks run as for 'alltoall'."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    if "original_post_init" in _INSTALLED:
+        return
+    original = TransformerConfig.__post_init__
+
+    @functools.wraps(original)
+    def post_init(self: Any) -> None:
+        if getattr(self, "moe_token_dispatcher_type", None) != "railwave":
+            return original(self)
+        self.moe_token_dispatcher_type = "alltoall"
+        try:
+            original(self)
+        finally:
+            self.moe_token_dispatcher_type = "railwave"
+
+    TransformerConfig.__post_init__ = post_init
+    _INSTALLED["original_post_init"] = original
+
+
 def uninstall() -> None:
     """Undo ``install`` (tests)."""
     from megatron.core.transformer.moe import moe_layer
+    from megatron.core.transformer.transformer_config import TransformerConfig
 
     from megatron_railwave.telemetry.megatron_logging import detach_from_megatron_report
 
     with _LOCK:
+        if "original_post_init" in _INSTALLED:
+            TransformerConfig.__post_init__ = _INSTALLED.pop("original_post_init")
         if "original_init" in _INSTALLED:
             moe_layer.MoELayer.__init__ = _INSTALLED.pop("original_init")
             moe_layer.MoELayer.set_layer_number = _INSTALLED.pop("original_set_layer")
@@ -235,6 +280,10 @@ def add_railwave_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                 _patch_moe_layer()
         except ImportError:  # a Megatron-Core without the MoE package: only the flags
             pass
+    for action in parser._actions:  # the flex route's spelling: --moe-flex-dispatcher-backend railwave
+        if "--moe-flex-dispatcher-backend" in action.option_strings:
+            if action.choices is not None and "railwave" not in action.choices:
+                action.choices = list(action.choices) + ["railwave"]
     for action in parser._actions:  # argparse keeps choices on the action; extend in place
         if "--moe-token-dispatcher-type" in action.option_strings:
             if action.choices is not None and "railwave" not in action.choices:

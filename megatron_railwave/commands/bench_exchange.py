@@ -73,6 +73,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                        help="cProfile this variant's timed samples on rank 0 (native, ..., alltoall)")
     group.add_argument("--profile-out", default=None, metavar="FILE",
                        help="write the profile text here (default: print the top entries)")
+    group.add_argument("--shared-expert", action="store_true",
+                       help="instead: the share of a shared expert's compute hidden behind dispatch+combine "
+                            "(moe_shared_expert_overlap), each path next to alltoall's own overlap")
+    group.add_argument("--shared-ffn", type=int, default=None, metavar="F",
+                       help="--shared-expert: the shared expert's FFN size (default 4 x hidden)")
     parser.add_argument("--json", default=None, metavar="FILE", help="write the result as JSON")
     parser.set_defaults(handler=run)
     _outputs.declare_outputs(parser, files=("json", "profile_out"))
@@ -99,6 +104,10 @@ def _check(args: argparse.Namespace) -> None:
             raise ValueError(f"{flag} must be >= {low}, got {value}")
     if args.profile_out and not args.profile:
         raise ValueError("--profile-out needs --profile VARIANT")
+    if args.shared_expert and (args.profile or args.backward):
+        raise ValueError("--shared-expert times forward passes only; drop --profile / --backward")
+    if args.shared_ffn is not None and not args.shared_expert:
+        raise ValueError("--shared-ffn needs --shared-expert")
 
 
 def _rows(result: dict[str, Any]) -> list[list[Any]]:
@@ -114,6 +123,27 @@ def _rows(result: dict[str, Any]) -> list[list[Any]]:
             b["node_rail_imbalance"], b["node_local_bytes"] / _MiB, f"{v['max_abs_err']:.1e}",
         ])
     return rows
+
+
+def _run_shared_expert(args: argparse.Namespace, spec: Any, skipped: str | None) -> int:
+    from megatron_railwave.lab.bench.shared_overlap import SharedOverlapSpec, run_shared_overlap
+
+    shared_ffn = args.shared_ffn if args.shared_ffn is not None else 4 * args.hidden
+    result = run_shared_overlap(SharedOverlapSpec(bench=spec, shared_ffn=shared_ffn), timeout_s=args.timeout,
+                                alltoall_skipped=skipped)
+    _render.print_table(
+        f"shared expert (F={shared_ffn}) during dispatch+combine, forward, {args.nodes}x{args.gpus_per_node} "
+        f"({result['world_size']} gloo processes, loopback), T={args.tokens} H={args.hidden} {args.dtype} "
+        f"E={args.experts} K={args.topk}; {args.samples} samples, slowest rank per sample; shared expert "
+        f"alone {result['shared_ms']:.2f} ms",
+        ["variant", "exchange ms", "exchange + shared ms", "hidden ms", "hidden share", "max err"],
+        [[name, v["exchange_ms"], v["overlapped_ms"], v["hidden_ms"],
+          f"{v['hidden_share']:.0%}" if v["hidden_share"] is not None else "-", f"{v['max_abs_err']:.1e}"]
+         for name, v in result["variants"].items()])
+    if args.json:
+        _common.write_json(args.json, result)
+        _render.print_text(f"wrote {args.json}")
+    return 0
 
 
 def run(args: argparse.Namespace) -> int:
@@ -134,6 +164,8 @@ def run(args: argparse.Namespace) -> int:
                      paths=paths, alltoall=skipped is None, profile_variant=args.profile,
                      failed_rails=tuple(sorted(args.failed_rail)))
     spec.topology()  # validates nodes, GPUs and failed rails before any process starts
+    if args.shared_expert:
+        return _run_shared_expert(args, spec, skipped)
     result = run_bench_exchange(spec, timeout_s=args.timeout, alltoall_skipped=skipped)
 
     world = args.nodes * args.gpus_per_node

@@ -27,9 +27,10 @@ from megatron_railwave.exchange.capacity import PaddedEntries, check_capacity
 from megatron_railwave.exchange.groups import RankGroups, report_failure, reported_failures, survey_unresponsive
 from megatron_railwave.exchange.layer import (EntryIndex, InputError, LayerDemand, LayerHandle, RankContext, combine_backward, combine_forward,
                     dispatch_backward, dispatch_forward, gather_demand, prepare_capacity_layer, prepare_layer)
+from megatron_railwave.exchange.pending import PendingProgram, comm_stream_for, finish, start
 from megatron_railwave.exchange.transport import GroupRef, Program, TorchDistTransport, drive
 
-__all__ = ["ExchangeHandle", "DispatchOutput", "TorchDistExchange", "InputError"]
+__all__ = ["ExchangeHandle", "DispatchOutput", "PendingDispatch", "PendingCombine", "TorchDistExchange", "InputError"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -67,6 +68,24 @@ class DispatchOutput:
     handle: Any
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PendingDispatch:
+    """A dispatch whose phases are posted (``TorchDistExchange.start_dispatch``); pass it to
+    ``finish_dispatch`` with the same hidden / probs."""
+
+    program: PendingProgram
+    handle: Any
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PendingCombine:
+    """A combine whose phases are posted (``TorchDistExchange.start_combine``); pass it to
+    ``finish_combine`` with the same expert output."""
+
+    program: PendingProgram
+    handle: Any
+
+
 class _Box:
     """Carries the dispatch handle out of the autograd function (not a tensor)."""
 
@@ -80,8 +99,12 @@ class _Box:
 # program. A backend supplies the four programs (``_dispatch_forward`` ... ``_combine_backward``).
 class _DispatchFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, probs, routing_map, exchange: TorchDistExchange, layer: Any, box: _Box):  # type: ignore[override]
-        tokens, entry_probs, handle = exchange._run(exchange._dispatch_forward(layer, hidden, probs, routing_map))
+    def forward(ctx, hidden, probs, routing_map, exchange: TorchDistExchange, layer: Any, box: _Box,  # type: ignore[override]
+                pending: PendingProgram | None = None):
+        if pending is not None:  # started by start_dispatch: its forward is only the rest of the program
+            tokens, entry_probs, handle = finish(pending)
+        else:
+            tokens, entry_probs, handle = exchange._run(exchange._dispatch_forward(layer, hidden, probs, routing_map))
         box.handle = handle
         ctx.exchange, ctx.handle, ctx.probs_dtype = exchange, handle, probs.dtype
         return tokens, entry_probs
@@ -91,19 +114,22 @@ class _DispatchFn(torch.autograd.Function):
         ex: TorchDistExchange = ctx.exchange
         g_hidden, g_probs_TE = ex._run(ex._dispatch_backward(ctx.handle, g_tokens.contiguous(), g_probs.contiguous(),
                                                              ctx.probs_dtype))
-        return g_hidden, g_probs_TE, None, None, None, None
+        return g_hidden, g_probs_TE, None, None, None, None, None
 
 
 class _CombineFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, expert_out, exchange: TorchDistExchange, handle: Any):  # type: ignore[override]
+    def forward(ctx, expert_out, exchange: TorchDistExchange, handle: Any,  # type: ignore[override]
+                pending: PendingProgram | None = None):
         ctx.exchange, ctx.handle = exchange, handle
+        if pending is not None:  # started by start_combine
+            return finish(pending)
         return exchange._run(exchange._combine_forward(handle, expert_out))
 
     @staticmethod
     def backward(ctx, g_out):  # type: ignore[override]
         ex: TorchDistExchange = ctx.exchange
-        return ex._run(ex._combine_backward(ctx.handle, g_out.contiguous())), None, None
+        return ex._run(ex._combine_backward(ctx.handle, g_out.contiguous())), None, None, None
 
 
 class TorchDistExchange:
@@ -229,6 +255,47 @@ class TorchDistExchange:
         """Expert outputs [n_ent, H] (rows as ``DispatchOutput.tokens``) -> [T, H], summed over a
         token's experts in the canonical order. Host sync: no."""
         return _CombineFn.apply(expert_out, self, handle)
+
+    # ------------------------------------------------------------------ asynchronous form
+    # ``dispatch`` = ``finish_dispatch(start_dispatch(...))`` and likewise for combine, with the
+    # same numbers bit for bit: the programs are the same, only where the caller's own work falls
+    # between their requests differs (``exchange.pending``). The backward directions stay
+    # synchronous (autograd runs them).
+    def start_dispatch(self, hidden: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor,
+                       handle: LayerHandle) -> PendingDispatch:
+        """Post the dispatch and return before it completes (gloo: at its first wait on a phase
+        in flight; CUDA: once every phase is enqueued on the communication stream).
+
+        Host sync: no. Collective: the dispatch's phases (node / rail groups).
+        """
+        hidden_d, probs_d = hidden.detach(), probs.detach()
+        program = start(self._dispatch_forward(handle, hidden_d, probs_d, routing_map), self.transport,
+                        comm_stream=comm_stream_for(hidden.device), inputs=(hidden_d, probs_d, routing_map))
+        return PendingDispatch(program=program, handle=handle)
+
+    def finish_dispatch(self, hidden: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor,
+                        pending: PendingDispatch) -> DispatchOutput:
+        """Complete ``start_dispatch`` (same arguments): ``dispatch``'s output, differentiable in
+        hidden and probs. Host sync: no (gloo: blocks until the phases completed)."""
+        box = _Box()
+        tokens, entry_probs = _DispatchFn.apply(hidden, probs, routing_map, self, pending.handle, box,
+                                                pending.program)
+        tokens_per_expert = pending.handle.tokens_per_expert
+        if tokens_per_expert is None:
+            tokens_per_expert = box.handle.entries.tokens_per_expert
+        return DispatchOutput(tokens=tokens, tokens_per_expert=tokens_per_expert, probs=entry_probs,
+                              handle=box.handle)
+
+    def start_combine(self, expert_out: torch.Tensor, handle: Any) -> PendingCombine:
+        """Post the combine and return before it completes (as ``start_dispatch``). Host sync: no."""
+        out_d = expert_out.detach()
+        program = start(self._combine_forward(handle, out_d), self.transport,
+                        comm_stream=comm_stream_for(expert_out.device), inputs=(out_d,))
+        return PendingCombine(program=program, handle=handle)
+
+    def finish_combine(self, expert_out: torch.Tensor, pending: PendingCombine) -> torch.Tensor:
+        """Complete ``start_combine`` (same expert output): ``combine``'s [T, H], differentiable."""
+        return _CombineFn.apply(expert_out, self, pending.handle, pending.program)
 
     # ------------------------------------------------------------------ the four programs
     def _dispatch_forward(self, layer: LayerHandle, hidden: torch.Tensor, probs: torch.Tensor,

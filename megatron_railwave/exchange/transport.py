@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["GroupRef", "FlatBlocks", "Post", "Wait", "Collective", "Program", "ExchangeError", "ExchangeTimeoutError",
-           "TorchDistTransport", "drive"]
+           "TorchDistTransport", "answer", "drive"]
 
 
 class ExchangeError(RuntimeError):
@@ -174,6 +174,12 @@ class TorchDistTransport:
     rail group with a failed member (``moves._flat``): an all-to-all would wait on it forever.
     A rail failing without being listed raises ``ExchangeTimeoutError`` after ``timeout_s`` in
     both forms (the 2 x 2 testbed fault test)."""
+    device_waits: bool = False
+    """Wait for phases without a timeout argument (``exchange.pending`` sets it while it drives a
+    program on a CUDA communication stream): NCCL's ``Work.wait(timeout)`` blocks the host until
+    the work completes, ``Work.wait()`` only makes the current stream wait. The phases are then
+    bounded by the groups' own timeout (the same ``timeout_s``, enforced by NCCL's watchdog), not
+    by an ``ExchangeTimeoutError`` naming the stage."""
     _orders: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict, repr=False)
     _backend_is_gloo: dict[int, bool] = field(default_factory=dict, repr=False)
     _held: dict[int, _Ticket] = field(default_factory=dict, repr=False)
@@ -301,13 +307,23 @@ class TorchDistTransport:
         post = Post(tag=-1, stage=stage, group=group, sends=[], recvs=[], flat=flat)
         return _Ticket(post=post, works=[work], peers=peers, started=started, finish=finish)
 
+    def in_flight(self, ticket: _Ticket) -> bool:
+        """Whether ``wait(ticket)`` would block now. Starts a held phase (as ``wait`` would), so
+        that it travels while the caller computes (``exchange.pending``). Never blocks."""
+        if ticket.held:
+            self._held.pop(id(ticket.post.group.handle), None)
+            self._start_held(ticket)
+        if ticket.joined is not None:
+            ticket = ticket.joined
+        return not all(work.is_completed() for work in ticket.works)
+
     def wait(self, ticket: _Ticket) -> None:
         if ticket.held:
             self._held.pop(id(ticket.post.group.handle), None)
             self._start_held(ticket)
         if ticket.joined is not None:
             ticket = ticket.joined
-        timeout = datetime.timedelta(seconds=self.timeout_s) if self.timeout_s else None
+        timeout = datetime.timedelta(seconds=self.timeout_s) if self.timeout_s and not self.device_waits else None
         for work in ticket.works:
             try:
                 done = work.wait(timeout) if timeout is not None else work.wait()
@@ -402,19 +418,22 @@ def _row_nbytes(t: torch.Tensor) -> int:
     return math.prod(t.shape[1:]) * t.element_size()
 
 
+def answer(request: Any, transport: TorchDistTransport) -> Any:
+    """Carry out one request of a rank program over ``transport``; returns what the program gets back."""
+    if isinstance(request, Post):
+        return transport.post(request)
+    if isinstance(request, Wait):
+        return transport.wait(request.ticket)
+    if isinstance(request, Collective):
+        return transport.collective(request)
+    raise TypeError(f"rank program yielded {type(request).__name__}")  # pragma: no cover - programming error
+
+
 def drive(program: Program, transport: TorchDistTransport) -> Any:
     """Run one rank program to completion over ``transport``; returns its result."""
     try:
         request = next(program)
         while True:
-            if isinstance(request, Post):
-                answer = transport.post(request)
-            elif isinstance(request, Wait):
-                answer = transport.wait(request.ticket)
-            elif isinstance(request, Collective):
-                answer = transport.collective(request)
-            else:  # pragma: no cover - programming error
-                raise TypeError(f"rank program yielded {type(request).__name__}")
-            request = program.send(answer)
+            request = program.send(answer(request, transport))
     except StopIteration as stop:
         return stop.value

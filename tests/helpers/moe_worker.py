@@ -50,3 +50,16 @@ def run_layer_with_capture(rank: int, world: int, capture_dir: str, kw: dict) ->
     finally:
         RailWaveTokenDispatcher.dispatch_preprocess = original
     return {"calls": seen}
+
+
+def run_layer_flex_railwave_backend(rank: int, world: int, railwave: dict, kw: dict) -> dict[str, Any]:
+    """The same layer built as type 'railwave' and as type 'flex' with backend 'railwave'."""
+    from megatron_railwave.lab.bench.megatron_cpu import apply_megatron_cpu_shims
+
+    apply_megatron_cpu_shims()
+    import megatron_railwave
+
+    megatron_railwave.install(railwave)
+    return {"railwave": build_and_run_moe_layer(rank, world, "railwave", **kw),
+            "flex": build_and_run_moe_layer(rank, world, "flex",
+                                            extra_config={"moe_flex_dispatcher_backend": "railwave"}, **kw)}

@@ -104,3 +104,27 @@ def test_native_goal_is_the_issue_bound_per_size():
     assert native_goal(spec(256, 512)) == 1.1  # the default size
     assert native_goal(spec(32, 64)) == 1.3  # small layers: fixed per-layer costs dominate
     assert native_goal(spec(128, 64)) is None
+
+
+@pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="megatron-core is not installed")
+def test_bench_exchange_shared_expert_tiny_run(tmp_path, capsys):
+    """--shared-expert: every variant's overlapped output equals exchange + shared expert, and the
+    hidden share is (exchange + shared - overlapped) / shared of the reported medians."""
+    out = tmp_path / "shared.json"
+    assert main(TINY + ["--shared-expert", "--shared-ffn", "32", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["schema"] == "railwave.bench_shared_overlap/1"
+    assert data["config"]["shared_ffn"] == 32 and data["shared_ms"] > 0
+    assert list(data["variants"]) == ["native", "rail", "perm", "joint", "alltoall"]
+    for name, v in data["variants"].items():
+        assert v["max_abs_err"] < 1e-5, f"{name}: overlapped output != exchange + shared expert"
+        assert v["hidden_ms"] == pytest.approx(v["exchange_ms"] + data["shared_ms"] - v["overlapped_ms"])
+        assert v["hidden_share"] == pytest.approx(v["hidden_ms"] / data["shared_ms"])
+    assert "hidden share" in capsys.readouterr().out
+
+
+def test_bench_exchange_shared_expert_refuses_backward(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(TINY + ["--shared-expert", "--backward"])
+    assert exc.value.code == 2
+    assert "--shared-expert times forward passes only" in capsys.readouterr().err

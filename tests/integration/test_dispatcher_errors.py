@@ -53,12 +53,13 @@ PATHS = ["native", "rail", "perm", "joint"]
 UNSUPPORTED = {
     "moe_expert_capacity_factor": 1.0,
     "moe_pad_expert_input_to_capacity": True,
-    "moe_shared_expert_overlap": True,
-    "overlap_moe_expert_parallel_comm": True,
     "fp8": "e4m3",
     "moe_latent_size": 16,
     "moe_router_padding_for_quantization": True,
+    "moe_router_padding_for_fp8": True,
 }
+# Megatron's overlap features RailWave supports (issue 36): accepted at construction.
+OVERLAP_OPTIONS = {"moe_shared_expert_overlap": True, "overlap_moe_expert_parallel_comm": True}
 
 
 # ---------------------------------------------------------------------- worker (spawned ranks)
@@ -135,6 +136,8 @@ def dispatcher_errors_worker(rank: int, world: int) -> dict[str, Any]:
     out["unsupported"] = {key: _error_text(lambda k=key, v=value: make(**{k: v}))
                           for key, value in UNSUPPORTED.items()}
     out["tensor_parallel"] = _error_text(lambda: make(expert_tensor_parallel_size=2))
+    out["overlap_accepted"] = {key: _error_text(lambda k=key, v=value: make(**{k: v}))
+                               for key, value in OVERLAP_OPTIONS.items()}
     out["attention_tp_accepted"] = _error_text(lambda: make(tensor_model_parallel_size=2, sequence_parallel=True,
                                                             moe_permute_fusion=True))
 
@@ -364,6 +367,11 @@ def test_dispatcher_unsupported_option_raises_naming_it(ranks, option):
         text = res[option] if option == "tensor_parallel" else res["unsupported"][option]
         assert text.startswith("ValueError: moe_token_dispatcher_type='railwave' does not support"), text
         assert name in text and "'alltoall' dispatcher" in text, text
+
+
+def test_dispatcher_accepts_megatron_overlap_options(ranks):
+    for res in ranks:
+        assert res["overlap_accepted"] == {key: "no error" for key in OVERLAP_OPTIONS}, res["overlap_accepted"]
 
 
 @pytest.mark.parametrize("path", PATHS)

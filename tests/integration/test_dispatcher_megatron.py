@@ -90,3 +90,16 @@ def test_moe_layer_railwave_fixed_capacity_matches_alltoall():
         for key in KEYS:
             np.testing.assert_allclose(res["joint"][key], res["alltoall"][key], rtol=1e-5, atol=1e-6,
                                        err_msg=f"rank {rank} fixed capacity {key}")
+
+
+def test_moe_layer_flex_with_railwave_backend_is_railwave():
+    """--moe-token-dispatcher-type flex --moe-flex-dispatcher-backend railwave builds RailWave's
+    dispatcher (Megatron's flex dispatcher would reject the backend): bitwise the 'railwave' layer."""
+    from tests.helpers.moe_worker import run_layer_flex_railwave_backend
+
+    kw = dict(num_experts=8, topk=3, hidden=16, ffn_hidden=8, seq_len=6, micro_batch=2, seed=5)
+    results = run_distributed(run_layer_flex_railwave_backend, 4, dict(gpus_per_node=2, path="joint"), kw,
+                              timeout_s=300)
+    for rank, res in enumerate(results):
+        for key in KEYS:
+            assert np.array_equal(res["flex"][key], res["railwave"][key]), f"rank {rank} {key}"

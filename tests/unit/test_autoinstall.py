@@ -100,3 +100,23 @@ def test_layer_spec_route_through_megatron_lm_spec_flag_and_no_flag_without_the_
     assert out["exits"] == [2]
     assert out["types"] == ["RailWaveTokenDispatcher"] and out["layers"] == ["RailWaveMoELayer"]
     assert out["type"] == "alltoall" and out["path"] is None  # nothing installed
+
+
+def test_shared_expert_overlap_flag_passes_megatron_check_with_the_hook():
+    """--moe-shared-expert-overlap with --moe-token-dispatcher-type railwave: Megatron's config
+    check (alltoall / flex only) passes through the hook's install(), and MoELayer hands the
+    shared expert to RailWave's dispatcher."""
+    extra = ["--moe-shared-expert-intermediate-size", "32", "--moe-shared-expert-overlap", "--disable-bias-linear",
+             "--moe-token-dispatcher-type", "railwave"]
+    env = {**os.environ, "WORLD_SIZE": "1", "RANK": "0", "LOCAL_WORLD_SIZE": "1", "RAILWAVE_AUTO_INSTALL": "1"}
+    script = textwrap.dedent(SCRIPT).replace(
+        '"exits": exits}))',
+        '"exits": exits, "shared": sorted({type(m.token_dispatcher.shared_experts).__name__ for m in model.modules() '
+        'if hasattr(m, "token_dispatcher")})}))')
+    code = f"EXTRA = {extra!r}\nNO_HOOK_CHECK = False\n" + script
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300,
+                          env=env)
+    assert proc.returncode == 0, f"{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["types"] == ["RailWaveTokenDispatcher"] and out["type"] == "railwave"
+    assert out["shared"] == ["SharedExpertMLP"]

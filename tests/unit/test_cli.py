@@ -28,7 +28,7 @@ EXPECTED_FLAGS = {
     "bench-exchange": [
         "--nodes", "--gpus-per-node", "--failed-rail", "--tokens", "--hidden", "--experts", "--topk", "--dtype",
         "--seed", "--path", "--warmups", "--samples", "--backward", "--no-alltoall", "--timeout", "--profile",
-        "--profile-out", "--json",
+        "--profile-out", "--shared-expert", "--shared-ffn", "--json",
     ],
     "calibrate": [
         "--cluster", "--nodes", "--failed-rail", "--backend", "--model", "--warmups", "--repeats", "--no-progress", "--out", "--retune",

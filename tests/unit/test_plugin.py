@@ -272,3 +272,56 @@ def test_pretrain_example_installs_and_builds_megatron_inputs_on_cpu():
     assert out["path"] == "perm" and out["container"] == "PretrainConfigContainer"
     assert out["dispatcher"] == "railwave"
     assert out["tokens"] == [1, 16] and out["loss"] == out["num_tokens"] > 0
+
+
+def test_install_lets_megatron_config_check_accept_overlap_flags_for_railwave():
+    """Megatron's TransformerConfig check allows moe_shared_expert_overlap and
+    overlap_moe_expert_parallel_comm only for alltoall / flex: after install() (and after
+    add_railwave_args once Megatron is imported, the flag's route) 'railwave' passes it and stays
+    'railwave'; uninstall() restores Megatron's refusal; other checks still run."""
+    out = _run_python("""
+        import argparse, json
+        from megatron_railwave.lab.bench.megatron_cpu import apply_megatron_cpu_shims
+        apply_megatron_cpu_shims()
+        from megatron.core.transformer.transformer_config import TransformerConfig
+        import megatron_railwave
+        from megatron_railwave.plugin import add_railwave_args, uninstall
+
+        def build(**extra):
+            kw = dict(num_layers=1, hidden_size=8, num_attention_heads=2, ffn_hidden_size=8, num_moe_experts=4,
+                      moe_router_topk=2, moe_token_dispatcher_type="railwave", moe_shared_expert_intermediate_size=8,
+                      moe_shared_expert_overlap=True, expert_model_parallel_size=2, use_cpu_initialization=True,
+                      add_bias_linear=False)
+            try:
+                cfg = TransformerConfig(**{**kw, **extra})
+                return cfg.moe_token_dispatcher_type
+            except (ValueError, AssertionError) as exc:
+                return f"{type(exc).__name__}: {exc}"
+
+        res = {"before": build()}
+        add_railwave_args(argparse.ArgumentParser())
+        res["flag"] = build()
+        uninstall()
+        res["uninstalled"] = build()
+        megatron_railwave.install({"gpus_per_node": 1})
+        res["installed"] = build()
+        res["ep_overlap"] = build(overlap_moe_expert_parallel_comm=True, bf16=True, moe_shared_expert_overlap=False)
+        res["still_checked"] = build(moe_shared_expert_intermediate_size=-1)
+        print(json.dumps(res))
+    """)
+    refusal = "ValueError: moe_shared_expert_overlap only works with alltoall or flex token dispatcher."
+    assert out["before"] == refusal and out["uninstalled"] == refusal
+    assert out["flag"] == out["installed"] == out["ep_overlap"] == "railwave"
+    assert "moe_shared_expert_intermediate_size must be" in out["still_checked"]
+
+
+def test_add_railwave_args_adds_railwave_flex_backend_and_wants_railwave():
+    from megatron_railwave.plugin import wants_railwave
+
+    parser = _megatron_like_parser()
+    parser.add_argument("--moe-flex-dispatcher-backend", default="deepep", choices=["deepep", "hybridep", "ncclep"])
+    args = add_railwave_args(parser).parse_args(["--moe-token-dispatcher-type", "flex",
+                                                 "--moe-flex-dispatcher-backend", "railwave"])
+    assert wants_railwave(args)
+    assert not wants_railwave(argparse.Namespace(moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="deepep"))
+    assert wants_railwave(argparse.Namespace(moe_token_dispatcher_type="railwave"))
