@@ -1,0 +1,71 @@
+"""scripts/gpu_check.sh on this CPU machine: its exit status is true (no CUDA device: 2 with a
+clear line; a failing step: 1; all selected steps passing: 0), it writes one summary JSON, and
+its step limits fit 8 minutes. The old script set ``status=1`` inside ``{ ... } | tee`` (a
+subshell) and exited 0 after failures."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "scripts" / "gpu_check.sh"
+
+
+def _run(tmp_path: Path, **env: str) -> tuple[subprocess.CompletedProcess, dict]:
+    out = tmp_path / "out"
+    full_env = {**os.environ, "OUT": str(out), "PY": sys.executable, **env}
+    done = subprocess.run(["bash", str(SCRIPT)], capture_output=True, text=True, env=full_env, timeout=240,
+                          check=False)
+    summary = json.loads((out / "summary.json").read_text())
+    return done, summary
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the behaviour without a CUDA device")
+def test_without_cuda_exits_2_with_a_clear_line(tmp_path):
+    done, summary = _run(tmp_path)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "no CUDA device" in done.stdout
+    assert summary["exit_status"] == 2
+    assert summary["steps"] == [{"step": "preflight", "result": "FAIL", "seconds": summary["steps"][0]["seconds"],
+                                 "limit_s": 30, "note": "no CUDA device"}]
+
+
+def test_a_failing_step_makes_the_exit_status_1(tmp_path):
+    done, summary = _run(tmp_path, GPU_CHECK_REQUIRE_CUDA="0", GPU_CHECK_ONLY="doctor",
+                         GPU_CHECK_FAIL_STEP="doctor")
+    assert done.returncode == 1, done.stdout + done.stderr
+    by_step = {s["step"]: s for s in summary["steps"]}
+    assert by_step["doctor"]["result"] == "FAIL" and "exit status 3" in by_step["doctor"]["note"]
+    assert by_step["build"]["result"] == "SKIP"
+    assert summary["exit_status"] == 1
+    assert "forced failure" in (tmp_path / "out" / "doctor.log").read_text()
+
+
+def test_selected_steps_that_pass_exit_0(tmp_path):
+    # The doctor step for real (it needs no GPU): PASS, its JSON written, exit status 0.
+    done, summary = _run(tmp_path, GPU_CHECK_REQUIRE_CUDA="0", GPU_CHECK_ONLY="doctor")
+    assert done.returncode == 0, done.stdout + done.stderr
+    by_step = {s["step"]: s for s in summary["steps"]}
+    assert by_step["doctor"]["result"] == "PASS"
+    assert json.loads((tmp_path / "out" / "doctor.json").read_text())["self_test"]["ok"] is True
+
+
+def test_step_limits_add_up_to_less_than_8_minutes_with_the_build_first():
+    text = SCRIPT.read_text()
+    steps = re.findall(r"^step (\w+) (\d+) ", text, flags=re.M)
+    assert [name for name, _ in steps[:2]] == ["doctor", "build"]
+    preflight = int(re.search(r"^timeout (\d+) \"\$PY\" - > \"\$OUT/preflight.log\"", text, flags=re.M).group(1))
+    total = preflight + sum(int(limit) for _, limit in steps)
+    assert total < 480, total
+    header = text.split("set -u")[0]
+    assert f"add up to {total} < 480" in header
+    for phrase in ("NCCL across processes", "DeepEP", "rails"):
+        assert phrase in header
