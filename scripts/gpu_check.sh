@@ -12,10 +12,10 @@
 #                              twice (< 2 GiB: the largest case is a [29000, 4096] bf16 segment sum)
 #   virtual_glm_bf16     80 s  virtual cluster, H800 4x8 preset, GLM-4.5-Air layer shape (H=4096 bf16,
 #                              E=128, top-8) at T=1024 per rank: the four paths bitwise equal, error vs
-#                              the float64 reference, the exchange's host syncs (estimated peak 41 GiB)
+#                              the float64 reference, the exchange's host syncs (estimated peak 40 GiB)
 #   virtual_fixed_bf16   35 s  fixed-capacity mode, C = T = 256, H=2048 bf16: bitwise equal to the normal
-#                              mode and across paths, 0 host syncs (estimated peak 41 GiB)
-#   virtual_fp32         15 s  T=512, H=256 fp32 (error goal 1e-5; estimated peak < 1 GiB)
+#                              mode and across paths, 0 host syncs (estimated peak 33 GiB)
+#   virtual_fp32         15 s  T=512, H=256 fp32 (error goal 1e-5; estimated peak 3 GiB)
 #   ops_bench            30 s  railwave ops-bench --device cuda, GLM-4.5-Air sizes (< 2 GiB)
 #   virtual_fp32_chunks3 10 s  as virtual_fp32 with 3 rail chunks per wave (PERM / JOINT)
 # The virtual-cluster steps pass --max-memory-gib 110: simulate-exchange refuses to start a run

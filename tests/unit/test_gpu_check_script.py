@@ -69,3 +69,38 @@ def test_step_limits_add_up_to_less_than_8_minutes_with_the_build_first():
     assert f"add up to {total} < 480" in header
     for phrase in ("NCCL across processes", "DeepEP", "rails"):
         assert phrase in header
+
+
+def test_every_virtual_step_fits_its_stated_memory_budget():
+    # The estimate the script's --max-memory-gib 110 refuses on, for each virtual-cluster step as
+    # the script writes it; the old fixed-capacity case (C = T = 1024, H = 4096 bf16) does not fit.
+    from megatron_railwave.cli import build_parser
+    from megatron_railwave.lab.bench.virtual_exchange import VirtualSpec, estimate_peak_bytes
+    from megatron_railwave.topology import load_topology
+
+    text = SCRIPT.read_text()
+    base = re.search(r'VIRTUAL=\("\$PY" -m megatron_railwave.cli (simulate-exchange[^)]*)\)', text).group(1)
+    base = base.replace("\n", " ").split()
+    assert base[base.index("--max-memory-gib") + 1] == "110"
+    calls = re.findall(r'^step (virtual_\w+) \d+ "\$\{VIRTUAL\[@\]\}" (.*?)--json', text, flags=re.M | re.S)
+    assert len(calls) == 4
+    parser = build_parser()
+    topo = load_topology(ROOT / "configs/clusters/h800_4x8.yaml")
+    for name, extra in calls:
+        args = parser.parse_args(base + extra.replace("\\", " ").split())
+        spec = VirtualSpec(topology=topo, tokens=args.tokens, hidden=args.hidden, experts=args.experts,
+                           topk=args.topk, dtype=args.dtype, max_tokens_per_rank=args.max_tokens_per_rank)
+        assert estimate_peak_bytes(spec) / 2**30 < 110, name
+    old = VirtualSpec(topology=topo, tokens=1024, hidden=4096, experts=128, topk=8, dtype="bf16",
+                      max_tokens_per_rank=1024)
+    assert estimate_peak_bytes(old) / 2**30 > 139
+
+
+def test_simulate_exchange_refuses_a_run_over_its_memory_limit(capsys):
+    from megatron_railwave.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["simulate-exchange", "--cluster", str(ROOT / "configs/clusters/h800_4x8.yaml"), "--tokens", "8",
+              "--hidden", "8", "--max-memory-gib", "0.0001"])
+    assert exc.value.code == 2
+    assert "estimated peak memory" in capsys.readouterr().err
