@@ -285,7 +285,11 @@ class RailWaveTokenDispatcher(MoETokenDispatcher):
             return routing_map, probs
         columns = self._columns.get(routing_map.device)
         if columns is None:
-            columns = self.placement.expert_columns(self.num_local_experts).to(routing_map.device)
+            # Outside inference mode: a cache made in a first call under torch.inference_mode() (an
+            # eval or RL rollout before training) would be an inference tensor, which every later
+            # training forward would save for backward ("Inference tensors cannot be saved").
+            with torch.inference_mode(False):
+                columns = self.placement.expert_columns(self.num_local_experts).to(routing_map.device)
             self._columns[routing_map.device] = columns
         # index_select's backward scatters the probs gradient back to Megatron's columns.
         return routing_map.index_select(1, columns), probs.index_select(1, columns)
