@@ -41,6 +41,7 @@ the selector ('auto') or a stats sink needs them.
 from __future__ import annotations
 
 import atexit
+import enum
 import time
 import weakref
 from collections import deque
@@ -105,11 +106,37 @@ def check_supported(config: Any) -> None:
         problems.append(f"moe_latent_size={config.moe_latent_size} (need None)")
     if getattr(config, "moe_router_padding_for_quantization", False):
         problems.append("moe_router_padding_for_quantization=True (need False)")
+    graphs = _graphed_moe_preprocess(config)
+    if graphs:
+        problems.append(f"{graphs} (a graph replay skips MoELayer.preprocess, and with it the dispatcher's "
+                        "per-call state; need cuda_graph_impl='none', or cuda_graph_modules without 'moe', "
+                        "'moe_preprocess' and whole-layer capture, e.g. ['attn', 'moe_router'])")
     if problems:
         raise ValueError(
             "moe_token_dispatcher_type='railwave' does not support: " + "; ".join(problems)
             + ". Change these options or use the 'alltoall' dispatcher."
         )
+
+
+def _graphed_moe_preprocess(config: Any) -> str:
+    """The CUDA-graph settings under which Megatron captures the MoE preprocess (where the
+    dispatcher's ``dispatch_preprocess`` runs), as text; '' when it runs eagerly."""
+    impl = getattr(config, "cuda_graph_impl", "none") or "none"
+    if impl == "none" and (getattr(config, "enable_cuda_graph", False) or getattr(config, "external_cuda_graph", False)):
+        impl = "local" if getattr(config, "enable_cuda_graph", False) else "transformer_engine"
+    if impl == "none":
+        return ""
+    if impl == "full_iteration":
+        return "cuda_graph_impl='full_iteration'"
+    modules = getattr(config, "cuda_graph_modules", None)
+    if modules is None:
+        modules = getattr(config, "cuda_graph_scope", None)
+    if modules is None or isinstance(modules, (str, enum.Enum)):
+        modules = [] if modules in (None, "", "full") else [modules]
+    names = [str(getattr(m, "name", m)) for m in modules]
+    if not names or {"moe", "moe_preprocess", "full_iteration"} & set(names):
+        return f"cuda_graph_impl={impl!r} with cuda_graph_modules={names or 'whole layer'}"
+    return ""
 
 
 def _hidden_dtype(config: Any) -> torch.dtype:
