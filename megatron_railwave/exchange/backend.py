@@ -23,6 +23,7 @@ import torch.distributed as dist
 from megatron_railwave.planner import PlanOptions
 from megatron_railwave.topology import RailTopology
 from megatron_railwave.exchange.deepep_api import REAL_LIMITS, check_deepep_layout, deep_ep_importable, deepep_layout_problems, load_deep_ep
+from megatron_railwave.exchange.capacity import check_capacity, check_padding
 from megatron_railwave.exchange.groups import RankGroups
 from megatron_railwave.exchange.torch_dist import TorchDistExchange
 
@@ -74,6 +75,9 @@ def build_exchange(topo: RailTopology, groups: RankGroups, *, backend: BackendNa
     """
     common = dict(num_experts=num_experts, options=options, timeout_s=timeout_s)
     chunked = options is not None and options.chunks != 1
+    if max_tokens_per_rank is not None:
+        check_padding(capacity=check_capacity(max_tokens_per_rank), num_experts=num_experts, world_size=topo.world_size, topk=topk,
+                      hidden_size=hidden_size, element_bytes=torch.empty(0, dtype=hidden_dtype).element_size())
     if backend == "torch" or (backend == "auto" and (max_tokens_per_rank is not None or chunked)):
         return TorchDistExchange(topo, groups, max_tokens_per_rank=max_tokens_per_rank, **common)
     if backend == "deepep" and max_tokens_per_rank is not None:
