@@ -462,7 +462,7 @@ class RailWaveTokenDispatcher(MoETokenDispatcher):
             atexit.register(recorder.close)
         if recorder.should_capture(call.step):
             recorder.record(call.step, self.layer_number or 0, self._exchange.groups.railwave_rank,
-                            routing_map.cpu())
+                            routing_map)  # an asynchronous copy: no host sync on the dispatch path
 
     def _require_state(self, hook: str) -> _LayerState:
         if self._state is None:
