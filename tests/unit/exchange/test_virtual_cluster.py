@@ -346,3 +346,27 @@ def test_fixed_capacity_warns_once_with_the_numbers_above_the_stated_multiple():
         # E = 8, top-2: 4x, at the limit: no warning.
         build_exchange(topo, virtual_rank_groups(topo, 0), **{**kwargs, "num_experts": 8})
     assert PADDING_WARN_MULTIPLE == 4
+
+
+def test_cuda_sync_count_leaves_the_harness_out(monkeypatch):
+    # On CUDA the count is the sync debug mode's warnings. The harness's own blocking copies
+    # (the experts' host-to-device index maps) used to be counted with the exchange's. Faked on
+    # CPU: a fake debug mode, and the harness's experts warn like a synchronising call would.
+    import warnings
+
+    import megatron_railwave.lab.bench.virtual_exchange as vx
+
+    mode = {"now": 0}
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", lambda m: mode.__setitem__("now", m))
+    real_experts = vx._experts
+
+    def syncing_experts(*args, **kwargs):
+        if mode["now"] == "warn":
+            warnings.warn("called a synchronizing CUDA operation", UserWarning)
+        return real_experts(*args, **kwargs)
+
+    monkeypatch.setattr(vx, "_experts", syncing_experts)
+    spec, inputs = _inputs("3x3-bf16")
+    assert vx._count_cuda_syncs(spec, inputs, "joint") == 0  # the exchange itself: no warning on CPU
+    assert mode["now"] == 0  # the mode is restored
