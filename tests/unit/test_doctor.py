@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from megatron_railwave.cli import main
-from megatron_railwave.commands import doctor
+from megatron_railwave.lab.bench import environment
 
 
 def test_nics_from_a_sysfs_tree(tmp_path):
@@ -16,9 +16,9 @@ def test_nics_from_a_sysfs_tree(tmp_path):
     (port / "link_layer").write_text("InfiniBand\n")
     (tmp_path / "mlx5_0" / "device").mkdir()
     (tmp_path / "mlx5_0" / "device" / "numa_node").write_text("1\n")
-    assert doctor._nics(str(tmp_path)) == [{"device": "mlx5_0", "numa_node": "1", "ports": [
+    assert environment.read_nics(str(tmp_path)) == [{"device": "mlx5_0", "numa_node": "1", "ports": [
         {"port": "1", "state": "4: ACTIVE", "rate": "400 Gb/sec (4X NDR)", "link_layer": "InfiniBand"}]}]
-    assert doctor._nics(str(tmp_path / "absent")) == []
+    assert environment.read_nics(str(tmp_path / "absent")) == []
 
 
 def test_doctor_json_without_self_test(tmp_path, capsys):
@@ -38,5 +38,5 @@ def test_doctor_names_a_config_that_does_not_load(tmp_path, capsys):
 
 
 def test_doctor_self_test_passes_here():
-    st = doctor._self_test()
+    st = environment.self_test()
     assert st["ok"] is True and st["all_bitwise_equal"] is True and st["max_rel_error"] <= 1e-5
