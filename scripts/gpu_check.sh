@@ -32,7 +32,9 @@
 # Usage: make gpu-check (or OUT=... bash scripts/gpu_check.sh; PY=... picks the interpreter).
 # Test hooks (tests/unit/test_gpu_check_script.py): GPU_CHECK_ONLY=step,step runs only those
 # steps; GPU_CHECK_FAIL_STEP=step replaces that step's command by a failing one;
-# GPU_CHECK_REQUIRE_CUDA=0 goes on without a CUDA device.
+# GPU_CHECK_REQUIRE_CUDA=0 goes on without a CUDA device; GPU_CHECK_PREFLIGHT_S=seconds replaces
+# the preflight's 30 s and GPU_CHECK_LIMIT_SCALE=k multiplies the steps' limits (a loaded CPU
+# machine can take 30 s to import torch).
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out/gpu_check}
@@ -42,6 +44,8 @@ PY=${PY:-python3}
 ONLY=${GPU_CHECK_ONLY:-}
 FAIL_STEP=${GPU_CHECK_FAIL_STEP:-}
 REQUIRE_CUDA=${GPU_CHECK_REQUIRE_CUDA:-1}
+PREFLIGHT_S=${GPU_CHECK_PREFLIGHT_S:-30}
+LIMIT_SCALE=${GPU_CHECK_LIMIT_SCALE:-1}
 TOTAL_LIMIT_S=480
 # Everything printed goes to the terminal and to gpu_check.log; status stays in this shell (no
 # pipeline around the steps, so that a failure sets the exit status).
@@ -53,7 +57,7 @@ steps_tsv="$OUT/steps.tsv"
 # step NAME LIMIT_S COMMAND...: runs COMMAND under `timeout LIMIT_S`, logs to $OUT/NAME.log,
 # records PASS / FAIL and the seconds.
 step() {
-    local name=$1 limit=$2
+    local name=$1 limit=$(($2 * LIMIT_SCALE))
     shift 2
     if [ -n "$ONLY" ] && [[ ",$ONLY," != *",$name,"* ]]; then
         printf '%s\tSKIP\t0\t%s\tnot selected (GPU_CHECK_ONLY)\n' "$name" "$limit" >> "$steps_tsv"
@@ -91,10 +95,10 @@ PYEOF
 }
 
 # Preflight: one line that names what is missing. Without a CUDA device nothing else can run.
-echo "== preflight (limit 30 s)"
+echo "== preflight (limit $PREFLIGHT_S s)"
 start=$SECONDS
 pre_rc=0
-timeout 30 "$PY" - > "$OUT/preflight.log" 2>&1 <<'PYEOF' || pre_rc=$?
+timeout "$PREFLIGHT_S" "$PY" - > "$OUT/preflight.log" 2>&1 <<'PYEOF' || pre_rc=$?
 import importlib, importlib.util, os, shutil, sys, sysconfig
 missing, notes = [], []
 for mod in ("torch", "numpy", "yaml", "pytest"):
@@ -132,19 +136,19 @@ cat "$OUT/preflight.log"
 took=$((SECONDS - start))
 if [ "$pre_rc" -eq 2 ] && [ "$REQUIRE_CUDA" = "1" ]; then
     echo "gpu-check: no CUDA device on this machine: nothing was checked (exit 2)"
-    printf 'preflight\tFAIL\t%s\t30\tno CUDA device\n' "$took" >> "$steps_tsv"
+    printf 'preflight\tFAIL\t%s\t%s\tno CUDA device\n' "$took" "$PREFLIGHT_S" >> "$steps_tsv"
     status=2
     write_summary
     exit 2
 elif [ "$pre_rc" -eq 2 ]; then
-    printf 'preflight\tSKIP\t%s\t30\tno CUDA device (GPU_CHECK_REQUIRE_CUDA=0)\n' "$took" >> "$steps_tsv"
+    printf 'preflight\tSKIP\t%s\t%s\tno CUDA device (GPU_CHECK_REQUIRE_CUDA=0)\n' "$took" "$PREFLIGHT_S" >> "$steps_tsv"
 elif [ "$pre_rc" -ne 0 ]; then
     note="exit status $pre_rc"
-    if [ "$pre_rc" -eq 124 ]; then note="timed out after 30 s"; fi
-    printf 'preflight\tFAIL\t%s\t30\t%s\n' "$took" "$note" >> "$steps_tsv"
+    if [ "$pre_rc" -eq 124 ]; then note="timed out after $PREFLIGHT_S s"; fi
+    printf 'preflight\tFAIL\t%s\t%s\t%s\n' "$took" "$PREFLIGHT_S" "$note" >> "$steps_tsv"
     status=1
 else
-    printf 'preflight\tPASS\t%s\t30\t\n' "$took" >> "$steps_tsv"
+    printf 'preflight\tPASS\t%s\t%s\t\n' "$took" "$PREFLIGHT_S" >> "$steps_tsv"
 fi
 
 VIRTUAL=("$PY" -m megatron_railwave.cli simulate-exchange --cluster configs/clusters/h800_4x8.yaml --device cuda
