@@ -54,6 +54,10 @@ class RecordWireFormat:
     """dtype of the routing probabilities (and of their gradients)."""
     experts_per_node: int
     """E_node: probs and routing bits travel for the destination node's experts only."""
+    align_rows: bool = True
+    """Pad the dispatch row's metadata to a 16-byte row (see the module docstring). The exchange
+    always does; the network model's wire (``lab.netmodel.execute.model_wire``) does not, so its
+    fitted presets keep the row bytes they were fitted with (4 B of 8336 at GLM size)."""
 
     def __post_init__(self) -> None:
         if self.hidden < 0 or self.experts_per_node < 1:
@@ -65,6 +69,8 @@ class RecordWireFormat:
     def meta_words(self) -> int:
         """int32 words of metadata per dispatch row (routing words, then the 16-byte padding)."""
         words = META_FIXED_WORDS + -(-self.experts_per_node // ROUTING_BITS_PER_WORD)
+        if not self.align_rows:
+            return words
         before = row_bytes([(self.payload_dtype, (self.hidden,)), (self.probs_dtype, (self.experts_per_node,))])
         if before % 4:
             return words  # int32 words cannot align such a row
