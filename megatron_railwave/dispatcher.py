@@ -414,8 +414,9 @@ class RailWaveTokenDispatcher(MoETokenDispatcher):
         capacity = self.railwave.max_tokens_per_rank
         if capacity is not None:
             if self._capacity_rows is None:
-                self._capacity_rows = torch.full((self.num_local_experts,), self.ep_size * capacity,
-                                                 dtype=torch.int64)
+                with torch.inference_mode(False):  # a cache (see _to_railwave)
+                    self._capacity_rows = torch.full((self.num_local_experts,), self.ep_size * capacity,
+                                                     dtype=torch.int64)
             return hidden_states, self._capacity_rows, probs
         return hidden_states, state.dispatched.tokens_per_expert, probs
 

@@ -115,7 +115,10 @@ def _options_key(options: PlanOptions) -> tuple:
 def _lru_get(cache: OrderedDict, key: tuple, make):
     value = cache.get(key)
     if value is None:
-        value = make()
+        # Outside inference mode: a first call under torch.inference_mode() (an eval before
+        # training) would otherwise cache inference tensors, which training cannot save for backward.
+        with torch.inference_mode(False):
+            value = make()
         cache[key] = value
         if len(cache) > _CACHE_SIZE:
             cache.popitem(last=False)

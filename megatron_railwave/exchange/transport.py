@@ -368,8 +368,10 @@ class TorchDistTransport:
         """(member -> group rank, group rank -> member) index tensors, made once per device."""
         key = (order, device)
         if key not in self._orders:
-            to_group = torch.tensor(order, dtype=torch.int64, device=device)
-            from_group = torch.empty_like(to_group).index_copy_(0, to_group, torch.arange(len(order), device=device))
+            with torch.inference_mode(False):  # a cache: no inference tensors (see dispatcher._to_railwave)
+                to_group = torch.tensor(order, dtype=torch.int64, device=device)
+                from_group = torch.empty_like(to_group).index_copy_(0, to_group,
+                                                                    torch.arange(len(order), device=device))
             self._orders[key] = (to_group, from_group)
         return self._orders[key]
 

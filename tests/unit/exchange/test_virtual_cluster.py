@@ -370,3 +370,26 @@ def test_cuda_sync_count_leaves_the_harness_out(monkeypatch):
     spec, inputs = _inputs("3x3-bf16")
     assert vx._count_cuda_syncs(spec, inputs, "joint") == 0  # the exchange itself: no warning on CPU
     assert mode["now"] == 0  # the mode is restored
+
+
+def test_fixed_capacity_caches_built_in_inference_mode_serve_training():
+    # A first layer call under torch.inference_mode() (an eval before training) builds the
+    # capacity plan's cached index maps; they must not be inference tensors, or the training
+    # layer that reuses them fails to save them for backward.
+    from megatron_railwave.exchange import capacity
+
+    spec, inputs = _inputs("3x3-bf16")
+    fixed = _fixed(spec, inputs, slack=11)
+    capacity._LAYERS.clear()
+    capacity._SCHEDULES.clear()
+    with torch.inference_mode():
+        run_virtual_layer(fixed, inputs, "joint")
+    cached = list(capacity._LAYERS.values())
+    assert cached
+    for layer in cached:
+        for f in dataclasses.fields(layer.layout):
+            value = getattr(layer.layout, f.name)
+            if isinstance(value, torch.Tensor):
+                assert not value.is_inference(), f.name
+    hidden = [h.clone().requires_grad_(True) for h in inputs["hidden"]]
+    run_virtual_layer(fixed, {**inputs, "hidden": hidden}, "joint")  # training after eval: works
