@@ -140,9 +140,10 @@ simulate-exchange: $(STAMP)
 	$(VPY) -m megatron_railwave.cli simulate-exchange --cluster h800_4x8 --tokens 512 --hidden 256 \
 		--json out/simulate_exchange.json
 
-# The one prepared check for a lent GPU machine (see scripts/gpu_check.sh); needs no venv there.
+# The prepared device check (docs/ops.md, "The GPU check"): exit 0 all steps passed, 1 a step
+# failed, 2 no CUDA device. The venv's python where there is one (the device machine has none).
 gpu-check:
-	bash scripts/gpu_check.sh
+	PY=$(if $(wildcard $(VPY)),$(abspath $(VPY)),python3) bash scripts/gpu_check.sh
 
 # The paper's grid on the flow model: H800 and H20 x RING / MODERATE / EXTREME, every path (PERM and
 # JOINT also with 3 rail chunks per wave) and the peers (Megatron all-to-all, FAST-style BvN), payload

@@ -38,6 +38,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "megatron_railwave.commands.netmodel",
     "megatron_railwave.commands.workloads",
     "megatron_railwave.commands.ops_bench",
+    "megatron_railwave.commands.doctor",
 )
 """Modules that each register one subcommand, in the order ``--help`` lists them."""
 

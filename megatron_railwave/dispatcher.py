@@ -45,6 +45,7 @@ the selector ('auto') or a stats sink needs them.
 from __future__ import annotations
 
 import atexit
+import enum
 import time
 import weakref
 from collections import deque
@@ -107,11 +108,37 @@ def check_supported(config: Any) -> None:
         problems.append("moe_router_padding_for_quantization / moe_router_padding_for_fp8=True (need False: the "
                         "padding rounds every expert's rows up to the fp8/fp4 GEMM alignment and Megatron allows it "
                         "only with fp8/fp4 training, whose quantized payload RailWave does not carry)")
+    graphs = _graphed_moe_preprocess(config)
+    if graphs:
+        problems.append(f"{graphs} (a graph replay skips MoELayer.preprocess, and with it the dispatcher's "
+                        "per-call state; need cuda_graph_impl='none', or cuda_graph_modules without 'moe', "
+                        "'moe_preprocess' and whole-layer capture, e.g. ['attn', 'moe_router'])")
     if problems:
         raise ValueError(
             "moe_token_dispatcher_type='railwave' does not support: " + "; ".join(problems)
             + ". Change these options or use the 'alltoall' dispatcher."
         )
+
+
+def _graphed_moe_preprocess(config: Any) -> str:
+    """The CUDA-graph settings under which Megatron captures the MoE preprocess (where the
+    dispatcher's ``dispatch_preprocess`` runs), as text; '' when it runs eagerly."""
+    impl = getattr(config, "cuda_graph_impl", "none") or "none"
+    if impl == "none" and (getattr(config, "enable_cuda_graph", False) or getattr(config, "external_cuda_graph", False)):
+        impl = "local" if getattr(config, "enable_cuda_graph", False) else "transformer_engine"
+    if impl == "none":
+        return ""
+    if impl == "full_iteration":
+        return "cuda_graph_impl='full_iteration'"
+    modules = getattr(config, "cuda_graph_modules", None)
+    if modules is None:
+        modules = getattr(config, "cuda_graph_scope", None)
+    if modules is None or isinstance(modules, (str, enum.Enum)):
+        modules = [] if modules in (None, "", "full") else [modules]
+    names = [str(getattr(m, "name", m)) for m in modules]
+    if not names or {"moe", "moe_preprocess", "full_iteration"} & set(names):
+        return f"cuda_graph_impl={impl!r} with cuda_graph_modules={names or 'whole layer'}"
+    return ""
 
 
 def _hidden_dtype(config: Any) -> torch.dtype:
@@ -287,7 +314,11 @@ class RailWaveTokenDispatcher(MoETokenDispatcher):
             return routing_map, probs
         columns = self._columns.get(routing_map.device)
         if columns is None:
-            columns = self.placement.expert_columns(self.num_local_experts).to(routing_map.device)
+            # Outside inference mode: a cache made in a first call under torch.inference_mode() (an
+            # eval or RL rollout before training) would be an inference tensor, which every later
+            # training forward would save for backward ("Inference tensors cannot be saved").
+            with torch.inference_mode(False):
+                columns = self.placement.expert_columns(self.num_local_experts).to(routing_map.device)
             self._columns[routing_map.device] = columns
         # index_select's backward scatters the probs gradient back to Megatron's columns.
         return routing_map.index_select(1, columns), probs.index_select(1, columns)
@@ -403,8 +434,9 @@ class RailWaveTokenDispatcher(MoETokenDispatcher):
         capacity = self.railwave.max_tokens_per_rank
         if capacity is not None:
             if self._capacity_rows is None:
-                self._capacity_rows = torch.full((self.num_local_experts,), self.ep_size * capacity,
-                                                 dtype=torch.int64)
+                with torch.inference_mode(False):  # a cache (see _to_railwave)
+                    self._capacity_rows = torch.full((self.num_local_experts,), self.ep_size * capacity,
+                                                     dtype=torch.int64)
             return hidden_states, self._capacity_rows, probs
         return hidden_states, state.dispatched.tokens_per_expert, probs
 
@@ -461,7 +493,7 @@ class RailWaveTokenDispatcher(MoETokenDispatcher):
             atexit.register(recorder.close)
         if recorder.should_capture(call.step):
             recorder.record(call.step, self.layer_number or 0, self._exchange.groups.railwave_rank,
-                            routing_map.cpu())
+                            routing_map)  # an asynchronous copy: no host sync on the dispatch path
 
     def _require_state(self, hook: str) -> _LayerState:
         if self._state is None:

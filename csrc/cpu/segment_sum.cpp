@@ -86,14 +86,16 @@ at::Tensor segment_sum(const at::Tensor& values, const at::Tensor& segment_ids, 
   // Counting sort of the rows by segment (stable: rows ascending within a segment).
   const int64_t* ids = ids_c.const_data_ptr<int64_t>();
   std::vector<int64_t> start(static_cast<size_t>(num_segments) + 1, 0);
+  // Rows whose id is outside [0, S) are left out, as the CUDA kernel leaves them out: the exchange
+  // gives padding rows such an id, so that no segment walks the padding.
   for (int64_t i = 0; i < n; ++i) {
-    RW_CHECK(ids[i] >= 0 && ids[i] < num_segments, "segment_ids[", i, "] = ", ids[i], " is not in [0, ",
-             num_segments, ")");
-    ++start[ids[i] + 1];
+    if (ids[i] >= 0 && ids[i] < num_segments) ++start[ids[i] + 1];
   }
   for (int64_t s = 0; s < num_segments; ++s) start[s + 1] += start[s];
-  std::vector<int64_t> next(start.begin(), start.end() - 1), rows(static_cast<size_t>(n));
-  for (int64_t i = 0; i < n; ++i) rows[next[ids[i]]++] = i;
+  std::vector<int64_t> next(start.begin(), start.end() - 1), rows(static_cast<size_t>(start[num_segments]));
+  for (int64_t i = 0; i < n; ++i) {
+    if (ids[i] >= 0 && ids[i] < num_segments) rows[next[ids[i]]++] = i;
+  }
 
   const void* in = v.const_data_ptr();
   void* dst = out.data_ptr();

@@ -42,6 +42,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="rail chunks per wave for perm / joint (default 1: whole waves)")
     parser.add_argument("--max-error", type=float, default=None,
                         help="fail when a relative error exceeds this (default 1e-5 for fp32, 2e-2 for bf16)")
+    parser.add_argument("--max-memory-gib", type=float, default=None, metavar="GIB",
+                        help="refuse to start when the estimated peak device memory of this run "
+                             "(lab.bench.virtual_exchange.estimate_peak_bytes) exceeds GIB (default: no limit)")
     parser.add_argument("--json", default=None, metavar="FILE", help="write the report as JSON")
     parser.set_defaults(handler=run)
     _outputs.declare_outputs(parser, files=("json",))
@@ -53,7 +56,7 @@ def _megabytes(wire: dict[str, int]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from megatron_railwave.lab.bench.virtual_exchange import VirtualSpec, simulate_exchange
+    from megatron_railwave.lab.bench.virtual_exchange import VirtualSpec, estimate_peak_bytes, simulate_exchange
     from megatron_railwave.planner import PlanOptions
 
     topo = _common.cluster_from_args(args)
@@ -62,6 +65,10 @@ def run(args: argparse.Namespace) -> int:
                        topk=args.topk, dtype=args.dtype, device=args.device, seed=args.seed,
                        max_tokens_per_rank=capacity,
                        options=PlanOptions(chunks=args.chunks))  # a bad value raises ValueError: exit 2
+    estimate_gib = estimate_peak_bytes(spec) / 2**30
+    if args.max_memory_gib is not None and estimate_gib > args.max_memory_gib:
+        raise ValueError(f"the estimated peak memory of this run is {estimate_gib:.1f} GiB, over --max-memory-gib "
+                         f"{args.max_memory_gib:g}; lower --tokens, --hidden or --max-tokens-per-rank")
     report = simulate_exchange(spec)
     limit = args.max_error if args.max_error is not None else (1e-5 if args.dtype == "fp32" else 2e-2)
     rows = []
@@ -87,6 +94,9 @@ def run(args: argparse.Namespace) -> int:
     _render.print_table(
         f"virtual cluster {topo.name} ({topo.num_nodes}x{topo.gpus_per_node}), T={args.tokens} H={args.hidden} "
         f"E={args.experts} top-{args.topk} {args.dtype} on {args.device}{mode}", columns, rows)
+    peak = (f", measured peak {report['measured_peak_bytes'] / 2**30:.1f} GiB"
+            if "measured_peak_bytes" in report else "")
+    _render.print_text(f"estimated peak memory {estimate_gib:.1f} GiB{peak}")
     worst = max(max(e.values()) for e in report["max_rel_error"].values())
     report["max_error_limit"] = limit
     report["ok"] = report["all_bitwise_equal"] and worst <= limit

@@ -23,10 +23,11 @@ import torch.distributed as dist
 from megatron_railwave.planner import PlanOptions
 from megatron_railwave.topology import RailTopology
 from megatron_railwave.exchange.deepep_api import REAL_LIMITS, check_deepep_layout, deep_ep_importable, deepep_layout_problems, load_deep_ep
+from megatron_railwave.exchange.capacity import check_capacity, check_padding
 from megatron_railwave.exchange.groups import RankGroups
 from megatron_railwave.exchange.torch_dist import TorchDistExchange
 
-__all__ = ["build_exchange", "BackendName"]
+__all__ = ["build_exchange", "BackendName", "deepep_rank_order_problem"]
 
 BackendName = Literal["torch", "deepep", "auto"]
 _LOG = logging.getLogger("megatron_railwave.exchange")
@@ -44,6 +45,21 @@ def _ranks_failing(groups: RankGroups, ok: bool) -> list[int]:
     return [r for r, f in enumerate(flags.tolist()) if not f]
 
 
+def deepep_rank_order_problem(groups: RankGroups) -> str:
+    """Why DeepEP cannot serve this placement ('' when it can). DeepEP's Buffer numbers ranks in
+    its group's order (torch orders a group by global rank) and puts expert x on rank x // E_loc
+    and rank r on node r // G, while the exchange numbers experts and ranks in railwave order
+    (``exchange.placement``). When the two orders differ, tokens would go to the wrong ranks and
+    nodes; remapping the expert ids would not fix the node grouping, so such placements are
+    refused. Pure: the same answer on every rank (the placement is global)."""
+    order = groups.ep.group_ranks
+    if order is None or tuple(order) == tuple(range(len(order))):
+        return ""
+    return (f"the EP group's rank order is not node by node (railwave rank -> global rank "
+            f"{groups.placement.global_rank_of_railwave}; {groups.placement.describe()}), while DeepEP's Buffer "
+            "assumes group rank r sits on node r // G and owns experts r * E_loc ..")
+
+
 def build_exchange(topo: RailTopology, groups: RankGroups, *, backend: BackendName, num_experts: int, topk: int,
                    hidden_size: int, hidden_dtype: torch.dtype, deepep_buffer: Literal["real", "fake"] = "real",
                    deepep_num_sms: int = 20, options: PlanOptions | None = None,
@@ -59,6 +75,9 @@ def build_exchange(topo: RailTopology, groups: RankGroups, *, backend: BackendNa
     """
     common = dict(num_experts=num_experts, options=options, timeout_s=timeout_s)
     chunked = options is not None and options.chunks != 1
+    if max_tokens_per_rank is not None:
+        check_padding(capacity=check_capacity(max_tokens_per_rank), num_experts=num_experts, world_size=topo.world_size, topk=topk,
+                      hidden_size=hidden_size, element_bytes=torch.empty(0, dtype=hidden_dtype).element_size())
     if backend == "torch" or (backend == "auto" and (max_tokens_per_rank is not None or chunked)):
         return TorchDistExchange(topo, groups, max_tokens_per_rank=max_tokens_per_rank, **common)
     if backend == "deepep" and max_tokens_per_rank is not None:
@@ -69,6 +88,10 @@ def build_exchange(topo: RailTopology, groups: RankGroups, *, backend: BackendNa
                          "dispatches whole waves. Set backend: torch (or auto), or chunks: 1 for DeepEP")
     if backend not in ("deepep", "auto"):
         raise ValueError(f"backend={backend!r} must be 'torch', 'deepep' or 'auto'")
+    order_problem = deepep_rank_order_problem(groups)
+    if backend == "deepep" and order_problem:
+        raise ValueError(f"backend 'deepep': {order_problem}; launch ranks node by node (torchrun's order), or set "
+                         "backend: torch (or auto), which serves any placement")
     from megatron_railwave.exchange.deepep import DeepEPExchange
 
     limits = dict(hidden_size=hidden_size, hidden_dtype=hidden_dtype, topk=topk, num_experts=num_experts)
@@ -93,6 +116,8 @@ def build_exchange(topo: RailTopology, groups: RankGroups, *, backend: BackendNa
     on_gpu = groups.ep.handle is not None and dist.get_backend(groups.ep.handle) == "nccl"
     if not on_gpu:
         reason = "the EP group is not on NCCL (CPU job)"
+    elif order_problem:
+        reason = order_problem
     else:
         importable, why = deep_ep_importable()
         if not importable:

@@ -23,12 +23,20 @@ from C before any data is seen, so no split size has to come back to the host:
   ``[E_loc, W * C]`` flattened: expert e's entries are rows e * W * C + k, k < tokens_per_expert[e]
   (a DEVICE tensor), in (source rank, token) order, the same canonical order as the normal mode,
   so every reduction adds the same numbers in the same order: outputs and gradients equal the
-  normal mode's bit for bit. Padding rows are zero and are never read back.
+  normal mode's bit for bit. Padding rows are zero and are never read back; in every reduction
+  they carry an out-of-range segment id (copy n_copy, token T), which ``ops.segment_sum`` leaves
+  out, so no segment walks the padding.
+
+Cost: the experts see S = E_loc * W * C rows per rank whatever the routing, E / K times the
+rows a full batch (T = C) really has (16x for E = 128, top-8). ``check_padding`` warns once per
+process, with the numbers, where S exceeds ``PADDING_WARN_MULTIPLE`` times the expected rows:
+the mode is meant for small calls (decode-sized C), not training-size batches.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -42,7 +50,7 @@ from megatron_railwave.traffic import DemandCounts
 from megatron_railwave.exchange.layout import LayerLayout, build_layout
 
 __all__ = ["CapacityLayer", "capacity_demand", "capacity_plan", "capacity_layer", "slot_tokens", "expand_padded",
-           "PaddedEntries", "check_capacity"]
+           "PaddedEntries", "check_capacity", "check_padding", "PADDING_WARN_MULTIPLE"]
 
 _CACHE_SIZE = 512
 _SCHEDULES: OrderedDict[tuple, ExecutionSchedule] = OrderedDict()
@@ -57,6 +65,35 @@ def check_capacity(capacity: int | None) -> int | None:
         raise ValueError(f"max_tokens_per_rank={capacity!r} must be a positive integer (the most tokens one rank "
                          "dispatches per layer), or None for the normal mode")
     return capacity
+
+
+PADDING_WARN_MULTIPLE = 4
+"""``check_padding`` warns where the padded rows per rank exceed this many times the expected rows."""
+_PADDING_WARNED: set[tuple] = set()
+
+
+def check_padding(*, capacity: int, num_experts: int, world_size: int, topk: int, hidden_size: int,
+                  element_bytes: int) -> str:
+    """Warn once per process (and return the text; '' when under the limit) where fixed capacity
+    pads the experts' input beyond ``PADDING_WARN_MULTIPLE`` times the rows a full batch has.
+
+    Padded rows per rank: S = E_loc * W * C = E * C; expected rows at T = C tokens: C * K (each
+    token goes to K experts, spread over the W ranks' E_loc experts). Host arithmetic only.
+    """
+    padded, expected = num_experts * capacity, capacity * topk
+    if padded <= PADDING_WARN_MULTIPLE * expected:
+        return ""
+    text = (f"max_tokens_per_rank={capacity}: fixed-capacity mode gives every rank's experts {padded} rows "
+            f"(E_loc * W * C = {num_experts // world_size} * {world_size} * {capacity}) where a full batch has "
+            f"{expected} (C * top-{topk}): {padded / expected:g}x, over the {PADDING_WARN_MULTIPLE}x this mode is "
+            f"meant for; {padded * hidden_size * element_bytes / 2**30:.2f} GiB of expert input per layer and rank. "
+            "Fixed capacity is for small calls (decode-sized C); use the normal mode (max_tokens_per_rank: null) "
+            "for training-size batches")
+    key = (capacity, num_experts, world_size, topk, hidden_size, element_bytes)
+    if key not in _PADDING_WARNED:
+        _PADDING_WARNED.add(key)
+        warnings.warn(text, stacklevel=2)
+    return text
 
 
 def capacity_demand(topo: RailTopology, capacity: int, num_experts: int = 0) -> DemandCounts:
@@ -78,7 +115,10 @@ def _options_key(options: PlanOptions) -> tuple:
 def _lru_get(cache: OrderedDict, key: tuple, make):
     value = cache.get(key)
     if value is None:
-        value = make()
+        # Outside inference mode: a first call under torch.inference_mode() (an eval before
+        # training) would otherwise cache inference tensors, which training cannot save for backward.
+        with torch.inference_mode(False):
+            value = make()
         cache[key] = value
         if len(cache) > _CACHE_SIZE:
             cache.popitem(last=False)

@@ -14,7 +14,17 @@ the launcher numbers ranks node by node).
 creates its count group, then its node group, then its rail group (``new_group`` with
 ``use_local_synchronization=True``: only members take part, in the same order everywhere), and
 warms each up with one tiny all-reduce, so NCCL communicators exist before the first layer and no
-later point-to-point batch is the first call of its group. Each group gets ``timeout_s``.
+later point-to-point batch is the first call of its group. Each group gets ``timeout_s``: on
+NCCL that timeout (the watchdog's) is what bounds every wait of the exchange, whose waits are
+stream waits (``transport.TorchDistTransport._wait_work``).
+
+A default group bound to a device (``init_process_group(device_id=...)``, as Megatron does
+on recent versions) makes torch create every new NCCL group by ``ncclCommSplit`` of the world
+communicator: a collective of *all* world ranks, non-members included, which
+``use_local_synchronization=True`` never gets (only members call ``new_group``; ranks without
+a RailWave layer never call it at all): the job would hang. ``_unbound_default_group`` lifts the
+binding for the duration of our ``new_group`` calls, so that the groups' communicators are
+created among their members only (``ncclCommInitRank`` at the warm-up), and restores it.
 ``new_group`` numbers members by global rank; each ``GroupRef`` keeps the torch group rank of
 its members (``group_ranks``) where that differs from the railwave order.
 
@@ -24,8 +34,10 @@ did write a key into the job's store and wait briefly for the others.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -119,6 +131,22 @@ def virtual_rank_groups(topo: RailTopology, rank: int) -> RankGroups:
 _CACHE: dict[tuple, RankGroups] = {}
 
 
+@contextlib.contextmanager
+def _unbound_default_group() -> Iterator[None]:
+    """The default group without its bound device while the body runs (see module docstring):
+    ``new_group`` then creates member-only communicators, not a split of the world's."""
+    default = dist.distributed_c10d._get_default_group()
+    bound = getattr(default, "bound_device_id", None)
+    if bound is None:
+        yield
+        return
+    default.bound_device_id = None
+    try:
+        yield
+    finally:
+        default.bound_device_id = bound
+
+
 def build_rail_groups(ep_group: dist.ProcessGroup | None, topo: RailTopology, *,
                       timeout_s: float | None = None, placement: Placement | None = None) -> RankGroups:
     """Create and warm up (once per EP membership, placement, G and timeout) this rank's groups.
@@ -150,13 +178,14 @@ def build_rail_groups(ep_group: dist.ProcessGroup | None, topo: RailTopology, *,
     timeout = datetime.timedelta(seconds=timeout_s) if timeout_s else None
     backend = dist.get_backend(ep_group)
     handles, orders = [], []
-    for members in (range(len(global_of_rw)), node_ranks, rail_ranks):
-        ranks = [global_of_rw[r] for r in members]
-        handle = dist.new_group(ranks, timeout=timeout, use_local_synchronization=True)
-        in_group = list(dist.get_process_group_ranks(handle))  # torch's member order (by global rank)
-        order = tuple(in_group.index(r) for r in ranks)
-        handles.append(handle)
-        orders.append(None if order == tuple(range(len(order))) else order)
+    with _unbound_default_group():
+        for members in (range(len(global_of_rw)), node_ranks, rail_ranks):
+            ranks = [global_of_rw[r] for r in members]
+            handle = dist.new_group(ranks, timeout=timeout, use_local_synchronization=True)
+            in_group = list(dist.get_process_group_ranks(handle))  # torch's member order (by global rank)
+            order = tuple(in_group.index(r) for r in ranks)
+            handles.append(handle)
+            orders.append(None if order == tuple(range(len(order))) else order)
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
     for handle in handles:
         probe = torch.ones(1, device=device)

@@ -393,9 +393,10 @@ def dispatch_backward(ctx: RankContext, handle: LayerHandle, entries: EntryIndex
                       g_probs: torch.Tensor) -> Program:
     """Program: gradients of dispatch. Returns (g_hidden [T, H], g_probs [T, E])."""
     layout, wire, n = handle.layout, handle.wire, ctx.topo.num_nodes
-    n_copy, trash = layout.num_copies, _trash(handle)  # fixed capacity: padding rows sum into a dropped row
-    g_payload_C = ops.segment_sum(g_tokens, entries.copy_of_entry, n_copy + trash, out_dtype=wire.payload_dtype,
-                                  max_segment_len=ctx.experts_per_rank)[:n_copy]
+    n_copy, trash = layout.num_copies, _trash(handle)  # fixed capacity: padding probs go to a dropped row
+    # Fixed capacity: padding entries carry copy n_copy, out of range, so segment_sum leaves them out.
+    g_payload_C = ops.segment_sum(g_tokens, entries.copy_of_entry, n_copy, out_dtype=wire.payload_dtype,
+                                  max_segment_len=ctx.experts_per_rank)
     g_probs_C = torch.zeros((n_copy + trash, ctx.experts_per_node), dtype=wire.probs_dtype, device=g_tokens.device)
     g_probs_C.index_put_((entries.copy_of_entry, _probs_column(ctx, entries)), g_probs.to(wire.probs_dtype))
     rows = ops.pack_rows([g_payload_C, g_probs_C[:n_copy]], [None, None])
@@ -405,8 +406,8 @@ def dispatch_backward(ctx: RankContext, handle: LayerHandle, entries: EntryIndex
     g_payload_R, g_probs_R = ops.unpack_rows(back, wire.dispatch_grad_specs(), row_index=layout.owner_order,
                                              num_rows=n_rec)
     t = handle.num_tokens
-    g_hidden = ops.segment_sum(g_payload_R, layout.token_R, t + trash, out_dtype=wire.payload_dtype,
-                               max_segment_len=n)[:t]
+    g_hidden = ops.segment_sum(g_payload_R, layout.token_R, t, out_dtype=wire.payload_dtype,
+                               max_segment_len=n)  # padding slots (token T) are out of range: left out
     g_probs_full = torch.zeros(((t + trash) * n, ctx.experts_per_node), dtype=wire.probs_dtype,
                                device=g_tokens.device)
     g_probs_full.index_copy_(0, layout.token_R * n + layout.node_R, g_probs_R)
@@ -422,14 +423,14 @@ def combine_forward(ctx: RankContext, handle: LayerHandle, entries: EntryIndex, 
     if expert_out.shape[0] != handle.num_entries:
         raise ValueError(f"combine: expert output has {expert_out.shape[0]} rows, dispatch returned "
                          f"{handle.num_entries}")
-    n_copy, trash, t = layout.num_copies, _trash(handle), handle.num_tokens
-    y_C = ops.segment_sum(expert_out, entries.copy_of_entry, n_copy + trash,
-                          max_segment_len=ctx.experts_per_rank)[:n_copy]
+    n_copy, t = layout.num_copies, handle.num_tokens
+    # Padding (fixed capacity: copy n_copy, token T) is out of range: segment_sum leaves it out.
+    y_C = ops.segment_sum(expert_out, entries.copy_of_entry, n_copy, max_segment_len=ctx.experts_per_rank)
     back = yield from backward_moves(as_row_bytes(y_C), wire.combine_specs(), layout=layout,
                                      view=handle.view, schedule=handle.schedule, groups=ctx.groups)
     (y_R,) = ops.unpack_rows(back, wire.combine_specs(), row_index=layout.owner_order,
                              num_rows=handle.view.num_records)
-    return ops.segment_sum(y_R, layout.token_R, t + trash, max_segment_len=ctx.topo.num_nodes)[:t]
+    return ops.segment_sum(y_R, layout.token_R, t, max_segment_len=ctx.topo.num_nodes)
 
 
 def combine_backward(ctx: RankContext, handle: LayerHandle, entries: EntryIndex, g_out: torch.Tensor) -> Program:

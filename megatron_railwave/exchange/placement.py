@@ -16,6 +16,10 @@ RailWave configuration) in ONE all-gather over the EP group, and every rank buil
   raises one ``PlacementError`` on every rank, naming the layout and the fix;
 * CPU emulation (gloo on one machine): a host whose EP ranks are all on CPU and number a multiple
   k > 1 of the configured G is split into k emulated nodes of G ranks, by launcher local rank.
+* several launcher agents on one host (``torchrun --nnodes 2`` on localhost, a common way to try
+  multi-node): local ranks (and, on CPU, devices) repeat on one host name. When they repeat and
+  every rank of the host reports torchrun's node rank (``GROUP_RANK``), the host is split by node
+  rank first, so that each agent's ranks form their own node(s).
 
 Megatron places expert x on EP rank x // E_loc. When the railwave order differs from the EP order
 (``Placement.identity`` is False), the routing map and probs columns are permuted into railwave
@@ -70,6 +74,7 @@ class RankFacts:
         local_rank: the launcher's ``LOCAL_RANK`` (-1 when unset).
         gpu: physical GPU index (``CUDA_VISIBLE_DEVICES`` resolved), -1 on CPU.
         fingerprint: one 63-bit hash per configuration field (``fields`` order).
+        group_rank: the launcher's node rank (torchrun's ``GROUP_RANK``; -1 when unset).
     """
 
     ep_rank: int
@@ -79,6 +84,7 @@ class RankFacts:
     local_rank: int
     gpu: int
     fingerprint: tuple[int, ...]
+    group_rank: int = -1
 
     @property
     def device_index(self) -> int:
@@ -103,7 +109,7 @@ def local_facts(*, ep_rank: int, global_rank: int, device: torch.device,
     host = os.environ.get(HOST_ENV) or socket.gethostname()
     return RankFacts(ep_rank=ep_rank, global_rank=global_rank, host=host[:_HOST_CHARS], host_id=_hash63(host),
                      local_rank=int(os.environ.get("LOCAL_RANK", -1)), gpu=_physical_gpu(device),
-                     fingerprint=tuple(fingerprint))
+                     fingerprint=tuple(fingerprint), group_rank=int(os.environ.get("GROUP_RANK", -1)))
 
 
 def fingerprint_hashes(fields: Mapping[str, str]) -> tuple[int, ...]:
@@ -113,16 +119,16 @@ def fingerprint_hashes(fields: Mapping[str, str]) -> tuple[int, ...]:
 
 def _encode(facts: RankFacts) -> torch.Tensor:
     host = list(facts.host.encode()[:_HOST_CHARS])
-    row = [facts.global_rank, facts.local_rank, facts.gpu, facts.host_id, len(host)]
+    row = [facts.global_rank, facts.local_rank, facts.gpu, facts.host_id, facts.group_rank, len(host)]
     row += host + [0] * (_HOST_CHARS - len(host)) + list(facts.fingerprint)
     return torch.tensor(row, dtype=torch.int64)
 
 
 def _decode(ep_rank: int, row: list[int]) -> RankFacts:
-    n = row[4]
-    host = bytes(row[5:5 + n]).decode(errors="replace")
+    n = row[5]
+    host = bytes(row[6:6 + n]).decode(errors="replace")
     return RankFacts(ep_rank=ep_rank, global_rank=row[0], local_rank=row[1], gpu=row[2], host_id=row[3], host=host,
-                     fingerprint=tuple(row[5 + _HOST_CHARS:]))
+                     group_rank=row[4], fingerprint=tuple(row[6 + _HOST_CHARS:]))
 
 
 def gather_rank_facts(ep_group: Any, fields: Mapping[str, str]) -> list[RankFacts]:
@@ -242,10 +248,12 @@ def _nodes(facts: Sequence[RankFacts], gpus_per_node: int | None) -> tuple[list[
     hosts: dict[int, list[RankFacts]] = {}
     for f in facts:  # hosts in order of their first EP rank
         hosts.setdefault(f.host_id, []).append(f)
-    nodes, names, emulated = [], [], False
+    agents: list[tuple[str, list[RankFacts]]] = []
     for members in hosts.values():
+        agents += _split_by_agent(members)
+    nodes, names, emulated = [], [], False
+    for host, members in agents:
         members = sorted(members, key=lambda f: (f.device_index, f.ep_rank))
-        host = members[0].host
         k, rest = divmod(len(members), gpus_per_node) if gpus_per_node else (1, 0)
         if k > 1 and rest == 0 and all(f.gpu < 0 for f in members):
             # CPU emulation: G consecutive local ranks of this machine form one node.
@@ -257,6 +265,23 @@ def _nodes(facts: Sequence[RankFacts], gpus_per_node: int | None) -> tuple[list[
             nodes.append(members)
             names.append(host)
     return nodes, names, emulated
+
+
+def _split_by_agent(members: list[RankFacts]) -> list[tuple[str, list[RankFacts]]]:
+    """One host's EP ranks as (name, ranks) per launcher agent: split by torchrun's node rank
+    (``GROUP_RANK``) when device indices repeat on the host and every rank reports a node rank
+    (several agents on one host); else the host as it is."""
+    host = members[0].host
+    devices = [f.device_index for f in members]
+    repeats = len(set(devices)) != len(devices)
+    if not repeats or any(f.group_rank < 0 for f in members):
+        return [(host, members)]
+    agents: dict[int, list[RankFacts]] = {}
+    for f in members:  # agents in order of their first EP rank
+        agents.setdefault(f.group_rank, []).append(f)
+    if len(agents) == 1:
+        return [(host, members)]
+    return [(f"{host}/node{rank}", ranks) for rank, ranks in agents.items()]
 
 
 def place_ranks(facts: Sequence[RankFacts], *, gpus_per_node: int | None = None,

@@ -11,7 +11,9 @@ requests and get the results sent back. A driver connects a program to a transpo
 Requests:
     ``Post(tag, group, sends, recvs)``: post the sends and receives of one phase (contiguous
         per-peer buffers; non-blocking); the answer is a ticket.
-    ``Wait(ticket)``: block until the phase's buffers are complete (receives written in place).
+    ``Wait(ticket)``: the phase's buffers are complete for all work that follows (receives
+        written in place): gloo waits on the host; NCCL makes the current stream wait, no host
+        sync (``TorchDistTransport._wait_work``).
     ``Collective(kind, group, send, recv)``: a blocking all-gather or all-to-all.
 Peers are group ranks. A program never posts to itself: it copies its own chunk.
 """
@@ -153,7 +155,12 @@ class TorchDistTransport:
         rank: this rank's railwave rank.
         ep_rank_of: Megatron EP rank of each railwave rank, for messages (None: the same).
         timeout_s: limit of every wait (None: the process groups' own timeouts). The groups
-            are created with the same timeout, so collectives are bounded too.
+            are created with the same timeout (``groups.build_rail_groups``). How a wait is
+            bounded depends on the group's backend (``_wait_work``): gloo waits on the host,
+            polling up to ``timeout_s`` and raising ``ExchangeTimeoutError``; NCCL waits on the
+            stream (``Work.wait()``: no host sync) and the group's own timeout, enforced by
+            NCCL's watchdog, bounds it (the watchdog aborts the communicator: torch's error,
+            not ours).
         survey: on a failure, ``survey(stage, group)`` returns the group's members that did not
             report reaching the stage (``groups.survey_unresponsive``); None names no one.
         explain: on a failure, ``explain()`` returns text naming what peers reported about the
@@ -175,9 +182,9 @@ class TorchDistTransport:
     A rail failing without being listed raises ``ExchangeTimeoutError`` after ``timeout_s`` in
     both forms (the 2 x 2 testbed fault test)."""
     device_waits: bool = False
-    """Wait for phases without a timeout argument (``exchange.pending`` sets it while it drives a
-    program on a CUDA communication stream): NCCL's ``Work.wait(timeout)`` blocks the host until
-    the work completes, ``Work.wait()`` only makes the current stream wait. The phases are then
+    """Wait for phases without a timeout argument on every backend (``exchange.pending`` sets it
+    while it drives a program on a CUDA communication stream). NCCL never gets a timed wait
+    (``_wait_work``); this also drops gloo's host-polling wait there. The phases are then
     bounded by the groups' own timeout (the same ``timeout_s``, enforced by NCCL's watchdog), not
     by an ``ExchangeTimeoutError`` naming the stage."""
     _orders: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict, repr=False)
@@ -220,6 +227,24 @@ class TorchDistTransport:
             raise self._error(req.stage, group, peers, started, exc) from exc
         return _Ticket(post=req, works=works, peers=peers, started=started)
 
+    def _is_gloo(self, group: GroupRef) -> bool:
+        """Whether ``group``'s backend is gloo (cached per process group)."""
+        key = id(group.handle)
+        if key not in self._backend_is_gloo:
+            self._backend_is_gloo[key] = dist.get_backend(group.handle) == "gloo"
+        return self._backend_is_gloo[key]
+
+    def _wait_work(self, work: Any, group: GroupRef) -> Any:
+        """Wait for one ``Work``. gloo: on the host, up to ``timeout_s`` (False or an exception
+        when it runs out). Any other backend (NCCL): ``work.wait()`` without a timeout, which
+        makes the current stream wait for the communication and returns at once: on torch >= 2.4
+        ``wait(timeout)`` on NCCL polls on the host until the work completes (a host sync per
+        phase) and on timeout aborts the communicator. The process group's own timeout bounds
+        the NCCL work instead (the groups are created with ``timeout_s``)."""
+        if self.timeout_s and not self.device_waits and self._is_gloo(group):
+            return work.wait(datetime.timedelta(seconds=self.timeout_s))
+        return work.wait()
+
     def _flat_collectives(self, group: GroupRef) -> bool:
         """Whether phases with ``FlatBlocks`` run as one all-to-all on ``group``: on gloo, where
         one alltoallv costs about what one point-to-point message does and a phase would
@@ -228,10 +253,7 @@ class TorchDistTransport:
         backend), as a collective requires."""
         if not self.flat_collectives or group.handle is None:
             return False
-        key = id(group.handle)
-        if key not in self._backend_is_gloo:
-            self._backend_is_gloo[key] = dist.get_backend(group.handle) == "gloo"
-        return self._backend_is_gloo[key]
+        return self._is_gloo(group)
 
     def _count_flat(self, req: Post) -> None:
         """Bytes of a flat phase, like the point-to-point form: all blocks but the own one."""
@@ -323,10 +345,9 @@ class TorchDistTransport:
             self._start_held(ticket)
         if ticket.joined is not None:
             ticket = ticket.joined
-        timeout = datetime.timedelta(seconds=self.timeout_s) if self.timeout_s and not self.device_waits else None
         for work in ticket.works:
             try:
-                done = work.wait(timeout) if timeout is not None else work.wait()
+                done = self._wait_work(work, ticket.post.group)
             except Exception as exc:  # noqa: BLE001 - any failure of a wait names the stage
                 raise self._error(ticket.post.stage, ticket.post.group, ticket.peers, ticket.started, exc) from exc
             if done is False:
@@ -350,8 +371,7 @@ class TorchDistTransport:
                 work = dist.all_gather_into_tensor(recv, send, group=req.group.handle, async_op=True)
             else:
                 work = dist.all_to_all_single(recv, send, group=req.group.handle, async_op=True)
-            timeout = datetime.timedelta(seconds=self.timeout_s) if self.timeout_s else None
-            done = work.wait(timeout) if timeout is not None else work.wait()
+            done = self._wait_work(work, req.group)
         except Exception as exc:  # noqa: BLE001
             raise self._error(req.stage, req.group, list(range(len(req.group.ranks))), started, exc) from exc
         if done is False:
@@ -364,8 +384,10 @@ class TorchDistTransport:
         """(member -> group rank, group rank -> member) index tensors, made once per device."""
         key = (order, device)
         if key not in self._orders:
-            to_group = torch.tensor(order, dtype=torch.int64, device=device)
-            from_group = torch.empty_like(to_group).index_copy_(0, to_group, torch.arange(len(order), device=device))
+            with torch.inference_mode(False):  # a cache: no inference tensors (see dispatcher._to_railwave)
+                to_group = torch.tensor(order, dtype=torch.int64, device=device)
+                from_group = torch.empty_like(to_group).index_copy_(0, to_group,
+                                                                    torch.arange(len(order), device=device))
             self._orders[key] = (to_group, from_group)
         return self._orders[key]
 

@@ -144,7 +144,8 @@ def segment_sum(
 
     Args:
         values: [n, *shape] float32, float64, bfloat16 or float16.
-        segment_ids: [n] int64 in [0, S) (checked on CPU; on CUDA rows outside are left out).
+        segment_ids: [n] int64; rows with an id outside [0, S) are left out (CPU, CUDA and the
+            reference alike; their gradient is zero): fixed-capacity padding uses that.
         num_segments: S.
         out_dtype: result dtype (default: ``values.dtype``).
         max_segment_len: only the reference's non-CPU path uses it (see there).
@@ -164,7 +165,9 @@ def records_per_node_rail(
     node_R: torch.Tensor, egress_R: torch.Tensor, rail_of_gpu_G: torch.Tensor, num_nodes: int, num_rails: int
 ) -> torch.Tensor:
     """[N, R] int64: records per (destination node, egress rail); padding (node -1) not counted.
-    See ``reference.records_per_node_rail``. Host sync: no."""
+    A record with an out-of-range node, egress or rail is not counted either, on CPU and CUDA
+    alike (the CUDA kernel cannot raise without a host sync): the counts then sum to fewer than
+    the records. See ``reference.records_per_node_rail``. Host sync: no."""
     if compiled_for(node_R.device):
         return torch.ops.railwave.records_per_node_rail(node_R, egress_R, rail_of_gpu_G, num_nodes, num_rails)
     return reference.records_per_node_rail(node_R, egress_R, rail_of_gpu_G, num_nodes, num_rails)

@@ -175,9 +175,14 @@ def _register_python_parts() -> None:
     def _segment_sum_backward(ctx, grad_S):
         # d out[s] / d values[i] = 1 where segment_ids[i] == s: a gather of the gradient, through the
         # accumulation dtype, as autograd gives for the reference (to(acc) -> index_add_ -> to(out)).
+        # Rows the forward left out (id outside [0, S): fixed-capacity padding) get a zero gradient
+        # from an appended zero row: index_select on such an id is a device assert on CUDA.
         (segment_ids,) = ctx.saved_tensors
         acc = torch.float64 if ctx.values_dtype == torch.float64 else torch.float32
-        grad_values = grad_S.to(acc).index_select(0, segment_ids).to(ctx.values_dtype)
+        num_segments = grad_S.shape[0]
+        grad_ext = torch.cat([grad_S.to(acc), grad_S.new_zeros((1, *grad_S.shape[1:]), dtype=acc)])
+        ids = torch.where((segment_ids >= 0) & (segment_ids < num_segments), segment_ids, num_segments)
+        grad_values = grad_ext.index_select(0, ids).to(ctx.values_dtype)
         return grad_values, None, None, None
 
     torch.library.register_autograd(lib + "segment_sum", _segment_sum_backward, setup_context=_segment_sum_setup)

@@ -227,7 +227,8 @@ def segment_sum(
 
     Args:
         values: [n, *shape] floating point.
-        segment_ids: [n] int64 in [0, num_segments).
+        segment_ids: [n] int64; rows with an id outside [0, num_segments) are left out (the
+            exchange marks padding rows so), the same in the compiled ops on CPU and CUDA.
         num_segments: S.
         out_dtype: result dtype (default: ``values.dtype``).
         max_segment_len: an upper bound on the rows of one segment (host int). Off the CPU the
@@ -238,14 +239,16 @@ def segment_sum(
     """
     out_dtype = out_dtype or values.dtype
     acc_dtype = _accumulation_dtype(values.dtype)
-    acc = torch.zeros((num_segments, *values.shape[1:]), dtype=acc_dtype, device=values.device)
+    # One extra segment takes the rows whose id is out of range; it is dropped at the end.
+    acc = torch.zeros((num_segments + 1, *values.shape[1:]), dtype=acc_dtype, device=values.device)
     if values.shape[0] == 0:
-        return acc.to(out_dtype)
+        return acc[:num_segments].to(out_dtype)
+    ids = torch.where((segment_ids >= 0) & (segment_ids < num_segments), segment_ids, num_segments)
     v = values.to(acc_dtype)
     if values.device.type == "cpu":
         # CPU index_add_ walks the index in order, one addition per row: the fixed order.
-        return acc.index_add_(0, segment_ids, v).to(out_dtype)
-    return _segment_sum_stepwise(acc, v, segment_ids, max_segment_len).to(out_dtype)
+        return acc.index_add_(0, ids, v)[:num_segments].to(out_dtype)
+    return _segment_sum_stepwise(acc, v, ids, max_segment_len)[:num_segments].to(out_dtype)
 
 
 def _segment_sum_stepwise(acc: torch.Tensor, v: torch.Tensor, segment_ids: torch.Tensor,
@@ -277,11 +280,17 @@ def records_per_node_rail(
 
     Args:
         node_R: [n] int64 destination nodes; -1 (padding past the last record) is not counted.
-        egress_R: [n] int64 egress GPUs.
+        egress_R: [n] int64 egress GPUs. A record whose node, egress GPU or rail is out of range
+            (e.g. RailBalance bounds that do not come from one plan) is not counted either, on
+            every device: the counts then sum to fewer than the records.
         rail_of_gpu_G: [G] int64 rail of each local GPU (same device).
     """
-    valid_R = node_R >= 0
-    # Padding goes to one extra bin that is dropped (no boolean indexing: no host sync).
-    key = torch.where(valid_R, node_R * num_rails + rail_of_gpu_G[egress_R.clamp(min=0)], num_nodes * num_rails)
+    g = rail_of_gpu_G.numel()
+    valid_R = (node_R >= 0) & (node_R < num_nodes) & (egress_R >= 0) & (egress_R < g)
+    rail_R = rail_of_gpu_G[egress_R.clamp(min=0, max=max(g - 1, 0))]
+    valid_R &= (rail_R >= 0) & (rail_R < num_rails)
+    # Padding and out-of-range records go to one extra bin that is dropped (no boolean indexing:
+    # no host sync); the compiled ops leave them out too, on CPU and CUDA alike.
+    key = torch.where(valid_R, node_R * num_rails + rail_R, num_nodes * num_rails)
     out = torch.zeros(num_nodes * num_rails + 1, dtype=torch.int64, device=node_R.device)
     return out.scatter_add_(0, key, torch.ones_like(key))[:-1].view(num_nodes, num_rails)

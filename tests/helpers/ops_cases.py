@@ -27,6 +27,19 @@ def random_routing_map(num_tokens: int, num_experts: int, topk: int, generator: 
     return routing
 
 
+def egress_inputs(plan, rank: int) -> dict[str, object]:
+    """assign_egress's keyword arguments for ``rank`` from a real plan (what the exchange and
+    ops-bench pass): RailBalance bounds that agree with each other, on the CPU."""
+    from megatron_railwave.planner.railbalance import surplus_deficit_bounds
+
+    topo = plan.topology
+    s, g = topo.node_of(rank), topo.local_of(rank)
+    keep, s_lo, _, _, d_hi = surplus_deficit_bounds(plan.records_NNG[s], plan.quota_NNG[s])
+    return dict(owner_gpu=g, counts_N=plan.records_NNG[s, :, g].contiguous(), keep_N=keep[:, g].contiguous(),
+                surplus_lo_N=s_lo[:, g].contiguous(), deficit_hi_NG=d_hi.contiguous(),
+                wave_N=plan.pair_wave_NN[s].contiguous())
+
+
 def random_failed_topology(rng, num_nodes: int, gpus: int, failed: int):
     """A ``RailTopology`` with up to ``failed`` random failed rails (every node keeps a healthy
     one), or None when two nodes are left without a common healthy rail (the topology rejects it).

@@ -54,8 +54,9 @@ EXPECTED_FLAGS = {
     "workloads": [],
     "simulate-exchange": [
         "--cluster", "--nodes", "--failed-rail", "--tokens", "--hidden", "--experts", "--topk", "--dtype",
-        "--device", "--seed", "--max-tokens-per-rank", "--chunks", "--max-error", "--json",
+        "--device", "--seed", "--max-tokens-per-rank", "--chunks", "--max-error", "--max-memory-gib", "--json",
     ],
+    "doctor": ["--config", "--no-self-test", "--json"],
     "bench": [
         "--cluster", "--nodes", "--failed-rail", "--backend", "--model", "--alpha", "--workload", "--pattern", "--layers",
         "--steps", "--tokens", "--payload-scale", "--seed", "--paths", "--fanin", "--chunks", "--peers", "--plan-repeats", "--json", "--plot",

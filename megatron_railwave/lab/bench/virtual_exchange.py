@@ -30,9 +30,12 @@ can only come from the exchange (checked: the tests compare them bitwise).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 import warnings
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,11 +49,16 @@ from megatron_railwave.topology import RailTopology
 from megatron_railwave.lab.bench.sync_audit import SyncAudit
 
 __all__ = ["VirtualSpec", "make_virtual_inputs", "run_virtual_layer", "simulate_exchange", "dense_reference",
-           "EXPERT_BLOCK_ROWS"]
+           "EXPERT_BLOCK_ROWS", "EXPERT_CHUNK_BLOCKS", "estimate_peak_bytes"]
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 EXPERT_BLOCK_ROWS = 32
 """Rows of every expert GEMM of the harness (see module docstring)."""
+EXPERT_CHUNK_BLOCKS = 16
+"""Blocks per batched GEMM of the harness: every call is [16, B, H] x [16, H, H] (the last chunk
+padded with zero blocks), so the gathered expert maps take 16 * H * H elements at a time instead
+of one [H, H] map per block ([4096, 4096, 4096] bf16 = 128 GiB for fixed capacity C = 1024 at
+GLM size on 4 x 8), and every block sees the same GEMM shape in both modes."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -155,22 +163,41 @@ def _experts(tokens: torch.Tensor, probs: torch.Tensor, spans: list[tuple[int, i
     def scatter(out: torch.Tensor, blocked: torch.Tensor) -> torch.Tensor:
         return out.index_copy_(0, rows.index_select(0, positions), blocked.index_select(0, positions))
 
-    a = maps.index_select(0, experts)  # [n_blk, H, H]
     x, p = blocks(tokens).view(-1, b, h), blocks(probs).view(-1, b)
-    xa = torch.bmm(x, a)
+    xa = _expert_bmm(x, experts, maps, transpose=False)
     y = scatter(torch.zeros_like(tokens), (xa * p.to(x.dtype).unsqueeze(2)).view(-1, h))
     if g_y is None:
         return y, None, None
     gy = blocks(g_y).view(-1, b, h)
-    g_tok = scatter(torch.zeros_like(tokens), torch.bmm(gy * p.to(gy.dtype).unsqueeze(2), a.transpose(1, 2)).view(-1, h))
+    g_tok = scatter(torch.zeros_like(tokens),
+                    _expert_bmm(gy * p.to(gy.dtype).unsqueeze(2), experts, maps, transpose=True).view(-1, h))
     g_p = scatter(torch.zeros_like(probs), (gy.float() * xa.float()).sum(dim=2).to(probs.dtype).view(-1))
     return y, g_tok, g_p
 
 
+def _expert_bmm(x_blk: torch.Tensor, experts: torch.Tensor, maps: torch.Tensor, *, transpose: bool) -> torch.Tensor:
+    """[n_blk, B, H] blocks times their expert's map (transposed for the backward), in chunks of
+    ``EXPERT_CHUNK_BLOCKS`` blocks: one [CH, B, H] x [CH, H, H] batched GEMM per chunk."""
+    ch, n_blk = EXPERT_CHUNK_BLOCKS, x_blk.shape[0]
+    pad = -n_blk % ch
+    if pad:
+        x_blk = torch.cat([x_blk, x_blk.new_zeros((pad, *x_blk.shape[1:]))])
+        experts = torch.cat([experts, experts.new_zeros(pad)])
+    out = torch.empty_like(x_blk)
+    for i in range(0, x_blk.shape[0], ch):
+        a = maps.index_select(0, experts[i:i + ch])
+        torch.bmm(x_blk[i:i + ch], a.transpose(1, 2) if transpose else a, out=out[i:i + ch])
+    return out[:n_blk]
+
+
 def run_virtual_layer(spec: VirtualSpec, inputs: dict[str, Any], path: str | Path, *,
-                      cluster: VirtualCluster | None = None, phase: int = 0) -> dict[str, list[torch.Tensor]]:
+                      cluster: VirtualCluster | None = None, phase: int = 0,
+                      harness: Callable[[], AbstractContextManager] = contextlib.nullcontext,
+                      ) -> dict[str, list[torch.Tensor]]:
     """One layer forward + backward on every rank, through the rank programs
-    (fixed-capacity mode when ``spec.max_tokens_per_rank`` is set).
+    (fixed-capacity mode when ``spec.max_tokens_per_rank`` is set). The harness's own work (the
+    experts, their index maps and host spans) runs inside ``harness()``: the sync count runs the
+    harness with CUDA's sync debug mode off, so that only the exchange's syncs are counted.
 
     Returns:
         per rank: 'out' [T, H], 'grad_hidden' [T, H], 'grad_probs' [T, E], 'handles' (the
@@ -197,6 +224,21 @@ def run_virtual_layer(spec: VirtualSpec, inputs: dict[str, Any], path: str | Pat
     dispatched = cluster.run([dispatch_forward(ctxs[r], handles[r], h[r], p[r], rm[r]) for r in range(w)])
     maps = inputs["maps_EHH"]
     local_maps = [maps[r * e_loc:(r + 1) * e_loc] for r in range(w)]
+    with harness():
+        spans, tokens_per_expert, ys = _expert_forward(dispatched, handles, local_maps, w, e_loc, capacity)
+    outs = cluster.run([combine_forward(ctxs[r], handles[r], dispatched[r][2], ys[r]) for r in range(w)])
+    g_ys = cluster.run([combine_backward(ctxs[r], handles[r], dispatched[r][2], inputs["grad_out"][r])
+                        for r in range(w)])
+    with harness():
+        grads = [_experts(dispatched[r][0], dispatched[r][1], spans[r], local_maps[r], g_ys[r]) for r in range(w)]
+    back = cluster.run([dispatch_backward(ctxs[r], handles[r], dispatched[r][2], grads[r][1], grads[r][2])
+                        for r in range(w)])
+    return {"out": outs, "grad_hidden": [b[0] for b in back], "grad_probs": [b[1] for b in back],
+            "handles": handles, "tokens_per_expert": tokens_per_expert}
+
+
+def _expert_forward(dispatched: list, handles: list, local_maps: list, w: int, e_loc: int, capacity: int | None):
+    """The experts' forward on every rank: (spans, tokens_per_expert, outputs), all by rank."""
     if capacity is None:  # host counts: expert e's rows follow expert e - 1's
         tokens_per_expert = [handles[r].tokens_per_expert for r in range(w)]
         spans = []
@@ -208,14 +250,7 @@ def run_virtual_layer(spec: VirtualSpec, inputs: dict[str, Any], path: str | Pat
         tokens_per_expert = [dispatched[r][2].tokens_per_expert for r in range(w)]
         spans = [[(e * w * capacity, w * capacity) for e in range(e_loc)]] * w
     ys = [_experts(dispatched[r][0], dispatched[r][1], spans[r], local_maps[r], None)[0] for r in range(w)]
-    outs = cluster.run([combine_forward(ctxs[r], handles[r], dispatched[r][2], ys[r]) for r in range(w)])
-    g_ys = cluster.run([combine_backward(ctxs[r], handles[r], dispatched[r][2], inputs["grad_out"][r])
-                        for r in range(w)])
-    grads = [_experts(dispatched[r][0], dispatched[r][1], spans[r], local_maps[r], g_ys[r]) for r in range(w)]
-    back = cluster.run([dispatch_backward(ctxs[r], handles[r], dispatched[r][2], grads[r][1], grads[r][2])
-                        for r in range(w)])
-    return {"out": outs, "grad_hidden": [b[0] for b in back], "grad_probs": [b[1] for b in back],
-            "handles": handles, "tokens_per_expert": tokens_per_expert}
+    return spans, tokens_per_expert, ys
 
 
 def dense_reference(spec: VirtualSpec, inputs: dict[str, Any], rank: int) -> dict[str, torch.Tensor]:
@@ -250,19 +285,34 @@ def _rel_error(got: torch.Tensor, ref: torch.Tensor) -> float:
     return float((got.double() - ref).abs().max().item() / scale)
 
 
+def _count_cuda_syncs(spec: VirtualSpec, inputs: dict[str, Any], path: str) -> float:
+    """Host syncs of the exchange in one layer (fwd + bwd) on CUDA, per rank: CUDA's sync debug
+    mode warns at every synchronising call of the exchange; the harness (experts, their
+    host-to-device index maps) runs with the mode off, so its own copies are not counted."""
+    @contextlib.contextmanager
+    def harness():
+        torch.cuda.set_sync_debug_mode(0)
+        try:
+            yield
+        finally:
+            torch.cuda.set_sync_debug_mode("warn")
+
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            run_virtual_layer(spec, inputs, path, harness=harness)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    return sum("synchroniz" in str(c.message) for c in caught) / spec.topology.world_size
+
+
 def _count_syncs(spec: VirtualSpec, inputs: dict[str, Any], path: str) -> float:
-    """Host syncs of one layer (fwd + bwd), per rank."""
+    """Host syncs of the exchange in one layer (fwd + bwd), per rank."""
     w = spec.topology.world_size
     if spec.device == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                run_virtual_layer(spec, inputs, path)
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
-        return sum("synchroniz" in str(c.message) for c in caught) / w
+        return _count_cuda_syncs(spec, inputs, path)
     with SyncAudit() as audit:
         audit.mark(*inputs["hidden"], *inputs["probs"], *inputs["routing"], *inputs["grad_out"], inputs["maps_EHH"])
         run_virtual_layer(spec, inputs, path)
@@ -301,8 +351,30 @@ def _equal(a: dict[str, Any], b: dict[str, Any], w: int) -> bool:
     return all(torch.equal(a[k][r], b[k][r]) for k in ("out", "grad_hidden", "grad_probs") for r in range(w))
 
 
+def estimate_peak_bytes(spec: VirtualSpec) -> int:
+    """Estimated peak device memory of ``simulate_exchange(spec)``, bytes (a model of this
+    harness, not a measurement; the report adds the measured peak on CUDA). Terms: the inputs
+    and the [E, H, H] maps; per rank, about six [rows, H] tensors alive at once (dispatched
+    tokens, received copies, expert outputs, their gradients), where rows is twice the mean
+    entries per rank (T * K; skew) in the normal mode and E_loc * W * C in fixed-capacity mode;
+    the results of every path kept for the equality check (twice in fixed-capacity mode, which
+    also runs the normal mode); one chunk of gathered maps; plus a quarter for the allocator."""
+    w, t, h, e, k = spec.topology.world_size, spec.tokens, spec.hidden, spec.experts, spec.topk
+    elt = spec.torch_dtype.itemsize
+    inputs = w * (2 * t * h * elt + t * e * 5) + e * h * h * elt
+    rows = 2 * t * k
+    if spec.max_tokens_per_rank is not None:
+        rows = max(rows, (e // w) * w * spec.max_tokens_per_rank)
+    layer = 6 * w * rows * h * elt
+    results = len(spec.paths) * w * t * (2 * h * elt + e * 4) * (2 if spec.max_tokens_per_rank else 1)
+    gemm = 2 * EXPERT_CHUNK_BLOCKS * h * h * elt
+    return int(1.25 * (inputs + layer + results + gemm))
+
+
 def simulate_exchange(spec: VirtualSpec) -> dict[str, Any]:
     """Run every path of ``spec`` (see module docstring); a JSON-ready report."""
+    if spec.device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
     inputs = make_virtual_inputs(spec)
     w = spec.topology.world_size
     results, times = _run_paths(spec, inputs)
@@ -329,6 +401,7 @@ def simulate_exchange(spec: VirtualSpec) -> dict[str, Any]:
         "host_syncs_per_layer": syncs,
         "time_ms": times,
         "wire_bytes": {path: _wire_bytes(results[path]) for path in spec.paths},
+        "estimated_peak_bytes": estimate_peak_bytes(spec),
     }
     if spec.max_tokens_per_rank is not None:
         normal_spec = dataclasses.replace(spec, max_tokens_per_rank=None)
@@ -340,4 +413,6 @@ def simulate_exchange(spec: VirtualSpec) -> dict[str, Any]:
             "time_ms": normal_times,
             "wire_bytes": {path: _wire_bytes(normal[path]) for path in spec.paths},
         }
+    if spec.device == "cuda":
+        report["measured_peak_bytes"] = torch.cuda.max_memory_allocated()
     return report

@@ -284,8 +284,10 @@ def model_wire(topo: RailTopology, record_bytes: int, model: NetModelConfig) -> 
     fp32 probs and the routing bits of E / N experts (E = ``model.num_experts``)."""
     if isinstance(record_bytes, bool) or not isinstance(record_bytes, int) or record_bytes < 0:
         raise ValueError(f"record_bytes must be an int >= 0, got {record_bytes!r}")
+    # Unaligned rows: the presets were fitted on them (the exchange's 16-byte padding adds at most
+    # 12 B to a row, 4 B of 8336 at GLM size).
     return RecordWireFormat(hidden=record_bytes, payload_dtype=torch.uint8, probs_dtype=torch.float32,
-                            experts_per_node=max(1, model.num_experts // topo.num_nodes))
+                            experts_per_node=max(1, model.num_experts // topo.num_nodes), align_rows=False)
 
 
 def _synthetic_delivery_RNGG(plan: PathPlan, fanout: float) -> np.ndarray:

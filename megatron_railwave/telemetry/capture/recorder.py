@@ -15,6 +15,12 @@ afterwards, on any machine that sees the directory.
 Only the first call per (step, layer, rank) is kept: later micro-batches of the same step and
 activation recomputation repeat the layer and are ignored. A (step, rank) part is written when
 all ``layers_per_step`` layers are in, when the rank records a later step, or on ``flush``/``close``.
+
+``record`` does not wait for the device: a CUDA routing map is copied into pinned host memory
+with ``non_blocking=True`` behind a CUDA event, and converted when its part is written (the next
+captured step, ``flush`` or ``close``), by which time the copy is long done. So capturing adds no
+host sync to the dispatch path; the cost is one [T, E] bool device-to-host copy per captured
+layer call on the copy engine.
 """
 
 from __future__ import annotations
@@ -30,6 +36,14 @@ from megatron_railwave.telemetry.capture.routing import topk_ids_from_routing_ma
 from megatron_railwave.telemetry.capture.trace import TraceMeta, _read_archive, assemble_rank_parts, check_topology, write_rank_part, write_trace
 
 __all__ = ["TraceRecorder", "merge_captures", "step_dir"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Staged:
+    """A routing map on its way to the host: the copy is complete once ``event`` has passed."""
+
+    host: torch.Tensor
+    event: object | None
 
 
 def step_dir(capture_dir: str | FsPath, step: int) -> FsPath:
@@ -72,8 +86,8 @@ class TraceRecorder:
         self.meta = dataclasses.replace(
             meta, topology=topo, extra={**meta.extra, "capture_interval_steps": interval_steps}
         )
-        # (step, rank) -> {layer: [T, K] int16}
-        self._pending: dict[tuple[int, int], dict[int, np.ndarray]] = {}
+        # (step, rank) -> {layer: [T, K] int16, or a routing map still being copied}
+        self._pending: dict[tuple[int, int], dict[int, np.ndarray | _Staged]] = {}
         self._written: set[tuple[int, int]] = set()
         self.capture_dir.mkdir(parents=True, exist_ok=True)
 
@@ -91,7 +105,8 @@ class TraceRecorder:
             layer: the model's layer number.
             rank: expert-parallel rank, 0..W-1.
             routing: [T, E] bool routing map, or [T, K] integer top-k expert ids (-1 = none);
-                CPU or GPU. Host sync: yes (one device-to-host copy).
+                CPU or GPU. Host sync: no (an asynchronous copy; checked and converted when the
+                part is written, see the module docstring).
 
         Returns:
             True when recorded; False for a step that is not captured or a repeated
@@ -107,10 +122,27 @@ class TraceRecorder:
             return False
         for old in [k for k in self._pending if k[1] == key[1] and k[0] < key[0]]:
             self._write(old)
-        self._pending.setdefault(key, {})[int(layer)] = self._ids(routing, layer)
+        self._pending.setdefault(key, {})[int(layer)] = self._stage(routing, layer)
         if self.layers_per_step is not None and len(self._pending[key]) >= self.layers_per_step:
             self._write(key)
         return True
+
+    def _stage(self, routing: torch.Tensor | np.ndarray, layer: int) -> np.ndarray | _Staged:
+        """Arrays now; a tensor starts its copy to the host (pinned, non-blocking for CUDA)."""
+        if not isinstance(routing, torch.Tensor):
+            return self._ids(routing, layer)
+        e, k = self.meta.num_experts, self.meta.topk
+        want = e if routing.dtype == torch.bool else k
+        if routing.dim() != 2 or routing.shape[1] != want:  # shape only: no device data read
+            return self._ids(routing.detach().to("cpu"), layer)  # raises the shape error
+        src = routing.detach()
+        host = torch.empty(tuple(src.shape), dtype=src.dtype, pin_memory=src.is_cuda)
+        host.copy_(src, non_blocking=src.is_cuda)
+        event = None
+        if src.is_cuda:
+            event = torch.cuda.Event()
+            event.record()
+        return _Staged(host=host, event=event)
 
     def _ids(self, routing: torch.Tensor | np.ndarray, layer: int) -> np.ndarray:
         if isinstance(routing, torch.Tensor):
@@ -138,7 +170,13 @@ class TraceRecorder:
     def _write(self, key: tuple[int, int]) -> FsPath:
         step, rank = key
         path = step_dir(self.capture_dir, step) / f"rank{rank:05d}.npz"
-        write_rank_part(path, rank, self._pending.pop(key), dataclasses.replace(self.meta, step=step))
+        layers = self._pending.pop(key)
+        for layer, value in layers.items():
+            if isinstance(value, _Staged):
+                if value.event is not None:
+                    value.event.synchronize()  # off the dispatch path: the part is being written
+                layers[layer] = self._ids(value.host.numpy(), layer)
+        write_rank_part(path, rank, layers, dataclasses.replace(self.meta, step=step))
         self._written.add(key)
         return path
 

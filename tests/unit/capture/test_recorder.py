@@ -120,3 +120,24 @@ def test_read_trace_on_capture_dir_needs_one_step(tmp_path):
     assert read_trace(step_dir(tmp_path, 1)).meta.step == 1
     with pytest.raises(TraceFormatError, match=r"is a 'rank-part' file, not a trace"):
         read_trace(step_dir(tmp_path, 1) / "rank00000.npz")
+
+
+def test_record_reads_no_device_data_back_on_the_dispatch_path(tmp_path):
+    # The dispatcher used to hand routing_map.cpu() to record (a host sync per captured layer
+    # call). Now record starts a copy and the part is converted when written: SyncAudit, which
+    # treats the marked routing map as device data, counts nothing in record.
+    from megatron_railwave.lab.bench.sync_audit import SyncAudit
+
+    rec = TraceRecorder(tmp_path, 1, TOPO, _meta())
+    ids = _ids(5)
+    routing = routing_map_from_topk_ids(ids, E)
+    with SyncAudit() as audit:
+        audit.mark(routing)
+        assert rec.record(0, 1, 2, routing) is True
+    assert audit.count == 0, [(e.name, e.where) for e in audit.events]
+    routing.zero_()  # the recorder copied it: a later change of the caller's tensor does not leak in
+    rec.close()
+    from megatron_railwave.telemetry.capture.trace import _read_archive
+
+    _, _, layers = _read_archive(step_dir(tmp_path, 0) / "rank00002.npz")
+    assert np.array_equal(layers[1], ids)

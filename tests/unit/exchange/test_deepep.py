@@ -130,3 +130,24 @@ def test_config_backend_defaults_to_torch_and_flag_overrides():
     assert cfg.backend == "deepep" and cfg.deepep_buffer == "real"
     with pytest.raises(SystemExit):
         parser.parse_args(["--railwave-backend", "nccl"])
+
+
+def test_deepep_refuses_a_placement_whose_group_order_is_not_railwave_order():
+    # SLURM cyclic over 2 hosts x 2 GPUs: EP [0, 2] on host a, [1, 3] on host b, global rank = EP rank.
+    # Railwave rank -> global rank (0, 2, 1, 3); torch orders the EP group by global rank, so
+    # DeepEP's rank 1 would be global rank 1 (host b) where the exchange means railwave rank 1
+    # (global 2, host a): tokens would reach the wrong ranks. Old code built the exchange anyway.
+    from megatron_railwave.exchange.groups import rank_groups
+    from megatron_railwave.exchange.placement import RankFacts, place_ranks
+
+    layout = [("a", 0), ("b", 0), ("a", 1), ("b", 1)]
+    facts = [RankFacts(ep_rank=e, global_rank=e, host=h, host_id=hash(h) % 2**62, local_rank=g, gpu=g,
+                       fingerprint=()) for e, (h, g) in enumerate(layout)]
+    placement = place_ranks(facts, gpus_per_node=2)
+    topo = RailTopology(num_nodes=2, gpus_per_node=2)
+    torch_order = tuple(sorted(placement.global_rank_of_railwave).index(r) for r in placement.global_rank_of_railwave)
+    assert torch_order == (0, 2, 1, 3)
+    groups = rank_groups(topo, 0, placement=placement, group_ranks=(torch_order, None, None))
+    with pytest.raises(ValueError, match=r"backend 'deepep': the EP group's rank order is not node by node"):
+        build_exchange(topo, groups, backend="deepep", deepep_buffer="fake", num_experts=8, topk=2,
+                       hidden_size=256, hidden_dtype=torch.bfloat16)

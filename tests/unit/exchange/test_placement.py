@@ -86,3 +86,31 @@ def test_config_fingerprints_name_the_ranks_and_fields():
                                                  r".*this rank: path=joint, failed_rails=\[\]"):
         check_fingerprints(facts([("a", 0), ("a", 1), ("b", 0)], prints=[same, other, same]), fields)
     assert torch.tensor(same).dtype == torch.int64  # hashes fit the all-gather's int64 rows
+
+
+@pytest.mark.parametrize("cpu", [True, False])
+def test_two_torchrun_agents_on_one_host_are_split_by_group_rank(cpu):
+    # torchrun --nnodes 2 on localhost: local ranks 0, 1 of agent 0 and 0, 1 of agent 1 on one host
+    # name. Cut by local rank, the emulated nodes were [0, 0] and [1, 1]: "report the same GPU".
+    # With GROUP_RANK the host is split by agent first. Worked out (EP order A0, B0, A1, B1):
+    # node 0 = agent 0 = EP [0, 2], node 1 = agent 1 = EP [1, 3].
+    layout = [(0, 0), (1, 0), (0, 1), (1, 1)]  # (group rank, local rank) per EP rank
+    fs = [RankFacts(ep_rank=e, global_rank=e, host="localhost", host_id=7, local_rank=local,
+                    gpu=-1 if cpu else local, fingerprint=(), group_rank=agent)
+          for e, (agent, local) in enumerate(layout)]
+    p = place_ranks(fs, gpus_per_node=2)
+    assert p.railwave_rank_of_ep == (0, 2, 1, 3)
+    assert p.node_hosts == ("localhost/node0", "localhost/node1")
+    # Without the node rank (not torchrun) the repeat is still an error naming the launcher.
+    bare = [RankFacts(ep_rank=f.ep_rank, global_rank=f.global_rank, host=f.host, host_id=f.host_id,
+                      local_rank=f.local_rank, gpu=f.gpu, fingerprint=()) for f in fs]
+    with pytest.raises(PlacementError, match="report the same GPU" if cpu else "same number of EP ranks"):
+        place_ranks(bare, gpus_per_node=2)
+
+
+def test_facts_travel_with_the_group_rank():
+    from megatron_railwave.exchange.placement import _decode, _encode
+
+    f = RankFacts(ep_rank=3, global_rank=9, host="h1", host_id=5, local_rank=1, gpu=-1, fingerprint=(11, 12),
+                  group_rank=4)
+    assert _decode(3, _encode(f).tolist()) == f

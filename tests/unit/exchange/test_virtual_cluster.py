@@ -14,7 +14,7 @@ import torch
 from megatron_railwave.lab.bench.sync_audit import SyncAudit
 from megatron_railwave.lab.bench.virtual_exchange import (VirtualSpec, dense_reference, make_virtual_inputs,
                                                       run_virtual_layer)
-from megatron_railwave.exchange import VirtualCluster
+from megatron_railwave.exchange import VirtualCluster, virtual_rank_groups
 from megatron_railwave.planner import PlanOptions, schedule_from_windows
 from megatron_railwave.topology import RailTopology
 
@@ -302,3 +302,94 @@ def test_capacity_cache_keys_on_every_plan_option():
     chunked = capacity_layer(topo, "joint", 4, PlanOptions(chunks=3), wire, 0, torch.device("cpu"))
     assert whole.schedule.plan.chunks == 1 and chunked.schedule.plan.chunks == 3
     assert capacity_layer(topo, "joint", 4, PlanOptions(chunks=3), wire, 0, torch.device("cpu")) is chunked
+
+
+def test_fixed_capacity_padding_is_left_out_of_every_segment_sum(monkeypatch):
+    # The old code summed all padding rows into one extra segment (n_copy, or token T) that one
+    # SM walks on CUDA: far more rows than the max_segment_len the caller states. Padding now
+    # carries an out-of-range id, so every in-range segment keeps within that bound.
+    import megatron_railwave.exchange.layer as layer
+
+    real = layer.ops.segment_sum
+    calls = []
+
+    def recording(values, ids, num_segments, **kw):
+        in_range = ids[(ids >= 0) & (ids < num_segments)]
+        longest = int(torch.bincount(in_range, minlength=1).max()) if in_range.numel() else 0
+        calls.append((longest, kw.get("max_segment_len"), num_segments, int(ids.numel() - in_range.numel())))
+        return real(values, ids, num_segments, **kw)
+
+    monkeypatch.setattr(layer.ops, "segment_sum", recording)
+    spec, inputs = _inputs("3x3-bf16")
+    fixed = _fixed(spec, inputs, slack=20)
+    run_virtual_layer(fixed, inputs, "joint")
+    assert calls and all(longest <= bound for longest, bound, _, _ in calls if bound is not None), calls
+    assert any(left_out for *_, left_out in calls)  # the padding rows were there, and left out
+
+
+def test_fixed_capacity_warns_once_with_the_numbers_above_the_stated_multiple():
+    import warnings
+
+    from megatron_railwave.exchange import build_exchange
+    from megatron_railwave.exchange.capacity import PADDING_WARN_MULTIPLE, _PADDING_WARNED
+
+    _PADDING_WARNED.clear()
+    topo = RailTopology(num_nodes=2, gpus_per_node=2)
+    # E = 32, top-2: E_loc * W * C = 32 * 8 = 256 padded rows per rank vs C * K = 16: 16x > 4x.
+    kwargs = dict(backend="torch", num_experts=32, topk=2, hidden_size=64, hidden_dtype=torch.bfloat16,
+                  max_tokens_per_rank=8)
+    with pytest.warns(UserWarning, match=r"256 rows .*where a full batch has 16 .*: 16x, over the 4x"):
+        build_exchange(topo, virtual_rank_groups(topo, 0), **kwargs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per process
+        build_exchange(topo, virtual_rank_groups(topo, 1), **kwargs)
+        # E = 8, top-2: 4x, at the limit: no warning.
+        build_exchange(topo, virtual_rank_groups(topo, 0), **{**kwargs, "num_experts": 8})
+    assert PADDING_WARN_MULTIPLE == 4
+
+
+def test_cuda_sync_count_leaves_the_harness_out(monkeypatch):
+    # On CUDA the count is the sync debug mode's warnings. The harness's own blocking copies
+    # (the experts' host-to-device index maps) used to be counted with the exchange's. Faked on
+    # CPU: a fake debug mode, and the harness's experts warn like a synchronising call would.
+    import warnings
+
+    import megatron_railwave.lab.bench.virtual_exchange as vx
+
+    mode = {"now": 0}
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", lambda m: mode.__setitem__("now", m))
+    real_experts = vx._experts
+
+    def syncing_experts(*args, **kwargs):
+        if mode["now"] == "warn":
+            warnings.warn("called a synchronizing CUDA operation", UserWarning)
+        return real_experts(*args, **kwargs)
+
+    monkeypatch.setattr(vx, "_experts", syncing_experts)
+    spec, inputs = _inputs("3x3-bf16")
+    assert vx._count_cuda_syncs(spec, inputs, "joint") == 0  # the exchange itself: no warning on CPU
+    assert mode["now"] == 0  # the mode is restored
+
+
+def test_fixed_capacity_caches_built_in_inference_mode_serve_training():
+    # A first layer call under torch.inference_mode() (an eval before training) builds the
+    # capacity plan's cached index maps; they must not be inference tensors, or the training
+    # layer that reuses them fails to save them for backward.
+    from megatron_railwave.exchange import capacity
+
+    spec, inputs = _inputs("3x3-bf16")
+    fixed = _fixed(spec, inputs, slack=11)
+    capacity._LAYERS.clear()
+    capacity._SCHEDULES.clear()
+    with torch.inference_mode():
+        run_virtual_layer(fixed, inputs, "joint")
+    cached = list(capacity._LAYERS.values())
+    assert cached
+    for layer in cached:
+        for f in dataclasses.fields(layer.layout):
+            value = getattr(layer.layout, f.name)
+            if isinstance(value, torch.Tensor):
+                assert not value.is_inference(), f.name
+    hidden = [h.clone().requires_grad_(True) for h in inputs["hidden"]]
+    run_virtual_layer(fixed, {**inputs, "hidden": hidden}, "joint")  # training after eval: works

@@ -6,29 +6,19 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import assume, given, settings
-from hypothesis import strategies as st
+pytest.importorskip("hypothesis")  # the device machine may lack it: skip, not a collection error
+from hypothesis import assume, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
 
 from megatron_railwave import ops
 from megatron_railwave.ops import reference
 from megatron_railwave.planner import EligiblePolicy, PlanOptions, build_plan, route_records
-from megatron_railwave.planner.railbalance import surplus_deficit_bounds
 from megatron_railwave.topology import RailTopology
 from megatron_railwave.traffic import DemandCounts, target_masks
 
-from tests.helpers.ops_cases import random_routing_map
+from tests.helpers.ops_cases import egress_inputs, random_routing_map
 
 PATHS = ("native", "rail", "perm", "joint")
-
-
-def egress_inputs(plan, rank: int) -> dict[str, object]:
-    """assign_egress's keyword arguments for ``rank`` from the plan (what the exchange passes)."""
-    topo = plan.topology
-    s, g = topo.node_of(rank), topo.local_of(rank)
-    keep, s_lo, _, _, d_hi = surplus_deficit_bounds(plan.records_NNG[s], plan.quota_NNG[s])
-    return dict(owner_gpu=g, counts_N=plan.records_NNG[s, :, g].contiguous(), keep_N=keep[:, g].contiguous(),
-                surplus_lo_N=s_lo[:, g].contiguous(), deficit_hi_NG=d_hi.contiguous(),
-                wave_N=plan.pair_wave_NN[s].contiguous())
 
 
 def _plans(topo: RailTopology, demand: DemandCounts, mask_NG: torch.Tensor):
@@ -117,3 +107,16 @@ def test_assign_egress_compiled_rejects_bad_arguments(compiled):
         ops.assign_egress(torch.tensor([0]), **{**args, "owner_gpu": 5})
     with pytest.raises(ValueError, match="keep_N must be \\[1\\]"):
         ops.assign_egress(torch.tensor([0]), **{**args, "keep_N": torch.tensor([1, 2])})
+
+
+def test_records_per_node_rail_leaves_a_bad_egress_out_on_cpu_as_on_cuda(compiled):
+    # Egress 3 of G = 3 (what assign_egress gives for bounds that do not come from one plan), -2,
+    # and a rail out of range: the CUDA kernel cannot raise without a host sync and skips such
+    # records, so the CPU twin (which used to raise) and the reference skip them too; the counts
+    # then sum to 2 of the 5 records. test_gpu.py checks CUDA against this.
+    node = torch.tensor([0, 0, 1, 1, 1, -1])
+    egress = torch.tensor([0, 3, 2, -2, 1, -1])
+    rail_of_gpu = torch.tensor([0, 1, 7])  # GPU 2's rail 7 is out of range for R = 3 too
+    want = [[1, 0, 0], [0, 1, 0]]
+    for impl in (ops, reference):
+        assert impl.records_per_node_rail(node, egress, rail_of_gpu, 2, 3).tolist() == want

@@ -12,7 +12,11 @@ import torch
 from megatron_railwave import ops
 from megatron_railwave.ops import reference
 
-from tests.helpers.ops_cases import random_routing_map, same_bits
+from megatron_railwave.planner import build_plan
+from megatron_railwave.topology import RailTopology
+from megatron_railwave.traffic import DemandCounts
+
+from tests.helpers.ops_cases import egress_inputs, random_routing_map, same_bits
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -44,27 +48,43 @@ def _twice_on_cuda(fn, *cpu_args):
                          [(4, 8, 4096, 128, 8), (1, 1, 5, 3, 2), (3, 5, 777, 30, 4), (2, 8, 1000, 64, 6),
                           (8, 2, 333, 32, 9), (2, 3, 0, 12, 2)])
 def test_records_and_egress_cuda_equal_cpu(cuda_ops, num_nodes, gpus_per_node, num_tokens, experts, topk):
+    # RailBalance bounds from a real plan of every rank's routing (as the exchange and ops-bench
+    # pass them): random bounds need not agree with each other, and then the egress is not a GPU.
+    topo = RailTopology(num_nodes=num_nodes, gpus_per_node=gpus_per_node)
     gen = torch.Generator().manual_seed(num_tokens)
-    routing = random_routing_map(num_tokens, experts, topk, gen)
-    cpu, gpu = _twice_on_cuda(ops.records_from_routing, routing, num_nodes, gpus_per_node)
-    for a, b in zip(cpu, gpu, strict=True):
-        assert same_bits(a, b)
-    node = cpu[1]
-    counts_N = cpu[3].sum(dim=1)
-    keep = (counts_N * torch.rand(num_nodes, generator=gen)).to(torch.int64)
-    deficit = torch.randint(0, 50, (num_nodes, gpus_per_node), generator=gen).cumsum(dim=1)
-    args = (node, 0, counts_N, keep, torch.randint(0, 20, (num_nodes,), generator=gen), deficit,
-            torch.arange(num_nodes) - 1)
+    maps = [random_routing_map(num_tokens, experts, topk, gen) for _ in range(topo.world_size)]
+    plan = build_plan(DemandCounts.from_routing_maps(maps, topo), topo, "joint")
+    for rank in sorted({0, topo.world_size - 1}):
+        cpu, gpu = _twice_on_cuda(ops.records_from_routing, maps[rank], num_nodes, gpus_per_node)
+        for a, b in zip(cpu, gpu, strict=True):
+            assert same_bits(a, b)
+        node = cpu[1]
+        bounds = egress_inputs(plan, rank)
+        args = (node, bounds["owner_gpu"], bounds["counts_N"], bounds["keep_N"], bounds["surplus_lo_N"],
+                bounds["deficit_hi_NG"], bounds["wave_N"])
 
-    def egress(n, g, c, k, lo, hi, w):
-        return ops.assign_egress(n, owner_gpu=g, counts_N=c, keep_N=k, surplus_lo_N=lo, deficit_hi_NG=hi, wave_N=w)
+        def egress(n, g, c, k, lo, hi, w):
+            return ops.assign_egress(n, owner_gpu=g, counts_N=c, keep_N=k, surplus_lo_N=lo, deficit_hi_NG=hi,
+                                     wave_N=w)
 
-    cpu_e, gpu_e = _twice_on_cuda(egress, *args)
-    for a, b in zip(cpu_e, gpu_e, strict=True):
-        assert same_bits(a, b)
-    rails = torch.randperm(gpus_per_node, generator=gen)
-    cpu_l, gpu_l = _twice_on_cuda(ops.records_per_node_rail, node, cpu_e[0], rails, num_nodes, gpus_per_node)
-    assert same_bits(cpu_l[0], gpu_l[0])
+        cpu_e, gpu_e = _twice_on_cuda(egress, *args)
+        for a, b in zip(cpu_e, gpu_e, strict=True):
+            assert same_bits(a, b)
+        valid = node >= 0
+        assert bool(((cpu_e[0] >= 0) & (cpu_e[0] < gpus_per_node))[valid].all())  # a real plan: real GPUs
+        rails = torch.randperm(gpus_per_node, generator=gen)
+        cpu_l, gpu_l = _twice_on_cuda(ops.records_per_node_rail, node, cpu_e[0], rails, num_nodes, gpus_per_node)
+        assert same_bits(cpu_l[0], gpu_l[0])
+        assert int(cpu_l[0].sum()) == int(valid.sum())
+
+
+def test_records_per_node_rail_cuda_leaves_a_bad_egress_out_like_cpu(cuda_ops):
+    # The same case as test_assign.py's CPU test: CPU and CUDA both skip the out-of-range records.
+    node = torch.tensor([0, 0, 1, 1, 1, -1])
+    egress = torch.tensor([0, 3, 2, -2, 1, -1])
+    rail_of_gpu = torch.tensor([0, 1, 7])
+    cpu, gpu = _twice_on_cuda(ops.records_per_node_rail, node, egress, rail_of_gpu, 2, 3)
+    assert same_bits(cpu[0], gpu[0]) and cpu[0].tolist() == [[1, 0, 0], [0, 1, 0]]
 
 
 def _random_bytes(rows, width, gen):
@@ -134,6 +154,17 @@ def test_segment_sum_cuda_leaves_out_of_range_ids_out(cuda_ops):
     values = torch.ones(4, 2, device="cuda")
     out = ops.segment_sum(values, torch.tensor([0, 5, -1, 1], device="cuda"), 2)
     assert out.cpu().tolist() == [[1.0, 1.0], [1.0, 1.0]]
+
+
+def test_segment_sum_cuda_backward_of_left_out_rows_is_zero_like_cpu(cuda_ops):
+    # The old backward index-selected the gradient at an out-of-range id: a device assert.
+    ids = torch.tensor([0, 3, -1, 1])
+    grads = []
+    for device in ("cpu", "cuda"):
+        v = torch.tensor([[1.0], [5.0], [7.0], [2.0]], device=device, requires_grad=True)
+        ops.segment_sum(v, ids.to(device), 3).backward(torch.tensor([[10.0], [20.0], [30.0]], device=device))
+        grads.append(v.grad.cpu())
+    assert same_bits(grads[0], grads[1]) and grads[0].flatten().tolist() == [10.0, 0.0, 0.0, 20.0]
 
 
 def test_segment_sum_cuda_backward_equals_cpu(cuda_ops):

@@ -209,3 +209,21 @@ def test_chunk_arrival_counts_cut_each_block_in_order():
                 if cells.size:
                     assert cells[0] >= last
                     last = cells[-1]
+
+
+@pytest.mark.parametrize("payload,probs,want", [(torch.bfloat16, torch.float32, 8336), (torch.bfloat16, torch.bfloat16, 8272),
+                                                (torch.float32, torch.float32, 16528)])
+def test_dispatch_rows_are_16_byte_multiples_at_glm_size(payload, probs, want):
+    # GLM-4.5-Air on 4 x 8: H = 4096, E_node = 32. Unpadded rows were 8192 + 128 + 12 = 8332 and
+    # 8192 + 64 + 12 = 8268 bytes: not 16-byte multiples, so row copies fell back to 4-byte accesses.
+    wire = RecordWireFormat(hidden=4096, payload_dtype=payload, probs_dtype=probs, experts_per_node=32)
+    assert wire.dispatch_bytes == want and want % 16 == 0
+    assert wire.dispatch_grad_bytes % 16 == 0 and wire.combine_bytes % 16 == 0
+
+
+def test_dispatch_row_not_padded_where_int32_words_cannot_align_it():
+    # 2 + 2 B before the meta: 3 words make 16 B, no pad. 2 + 4 = 6 B: no number of int32 words aligns it.
+    wire = RecordWireFormat(hidden=1, payload_dtype=torch.float16, probs_dtype=torch.float16, experts_per_node=1)
+    assert wire.meta_words == 3 and wire.dispatch_bytes == 2 + 2 + 12 == 16
+    odd = RecordWireFormat(hidden=1, payload_dtype=torch.float16, probs_dtype=torch.float32, experts_per_node=1)
+    assert odd.meta_words == 3 and odd.dispatch_bytes == 2 + 4 + 12  # 6 B before the meta: left unpadded

@@ -1,0 +1,109 @@
+"""scripts/gpu_check.sh on this CPU machine: its exit status is true (no CUDA device: 2 with a
+clear line; a failing step: 1; all selected steps passing: 0), it writes one summary JSON, and
+its step limits fit 8 minutes. The old script set ``status=1`` inside ``{ ... } | tee`` (a
+subshell) and exited 0 after failures."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "scripts" / "gpu_check.sh"
+
+
+def _run(tmp_path: Path, **env: str) -> tuple[subprocess.CompletedProcess, dict]:
+    out = tmp_path / "out"
+    # A generous preflight limit: on this shared 2-core machine importing torch can take 30 s.
+    full_env = {**os.environ, "OUT": str(out), "PY": sys.executable, "GPU_CHECK_PREFLIGHT_S": "300",
+                "GPU_CHECK_LIMIT_SCALE": "10", **env}
+    done = subprocess.run(["bash", str(SCRIPT)], capture_output=True, text=True, env=full_env, timeout=240,
+                          check=False)
+    summary = json.loads((out / "summary.json").read_text())
+    return done, summary
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the behaviour without a CUDA device")
+def test_without_cuda_exits_2_with_a_clear_line(tmp_path):
+    done, summary = _run(tmp_path)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "no CUDA device" in done.stdout
+    assert summary["exit_status"] == 2
+    assert summary["steps"] == [{"step": "preflight", "result": "FAIL", "seconds": summary["steps"][0]["seconds"],
+                                 "limit_s": 300, "note": "no CUDA device"}]
+
+
+def test_a_failing_step_makes_the_exit_status_1(tmp_path):
+    done, summary = _run(tmp_path, GPU_CHECK_REQUIRE_CUDA="0", GPU_CHECK_ONLY="doctor",
+                         GPU_CHECK_FAIL_STEP="doctor")
+    assert done.returncode == 1, done.stdout + done.stderr
+    by_step = {s["step"]: s for s in summary["steps"]}
+    assert by_step["doctor"]["result"] == "FAIL" and "exit status 3" in by_step["doctor"]["note"]
+    assert by_step["build"]["result"] == "SKIP"
+    assert summary["exit_status"] == 1
+    assert "forced failure" in (tmp_path / "out" / "doctor.log").read_text()
+
+
+def test_selected_steps_that_pass_exit_0(tmp_path):
+    # The doctor step for real (it needs no GPU): PASS, its JSON written, exit status 0.
+    done, summary = _run(tmp_path, GPU_CHECK_REQUIRE_CUDA="0", GPU_CHECK_ONLY="doctor")
+    assert done.returncode == 0, done.stdout + done.stderr
+    by_step = {s["step"]: s for s in summary["steps"]}
+    assert by_step["doctor"]["result"] == "PASS"
+    assert json.loads((tmp_path / "out" / "doctor.json").read_text())["self_test"]["ok"] is True
+
+
+def test_step_limits_add_up_to_less_than_8_minutes_with_the_build_first():
+    text = SCRIPT.read_text()
+    steps = re.findall(r"^step (\w+) (\d+) ", text, flags=re.M)
+    assert [name for name, _ in steps[:2]] == ["doctor", "build"]
+    preflight = int(re.search(r"^PREFLIGHT_S=\$\{GPU_CHECK_PREFLIGHT_S:-(\d+)\}", text, flags=re.M).group(1))
+    assert 'timeout "$PREFLIGHT_S" "$PY" - > "$OUT/preflight.log"' in text
+    total = preflight + sum(int(limit) for _, limit in steps)
+    assert total < 480, total
+    header = text.split("set -u")[0]
+    assert f"add up to {total} < 480" in header
+    for phrase in ("NCCL across processes", "DeepEP", "rails"):
+        assert phrase in header
+
+
+def test_every_virtual_step_fits_its_stated_memory_budget():
+    # The estimate the script's --max-memory-gib 110 refuses on, for each virtual-cluster step as
+    # the script writes it; the old fixed-capacity case (C = T = 1024, H = 4096 bf16) does not fit.
+    from megatron_railwave.cli import build_parser
+    from megatron_railwave.lab.bench.virtual_exchange import VirtualSpec, estimate_peak_bytes
+    from megatron_railwave.topology import load_topology
+
+    text = SCRIPT.read_text()
+    base = re.search(r'VIRTUAL=\("\$PY" -m megatron_railwave.cli (simulate-exchange[^)]*)\)', text).group(1)
+    base = base.replace("\n", " ").split()
+    assert base[base.index("--max-memory-gib") + 1] == "110"
+    calls = re.findall(r'^step (virtual_\w+) \d+ "\$\{VIRTUAL\[@\]\}" (.*?)--json', text, flags=re.M | re.S)
+    assert len(calls) == 4
+    parser = build_parser()
+    topo = load_topology(ROOT / "configs/clusters/h800_4x8.yaml")
+    for name, extra in calls:
+        args = parser.parse_args(base + extra.replace("\\", " ").split())
+        spec = VirtualSpec(topology=topo, tokens=args.tokens, hidden=args.hidden, experts=args.experts,
+                           topk=args.topk, dtype=args.dtype, max_tokens_per_rank=args.max_tokens_per_rank)
+        assert estimate_peak_bytes(spec) / 2**30 < 110, name
+    old = VirtualSpec(topology=topo, tokens=1024, hidden=4096, experts=128, topk=8, dtype="bf16",
+                      max_tokens_per_rank=1024)
+    assert estimate_peak_bytes(old) / 2**30 > 139
+
+
+def test_simulate_exchange_refuses_a_run_over_its_memory_limit(capsys):
+    from megatron_railwave.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["simulate-exchange", "--cluster", str(ROOT / "configs/clusters/h800_4x8.yaml"), "--tokens", "8",
+              "--hidden", "8", "--max-memory-gib", "0.0001"])
+    assert exc.value.code == 2
+    assert "estimated peak memory" in capsys.readouterr().err
