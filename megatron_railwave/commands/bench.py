@@ -151,15 +151,15 @@ def summarize_samples(samples: list[dict[str, Any]]) -> dict[str, Any]:
             # >= 1 always (tests/unit/netmodel/test_bound.py); how far above its own bound the path is.
             over = [c / b for c, b in zip(comm, bounds) if b > 0]
             entry["comm_over_bound_min"] = min(over) if over else None
-            ideal = [s["ideal_bound_s"] * 1e3 for s in sel]
+            ideal = [s.get("ideal_bound_s", 0.0) * 1e3 for s in sel]
             entry["ideal_bound_p50_ms"] = _pct(ideal)[0]
-            entry["ideal_resource"] = max(set(s["ideal_resource"] for s in sel),
-                                          key=[s["ideal_resource"] for s in sel].count)
+            resources = [s.get("ideal_resource", "-") for s in sel]
+            entry["ideal_resource"] = max(set(resources), key=resources.count)
             # Path-independent (netmodel.bounds; tests/unit/netmodel/test_ideal_bound.py): >= 1.
             over_ideal = [c / b for c, b in zip(comm, ideal) if b > 0]
             entry["comm_over_ideal_min"] = min(over_ideal) if over_ideal else None
             # Fraction of the ideal speedup: (T_base / T) / (T_base / bound) = bound / T.
-            fractions = [b / c for c, b in zip(comm, ideal) if c > 0]
+            fractions = [b / c for c, b in zip(comm, ideal) if c > 0 and b > 0]
             entry["ideal_fraction_p50"] = float(np.median(fractions)) if fractions else None
             entry["rail_p50_ms"] = _pct([s["rail_s"] * 1e3 for s in sel])[0]
             if base_of:
@@ -175,7 +175,8 @@ def summarize_samples(samples: list[dict[str, Any]]) -> dict[str, Any]:
                 entry["ideal_speedup_p50"] = _ratio(base["comm_p50_ms"], entry["ideal_bound_p50_ms"])
                 # Share of the baseline's distance to the bound that the variant closes.
                 gap = base["comm_p50_ms"] - entry["ideal_bound_p50_ms"]
-                entry["gap_closed_p50"] = (base["comm_p50_ms"] - entry["comm_p50_ms"]) / gap if gap > 0 else None
+                entry["gap_closed_p50"] = ((base["comm_p50_ms"] - entry["comm_p50_ms"]) / gap
+                                           if gap > 0 and entry["ideal_bound_p50_ms"] > 0 else None)
             per[variant] = entry
         summary: dict[str, Any] = {"baseline": baseline, "variants": per}
         if {"rail", "perm", "joint"} <= set(per):
