@@ -210,7 +210,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     _common.add_cluster_args(parser)
     parser.add_argument("--backend", choices=["netmodel"], default="netmodel", help="what times the paths")
     parser.add_argument("--model", default=None, metavar="YAML",
-                        help="netmodel parameters (configs/netmodel/*.yaml; default: the built-in, about max-min NetModelConfig, alpha 0.0042)")
+                        help="netmodel parameters (configs/netmodel/*.yaml; default: the built-in NetModelConfig, max-min: alpha 0)")
     parser.add_argument("--alpha", type=float, default=None, help="override the incast alpha of --model")
     group = parser.add_argument_group("workload")
     group.add_argument("--workload", choices=["glm45-air"], default="glm45-air", help="routing generator")
