@@ -5,24 +5,30 @@ M = 2**G target masks.
 
 Samples: every (layer, step) of the synthetic GLM-4.5-Air routing (`workloads.glm`), arranged into
 each ``--pattern``'s sending windows (`workloads.arrange`; ``none`` = all node pairs at once, as a
-training step sends). Per sample and variant (a path; PERM / JOINT once per ``--fanin`` and
-``--chunks``):
+training step sends). Variants: the baseline ``deepep`` (NATIVE with streamed forwarding, what
+DeepEP's normal kernels do), the paths (PERM / JOINT once per ``--fanin`` and ``--chunks``; run
+as ``--path-delivery`` says) and the ``--peers`` (`netmodel.peers`; ``deepep-balanced`` is the
+baseline on the same step's tokens split equally over the ranks). Per sample and variant:
   * communication: `netmodel.execute_plan` (dispatch + combine, seconds; deterministic);
+  * the path-independent bound of the input (`netmodel.bounds.ideal_bound`) and its binding
+    resource, beside the path's own busiest-link bound;
   * planning: wall time on this CPU of rank 0's per-layer planning as the exchange runs it
     (``bench.planning.time_rank_planning``: records from its routing, ``build_plan``, the
     schedule and rank view, the index maps; median of ``--plan-repeats`` after one warm-up), added
     unscaled.
 Summary per pattern and variant: P50 / P95 / P99 over samples of communication, planning and
-their sum; speedup over NATIVE (ratio of P50s, and the range of per-sample ratios); NIC shares
-(each node's adapter egress shares sorted descending, mean over nodes and samples).
+their sum; speedup over the baseline (ratio of P50s, and the range of per-sample ratios); the
+bound's P50, the fraction of the ideal speedup reached (bound / time, median over samples), the
+ideal speedup (baseline / bound) and the share of the baseline's gap to the bound closed; NIC
+shares (each node's adapter egress shares sorted descending, mean over nodes and samples).
 
 Experts: E = 128 (GLM-4.5-Air) when W divides 128, else one expert per rank beyond that (E = the
 next multiple of W at or above 128). Beyond ``W * T * N`` = 2**24 the demand is built sparsely
 (no [W, T, N] masks; `workloads.SparseDemand`), which supports ``--pattern none`` only.
 
 JSON (``--json``): ``config``, ``model`` (NetModelConfig), ``samples`` (one row per sample and
-variant) and ``summary`` (per pattern: per variant the percentiles, speedups and NIC shares,
-plus ``joint_over_best_single``).
+variant) and ``summary`` (per pattern: ``baseline``, per variant the percentiles, speedups,
+bounds and NIC shares, plus ``joint_over_best_single`` and ``<peer>_over_joint_p50``).
 """
 
 from __future__ import annotations
