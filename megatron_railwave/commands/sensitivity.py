@@ -48,6 +48,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="multiply every record count (default paper: workloads.PAPER_PAYLOAD_SCALE)")
     parser.add_argument("--path-delivery", choices=["after_rail", "streamed"], default="after_rail",
                         help="stage 3 of RAIL / JOINT: after_rail (as the exchange runs; default) or streamed")
+    parser.add_argument("--incast-layers", type=_layer_count, default=None, metavar="K|L,L",
+                        help="layers of the incast prediction: K = the first K MoE layers, or a list (default: "
+                             "the grid's --layers); token skew 1.46, every seed")
     parser.add_argument("--no-incast-prediction", action="store_true",
                         help="skip the prediction of the paper's +67.1%% (NATIVE RING -> EXTREME)")
     parser.add_argument("--json", default=None, metavar="FILE", help="write the grid, its summary and the fit")
@@ -84,6 +87,11 @@ def _layers(text: str) -> list[int]:
     return values
 
 
+def _layer_count(text: str) -> list[int]:
+    values = _layers(text)
+    return values if "," in text else [-values[0]]  # negative: "the first K layers"
+
+
 def run(args: argparse.Namespace) -> int:
     from tqdm.auto import tqdm
 
@@ -100,6 +108,9 @@ def run(args: argparse.Namespace) -> int:
     if bad:
         raise ValueError(f"--layers: {bad} are not MoE layers of GLM-4.5-Air ({GLM45_AIR.layer_numbers[0]}.."
                          f"{GLM45_AIR.layer_numbers[-1]})")
+    bad = [v for v in (args.incast_layers or []) if v > 0 and v not in GLM45_AIR.layer_numbers]
+    if bad:
+        raise ValueError(f"--incast-layers: {bad} are not MoE layers of GLM-4.5-Air; give K (the first K) or a list")
     if args.alpha is not None and args.alpha < 0:
         raise ValueError(f"--alpha must be >= 0, got {args.alpha}")
     scale = _payload_scale(args.payload_scale)
@@ -120,7 +131,7 @@ def run(args: argparse.Namespace) -> int:
     seeds = list(range(args.seeds))
     rows: list[dict[str, Any]] = []
     total = len(args.skews) * len(seeds) * len(args.layers) * len(args.pattern) * len(fabrics)
-    arranged: dict[tuple[int, int], dict[str, tuple[Any, Any]]] = {}
+    arranged: dict[tuple[int, int], dict[str, tuple[Any, Any]]] = {}  # (seed, layer): skew 1.46 RING / EXTREME
     with tqdm(total=total, desc="sensitivity", disable=args.no_progress, leave=False) as bar:
         for skew in args.skews:
             for seed in seeds:
@@ -140,18 +151,31 @@ def run(args: argparse.Namespace) -> int:
                             bar.update(1)
     summary = summarize_grid(rows)
     incast = None
-    if not args.no_incast_prediction and {"ring", "extreme"} <= set(args.pattern) and 1.46 in args.skews:
+    incast_layers = args.layers
+    if args.incast_layers is not None:
+        incast_layers = (list(GLM45_AIR.layer_numbers[: -args.incast_layers[0]]) if args.incast_layers[0] < 0
+                         else args.incast_layers)
+    if not args.no_incast_prediction:
         def layer_sets(seed: int):
-            return [(v["ring"][0], v["ring"][1], v["extreme"][0], v["extreme"][1])
-                    for (s, _layer), v in arranged.items() if s == seed]
-        incast = {fabric: predict_incast_slowdown(topo, replace(baseline, alpha=a), seeds=seeds, layer_sets=layer_sets,
-                                                  record_bytes=record_bytes)
+            out = []
+            for layer in incast_layers:
+                if set(arranged.get((seed, layer), ())) != {"ring", "extreme"}:
+                    demand0 = layer_demands(topo, layer=layer, step=0, tokens=args.tokens, seed=seed)
+                    arranged[(seed, layer)] = {p: (scaled_demand(d, scale), w) for p in ("ring", "extreme")
+                                               for d, w in [arrange(demand0, p, topo)]}
+                v = arranged[(seed, layer)]
+                out.append((v["ring"][0], v["ring"][1], v["extreme"][0], v["extreme"][1]))
+            return out
+
+        incast = {fabric: {**predict_incast_slowdown(topo, replace(baseline, alpha=a), seeds=seeds,
+                                                     layer_sets=layer_sets, record_bytes=record_bytes),
+                           "layers": len(incast_layers)}
                   for fabric, a in fabrics.items()}
     _print(summary, incast, args)
     if args.json:
         config = {k: v for k, v in vars(args).items() if k != "handler"}
         config.update(topology=topo.to_dict(), payload_scale=scale, record_bytes=record_bytes, seeds=seeds,
-                      fabrics=fabrics)
+                      fabrics=fabrics, incast_layers=incast_layers)
         _common.write_json(args.json, {"config": config, "model": base.to_dict(),
                                        "ultraep_fit": fit.to_dict() if fit else None, "summary": summary,
                                        "incast_prediction": incast, "rows": rows})
@@ -175,7 +199,8 @@ def _print(summary: list[dict[str, Any]], incast: dict[str, Any] | None, args: a
                         ["fabric", "pattern", "token skew", "JOINT", "RAIL", "ideal (bound)", "JOINT of ideal"], rows)
     if incast:
         for fabric, p in incast.items():
-            _render.print_text(f"predicted NATIVE EXTREME / RING ({fabric}): median {p['median']:.3f} "
+            _render.print_text(f"predicted NATIVE EXTREME / RING ({fabric}, sums over {p['layers']} layers per seed): "
+                               f"median {p['median']:.3f} "
                                f"(P10-P90 {p['p10']:.3f}-{p['p90']:.3f}, range {p['min']:.3f}-{p['max']:.3f}); "
                                f"paper {p['paper']:.3f}")
 

@@ -48,16 +48,21 @@ def test_ultraep_fit_needs_four_by_eight():
 
 def test_sensitivity_smoke_writes_grid_bound_and_heatmap(tmp_path, capsys):
     out, png = tmp_path / "s.json", tmp_path / "s.png"
-    assert main(["sensitivity", "--cluster", "h800_4x8", "--nodes", "2", "--alpha", "1.0", "--skews", "0,1.46",
-                 "--pattern", "none", "--seeds", "2", "--layers", "8", "--tokens", "32", "--json", str(out),
-                 "--plot", str(png), "--no-progress"]) == 0
+    assert main(["sensitivity", "--cluster", "h800_4x8", "--nodes", "3", "--alpha", "1.0", "--skews", "0,1.46",
+                 "--pattern", "none", "--seeds", "1", "--layers", "8", "--tokens", "32", "--incast-layers", "1",
+                 "--json", str(out), "--plot", str(png), "--no-progress"]) == 0
     data = json.loads(out.read_text())
     assert png.stat().st_size > 0 and data["ultraep_fit"] is None and data["config"]["fabrics"]["ultraep"] == 1.0
-    assert len(data["rows"]) == 2 * 2 * 1 * 2  # skews x seeds x layers x fabrics
+    assert len(data["rows"]) == 2 * 1 * 1 * 2  # skews x seeds x layers x fabrics
     assert {(e["skew"], e["fabric"]) for e in data["summary"]} == {(s, f) for s in (0.0, 1.46)
                                                                    for f in ("max-min", "ultraep")}
     for row in data["rows"]:  # no modelled time below the path-independent bound
         assert min(row["baseline_s"], row["rail_s"], row["joint_s"]) >= row["ideal_bound_s"] * (1 - 1e-3)
+    # The incast prediction (its own layers: RING / EXTREME, skew 1.46) per fabric and seed.
+    pred = data["incast_prediction"]
+    assert set(pred) == {"max-min", "ultraep"} and pred["ultraep"]["layers"] == 1
+    assert len(pred["max-min"]["per_seed"]) == 1 and pred["max-min"]["paper"] == pytest.approx(3.009 / 1.801)
+    assert pred["ultraep"]["median"] >= pred["max-min"]["median"] * (1 - 1e-3)  # the penalty only slows NATIVE
     assert "speedup over DeepEP-like NATIVE" in capsys.readouterr().out
 
 
