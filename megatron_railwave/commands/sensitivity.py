@@ -211,6 +211,7 @@ def _plot(summary: list[dict[str, Any]], path: str, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import numpy as np
+    from matplotlib.colors import TwoSlopeNorm
 
     fabrics = list(dict.fromkeys(e["fabric"] for e in summary))
     patterns = list(dict.fromkeys(e["pattern"] for e in summary))
@@ -219,12 +220,14 @@ def _plot(summary: list[dict[str, Any]], path: str, title: str) -> None:
     fig, axes = plt.subplots(len(metrics), len(fabrics), figsize=(4.6 * len(fabrics), 3.4 * len(metrics)),
                              squeeze=False)
     by = {(e["fabric"], e["pattern"], e["skew"]): e for e in summary}
-    vmax = max(e[m]["p90"] for e in summary for m, _ in metrics)
+    vmax = max(2.0, max(e[m]["p90"] for e in summary for m, _ in metrics))
+    vmin = min(0.5, min(e[m]["p10"] for e in summary for m, _ in metrics))
+    norm = TwoSlopeNorm(vmin=vmin, vcenter=1.0, vmax=vmax)  # red: slower than the baseline, green: faster
     for i, (metric, label) in enumerate(metrics):
         for j, fabric in enumerate(fabrics):
             ax = axes[i][j]
             grid = np.array([[by[(fabric, p, s)][metric]["median"] for p in patterns] for s in skews])
-            im = ax.imshow(grid, cmap="RdYlGn", vmin=min(0.5, grid.min()), vmax=max(2.0, vmax), aspect="auto")
+            im = ax.imshow(grid, cmap="RdYlGn", norm=norm, aspect="auto")
             for a, s in enumerate(skews):
                 for b, p in enumerate(patterns):
                     st = by[(fabric, p, s)][metric]
