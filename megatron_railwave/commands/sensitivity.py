@@ -48,6 +48,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="multiply every record count (default paper: workloads.PAPER_PAYLOAD_SCALE)")
     parser.add_argument("--path-delivery", choices=["after_rail", "streamed"], default="after_rail",
                         help="stage 3 of RAIL / JOINT: after_rail (as the exchange runs; default) or streamed")
+    parser.add_argument("--peers", default="deepep-balanced,deepep-direct,megatron", metavar="P,P",
+                        help="peers per cell (netmodel.peers; deepep-balanced = the baseline on the same tokens split "
+                             "equally over the ranks); 'none' to skip (default deepep-balanced,deepep-direct,megatron)")
     parser.add_argument("--incast-layers", type=_layer_count, default=None, metavar="K|L,L",
                         help="layers of the incast prediction: K = the first K MoE layers, or a list (default: "
                              "the grid's --layers); token skew 1.46, every seed")
@@ -113,6 +116,12 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--incast-layers: {bad} are not MoE layers of GLM-4.5-Air; give K (the first K) or a list")
     if args.alpha is not None and args.alpha < 0:
         raise ValueError(f"--alpha must be >= 0, got {args.alpha}")
+    from megatron_railwave.commands.bench import PEERS
+
+    peers = [p.strip() for p in args.peers.split(",") if p.strip() and p.strip() != "none"]
+    bad = [p for p in peers if p not in PEERS]
+    if bad:
+        raise ValueError(f"--peers: {bad} are unknown; choose from {', '.join(PEERS)} or none")
     scale = _payload_scale(args.payload_scale)
     base = load_netmodel_config(args.model) if args.model else NetModelConfig()
     baseline = replace(base, alpha=0.0, delivery="streamed")
@@ -137,15 +146,21 @@ def run(args: argparse.Namespace) -> int:
             for seed in seeds:
                 for layer in args.layers:
                     demand0 = layer_demands(topo, layer=layer, step=0, tokens=args.tokens, seed=seed, token_skew=skew)
+                    even0 = (layer_demands(topo, layer=layer, step=0, tokens=args.tokens, seed=seed, token_skew=skew,
+                                           balanced_tokens=True) if "deepep-balanced" in peers else None)
                     for pattern in args.pattern:
                         demand, windows = (demand0, None) if pattern == "none" else arrange(demand0, pattern, topo)
                         demand = scaled_demand(demand, scale)
+                        balanced = None
+                        if even0 is not None:
+                            even, even_w = (even0, None) if pattern == "none" else arrange(even0, pattern, topo)
+                            balanced = (scaled_demand(even, scale), even_w)
                         if skew == 1.46 and pattern in ("ring", "extreme"):
                             arranged.setdefault((seed, layer), {})[pattern] = (demand, windows)
                         for fabric, a in fabrics.items():
                             cell = layer_cell(demand, windows, topo, baseline=replace(baseline, alpha=a),
                                               paths_model=replace(base, alpha=a, delivery=args.path_delivery),
-                                              record_bytes=record_bytes)
+                                              record_bytes=record_bytes, peers=peers, balanced=balanced)
                             rows.append({"skew": skew, "fabric": fabric, "pattern": pattern, "seed": seed,
                                          "layer": layer, **cell})
                             bar.update(1)
@@ -191,12 +206,15 @@ def _cell(stats: dict[str, Any]) -> str:
 
 
 def _print(summary: list[dict[str, Any]], incast: dict[str, Any] | None, args: argparse.Namespace) -> None:
+    peers = [k[: -len("_over_baseline")] for k in summary[0] if k.endswith("_over_baseline")
+             and k not in ("joint_over_baseline", "rail_over_baseline", "ideal_over_baseline")]
     rows = [[e["fabric"], e["pattern"], f"{e['skew']:g}", _cell(e["joint_over_baseline"]),
-             _cell(e["rail_over_baseline"]), _cell(e["ideal_over_baseline"]),
-             f"{e['joint_ideal_fraction_median']:.2f}"] for e in summary]
+             _cell(e["rail_over_baseline"]), *[_cell(e[f"{p}_over_baseline"]) for p in peers],
+             _cell(e["ideal_over_baseline"]), f"{e['joint_ideal_fraction_median']:.2f}"] for e in summary]
     _render.print_table(f"speedup over DeepEP-like NATIVE (streamed): median (P10-P90) over {args.seeds} seeds, "
                         f"layers {','.join(map(str, args.layers))}",
-                        ["fabric", "pattern", "token skew", "JOINT", "RAIL", "ideal (bound)", "JOINT of ideal"], rows)
+                        ["fabric", "pattern", "token skew", "JOINT", "RAIL", *peers, "ideal (bound)",
+                         "JOINT of ideal"], rows)
     if incast:
         for fabric, p in incast.items():
             _render.print_text(f"predicted NATIVE EXTREME / RING ({fabric}, sums over {p['layers']} layers per seed): "

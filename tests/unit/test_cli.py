@@ -63,7 +63,7 @@ EXPECTED_FLAGS = {
     ],
     "sensitivity": [
         "--cluster", "--nodes", "--failed-rail", "--model", "--alpha", "--skews", "--pattern", "--seeds", "--layers",
-        "--tokens", "--payload-scale", "--path-delivery", "--incast-layers", "--no-incast-prediction", "--json", "--plot", "--no-progress",
+        "--tokens", "--payload-scale", "--path-delivery", "--peers", "--incast-layers", "--no-incast-prediction", "--json", "--plot", "--no-progress",
     ],
 }
 

@@ -102,14 +102,29 @@ def fit_alpha_ultraep(topo: RailTopology, base: NetModelConfig, *, max_alpha: fl
 
 
 def layer_cell(demand: Any, windows: Any, topo: RailTopology, *, baseline: NetModelConfig, paths_model: NetModelConfig,
-               record_bytes: int, paths: Sequence[str] = ("rail", "joint")) -> dict[str, float]:
+               record_bytes: int, paths: Sequence[str] = ("rail", "joint"), peers: Sequence[str] = (),
+               balanced: tuple[Any, Any] | None = None) -> dict[str, float]:
     """One layer of one grid cell: seconds of the baseline (NATIVE under ``baseline``, e.g.
-    streamed), of each of ``paths`` (under ``paths_model``) and the path-independent bound."""
+    streamed), of each of ``paths`` (under ``paths_model``), of each of ``peers``
+    (`peers.model_peer` under ``baseline``'s fabric; 'deepep-balanced': the baseline on
+    ``balanced``, the (demand, windows) of the same tokens split equally over the ranks) and the
+    path-independent bound of ``demand``."""
+    from megatron_railwave.lab.netmodel.peers import model_peer
+
     out = {"ideal_bound_s": ideal_bound(demand, topo, payload_bytes=record_bytes,
                                         phase_sync=baseline.phase_sync).bound_s}
     for name, path, model in [("baseline", "native", baseline)] + [(p, p, paths_model) for p in paths]:
         plan = build_plan(demand, topo, path, options=PlanOptions(windows=windows))
         out[f"{name}_s"] = execute_plan(plan, record_bytes=record_bytes, model=model, demand=demand).total_s
+    for peer in peers:
+        key = f"{peer.replace('-', '_')}_s"
+        if peer == "deepep-balanced":
+            if balanced is None:
+                raise ValueError("the deepep-balanced peer needs the token-balanced (demand, windows)")
+            plan = build_plan(balanced[0], topo, "native", options=PlanOptions(windows=balanced[1]))
+            out[key] = execute_plan(plan, record_bytes=record_bytes, model=baseline, demand=balanced[0]).total_s
+        else:
+            out[key] = model_peer(peer, demand, topo, record_bytes=record_bytes, model=baseline, repeats=0)["comm_s"]
     return out
 
 
@@ -160,7 +175,8 @@ def summarize_grid(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                                                "p10": float(np.percentile(ratio, 10)),
                                                "p90": float(np.percentile(ratio, 90)),
                                                "per_seed": [float(x) for x in ratio]}
-        # Fraction of the ideal speedup JOINT reaches: bound / JOINT, per seed.
+        # Fraction of the ideal speedup JOINT reaches: bound / JOINT, per seed (the token-balanced
+        # peer runs another input, so its ratio is to the baseline, not to this bound).
         if "joint_s" in next(iter(per_seed.values())):
             frac = [acc["ideal_bound_s"] / acc["joint_s"] for acc in per_seed.values()]
             entry["joint_ideal_fraction_median"] = float(np.median(frac))
