@@ -31,6 +31,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "megatron_railwave.commands.probe_incast",
     "megatron_railwave.commands.simulate_exchange",
     "megatron_railwave.commands.bench",
+    "megatron_railwave.commands.sensitivity",
     "megatron_railwave.commands.calibrate",
     "megatron_railwave.commands.validate",
     "megatron_railwave.commands.report",

@@ -243,7 +243,7 @@ def _print_study(study: dict[str, Any]) -> None:
         for path, d in wl["paths"].items():
             s = d["slowest_s"]
             rows.append([path, s["p50"] * 1e3, s["p95"] * 1e3, d["comm_slowest_s"]["p50"] * 1e3,
-                         d["planning_slowest_s"]["p50"] * 1e3, d["bandwidth_bound_s"] * 1e3,
+                         d["planning_slowest_s"]["p50"] * 1e3,
                          d["port_bound_s"] * 1e3, d["speedup_vs_native"]["p50"], d["bound_speedup_vs_native"],
                          d["speedup_over_bound_speedup"], d["worker_cpu_over_wall"]["p50"],
                          " ".join(f"{v:.2f}" for node in d["nic_shares"]["share_NR"] for v in node),
@@ -251,7 +251,7 @@ def _print_study(study: dict[str, Any]) -> None:
         _render.print_table(
             f"{name} (layer {wl['layer']}, rho_g {wl['native_demand_stats']['rho_g']:.2f}, peak fan-in "
             f"{wl['peak_fanin']}, bitwise equal: {wl['all_paths_bitwise_equal']})",
-            ["path", "P50 ms", "P95 ms", "comm P50 ms", "plan P50 ms", "window bound ms", "port bound ms",
+            ["path", "P50 ms", "P95 ms", "comm P50 ms", "plan P50 ms", "port bound ms",
              "x NATIVE P50", "bound x NATIVE", "x / bound x", "CPU/wall", "NIC shares (per node)", "max dev"], rows)
     _render.print_text(f"machine CPU busy {study['machine_cpu_busy_fraction']:.2f} over {study['run_wall_s']:.0f} s")
 

@@ -413,7 +413,7 @@ def test_calibrate_and_validate_cli_with_fake_backend(tmp_path, monkeypatch, cap
     main(["validate", "--anchors", str(out), "--backend", "netmodel", "--requests", "1", "--seed", "30",
           "--warmups", "0", "--repeats", "1", "--no-progress", "--model", str(other)])
     note = [line for line in capsys.readouterr().out.splitlines() if line.startswith("note: --model differs")]
-    assert len(note) == 1 and "alpha 0.0042 -> 3.5" in note[0]
+    assert len(note) == 1 and "alpha 0.0 -> 3.5" in note[0]  # NetModelConfig() is max-min (alpha 0)
 
 
 def test_validate_cli_errors(tmp_path):

@@ -59,8 +59,12 @@ EXPECTED_FLAGS = {
     "doctor": ["--config", "--no-self-test", "--json"],
     "bench": [
         "--cluster", "--nodes", "--failed-rail", "--backend", "--model", "--alpha", "--workload", "--pattern", "--layers",
-        "--steps", "--tokens", "--payload-scale", "--seed", "--paths", "--fanin", "--chunks", "--peers", "--plan-repeats", "--json", "--plot",
-        "--no-progress",
+        "--steps", "--tokens", "--payload-scale", "--seed", "--paths", "--fanin", "--chunks", "--peers", "--path-delivery",
+        "--plan-repeats", "--json", "--plot", "--no-progress",
+    ],
+    "sensitivity": [
+        "--cluster", "--nodes", "--failed-rail", "--model", "--alpha", "--skews", "--pattern", "--seeds", "--layers",
+        "--tokens", "--payload-scale", "--path-delivery", "--peers", "--incast-layers", "--no-incast-prediction", "--json", "--plot", "--no-progress",
     ],
 }
 

@@ -4,15 +4,19 @@ Shape letters: L links, F flows, H hops per flow (padded), Q phases, S samples.
 
 `simulate` runs a `FlowSet` on a `Network` under a `PhaseGraph` of start conditions and an
 `IncastModel` (receiver-port goodput and per-phase latency); see `maxmin` for the algorithm,
-`problem` for the input and output types and `incast` for the stated penalty. `simgrid_check` (run by the system python3) replays a
-flow set in SimGrid for cross-checks; `bench_engine` times the engine.
+`problem` for the input and output types and `incast` for the stated penalty. `simgrid_check`
+(run by the system python3) replays a flow set in SimGrid: a solver check of the engine;
+`bench_engine` times the engine.
 `cluster` builds the links of a rail-optimized cluster; `program` turns phases and transfers into
 flows on them and runs them in one simulation with their bandwidth lower bound; `execute` runs a
 `PathPlan`'s compiled `ExecutionSchedule` (`execute_plan`, `simulate_plan`, `execute_schedule`);
-`peers` models Megatron's flat all-to-all and a FAST-style per-layer schedule on the same links;
-`calibrate` fits the incast alpha (docs/netmodel.md).
+`bounds` gives the path-independent lower bound of an input; `peers` models DeepEP direct,
+Megatron's all-to-all (NCCL's rotating rounds or flat) and a FAST-style per-layer schedule on the
+same links; `sensitivity` fits the incast alpha on UltraEP alone and runs the sensitivity grid;
+`calibrate` replays UltraEP (and keeps the withdrawn replay fit) (docs/netmodel.md).
 """
 
+from megatron_railwave.lab.netmodel.bounds import IdealBound, ideal_bound
 from megatron_railwave.lab.netmodel.cluster import Fabric, build_fabric
 from megatron_railwave.lab.netmodel.execute import (
     MaskSource,
@@ -35,6 +39,8 @@ from megatron_railwave.lab.netmodel.problem import (
 )
 
 __all__ = [
+    "IdealBound",
+    "ideal_bound",
     "Fabric",
     "MaskSource",
     "NetModelConfig",

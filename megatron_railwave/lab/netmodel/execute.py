@@ -69,11 +69,12 @@ __all__ = ["MaskSource", "NetModelConfig", "PlanTiming", "execute_plan", "execut
 class NetModelConfig:
     """Parameters of the network model. Defaults: docs/netmodel.md (H800 4x8 calibration)."""
 
-    alpha: float = 0.0042
-    """Incast: fractional goodput loss of a receiver port per concurrent sender beyond ``k_free``
-    (the default 0.0042 was fitted to the paper's +67.1% on an earlier workload and is about
-    max-min; ``configs/netmodel/*_paper_incast.yaml`` hold the fit on the current one, 4.9121:
-    `railwave netmodel fit-incast`, docs/netmodel.md)."""
+    alpha: float = 0.0
+    """Incast: fractional goodput loss of a receiver port per concurrent sender beyond ``k_free``.
+    0 (the default and ``configs/netmodel/h800_4x8.yaml``, ``h20_4x8.yaml``): max-min fair
+    sharing, no goodput lost, like the published all-pairs numbers on lossless fabrics.
+    ``configs/netmodel/*_paper_incast.yaml`` (4.3165, fitted on the paper's UltraEP case alone,
+    `sensitivity.fit_alpha_ultraep`) is the incast what-if (docs/netmodel.md, "Fabric presets")."""
     k_free: int = 1
     """Incast: concurrent senders a receiver port absorbs without loss."""
     k_sat: int | None = 2

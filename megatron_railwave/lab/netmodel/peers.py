@@ -1,18 +1,39 @@
-"""Peers of RailWave on the same links and demand: Megatron's flat all-to-all and a FAST-style
-per-layer Birkhoff-von-Neumann schedule.
+"""Peers of RailWave on the same links and demand: Megatron's all-to-all (NCCL), a PXN-like
+"direct" DeepEP and a FAST-style per-layer Birkhoff-von-Neumann schedule. The baseline users run,
+DeepEP's normal kernels, is not here: it is the NATIVE path with ``delivery='streamed'``
+(`execute`), whose forwarders pass chunks on over NVLink as they arrive.
 
 Letters: N nodes (s source, d destination), G GPUs per node, W = N * G ranks, E experts,
 K waves of a BvN decomposition.
 
 Megatron ``alltoall`` (`megatron_program`): every (token, expert) copy is sent from its source
 GPU to the expert's GPU (no per-node or per-GPU de-duplication: a token with two experts on one
-GPU travels twice), all pairs at once in one all-to-all, after a count exchange (Megatron's
-``tokens_per_expert`` all-to-all and its host sync, `NetModelConfig.count_exchange_s`). Each copy
-carries the hidden row plus its fp32 routing probability in dispatch and the hidden row in
-combine. Rail-optimized cluster, NCCL with PXN (assumed on): a copy from GPU (s, g) to GPU
-(d, j) on another rail first crosses NVLink to GPU (s, j) and then rail j; modelled as one
-streamed flow over both (NCCL pipelines PXN through the intermediate GPU's buffer). Same-rail
-copies go straight; same-node copies use NVLink only. Combine is the reverse (PXN on node d).
+GPU travels twice), after a count exchange (Megatron's ``tokens_per_expert`` all-to-all and its
+host sync, `NetModelConfig.count_exchange_s`), one all-to-all call per direction (one
+``wave_latency_s`` each). Each copy carries the hidden row plus its fp32 routing probability in
+dispatch and the hidden row in combine. Rail-optimized cluster, NCCL with PXN (assumed on): a
+copy from GPU (s, g) to GPU (d, j) on another rail first crosses NVLink to GPU (s, j) and then
+rail j; modelled as one streamed flow over both (NCCL pipelines PXN through the intermediate
+GPU's buffer). Same-rail copies go straight; same-node copies use NVLink only. Combine is the
+reverse (PXN on node d). NCCL's grouped send/recv does not post every pair at once: its p2p
+schedule walks the nodes in rounds (round k: send to node + k, receive from node - k), so by
+default (``rounds='rotating'``, peer 'megatron') round k carries the pairs s -> (s + k) mod N and
+the rounds run in order. That is the strictly time-shaped end: NCCL spreads the rounds over its
+channels, so consecutive rounds overlap in part; 'megatron-flat' (every pair at once) is the
+other end.
+
+DeepEP "direct" (`deepep_direct_program`, peer 'deepep-direct'): one copy per (token, target
+GPU) instead of per (token, node) with a forwarder, sent like a PXN all-to-all (NVLink hop to the
+GPU with the target's local index, then its rail), all pairs at once, one call per direction
+after the count exchange. Dispatch rows carry the hidden row and the fp32 probs of the target
+GPU's experts. It stands for kernels that skip the forwarder stage (every token crosses the rail
+once per target GPU, no NVLink fan-out at the destination).
+
+Per-call costs, the same fields for every program (`NetModelConfig`; docs/netmodel.md "Per-call
+costs" gives their sources): ``count_exchange_s`` once per layer (DeepEP's notify / layout
+step; Megatron's count all-to-all and host sync), ``wave_latency_s`` per rail call or wave
+(kernel launch, notify, the CPU's wait on the receive counter), RailBalance's barrier and quota
+steps for RAIL, JOINT and FAST's rebalancing.
 
 FAST-style (`fast_program`, after FAST, arXiv 2505.09764): intra-server rebalancing (here
 RailBalance's quotas and relays: the RAIL plan) and a scale-out schedule recomputed for every
@@ -36,7 +57,11 @@ from megatron_railwave.topology import RailTopology
 from megatron_railwave.lab.netmodel.execute import NetModelConfig, fabric_for, model_wire, synced_program
 from megatron_railwave.lab.netmodel.program import LinkProgram, ProgramBuilder, run_program
 
-__all__ = ["bvn_waves", "copies_WW", "fast_program", "megatron_program", "model_peer"]
+__all__ = ["PEERS", "bvn_waves", "copies_WW", "deepep_direct_program", "fast_program", "gpu_copies_WW",
+           "megatron_program", "model_peer"]
+
+PEERS = ("megatron", "megatron-flat", "deepep-direct", "fast")
+"""Peer programs `model_peer` knows (the DeepEP baseline itself is NATIVE with streamed delivery)."""
 
 
 def copies_WW(demand, topo: RailTopology) -> np.ndarray:
@@ -56,25 +81,70 @@ def copies_WW(demand, topo: RailTopology) -> np.ndarray:
     return e.reshape(world, world, e.shape[1] // world).sum(axis=-1)
 
 
-def megatron_program(demand, topo: RailTopology, *, record_bytes: int, model: NetModelConfig) -> LinkProgram:
-    """The flat all-to-all of ``demand`` (see the module docstring) as a `LinkProgram`."""
+def _pxn_program(copies_WW: np.ndarray, topo: RailTopology, *, dispatch_row: int, combine_row: int,
+                 model: NetModelConfig, rounds: str) -> LinkProgram:
+    """One all-to-all per direction of ``copies_WW`` rows, PXN on the rails (module docstring).
+
+    ``rounds``: 'flat' (every pair at once) or 'rotating' (NCCL's p2p node schedule: round k,
+    k = 0..N-1, carries node s -> node (s + k) mod N; rounds run in order, the call's fixed cost
+    paid once, before round 0)."""
     fabric = fabric_for(topo, model.nodes_per_leaf, float(model.spine_oversubscription))
-    g = topo.gpus_per_node
-    copies = copies_WW(demand, topo)
-    src, dst = np.nonzero(copies)
-    count = copies[src, dst].astype(np.float64)
+    g, n = topo.gpus_per_node, topo.num_nodes
+    src, dst = np.nonzero(copies_WW)
+    count = copies_WW[src, dst].astype(np.float64)
     b = ProgramBuilder(fabric=fabric)
     counts = b.phase("counts", "sync", -1, (), model.count_exchange_s)
     wave = model.wave_cost_s(topo.world_size)
-    disp = b.phase("dispatch.alltoall", "alltoall", 0, (counts,), wave)
-    experts = b.phase("experts", "sync", -1, (disp,))
-    comb = b.phase("combine.alltoall", "alltoall", 1, (experts,), wave)
-    local = src // g == dst // g
-    for phase, row, (a, z) in ((disp, record_bytes + 4, (src, dst)), (comb, record_bytes, (dst, src))):
-        b.nvlink(phase, a[local], z[local], count[local] * row)
-        # PXN: leave on the rail of the receiving GPU's local index.
-        b.rail(phase, a[~local], z[~local], count[~local] * row, via_gpu_F=z[~local] % g)
+    delta = (dst // g - src // g) % n  # the node round of each pair
+    num_rounds = n if rounds == "rotating" else 1
+    if rounds == "flat":
+        delta = np.zeros_like(delta)
+    phases = {}
+    for direction, name, row, (a, z) in ((0, "dispatch", dispatch_row, (src, dst)),
+                                         (1, "combine", combine_row, (dst, src))):
+        before = (counts,) if direction == 0 else (b.phase("experts", "sync", -1, tuple(phases[0])),)
+        chain: list[int] = []
+        for k in range(num_rounds):
+            label = f"{name}.alltoall" + (f"[{k}]" if num_rounds > 1 else "")
+            chain.append(b.phase(label, "alltoall", direction, (chain[-1],) if chain else before,
+                                 wave if not chain else 0.0))
+            sel = delta == k
+            local = sel & (a // g == z // g)
+            remote = sel & (a // g != z // g)
+            b.nvlink(chain[-1], a[local], z[local], count[local] * row)
+            # PXN: leave on the rail of the receiving GPU's local index.
+            b.rail(chain[-1], a[remote], z[remote], count[remote] * row, via_gpu_F=z[remote] % g)
+        phases[direction] = chain
     return b.build()
+
+
+def megatron_program(demand, topo: RailTopology, *, record_bytes: int, model: NetModelConfig,
+                     rounds: str = "rotating") -> LinkProgram:
+    """Megatron's ``alltoall`` dispatcher on ``demand`` (module docstring) as a `LinkProgram`:
+    every (token, expert) copy, NCCL's rotating node rounds (``rounds='flat'``: all pairs at once)."""
+    return _pxn_program(copies_WW(demand, topo), topo, dispatch_row=record_bytes + 4, combine_row=record_bytes,
+                        model=model, rounds=rounds)
+
+
+def gpu_copies_WW(demand, topo: RailTopology) -> np.ndarray:
+    """[W, W] int64 (token, target GPU) copies from rank w to rank v: one per GPU a token has
+    experts on (``demand.copies_WNG``; needs the full demand)."""
+    copies = getattr(demand, "copies_WNG", None)
+    if copies is None or getattr(demand, "records_WNM", None) is None:
+        raise ValueError("the DeepEP direct peer needs the full demand (records_WNM: target masks per node); "
+                         "a sparse demand or a node view has none: run the peers at a size with a dense demand")
+    c = np.asarray(copies(), dtype=np.int64)  # [W, N, G]
+    return c.reshape(c.shape[0], -1)
+
+
+def deepep_direct_program(demand, topo: RailTopology, *, record_bytes: int, model: NetModelConfig) -> LinkProgram:
+    """A PXN-like "direct" DeepEP on ``demand``: one copy per (token, target GPU), straight to
+    the target GPU, across the rail of the target's local index after an NVLink hop at the
+    source (streamed: one flow over both), all pairs at once, one call per direction. Dispatch
+    rows carry the hidden row and the fp32 probs of the target GPU's E / W experts."""
+    experts_per_gpu = max(1, model.num_experts // topo.world_size)
+    return _pxn_program(gpu_copies_WW(demand, topo), topo, dispatch_row=record_bytes + 4 * experts_per_gpu,
+                        combine_row=record_bytes, model=model, rounds="flat")
 
 
 def _perfect_matching(support_NN: np.ndarray, weight_NN: np.ndarray) -> np.ndarray:
@@ -222,8 +292,11 @@ def model_peer(name: str, demand, topo: RailTopology, *, record_bytes: int, mode
 
     fabric = fabric_for(topo, model.nodes_per_leaf, float(model.spine_oversubscription))
     plan_s, bvn_s, waves = 0.0, 0.0, 1
-    if name == "megatron":
-        program = megatron_program(demand, topo, record_bytes=record_bytes, model=model)
+    if name in ("megatron", "megatron-flat"):
+        program = megatron_program(demand, topo, record_bytes=record_bytes, model=model,
+                                   rounds="rotating" if name == "megatron" else "flat")
+    elif name == "deepep-direct":
+        program = deepep_direct_program(demand, topo, record_bytes=record_bytes, model=model)
     elif name == "fast":
         times, bvn_times = [], []
         for i in range(1 + repeats):
@@ -239,7 +312,7 @@ def model_peer(name: str, demand, topo: RailTopology, *, record_bytes: int, mode
         waves = len(bvn)
         program = fast_program(plan, demand, bvn, record_bytes=record_bytes, model=model)
     else:
-        raise ValueError(f"peer {name!r} is unknown; choose 'megatron' or 'fast'")
+        raise ValueError(f"peer {name!r} is unknown; choose one of {', '.join(PEERS)}")
     program = synced_program(program, model, topo.world_size)
     rel_tol = model.large_rel_tol if program.flows.num_flows > model.large_flows else model.rel_tol
     run = run_program(fabric, program, incast=model.incast(), rel_tol=rel_tol, nvlink=model.nvlink)

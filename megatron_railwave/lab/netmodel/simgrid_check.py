@@ -1,4 +1,7 @@
-"""Replay a flow set in SimGrid and write its completion times (cross-check of `maxmin`).
+"""Replay a flow set in SimGrid and write its completion times: a *solver check* of `maxmin`.
+
+It solves the same max-min fair-sharing problem with another solver; it checks the engine's
+arithmetic, not the model against a network (no packets, no incast: both are flow models).
 
 Runs under the *system* interpreter, which has Debian's ``python3-simgrid`` (3.32); the
 package's own code never imports this module. Usage::

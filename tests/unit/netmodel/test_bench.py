@@ -20,23 +20,39 @@ def test_bench_writes_percentiles_speedups_and_plot(tmp_path, capsys):
                  "--json", str(out), "--plot", str(png), "--no-progress"]) == 0
     data = json.loads(out.read_text())
     assert png.stat().st_size > 0 and data["config"]["layers"] == [1, 2]
-    assert len(data["samples"]) == 2 * 2 * (4 + 2)  # 4 paths + the peers megatron and fast
+    # the DeepEP-like baseline + 4 paths + the default peers
+    assert len(data["samples"]) == 2 * 2 * (1 + 4 + 4)
     ring, extreme = data["summary"]["ring"], data["summary"]["extreme"]
     v = ring["variants"]
-    assert set(v) == {"native", "rail", "perm", "joint", "megatron", "fast"}
+    assert ring["baseline"] == "deepep"
+    assert set(v) == {"deepep", "native", "rail", "perm", "joint", "deepep-balanced", "deepep-direct", "megatron",
+                      "fast"}
+    # The path-independent bound: one per input, the same for every variant on it (the token-
+    # balanced baseline runs another input), and no modelled time below it.
+    for summary in (ring, extreme):
+        same = {name: e["ideal_bound_p50_ms"] for name, e in summary["variants"].items() if name != "deepep-balanced"}
+        assert len(set(same.values())) == 1
+        for name, entry in summary["variants"].items():
+            assert entry["comm_over_ideal_min"] >= 1 - 1e-3, name
+            assert 0 < entry["ideal_fraction_p50"] <= 1 + 1e-3, name
+            assert entry["ideal_resource"].startswith(("node NIC", "GPU")), name
+    assert v["joint"]["ideal_speedup_p50"] >= v["joint"]["speedup_p50"]
     # Every modelled time sits at or above its bandwidth bound (engine tolerance 1e-3).
     for summary in (ring, extreme):
         for name, entry in summary["variants"].items():
             assert entry["bound_p50_ms"] > 0 and entry["comm_over_bound_min"] >= 1 - 1e-3, name
     assert all(s["bound_s"] > 0 for s in data["samples"])
     for key in ("megatron_over_joint_p50", "fast_over_joint_p50", "fast_plan_over_joint_plan_p50",
+                "deepep_over_joint_p50", "deepep-balanced_over_joint_p50", "deepep-direct_over_joint_p50",
                 "joint_over_best_single_p95", "joint_over_best_single_p99"):
         assert key in extreme, key
     assert all(s["plan_s"] > 0 for s in data["samples"] if s["variant"] == "fast")
     for key in ("comm_p50_ms", "comm_p95_ms", "comm_p99_ms", "plan_p50_ms", "total_p50_ms", "speedup_p50",
                 "speedup_min", "speedup_max", "nic_shares", "rail_speedup_p50"):
         assert key in v["joint"], key
-    assert v["native"]["speedup_p50"] == 1.0
+    assert v["deepep"]["speedup_p50"] == 1.0
+    # Streamed forwarding is never slower than store and forward on the same plan.
+    assert v["deepep"]["comm_p50_ms"] <= v["native"]["comm_p50_ms"] * (1 + 1e-3)
     # RING windows are the cyclic waves: PERM runs exactly NATIVE's plan timing, JOINT RAIL's.
     assert v["perm"]["comm_p50_ms"] == pytest.approx(v["native"]["comm_p50_ms"])
     assert v["joint"]["comm_p50_ms"] == pytest.approx(v["rail"]["comm_p50_ms"])
@@ -56,7 +72,8 @@ def test_bench_fanin_variants_on_more_nodes(tmp_path):
                  "--json", str(out),
                  "--no-progress"]) == 0
     rows = json.loads(out.read_text())["samples"]
-    assert [(r["variant"], r["waves"]) for r in rows] == [("native", 1), ("rail", 1), ("joint", 7), ("joint/f3", 3)]
+    assert [(r["variant"], r["waves"]) for r in rows] == [("deepep", 1), ("native", 1), ("rail", 1), ("joint", 7),
+                                                          ("joint/f3", 3)]
     assert all(r["plan_s"] == 0.0 for r in rows)
 
 

@@ -1,5 +1,6 @@
-"""Peers on the flow model: Megatron's flat all-to-all (no de-duplication, PXN) and the
-FAST-style Birkhoff-von-Neumann schedule."""
+"""Peers on the flow model: Megatron's all-to-all (no de-duplication, PXN; NCCL's rotating node
+rounds or flat), DeepEP direct (one copy per target GPU, PXN) and the FAST-style
+Birkhoff-von-Neumann schedule."""
 
 import numpy as np
 import pytest
@@ -9,7 +10,8 @@ from hypothesis import strategies as st
 
 from megatron_railwave.lab.netmodel import NetModelConfig
 from megatron_railwave.lab.netmodel.execute import fabric_for
-from megatron_railwave.lab.netmodel.peers import bvn_waves, copies_WW, fast_program, megatron_program
+from megatron_railwave.lab.netmodel.peers import (bvn_waves, copies_WW, deepep_direct_program, fast_program,
+                                                  gpu_copies_WW, megatron_program)
 from megatron_railwave.lab.netmodel.program import run_program
 from megatron_railwave.planner import build_plan
 from megatron_railwave.topology import RailTopology
@@ -59,7 +61,7 @@ def test_megatron_sends_every_copy_through_pxn_by_hand():
     topo = RailTopology(num_nodes=2, gpus_per_node=2, rail_gbps=8.0, nvlink_gBps=2.0)
     demand = _one_token_demand()
     assert copies_WW(demand, topo)[0, 3] == 3
-    program = megatron_program(demand, topo, record_bytes=1_000_000, model=FREE)
+    program = megatron_program(demand, topo, record_bytes=1_000_000, model=FREE, rounds="flat")
     fabric = fabric_for(topo, 32, 1.0)
     run = run_program(fabric, program, incast=FREE.incast(), rel_tol=0.0)
     assert run.dispatch_s == pytest.approx(3 * (1e6 + 4) / 1e9) and run.combine_s == pytest.approx(3e-3)
@@ -68,6 +70,46 @@ def test_megatron_sends_every_copy_through_pxn_by_hand():
     assert link_bytes[0, nvl_out_00] == pytest.approx(3 * (1e6 + 4))  # the PXN hop
     assert link_bytes[0, nic_up_01] == pytest.approx(3 * (1e6 + 4))  # the destination GPU's rail
     assert link_bytes[0, int(fabric.nic_up_NR[0, 0])] == 0
+
+
+def test_megatron_rotating_rounds_send_one_node_shift_at_a_time_by_hand():
+    # 3 nodes x 1 GPU, 1 expert per GPU, 1 GB/s rails. Every node sends 2 copies to each other
+    # node. Flat: all 12 copies at once, each receiver port has 2 senders and every port carries 4
+    # rows out and 4 in, 4 ms a direction. Rotating: round 1 (s -> s + 1) and
+    # round 2 (s -> s + 2), each one-to-one, 2 ms each: the same 4 ms at alpha 0; with an incast
+    # penalty only the flat all-to-all slows down.
+    topo = RailTopology(num_nodes=3, gpus_per_node=1, rail_gbps=8.0, nvlink_gBps=2.0)
+    experts = 2 * (1 - torch.eye(3, dtype=torch.int64))
+    demand = DemandCounts(records_WNM=torch.zeros(3, 3, 2, dtype=torch.int64), experts_WE=experts)
+    fabric = fabric_for(topo, 32, 1.0)
+    lossy = NetModelConfig(alpha=1.0, k_sat=None, wave_latency_s=0.0, count_exchange_s=0.0, num_experts=1,
+                           rel_tol=0.0)
+    times = {}
+    for rounds in ("flat", "rotating"):
+        for name, model in (("free", FREE), ("lossy", lossy)):
+            program = megatron_program(demand, topo, record_bytes=1_000_000, model=model, rounds=rounds)
+            times[rounds, name] = run_program(fabric, program, incast=model.incast(), rel_tol=0.0).dispatch_s
+    rotating = megatron_program(demand, topo, record_bytes=1_000_000, model=FREE)
+    assert sum(n.startswith("dispatch.alltoall[") for n in rotating.names) == 3  # rounds 0 (local), 1, 2
+    assert times["flat", "free"] == pytest.approx(4e-3 * (1 + 4 / 1e6))
+    assert times["rotating", "free"] == pytest.approx(4e-3 * (1 + 4 / 1e6))
+    assert times["rotating", "lossy"] == pytest.approx(times["rotating", "free"])
+    assert times["flat", "lossy"] > 1.5 * times["flat", "free"]  # 2 senders per port: half the goodput
+
+
+def test_deepep_direct_sends_one_copy_per_target_gpu_by_hand():
+    # The demand of _one_token_demand: 2 records from GPU (0,0) into node 1 with mask {1}: DeepEP
+    # direct sends 2 copies (Megatron 3), PXN over rail 1; rows carry 1e6 B + fp32 probs of the
+    # E / W = 2 experts of the target GPU.
+    topo = RailTopology(num_nodes=2, gpus_per_node=2, rail_gbps=8.0, nvlink_gBps=2.0)
+    demand = _one_token_demand()
+    assert gpu_copies_WW(demand, topo)[0, 3] == 2 and gpu_copies_WW(demand, topo).sum() == 2
+    model = NetModelConfig(alpha=0.0, wave_latency_s=0.0, count_exchange_s=0.0, num_experts=8, rel_tol=0.0)
+    program = deepep_direct_program(demand, topo, record_bytes=1_000_000, model=model)
+    fabric = fabric_for(topo, 32, 1.0)
+    run = run_program(fabric, program, incast=model.incast(), rel_tol=0.0)
+    assert run.dispatch_s == pytest.approx(2 * (1e6 + 8) / 1e9) and run.combine_s == pytest.approx(2e-3)
+    assert program.link_bytes_DL(fabric.num_links)[0, int(fabric.nic_up_NR[0, 1])] == pytest.approx(2 * (1e6 + 8))
 
 
 def _random_fast_program(seed: int):
