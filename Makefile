@@ -148,9 +148,9 @@ gpu-check:
 # The paper's grid on the flow model: H800 and H20 x RING / MODERATE / EXTREME, every path (PERM and
 # JOINT also with 3 rail chunks per wave) and the peers (Megatron all-to-all, FAST-style BvN), payload
 # scaled to the paper's layer times ('paper' = workloads.PAPER_PAYLOAD_SCALE, 1.895: NATIVE RING on
-# H800 then sums to the paper's 1.801 s over the 45 layers), on the paper-incast presets (alpha fitted
-# to the paper's +67.1% on this workload; docs/netmodel.md, "Two presets, two fabrics"). ~2 min each.
-# BENCH_PAPER_MODEL=  (empty) runs the default, about max-min presets instead.
+# H800 then sums to the paper's 1.801 s over the 45 layers), on the incast what-if presets (alpha
+# 4.3165 fitted on the paper's workload-free UltraEP case alone; docs/netmodel.md). ~2 min each.
+# BENCH_PAPER_MODEL=  (empty) runs the default, max-min presets (no incast loss) instead.
 BENCH_PAPER_MODEL ?= _paper_incast
 bench-paper: $(STAMP) $(EXT_STAMP)
 	@mkdir -p out
@@ -159,9 +159,9 @@ bench-paper: $(STAMP) $(EXT_STAMP)
 	$(VPY) -m megatron_railwave.cli bench --cluster configs/clusters/h20_4x8.yaml --model configs/netmodel/h20_4x8$(BENCH_PAPER_MODEL).yaml \
 		--payload-scale paper --chunks 1,3 --plan-repeats 1 --no-progress --json out/bench_paper_h20$(BENCH_PAPER_MODEL).json --plot out/bench_paper_h20$(BENCH_PAPER_MODEL).png
 
-# The 256-node study of docs/results.md ("Scale study"), saturating incast on the paper-incast preset
-# (alpha fitted to the paper's +67.1%; SCALE_MODEL=configs/netmodel/h800_4x8.yaml for the about
-# max-min default). Slow: 11-20 min wall (paper-incast / default), up to ~7 GB memory.
+# The 256-node study of docs/results.md ("Scale study"), saturating incast on the incast what-if
+# preset (alpha fitted on UltraEP alone; SCALE_MODEL=configs/netmodel/h800_4x8.yaml for the max-min
+# default). Slow: 11-20 min wall (paper-incast / default), up to ~7 GB memory.
 SCALE_MODEL ?= configs/netmodel/h800_4x8_paper_incast.yaml
 scale-study: $(STAMP)
 	@mkdir -p out
