@@ -54,8 +54,14 @@ class OnlineSettings:
     probing early (> 1)."""
     reprobe_every: int = 25
     """Exploit calls of a neighbourhood between re-probes (>= 1)."""
-    reprobe_ratio: float = 1.3
-    """Re-probe candidates within this ratio of the best; others every fourth re-probe (>= 1)."""
+    reprobe_budget: float = 0.02
+    """Re-probe a candidate only when the exploit calls since its last probe, times this, reach
+    its known excess over the best (median ratio - 1): re-probes cost about this share of the
+    layer's time per candidate (a path 8x slower: every 350 exploit calls at 0.02; > 0)."""
+    share: bool = True
+    """A layer's new neighbourhood with nothing measured nearby in that layer takes its probe
+    order from the nearest neighbourhood any layer of this process measured (one fabric: a path
+    that is 8x slower on one layer need not be probed on each of 45 layers). False: per layer only."""
     window: int = 8
     """Most recent times kept per path and neighbourhood (their median decides; >= 1)."""
     payload_ratio: float = 2.0
@@ -75,7 +81,9 @@ class OnlineSettings:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"online.{name}={value!r} must be an integer >= {low}")
-        for name, low, strict in (("drop_ratio", 1.0, True), ("reprobe_ratio", 1.0, False),
+        if not isinstance(self.share, bool):
+            raise ValueError(f"online.share={self.share!r} must be true or false")
+        for name, low, strict in (("drop_ratio", 1.0, True), ("reprobe_budget", 0.0, True),
                                   ("payload_ratio", 1.0, False), ("shape_distance", 0.0, False)):
             value = getattr(self, name)
             ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)

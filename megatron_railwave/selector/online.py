@@ -20,12 +20,15 @@ Protocol (``OnlineSelector``, one per MoE layer; pure and deterministic given th
     ``payload_ratio`` and ``shape_distance`` of it (the anchor rule's window). Inside one, each
     candidate path is probed ``probes`` times, round by round (a candidate whose first times are
     ``drop_ratio`` slower than the best median so far stops early), then the path with the lowest
-    median runs ("exploit"); every ``reprobe_every``-th exploit call re-probes the stalest other
-    candidate within ``reprobe_ratio`` of the best (every fourth re-probe: any candidate). When the
+    median runs ("exploit"); an exploit call becomes a re-probe of the stalest other candidate
+    whose wait has paid for it: at least ``reprobe_every`` exploit calls since its last probe, and
+    that many times ``reprobe_budget`` at least its known excess over the best (median ratio - 1),
+    so re-probing costs about ``reprobe_budget`` of the layer's time per candidate. When the
     descriptors leave the neighbourhood, the nearest known neighbourhood that holds them is
-    reused, else a new one starts, its probe order seeded by the nearest neighbourhood of the same
-    layer and pass kind (what this job measured), else by the prior (an anchors file: its
-    anchor's path first, paths its latencies put ``drop_ratio`` behind deferred to re-probes);
+    reused, else a new one starts, its probe order seeded by the nearest measured neighbourhood of
+    the same layer and pass kind, else (``share``) of any layer of this process (one fabric), else
+    by the prior (an anchors file: its anchor's path first); paths the seed puts ``drop_ratio``
+    behind the best wait for re-probes;
   * bad timings (a rank's NaN, negative, zero / stalled clock, or missing time, or ranks that
     disagree on whether there is one) are dropped; ``max_bad`` of them in a row switch the layer
     to JOINT for the rest of the run, with one logged reason. All of this follows from the
@@ -45,6 +48,7 @@ import weakref
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Any
 
 import numpy as np
@@ -55,7 +59,7 @@ from megatron_railwave.planner import Path
 from megatron_railwave.topology import RailTopology
 from megatron_railwave.traffic import SelectorScales, TrafficStats
 
-__all__ = ["OnlineSettings", "OnlineDecision", "OnlineSelector", "Prior", "fast_descriptors", "encode_timing",
+__all__ = ["OnlineSettings", "OnlineDecision", "OnlineSelector", "SharedNeighbourhoods", "PROCESS_SHARED", "Prior", "fast_descriptors", "encode_timing",
            "slowest_timing", "learned_anchor_set", "live_selectors", "save_learned_anchors", "save_learned_anchors_at_exit", "TIMING_NONE", "TIMING_MISSING",
            "TIMING_NAN", "TIMING_NEGATIVE", "TIMING_STALLED", "TIMING_WORDS"]
 
@@ -78,51 +82,57 @@ _MAX_NS = (1 << 62)
 
 
 # ---------------------------------------------------------------------- descriptors
+@lru_cache(maxsize=8)
+def _geometry(topo: RailTopology) -> tuple[np.ndarray, np.ndarray | None, np.ndarray, int]:
+    """Constants of ``fast_descriptors`` for ``topo``: the [W, N] remote mask, the [G, R] rail
+    map (None: one rail per GPU), the flat indices of the healthy (node, rail) ports and W."""
+    n, g, r = topo.num_nodes, topo.gpus_per_node, topo.num_rails
+    w = n * g
+    remote_WN = (np.arange(w)[:, None] // g != np.arange(n)[None, :]).astype(np.int64)
+    rails = tuple(topo.rail_of_gpu)
+    rail_GR = None
+    if rails != tuple(range(g)) or r != g:
+        rail_GR = np.zeros((g, r), dtype=np.float64)
+        rail_GR[np.arange(g), np.asarray(rails)] = 1.0
+    healthy = np.zeros((n, r), dtype=bool)
+    healthy[:, sorted(set(rails))] = True
+    for node, rail in topo.failed_rails:
+        healthy[node, rail] = False
+    return remote_WN, rail_GR, np.flatnonzero(healthy.reshape(-1)), w
+
+
 def fast_descriptors(records_WN: np.ndarray, topo: RailTopology, *, record_bytes: int,
                      scales: tuple[float, float, float] | None = None) -> TrafficStats:
     """B, rho_g, kappa and the coordinates of a layer sent all node pairs at once, from the
-    gathered [W, N] records (``stats.demand_stats``'s values, in numpy: the online selector reads
-    them on every layer call, where the torch version costs ~0.3 ms at 4 x 8).
+    gathered [W, N] records (``stats.demand_stats``'s values, in a few numpy calls: the online
+    selector reads them on every layer call, where the torch version costs ~0.3 ms at 4 x 8).
 
     Args:
         records_WN: [W, N] int64, records from rank w (railwave order: node-major) to node n.
         scales: (payload_ref_bytes, rho_scale, kappa_scale); default ``SelectorScales`` for ``topo``.
     """
+    remote_WN, rail_GR, healthy, w = _geometry(topo)
     n = topo.num_nodes
-    w = records_WN.shape[0]
-    g = w // n
-    rec_NGN = records_WN.reshape(n, g, n)
-    diag = np.arange(n)
-    remote_NGN = rec_NGN.copy()
-    remote_NGN[diag, :, diag] = 0
-    per_gpu = remote_NGN.sum(axis=2)  # [N, G] remote records
-    remote = int(per_gpu.sum())
-    b_mean = float(per_gpu.mean()) * record_bytes
-    b_max = float(per_gpu.max()) * record_bytes
-    rails = topo.rail_of_gpu
-    r = topo.num_rails
-    if tuple(rails) == tuple(range(g)) and r == g:
-        load_NRN = remote_NGN
-    else:
-        load_NRN = np.zeros((n, r, n), dtype=np.int64)
-        np.add.at(load_NRN, (slice(None), np.asarray(rails)), remote_NGN)
-    egress_NR = load_NRN.sum(axis=2).astype(np.float64)
-    healthy = np.zeros((n, r), dtype=bool)
-    healthy[:, sorted(set(rails))] = True
-    for node, rail in topo.failed_rails:
-        healthy[node, rail] = False
-    mean = float(egress_NR[healthy].mean()) if healthy.any() else 0.0
-    rho = float(egress_NR.max()) / mean if mean > 0 else 1.0
-    load = load_NRN.astype(np.float64)  # [s, r, d]; the local node carries 0
-    total = load.sum(axis=0)
-    squares = (load * load).sum(axis=0)
-    valid = squares > 0
-    kappa = float((total[valid] ** 2 / squares[valid]).max()) if n > 1 and valid.any() else 1.0
+    remote = (records_WN * remote_WN).astype(np.float64)  # [W, N], the local node zeroed
+    per_gpu_W = remote.sum(axis=1)
+    remote_total = float(per_gpu_W.sum())
+    b_mean = remote_total / w * record_bytes
+    b_max = float(per_gpu_W.max()) * record_bytes
+    load_NGN = remote.reshape(n, w // n, n)
+    if rail_GR is not None:  # GPUs sharing a rail: their loads add up on it
+        load_NGN = np.einsum("sgd,gr->srd", load_NGN, rail_GR)
+    egress = load_NGN.sum(axis=2).reshape(-1)
+    mean = float(egress[healthy].mean()) if healthy.size else 0.0
+    rho = float(egress.max()) / mean if mean > 0 else 1.0
+    total = load_NGN.sum(axis=0)
+    squares = np.einsum("srd,srd->rd", load_NGN, load_NGN)
+    kappa = float(np.max(np.divide(total * total, squares, out=np.ones_like(total), where=squares > 0))) \
+        if n > 1 and remote_total > 0 else 1.0
     ref, rho_scale, kappa_scale = scales if scales is not None else SelectorScales().resolve(topo)
     coords = (math.log2(b_mean / ref) if b_mean > 0 else -math.inf, (rho - 1.0) / rho_scale,
               (kappa - 1.0) / kappa_scale)
     return TrafficStats(B_mean_bytes=b_mean, B_max_bytes=b_max, rho_g=rho, kappa=kappa, coords=coords,
-                        records_total=int(records_WN.sum()), remote_records=remote)
+                        records_total=int(records_WN.sum()), remote_records=int(remote_total))
 
 
 # ---------------------------------------------------------------------- timing words
@@ -198,6 +208,8 @@ class _Neighbourhood:
     """Candidates not probed now (dropped early, or put behind by the prior): re-probes only."""
     exploits: int = 0
     reprobes: int = 0
+    probed_at: dict[Path, int] = field(default_factory=dict)
+    """Exploit count when each candidate was last chosen to probe (its re-probe wait starts there)."""
     last_used: int = 0
     seeded_by: str = "none"
 
@@ -231,6 +243,28 @@ Prior = Callable[[TrafficStats], "tuple[Path, dict[Path, float] | None] | None"]
 _LIVE: "weakref.WeakSet[OnlineSelector]" = weakref.WeakSet()
 
 
+class SharedNeighbourhoods:
+    """What every layer of one process measured, by pass kind (``OnlineSettings.share``): the
+    seed of a layer's new neighbourhood where that layer measured nothing yet. Every rank runs
+    the same layers in the same order, so every rank's copy holds the same data at each call."""
+
+    def __init__(self) -> None:
+        self.tables: dict[str, list[_Neighbourhood]] = {}
+
+    def add(self, kind: str, nb: _Neighbourhood) -> None:
+        self.tables.setdefault(kind, []).append(nb)
+
+    def nearest(self, kind: str, x: float, y: float, z: float) -> _Neighbourhood | None:
+        known = [nb for nb in self.tables.get(kind, []) if nb.best() is not None]
+        if not known:
+            return None
+        return min(known, key=lambda nb: (x - nb.centre[0]) ** 2 + (y - nb.centre[1]) ** 2 + (z - nb.centre[2]) ** 2)
+
+
+PROCESS_SHARED = SharedNeighbourhoods()
+"""The registry the dispatcher's selectors share (``selector_from_config``)."""
+
+
 def live_selectors() -> list[OnlineSelector]:
     """Every ``OnlineSelector`` of this process, by layer (what ``learned_anchor_set`` writes)."""
     return sorted(_LIVE, key=lambda s: (s.layer if s.layer is not None else -1, id(s)))
@@ -248,11 +282,13 @@ class OnlineSelector:
     """
 
     def __init__(self, settings: OnlineSettings | None = None, *, scales: tuple[float, float, float],
-                 prior: Prior | None = None, layer: int | None = None) -> None:
+                 prior: Prior | None = None, layer: int | None = None,
+                 shared: SharedNeighbourhoods | None = None) -> None:
         self.settings = settings or OnlineSettings()
         self.scales = scales
         self.prior = prior
         self.layer = layer
+        self.shared = shared if self.settings.share else None
         self.candidates: tuple[Path, ...] = tuple(p for p in ALL_PATHS if str(p) in self.settings.candidates)
         self._log_ratio = math.log2(self.settings.payload_ratio) + 1e-12
         self._tables: dict[str, list[_Neighbourhood]] = {}
@@ -358,12 +394,17 @@ class OnlineSelector:
         index = max((nb.index for nb in table), default=-1) + 1
         order, deferred, seeded = self.candidates, set(), "none"
         known = [nb for nb in table if nb.best() is not None]
-        if known:  # what this job measured nearby outranks any prior
+        near = None
+        if known:  # what this job measured outranks any prior: this layer first, then any layer
             near = min(known, key=lambda nb: ((x - nb.centre[0]) ** 2 + (y - nb.centre[1]) ** 2
                                               + (z - nb.centre[2]) ** 2, nb.index))
+            seeded = f"neighbourhood {near.index}"
+        elif self.shared is not None:
+            near = self.shared.nearest(kind, x, y, z)
+            seeded = "another layer"
+        if near is not None:
             medians = {p: t.median() for p, t in near.times.items() if t.recent}
             order, deferred = self._seeded_order(medians)
-            seeded = f"neighbourhood {near.index}"
         elif self.prior is not None:
             advice = self.prior(stats)
             if advice is not None:
@@ -377,8 +418,13 @@ class OnlineSelector:
                             times={p: _Times(recent=deque(maxlen=self.settings.window)) for p in self.candidates},
                             deferred=deferred, seeded_by=seeded)
         if len(table) >= self.settings.max_neighbourhoods:
-            table.remove(min(table, key=lambda nb: (nb.last_used, nb.index)))
+            old = min(table, key=lambda nb: (nb.last_used, nb.index))
+            table.remove(old)
+            if self.shared is not None and old in self.shared.tables.get(kind, []):
+                self.shared.tables[kind].remove(old)
         table.append(nb)
+        if self.shared is not None:
+            self.shared.add(kind, nb)
         return nb
 
     def _seeded_order(self, medians: dict[Path, float]) -> tuple[tuple[Path, ...], set[Path]]:
@@ -403,29 +449,34 @@ class OnlineSelector:
                     if others and min(t.recent) > s.drop_ratio * min(others):
                         nb.deferred.add(p)
                         continue
+                nb.probed_at[p] = nb.exploits
                 return p, "probe"
         best = nb.best()
         if best is None:  # every candidate deferred without times (cannot happen with JOINT kept)
             return Path.JOINT, "probe"
         nb.exploits += 1
-        if nb.exploits % s.reprobe_every == 0:
+        challenger = self._challenger(nb, best)
+        if challenger is not None:
             nb.reprobes += 1
-            challenger = self._challenger(nb, best)
-            if challenger is not None:
-                return challenger, "reprobe"
+            nb.probed_at[challenger] = nb.exploits
+            return challenger, "reprobe"
         return best, "exploit"
 
     def _challenger(self, nb: _Neighbourhood, best: Path) -> Path | None:
+        """The stalest candidate whose wait has paid for a re-probe (module docstring), or None."""
+        s = self.settings
         best_t = nb.times[best].median()
-        any_ok = nb.reprobes % 4 == 0
-        pick, pick_last = None, math.inf
+        pick, pick_age = None, -1
         for p in nb.order:
             if p == best:
                 continue
+            age = nb.exploits - nb.probed_at.get(p, 0)
+            if age < s.reprobe_every:
+                continue
             t = nb.times[p]
-            ok = any_ok or (bool(t.recent) and t.median() <= self.settings.reprobe_ratio * best_t)
-            if ok and t.last_call < pick_last:
-                pick, pick_last = p, t.last_call
+            excess = (t.median() / best_t - 1.0) if t.recent and best_t > 0 else s.drop_ratio - 1.0
+            if age * s.reprobe_budget >= excess and age > pick_age:
+                pick, pick_age = p, age
         return pick
 
     # ------------------------------------------------------------------ state for logs and files

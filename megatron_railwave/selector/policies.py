@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 
 from megatron_railwave.selector.anchors import DEFAULT_PAYLOAD_RATIO, DEFAULT_SHAPE_DISTANCE, Anchor, AnchorSet, load_anchors
-from megatron_railwave.selector.online import OnlineSelector, anchor_prior
+from megatron_railwave.selector.online import PROCESS_SHARED, OnlineSelector, anchor_prior
 from megatron_railwave.selector.path_model import RailJointModel, path_features
 from megatron_railwave.planner import Path, WaveSchedule, parse_path
 from megatron_railwave.topology import RailTopology
@@ -383,7 +383,7 @@ def _online_selector(config: RailWaveConfig, topo: RailTopology) -> OnlineSelect
     """An online selector; an anchors file (checked like the offline rule's: topology, chunks)
     is its prior and sets its coordinate scales. A missing file raises: the user named it."""
     if config.anchors is None:
-        return OnlineSelector(config.online, scales=SelectorScales().resolve(topo))
+        return OnlineSelector(config.online, scales=SelectorScales().resolve(topo), shared=PROCESS_SHARED)
     path = FsPath(config.anchors).expanduser().resolve()
     if not path.is_file():
         raise ValueError(f"anchors file {str(path)!r} (the online selector's prior) does not exist; write it with "
@@ -396,4 +396,5 @@ def _online_selector(config: RailWaveConfig, topo: RailTopology) -> OnlineSelect
     payload_ratio, shape_distance = anchor_set.thresholds(config.payload_ratio, config.shape_distance)
     rule = AnchorSelector(anchor_set, payload_ratio=payload_ratio, shape_distance=shape_distance,
                           fallback_below=anchor_set.fallback_below)
-    return OnlineSelector(config.online, scales=anchor_set.scales, prior=anchor_prior(anchor_set, rule.explain))
+    return OnlineSelector(config.online, scales=anchor_set.scales, prior=anchor_prior(anchor_set, rule.explain),
+                          shared=PROCESS_SHARED)
