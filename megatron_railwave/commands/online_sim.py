@@ -8,8 +8,9 @@ and always-JOINT) as met or missed; and the cost: the decision's host microsecon
 and the bytes it adds to the count message. ``--learned`` writes what the online selector learned
 (last seed) as an anchors file that ``railwave validate`` reads.
 
-JSON written by ``--json``: ``settings``, ``base`` (the flow model's seconds per epoch, layer and
-path), ``runs`` (per seed: ``summary`` and ``layers``, each with the path per step, its mode, the
+JSON written by ``--json``: ``settings``, ``models`` (per flow-model file: ``base``, the flow
+model's seconds per epoch, layer and path, the counts and the offline selector's paths, which
+``--base-from`` reuses; ``runs`` (per seed: ``summary`` and ``layers``, each with the path per step, its mode, the
 online, oracle and fixed totals).
 """
 
@@ -63,6 +64,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--prior", action="store_true", help="also seed the online selector with --anchors")
     parser.add_argument("--learned", default=None, metavar="YAML",
                         help="write what the online selector learned (last seed) as an anchors file")
+    parser.add_argument("--base-from", default=None, metavar="JSON",
+                        help="reuse the flow-model times, counts and offline paths of an earlier --json (same "
+                             "--model list and routing; no simulation)")
     parser.add_argument("--json", default=None, metavar="FILE", help="write the per-layer results")
     parser.set_defaults(handler=run)
     _outputs.declare_outputs(parser, files=("json", "learned"))
@@ -70,7 +74,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from megatron_railwave.config import RailWaveConfig
-    from megatron_railwave.lab.bench.online_sim import base_times, learned_file, simulate_online
+    from megatron_railwave.lab.bench.online_sim import (base_from_json, base_times, learned_file, offline_paths,
+                                                        simulate_online)
     from megatron_railwave.planner import PlanOptions
     from megatron_railwave.selector import selector_from_config
     from megatron_railwave.selector.anchors import save_anchors
@@ -94,20 +99,39 @@ def run(args: argparse.Namespace) -> int:
     epochs = (args.steps + args.routing_every - 1) // args.routing_every
     _render.print_text(f"flow model(s) {', '.join(model_files)} on {topo.name}: {epochs} routing epochs x "
                        f"{len(args.layers) if args.layers else 45} layers x 4 paths ...")
-    bases = base_times(topo, models, epochs=epochs, tokens=args.tokens, workload_seed=args.workload_seed,
-                      layers=tuple(args.layers) if args.layers else None, record_bytes=record_bytes,
-                      options=PlanOptions(chunks=args.chunks), progress=True)
+    offline_XL: list[Any] = [None] * len(models)
+    if args.base_from:
+        import json
+
+        earlier = json.loads(open(args.base_from).read())["models"]
+        missing = [m for m in model_files if m not in earlier]
+        if missing:
+            raise ValueError(f"--base-from {args.base_from}: no base times for model(s) {missing} (it has {list(earlier)})")
+        bases = [base_from_json(earlier[m]["base"], record_bytes) for m in model_files]
+        if args.anchors:
+            offline_XL = [earlier[m]["base"].get("offline_XL") for m in model_files]
+            if any(o is None for o in offline_XL):
+                raise ValueError(f"--base-from {args.base_from} has no offline paths; run it again with --anchors")
+    else:
+        bases = base_times(topo, models, epochs=epochs, tokens=args.tokens, workload_seed=args.workload_seed,
+                           layers=tuple(args.layers) if args.layers else None, record_bytes=record_bytes,
+                           options=PlanOptions(chunks=args.chunks), progress=True)
+        if offline is not None:
+            paths = offline_paths(bases[0], topo, offline).tolist()  # the counts are the same for every model
+            offline_XL = [paths] * len(models)
     out_models: dict[str, Any] = {}
     result: dict[str, Any] = {}
-    for model_file, model, base in zip(model_files, models, bases):
+    for model_file, model, base, off in zip(model_files, models, bases, offline_XL):
         runs: dict[str, Any] = {}
         for seed in args.seed:
             result = simulate_online(base, topo, steps=args.steps, routing_every=args.routing_every, seed=seed,
-                                     noise=args.noise, offline=offline, prior=prior, scales=scales)
+                                     noise=args.noise, offline=off, prior=prior, scales=scales)
             _print_run(model_file, seed, result["summary"], topo.world_size)
             runs[str(seed)] = {k: v for k, v in result.items() if not k.startswith("_")}
         out_models[model_file] = {"base": {"layers": list(base.layers), "seconds_XLP": base.seconds_XLP.tolist(),
-                                           "paths": ["native", "rail", "perm", "joint"]}, "runs": runs}
+                                           "paths": ["native", "rail", "perm", "joint"],
+                                           "records_XLWN": [[r.tolist() for r in row] for row in base.records_XL],
+                                           "offline_XL": off}, "runs": runs}
         if args.learned:
             requests = {"workload": "glm", "seed": args.workload_seed, "layers": list(base.layers),
                         "payload_scales": [1.0], "tokens": args.tokens, "arrangements": ["none"]}

@@ -36,7 +36,7 @@ from megatron_railwave.config import OnlineSettings
 from megatron_railwave.topology import RailTopology
 from megatron_railwave.traffic import DemandCounts, SelectorScales
 
-__all__ = ["BaseTimes", "base_times", "simulate_online", "learned_file", "PATHS"]
+__all__ = ["BaseTimes", "base_times", "base_from_json", "offline_paths", "simulate_online", "learned_file", "PATHS"]
 
 PATHS: tuple[Path, ...] = (Path.NATIVE, Path.RAIL, Path.PERM, Path.JOINT)
 
@@ -98,6 +98,30 @@ def base_times(topo: RailTopology, models: list[Any], *, epochs: int, tokens: in
                       demands_XL=demands, record_bytes=record_bytes, wall_s=wall) for sec in seconds]
 
 
+def offline_paths(base: BaseTimes, topo: RailTopology, selector: Any) -> np.ndarray:
+    """[X, L] index into ``PATHS`` of the offline selector's path per (epoch, layer): the runtime's
+    rule on the counts the count exchange gathers (``select_for_layer``)."""
+    from megatron_railwave.selector import needs_descriptors, select_for_layer
+    from megatron_railwave.telemetry.stats import demand_stats
+
+    x, num_layers, _ = base.seconds_XLP.shape
+    out = np.zeros((x, num_layers), dtype=np.int64)
+    for e in range(x):
+        for li, demand in enumerate(base.demands_XL[e]):
+            gathered = DemandCounts(records_WN=demand.records_WN, delivery_WNKG=demand.class_copies_WNKG())
+            descr = demand_stats(gathered, topo, record_bytes=base.record_bytes) if needs_descriptors(selector) else None
+            out[e, li] = PATHS.index(select_for_layer(selector, descr, gathered, record_bytes=base.record_bytes))
+    return out
+
+
+def base_from_json(data: dict[str, Any], record_bytes: int) -> BaseTimes:
+    """A ``BaseTimes`` from an earlier run's JSON ``models[...]['base']`` (no demands: the offline
+    selector's paths come from that JSON too)."""
+    return BaseTimes(layers=tuple(data["layers"]), seconds_XLP=np.asarray(data["seconds_XLP"], dtype=np.float64),
+                     records_XL=[[np.asarray(r, dtype=np.int64) for r in row] for row in data["records_XLWN"]],
+                     demands_XL=[], record_bytes=record_bytes, wall_s=0.0)
+
+
 def simulate_online(base: BaseTimes, topo: RailTopology, *, steps: int, routing_every: int, seed: int, noise: float,
                     settings: OnlineSettings | None = None, offline: Any = None, prior: Any = None,
                     scales: tuple[float, float, float] | None = None) -> dict[str, Any]:
@@ -105,12 +129,9 @@ def simulate_online(base: BaseTimes, topo: RailTopology, *, steps: int, routing_
     selectors under ``"_selectors"`` (for the learned anchors file).
 
     Args:
-        offline: a runtime selector (``selector_from_config``'s offline kinds) to compare, or None.
+        offline: [X, L] the offline selector's paths (``offline_paths``) to compare, or None.
         prior: a ``selector.online.Prior`` for the online selectors (an anchors file), or None.
     """
-    from megatron_railwave.selector import needs_descriptors, select_for_layer
-    from megatron_railwave.telemetry.stats import demand_stats
-
     if steps < 1 or routing_every < 1:
         raise ValueError(f"steps ({steps}) and routing_every ({routing_every}) must be >= 1")
     if not (noise >= 0 and math.isfinite(noise)):
@@ -154,14 +175,7 @@ def simulate_online(base: BaseTimes, topo: RailTopology, *, steps: int, routing_
     }
     offline_rows = None
     if offline is not None:
-        offline_K = np.zeros((x, num_layers), dtype=np.int64)
-        for e in range(x):
-            for li, demand in enumerate(base.demands_XL[e]):
-                gathered = DemandCounts(records_WN=demand.records_WN, delivery_WNKG=demand.class_copies_WNKG())
-                descr = (demand_stats(gathered, topo, record_bytes=base.record_bytes)
-                         if needs_descriptors(offline) else None)
-                offline_K[e, li] = PATHS.index(select_for_layer(offline, descr, gathered, record_bytes=base.record_bytes))
-        offline_SL = offline_K[epoch_S]
+        offline_SL = np.asarray(offline)[epoch_S]
         totals["offline"] = float(np.take_along_axis(t_SLP, offline_SL[..., None], axis=2).sum())
         offline_rows = offline_SL
     oracle = totals["oracle_per_layer"]
