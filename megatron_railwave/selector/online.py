@@ -162,6 +162,8 @@ def slowest_timing(words_W: Iterable[int]) -> tuple[float | None, str | None]:
     measurement; (None, problem) when a word is bad or the ranks disagree on whether there is one.
     The same on every rank (the words are)."""
     words = [int(v) for v in words_W]
+    if words and min(words) > 0:  # the common case, first: every rank measured
+        return max(words) * 1e-9, None
     bad = {i: v for i, v in enumerate(words) if v < 0}
     if bad:
         kinds = sorted({_PROBLEMS.get(v, f"code {v}") for v in bad.values()})
@@ -182,16 +184,20 @@ class _Times:
     recent: deque[float]
     count: int = 0
     last_call: int = -1
+    _median: float | None = None
 
     def add(self, seconds: float, call: int) -> None:
         self.recent.append(seconds)
         self.count += 1
         self.last_call = call
+        self._median = None
 
     def median(self) -> float:
-        values = sorted(self.recent)
-        k = len(values)
-        return values[k // 2] if k % 2 else 0.5 * (values[k // 2 - 1] + values[k // 2])
+        if self._median is None:
+            values = sorted(self.recent)
+            k = len(values)
+            self._median = values[k // 2] if k % 2 else 0.5 * (values[k // 2 - 1] + values[k // 2])
+        return self._median
 
 
 @dataclass(kw_only=True, slots=True)
@@ -208,6 +214,8 @@ class _Neighbourhood:
     """Candidates not probed now (dropped early, or put behind by the prior): re-probes only."""
     exploits: int = 0
     reprobes: int = 0
+    probing_done: bool = False
+    """Every candidate has its probes or waits for re-probes (counts only grow: stays done)."""
     probed_at: dict[Path, int] = field(default_factory=dict)
     """Exploit count when each candidate was last chosen to probe (its re-probe wait starts there)."""
     last_used: int = 0
@@ -437,7 +445,7 @@ class OnlineSelector:
 
     def _choose(self, nb: _Neighbourhood) -> tuple[Path, str]:
         s = self.settings
-        for round_ in range(s.probes):
+        for round_ in range(0 if nb.probing_done else s.probes):
             for p in nb.order:
                 if p in nb.deferred:
                     continue
@@ -451,6 +459,7 @@ class OnlineSelector:
                         continue
                 nb.probed_at[p] = nb.exploits
                 return p, "probe"
+        nb.probing_done = True
         best = nb.best()
         if best is None:  # every candidate deferred without times (cannot happen with JOINT kept)
             return Path.JOINT, "probe"
