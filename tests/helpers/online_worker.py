@@ -83,6 +83,20 @@ def run_layer_online(rank: int, world: int, kw: dict, steps: int, log_dir: str, 
         from megatron_railwave.telemetry.megatron_logging import default_metrics_sink
 
         res["tracker"] = {k: v for k, v in default_metrics_sink().means().items() if k.startswith(("selector", "measured"))}
+
+        # Rank 2's clock goes bad (NaN) from its 4th reading on: every rank must fall back to JOINT
+        # at the same call.
+        readings = [0]
+
+        def bad_on_rank2(self):
+            readings[0] += 1
+            return float("nan") if rank == 2 and readings[0] > 6 else original(self)
+
+        stats.Stopwatch.elapsed_ms = bad_on_rank2
+        megatron_railwave.install({"gpus_per_node": 2, "path": "auto", "selector": "online", "metrics": False,
+                                   "log_dir": log_dir + "/bad", "log_mode": "rank"})
+        res["bad"] = _run_steps(rank, world, "railwave", kw, steps)
+        megatron_railwave.install({"gpus_per_node": 2, "path": "joint", "metrics": False})
         return res
     finally:
         stats.Stopwatch.elapsed_ms = original

@@ -134,3 +134,18 @@ def test_moe_layer_online_selector_matches_alltoall_and_ranks_agree(tmp_path):
     assert slow and all(len(v) == 1 for v in slow.values())
     tracker = results[0]["tracker"]
     assert "selector_probe" in tracker and 1 in tracker["selector_probe"]
+    # One rank's clock turns NaN: every rank logs the same decisions, ending in JOINT fallbacks,
+    # and the numbers stay right.
+    bad = {}
+    for rec in read_logs(tmp_path / "bad"):
+        if rec["pass_kind"] == "train":
+            bad.setdefault(rec["rank"], []).append((rec["step"], rec["path"], rec["selector_mode"], rec["bad_timings"]))
+    runs = [sorted(v) for _, v in sorted(bad.items())]
+    assert len(runs) == 4 and all(r == runs[0] for r in runs[1:])
+    modes = [m for _, _, m, _ in runs[0]]
+    first = modes.index("fallback")
+    assert first >= 3 and all(m == "fallback" for m in modes[first:])
+    assert all(p == "joint" for _, p, m, _ in runs[0] if m == "fallback")
+    for rank, res in enumerate(results):
+        for step in range(steps + 1):
+            assert np.array_equal(res["bad"][step]["output"], res["fixed"][step]["output"]), f"rank {rank} step {step}"
