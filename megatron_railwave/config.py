@@ -54,10 +54,10 @@ class OnlineSettings:
     probing early (> 1)."""
     reprobe_every: int = 25
     """Exploit calls of a neighbourhood between re-probes (>= 1)."""
-    reprobe_budget: float = 0.02
+    reprobe_budget: float = 0.005
     """Re-probe a candidate only when the exploit calls since its last probe, times this, reach
     its known excess over the best (median ratio - 1): re-probes cost about this share of the
-    layer's time per candidate (a path 8x slower: every 350 exploit calls at 0.02; > 0)."""
+    layer's time per candidate (a path 2x slower: every 200 exploit calls at 0.005; > 0)."""
     share: bool = True
     """A layer's new neighbourhood with nothing measured nearby in that layer takes its probe
     order from the nearest neighbourhood any layer of this process measured (one fabric: a path

@@ -79,6 +79,9 @@ TIMING_STALLED = -4
 _PROBLEMS = {TIMING_MISSING: "missing", TIMING_NAN: "NaN or infinite", TIMING_NEGATIVE: "negative",
              TIMING_STALLED: "zero (stalled clock)"}
 _MAX_NS = (1 << 62)
+_MAX_WAITS = 2
+"""Calls a neighbourhood waits for another layer's in-flight probe of a path before probing it
+itself: the other layer's time arrives at its next call, one step later."""
 
 
 # ---------------------------------------------------------------------- descriptors
@@ -211,9 +214,14 @@ class _Neighbourhood:
     """Probe order (the prior's or the nearest neighbourhood's best first)."""
     times: dict[Path, _Times]
     deferred: set[Path] = field(default_factory=set)
+    seed_excess: dict[Path, float] = field(default_factory=dict)
+    """Deferred candidates' excess over the best (ratio - 1) as the seed measured it, until this
+    neighbourhood times them itself (their re-probe wait)."""
     """Candidates not probed now (dropped early, or put behind by the prior): re-probes only."""
     exploits: int = 0
     reprobes: int = 0
+    waits: int = 0
+    """Calls this neighbourhood waited for other layers' probes (at most ``_MAX_WAITS``)."""
     probing_done: bool = False
     """Every candidate has its probes or waits for re-probes (counts only grow: stays done)."""
     probed_at: dict[Path, int] = field(default_factory=dict)
@@ -238,7 +246,8 @@ class OnlineDecision:
 
     path: Path
     mode: str
-    """'probe', 'exploit', 'reprobe', 'fallback' (bad timings), 'replay' (recompute), 'idle' (no
+    """'probe', 'exploit', 'reprobe', 'wait' (the best timed path while another layer's probe of
+    a path is in flight), 'fallback' (bad timings), 'replay' (recompute), 'idle' (no
     remote payload: every path is the same)."""
     kind: str
     neighbourhood: int = -1
@@ -258,6 +267,25 @@ class SharedNeighbourhoods:
 
     def __init__(self) -> None:
         self.tables: dict[str, list[_Neighbourhood]] = {}
+        self.pending: dict[tuple[str, Path], int] = {}
+        """Probes decided whose times have not come back yet, per (pass kind, path)."""
+
+    def ratio(self, kind: str, centre: tuple[float, float, float], path: Path, exclude: _Neighbourhood) -> float | None:
+        """``path``'s median over the best other path's in the nearest other neighbourhood that
+        timed both (None: none did)."""
+        x, y, z = centre
+        best: tuple[float, float] | None = None
+        for nb in self.tables.get(kind, []):
+            t = nb.times.get(path)
+            if nb is exclude or t is None or not t.recent:
+                continue
+            others = [q.median() for c, q in nb.times.items() if c != path and q.recent]
+            if not others:
+                continue
+            d2 = (x - nb.centre[0]) ** 2 + (y - nb.centre[1]) ** 2 + (z - nb.centre[2]) ** 2
+            if best is None or d2 < best[0]:
+                best = (d2, t.median() / min(others))
+        return None if best is None else best[1]
 
     def add(self, kind: str, nb: _Neighbourhood) -> None:
         self.tables.setdefault(kind, []).append(nb)
@@ -324,6 +352,9 @@ class OnlineSelector:
         seconds, problem = slowest_timing(words_W)
         last, self._last = self._last, None
         self.last_seconds, self.last_problem = seconds, problem
+        if last is not None and last.mode in ("probe", "reprobe") and self.shared is not None:
+            key = (last.kind, last.path)
+            self.shared.pending[key] = max(self.shared.pending.get(key, 0) - 1, 0)
         if last is None or self.fallback_reason is not None:
             return None
         if problem is None and seconds is None:
@@ -369,7 +400,9 @@ class OnlineSelector:
             decision = OnlineDecision(path=Path.JOINT, mode="idle", kind=kind, call=call)
         else:
             nb = self._neighbourhood(kind, stats, call)
-            path, mode = self._choose(nb)
+            path, mode = self._choose(nb, kind)
+            if mode in ("probe", "reprobe") and self.shared is not None:
+                self.shared.pending[(kind, path)] = self.shared.pending.get((kind, path), 0) + 1
             decision = OnlineDecision(path=path, mode=mode, kind=kind, neighbourhood=nb.index, call=call)
         self._last = decision if decision.mode != "idle" else None
         return decision
@@ -410,21 +443,23 @@ class OnlineSelector:
         elif self.shared is not None:
             near = self.shared.nearest(kind, x, y, z)
             seeded = "another layer"
+        excess: dict[Path, float] = {}
         if near is not None:
             medians = {p: t.median() for p, t in near.times.items() if t.recent}
-            order, deferred = self._seeded_order(medians)
+            order, deferred, excess = self._seeded_order(medians)
         elif self.prior is not None:
             advice = self.prior(stats)
             if advice is not None:
                 path, medians = advice
                 if medians:
-                    order, deferred = self._seeded_order({p: v for p, v in medians.items() if p in self.candidates})
+                    order, deferred, excess = self._seeded_order(
+                        {p: v for p, v in medians.items() if p in self.candidates})
                 elif path in self.candidates:
                     order = (path,) + tuple(p for p in self.candidates if p != path)
                 seeded = "anchors"
         nb = _Neighbourhood(index=index, centre=(x, y, z), stats=stats, order=order,
                             times={p: _Times(recent=deque(maxlen=self.settings.window)) for p in self.candidates},
-                            deferred=deferred, seeded_by=seeded)
+                            deferred=deferred, seed_excess=excess, seeded_by=seeded)
         if len(table) >= self.settings.max_neighbourhoods:
             old = min(table, key=lambda nb: (nb.last_used, nb.index))
             table.remove(old)
@@ -435,16 +470,17 @@ class OnlineSelector:
             self.shared.add(kind, nb)
         return nb
 
-    def _seeded_order(self, medians: dict[Path, float]) -> tuple[tuple[Path, ...], set[Path]]:
-        """Probe order by known medians (fastest first, unknown last) and the candidates put behind
-        by ``drop_ratio`` (probed only at re-probes)."""
+    def _seeded_order(self, medians: dict[Path, float]) -> tuple[tuple[Path, ...], set[Path], dict[Path, float]]:
+        """Probe order by known medians (fastest first, unknown last), the candidates put behind
+        by ``drop_ratio`` (probed only at re-probes) and their excess over the best."""
         ranked = sorted(self.candidates, key=lambda p: (medians.get(p, math.inf), self.candidates.index(p)))
         best = medians.get(ranked[0], math.inf)
         deferred = {p for p in ranked[1:] if p in medians and medians[p] > self.settings.drop_ratio * best}
-        return tuple(ranked), deferred
+        return tuple(ranked), deferred, {p: medians[p] / best - 1.0 for p in deferred}
 
-    def _choose(self, nb: _Neighbourhood) -> tuple[Path, str]:
+    def _choose(self, nb: _Neighbourhood, kind: str) -> tuple[Path, str]:
         s = self.settings
+        waiting = False
         for round_ in range(0 if nb.probing_done else s.probes):
             for p in nb.order:
                 if p in nb.deferred:
@@ -452,6 +488,18 @@ class OnlineSelector:
                 t = nb.times[p]
                 if t.count > round_:
                     continue
+                if t.count == 0 and self.shared is not None:
+                    # Another layer timed it nearby against a faster path: no probe here. Another
+                    # layer probes it in this step: wait for its time (one probe per path and
+                    # step across the layers, not one per layer).
+                    ratio = self.shared.ratio(kind, nb.centre, p, nb)
+                    if ratio is not None and ratio > s.drop_ratio:
+                        nb.deferred.add(p)
+                        nb.seed_excess[p] = ratio - 1.0
+                        continue
+                    if self.shared.pending.get((kind, p), 0) > 0 and nb.waits < _MAX_WAITS:
+                        waiting = True
+                        continue
                 if t.recent:
                     others = [q.median() for c, q in nb.times.items() if c != p and q.recent]
                     if others and min(t.recent) > s.drop_ratio * min(others):
@@ -459,6 +507,9 @@ class OnlineSelector:
                         continue
                 nb.probed_at[p] = nb.exploits
                 return p, "probe"
+        if waiting:  # the best timed path so far (JOINT before any), until the other layers' times arrive
+            nb.waits += 1
+            return nb.best() or Path.JOINT, "wait"
         nb.probing_done = True
         best = nb.best()
         if best is None:  # every candidate deferred without times (cannot happen with JOINT kept)
@@ -483,7 +534,8 @@ class OnlineSelector:
             if age < s.reprobe_every:
                 continue
             t = nb.times[p]
-            excess = (t.median() / best_t - 1.0) if t.recent and best_t > 0 else s.drop_ratio - 1.0
+            excess = ((t.median() / best_t - 1.0) if t.recent and best_t > 0
+                      else nb.seed_excess.get(p, s.drop_ratio - 1.0))
             if age * s.reprobe_budget >= excess and age > pick_age:
                 pick, pick_age = p, age
         return pick
