@@ -554,18 +554,28 @@ class OnlineSelector:
                 "last_ms": self.last_seconds * 1e3 if self.last_seconds is not None else None,
                 "bad_timings": self.bad_total}
 
-    def learned(self, kind: str = "train") -> list[tuple[_Neighbourhood, dict[Path, PathLatency]]]:
-        """Neighbourhoods of ``kind`` where every path has times, with each path's latency summary."""
+    def learned(self, kind: str = "train") -> list[tuple[_Neighbourhood, dict[Path, PathLatency], list[Path]]]:
+        """Neighbourhoods of ``kind`` that timed their best path, with every path's latency summary
+        and the paths whose latency is *estimated*: never timed there but deferred by a seed
+        (another neighbourhood's ratio to its best, ``seed_excess``): the best median x (1 +
+        excess), one pseudo-sample. Neighbourhoods with a path neither timed nor estimated are left out."""
         out = []
         for nb in sorted(self._tables.get(kind, []), key=lambda n: n.index):
-            if not all(nb.times[p].recent for p in ALL_PATHS if p in nb.times) or len(nb.times) < len(ALL_PATHS):
+            best = nb.best()
+            if best is None or len(nb.times) < len(ALL_PATHS):
                 continue
-            lat = {}
+            lat, estimated = {}, []
             for p in ALL_PATHS:
                 values = sorted(nb.times[p].recent)
-                lat[p] = PathLatency(median=nb.times[p].median(), p10=_quantile(values, 0.1),
-                                     p90=_quantile(values, 0.9), samples=len(values))
-            out.append((nb, lat))
+                if values:
+                    lat[p] = PathLatency(median=nb.times[p].median(), p10=_quantile(values, 0.1),
+                                         p90=_quantile(values, 0.9), samples=len(values))
+                elif p in nb.seed_excess:
+                    v = nb.times[best].median() * (1.0 + nb.seed_excess[p])
+                    lat[p] = PathLatency(median=v, p10=v, p90=v, samples=1)
+                    estimated.append(p)
+            if len(lat) == len(ALL_PATHS):
+                out.append((nb, lat, estimated))
         return out
 
 
@@ -583,27 +593,32 @@ def learned_anchor_set(selectors: Iterable[OnlineSelector], topo: RailTopology, 
                        settings: dict[str, Any] | None = None) -> AnchorSet:
     """The anchors file of what ``selectors`` learned (``anchors.save_anchors`` writes it).
 
-    One anchor per neighbourhood of pass ``kind`` where all four paths have times: its centre's
-    descriptors, the path with the lowest median, and each path's median / p10 / p90 of the kept
-    times (slowest rank per call). ``context.settings.selector`` records the neighbourhood window
+    One anchor per neighbourhood of pass ``kind`` that timed its best path and has every path
+    timed or estimated (``OnlineSelector.learned``): its centre's descriptors, the path with the
+    lowest median, and each path's median / p10 / p90 of the kept times (slowest rank per call);
+    ``context.settings.online.estimated`` names, per anchor, the paths whose latency is estimated. ``context.settings.selector`` records the neighbourhood window
     as the anchor rule's thresholds, ``context.settings.online`` the selector's knobs.
     """
     selectors = list(selectors)
     anchors = []
+    estimated: dict[str, list[str]] = {}
     scales = None
     online = None
     for sel in selectors:
         scales = scales or sel.scales
         online = online or sel.settings
-        for nb, lat in sel.learned(kind):
+        for nb, lat, guessed in sel.learned(kind):
             best = min(ALL_PATHS, key=lambda p: (lat[p].median, ALL_PATHS.index(p)))
-            anchors.append(Anchor(name=f"online-l{sel.layer}-{kind}-n{nb.index}", coords=nb.centre,
+            name = f"online-l{sel.layer}-{kind}-n{nb.index}"
+            anchors.append(Anchor(name=name, coords=nb.centre,
                                   B_mean_bytes=nb.stats.B_mean_bytes, rho_g=nb.stats.rho_g, kappa=nb.stats.kappa,
                                   path=best, latency_s=lat, input_windows=1))
+            estimated.update({name: [str(p) for p in guessed]} if guessed else {})
     online = online or OnlineSettings()
     extra = dict(settings or {})
     extra.setdefault("selector", {"payload_ratio": online.payload_ratio, "shape_distance": online.shape_distance})
-    extra["online"] = {**online.to_dict(), "pass_kind": kind, "layers": [s.layer for s in selectors]}
+    extra["online"] = {**online.to_dict(), "pass_kind": kind, "layers": [s.layer for s in selectors],
+                       "estimated": estimated}
     extra["chunks"] = int(chunks)
     context = CalibrationContext(topology=topo.to_dict(), hidden_size=int(hidden_size), dtype=dtype, backend=backend,
                                  date=CalibrationContext.now(), settings=extra)

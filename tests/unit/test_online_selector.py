@@ -105,6 +105,14 @@ def test_new_neighbourhood_when_descriptors_leave_and_seeded_from_the_nearest():
     assert seq[0] == (Path.JOINT, "probe") and Path.NATIVE not in [p for p, _ in seq]
     # Back inside neighbourhood 0: its state is reused, no new probes.
     assert run(sel, TRUE_S, 3, stats(70))[-1] == (Path.JOINT, "exploit")
+    # Learned: neighbourhood 1 never timed NATIVE; its latency there is estimated from the seed's
+    # ratio (2x JOINT's) and named as such in the file.
+    learned = {nb.index: (lat, est) for nb, lat, est in sel.learned()}
+    lat, est = learned[1]
+    assert est == [Path.NATIVE] and lat[Path.NATIVE].median == pytest.approx(2 * lat[Path.JOINT].median)
+    assert learned[0][1] == []
+    file = learned_anchor_set([sel], TOPO, hidden_size=64, dtype="fp32")
+    assert file.context.settings["online"]["estimated"] == {"online-lNone-train-n1": ["native"]}
 
 
 def test_pass_kinds_have_separate_tables_and_recompute_is_replayed():
