@@ -110,8 +110,10 @@ def run(args: argparse.Namespace) -> int:
         bases = [base_from_json(earlier[m]["base"], record_bytes) for m in model_files]
         if args.anchors:
             offline_XL = [earlier[m]["base"].get("offline_XL") for m in model_files]
-            if any(o is None for o in offline_XL):
-                raise ValueError(f"--base-from {args.base_from} has no offline paths; run it again with --anchors")
+            recorded = {earlier[m]["base"].get("offline_anchors") for m in model_files}
+            if any(o is None for o in offline_XL) or recorded != {args.anchors}:
+                raise ValueError(f"--base-from {args.base_from} has no offline paths for --anchors {args.anchors} "
+                                 f"(it has them for {sorted(map(str, recorded))}); run it without --base-from")
     else:
         bases = base_times(topo, models, epochs=epochs, tokens=args.tokens, workload_seed=args.workload_seed,
                            layers=tuple(args.layers) if args.layers else None, record_bytes=record_bytes,
@@ -131,7 +133,8 @@ def run(args: argparse.Namespace) -> int:
         out_models[model_file] = {"base": {"layers": list(base.layers), "seconds_XLP": base.seconds_XLP.tolist(),
                                            "paths": ["native", "rail", "perm", "joint"],
                                            "records_XLWN": [[r.tolist() for r in row] for row in base.records_XL],
-                                           "offline_XL": off}, "runs": runs}
+                                           "offline_XL": off, "offline_anchors": args.anchors if off else None},
+                                  "runs": runs}
         if args.learned:
             requests = {"workload": "glm", "seed": args.workload_seed, "layers": list(base.layers),
                         "payload_scales": [1.0], "tokens": args.tokens, "arrangements": ["none"]}
