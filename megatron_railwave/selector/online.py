@@ -491,13 +491,14 @@ class OnlineSelector:
                 if t.count == 0 and self.shared is not None:
                     # Another layer timed it nearby against a faster path: no probe here. Another
                     # layer probes it in this step: wait for its time (one probe per path and
-                    # step across the layers, not one per layer).
+                    # step across the layers, not one per layer). JOINT never waits: every layer
+                    # times it (the fallback, and the reference the ratios are taken against).
                     ratio = self.shared.ratio(kind, nb.centre, p, nb)
                     if ratio is not None and ratio > s.drop_ratio:
                         nb.deferred.add(p)
                         nb.seed_excess[p] = ratio - 1.0
                         continue
-                    if self.shared.pending.get((kind, p), 0) > 0 and nb.waits < _MAX_WAITS:
+                    if p != Path.JOINT and self.shared.pending.get((kind, p), 0) > 0 and nb.waits < _MAX_WAITS:
                         waiting = True
                         continue
                 if t.recent:
