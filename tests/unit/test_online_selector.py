@@ -252,3 +252,30 @@ def test_config_wiring(tmp_path):
         selector_from_config(RailWaveConfig(selector="online", anchors=str(path)), other)
     with pytest.raises(ValueError, match="path: auto"):
         RailWaveConfig(path="joint", selector="online")
+
+
+def test_layers_wait_for_an_in_flight_probe_instead_of_repeating_it():
+    """Six layers called in order every step (as a model's layers are): a path another layer is
+    probing is waited for (at most 2 calls) and then judged by that layer's ratio to JOINT, so
+    NATIVE (2x JOINT) runs on far fewer layers than with per-layer learning; JOINT never waits."""
+    from megatron_railwave.selector.online import SharedNeighbourhoods
+
+    def native_probes(share: bool) -> tuple[int, list[str]]:
+        shared = SharedNeighbourhoods()
+        sels = [OnlineSelector(OnlineSettings(share=share), scales=SCALES, shared=shared, layer=i) for i in range(6)]
+        prev: list = [None] * 6
+        count, first_modes = 0, []
+        for step in range(12):
+            for i, sel in enumerate(sels):
+                sel.observe([encode_timing(None if prev[i] is None else TRUE_S[prev[i]], expected=sel.expects_timing())])
+                d = sel.decide("train", stats(64))
+                count += d.path == Path.NATIVE and d.mode in ("probe", "reprobe")
+                if step == 0:
+                    first_modes.append((str(d.path), d.mode))
+                prev[i] = d.path
+        return count, first_modes
+
+    shared_count, first = native_probes(True)
+    alone_count, _ = native_probes(False)
+    assert alone_count == 6 and shared_count <= 2
+    assert first == [("joint", "probe")] * 6  # JOINT never waits
