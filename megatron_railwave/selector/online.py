@@ -28,15 +28,20 @@ Protocol (``OnlineSelector``, one per MoE layer; pure and deterministic given th
     reused, else a new one starts, its probe order seeded by the nearest measured neighbourhood of
     the same layer and pass kind, else (``share``) of any layer of this process (one fabric), else
     by the prior (an anchors file: its anchor's path first); paths the seed puts ``drop_ratio``
-    behind the best wait for re-probes;
+    behind the best wait for re-probes. With ``share``, a layer about to probe a path no time of
+    it has reached yet first looks at the other layers: a nearby neighbourhood that timed it
+    ``drop_ratio`` behind another path defers it; another layer's probe of it in flight makes
+    this layer wait (run its best path, at most ``_MAX_WAITS`` calls) for that time. JOINT is
+    never waited for: every layer times it (the fallback, and the ratios' reference);
   * bad timings (a rank's NaN, negative, zero / stalled clock, or missing time, or ranks that
     disagree on whether there is one) are dropped; ``max_bad`` of them in a row switch the layer
     to JOINT for the rest of the run, with one logged reason. All of this follows from the
     shared words, so it happens on every rank at the same call.
 
 What it learned is an anchors file in ``railwave calibrate``'s format (``learned_anchor_set``):
-one anchor per neighbourhood where every path has times, readable by ``railwave validate`` and
-loadable by the next run as a prior.
+one anchor per neighbourhood that timed its best path (paths it deferred without timing them
+carry the seed's estimate, listed in ``context.settings.online.estimated``), readable by
+``railwave validate`` and loadable by the next run as a prior.
 """
 
 from __future__ import annotations
@@ -59,9 +64,10 @@ from megatron_railwave.planner import Path
 from megatron_railwave.topology import RailTopology
 from megatron_railwave.traffic import SelectorScales, TrafficStats
 
-__all__ = ["OnlineSettings", "OnlineDecision", "OnlineSelector", "SharedNeighbourhoods", "PROCESS_SHARED", "Prior", "fast_descriptors", "encode_timing",
-           "slowest_timing", "learned_anchor_set", "live_selectors", "save_learned_anchors", "save_learned_anchors_at_exit", "TIMING_NONE", "TIMING_MISSING",
-           "TIMING_NAN", "TIMING_NEGATIVE", "TIMING_STALLED", "TIMING_WORDS"]
+__all__ = ["OnlineSettings", "OnlineDecision", "OnlineSelector", "SharedNeighbourhoods", "PROCESS_SHARED", "Prior",
+           "fast_descriptors", "encode_timing", "slowest_timing", "learned_anchor_set", "anchor_prior", "live_selectors",
+           "save_learned_anchors", "save_learned_anchors_at_exit", "TIMING_NONE", "TIMING_MISSING", "TIMING_NAN",
+           "TIMING_NEGATIVE", "TIMING_STALLED", "TIMING_WORDS"]
 
 ALL_PATHS: tuple[Path, ...] = (Path.JOINT, Path.RAIL, Path.PERM, Path.NATIVE)
 """Candidates in tie-break order (JOINT first: the fallback wins ties)."""
