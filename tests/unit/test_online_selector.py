@@ -279,3 +279,13 @@ def test_layers_wait_for_an_in_flight_probe_instead_of_repeating_it():
     alone_count, _ = native_probes(False)
     assert alone_count == 6 and shared_count <= 2
     assert first == [("joint", "probe")] * 6  # JOINT never waits
+
+
+def test_save_learned_anchors_writes_what_live_selectors_learned(tmp_path):
+    from megatron_railwave.selector.online import save_learned_anchors
+
+    sel = OnlineSelector(OnlineSettings(drop_ratio=10.0), scales=SCALES, layer=77)
+    run(sel, TRUE_S, 12, stats(64))
+    path = save_learned_anchors(tmp_path / "out.yaml", TOPO, hidden_size=64, dtype="fp32")
+    names = [a.name for a in load_anchors(path, TOPO).anchors]
+    assert "online-l77-train-n0" in names
