@@ -61,7 +61,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--chunks", type=int, default=1, help="rail chunks per wave of PERM / JOINT (default 1)")
     parser.add_argument("--anchors", default=None, metavar="YAML",
                         help="offline anchors file to compare on the same draws (the runtime's rule)")
-    parser.add_argument("--prior", action="store_true", help="also seed the online selector with --anchors")
+    parser.add_argument("--prior", default=None, metavar="YAML",
+                        help="seed the online selector with this anchors file (e.g. an earlier --learned file)")
     parser.add_argument("--learned", default=None, metavar="YAML",
                         help="write what the online selector learned (last seed) as an anchors file")
     parser.add_argument("--base-from", default=None, metavar="JSON",
@@ -83,8 +84,6 @@ def run(args: argparse.Namespace) -> int:
 
     if args.tokens < 1 or args.steps < 1 or args.routing_every < 1:
         raise ValueError("--tokens, --steps and --routing-every must be >= 1")
-    if args.prior and not args.anchors:
-        raise ValueError("--prior seeds the online selector with --anchors; give --anchors YAML")
     topo = _common.cluster_from_args(args)
     model_files = [m for m in args.model.split(",") if m.strip()]
     models = [load_model(m) for m in model_files]
@@ -92,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
     offline = selector_from_config(cfg, topo) if args.anchors else None
     prior, scales = None, SelectorScales().resolve(topo)
     if args.prior:
-        online = selector_from_config(RailWaveConfig(path="auto", anchors=args.anchors, chunks=args.chunks,
+        online = selector_from_config(RailWaveConfig(path="auto", anchors=args.prior, chunks=args.chunks,
                                                      selector="online"), topo)
         prior, scales = online.prior, online.scales
     record_bytes = 4096 * 2  # GLM-4.5-Air hidden 4096, bf16
