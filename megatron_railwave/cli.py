@@ -34,6 +34,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "megatron_railwave.commands.sensitivity",
     "megatron_railwave.commands.calibrate",
     "megatron_railwave.commands.validate",
+    "megatron_railwave.commands.online_sim",
     "megatron_railwave.commands.report",
     "megatron_railwave.commands.testbed",
     "megatron_railwave.commands.netmodel",

@@ -14,7 +14,7 @@ from megatron_railwave.planner.plan import MAX_CHUNKS
 from megatron_railwave.outputs import check_output_dir
 from megatron_railwave.topology import RailTopology, load_topology, read_yaml, resolve_cluster_file
 
-__all__ = ["RailWaveConfig", "load_config"]
+__all__ = ["RailWaveConfig", "OnlineSettings", "load_config"]
 
 PathName = Literal["auto", "native", "rail", "perm", "joint"]
 _PATH_NAMES = "auto, native, rail, perm, joint"
@@ -42,11 +42,93 @@ def _check_number(name: str, value: Any, *, low: float, inclusive: bool, unit: s
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class OnlineSettings:
+    """Knobs of the online selector (``RailWaveConfig.online``; ``selector.online``); every rank must use the same."""
+
+    probes: int = 2
+    """Times of each candidate before exploiting (>= 1)."""
+    drop_ratio: float = 1.5
+    """A candidate whose times so far are all this much slower than the best median stops
+    probing early (> 1)."""
+    reprobe_every: int = 25
+    """Exploit calls of a neighbourhood between re-probes (>= 1)."""
+    reprobe_budget: float = 0.005
+    """Re-probe a candidate only when the exploit calls since its last probe, times this, reach
+    its known excess over the best (median ratio - 1): re-probes cost about this share of the
+    layer's time per candidate (a path 2x slower: every 200 exploit calls at 0.005; > 0)."""
+    share: bool = True
+    """A layer's new neighbourhood with nothing measured nearby in that layer takes its probe
+    order from the nearest neighbourhood any layer of this process measured (one fabric: a path
+    that is 8x slower on one layer need not be probed on each of 45 layers). False: per layer only."""
+    window: int = 8
+    """Most recent times kept per path and neighbourhood (their median decides; >= 1)."""
+    payload_ratio: float = 2.0
+    """Neighbourhood: payload within this ratio of its centre (>= 1) ..."""
+    shape_distance: float = 0.25
+    """... and both shape coordinates within this distance (>= 0)."""
+    max_neighbourhoods: int = 16
+    """Per layer and pass kind; the least recently used is forgotten beyond this (>= 1)."""
+    max_bad: int = 3
+    """Bad timings in a row that switch the layer to JOINT for the rest of the run (>= 1)."""
+    candidates: tuple[str, ...] = ("joint", "rail", "perm", "native")
+    """Paths tried (NATIVE among them unless the user removes it)."""
+
+    def __post_init__(self) -> None:
+        for name, low in (("probes", 1), ("reprobe_every", 1), ("window", 1), ("max_neighbourhoods", 1),
+                          ("max_bad", 1)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"online.{name}={value!r} must be an integer >= {low}")
+        if not isinstance(self.share, bool):
+            raise ValueError(f"online.share={self.share!r} must be true or false")
+        for name, low, strict in (("drop_ratio", 1.0, True), ("reprobe_budget", 0.0, True),
+                                  ("payload_ratio", 1.0, False), ("shape_distance", 0.0, False)):
+            value = getattr(self, name)
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            if not ok or value < low or (strict and value == low):
+                raise ValueError(f"online.{name}={value!r} must be a finite number {'>' if strict else '>='} {low:g}")
+        if self.probes > self.window:
+            raise ValueError(f"online.probes={self.probes} exceeds online.window={self.window} (times kept per path); "
+                             "raise window or lower probes")
+        raw = self.candidates
+        if isinstance(raw, str) or not isinstance(raw, (list, tuple)) or not raw:
+            raise ValueError(f"online.candidates={raw!r} must be a non-empty list of paths (native, rail, perm, joint)")
+        try:
+            paths = tuple(dict.fromkeys(str(parse_path(p)) for p in raw))
+        except ValueError as exc:
+            raise ValueError(f"online.candidates: {exc}") from None
+        if "joint" not in paths:
+            raise ValueError(f"online.candidates={list(raw)} must include joint (the fallback on bad timings)")
+        object.__setattr__(self, "candidates", paths)
+
+    @classmethod
+    def from_dict(cls, data: Any) -> OnlineSettings:
+        if data is None:
+            return cls()
+        if isinstance(data, OnlineSettings):
+            return data
+        if not isinstance(data, dict):
+            raise ValueError(f"online={data!r} must be a mapping of online-selector settings (or null)")
+        unknown = sorted(set(data) - set(cls.__dataclass_fields__))  # type: ignore[attr-defined]
+        if unknown:
+            raise ValueError(f"online: unknown field(s) {unknown}; known: {sorted(cls.__dataclass_fields__)}")  # type: ignore[attr-defined]
+        data = dict(data)
+        if isinstance(data.get("candidates"), list):
+            data["candidates"] = tuple(data["candidates"])
+        return cls(**data)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f: (list(v) if isinstance(v := getattr(self, f), tuple) else v)
+                for f in self.__dataclass_fields__}  # type: ignore[attr-defined]
+
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class RailWaveConfig:
     """How ``RailWaveTokenDispatcher`` plans and executes every MoE layer."""
 
     path: PathName = "auto"
-    """Execution path: a fixed one, or 'auto' (the calibrated selector; JOINT without anchors)."""
+    """Execution path: a fixed one, or 'auto' (chosen per layer call: ``selector``)."""
     cluster: str | None = None
     """Cluster YAML file or preset name (configs/clusters/*.yaml); its topology must match the EP
     size."""
@@ -69,7 +151,17 @@ class RailWaveConfig:
     each delivered while the next is on the rail; 1 = whole waves, the paper's schedule). Torch
     backend only."""
     anchors: str | None = None
-    """Selector anchors YAML (``railwave calibrate``); None = always JOINT for 'auto'."""
+    """Selector anchors YAML (``railwave calibrate``, or one the online selector wrote). With
+    ``selector: online`` it is the online selector's prior; otherwise the offline rule's input."""
+    selector: Literal["online", "anchors"] | None = None
+    """How 'auto' decides: 'online' (each layer probes the paths and runs the fastest it measured,
+    ``selector.online``), 'anchors' (the offline anchors file's rule; JOINT without a file), or
+    None: 'anchors' when an anchors file is given or in fixed-capacity mode, else 'online'."""
+    online: OnlineSettings | None = None
+    """The online selector's knobs (a mapping in YAML; None = the defaults)."""
+    online_out: str | None = None
+    """Where global rank 0 writes what the online selector learned, as an anchors file, at
+    process exit (``selector.online.save_learned_anchors`` writes it on demand); None = nowhere."""
     payload_ratio: float | None = None
     """Selector: reuse an anchor only within this payload ratio. None: the ratio the anchors file
     was tuned with (``context.settings.selector``, written by ``railwave calibrate``), or the
@@ -154,6 +246,21 @@ class RailWaveConfig:
             if FsPath(self.anchors).expanduser().is_dir():
                 raise ValueError(f"anchors {str(self.anchors)!r} is a directory; give the anchors YAML file "
                                  "written by `railwave calibrate --out`")
+        if self.selector not in (None, "online", "anchors"):
+            raise ValueError(f"selector={self.selector!r} must be 'online', 'anchors' or null (online without an "
+                             "anchors file, else anchors)")
+        object.__setattr__(self, "online", OnlineSettings.from_dict(self.online))
+        if self.selector == "online" and self.path != "auto":
+            raise ValueError(f"selector: online chooses among paths, but path is {self.path!r}; set path: auto, "
+                             "or drop selector")
+        if self.selector == "online" and self.max_tokens_per_rank is not None:
+            raise ValueError("selector: online is not available in fixed-capacity mode (max_tokens_per_rank="
+                             f"{self.max_tokens_per_rank}): its path is fixed per layer without a count exchange to "
+                             "carry the timings; set selector: anchors (or drop it), or max_tokens_per_rank: null")
+        if self.online_out is not None:
+            if not isinstance(self.online_out, (str, os.PathLike)) or FsPath(self.online_out).expanduser().is_dir():
+                raise ValueError(f"online_out={self.online_out!r} must be the path of the anchors YAML file to write "
+                                 "(not a directory), or null")
         if self.payload_ratio is not None:
             _check_number("payload_ratio", self.payload_ratio, low=1.0, inclusive=True,
                           unit="ratio; null = the anchors file's tuned value")
@@ -254,7 +361,16 @@ class RailWaveConfig:
             "fanin": str(self.fanin),
             "chunks": str(self.chunks),
             "max_tokens_per_rank": str(self.max_tokens_per_rank),
+            "selector": repr((self.selector_kind(), self.online.to_dict() if self.online else None)),
         }
+
+    def selector_kind(self) -> str:
+        """'fixed', 'online' or 'anchors': what decides each layer's path (``selector`` resolved)."""
+        if self.path != "auto":
+            return "fixed"
+        if self.selector is not None:
+            return self.selector
+        return "anchors" if self.anchors is not None or self.max_tokens_per_rank is not None else "online"
 
     def configured_gpus_per_node(self) -> int | None:
         """G from the cluster file or ``gpus_per_node``; None when the config does not say."""
@@ -325,6 +441,7 @@ class RailWaveConfig:
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
         out["policy"] = str(self.policy)
+        out["online"] = self.online.to_dict() if self.online is not None else None
         return out
 
     @classmethod

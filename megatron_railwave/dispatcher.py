@@ -40,12 +40,19 @@ recompute (activation checkpointing replays the forward inside backward) replays
 forward's phase and path and is neither logged nor captured again; a forward-only pass (eval)
 uses the current phase without advancing it. Descriptors and statistics are computed only when
 the selector ('auto') or a stats sink needs them.
+
+Online selection (``selector: online``, the default for 'auto' without an anchors file): each
+layer call is timed (plan + dispatch, and combine: CUDA events read at the layer's next call with
+``query()``, never a wait; the CPU clock on CPU); that time rides on the next call's count exchange
+as one int64 per peer message, so every rank files the slowest rank's time and decides the same
+(``selector.online``). Recomputes replay their forward's path and are timed as recomputes.
 """
 
 from __future__ import annotations
 
 import atexit
 import enum
+import logging
 import time
 import weakref
 from collections import deque
@@ -61,8 +68,9 @@ from megatron_railwave.config import RailWaveConfig
 from megatron_railwave.exchange import (DispatchOutput, LayerHandle, TorchDistExchange, build_exchange, build_rail_groups,
                        capacity_demand, check_fingerprints, gather_rank_facts, place_ranks)
 from megatron_railwave.planner import Path
-from megatron_railwave.selector import (FixedSelector, PathSelector, needs_delivery, needs_descriptors, select_for_layer,
-                       selector_from_config)
+from megatron_railwave.selector import (FixedSelector, OnlineSelector, PathSelector, needs_delivery, needs_descriptors,
+                       select_for_layer, selector_from_config)
+from megatron_railwave.selector.online import encode_timing, fast_descriptors, save_learned_anchors_at_exit
 from megatron_railwave.telemetry.stats import LayerCommStats, Stopwatch, demand_stats, layer_comm_stats
 from megatron_railwave.steps import PassKind, current_step, pass_kind
 from megatron_railwave.traffic import DemandCounts, TrafficStats, dtype_bytes
@@ -70,6 +78,12 @@ from megatron_railwave.traffic import DemandCounts, TrafficStats, dtype_bytes
 __all__ = ["RailWaveTokenDispatcher", "check_supported", "flush_captures"]
 
 StatsSink = Callable[[LayerCommStats], None]
+_LOG = logging.getLogger(__name__)
+
+
+def rank0_global() -> bool:
+    """Whether this process is global rank 0 (or runs without torch.distributed)."""
+    return not dist.is_initialized() or dist.get_rank() == 0
 
 # One trace recorder per capture directory in this process, shared by the MoE layers.
 _RECORDERS: dict[str, Any] = {}
@@ -173,6 +187,8 @@ class _LayerState:
     dispatched: DispatchOutput | None = None
     stats: LayerCommStats | None = None
     timers: dict[str, Stopwatch] = field(default_factory=dict)
+    exchange_timers: list[Stopwatch] = field(default_factory=list)
+    """Online selector: this call's exchange (plan + dispatch, combine); read at the next call."""
 
 
 _REPLAY_LIMIT = 4096
@@ -224,9 +240,12 @@ class RailWaveTokenDispatcher(MoETokenDispatcher):
         if self.railwave.path == "auto":
             if selector is None:
                 # The missing-anchors warning: once per job (global rank 0), not once per rank.
-                rank0 = not dist.is_initialized() or dist.get_rank() == 0
-                selector = selector_from_config(self.railwave, self.topology, warn=rank0)
-            self.selector: PathSelector = selector
+                selector = selector_from_config(self.railwave, self.topology, warn=rank0_global())
+            self.selector: PathSelector | OnlineSelector = selector
+            if isinstance(selector, OnlineSelector) and self.railwave.online_out and rank0_global():
+                save_learned_anchors_at_exit(self.railwave.online_out, self.topology, hidden_size=int(config.hidden_size),
+                                             dtype=str(_hidden_dtype(config)).removeprefix("torch."),
+                                             chunks=self.railwave.chunks)
         else:
             self.selector = FixedSelector(self.railwave.path)
         self.stats_sink = stats_sink
@@ -251,6 +270,8 @@ class RailWaveTokenDispatcher(MoETokenDispatcher):
         self._forward_only_calls = 0
         self._replay: deque[_Call] = deque(maxlen=_REPLAY_LIMIT)
         self._state: _LayerState | None = None
+        self._online_timers: list[Stopwatch] = []
+        """The online selector's stopwatches of this layer's previous call (its timing word)."""
 
     def set_moe_layer(self, layer: Any) -> None:
         """Remember the owning MoELayer (weakly), whose ``training`` flag tells eval passes apart."""
@@ -350,6 +371,8 @@ class RailWaveTokenDispatcher(MoETokenDispatcher):
         routing_map, probs = self._to_railwave(state.routing_map, probs)
         if self.railwave.max_tokens_per_rank is not None:
             return self._token_dispatch_fixed(state, exchange, hidden_states, probs, routing_map)
+        if isinstance(self.selector, OnlineSelector):
+            return self._token_dispatch_online(state, exchange, hidden_states, probs, routing_map)
         selecting = call.path is None and not isinstance(self.selector, FixedSelector)
         layer = exchange.gather_demand(hidden_states, probs, routing_map, expert_loads=state.wants_stats,
                                        delivery_counts=selecting and needs_delivery(self.selector))
@@ -367,6 +390,41 @@ class RailWaveTokenDispatcher(MoETokenDispatcher):
         return self._move(state, exchange, hidden_states, probs, routing_map, path=path, handle=handle,
                           descr=descr if descr is not None else layer.demand, record_bytes=record_bytes,
                           plan_ms=(time.perf_counter() - t0) * 1e3, expert_loads=layer.expert_load_E)
+
+    def _token_dispatch_online(self, state: _LayerState, exchange: TorchDistExchange, hidden_states: torch.Tensor,
+                               probs: torch.Tensor, routing_map: torch.Tensor):
+        """``token_dispatch`` with the online selector: the previous call's time rides on the count
+        exchange (one int64 per peer message), then the path follows from the gathered times and
+        descriptors, the same on every rank (``selector.online``)."""
+        selector: OnlineSelector = self.selector  # type: ignore[assignment]
+        if selector.layer is None:
+            selector.layer = self.layer_number
+        seconds = None
+        if self._online_timers and all(t.ready() for t in self._online_timers):  # no wait: query() only
+            seconds = sum(t.elapsed_ms() for t in self._online_timers) * 1e-3
+        word = encode_timing(seconds, expected=selector.expects_timing())
+        self._online_timers = []
+        layer = exchange.gather_demand(hidden_states, probs, routing_map, expert_loads=state.wants_stats,
+                                       timing_word=word)
+        t0 = time.perf_counter()
+        record_bytes = hidden_states.shape[-1] * dtype_bytes(hidden_states.dtype)
+        message = selector.observe(layer.timing_W.tolist())
+        if message is not None and rank0_global():
+            _LOG.warning(message)
+        call = state.call
+        descr = fast_descriptors(layer.demand.records_WN.numpy(), self.topology, record_bytes=record_bytes,
+                                 scales=selector.scales)
+        decision = (selector.replay(call.path) if call.path is not None
+                    else selector.decide(str(call.kind), descr))
+        state.exchange_timers.append(Stopwatch(hidden_states.device))
+        plan = exchange.plan(layer, decision.path, phase=call.phase)
+        handle = exchange.prepare(layer, plan, hidden_states, probs)
+        out = self._move(state, exchange, hidden_states, probs, routing_map, path=decision.path, handle=handle,
+                         descr=layer.demand, record_bytes=record_bytes, plan_ms=(time.perf_counter() - t0) * 1e3,
+                         expert_loads=layer.expert_load_E)
+        if state.stats is not None:
+            state.stats.set_online(selector.snapshot(decision))
+        return out
 
     def _token_dispatch_fixed(self, state: _LayerState, exchange: TorchDistExchange, hidden_states: torch.Tensor,
                               probs: torch.Tensor, routing_map: torch.Tensor):
@@ -414,6 +472,8 @@ class RailWaveTokenDispatcher(MoETokenDispatcher):
             state.dispatched = exchange.finish_dispatch(hidden_states, probs, routing_map, pending)
         if "dispatch" in state.timers:
             state.timers["dispatch"].stop()
+        if state.exchange_timers:
+            state.exchange_timers[0].stop()
         if state.wants_stats:
             # After the dispatch is posted: the statistics are host work (~0.7 ms per layer at 4 x 8
             # on the development machine) that no transfer waits for.
@@ -451,6 +511,8 @@ class RailWaveTokenDispatcher(MoETokenDispatcher):
         """Entries [n_ent, H] -> this rank's tokens [T, H] (canonical reduction order)."""
         state = self._require_state("token_combine")
         exchange, shared = self._get_exchange(), self.shared_experts
+        if state.exchange_timers:
+            state.exchange_timers.append(Stopwatch(hidden_states.device))
         if shared is None:
             out = exchange.combine(hidden_states, state.dispatched.handle)
         else:  # the shared expert's fc2 while the combine phases travel
@@ -460,6 +522,9 @@ class RailWaveTokenDispatcher(MoETokenDispatcher):
             out = exchange.finish_combine(hidden_states, pending)
         if "combine" in state.timers:
             state.timers["combine"].stop()
+        if state.exchange_timers:
+            state.exchange_timers[-1].stop()
+            self._online_timers = state.exchange_timers
         return out
 
     def combine_postprocess(self, hidden_states: torch.Tensor):

@@ -15,7 +15,11 @@ several are reported):
   * ``path_choice.png``: path per layer (rows) and step (columns);
   * ``nic_shares.png``: per path, the mean share of each node's remote egress carried by its
     busiest, second busiest, ... rail (the paper's NIC-share view);
-  * ``latency.png``: distribution of dispatch + combine per path.
+  * ``latency.png``: distribution of dispatch + combine per path;
+  * ``online.png`` (runs with the online selector only): per layer (the first 12), the selector's
+    median measured exchange time of each path where the call fell, over steps (training calls),
+    and the path each call ran (filled: exploit; hollow: probe or re-probe).
+The per-layer table then also gives the share of calls that probed and the fallbacks to JOINT.
 
 JSON written by ``--json``: one run: its summary (``run``, ``layers``, ``paths``, ...); several:
 ``{"runs": {run: summary}}``.
@@ -122,6 +126,7 @@ def summarize_logs(records: list[dict[str, Any]]) -> dict[str, Any]:
             "tokens_per_expert_std": _mean(cs, "tokens_per_expert_std"),
             "overload_factor": _mean(cs, "overload_factor"),
             "rail_share_max": float(shares[:, 0].mean()), "rail_share_min": float(shares[:, -1].mean()),
+            **_online_row(cs),
         })
     per_path = {}
     for p, cs in sorted(paths.items()):
@@ -133,6 +138,15 @@ def summarize_logs(records: list[dict[str, Any]]) -> dict[str, Any]:
     passes = sorted({str(c.get("pass_kind", "train")) for c in calls})
     return {"run": run, "layers": rows, "paths": per_path, "num_calls": len(calls), "num_records": len(records),
             "passes": passes}
+
+
+def _online_row(calls: list[dict[str, Any]]) -> dict[str, Any]:
+    """The online selector's share of probing calls and fallbacks of one layer ({} without it)."""
+    modes = [c.get("selector_mode") or "" for c in calls]
+    if not any(modes):
+        return {}
+    return {"online_probe_share": sum(m in ("probe", "reprobe") for m in modes) / len(modes),
+            "online_fallback_calls": sum(m == "fallback" for m in modes)}
 
 
 def _kib(values: list[float]) -> str:
@@ -206,7 +220,39 @@ def write_plots(records: list[dict[str, Any]], summary: dict[str, Any], out_dir:
     ax.set_ylabel("dispatch + combine (ms, slowest rank)")
     ax.set_title("latency distribution per path")
     files.append(_save(fig, out / "latency.png"))
+    online = [c for c in calls if c.get("selector_mode") and c.get("pass_kind", "train") == "train"]
+    if online:
+        files.append(_online_plot(online, out / "online.png"))
     return files
+
+
+def _online_plot(calls: list[dict[str, Any]], path: FsPath) -> FsPath:
+    """``online.png`` (module docstring)."""
+    import matplotlib.pyplot as plt
+
+    layers = sorted({int(c["layer"]) for c in calls})[:12]
+    cols = min(3, len(layers))
+    rows = (len(layers) + cols - 1) // cols
+    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 2.6 * rows), squeeze=False, sharex=True)
+    for ax, layer in zip(axes.flat, layers):
+        cs = sorted((c for c in calls if int(c["layer"]) == layer), key=lambda c: (int(c["step"]), int(c.get("microbatch", 0))))
+        x = np.arange(len(cs))
+        for p in PATHS:
+            y = [((c.get("measured_ms") or {}).get(p)) for c in cs]
+            ax.plot(x, [np.nan if v is None else v for v in y], color=COLORS[p], lw=1, label=p)
+            ran = [(i, v) for i, (c, v) in enumerate(zip(cs, y)) if c["path"] == p and v is not None]
+            for i, v in ran:
+                probing = cs[i].get("selector_mode") in ("probe", "reprobe")
+                ax.plot(i, v, "o", ms=3, color=COLORS[p], mfc="none" if probing else COLORS[p])
+        ax.set_title(f"layer {layer}", fontsize=8)
+        ax.set_ylabel("measured ms", fontsize=7)
+        ax.tick_params(labelsize=6)
+    for ax in list(axes.flat)[len(layers):]:
+        ax.axis("off")
+    axes.flat[0].legend(fontsize=6)
+    fig.suptitle("online selector: median measured time per path (lines), path run (dots; hollow = probe)",
+                 fontsize=8)
+    return _save(fig, path)
 
 
 def _save(fig: Any, path: FsPath) -> FsPath:
@@ -242,6 +288,11 @@ def run(args: argparse.Namespace) -> int:
             "rail shares and latency (slowest rank)", ["layer", "P50 ms", "P95 ms", "max rail share", "min rail share"],
             [[r["layer"], r["p50_ms"], r["p95_ms"], f"{r['rail_share_max']:.1%}", f"{r['rail_share_min']:.1%}"]
              for r in summary["layers"]])
+        online = [r for r in summary["layers"] if "online_probe_share" in r]
+        if online:
+            _render.print_table("online selector", ["layer", "probing calls", "fallback calls"],
+                                [[r["layer"], f"{r['online_probe_share']:.1%}", r["online_fallback_calls"]]
+                                 for r in online])
         if not args.no_plots:
             files = write_plots(records, summary, plot_dir if len(runs) == 1 else plot_dir / run_id)
             _render.print_text("wrote " + ", ".join(str(f) for f in files))

@@ -98,6 +98,8 @@ class LayerDemand:
         num_records: n_rec of this rank (host).
         expert_load_E: [E] int64 (host), global tokens per expert (railwave column order), when
             ``gather_demand`` was asked for it; else None.
+        timing_W: [W] int64 (host), every rank's ``timing_word`` (railwave rank order), when
+            ``gather_demand`` carried one; else None.
     """
 
     demand: DemandCounts
@@ -108,6 +110,7 @@ class LayerDemand:
     mask_C: torch.Tensor
     num_records: int
     expert_load_E: torch.Tensor | None = None
+    timing_W: torch.Tensor | None = None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -180,7 +183,8 @@ def input_status(ctx: RankContext, hidden: torch.Tensor, probs: torch.Tensor,
 
 
 def gather_demand(ctx: RankContext, hidden: torch.Tensor, probs: torch.Tensor,
-                  routing_map: torch.Tensor, *, expert_loads: bool = False, delivery_counts: bool = False) -> Program:
+                  routing_map: torch.Tensor, *, expert_loads: bool = False, delivery_counts: bool = False,
+                  timing_word: int | None = None) -> Program:
     """Program: the count exchange (see module docstring). Returns a ``LayerDemand``.
 
     Args:
@@ -191,6 +195,10 @@ def gather_demand(ctx: RankContext, hidden: torch.Tensor, probs: torch.Tensor,
             and mask class (``traffic.mask_classes``: W * K more int64 per row, K = 4 from 2 GPUs
             per node; same all-to-all and host copy) into ``DemandCounts.delivery_WNKG``, for the
             path model (``path_model``). Must be the same on every rank.
+        timing_word: one more int64 in every row (8 bytes per peer message), the same to every
+            peer: this rank's measured time of the layer's previous call for the online selector
+            (``selector.online.encode_timing``); every rank gets all of them in ``timing_W``.
+            Given (or None) on every rank alike.
 
     Collective: yes (EP group, one all-to-all). Host sync: yes (one, the counts).
 
@@ -204,7 +212,8 @@ def gather_demand(ctx: RankContext, hidden: torch.Tensor, probs: torch.Tensor,
     code, message = input_status(ctx, hidden, probs, routing_map)
     width = n + 2 + m + e_loc
     loads_end = width + (ctx.num_experts if expert_loads else 0)
-    send = torch.zeros(w, loads_end + (w * k if delivery_counts else 0), dtype=torch.int64, device=device)
+    delivery_end = loads_end + (w * k if delivery_counts else 0)
+    send = torch.zeros(w, delivery_end + (1 if timing_word is not None else 0), dtype=torch.int64, device=device)
     t = int(routing_map.shape[0]) if routing_map.dim() >= 1 else 0
     if code == 0:
         token_C, node_C, mask_C, counts_NM = ops.records_from_routing(routing_map, n, g)
@@ -220,10 +229,12 @@ def gather_demand(ctx: RankContext, hidden: torch.Tensor, probs: torch.Tensor,
             # target bit, in its mask's class (a class is a contiguous range of masks).
             # Elementwise product and sum, not a matmul: CUDA has no int64 matmul.
             bits_KMG = mask_bits(g).to(device).view(1, k, m // k, g)
-            send[:, loads_end:] = (counts_NM.view(n, k, m // k, 1) * bits_KMG).sum(dim=2).reshape(1, w * k)
+            send[:, loads_end:delivery_end] = (counts_NM.view(n, k, m // k, 1) * bits_KMG).sum(dim=2).reshape(1, w * k)
     else:
         token_C = node_C = mask_C = torch.zeros(0, dtype=torch.int64, device=device)
     send[:, n + 1] = code
+    if timing_word is not None:
+        send[:, delivery_end] = timing_word
     recv = torch.empty_like(send)
     yield Collective(kind="all_to_all", stage="count exchange", group=ctx.groups.ep, send=send, recv=recv)
     counts = recv.cpu()  # the layer's one host sync: every split size follows from these counts
@@ -237,10 +248,11 @@ def gather_demand(ctx: RankContext, hidden: torch.Tensor, probs: torch.Tensor,
     demand = DemandCounts(records_WN=counts[:, :n], view_node=ctx.groups.node_index,
                           view_masks_WM=counts[:, n + 2:n + 2 + m],
                           view_experts_X=counts[:, n + 2 + m:width].sum(dim=0),
-                          delivery_WNKG=counts[:, loads_end:].reshape(w, n, k, g) if delivery_counts else None)
+                          delivery_WNKG=counts[:, loads_end:delivery_end].reshape(w, n, k, g) if delivery_counts else None)
     return LayerDemand(demand=demand, max_tokens=int(counts[:, n].max()), num_tokens=t, token_C=token_C,
                        node_C=node_C, mask_C=mask_C, num_records=int(counts[ctx.groups.railwave_rank, :n].sum()),
-                       expert_load_E=counts[:, width:loads_end].sum(dim=0) if expert_loads else None)
+                       expert_load_E=counts[:, width:loads_end].sum(dim=0) if expert_loads else None,
+                       timing_W=counts[:, delivery_end] if timing_word is not None else None)
 
 
 def prepare_layer(ctx: RankContext, layer: LayerDemand, plan: PathPlan, *, hidden_dtype: torch.dtype,

@@ -179,10 +179,12 @@ class TorchDistExchange:
 
     # ------------------------------------------------------------------ step 1: counts
     def gather_demand(self, hidden: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor, *,
-                      expert_loads: bool = False, delivery_counts: bool = False) -> LayerDemand:
+                      expert_loads: bool = False, delivery_counts: bool = False,
+                      timing_word: int | None = None) -> LayerDemand:
         """The count exchange (``exchange.layer.gather_demand``); ``expert_loads`` adds the
         global tokens per expert, ``delivery_counts`` every rank's copies per destination GPU and
-        mask class (the path model's input); both the same on every rank.
+        mask class (the path model's input); both the same on every rank. ``timing_word``: this
+        rank's timing word for the online selector, returned from every rank in ``timing_W``.
 
         Collective: yes (EP group). Host sync: yes (one, the counts).
 
@@ -191,7 +193,7 @@ class TorchDistExchange:
         """
         self._calls += 1
         return self._run(gather_demand(self.ctx, hidden, probs, routing_map, expert_loads=expert_loads,
-                                       delivery_counts=delivery_counts))
+                                       delivery_counts=delivery_counts, timing_word=timing_word))
 
     # ------------------------------------------------------------------ step 2: plan
     def plan(self, demand: LayerDemand | DemandCounts, path: str, *, phase: int = 0) -> PathPlan:

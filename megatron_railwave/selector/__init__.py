@@ -1,7 +1,8 @@
 """Path selection per layer.
 
-``policies``: a fixed path, the calibrated nearest-anchor rule, or the calibrated RAIL / JOINT
-path model, built from the user config (``selector_from_config``). ``anchors``: the anchors file
+``policies``: a fixed path, the calibrated nearest-anchor rule, the calibrated RAIL / JOINT
+path model, or the online selector, built from the user config (``selector_from_config``).
+``online``: the online selector (each layer probes the paths and runs the fastest it measured). ``anchors``: the anchors file
 (``railwave calibrate`` writes it). ``path_model`` and ``arrivals``: the RAIL / JOINT estimate an
 anchors file may carry. Every selector sees only global data, so every rank picks the same path.
 """
@@ -20,7 +21,9 @@ from megatron_railwave.selector.policies import (
     select_for_layer,
     selector_from_config,
 )
+from megatron_railwave.selector.online import OnlineDecision, OnlineSelector, fast_descriptors, learned_anchor_set
 
 __all__ = ["PathSelector", "FixedSelector", "AnchorSelector", "ModelSelector", "Selection", "selector_from_config",
            "select_for_layer", "needs_delivery", "needs_descriptors",
-           "fallback_phases_of", "fewer_phases", "posts_fewer_phases"]
+           "fallback_phases_of", "fewer_phases", "posts_fewer_phases",
+           "OnlineSelector", "OnlineDecision", "fast_descriptors", "learned_anchor_set"]

@@ -39,10 +39,11 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 
 from megatron_railwave.selector.anchors import DEFAULT_PAYLOAD_RATIO, DEFAULT_SHAPE_DISTANCE, Anchor, AnchorSet, load_anchors
+from megatron_railwave.selector.online import PROCESS_SHARED, OnlineSelector, anchor_prior
 from megatron_railwave.selector.path_model import RailJointModel, path_features
 from megatron_railwave.planner import Path, WaveSchedule, parse_path
 from megatron_railwave.topology import RailTopology
-from megatron_railwave.traffic import DemandCounts, TrafficStats
+from megatron_railwave.traffic import DemandCounts, SelectorScales, TrafficStats
 
 if TYPE_CHECKING:
     from megatron_railwave.config import RailWaveConfig
@@ -282,7 +283,7 @@ def needs_descriptors(selector: PathSelector) -> bool:
     """Whether ``select_for_layer`` reads the descriptors (B, rho_g, kappa) for this selector: not
     for a fixed path, nor for the path model, which decides from the counts (the descriptors cost
     ~0.3 ms per layer on the host at 4 x 8, more than the model's own decision)."""
-    return not isinstance(selector, (ModelSelector, FixedSelector))
+    return not isinstance(selector, (ModelSelector, FixedSelector, OnlineSelector))
 
 
 def needs_delivery(selector: PathSelector) -> bool:
@@ -335,8 +336,11 @@ def _cached_anchors(path: str, mtime_ns: int, topo: RailTopology) -> AnchorSet:
     return load_anchors(path, topo)
 
 
-def selector_from_config(config: RailWaveConfig, topo: RailTopology, *, warn: bool = True) -> PathSelector:
-    """The selector for ``path='auto'``: the file's path model when its tuning recorded one
+def selector_from_config(config: RailWaveConfig, topo: RailTopology, *,
+                         warn: bool = True) -> PathSelector | OnlineSelector:
+    """The selector for ``path='auto'``: with ``config.selector_kind() == 'online'`` an
+    ``online.OnlineSelector`` (one per layer: it keeps that layer's measurements), seeded by the
+    anchors file when one is given; otherwise the file's path model when its tuning recorded one
     (``ModelSelector``; the config's payload_ratio / shape_distance then play no part), else the
     calibrated anchors, or JOINT when there are none.
 
@@ -346,6 +350,8 @@ def selector_from_config(config: RailWaveConfig, topo: RailTopology, *, warn: bo
     config's raises ``ValueError`` naming the field (on every rank, at construction, before any
     collective).
     """
+    if config.selector_kind() == "online":
+        return _online_selector(config, topo)
     if config.anchors is None:
         _warn_once("<none>", "railwave path 'auto' without an anchors file: every layer runs JOINT "
                    "(run `railwave calibrate` to create anchors)", warn=warn)
@@ -371,3 +377,24 @@ def selector_from_config(config: RailWaveConfig, topo: RailTopology, *, warn: bo
     payload_ratio, shape_distance = anchor_set.thresholds(config.payload_ratio, config.shape_distance)
     return AnchorSelector(anchor_set, payload_ratio=payload_ratio, shape_distance=shape_distance,
                           fallback_below=anchor_set.fallback_below)
+
+
+def _online_selector(config: RailWaveConfig, topo: RailTopology) -> OnlineSelector:
+    """An online selector; an anchors file (checked like the offline rule's: topology, chunks)
+    is its prior and sets its coordinate scales. A missing file raises: the user named it."""
+    if config.anchors is None:
+        return OnlineSelector(config.online, scales=SelectorScales().resolve(topo), shared=PROCESS_SHARED)
+    path = FsPath(config.anchors).expanduser().resolve()
+    if not path.is_file():
+        raise ValueError(f"anchors file {str(path)!r} (the online selector's prior) does not exist; write it with "
+                         "`railwave calibrate --out` or an earlier run's online_out, or drop 'anchors'")
+    anchor_set = _cached_anchors(str(path), os.stat(path).st_mtime_ns, topo)
+    if anchor_set.chunks != config.chunks:
+        raise ValueError(f"anchors file {str(path)!r} was calibrated with chunks={anchor_set.chunks} (field "
+                         f"'context.settings.chunks') but this RailWave config has chunks={config.chunks}; set "
+                         f"chunks: {anchor_set.chunks} or drop 'anchors'")
+    payload_ratio, shape_distance = anchor_set.thresholds(config.payload_ratio, config.shape_distance)
+    rule = AnchorSelector(anchor_set, payload_ratio=payload_ratio, shape_distance=shape_distance,
+                          fallback_below=anchor_set.fallback_below)
+    return OnlineSelector(config.online, scales=anchor_set.scales, prior=anchor_prior(anchor_set, rule.explain),
+                          shared=PROCESS_SHARED)

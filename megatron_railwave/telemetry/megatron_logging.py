@@ -51,7 +51,7 @@ def _rail_share_max(s: LayerCommStats) -> float:
     return max((max(row) for row in s.rail_shares if row), default=0.0)
 
 
-METRICS: dict[str, Callable[[LayerCommStats], float]] = {
+METRICS: dict[str, Callable[[LayerCommStats], float | None]] = {
     "B_mean_MiB": lambda s: s.B_mean_bytes / MiB,
     "B_max_MiB": lambda s: s.B_max_bytes / MiB,
     "rho_g": lambda s: s.rho_g,
@@ -71,10 +71,17 @@ METRICS: dict[str, Callable[[LayerCommStats], float]] = {
     "path_rail": lambda s: float(s.path == "rail"),
     "path_perm": lambda s: float(s.path == "perm"),
     "path_joint": lambda s: float(s.path == "joint"),
+    # The online selector's state (None: another selector; such calls add nothing).
+    "selector_probe": lambda s: float(s.selector_mode in ("probe", "reprobe")) if s.selector_mode else None,
+    "selector_fallback": lambda s: float(s.selector_mode == "fallback") if s.selector_mode else None,
+    **{f"measured_{p}_ms": (lambda s, p=p: s.measured_ms.get(p)) for p in ("native", "rail", "perm", "joint")},
 }
 """Metric name (without the ``railwave_`` prefix) -> value of one layer call.
 
 ``path_<p>`` averaged over calls and layers is the share of layer calls that ran path p.
+``selector_probe`` (share of calls that probed), ``selector_fallback`` and ``measured_<p>_ms`` (the
+online selector's median measured time of path p where the call fell) come from the online
+selector only: a function returning None adds nothing for that call.
 ``dispatch_ms`` and ``combine_ms`` are added when their times are readable."""
 TIME_METRICS = ("dispatch_ms", "combine_ms")
 _NAMES = tuple(METRICS) + TIME_METRICS
@@ -148,7 +155,9 @@ class MegatronMetricsSink:
         if stats.pass_kind != "train":  # eval passes do not enter the training step's report
             return
         for name, fn in METRICS.items():
-            self._add(name, stats.layer, fn(stats))
+            value = fn(stats)
+            if value is not None:
+                self._add(name, stats.layer, value)
         self._pending.append(stats)
         while self._pending and self._pending[0].times_ready():
             self._add_times(self._pending.popleft())

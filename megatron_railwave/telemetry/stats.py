@@ -86,6 +86,18 @@ class LayerCommStats:
     """Busiest expert's tokens over the mean tokens per expert (1 = perfectly even; 0 = no tokens)."""
     dispatch_ms: float = 0.0
     combine_ms: float = 0.0
+    selector_mode: str = ""
+    """Online selector only: 'probe', 'exploit', 'reprobe', 'fallback', 'replay' or 'idle'
+    (``selector.online.OnlineDecision.mode``); '' for the other selectors."""
+    selector_neighbourhood: int = -1
+    """Online selector: the neighbourhood (of this layer and pass kind) the call fell in."""
+    measured_ms: dict[str, float | None] = field(default_factory=dict)
+    """Online selector: median measured exchange ms per path in that neighbourhood (slowest rank;
+    None: not measured there yet)."""
+    last_exchange_ms: float | None = None
+    """Online selector: the slowest rank's exchange ms of this layer's previous call (None: none or bad)."""
+    bad_timings: int = 0
+    """Online selector: bad timings (NaN, negative, stalled, missing) this layer has dropped so far."""
     timers: dict[str, Stopwatch] = field(default_factory=dict, repr=False)
     """Stopwatches whose times are not read yet ('dispatch', 'combine'); not serialised."""
 
@@ -94,6 +106,14 @@ class LayerCommStats:
         self.resolve_times()
         out = {f: getattr(self, f) for f in self.__dataclass_fields__ if f != "timers"}  # type: ignore[attr-defined]
         return {k: _json_value(v) for k, v in out.items()}
+
+    def set_online(self, snapshot: dict[str, Any]) -> None:
+        """The online selector's state behind this call (``OnlineSelector.snapshot``)."""
+        self.selector_mode = str(snapshot["mode"])
+        self.selector_neighbourhood = int(snapshot["neighbourhood"])
+        self.measured_ms = dict(snapshot["measured_ms"])
+        self.last_exchange_ms = snapshot["last_ms"]
+        self.bad_timings = int(snapshot["bad_timings"])
 
     def set_timers(self, **timers: Stopwatch) -> None:
         """Attach the phase stopwatches; times already readable (CPU) are read at once.

@@ -39,6 +39,11 @@ EXPECTED_FLAGS = {
         "--anchors", "--cluster", "--backend", "--model", "--warmups", "--repeats", "--no-progress", "--requests", "--layers",
         "--seed", "--require-goals", "--payload-ratio", "--shape-distance", "--bench", "--rule", "--json",
     ],
+    "online-sim": [
+        "--cluster", "--nodes", "--failed-rail", "--model", "--workload", "--tokens", "--layers", "--workload-seed",
+        "--steps", "--routing-every", "--seed", "--noise", "--chunks", "--anchors", "--prior", "--learned",
+        "--base-from", "--json",
+    ],
     "call-costs": [
         "--nodes", "--gpus-per-node", "--tokens", "--hidden", "--experts", "--topk", "--seed", "--warmups",
         "--samples", "--no-virtual", "--timeout", "--json",
@@ -332,3 +337,29 @@ def test_simulate_exchange_fixed_capacity_reports_zero_syncs_and_equality(tmp_pa
               "--max-tokens-per-rank", "8"])
     assert exc.value.code == 2
     assert "--tokens 12 exceeds --max-tokens-per-rank 8" in capsys.readouterr().err
+
+
+def test_online_sim_small_run_json_learned_file_and_validate(tmp_path, capsys):
+    """online-sim on 2 x 8 nodes, one layer, 30 steps: the totals obey their definitions, the
+    per-layer path record adds up, and the learned anchors file is read by railwave validate."""
+    out, learned = tmp_path / "os.json", tmp_path / "learned.yaml"
+    argv = ["online-sim", "--cluster", H800, "--nodes", "2", "--model", "configs/netmodel/h800_4x8.yaml",
+            "--layers", "5", "--tokens", "512", "--steps", "30", "--routing-every", "15", "--seed", "0,1",
+            "--json", str(out), "--learned", str(learned)]
+    assert main(argv) == 0
+    data = json.loads(out.read_text())
+    runs = data["models"]["configs/netmodel/h800_4x8.yaml"]["runs"]
+    assert sorted(runs) == ["0", "1"]
+    for run in runs.values():
+        t = run["summary"]["totals_s"]
+        fixed = [t[f"always_{p}"] for p in ("native", "rail", "perm", "joint")]
+        assert t["oracle_per_call"] <= t["oracle_per_layer"] == pytest.approx(min(fixed))
+        assert t["oracle_per_call"] <= t["online"]
+        (layer,) = run["layers"]
+        assert sum(layer["chosen"].values()) == 30 and len(layer["path_per_step"]) == 30
+        assert layer["mode_per_step"][0] == "probe" and "exploit" in layer["mode_per_step"]
+        assert run["summary"]["cost"]["extra_bytes_per_peer_message"] == 8
+    assert "goals:" in capsys.readouterr().out
+    # Held-out layer 6 with another routing seed: validate reads the learned file.
+    status = main(["validate", "--anchors", str(learned), "--bench", "--seed", "1000", "--layers", "6"])
+    assert status == 0 and "selector decision cost" in capsys.readouterr().out

@@ -300,3 +300,27 @@ def test_report_missing_logs_is_a_clear_error(tmp_path):
     with pytest.raises(SystemExit) as exc:
         main(["report", str(tmp_path)])
     assert exc.value.code == 2
+
+
+def test_report_online_selector_state(tmp_path, capsys):
+    """Records with the online selector's state: the per-layer probe share and online.png."""
+    from megatron_railwave.commands.report import summarize_logs
+
+    log_dir = tmp_path / "logs"
+    sink = JsonlStatsSink(log_dir, rank=0)
+    order = ["joint", "rail", "perm", "native", "joint", "joint", "rail", "joint"]
+    for step, path in enumerate(order):
+        s = make_stats(1, step, path)
+        s.set_online({"mode": "probe" if step < 4 or step == 6 else "exploit", "neighbourhood": 0,
+                      "measured_ms": {"native": 4.0 if step > 3 else None, "rail": 2.2 if step > 1 else None,
+                                      "perm": 3.0 if step > 2 else None, "joint": 2.0 if step > 0 else None},
+                      "last_ms": 2.0 if step else None, "bad_timings": 0})
+        sink(s)
+    sink.close()
+    records = read_logs(log_dir)
+    assert records[5]["selector_mode"] == "exploit" and records[5]["measured_ms"]["native"] == 4.0
+    summary = summarize_logs(records)
+    assert summary["layers"][0]["online_probe_share"] == pytest.approx(5 / 8)
+    assert main(["report", str(log_dir), "--out", str(tmp_path / "plots")]) == 0
+    assert (tmp_path / "plots" / "online.png").read_bytes()[:4] == b"\x89PNG"
+    assert "online selector" in capsys.readouterr().out

@@ -1,0 +1,243 @@
+"""The online selector on the flow model as the clock (``railwave online-sim``).
+
+Letters: S steps, L MoE layers, P = 4 paths, X routing epochs.
+
+What runs: the synthetic GLM-4.5-Air routing (``workloads.glm``), one demand per layer and
+routing epoch (epoch e = steps [e * routing_every, (e + 1) * routing_every): the workload's
+``step`` e, so the descriptors move during the run and the selector meets new neighbourhoods);
+every path's time of every (epoch, layer) from the flow model (``netmodel.simulate_plan``, exact
+deliveries), once; then per call a multiplicative noise exp(noise * z), z ~ N(0, 1) drawn per
+(step, layer, path) from ``seed``, the same draw for every policy. The online selector (one
+``OnlineSelector`` per layer, as in the dispatcher) sees each call's time at the layer's next
+call, as the count exchange would bring it. Policies compared on the same draws: online,
+always-X for each path, the per-layer oracle (the best fixed path of each layer in hindsight,
+the issue's reference), the per-call oracle (a lower bound no selector reaches: the best path of
+every call, noise included) and, given an anchors file, the offline selector (``select_for_layer``
+with the runtime's rule on the same counts).
+
+Cost: the host time of the online decision per layer call (``observe`` + ``decide``, this
+machine's clock), and of its descriptors from the gathered counts (``fast_descriptors``), both
+measured here; the bytes it adds to the count message (one int64 per peer message).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from megatron_railwave.planner import Path, PlanOptions, build_plan
+from megatron_railwave.selector.online import (TIMING_WORDS, OnlineSelector, SharedNeighbourhoods, encode_timing,
+                                               fast_descriptors, learned_anchor_set)
+from megatron_railwave.config import OnlineSettings
+from megatron_railwave.topology import RailTopology
+from megatron_railwave.traffic import DemandCounts, SelectorScales
+
+__all__ = ["BaseTimes", "base_times", "base_from_json", "offline_paths", "simulate_online", "learned_file", "PATHS"]
+
+PATHS: tuple[Path, ...] = (Path.NATIVE, Path.RAIL, Path.PERM, Path.JOINT)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class BaseTimes:
+    """Noise-free flow-model times and the layers' counts.
+
+    Attributes:
+        layers: [L] layer numbers.
+        seconds_XLP: [X, L, P] seconds of one dispatch + combine (``PATHS`` order).
+        records_XL: [X][L] gathered [W, N] records (what the dispatcher's selector reads).
+        demands_XL: [X][L] the full ``DemandCounts`` (the offline selector's input).
+        record_bytes: payload bytes per record.
+    """
+
+    layers: tuple[int, ...]
+    seconds_XLP: np.ndarray
+    records_XL: list[list[np.ndarray]]
+    demands_XL: list[list[DemandCounts]]
+    record_bytes: int
+    wall_s: float
+
+
+def base_times(topo: RailTopology, models: list[Any], *, epochs: int, tokens: int, workload_seed: int,
+               layers: tuple[int, ...] | None, record_bytes: int, options: PlanOptions | None = None,
+               progress: bool = False) -> list[BaseTimes]:
+    """Every path's flow-model time per (routing epoch, layer) under each of ``models`` (one
+    ``BaseTimes`` each; the routing is generated once); epoch e is the workload's step e."""
+    from megatron_railwave.lab.netmodel import simulate_plan
+    from megatron_railwave.lab.workloads import GlmAirWorkload, glm_air_demands
+
+    t0 = time.perf_counter()
+    seconds: list[list[list[list[float]]]] = [[] for _ in models]
+    records, demands = [], []
+    numbers: tuple[int, ...] = ()
+    for e in range(epochs):
+        work = GlmAirWorkload(num_tokens=tokens, seed=workload_seed, step=e, layers=layers)
+        per_layer = glm_air_demands(topo, work)
+        numbers = tuple(per_layer)
+        rows: list[list[list[float]]] = [[] for _ in models]
+        recs, dems = [], []
+        for layer, demand in per_layer.items():
+            plans = [build_plan(demand, topo, p, options=options) for p in PATHS]
+            for k, model in enumerate(models):
+                rows[k].append([simulate_plan(plan, record_bytes=record_bytes, model=model, demand=demand)
+                                for plan in plans])
+            recs.append(demand.records_WN.numpy().copy())
+            dems.append(demand)
+        if progress:
+            print(f"  routing epoch {e + 1}/{epochs}: {len(per_layer)} layers x 4 paths x {len(models)} model(s) "
+                  f"simulated ({time.perf_counter() - t0:.0f} s)", flush=True)
+        for k in range(len(models)):
+            seconds[k].append(rows[k])
+        records.append(recs)
+        demands.append(dems)
+    wall = time.perf_counter() - t0
+    return [BaseTimes(layers=numbers, seconds_XLP=np.asarray(sec, dtype=np.float64), records_XL=records,
+                      demands_XL=demands, record_bytes=record_bytes, wall_s=wall) for sec in seconds]
+
+
+def offline_paths(base: BaseTimes, topo: RailTopology, selector: Any) -> np.ndarray:
+    """[X, L] index into ``PATHS`` of the offline selector's path per (epoch, layer): the runtime's
+    rule on the counts the count exchange gathers (``select_for_layer``)."""
+    from megatron_railwave.selector import needs_descriptors, select_for_layer
+    from megatron_railwave.telemetry.stats import demand_stats
+
+    x, num_layers, _ = base.seconds_XLP.shape
+    out = np.zeros((x, num_layers), dtype=np.int64)
+    for e in range(x):
+        for li, demand in enumerate(base.demands_XL[e]):
+            gathered = DemandCounts(records_WN=demand.records_WN, delivery_WNKG=demand.class_copies_WNKG())
+            descr = demand_stats(gathered, topo, record_bytes=base.record_bytes) if needs_descriptors(selector) else None
+            out[e, li] = PATHS.index(select_for_layer(selector, descr, gathered, record_bytes=base.record_bytes))
+    return out
+
+
+def base_from_json(data: dict[str, Any], record_bytes: int) -> BaseTimes:
+    """A ``BaseTimes`` from an earlier run's JSON ``models[...]['base']`` (no demands: the offline
+    selector's paths come from that JSON too)."""
+    return BaseTimes(layers=tuple(data["layers"]), seconds_XLP=np.asarray(data["seconds_XLP"], dtype=np.float64),
+                     records_XL=[[np.asarray(r, dtype=np.int64) for r in row] for row in data["records_XLWN"]],
+                     demands_XL=[], record_bytes=record_bytes, wall_s=0.0)
+
+
+def simulate_online(base: BaseTimes, topo: RailTopology, *, steps: int, routing_every: int, seed: int, noise: float,
+                    settings: OnlineSettings | None = None, offline: Any = None, prior: Any = None,
+                    scales: tuple[float, float, float] | None = None) -> dict[str, Any]:
+    """One run of ``steps`` steps (module docstring). Returns the JSON-ready result, plus the
+    selectors under ``"_selectors"`` (for the learned anchors file).
+
+    Args:
+        offline: [X, L] the offline selector's paths (``offline_paths``) to compare, or None.
+        prior: a ``selector.online.Prior`` for the online selectors (an anchors file), or None.
+    """
+    if steps < 1 or routing_every < 1:
+        raise ValueError(f"steps ({steps}) and routing_every ({routing_every}) must be >= 1")
+    if not (noise >= 0 and math.isfinite(noise)):
+        raise ValueError(f"noise must be a finite number >= 0 (log-normal sigma per call), got {noise}")
+    x, num_layers, _ = base.seconds_XLP.shape
+    epoch_S = np.minimum(np.arange(steps) // routing_every, x - 1)
+    rng = np.random.default_rng([seed, 0x0511])
+    t_SLP = base.seconds_XLP[epoch_S] * np.exp(noise * rng.standard_normal((steps, num_layers, len(PATHS))))
+    scales = scales or SelectorScales().resolve(topo)
+    descr_XL = [[fast_descriptors(r, topo, record_bytes=base.record_bytes, scales=scales) for r in row]
+                for row in base.records_XL]
+    settings = settings or OnlineSettings()
+    shared = SharedNeighbourhoods()  # one process's layers, as in the dispatcher
+    selectors = [OnlineSelector(settings, scales=scales, prior=prior, layer=layer, shared=shared)
+                 for layer in base.layers]
+    chosen_SL = np.zeros((steps, num_layers), dtype=np.int64)
+    modes: list[list[str]] = [[] for _ in base.layers]
+    decide_ns = decide_cpu_ns = 0
+    prev: list[float | None] = [None] * num_layers
+    for s in range(steps):
+        e = int(epoch_S[s])
+        for li, sel in enumerate(selectors):
+            t0, c0 = time.perf_counter_ns(), time.thread_time_ns()
+            sel.observe([encode_timing(prev[li], expected=sel.expects_timing())])
+            d = sel.decide("train", descr_XL[e][li])
+            decide_cpu_ns += time.thread_time_ns() - c0
+            decide_ns += time.perf_counter_ns() - t0
+            k = PATHS.index(d.path)
+            chosen_SL[s, li] = k
+            modes[li].append(d.mode)
+            prev[li] = float(t_SLP[s, li, k])
+    online_SL = np.take_along_axis(t_SLP, chosen_SL[..., None], axis=2)[..., 0]
+    per_layer_path_LP = t_SLP.sum(axis=0)  # [L, P] each fixed path's total per layer
+    oracle_L = per_layer_path_LP.min(axis=1)
+    oracle_path_L = per_layer_path_LP.argmin(axis=1)
+    totals = {
+        "online": float(online_SL.sum()),
+        "oracle_per_layer": float(oracle_L.sum()),
+        "oracle_per_call": float(t_SLP.min(axis=2).sum()),
+        **{f"always_{p}": float(per_layer_path_LP[:, k].sum()) for k, p in enumerate(PATHS)},
+    }
+    offline_rows = None
+    if offline is not None:
+        offline_SL = np.asarray(offline)[epoch_S]
+        totals["offline"] = float(np.take_along_axis(t_SLP, offline_SL[..., None], axis=2).sum())
+        offline_rows = offline_SL
+    oracle = totals["oracle_per_layer"]
+    calls = steps * num_layers
+    probe_calls = sum(m.count("probe") + m.count("reprobe") for m in modes)
+    layers_out = []
+    for li, layer in enumerate(base.layers):
+        counts = np.bincount(chosen_SL[:, li], minlength=len(PATHS))
+        row = {
+            "layer": int(layer),
+            "chosen": {str(p): int(counts[k]) for k, p in enumerate(PATHS)},
+            "final_path": str(PATHS[chosen_SL[-1, li]]),
+            "oracle_path": str(PATHS[oracle_path_L[li]]),
+            "online_s": float(online_SL[:, li].sum()),
+            "oracle_s": float(oracle_L[li]),
+            "regret": float(online_SL[:, li].sum() / oracle_L[li] - 1.0),
+            "fixed_s": {str(p): float(per_layer_path_LP[li, k]) for k, p in enumerate(PATHS)},
+            "probes": sum(m in ("probe", "reprobe") for m in modes[li]),
+            "neighbourhoods": len(selectors[li]._tables.get("train", [])),
+            "path_per_step": [str(PATHS[k]) for k in chosen_SL[:, li]],
+            "mode_per_step": modes[li],
+        }
+        if offline_rows is not None:
+            row["offline_s"] = float(np.take_along_axis(t_SLP[:, li], offline_rows[:, li, None], axis=1).sum())
+        layers_out.append(row)
+    # Descriptor cost as the dispatcher pays it (from the gathered counts, every call).
+    records = [r for row in base.records_XL for r in row]
+    reps = max(200, len(records))
+    t0, c0 = time.perf_counter_ns(), time.thread_time_ns()
+    for i in range(reps):
+        fast_descriptors(records[i % len(records)], topo, record_bytes=base.record_bytes, scales=scales)
+    descr_us = (time.perf_counter_ns() - t0) / reps / 1e3
+    descr_cpu_us = (time.thread_time_ns() - c0) / reps / 1e3
+    summary = {
+        "totals_s": totals,
+        "ratio_to_oracle": {k: v / oracle for k, v in totals.items()},
+        "goals": {
+            "within_1.03x_oracle": totals["online"] <= 1.03 * oracle,
+            "below_always_native": totals["online"] < totals["always_native"],
+            "below_always_joint": totals["online"] < totals["always_joint"],
+        },
+        "probe_calls": probe_calls,
+        "calls": calls,
+        "layers_final_on_oracle_path": sum(r["final_path"] == r["oracle_path"] for r in layers_out),
+        "num_layers": num_layers,
+        "cost": {
+            "decision_us_per_call": decide_ns / calls / 1e3,
+            "decision_cpu_us_per_call": decide_cpu_ns / calls / 1e3,
+            "descriptors_us_per_call": descr_us,
+            "descriptors_cpu_us_per_call": descr_cpu_us,
+            "note": "host wall and thread CPU time on the machine that ran this (loaded machines inflate wall)",
+            "extra_bytes_per_peer_message": 8 * TIMING_WORDS,
+            "extra_bytes_per_rank_per_layer_call": 8 * TIMING_WORDS * topo.world_size,
+        },
+    }
+    summary["goals"]["all_met"] = all(summary["goals"].values())
+    return {"summary": summary, "layers": layers_out, "_selectors": selectors}
+
+
+def learned_file(result: dict[str, Any], topo: RailTopology, *, hidden_size: int, dtype: str, chunks: int,
+                 requests: dict[str, Any], model: dict[str, Any]) -> Any:
+    """The learned anchors of a ``simulate_online`` run (``learned_anchor_set``), with the request
+    generator and the flow model recorded so ``railwave validate`` can replay held-out layers."""
+    return learned_anchor_set(result["_selectors"], topo, hidden_size=hidden_size, dtype=dtype, chunks=chunks,
+                              backend="netmodel", settings={"requests": requests, "model": model})

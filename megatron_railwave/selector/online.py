@@ -1,0 +1,669 @@
+"""Online path selection: each layer learns the fastest path from the job's own measured times.
+
+Letters: W ranks (N nodes x G GPUs), R rails.
+
+Why: the four paths give bitwise-identical results, so running a path in a real step costs only
+time, never numerics; the measured time of a layer call on this fabric is the ground truth the
+offline anchors (calibrated on a flow model or on replays) only estimate.
+
+Protocol (``OnlineSelector``, one per MoE layer; pure and deterministic given the shared data):
+  * every layer call ``decide``\\ s from the layer's global descriptors (B, rho_g, kappa of the
+    gathered counts, ``fast_descriptors``) and the pass kind; training forwards and forward-only
+    passes keep separate tables, a recompute replays its forward's path (``replay``);
+  * the next call of the same layer brings every rank's measured exchange time of this call on
+    the count exchange (one int64 word per rank, ``encode_timing``); ``observe`` takes the slowest
+    rank's and files it under the previous call's (pass kind, neighbourhood, path). Every rank
+    sees the same words, so every rank keeps the same state and takes the same decisions, whatever
+    its own clock said;
+  * per (pass kind, neighbourhood): a neighbourhood is a centre in the selector coordinates
+    (log2 B / ref, (rho_g - 1) / rho_scale, (kappa - 1) / kappa_scale) and the descriptors within
+    ``payload_ratio`` and ``shape_distance`` of it (the anchor rule's window). Inside one, each
+    candidate path is probed ``probes`` times, round by round (a candidate whose first times are
+    ``drop_ratio`` slower than the best median so far stops early), then the path with the lowest
+    median runs ("exploit"); an exploit call becomes a re-probe of the stalest other candidate
+    whose wait has paid for it: at least ``reprobe_every`` exploit calls since its last probe, and
+    that many times ``reprobe_budget`` at least its known excess over the best (median ratio - 1),
+    so re-probing costs about ``reprobe_budget`` of the layer's time per candidate. When the
+    descriptors leave the neighbourhood, the nearest known neighbourhood that holds them is
+    reused, else a new one starts, its probe order seeded by the nearest measured neighbourhood of
+    the same layer and pass kind, else (``share``) of any layer of this process (one fabric), else
+    by the prior (an anchors file: its anchor's path first); paths the seed puts ``drop_ratio``
+    behind the best wait for re-probes. With ``share``, a layer about to probe a path no time of
+    it has reached yet first looks at the other layers: a nearby neighbourhood that timed it
+    ``drop_ratio`` behind another path defers it; another layer's probe of it in flight makes
+    this layer wait (run its best path, at most ``_MAX_WAITS`` calls) for that time. JOINT is
+    never waited for: every layer times it (the fallback, and the ratios' reference);
+  * bad timings (a rank's NaN, negative, zero / stalled clock, or missing time, or ranks that
+    disagree on whether there is one) are dropped; ``max_bad`` of them in a row switch the layer
+    to JOINT for the rest of the run, with one logged reason. All of this follows from the
+    shared words, so it happens on every rank at the same call.
+
+What it learned is an anchors file in ``railwave calibrate``'s format (``learned_anchor_set``):
+one anchor per neighbourhood that timed its best path (paths it deferred without timing them
+carry the seed's estimate, listed in ``context.settings.online.estimated``), readable by
+``railwave validate`` and loadable by the next run as a prior.
+"""
+
+from __future__ import annotations
+
+import atexit
+import math
+import os
+import weakref
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Any
+
+import numpy as np
+
+from megatron_railwave.config import OnlineSettings
+from megatron_railwave.selector.anchors import Anchor, AnchorSet, CalibrationContext, PathLatency, save_anchors
+from megatron_railwave.planner import Path
+from megatron_railwave.topology import RailTopology
+from megatron_railwave.traffic import SelectorScales, TrafficStats
+
+__all__ = ["OnlineSettings", "OnlineDecision", "OnlineSelector", "SharedNeighbourhoods", "PROCESS_SHARED", "Prior",
+           "fast_descriptors", "encode_timing", "slowest_timing", "learned_anchor_set", "anchor_prior", "live_selectors",
+           "save_learned_anchors", "save_learned_anchors_at_exit", "TIMING_NONE", "TIMING_MISSING", "TIMING_NAN",
+           "TIMING_NEGATIVE", "TIMING_STALLED", "TIMING_WORDS"]
+
+ALL_PATHS: tuple[Path, ...] = (Path.JOINT, Path.RAIL, Path.PERM, Path.NATIVE)
+"""Candidates in tie-break order (JOINT first: the fallback wins ties)."""
+
+TIMING_WORDS = 1
+"""int64 words each rank adds to its count-exchange message per peer (8 bytes)."""
+TIMING_NONE = 0
+"""No measurement to report (the layer's first call): the same on every rank."""
+TIMING_MISSING = -1
+"""This rank had a call to report but no readable time (an event not complete)."""
+TIMING_NAN = -2
+TIMING_NEGATIVE = -3
+TIMING_STALLED = -4
+"""Zero elapsed time: the clock did not advance."""
+_PROBLEMS = {TIMING_MISSING: "missing", TIMING_NAN: "NaN or infinite", TIMING_NEGATIVE: "negative",
+             TIMING_STALLED: "zero (stalled clock)"}
+_MAX_NS = (1 << 62)
+_MAX_WAITS = 2
+"""Calls a neighbourhood waits for another layer's in-flight probe of a path before probing it
+itself: the other layer's time arrives at its next call, one step later."""
+
+
+# ---------------------------------------------------------------------- descriptors
+@lru_cache(maxsize=8)
+def _geometry(topo: RailTopology) -> tuple[np.ndarray, np.ndarray | None, np.ndarray, int]:
+    """Constants of ``fast_descriptors`` for ``topo``: the [W, N] remote mask, the [G, R] rail
+    map (None: one rail per GPU), the flat indices of the healthy (node, rail) ports and W."""
+    n, g, r = topo.num_nodes, topo.gpus_per_node, topo.num_rails
+    w = n * g
+    remote_WN = (np.arange(w)[:, None] // g != np.arange(n)[None, :]).astype(np.int64)
+    rails = tuple(topo.rail_of_gpu)
+    rail_GR = None
+    if rails != tuple(range(g)) or r != g:
+        rail_GR = np.zeros((g, r), dtype=np.float64)
+        rail_GR[np.arange(g), np.asarray(rails)] = 1.0
+    healthy = np.zeros((n, r), dtype=bool)
+    healthy[:, sorted(set(rails))] = True
+    for node, rail in topo.failed_rails:
+        healthy[node, rail] = False
+    return remote_WN, rail_GR, np.flatnonzero(healthy.reshape(-1)), w
+
+
+def fast_descriptors(records_WN: np.ndarray, topo: RailTopology, *, record_bytes: int,
+                     scales: tuple[float, float, float] | None = None) -> TrafficStats:
+    """B, rho_g, kappa and the coordinates of a layer sent all node pairs at once, from the
+    gathered [W, N] records (``stats.demand_stats``'s values, in a few numpy calls: the online
+    selector reads them on every layer call, where the torch version costs ~0.3 ms at 4 x 8).
+
+    Args:
+        records_WN: [W, N] int64, records from rank w (railwave order: node-major) to node n.
+        scales: (payload_ref_bytes, rho_scale, kappa_scale); default ``SelectorScales`` for ``topo``.
+    """
+    remote_WN, rail_GR, healthy, w = _geometry(topo)
+    n = topo.num_nodes
+    remote = (records_WN * remote_WN).astype(np.float64)  # [W, N], the local node zeroed
+    per_gpu_W = remote.sum(axis=1)
+    remote_total = float(per_gpu_W.sum())
+    b_mean = remote_total / w * record_bytes
+    b_max = float(per_gpu_W.max()) * record_bytes
+    load_NGN = remote.reshape(n, w // n, n)
+    if rail_GR is not None:  # GPUs sharing a rail: their loads add up on it
+        load_NGN = np.einsum("sgd,gr->srd", load_NGN, rail_GR)
+    egress = load_NGN.sum(axis=2).reshape(-1)
+    mean = float(egress[healthy].mean()) if healthy.size else 0.0
+    rho = float(egress.max()) / mean if mean > 0 else 1.0
+    total = load_NGN.sum(axis=0)
+    squares = np.einsum("srd,srd->rd", load_NGN, load_NGN)
+    kappa = float(np.max(np.divide(total * total, squares, out=np.ones_like(total), where=squares > 0))) \
+        if n > 1 and remote_total > 0 else 1.0
+    ref, rho_scale, kappa_scale = scales if scales is not None else SelectorScales().resolve(topo)
+    coords = (math.log2(b_mean / ref) if b_mean > 0 else -math.inf, (rho - 1.0) / rho_scale,
+              (kappa - 1.0) / kappa_scale)
+    return TrafficStats(B_mean_bytes=b_mean, B_max_bytes=b_max, rho_g=rho, kappa=kappa, coords=coords,
+                        records_total=int(records_WN.sum()), remote_records=int(remote_total))
+
+
+# ---------------------------------------------------------------------- timing words
+def encode_timing(seconds: float | None, *, expected: bool) -> int:
+    """One rank's word for the count exchange: nanoseconds (> 0), or a code.
+
+    Args:
+        seconds: this rank's measured exchange time of the layer's previous call; None: unreadable.
+        expected: whether the layer had a previous call to report (the same on every rank).
+    """
+    if not expected:
+        return TIMING_NONE
+    if seconds is None:
+        return TIMING_MISSING
+    if not math.isfinite(seconds):
+        return TIMING_NAN
+    if seconds < 0:
+        return TIMING_NEGATIVE
+    ns = int(round(seconds * 1e9))
+    if ns == 0:
+        return TIMING_STALLED
+    return min(ns, _MAX_NS)
+
+
+def slowest_timing(words_W: Iterable[int]) -> tuple[float | None, str | None]:
+    """(slowest rank's seconds, None) from every rank's word; (None, None) when no rank had a
+    measurement; (None, problem) when a word is bad or the ranks disagree on whether there is one.
+    The same on every rank (the words are)."""
+    words = [int(v) for v in words_W]
+    if words and min(words) > 0:  # the common case, first: every rank measured
+        return max(words) * 1e-9, None
+    bad = {i: v for i, v in enumerate(words) if v < 0}
+    if bad:
+        kinds = sorted({_PROBLEMS.get(v, f"code {v}") for v in bad.values()})
+        return None, f"EP rank(s) {sorted(bad)} reported {'/'.join(kinds)} timings"
+    none = [i for i, v in enumerate(words) if v == TIMING_NONE]
+    if len(none) == len(words):
+        return None, None
+    if none:
+        return None, f"EP rank(s) {none} reported no timing where the others did"
+    return max(words) * 1e-9, None
+
+
+# ---------------------------------------------------------------------- state
+@dataclass(kw_only=True, slots=True)
+class _Times:
+    """Recent times of one path in one neighbourhood (seconds)."""
+
+    recent: deque[float]
+    count: int = 0
+    last_call: int = -1
+    _median: float | None = None
+
+    def add(self, seconds: float, call: int) -> None:
+        self.recent.append(seconds)
+        self.count += 1
+        self.last_call = call
+        self._median = None
+
+    def median(self) -> float:
+        if self._median is None:
+            values = sorted(self.recent)
+            k = len(values)
+            self._median = values[k // 2] if k % 2 else 0.5 * (values[k // 2 - 1] + values[k // 2])
+        return self._median
+
+
+@dataclass(kw_only=True, slots=True)
+class _Neighbourhood:
+    """One region of the descriptor space of one layer and pass kind."""
+
+    index: int
+    centre: tuple[float, float, float]
+    stats: TrafficStats
+    order: tuple[Path, ...]
+    """Probe order (the prior's or the nearest neighbourhood's best first)."""
+    times: dict[Path, _Times]
+    deferred: set[Path] = field(default_factory=set)
+    seed_excess: dict[Path, float] = field(default_factory=dict)
+    """Deferred candidates' excess over the best (ratio - 1) as the seed measured it, until this
+    neighbourhood times them itself (their re-probe wait)."""
+    """Candidates not probed now (dropped early, or put behind by the prior): re-probes only."""
+    exploits: int = 0
+    reprobes: int = 0
+    waits: int = 0
+    """Calls this neighbourhood waited for other layers' probes (at most ``_MAX_WAITS``)."""
+    probing_done: bool = False
+    """Every candidate has its probes or waits for re-probes (counts only grow: stays done)."""
+    probed_at: dict[Path, int] = field(default_factory=dict)
+    """Exploit count when each candidate was last chosen to probe (its re-probe wait starts there)."""
+    last_used: int = 0
+    seeded_by: str = "none"
+
+    def best(self) -> Path | None:
+        best, best_t = None, math.inf
+        for p in self.order:
+            t = self.times[p]
+            if t.recent:
+                m = t.median()
+                if m < best_t:
+                    best, best_t = p, m
+        return best
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class OnlineDecision:
+    """One call's path and why (logged per layer call)."""
+
+    path: Path
+    mode: str
+    """'probe', 'exploit', 'reprobe', 'wait' (the best timed path while another layer's probe of
+    a path is in flight), 'fallback' (bad timings), 'replay' (recompute), 'idle' (no
+    remote payload: every path is the same)."""
+    kind: str
+    neighbourhood: int = -1
+    call: int = 0
+
+
+Prior = Callable[[TrafficStats], "tuple[Path, dict[Path, float] | None] | None"]
+"""The anchors' advice for a new neighbourhood: (path, median seconds per path or None), or None."""
+
+_LIVE: "weakref.WeakSet[OnlineSelector]" = weakref.WeakSet()
+
+
+class SharedNeighbourhoods:
+    """What every layer of one process measured, by pass kind (``OnlineSettings.share``): the
+    seed of a layer's new neighbourhood where that layer measured nothing yet. Every rank runs
+    the same layers in the same order, so every rank's copy holds the same data at each call."""
+
+    def __init__(self) -> None:
+        self.tables: dict[str, list[_Neighbourhood]] = {}
+        self.pending: dict[tuple[str, Path], int] = {}
+        """Probes decided whose times have not come back yet, per (pass kind, path)."""
+
+    def ratio(self, kind: str, centre: tuple[float, float, float], path: Path, exclude: _Neighbourhood) -> float | None:
+        """``path``'s median over the best other path's in the nearest other neighbourhood that
+        timed both (None: none did)."""
+        x, y, z = centre
+        best: tuple[float, float] | None = None
+        for nb in self.tables.get(kind, []):
+            t = nb.times.get(path)
+            if nb is exclude or t is None or not t.recent:
+                continue
+            others = [q.median() for c, q in nb.times.items() if c != path and q.recent]
+            if not others:
+                continue
+            d2 = (x - nb.centre[0]) ** 2 + (y - nb.centre[1]) ** 2 + (z - nb.centre[2]) ** 2
+            if best is None or d2 < best[0]:
+                best = (d2, t.median() / min(others))
+        return None if best is None else best[1]
+
+    def add(self, kind: str, nb: _Neighbourhood) -> None:
+        self.tables.setdefault(kind, []).append(nb)
+
+    def nearest(self, kind: str, x: float, y: float, z: float) -> _Neighbourhood | None:
+        known = [nb for nb in self.tables.get(kind, []) if nb.best() is not None]
+        if not known:
+            return None
+        return min(known, key=lambda nb: (x - nb.centre[0]) ** 2 + (y - nb.centre[1]) ** 2 + (z - nb.centre[2]) ** 2)
+
+
+PROCESS_SHARED = SharedNeighbourhoods()
+"""The registry the dispatcher's selectors share (``selector_from_config``)."""
+
+
+def live_selectors() -> list[OnlineSelector]:
+    """Every ``OnlineSelector`` of this process, by layer (what ``learned_anchor_set`` writes)."""
+    return sorted(_LIVE, key=lambda s: (s.layer if s.layer is not None else -1, id(s)))
+
+
+class OnlineSelector:
+    """The online selector of one MoE layer (module docstring).
+
+    Args:
+        settings: the knobs (same on every rank).
+        scales: (payload_ref_bytes, rho_scale, kappa_scale) of the coordinates.
+        prior: the anchors' advice for new neighbourhoods (``selector_from_config`` builds it from
+            an anchors file), or None.
+        layer: the layer number (logs and learned anchors).
+    """
+
+    def __init__(self, settings: OnlineSettings | None = None, *, scales: tuple[float, float, float],
+                 prior: Prior | None = None, layer: int | None = None,
+                 shared: SharedNeighbourhoods | None = None) -> None:
+        self.settings = settings or OnlineSettings()
+        self.scales = scales
+        self.prior = prior
+        self.layer = layer
+        self.shared = shared if self.settings.share else None
+        self.candidates: tuple[Path, ...] = tuple(p for p in ALL_PATHS if str(p) in self.settings.candidates)
+        self._log_ratio = math.log2(self.settings.payload_ratio) + 1e-12
+        self._tables: dict[str, list[_Neighbourhood]] = {}
+        self._current: dict[str, _Neighbourhood] = {}
+        self._last: OnlineDecision | None = None
+        """The previous call's decision: the next call's timing words measure it."""
+        self._recompute: dict[Path, _Times] = {}
+        self.calls = 0
+        self.bad_in_row = 0
+        self.bad_total = 0
+        self.fallback_reason: str | None = None
+        self.last_problem: str | None = None
+        self.last_seconds: float | None = None
+        _LIVE.add(self)
+
+    # ------------------------------------------------------------------ timings
+    def expects_timing(self) -> bool:
+        """Whether the next call's words carry a time (this layer had a call that is not yet
+        reported): the same on every rank."""
+        return self._last is not None
+
+    def observe(self, words_W: Iterable[int]) -> str | None:
+        """File the previous call's slowest-rank time. Returns a message when this switched the
+        layer to JOINT (the caller logs it once), else None."""
+        seconds, problem = slowest_timing(words_W)
+        last, self._last = self._last, None
+        self.last_seconds, self.last_problem = seconds, problem
+        if last is not None and last.mode in ("probe", "reprobe") and self.shared is not None:
+            key = (last.kind, last.path)
+            self.shared.pending[key] = max(self.shared.pending.get(key, 0) - 1, 0)
+        if last is None or self.fallback_reason is not None:
+            return None
+        if problem is None and seconds is None:
+            problem = "no rank reported a timing for a call that was run"
+        if problem is not None:
+            self.bad_in_row += 1
+            self.bad_total += 1
+            if self.bad_in_row >= self.settings.max_bad:
+                self.fallback_reason = (f"railwave online selector, layer {self.layer}: {self.bad_in_row} bad timings in "
+                                        f"a row (last: {problem}); this layer runs JOINT for the rest of the run")
+                return self.fallback_reason
+            return None
+        self.bad_in_row = 0
+        if last.kind == "recompute":
+            self._recompute.setdefault(last.path, _Times(recent=deque(maxlen=self.settings.window))).add(
+                seconds, last.call)
+            return None
+        table = self._tables.get(last.kind)
+        if table is None:
+            return None
+        for nb in table:
+            if nb.index == last.neighbourhood:
+                nb.times[last.path].add(seconds, last.call)
+                break
+        return None
+
+    # ------------------------------------------------------------------ decisions
+    def replay(self, path: Path) -> OnlineDecision:
+        """A recompute: the forward's path, timed under its own pass kind."""
+        self.calls += 1
+        decision = OnlineDecision(path=path, mode="replay", kind="recompute", call=self.calls)
+        self._last = decision
+        return decision
+
+    def decide(self, kind: str, stats: TrafficStats) -> OnlineDecision:
+        """This call's path from the global descriptors (``fast_descriptors``) and the pass kind
+        ('train' or 'forward_only')."""
+        self.calls += 1
+        call = self.calls
+        if self.fallback_reason is not None:
+            decision = OnlineDecision(path=Path.JOINT, mode="fallback", kind=kind, call=call)
+        elif not math.isfinite(stats.coords[0]):  # no remote payload: every path moves the same
+            decision = OnlineDecision(path=Path.JOINT, mode="idle", kind=kind, call=call)
+        else:
+            nb = self._neighbourhood(kind, stats, call)
+            path, mode = self._choose(nb, kind)
+            if mode in ("probe", "reprobe") and self.shared is not None:
+                self.shared.pending[(kind, path)] = self.shared.pending.get((kind, path), 0) + 1
+            decision = OnlineDecision(path=path, mode=mode, kind=kind, neighbourhood=nb.index, call=call)
+        self._last = decision if decision.mode != "idle" else None
+        return decision
+
+    def _within(self, centre: tuple[float, float, float], x: float, y: float, z: float) -> bool:
+        sd = self.settings.shape_distance + 1e-12
+        return abs(x - centre[0]) <= self._log_ratio and abs(y - centre[1]) <= sd and abs(z - centre[2]) <= sd
+
+    def _neighbourhood(self, kind: str, stats: TrafficStats, call: int) -> _Neighbourhood:
+        x, y, z = stats.coords
+        current = self._current.get(kind)
+        if current is not None and self._within(current.centre, x, y, z):
+            current.last_used = call
+            return current
+        table = self._tables.setdefault(kind, [])
+        best, best_d2 = None, math.inf
+        for nb in table:
+            if self._within(nb.centre, x, y, z):
+                d2 = (x - nb.centre[0]) ** 2 + (y - nb.centre[1]) ** 2 + (z - nb.centre[2]) ** 2
+                if d2 < best_d2:
+                    best, best_d2 = nb, d2
+        if best is None:
+            best = self._new_neighbourhood(kind, table, stats)
+        best.last_used = call
+        self._current[kind] = best
+        return best
+
+    def _new_neighbourhood(self, kind: str, table: list[_Neighbourhood], stats: TrafficStats) -> _Neighbourhood:
+        x, y, z = stats.coords
+        index = max((nb.index for nb in table), default=-1) + 1
+        order, deferred, seeded = self.candidates, set(), "none"
+        known = [nb for nb in table if nb.best() is not None]
+        near = None
+        if known:  # what this job measured outranks any prior: this layer first, then any layer
+            near = min(known, key=lambda nb: ((x - nb.centre[0]) ** 2 + (y - nb.centre[1]) ** 2
+                                              + (z - nb.centre[2]) ** 2, nb.index))
+            seeded = f"neighbourhood {near.index}"
+        elif self.shared is not None:
+            near = self.shared.nearest(kind, x, y, z)
+            seeded = "another layer"
+        excess: dict[Path, float] = {}
+        if near is not None:
+            medians = {p: t.median() for p, t in near.times.items() if t.recent}
+            order, deferred, excess = self._seeded_order(medians)
+        elif self.prior is not None:
+            advice = self.prior(stats)
+            if advice is not None:
+                path, medians = advice
+                if medians:
+                    order, deferred, excess = self._seeded_order(
+                        {p: v for p, v in medians.items() if p in self.candidates})
+                elif path in self.candidates:
+                    order = (path,) + tuple(p for p in self.candidates if p != path)
+                seeded = "anchors"
+        nb = _Neighbourhood(index=index, centre=(x, y, z), stats=stats, order=order,
+                            times={p: _Times(recent=deque(maxlen=self.settings.window)) for p in self.candidates},
+                            deferred=deferred, seed_excess=excess, seeded_by=seeded)
+        if len(table) >= self.settings.max_neighbourhoods:
+            old = min(table, key=lambda nb: (nb.last_used, nb.index))
+            table.remove(old)
+            if self.shared is not None and old in self.shared.tables.get(kind, []):
+                self.shared.tables[kind].remove(old)
+        table.append(nb)
+        if self.shared is not None:
+            self.shared.add(kind, nb)
+        return nb
+
+    def _seeded_order(self, medians: dict[Path, float]) -> tuple[tuple[Path, ...], set[Path], dict[Path, float]]:
+        """Probe order by known medians (fastest first, unknown last), the candidates put behind
+        by ``drop_ratio`` (probed only at re-probes) and their excess over the best."""
+        ranked = sorted(self.candidates, key=lambda p: (medians.get(p, math.inf), self.candidates.index(p)))
+        best = medians.get(ranked[0], math.inf)
+        deferred = {p for p in ranked[1:] if p in medians and medians[p] > self.settings.drop_ratio * best}
+        return tuple(ranked), deferred, {p: medians[p] / best - 1.0 for p in deferred}
+
+    def _choose(self, nb: _Neighbourhood, kind: str) -> tuple[Path, str]:
+        s = self.settings
+        waiting = False
+        for round_ in range(0 if nb.probing_done else s.probes):
+            for p in nb.order:
+                if p in nb.deferred:
+                    continue
+                t = nb.times[p]
+                if t.count > round_:
+                    continue
+                if t.count == 0 and self.shared is not None:
+                    # Another layer timed it nearby against a faster path: no probe here. Another
+                    # layer probes it in this step: wait for its time (one probe per path and
+                    # step across the layers, not one per layer). JOINT never waits: every layer
+                    # times it (the fallback, and the reference the ratios are taken against).
+                    ratio = self.shared.ratio(kind, nb.centre, p, nb)
+                    if ratio is not None and ratio > s.drop_ratio:
+                        nb.deferred.add(p)
+                        nb.seed_excess[p] = ratio - 1.0
+                        continue
+                    if p != Path.JOINT and self.shared.pending.get((kind, p), 0) > 0 and nb.waits < _MAX_WAITS:
+                        waiting = True
+                        continue
+                if t.recent:
+                    others = [q.median() for c, q in nb.times.items() if c != p and q.recent]
+                    if others and min(t.recent) > s.drop_ratio * min(others):
+                        nb.deferred.add(p)
+                        continue
+                nb.probed_at[p] = nb.exploits
+                return p, "probe"
+        if waiting:  # the best timed path so far (JOINT before any), until the other layers' times arrive
+            nb.waits += 1
+            return nb.best() or Path.JOINT, "wait"
+        nb.probing_done = True
+        best = nb.best()
+        if best is None:  # every candidate deferred without times (cannot happen with JOINT kept)
+            return Path.JOINT, "probe"
+        nb.exploits += 1
+        challenger = self._challenger(nb, best)
+        if challenger is not None:
+            nb.reprobes += 1
+            nb.probed_at[challenger] = nb.exploits
+            return challenger, "reprobe"
+        return best, "exploit"
+
+    def _challenger(self, nb: _Neighbourhood, best: Path) -> Path | None:
+        """The stalest candidate whose wait has paid for a re-probe (module docstring), or None."""
+        s = self.settings
+        best_t = nb.times[best].median()
+        pick, pick_age = None, -1
+        for p in nb.order:
+            if p == best:
+                continue
+            age = nb.exploits - nb.probed_at.get(p, 0)
+            if age < s.reprobe_every:
+                continue
+            t = nb.times[p]
+            excess = ((t.median() / best_t - 1.0) if t.recent and best_t > 0
+                      else nb.seed_excess.get(p, s.drop_ratio - 1.0))
+            if age * s.reprobe_budget >= excess and age > pick_age:
+                pick, pick_age = p, age
+        return pick
+
+    # ------------------------------------------------------------------ state for logs and files
+    def snapshot(self, decision: OnlineDecision) -> dict[str, Any]:
+        """The state behind ``decision`` for the per-layer logs: mode, neighbourhood, the median
+        measured ms per path there (None: not measured), the previous call's slowest-rank ms."""
+        medians: dict[str, float | None] = {}
+        table = self._tables.get(decision.kind, [])
+        nb = next((n for n in table if n.index == decision.neighbourhood), None)
+        for p in ALL_PATHS:
+            t = nb.times.get(p) if nb is not None else self._recompute.get(p) if decision.kind == "recompute" else None
+            medians[str(p)] = t.median() * 1e3 if t is not None and t.recent else None
+        return {"mode": decision.mode, "neighbourhood": decision.neighbourhood, "measured_ms": medians,
+                "last_ms": self.last_seconds * 1e3 if self.last_seconds is not None else None,
+                "bad_timings": self.bad_total}
+
+    def learned(self, kind: str = "train") -> list[tuple[_Neighbourhood, dict[Path, PathLatency], list[Path]]]:
+        """Neighbourhoods of ``kind`` that timed their best path, with every path's latency summary
+        and the paths whose latency is *estimated*: never timed there but deferred by a seed
+        (another neighbourhood's ratio to its best, ``seed_excess``): the best median x (1 +
+        excess), one pseudo-sample. Neighbourhoods with a path neither timed nor estimated are left out."""
+        out = []
+        for nb in sorted(self._tables.get(kind, []), key=lambda n: n.index):
+            best = nb.best()
+            if best is None or len(nb.times) < len(ALL_PATHS):
+                continue
+            lat, estimated = {}, []
+            for p in ALL_PATHS:
+                values = sorted(nb.times[p].recent)
+                if values:
+                    lat[p] = PathLatency(median=nb.times[p].median(), p10=_quantile(values, 0.1),
+                                         p90=_quantile(values, 0.9), samples=len(values))
+                elif p in nb.seed_excess:
+                    v = nb.times[best].median() * (1.0 + nb.seed_excess[p])
+                    lat[p] = PathLatency(median=v, p10=v, p90=v, samples=1)
+                    estimated.append(p)
+            if len(lat) == len(ALL_PATHS):
+                out.append((nb, lat, estimated))
+        return out
+
+
+def _quantile(sorted_values: list[float], q: float) -> float:
+    if len(sorted_values) == 1:
+        return sorted_values[0]
+    pos = q * (len(sorted_values) - 1)
+    lo = int(math.floor(pos))
+    hi = min(lo + 1, len(sorted_values) - 1)
+    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
+
+
+def learned_anchor_set(selectors: Iterable[OnlineSelector], topo: RailTopology, *, hidden_size: int, dtype: str,
+                       backend: str = "online", kind: str = "train", chunks: int = 1,
+                       settings: dict[str, Any] | None = None) -> AnchorSet:
+    """The anchors file of what ``selectors`` learned (``anchors.save_anchors`` writes it).
+
+    One anchor per neighbourhood of pass ``kind`` that timed its best path and has every path
+    timed or estimated (``OnlineSelector.learned``): its centre's descriptors, the path with the
+    lowest median, and each path's median / p10 / p90 of the kept times (slowest rank per call);
+    ``context.settings.online.estimated`` names, per anchor, the paths whose latency is estimated. ``context.settings.selector`` records the neighbourhood window
+    as the anchor rule's thresholds, ``context.settings.online`` the selector's knobs.
+    """
+    selectors = list(selectors)
+    anchors = []
+    estimated: dict[str, list[str]] = {}
+    scales = None
+    online = None
+    for sel in selectors:
+        scales = scales or sel.scales
+        online = online or sel.settings
+        for nb, lat, guessed in sel.learned(kind):
+            best = min(ALL_PATHS, key=lambda p: (lat[p].median, ALL_PATHS.index(p)))
+            name = f"online-l{sel.layer}-{kind}-n{nb.index}"
+            anchors.append(Anchor(name=name, coords=nb.centre,
+                                  B_mean_bytes=nb.stats.B_mean_bytes, rho_g=nb.stats.rho_g, kappa=nb.stats.kappa,
+                                  path=best, latency_s=lat, input_windows=1))
+            estimated.update({name: [str(p) for p in guessed]} if guessed else {})
+    online = online or OnlineSettings()
+    extra = dict(settings or {})
+    extra.setdefault("selector", {"payload_ratio": online.payload_ratio, "shape_distance": online.shape_distance})
+    extra["online"] = {**online.to_dict(), "pass_kind": kind, "layers": [s.layer for s in selectors],
+                       "estimated": estimated}
+    extra["chunks"] = int(chunks)
+    context = CalibrationContext(topology=topo.to_dict(), hidden_size=int(hidden_size), dtype=dtype, backend=backend,
+                                 date=CalibrationContext.now(), settings=extra)
+    return AnchorSet(anchors=tuple(anchors), scales=scales or AnchorSet.scales_for(topo), context=context)
+
+
+def anchor_prior(anchor_set: AnchorSet, explain: Callable[[TrafficStats], Any]) -> Prior:
+    """A ``Prior`` from an anchors file: ``explain`` (the anchor rule's) names the anchor; its
+    median latencies order the probes. Outside every anchor: the rule's path alone."""
+    by_name = {a.name: a for a in anchor_set.anchors}
+
+    def prior(stats: TrafficStats) -> tuple[Path, dict[Path, float] | None] | None:
+        selection = explain(stats)
+        anchor = by_name.get(selection.anchor) if selection.anchor else None
+        if anchor is None:
+            return selection.path, None
+        return anchor.path, {p: lat.median for p, lat in anchor.latency_s.items()}
+
+    return prior
+
+
+
+def save_learned_anchors(path: str | os.PathLike, topo: RailTopology, *, hidden_size: int, dtype: str,
+                         chunks: int = 1, kind: str = "train") -> os.PathLike:
+    """Write what this process's online selectors learned (``live_selectors``) as an anchors file."""
+    anchor_set = learned_anchor_set(live_selectors(), topo, hidden_size=hidden_size, dtype=dtype, chunks=chunks,
+                                    kind=kind)
+    return save_anchors(anchor_set, path)
+
+
+_AT_EXIT: set[str] = set()
+
+
+def save_learned_anchors_at_exit(path: str | os.PathLike, topo: RailTopology, *, hidden_size: int, dtype: str,
+                                 chunks: int = 1) -> None:
+    """Register ``save_learned_anchors`` at interpreter exit, once per path and process."""
+    key = str(path)
+    if key in _AT_EXIT:
+        return
+    _AT_EXIT.add(key)
+    atexit.register(save_learned_anchors, path, topo, hidden_size=hidden_size, dtype=dtype, chunks=chunks)

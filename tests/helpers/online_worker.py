@@ -1,0 +1,102 @@
+"""A real Megatron MoELayer over several steps with ``selector: online`` (spawned CPU ranks).
+
+The same layer (same weights, no optimizer step) runs ``steps`` training steps of new inputs with
+Megatron's alltoall dispatcher, with railwave on a fixed path, and with railwave under the online
+selector, then one forward-only pass each. Each rank's clock is skewed by its own factor (its
+``Stopwatch`` readings times ``clock_factor``), so the ranks measure different local times and
+still must take the same decisions: the JSONL log (one file per rank) records them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from tests.helpers.moe_layer import _moe_config, build_from_spec, load_canonical_weights, rank_inputs
+
+
+def _run_steps(rank: int, world: int, dispatcher: str, kw: dict, steps: int) -> list[dict[str, np.ndarray]]:
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    from megatron_railwave.steps import set_step
+
+    e, h, f = kw["num_experts"], kw["hidden"], kw["ffn_hidden"]
+    config = _moe_config(world, dispatcher, num_experts=e, topk=kw["topk"], hidden=h, ffn_hidden=f, extra_config=None)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, expert_model_parallel_size=world)
+    try:
+        pg = ProcessGroupCollection.use_mpu_process_groups()
+        spec = get_moe_module_spec(use_te=False, num_experts=e, moe_grouped_gemm=False)
+        layer = build_from_spec(spec, config=config, layer_number=1, pg_collection=pg)
+        layer.set_layer_number(1)
+        load_canonical_weights(layer, num_experts=e, hidden=h, ffn_hidden=f, seed=kw["seed"])
+        out = []
+        for step in range(steps):
+            set_step(step)
+            x, grad_weight = rank_inputs(rank, seq_len=kw["seq_len"], micro_batch=kw["micro_batch"], hidden=h,
+                                         seed=kw["seed"] + step)
+            x.requires_grad_(True)
+            layer.train()
+            layer.zero_grad(set_to_none=True)
+            y, _ = layer(x)
+            (y * grad_weight).sum().backward()
+            out.append({"output": y.detach().numpy().copy(), "input_grad": x.grad.numpy().copy(),
+                        "router_grad": layer.router.weight.grad.numpy().copy(),
+                        "fc1_grad": np.stack([ex.linear_fc1.weight.grad.numpy()
+                                              for ex in layer.experts.local_experts])})
+        layer.eval()
+        with torch.no_grad():
+            x, _ = rank_inputs(rank, seq_len=kw["seq_len"], micro_batch=kw["micro_batch"], hidden=h, seed=99)
+            out.append({"output": layer(x)[0].numpy().copy()})
+        set_step(None)
+        return out
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+def run_layer_online(rank: int, world: int, kw: dict, steps: int, log_dir: str, fixed: str) -> dict[str, Any]:
+    from megatron_railwave.lab.bench.megatron_cpu import apply_megatron_cpu_shims
+
+    apply_megatron_cpu_shims()
+    import megatron_railwave
+    from megatron_railwave.telemetry import stats
+
+    original = stats.Stopwatch.elapsed_ms
+    clock_factor = 1.0 + 0.7 * rank  # rank r's clock runs 1 + 0.7 r times fast
+
+    def skewed(self):
+        return original(self) * clock_factor
+
+    stats.Stopwatch.elapsed_ms = skewed
+    try:
+        res = {"alltoall": _run_steps(rank, world, "alltoall", kw, steps)}
+        megatron_railwave.install({"gpus_per_node": 2, "path": fixed, "metrics": False})
+        res["fixed"] = _run_steps(rank, world, "railwave", kw, steps)
+        megatron_railwave.install({"gpus_per_node": 2, "path": "auto", "selector": "online", "metrics": True,
+                                   "log_dir": log_dir, "log_mode": "rank",
+                                   "online": {"probes": 1, "reprobe_every": 2, "reprobe_budget": 1.0}})
+        res["online"] = _run_steps(rank, world, "railwave", kw, steps)
+        megatron_railwave.install({"gpus_per_node": 2, "path": "joint", "metrics": False})  # closes the log sink
+        from megatron_railwave.telemetry.megatron_logging import default_metrics_sink
+
+        res["tracker"] = {k: v for k, v in default_metrics_sink().means().items() if k.startswith(("selector", "measured"))}
+
+        # Rank 2's clock goes bad (NaN) from its 4th reading on: every rank must fall back to JOINT
+        # at the same call.
+        readings = [0]
+
+        def bad_on_rank2(self):
+            readings[0] += 1
+            return float("nan") if rank == 2 and readings[0] > 6 else original(self)
+
+        stats.Stopwatch.elapsed_ms = bad_on_rank2
+        megatron_railwave.install({"gpus_per_node": 2, "path": "auto", "selector": "online", "metrics": False,
+                                   "log_dir": log_dir + "/bad", "log_mode": "rank"})
+        res["bad"] = _run_steps(rank, world, "railwave", kw, steps)
+        megatron_railwave.install({"gpus_per_node": 2, "path": "joint", "metrics": False})
+        return res
+    finally:
+        stats.Stopwatch.elapsed_ms = original

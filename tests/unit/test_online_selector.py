@@ -1,0 +1,291 @@
+"""The online selector: probes then exploits, neighbourhoods, priors, bad timings, rank agreement,
+its descriptors against ``demand_stats``, the learned anchors file, the config wiring."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from megatron_railwave.config import OnlineSettings, RailWaveConfig
+from megatron_railwave.lab.workloads import synthetic_routing_maps
+from megatron_railwave.planner import Path
+from megatron_railwave.selector import AnchorSelector, OnlineSelector, selector_from_config
+from megatron_railwave.selector.anchors import load_anchors, save_anchors
+from megatron_railwave.selector.online import (TIMING_MISSING, TIMING_NONE, TIMING_STALLED, encode_timing,
+                                               fast_descriptors, learned_anchor_set, slowest_timing)
+from megatron_railwave.telemetry.stats import demand_stats
+from megatron_railwave.topology import RailTopology
+from megatron_railwave.traffic import MiB, DemandCounts, SelectorScales, TrafficStats
+
+TOPO = RailTopology(num_nodes=4, gpus_per_node=8)
+SCALES = SelectorScales().resolve(TOPO)
+TRUE_S = {Path.NATIVE: 4e-3, Path.RAIL: 2.2e-3, Path.PERM: 3e-3, Path.JOINT: 2e-3}
+
+
+def stats(b_mib: float, rho: float = 3.0, kappa: float = 2.0) -> TrafficStats:
+    b = b_mib * MiB
+    coords = (math.log2(b / SCALES[0]) if b > 0 else -math.inf, (rho - 1) / SCALES[1], (kappa - 1) / SCALES[2])
+    return TrafficStats(B_mean_bytes=b, B_max_bytes=b, rho_g=rho, kappa=kappa, coords=coords, records_total=0,
+                        remote_records=0)
+
+
+def run(sel: OnlineSelector, times: dict[Path, float], calls: int, descr: TrafficStats, *, ranks: int = 1,
+        skew=None) -> list[tuple[Path, str]]:
+    """Drive ``sel`` like the dispatcher: each call's words carry the previous call's time from
+    every rank (``skew[r]``: rank r's clock factor, default 1)."""
+    out, prev = [], None
+    for _ in range(calls):
+        words = [encode_timing(None if prev is None else times[prev] * (skew[r] if skew else 1.0),
+                               expected=sel.expects_timing()) for r in range(ranks)]
+        sel.observe(words)
+        d = sel.decide("train", descr)
+        out.append((d.path, d.mode))
+        prev = d.path
+    return out
+
+
+def test_probes_each_candidate_then_exploits_the_fastest():
+    sel = OnlineSelector(OnlineSettings(probes=2, reprobe_every=1000), scales=SCALES)
+    seq = run(sel, TRUE_S, 20, stats(64))
+    probes = [p for p, mode in seq if mode == "probe"]
+    # Round 1 probes all four (JOINT first); NATIVE (2x JOINT's time) is dropped after one probe,
+    # the others get their second probe; then JOINT, the fastest, runs.
+    assert probes == [Path.JOINT, Path.RAIL, Path.PERM, Path.NATIVE, Path.JOINT, Path.RAIL, Path.PERM]
+    assert all(p == Path.JOINT and mode == "exploit" for p, mode in seq[len(probes):])
+
+
+def test_native_wins_where_it_is_fastest_and_reprobes_pay_for_themselves():
+    times = {Path.NATIVE: 1e-3, Path.RAIL: 1.1e-3, Path.PERM: 3e-3, Path.JOINT: 3e-3}
+    sel = OnlineSelector(OnlineSettings(reprobe_every=5, reprobe_budget=0.1), scales=SCALES)
+    seq = run(sel, times, 80, stats(8))
+    exploit = [p for p, mode in seq if mode == "exploit"]
+    assert exploit and set(exploit) == {Path.NATIVE}
+    reprobes = [p for p, mode in seq if mode == "reprobe"]
+    # RAIL is 10% over NATIVE: 5 exploit calls x 0.1 = 0.5 >= 0.1, re-probed every 5 exploits.
+    # PERM / JOINT are 200% over: they wait 2.0 / 0.1 = 20 exploit calls each.
+    assert reprobes.count(Path.RAIL) >= 8
+    assert 1 <= reprobes.count(Path.JOINT) <= 3 and 1 <= reprobes.count(Path.PERM) <= 3
+    cheap = OnlineSelector(OnlineSettings(reprobe_every=5, reprobe_budget=0.01), scales=SCALES)
+    assert Path.JOINT not in [p for p, mode in run(cheap, times, 80, stats(8)) if mode == "reprobe"]
+
+
+def test_layers_share_what_they_measured():
+    from megatron_railwave.selector.online import SharedNeighbourhoods
+
+    shared = SharedNeighbourhoods()
+    first = OnlineSelector(scales=SCALES, shared=shared, layer=1)
+    run(first, TRUE_S, 12, stats(64))
+    second = OnlineSelector(scales=SCALES, shared=shared, layer=2)
+    seq = run(second, TRUE_S, 8, stats(80))
+    assert Path.NATIVE not in [p for p, _ in seq]  # 2x JOINT on layer 1: deferred on layer 2
+    alone = OnlineSelector(OnlineSettings(share=False), scales=SCALES, shared=shared, layer=3)
+    assert Path.NATIVE in [p for p, _ in run(alone, TRUE_S, 8, stats(80))]
+
+
+def test_switches_when_the_fabric_changes():
+    sel = OnlineSelector(OnlineSettings(reprobe_every=4, window=4, reprobe_budget=0.5), scales=SCALES)
+    run(sel, TRUE_S, 30, stats(64))
+    changed = dict(TRUE_S, **{Path.RAIL: 1e-3})  # RAIL becomes the fastest
+    seq = run(sel, changed, 60, stats(64))
+    # RAIL's re-probes (10% over JOINT before: every 4 exploit calls) bring its new times in; once
+    # they are the median of its window, it is the exploited path.
+    assert {p for p, mode in seq[-20:] if mode == "exploit"} == {Path.RAIL}
+
+
+def test_new_neighbourhood_when_descriptors_leave_and_seeded_from_the_nearest():
+    sel = OnlineSelector(OnlineSettings(reprobe_every=1000), scales=SCALES)
+    run(sel, TRUE_S, 12, stats(64))
+    seq = run(sel, TRUE_S, 6, stats(512))  # 8x the payload: outside payload_ratio 2
+    assert sel.decide("train", stats(512)).neighbourhood == 1
+    # Seeded by neighbourhood 0: JOINT first, NATIVE (2x) deferred to re-probes.
+    assert seq[0] == (Path.JOINT, "probe") and Path.NATIVE not in [p for p, _ in seq]
+    # Back inside neighbourhood 0: its state is reused, no new probes.
+    assert run(sel, TRUE_S, 3, stats(70))[-1] == (Path.JOINT, "exploit")
+    # Learned: neighbourhood 1 never timed NATIVE; its latency there is estimated from the seed's
+    # ratio (2x JOINT's) and named as such in the file.
+    learned = {nb.index: (lat, est) for nb, lat, est in sel.learned()}
+    lat, est = learned[1]
+    assert est == [Path.NATIVE] and lat[Path.NATIVE].median == pytest.approx(2 * lat[Path.JOINT].median)
+    assert learned[0][1] == []
+    file = learned_anchor_set([sel], TOPO, hidden_size=64, dtype="fp32")
+    assert file.context.settings["online"]["estimated"] == {"online-lNone-train-n1": ["native"]}
+
+
+def test_pass_kinds_have_separate_tables_and_recompute_is_replayed():
+    sel = OnlineSelector(scales=SCALES)
+    run(sel, TRUE_S, 12, stats(64))
+    d = sel.decide("forward_only", stats(64))
+    assert (d.path, d.mode) == (Path.JOINT, "probe")  # forward-only learns on its own
+    sel.observe([encode_timing(1e-3, expected=True)])
+    r = sel.replay(Path.RAIL)
+    assert (r.path, r.mode, r.kind) == (Path.RAIL, "replay", "recompute")
+    sel.observe([encode_timing(5e-3, expected=True)])
+    assert sel.snapshot(r)["measured_ms"]["rail"] == pytest.approx(5.0)
+
+
+def test_prior_from_anchors_orders_and_defers():
+    def prior(_stats):
+        return Path.RAIL, {Path.NATIVE: 9.0, Path.RAIL: 1.0, Path.PERM: 1.2, Path.JOINT: 1.1}
+
+    sel = OnlineSelector(OnlineSettings(reprobe_every=1000), scales=SCALES, prior=prior)
+    seq = run(sel, TRUE_S, 10, stats(64))
+    assert seq[0] == (Path.RAIL, "probe")
+    assert Path.NATIVE not in [p for p, _ in seq]  # the prior put it far behind
+    assert seq[-1] == (Path.JOINT, "exploit")  # measurements override the prior's RAIL
+
+
+def test_slowest_rank_and_codes():
+    assert slowest_timing([TIMING_NONE] * 4) == (None, None)
+    assert slowest_timing([1000, 3000, 2000]) == (3e-6, None)
+    seconds, problem = slowest_timing([1000, TIMING_MISSING, 5])
+    assert seconds is None and "[1]" in problem and "missing" in problem
+    assert "no timing where the others did" in slowest_timing([1000, TIMING_NONE])[1]
+    assert encode_timing(float("nan"), expected=True) < 0 and encode_timing(-1.0, expected=True) < 0
+    assert encode_timing(0.0, expected=True) == TIMING_STALLED
+    assert encode_timing(None, expected=False) == TIMING_NONE
+
+
+@pytest.mark.parametrize("bad", [float("nan"), -1e-3, 0.0, None])
+def test_bad_timings_fall_back_to_joint_on_every_rank(bad):
+    sels = [OnlineSelector(OnlineSettings(max_bad=3), scales=SCALES, layer=5) for _ in range(4)]
+    messages = [[] for _ in sels]
+    decisions = [[] for _ in sels]
+    for call in range(12):
+        # Rank 2's clock goes bad from call 4 on; every rank receives the same words.
+        words = [encode_timing(None if call == 0 else (bad if (r == 2 and call >= 4) else 1e-3 * (r + 1)),
+                               expected=call > 0) for r in range(4)]
+        for k, sel in enumerate(sels):
+            msg = sel.observe(words)
+            if msg:
+                messages[k].append(msg)
+            decisions[k].append(sel.decide("train", stats(64)))
+    assert all(d == decisions[0] for d in decisions)
+    assert all(len(m) == 1 and "layer 5" in m[0] and "JOINT" in m[0] for m in messages)
+    assert [d.mode for d in decisions[0][7:]] == ["fallback"] * 5
+    assert all(d.path == Path.JOINT for d in decisions[0][7:])
+
+
+@settings(max_examples=30, deadline=None)
+@given(skews=st.lists(st.floats(0.5, 2.0), min_size=4, max_size=4), seed=st.integers(0, 1000))
+def test_ranks_whose_clocks_differ_decide_the_same(skews, seed):
+    # Each rank measures with its own clock (its own factor and noise); the words all ranks
+    # receive are the same, so the decisions are too.
+    rng = np.random.default_rng(seed)
+    sels = [OnlineSelector(OnlineSettings(reprobe_every=3), scales=SCALES) for _ in range(4)]
+    prev = None
+    for call in range(40):
+        words = [encode_timing(None if prev is None else TRUE_S[prev] * skews[r] * rng.uniform(0.9, 1.1),
+                               expected=prev is not None) for r in range(4)]
+        descr = stats(64 if call < 20 else 300)
+        ds = []
+        for sel in sels:
+            sel.observe(words)
+            ds.append(sel.decide("train", descr))
+        assert all(d == ds[0] for d in ds)
+        prev = ds[0].path
+
+
+def test_idle_layer_without_remote_payload():
+    sel = OnlineSelector(scales=SCALES)
+    d = sel.decide("train", stats(0))
+    assert (d.path, d.mode) == (Path.JOINT, "idle") and not sel.expects_timing()
+
+
+@pytest.mark.parametrize("seed", [0, 3])
+def test_fast_descriptors_match_demand_stats(seed):
+    maps = synthetic_routing_maps(TOPO, num_tokens=512, num_experts=64, topk=4, seed=seed)
+    demand = DemandCounts.from_routing_maps(maps, TOPO)
+    ref = demand_stats(demand, TOPO, record_bytes=4096)
+    got = fast_descriptors(demand.records_WN.numpy(), TOPO, record_bytes=4096)
+    for name in ("B_mean_bytes", "B_max_bytes", "rho_g", "kappa"):
+        assert getattr(got, name) == pytest.approx(getattr(ref, name), rel=1e-12), name
+    assert got.coords == pytest.approx(ref.coords, rel=1e-12)
+    assert got.remote_records == ref.remote_records and got.records_total == ref.records_total
+
+
+def test_fast_descriptors_with_shared_rails_and_a_failed_rail():
+    topo = RailTopology(num_nodes=2, gpus_per_node=4, rail_of_gpu=(0, 0, 1, 1), failed_rails=((1, 1),))
+    maps = synthetic_routing_maps(topo, num_tokens=256, num_experts=16, topk=2, seed=1)
+    demand = DemandCounts.from_routing_maps(maps, topo)
+    ref = demand_stats(demand, topo, record_bytes=64)
+    got = fast_descriptors(demand.records_WN.numpy(), topo, record_bytes=64)
+    assert (got.rho_g, got.kappa) == pytest.approx((ref.rho_g, ref.kappa), rel=1e-12)
+
+
+def test_learned_anchors_file_round_trips_and_feeds_the_anchor_rule(tmp_path):
+    sel = OnlineSelector(OnlineSettings(drop_ratio=10.0, reprobe_every=1000), scales=SCALES, layer=3)
+    run(sel, TRUE_S, 12, stats(64))
+    run(sel, TRUE_S, 4, stats(2))  # a second neighbourhood, not every path measured: not written
+    anchor_set = learned_anchor_set([sel], TOPO, hidden_size=4096, dtype="bf16")
+    assert [a.name for a in anchor_set.anchors] == ["online-l3-train-n0"]
+    path = save_anchors(anchor_set, tmp_path / "learned.yaml")
+    loaded = load_anchors(path, TOPO)
+    a = loaded.anchors[0]
+    assert a.path == Path.JOINT and a.latency_s[Path.NATIVE].median == pytest.approx(4e-3)
+    rule = AnchorSelector(loaded, payload_ratio=2.0, shape_distance=0.25)
+    assert rule.select(stats(64)) == Path.JOINT
+    with pytest.raises(ValueError, match="another topology"):
+        load_anchors(path, RailTopology(num_nodes=2, gpus_per_node=8))
+
+
+def test_config_wiring(tmp_path):
+    sel = selector_from_config(RailWaveConfig(), TOPO)
+    assert isinstance(sel, OnlineSelector)
+    assert RailWaveConfig(anchors="x.yaml").selector_kind() == "anchors"
+    assert RailWaveConfig(max_tokens_per_rank=64).selector_kind() == "anchors"
+    assert RailWaveConfig(path="rail", selector=None).selector_kind() == "fixed"
+    with pytest.raises(ValueError, match="does not exist"):
+        selector_from_config(RailWaveConfig(selector="online", anchors=str(tmp_path / "none.yaml")), TOPO)
+    learned = OnlineSelector(OnlineSettings(drop_ratio=10.0), scales=SCALES, layer=1)
+    run(learned, TRUE_S, 12, stats(64))
+    path = save_anchors(learned_anchor_set([learned], TOPO, hidden_size=64, dtype="fp32"), tmp_path / "l.yaml")
+    seeded = selector_from_config(RailWaveConfig(selector="online", anchors=str(path)), TOPO)
+    assert isinstance(seeded, OnlineSelector) and seeded.prior is not None
+    d = seeded.decide("train", stats(64))
+    assert (d.path, d.mode) == (Path.JOINT, "probe")
+    other = RailTopology(num_nodes=2, gpus_per_node=8)
+    with pytest.raises(ValueError, match="another topology"):
+        selector_from_config(RailWaveConfig(selector="online", anchors=str(path)), other)
+    with pytest.raises(ValueError, match="path: auto"):
+        RailWaveConfig(path="joint", selector="online")
+
+
+def test_layers_wait_for_an_in_flight_probe_instead_of_repeating_it():
+    """Six layers called in order every step (as a model's layers are): a path another layer is
+    probing is waited for (at most 2 calls) and then judged by that layer's ratio to JOINT, so
+    NATIVE (2x JOINT) runs on far fewer layers than with per-layer learning; JOINT never waits."""
+    from megatron_railwave.selector.online import SharedNeighbourhoods
+
+    def native_probes(share: bool) -> tuple[int, list[str]]:
+        shared = SharedNeighbourhoods()
+        sels = [OnlineSelector(OnlineSettings(share=share), scales=SCALES, shared=shared, layer=i) for i in range(6)]
+        prev: list = [None] * 6
+        count, first_modes = 0, []
+        for step in range(12):
+            for i, sel in enumerate(sels):
+                sel.observe([encode_timing(None if prev[i] is None else TRUE_S[prev[i]], expected=sel.expects_timing())])
+                d = sel.decide("train", stats(64))
+                count += d.path == Path.NATIVE and d.mode in ("probe", "reprobe")
+                if step == 0:
+                    first_modes.append((str(d.path), d.mode))
+                prev[i] = d.path
+        return count, first_modes
+
+    shared_count, first = native_probes(True)
+    alone_count, _ = native_probes(False)
+    assert alone_count == 6 and shared_count <= 2
+    assert first == [("joint", "probe")] * 6  # JOINT never waits
+
+
+def test_save_learned_anchors_writes_what_live_selectors_learned(tmp_path):
+    from megatron_railwave.selector.online import save_learned_anchors
+
+    sel = OnlineSelector(OnlineSettings(drop_ratio=10.0), scales=SCALES, layer=77)
+    run(sel, TRUE_S, 12, stats(64))
+    path = save_learned_anchors(tmp_path / "out.yaml", TOPO, hidden_size=64, dtype="fp32")
+    names = [a.name for a in load_anchors(path, TOPO).anchors]
+    assert "online-l77-train-n0" in names
