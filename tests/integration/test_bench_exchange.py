@@ -82,13 +82,14 @@ def test_wire_bytes_dedup_worked_by_hand():
     demand = DemandCounts.from_routing_maps(maps, topo)
     wire = RecordWireFormat(hidden=4, payload_dtype=torch.bfloat16, probs_dtype=torch.float32, experts_per_node=2)
     rec = railwave_record_bytes(wire)
-    # payload 4 x 2 B; probs 2 x 4 B; metadata 4 B x (2 columns + 1 routing word)
-    assert rec == {"payload": 8, "dispatch": 8 + 8 + 12, "combine": 8}
+    # payload 4 x 2 B; probs 2 x 4 B; metadata 4 B x (2 columns + 1 routing word) = 28 B, padded
+    # with one zero word to a 16-byte row (schedule.wire: 16-byte row copies)
+    assert rec == {"payload": 8, "dispatch": 8 + 8 + 12 + 4, "combine": 8}
     rw = railwave_bytes(compile_schedule(build_plan(demand, topo, "native"), wire, demand=demand))
-    assert rw["inter_node_records"] == 1 and rw["inter_node_bytes"] == 28 + 8
-    assert rw["rail_send_bytes_NG"] == [[36, 0], [0, 0]] and rw["rail_bytes_R"] == [36, 0]
+    assert rw["inter_node_records"] == 1 and rw["inter_node_bytes"] == 32 + 8
+    assert rw["rail_send_bytes_NG"] == [[40, 0], [0, 0]] and rw["rail_bytes_R"] == [40, 0]
     assert rw["node_rail_imbalance"] == 2.0  # node 0: loads [1, 0], max / mean = 2
-    assert rw["relayed_records"] == 0 and rw["delivered_copies"] == 1 and rw["node_local_bytes"] == 36
+    assert rw["relayed_records"] == 0 and rw["delivered_copies"] == 1 and rw["node_local_bytes"] == 40
     a2a_rec = alltoall_entry_bytes(hidden=4, elem_bytes=2)
     a2a = alltoall_bytes(maps, topo, a2a_rec)
     assert a2a["inter_node_entries"] == 2 and a2a["inter_node_bytes"] == 2 * (12 + 8)
