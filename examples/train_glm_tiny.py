@@ -25,6 +25,9 @@ Batching (``--batching``), what makes the ranks' token counts differ (docs/workl
     (the frameworks all-reduce this maximum; here every rank computes it from the same seeded draw
     of all ranks' lengths), and each rank splits its rollouts into M micro-batches of near-equal
     tokens (largest first into the lightest, an approximation of verl's Karmarkar-Karp partition).
+    A rank with fewer tokens than the busiest thus runs M smaller micro-batches.
+  * ``--balance-ranks`` (``packed``, ``budget``): first deal the step's rollouts of all ranks back
+    with equal counts and near-equal token sums (slime ``--balance-data``, verl ``balance_batch``).
 Rollout lengths (``packed``, ``budget``): ``round(exp(N(log --len-median, --len-sigma^2)))``
 clipped to [``--len-min``, ``--seq-length``], drawn from (seed, step, rank, rollout). A packed
 micro-batch is one row with a block-diagonal causal mask, so no rollout attends to another; RoPE
@@ -80,6 +83,9 @@ def _parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-tokens-per-gpu", type=int, default=512,
                         help="budget: tokens per micro-batch per rank (slime's --max-tokens-per-gpu)")
     parser.add_argument("--samples-per-rank", type=int, default=8, help="budget: rollouts per rank per step")
+    parser.add_argument("--balance-ranks", action="store_true",
+                        help="packed/budget: deal the step's rollouts to ranks with equal counts and near-equal "
+                             "tokens first (slime --balance-data, verl balance_batch)")
     parser.add_argument("--len-median", type=float, default=64.0, help="packed/budget: median rollout length")
     parser.add_argument("--len-sigma", type=float, default=0.8,
                         help="packed/budget: standard deviation of log rollout length")
@@ -212,6 +218,19 @@ def _balanced_split(lengths: list[int], parts: int) -> list[list[int]]:
     return groups
 
 
+def _balanced_deal(per_rank: list[list[int]]) -> list[list[int]]:
+    """All ranks' rollouts dealt back with the same count per rank and near-equal token sums:
+    longest first to the lightest rank with room (slime --balance-data, verl balance_batch)."""
+    count, world = len(per_rank[0]), len(per_rank)
+    ranks: list[list[int]] = [[] for _ in range(world)]
+    sums = [0] * world
+    for length in sorted((n for lengths in per_rank for n in lengths), reverse=True):
+        lightest = min((r for r in range(world) if len(ranks[r]) < count), key=lambda r: (sums[r], r))
+        ranks[lightest].append(length)
+        sums[lightest] += length
+    return ranks
+
+
 def micro_batch_plan(args: argparse.Namespace, step: int) -> list[list[list[int]]]:
     """Sequence lengths of every micro-batch of every rank at ``step``: ``[rank][micro-batch]``.
 
@@ -222,9 +241,12 @@ def micro_batch_plan(args: argparse.Namespace, step: int) -> list[list[list[int]
     world = args.nprocs
     if args.batching == "fixed":
         return [[[args.seq_length] * args.micro_batch_size] for _ in range(world)]
+    count = args.micro_batch_size if args.batching == "packed" else args.samples_per_rank
+    per_rank = [_rollout_lengths(args, step, r, count) for r in range(world)]
+    if args.balance_ranks:
+        per_rank = _balanced_deal(per_rank)
     if args.batching == "packed":
-        return [[_rollout_lengths(args, step, r, args.micro_batch_size)] for r in range(world)]
-    per_rank = [_rollout_lengths(args, step, r, args.samples_per_rank) for r in range(world)]
+        return [[lengths] for lengths in per_rank]
     parts = max(-(-sum(lengths) // args.max_tokens_per_gpu) for lengths in per_rank)
     return [_balanced_split(lengths, parts) for lengths in per_rank]
 
@@ -423,7 +445,7 @@ def _train(rank: int, world_size: int, port: int, args: argparse.Namespace) -> N
             "steps": args.steps,
             "batching": args.batching,
             "batching_args": {k: getattr(args, k) for k in (
-                "seq_length", "micro_batch_size", "max_tokens_per_gpu", "samples_per_rank", "len_median",
+                "seq_length", "micro_batch_size", "max_tokens_per_gpu", "samples_per_rank", "balance_ranks", "len_median",
                 "len_sigma", "len_min", "seed")},
             "tokens_per_rank": tokens_per_rank,
             "losses": losses,
