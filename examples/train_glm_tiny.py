@@ -86,6 +86,9 @@ def _parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--balance-ranks", action="store_true",
                         help="packed/budget: deal the step's rollouts to ranks with equal counts and near-equal "
                              "tokens first (slime --balance-data, verl balance_batch)")
+    parser.add_argument("--plan-only", action="store_true",
+                        help="train nothing: print the token skew of the batcher's per-rank token counts over "
+                             "--steps steps of --nprocs ranks (any count) and exit")
     parser.add_argument("--len-median", type=float, default=64.0, help="packed/budget: median rollout length")
     parser.add_argument("--len-sigma", type=float, default=0.8,
                         help="packed/budget: standard deviation of log rollout length")
@@ -117,7 +120,7 @@ def _parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                      f"{args.max_tokens_per_gpu}: a rollout must fit one micro-batch; raise the budget")
     if args.railwave_capture_dir is not None and args.moe_token_dispatcher_type != "railwave":
         parser.error("--railwave-capture-dir needs --moe-token-dispatcher-type railwave (the capture is its)")
-    if 16 % args.nprocs != 0:
+    if 16 % args.nprocs != 0 and not args.plan_only:
         parser.error(f"--nprocs must divide the 16 experts, got {args.nprocs}")
     return args
 
@@ -456,8 +459,24 @@ def _train(rank: int, world_size: int, port: int, args: argparse.Namespace) -> N
     dist.destroy_process_group()
 
 
+def _print_plan_skew(args: argparse.Namespace) -> int:
+    """The token skew the batcher alone implies (every micro-batch of every step; no model runs)."""
+    from megatron_railwave.lab.workloads import token_skew_report
+
+    tokens = [[sum(plan[r][m]) for r in range(args.nprocs)]
+              for step in range(args.steps) for plan in [micro_batch_plan(args, step)] for m in range(len(plan[0]))]
+    report = token_skew_report(tokens)
+    print(f"{args.batching}{' balanced' if args.balance_ranks else ''}: {args.nprocs} ranks, {args.steps} steps, "
+          f"{report['steps']} micro-batches, mean tokens {np.mean(report['mean_tokens']):.0f}, token_skew "
+          f"{report['token_skew']:.3f}, busiest rank / mean: median {np.median(report['max_over_mean']):.2f}, "
+          f"max {max(report['max_over_mean']):.2f}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parse_args(argv)
+    if args.plan_only:
+        return _print_plan_skew(args)
     if args.moe_token_dispatcher_type == "railwave":
         _require_railwave_install()  # fail before spawning eight processes
     # The parent owns the rendezvous store on an OS-chosen port (no free-port race).
