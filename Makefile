@@ -5,7 +5,7 @@ VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.railwave-installed
 
 .PHONY: demo test test-all test-mcore-oldest setup clean plan-bench bench bench-paper scale-study bench-exchange testbed-bench gpu-check \
-	simulate-exchange workload-fit call-costs ext kernels-check ops-bench deepep-conformance deepep-hardware-check
+	simulate-exchange workload-fit token-skew call-costs ext kernels-check ops-bench deepep-conformance deepep-hardware-check
 
 # setup.py ships the opt-in RAILWAVE_AUTO_INSTALL startup hook (megatron_railwave_autoinstall.pth).
 $(STAMP): pyproject.toml setup.py megatron_railwave_autoinstall.pth
@@ -126,6 +126,22 @@ bench: $(STAMP)
 workload-fit: $(STAMP)
 	@mkdir -p out
 	$(VPY) -m megatron_railwave.cli workloads fit --json out/workload_fit.json $(WORKLOAD_FIT_ARGS)
+
+# Token skew of real batching (docs/workloads.md, "Where token skew comes from"): the tiny GLM on
+# 8 gloo processes (4 x 2) with the routing capture, per batching mode, then the skew of the captures.
+TOKEN_SKEW_RUN = $(VPY) examples/train_glm_tiny.py --nprocs 8 --gpus-per-node 2 --moe-token-dispatcher-type railwave
+token-skew: $(STAMP)
+	@rm -rf out/token_skew && mkdir -p out/token_skew
+	$(TOKEN_SKEW_RUN) --railwave-capture-dir out/token_skew/fixed --json out/token_skew/fixed.json \
+		--batching fixed --steps 4 --seq-length 32 --micro-batch-size 4
+	$(TOKEN_SKEW_RUN) --railwave-capture-dir out/token_skew/packed --json out/token_skew/packed.json \
+		--batching packed --steps 8 --seq-length 256 --micro-batch-size 4
+	$(TOKEN_SKEW_RUN) --railwave-capture-dir out/token_skew/budget --json out/token_skew/budget.json \
+		--batching budget --steps 3 --seq-length 256 --samples-per-rank 8 --max-tokens-per-gpu 512
+	$(TOKEN_SKEW_RUN) --railwave-capture-dir out/token_skew/budget_balanced --json out/token_skew/budget_balanced.json \
+		--batching budget --balance-ranks --steps 3 --seq-length 256 --samples-per-rank 8 --max-tokens-per-gpu 512
+	$(VPY) -m megatron_railwave.cli workloads token-skew out/token_skew/fixed out/token_skew/packed \
+		out/token_skew/budget out/token_skew/budget_balanced --json out/token_skew/token_skew.json
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis megatron_railwave/_C*.so

@@ -5,6 +5,9 @@
   next to the published ones; with ``--refit``, first rerun the fit (``workloads.fit_workload``)
   and report the fitted knobs instead of the defaults. JSON (``--json``): ``report`` and, with
   ``--refit``, ``fit``.
+* ``token-skew``: per-rank token counts of captured routing (one or more capture directories,
+  ``--railwave-capture-dir``) and the generator's ``token_skew`` measured on them
+  (``workloads.token_skew_report``). JSON (``--json``): one report per directory.
 """
 
 from __future__ import annotations
@@ -45,6 +48,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     fit.add_argument("--json", default=None, metavar="FILE", help="write the report (and fit) as JSON")
     fit.set_defaults(handler=_fit)
     _outputs.declare_outputs(fit, files=("json",))
+    skew = sub.add_parser("token-skew", help="token skew (the generator's token_skew) of captured routing",
+                          description="Per-rank token counts of every captured step of each capture directory "
+                                      "and their token skew: the standard deviation of log tokens over the ranks "
+                                      "of a step (the generator's token_skew), pooled over the steps.")
+    skew.add_argument("capture_dirs", nargs="+", metavar="CAPTURE_DIR",
+                      help="recorder directories (step*/rank*.npz), e.g. from --railwave-capture-dir")
+    skew.add_argument("--json", default=None, metavar="FILE", help="write the reports as JSON")
+    skew.set_defaults(handler=_token_skew)
+    _outputs.declare_outputs(skew, files=("json",))
 
 
 def _fit(args: argparse.Namespace) -> int:
@@ -84,5 +96,29 @@ def _fit(args: argparse.Namespace) -> int:
                             ["statistic", "paper", "ours", "rel. err", "within 10%"], rows)
     if args.json:
         _common.write_json(args.json, out)
+        _render.print_text(f"wrote {args.json}")
+    return 0
+
+
+def _token_skew(args: argparse.Namespace) -> int:
+    import numpy as np
+
+    from megatron_railwave.lab.workloads import read_capture_steps, token_skew_report, trace_tokens_per_rank
+
+    reports, rows = {}, []
+    for capture_dir in args.capture_dirs:
+        traces = read_capture_steps(capture_dir)
+        tokens = [trace_tokens_per_rank(t).tolist() for t in traces]
+        report = {**token_skew_report(tokens), "tokens_per_rank": tokens, "capture_steps": [t.meta.step for t in traces]}
+        reports[capture_dir] = report
+        per_step = report["token_skew_per_step"]
+        rows.append([capture_dir, report["steps"], report["world"], f"{np.mean(report['mean_tokens']):.0f}",
+                     f"{report['token_skew']:.3f}", f"{min(per_step):.3f}-{max(per_step):.3f}",
+                     f"{np.median(report['max_over_mean']):.2f}", f"{max(report['max_over_mean']):.2f}"])
+    _render.print_table("token skew of captured routing (std of log tokens per rank, per step; pooled)",
+                        ["capture", "steps", "ranks", "mean tokens", "token_skew", "per step", "max/mean p50",
+                         "max/mean max"], rows)
+    if args.json:
+        _common.write_json(args.json, reports)
         _render.print_text(f"wrote {args.json}")
     return 0

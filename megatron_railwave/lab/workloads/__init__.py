@@ -1,6 +1,6 @@
 """Workloads: synthetic GLM-4.5-Air routing and its fit to the paper's published statistics,
-sending arrangements, demand forms and payload scaling, and the routing traces that training
-captures.
+sending arrangements, demand forms and payload scaling, the routing traces that training
+captures, and the token skew measured on them.
 
 Letters: W ranks (N nodes x G GPUs), T tokens per rank, K top-k, E experts.
 
@@ -40,6 +40,7 @@ from megatron_railwave.lab.workloads.fit import (
     workload_statistics,
 )
 from megatron_railwave.lab.workloads.glm import GLM45_AIR, PAPER_PAYLOAD_SCALE, GlmAirWorkload, ModelSpec, glm_air_demands, glm_air_layer_ids, glm_air_trace
+from megatron_railwave.lab.workloads.token_skew import read_capture_steps, token_skew, token_skew_report, trace_tokens_per_rank
 from megatron_railwave.lab.workloads.synthetic import one_destination_topk_ids, sample_topk_ids, synthetic_routing_maps, synthetic_topk_ids
 
 __all__ = [
@@ -81,5 +82,9 @@ __all__ = [
     "one_destination_topk_ids",
     "synthetic_routing_maps",
     "synthetic_topk_ids",
+    "read_capture_steps",
+    "token_skew",
+    "token_skew_report",
+    "trace_tokens_per_rank",
     *_capture.__all__,
 ]
