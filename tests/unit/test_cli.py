@@ -345,7 +345,7 @@ def test_online_sim_small_run_json_learned_file_and_validate(tmp_path, capsys):
     out, learned = tmp_path / "os.json", tmp_path / "learned.yaml"
     argv = ["online-sim", "--cluster", H800, "--nodes", "2", "--model", "configs/netmodel/h800_4x8.yaml",
             "--layers", "5", "--tokens", "512", "--steps", "30", "--routing-every", "15", "--seed", "0,1",
-            "--json", str(out), "--learned", str(learned)]
+            "--json", str(out), "--learned", str(learned), "--decision-cost"]
     assert main(argv) == 0
     data = json.loads(out.read_text())
     runs = data["models"]["configs/netmodel/h800_4x8.yaml"]["runs"]
@@ -358,8 +358,13 @@ def test_online_sim_small_run_json_learned_file_and_validate(tmp_path, capsys):
         (layer,) = run["layers"]
         assert sum(layer["chosen"].values()) == 30 and len(layer["path_per_step"]) == 30
         assert layer["mode_per_step"][0] == "probe" and "exploit" in layer["mode_per_step"]
-        assert run["summary"]["cost"]["extra_bytes_per_peer_message"] == 8
-    assert "goals:" in capsys.readouterr().out
+        cost = run["summary"]["cost"]
+        assert cost["extra_bytes_per_peer_message"] == 8
+        parts = cost["cpu_us_per_call"]
+        assert parts["total"]["mean"] == pytest.approx(sum(parts[k]["mean"] for k in ("observe", "descriptors", "decide")))
+        assert all(parts[k]["p50"] <= parts[k]["p99"] <= parts[k]["max"] for k in parts)
+    printed = capsys.readouterr().out
+    assert "goals:" in printed and "demand_stats (reference)" in printed
     # Held-out layer 6 with another routing seed: validate reads the learned file.
     status = main(["validate", "--anchors", str(learned), "--bench", "--seed", "1000", "--layers", "6"])
     assert status == 0 and "selector decision cost" in capsys.readouterr().out
