@@ -54,6 +54,7 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from functools import lru_cache
+from operator import mul, truediv
 from typing import Any
 
 import numpy as np
@@ -97,10 +98,10 @@ class _Geometry:
 
     world: int
     sums: np.ndarray | None
-    """One rail per GPU: [W + 2 G N + 1, 2 W N] float64 such that sums @ [x, x * x] (x: the flat
-    [W, N] records) is [per-GPU remote records (W), per (rail, destination node) remote records
-    summed over source nodes (G N), the same of their squares (G N), all records (1)]. None: GPUs
-    share rails (the einsum path below)."""
+    """One rail per GPU: [W + 2 G N + 1, 2 W N + 1] float64 such that sums @ [x, x * x, 1] (x: the
+    flat [W, N] records) is [per-GPU remote records (W), per (rail, destination node) remote
+    records summed over source nodes (G N), the same of their squares plus ``_TINY`` (G N), all
+    records (1)]. None: GPUs share rails (the einsum path below)."""
     healthy: tuple[int, ...] | None
     """Flat indices of the healthy (node, rail) ports; None: every port is healthy."""
     remote_WN: np.ndarray
@@ -111,8 +112,29 @@ class _Geometry:
     """The healthy ports as an index array (the einsum path)."""
 
 
-@lru_cache(maxsize=8)
+_TINY = 1e-300
+"""Added to each sum of squares q: q + _TINY == q for an integer q >= 1, and a q = 0 (where the sum
+t is 0 too) gives t * t / q = 0 instead of a division by zero. Every t * t / q with q >= 1 is >= 1,
+so kappa, their max, is the reference's (which fills 1.0 where q = 0)."""
+
+_GEOMETRY_BY_ID: dict[int, tuple[RailTopology, _Geometry]] = {}
+"""``_geometry`` by the topology object's id (the object kept, so the id stays its own): a
+lookup without hashing the topology's fields, on every layer call."""
+
+
 def _geometry(topo: RailTopology) -> _Geometry:
+    hit = _GEOMETRY_BY_ID.get(id(topo))
+    if hit is not None and hit[0] is topo:
+        return hit[1]
+    geo = _geometry_of(topo)
+    if len(_GEOMETRY_BY_ID) >= 64:
+        _GEOMETRY_BY_ID.clear()
+    _GEOMETRY_BY_ID[id(topo)] = (topo, geo)
+    return geo
+
+
+@lru_cache(maxsize=8)
+def _geometry_of(topo: RailTopology) -> _Geometry:
     n, g, r = topo.num_nodes, topo.gpus_per_node, topo.num_rails
     w = n * g
     remote_WN = (np.arange(w)[:, None] // g != np.arange(n)[None, :]).astype(np.int64)
@@ -129,13 +151,14 @@ def _geometry(topo: RailTopology) -> _Geometry:
     sums = None
     if rail_GR is None:
         wn, gn = w * n, g * n
-        sums = np.zeros((w + 2 * gn + 1, 2 * wn), dtype=np.float64)
+        sums = np.zeros((w + 2 * gn + 1, 2 * wn + 1), dtype=np.float64)
         src, dst = np.divmod(np.arange(wn), n)  # flat record index = src * N + dst
         remote = remote_WN.reshape(-1).astype(bool)
         sums[src[remote], np.arange(wn)[remote]] = 1.0
         sums[w + (src % g * n + dst)[remote], np.arange(wn)[remote]] = 1.0
         sums[w + gn + (src % g * n + dst)[remote], wn + np.arange(wn)[remote]] = 1.0
         sums[-1, :wn] = 1.0
+        sums[w + gn:w + 2 * gn, -1] = _TINY
     healthy = None if healthy_idx.size == n * r else tuple(healthy_idx.tolist())
     return _Geometry(world=w, sums=sums, healthy=healthy, remote_WN=remote_WN, rail_GR=rail_GR,
                      healthy_idx=healthy_idx)
@@ -160,9 +183,10 @@ def fast_descriptors(records_WN: np.ndarray, topo: RailTopology, *, record_bytes
     n, w = topo.num_nodes, geo.world
     if geo.sums is not None:
         wn = records_WN.size
-        y = np.empty(2 * wn, dtype=np.float64)
+        y = np.empty(2 * wn + 1, dtype=np.float64)
         y[:wn] = records_WN.reshape(-1)
-        np.multiply(y[:wn], y[:wn], out=y[wn:])
+        np.multiply(y[:wn], y[:wn], out=y[wn:2 * wn])
+        y[-1] = 1.0
         sums = (geo.sums @ y).tolist()
         per_gpu = sums[:w]
         remote_total = sum(per_gpu)
@@ -171,7 +195,8 @@ def fast_descriptors(records_WN: np.ndarray, topo: RailTopology, *, record_bytes
         healthy_mean = (remote_total / w if geo.healthy is None
                         else sum([per_gpu[i] for i in geo.healthy]) / len(geo.healthy) if geo.healthy else 0.0)
         gn = (len(sums) - 1 - w) // 2
-        kappa = (max([t * t / q if q > 0 else 1.0 for t, q in zip(sums[w:w + gn], sums[w + gn:w + 2 * gn])])
+        total = sums[w:w + gn]
+        kappa = (max(map(truediv, map(mul, total, total), sums[w + gn:w + 2 * gn]))  # see _TINY
                  if n > 1 and remote_total > 0 else 1.0)
         records_total = int(sums[-1])
     else:
