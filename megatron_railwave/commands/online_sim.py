@@ -193,4 +193,5 @@ def _print_run(model_file: str, seed: int, s: dict[str, Any], world: int, decisi
             ["part", "mean", "p50", "p90", "p99", "max"],
             [[part, *(round(cpu[part][k], 1) for k in ("mean", "p50", "p90", "p99", "max"))]
              for part in ("observe", "descriptors", "decide", "total")]
-            + [["demand_stats (reference)", round(c["reference_descriptors_cpu_us_per_call"], 1), "", "", "", ""]])
+            + [["demand_stats (reference)", round(c["reference_descriptors_cpu_us_per_call"], 1), "", "", "", ""],
+               ["one clock read (in each part)", round(c["clock_read_us"], 1), "", "", "", ""]])

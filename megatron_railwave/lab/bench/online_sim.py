@@ -254,17 +254,23 @@ def decision_cost(cpu_ns_SL3: np.ndarray, wall_ns: int, base: BaseTimes, topo: R
     for demand in demands:
         demand_stats(demand, topo, record_bytes=base.record_bytes)
     reference_us = (time.thread_time_ns() - c0) / reps / 1e3
+    reads = []
+    for _ in range(1000):  # what one read of the clock adds to each part (reads back to back)
+        c0 = time.thread_time_ns()
+        reads.append(time.thread_time_ns() - c0)
     calls = cpu_ns_SL3.shape[0] * cpu_ns_SL3.shape[1]
     return {
         "cpu_us_per_call": {"observe": summary(cpu_ns_SL3[..., 0]), "descriptors": summary(cpu_ns_SL3[..., 1]),
                             "decide": summary(cpu_ns_SL3[..., 2]), "total": summary(cpu_ns_SL3.sum(axis=2))},
         "wall_us_per_call_total_mean": wall_ns / calls / 1e3,
         "reference_descriptors_cpu_us_per_call": reference_us,
+        "clock_read_us": float(np.median(reads)) / 1e3,
         # means of observe + decide and of the descriptors (the split the earlier runs reported)
         "decision_cpu_us_per_call": float((cpu_ns_SL3[..., 0] + cpu_ns_SL3[..., 2]).mean() / 1e3),
         "descriptors_cpu_us_per_call": float(cpu_ns_SL3[..., 1].mean() / 1e3),
-        "note": "thread CPU time of this process on the machine that ran this (per call; max includes "
-                "Python's garbage collector when it runs inside a call); wall is inflated on a loaded machine",
+        "note": "thread CPU time of this process on the machine that ran this, per call; each part includes "
+                "about one clock read (clock_read_us), the total about three; max includes Python's garbage "
+                "collector when it runs inside a call; wall is inflated on a loaded machine",
     }
 
 
