@@ -223,14 +223,15 @@ def _online(args: argparse.Namespace) -> int:
     spec = _spec_from_args(args) if temporary else _load_spec(args)
     if spec.nodes < 2:
         raise ValueError(f"the online run needs at least 2 nodes (got {spec.nodes}); use --nodes 2 or more")
-    reason = check_prerequisites()
-    if reason is not None:
-        raise ValueError(reason)
     cfg = StudyConfig(patterns=_split(args.patterns), rails=_split(args.rails), paths=_split(args.paths),
                       tokens=args.tokens, hidden=args.hidden, dtype=args.dtype, seed=args.seed,
                       warmup=args.warmup, timeout_s=args.timeout)
-    if "native" not in cfg.paths:
-        raise ValueError("--paths must include native (the balanced layers' reference)")
+    if "native" not in cfg.paths or args.steps < 1:
+        raise ValueError(f"--paths must include native (the balanced layers' reference; got {args.paths!r}) and "
+                         f"--steps must be >= 1 (got {args.steps})")
+    reason = check_prerequisites()
+    if reason is not None:
+        raise ValueError(reason)
     if temporary:
         up(spec)
     try:

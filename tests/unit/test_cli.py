@@ -201,7 +201,8 @@ def test_every_output_flag_is_checked_up_front():
         declared = set(parser.get_default("output_files") or ()) | set(parser.get_default("output_dirs") or ())
         for action in parser._actions:
             if _OUTPUT_FLAGS & set(action.option_strings) and action.dest not in declared:
-                if name in ("railwave testbed run", "railwave testbed down") and action.dest == "state_dir":
+                if name in ("railwave testbed run", "railwave testbed online", "railwave testbed down") \
+                        and action.dest == "state_dir":
                     continue  # only `up` writes the state directory
                 missing.append(f"{name} {action.option_strings[0]}")
     assert missing == []
@@ -306,6 +307,17 @@ def test_bench_single_node_runs_and_has_no_rail_speedup(tmp_path):
         joint = data["summary"][pattern]["variants"]["joint"]
         assert joint["rail_p50_ms"] == 0.0 and joint["rail_speedup_p50"] is None
         assert joint["comm_p50_ms"] > 0 and joint["speedup_p50"] == pytest.approx(1.0)  # NVLink only
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--nodes", "1"], "the online run needs at least 2 nodes (got 1)"),
+    (["--paths", "joint,rail"], "--paths must include native"),
+    (["--steps", "0"], "--steps must be >= 1 (got 0)"),
+])
+def test_testbed_online_refuses_bad_flags_up_front(capsys, argv, message):
+    with pytest.raises(SystemExit) as exc:
+        main(["testbed", "online", *argv])
+    assert exc.value.code == 2 and message in capsys.readouterr().err
 
 
 def test_testbed_run_refuses_one_node_up_front(capsys):
