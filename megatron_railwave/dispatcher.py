@@ -412,10 +412,12 @@ class RailWaveTokenDispatcher(MoETokenDispatcher):
         if message is not None and rank0_global():
             _LOG.warning(message)
         call = state.call
-        descr = fast_descriptors(layer.demand.records_WN.numpy(), self.topology, record_bytes=record_bytes,
-                                 scales=selector.scales)
-        decision = (selector.replay(call.path) if call.path is not None
-                    else selector.decide(str(call.kind), descr))
+        if call.path is not None:  # a recompute: its forward's path, no descriptors needed
+            decision = selector.replay(call.path)
+        else:
+            descr = fast_descriptors(layer.demand.records_WN.numpy(), self.topology, record_bytes=record_bytes,
+                                     scales=selector.scales)
+            decision = selector.decide(str(call.kind), descr)
         state.exchange_timers.append(Stopwatch(hidden_states.device))
         plan = exchange.plan(layer, decision.path, phase=call.phase)
         handle = exchange.prepare(layer, plan, hidden_states, probs)

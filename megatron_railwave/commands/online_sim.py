@@ -4,8 +4,10 @@ Runs ``lab.bench.online_sim`` (see there for the workload, the noise and the pol
 ``--seed`` and prints per run: the totals of online, the per-layer oracle, always-NATIVE,
 always-JOINT (every always-X in the JSON), the per-call oracle and, with ``--anchors``, the offline
 selector on the same draws; the goals (online <= 1.03x the per-layer oracle, below always-NATIVE
-and always-JOINT) as met or missed; and the cost: the decision's host microseconds per layer call
-and the bytes it adds to the count message. ``--learned`` writes what the online selector learned
+and always-JOINT) as met or missed; and the cost: the online selector's host microseconds per
+layer call (observe + descriptors + decide, thread CPU time; ``--decision-cost``: each part's mean
+and percentiles over every call, next to ``demand_stats`` on the same counts) and the bytes it adds
+to the count message. ``--learned`` writes what the online selector learned
 (last seed) as an anchors file that ``railwave validate`` reads.
 
 JSON written by ``--json``: ``settings``, ``models`` (per flow-model file: ``base``, the flow
@@ -68,6 +70,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--base-from", default=None, metavar="JSON",
                         help="reuse the flow-model times, counts and offline paths of an earlier --json (same "
                              "--model list and routing; no simulation)")
+    parser.add_argument("--decision-cost", action="store_true",
+                        help="print the online selector's host work per layer call part by part (observe, "
+                             "descriptors, decide: mean and percentiles over every call of the run) next to "
+                             "demand_stats on the same counts")
     parser.add_argument("--json", default=None, metavar="FILE", help="write the per-layer results")
     parser.set_defaults(handler=run)
     _outputs.declare_outputs(parser, files=("json", "learned"))
@@ -127,7 +133,7 @@ def run(args: argparse.Namespace) -> int:
         for seed in args.seed:
             result = simulate_online(base, topo, steps=args.steps, routing_every=args.routing_every, seed=seed,
                                      noise=args.noise, offline=off, prior=prior, scales=scales)
-            _print_run(model_file, seed, result["summary"], topo.world_size)
+            _print_run(model_file, seed, result["summary"], topo.world_size, args.decision_cost)
             runs[str(seed)] = {k: v for k, v in result.items() if not k.startswith("_")}
         out_models[model_file] = {"base": {"layers": list(base.layers), "seconds_XLP": base.seconds_XLP.tolist(),
                                            "paths": ["native", "rail", "perm", "joint"],
@@ -159,7 +165,7 @@ def _suffixed(path: str, model_file: str) -> str:
     return str(p.with_name(f"{p.stem}.{FsPath(model_file).stem}{p.suffix}"))
 
 
-def _print_run(model_file: str, seed: int, s: dict[str, Any], world: int) -> None:
+def _print_run(model_file: str, seed: int, s: dict[str, Any], world: int, decision_cost: bool = False) -> None:
     t, r = s["totals_s"], s["ratio_to_oracle"]
     _render.print_text(
         f"{model_file}, seed {seed}: online {t['online']:.3f} s = {r['online']:.4f}x the per-layer oracle "
@@ -174,8 +180,18 @@ def _print_run(model_file: str, seed: int, s: dict[str, Any], world: int) -> Non
         + ", below always-NATIVE " + ("MET" if g["below_always_native"] else "MISSED")
         + ", below always-JOINT " + ("MET" if g["below_always_joint"] else "MISSED"))
     c = s["cost"]
+    cpu = c["cpu_us_per_call"]
     _render.print_text(
-        f"  cost (this host): decision {c['decision_us_per_call']:.1f} us wall / {c['decision_cpu_us_per_call']:.1f} us "
-        f"CPU per layer call, descriptors {c['descriptors_us_per_call']:.1f} us wall / "
-        f"{c['descriptors_cpu_us_per_call']:.1f} us CPU; count message +{c['extra_bytes_per_peer_message']} bytes per "
-        f"peer message ({c['extra_bytes_per_rank_per_layer_call']} bytes per rank per layer call over {world} peers)")
+        f"  cost (this host, thread CPU per layer call): observe + descriptors + decide {cpu['total']['mean']:.1f} us "
+        f"mean, {cpu['total']['p50']:.1f} us median (descriptors {cpu['descriptors']['mean']:.1f} us; demand_stats on "
+        f"the same counts {c['reference_descriptors_cpu_us_per_call']:.1f} us); count message "
+        f"+{c['extra_bytes_per_peer_message']} bytes per peer message ({c['extra_bytes_per_rank_per_layer_call']} bytes "
+        f"per rank per layer call over {world} peers)")
+    if decision_cost:
+        _render.print_table(
+            "  online selector host work per layer call (thread CPU us, every call of the run)",
+            ["part", "mean", "p50", "p90", "p99", "max"],
+            [[part, *(round(cpu[part][k], 1) for k in ("mean", "p50", "p90", "p99", "max"))]
+             for part in ("observe", "descriptors", "decide", "total")]
+            + [["demand_stats (reference)", round(c["reference_descriptors_cpu_us_per_call"], 1), "", "", "", ""],
+               ["one clock read (in each part)", round(c["clock_read_us"], 1), "", "", "", ""]])

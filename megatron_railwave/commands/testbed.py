@@ -76,6 +76,26 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     run.set_defaults(handler=_run)
     _outputs.declare_outputs(run, files=("json",))
 
+    online = sub.add_parser("online", help="the online path selector over training steps against each fixed path "
+                                           "(issue 33, goal 2)")
+    online.add_argument("--name", default=None, help="run on this testbed (from `up`); default: a temporary one")
+    online.add_argument("--state-dir", default=_DEFAULT_STATE_DIR)
+    _add_spec_args(online)
+    online.add_argument("--patterns", default="extreme", help="sending arrangements of the layers (default extreme)")
+    online.add_argument("--rails", default="balanced,skewed", help="layers: balanced and/or skewed rails (default both)")
+    online.add_argument("--paths", default="native,rail,perm,joint", help="fixed paths run next to the online "
+                                                                          "selector (default all four)")
+    online.add_argument("--steps", type=int, default=40, help="training steps (default 40)")
+    online.add_argument("--tokens", type=int, default=64, metavar="T", help="tokens per rank (default 64)")
+    online.add_argument("--hidden", type=int, default=1024, metavar="H", help="hidden size (default 1024)")
+    online.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    online.add_argument("--seed", type=int, default=0, help="GLM-4.5-Air routing seed (default 0)")
+    online.add_argument("--warmup", type=int, default=2, help="untimed rounds of every fixed path first (default 2)")
+    online.add_argument("--timeout", type=float, default=1800.0, help="limit of the worker run in seconds (default 1800)")
+    online.add_argument("--json", default=None, metavar="FILE", help="write all results as JSON")
+    online.set_defaults(handler=_online)
+    _outputs.declare_outputs(online, files=("json",))
+
 
 def _add_spec_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nodes", type=int, default=4, help="N (default 4)")
@@ -189,6 +209,54 @@ def _run(args: argparse.Namespace) -> int:
     out["loadavg_end"] = os.getloadavg()
     _render.print_text("load average (1, 5, 15 min) at start {:.1f} {:.1f} {:.1f}, at end {:.1f} {:.1f} {:.1f}".format(
         *out["loadavg_start"], *out["loadavg_end"]))
+    if args.json:
+        _common.write_json(args.json, out)
+        _render.print_text(f"wrote {args.json}")
+    return 0
+
+
+def _online(args: argparse.Namespace) -> int:
+    from megatron_railwave.lab.testbed import check_prerequisites, down, up
+    from megatron_railwave.lab.testbed.experiment import StudyConfig, run_online
+
+    temporary = args.name is None
+    spec = _spec_from_args(args) if temporary else _load_spec(args)
+    if spec.nodes < 2:
+        raise ValueError(f"the online run needs at least 2 nodes (got {spec.nodes}); use --nodes 2 or more")
+    cfg = StudyConfig(patterns=_split(args.patterns), rails=_split(args.rails), paths=_split(args.paths),
+                      tokens=args.tokens, hidden=args.hidden, dtype=args.dtype, seed=args.seed,
+                      warmup=args.warmup, timeout_s=args.timeout)
+    if "native" not in cfg.paths or args.steps < 1:
+        raise ValueError(f"--paths must include native (the balanced layers' reference; got {args.paths!r}) and "
+                         f"--steps must be >= 1 (got {args.steps})")
+    reason = check_prerequisites()
+    if reason is not None:
+        raise ValueError(reason)
+    if temporary:
+        up(spec)
+    try:
+        out = run_online(spec, cfg, steps=args.steps)
+    finally:
+        if temporary:
+            down(spec)
+    s = out["summary"]
+    for name, lay in out["layers"].items():
+        t = lay["totals_s"]
+        _render.print_text(
+            f"{name} (layer {lay['layer']}, rho_g {lay['native_demand_stats']['rho_g']:.2f}): online {t['online']:.3f} s "
+            f"= {lay['online_over_oracle']:.4f}x its oracle ({lay['oracle_path']}, {lay['oracle_s']:.3f} s); "
+            + ", ".join(f"{p} {t[p]:.3f} s" for p in args.paths.split(","))
+            + f"; {lay['probe_calls']} probe calls of {out['steps']}; last path {lay['path_per_step'][-1]}")
+    g = s["goals"]
+    _render.print_text(
+        f"total over {len(out['layers'])} layers x {out['steps']} steps: online {s['online_s']:.3f} s = "
+        f"{s['online_over_oracle']:.4f}x the per-layer oracle ({s['per_layer_oracle_s']:.3f} s); "
+        + ", ".join(f"always-{p.upper()} {s[f'always_{p}_over_oracle']:.4f}x" for p in args.paths.split(","))
+        + f"; goals: <= 1.05x oracle {'MET' if g['within_1.05x_oracle'] else 'MISSED'}, balanced layers <= 1.03x "
+        f"NATIVE {dict({True: 'MET', False: 'MISSED', None: 'n/a'})[g['balanced_within_1.03x_native']]} "
+        f"({', '.join(f'{k} {v:.4f}x' for k, v in s['balanced_online_over_native'].items())}); ranks decide the "
+        f"same: {s['ranks_decide_the_same']}; every policy bitwise equal: {s['all_policies_bitwise_equal']}; "
+        f"wall {out['run_wall_s']:.0f} s")
     if args.json:
         _common.write_json(args.json, out)
         _render.print_text(f"wrote {args.json}")

@@ -54,6 +54,7 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from functools import lru_cache
+from operator import mul, truediv
 from typing import Any
 
 import numpy as np
@@ -91,10 +92,49 @@ itself: the other layer's time arrives at its next call, one step later."""
 
 
 # ---------------------------------------------------------------------- descriptors
+@dataclass(frozen=True, slots=True)
+class _Geometry:
+    """Constants of ``fast_descriptors`` for one topology (``_geometry``)."""
+
+    world: int
+    sums: np.ndarray | None
+    """One rail per GPU: [W + 2 G N + 1, 2 W N + 1] float64 such that sums @ [x, x * x, 1] (x: the
+    flat [W, N] records) is [per-GPU remote records (W), per (rail, destination node) remote
+    records summed over source nodes (G N), the same of their squares plus ``_TINY`` (G N), all
+    records (1)]. None: GPUs share rails (the einsum path below)."""
+    healthy: tuple[int, ...] | None
+    """Flat indices of the healthy (node, rail) ports; None: every port is healthy."""
+    remote_WN: np.ndarray
+    """[W, N] int64: 1 where node n is remote to rank w."""
+    rail_GR: np.ndarray | None
+    """[G, R] float64 rail map (None: one rail per GPU)."""
+    healthy_idx: np.ndarray
+    """The healthy ports as an index array (the einsum path)."""
+
+
+_TINY = 1e-300
+"""Added to each sum of squares q: q + _TINY == q for an integer q >= 1, and a q = 0 (where the sum
+t is 0 too) gives t * t / q = 0 instead of a division by zero. Every t * t / q with q >= 1 is >= 1,
+so kappa, their max, is the reference's (which fills 1.0 where q = 0)."""
+
+_GEOMETRY_BY_ID: dict[int, tuple[RailTopology, _Geometry]] = {}
+"""``_geometry`` by the topology object's id (the object kept, so the id stays its own): a
+lookup without hashing the topology's fields, on every layer call."""
+
+
+def _geometry(topo: RailTopology) -> _Geometry:
+    hit = _GEOMETRY_BY_ID.get(id(topo))
+    if hit is not None and hit[0] is topo:
+        return hit[1]
+    geo = _geometry_of(topo)
+    if len(_GEOMETRY_BY_ID) >= 64:
+        _GEOMETRY_BY_ID.clear()
+    _GEOMETRY_BY_ID[id(topo)] = (topo, geo)
+    return geo
+
+
 @lru_cache(maxsize=8)
-def _geometry(topo: RailTopology) -> tuple[np.ndarray, np.ndarray | None, np.ndarray, int]:
-    """Constants of ``fast_descriptors`` for ``topo``: the [W, N] remote mask, the [G, R] rail
-    map (None: one rail per GPU), the flat indices of the healthy (node, rail) ports and W."""
+def _geometry_of(topo: RailTopology) -> _Geometry:
     n, g, r = topo.num_nodes, topo.gpus_per_node, topo.num_rails
     w = n * g
     remote_WN = (np.arange(w)[:, None] // g != np.arange(n)[None, :]).astype(np.int64)
@@ -103,45 +143,83 @@ def _geometry(topo: RailTopology) -> tuple[np.ndarray, np.ndarray | None, np.nda
     if rails != tuple(range(g)) or r != g:
         rail_GR = np.zeros((g, r), dtype=np.float64)
         rail_GR[np.arange(g), np.asarray(rails)] = 1.0
-    healthy = np.zeros((n, r), dtype=bool)
-    healthy[:, sorted(set(rails))] = True
+    healthy_NR = np.zeros((n, r), dtype=bool)
+    healthy_NR[:, sorted(set(rails))] = True
     for node, rail in topo.failed_rails:
-        healthy[node, rail] = False
-    return remote_WN, rail_GR, np.flatnonzero(healthy.reshape(-1)), w
+        healthy_NR[node, rail] = False
+    healthy_idx = np.flatnonzero(healthy_NR.reshape(-1))
+    sums = None
+    if rail_GR is None:
+        wn, gn = w * n, g * n
+        sums = np.zeros((w + 2 * gn + 1, 2 * wn + 1), dtype=np.float64)
+        src, dst = np.divmod(np.arange(wn), n)  # flat record index = src * N + dst
+        remote = remote_WN.reshape(-1).astype(bool)
+        sums[src[remote], np.arange(wn)[remote]] = 1.0
+        sums[w + (src % g * n + dst)[remote], np.arange(wn)[remote]] = 1.0
+        sums[w + gn + (src % g * n + dst)[remote], wn + np.arange(wn)[remote]] = 1.0
+        sums[-1, :wn] = 1.0
+        sums[w + gn:w + 2 * gn, -1] = _TINY
+    healthy = None if healthy_idx.size == n * r else tuple(healthy_idx.tolist())
+    return _Geometry(world=w, sums=sums, healthy=healthy, remote_WN=remote_WN, rail_GR=rail_GR,
+                     healthy_idx=healthy_idx)
 
 
 def fast_descriptors(records_WN: np.ndarray, topo: RailTopology, *, record_bytes: int,
                      scales: tuple[float, float, float] | None = None) -> TrafficStats:
     """B, rho_g, kappa and the coordinates of a layer sent all node pairs at once, from the
-    gathered [W, N] records (``stats.demand_stats``'s values, in a few numpy calls: the online
-    selector reads them on every layer call, where the torch version costs ~0.3 ms at 4 x 8).
+    gathered [W, N] records: ``stats.demand_stats``'s values, cheap enough for every layer call
+    (the online selector reads them there; ``demand_stats`` costs ~0.3 ms at 4 x 8).
+
+    One rail per GPU (the common case): one matrix-vector product of the records and their
+    squares with a per-topology constant (``_Geometry.sums``), then a few scalars in Python;
+    GPUs sharing rails: numpy einsums. Every sum is of integers below 2**53 in float64, so exact
+    in any order: the values are the same whichever way they are summed.
 
     Args:
         records_WN: [W, N] int64, records from rank w (railwave order: node-major) to node n.
         scales: (payload_ref_bytes, rho_scale, kappa_scale); default ``SelectorScales`` for ``topo``.
     """
-    remote_WN, rail_GR, healthy, w = _geometry(topo)
-    n = topo.num_nodes
-    remote = (records_WN * remote_WN).astype(np.float64)  # [W, N], the local node zeroed
-    per_gpu_W = remote.sum(axis=1)
-    remote_total = float(per_gpu_W.sum())
+    geo = _geometry(topo)
+    n, w = topo.num_nodes, geo.world
+    if geo.sums is not None:
+        wn = records_WN.size
+        y = np.empty(2 * wn + 1, dtype=np.float64)
+        y[:wn] = records_WN.reshape(-1)
+        np.multiply(y[:wn], y[:wn], out=y[wn:2 * wn])
+        y[-1] = 1.0
+        sums = (geo.sums @ y).tolist()
+        per_gpu = sums[:w]
+        remote_total = sum(per_gpu)
+        busiest = max(per_gpu)
+        egress_max = busiest
+        healthy_mean = (remote_total / w if geo.healthy is None
+                        else sum([per_gpu[i] for i in geo.healthy]) / len(geo.healthy) if geo.healthy else 0.0)
+        gn = (len(sums) - 1 - w) // 2
+        total = sums[w:w + gn]
+        kappa = (max(map(truediv, map(mul, total, total), sums[w + gn:w + 2 * gn]))  # see _TINY
+                 if n > 1 and remote_total > 0 else 1.0)
+        records_total = int(sums[-1])
+    else:
+        remote = (records_WN * geo.remote_WN).astype(np.float64)  # [W, N], the local node zeroed
+        per_gpu_W = remote.sum(axis=1)
+        remote_total = float(per_gpu_W.sum())
+        busiest = float(per_gpu_W.max())
+        load_NGN = np.einsum("sgd,gr->srd", remote.reshape(n, w // n, n), geo.rail_GR)  # GPUs sharing a rail add up
+        egress = load_NGN.sum(axis=2).reshape(-1)
+        egress_max = float(egress.max())
+        healthy_mean = float(egress[geo.healthy_idx].mean()) if geo.healthy_idx.size else 0.0
+        total = load_NGN.sum(axis=0)
+        squares = np.einsum("srd,srd->rd", load_NGN, load_NGN)
+        kappa = float(np.max(np.divide(total * total, squares, out=np.ones_like(total), where=squares > 0))) \
+            if n > 1 and remote_total > 0 else 1.0
+        records_total = int(records_WN.sum())
     b_mean = remote_total / w * record_bytes
-    b_max = float(per_gpu_W.max()) * record_bytes
-    load_NGN = remote.reshape(n, w // n, n)
-    if rail_GR is not None:  # GPUs sharing a rail: their loads add up on it
-        load_NGN = np.einsum("sgd,gr->srd", load_NGN, rail_GR)
-    egress = load_NGN.sum(axis=2).reshape(-1)
-    mean = float(egress[healthy].mean()) if healthy.size else 0.0
-    rho = float(egress.max()) / mean if mean > 0 else 1.0
-    total = load_NGN.sum(axis=0)
-    squares = np.einsum("srd,srd->rd", load_NGN, load_NGN)
-    kappa = float(np.max(np.divide(total * total, squares, out=np.ones_like(total), where=squares > 0))) \
-        if n > 1 and remote_total > 0 else 1.0
+    rho = egress_max / healthy_mean if healthy_mean > 0 else 1.0
     ref, rho_scale, kappa_scale = scales if scales is not None else SelectorScales().resolve(topo)
     coords = (math.log2(b_mean / ref) if b_mean > 0 else -math.inf, (rho - 1.0) / rho_scale,
               (kappa - 1.0) / kappa_scale)
-    return TrafficStats(B_mean_bytes=b_mean, B_max_bytes=b_max, rho_g=rho, kappa=kappa, coords=coords,
-                        records_total=int(records_WN.sum()), remote_records=int(remote_total))
+    return TrafficStats(B_mean_bytes=b_mean, B_max_bytes=busiest * record_bytes, rho_g=rho, kappa=kappa,
+                        coords=coords, records_total=records_total, remote_records=int(remote_total))
 
 
 # ---------------------------------------------------------------------- timing words
@@ -170,9 +248,10 @@ def slowest_timing(words_W: Iterable[int]) -> tuple[float | None, str | None]:
     """(slowest rank's seconds, None) from every rank's word; (None, None) when no rank had a
     measurement; (None, problem) when a word is bad or the ranks disagree on whether there is one.
     The same on every rank (the words are)."""
-    words = [int(v) for v in words_W]
-    if words and min(words) > 0:  # the common case, first: every rank measured
-        return max(words) * 1e-9, None
+    words = words_W if isinstance(words_W, list) else list(words_W)
+    if words and min(words) > 0:  # the common case, first: every rank measured (no per-word work)
+        return int(max(words)) * 1e-9, None
+    words = [int(v) for v in words]
     bad = {i: v for i, v in enumerate(words) if v < 0}
     if bad:
         kinds = sorted({_PROBLEMS.get(v, f"code {v}") for v in bad.values()})
@@ -234,6 +313,8 @@ class _Neighbourhood:
     """Exploit count when each candidate was last chosen to probe (its re-probe wait starts there)."""
     last_used: int = 0
     seeded_by: str = "none"
+    shared_seq: int = 0
+    """Order of creation among the neighbourhoods of ``SharedNeighbourhoods`` (its ties)."""
 
     def best(self) -> Path | None:
         best, best_t = None, math.inf
@@ -275,26 +356,44 @@ class SharedNeighbourhoods:
         self.tables: dict[str, list[_Neighbourhood]] = {}
         self.pending: dict[tuple[str, Path], int] = {}
         """Probes decided whose times have not come back yet, per (pass kind, path)."""
+        self.timed: dict[tuple[str, Path], list[tuple[float, float, float, int, _Neighbourhood]]] = {}
+        """The neighbourhoods in ``tables`` that timed each (pass kind, path), as (centre,
+        creation order, neighbourhood): what ``ratio`` scans, instead of every neighbourhood of
+        every layer."""
+        self._created = 0
 
     def ratio(self, kind: str, centre: tuple[float, float, float], path: Path, exclude: _Neighbourhood) -> float | None:
         """``path``'s median over the best other path's in the nearest other neighbourhood that
         timed both (None: none did)."""
         x, y, z = centre
-        best: tuple[float, float] | None = None
-        for nb in self.tables.get(kind, []):
-            t = nb.times.get(path)
-            if nb is exclude or t is None or not t.recent:
+        best: tuple[float, int] | None = None  # (distance^2, creation order): the nearest, the oldest of ties
+        ratio = 0.0
+        for cx, cy, cz, seq, nb in self.timed.get((kind, path), ()):  # the distance first, the medians only if nearer
+            key = ((x - cx) ** 2 + (y - cy) ** 2 + (z - cz) ** 2, seq)
+            if best is not None and key >= best or nb is exclude:
                 continue
             others = [q.median() for c, q in nb.times.items() if c != path and q.recent]
-            if not others:
-                continue
-            d2 = (x - nb.centre[0]) ** 2 + (y - nb.centre[1]) ** 2 + (z - nb.centre[2]) ** 2
-            if best is None or d2 < best[0]:
-                best = (d2, t.median() / min(others))
-        return None if best is None else best[1]
+            if others:
+                best, ratio = key, nb.times[path].median() / min(others)
+        return None if best is None else ratio
 
     def add(self, kind: str, nb: _Neighbourhood) -> None:
+        self._created += 1
+        nb.shared_seq = self._created
         self.tables.setdefault(kind, []).append(nb)
+
+    def remove(self, kind: str, nb: _Neighbourhood) -> None:
+        """Forget ``nb`` (its layer evicted it), if it is here."""
+        table = self.tables.get(kind, [])
+        if any(other is nb for other in table):
+            self.tables[kind] = [other for other in table if other is not nb]
+            for p, t in nb.times.items():
+                if t.recent:
+                    self.timed[(kind, p)] = [e for e in self.timed[(kind, p)] if e[4] is not nb]
+
+    def first_time(self, kind: str, nb: _Neighbourhood, path: Path) -> None:
+        """``nb`` (added here, not removed) has just timed ``path`` for the first time."""
+        self.timed.setdefault((kind, path), []).append((*nb.centre, nb.shared_seq, nb))
 
     def nearest(self, kind: str, x: float, y: float, z: float) -> _Neighbourhood | None:
         known = [nb for nb in self.tables.get(kind, []) if nb.best() is not None]
@@ -383,7 +482,10 @@ class OnlineSelector:
             return None
         for nb in table:
             if nb.index == last.neighbourhood:
-                nb.times[last.path].add(seconds, last.call)
+                times = nb.times[last.path]
+                times.add(seconds, last.call)
+                if times.count == 1 and self.shared is not None:
+                    self.shared.first_time(last.kind, nb, last.path)
                 break
         return None
 
@@ -469,8 +571,8 @@ class OnlineSelector:
         if len(table) >= self.settings.max_neighbourhoods:
             old = min(table, key=lambda nb: (nb.last_used, nb.index))
             table.remove(old)
-            if self.shared is not None and old in self.shared.tables.get(kind, []):
-                self.shared.tables[kind].remove(old)
+            if self.shared is not None:
+                self.shared.remove(kind, old)
         table.append(nb)
         if self.shared is not None:
             self.shared.add(kind, nb)
@@ -487,6 +589,7 @@ class OnlineSelector:
     def _choose(self, nb: _Neighbourhood, kind: str) -> tuple[Path, str]:
         s = self.settings
         waiting = False
+        ratios: dict[Path, float | None] = {}  # the other layers' ratio of each path, once per call
         for round_ in range(0 if nb.probing_done else s.probes):
             for p in nb.order:
                 if p in nb.deferred:
@@ -499,7 +602,9 @@ class OnlineSelector:
                     # layer probes it in this step: wait for its time (one probe per path and
                     # step across the layers, not one per layer). JOINT never waits: every layer
                     # times it (the fallback, and the reference the ratios are taken against).
-                    ratio = self.shared.ratio(kind, nb.centre, p, nb)
+                    if p not in ratios:
+                        ratios[p] = self.shared.ratio(kind, nb.centre, p, nb)
+                    ratio = ratios[p]
                     if ratio is not None and ratio > s.drop_ratio:
                         nb.deferred.add(p)
                         nb.seed_excess[p] = ratio - 1.0

@@ -201,7 +201,8 @@ def test_every_output_flag_is_checked_up_front():
         declared = set(parser.get_default("output_files") or ()) | set(parser.get_default("output_dirs") or ())
         for action in parser._actions:
             if _OUTPUT_FLAGS & set(action.option_strings) and action.dest not in declared:
-                if name in ("railwave testbed run", "railwave testbed down") and action.dest == "state_dir":
+                if name in ("railwave testbed run", "railwave testbed online", "railwave testbed down") \
+                        and action.dest == "state_dir":
                     continue  # only `up` writes the state directory
                 missing.append(f"{name} {action.option_strings[0]}")
     assert missing == []
@@ -308,6 +309,17 @@ def test_bench_single_node_runs_and_has_no_rail_speedup(tmp_path):
         assert joint["comm_p50_ms"] > 0 and joint["speedup_p50"] == pytest.approx(1.0)  # NVLink only
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--nodes", "1"], "the online run needs at least 2 nodes (got 1)"),
+    (["--paths", "joint,rail"], "--paths must include native"),
+    (["--steps", "0"], "--steps must be >= 1 (got 0)"),
+])
+def test_testbed_online_refuses_bad_flags_up_front(capsys, argv, message):
+    with pytest.raises(SystemExit) as exc:
+        main(["testbed", "online", *argv])
+    assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
 def test_testbed_run_refuses_one_node_up_front(capsys):
     with pytest.raises(SystemExit) as exc:
         main(["testbed", "run", "--nodes", "1"])
@@ -345,7 +357,7 @@ def test_online_sim_small_run_json_learned_file_and_validate(tmp_path, capsys):
     out, learned = tmp_path / "os.json", tmp_path / "learned.yaml"
     argv = ["online-sim", "--cluster", H800, "--nodes", "2", "--model", "configs/netmodel/h800_4x8.yaml",
             "--layers", "5", "--tokens", "512", "--steps", "30", "--routing-every", "15", "--seed", "0,1",
-            "--json", str(out), "--learned", str(learned)]
+            "--json", str(out), "--learned", str(learned), "--decision-cost"]
     assert main(argv) == 0
     data = json.loads(out.read_text())
     runs = data["models"]["configs/netmodel/h800_4x8.yaml"]["runs"]
@@ -358,8 +370,13 @@ def test_online_sim_small_run_json_learned_file_and_validate(tmp_path, capsys):
         (layer,) = run["layers"]
         assert sum(layer["chosen"].values()) == 30 and len(layer["path_per_step"]) == 30
         assert layer["mode_per_step"][0] == "probe" and "exploit" in layer["mode_per_step"]
-        assert run["summary"]["cost"]["extra_bytes_per_peer_message"] == 8
-    assert "goals:" in capsys.readouterr().out
+        cost = run["summary"]["cost"]
+        assert cost["extra_bytes_per_peer_message"] == 8
+        parts = cost["cpu_us_per_call"]
+        assert parts["total"]["mean"] == pytest.approx(sum(parts[k]["mean"] for k in ("observe", "descriptors", "decide")))
+        assert all(parts[k]["p50"] <= parts[k]["p99"] <= parts[k]["max"] for k in parts)
+    printed = capsys.readouterr().out
+    assert "goals:" in printed and "demand_stats (reference)" in printed
     # Held-out layer 6 with another routing seed: validate reads the learned file.
     status = main(["validate", "--anchors", str(learned), "--bench", "--seed", "1000", "--layers", "6"])
     assert status == 0 and "selector decision cost" in capsys.readouterr().out

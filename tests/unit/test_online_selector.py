@@ -289,3 +289,59 @@ def test_save_learned_anchors_writes_what_live_selectors_learned(tmp_path):
     path = save_learned_anchors(tmp_path / "out.yaml", TOPO, hidden_size=64, dtype="fp32")
     names = [a.name for a in load_anchors(path, TOPO).anchors]
     assert "online-l77-train-n0" in names
+
+
+def _ratio_by_full_scan(shared, kind, centre, path, exclude):
+    """``SharedNeighbourhoods.ratio`` by its definition: every neighbourhood of every layer."""
+    best = None
+    for nb in shared.tables.get(kind, []):
+        t = nb.times.get(path)
+        if nb is exclude or t is None or not t.recent:
+            continue
+        others = [q.median() for c, q in nb.times.items() if c != path and q.recent]
+        if others:
+            d2 = sum((a - b) ** 2 for a, b in zip(centre, nb.centre))
+            if best is None or d2 < best[0]:
+                best = (d2, t.median() / min(others))
+    return None if best is None else best[1]
+
+
+def test_shared_ratio_index_matches_a_full_scan_through_evictions():
+    """The per-path index ``ratio`` scans gives what a scan of every neighbourhood gives, also
+    after layers forget neighbourhoods (max_neighbourhoods 2) and with equally distant ones."""
+    from megatron_railwave.selector.online import SharedNeighbourhoods
+
+    shared = SharedNeighbourhoods()
+    rng = np.random.default_rng(5)
+    sels = [OnlineSelector(OnlineSettings(max_neighbourhoods=2, probes=1), scales=SCALES, shared=shared, layer=i)
+            for i in range(4)]
+    payloads = [8, 64, 512, 4096]
+    prev: list[float | None] = [None] * len(sels)
+    for step in range(60):
+        for i, sel in enumerate(sels):
+            sel.observe([encode_timing(prev[i], expected=sel.expects_timing())])
+            d = sel.decide("train", stats(payloads[(step // 6 + i) % 4]))
+            prev[i] = TRUE_S[d.path] * (1 + 0.3 * rng.random())
+        probe = stats(float(rng.choice([8, 30, 64, 200, 512, 4096])))
+        for path in Path:
+            exclude = sels[0]._tables["train"][0]
+            assert shared.ratio("train", probe.coords, path, exclude) == \
+                _ratio_by_full_scan(shared, "train", probe.coords, path, exclude)
+    assert all(len(sel._tables["train"]) <= 2 and sel.fallback_reason is None for sel in sels)
+    assert shared._created > 8  # neighbourhoods were forgotten
+    listed = {id(e[4]) for entries in shared.timed.values() for e in entries}
+    assert listed <= {id(nb) for nb in shared.tables["train"]}
+
+
+@pytest.mark.parametrize("topo", [RailTopology(num_nodes=4, gpus_per_node=8, failed_rails=((1, 3), (2, 0))),
+                                  RailTopology(num_nodes=1, gpus_per_node=4),
+                                  RailTopology(num_nodes=3, gpus_per_node=2)])
+def test_fast_descriptors_match_demand_stats_on_more_topologies(topo):
+    for seed in range(3):
+        maps = synthetic_routing_maps(topo, num_tokens=128, num_experts=4 * topo.world_size, topk=4, seed=seed)
+        demand = DemandCounts.from_routing_maps(maps, topo)
+        ref = demand_stats(demand, topo, record_bytes=64)
+        got = fast_descriptors(demand.records_WN.numpy(), topo, record_bytes=64)
+        for name in ("B_mean_bytes", "B_max_bytes", "rho_g", "kappa"):
+            assert getattr(got, name) == pytest.approx(getattr(ref, name), rel=1e-12), name
+        assert got.remote_records == ref.remote_records and got.records_total == ref.records_total

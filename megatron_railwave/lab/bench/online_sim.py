@@ -15,9 +15,12 @@ the issue's reference), the per-call oracle (a lower bound no selector reaches: 
 every call, noise included) and, given an anchors file, the offline selector (``select_for_layer``
 with the runtime's rule on the same counts).
 
-Cost: the host time of the online decision per layer call (``observe`` + ``decide``, this
-machine's clock), and of its descriptors from the gathered counts (``fast_descriptors``), both
-measured here; the bytes it adds to the count message (one int64 per peer message).
+Cost: the host work of the online selector per layer call, as the dispatcher does it after the
+count exchange, part by part on this machine's clock (thread CPU time; per call, then summarised):
+``observe`` (every rank's timing word, W of them), the descriptors from the gathered [W, N]
+counts (``fast_descriptors``) and ``decide``; next to it, on the same counts, the descriptors of
+the statistics and of the anchor rule (``stats.demand_stats``, torch); the bytes the selector adds
+to the count message (one int64 per peer message).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import torch
 
 from megatron_railwave.planner import Path, PlanOptions, build_plan
 from megatron_railwave.selector.online import (TIMING_WORDS, OnlineSelector, SharedNeighbourhoods, encode_timing,
@@ -141,24 +145,29 @@ def simulate_online(base: BaseTimes, topo: RailTopology, *, steps: int, routing_
     rng = np.random.default_rng([seed, 0x0511])
     t_SLP = base.seconds_XLP[epoch_S] * np.exp(noise * rng.standard_normal((steps, num_layers, len(PATHS))))
     scales = scales or SelectorScales().resolve(topo)
-    descr_XL = [[fast_descriptors(r, topo, record_bytes=base.record_bytes, scales=scales) for r in row]
-                for row in base.records_XL]
     settings = settings or OnlineSettings()
     shared = SharedNeighbourhoods()  # one process's layers, as in the dispatcher
     selectors = [OnlineSelector(settings, scales=scales, prior=prior, layer=layer, shared=shared)
                  for layer in base.layers]
     chosen_SL = np.zeros((steps, num_layers), dtype=np.int64)
     modes: list[list[str]] = [[] for _ in base.layers]
-    decide_ns = decide_cpu_ns = 0
+    cpu_ns_SL3 = np.zeros((steps, num_layers, 3), dtype=np.int64)  # observe, descriptors, decide
+    wall_ns = 0
+    world = topo.world_size
     prev: list[float | None] = [None] * num_layers
     for s in range(steps):
         e = int(epoch_S[s])
         for li, sel in enumerate(selectors):
+            words = [encode_timing(prev[li], expected=sel.expects_timing())] * world  # every rank's word
             t0, c0 = time.perf_counter_ns(), time.thread_time_ns()
-            sel.observe([encode_timing(prev[li], expected=sel.expects_timing())])
-            d = sel.decide("train", descr_XL[e][li])
-            decide_cpu_ns += time.thread_time_ns() - c0
-            decide_ns += time.perf_counter_ns() - t0
+            sel.observe(words)
+            c1 = time.thread_time_ns()
+            descr = fast_descriptors(base.records_XL[e][li], topo, record_bytes=base.record_bytes, scales=scales)
+            c2 = time.thread_time_ns()
+            d = sel.decide("train", descr)
+            c3 = time.thread_time_ns()
+            wall_ns += time.perf_counter_ns() - t0
+            cpu_ns_SL3[s, li] = (c1 - c0, c2 - c1, c3 - c2)
             k = PATHS.index(d.path)
             chosen_SL[s, li] = k
             modes[li].append(d.mode)
@@ -201,14 +210,7 @@ def simulate_online(base: BaseTimes, topo: RailTopology, *, steps: int, routing_
         if offline_rows is not None:
             row["offline_s"] = float(np.take_along_axis(t_SLP[:, li], offline_rows[:, li, None], axis=1).sum())
         layers_out.append(row)
-    # Descriptor cost as the dispatcher pays it (from the gathered counts, every call).
-    records = [r for row in base.records_XL for r in row]
-    reps = max(200, len(records))
-    t0, c0 = time.perf_counter_ns(), time.thread_time_ns()
-    for i in range(reps):
-        fast_descriptors(records[i % len(records)], topo, record_bytes=base.record_bytes, scales=scales)
-    descr_us = (time.perf_counter_ns() - t0) / reps / 1e3
-    descr_cpu_us = (time.thread_time_ns() - c0) / reps / 1e3
+    cost = decision_cost(cpu_ns_SL3, wall_ns, base, topo, scales)
     summary = {
         "totals_s": totals,
         "ratio_to_oracle": {k: v / oracle for k, v in totals.items()},
@@ -222,17 +224,54 @@ def simulate_online(base: BaseTimes, topo: RailTopology, *, steps: int, routing_
         "layers_final_on_oracle_path": sum(r["final_path"] == r["oracle_path"] for r in layers_out),
         "num_layers": num_layers,
         "cost": {
-            "decision_us_per_call": decide_ns / calls / 1e3,
-            "decision_cpu_us_per_call": decide_cpu_ns / calls / 1e3,
-            "descriptors_us_per_call": descr_us,
-            "descriptors_cpu_us_per_call": descr_cpu_us,
-            "note": "host wall and thread CPU time on the machine that ran this (loaded machines inflate wall)",
+            **cost,
             "extra_bytes_per_peer_message": 8 * TIMING_WORDS,
             "extra_bytes_per_rank_per_layer_call": 8 * TIMING_WORDS * topo.world_size,
         },
     }
     summary["goals"]["all_met"] = all(summary["goals"].values())
     return {"summary": summary, "layers": layers_out, "_selectors": selectors}
+
+
+def decision_cost(cpu_ns_SL3: np.ndarray, wall_ns: int, base: BaseTimes, topo: RailTopology,
+                  scales: tuple[float, float, float]) -> dict[str, Any]:
+    """The online selector's host cost per layer call from the per-call thread CPU times of
+    ``simulate_online`` ([S, L, 3]: observe, descriptors, decide): mean / p50 / p90 / p99 / max
+    microseconds of each part and of their sum, the mean wall time of the sum, and the reference
+    descriptors (``stats.demand_stats``, torch) timed on the same counts."""
+    from megatron_railwave.telemetry.stats import demand_stats
+
+    def summary(ns: np.ndarray) -> dict[str, float]:
+        us = ns.reshape(-1) / 1e3
+        p50, p90, p99 = np.percentile(us, [50, 90, 99])
+        return {"mean": float(us.mean()), "p50": float(p50), "p90": float(p90), "p99": float(p99),
+                "max": float(us.max())}
+
+    records = [r for row in base.records_XL for r in row]
+    reps = max(50, len(records))
+    demands = [DemandCounts(records_WN=torch.from_numpy(records[i % len(records)])) for i in range(reps)]
+    c0 = time.thread_time_ns()
+    for demand in demands:
+        demand_stats(demand, topo, record_bytes=base.record_bytes)
+    reference_us = (time.thread_time_ns() - c0) / reps / 1e3
+    reads = []
+    for _ in range(1000):  # what one read of the clock adds to each part (reads back to back)
+        c0 = time.thread_time_ns()
+        reads.append(time.thread_time_ns() - c0)
+    calls = cpu_ns_SL3.shape[0] * cpu_ns_SL3.shape[1]
+    return {
+        "cpu_us_per_call": {"observe": summary(cpu_ns_SL3[..., 0]), "descriptors": summary(cpu_ns_SL3[..., 1]),
+                            "decide": summary(cpu_ns_SL3[..., 2]), "total": summary(cpu_ns_SL3.sum(axis=2))},
+        "wall_us_per_call_total_mean": wall_ns / calls / 1e3,
+        "reference_descriptors_cpu_us_per_call": reference_us,
+        "clock_read_us": float(np.median(reads)) / 1e3,
+        # means of observe + decide and of the descriptors (the split the earlier runs reported)
+        "decision_cpu_us_per_call": float((cpu_ns_SL3[..., 0] + cpu_ns_SL3[..., 2]).mean() / 1e3),
+        "descriptors_cpu_us_per_call": float(cpu_ns_SL3[..., 1].mean() / 1e3),
+        "note": "thread CPU time of this process on the machine that ran this, per call; each part includes "
+                "about one clock read (clock_read_us), the total about three; max includes Python's garbage "
+                "collector when it runs inside a call; wall is inflated on a loaded machine",
+    }
 
 
 def learned_file(result: dict[str, Any], topo: RailTopology, *, hidden_size: int, dtype: str, chunks: int,

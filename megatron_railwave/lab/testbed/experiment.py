@@ -41,7 +41,7 @@ from megatron_railwave.lab.testbed.netns import TestbedSpec, nic_counters, resto
 from megatron_railwave.topology import RailTopology
 
 __all__ = ["FaultConfig", "PATTERNS", "RAILS", "StudyConfig", "build_workloads", "cpu_snapshot", "goals",
-           "incast_sweep", "line_rate_Bps", "run_fault", "run_study", "port_bound", "summarize_study"]
+           "incast_sweep", "line_rate_Bps", "run_fault", "run_online", "run_study", "port_bound", "summarize_study"]
 
 PATTERNS = tuple(p.value for p in Pattern)
 RAILS = ("balanced", "skewed")
@@ -475,3 +475,69 @@ def incast_sweep(spec: TestbedSpec, fan_ins: tuple[int, ...], *, nbytes: int, re
 
     return [incast_goodput(spec, f, nbytes=nbytes, repeats=repeats) for f in fan_ins]
 
+
+
+def run_online(spec: TestbedSpec, cfg: StudyConfig, *, steps: int) -> dict[str, Any]:
+    """Issue 33, goal 2: ``steps`` training steps over the study's workloads as MoE layers (a
+    mix of balanced and skewed ones), each step running every layer under the online selector
+    and under each fixed path of ``cfg.paths`` (``workers.online_worker``). A call's time is the
+    slowest rank's gather + decision + plan + dispatch + combine (the expert stand-in excluded),
+    the online calls' probes included; the per-layer oracle is each layer's best fixed-path total
+    in this same run."""
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    topo = RailTopology(num_nodes=spec.nodes, gpus_per_node=spec.gpus_per_node,
+                        rail_gbps=spec.rail_mbit / 1000)
+    workloads = build_workloads(topo, cfg)
+    args = {
+        "workloads": [{"name": w["name"], "ids_WTK": w["ids_WTK"], "windows": w["windows"]} for w in workloads],
+        "paths": list(cfg.paths), "steps": steps, "warmup": cfg.warmup, "hidden": cfg.hidden, "dtype": cfg.dtype, "seed": cfg.seed,
+        "num_experts": GLM45_AIR.num_experts, "recv_first": cfg.recv_first,
+    }
+    load0 = os.getloadavg()
+    t0 = time.perf_counter()
+    results = run_workers(spec, "megatron_railwave.lab.testbed.workers:online_worker", args, cfg.timeout_s)
+    wall = time.perf_counter() - t0
+    by_key: dict[tuple[str, int, str], list[dict[str, Any]]] = {}
+    for res in results:
+        for rec in res["records"]:
+            by_key.setdefault((rec["workload"], rec["step"], rec["policy"]), []).append(rec)
+    policies = ("online",) + tuple(cfg.paths)
+    layers: dict[str, Any] = {}
+    agree = True
+    for wl in workloads:
+        name = wl["name"]
+        slowest = {p: [max(r["total_s"] for r in by_key[(name, s, p)]) for s in range(steps)] for p in policies}
+        online_recs = [by_key[(name, s, "online")] for s in range(steps)]
+        decisions = [{(r["path"], r["mode"], r["neighbourhood"]) for r in ranks} for ranks in online_recs]
+        agree = agree and all(len(d) == 1 for d in decisions)
+        totals = {p: float(sum(v)) for p, v in slowest.items()}
+        fixed = {p: totals[p] for p in cfg.paths}
+        oracle_path = min(fixed, key=fixed.get)
+        modes = [r[0]["mode"] for r in online_recs]
+        layers[name] = {
+            "rails": wl["rails"], "pattern": wl["pattern"], "layer": wl["layer"],
+            "native_demand_stats": wl["native_stats"], "totals_s": totals, "oracle_path": oracle_path,
+            "oracle_s": fixed[oracle_path], "online_over_oracle": totals["online"] / fixed[oracle_path],
+            "online_over_native": totals["online"] / fixed["native"] if "native" in fixed else None,
+            "path_per_step": [r[0]["path"] for r in online_recs], "mode_per_step": modes,
+            "probe_calls": sum(m in ("probe", "reprobe") for m in modes),
+            "decision_s_max_rank_mean": float(np.mean([max(r["decision_s"] for r in ranks) for ranks in online_recs])),
+            "slowest_s_per_step": slowest,
+            "max_rel_error_vs_dense": max(res["errors"][f"{name}/{p}"] for res in results for p in policies),
+        }
+    online_total = sum(v["totals_s"]["online"] for v in layers.values())
+    oracle_total = sum(v["oracle_s"] for v in layers.values())
+    balanced = {k: v["online_over_native"] for k, v in layers.items() if v["rails"] == "balanced"}
+    summary = {
+        "online_s": online_total, "per_layer_oracle_s": oracle_total, "online_over_oracle": online_total / oracle_total,
+        **{f"always_{p}_over_oracle": sum(v["totals_s"][p] for v in layers.values()) / oracle_total for p in cfg.paths},
+        "balanced_online_over_native": balanced,
+        "goals": {"within_1.05x_oracle": online_total <= 1.05 * oracle_total,
+                  "balanced_within_1.03x_native": all(r is not None and r <= 1.03 for r in balanced.values())
+                  if balanced else None},
+        "ranks_decide_the_same": agree,
+        "all_policies_bitwise_equal": all(res["digests_equal"] for res in results),
+    }
+    return {"config": asdict(cfg), "steps": steps, "testbed": _spec_json(spec), "run_wall_s": wall,
+            "loadavg_start": load0, "loadavg_end": os.getloadavg(), "summary": summary, "layers": layers}

@@ -47,7 +47,7 @@ from megatron_railwave.lab.testbed.launch import WorkerContext, make_control_gro
 from megatron_railwave.lab.testbed.netns import fail_rail
 from megatron_railwave.topology import RailTopology
 
-__all__ = ["fault_worker", "receives_first", "study_worker"]
+__all__ = ["fault_worker", "online_worker", "receives_first", "study_worker"]
 
 _DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 
@@ -279,3 +279,98 @@ def fault_worker(ctx: WorkerContext, *, workload: dict[str, Any], paths: list[st
             raise
     out_state["unaware"] = "completed without error"
     return out_state
+
+
+def _timed_online(rk: _Rank, ex: TorchDistExchange, inputs: tuple, selector: Any, state: dict[str, Any]
+                  ) -> tuple[dict[str, Any], torch.Tensor]:
+    """One layer call under the online selector, as the dispatcher makes it, between the same two
+    control barriers as ``_timed_exchange``: the previous call's exchange time (this rank's clock)
+    rides on the count exchange, then observe -> descriptors -> decide -> plan -> dispatch ->
+    (expert, not timed) -> combine. ``state["last_s"]``: this rank's time of the layer's previous
+    online call (plan + dispatch + combine, what the dispatcher times)."""
+    from megatron_railwave.selector.online import encode_timing, fast_descriptors
+
+    x, probs, routing = inputs
+    dist.barrier(group=rk.ctl)
+    t0 = time.perf_counter()
+    word = encode_timing(state.get("last_s"), expected=selector.expects_timing())
+    layer = ex.gather_demand(x, probs, routing, timing_word=word)
+    t1 = time.perf_counter()
+    selector.observe(layer.timing_W.tolist())
+    rec_bytes = x.shape[-1] * x.element_size()
+    decision = selector.decide("train", fast_descriptors(layer.demand.records_WN.numpy(), ex.topo,
+                                                         record_bytes=rec_bytes, scales=selector.scales))
+    t2 = time.perf_counter()
+    plan = ex.plan(layer, str(decision.path), phase=0)
+    handle = ex.prepare(layer, plan, x, probs)
+    d = ex.dispatch(x, probs, routing, handle)
+    t3 = time.perf_counter()
+    y = rk.expert_step(d.tokens, d.tokens_per_expert, d.probs)
+    t4 = time.perf_counter()
+    out = ex.combine(y, d.handle)
+    t5 = time.perf_counter()
+    dist.barrier(group=rk.ctl)
+    state["last_s"] = (t3 - t2) + (t5 - t4)
+    rec = {"total_s": (t5 - t0) - (t4 - t3), "gather_s": t1 - t0, "decision_s": t2 - t1,
+           "timed_s": state["last_s"], "path": str(decision.path), "mode": decision.mode,
+           "neighbourhood": decision.neighbourhood}
+    return rec, out
+
+
+def online_worker(ctx: WorkerContext, *, workloads: list[dict[str, Any]], paths: list[str], steps: int,
+                  warmup: int, hidden: int, dtype: str, seed: int, num_experts: int, recv_first: bool = True,
+                  settings: dict[str, Any] | None = None) -> dict[str, Any]:
+    """``steps`` training steps over the workloads as MoE layers (one ``OnlineSelector`` per
+    workload, sharing what they learn as the dispatcher's do); in every step and layer the online
+    call and one call of each fixed path in ``paths``, in an order rotating per (step, layer), each
+    timed like ``_timed_exchange``. The online selector sees only its own calls' times. First,
+    ``warmup`` untimed rounds of every fixed path on every layer (connections, allocator), so
+    that no policy pays them.
+
+    Returns:
+        ``{"rank", "records": [...], "digests_equal": bool, "errors": {...}}``: a record per
+        (workload, step, policy) with this rank's times; ``policy`` 'online' or the path.
+
+    Collective: yes (every rank runs the same sequence and takes the same decisions).
+    """
+    from megatron_railwave.config import OnlineSettings
+    from megatron_railwave.selector.online import OnlineSelector, SharedNeighbourhoods
+    from megatron_railwave.traffic import SelectorScales
+
+    torch.set_num_threads(1)
+    rk = _Rank(ctx, num_experts=num_experts)
+    scales = SelectorScales().resolve(rk.topo)
+    shared = SharedNeighbourhoods()
+    online = OnlineSettings.from_dict(settings) if settings else OnlineSettings()
+    records: list[dict[str, Any]] = []
+    errors: dict[str, float] = {}
+    digests_equal = True
+    with torch.no_grad(), receives_first(recv_first):
+        layers = []
+        for li, wl in enumerate(workloads):
+            inputs = make_inputs(ctx.rank, wl["ids_WTK"], num_experts=num_experts, hidden=hidden, dtype=dtype,
+                                 seed=seed)
+            layers.append({"name": wl["name"], "ex": rk.exchange(wl["windows"]), "inputs": inputs,
+                           "ref": dense_reference(*inputs), "state": {}, "digest": None,
+                           "selector": OnlineSelector(online, scales=scales, layer=li, shared=shared)})
+        for _ in range(warmup):
+            for lay in layers:
+                for path in paths:
+                    _timed_exchange(rk, lay["ex"], lay["inputs"], path, phase=0)
+        policies = ["online"] + list(paths)
+        for step in range(steps):
+            for li, lay in enumerate(layers):
+                shift = (step + li) % len(policies)
+                for policy in policies[shift:] + policies[:shift]:
+                    if policy == "online":
+                        rec, out = _timed_online(rk, lay["ex"], lay["inputs"], lay["selector"], lay["state"])
+                    else:
+                        rec, out = _timed_exchange(rk, lay["ex"], lay["inputs"], policy, phase=0)
+                        rec = {"total_s": rec["total_s"], "gather_s": rec["gather_s"], "path": policy}
+                    d = digest(out)
+                    digests_equal = digests_equal and (lay["digest"] is None or d == lay["digest"])
+                    lay["digest"] = lay["digest"] or d
+                    key = f"{lay['name']}/{policy}"
+                    errors[key] = max(errors.get(key, 0.0), _check(out, lay["ref"]))
+                    records.append({"workload": lay["name"], "step": step, "policy": policy, **rec})
+    return {"rank": ctx.rank, "records": records, "digests_equal": digests_equal, "errors": errors}
