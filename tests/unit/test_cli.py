@@ -42,7 +42,7 @@ EXPECTED_FLAGS = {
     "online-sim": [
         "--cluster", "--nodes", "--failed-rail", "--model", "--workload", "--tokens", "--layers", "--workload-seed",
         "--steps", "--routing-every", "--seed", "--noise", "--chunks", "--anchors", "--prior", "--learned",
-        "--base-from", "--json",
+        "--base-from", "--decision-cost", "--json",
     ],
     "call-costs": [
         "--nodes", "--gpus-per-node", "--tokens", "--hidden", "--experts", "--topk", "--seed", "--warmups",
