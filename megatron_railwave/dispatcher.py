@@ -44,7 +44,7 @@ the selector ('auto') or a stats sink needs them.
 Online selection (``selector: online``, the default for 'auto' without an anchors file): each
 layer call is timed (plan + dispatch, and combine: CUDA events read at the layer's next call with
 ``query()``, never a wait; the CPU clock on CPU); that time rides on the next call's count exchange
-as one int64 per peer message, so every rank files the slowest rank's time and decides the same
+in the status word of every row (no extra bytes), so every rank files the slowest rank's time and decides the same
 (``selector.online``). Recomputes replay their forward's path and are timed as recomputes.
 """
 
@@ -394,7 +394,7 @@ class RailWaveTokenDispatcher(MoETokenDispatcher):
     def _token_dispatch_online(self, state: _LayerState, exchange: TorchDistExchange, hidden_states: torch.Tensor,
                                probs: torch.Tensor, routing_map: torch.Tensor):
         """``token_dispatch`` with the online selector: the previous call's time rides on the count
-        exchange (one int64 per peer message), then the path follows from the gathered times and
+        exchange (in each row's status word), then the path follows from the gathered times and
         descriptors, the same on every rank (``selector.online``)."""
         selector: OnlineSelector = self.selector  # type: ignore[assignment]
         if selector.layer is None:

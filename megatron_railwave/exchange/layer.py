@@ -7,7 +7,8 @@ copies it receives, n_ent (token, local expert) entries it receives.
 Lifecycle (the same programs run over torch.distributed and in the virtual cluster):
   1. ``gather_demand`` (program): one all-to-all of W x (N + 2 + M + E_loc) int64 on the EP
      group carries every rank's records per node, token count and input status, plus the
-     mask histogram and expert counts each receiver needs (and, on request, E more for the
+     mask histogram and expert counts each receiver needs (the online selector's timing word
+     rides in the status word, ``pack_status``; and, on request, E more for the
      expert loads and W * K more for every rank's copies per destination GPU and mask class,
      the path model's input); then ONE device-to-host copy of what arrived. This is the
      layer's only host sync. Bad input anywhere raises the same ``InputError`` on every rank
@@ -50,7 +51,8 @@ from megatron_railwave.exchange.transport import Collective, Program
 
 __all__ = ["InputError", "CapacityOverflowError", "RankContext", "LayerDemand", "LayerHandle", "EntryIndex", "gather_demand",
            "prepare_layer", "dispatch_forward", "dispatch_backward", "combine_forward", "combine_backward",
-           "input_status", "prepare_capacity_layer"]
+           "input_status", "prepare_capacity_layer", "pack_status", "unpack_timing", "count_row_words", "TIMING_WORD_MIN",
+           "TIMING_WORD_MAX"]
 
 
 class InputError(ValueError):
@@ -182,6 +184,52 @@ def input_status(ctx: RankContext, hidden: torch.Tensor, probs: torch.Tensor,
     return 0, ""
 
 
+_STATUS_BITS = 8
+_STATUS_MASK = (1 << _STATUS_BITS) - 1
+TIMING_WORD_MIN = -(1 << _STATUS_BITS) + 1
+"""Lowest timing word the status word carries (the selector's codes are -1 .. -4)."""
+TIMING_WORD_MAX = (1 << 54) - 1
+"""Highest: 2**54 ns is 208 days, and (word + 2**8) * 2**8 stays below 2**63."""
+
+
+def pack_status(code: int, timing_word: int | None) -> int:
+    """The status word of every row of a rank's count message: the input status ``code`` (0 = well
+    formed, 1-6 = ``input_status``'s problems) in the low 8 bits and, above them, the online
+    selector's timing word plus 2**8 (so 0 above the low bits means "no timing word").
+
+    Raises:
+        ValueError: a timing word outside [``TIMING_WORD_MIN``, ``TIMING_WORD_MAX``] (this rank only,
+            before the count exchange: a caller's bug, not an input problem).
+    """
+    if not 0 <= code <= _STATUS_MASK:
+        raise ValueError(f"internal: input status code {code} does not fit {_STATUS_BITS} bits")
+    if timing_word is None:
+        return code
+    timing_word = int(timing_word)
+    if not TIMING_WORD_MIN <= timing_word <= TIMING_WORD_MAX:
+        raise ValueError(f"timing_word={timing_word} is outside [{TIMING_WORD_MIN}, {TIMING_WORD_MAX}]; pass "
+                         "selector.online.encode_timing's word (nanoseconds, or a code)")
+    return code | ((timing_word + (1 << _STATUS_BITS)) << _STATUS_BITS)
+
+
+def unpack_timing(status_W: torch.Tensor) -> torch.Tensor:
+    """[W] int64 timing words of the status words ``pack_status`` made (one per rank)."""
+    return (status_W >> _STATUS_BITS) - (1 << _STATUS_BITS)
+
+
+def count_row_words(topo: RailTopology, num_experts: int, *, expert_loads: bool = False,
+                    delivery_counts: bool = False, timing: bool = False) -> int:
+    """int64 words of one row (one peer's part) of ``gather_demand``'s count message: N records per
+    node, the token count, the status word, M mask counts, E_loc expert counts, and E expert loads
+    and W * K delivery counts on request. ``timing`` adds nothing (the status word carries it);
+    it is an argument so that the bytes it adds are computed here, where the message is laid out."""
+    n, g, w = topo.num_nodes, topo.gpus_per_node, topo.world_size
+    words = n + 2 + (1 << g) + num_experts // w
+    words += num_experts if expert_loads else 0
+    words += w * mask_classes(g) if delivery_counts else 0
+    return words
+
+
 def gather_demand(ctx: RankContext, hidden: torch.Tensor, probs: torch.Tensor,
                   routing_map: torch.Tensor, *, expert_loads: bool = False, delivery_counts: bool = False,
                   timing_word: int | None = None) -> Program:
@@ -195,10 +243,11 @@ def gather_demand(ctx: RankContext, hidden: torch.Tensor, probs: torch.Tensor,
             and mask class (``traffic.mask_classes``: W * K more int64 per row, K = 4 from 2 GPUs
             per node; same all-to-all and host copy) into ``DemandCounts.delivery_WNKG``, for the
             path model (``path_model``). Must be the same on every rank.
-        timing_word: one more int64 in every row (8 bytes per peer message), the same to every
-            peer: this rank's measured time of the layer's previous call for the online selector
-            (``selector.online.encode_timing``); every rank gets all of them in ``timing_W``.
-            Given (or None) on every rank alike.
+        timing_word: this rank's measured time of the layer's previous call for the online
+            selector (``selector.online.encode_timing``: nanoseconds, or a code in
+            [-255, 0]), the same to every peer; every rank gets all of them in ``timing_W``. It
+            shares the input-status word of every row (``pack_status``), so the message is no
+            longer for it: 0 extra bytes. Given (or None) on every rank alike.
 
     Collective: yes (EP group, one all-to-all). Host sync: yes (one, the counts).
 
@@ -212,8 +261,10 @@ def gather_demand(ctx: RankContext, hidden: torch.Tensor, probs: torch.Tensor,
     code, message = input_status(ctx, hidden, probs, routing_map)
     width = n + 2 + m + e_loc
     loads_end = width + (ctx.num_experts if expert_loads else 0)
-    delivery_end = loads_end + (w * k if delivery_counts else 0)
-    send = torch.zeros(w, delivery_end + (1 if timing_word is not None else 0), dtype=torch.int64, device=device)
+    delivery_end = count_row_words(topo, ctx.num_experts, expert_loads=expert_loads, delivery_counts=delivery_counts,
+                                   timing=timing_word is not None)
+    status_word = pack_status(code, timing_word)  # before any collective: a bad word raises on this rank
+    send = torch.zeros(w, delivery_end, dtype=torch.int64, device=device)
     t = int(routing_map.shape[0]) if routing_map.dim() >= 1 else 0
     if code == 0:
         token_C, node_C, mask_C, counts_NM = ops.records_from_routing(routing_map, n, g)
@@ -232,13 +283,12 @@ def gather_demand(ctx: RankContext, hidden: torch.Tensor, probs: torch.Tensor,
             send[:, loads_end:delivery_end] = (counts_NM.view(n, k, m // k, 1) * bits_KMG).sum(dim=2).reshape(1, w * k)
     else:
         token_C = node_C = mask_C = torch.zeros(0, dtype=torch.int64, device=device)
-    send[:, n + 1] = code
-    if timing_word is not None:
-        send[:, delivery_end] = timing_word
+    send[:, n + 1] = status_word
     recv = torch.empty_like(send)
     yield Collective(kind="all_to_all", stage="count exchange", group=ctx.groups.ep, send=send, recv=recv)
     counts = recv.cpu()  # the layer's one host sync: every split size follows from these counts
-    bad = torch.nonzero(counts[:, n + 1]).flatten().tolist()
+    status_W = counts[:, n + 1]
+    bad = torch.nonzero(status_W & _STATUS_MASK).flatten().tolist()
     if bad:
         own = f" (this rank: {message})" if code else ""
         raise InputError(
@@ -252,7 +302,7 @@ def gather_demand(ctx: RankContext, hidden: torch.Tensor, probs: torch.Tensor,
     return LayerDemand(demand=demand, max_tokens=int(counts[:, n].max()), num_tokens=t, token_C=token_C,
                        node_C=node_C, mask_C=mask_C, num_records=int(counts[ctx.groups.railwave_rank, :n].sum()),
                        expert_load_E=counts[:, width:loads_end].sum(dim=0) if expert_loads else None,
-                       timing_W=counts[:, delivery_end] if timing_word is not None else None)
+                       timing_W=unpack_timing(status_W) if timing_word is not None else None)
 
 
 def prepare_layer(ctx: RankContext, layer: LayerDemand, plan: PathPlan, *, hidden_dtype: torch.dtype,

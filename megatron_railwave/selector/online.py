@@ -11,7 +11,8 @@ Protocol (``OnlineSelector``, one per MoE layer; pure and deterministic given th
     gathered counts, ``fast_descriptors``) and the pass kind; training forwards and forward-only
     passes keep separate tables, a recompute replays its forward's path (``replay``);
   * the next call of the same layer brings every rank's measured exchange time of this call on
-    the count exchange (one int64 word per rank, ``encode_timing``); ``observe`` takes the slowest
+    the count exchange (one int64 word per rank, ``encode_timing``, in the status word every row
+    already has: no extra bytes); ``observe`` takes the slowest
     rank's and files it under the previous call's (pass kind, neighbourhood, path). Every rank
     sees the same words, so every rank keeps the same state and takes the same decisions, whatever
     its own clock said;
@@ -68,13 +69,11 @@ from megatron_railwave.traffic import SelectorScales, TrafficStats
 __all__ = ["OnlineSettings", "OnlineDecision", "OnlineSelector", "SharedNeighbourhoods", "PROCESS_SHARED", "Prior",
            "fast_descriptors", "encode_timing", "slowest_timing", "learned_anchor_set", "anchor_prior", "live_selectors",
            "save_learned_anchors", "save_learned_anchors_at_exit", "TIMING_NONE", "TIMING_MISSING", "TIMING_NAN",
-           "TIMING_NEGATIVE", "TIMING_STALLED", "TIMING_WORDS"]
+           "TIMING_NEGATIVE", "TIMING_STALLED", "TIMING_MAX_NS"]
 
 ALL_PATHS: tuple[Path, ...] = (Path.JOINT, Path.RAIL, Path.PERM, Path.NATIVE)
 """Candidates in tie-break order (JOINT first: the fallback wins ties)."""
 
-TIMING_WORDS = 1
-"""int64 words each rank adds to its count-exchange message per peer (8 bytes)."""
 TIMING_NONE = 0
 """No measurement to report (the layer's first call): the same on every rank."""
 TIMING_MISSING = -1
@@ -85,7 +84,9 @@ TIMING_STALLED = -4
 """Zero elapsed time: the clock did not advance."""
 _PROBLEMS = {TIMING_MISSING: "missing", TIMING_NAN: "NaN or infinite", TIMING_NEGATIVE: "negative",
              TIMING_STALLED: "zero (stalled clock)"}
-_MAX_NS = (1 << 62)
+TIMING_MAX_NS = (1 << 54) - 1
+"""Longest time a word carries (208 days; longer is clipped): the count exchange packs the word
+into each row's status word above 8 status bits (``exchange.layer.pack_status``)."""
 _MAX_WAITS = 2
 """Calls a neighbourhood waits for another layer's in-flight probe of a path before probing it
 itself: the other layer's time arrives at its next call, one step later."""
@@ -241,7 +242,7 @@ def encode_timing(seconds: float | None, *, expected: bool) -> int:
     ns = int(round(seconds * 1e9))
     if ns == 0:
         return TIMING_STALLED
-    return min(ns, _MAX_NS)
+    return min(ns, TIMING_MAX_NS)
 
 
 def slowest_timing(words_W: Iterable[int]) -> tuple[float | None, str | None]:

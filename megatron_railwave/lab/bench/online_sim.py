@@ -20,7 +20,8 @@ count exchange, part by part on this machine's clock (thread CPU time; per call,
 ``observe`` (every rank's timing word, W of them), the descriptors from the gathered [W, N]
 counts (``fast_descriptors``) and ``decide``; next to it, on the same counts, the descriptors of
 the statistics and of the anchor rule (``stats.demand_stats``, torch); the bytes the selector adds
-to the count message (one int64 per peer message).
+to the count message (``exchange.layer.count_row_words`` with and without the timing word: 0,
+it shares the status word).
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ import numpy as np
 import torch
 
 from megatron_railwave.planner import Path, PlanOptions, build_plan
-from megatron_railwave.selector.online import (TIMING_WORDS, OnlineSelector, SharedNeighbourhoods, encode_timing,
+from megatron_railwave.exchange.layer import count_row_words
+from megatron_railwave.selector.online import (OnlineSelector, SharedNeighbourhoods, encode_timing,
                                                fast_descriptors, learned_anchor_set)
 from megatron_railwave.config import OnlineSettings
 from megatron_railwave.topology import RailTopology
@@ -211,6 +213,8 @@ def simulate_online(base: BaseTimes, topo: RailTopology, *, steps: int, routing_
             row["offline_s"] = float(np.take_along_axis(t_SLP[:, li], offline_rows[:, li, None], axis=1).sum())
         layers_out.append(row)
     cost = decision_cost(cpu_ns_SL3, wall_ns, base, topo, scales)
+    experts = topo.world_size  # any multiple of W: the timing word's share does not depend on it
+    extra_words = (count_row_words(topo, experts, timing=True) - count_row_words(topo, experts, timing=False))
     summary = {
         "totals_s": totals,
         "ratio_to_oracle": {k: v / oracle for k, v in totals.items()},
@@ -225,8 +229,8 @@ def simulate_online(base: BaseTimes, topo: RailTopology, *, steps: int, routing_
         "num_layers": num_layers,
         "cost": {
             **cost,
-            "extra_bytes_per_peer_message": 8 * TIMING_WORDS,
-            "extra_bytes_per_rank_per_layer_call": 8 * TIMING_WORDS * topo.world_size,
+            "extra_bytes_per_peer_message": extra_words * 8,
+            "extra_bytes_per_rank_per_layer_call": extra_words * 8 * topo.world_size,
         },
     }
     summary["goals"]["all_met"] = all(summary["goals"].values())

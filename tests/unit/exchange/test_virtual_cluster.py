@@ -393,3 +393,47 @@ def test_fixed_capacity_caches_built_in_inference_mode_serve_training():
                 assert not value.is_inference(), f.name
     hidden = [h.clone().requires_grad_(True) for h in inputs["hidden"]]
     run_virtual_layer(fixed, {**inputs, "hidden": hidden}, "joint")  # training after eval: works
+
+
+def test_timing_words_ride_in_the_status_word_at_no_extra_bytes():
+    """Every rank gets every rank's timing word (times, codes, the extremes) from the count
+    exchange, the message is no longer for it, and a bad input is still reported with it."""
+    from megatron_railwave.exchange import RankContext, gather_demand, virtual_rank_groups
+    from megatron_railwave.exchange.layer import TIMING_WORD_MAX, TIMING_WORD_MIN, count_row_words
+    from megatron_railwave.selector.online import (TIMING_MAX_NS, TIMING_MISSING, TIMING_NAN, TIMING_NEGATIVE,
+                                                   TIMING_NONE, TIMING_STALLED, encode_timing)
+
+    spec, inputs = _inputs("4x2-uneven-failed-rail")
+    topo, w = spec.topology, spec.topology.world_size
+    ctxs = [RankContext(topo=topo, groups=virtual_rank_groups(topo, r), num_experts=spec.experts,
+                        options=spec.options) for r in range(w)]
+    h, p, rm = inputs["hidden"], inputs["probs"], inputs["routing"]
+    assert TIMING_MAX_NS <= TIMING_WORD_MAX and min(TIMING_MISSING, TIMING_NAN, TIMING_NEGATIVE,
+                                                     TIMING_STALLED) >= TIMING_WORD_MIN
+    words = [encode_timing(1e9 * 86400 * 365, expected=True), TIMING_MISSING, TIMING_NAN, TIMING_NEGATIVE,
+             TIMING_STALLED, TIMING_NONE, 1, 123_456_789]
+    assert words[0] == TIMING_MAX_NS
+    cluster = VirtualCluster(world_size=w)
+    plain = cluster.run([gather_demand(ctxs[r], h[r], p[r], rm[r]) for r in range(w)])
+    timed = VirtualCluster(world_size=w).run([gather_demand(ctxs[r], h[r], p[r], rm[r], timing_word=words[r])
+                                              for r in range(w)])
+    for r in range(w):
+        assert plain[r].timing_W is None
+        assert timed[r].timing_W.tolist() == words
+        assert torch.equal(timed[r].demand.records_WN, plain[r].demand.records_WN)
+        assert timed[r].max_tokens == plain[r].max_tokens and timed[r].num_records == plain[r].num_records
+    # The count message: the same number of words with and without the timing word.
+    assert count_row_words(topo, spec.experts, timing=True) == count_row_words(topo, spec.experts)
+    sizes = {word: next(gather_demand(ctxs[0], h[0], p[0], rm[0], timing_word=word)).send.shape
+             for word in (None, TIMING_NONE, TIMING_MAX_NS)}
+    assert len(set(sizes.values())) == 1 and sizes[None] == (w, count_row_words(topo, spec.experts)), sizes
+    # A timing word out of range raises on the rank that passes it, before the exchange.
+    with pytest.raises(ValueError, match="timing_word"):
+        next(gather_demand(ctxs[0], h[0], p[0], rm[0], timing_word=TIMING_WORD_MAX + 1))
+    # A malformed input on rank 3 is still found under a timing word (the low status bits).
+    bad_rm = list(rm)
+    bad_rm[3] = rm[3].to(torch.int64)
+    from megatron_railwave.exchange import InputError
+    with pytest.raises(InputError, match=r"EP rank\(s\) \[3\]"):
+        VirtualCluster(world_size=w).run([gather_demand(ctxs[r], h[r], p[r], bad_rm[r], timing_word=words[r])
+                                          for r in range(w)])
