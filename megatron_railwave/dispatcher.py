@@ -408,14 +408,14 @@ class RailWaveTokenDispatcher(MoETokenDispatcher):
                                        timing_word=word)
         t0 = time.perf_counter()
         record_bytes = hidden_states.shape[-1] * dtype_bytes(hidden_states.dtype)
-        message = selector.observe(layer.timing_W.tolist())
+        message = selector.observe(layer.timing_W)
         if message is not None and rank0_global():
             _LOG.warning(message)
         call = state.call
         if call.path is not None:  # a recompute: its forward's path, no descriptors needed
             decision = selector.replay(call.path)
         else:
-            descr = fast_descriptors(layer.demand.records_WN.numpy(), self.topology, record_bytes=record_bytes,
+            descr = fast_descriptors(layer.demand.records_WN, self.topology, record_bytes=record_bytes,
                                      scales=selector.scales)
             decision = selector.decide(str(call.kind), descr)
         state.exchange_timers.append(Stopwatch(hidden_states.device))

@@ -100,7 +100,7 @@ class LayerDemand:
         num_records: n_rec of this rank (host).
         expert_load_E: [E] int64 (host), global tokens per expert (railwave column order), when
             ``gather_demand`` was asked for it; else None.
-        timing_W: [W] int64 (host), every rank's ``timing_word`` (railwave rank order), when
+        timing_W: [W] ints, every rank's ``timing_word`` (railwave rank order), when
             ``gather_demand`` carried one; else None.
     """
 
@@ -112,7 +112,7 @@ class LayerDemand:
     mask_C: torch.Tensor
     num_records: int
     expert_load_E: torch.Tensor | None = None
-    timing_W: torch.Tensor | None = None
+    timing_W: list[int] | None = None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -212,9 +212,10 @@ def pack_status(code: int, timing_word: int | None) -> int:
     return code | ((timing_word + (1 << _STATUS_BITS)) << _STATUS_BITS)
 
 
-def unpack_timing(status_W: torch.Tensor) -> torch.Tensor:
-    """[W] int64 timing words of the status words ``pack_status`` made (one per rank)."""
-    return (status_W >> _STATUS_BITS) - (1 << _STATUS_BITS)
+def unpack_timing(status_W: list[int]) -> list[int]:
+    """The timing words of the status words ``pack_status`` made (one per rank)."""
+    offset = 1 << _STATUS_BITS
+    return [(word >> _STATUS_BITS) - offset for word in status_W]
 
 
 def count_row_words(topo: RailTopology, num_experts: int, *, expert_loads: bool = False,
@@ -287,8 +288,8 @@ def gather_demand(ctx: RankContext, hidden: torch.Tensor, probs: torch.Tensor,
     recv = torch.empty_like(send)
     yield Collective(kind="all_to_all", stage="count exchange", group=ctx.groups.ep, send=send, recv=recv)
     counts = recv.cpu()  # the layer's one host sync: every split size follows from these counts
-    status_W = counts[:, n + 1]
-    bad = torch.nonzero(status_W & _STATUS_MASK).flatten().tolist()
+    status_W = counts[:, n + 1].tolist()  # W ints: cheaper in Python than as tensor ops at this size
+    bad = [i for i, word in enumerate(status_W) if word & _STATUS_MASK]
     if bad:
         own = f" (this rank: {message})" if code else ""
         raise InputError(

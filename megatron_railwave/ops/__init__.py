@@ -1,5 +1,6 @@
 """RailWave data-movement ops: records from routing, RailBalance egress, row packing and the
-fixed-order segment sum; and two host-planning ops, ``rail_plan`` and ``rank_schedule`` (compiled only).
+fixed-order segment sum; and host-planning ops (compiled only: ``rail_plan``, ``rank_schedule``,
+``arrival_copies``, ``path_estimates``, ``layer_descriptors``).
 
 Letters: T tokens of one rank, E experts, N nodes, G GPUs per node, M = 2**G target masks,
 C = T * N record capacity, n rows, S segments, R rails.
@@ -34,6 +35,7 @@ __all__ = [
     "rail_plan",
     "arrival_copies",
     "path_estimates",
+    "layer_descriptors",
     "compiled_for",
     "load_error",
     "set_forced_reference",
@@ -298,3 +300,30 @@ def path_estimates(records_WN: torch.Tensor, copies_WNKG: torch.Tensor, eligible
         records_WN.contiguous(), copies_WNKG.contiguous(), eligible_NNG.contiguous(), window_NN.contiguous(),
         num_windows, chunks, float(record_bytes), float(nvlink_bytes_per_s), float(rail_bytes_per_s),
         float(rail_phase_s), float(layer_s), float(combine_share))
+
+
+def layer_descriptors(records_WN: torch.Tensor, rail_of_gpu_G: torch.Tensor,
+                      healthy_NR: torch.Tensor) -> torch.Tensor | None:
+    """The sums behind one layer's B, rho_g and kappa from the gathered counts in one compiled call
+    (csrc/cpu/descriptors.cpp); None where the compiled ops do not load (the caller then runs
+    ``selector.online.fast_descriptors``' numpy, the reference: tests/unit/test_online_selector.py
+    checks the two agree bitwise).
+
+    Args:
+        records_WN: [W, N] int64 (CPU, any strides: a view of the count message), records rank
+            w = s * G + o sends to node d.
+        rail_of_gpu_G: [G] int64 (CPU), the rail of each local GPU.
+        healthy_NR: [N, R] bool (CPU), the ports (node, rail) that carry traffic.
+
+    Returns:
+        [6] float64 on the CPU: remote records in all, the most remote records of one GPU, the most
+        remote records of one port (node, rail), the mean over healthy ports, kappa (the largest
+        (sum)^2 / sum of squares over source nodes of one (rail, destination node); 1.0 when nothing
+        is remote or N = 1), records in all. Host sync: no (host tensors).
+    """
+    if not compiled_for(_CPU):
+        return None
+    return torch.ops.railwave.layer_descriptors(records_WN, rail_of_gpu_G, healthy_NR)
+
+
+_CPU = torch.device("cpu")

@@ -156,6 +156,10 @@ def _register_python_parts() -> None:
                              nvlink_bytes_per_s, rail_bytes_per_s, rail_phase_s, layer_s, combine_share):
         return records.new_empty((2,))
 
+    @torch.library.register_fake(lib + "layer_descriptors")
+    def _layer_descriptors_fake(records, rail_of_gpu, healthy):
+        return records.new_empty((6,), dtype=torch.float64)
+
     @torch.library.register_fake(lib + "rank_schedule")
     def _rank_schedule_fake(records, quota, relay, wave, masks, rank, chunks, num_phases, relay_phase, rail_phase,
                             deliver_phase):

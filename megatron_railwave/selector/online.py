@@ -59,7 +59,9 @@ from operator import mul, truediv
 from typing import Any
 
 import numpy as np
+import torch
 
+from megatron_railwave import ops
 from megatron_railwave.config import OnlineSettings
 from megatron_railwave.selector.anchors import Anchor, AnchorSet, CalibrationContext, PathLatency, save_anchors
 from megatron_railwave.planner import Path
@@ -111,6 +113,10 @@ class _Geometry:
     """[G, R] float64 rail map (None: one rail per GPU)."""
     healthy_idx: np.ndarray
     """The healthy ports as an index array (the einsum path)."""
+    rail_G: torch.Tensor
+    """[G] int64 rail of each local GPU (the compiled op's input)."""
+    healthy_NR: torch.Tensor
+    """[N, R] bool healthy ports (the compiled op's input)."""
 
 
 _TINY = 1e-300
@@ -162,27 +168,41 @@ def _geometry_of(topo: RailTopology) -> _Geometry:
         sums[w + gn:w + 2 * gn, -1] = _TINY
     healthy = None if healthy_idx.size == n * r else tuple(healthy_idx.tolist())
     return _Geometry(world=w, sums=sums, healthy=healthy, remote_WN=remote_WN, rail_GR=rail_GR,
-                     healthy_idx=healthy_idx)
+                     healthy_idx=healthy_idx, rail_G=torch.tensor(rails, dtype=torch.int64),
+                     healthy_NR=torch.from_numpy(healthy_NR.copy()))
 
 
-def fast_descriptors(records_WN: np.ndarray, topo: RailTopology, *, record_bytes: int,
-                     scales: tuple[float, float, float] | None = None) -> TrafficStats:
+def fast_descriptors(records_WN: torch.Tensor | np.ndarray, topo: RailTopology, *, record_bytes: int,
+                     scales: tuple[float, float, float] | None = None, compiled: bool = True) -> TrafficStats:
     """B, rho_g, kappa and the coordinates of a layer sent all node pairs at once, from the
     gathered [W, N] records: ``stats.demand_stats``'s values, cheap enough for every layer call
     (the online selector reads them there; ``demand_stats`` costs ~0.3 ms at 4 x 8).
 
-    One rail per GPU (the common case): one matrix-vector product of the records and their
-    squares with a per-topology constant (``_Geometry.sums``), then a few scalars in Python;
-    GPUs sharing rails: numpy einsums. Every sum is of integers below 2**53 in float64, so exact
-    in any order: the values are the same whichever way they are summed.
+    The sums come from one compiled call (``ops.layer_descriptors``) where the compiled ops load,
+    else from numpy, the reference: with one rail per GPU (the common case) one matrix-vector
+    product of the records and their squares with a per-topology constant (``_Geometry.sums``);
+    GPUs sharing rails: einsums. Every sum is of integers below 2**53, so exact in any order, and
+    the float operations after them are the same in both: the values are bitwise the same.
 
     Args:
-        records_WN: [W, N] int64, records from rank w (railwave order: node-major) to node n.
+        records_WN: [W, N] int64 (CPU tensor or array), records from rank w (railwave order:
+            node-major) to node n.
         scales: (payload_ref_bytes, rho_scale, kappa_scale); default ``SelectorScales`` for ``topo``.
+        compiled: False forces the numpy reference (the tests compare the two).
     """
     geo = _geometry(topo)
     n, w = topo.num_nodes, geo.world
-    if geo.sums is not None:
+    sums_op = None
+    if compiled:
+        tensor = records_WN if isinstance(records_WN, torch.Tensor) else torch.from_numpy(records_WN)
+        if tensor.dtype is torch.int64 and tensor.is_cpu:  # any strides (a view of the count message)
+            sums_op = ops.layer_descriptors(tensor, geo.rail_G, geo.healthy_NR)
+    if sums_op is not None:
+        remote_total, busiest, egress_max, healthy_mean, kappa, records_total = sums_op.tolist()
+        records_total = int(records_total)
+    elif geo.sums is not None:
+        if isinstance(records_WN, torch.Tensor):
+            records_WN = records_WN.numpy()
         wn = records_WN.size
         y = np.empty(2 * wn + 1, dtype=np.float64)
         y[:wn] = records_WN.reshape(-1)
@@ -201,6 +221,8 @@ def fast_descriptors(records_WN: np.ndarray, topo: RailTopology, *, record_bytes
                  if n > 1 and remote_total > 0 else 1.0)
         records_total = int(sums[-1])
     else:
+        if isinstance(records_WN, torch.Tensor):
+            records_WN = records_WN.numpy()
         remote = (records_WN * geo.remote_WN).astype(np.float64)  # [W, N], the local node zeroed
         per_gpu_W = remote.sum(axis=1)
         remote_total = float(per_gpu_W.sum())

@@ -7,12 +7,14 @@ import math
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatron_railwave.config import OnlineSettings, RailWaveConfig
 from megatron_railwave.lab.workloads import synthetic_routing_maps
 from megatron_railwave.planner import Path
+from megatron_railwave import ops
 from megatron_railwave.selector import AnchorSelector, OnlineSelector, selector_from_config
 from megatron_railwave.selector.anchors import load_anchors, save_anchors
 from megatron_railwave.selector.online import (TIMING_MISSING, TIMING_NONE, TIMING_STALLED, encode_timing,
@@ -345,3 +347,42 @@ def test_fast_descriptors_match_demand_stats_on_more_topologies(topo):
         for name in ("B_mean_bytes", "B_max_bytes", "rho_g", "kappa"):
             assert getattr(got, name) == pytest.approx(getattr(ref, name), rel=1e-12), name
         assert got.remote_records == ref.remote_records and got.records_total == ref.records_total
+
+
+_COMPILED = ops.load_error() is None and ops.compiled_for(torch.device("cpu"))
+
+
+@pytest.mark.skipif(not _COMPILED, reason="the compiled ops did not load (make ext)")
+@pytest.mark.parametrize("topo", [RailTopology(num_nodes=4, gpus_per_node=8),
+                                  RailTopology(num_nodes=4, gpus_per_node=8, failed_rails=((1, 3), (2, 0))),
+                                  RailTopology(num_nodes=2, gpus_per_node=4, rail_of_gpu=(0, 0, 1, 1),
+                                               failed_rails=((1, 1),)),
+                                  RailTopology(num_nodes=3, gpus_per_node=4, rail_of_gpu=(3, 2, 1, 0)),
+                                  RailTopology(num_nodes=1, gpus_per_node=4),
+                                  RailTopology(num_nodes=8, gpus_per_node=1),
+                                  RailTopology(num_nodes=16, gpus_per_node=8)])
+def test_fast_descriptors_compiled_and_numpy_agree_bitwise(topo):
+    """``ops.layer_descriptors`` against the numpy reference on random counts (zeros, a single hot
+    cell, large counts): every field equal, not approximately."""
+    rng = np.random.default_rng(topo.world_size)
+    shape = (topo.world_size, topo.num_nodes)
+    cases = [np.zeros(shape, dtype=np.int64), np.eye(*shape, k=1, dtype=np.int64) * 7]
+    cases += [rng.integers(0, high, size=shape) * (rng.random(shape) < keep)
+              for high in (3, 5000, 1 << 24) for keep in (1.0, 0.3)]
+    for records in cases:
+        records = np.ascontiguousarray(records, dtype=np.int64)
+        ref = fast_descriptors(records, topo, record_bytes=8336, compiled=False)
+        wide = torch.zeros(records.shape[0], records.shape[1] + 3, dtype=torch.int64)  # a strided view, as
+        wide[:, :records.shape[1]] = torch.from_numpy(records)                       # the count message's
+        for given in (records, torch.from_numpy(records), wide[:, :records.shape[1]]):
+            got = fast_descriptors(given, topo, record_bytes=8336)
+            assert got == ref, (records, got, ref)
+
+
+@pytest.mark.skipif(not _COMPILED, reason="the compiled ops did not load (make ext)")
+def test_layer_descriptors_op_refuses_bad_shapes():
+    rail, healthy = torch.arange(4), torch.ones(2, 4, dtype=torch.bool)
+    with pytest.raises(ValueError, match="records_WN"):
+        ops.layer_descriptors(torch.zeros(8, 3, dtype=torch.int64), rail, healthy)
+    with pytest.raises(ValueError, match="rail_of_gpu"):
+        ops.layer_descriptors(torch.zeros(8, 2, dtype=torch.int64), torch.tensor([0, 1, 2, 4]), healthy)

@@ -296,9 +296,9 @@ def _timed_online(rk: _Rank, ex: TorchDistExchange, inputs: tuple, selector: Any
     word = encode_timing(state.get("last_s"), expected=selector.expects_timing())
     layer = ex.gather_demand(x, probs, routing, timing_word=word)
     t1 = time.perf_counter()
-    selector.observe(layer.timing_W.tolist())
+    selector.observe(layer.timing_W)
     rec_bytes = x.shape[-1] * x.element_size()
-    decision = selector.decide("train", fast_descriptors(layer.demand.records_WN.numpy(), ex.topo,
+    decision = selector.decide("train", fast_descriptors(layer.demand.records_WN, ex.topo,
                                                          record_bytes=rec_bytes, scales=selector.scales))
     t2 = time.perf_counter()
     plan = ex.plan(layer, str(decision.path), phase=0)
