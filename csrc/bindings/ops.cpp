@@ -20,7 +20,6 @@ TORCH_LIBRARY(railwave, m) {
   m.def("path_estimates(Tensor records, Tensor copies, Tensor eligible, Tensor window, int num_windows, "
         "int chunks, float record_bytes, float nvlink_bytes_per_s, float rail_bytes_per_s, float rail_phase_s, "
         "float layer_s, float combine_share) -> Tensor");
-  m.def("layer_descriptors(Tensor records, Tensor rail_of_gpu, Tensor healthy) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(railwave, CPU, m) {
@@ -34,7 +33,6 @@ TORCH_LIBRARY_IMPL(railwave, CPU, m) {
   m.impl("rail_plan", &railwave::cpu::rail_plan);
   m.impl("arrival_copies", &railwave::cpu::arrival_copies);
   m.impl("path_estimates", &railwave::cpu::path_estimates);
-  m.impl("layer_descriptors", &railwave::cpu::layer_descriptors);
 }
 
 #if defined(RAILWAVE_WITH_CUDA)

@@ -43,9 +43,6 @@ at::Tensor path_estimates(const at::Tensor& records_WN, const at::Tensor& copies
                           const at::Tensor& window_NN, int64_t num_windows, int64_t chunks, double record_bytes,
                           double nvlink_bytes_per_s, double rail_bytes_per_s, double rail_phase_s, double layer_s,
                           double combine_share);
-// The online selector's per-layer sums (float64 [6]): csrc/cpu/descriptors.cpp.
-at::Tensor layer_descriptors(const at::Tensor& records_WN, const at::Tensor& rail_of_gpu_G,
-                             const at::Tensor& healthy_NR);
 }  // namespace railwave::cpu
 
 #if defined(RAILWAVE_WITH_CUDA)

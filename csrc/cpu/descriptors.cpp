@@ -6,44 +6,24 @@
 //
 // Why compiled: the online selector computes these on every MoE layer call, on the critical path
 // between the count exchange and the plan; numpy spends ~15 us of call overhead on a [32, 4] array,
-// this loop well under 1 us (the op call itself costs a few).
+// this loop well under 1 us. It is bound as a plain CPython function (bindings/module.cpp), not a
+// torch op: a torch op's dispatch and output tensor cost 3-8 us per call, more than the work.
 //
 // Same values as the reference: every sum is of int64 counts (exact), converted to float64 once;
 // the only float operations are the reference's own (one division for the healthy mean, t * t / q
 // per (rail, destination node) for kappa), so the results are bitwise the reference's.
-//
-// Host only: CPU int64 / bool tensors in (the records may be a strided view), a CPU float64 tensor out.
-
-#include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <vector>
 
-#include "../common/ops.h"
-#include "host_planning.h"
+#include "descriptors.h"
 
 namespace railwave::cpu {
 
-at::Tensor layer_descriptors(const at::Tensor& records_WN, const at::Tensor& rail_of_gpu_G,
-                             const at::Tensor& healthy_NR) {
-  RW_CHECK(healthy_NR.dim() == 2, "healthy_NR must be [N, R], got ", healthy_NR.sizes());
-  RW_CHECK(rail_of_gpu_G.dim() == 1, "rail_of_gpu_G must be [G], got ", rail_of_gpu_G.sizes());
-  const int64_t N = healthy_NR.size(0), R = healthy_NR.size(1), G = rail_of_gpu_G.size(0), W = N * G;
-  RW_CHECK(N >= 1 && G >= 1 && R >= 1, "N, G and R must be >= 1, got ", N, ", ", G, ", ", R);
-  // records_WN may be a strided view (the count message's first N columns): read with its strides.
-  RW_CHECK(records_WN.device().is_cpu(), "records_WN must be a CPU tensor (host planning), got ", records_WN.device());
-  RW_CHECK(records_WN.scalar_type() == at::kLong, "records_WN must be int64, got ", records_WN.scalar_type());
-  RW_CHECK(records_WN.dim() == 2 && records_WN.size(0) == W && records_WN.size(1) == N, "records_WN has shape ",
-           records_WN.sizes(), ", expected [", W, ", ", N, "]");
-  check_host(rail_of_gpu_G, "rail_of_gpu_G", at::kLong, {G});
-  check_host(healthy_NR, "healthy_NR", at::kBool, {N, R});
-  const int64_t* rec = records_WN.data_ptr<int64_t>();
-  const int64_t row = records_WN.stride(0), col = records_WN.stride(1);
-  const int64_t* rail = rail_of_gpu_G.data_ptr<int64_t>();
-  const bool* healthy = healthy_NR.data_ptr<bool>();
-  for (int64_t o = 0; o < G; ++o) RW_CHECK(rail[o] >= 0 && rail[o] < R, "rail_of_gpu_G[", o, "] = ", rail[o]);
-
+void layer_descriptors(const int64_t* rec, int64_t row, int64_t col, int64_t N, int64_t G, int64_t R,
+                       const int64_t* rail, const int64_t* healthy, double out[6]) {
+  const int64_t W = N * G;
   // load[(s * R + r) * N + d]: remote records node s sends on rail r to node d (GPUs sharing a rail add up).
   std::vector<int64_t> load(static_cast<size_t>(N * R * N), 0);
   int64_t records_total = 0, remote_total = 0, busiest = 0;
@@ -88,15 +68,12 @@ at::Tensor layer_descriptors(const at::Tensor& records_WN, const at::Tensor& rai
       }
     }
   }
-  at::Tensor out = at::empty({6}, records_WN.options().dtype(at::kDouble));
-  double* o = out.data_ptr<double>();
-  o[0] = static_cast<double>(remote_total);
-  o[1] = static_cast<double>(busiest);
-  o[2] = static_cast<double>(egress_max);
-  o[3] = healthy_ports > 0 ? static_cast<double>(healthy_sum) / static_cast<double>(healthy_ports) : 0.0;
-  o[4] = kappa;
-  o[5] = static_cast<double>(records_total);
-  return out;
+  out[0] = static_cast<double>(remote_total);
+  out[1] = static_cast<double>(busiest);
+  out[2] = static_cast<double>(egress_max);
+  out[3] = healthy_ports > 0 ? static_cast<double>(healthy_sum) / static_cast<double>(healthy_ports) : 0.0;
+  out[4] = kappa;
+  out[5] = static_cast<double>(records_total);
 }
 
 }  // namespace railwave::cpu

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import torch
 
 from megatron_railwave.ops import reference
-from megatron_railwave.ops._compiled import compiled_for, load_error, set_forced_reference
+from megatron_railwave.ops._compiled import compiled_for, host_function, load_error, set_forced_reference
 from megatron_railwave.ops.reference import RowSpec, row_bytes
 
 __all__ = [
@@ -302,28 +302,28 @@ def path_estimates(records_WN: torch.Tensor, copies_WNKG: torch.Tensor, eligible
         float(rail_phase_s), float(layer_s), float(combine_share))
 
 
-def layer_descriptors(records_WN: torch.Tensor, rail_of_gpu_G: torch.Tensor,
-                      healthy_NR: torch.Tensor) -> torch.Tensor | None:
+
+def layer_descriptors(records_WN, geometry) -> tuple[float, float, float, float, float, float] | None:
     """The sums behind one layer's B, rho_g and kappa from the gathered counts in one compiled call
-    (csrc/cpu/descriptors.cpp); None where the compiled ops do not load (the caller then runs
+    (csrc/cpu/descriptors.cpp, a plain CPython function: a torch op's dispatch would cost more than
+    the work); None where the compiled ops are not used (the caller then runs
     ``selector.online.fast_descriptors``' numpy, the reference: tests/unit/test_online_selector.py
     checks the two agree bitwise).
 
     Args:
-        records_WN: [W, N] int64 (CPU, any strides: a view of the count message), records rank
-            w = s * G + o sends to node d.
-        rail_of_gpu_G: [G] int64 (CPU), the rail of each local GPU.
-        healthy_NR: [N, R] bool (CPU), the ports (node, rail) that carry traffic.
+        records_WN: [W, N] int64 numpy array (any strides: a view of the count message), records
+            rank w = s * G + o sends to node d.
+        geometry: [3 + G + N * R] int64 contiguous numpy array: N, G, R, the rail of each local GPU,
+            then 1 / 0 for each port (node, rail) that carries traffic / does not.
 
     Returns:
-        [6] float64 on the CPU: remote records in all, the most remote records of one GPU, the most
-        remote records of one port (node, rail), the mean over healthy ports, kappa (the largest
-        (sum)^2 / sum of squares over source nodes of one (rail, destination node); 1.0 when nothing
-        is remote or N = 1), records in all. Host sync: no (host tensors).
+        (remote records in all, the most remote records of one GPU, the most remote records of one
+        port (node, rail), their mean over healthy ports, kappa (the largest (sum)^2 / sum of squares
+        over source nodes of one (rail, destination node); 1.0 when nothing is remote or N = 1),
+        records in all) as floats. Host sync: no (host arrays).
+
+    Raises:
+        ValueError: shapes or dtypes that do not match (names the argument).
     """
-    if not compiled_for(_CPU):
-        return None
-    return torch.ops.railwave.layer_descriptors(records_WN, rail_of_gpu_G, healthy_NR)
-
-
-_CPU = torch.device("cpu")
+    fn = host_function("layer_descriptors")
+    return None if fn is None else fn(records_WN, geometry)

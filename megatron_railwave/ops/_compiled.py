@@ -21,7 +21,7 @@ import os
 
 import torch
 
-__all__ = ["compiled_for", "load_error", "set_forced_reference"]
+__all__ = ["compiled_for", "host_function", "load_error", "set_forced_reference"]
 
 _LOG = logging.getLogger("megatron_railwave.ops")
 _MODULE = "megatron_railwave._C"
@@ -102,6 +102,22 @@ def compiled_for(device: torch.device) -> bool:
     return False
 
 
+def host_function(name: str):
+    """The library's plain CPython function ``name`` (host-only helpers bound without a torch op:
+    csrc/bindings/module.cpp), or None where the compiled ops are not used (the reason logged once)."""
+    if _forced_reference:
+        return None
+    if not _loaded:
+        _load()
+    if _module is None:
+        _warn_once(_load_error or "unknown")
+        return None
+    fn = getattr(_module, name, None)
+    if fn is None:
+        _warn_once(f"{_MODULE} has no {name} (built from older sources); {_FIX}")
+    return fn
+
+
 def _register_python_parts() -> None:
     """Fake implementations of every op and the autograd of segment_sum."""
     lib = "railwave::"
@@ -155,10 +171,6 @@ def _register_python_parts() -> None:
     def _path_estimates_fake(records, copies, eligible, window, num_windows, chunks, record_bytes,
                              nvlink_bytes_per_s, rail_bytes_per_s, rail_phase_s, layer_s, combine_share):
         return records.new_empty((2,))
-
-    @torch.library.register_fake(lib + "layer_descriptors")
-    def _layer_descriptors_fake(records, rail_of_gpu, healthy):
-        return records.new_empty((6,), dtype=torch.float64)
 
     @torch.library.register_fake(lib + "rank_schedule")
     def _rank_schedule_fake(records, quota, relay, wave, masks, rank, chunks, num_phases, relay_phase, rail_phase,

@@ -113,10 +113,9 @@ class _Geometry:
     """[G, R] float64 rail map (None: one rail per GPU)."""
     healthy_idx: np.ndarray
     """The healthy ports as an index array (the einsum path)."""
-    rail_G: torch.Tensor
-    """[G] int64 rail of each local GPU (the compiled op's input)."""
-    healthy_NR: torch.Tensor
-    """[N, R] bool healthy ports (the compiled op's input)."""
+    packed: np.ndarray
+    """[3 + G + N R] int64: N, G, R, the rail of each GPU, the healthy port flags (the compiled
+    ``ops.layer_descriptors``' geometry)."""
 
 
 _TINY = 1e-300
@@ -168,8 +167,8 @@ def _geometry_of(topo: RailTopology) -> _Geometry:
         sums[w + gn:w + 2 * gn, -1] = _TINY
     healthy = None if healthy_idx.size == n * r else tuple(healthy_idx.tolist())
     return _Geometry(world=w, sums=sums, healthy=healthy, remote_WN=remote_WN, rail_GR=rail_GR,
-                     healthy_idx=healthy_idx, rail_G=torch.tensor(rails, dtype=torch.int64),
-                     healthy_NR=torch.from_numpy(healthy_NR.copy()))
+                     healthy_idx=healthy_idx,
+                     packed=np.array([n, g, r, *rails, *healthy_NR.reshape(-1).astype(np.int64)], dtype=np.int64))
 
 
 def fast_descriptors(records_WN: torch.Tensor | np.ndarray, topo: RailTopology, *, record_bytes: int,
@@ -192,17 +191,13 @@ def fast_descriptors(records_WN: torch.Tensor | np.ndarray, topo: RailTopology, 
     """
     geo = _geometry(topo)
     n, w = topo.num_nodes, geo.world
-    sums_op = None
-    if compiled:
-        tensor = records_WN if isinstance(records_WN, torch.Tensor) else torch.from_numpy(records_WN)
-        if tensor.dtype is torch.int64 and tensor.is_cpu:  # any strides (a view of the count message)
-            sums_op = ops.layer_descriptors(tensor, geo.rail_G, geo.healthy_NR)
+    if isinstance(records_WN, torch.Tensor):
+        records_WN = records_WN.numpy()  # a view, any strides (the count message's first N columns)
+    sums_op = ops.layer_descriptors(records_WN, geo.packed) if compiled and records_WN.dtype == np.int64 else None
     if sums_op is not None:
-        remote_total, busiest, egress_max, healthy_mean, kappa, records_total = sums_op.tolist()
+        remote_total, busiest, egress_max, healthy_mean, kappa, records_total = sums_op
         records_total = int(records_total)
     elif geo.sums is not None:
-        if isinstance(records_WN, torch.Tensor):
-            records_WN = records_WN.numpy()
         wn = records_WN.size
         y = np.empty(2 * wn + 1, dtype=np.float64)
         y[:wn] = records_WN.reshape(-1)
@@ -221,8 +216,6 @@ def fast_descriptors(records_WN: torch.Tensor | np.ndarray, topo: RailTopology, 
                  if n > 1 and remote_total > 0 else 1.0)
         records_total = int(sums[-1])
     else:
-        if isinstance(records_WN, torch.Tensor):
-            records_WN = records_WN.numpy()
         remote = (records_WN * geo.remote_WN).astype(np.float64)  # [W, N], the local node zeroed
         per_gpu_W = remote.sum(axis=1)
         remote_total = float(per_gpu_W.sum())
@@ -459,6 +452,8 @@ class OnlineSelector:
         self._current: dict[str, _Neighbourhood] = {}
         self._last: OnlineDecision | None = None
         """The previous call's decision: the next call's timing words measure it."""
+        self._last_nb: _Neighbourhood | None = None
+        """The neighbourhood of ``_last`` (where its time is filed)."""
         self._recompute: dict[Path, _Times] = {}
         self.calls = 0
         self.bad_in_row = 0
@@ -479,6 +474,8 @@ class OnlineSelector:
         layer to JOINT (the caller logs it once), else None."""
         seconds, problem = slowest_timing(words_W)
         last, self._last = self._last, None
+        if last is None or last.neighbourhood < 0:
+            self._last_nb = None
         self.last_seconds, self.last_problem = seconds, problem
         if last is not None and last.mode in ("probe", "reprobe") and self.shared is not None:
             key = (last.kind, last.path)
@@ -500,16 +497,13 @@ class OnlineSelector:
             self._recompute.setdefault(last.path, _Times(recent=deque(maxlen=self.settings.window))).add(
                 seconds, last.call)
             return None
-        table = self._tables.get(last.kind)
-        if table is None:
+        nb = self._last_nb  # ``last``'s: only ``decide`` evicts neighbourhoods, and it sets this after
+        if nb is None or nb.index != last.neighbourhood:
             return None
-        for nb in table:
-            if nb.index == last.neighbourhood:
-                times = nb.times[last.path]
-                times.add(seconds, last.call)
-                if times.count == 1 and self.shared is not None:
-                    self.shared.first_time(last.kind, nb, last.path)
-                break
+        times = nb.times[last.path]
+        times.add(seconds, last.call)
+        if times.count == 1 and self.shared is not None:
+            self.shared.first_time(last.kind, nb, last.path)
         return None
 
     # ------------------------------------------------------------------ decisions
@@ -531,6 +525,7 @@ class OnlineSelector:
             decision = OnlineDecision(path=Path.JOINT, mode="idle", kind=kind, call=call)
         else:
             nb = self._neighbourhood(kind, stats, call)
+            self._last_nb = nb
             path, mode = self._choose(nb, kind)
             if mode in ("probe", "reprobe") and self.shared is not None:
                 self.shared.pending[(kind, path)] = self.shared.pending.get((kind, path), 0) + 1

@@ -380,9 +380,16 @@ def test_fast_descriptors_compiled_and_numpy_agree_bitwise(topo):
 
 
 @pytest.mark.skipif(not _COMPILED, reason="the compiled ops did not load (make ext)")
-def test_layer_descriptors_op_refuses_bad_shapes():
-    rail, healthy = torch.arange(4), torch.ones(2, 4, dtype=torch.bool)
-    with pytest.raises(ValueError, match="records_WN"):
-        ops.layer_descriptors(torch.zeros(8, 3, dtype=torch.int64), rail, healthy)
-    with pytest.raises(ValueError, match="rail_of_gpu"):
-        ops.layer_descriptors(torch.zeros(8, 2, dtype=torch.int64), torch.tensor([0, 1, 2, 4]), healthy)
+def test_layer_descriptors_refuses_bad_arguments():
+    geometry = np.array([2, 4, 4, 0, 1, 2, 3] + [1] * 8, dtype=np.int64)
+    assert ops.layer_descriptors(np.zeros((8, 2), dtype=np.int64), geometry) == (0.0, 0.0, 0.0, 0.0, 1.0, 0.0)
+    with pytest.raises(ValueError, match="records must be"):
+        ops.layer_descriptors(np.zeros((8, 3), dtype=np.int64), geometry)
+    with pytest.raises(ValueError, match="records must be a 2-D int64"):
+        ops.layer_descriptors(np.zeros((8, 2), dtype=np.int32), geometry)
+    with pytest.raises(ValueError, match="length"):
+        ops.layer_descriptors(np.zeros((8, 2), dtype=np.int64), geometry[:-1])
+    bad_rail = geometry.copy()
+    bad_rail[6] = 4
+    with pytest.raises(ValueError, match="rail"):
+        ops.layer_descriptors(np.zeros((8, 2), dtype=np.int64), bad_rail)
