@@ -5,7 +5,7 @@ Runs ``lab.bench.online_sim`` (see there for the workload, the noise and the pol
 always-JOINT (every always-X in the JSON), the per-call oracle and, with ``--anchors``, the offline
 selector on the same draws; the goals (online <= 1.03x the per-layer oracle, below always-NATIVE
 and always-JOINT) as met or missed; and the cost: the online selector's host microseconds per
-layer call (observe + descriptors + decide, thread CPU time; ``--decision-cost``: each part's mean
+layer call (timing words + observe + descriptors + decide, thread CPU time; ``--decision-cost``: each part's mean
 and percentiles over every call, next to ``demand_stats`` on the same counts) and the bytes it adds
 to the count message. ``--learned`` writes what the online selector learned
 (last seed) as an anchors file that ``railwave validate`` reads.
@@ -71,8 +71,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="reuse the flow-model times, counts and offline paths of an earlier --json (same "
                              "--model list and routing; no simulation)")
     parser.add_argument("--decision-cost", action="store_true",
-                        help="print the online selector's host work per layer call part by part (observe, "
-                             "descriptors, decide: mean and percentiles over every call of the run) next to "
+                        help="print the online selector's host work per layer call part by part (timing words, "
+                             "observe, descriptors, decide: mean and percentiles over every call of the run) next to "
                              "demand_stats on the same counts")
     parser.add_argument("--json", default=None, metavar="FILE", help="write the per-layer results")
     parser.set_defaults(handler=run)
@@ -182,7 +182,7 @@ def _print_run(model_file: str, seed: int, s: dict[str, Any], world: int, decisi
     c = s["cost"]
     cpu = c["cpu_us_per_call"]
     _render.print_text(
-        f"  cost (this host, thread CPU per layer call): observe + descriptors + decide {cpu['total']['mean']:.1f} us "
+        f"  cost (this host, thread CPU per layer call): words + observe + descriptors + decide {cpu['total']['mean']:.1f} us "
         f"mean, {cpu['total']['p50']:.1f} us median (descriptors {cpu['descriptors']['mean']:.1f} us; demand_stats on "
         f"the same counts {c['reference_descriptors_cpu_us_per_call']:.1f} us); count message "
         f"+{c['extra_bytes_per_peer_message']} bytes per peer message ({c['extra_bytes_per_rank_per_layer_call']} bytes "
@@ -192,6 +192,6 @@ def _print_run(model_file: str, seed: int, s: dict[str, Any], world: int, decisi
             "  online selector host work per layer call (thread CPU us, every call of the run)",
             ["part", "mean", "p50", "p90", "p99", "max"],
             [[part, *(round(cpu[part][k], 1) for k in ("mean", "p50", "p90", "p99", "max"))]
-             for part in ("observe", "descriptors", "decide", "total")]
+             for part in ("words", "observe", "descriptors", "decide", "total")]
             + [["demand_stats (reference)", round(c["reference_descriptors_cpu_us_per_call"], 1), "", "", "", ""],
                ["one clock read (in each part)", round(c["clock_read_us"], 1), "", "", "", ""]])

@@ -33,6 +33,7 @@ and gradients on any device.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -51,7 +52,7 @@ from megatron_railwave.exchange.transport import Collective, Program
 
 __all__ = ["InputError", "CapacityOverflowError", "RankContext", "LayerDemand", "LayerHandle", "EntryIndex", "gather_demand",
            "prepare_layer", "dispatch_forward", "dispatch_backward", "combine_forward", "combine_backward",
-           "input_status", "prepare_capacity_layer", "pack_status", "unpack_timing", "count_row_words", "TIMING_WORD_MIN",
+           "input_status", "prepare_capacity_layer", "pack_status", "TimingWords", "count_row_words", "TIMING_WORD_MIN",
            "TIMING_WORD_MAX"]
 
 
@@ -100,7 +101,7 @@ class LayerDemand:
         num_records: n_rec of this rank (host).
         expert_load_E: [E] int64 (host), global tokens per expert (railwave column order), when
             ``gather_demand`` was asked for it; else None.
-        timing_W: [W] ints, every rank's ``timing_word`` (railwave rank order), when
+        timing_W: every rank's ``timing_word`` (railwave rank order; ``TimingWords``), when
             ``gather_demand`` carried one; else None.
     """
 
@@ -112,7 +113,7 @@ class LayerDemand:
     mask_C: torch.Tensor
     num_records: int
     expert_load_E: torch.Tensor | None = None
-    timing_W: list[int] | None = None
+    timing_W: "TimingWords | None" = None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -184,38 +185,61 @@ def input_status(ctx: RankContext, hidden: torch.Tensor, probs: torch.Tensor,
     return 0, ""
 
 
-_STATUS_BITS = 8
-_STATUS_MASK = (1 << _STATUS_BITS) - 1
-TIMING_WORD_MIN = -(1 << _STATUS_BITS) + 1
+_CODE_SHIFT = 56
+"""The input status code sits above bit 56 of the status word; the timing word below it, so one
+``max`` over the W status words tells whether any rank's input is bad, and ``min`` / ``max`` give
+the lowest and highest timing word without a pass in Python."""
+_TIMING_OFFSET = 1 << 8
+TIMING_WORD_MIN = 1 - _TIMING_OFFSET
 """Lowest timing word the status word carries (the selector's codes are -1 .. -4)."""
 TIMING_WORD_MAX = (1 << 54) - 1
-"""Highest: 2**54 ns is 208 days, and (word + 2**8) * 2**8 stays below 2**63."""
+"""Highest: 2**54 ns is 208 days; word + 2**8 stays below the code bits."""
 
 
 def pack_status(code: int, timing_word: int | None) -> int:
     """The status word of every row of a rank's count message: the input status ``code`` (0 = well
-    formed, 1-6 = ``input_status``'s problems) in the low 8 bits and, above them, the online
-    selector's timing word plus 2**8 (so 0 above the low bits means "no timing word").
+    formed, 1-6 = ``input_status``'s problems) above bit 56 and, below it, the online selector's
+    timing word plus 2**8 (0 there: no timing word).
 
     Raises:
         ValueError: a timing word outside [``TIMING_WORD_MIN``, ``TIMING_WORD_MAX``] (this rank only,
             before the count exchange: a caller's bug, not an input problem).
     """
-    if not 0 <= code <= _STATUS_MASK:
-        raise ValueError(f"internal: input status code {code} does not fit {_STATUS_BITS} bits")
+    if not 0 <= code < 1 << (63 - _CODE_SHIFT):
+        raise ValueError(f"internal: input status code {code} does not fit {63 - _CODE_SHIFT} bits")
     if timing_word is None:
-        return code
-    timing_word = int(timing_word)
+        return code << _CODE_SHIFT
     if not TIMING_WORD_MIN <= timing_word <= TIMING_WORD_MAX:
         raise ValueError(f"timing_word={timing_word} is outside [{TIMING_WORD_MIN}, {TIMING_WORD_MAX}]; pass "
                          "selector.online.encode_timing's word (nanoseconds, or a code)")
-    return code | ((timing_word + (1 << _STATUS_BITS)) << _STATUS_BITS)
+    return (code << _CODE_SHIFT) | (int(timing_word) + _TIMING_OFFSET)
 
 
-def unpack_timing(status_W: list[int]) -> list[int]:
-    """The timing words of the status words ``pack_status`` made (one per rank)."""
-    offset = 1 << _STATUS_BITS
-    return [(word >> _STATUS_BITS) - offset for word in status_W]
+class TimingWords(Sequence[int]):
+    """Every rank's timing word from the status words ``pack_status`` made, where every input was
+    well formed (``gather_demand`` raised otherwise): a sequence of W ints, read one by one only
+    when needed; ``lowest`` and ``highest`` come from one ``min`` / ``max`` of the status words.
+    (A plain class: a frozen dataclass's constructor costs a microsecond on every layer call.)"""
+
+    __slots__ = ("status_W", "lowest", "highest")
+
+    def __init__(self, status_W: list[int], highest_status: int) -> None:
+        self.status_W = status_W
+        self.lowest = min(status_W) - _TIMING_OFFSET
+        self.highest = highest_status - _TIMING_OFFSET
+
+    @classmethod
+    def of(cls, status_W: list[int], highest_status: int) -> "TimingWords":
+        """From the received status words and their ``max`` (which ``gather_demand`` has already)."""
+        return cls(status_W, highest_status)
+
+    def __len__(self) -> int:
+        return len(self.status_W)
+
+    def __getitem__(self, index):  # type: ignore[override]
+        if isinstance(index, slice):
+            return [word - _TIMING_OFFSET for word in self.status_W[index]]
+        return self.status_W[index] - _TIMING_OFFSET
 
 
 def count_row_words(topo: RailTopology, num_experts: int, *, expert_loads: bool = False,
@@ -288,8 +312,9 @@ def gather_demand(ctx: RankContext, hidden: torch.Tensor, probs: torch.Tensor,
     recv = torch.empty_like(send)
     yield Collective(kind="all_to_all", stage="count exchange", group=ctx.groups.ep, send=send, recv=recv)
     counts = recv.cpu()  # the layer's one host sync: every split size follows from these counts
-    status_W = counts[:, n + 1].tolist()  # W ints: cheaper in Python than as tensor ops at this size
-    bad = [i for i, word in enumerate(status_W) if word & _STATUS_MASK]
+    status_W = counts[:, n + 1].tolist()  # W ints: one max finds a bad input (the code bits are on top)
+    highest_status = max(status_W)
+    bad = [i for i, word in enumerate(status_W) if word >> _CODE_SHIFT] if highest_status >> _CODE_SHIFT else []
     if bad:
         own = f" (this rank: {message})" if code else ""
         raise InputError(
@@ -303,7 +328,7 @@ def gather_demand(ctx: RankContext, hidden: torch.Tensor, probs: torch.Tensor,
     return LayerDemand(demand=demand, max_tokens=int(counts[:, n].max()), num_tokens=t, token_C=token_C,
                        node_C=node_C, mask_C=mask_C, num_records=int(counts[ctx.groups.railwave_rank, :n].sum()),
                        expert_load_E=counts[:, width:loads_end].sum(dim=0) if expert_loads else None,
-                       timing_W=unpack_timing(status_W) if timing_word is not None else None)
+                       timing_W=TimingWords.of(status_W, highest_status) if timing_word is not None else None)
 
 
 def prepare_layer(ctx: RankContext, layer: LayerDemand, plan: PathPlan, *, hidden_dtype: torch.dtype,

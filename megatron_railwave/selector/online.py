@@ -263,10 +263,21 @@ def encode_timing(seconds: float | None, *, expected: bool) -> int:
 def slowest_timing(words_W: Iterable[int]) -> tuple[float | None, str | None]:
     """(slowest rank's seconds, None) from every rank's word; (None, None) when no rank had a
     measurement; (None, problem) when a word is bad or the ranks disagree on whether there is one.
-    The same on every rank (the words are)."""
-    words = words_W if isinstance(words_W, list) else list(words_W)
-    if words and min(words) > 0:  # the common case, first: every rank measured (no per-word work)
-        return int(max(words)) * 1e-9, None
+    The same on every rank (the words are).
+
+    Args:
+        words_W: W ints; a sequence with ``lowest`` and ``highest`` attributes (the count
+            exchange's ``TimingWords``) gives the common case without a pass in Python.
+    """
+    lowest = getattr(words_W, "lowest", None)
+    if lowest is not None:
+        if lowest > 0:  # the common case, first: every rank measured
+            return words_W.highest * 1e-9, None  # type: ignore[attr-defined]
+        words = list(words_W)
+    else:
+        words = words_W if isinstance(words_W, list) else list(words_W)
+        if words and min(words) > 0:
+            return int(max(words)) * 1e-9, None
     words = [int(v) for v in words]
     bad = {i: v for i, v in enumerate(words) if v < 0}
     if bad:

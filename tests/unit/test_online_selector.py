@@ -393,3 +393,15 @@ def test_layer_descriptors_refuses_bad_arguments():
     bad_rail[6] = 4
     with pytest.raises(ValueError, match="rail"):
         ops.layer_descriptors(np.zeros((8, 2), dtype=np.int64), bad_rail)
+
+
+@pytest.mark.parametrize("words", [[5, 9, 7], [0, 0, 0], [0, 4, 4], [3, TIMING_MISSING, 2], [TIMING_STALLED, 8, 1],
+                                   [1 << 40, 1, 2]])
+def test_slowest_timing_reads_the_count_exchange_words_as_a_list(words):
+    """``TimingWords`` (min / max of the packed status words) gives what the plain list gives."""
+    from megatron_railwave.exchange.layer import TimingWords, pack_status
+
+    status = [pack_status(0, w) for w in words]
+    packed = TimingWords.of(status, max(status))
+    assert (packed.lowest, packed.highest, list(packed)) == (min(words), max(words), words)
+    assert slowest_timing(packed) == slowest_timing(words)

@@ -419,7 +419,8 @@ def test_timing_words_ride_in_the_status_word_at_no_extra_bytes():
                                               for r in range(w)])
     for r in range(w):
         assert plain[r].timing_W is None
-        assert timed[r].timing_W == words
+        assert list(timed[r].timing_W) == words and timed[r].timing_W[2:4] == words[2:4]
+        assert (timed[r].timing_W.lowest, timed[r].timing_W.highest) == (min(words), max(words))
         assert torch.equal(timed[r].demand.records_WN, plain[r].demand.records_WN)
         assert timed[r].max_tokens == plain[r].max_tokens and timed[r].num_records == plain[r].num_records
     # The count message: the same number of words with and without the timing word.
