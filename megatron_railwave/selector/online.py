@@ -354,9 +354,10 @@ class _Neighbourhood:
         return best
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
+@dataclass(kw_only=True, slots=True)
 class OnlineDecision:
-    """One call's path and why (logged per layer call)."""
+    """One call's path and why (logged per layer call). Not frozen: a frozen dataclass's
+    constructor costs about a microsecond more, on every layer call; nothing changes one."""
 
     path: Path
     mode: str
