@@ -65,6 +65,7 @@ from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 
 from megatron_railwave.telemetry.capture import TraceMeta, TraceRecorder
 from megatron_railwave.config import RailWaveConfig
+from megatron_railwave.process import global_rank
 from megatron_railwave.exchange import (DispatchOutput, LayerHandle, TorchDistExchange, build_exchange, build_rail_groups,
                        capacity_demand, check_fingerprints, gather_rank_facts, place_ranks)
 from megatron_railwave.planner import Path
@@ -81,9 +82,6 @@ StatsSink = Callable[[LayerCommStats], None]
 _LOG = logging.getLogger(__name__)
 
 
-def rank0_global() -> bool:
-    """Whether this process is global rank 0 (or runs without torch.distributed)."""
-    return not dist.is_initialized() or dist.get_rank() == 0
 
 # One trace recorder per capture directory in this process, shared by the MoE layers.
 _RECORDERS: dict[str, Any] = {}
@@ -240,9 +238,9 @@ class RailWaveTokenDispatcher(MoETokenDispatcher):
         if self.railwave.path == "auto":
             if selector is None:
                 # The missing-anchors warning: once per job (global rank 0), not once per rank.
-                selector = selector_from_config(self.railwave, self.topology, warn=rank0_global())
+                selector = selector_from_config(self.railwave, self.topology, warn=global_rank() == 0)
             self.selector: PathSelector | OnlineSelector = selector
-            if isinstance(selector, OnlineSelector) and self.railwave.online_out and rank0_global():
+            if isinstance(selector, OnlineSelector) and self.railwave.online_out and global_rank() == 0:
                 save_learned_anchors_at_exit(self.railwave.online_out, self.topology, hidden_size=int(config.hidden_size),
                                              dtype=str(_hidden_dtype(config)).removeprefix("torch."),
                                              chunks=self.railwave.chunks)
@@ -409,7 +407,7 @@ class RailWaveTokenDispatcher(MoETokenDispatcher):
         t0 = time.perf_counter()
         record_bytes = hidden_states.shape[-1] * dtype_bytes(hidden_states.dtype)
         message = selector.observe(layer.timing_W)
-        if message is not None and rank0_global():
+        if message is not None and global_rank() == 0:
             _LOG.warning(message)
         call = state.call
         if call.path is not None:  # a recompute: its forward's path, no descriptors needed

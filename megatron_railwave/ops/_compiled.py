@@ -21,6 +21,8 @@ import os
 
 import torch
 
+from megatron_railwave.process import global_rank
+
 __all__ = ["compiled_for", "host_function", "load_error", "set_forced_reference"]
 
 _LOG = logging.getLogger("megatron_railwave.ops")
@@ -34,22 +36,10 @@ _warned: set[str] = set()
 _forced_reference = os.environ.get("RAILWAVE_OPS", "auto").strip().lower() == "reference"
 
 
-def _global_rank() -> int:
-    # Before init_process_group (or without it) a launcher's RANK says which process this is.
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank()
-    try:
-        return int(os.environ.get("RANK", "0"))
-    except ValueError:
-        return 0
-
-
 def _warn_once(reason: str) -> None:
     if reason not in _warned:
         _warned.add(reason)
-        level = logging.WARNING if _global_rank() == 0 else logging.INFO
+        level = logging.WARNING if global_rank() == 0 else logging.INFO
         _LOG.log(level, "megatron_railwave.ops: using the pure-torch reference ops: %s", reason)
 
 

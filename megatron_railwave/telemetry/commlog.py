@@ -29,6 +29,7 @@ from collections import deque
 from pathlib import Path as FsPath
 from typing import Any, Callable, Literal
 
+from megatron_railwave.process import global_rank
 from megatron_railwave.telemetry.stats import LayerCommStats
 
 __all__ = ["JsonlStatsSink", "FanoutSink", "read_logs", "split_runs", "job_run_id", "LOG_GLOB", "RUN_ENV"]
@@ -36,14 +37,6 @@ __all__ = ["JsonlStatsSink", "FanoutSink", "read_logs", "split_runs", "job_run_i
 LogMode = Literal["rank", "job"]
 LOG_GLOB = "railwave*.jsonl"
 """Files ``read_logs`` picks up in a log directory."""
-
-
-def _global_rank() -> int:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank()
-    return int(os.environ.get("RANK", 0))
 
 
 RUN_ENV = "RAILWAVE_RUN_ID"
@@ -113,7 +106,7 @@ class JsonlStatsSink:
     @property
     def rank(self) -> int:
         if self._rank is None:
-            self._rank = _global_rank()
+            self._rank = global_rank()
         return self._rank
 
     @property
