@@ -46,12 +46,9 @@ layer call is timed (plan + dispatch, and combine: CUDA events read at the layer
 ``query()``, never a wait; the CPU clock on CPU); that time rides on the next call's count exchange
 as one int64 per peer message, so every rank files the slowest rank's time and decides the same
 (``selector.online``). Recomputes replay their forward's path and are timed as recomputes.
-In fixed-capacity mode there is no count exchange: a layer's calls of one pass kind run in epochs
-of ``online.capacity_sync_every`` calls with one path each; the epoch's first call is timed, its
-second posts one small asynchronous all-reduce of the timing word over the EP group
-(``exchange.timing_reduce``), and the next epoch's first call reads it (the mode's one host wait
-per epoch, on a reduce long complete) before deciding (``selector.capacity_epochs``). Recomputes
-replay their forward's path untimed.
+Fixed-capacity mode has no count exchange: one path per epoch of ``online.capacity_sync_every``
+calls, the time on a small asynchronous all-reduce read an epoch later (its one host wait;
+``selector.capacity_epochs``, ``exchange.timing_reduce``); recomputes replay their path untimed.
 """
 
 from __future__ import annotations
@@ -476,9 +473,7 @@ class RailWaveTokenDispatcher(MoETokenDispatcher):
 
     def _capacity_online_decision(self, state: _LayerState, exchange: TorchDistExchange,
                                   device: torch.device) -> OnlineDecision:
-        """The online selector's path in fixed-capacity mode (``selector.capacity_epochs``): an
-        epoch's first call is timed; its second posts the timing reduce; a recompute replays its
-        forward's path, untimed."""
+        """The online selector's path in fixed-capacity mode (``selector.capacity_epochs``)."""
         selector: OnlineSelector = self.selector  # type: ignore[assignment]
         if selector.layer is None:
             selector.layer = self.layer_number

@@ -33,6 +33,10 @@ Protocol (``OnlineSelector``, one per MoE layer; pure and deterministic given th
     ``drop_ratio`` behind another path defers it; another layer's probe of it in flight makes
     this layer wait (run its best path, at most ``_MAX_WAITS`` calls) for that time. JOINT is
     never waited for: every layer times it (the fallback, and the ratios' reference);
+  * fixed-capacity mode has no count exchange: the layer decides once per epoch of calls and the
+    word travels on a small all-reduce of [word, -word] (``selector.capacity_epochs``); its pair
+    is read by ``slowest_reduced_timing`` and filed by ``observe_reduced`` under the epoch's
+    decision;
   * bad timings (a rank's NaN, negative, zero / stalled clock, or missing time, or ranks that
     disagree on whether there is one) are dropped; ``max_bad`` of them in a row switch the layer
     to JOINT for the rest of the run, with one logged reason. All of this follows from the
