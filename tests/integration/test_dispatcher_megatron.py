@@ -212,6 +212,8 @@ def test_moe_layer_online_selector_in_fixed_capacity_mode_ranks_agree(tmp_path):
         if rec["last_exchange_ms"] is not None:
             slow.setdefault((rec["step"], rec["pass_kind"]), set()).add(rec["last_exchange_ms"])
     assert slow and all(len(v) == 1 for v in slow.values())
+    tracker = results[0]["tracker"]  # Megatron's per-layer metrics carry the selector state too
+    assert "selector_probe" in tracker and 1 in tracker["selector_probe"]
     bad = {}
     for rec in read_logs(tmp_path / "bad"):
         if rec["pass_kind"] == "train":
