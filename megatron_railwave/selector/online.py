@@ -284,8 +284,7 @@ def slowest_reduced_timing(max_word: int, min_word: int) -> tuple[float | None, 
         return None, f"at least one EP rank reported {_PROBLEMS.get(min_word, f'code {min_word}')} timings"
     if max_word == TIMING_NONE:
         return None, None
-    if max_word < 0:  # cannot happen with min_word == 0: the max is >= the min
-        raise AssertionError(f"reduced timing words out of order: max {max_word} < min {min_word}")
+    assert max_word > 0, f"reduced timing words out of order: max {max_word} < min {min_word}"
     return None, "at least one EP rank reported no timing where the others did"
 
 
