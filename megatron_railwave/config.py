@@ -72,10 +72,16 @@ class OnlineSettings:
     """Bad timings in a row that switch the layer to JOINT for the rest of the run (>= 1)."""
     candidates: tuple[str, ...] = ("joint", "rail", "perm", "native")
     """Paths tried (NATIVE among them unless the user removes it)."""
+    capacity_sync_every: int = 4
+    """Fixed-capacity mode only (``max_tokens_per_rank``): a layer's calls of one pass kind run
+    in epochs of this many calls, one path per epoch; the epoch's first call is timed and the
+    slowest rank's time travels on one small all-reduce, read at the next epoch's first call
+    (the mode's one host wait every this many calls; docs/selector.md). >= 2: the reduce is
+    posted at the epoch's second call, once the first call's timer can be read."""
 
     def __post_init__(self) -> None:
         for name, low in (("probes", 1), ("reprobe_every", 1), ("window", 1), ("max_neighbourhoods", 1),
-                          ("max_bad", 1)):
+                          ("max_bad", 1), ("capacity_sync_every", 2)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"online.{name}={value!r} must be an integer >= {low}")
@@ -156,7 +162,9 @@ class RailWaveConfig:
     selector: Literal["online", "anchors"] | None = None
     """How 'auto' decides: 'online' (each layer probes the paths and runs the fastest it measured,
     ``selector.online``), 'anchors' (the offline anchors file's rule; JOINT without a file), or
-    None: 'anchors' when an anchors file is given or in fixed-capacity mode, else 'online'."""
+    None: 'anchors' when an anchors file is given or in fixed-capacity mode, else 'online'. In
+    fixed-capacity mode 'online' must be asked for by name: it adds one small all-reduce and one
+    host wait every ``online.capacity_sync_every`` calls of a layer (docs/selector.md)."""
     online: OnlineSettings | None = None
     """The online selector's knobs (a mapping in YAML; None = the defaults)."""
     online_out: str | None = None
@@ -199,8 +207,10 @@ class RailWaveConfig:
     max_tokens_per_rank: int | None = None
     """Fixed-capacity mode (like DeepEP's ``num_max_dispatch_tokens_per_rank``): every buffer of a
     layer is sized for this many tokens per rank (micro-batch x sequence / TP), so the exchange
-    needs no host sync at all; a rank with more tokens raises. None = the normal mode (one host
-    sync per layer, buffers sized from the gathered counts). Backend torch only; docs/exchange.md."""
+    needs no host sync at all (``selector: online`` adds one host wait, on a reduce posted
+    ``online.capacity_sync_every`` - 1 calls earlier, every that many calls); a rank with more
+    tokens raises. None = the normal mode (one host sync per layer, buffers sized from the
+    gathered counts). Backend torch only; docs/exchange.md."""
 
     def __post_init__(self) -> None:
         # Every field is checked here, on every rank, before the first collective: a bad value
@@ -253,10 +263,6 @@ class RailWaveConfig:
         if self.selector == "online" and self.path != "auto":
             raise ValueError(f"selector: online chooses among paths, but path is {self.path!r}; set path: auto, "
                              "or drop selector")
-        if self.selector == "online" and self.max_tokens_per_rank is not None:
-            raise ValueError("selector: online is not available in fixed-capacity mode (max_tokens_per_rank="
-                             f"{self.max_tokens_per_rank}): its path is fixed per layer without a count exchange to "
-                             "carry the timings; set selector: anchors (or drop it), or max_tokens_per_rank: null")
         if self.online_out is not None:
             if not isinstance(self.online_out, (str, os.PathLike)) or FsPath(self.online_out).expanduser().is_dir():
                 raise ValueError(f"online_out={self.online_out!r} must be the path of the anchors YAML file to write "

@@ -13,7 +13,7 @@ Workflow of one MoE layer (Megatron calls the hooks in this order):
   3. ``dispatch_postprocess``: hand the experts ``tokens_per_expert`` (CPU int64). No comm.
      Fixed-capacity mode (``max_tokens_per_rank`` = C): step 2 has no count exchange and no host
      sync (``TorchDistExchange.prepare_capacity``; the path for 'auto' is selected once, from the
-     capacity demand), the entries come in the padded layout [E_loc * W * C, H], and the experts
+     capacity demand, or with ``selector: online`` once per epoch of calls, below), the entries come in the padded layout [E_loc * W * C, H], and the experts
      get C * W rows per expert as a constant CPU tensor: Megatron's experts call
      ``tokens_per_expert.tolist()``, which on the exchange's device counts would be a host sync;
      on the constant it is not, and the padding rows (zero tokens, zero probs) cost expert
@@ -46,6 +46,9 @@ layer call is timed (plan + dispatch, and combine: CUDA events read at the layer
 ``query()``, never a wait; the CPU clock on CPU); that time rides on the next call's count exchange
 in the status word of every row (no extra bytes), so every rank files the slowest rank's time and decides the same
 (``selector.online``). Recomputes replay their forward's path and are timed as recomputes.
+Fixed-capacity mode has no count exchange: one path per epoch of ``online.capacity_sync_every``
+calls, the time on a small asynchronous all-reduce read an epoch later (its one host wait;
+``selector.capacity_epochs``, ``exchange.timing_reduce``); recomputes replay their path untimed.
 """
 
 from __future__ import annotations
@@ -71,7 +74,9 @@ from megatron_railwave.exchange import (DispatchOutput, LayerHandle, TorchDistEx
 from megatron_railwave.planner import Path
 from megatron_railwave.selector import (FixedSelector, OnlineSelector, PathSelector, needs_delivery, needs_descriptors,
                        select_for_layer, selector_from_config)
-from megatron_railwave.selector.online import encode_timing, fast_descriptors, save_learned_anchors_at_exit
+from megatron_railwave.selector.capacity_epochs import CapacityEpochs
+from megatron_railwave.selector.online import (OnlineDecision, encode_timing, fast_descriptors,
+                                               save_learned_anchors_at_exit)
 from megatron_railwave.telemetry.stats import LayerCommStats, Stopwatch, demand_stats, layer_comm_stats
 from megatron_railwave.steps import PassKind, current_step, pass_kind
 from megatron_railwave.traffic import DemandCounts, TrafficStats, dtype_bytes
@@ -261,6 +266,8 @@ class RailWaveTokenDispatcher(MoETokenDispatcher):
         self._capacity_path: Path | None = None
         self._capacity_descr: Any = None
         self._capacity_rows: torch.Tensor | None = None
+        self._capacity_epochs: CapacityEpochs | None = None
+        """Online selector in fixed-capacity mode: the layer's epochs (made at its first call)."""
         self._columns: dict[torch.device, torch.Tensor] = {}
         self._train_forwards = 0
         self._step: int | None = None
@@ -428,25 +435,58 @@ class RailWaveTokenDispatcher(MoETokenDispatcher):
 
     def _token_dispatch_fixed(self, state: _LayerState, exchange: TorchDistExchange, hidden_states: torch.Tensor,
                               probs: torch.Tensor, routing_map: torch.Tensor):
-        """``token_dispatch`` in fixed-capacity mode: no count exchange, no host sync."""
+        """``token_dispatch`` in fixed-capacity mode: no count exchange, no host sync (with the
+        online selector: one host wait every ``online.capacity_sync_every`` calls, on a reduce
+        posted that many - 1 calls earlier; ``selector.capacity_epochs``)."""
         call = state.call
         t0 = time.perf_counter()
         record_bytes = hidden_states.shape[-1] * dtype_bytes(hidden_states.dtype)
+        online = isinstance(self.selector, OnlineSelector)
         if self._capacity_descr is None and (state.wants_stats or not isinstance(self.selector, FixedSelector)):
             # The descriptors of the capacity demand: the same every layer call, computed once.
             demand = capacity_demand(self.topology, self.railwave.max_tokens_per_rank)
             self._capacity_descr = demand_stats(demand, self.topology, record_bytes=record_bytes)
-            if not isinstance(self.selector, FixedSelector):
+            if online:
+                self._capacity_epochs = CapacityEpochs(self.selector, fast_descriptors(
+                    demand.records_WN.numpy(), self.topology, record_bytes=record_bytes, scales=self.selector.scales))
+            elif not isinstance(self.selector, FixedSelector):
                 self._capacity_path = select_for_layer(self.selector, self._capacity_descr, demand,
                                                        record_bytes=record_bytes)
-        if self._capacity_path is None:
-            self._capacity_path = self.selector.select(self._capacity_descr)
-        path = call.path if call.path is not None else self._capacity_path
+        decision = None
+        if online:
+            decision = self._capacity_online_decision(state, exchange, hidden_states.device)
+            path = decision.path
+        else:
+            if self._capacity_path is None:
+                self._capacity_path = self.selector.select(self._capacity_descr)
+            path = call.path if call.path is not None else self._capacity_path
         handle = exchange.prepare_capacity(hidden_states, probs, routing_map, path)
         # The statistics describe the capacity plan (the bytes that move); expert loads are not gathered.
-        return self._move(state, exchange, hidden_states, probs, routing_map, path=path, handle=handle,
-                          descr=self._capacity_descr, record_bytes=record_bytes,
-                          plan_ms=(time.perf_counter() - t0) * 1e3, expert_loads=None)
+        out = self._move(state, exchange, hidden_states, probs, routing_map, path=path, handle=handle,
+                         descr=self._capacity_descr, record_bytes=record_bytes,
+                         plan_ms=(time.perf_counter() - t0) * 1e3, expert_loads=None)
+        if decision is not None and state.stats is not None:
+            state.stats.set_online(self.selector.snapshot(decision))
+        return out
+
+    def _capacity_online_decision(self, state: _LayerState, exchange: TorchDistExchange,
+                                  device: torch.device) -> OnlineDecision:
+        """The online selector's path in fixed-capacity mode (``selector.capacity_epochs``)."""
+        selector: OnlineSelector = self.selector  # type: ignore[assignment]
+        if selector.layer is None:
+            selector.layer = self.layer_number
+        call = state.call
+        if call.path is not None:
+            return selector.replay(call.path)
+        decision, timers, message = self._capacity_epochs.begin_call(
+            str(call.kind), lambda word: exchange.post_timing(word, device))
+        if message is not None and global_rank() == 0:
+            _LOG.warning(message)
+        if timers is not None:
+            # The epoch's first call: its exchange (prepare + dispatch, combine) fills ``timers``.
+            state.exchange_timers = timers
+            timers.append(Stopwatch(device))
+        return decision
 
     def _move(self, state: _LayerState, exchange: TorchDistExchange, hidden_states: torch.Tensor,
               probs: torch.Tensor, routing_map: torch.Tensor, *, path: Path, handle: LayerHandle,

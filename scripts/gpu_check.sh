@@ -19,7 +19,8 @@
 #   async_gpu            20 s  the asynchronous exchange's stream / event ordering (exchange.pending): the
 #                              virtual cluster on the communication stream and a one-rank NCCL group,
 #                              both races provoked by spin kernels, bitwise against the synchronous
-#                              run (tests/unit/exchange/test_async_gpu.py; < 1 GiB)
+#                              run, and fixed-capacity mode's online timing reduce posted behind a
+#                              spin kernel (tests/unit/exchange/test_async_gpu.py; < 1 GiB)
 #   ops_bench            20 s  railwave ops-bench --device cuda, GLM-4.5-Air sizes (< 2 GiB)
 #   virtual_fp32_chunks3 10 s  as virtual_fp32 with 3 rail chunks per wave (PERM / JOINT)
 # The virtual-cluster steps pass --max-memory-gib 110: simulate-exchange refuses to start a run

@@ -1,5 +1,6 @@
 """``railwave call-costs``: per-call costs of the exchange on CPU (count exchange, fixed cost per
-phase, RailBalance's planning steps), for the flow model's per-call cost fields.
+phase, RailBalance's planning steps, fixed-capacity mode's online timing reduce), for the flow
+model's per-call cost fields.
 
 Letters: N nodes, G GPUs per node, W = N * G processes, T tokens per rank, H hidden.
 
@@ -76,7 +77,10 @@ def run(args: argparse.Namespace) -> int:
         f"{steps['empty_phase_rail']['median_us']:.0f} us, node {steps['empty_phase_node']['median_us']:.0f} us; "
         f"fit: {fit['per_phase_us']:.0f} us per phase + {fit['fixed_us']:.0f} us (r2 {fit['r2']:.2f}); "
         f"RailBalance quota (plan RAIL - NATIVE) {rb['quota_rail_minus_native']:.0f} us, node barrier "
-        f"{rb['node_barrier']:.0f} us. CPU gloo numbers: GPU / NCCL / DeepEP values are not yet measured.")
+        f"{rb['node_barrier']:.0f} us; fixed-capacity online timing reduce: post "
+        f"{steps['timing_reduce_post']['median_us']:.0f} us, read an epoch later "
+        f"{steps['timing_reduce_read']['median_us']:.0f} us. CPU gloo numbers: GPU / NCCL / DeepEP values are "
+        "not yet measured.")
     if "virtual" in result:
         v = result["virtual"]
         _render.print_table(

@@ -15,6 +15,7 @@ from megatron_railwave.exchange.capacity import PaddedEntries, capacity_demand, 
 from megatron_railwave.exchange.layer import (CapacityOverflowError, EntryIndex, InputError, LayerDemand, LayerHandle, RankContext,
                     combine_backward, combine_forward, dispatch_backward, dispatch_forward, gather_demand,
                     prepare_capacity_layer, prepare_layer)
+from megatron_railwave.exchange.timing_reduce import TIMING_REDUCE_BYTES, PostedTimingReduce, post_timing_reduce
 from megatron_railwave.exchange.torch_dist import DispatchOutput, ExchangeHandle, TorchDistExchange
 from megatron_railwave.exchange.transport import ExchangeError, ExchangeTimeoutError, TorchDistTransport, drive
 from megatron_railwave.exchange.virtual import PhaseEvent, VirtualCluster
@@ -53,6 +54,9 @@ __all__ = [
     "dispatch_backward",
     "combine_forward",
     "combine_backward",
+    "TIMING_REDUCE_BYTES",
+    "PostedTimingReduce",
+    "post_timing_reduce",
     "DispatchOutput",
     "ExchangeHandle",
     "TorchDistExchange",

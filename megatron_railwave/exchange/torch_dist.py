@@ -28,6 +28,7 @@ from megatron_railwave.exchange.groups import RankGroups, report_failure, report
 from megatron_railwave.exchange.layer import (EntryIndex, InputError, LayerDemand, LayerHandle, RankContext, combine_backward, combine_forward,
                     dispatch_backward, dispatch_forward, gather_demand, prepare_capacity_layer, prepare_layer)
 from megatron_railwave.exchange.pending import PendingProgram, comm_stream_for, finish, start
+from megatron_railwave.exchange.timing_reduce import PostedTimingReduce, post_timing_reduce
 from megatron_railwave.exchange.transport import GroupRef, Program, TorchDistTransport, drive
 
 __all__ = ["ExchangeHandle", "DispatchOutput", "PendingDispatch", "PendingCombine", "TorchDistExchange", "InputError"]
@@ -231,6 +232,15 @@ class TorchDistExchange:
         except InputError as exc:
             report_failure(self.groups, self._calls, f"{type(exc).__name__}: {exc}")
             raise
+
+    def post_timing(self, word: int, device: torch.device) -> PostedTimingReduce:
+        """Fixed-capacity mode, ``selector: online``: post the all-reduce of this rank's timing
+        word over the EP count group (``exchange.timing_reduce``; 16 bytes per rank); read it
+        with ``result()`` an epoch later.
+
+        Collective: yes (EP group, asynchronous). Host sync: no.
+        """
+        return post_timing_reduce(word, self.groups.ep, device=device, timeout_s=self.timeout_s)
 
     # ------------------------------------------------------------------ step 3: move
     def dispatch(self, hidden: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor,

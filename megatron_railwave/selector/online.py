@@ -34,6 +34,10 @@ Protocol (``OnlineSelector``, one per MoE layer; pure and deterministic given th
     ``drop_ratio`` behind another path defers it; another layer's probe of it in flight makes
     this layer wait (run its best path, at most ``_MAX_WAITS`` calls) for that time. JOINT is
     never waited for: every layer times it (the fallback, and the ratios' reference);
+  * fixed-capacity mode has no count exchange: the layer decides once per epoch of calls and the
+    word travels on a small all-reduce of [word, -word] (``selector.capacity_epochs``); its pair
+    is read by ``slowest_reduced_timing`` and filed by ``observe_reduced`` under the epoch's
+    decision;
   * bad timings (a rank's NaN, negative, zero / stalled clock, or missing time, or ranks that
     disagree on whether there is one) are dropped; ``max_bad`` of them in a row switch the layer
     to JOINT for the rest of the run, with one logged reason. All of this follows from the
@@ -69,9 +73,9 @@ from megatron_railwave.topology import RailTopology
 from megatron_railwave.traffic import SelectorScales, TrafficStats
 
 __all__ = ["OnlineSettings", "OnlineDecision", "OnlineSelector", "SharedNeighbourhoods", "PROCESS_SHARED", "Prior",
-           "fast_descriptors", "encode_timing", "slowest_timing", "learned_anchor_set", "anchor_prior", "live_selectors",
-           "save_learned_anchors", "save_learned_anchors_at_exit", "TIMING_NONE", "TIMING_MISSING", "TIMING_NAN",
-           "TIMING_NEGATIVE", "TIMING_STALLED", "TIMING_MAX_NS"]
+           "fast_descriptors", "encode_timing", "slowest_timing", "slowest_reduced_timing", "learned_anchor_set",
+           "anchor_prior", "live_selectors", "save_learned_anchors", "save_learned_anchors_at_exit", "TIMING_NONE",
+           "TIMING_MISSING", "TIMING_NAN", "TIMING_NEGATIVE", "TIMING_STALLED", "TIMING_MAX_NS"]
 
 ALL_PATHS: tuple[Path, ...] = (Path.JOINT, Path.RAIL, Path.PERM, Path.NATIVE)
 """Candidates in tie-break order (JOINT first: the fallback wins ties)."""
@@ -291,6 +295,26 @@ def slowest_timing(words_W: Iterable[int]) -> tuple[float | None, str | None]:
     return max(words) * 1e-9, None
 
 
+def slowest_reduced_timing(max_word: int, min_word: int) -> tuple[float | None, str | None]:
+    """``slowest_timing`` from the all-reduced pair instead of every rank's word: the largest
+    and the smallest word over the EP group (fixed-capacity mode, ``exchange.timing_reduce``).
+
+    The same answers: (slowest rank's seconds, None) when every rank measured; (None, None) when
+    no rank had a measurement; (None, problem) when a word is bad (the smallest is a code < 0)
+    or the ranks disagree on whether there is one (smallest 0, largest > 0). The pair does not
+    say which ranks, so the problem names the kind only. The same on every rank (the pair is).
+    """
+    max_word, min_word = int(max_word), int(min_word)
+    if min_word > 0:
+        return max_word * 1e-9, None
+    if min_word < 0:
+        return None, f"at least one EP rank reported {_PROBLEMS.get(min_word, f'code {min_word}')} timings"
+    if max_word == TIMING_NONE:
+        return None, None
+    assert max_word > 0, f"reduced timing words out of order: max {max_word} < min {min_word}"
+    return None, "at least one EP rank reported no timing where the others did"
+
+
 # ---------------------------------------------------------------------- state
 @dataclass(kw_only=True, slots=True)
 class _Times:
@@ -481,13 +505,25 @@ class OnlineSelector:
         reported): the same on every rank."""
         return self._last is not None
 
-    def observe(self, words_W: Iterable[int]) -> str | None:
-        """File the previous call's slowest-rank time. Returns a message when this switched the
-        layer to JOINT (the caller logs it once), else None."""
-        seconds, problem = slowest_timing(words_W)
-        last, self._last = self._last, None
-        if last is None or last.neighbourhood < 0:
-            self._last_nb = None
+    def observe(self, words_W: Iterable[int], *, decision: OnlineDecision | None = None) -> str | None:
+        """File the slowest rank's time of a call run with ``decision`` (None: the previous
+        call's, ``self._last``), from every rank's word. Returns a message when this switched
+        the layer to JOINT (the caller logs it once), else None."""
+        return self._file(*slowest_timing(words_W), decision)
+
+    def observe_reduced(self, max_word: int, min_word: int, *, decision: OnlineDecision) -> str | None:
+        """``observe`` from the all-reduced pair (``slowest_reduced_timing``) of a call run with
+        ``decision`` (fixed-capacity mode: the decision of the previous epoch; the previous
+        call may be of another epoch or pass kind). ``self._last`` is left as it is."""
+        return self._file(*slowest_reduced_timing(max_word, min_word), decision)
+
+    def _file(self, seconds: float | None, problem: str | None, decision: OnlineDecision | None) -> str | None:
+        if decision is None:
+            last, self._last = self._last, None
+            nb = self._last_nb if last is not None and last.neighbourhood >= 0 else None  # where ``last`` was decided
+        else:
+            last = decision if decision.mode != "idle" else None
+            nb = None
         self.last_seconds, self.last_problem = seconds, problem
         if last is not None and last.mode in ("probe", "reprobe") and self.shared is not None:
             key = (last.kind, last.path)
@@ -509,9 +545,10 @@ class OnlineSelector:
             self._recompute.setdefault(last.path, _Times(recent=deque(maxlen=self.settings.window))).add(
                 seconds, last.call)
             return None
-        nb = self._last_nb  # ``last``'s: only ``decide`` evicts neighbourhoods, and it sets this after
-        if nb is None or nb.index != last.neighbourhood:
-            return None
+        if nb is None or nb.index != last.neighbourhood:  # an explicit decision: look its neighbourhood up
+            nb = next((x for x in self._tables.get(last.kind, ()) if x.index == last.neighbourhood), None)
+            if nb is None:  # forgotten since (``max_neighbourhoods``)
+                return None
         times = nb.times[last.path]
         times.add(seconds, last.call)
         if times.count == 1 and self.shared is not None:

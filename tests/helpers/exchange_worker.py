@@ -251,3 +251,15 @@ def run_capacity_overflow(rank: int, world: int, topo_kwargs: dict, timeout_s: f
     except Exception as exc:  # noqa: BLE001 - the test inspects what each rank raised
         return {"error": type(exc).__name__, "message": str(exc), "after_s": time.monotonic() - t0}
     return {"ok": True}
+
+
+def reduce_timing_words(rank: int, world: int, words: list[int], posts: int) -> list[tuple[int, int]]:
+    """Post ``posts`` timing reduces back to back (rank r's word k: ``words[r] + k``), read them
+    in order afterwards (as the dispatcher reads an epoch later): [(max, min)] per post."""
+    from megatron_railwave.exchange import post_timing_reduce
+
+    topo = RailTopology(num_nodes=world // 2, gpus_per_node=2)
+    groups = build_rail_groups(None, topo, timeout_s=30.0)
+    posted = [post_timing_reduce(words[rank] + k, groups.ep, device=torch.device("cpu"), timeout_s=30.0)
+              for k in range(posts)]
+    return [p.result() for p in posted]

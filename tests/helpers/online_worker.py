@@ -57,7 +57,13 @@ def _run_steps(rank: int, world: int, dispatcher: str, kw: dict, steps: int) -> 
         parallel_state.destroy_model_parallel()
 
 
-def run_layer_online(rank: int, world: int, kw: dict, steps: int, log_dir: str, fixed: str) -> dict[str, Any]:
+def run_layer_online(rank: int, world: int, kw: dict, steps: int, log_dir: str, fixed: str, *,
+                     mode: dict | None = None, online: dict | None = None, bad_online: dict | None = None,
+                     bad_after: int = 6) -> dict[str, Any]:
+    """``mode``: more RailWave fields for every railwave run (e.g. ``max_tokens_per_rank``: the
+    fixed path and the online runs then share the fixed-capacity mode); ``online`` / ``bad_online``:
+    the online knobs of the skewed-clock run and of the NaN run; ``bad_after``: rank 2's clock
+    reads NaN after this many readings."""
     from megatron_railwave.lab.bench.megatron_cpu import apply_megatron_cpu_shims
 
     apply_megatron_cpu_shims()
@@ -73,30 +79,32 @@ def run_layer_online(rank: int, world: int, kw: dict, steps: int, log_dir: str, 
     stats.Stopwatch.elapsed_ms = skewed
     try:
         res = {"alltoall": _run_steps(rank, world, "alltoall", kw, steps)}
-        megatron_railwave.install({"gpus_per_node": 2, "path": fixed, "metrics": False})
+        base = {"gpus_per_node": 2, **(mode or {})}
+        megatron_railwave.install({**base, "path": fixed, "metrics": False})
         res["fixed"] = _run_steps(rank, world, "railwave", kw, steps)
-        megatron_railwave.install({"gpus_per_node": 2, "path": "auto", "selector": "online", "metrics": True,
+        megatron_railwave.install({**base, "path": "auto", "selector": "online", "metrics": True,
                                    "log_dir": log_dir, "log_mode": "rank",
-                                   "online": {"probes": 1, "reprobe_every": 2, "reprobe_budget": 1.0}})
+                                   "online": online or {"probes": 1, "reprobe_every": 2, "reprobe_budget": 1.0}})
         res["online"] = _run_steps(rank, world, "railwave", kw, steps)
-        megatron_railwave.install({"gpus_per_node": 2, "path": "joint", "metrics": False})  # closes the log sink
+        megatron_railwave.install({**base, "path": "joint", "metrics": False})  # closes the log sink
         from megatron_railwave.telemetry.megatron_logging import default_metrics_sink
 
         res["tracker"] = {k: v for k, v in default_metrics_sink().means().items() if k.startswith(("selector", "measured"))}
 
-        # Rank 2's clock goes bad (NaN) from its 4th reading on: every rank must fall back to JOINT
-        # at the same call.
+        # Rank 2's clock goes bad (NaN) after ``bad_after`` readings (two per timed call): every
+        # rank must fall back to JOINT at the same call.
         readings = [0]
 
         def bad_on_rank2(self):
             readings[0] += 1
-            return float("nan") if rank == 2 and readings[0] > 6 else original(self)
+            return float("nan") if rank == 2 and readings[0] > bad_after else original(self)
 
         stats.Stopwatch.elapsed_ms = bad_on_rank2
-        megatron_railwave.install({"gpus_per_node": 2, "path": "auto", "selector": "online", "metrics": False,
-                                   "log_dir": log_dir + "/bad", "log_mode": "rank"})
+        megatron_railwave.install({**base, "path": "auto", "selector": "online", "metrics": False,
+                                   "log_dir": log_dir + "/bad", "log_mode": "rank",
+                                   **({"online": bad_online} if bad_online else {})})
         res["bad"] = _run_steps(rank, world, "railwave", kw, steps)
-        megatron_railwave.install({"gpus_per_node": 2, "path": "joint", "metrics": False})
+        megatron_railwave.install({**base, "path": "joint", "metrics": False})
         return res
     finally:
         stats.Stopwatch.elapsed_ms = original

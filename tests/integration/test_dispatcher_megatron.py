@@ -162,3 +162,69 @@ def test_moe_layer_online_selector_matches_alltoall_and_ranks_agree(tmp_path):
     for rank, res in enumerate(results):
         for step in range(steps + 1):
             assert np.array_equal(res["bad"][step]["output"], res["fixed"][step]["output"]), f"rank {rank} step {step}"
+
+
+def test_moe_layer_online_selector_in_fixed_capacity_mode_ranks_agree(tmp_path):
+    """selector: online with max_tokens_per_rank (fixed-capacity mode, capacity_sync_every 2,
+    probes 1): one path per epoch of 2 calls, the four paths probed in the first 8 training calls,
+    then the fastest; outputs and gradients bitwise those of a fixed path in the same mode and
+    within 1e-5 of alltoall; every rank logs the same decisions although each rank's clock is
+    skewed by its own factor (the slowest rank's time comes from the timing all-reduce); one
+    rank's NaN clock sends every rank to JOINT at the same call."""
+    import functools
+
+    from megatron_railwave.telemetry.commlog import read_logs
+    from tests.helpers.online_worker import run_layer_online
+
+    steps = 10
+    kw = dict(num_experts=8, topk=3, hidden=16, ffn_hidden=8, seq_len=6, micro_batch=2, seed=5)
+    worker = functools.partial(run_layer_online, mode={"max_tokens_per_rank": 16},  # T = 12 per rank
+                               online={"probes": 1, "reprobe_every": 2, "reprobe_budget": 1.0,
+                                       "capacity_sync_every": 2},
+                               bad_online={"capacity_sync_every": 2, "max_bad": 2}, bad_after=0)
+    results = run_distributed(worker, 4, kw, steps, str(tmp_path), "native", timeout_s=600)
+    for rank, res in enumerate(results):
+        for step in range(steps + 1):
+            for key, ref in res["alltoall"][step].items():
+                got = res["online"][step][key]
+                np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6, err_msg=f"rank {rank} step {step} {key}")
+                assert np.array_equal(got, res["fixed"][step][key]), f"rank {rank} step {step} {key}: not bitwise"
+    records = read_logs(tmp_path)
+    by_rank: dict[int, list[tuple]] = {}
+    for rec in records:
+        by_rank.setdefault(rec["rank"], []).append(
+            (rec["step"], rec["pass_kind"], rec["path"], rec["selector_mode"], rec["selector_neighbourhood"],
+             rec["last_exchange_ms"] is None, tuple(sorted((k, v is None) for k, v in rec["measured_ms"].items()))))
+    assert sorted(by_rank) == [0, 1, 2, 3]
+    decisions = [sorted(v) for _, v in sorted(by_rank.items())]
+    assert all(d == decisions[0] for d in decisions[1:])
+    train = [d for d in decisions[0] if d[1] == "train"]
+    assert len(train) == steps
+    paths, modes = [d[2] for d in train], [d[3] for d in train]
+    assert all(paths[k] == paths[k + 1] and modes[k] == modes[k + 1] for k in range(0, steps, 2))  # one per epoch
+    assert modes[:8] == ["probe"] * 8 and sorted(paths[0:8:2]) == ["joint", "native", "perm", "rail"]
+    assert modes[8:] == ["exploit"] * 2
+    # The first epoch's time is filed at the second epoch's first call (step 2), not before.
+    assert [d[5] for d in train[:3]] == [True, True, False]
+    assert [d[1] for d in decisions[0]].count("forward_only") == 1
+    slow = {}
+    for rec in records:
+        if rec["last_exchange_ms"] is not None:
+            slow.setdefault((rec["step"], rec["pass_kind"]), set()).add(rec["last_exchange_ms"])
+    assert slow and all(len(v) == 1 for v in slow.values())
+    tracker = results[0]["tracker"]  # Megatron's per-layer metrics carry the selector state too
+    assert "selector_probe" in tracker and 1 in tracker["selector_probe"]
+    bad = {}
+    for rec in read_logs(tmp_path / "bad"):
+        if rec["pass_kind"] == "train":
+            bad.setdefault(rec["rank"], []).append((rec["step"], rec["path"], rec["selector_mode"], rec["bad_timings"]))
+    runs = [sorted(v) for _, v in sorted(bad.items())]
+    assert len(runs) == 4 and all(r == runs[0] for r in runs[1:])
+    modes = [m for _, _, m, _ in runs[0]]
+    # Rank 2's clock reads NaN throughout: epochs 0 and 1 (calls 0-1, 2-3) time NaN there, their
+    # pairs are read at calls 2 and 4, and the second one (max_bad 2) switches every rank at call 4.
+    assert modes[:4] == ["probe"] * 4 and modes[4:] == ["fallback"] * (steps - 4)
+    assert all(p == "joint" for _, p, m, _ in runs[0] if m == "fallback")
+    for rank, res in enumerate(results):
+        for step in range(steps + 1):
+            assert np.array_equal(res["bad"][step]["output"], res["fixed"][step]["output"]), f"rank {rank} step {step}"

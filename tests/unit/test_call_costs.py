@@ -74,6 +74,7 @@ def test_call_costs_cli_on_gloo(tmp_path):
     data = json.loads(out.read_text())
     assert data["schema"] == "railwave.call_costs/1"
     steps = data["gloo"]["steps"]
-    assert {"count_exchange", "empty_phase_rail", "empty_phase_node", "node_barrier", "joint.dispatch"} <= set(steps)
+    assert {"count_exchange", "empty_phase_rail", "empty_phase_node", "node_barrier", "timing_reduce_post",
+            "timing_reduce_read", "joint.dispatch"} <= set(steps)
     assert all(s["median_us"] > 0 for s in steps.values())
     assert all(n >= 1 for n in data["gloo"]["phases_per_call"].values())

@@ -14,6 +14,10 @@ them on the exchange as it exists, two ways:
   - ``empty_phase_rail`` / ``empty_phase_node``: one ``Post`` + ``Wait`` of a one-element buffer
     with the ring partner on the rail group / node group: launch, notify and host wait of a phase
     with no payload;
+  - ``timing_reduce_post`` / ``timing_reduce_read``: fixed-capacity mode's online-selector
+    reduce (``TorchDistExchange.post_timing``: one asynchronous all-reduce of 16 bytes per rank on
+    the EP group): the host time to post it, and the host wait of ``result()`` on a reduce posted
+    one sample earlier (as the dispatcher reads it an epoch later);
   - ``node_barrier``: a barrier on the node group. The reference kernels run RailBalance's
     node-local barrier before their quota step; this exchange has no such barrier (the count
     all-to-all orders the layer), so the number is what one would cost here;
@@ -162,6 +166,11 @@ def call_cost_worker(rank: int, world: int, spec: CallCostSpec, routing_maps: li
 
         samples[f"empty_phase_{kind}"] = _timed(phase, spec.samples, spec.warmups)
     samples["node_barrier"] = _timed(lambda: dist.barrier(group=groups.node.handle), spec.samples, spec.warmups)
+    posted: list[Any] = []
+    samples["timing_reduce_post"] = _timed(lambda: posted.append(exchange.post_timing(rank + 1, hidden.device)),
+                                           spec.samples, spec.warmups)
+    reads = iter(posted)  # each read after a barrier, one sample after its post
+    samples["timing_reduce_read"] = _timed(lambda: next(reads).result(), spec.samples, spec.warmups)
 
     layer = exchange.gather_demand(hidden, probs, routing)
     phases: dict[str, int] = {}

@@ -14,6 +14,8 @@ Prepared for ``make gpu-check``; NOT yet run on hardware (no GPU has been lent s
 2. ``TorchDistExchange`` on a one-rank NCCL group: ``start_dispatch`` / ``finish_dispatch`` and
    ``start_combine`` / ``finish_combine`` against ``dispatch`` / ``combine``, bitwise, with the
    same delayed inputs.
+3. Fixed-capacity mode's online timing reduce (``exchange.timing_reduce``) on that group: posted
+   behind a spin kernel, it does not wait on the host; its result is read from the pinned copy.
 """
 
 from __future__ import annotations
@@ -121,5 +123,32 @@ def test_torch_dist_start_finish_on_one_rank_nccl(tmp_path):
         torch.cuda.synchronize()
         assert torch.equal(got.tokens, ref.tokens) and torch.equal(got.probs, ref.probs)
         assert torch.equal(out, ref_out)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_timing_reduce_on_one_rank_nccl_does_not_wait_on_the_host(tmp_path):
+    """Fixed-capacity mode's online timing reduce (``exchange.timing_reduce``) on CUDA: posted
+    behind a spin kernel on the current stream, it returns before the spin ends (its event is
+    not complete right after posting: the host did not wait), and ``result`` then reads the
+    pair from the pinned copy: (word, word) on one rank."""
+    import torch.distributed as dist
+
+    from megatron_railwave.exchange import build_rail_groups, post_timing_reduce
+
+    if not dist.is_nccl_available():
+        pytest.skip("this torch has no NCCL")
+    dist.init_process_group("nccl", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        topo = RailTopology(num_nodes=1, gpus_per_node=1)
+        # timeout_s 61: a key of its own in build_rail_groups' cache (the groups another test
+        # cached died with its process group).
+        groups = build_rail_groups(None, topo, timeout_s=61.0)
+        device = torch.device("cuda", torch.cuda.current_device())
+        torch.cuda.synchronize()
+        torch.cuda._sleep(_SPIN_CYCLES)
+        posted = post_timing_reduce(123_456, groups.ep, device=device, timeout_s=60.0)
+        assert posted.event is not None and not posted.event.query()
+        assert posted.result() == (123_456, 123_456)
     finally:
         dist.destroy_process_group()

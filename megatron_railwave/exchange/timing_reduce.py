@@ -1,0 +1,132 @@
+"""The online selector's timing word in fixed-capacity mode: one small asynchronous all-reduce.
+
+Fixed-capacity mode (``max_tokens_per_rank``) has no count exchange for the word to ride on
+(``exchange.layer.gather_demand`` carries it in the normal mode), so each rank's word goes on its
+own all-reduce (MAX) over the EP count group of the int64 pair [word, -word]: every rank gets the
+largest word (the slowest rank's time) and minus the smallest (a bad code < 0, or 0 for a rank
+without a time), which is all ``selector.online.slowest_reduced_timing`` needs. 16 bytes per rank.
+
+The dispatcher posts it at the second call of an epoch of ``online.capacity_sync_every`` calls and
+reads it at the next epoch's first call, so the read waits on something posted that many - 1
+calls earlier: the mode's one host wait per epoch, off the critical path.
+
+* gloo (CPU): the work progresses on gloo's threads; ``result`` waits for it, up to ``timeout_s``
+  (``ExchangeTimeoutError`` naming the group), and reads the two numbers.
+* CUDA (NCCL): after posting, a side stream waits for the work (a stream wait), copies the pair
+  into pinned host memory (non-blocking) and records an event; ``result`` synchronizes on that
+  event (long complete by then) and reads the host copy. Not yet run on hardware.
+
+Nothing here depends on the other traffic of the EP group: in fixed-capacity mode the dispatch
+and combine phases use the node and rail groups only, and every rank posts its reduces in the same
+order (the same layer calls), as a collective requires.
+"""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron_railwave.exchange.transport import ExchangeError, ExchangeTimeoutError, GroupRef
+
+__all__ = ["PostedTimingReduce", "post_timing_reduce", "TIMING_REDUCE_BYTES"]
+
+TIMING_REDUCE_BYTES = 16
+"""Bytes each rank contributes to one reduce: the int64 pair [word, -word]."""
+
+_SIDE_STREAMS: dict[torch.device, Any] = {}
+
+
+def _side_stream(device: torch.device) -> Any:
+    """A stream of its own per CUDA device for the reduce's wait and copy (not the exchange's
+    communication stream, whose programs it would otherwise queue behind)."""
+    key = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
+    stream = _SIDE_STREAMS.get(key)
+    if stream is None:
+        stream = torch.cuda.Stream(device=key)
+        _SIDE_STREAMS[key] = stream
+    return stream
+
+
+@dataclass(kw_only=True, slots=True)
+class PostedTimingReduce:
+    """An all-reduce of the timing pair in flight (``post_timing_reduce``); ``result`` once.
+
+    Attributes:
+        pair: [2] int64 on the input's device, reduced in place: [max word, -min word].
+        work: the collective's ``Work`` (None without torch.distributed: one rank).
+        group: the EP count group it runs on (names it on a timeout).
+        timeout_s: gloo: the bound of ``result``'s wait (None: the group's own timeout).
+        host: CUDA: the pinned host copy the side stream fills; None on CPU.
+        event: CUDA: recorded on the side stream after the copy; None on CPU.
+    """
+
+    pair: torch.Tensor
+    work: Any
+    group: GroupRef
+    timeout_s: float | None
+    host: torch.Tensor | None = None
+    event: Any = None
+
+    def result(self) -> tuple[int, int]:
+        """(largest word, smallest word) over the EP group, the same on every rank.
+
+        Host sync: yes, the mode's one: CUDA waits on the event (the copy, posted an epoch ago),
+        gloo on the work (bounded by ``timeout_s``).
+
+        Raises:
+            ExchangeTimeoutError: gloo, the reduce did not complete within ``timeout_s``.
+            ExchangeError: gloo, the wait failed (a peer's connection closed).
+        """
+        if self.event is not None:
+            self.event.synchronize()
+            values = self.host.tolist()
+        else:
+            if self.work is not None:
+                what = (f"the online selector's timing all-reduce on {self.group.describe()} (posted one epoch "
+                        "of online.capacity_sync_every calls ago)")
+                try:
+                    done = (self.work.wait(datetime.timedelta(seconds=self.timeout_s)) if self.timeout_s
+                            else self.work.wait())
+                except RuntimeError as exc:
+                    raise ExchangeError(f"{what} failed: {exc}; see the peers' own errors") from exc
+                if done is False:
+                    raise ExchangeTimeoutError(f"{what} did not complete within {self.timeout_s} s: a peer "
+                                               "stopped running this layer; see the peers' own errors")
+            values = self.pair.tolist()
+        return int(values[0]), -int(values[1])
+
+
+def post_timing_reduce(word: int, group: GroupRef, *, device: torch.device,
+                       timeout_s: float | None = None) -> PostedTimingReduce:
+    """Post the all-reduce (MAX) of this rank's timing word over ``group`` (the EP count group).
+
+    Args:
+        word: this rank's ``selector.online.encode_timing`` word (ns > 0, 0 none, < 0 a code).
+        group: ``RankGroups.ep``; a group without a handle (no torch.distributed) reduces over
+            this rank alone.
+        device: the layer input's device (CUDA: NCCL reduces device memory).
+        timeout_s: bound of the gloo wait in ``result``.
+
+    Collective: yes (EP group, asynchronous). Host sync: no.
+    """
+    pair = torch.tensor([word, -word], dtype=torch.int64)
+    if group.handle is None:
+        return PostedTimingReduce(pair=pair, work=None, group=group, timeout_s=timeout_s)
+    if device.type != "cuda":
+        work = dist.all_reduce(pair, op=dist.ReduceOp.MAX, group=group.handle, async_op=True)
+        return PostedTimingReduce(pair=pair, work=work, group=group, timeout_s=timeout_s)
+    pair = pair.pin_memory().to(device, non_blocking=True)
+    work = dist.all_reduce(pair, op=dist.ReduceOp.MAX, group=group.handle, async_op=True)
+    side = _side_stream(device)
+    host = torch.empty(2, dtype=torch.int64, pin_memory=True)
+    with torch.cuda.stream(side):
+        work.wait()  # a stream wait: the side stream waits for NCCL's, the host does not
+        host.copy_(pair, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record(side)
+    pair.record_stream(side)
+    return PostedTimingReduce(pair=pair, work=work, group=group, timeout_s=timeout_s, host=host, event=event)
