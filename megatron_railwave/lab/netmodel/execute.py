@@ -52,11 +52,10 @@ from typing import Any, Literal
 
 import numpy as np
 import torch
-import yaml
 
 from megatron_railwave.planner import Path, PathPlan
 from megatron_railwave.schedule import Direction, ExecutionSchedule, MaskSource, PhaseKind, RecordWireFormat, compile_schedule
-from megatron_railwave.topology import RailTopology
+from megatron_railwave.topology import RailTopology, read_yaml
 from megatron_railwave.lab.netmodel.cluster import Fabric, build_fabric
 from megatron_railwave.lab.netmodel.incast import IncastModel
 from megatron_railwave.lab.netmodel.program import LinkProgram, ProgramBuilder, phase_times, rank_synced, run_program
@@ -190,7 +189,7 @@ def load_netmodel_config(path: str | FsPath) -> NetModelConfig:
     path = FsPath(path)
     if not path.is_file():
         raise ValueError(f"netmodel config {str(path)!r} does not exist")
-    data = yaml.safe_load(path.read_text())
+    data = read_yaml(path, "netmodel config")  # invalid YAML: a ValueError naming the file
     if isinstance(data, dict) and "model" in data:
         data = data["model"]
     if not isinstance(data, dict):

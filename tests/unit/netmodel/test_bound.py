@@ -4,7 +4,6 @@ variants (and combine overlap), global and per-rank phase dependencies, random d
 
 from dataclasses import replace
 
-import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -16,27 +15,11 @@ from megatron_railwave.lab.netmodel.program import run_program
 from megatron_railwave.planner import PlanOptions, build_plan
 from megatron_railwave.topology import RailTopology
 from megatron_railwave.traffic import DemandCounts
+
+from tests.helpers.netmodel_cases import MODELS, random_demand
 from megatron_railwave.lab.workloads import arrange
 
-# rel_tol = 0: the engine is exact, so the bound must hold to rounding.
-MODELS = {
-    "after_rail": NetModelConfig(rel_tol=0.0),
-    "streamed": NetModelConfig(rel_tol=0.0, delivery="streamed"),
-    "ports": NetModelConfig(rel_tol=0.0, nvlink="ports", delivery="streamed"),
-    "rank": NetModelConfig(rel_tol=0.0, phase_sync="rank"),
-    "rank_streamed": NetModelConfig(rel_tol=0.0, phase_sync="rank", delivery="streamed"),
-    "rank_ports": NetModelConfig(rel_tol=0.0, phase_sync="rank", nvlink="ports"),
-}
-
-
-def _demand(n, g, seed, density, skew):
-    rng = np.random.default_rng(seed)
-    shape = (n * g, n, 1 << g)
-    rec = rng.poisson(4.0, size=shape) * (rng.random(shape) < density)
-    rec[: g] *= skew  # a hot source node
-    rec[:, :, 0] = 0
-    experts = rng.poisson(2.0, size=(n * g, n * g))
-    return DemandCounts(records_WNM=torch.from_numpy(rec), experts_WE=torch.from_numpy(experts))
+_demand = random_demand
 
 
 def _check(t):

@@ -299,6 +299,9 @@ def test_netmodel_configs_load_and_match_the_defaults(tmp_path):
         load_netmodel_config(bad)
     with pytest.raises(ValueError, match="does not exist"):
         load_netmodel_config(tmp_path / "none.yaml")
+    bad.write_text("model: [1, 2\n")
+    with pytest.raises(ValueError, match=r"netmodel config .*bad.yaml' is not valid YAML"):
+        load_netmodel_config(bad)
 
 
 def test_execute_single_node_has_only_local_delivery():

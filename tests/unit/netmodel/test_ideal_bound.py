@@ -3,14 +3,14 @@ no modelled time of any path or peer is below it (hypothesis over random demands
 delivery variants, phase sync, incast alpha and NVLink speed)."""
 
 from dataclasses import replace
+from functools import partial
 
-import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from megatron_railwave.lab.netmodel import NetModelConfig, execute_plan
+from megatron_railwave.lab.netmodel import execute_plan
 from megatron_railwave.lab.netmodel.bounds import ideal_bound
 from megatron_railwave.lab.netmodel.peers import PEERS, model_peer
 from megatron_railwave.lab.workloads import arrange
@@ -18,26 +18,9 @@ from megatron_railwave.planner import PlanOptions, build_plan
 from megatron_railwave.topology import RailTopology
 from megatron_railwave.traffic import DemandCounts
 
-MODELS = {
-    "after_rail": NetModelConfig(rel_tol=0.0),
-    "streamed": NetModelConfig(rel_tol=0.0, delivery="streamed"),
-    "ports": NetModelConfig(rel_tol=0.0, nvlink="ports", delivery="streamed"),
-    "rank": NetModelConfig(rel_tol=0.0, phase_sync="rank"),
-    "rank_streamed": NetModelConfig(rel_tol=0.0, phase_sync="rank", delivery="streamed"),
-}
+from tests.helpers.netmodel_cases import MODELS, random_demand
 
-
-def _demand(n, g, seed, density, skew):
-    rng = np.random.default_rng(seed)
-    shape = (n * g, n, 1 << g)
-    rec = rng.poisson(4.0, size=shape) * (rng.random(shape) < density)
-    rec[: g] *= skew  # a hot source node
-    rec[:, :, 0] = 0
-    # (token, expert) pairs consistent enough for the Megatron peer: one expert per GPU bit.
-    copies = torch.from_numpy(rec).view(n * g, n, 1 << g)
-    bits = (torch.arange(1 << g).unsqueeze(1) >> torch.arange(g)) & 1
-    experts = torch.einsum("wnm,mj->wnj", copies, bits).reshape(n * g, n * g)
-    return DemandCounts(records_WNM=torch.from_numpy(rec), experts_WE=experts)
+_demand = partial(random_demand, consistent_experts=True)
 
 
 def test_ideal_bound_by_hand_two_nodes():
