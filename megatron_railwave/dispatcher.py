@@ -13,8 +13,9 @@ Workflow of one MoE layer (Megatron calls the hooks in this order):
   3. ``dispatch_postprocess``: hand the experts ``tokens_per_expert`` (CPU int64). No comm.
      Fixed-capacity mode (``max_tokens_per_rank`` = C): step 2 has no count exchange and no host
      sync (``TorchDistExchange.prepare_capacity``; the path for 'auto' is selected once, from the
-     capacity demand, or with ``selector: online`` once per epoch of calls, below), the entries come in the padded layout [E_loc * W * C, H], and the experts
-     get C * W rows per expert as a constant CPU tensor: Megatron's experts call
+     capacity demand, or with ``selector: online`` once per epoch of calls, below), the entries
+     come in the padded layout [E_loc * W * C, H], and the experts get C * W rows per expert as
+     a constant CPU tensor: Megatron's experts call
      ``tokens_per_expert.tolist()``, which on the exchange's device counts would be a host sync;
      on the constant it is not, and the padding rows (zero tokens, zero probs) cost expert
      compute instead. The true counts stay on the device (``dispatched.tokens_per_expert``).
@@ -44,8 +45,8 @@ the selector ('auto') or a stats sink needs them.
 Online selection (``selector: online``, the default for 'auto' without an anchors file): each
 layer call is timed (plan + dispatch, and combine: CUDA events read at the layer's next call with
 ``query()``, never a wait; the CPU clock on CPU); that time rides on the next call's count exchange
-in the status word of every row (no extra bytes), so every rank files the slowest rank's time and decides the same
-(``selector.online``). Recomputes replay their forward's path and are timed as recomputes.
+in the status word of every row (no extra bytes), so every rank files the slowest rank's time and
+decides the same (``selector.online``). Recomputes replay their forward's path and are timed as recomputes.
 Fixed-capacity mode has no count exchange: one path per epoch of ``online.capacity_sync_every``
 calls, the time on a small asynchronous all-reduce read an epoch later (its one host wait;
 ``selector.capacity_epochs``, ``exchange.timing_reduce``); recomputes replay their path untimed.
@@ -85,7 +86,6 @@ __all__ = ["RailWaveTokenDispatcher", "check_supported", "flush_captures"]
 
 StatsSink = Callable[[LayerCommStats], None]
 _LOG = logging.getLogger(__name__)
-
 
 
 # One trace recorder per capture directory in this process, shared by the MoE layers.
