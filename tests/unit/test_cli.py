@@ -371,9 +371,10 @@ def test_online_sim_small_run_json_learned_file_and_validate(tmp_path, capsys):
         assert sum(layer["chosen"].values()) == 30 and len(layer["path_per_step"]) == 30
         assert layer["mode_per_step"][0] == "probe" and "exploit" in layer["mode_per_step"]
         cost = run["summary"]["cost"]
-        assert cost["extra_bytes_per_peer_message"] == 8
+        assert cost["extra_bytes_per_peer_message"] == 0 == cost["extra_bytes_per_rank_per_layer_call"]
         parts = cost["cpu_us_per_call"]
-        assert parts["total"]["mean"] == pytest.approx(sum(parts[k]["mean"] for k in ("observe", "descriptors", "decide")))
+        assert parts["total"]["mean"] == pytest.approx(sum(parts[k]["mean"]
+                                                           for k in ("words", "observe", "descriptors", "decide")))
         assert all(parts[k]["p50"] <= parts[k]["p99"] <= parts[k]["max"] for k in parts)
     printed = capsys.readouterr().out
     assert "goals:" in printed and "demand_stats (reference)" in printed
