@@ -452,15 +452,21 @@ class RailWaveTokenDispatcher(MoETokenDispatcher):
             elif not isinstance(self.selector, FixedSelector):
                 self._capacity_path = select_for_layer(self.selector, self._capacity_descr, demand,
                                                        record_bytes=record_bytes)
-        decision = None
+        decision, timers = None, None
         if online:
-            decision = self._capacity_online_decision(state, exchange, hidden_states.device)
+            decision, timers = self._capacity_online_decision(state, exchange, hidden_states.device)
             path = decision.path
         else:
             if self._capacity_path is None:
                 self._capacity_path = self.selector.select(self._capacity_descr)
             path = call.path if call.path is not None else self._capacity_path
         handle = exchange.prepare_capacity(hidden_states, probs, routing_map, path)
+        if timers is not None:
+            # An epoch's first call: its dispatch and combine fill ``timers``, timed from here. A
+            # path's first call builds its capacity schedule (cached for every later call): a
+            # one-time cost that would count against every path the selector probes.
+            state.exchange_timers = timers
+            timers.append(Stopwatch(hidden_states.device))
         # The statistics describe the capacity plan (the bytes that move); expert loads are not gathered.
         out = self._move(state, exchange, hidden_states, probs, routing_map, path=path, handle=handle,
                          descr=self._capacity_descr, record_bytes=record_bytes,
@@ -470,23 +476,20 @@ class RailWaveTokenDispatcher(MoETokenDispatcher):
         return out
 
     def _capacity_online_decision(self, state: _LayerState, exchange: TorchDistExchange,
-                                  device: torch.device) -> OnlineDecision:
-        """The online selector's path in fixed-capacity mode (``selector.capacity_epochs``)."""
+                                  device: torch.device) -> tuple[OnlineDecision, list[Stopwatch] | None]:
+        """The online selector's path in fixed-capacity mode (``selector.capacity_epochs``) and,
+        at an epoch's first call, the list its exchange's stopwatches go into (else None)."""
         selector: OnlineSelector = self.selector  # type: ignore[assignment]
         if selector.layer is None:
             selector.layer = self.layer_number
         call = state.call
         if call.path is not None:
-            return selector.replay(call.path)
+            return selector.replay(call.path), None
         decision, timers, message = self._capacity_epochs.begin_call(
             str(call.kind), lambda word: exchange.post_timing(word, device))
         if message is not None and global_rank() == 0:
             _LOG.warning(message)
-        if timers is not None:
-            # The epoch's first call: its exchange (prepare + dispatch, combine) fills ``timers``.
-            state.exchange_timers = timers
-            timers.append(Stopwatch(device))
-        return decision
+        return decision, timers
 
     def _move(self, state: _LayerState, exchange: TorchDistExchange, hidden_states: torch.Tensor,
               probs: torch.Tensor, routing_map: torch.Tensor, *, path: Path, handle: LayerHandle,

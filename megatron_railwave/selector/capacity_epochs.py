@@ -8,7 +8,8 @@ descriptors, is the same at every call. So a layer's calls of one pass kind ('tr
   * call k E (an epoch's first): read the reduce posted in the previous epoch, if any (the mode's
     one host wait, on something posted E - 1 calls ago) and file it under the previous epoch's
     decision (``OnlineSelector.observe_reduced``); then ``decide`` this epoch's path from the
-    capacity demand's descriptors. This call's exchange is timed;
+    capacity demand's descriptors. This call's dispatch and combine are timed (the caller starts
+    the stopwatch after the prepare, whose first call per path builds a cached schedule);
   * call k E + 1: read that timer without waiting (``ready()``, a query; not ready: the word
     says "missing", a bad timing) and post one asynchronous all-reduce of the word (the caller's
     ``post``: ``exchange.timing_reduce``): every rank gets the slowest rank's time and any bad
