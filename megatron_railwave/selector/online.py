@@ -92,7 +92,7 @@ _PROBLEMS = {TIMING_MISSING: "missing", TIMING_NAN: "NaN or infinite", TIMING_NE
              TIMING_STALLED: "zero (stalled clock)"}
 TIMING_MAX_NS = (1 << 54) - 1
 """Longest time a word carries (208 days; longer is clipped): the count exchange packs the word
-into each row's status word above 8 status bits (``exchange.layer.pack_status``)."""
+into each row's status word, below the input-status code (``exchange.layer.pack_status``)."""
 _MAX_WAITS = 2
 """Calls a neighbourhood waits for another layer's in-flight probe of a path before probing it
 itself: the other layer's time arrives at its next call, one step later."""
