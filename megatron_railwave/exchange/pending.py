@@ -40,22 +40,27 @@ import torch
 
 from megatron_railwave.exchange.transport import Program, TorchDistTransport, Wait, answer, drive
 
-__all__ = ["PendingProgram", "start", "finish", "comm_stream_for", "run_on_comm_stream"]
+__all__ = ["PendingProgram", "start", "finish", "stream_for", "comm_stream_for", "run_on_comm_stream"]
 
-_COMM_STREAMS: dict[torch.device, Any] = {}
+_STREAMS: dict[tuple[str, torch.device], Any] = {}
+
+
+def stream_for(device: torch.device, purpose: str) -> Any:
+    """A CUDA stream of its own per ``purpose`` and device (one per process, created on first
+    use): work on it queues behind that purpose's work only. None for any other device."""
+    if device.type != "cuda":
+        return None
+    key = (purpose, torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device()))
+    stream = _STREAMS.get(key)
+    if stream is None:
+        stream = torch.cuda.Stream(device=key[1])
+        _STREAMS[key] = stream
+    return stream
 
 
 def comm_stream_for(device: torch.device) -> Any:
-    """The exchange's communication stream of a CUDA ``device`` (one per device and process,
-    created on first use); None for any other device."""
-    if device.type != "cuda":
-        return None
-    key = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
-    stream = _COMM_STREAMS.get(key)
-    if stream is None:
-        stream = torch.cuda.Stream(device=key)
-        _COMM_STREAMS[key] = stream
-    return stream
+    """The exchange's communication stream of a CUDA ``device``; None for any other device."""
+    return stream_for(device, "exchange")
 
 
 @dataclass(kw_only=True, slots=True)

@@ -30,25 +30,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron_railwave.exchange.pending import stream_for
 from megatron_railwave.exchange.transport import ExchangeError, ExchangeTimeoutError, GroupRef
 
 __all__ = ["PostedTimingReduce", "post_timing_reduce", "TIMING_REDUCE_BYTES"]
 
 TIMING_REDUCE_BYTES = 16
 """Bytes each rank contributes to one reduce: the int64 pair [word, -word]."""
-
-_SIDE_STREAMS: dict[torch.device, Any] = {}
-
-
-def _side_stream(device: torch.device) -> Any:
-    """A stream of its own per CUDA device for the reduce's wait and copy (not the exchange's
-    communication stream, whose programs it would otherwise queue behind)."""
-    key = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
-    stream = _SIDE_STREAMS.get(key)
-    if stream is None:
-        stream = torch.cuda.Stream(device=key)
-        _SIDE_STREAMS[key] = stream
-    return stream
 
 
 @dataclass(kw_only=True, slots=True)
@@ -121,7 +109,9 @@ def post_timing_reduce(word: int, group: GroupRef, *, device: torch.device,
         return PostedTimingReduce(pair=pair, work=work, group=group, timeout_s=timeout_s)
     pair = pair.pin_memory().to(device, non_blocking=True)
     work = dist.all_reduce(pair, op=dist.ReduceOp.MAX, group=group.handle, async_op=True)
-    side = _side_stream(device)
+    # A stream of its own, not the exchange's communication stream, whose programs it would
+    # otherwise queue behind.
+    side = stream_for(device, "timing reduce")
     host = torch.empty(2, dtype=torch.int64, pin_memory=True)
     with torch.cuda.stream(side):
         work.wait()  # a stream wait: the side stream waits for NCCL's, the host does not
