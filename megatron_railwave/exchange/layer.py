@@ -224,14 +224,10 @@ class TimingWords(Sequence[int]):
     __slots__ = ("status_W", "lowest", "highest")
 
     def __init__(self, status_W: list[int], highest_status: int) -> None:
+        """From the received status words and their ``max`` (which ``gather_demand`` has already)."""
         self.status_W = status_W
         self.lowest = min(status_W) - _TIMING_OFFSET
         self.highest = highest_status - _TIMING_OFFSET
-
-    @classmethod
-    def of(cls, status_W: list[int], highest_status: int) -> "TimingWords":
-        """From the received status words and their ``max`` (which ``gather_demand`` has already)."""
-        return cls(status_W, highest_status)
 
     def __len__(self) -> int:
         return len(self.status_W)
@@ -328,7 +324,7 @@ def gather_demand(ctx: RankContext, hidden: torch.Tensor, probs: torch.Tensor,
     return LayerDemand(demand=demand, max_tokens=int(counts[:, n].max()), num_tokens=t, token_C=token_C,
                        node_C=node_C, mask_C=mask_C, num_records=int(counts[ctx.groups.railwave_rank, :n].sum()),
                        expert_load_E=counts[:, width:loads_end].sum(dim=0) if expert_loads else None,
-                       timing_W=TimingWords.of(status_W, highest_status) if timing_word is not None else None)
+                       timing_W=TimingWords(status_W, highest_status) if timing_word is not None else None)
 
 
 def prepare_layer(ctx: RankContext, layer: LayerDemand, plan: PathPlan, *, hidden_dtype: torch.dtype,

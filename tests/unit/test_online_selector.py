@@ -3,7 +3,6 @@ its descriptors against ``demand_stats``, the learned anchors file, the config w
 
 from __future__ import annotations
 
-import math
 
 import numpy as np
 import pytest
@@ -21,18 +20,9 @@ from megatron_railwave.selector.online import (TIMING_MISSING, TIMING_NONE, TIMI
                                                fast_descriptors, learned_anchor_set, slowest_timing)
 from megatron_railwave.telemetry.stats import demand_stats
 from megatron_railwave.topology import RailTopology
-from megatron_railwave.traffic import MiB, DemandCounts, SelectorScales, TrafficStats
+from megatron_railwave.traffic import DemandCounts, TrafficStats
 
-TOPO = RailTopology(num_nodes=4, gpus_per_node=8)
-SCALES = SelectorScales().resolve(TOPO)
-TRUE_S = {Path.NATIVE: 4e-3, Path.RAIL: 2.2e-3, Path.PERM: 3e-3, Path.JOINT: 2e-3}
-
-
-def stats(b_mib: float, rho: float = 3.0, kappa: float = 2.0) -> TrafficStats:
-    b = b_mib * MiB
-    coords = (math.log2(b / SCALES[0]) if b > 0 else -math.inf, (rho - 1) / SCALES[1], (kappa - 1) / SCALES[2])
-    return TrafficStats(B_mean_bytes=b, B_max_bytes=b, rho_g=rho, kappa=kappa, coords=coords, records_total=0,
-                        remote_records=0)
+from tests.helpers.online_cases import SCALES, TOPO, TRUE_S, stats
 
 
 def run(sel: OnlineSelector, times: dict[Path, float], calls: int, descr: TrafficStats, *, ranks: int = 1,
@@ -402,6 +392,6 @@ def test_slowest_timing_reads_the_count_exchange_words_as_a_list(words):
     from megatron_railwave.exchange.layer import TimingWords, pack_status
 
     status = [pack_status(0, w) for w in words]
-    packed = TimingWords.of(status, max(status))
+    packed = TimingWords(status, max(status))
     assert (packed.lowest, packed.highest, list(packed)) == (min(words), max(words), words)
     assert slowest_timing(packed) == slowest_timing(words)

@@ -165,7 +165,7 @@ def simulate_online(base: BaseTimes, topo: RailTopology, *, steps: int, routing_
         for li, sel in enumerate(selectors):
             t0, cw = time.perf_counter_ns(), time.thread_time_ns()
             status = [pack_status(0, encode_timing(prev[li], expected=sel.expects_timing()))] * world  # every rank's
-            words = TimingWords.of(status, max(status))  # as gather_demand reads them
+            words = TimingWords(status, max(status))  # as gather_demand reads them
             c0 = time.thread_time_ns()
             sel.observe(words)
             c1 = time.thread_time_ns()
