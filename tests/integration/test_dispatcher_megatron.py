@@ -105,24 +105,22 @@ def test_moe_layer_flex_with_railwave_backend_is_railwave():
             assert np.array_equal(res["flex"][key], res["railwave"][key]), f"rank {rank} {key}"
 
 
-def test_moe_layer_online_selector_matches_alltoall_and_ranks_agree(tmp_path):
-    """selector: online over 10 training steps and a forward-only pass: the same outputs and
-    gradients as alltoall (1e-5) and bitwise the same as a fixed path on every call, whichever
-    path the selector probes or exploits; every rank logs the same decisions although each
-    rank's clock is skewed by its own factor (tests.helpers.online_worker)."""
-    from megatron_railwave.telemetry.commlog import read_logs
-    from tests.helpers.online_worker import run_layer_online
-
-    steps = 10
-    kw = dict(num_experts=8, topk=3, hidden=16, ffn_hidden=8, seq_len=6, micro_batch=2, seed=5)
-    results = run_distributed(run_layer_online, 4, kw, steps, str(tmp_path), "native", timeout_s=600)
+def _assert_online_outputs(results: list[dict], steps: int) -> None:
+    """Every rank's online outputs and gradients: within 1e-5 of alltoall, bitwise the fixed path's."""
     for rank, res in enumerate(results):
         for step in range(steps + 1):
             for key, ref in res["alltoall"][step].items():
                 got = res["online"][step][key]
                 np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6, err_msg=f"rank {rank} step {step} {key}")
                 assert np.array_equal(got, res["fixed"][step][key]), f"rank {rank} step {step} {key}: not bitwise"
-    records = read_logs(tmp_path)
+
+
+def _logged_decisions(log_dir) -> tuple[list[dict], list[list[tuple]]]:
+    """(records, each rank's sorted decisions) of the JSONL logs in ``log_dir``; asserts that the
+    four ranks logged the same decisions."""
+    from megatron_railwave.telemetry.commlog import read_logs
+
+    records = read_logs(log_dir)
     by_rank: dict[int, list[tuple]] = {}
     for rec in records:
         by_rank.setdefault(rec["rank"], []).append(
@@ -131,6 +129,51 @@ def test_moe_layer_online_selector_matches_alltoall_and_ranks_agree(tmp_path):
     assert sorted(by_rank) == [0, 1, 2, 3]
     decisions = [sorted(v) for _, v in sorted(by_rank.items())]
     assert all(d == decisions[0] for d in decisions[1:])
+    return records, decisions
+
+
+def _assert_slowest_times_shared(records: list[dict]) -> None:
+    """The times the selector used are the slowest rank's: the same number in every rank's record."""
+    slow = {}
+    for rec in records:
+        if rec["last_exchange_ms"] is not None:
+            slow.setdefault((rec["step"], rec["pass_kind"]), set()).add(rec["last_exchange_ms"])
+    assert slow and all(len(v) == 1 for v in slow.values())
+
+
+def _logged_bad_run(log_dir) -> list[tuple]:
+    """The training calls (step, path, mode, bad timings) of the run with one rank's clock NaN;
+    asserts that the four ranks logged the same."""
+    from megatron_railwave.telemetry.commlog import read_logs
+
+    bad = {}
+    for rec in read_logs(log_dir):
+        if rec["pass_kind"] == "train":
+            bad.setdefault(rec["rank"], []).append((rec["step"], rec["path"], rec["selector_mode"], rec["bad_timings"]))
+    runs = [sorted(v) for _, v in sorted(bad.items())]
+    assert len(runs) == 4 and all(r == runs[0] for r in runs[1:])
+    return runs[0]
+
+
+def _assert_bad_outputs_bitwise(results: list[dict], steps: int) -> None:
+    """The run with a NaN clock still gives the fixed path's outputs, bitwise."""
+    for rank, res in enumerate(results):
+        for step in range(steps + 1):
+            assert np.array_equal(res["bad"][step]["output"], res["fixed"][step]["output"]), f"rank {rank} step {step}"
+
+
+def test_moe_layer_online_selector_matches_alltoall_and_ranks_agree(tmp_path):
+    """selector: online over 10 training steps and a forward-only pass: the same outputs and
+    gradients as alltoall (1e-5) and bitwise the same as a fixed path on every call, whichever
+    path the selector probes or exploits; every rank logs the same decisions although each
+    rank's clock is skewed by its own factor (tests.helpers.online_worker)."""
+    from tests.helpers.online_worker import run_layer_online
+
+    steps = 10
+    kw = dict(num_experts=8, topk=3, hidden=16, ffn_hidden=8, seq_len=6, micro_batch=2, seed=5)
+    results = run_distributed(run_layer_online, 4, kw, steps, str(tmp_path), "native", timeout_s=600)
+    _assert_online_outputs(results, steps)
+    records, decisions = _logged_decisions(tmp_path)
     train = [d for d in decisions[0] if d[1] == "train"]
     assert len(train) == steps
     modes = [d[3] for d in train]
@@ -139,29 +182,17 @@ def test_moe_layer_online_selector_matches_alltoall_and_ranks_agree(tmp_path):
     assert modes[:4] == ["probe"] * 4 and sorted(d[2] for d in train[:4]) == ["joint", "native", "perm", "rail"]
     assert "exploit" in modes[4:]
     assert [d[1] for d in decisions[0]].count("forward_only") == 1
-    # The times the selector used are the slowest rank's: the same number in every rank's record.
-    slow = {}
-    for rec in records:
-        if rec["last_exchange_ms"] is not None:
-            slow.setdefault((rec["step"], rec["pass_kind"]), set()).add(rec["last_exchange_ms"])
-    assert slow and all(len(v) == 1 for v in slow.values())
+    _assert_slowest_times_shared(records)
     tracker = results[0]["tracker"]
     assert "selector_probe" in tracker and 1 in tracker["selector_probe"]
     # One rank's clock turns NaN: every rank logs the same decisions, ending in JOINT fallbacks,
     # and the numbers stay right.
-    bad = {}
-    for rec in read_logs(tmp_path / "bad"):
-        if rec["pass_kind"] == "train":
-            bad.setdefault(rec["rank"], []).append((rec["step"], rec["path"], rec["selector_mode"], rec["bad_timings"]))
-    runs = [sorted(v) for _, v in sorted(bad.items())]
-    assert len(runs) == 4 and all(r == runs[0] for r in runs[1:])
-    modes = [m for _, _, m, _ in runs[0]]
+    run = _logged_bad_run(tmp_path / "bad")
+    modes = [m for _, _, m, _ in run]
     first = modes.index("fallback")
     assert first >= 3 and all(m == "fallback" for m in modes[first:])
-    assert all(p == "joint" for _, p, m, _ in runs[0] if m == "fallback")
-    for rank, res in enumerate(results):
-        for step in range(steps + 1):
-            assert np.array_equal(res["bad"][step]["output"], res["fixed"][step]["output"]), f"rank {rank} step {step}"
+    assert all(p == "joint" for _, p, m, _ in run if m == "fallback")
+    _assert_bad_outputs_bitwise(results, steps)
 
 
 def test_moe_layer_online_selector_in_fixed_capacity_mode_ranks_agree(tmp_path):
@@ -173,7 +204,6 @@ def test_moe_layer_online_selector_in_fixed_capacity_mode_ranks_agree(tmp_path):
     rank's NaN clock sends every rank to JOINT at the same call."""
     import functools
 
-    from megatron_railwave.telemetry.commlog import read_logs
     from tests.helpers.online_worker import run_layer_online
 
     steps = 10
@@ -183,21 +213,8 @@ def test_moe_layer_online_selector_in_fixed_capacity_mode_ranks_agree(tmp_path):
                                        "capacity_sync_every": 2},
                                bad_online={"capacity_sync_every": 2, "max_bad": 2}, bad_after=0)
     results = run_distributed(worker, 4, kw, steps, str(tmp_path), "native", timeout_s=600)
-    for rank, res in enumerate(results):
-        for step in range(steps + 1):
-            for key, ref in res["alltoall"][step].items():
-                got = res["online"][step][key]
-                np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6, err_msg=f"rank {rank} step {step} {key}")
-                assert np.array_equal(got, res["fixed"][step][key]), f"rank {rank} step {step} {key}: not bitwise"
-    records = read_logs(tmp_path)
-    by_rank: dict[int, list[tuple]] = {}
-    for rec in records:
-        by_rank.setdefault(rec["rank"], []).append(
-            (rec["step"], rec["pass_kind"], rec["path"], rec["selector_mode"], rec["selector_neighbourhood"],
-             rec["last_exchange_ms"] is None, tuple(sorted((k, v is None) for k, v in rec["measured_ms"].items()))))
-    assert sorted(by_rank) == [0, 1, 2, 3]
-    decisions = [sorted(v) for _, v in sorted(by_rank.items())]
-    assert all(d == decisions[0] for d in decisions[1:])
+    _assert_online_outputs(results, steps)
+    records, decisions = _logged_decisions(tmp_path)
     train = [d for d in decisions[0] if d[1] == "train"]
     assert len(train) == steps
     paths, modes = [d[2] for d in train], [d[3] for d in train]
@@ -207,24 +224,13 @@ def test_moe_layer_online_selector_in_fixed_capacity_mode_ranks_agree(tmp_path):
     # The first epoch's time is filed at the second epoch's first call (step 2), not before.
     assert [d[5] for d in train[:3]] == [True, True, False]
     assert [d[1] for d in decisions[0]].count("forward_only") == 1
-    slow = {}
-    for rec in records:
-        if rec["last_exchange_ms"] is not None:
-            slow.setdefault((rec["step"], rec["pass_kind"]), set()).add(rec["last_exchange_ms"])
-    assert slow and all(len(v) == 1 for v in slow.values())
+    _assert_slowest_times_shared(records)
     tracker = results[0]["tracker"]  # Megatron's per-layer metrics carry the selector state too
     assert "selector_probe" in tracker and 1 in tracker["selector_probe"]
-    bad = {}
-    for rec in read_logs(tmp_path / "bad"):
-        if rec["pass_kind"] == "train":
-            bad.setdefault(rec["rank"], []).append((rec["step"], rec["path"], rec["selector_mode"], rec["bad_timings"]))
-    runs = [sorted(v) for _, v in sorted(bad.items())]
-    assert len(runs) == 4 and all(r == runs[0] for r in runs[1:])
-    modes = [m for _, _, m, _ in runs[0]]
+    run = _logged_bad_run(tmp_path / "bad")
+    modes = [m for _, _, m, _ in run]
     # Rank 2's clock reads NaN throughout: epochs 0 and 1 (calls 0-1, 2-3) time NaN there, their
     # pairs are read at calls 2 and 4, and the second one (max_bad 2) switches every rank at call 4.
     assert modes[:4] == ["probe"] * 4 and modes[4:] == ["fallback"] * (steps - 4)
-    assert all(p == "joint" for _, p, m, _ in runs[0] if m == "fallback")
-    for rank, res in enumerate(results):
-        for step in range(steps + 1):
-            assert np.array_equal(res["bad"][step]["output"], res["fixed"][step]["output"]), f"rank {rank} step {step}"
+    assert all(p == "joint" for _, p, m, _ in run if m == "fallback")
+    _assert_bad_outputs_bitwise(results, steps)

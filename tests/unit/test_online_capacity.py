@@ -17,19 +17,8 @@ from megatron_railwave.selector.capacity_epochs import CapacityEpochs
 from megatron_railwave.selector.online import (TIMING_MISSING, TIMING_NAN, TIMING_NONE, TIMING_STALLED,
                                                SharedNeighbourhoods, encode_timing, slowest_reduced_timing,
                                                slowest_timing)
-from megatron_railwave.topology import RailTopology
-from megatron_railwave.traffic import MiB, SelectorScales, TrafficStats
 
-TOPO = RailTopology(num_nodes=4, gpus_per_node=8)
-SCALES = SelectorScales().resolve(TOPO)
-TRUE_S = {Path.NATIVE: 4e-3, Path.RAIL: 2.2e-3, Path.PERM: 3e-3, Path.JOINT: 2e-3}
-
-
-def stats(b_mib: float, rho: float = 3.0, kappa: float = 2.0) -> TrafficStats:
-    b = b_mib * MiB
-    coords = (math.log2(b / SCALES[0]) if b > 0 else -math.inf, (rho - 1) / SCALES[1], (kappa - 1) / SCALES[2])
-    return TrafficStats(B_mean_bytes=b, B_max_bytes=b, rho_g=rho, kappa=kappa, coords=coords, records_total=0,
-                        remote_records=0)
+from tests.helpers.online_cases import SCALES, TOPO, TRUE_S, stats
 
 
 # ---------------------------------------------------------------------- the reduced pair
