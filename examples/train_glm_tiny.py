@@ -53,6 +53,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from megatron_railwave.lab.bench.megatron_cpu import apply_megatron_cpu_shims, seed_megatron_cpu_rng
+from megatron_railwave.names import ROUTE_CHOICES
 
 _LOOPBACK = "127.0.0.1"
 _DISPATCHERS = ("alltoall", "railwave")
@@ -68,7 +69,7 @@ def _parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--gpus-per-node", type=int, default=2,
                         help="railwave: ranks per emulated node (EP = nodes x this)")
     parser.add_argument("--railwave-path", default="auto",
-                        choices=["auto", "native", "rail", "perm", "joint"],
+                        choices=list(ROUTE_CHOICES),
                         help="railwave: execution path (auto = selector)")
     parser.add_argument("--failed-rail", action="append", default=[], metavar="NODE:RAIL",
                         help="railwave: mark a rail failed (repeatable)")

@@ -6,19 +6,17 @@ import dataclasses
 import math
 import os
 from dataclasses import dataclass
-from pathlib import Path as FsPath
+from pathlib import Path
 from typing import Any, Literal
 
-from megatron_railwave.planner import EligiblePolicy, PlanOptions, parse_path
+from megatron_railwave.names import BACKEND_NAMES, BackendName, Route, RouteChoice, parse_route, route_list
+from megatron_railwave.planner import EligiblePolicy, PlanOptions
 from megatron_railwave.planner.plan import MAX_CHUNKS
 from megatron_railwave.outputs import check_output_dir
 from megatron_railwave.topology import RailTopology, load_topology, read_yaml, resolve_cluster_file
 
 __all__ = ["RailWaveConfig", "OnlineSettings", "load_config"]
 
-PathName = Literal["auto", "native", "rail", "perm", "joint"]
-_PATH_NAMES = "auto, native, rail, perm, joint"
-BackendName = Literal["torch", "deepep", "auto"]
 
 
 def _is_int(value: Any) -> bool:
@@ -70,7 +68,7 @@ class OnlineSettings:
     """Per layer and pass kind; the least recently used is forgotten beyond this (>= 1)."""
     max_bad: int = 3
     """Bad timings in a row that switch the layer to JOINT for the rest of the run (>= 1)."""
-    candidates: tuple[str, ...] = ("joint", "rail", "perm", "native")
+    candidates: tuple[str, ...] = tuple(str(r) for r in (Route.JOINT, Route.RAIL, Route.PERM, Route.NATIVE))
     """Paths tried (NATIVE among them unless the user removes it)."""
     capacity_sync_every: int = 4
     """Fixed-capacity mode only (``max_tokens_per_rank``): a layer's calls of one pass kind run
@@ -98,12 +96,12 @@ class OnlineSettings:
                              "raise window or lower probes")
         raw = self.candidates
         if isinstance(raw, str) or not isinstance(raw, (list, tuple)) or not raw:
-            raise ValueError(f"online.candidates={raw!r} must be a non-empty list of paths (native, rail, perm, joint)")
+            raise ValueError(f"online.candidates={raw!r} must be a non-empty list of paths ({route_list()})")
         try:
-            paths = tuple(dict.fromkeys(str(parse_path(p)) for p in raw))
+            paths = tuple(dict.fromkeys(str(parse_route(p)) for p in raw))
         except ValueError as exc:
             raise ValueError(f"online.candidates: {exc}") from None
-        if "joint" not in paths:
+        if Route.JOINT not in paths:
             raise ValueError(f"online.candidates={list(raw)} must include joint (the fallback on bad timings)")
         object.__setattr__(self, "candidates", paths)
 
@@ -133,7 +131,7 @@ class OnlineSettings:
 class RailWaveConfig:
     """How ``RailWaveTokenDispatcher`` plans and executes every MoE layer."""
 
-    path: PathName = "auto"
+    path: RouteChoice = "auto"
     """Execution path: a fixed one, or 'auto' (chosen per layer call: ``selector``)."""
     cluster: str | None = None
     """Cluster YAML file or preset name (configs/clusters/*.yaml); its topology must match the EP
@@ -216,9 +214,9 @@ class RailWaveConfig:
         # Every field is checked here, on every rank, before the first collective: a bad value
         # fails at install() with one line naming the field and the fix, not mid-training.
         if not isinstance(self.path, str):
-            raise ValueError(f"path={self.path!r} must be a string: one of {_PATH_NAMES}")
+            raise ValueError(f"path={self.path!r} must be a string: one of {route_list(auto=True)}")
         if self.path != "auto":
-            object.__setattr__(self, "path", str(parse_path(self.path)))  # raises with the allowed names
+            object.__setattr__(self, "path", str(parse_route(self.path)))  # raises with the allowed names
         if self.gpus_per_node is not None and (not _is_int(self.gpus_per_node) or not 1 <= self.gpus_per_node <= 8):
             raise ValueError(f"gpus_per_node={self.gpus_per_node!r} must be an integer in 1..8 (GPUs of one node), "
                              "or null to take it from the cluster file or torchrun's LOCAL_WORLD_SIZE")
@@ -253,7 +251,7 @@ class RailWaveConfig:
             if not isinstance(self.anchors, (str, os.PathLike)):
                 raise ValueError(f"anchors={self.anchors!r} must be the path of an anchors YAML file "
                                  "(railwave calibrate --out) or null")
-            if FsPath(self.anchors).expanduser().is_dir():
+            if Path(self.anchors).expanduser().is_dir():
                 raise ValueError(f"anchors {str(self.anchors)!r} is a directory; give the anchors YAML file "
                                  "written by `railwave calibrate --out`")
         if self.selector not in (None, "online", "anchors"):
@@ -264,7 +262,7 @@ class RailWaveConfig:
             raise ValueError(f"selector: online chooses among paths, but path is {self.path!r}; set path: auto, "
                              "or drop selector")
         if self.online_out is not None:
-            if not isinstance(self.online_out, (str, os.PathLike)) or FsPath(self.online_out).expanduser().is_dir():
+            if not isinstance(self.online_out, (str, os.PathLike)) or Path(self.online_out).expanduser().is_dir():
                 raise ValueError(f"online_out={self.online_out!r} must be the path of the anchors YAML file to write "
                                  "(not a directory), or null")
         if self.payload_ratio is not None:
@@ -294,7 +292,7 @@ class RailWaveConfig:
         self._check_backend()
 
     def _check_backend(self) -> None:
-        if self.backend not in ("torch", "deepep", "auto"):
+        if self.backend not in BACKEND_NAMES:
             raise ValueError(f"backend={self.backend!r} must be 'torch', 'deepep' or 'auto'")
         if self.deepep_buffer not in ("real", "fake"):
             raise ValueError(f"deepep_buffer={self.deepep_buffer!r} must be 'real' (the deep_ep wheel) or 'fake' "
@@ -485,7 +483,7 @@ def load_config(config: RailWaveConfig | dict[str, Any] | str | os.PathLike | No
             "fields (e.g. {'gpus_per_node': 8, 'path': 'joint'}), the path of a YAML file, or None for the "
             "defaults"
         )
-    path = FsPath(config)
+    path = Path(config)
     if path.is_dir():
         raise ValueError(f"railwave config {str(path)!r} is a directory; give the YAML file "
                          "(e.g. configs/railwave/glm45_air_h800.yaml)")

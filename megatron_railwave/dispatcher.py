@@ -72,7 +72,7 @@ from megatron_railwave.config import RailWaveConfig
 from megatron_railwave.process import global_rank
 from megatron_railwave.exchange import (DispatchOutput, LayerHandle, TorchDistExchange, build_exchange, build_rail_groups,
                        capacity_demand, check_fingerprints, gather_rank_facts, place_ranks)
-from megatron_railwave.planner import Path
+from megatron_railwave.names import Route
 from megatron_railwave.selector import (FixedSelector, OnlineSelector, PathSelector, needs_delivery, needs_descriptors,
                        select_for_layer, selector_from_config)
 from megatron_railwave.selector.capacity_epochs import CapacityEpochs
@@ -175,7 +175,7 @@ class _Call:
     step: int
     microbatch: int
     phase: int
-    path: Path | None = None
+    path: Route | None = None
     """The first forward's path, replayed by its recompute; None: select."""
 
 
@@ -263,7 +263,7 @@ class RailWaveTokenDispatcher(MoETokenDispatcher):
             topk=int(config.moe_router_topk), hidden_size=int(config.hidden_size), hidden_dtype=_hidden_dtype(config),
             deepep_buffer=self.railwave.deepep_buffer, deepep_num_sms=self.railwave.deepep_num_sms, options=options,
             timeout_s=self.railwave.timeout_s, max_tokens_per_rank=self.railwave.max_tokens_per_rank)
-        self._capacity_path: Path | None = None
+        self._capacity_path: Route | None = None
         self._capacity_descr: Any = None
         self._capacity_rows: torch.Tensor | None = None
         self._capacity_epochs: CapacityEpochs | None = None
@@ -388,7 +388,7 @@ class RailWaveTokenDispatcher(MoETokenDispatcher):
         descr = None
         if selecting and needs_descriptors(self.selector):
             descr = demand_stats(layer.demand, self.topology, record_bytes=record_bytes)
-        path: Path = (call.path if call.path is not None
+        path: Route = (call.path if call.path is not None
                       else select_for_layer(self.selector, descr, layer.demand, record_bytes=record_bytes))
         plan = exchange.plan(layer, path, phase=call.phase)
         handle = exchange.prepare(layer, plan, hidden_states, probs)
@@ -492,7 +492,7 @@ class RailWaveTokenDispatcher(MoETokenDispatcher):
         return decision, timers
 
     def _move(self, state: _LayerState, exchange: TorchDistExchange, hidden_states: torch.Tensor,
-              probs: torch.Tensor, routing_map: torch.Tensor, *, path: Path, handle: LayerHandle,
+              probs: torch.Tensor, routing_map: torch.Tensor, *, path: Route, handle: LayerHandle,
               descr: TrafficStats | DemandCounts | None,
               record_bytes: int, plan_ms: float, expert_loads: torch.Tensor | None):
         """The common tail of both modes: remember the path for recompute, capture, the dispatch

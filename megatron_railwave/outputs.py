@@ -9,18 +9,18 @@ fix. Note that a process running as root passes every permission check.
 from __future__ import annotations
 
 import os
-from pathlib import Path as FsPath
+from pathlib import Path
 
 __all__ = ["check_output_file", "check_output_dir"]
 
 
-def _first_existing(path: FsPath) -> FsPath:
+def _first_existing(path: Path) -> Path:
     while not path.exists() and path != path.parent:
         path = path.parent
     return path
 
 
-def _creatable(path: FsPath, name: str, what: str) -> None:
+def _creatable(path: Path, name: str, what: str) -> None:
     """Raise unless the missing ``path`` can be created (its first existing ancestor is a
     writable directory)."""
     base = _first_existing(path.parent)
@@ -36,7 +36,7 @@ def check_output_file(path: str | os.PathLike | None, name: str) -> None:
     """Raise ``ValueError`` naming ``name`` unless ``path`` can be written as a file."""
     if path is None:
         return
-    p = FsPath(path)
+    p = Path(path)
     if p.is_dir():
         raise ValueError(f"{name} {str(p)!r} is a directory; give a file name inside it "
                          f"(e.g. {str(p / 'out.json')!r})")
@@ -52,7 +52,7 @@ def check_output_dir(path: str | os.PathLike | None, name: str) -> None:
     directory."""
     if path is None:
         return
-    p = FsPath(path)
+    p = Path(path)
     if p.exists():
         if not p.is_dir():
             raise ValueError(f"{name} {str(p)!r} is a file; give a directory")

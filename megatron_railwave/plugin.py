@@ -30,6 +30,7 @@ import threading
 from typing import Any
 
 from megatron_railwave.config import RailWaveConfig, load_config
+from megatron_railwave.names import BACKEND_NAMES, ROUTE_CHOICES
 
 __all__ = ["install", "uninstall", "installed_config", "add_railwave_args", "config_from_args",
            "check_megatron_version", "SUPPORTED_MEGATRON_CORE", "build_railwave_moe_layer", "wants_railwave"]
@@ -261,9 +262,6 @@ def _default_sink(cfg: RailWaveConfig) -> Any:
 
 
 # ---------------------------------------------------------------------- Megatron-LM flags
-_PATHS = ["auto", "native", "rail", "perm", "joint"]
-
-
 def add_railwave_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Extend a Megatron-LM parser (usable as ``extra_args_provider``).
 
@@ -295,7 +293,7 @@ def add_railwave_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     group = parser.add_argument_group(title="railwave")
     group.add_argument("--railwave-config", type=str, default=None,
                        help="RailWave YAML config (see configs/railwave/*.yaml).")
-    group.add_argument("--railwave-path", type=str, default=None, choices=_PATHS,
+    group.add_argument("--railwave-path", type=str, default=None, choices=list(ROUTE_CHOICES),
                        help="Execution path; overrides the config file's 'path'.")
     group.add_argument("--railwave-log-dir", type=str, default=None,
                        help="Write per-layer communication JSONL here.")
@@ -307,7 +305,7 @@ def add_railwave_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                        help="Record a trace every this many steps.")
     group.add_argument("--railwave-no-metrics", action="store_true", default=None,
                        help="Do not report railwave_* scalars through Megatron's MoE metrics tracker.")
-    group.add_argument("--railwave-backend", type=str, default=None, choices=["torch", "deepep", "auto"],
+    group.add_argument("--railwave-backend", type=str, default=None, choices=list(BACKEND_NAMES),
                        help="Execution backend; overrides the config file's 'backend' (docs/deepep.md).")
     return parser
 

@@ -11,14 +11,14 @@ on GPU l only if rail ``rail_of_gpu[l]`` is healthy on both s and the destinatio
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path as FsPath
+from pathlib import Path
 from typing import Any
 
 import yaml
 
 __all__ = ["RailTopology", "load_topology", "resolve_cluster_file", "read_yaml", "CLUSTER_PRESET_DIR"]
 
-CLUSTER_PRESET_DIR = FsPath(__file__).resolve().parents[1] / "configs" / "clusters"
+CLUSTER_PRESET_DIR = Path(__file__).resolve().parents[1] / "configs" / "clusters"
 """Cluster presets of a source checkout (``h800_4x8``, ...): a cluster given by name is looked up
 here. An installed wheel has no presets; give a file path there."""
 
@@ -223,13 +223,13 @@ def _replace(topo: RailTopology, **changes: Any) -> RailTopology:
     return RailTopology(**data)
 
 
-def resolve_cluster_file(cluster: str | FsPath) -> FsPath:
+def resolve_cluster_file(cluster: str | Path) -> Path:
     """The YAML file of ``cluster``: an existing file, else the preset of that name.
 
     Raises:
         ValueError: neither a file nor a preset (the message lists the presets), or a directory.
     """
-    path = FsPath(cluster).expanduser()
+    path = Path(cluster).expanduser()
     if path.is_dir():
         raise ValueError(f"cluster {str(cluster)!r} is a directory; give a cluster YAML file or a preset name")
     if path.is_file():
@@ -244,7 +244,7 @@ def resolve_cluster_file(cluster: str | FsPath) -> FsPath:
     )
 
 
-def read_yaml(path: str | FsPath, what: str) -> Any:
+def read_yaml(path: str | Path, what: str) -> Any:
     """The YAML document in ``path`` (None for an empty file): the one reader of the runtime's
     files (cluster, railwave config, anchors).
 
@@ -253,14 +253,14 @@ def read_yaml(path: str | FsPath, what: str) -> Any:
         ValueError: not valid YAML; names ``what`` (e.g. "cluster file"), the path and the parser's
             message.
     """
-    text = FsPath(path).read_text()
+    text = Path(path).read_text()
     try:
         return yaml.safe_load(text)
     except yaml.YAMLError as exc:
         raise ValueError(f"{what} {str(path)!r} is not valid YAML: {exc}") from None
 
 
-def load_topology(path: str | FsPath, **overrides: Any) -> RailTopology:
+def load_topology(path: str | Path, **overrides: Any) -> RailTopology:
     """Read a cluster YAML file or preset (see ``resolve_cluster_file``); ``overrides`` replace keys."""
     path = resolve_cluster_file(path)
     data = read_yaml(path, "cluster file")

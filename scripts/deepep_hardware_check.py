@@ -37,8 +37,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron_railwave.exchange import build_exchange, build_rail_groups  # noqa: E402
 from megatron_railwave.topology import RailTopology  # noqa: E402
+from megatron_railwave.names import ROUTES  # noqa: E402
 
-PATHS = ("native", "rail", "perm", "joint")
+PATHS = tuple(map(str, ROUTES))
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 

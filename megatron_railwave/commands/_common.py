@@ -8,12 +8,13 @@ from __future__ import annotations
 import argparse
 import json
 import math
-from pathlib import Path as FsPath
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from megatron_railwave.planner import EligiblePolicy, Path, PlanOptions, parse_path
+from megatron_railwave.names import Route, parse_route, route_list
+from megatron_railwave.planner import EligiblePolicy, PlanOptions
 from megatron_railwave.topology import RailTopology, load_topology
 from megatron_railwave.traffic import dtype_bytes
 
@@ -32,7 +33,7 @@ __all__ = [
     "write_json",
 ]
 
-ALL_PATHS = (Path.NATIVE, Path.RAIL, Path.PERM, Path.JOINT)
+ALL_PATHS = (Route.NATIVE, Route.RAIL, Route.PERM, Route.JOINT)
 
 
 def parse_failed_rail(text: str) -> tuple[int, int]:
@@ -50,15 +51,15 @@ def parse_path_choice(text: str) -> str:
     if text.strip().lower() == "all":
         return "all"
     try:
-        return str(parse_path(text))
+        return str(parse_route(text))
     except ValueError:
         raise argparse.ArgumentTypeError(
-            f"unknown path {text!r}; choose one of native, rail, perm, joint, all"
+            f"unknown path {text!r}; choose one of {route_list(extra=('all',))}"
         ) from None
 
 
-def paths_from_choice(choice: str) -> list[Path]:
-    return list(ALL_PATHS) if choice == "all" else [parse_path(choice)]
+def paths_from_choice(choice: str) -> list[Route]:
+    return list(ALL_PATHS) if choice == "all" else [parse_route(choice)]
 
 
 def _rail_mask_gpus(text: str) -> list[int]:
@@ -97,7 +98,7 @@ def add_workload_args(parser: argparse.ArgumentParser) -> None:
 def add_plan_args(parser: argparse.ArgumentParser, *, default_path: str = "joint") -> None:
     group = parser.add_argument_group("planner")
     group.add_argument("--path", type=parse_path_choice, default=default_path, metavar="PATH",
-                       help=f"native, rail, perm, joint or all (default {default_path})")
+                       help=f"{route_list(extra=('all',))} (default {default_path})")
     group.add_argument("--policy", choices=[str(p) for p in EligiblePolicy], default="all",
                        help="RailBalance eligible rails: all healthy, active senders, or --rail-mask")
     group.add_argument("--rail-mask", type=_rail_mask_gpus, default=None, metavar="GPUS",
@@ -179,6 +180,6 @@ def json_ready(value: Any) -> Any:
 
 def write_json(path: str, data: dict[str, Any]) -> None:
     """Write ``data`` as strict JSON (the path was checked up front by ``_outputs``)."""
-    out = FsPath(path)
+    out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(json_ready(data), indent=1, allow_nan=False) + "\n")

@@ -43,11 +43,12 @@ import numpy as np
 import torch
 
 from megatron_railwave.commands import _common, _outputs, _render
+from megatron_railwave.names import ROUTES, route_list
 
 __all__ = ["register", "run", "layer_demands", "summarize_samples"]
 
 _PATTERNS = ("none", "ring", "moderate", "extreme")
-_PATHS = ("native", "rail", "perm", "joint")
+_PATHS = tuple(map(str, ROUTES))
 PEERS = ("deepep-balanced", "deepep-direct", "megatron", "megatron-flat", "fast")
 """Peers beside the paths (`netmodel.peers`): deepep-balanced is the baseline on the token-balanced
 input (`layer_demands(balanced_tokens=True)`)."""
@@ -233,7 +234,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     group.add_argument("--seed", type=int, default=0, help="routing seed (default 0)")
     group = parser.add_argument_group("paths")
     group.add_argument("--paths", type=_choices(_PATHS), default=list(_PATHS), metavar="P,P",
-                       help="native, rail, perm, joint (default all)")
+                       help=f"{route_list()} (default all)")
     group.add_argument("--fanin", type=_ints, default=[1], metavar="F,F",
                        help="wave fan-ins for perm/joint (default 1: cyclic, N-1 waves)")
     group.add_argument("--chunks", type=_ints, default=[1], metavar="C,C",

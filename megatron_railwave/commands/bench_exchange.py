@@ -25,10 +25,11 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-from pathlib import Path as FsPath
+from pathlib import Path
 from typing import Any
 
 from megatron_railwave.commands import _common, _outputs, _render
+from megatron_railwave.names import route_list
 
 __all__ = ["register", "run", "alltoall_skip_reason"]
 
@@ -60,7 +61,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     group.add_argument("--seed", type=int, default=0, help="routing and input seed (default 0)")
     group = parser.add_argument_group("measurement")
     group.add_argument("--path", type=_common.parse_path_choice, default="all", metavar="PATH",
-                       help="native, rail, perm, joint or all (default all)")
+                       help=f"{route_list(extra=('all',))} (default all)")
     group.add_argument("--warmups", type=int, default=3, help="untimed rounds of every variant (default 3)")
     group.add_argument("--samples", type=int, default=20, help="timed rounds (default 20)")
     group.add_argument("--backward", action="store_true",
@@ -200,7 +201,7 @@ def run(args: argparse.Namespace) -> int:
             f"{s['inter_node_wire_ratio']:.2f}x")
     if result["profile"]:
         if args.profile_out:
-            FsPath(args.profile_out).write_text(result["profile"])
+            Path(args.profile_out).write_text(result["profile"])
             _render.print_text(f"wrote profile of {args.profile} (rank 0) to {args.profile_out}")
         else:
             _render.print_text(result["profile"])

@@ -23,6 +23,7 @@ from collections import Counter
 from typing import Any
 
 from megatron_railwave.commands import _common, _outputs, _render
+from megatron_railwave.names import ROUTES
 
 __all__ = ["register", "run", "parse_floats", "load_model", "model_dict"]
 
@@ -166,7 +167,7 @@ def print_latencies(title: str, rows: list[dict[str, Any]]) -> None:
     _render.print_table(title, ["request", "log2(B/ref)", "(rho-1)/s", "(kappa-1)/s", "native ms",
                                 "rail ms", "perm ms", "joint ms", "best", "gain", "kept"],
                         [[r["request"], *r["coords"],
-                          *[r["latency_s"][p]["median"] * 1e3 for p in ("native", "rail", "perm", "joint")],
+                          *[r["latency_s"][p]["median"] * 1e3 for p in tuple(map(str, ROUTES))],
                           r["best"], f"{r['gain']:+.1%}", r["reason"]] for r in rows])
 
 

@@ -23,6 +23,7 @@ from typing import Any
 
 from megatron_railwave.commands import _common, _outputs, _render
 from megatron_railwave.commands.calibrate import _layers, load_model
+from megatron_railwave.names import ROUTES
 
 __all__ = ["register", "run"]
 
@@ -136,7 +137,7 @@ def run(args: argparse.Namespace) -> int:
             _print_run(model_file, seed, result["summary"], topo.world_size, args.decision_cost)
             runs[str(seed)] = {k: v for k, v in result.items() if not k.startswith("_")}
         out_models[model_file] = {"base": {"layers": list(base.layers), "seconds_XLP": base.seconds_XLP.tolist(),
-                                           "paths": ["native", "rail", "perm", "joint"],
+                                           "paths": list(map(str, ROUTES)),
                                            "records_XLWN": [[r.tolist() for r in row] for row in base.records_XL],
                                            "offline_XL": off, "offline_anchors": args.anchors if off else None},
                                   "runs": runs}
@@ -159,10 +160,10 @@ def run(args: argparse.Namespace) -> int:
 
 def _suffixed(path: str, model_file: str) -> str:
     """``path`` with the model file's stem before the extension (one learned file per model)."""
-    from pathlib import Path as FsPath
+    from pathlib import Path
 
-    p = FsPath(path)
-    return str(p.with_name(f"{p.stem}.{FsPath(model_file).stem}{p.suffix}"))
+    p = Path(path)
+    return str(p.with_name(f"{p.stem}.{Path(model_file).stem}{p.suffix}"))
 
 
 def _print_run(model_file: str, seed: int, s: dict[str, Any], world: int, decision_cost: bool = False) -> None:

@@ -22,7 +22,8 @@ from typing import Any
 
 import torch
 
-from megatron_railwave.planner import Path, PlanOptions
+from megatron_railwave.names import Route
+from megatron_railwave.planner import PlanOptions
 from megatron_railwave.lab.workloads import synthetic_routing_maps
 from megatron_railwave.topology import RailTopology
 from megatron_railwave.lab.bench.planning import time_rank_planning
@@ -51,7 +52,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def plan_layer(
     topo: RailTopology,
     *,
-    paths: list[Path],
+    paths: list[Route],
     num_tokens: int,
     num_experts: int,
     topk: int,

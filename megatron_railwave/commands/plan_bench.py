@@ -37,6 +37,7 @@ from megatron_railwave.topology import RailTopology
 from megatron_railwave.lab.bench.planning import time_rank_planning
 from megatron_railwave.traffic import DemandCounts, local_demand
 from megatron_railwave.commands import _common, _outputs, _render
+from megatron_railwave.names import route_list
 
 __all__ = ["register", "run", "bench_config"]
 
@@ -56,7 +57,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="experts; raised to the next multiple of the world size (default 128)")
     parser.add_argument("--topk", type=int, default=8, metavar="K", help="experts per token (default 8)")
     parser.add_argument("--path", type=_common.parse_path_choice, default="joint", metavar="PATH",
-                        help="native, rail, perm, joint or all (default joint)")
+                        help=f"{route_list(extra=('all',))} (default joint)")
     parser.add_argument("--fanin", type=int, default=1, metavar="F", help="wave fan-in for perm/joint")
     parser.add_argument("--seed", type=int, default=0, help="routing seed (default 0)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed runs per config (default 3)")

@@ -29,16 +29,17 @@ from __future__ import annotations
 
 import argparse
 from collections import defaultdict
-from pathlib import Path as FsPath
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from megatron_railwave.commands import _common, _outputs, _render
+from megatron_railwave.names import ROUTES
 
 __all__ = ["register", "run", "summarize_logs", "write_plots", "layer_table"]
 
-PATHS = ("native", "rail", "perm", "joint")
+PATHS = tuple(map(str, ROUTES))
 COLORS = {"native": "#7f7f7f", "rail": "#1f77b4", "perm": "#ff7f0e", "joint": "#2ca02c"}
 
 
@@ -169,7 +170,7 @@ def layer_table(summary: dict[str, Any]) -> tuple[list[str], list[list[Any]]]:
     return header, rows
 
 
-def write_plots(records: list[dict[str, Any]], summary: dict[str, Any], out_dir: str | FsPath) -> list[FsPath]:
+def write_plots(records: list[dict[str, Any]], summary: dict[str, Any], out_dir: str | Path) -> list[Path]:
     """The three PNGs (see the module docstring); returns their paths."""
     import matplotlib
 
@@ -177,7 +178,7 @@ def write_plots(records: list[dict[str, Any]], summary: dict[str, Any], out_dir:
     import matplotlib.pyplot as plt
     from matplotlib.colors import ListedColormap
 
-    out = FsPath(out_dir)
+    out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     calls = _calls(records)
     layers = sorted({int(c["layer"]) for c in calls})
@@ -226,7 +227,7 @@ def write_plots(records: list[dict[str, Any]], summary: dict[str, Any], out_dir:
     return files
 
 
-def _online_plot(calls: list[dict[str, Any]], path: FsPath) -> FsPath:
+def _online_plot(calls: list[dict[str, Any]], path: Path) -> Path:
     """``online.png`` (module docstring)."""
     import matplotlib.pyplot as plt
 
@@ -255,7 +256,7 @@ def _online_plot(calls: list[dict[str, Any]], path: FsPath) -> FsPath:
     return _save(fig, path)
 
 
-def _save(fig: Any, path: FsPath) -> FsPath:
+def _save(fig: Any, path: Path) -> Path:
     import matplotlib.pyplot as plt
 
     fig.tight_layout()
@@ -268,7 +269,7 @@ def run(args: argparse.Namespace) -> int:
     from megatron_railwave.telemetry.commlog import read_logs, split_runs
     from megatron_railwave.outputs import check_output_dir
 
-    plot_dir = FsPath(args.out) if args.out else FsPath(args.log_dir) / "report"
+    plot_dir = Path(args.out) if args.out else Path(args.log_dir) / "report"
     runs = split_runs(read_logs(args.log_dir))
     if args.run is not None:
         if args.run not in runs:

@@ -15,10 +15,11 @@ import json
 import os
 import time
 from dataclasses import asdict
-from pathlib import Path as FsPath
+from pathlib import Path
 from typing import Any
 
 from megatron_railwave.commands import _common, _outputs, _render
+from megatron_railwave.names import ROUTES
 
 __all__ = ["register"]
 
@@ -52,7 +53,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     _add_spec_args(run)
     run.add_argument("--patterns", default="ring,moderate,extreme", help="sending arrangements (default all three)")
     run.add_argument("--rails", default="balanced,skewed", help="replayed layer: balanced and/or skewed rails")
-    run.add_argument("--paths", default="native,rail,perm,joint", help="paths to measure (default all four)")
+    run.add_argument("--paths", default=",".join(map(str, ROUTES)), help="paths to measure (default all)")
     run.add_argument("--tokens", type=int, default=64, metavar="T", help="tokens per rank (default 64)")
     run.add_argument("--hidden", type=int, default=4096, metavar="H", help="hidden size (default 4096, GLM-4.5-Air)")
     run.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
@@ -83,7 +84,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     _add_spec_args(online)
     online.add_argument("--patterns", default="extreme", help="sending arrangements of the layers (default extreme)")
     online.add_argument("--rails", default="balanced,skewed", help="layers: balanced and/or skewed rails (default both)")
-    online.add_argument("--paths", default="native,rail,perm,joint", help="fixed paths run next to the online "
+    online.add_argument("--paths", default=",".join(map(str, ROUTES)), help="fixed paths run next to the online "
                                                                           "selector (default all four)")
     online.add_argument("--steps", type=int, default=40, help="training steps (default 40)")
     online.add_argument("--tokens", type=int, default=64, metavar="T", help="tokens per rank (default 64)")
@@ -121,8 +122,8 @@ def _spec_from_args(args: argparse.Namespace):  # type: ignore[no-untyped-def]
                        prefix=args.prefix)
 
 
-def _state_path(state_dir: str, name: str) -> FsPath:
-    return FsPath(state_dir) / f"{name}.json"
+def _state_path(state_dir: str, name: str) -> Path:
+    return Path(state_dir) / f"{name}.json"
 
 
 def _up(args: argparse.Namespace) -> int:

@@ -26,10 +26,10 @@ from megatron_railwave.exchange.deepep_api import REAL_LIMITS, check_deepep_layo
 from megatron_railwave.exchange.capacity import check_capacity, check_padding
 from megatron_railwave.exchange.groups import RankGroups
 from megatron_railwave.exchange.torch_dist import TorchDistExchange
+from megatron_railwave.names import BackendName
 
-__all__ = ["build_exchange", "BackendName", "deepep_rank_order_problem"]
+__all__ = ["build_exchange", "deepep_rank_order_problem"]
 
-BackendName = Literal["torch", "deepep", "auto"]
 _LOG = logging.getLogger("megatron_railwave.exchange")
 _LOGGED: set[str] = set()  # 'auto' decisions already logged in this process (one per layer otherwise)
 

@@ -42,7 +42,8 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_railwave.planner import Path, PathPlan, PlanOptions, build_plan, parse_path
+from megatron_railwave.names import Route, parse_route
+from megatron_railwave.planner import PathPlan, PlanOptions, build_plan
 from megatron_railwave.schedule import ExecutionSchedule, RankView, RecordWireFormat, compile_schedule, rank_view
 from megatron_railwave.schedule.wire import META_FIXED_WORDS, ROUTING_BITS_PER_WORD
 from megatron_railwave.topology import RailTopology
@@ -127,12 +128,12 @@ def _lru_get(cache: OrderedDict, key: tuple, make):
     return value
 
 
-def capacity_plan(topo: RailTopology, path: Path | str, capacity: int, options: PlanOptions) -> PathPlan:
+def capacity_plan(topo: RailTopology, path: Route | str, capacity: int, options: PlanOptions) -> PathPlan:
     """The path's plan for the capacity demand (remainder rotation phase 0: the plan is fixed)."""
-    return build_plan(capacity_demand(topo, capacity), topo, parse_path(path), options=options, phase=0)
+    return build_plan(capacity_demand(topo, capacity), topo, parse_route(path), options=options, phase=0)
 
 
-def _schedule(topo: RailTopology, path: Path, capacity: int, options: PlanOptions,
+def _schedule(topo: RailTopology, path: Route, capacity: int, options: PlanOptions,
               wire: RecordWireFormat) -> ExecutionSchedule:
     key = (topo, path, capacity, _options_key(options), wire)
     return _lru_get(_SCHEDULES, key, lambda: compile_schedule(
@@ -157,11 +158,11 @@ class CapacityLayer:
     capacity: int
 
 
-def capacity_layer(topo: RailTopology, path: Path | str, capacity: int, options: PlanOptions,
+def capacity_layer(topo: RailTopology, path: Route | str, capacity: int, options: PlanOptions,
                    wire: RecordWireFormat, rank: int, device: torch.device) -> CapacityLayer:
     """The cached schedule, rank view and index maps of the capacity plan (built on first use:
     host planning and one host-to-device copy of small counts; later calls cost a dict lookup)."""
-    path = parse_path(path)
+    path = parse_route(path)
     device = torch.device(device)
     key = (topo, path, capacity, _options_key(options), wire, rank, device)
 

@@ -39,7 +39,8 @@ from dataclasses import dataclass
 import torch
 
 from megatron_railwave import ops
-from megatron_railwave.planner import Path, PathPlan, PlanOptions
+from megatron_railwave.names import Route
+from megatron_railwave.planner import PathPlan, PlanOptions
 from megatron_railwave.schedule import ExecutionSchedule, RankView, RecordWireFormat, compile_for_rank
 from megatron_railwave.schedule.wire import META_FIXED_WORDS, ROUTING_BITS_PER_WORD
 from megatron_railwave.topology import RailTopology
@@ -348,7 +349,7 @@ def prepare_layer(ctx: RankContext, layer: LayerDemand, plan: PathPlan, *, hidde
 
 
 def prepare_capacity_layer(ctx: RankContext, hidden: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor,
-                           *, path: Path | str, capacity: int) -> LayerHandle:
+                           *, path: Route | str, capacity: int) -> LayerHandle:
     """Fixed-capacity mode: this rank's handle for one layer, with no communication and no host
     sync (``exchange.capacity``). Replaces ``gather_demand`` + ``prepare_layer``.
 

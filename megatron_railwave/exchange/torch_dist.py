@@ -22,7 +22,7 @@ import torch
 from megatron_railwave.planner import PathPlan, PlanOptions, build_plan
 from megatron_railwave.topology import RailTopology
 from megatron_railwave.traffic import DemandCounts
-from megatron_railwave.planner import Path
+from megatron_railwave.names import Route
 from megatron_railwave.exchange.capacity import PaddedEntries, check_capacity
 from megatron_railwave.exchange.groups import RankGroups, report_failure, reported_failures, survey_unresponsive
 from megatron_railwave.exchange.layer import (EntryIndex, InputError, LayerDemand, LayerHandle, RankContext, combine_backward, combine_forward,
@@ -210,7 +210,7 @@ class TorchDistExchange:
 
     # ------------------------------------------------------------------ fixed capacity
     def prepare_capacity(self, hidden: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor,
-                         path: Path | str) -> LayerHandle:
+                         path: Route | str) -> LayerHandle:
         """Fixed-capacity mode: this layer's handle for ``dispatch`` without any communication or
         host sync (replaces ``gather_demand``, ``plan`` and ``prepare``; ``exchange.capacity``).
 

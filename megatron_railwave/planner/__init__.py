@@ -4,7 +4,7 @@ Pure functions of (topology, global demand counts, options): the same inputs giv
 on every rank; nothing here communicates.
 """
 
-from megatron_railwave.planner.paths import EligiblePolicy, Path, parse_path
+from megatron_railwave.planner.eligible import EligiblePolicy
 from megatron_railwave.planner.plan import PathPlan, PlanOptions, build_plan, chunk_sizes
 from megatron_railwave.planner.railbalance import eligible_NNG, healthy_gpus_NG, rail_quota_NNG, relay_NNGG
 from megatron_railwave.planner.routes import (RankSplits, RecordRoutes, arrival_mask_counts_NGM, chunk_arrival_counts, delivery_copies_NGG,
@@ -13,8 +13,6 @@ from megatron_railwave.planner.waves import WaveSchedule, all_at_once, bounded_f
 
 __all__ = [
     "EligiblePolicy",
-    "Path",
-    "parse_path",
     "PathPlan",
     "PlanOptions",
     "build_plan",

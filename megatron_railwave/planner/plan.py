@@ -19,7 +19,8 @@ import torch
 
 from megatron_railwave.topology import RailTopology
 from megatron_railwave.traffic import DemandCounts, SelectorScales, TrafficStats, rail_load_NRN, traffic_stats
-from megatron_railwave.planner.paths import EligiblePolicy, Path, parse_path
+from megatron_railwave.names import Route, parse_route
+from megatron_railwave.planner.eligible import EligiblePolicy
 from megatron_railwave.planner.railbalance import eligible_NNG, quota_and_relay
 from megatron_railwave.planner.waves import WaveSchedule, all_at_once, bounded_fanin_schedule
 
@@ -75,7 +76,7 @@ class PathPlan:
             chunk k is rail phase v * chunks + k.
     """
 
-    path: Path
+    path: Route
     topology: RailTopology
     schedule: WaveSchedule
     phase: int
@@ -143,7 +144,7 @@ def chunk_sizes(rows: np.ndarray | int, chunks: int) -> np.ndarray:
 def build_plan(
     demand: DemandCounts | torch.Tensor,
     topo: RailTopology,
-    path: Path | str,
+    path: Route | str,
     *,
     options: PlanOptions | None = None,
     phase: int = 0,
@@ -162,7 +163,7 @@ def build_plan(
         The ``PathPlan``. Host sync: no (CPU tensors in, CPU tensors out).
     """
     options = options or PlanOptions()
-    path = parse_path(path)
+    path = parse_route(path)
     records_NGN = demand.records_NGN() if isinstance(demand, DemandCounts) else demand
     n, g = topo.num_nodes, topo.gpus_per_node
     if tuple(records_NGN.shape) != (n, g, n):

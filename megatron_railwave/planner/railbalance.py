@@ -31,7 +31,7 @@ import torch
 
 from megatron_railwave import ops
 from megatron_railwave.topology import RailTopology
-from megatron_railwave.planner.paths import EligiblePolicy
+from megatron_railwave.planner.eligible import EligiblePolicy
 
 __all__ = ["healthy_gpus_NG", "eligible_NNG", "rail_quota_NNG", "relay_NNGG", "quota_and_relay",
            "surplus_deficit_bounds"]

@@ -44,13 +44,13 @@ import datetime as _dt
 import math
 import os
 from dataclasses import dataclass, field
-from pathlib import Path as FsPath
+from pathlib import Path
 from typing import Any
 
 import yaml
 
 from megatron_railwave.selector.path_model import RailJointModel
-from megatron_railwave.planner import Path, parse_path
+from megatron_railwave.names import Route, parse_route, route_list
 from megatron_railwave.planner.plan import MAX_CHUNKS
 from megatron_railwave.topology import RailTopology, read_yaml
 from megatron_railwave.traffic import SelectorScales, TrafficStats
@@ -77,7 +77,7 @@ DEFAULT_SHAPE_DISTANCE = 0.02
 
 ANCHORS_FORMAT = "railwave-anchors"
 ANCHORS_VERSION = 1
-_PATHS = (Path.NATIVE, Path.RAIL, Path.PERM, Path.JOINT)
+_PATHS = (Route.NATIVE, Route.RAIL, Route.PERM, Route.JOINT)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -116,8 +116,8 @@ class Anchor:
     B_mean_bytes: float
     rho_g: float
     kappa: float
-    path: Path
-    latency_s: dict[Path, PathLatency] = field(default_factory=dict)
+    path: Route
+    latency_s: dict[Route, PathLatency] = field(default_factory=dict)
     input_windows: int = 1
     """Sending windows of the calibrated input: 1 = all node pairs at once (what a training step
     sends), N - 1 = a replay arrangement, whose windows NATIVE and RAIL keep. The selector reuses
@@ -186,14 +186,14 @@ class AnchorSet:
                 else shape_distance)
 
     @property
-    def fallback_below(self) -> tuple[float, Path] | None:
+    def fallback_below(self) -> tuple[float, Route] | None:
         """(B_mean bytes, path) tuned by ``railwave calibrate`` (``context.settings.selector.
         fallback_below``, checked when the file is loaded): below this payload, outside every
         anchor, the selector runs this fewer-phase path instead of JOINT; None: JOINT everywhere."""
         below = (self.context.settings.get("selector") or {}).get("fallback_below")
         if not below:
             return None
-        return float(below["payload_bytes"]), parse_path(below["path"])
+        return float(below["payload_bytes"]), parse_route(below["path"])
 
     @property
     def path_model(self) -> RailJointModel | None:
@@ -254,11 +254,11 @@ def _mapping(data: Any, source: str, where: str) -> dict[str, Any]:
     return data
 
 
-def _path(value: Any, source: str, where: str) -> Path:
+def _path(value: Any, source: str, where: str) -> Route:
     try:
-        return parse_path(value)
+        return parse_route(value)
     except ValueError:
-        raise _fail(source, where, f"must be one of native, rail, perm, joint, got {value!r}") from None
+        raise _fail(source, where, f"must be one of {route_list()}, got {value!r}") from None
 
 
 def _latency(data: Any, source: str, where: str) -> PathLatency:
@@ -287,7 +287,7 @@ def _anchor(data: Any, source: str, where: str) -> Anchor:
         raise _fail(source, f"{where}.path", "is missing")
     path = _path(data["path"], source, f"{where}.path")
     lat = _mapping(data.get("latency_s", {}), source, f"{where}.latency_s")
-    latency: dict[Path, PathLatency] = {}
+    latency: dict[Route, PathLatency] = {}
     for key, value in lat.items():
         p = _path(key, source, f"{where}.latency_s.{key}")
         latency[p] = _latency(value, source, f"{where}.latency_s.{key}")
@@ -427,14 +427,14 @@ def load_anchors(path: str | os.PathLike, topo: RailTopology | None) -> AnchorSe
             "always JOINT" with one warning).
         ValueError: malformed file (the message names the field) or another topology.
     """
-    path = FsPath(path)
+    path = Path(path)
     data = read_yaml(path, "anchors file")
     return anchors_from_dict(data, source=repr(str(path)), topo=topo)
 
 
-def save_anchors(anchor_set: AnchorSet, path: str | os.PathLike) -> FsPath:
+def save_anchors(anchor_set: AnchorSet, path: str | os.PathLike) -> Path:
     """Write ``anchor_set`` as YAML (directories created); returns the path."""
-    path = FsPath(path)
+    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump(anchor_set.to_dict(), sort_keys=False, default_flow_style=None))
     return path

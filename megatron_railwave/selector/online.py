@@ -68,7 +68,7 @@ import torch
 from megatron_railwave import ops
 from megatron_railwave.config import OnlineSettings
 from megatron_railwave.selector.anchors import Anchor, AnchorSet, CalibrationContext, PathLatency, save_anchors
-from megatron_railwave.planner import Path
+from megatron_railwave.names import Route
 from megatron_railwave.topology import RailTopology
 from megatron_railwave.traffic import SelectorScales, TrafficStats
 
@@ -77,7 +77,7 @@ __all__ = ["OnlineSettings", "OnlineDecision", "OnlineSelector", "SharedNeighbou
            "anchor_prior", "live_selectors", "save_learned_anchors", "save_learned_anchors_at_exit", "TIMING_NONE",
            "TIMING_MISSING", "TIMING_NAN", "TIMING_NEGATIVE", "TIMING_STALLED", "TIMING_MAX_NS"]
 
-ALL_PATHS: tuple[Path, ...] = (Path.JOINT, Path.RAIL, Path.PERM, Path.NATIVE)
+ALL_PATHS: tuple[Route, ...] = (Route.JOINT, Route.RAIL, Route.PERM, Route.NATIVE)
 """Candidates in tie-break order (JOINT first: the fallback wins ties)."""
 
 TIMING_NONE = 0
@@ -346,11 +346,11 @@ class _Neighbourhood:
     index: int
     centre: tuple[float, float, float]
     stats: TrafficStats
-    order: tuple[Path, ...]
+    order: tuple[Route, ...]
     """Probe order (the prior's or the nearest neighbourhood's best first)."""
-    times: dict[Path, _Times]
-    deferred: set[Path] = field(default_factory=set)
-    seed_excess: dict[Path, float] = field(default_factory=dict)
+    times: dict[Route, _Times]
+    deferred: set[Route] = field(default_factory=set)
+    seed_excess: dict[Route, float] = field(default_factory=dict)
     """Deferred candidates' excess over the best (ratio - 1) as the seed measured it, until this
     neighbourhood times them itself (their re-probe wait)."""
     """Candidates not probed now (dropped early, or put behind by the prior): re-probes only."""
@@ -360,14 +360,14 @@ class _Neighbourhood:
     """Calls this neighbourhood waited for other layers' probes (at most ``_MAX_WAITS``)."""
     probing_done: bool = False
     """Every candidate has its probes or waits for re-probes (counts only grow: stays done)."""
-    probed_at: dict[Path, int] = field(default_factory=dict)
+    probed_at: dict[Route, int] = field(default_factory=dict)
     """Exploit count when each candidate was last chosen to probe (its re-probe wait starts there)."""
     last_used: int = 0
     seeded_by: str = "none"
     shared_seq: int = 0
     """Order of creation among the neighbourhoods of ``SharedNeighbourhoods`` (its ties)."""
 
-    def best(self) -> Path | None:
+    def best(self) -> Route | None:
         best, best_t = None, math.inf
         for p in self.order:
             t = self.times[p]
@@ -383,7 +383,7 @@ class OnlineDecision:
     """One call's path and why (logged per layer call). Not frozen: a frozen dataclass's
     constructor costs about a microsecond more, on every layer call; nothing changes one."""
 
-    path: Path
+    path: Route
     mode: str
     """'probe', 'exploit', 'reprobe', 'wait' (the best timed path while another layer's probe of
     a path is in flight), 'fallback' (bad timings), 'replay' (recompute), 'idle' (no
@@ -393,7 +393,7 @@ class OnlineDecision:
     call: int = 0
 
 
-Prior = Callable[[TrafficStats], "tuple[Path, dict[Path, float] | None] | None"]
+Prior = Callable[[TrafficStats], "tuple[Route, dict[Route, float] | None] | None"]
 """The anchors' advice for a new neighbourhood: (path, median seconds per path or None), or None."""
 
 _LIVE: "weakref.WeakSet[OnlineSelector]" = weakref.WeakSet()
@@ -406,15 +406,15 @@ class SharedNeighbourhoods:
 
     def __init__(self) -> None:
         self.tables: dict[str, list[_Neighbourhood]] = {}
-        self.pending: dict[tuple[str, Path], int] = {}
+        self.pending: dict[tuple[str, Route], int] = {}
         """Probes decided whose times have not come back yet, per (pass kind, path)."""
-        self.timed: dict[tuple[str, Path], list[tuple[float, float, float, int, _Neighbourhood]]] = {}
+        self.timed: dict[tuple[str, Route], list[tuple[float, float, float, int, _Neighbourhood]]] = {}
         """The neighbourhoods in ``tables`` that timed each (pass kind, path), as (centre,
         creation order, neighbourhood): what ``ratio`` scans, instead of every neighbourhood of
         every layer."""
         self._created = 0
 
-    def ratio(self, kind: str, centre: tuple[float, float, float], path: Path, exclude: _Neighbourhood) -> float | None:
+    def ratio(self, kind: str, centre: tuple[float, float, float], path: Route, exclude: _Neighbourhood) -> float | None:
         """``path``'s median over the best other path's in the nearest other neighbourhood that
         timed both (None: none did)."""
         x, y, z = centre
@@ -443,7 +443,7 @@ class SharedNeighbourhoods:
                 if t.recent:
                     self.timed[(kind, p)] = [e for e in self.timed[(kind, p)] if e[4] is not nb]
 
-    def first_time(self, kind: str, nb: _Neighbourhood, path: Path) -> None:
+    def first_time(self, kind: str, nb: _Neighbourhood, path: Route) -> None:
         """``nb`` (added here, not removed) has just timed ``path`` for the first time."""
         self.timed.setdefault((kind, path), []).append((*nb.centre, nb.shared_seq, nb))
 
@@ -482,7 +482,7 @@ class OnlineSelector:
         self.prior = prior
         self.layer = layer
         self.shared = shared if self.settings.share else None
-        self.candidates: tuple[Path, ...] = tuple(p for p in ALL_PATHS if str(p) in self.settings.candidates)
+        self.candidates: tuple[Route, ...] = tuple(p for p in ALL_PATHS if str(p) in self.settings.candidates)
         self._log_ratio = math.log2(self.settings.payload_ratio) + 1e-12
         self._tables: dict[str, list[_Neighbourhood]] = {}
         self._current: dict[str, _Neighbourhood] = {}
@@ -490,7 +490,7 @@ class OnlineSelector:
         """The previous call's decision: the next call's timing words measure it."""
         self._last_nb: _Neighbourhood | None = None
         """The neighbourhood of ``_last`` (where its time is filed)."""
-        self._recompute: dict[Path, _Times] = {}
+        self._recompute: dict[Route, _Times] = {}
         self.calls = 0
         self.bad_in_row = 0
         self.bad_total = 0
@@ -556,7 +556,7 @@ class OnlineSelector:
         return None
 
     # ------------------------------------------------------------------ decisions
-    def replay(self, path: Path) -> OnlineDecision:
+    def replay(self, path: Route) -> OnlineDecision:
         """A recompute: the forward's path, timed under its own pass kind."""
         self.calls += 1
         decision = OnlineDecision(path=path, mode="replay", kind="recompute", call=self.calls)
@@ -569,9 +569,9 @@ class OnlineSelector:
         self.calls += 1
         call = self.calls
         if self.fallback_reason is not None:
-            decision = OnlineDecision(path=Path.JOINT, mode="fallback", kind=kind, call=call)
+            decision = OnlineDecision(path=Route.JOINT, mode="fallback", kind=kind, call=call)
         elif not math.isfinite(stats.coords[0]):  # no remote payload: every path moves the same
-            decision = OnlineDecision(path=Path.JOINT, mode="idle", kind=kind, call=call)
+            decision = OnlineDecision(path=Route.JOINT, mode="idle", kind=kind, call=call)
         else:
             nb = self._neighbourhood(kind, stats, call)
             self._last_nb = nb
@@ -618,7 +618,7 @@ class OnlineSelector:
         elif self.shared is not None:
             near = self.shared.nearest(kind, x, y, z)
             seeded = "another layer"
-        excess: dict[Path, float] = {}
+        excess: dict[Route, float] = {}
         if near is not None:
             medians = {p: t.median() for p, t in near.times.items() if t.recent}
             order, deferred, excess = self._seeded_order(medians)
@@ -645,7 +645,7 @@ class OnlineSelector:
             self.shared.add(kind, nb)
         return nb
 
-    def _seeded_order(self, medians: dict[Path, float]) -> tuple[tuple[Path, ...], set[Path], dict[Path, float]]:
+    def _seeded_order(self, medians: dict[Route, float]) -> tuple[tuple[Route, ...], set[Route], dict[Route, float]]:
         """Probe order by known medians (fastest first, unknown last), the candidates put behind
         by ``drop_ratio`` (probed only at re-probes) and their excess over the best."""
         ranked = sorted(self.candidates, key=lambda p: (medians.get(p, math.inf), self.candidates.index(p)))
@@ -653,10 +653,10 @@ class OnlineSelector:
         deferred = {p for p in ranked[1:] if p in medians and medians[p] > self.settings.drop_ratio * best}
         return tuple(ranked), deferred, {p: medians[p] / best - 1.0 for p in deferred}
 
-    def _choose(self, nb: _Neighbourhood, kind: str) -> tuple[Path, str]:
+    def _choose(self, nb: _Neighbourhood, kind: str) -> tuple[Route, str]:
         s = self.settings
         waiting = False
-        ratios: dict[Path, float | None] = {}  # the other layers' ratio of each path, once per call
+        ratios: dict[Route, float | None] = {}  # the other layers' ratio of each path, once per call
         for round_ in range(0 if nb.probing_done else s.probes):
             for p in nb.order:
                 if p in nb.deferred:
@@ -676,7 +676,7 @@ class OnlineSelector:
                         nb.deferred.add(p)
                         nb.seed_excess[p] = ratio - 1.0
                         continue
-                    if p != Path.JOINT and self.shared.pending.get((kind, p), 0) > 0 and nb.waits < _MAX_WAITS:
+                    if p != Route.JOINT and self.shared.pending.get((kind, p), 0) > 0 and nb.waits < _MAX_WAITS:
                         waiting = True
                         continue
                 if t.recent:
@@ -688,11 +688,11 @@ class OnlineSelector:
                 return p, "probe"
         if waiting:  # the best timed path so far (JOINT before any), until the other layers' times arrive
             nb.waits += 1
-            return nb.best() or Path.JOINT, "wait"
+            return nb.best() or Route.JOINT, "wait"
         nb.probing_done = True
         best = nb.best()
         if best is None:  # every candidate deferred without times (cannot happen with JOINT kept)
-            return Path.JOINT, "probe"
+            return Route.JOINT, "probe"
         nb.exploits += 1
         challenger = self._challenger(nb, best)
         if challenger is not None:
@@ -701,7 +701,7 @@ class OnlineSelector:
             return challenger, "reprobe"
         return best, "exploit"
 
-    def _challenger(self, nb: _Neighbourhood, best: Path) -> Path | None:
+    def _challenger(self, nb: _Neighbourhood, best: Route) -> Route | None:
         """The stalest candidate whose wait has paid for a re-probe (module docstring), or None."""
         s = self.settings
         best_t = nb.times[best].median()
@@ -733,7 +733,7 @@ class OnlineSelector:
                 "last_ms": self.last_seconds * 1e3 if self.last_seconds is not None else None,
                 "bad_timings": self.bad_total}
 
-    def learned(self, kind: str = "train") -> list[tuple[_Neighbourhood, dict[Path, PathLatency], list[Path]]]:
+    def learned(self, kind: str = "train") -> list[tuple[_Neighbourhood, dict[Route, PathLatency], list[Route]]]:
         """Neighbourhoods of ``kind`` that timed their best path, with every path's latency summary
         and the paths whose latency is *estimated*: never timed there but deferred by a seed
         (another neighbourhood's ratio to its best, ``seed_excess``): the best median x (1 +
@@ -809,7 +809,7 @@ def anchor_prior(anchor_set: AnchorSet, explain: Callable[[TrafficStats], Any]) 
     median latencies order the probes. Outside every anchor: the rule's path alone."""
     by_name = {a.name: a for a in anchor_set.anchors}
 
-    def prior(stats: TrafficStats) -> tuple[Path, dict[Path, float] | None] | None:
+    def prior(stats: TrafficStats) -> tuple[Route, dict[Route, float] | None] | None:
         selection = explain(stats)
         anchor = by_name.get(selection.anchor) if selection.anchor else None
         if anchor is None:

@@ -1,4 +1,4 @@
-"""Path selection per layer: a fixed path, the calibrated nearest-anchor rule, or the calibrated
+"""Route selection per layer: a fixed path, the calibrated nearest-anchor rule, or the calibrated
 RAIL / JOINT path model.
 
 A selector sees only global data (the anchor rule: B, rho_g, kappa of the gathered demand; the
@@ -33,7 +33,7 @@ import math
 import os
 from dataclasses import dataclass
 from functools import lru_cache
-from pathlib import Path as FsPath
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
@@ -41,7 +41,8 @@ import numpy as np
 from megatron_railwave.selector.anchors import DEFAULT_PAYLOAD_RATIO, DEFAULT_SHAPE_DISTANCE, Anchor, AnchorSet, load_anchors
 from megatron_railwave.selector.online import PROCESS_SHARED, OnlineSelector, anchor_prior
 from megatron_railwave.selector.path_model import RailJointModel, path_features
-from megatron_railwave.planner import Path, WaveSchedule, parse_path
+from megatron_railwave.names import Route, parse_route
+from megatron_railwave.planner import WaveSchedule
 from megatron_railwave.topology import RailTopology
 from megatron_railwave.traffic import DemandCounts, SelectorScales, TrafficStats
 
@@ -54,7 +55,7 @@ __all__ = ["PathSelector", "FixedSelector", "AnchorSelector", "ModelSelector", "
 
 
 class PathSelector(Protocol):
-    def select(self, stats: TrafficStats) -> Path:
+    def select(self, stats: TrafficStats) -> Route:
         """The path for a phase with these (global) descriptors."""
         ...
 
@@ -62,10 +63,10 @@ class PathSelector(Protocol):
 class FixedSelector:
     """Always the same path."""
 
-    def __init__(self, path: Path | str) -> None:
-        self.path = parse_path(path)
+    def __init__(self, path: Route | str) -> None:
+        self.path = parse_route(path)
 
-    def select(self, stats: TrafficStats) -> Path:
+    def select(self, stats: TrafficStats) -> Route:
         return self.path
 
 
@@ -73,7 +74,7 @@ class FixedSelector:
 class Selection:
     """Why a path was chosen (tools and validation; ``select`` returns only the path)."""
 
-    path: Path
+    path: Route
     anchor: str | None
     """Name of the anchor reused, None for the fallback."""
     distance: float
@@ -105,14 +106,14 @@ class AnchorSelector:
                  "_points", "_scales", "_log_ratio", "_below_x", "_fallback_phases")
 
     def __init__(self, anchor_set: AnchorSet, *, payload_ratio: float = DEFAULT_PAYLOAD_RATIO,
-                 shape_distance: float = DEFAULT_SHAPE_DISTANCE, fallback: Path | str = Path.JOINT,
-                 extend_below: bool = True, fallback_below: tuple[float, Path | str] | None = None) -> None:
+                 shape_distance: float = DEFAULT_SHAPE_DISTANCE, fallback: Route | str = Route.JOINT,
+                 extend_below: bool = True, fallback_below: tuple[float, Route | str] | None = None) -> None:
         if not payload_ratio >= 1:
             raise ValueError(f"payload_ratio must be >= 1, got {payload_ratio}")
         if not shape_distance >= 0:
             raise ValueError(f"shape_distance must be >= 0, got {shape_distance}")
         if fallback_below is not None:
-            below_bytes, below_path = float(fallback_below[0]), parse_path(fallback_below[1])
+            below_bytes, below_path = float(fallback_below[0]), parse_route(fallback_below[1])
             if not (below_bytes > 0 and math.isfinite(below_bytes)) or below_path.waved:
                 raise ValueError(f"fallback_below must be (bytes > 0, native or rail), got {fallback_below!r}")
             fallback_below = (below_bytes, below_path)
@@ -120,7 +121,7 @@ class AnchorSelector:
         self.anchor_set = anchor_set
         self.payload_ratio = float(payload_ratio)
         self.shape_distance = float(shape_distance)
-        self.fallback = parse_path(fallback)
+        self.fallback = parse_route(fallback)
         self.extend_below = bool(extend_below)
         fallback_phases = fallback_phases_of(anchor_set, self.fallback)
         self._fallback_phases = fallback_phases
@@ -167,7 +168,7 @@ class AnchorSelector:
                              coords=(x, y, z))
         return Selection(path=best[0], anchor=best[1], distance=math.sqrt(best_d2), coords=(x, y, z))
 
-    def fallback_path(self, x: float, input_windows: int = 1) -> Path:
+    def fallback_path(self, x: float, input_windows: int = 1) -> Route:
         """The path outside every anchor's neighbourhood at payload coordinate ``x``:
         ``fallback_below``'s path below its payload where it posts fewer phases, else ``fallback``."""
         if x < self._below_x and self.fallback_below is not None and fewer_phases(input_windows,
@@ -175,7 +176,7 @@ class AnchorSelector:
             return self.fallback_below[1]
         return self.fallback
 
-    def select(self, stats: TrafficStats) -> Path:
+    def select(self, stats: TrafficStats) -> Route:
         return self.explain(stats).path
 
     def reach_AR(self, coords_R3: np.ndarray, windows_R: np.ndarray) -> np.ndarray:
@@ -215,10 +216,10 @@ class ModelSelector:
 
     __slots__ = ("model", "topo", "fallback")
 
-    def __init__(self, model: RailJointModel, topo: RailTopology, *, fallback: Path | str = Path.JOINT) -> None:
+    def __init__(self, model: RailJointModel, topo: RailTopology, *, fallback: Route | str = Route.JOINT) -> None:
         self.model = model
         self.topo = topo
-        self.fallback = parse_path(fallback)
+        self.fallback = parse_route(fallback)
 
     def explain_layer(self, stats: TrafficStats, demand: DemandCounts, *, record_bytes: int,
                       windows: WaveSchedule | None = None) -> Selection:
@@ -230,17 +231,17 @@ class ModelSelector:
                                                                       input_windows=_input_windows(windows))
             return Selection(path=self.fallback, anchor="gate" if gated else None, distance=math.inf,
                              coords=stats.coords)
-        return Selection(path=Path.RAIL if predicted < 0 else Path.JOINT, anchor="model", distance=predicted,
+        return Selection(path=Route.RAIL if predicted < 0 else Route.JOINT, anchor="model", distance=predicted,
                          coords=stats.coords)
 
     def select_layer(self, stats: TrafficStats | None, demand: DemandCounts, *, record_bytes: int,
-                     windows: WaveSchedule | None = None) -> Path:
+                     windows: WaveSchedule | None = None) -> Route:
         """The path alone. ``stats`` is not read (None is fine): the model decides from the counts,
         so the dispatcher need not compute the descriptors for it (``needs_descriptors``)."""
         predicted = self._predict(demand, record_bytes=record_bytes, windows=windows)
         if predicted is None:
             return self.fallback
-        return Path.RAIL if predicted < 0 else Path.JOINT
+        return Route.RAIL if predicted < 0 else Route.JOINT
 
     def _predict(self, demand: DemandCounts, *, record_bytes: int, windows: WaveSchedule | None) -> float | None:
         """Predicted log(t_RAIL / t_JOINT); None without remote payload (every path is the same),
@@ -256,7 +257,7 @@ class ModelSelector:
         features = path_features(demand, self.topo, record_bytes=record_bytes, windows=windows, costs=self.model.costs)
         return self.model.log_ratio(features, input_windows=input_windows)
 
-    def select(self, stats: TrafficStats) -> Path:
+    def select(self, stats: TrafficStats) -> Route:
         raise TypeError("ModelSelector decides from the gathered counts, not the descriptors alone: call "
                         "select_for_layer(selector, stats, demand, record_bytes=...)")
 
@@ -267,7 +268,7 @@ def _input_windows(windows: WaveSchedule | None) -> int:
 
 
 def select_for_layer(selector: PathSelector, stats: TrafficStats | None, demand: DemandCounts, *,
-                     record_bytes: int, windows: WaveSchedule | None = None) -> Path:
+                     record_bytes: int, windows: WaveSchedule | None = None) -> Route:
     """One layer's path: a selector that reads the counts (``select_layer``, the path model) gets
     them; any other ``PathSelector`` the descriptors alone (``stats``; None only where
     ``needs_descriptors(selector)`` is False)."""
@@ -293,7 +294,7 @@ def needs_delivery(selector: PathSelector) -> bool:
     return isinstance(selector, ModelSelector)
 
 
-def fallback_phases_of(anchor_set: AnchorSet, fallback: Path) -> int | None:
+def fallback_phases_of(anchor_set: AnchorSet, fallback: Route) -> int | None:
     """Rail phases the fallback posts per call on the calibrated cluster: N - 1 waves of the
     file's rail chunks each for a waved path (the cyclic permutation schedule calibration plans
     with), None (unknown: the input's windows) for NATIVE / RAIL."""
@@ -355,14 +356,14 @@ def selector_from_config(config: RailWaveConfig, topo: RailTopology, *,
     if config.anchors is None:
         _warn_once("<none>", "railwave path 'auto' without an anchors file: every layer runs JOINT "
                    "(run `railwave calibrate` to create anchors)", warn=warn)
-        return FixedSelector(Path.JOINT)
-    path = FsPath(config.anchors).expanduser().resolve()
+        return FixedSelector(Route.JOINT)
+    path = Path(config.anchors).expanduser().resolve()
     try:
         mtime = os.stat(path).st_mtime_ns
     except FileNotFoundError:
         _warn_once(str(path), f"railwave anchors file {str(path)!r} does not exist: every layer "
                    "runs JOINT (run `railwave calibrate --out` to create it)", warn=warn)
-        return FixedSelector(Path.JOINT)
+        return FixedSelector(Route.JOINT)
     anchor_set = _cached_anchors(str(path), mtime, topo)
     if anchor_set.chunks != config.chunks:
         # The anchors say where a path beats JOINT with the file's chunks; another JOINT (more or
@@ -384,7 +385,7 @@ def _online_selector(config: RailWaveConfig, topo: RailTopology) -> OnlineSelect
     is its prior and sets its coordinate scales. A missing file raises: the user named it."""
     if config.anchors is None:
         return OnlineSelector(config.online, scales=SelectorScales().resolve(topo), shared=PROCESS_SHARED)
-    path = FsPath(config.anchors).expanduser().resolve()
+    path = Path(config.anchors).expanduser().resolve()
     if not path.is_file():
         raise ValueError(f"anchors file {str(path)!r} (the online selector's prior) does not exist; write it with "
                          "`railwave calibrate --out` or an earlier run's online_out, or drop 'anchors'")

@@ -26,7 +26,7 @@ import re
 import time
 import weakref
 from collections import deque
-from pathlib import Path as FsPath
+from pathlib import Path
 from typing import Any, Callable, Literal
 
 from megatron_railwave.process import global_rank
@@ -93,7 +93,7 @@ class JsonlStatsSink:
             raise ValueError(f"log mode must be 'rank' or 'job', got {mode!r}")
         if interval < 1:
             raise ValueError(f"log interval must be >= 1, got {interval}")
-        self.log_dir = FsPath(log_dir)
+        self.log_dir = Path(log_dir)
         self.interval = interval
         self.mode = mode
         self._rank = rank
@@ -116,7 +116,7 @@ class JsonlStatsSink:
         return self._run_id
 
     @property
-    def path(self) -> FsPath:
+    def path(self) -> Path:
         name = f"railwave_{self.run_id}.jsonl" if self.mode == "job" else f"railwave_{self.run_id}_rank{self.rank}.jsonl"
         return self.log_dir / name
 
@@ -198,7 +198,7 @@ NO_RUN_ID = "-"
 """Run id of records from files written before runs had ids (``railwave_rank<R>.jsonl``)."""
 
 
-def _run_of_file(path: FsPath) -> str:
+def _run_of_file(path: Path) -> str:
     if re.fullmatch(r"railwave(_rank\d+)?\.jsonl", path.name):
         return NO_RUN_ID
     match = _FILE_RUN.fullmatch(path.name)
@@ -214,7 +214,7 @@ def read_logs(log_dir: str | os.PathLike) -> list[dict[str, Any]]:
         ValueError: no such directory, no log file, or a line that is not a JSON object (file and
             line named).
     """
-    log_dir = FsPath(log_dir)
+    log_dir = Path(log_dir)
     if not log_dir.exists():
         raise ValueError(f"log directory {str(log_dir)!r} does not exist; give the directory set as "
                          "--railwave-log-dir (RailWaveConfig.log_dir)")

@@ -31,6 +31,7 @@ from typing import Any, Callable
 
 import torch
 
+from megatron_railwave.names import ROUTES
 from megatron_railwave.telemetry.stats import LayerCommStats
 from megatron_railwave.traffic import MiB
 
@@ -67,14 +68,11 @@ METRICS: dict[str, Callable[[LayerCommStats], float | None]] = {
     "tokens_per_expert_max": lambda s: float(s.tokens_per_expert_max),
     "tokens_per_expert_std": lambda s: s.tokens_per_expert_std,
     "overload_factor": lambda s: s.overload_factor,
-    "path_native": lambda s: float(s.path == "native"),
-    "path_rail": lambda s: float(s.path == "rail"),
-    "path_perm": lambda s: float(s.path == "perm"),
-    "path_joint": lambda s: float(s.path == "joint"),
+    **{f"path_{r}": (lambda s, r=str(r): float(s.path == r)) for r in ROUTES},
     # The online selector's state (None: another selector; such calls add nothing).
     "selector_probe": lambda s: float(s.selector_mode in ("probe", "reprobe")) if s.selector_mode else None,
     "selector_fallback": lambda s: float(s.selector_mode == "fallback") if s.selector_mode else None,
-    **{f"measured_{p}_ms": (lambda s, p=p: s.measured_ms.get(p)) for p in ("native", "rail", "perm", "joint")},
+    **{f"measured_{p}_ms": (lambda s, p=p: s.measured_ms.get(p)) for p in map(str, ROUTES)},
 }
 """Metric name (without the ``railwave_`` prefix) -> value of one layer call.
 

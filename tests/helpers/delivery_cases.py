@@ -6,7 +6,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from megatron_railwave.planner import Path, PathPlan, PlanOptions, build_plan
+from megatron_railwave.names import Route
+from megatron_railwave.planner import PathPlan, PlanOptions, build_plan
 from megatron_railwave.schedule import PhaseKind, RecordWireFormat, compile_schedule
 from megatron_railwave.topology import RailTopology
 from megatron_railwave.traffic import DemandCounts
@@ -30,7 +31,7 @@ def subset_demand(topo: RailTopology, rng: np.random.Generator) -> DemandCounts:
     return DemandCounts(records_WNM=wnm)
 
 
-def dispatch_deliveries(demand: DemandCounts, topo: RailTopology, path: Path, chunks: int
+def dispatch_deliveries(demand: DemandCounts, topo: RailTopology, path: Route, chunks: int
                         ) -> tuple[PathPlan, list[tuple[int, np.ndarray, np.ndarray, np.ndarray]]]:
     """The plan, and (round, source ranks, destination ranks, rows) of every dispatch delivery
     round of its compiled schedule (round 0: the local round), copies that stay on their GPU

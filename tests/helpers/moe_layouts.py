@@ -18,10 +18,11 @@ import numpy as np
 import torch
 
 from tests.helpers.moe_layer import build_from_spec, load_canonical_weights, rank_inputs
+from megatron_railwave.names import ROUTES
 
 __all__ = ["run_layouts_worker"]
 
-PATHS = ("native", "rail", "perm", "joint")
+PATHS = tuple(map(str, ROUTES))
 EXPERTS, TOPK, HIDDEN, FFN = 8, 3, 16, 8
 
 

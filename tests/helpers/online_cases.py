@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import math
 
-from megatron_railwave.planner import Path
+from megatron_railwave.names import Route
 from megatron_railwave.topology import RailTopology
 from megatron_railwave.traffic import MiB, SelectorScales, TrafficStats
 
 TOPO = RailTopology(num_nodes=4, gpus_per_node=8)
 SCALES = SelectorScales().resolve(TOPO)
-TRUE_S = {Path.NATIVE: 4e-3, Path.RAIL: 2.2e-3, Path.PERM: 3e-3, Path.JOINT: 2e-3}
+TRUE_S = {Route.NATIVE: 4e-3, Route.RAIL: 2.2e-3, Route.PERM: 3e-3, Route.JOINT: 2e-3}
 
 
 def stats(b_mib: float, rho: float = 3.0, kappa: float = 2.0) -> TrafficStats:

@@ -16,8 +16,9 @@ if str(_REPO_ROOT) not in sys.path:  # spawned ranks inherit sys.path and import
 
 from tests.helpers.async_worker import run_async_matches_sync, run_async_timeout  # noqa: E402
 from tests.helpers.dist import run_distributed  # noqa: E402
+from megatron_railwave.names import ROUTES
 
-PATHS = ["native", "rail", "perm", "joint"]
+PATHS = list(map(str, ROUTES))
 
 
 def test_async_exchange_returns_in_flight_and_matches_sync_bitwise():

@@ -19,6 +19,7 @@ from megatron_railwave.cli import main
 from megatron_railwave.planner import build_plan
 from megatron_railwave.topology import RailTopology
 from megatron_railwave.traffic import DemandCounts
+from megatron_railwave.names import ROUTES
 
 TINY = ["bench-exchange", "--nodes", "2", "--gpus-per-node", "2", "--tokens", "16", "--hidden", "16",
         "--experts", "8", "--topk", "3", "--warmups", "1", "--samples", "3", "--timeout", "300"]
@@ -43,7 +44,7 @@ def test_bench_exchange_tiny_run_writes_all_variants(tmp_path, capsys):
         assert v["max_abs_err"] < 1e-5, f"{name} output differs from x * sum(probs)"
         assert {"counts", "dispatch", "combine"} <= set(v["phases_ms"])
     assert data["variants"]["alltoall"]["over_alltoall"] == 1.0
-    for path in ["native", "rail", "perm", "joint"]:
+    for path in list(map(str, ROUTES)):
         b = data["bytes"]["railwave"][path]
         assert BYTES_KEYS | {"inter_node_records", "relayed_records", "delivered_copies"} <= set(b)
         assert len(b["rail_send_bytes_NG"]) == 2 and len(b["rail_send_bytes_NG"][0]) == 2  # [N][G]

@@ -15,8 +15,9 @@ import pytest
 from tests.helpers.deepep_worker import run_backends, run_moe_layer_backends, run_unsupported_layouts
 from tests.helpers.dist import run_distributed
 from tests.helpers.exchange_worker import dense_reference
+from megatron_railwave.names import ROUTES
 
-PATHS = ["native", "rail", "perm", "joint"]
+PATHS = list(map(str, ROUTES))
 
 
 @pytest.mark.parametrize(

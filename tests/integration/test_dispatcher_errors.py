@@ -39,6 +39,7 @@ if str(_REPO_ROOT) not in sys.path:  # spawned ranks inherit sys.path and import
 
 from megatron_railwave.config import RailWaveConfig  # noqa: E402
 from tests.helpers.dist import run_distributed  # noqa: E402
+from megatron_railwave.names import ROUTES
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("megatron") is None,
                                 reason="megatron-core is not installed")
@@ -47,7 +48,7 @@ WORLD = 4
 EXPERTS = 8  # 2 per rank; rank r owns experts 2r, 2r + 1
 TOPK = 2
 HIDDEN = 8
-PATHS = ["native", "rail", "perm", "joint"]
+PATHS = list(map(str, ROUTES))
 
 # Options RailWave refuses, with a value that turns each on (each case also names the option).
 UNSUPPORTED = {

@@ -12,8 +12,9 @@ import pytest
 
 from tests.helpers.dist import run_distributed
 from tests.helpers.moe_worker import run_layer_all_dispatchers
+from megatron_railwave.names import ROUTES
 
-PATHS = ["native", "rail", "perm", "joint"]
+PATHS = list(map(str, ROUTES))
 KEYS = ["output", "input_grad", "fc1_grad", "fc2_grad", "router_grad"]
 
 

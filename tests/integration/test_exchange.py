@@ -8,8 +8,9 @@ import torch
 
 from tests.helpers.dist import DistributedRankError, run_distributed
 from tests.helpers.exchange_worker import run_exchange, run_bad_input
+from megatron_railwave.names import ROUTES
 
-PATHS = ["native", "rail", "perm", "joint"]
+PATHS = list(map(str, ROUTES))
 
 
 def _check(results, rtol=1e-5):

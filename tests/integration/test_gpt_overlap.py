@@ -27,11 +27,12 @@ if str(_REPO_ROOT) not in sys.path:  # spawned ranks inherit sys.path and import
 
 from tests.helpers.dist import run_distributed  # noqa: E402
 from tests.helpers.gpt_moe import gpt_runs_worker  # noqa: E402
+from megatron_railwave.names import ROUTES
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("megatron") is None,
                                 reason="megatron-core is not installed")
 
-PATHS = ["native", "rail", "perm", "joint"]
+PATHS = list(map(str, ROUTES))
 WORLD = 4
 
 

@@ -17,7 +17,7 @@ from megatron_railwave.selector.anchors import (
     load_anchors,
     save_anchors,
 )
-from megatron_railwave.planner import Path
+from megatron_railwave.names import Route
 from megatron_railwave.topology import RailTopology
 
 TOPO = RailTopology(num_nodes=4, gpus_per_node=8, name="h800_4x8")
@@ -30,9 +30,9 @@ def _lat(ms: float, spread: float = 1.05) -> PathLatency:
 def make_set(topo: RailTopology = TOPO, anchors: tuple[Anchor, ...] | None = None) -> AnchorSet:
     if anchors is None:
         anchors = (Anchor(name="req-1", coords=(0.5, 0.1, 0.9), B_mean_bytes=79_000_000.0, rho_g=1.7,
-                          kappa=2.8, path=Path.RAIL,
-                          latency_s={Path.NATIVE: _lat(9.0), Path.RAIL: _lat(4.0), Path.PERM: _lat(6.0),
-                                     Path.JOINT: _lat(5.0)}),)
+                          kappa=2.8, path=Route.RAIL,
+                          latency_s={Route.NATIVE: _lat(9.0), Route.RAIL: _lat(4.0), Route.PERM: _lat(6.0),
+                                     Route.JOINT: _lat(5.0)}),)
     ctx = CalibrationContext(topology=topo.to_dict(), hidden_size=4096, dtype="bf16", backend="fake",
                              date="2026-01-01T00:00:00+00:00", settings={"repeats": 10})
     return AnchorSet(anchors=anchors, scales=AnchorSet.scales_for(topo), context=ctx)
@@ -45,7 +45,7 @@ def test_anchors_round_trip_keeps_every_field(tmp_path):
     assert text.startswith("format: railwave-anchors\nversion: 1\n")
     back = load_anchors(path, TOPO)
     assert back == aset
-    assert back.anchors[0].latency_s[Path.RAIL].spread == pytest.approx(1.05 ** 2)
+    assert back.anchors[0].latency_s[Route.RAIL].spread == pytest.approx(1.05 ** 2)
 
 
 def test_anchors_round_trip_keeps_input_windows_and_settings(tmp_path):
@@ -53,7 +53,7 @@ def test_anchors_round_trip_keeps_input_windows_and_settings(tmp_path):
     # and the provenance of the requests (validate rebuilds held-out requests from it).
     base = make_set().anchors[0]
     arranged = Anchor(name="req-2", coords=(-5.0, 0.2, 0.9), B_mean_bytes=1_700_000.0, rho_g=2.4, kappa=2.8,
-                      path=Path.PERM, latency_s=base.latency_s, input_windows=3)
+                      path=Route.PERM, latency_s=base.latency_s, input_windows=3)
     settings = {"repeats": 1, "requests": {"workload": "glm", "seed": 0, "layers": [1, 3], "tokens": [128, 4096],
                                            "payload_scales": [1.0], "arrangements": ["none", "extreme"]}}
     aset = make_set(anchors=(base, arranged))
@@ -156,13 +156,13 @@ def test_shipped_anchors_files_load_for_their_cluster_and_chunks(name):
     # Every file in configs/anchors loads for the preset it names and gives a selector with the
     # rail chunks it records (the _c2 files: 2 chunks per wave; the others whole waves); every
     # file's tuning chose the path model over the anchors.
-    from pathlib import Path as FsPath
+    from pathlib import Path
 
     from megatron_railwave.config import RailWaveConfig
     from megatron_railwave.selector import ModelSelector, selector_from_config
     from megatron_railwave.topology import load_topology
 
-    repo = FsPath(__file__).resolve().parents[2]
+    repo = Path(__file__).resolve().parents[2]
     path = repo / "configs" / "anchors" / f"{name}.yaml"
     topo = load_topology(name.removesuffix("_c2"))
     aset = load_anchors(path, topo)
@@ -185,7 +185,7 @@ def test_shipped_files_coefficients_come_from_their_kept_rows(name):
     # (scripts/selector_refit.py, in git history at 7438618: configs/anchors/README.md) fails here.
     import gzip
     import json
-    from pathlib import Path as FsPath
+    from pathlib import Path
 
     import numpy as np
 
@@ -194,7 +194,7 @@ def test_shipped_files_coefficients_come_from_their_kept_rows(name):
     from megatron_railwave.topology import load_topology
     from megatron_railwave.traffic import dtype_bytes
 
-    anchors = FsPath(__file__).resolve().parents[2] / "configs" / "anchors"
+    anchors = Path(__file__).resolve().parents[2] / "configs" / "anchors"
     model = load_anchors(anchors / f"{name}.yaml", None).path_model
     with gzip.open(anchors / "rows" / f"{name}.jsonl.gz", "rt") as f:
         rows = [json.loads(line) for line in f]

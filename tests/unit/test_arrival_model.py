@@ -9,7 +9,7 @@ import torch
 
 from megatron_railwave.selector.arrivals import arrival_copies_NNCGG, prefix_copies
 from megatron_railwave.selector.path_model import class_copies_NGNKG
-from megatron_railwave.planner import Path
+from megatron_railwave.names import Route
 from megatron_railwave.topology import RailTopology
 from megatron_railwave.traffic import DemandCounts, mask_classes
 from tests.helpers.delivery_cases import dispatch_deliveries, subset_demand
@@ -106,7 +106,7 @@ def test_arrivals_match_the_compiled_schedule_where_target_bits_are_independent(
     for seed in range(4):
         demand = make_demand(topo, seed)
         got = arrival_copies_NNCGG(demand.records_NGN().double().numpy(), class_copies_NGNKG(demand), topo, chunks)
-        plan, rounds = dispatch_deliveries(demand, topo, Path.JOINT, chunks)
+        plan, rounds = dispatch_deliveries(demand, topo, Route.JOINT, chunks)
         for step, src, dst, rows in rounds:
             if step == 0:
                 continue

@@ -25,7 +25,8 @@ from megatron_railwave.lab.calibration import (
     validation_requests,
 )
 from megatron_railwave.cli import main
-from megatron_railwave.planner import Path, PlanOptions
+from megatron_railwave.names import Route
+from megatron_railwave.planner import PlanOptions
 from megatron_railwave.selector import AnchorSelector
 from megatron_railwave.topology import RailTopology
 
@@ -52,7 +53,7 @@ class FakeBackend:
         self.rng = np.random.default_rng(seed)
         self.calls: list[tuple[str, str, int]] = []
 
-    def latency(self, request: ReplayRequest, path: Path) -> float:
+    def latency(self, request: ReplayRequest, path: Route) -> float:
         plan = request_plan(request, self.topo, path)
         n = self.topo.num_nodes
         load = plan.rail_load_NRN().to(torch.float64) * request.record_bytes
@@ -66,7 +67,7 @@ class FakeBackend:
         relay = plan.relayed_records() * request.record_bytes / self.topo.world_size / self.topo.nvlink_bytes_per_s
         return total + relay
 
-    def measure(self, request: ReplayRequest, path: Path, repeats: int) -> list[float]:
+    def measure(self, request: ReplayRequest, path: Route, repeats: int) -> list[float]:
         self.calls.append((request.name, str(path), repeats))
         base = self.latency(request, path)
         return [base * (1 + self.noise * abs(float(self.rng.standard_normal()))) for _ in range(repeats)]
@@ -113,11 +114,11 @@ def _lat(med: float, lo: float, hi: float) -> PathLatency:
 ])
 def test_keep_anchor_rule(rail, joint, kept, reason):
     slow = _lat(20.0, 19.9, 20.1)
-    latency = {Path.NATIVE: slow, Path.RAIL: rail, Path.PERM: slow, Path.JOINT: joint}
+    latency = {Route.NATIVE: slow, Route.RAIL: rail, Route.PERM: slow, Route.JOINT: joint}
     best, got_kept, gain, why = keep_anchor(latency)
     assert got_kept == kept and reason in why
     if kept:
-        assert best == Path.RAIL and gain == pytest.approx(1 - rail.p90 / joint.p10)
+        assert best == Route.RAIL and gain == pytest.approx(1 - rail.p90 / joint.p10)
 
 
 @pytest.mark.parametrize("joint_s", [1e-4, 3.3e-4, 0.0123, 0.1, 0.7, 10.0])
@@ -125,14 +126,14 @@ def test_keep_anchor_threshold_is_exactly_five_percent(joint_s):
     # The rule is "beats JOINT by >= 5%": a path at exactly 0.95 x JOINT is kept (whatever the
     # float rounding of 0.95 x t), one 0.1% short of it is dropped, with the default min_gain.
     latency = {p: _lat(2 * joint_s, 2 * joint_s, 2 * joint_s) for p in ALL_PATHS}
-    latency[Path.JOINT] = _lat(joint_s, joint_s, joint_s)
+    latency[Route.JOINT] = _lat(joint_s, joint_s, joint_s)
     for best_s in (joint_s * 0.95, joint_s - 0.05 * joint_s, joint_s * (1 - 0.05)):
-        latency[Path.RAIL] = _lat(best_s, best_s, best_s)
+        latency[Route.RAIL] = _lat(best_s, best_s, best_s)
         best, kept, gain, why = keep_anchor(latency)
-        assert (best, kept, why) == (Path.RAIL, True, "kept"), (joint_s, best_s, gain)
-    latency[Path.RAIL] = _lat(joint_s * 0.951, joint_s * 0.951, joint_s * 0.951)  # 4.9% faster
+        assert (best, kept, why) == (Route.RAIL, True, "kept"), (joint_s, best_s, gain)
+    latency[Route.RAIL] = _lat(joint_s * 0.951, joint_s * 0.951, joint_s * 0.951)  # 4.9% faster
     best, kept, gain, why = keep_anchor(latency)
-    assert best == Path.RAIL and not kept and "< 5%" in why and gain == pytest.approx(0.049)
+    assert best == Route.RAIL and not kept and "< 5%" in why and gain == pytest.approx(0.049)
 
 
 def test_calibrate_keeps_only_winners_over_joint(calibrated, requests):
@@ -142,10 +143,10 @@ def test_calibrate_keeps_only_winners_over_joint(calibrated, requests):
     assert kept, "the fake model makes RAIL win at small payloads with skewed rails"
     assert [a.name for a in aset.anchors] == [r.request for r in kept]
     for a in aset.anchors:
-        assert a.path != Path.JOINT
+        assert a.path != Route.JOINT
         lat = a.latency_s
         assert set(lat) == set(ALL_PATHS)
-        assert lat[a.path].p90 <= 0.95 * lat[Path.JOINT].p10
+        assert lat[a.path].p90 <= 0.95 * lat[Route.JOINT].p10
     for r in rows:
         if not r.kept:
             assert r.reason  # every dropped request says why
@@ -223,21 +224,21 @@ def test_glm_validation_requests_share_no_seed_or_layer_with_calibration():
     assert len(seqs) == 4 and all(layers == [2, 4] for layers in seqs.values())
 
 
-def _row(name: str, selected: Path, times: dict[Path, float], *, seq: str = "s", pos: int = 0):
+def _row(name: str, selected: Route, times: dict[Route, float], *, seq: str = "s", pos: int = 0):
     median = {p: times.get(p, 1.0) for p in ALL_PATHS}
-    best = min(ALL_PATHS, key=lambda p: (median[p], p != Path.JOINT))
+    best = min(ALL_PATHS, key=lambda p: (median[p], p != Route.JOINT))
     return calibration.ValidationRow(request=name, coords=(0.0, 0.0, 0.0), selected=selected, anchor=None,
                                      median_s=median, best=best, sequence=seq, position=pos)
 
 
 def test_validation_goal_one_allows_exactly_three_percent():
-    at_limit = _row("a", Path.JOINT, {Path.JOINT: 0.103, Path.RAIL: 0.1})       # 1.03x the best: within
+    at_limit = _row("a", Route.JOINT, {Route.JOINT: 0.103, Route.RAIL: 0.1})       # 1.03x the best: within
     # 0.003843 x 1.03 / 0.003843 rounds to 1.0300000000000002: still exactly 3%, still within.
-    rounded = _row("r", Path.JOINT, {Path.JOINT: 0.003843 * 1.03, Path.RAIL: 0.003843}, pos=5)
+    rounded = _row("r", Route.JOINT, {Route.JOINT: 0.003843 * 1.03, Route.RAIL: 0.003843}, pos=5)
     result = calibration.ValidationResult(rows=(at_limit, rounded))
     goals = result.summary()["goals"]
     assert goals["within_tolerance_of_best_on_every_request"]
-    over = _row("b", Path.JOINT, {Path.JOINT: 0.1031, Path.RAIL: 0.1}, pos=1)  # 1.031x: over
+    over = _row("b", Route.JOINT, {Route.JOINT: 0.1031, Route.RAIL: 0.1}, pos=1)  # 1.031x: over
     s = calibration.ValidationResult(rows=(at_limit, over)).summary()
     assert not s["goals"]["within_tolerance_of_best_on_every_request"] and not s["goals"]["all_met"]
     assert s["num_over_tolerance"] == 1 and s["over_tolerance_requests"] == ["b"]
@@ -245,11 +246,11 @@ def test_validation_goal_one_allows_exactly_three_percent():
 
 
 def test_validation_goal_two_needs_a_total_strictly_below_always_joint():
-    same = _row("a", Path.JOINT, {Path.JOINT: 0.1})
+    same = _row("a", Route.JOINT, {Route.JOINT: 0.1})
     s = calibration.ValidationResult(rows=(same,)).summary()
     assert not s["goals"]["total_beats_always_joint"]  # equal totals do not beat JOINT
-    faster = _row("b", Path.RAIL, {Path.JOINT: 0.1, Path.RAIL: 0.09}, pos=1)
-    slower = _row("c", Path.NATIVE, {Path.JOINT: 0.1, Path.NATIVE: 0.102}, pos=2)
+    faster = _row("b", Route.RAIL, {Route.JOINT: 0.1, Route.RAIL: 0.09}, pos=1)
+    slower = _row("c", Route.NATIVE, {Route.JOINT: 0.1, Route.NATIVE: 0.102}, pos=2)
     s = calibration.ValidationResult(rows=(same, faster, slower)).summary()
     assert s["total_selected_s"] == pytest.approx(0.1 + 0.09 + 0.102)
     assert s["total_fixed_s"]["joint"] == pytest.approx(0.3)
@@ -261,9 +262,9 @@ def test_validation_goal_two_needs_a_total_strictly_below_always_joint():
 def test_decision_cost_is_charged_per_layer_against_always_joint():
     # JOINT 0.3 s in all; the selection saves 8 ms (b) and loses 2 ms (c); the best per request
     # saves 10 ms (b: RAIL, c: JOINT) -> at most 10 / 3 ms per layer for any decision.
-    rows = (_row("a", Path.JOINT, {Path.JOINT: 0.1}),
-            _row("b", Path.RAIL, {Path.JOINT: 0.1, Path.RAIL: 0.09}, pos=1),
-            _row("c", Path.NATIVE, {Path.JOINT: 0.1, Path.NATIVE: 0.102}, pos=2))
+    rows = (_row("a", Route.JOINT, {Route.JOINT: 0.1}),
+            _row("b", Route.RAIL, {Route.JOINT: 0.1, Route.RAIL: 0.09}, pos=1),
+            _row("c", Route.NATIVE, {Route.JOINT: 0.1, Route.NATIVE: 0.102}, pos=2))
     result = calibration.ValidationResult(rows=rows)
     cheap = result.with_decision_cost(1e-3)
     assert cheap["selected_gain_s_per_layer"] == pytest.approx(0.008 / 3)
@@ -305,9 +306,9 @@ def test_decision_cost_is_charged_per_layer_against_always_joint():
 def test_path_changes_count_consecutive_layers_per_sequence():
     # Sequence x: layers 1..4 select rail, joint, joint, rail -> 2 changes (given out of order);
     # sequence y: one layer -> 0. A change across sequences does not count.
-    rows = (_row("x3", Path.JOINT, {}, seq="x", pos=3), _row("x1", Path.RAIL, {}, seq="x", pos=1),
-            _row("x2", Path.JOINT, {}, seq="x", pos=2), _row("x4", Path.RAIL, {}, seq="x", pos=4),
-            _row("y1", Path.NATIVE, {}, seq="y", pos=1))
+    rows = (_row("x3", Route.JOINT, {}, seq="x", pos=3), _row("x1", Route.RAIL, {}, seq="x", pos=1),
+            _row("x2", Route.JOINT, {}, seq="x", pos=2), _row("x4", Route.RAIL, {}, seq="x", pos=4),
+            _row("y1", Route.NATIVE, {}, seq="y", pos=1))
     assert calibration.count_path_changes(rows) == {"x": 2, "y": 0}
     s = calibration.ValidationResult(rows=rows).summary()
     assert s["num_path_changes"] == 2 and s["num_sequences"] == 2
@@ -325,8 +326,8 @@ def test_requests_under_arrangements_carry_their_windows():
     kappa = [calibration.request_stats(r, TOPO).kappa for r in (ring, extreme)]
     assert kappa[0] == pytest.approx(1.0) and kappa[1] > 2.0
     # NATIVE keeps the arrangement's windows, PERM reorders into one-to-one waves.
-    assert request_plan(extreme, TOPO, Path.NATIVE).schedule == extreme.windows
-    assert request_plan(extreme, TOPO, Path.PERM).schedule.max_fanin() == 1
+    assert request_plan(extreme, TOPO, Route.NATIVE).schedule == extreme.windows
+    assert request_plan(extreme, TOPO, Route.PERM).schedule.max_fanin() == 1
 
 
 def test_make_backend_netmodel_times_each_path_with_the_flow_model(requests):
@@ -436,15 +437,15 @@ def test_tune_selector_leaves_each_routing_out_and_picks_the_smallest_safe_thres
 
     ref, rho_s, kappa_s = AnchorSet.scales_for(TOPO)
     lat = {p: _lat(1.0, 1.0, 1.0) for p in ALL_PATHS}
-    lat[Path.RAIL] = _lat(0.9, 0.9, 0.9)
+    lat[Route.RAIL] = _lat(0.9, 0.9, 0.9)
     rows, anchors = [], []
     for group, y in (("g1", 0.10), ("g2", 0.30), ("g3", 0.20)):
         st = TrafficStats(B_mean_bytes=ref, B_max_bytes=ref, rho_g=1 + rho_s * y, kappa=1 + kappa_s * 0.5,
                           coords=(0.0, y, 0.5), records_total=1, remote_records=1)
         rows.append(calibration.CalibrationRow(request=group, stats=st, coords=st.coords, latency=lat,
-                                               best=Path.RAIL, kept=True, gain=0.1, reason="kept", group=group))
+                                               best=Route.RAIL, kept=True, gain=0.1, reason="kept", group=group))
         anchors.append(Anchor(name=group, coords=st.coords, B_mean_bytes=ref, rho_g=st.rho_g, kappa=st.kappa,
-                              path=Path.RAIL, latency_s=lat))
+                              path=Route.RAIL, latency_s=lat))
     ctx = CalibrationContext(topology=TOPO.to_dict(), hidden_size=1, dtype="bf16", backend="fake", date="x")
     result = calibration.CalibrationResult(anchor_set=AnchorSet(anchors=tuple(anchors), scales=(ref, rho_s, kappa_s),
                                                                 context=ctx), rows=tuple(rows))
@@ -467,7 +468,7 @@ def _twin_layer_result(seeds: dict[str, float]):
 
     ref, rho_s, kappa_s = AnchorSet.scales_for(TOPO)
     lat = {p: _lat(1.0, 1.0, 1.0) for p in ALL_PATHS}
-    lat[Path.RAIL] = _lat(0.9, 0.9, 0.9)
+    lat[Route.RAIL] = _lat(0.9, 0.9, 0.9)
     rows, anchors = [], []
     for seed, y in seeds.items():
         for layer in (1, 3):
@@ -475,10 +476,10 @@ def _twin_layer_result(seeds: dict[str, float]):
             st = TrafficStats(B_mean_bytes=ref, B_max_bytes=ref, rho_g=1 + rho_s * y, kappa=1 + kappa_s * 0.5,
                               coords=(0.0, y, 0.5), records_total=1, remote_records=1)
             rows.append(calibration.CalibrationRow(request=name, stats=st, coords=st.coords, latency=lat,
-                                                   best=Path.RAIL, kept=True, gain=0.1, reason="kept",
+                                                   best=Route.RAIL, kept=True, gain=0.1, reason="kept",
                                                    group=name, seed=seed))
             anchors.append(Anchor(name=name, coords=st.coords, B_mean_bytes=ref, rho_g=st.rho_g, kappa=st.kappa,
-                                  path=Path.RAIL, latency_s=lat))
+                                  path=Route.RAIL, latency_s=lat))
     ctx = CalibrationContext(topology=TOPO.to_dict(), hidden_size=1, dtype="bf16", backend="fake", date="x")
     return calibration.CalibrationResult(anchor_set=AnchorSet(anchors=tuple(anchors), scales=(ref, rho_s, kappa_s),
                                                               context=ctx), rows=tuple(rows))
@@ -516,8 +517,8 @@ def test_tune_selector_keeps_no_anchors_when_none_beat_always_joint():
     # The same anchors, but every request is now faster on JOINT (RAIL 10% slower): anchors
     # chosen from the other seed always hurt, so the tuning keeps none.
     lat = {p: _lat(1.0, 1.0, 1.0) for p in ALL_PATHS}
-    lat[Path.RAIL] = _lat(1.1, 1.1, 1.1)
-    rows = tuple(dataclasses.replace(r, latency=lat, best=Path.JOINT) for r in res.rows)
+    lat[Route.RAIL] = _lat(1.1, 1.1, 1.1)
+    rows = tuple(dataclasses.replace(r, latency=lat, best=Route.JOINT) for r in res.rows)
     worse = calibration.CalibrationResult(anchor_set=res.anchor_set, rows=rows)
     tuned = calibration.tune_selector(worse, grid=grid, split_fallback=False)
     assert tuned["use_anchors"] is False and tuned["scores"][0]["over_tolerance"] == 0
@@ -545,11 +546,11 @@ def test_netmodel_backend_runs_rail_chunks_only_with_the_request_masks(requests)
     backend = make_backend("netmodel", TOPO, options=PlanOptions(chunks=2))
     request = requests[0]
     assert request.demand is not None  # the workloads' requests carry their target masks
-    assert backend.measure(request, Path("joint"), 1)[0] > 0
+    assert backend.measure(request, Route("joint"), 1)[0] > 0
     bare = dataclasses.replace(request, name="bare", demand=None)
     with pytest.raises(ValueError, match=r"request 'bare': a plan with 2 rail chunks per wave needs the request's "
                                          r"target masks"):
-        backend.measure(bare, Path("joint"), 1)
+        backend.measure(bare, Route("joint"), 1)
 
 
 def test_calibrate_with_rail_chunks_times_the_chunked_joint_and_validate_reuses_it(tmp_path):
@@ -572,7 +573,7 @@ def test_calibrate_with_rail_chunks_times_the_chunked_joint_and_validate_reuses_
     rows = {r["request"]: r for r in json.loads(cal_json.read_text())["requests"]}
 
     def joint_s(req, chunks):
-        plan = calibration.request_plan(req, topo, Path.JOINT, PlanOptions(chunks=chunks))
+        plan = calibration.request_plan(req, topo, Route.JOINT, PlanOptions(chunks=chunks))
         return simulate_plan(plan, record_bytes=req.record_bytes, demand=req.demand)
 
     for req in reqs:
@@ -646,13 +647,13 @@ def test_tune_selector_drops_anchors_that_do_not_hold_on_other_seeds():
 
     ref, rho_s, kappa_s = AnchorSet.scales_for(TOPO)
     slow_rail = {p: _lat(1.0, 1.0, 1.0) for p in ALL_PATHS}
-    slow_rail[Path.RAIL] = _lat(1.1, 1.1, 1.1)
+    slow_rail[Route.RAIL] = _lat(1.1, 1.1, 1.1)
     extra = []
     for layer in (1, 3):
         st = TrafficStats(B_mean_bytes=ref, B_max_bytes=ref, rho_g=1 + rho_s * 0.15, kappa=1 + kappa_s * 0.5,
                           coords=(0.0, 0.15, 0.5), records_total=1, remote_records=1)
         extra.append(calibration.CalibrationRow(request=f"glm3-l{layer}", stats=st, coords=st.coords,
-                                                latency=slow_rail, best=Path.JOINT, kept=False, gain=0.0,
+                                                latency=slow_rail, best=Route.JOINT, kept=False, gain=0.0,
                                                 reason="JOINT is fastest", group=f"glm3-l{layer}", seed="glm3"))
     mixed = calibration.CalibrationResult(anchor_set=res.anchor_set, rows=res.rows + tuple(extra))
     grid = {"payload_ratio": (1.25,), "shape_distance": (0.02, 0.1)}
@@ -723,12 +724,12 @@ def test_tune_selector_splits_the_fallback_at_the_payload_where_rail_stops_winni
     for seed, y in (("glm1", 0.1), ("glm2", 0.4)):
         for x, rail in ((-3.0, 0.9), (-1.0, 1.1)):
             lat = {p: _lat(1.0, 1.0, 1.0) for p in ALL_PATHS}
-            lat[Path.RAIL] = _lat(rail, rail, rail)
+            lat[Route.RAIL] = _lat(rail, rail, rail)
             b = ref * 2 ** x
             st = TrafficStats(B_mean_bytes=b, B_max_bytes=b, rho_g=1 + rho_s * y, kappa=1.0, coords=(x, y, 0.0),
                               records_total=1, remote_records=1)
             rows.append(calibration.CalibrationRow(request=f"{seed}-x{x}", stats=st, coords=st.coords, latency=lat,
-                                                   best=Path.RAIL if rail < 1 else Path.JOINT, kept=False, gain=0.0,
+                                                   best=Route.RAIL if rail < 1 else Route.JOINT, kept=False, gain=0.0,
                                                    reason="-", group=f"{seed}-x{x}", seed=seed))
     ctx = CalibrationContext(topology=TOPO.to_dict(), hidden_size=1, dtype="bf16", backend="fake", date="x")
     result = calibration.CalibrationResult(anchor_set=AnchorSet(anchors=(), scales=(ref, rho_s, kappa_s), context=ctx),
@@ -746,9 +747,9 @@ def test_tune_selector_splits_the_fallback_at_the_payload_where_rail_stops_winni
 
     path = save_anchors(with_selector_settings(result.anchor_set, tuned), tmp_path / "a.yaml")
     aset = load_anchors(path, TOPO)
-    assert aset.fallback_below == (pytest.approx(below["payload_bytes"]), Path.RAIL)
+    assert aset.fallback_below == (pytest.approx(below["payload_bytes"]), Route.RAIL)
     sel = AnchorSelector(aset, fallback_below=aset.fallback_below)
-    assert sel.select(rows[0].stats) == Path.RAIL and sel.select(rows[1].stats) == Path.JOINT
-    assert sel.explain(rows[0].stats, input_windows=TOPO.num_nodes - 1).path == Path.JOINT
+    assert sel.select(rows[0].stats) == Route.RAIL and sel.select(rows[1].stats) == Route.JOINT
+    assert sel.explain(rows[0].stats, input_windows=TOPO.num_nodes - 1).path == Route.JOINT
     with pytest.raises(ValueError, match=r"fallback_below must be \(bytes > 0, native or rail\)"):
         AnchorSelector(aset, fallback_below=(1.0, "joint"))

@@ -12,8 +12,9 @@ import pytest
 
 from megatron_railwave.lab.bench.call_costs import CallCostSpec, fit_per_phase, reduce_call_costs, virtual_call_costs
 from megatron_railwave.cli import main
+from megatron_railwave.names import ROUTES
 
-PATHS = ("native", "rail", "perm", "joint")
+PATHS = tuple(map(str, ROUTES))
 
 
 def test_fit_per_phase_recovers_a_line_and_refuses_a_slope_without_spread():

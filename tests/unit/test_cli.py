@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from megatron_railwave.cli import build_parser, main
+from megatron_railwave.names import ROUTES
 
 H800 = str(Path(__file__).resolve().parents[2] / "configs" / "clusters" / "h800_4x8.yaml")
 
@@ -115,7 +116,7 @@ def test_plan_all_paths_native_is_skewed(tmp_path):
     assert main(["plan", "--cluster", "h800_4x8", "--tokens", "256", "--experts", "32", "--path", "all",
                  "--repeats", "1", "--json", str(out)]) == 0
     plans = {p["path"]: p for p in json.loads(out.read_text())["plans"]}
-    assert list(plans) == ["native", "rail", "perm", "joint"]
+    assert list(plans) == list(map(str, ROUTES))
     assert plans["native"]["stats"]["rho_g"] > 1.2  # skewed source rails under NATIVE
     assert plans["rail"]["stats"]["rho_g"] < plans["native"]["stats"]["rho_g"]
     assert plans["perm"]["stats"]["kappa"] == pytest.approx(1.0)
@@ -364,7 +365,7 @@ def test_online_sim_small_run_json_learned_file_and_validate(tmp_path, capsys):
     assert sorted(runs) == ["0", "1"]
     for run in runs.values():
         t = run["summary"]["totals_s"]
-        fixed = [t[f"always_{p}"] for p in ("native", "rail", "perm", "joint")]
+        fixed = [t[f"always_{p}"] for p in tuple(map(str, ROUTES))]
         assert t["oracle_per_call"] <= t["oracle_per_layer"] == pytest.approx(min(fixed))
         assert t["oracle_per_call"] <= t["online"]
         (layer,) = run["layers"]

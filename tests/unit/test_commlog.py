@@ -11,8 +11,9 @@ from megatron_railwave.cli import main
 from megatron_railwave.telemetry.commlog import FanoutSink, JsonlStatsSink, read_logs
 from megatron_railwave.telemetry.megatron_logging import MegatronMetricsSink, report_railwave_metrics
 from megatron_railwave.telemetry.stats import LayerCommStats
+from megatron_railwave.names import ROUTES
 
-PATHS = ("native", "rail", "perm", "joint")
+PATHS = tuple(map(str, ROUTES))
 
 
 def make_stats(layer: int, step: int, path: str = "joint", *, ms: float = 1.0, shares=None) -> LayerCommStats:

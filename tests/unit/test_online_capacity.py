@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatron_railwave.config import OnlineSettings, RailWaveConfig
-from megatron_railwave.planner import Path
+from megatron_railwave.names import Route
 from megatron_railwave.selector import OnlineSelector, selector_from_config
 from megatron_railwave.selector.capacity_epochs import CapacityEpochs
 from megatron_railwave.selector.online import (TIMING_MISSING, TIMING_NAN, TIMING_NONE, TIMING_STALLED,
@@ -57,21 +57,21 @@ def test_observe_files_under_the_given_decision_not_the_last_one():
     sel = OnlineSelector(OnlineSettings(probes=1), scales=SCALES, shared=shared)
     train = sel.decide("train", stats(64))  # probe JOINT (train table)
     evalp = sel.decide("forward_only", stats(64))  # probe JOINT (forward-only table); now _last
-    assert (train.path, train.mode, evalp.mode) == (Path.JOINT, "probe", "probe")
-    assert shared.pending[("train", Path.JOINT)] == 1 and shared.pending[("forward_only", Path.JOINT)] == 1
+    assert (train.path, train.mode, evalp.mode) == (Route.JOINT, "probe", "probe")
+    assert shared.pending[("train", Route.JOINT)] == 1 and shared.pending[("forward_only", Route.JOINT)] == 1
     assert sel.observe_reduced(7000, 5000, decision=train) is None
     (nb,) = sel._tables["train"]
     (nb_eval,) = sel._tables["forward_only"]
-    assert list(nb.times[Path.JOINT].recent) == [7000 * 1e-9] and not nb_eval.times[Path.JOINT].recent
-    assert shared.pending[("train", Path.JOINT)] == 0 and shared.pending[("forward_only", Path.JOINT)] == 1
+    assert list(nb.times[Route.JOINT].recent) == [7000 * 1e-9] and not nb_eval.times[Route.JOINT].recent
+    assert shared.pending[("train", Route.JOINT)] == 0 and shared.pending[("forward_only", Route.JOINT)] == 1
     assert sel.expects_timing()  # the forward-only decision is still the previous call's
     # The words form with an explicit decision files there too (and leaves _last alone).
     assert sel.observe([4000, 9000], decision=evalp) is None
-    assert list(nb_eval.times[Path.JOINT].recent) == [9000 * 1e-9] and sel.expects_timing()
-    assert shared.pending[("forward_only", Path.JOINT)] == 0
+    assert list(nb_eval.times[Route.JOINT].recent) == [9000 * 1e-9] and sel.expects_timing()
+    assert shared.pending[("forward_only", Route.JOINT)] == 0
     # Without a decision: the previous call's, as before.
     sel.observe([1000])
-    assert list(nb_eval.times[Path.JOINT].recent) == [9000 * 1e-9, 1000 * 1e-9] and not sel.expects_timing()
+    assert list(nb_eval.times[Route.JOINT].recent) == [9000 * 1e-9, 1000 * 1e-9] and not sel.expects_timing()
 
 
 def test_observe_reduced_counts_bad_pairs_and_falls_back():
@@ -132,7 +132,7 @@ def drive(kinds: list[str], *, ranks: int = 4, every: int = 2, skew=None, clock=
                                           max_bad=max_bad), scales=SCALES, layer=3) for _ in range(ranks)]
     epochs = [CapacityEpochs(sel, stats(64)) for sel in sels]
     reduce, seen = _Reduce(ranks), [0] * ranks
-    out: list[list[tuple[str, Path, str]]] = [[] for _ in range(ranks)]
+    out: list[list[tuple[str, Route, str]]] = [[] for _ in range(ranks)]
     posts: list[list[int]] = [[] for _ in range(ranks)]
     messages: list[list[str]] = [[] for _ in range(ranks)]
     for call, kind in enumerate(kinds):
@@ -159,14 +159,14 @@ def test_epochs_probe_each_path_for_one_epoch_then_exploit_and_ranks_agree():
     out, posts, messages, sels = drive(["train"] * 12, skew=[1.0, 1.7, 0.6, 2.4])
     assert all(o == out[0] for o in out)
     paths = [p for _, p, _ in out[0]]
-    assert paths == [Path.JOINT] * 2 + [Path.RAIL] * 2 + [Path.PERM] * 2 + [Path.NATIVE] * 2 + [Path.JOINT] * 4
+    assert paths == [Route.JOINT] * 2 + [Route.RAIL] * 2 + [Route.PERM] * 2 + [Route.NATIVE] * 2 + [Route.JOINT] * 4
     assert [m for _, _, m in out[0]] == ["probe"] * 8 + ["exploit"] * 4
     assert all(p == [1, 3, 5, 7, 9, 11] for p in posts)
     assert not any(messages)
     # What was filed is the slowest rank's time (skew 2.4), the same number on every rank.
     for sel in sels:
         (nb,) = sel._tables["train"]
-        assert nb.times[Path.RAIL].recent[0] == pytest.approx(TRUE_S[Path.RAIL] * 2.4)
+        assert nb.times[Route.RAIL].recent[0] == pytest.approx(TRUE_S[Route.RAIL] * 2.4)
         assert sel.last_seconds == sels[0].last_seconds
 
 
@@ -178,13 +178,13 @@ def test_epochs_of_each_pass_kind_count_their_own_calls():
     out, posts, _, sels = drive(kinds, every=2)
     train = [p for k, p, _ in out[0] if k == "train"]
     evalp = [p for k, p, _ in out[0] if k == "forward_only"]
-    assert train == [Path.JOINT, Path.JOINT, Path.RAIL, Path.RAIL, Path.PERM]
-    assert evalp == [Path.JOINT, Path.JOINT, Path.RAIL, Path.RAIL]
+    assert train == [Route.JOINT, Route.JOINT, Route.RAIL, Route.RAIL, Route.PERM]
+    assert evalp == [Route.JOINT, Route.JOINT, Route.RAIL, Route.RAIL]
     # posts: at the second call of each kind's epochs (train calls 2 and 5; forward-only 4 and 7)
     assert posts[0] == [2, 4, 5, 7]
     times = {k: {p: list(t.recent) for p, t in sels[0]._tables[k][0].times.items() if t.recent}
              for k in ("train", "forward_only")}
-    assert set(times["train"]) == {Path.JOINT, Path.RAIL} and set(times["forward_only"]) == {Path.JOINT}
+    assert set(times["train"]) == {Route.JOINT, Route.RAIL} and set(times["forward_only"]) == {Route.JOINT}
 
 
 def test_one_rank_nan_clock_sends_every_rank_to_joint_at_the_same_call():
@@ -196,7 +196,7 @@ def test_one_rank_nan_clock_sends_every_rank_to_joint_at_the_same_call():
     modes = [m for _, _, m in out[0]]
     # epoch 2 (calls 4-5) and 3 (6-7) time NaN on rank 2; the second bad pair is read at call 8
     assert modes[:8] == ["probe"] * 8 and modes[8:] == ["fallback"] * 6
-    assert all(p == Path.JOINT for _, p, m in out[0] if m == "fallback")
+    assert all(p == Route.JOINT for _, p, m in out[0] if m == "fallback")
     assert all(len(m) == 1 and "layer 3" in m[0] for m in messages)
     assert all(p == [1, 3, 5, 7] for p in posts)  # a fallen-back layer posts nothing
 

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from megatron_railwave.config import OnlineSettings, RailWaveConfig
 from megatron_railwave.lab.workloads import synthetic_routing_maps
-from megatron_railwave.planner import Path
+from megatron_railwave.names import Route
 from megatron_railwave import ops
 from megatron_railwave.selector import AnchorSelector, OnlineSelector, selector_from_config
 from megatron_railwave.selector.anchors import load_anchors, save_anchors
@@ -25,8 +25,8 @@ from megatron_railwave.traffic import DemandCounts, TrafficStats
 from tests.helpers.online_cases import SCALES, TOPO, TRUE_S, stats
 
 
-def run(sel: OnlineSelector, times: dict[Path, float], calls: int, descr: TrafficStats, *, ranks: int = 1,
-        skew=None) -> list[tuple[Path, str]]:
+def run(sel: OnlineSelector, times: dict[Route, float], calls: int, descr: TrafficStats, *, ranks: int = 1,
+        skew=None) -> list[tuple[Route, str]]:
     """Drive ``sel`` like the dispatcher: each call's words carry the previous call's time from
     every rank (``skew[r]``: rank r's clock factor, default 1)."""
     out, prev = [], None
@@ -46,23 +46,23 @@ def test_probes_each_candidate_then_exploits_the_fastest():
     probes = [p for p, mode in seq if mode == "probe"]
     # Round 1 probes all four (JOINT first); NATIVE (2x JOINT's time) is dropped after one probe,
     # the others get their second probe; then JOINT, the fastest, runs.
-    assert probes == [Path.JOINT, Path.RAIL, Path.PERM, Path.NATIVE, Path.JOINT, Path.RAIL, Path.PERM]
-    assert all(p == Path.JOINT and mode == "exploit" for p, mode in seq[len(probes):])
+    assert probes == [Route.JOINT, Route.RAIL, Route.PERM, Route.NATIVE, Route.JOINT, Route.RAIL, Route.PERM]
+    assert all(p == Route.JOINT and mode == "exploit" for p, mode in seq[len(probes):])
 
 
 def test_native_wins_where_it_is_fastest_and_reprobes_pay_for_themselves():
-    times = {Path.NATIVE: 1e-3, Path.RAIL: 1.1e-3, Path.PERM: 3e-3, Path.JOINT: 3e-3}
+    times = {Route.NATIVE: 1e-3, Route.RAIL: 1.1e-3, Route.PERM: 3e-3, Route.JOINT: 3e-3}
     sel = OnlineSelector(OnlineSettings(reprobe_every=5, reprobe_budget=0.1), scales=SCALES)
     seq = run(sel, times, 80, stats(8))
     exploit = [p for p, mode in seq if mode == "exploit"]
-    assert exploit and set(exploit) == {Path.NATIVE}
+    assert exploit and set(exploit) == {Route.NATIVE}
     reprobes = [p for p, mode in seq if mode == "reprobe"]
     # RAIL is 10% over NATIVE: 5 exploit calls x 0.1 = 0.5 >= 0.1, re-probed every 5 exploits.
     # PERM / JOINT are 200% over: they wait 2.0 / 0.1 = 20 exploit calls each.
-    assert reprobes.count(Path.RAIL) >= 8
-    assert 1 <= reprobes.count(Path.JOINT) <= 3 and 1 <= reprobes.count(Path.PERM) <= 3
+    assert reprobes.count(Route.RAIL) >= 8
+    assert 1 <= reprobes.count(Route.JOINT) <= 3 and 1 <= reprobes.count(Route.PERM) <= 3
     cheap = OnlineSelector(OnlineSettings(reprobe_every=5, reprobe_budget=0.01), scales=SCALES)
-    assert Path.JOINT not in [p for p, mode in run(cheap, times, 80, stats(8)) if mode == "reprobe"]
+    assert Route.JOINT not in [p for p, mode in run(cheap, times, 80, stats(8)) if mode == "reprobe"]
 
 
 def test_layers_share_what_they_measured():
@@ -73,19 +73,19 @@ def test_layers_share_what_they_measured():
     run(first, TRUE_S, 12, stats(64))
     second = OnlineSelector(scales=SCALES, shared=shared, layer=2)
     seq = run(second, TRUE_S, 8, stats(80))
-    assert Path.NATIVE not in [p for p, _ in seq]  # 2x JOINT on layer 1: deferred on layer 2
+    assert Route.NATIVE not in [p for p, _ in seq]  # 2x JOINT on layer 1: deferred on layer 2
     alone = OnlineSelector(OnlineSettings(share=False), scales=SCALES, shared=shared, layer=3)
-    assert Path.NATIVE in [p for p, _ in run(alone, TRUE_S, 8, stats(80))]
+    assert Route.NATIVE in [p for p, _ in run(alone, TRUE_S, 8, stats(80))]
 
 
 def test_switches_when_the_fabric_changes():
     sel = OnlineSelector(OnlineSettings(reprobe_every=4, window=4, reprobe_budget=0.5), scales=SCALES)
     run(sel, TRUE_S, 30, stats(64))
-    changed = dict(TRUE_S, **{Path.RAIL: 1e-3})  # RAIL becomes the fastest
+    changed = dict(TRUE_S, **{Route.RAIL: 1e-3})  # RAIL becomes the fastest
     seq = run(sel, changed, 60, stats(64))
     # RAIL's re-probes (10% over JOINT before: every 4 exploit calls) bring its new times in; once
     # they are the median of its window, it is the exploited path.
-    assert {p for p, mode in seq[-20:] if mode == "exploit"} == {Path.RAIL}
+    assert {p for p, mode in seq[-20:] if mode == "exploit"} == {Route.RAIL}
 
 
 def test_new_neighbourhood_when_descriptors_leave_and_seeded_from_the_nearest():
@@ -94,14 +94,14 @@ def test_new_neighbourhood_when_descriptors_leave_and_seeded_from_the_nearest():
     seq = run(sel, TRUE_S, 6, stats(512))  # 8x the payload: outside payload_ratio 2
     assert sel.decide("train", stats(512)).neighbourhood == 1
     # Seeded by neighbourhood 0: JOINT first, NATIVE (2x) deferred to re-probes.
-    assert seq[0] == (Path.JOINT, "probe") and Path.NATIVE not in [p for p, _ in seq]
+    assert seq[0] == (Route.JOINT, "probe") and Route.NATIVE not in [p for p, _ in seq]
     # Back inside neighbourhood 0: its state is reused, no new probes.
-    assert run(sel, TRUE_S, 3, stats(70))[-1] == (Path.JOINT, "exploit")
+    assert run(sel, TRUE_S, 3, stats(70))[-1] == (Route.JOINT, "exploit")
     # Learned: neighbourhood 1 never timed NATIVE; its latency there is estimated from the seed's
     # ratio (2x JOINT's) and named as such in the file.
     learned = {nb.index: (lat, est) for nb, lat, est in sel.learned()}
     lat, est = learned[1]
-    assert est == [Path.NATIVE] and lat[Path.NATIVE].median == pytest.approx(2 * lat[Path.JOINT].median)
+    assert est == [Route.NATIVE] and lat[Route.NATIVE].median == pytest.approx(2 * lat[Route.JOINT].median)
     assert learned[0][1] == []
     file = learned_anchor_set([sel], TOPO, hidden_size=64, dtype="fp32")
     assert file.context.settings["online"]["estimated"] == {"online-lNone-train-n1": ["native"]}
@@ -111,23 +111,23 @@ def test_pass_kinds_have_separate_tables_and_recompute_is_replayed():
     sel = OnlineSelector(scales=SCALES)
     run(sel, TRUE_S, 12, stats(64))
     d = sel.decide("forward_only", stats(64))
-    assert (d.path, d.mode) == (Path.JOINT, "probe")  # forward-only learns on its own
+    assert (d.path, d.mode) == (Route.JOINT, "probe")  # forward-only learns on its own
     sel.observe([encode_timing(1e-3, expected=True)])
-    r = sel.replay(Path.RAIL)
-    assert (r.path, r.mode, r.kind) == (Path.RAIL, "replay", "recompute")
+    r = sel.replay(Route.RAIL)
+    assert (r.path, r.mode, r.kind) == (Route.RAIL, "replay", "recompute")
     sel.observe([encode_timing(5e-3, expected=True)])
     assert sel.snapshot(r)["measured_ms"]["rail"] == pytest.approx(5.0)
 
 
 def test_prior_from_anchors_orders_and_defers():
     def prior(_stats):
-        return Path.RAIL, {Path.NATIVE: 9.0, Path.RAIL: 1.0, Path.PERM: 1.2, Path.JOINT: 1.1}
+        return Route.RAIL, {Route.NATIVE: 9.0, Route.RAIL: 1.0, Route.PERM: 1.2, Route.JOINT: 1.1}
 
     sel = OnlineSelector(OnlineSettings(reprobe_every=1000), scales=SCALES, prior=prior)
     seq = run(sel, TRUE_S, 10, stats(64))
-    assert seq[0] == (Path.RAIL, "probe")
-    assert Path.NATIVE not in [p for p, _ in seq]  # the prior put it far behind
-    assert seq[-1] == (Path.JOINT, "exploit")  # measurements override the prior's RAIL
+    assert seq[0] == (Route.RAIL, "probe")
+    assert Route.NATIVE not in [p for p, _ in seq]  # the prior put it far behind
+    assert seq[-1] == (Route.JOINT, "exploit")  # measurements override the prior's RAIL
 
 
 def test_slowest_rank_and_codes():
@@ -158,7 +158,7 @@ def test_bad_timings_fall_back_to_joint_on_every_rank(bad):
     assert all(d == decisions[0] for d in decisions)
     assert all(len(m) == 1 and "layer 5" in m[0] and "JOINT" in m[0] for m in messages)
     assert [d.mode for d in decisions[0][7:]] == ["fallback"] * 5
-    assert all(d.path == Path.JOINT for d in decisions[0][7:])
+    assert all(d.path == Route.JOINT for d in decisions[0][7:])
 
 
 @settings(max_examples=30, deadline=None)
@@ -184,7 +184,7 @@ def test_ranks_whose_clocks_differ_decide_the_same(skews, seed):
 def test_idle_layer_without_remote_payload():
     sel = OnlineSelector(scales=SCALES)
     d = sel.decide("train", stats(0))
-    assert (d.path, d.mode) == (Path.JOINT, "idle") and not sel.expects_timing()
+    assert (d.path, d.mode) == (Route.JOINT, "idle") and not sel.expects_timing()
 
 
 @pytest.mark.parametrize("seed", [0, 3])
@@ -217,9 +217,9 @@ def test_learned_anchors_file_round_trips_and_feeds_the_anchor_rule(tmp_path):
     path = save_anchors(anchor_set, tmp_path / "learned.yaml")
     loaded = load_anchors(path, TOPO)
     a = loaded.anchors[0]
-    assert a.path == Path.JOINT and a.latency_s[Path.NATIVE].median == pytest.approx(4e-3)
+    assert a.path == Route.JOINT and a.latency_s[Route.NATIVE].median == pytest.approx(4e-3)
     rule = AnchorSelector(loaded, payload_ratio=2.0, shape_distance=0.25)
-    assert rule.select(stats(64)) == Path.JOINT
+    assert rule.select(stats(64)) == Route.JOINT
     with pytest.raises(ValueError, match="another topology"):
         load_anchors(path, RailTopology(num_nodes=2, gpus_per_node=8))
 
@@ -238,7 +238,7 @@ def test_config_wiring(tmp_path):
     seeded = selector_from_config(RailWaveConfig(selector="online", anchors=str(path)), TOPO)
     assert isinstance(seeded, OnlineSelector) and seeded.prior is not None
     d = seeded.decide("train", stats(64))
-    assert (d.path, d.mode) == (Path.JOINT, "probe")
+    assert (d.path, d.mode) == (Route.JOINT, "probe")
     other = RailTopology(num_nodes=2, gpus_per_node=8)
     with pytest.raises(ValueError, match="another topology"):
         selector_from_config(RailWaveConfig(selector="online", anchors=str(path)), other)
@@ -261,7 +261,7 @@ def test_layers_wait_for_an_in_flight_probe_instead_of_repeating_it():
             for i, sel in enumerate(sels):
                 sel.observe([encode_timing(None if prev[i] is None else TRUE_S[prev[i]], expected=sel.expects_timing())])
                 d = sel.decide("train", stats(64))
-                count += d.path == Path.NATIVE and d.mode in ("probe", "reprobe")
+                count += d.path == Route.NATIVE and d.mode in ("probe", "reprobe")
                 if step == 0:
                     first_modes.append((str(d.path), d.mode))
                 prev[i] = d.path
@@ -315,7 +315,7 @@ def test_shared_ratio_index_matches_a_full_scan_through_evictions():
             d = sel.decide("train", stats(payloads[(step // 6 + i) % 4]))
             prev[i] = TRUE_S[d.path] * (1 + 0.3 * rng.random())
         probe = stats(float(rng.choice([8, 30, 64, 200, 512, 4096])))
-        for path in Path:
+        for path in Route:
             exclude = sels[0]._tables["train"][0]
             assert shared.ratio("train", probe.coords, path, exclude) == \
                 _ratio_by_full_scan(shared, "train", probe.coords, path, exclude)

@@ -19,7 +19,8 @@ from megatron_railwave.config import RailWaveConfig
 from megatron_railwave.exchange import RankContext, VirtualCluster, gather_demand, virtual_rank_groups
 from megatron_railwave.selector.path_model import (FEATURE_NAMES, PathCosts, RailJointModel, fit_rail_joint, path_estimates,
                                           path_features)
-from megatron_railwave.planner import Path, PlanOptions
+from megatron_railwave.names import Route
+from megatron_railwave.planner import PlanOptions
 from megatron_railwave.selector import (FixedSelector, ModelSelector, needs_delivery, needs_descriptors, select_for_layer,
                                        selector_from_config)
 from megatron_railwave.telemetry.stats import demand_stats
@@ -240,14 +241,14 @@ def test_the_payload_gate_runs_joint_above_it_without_an_estimate(monkeypatch):
     assert demand_stats(full, topo, record_bytes=16).B_mean_bytes == pytest.approx(payload)
     rail_model = _sign_model(1.0 if path_features(full, topo, record_bytes=16)[1] < 0 else -1.0)  # predicts RAIL
     inside = ModelSelector(dataclasses.replace(rail_model, max_payload_bytes=payload), topo)
-    assert select_for_layer(inside, None, full, record_bytes=16) == Path.RAIL  # at the gate: decided
+    assert select_for_layer(inside, None, full, record_bytes=16) == Route.RAIL  # at the gate: decided
     above = ModelSelector(dataclasses.replace(rail_model, max_payload_bytes=payload * 0.999), topo)
 
     def no_estimate(*args, **kwargs):
         raise AssertionError("the estimate ran above the payload gate")
 
     monkeypatch.setattr(selector_module, "path_features", no_estimate)
-    assert select_for_layer(above, None, full, record_bytes=16) == Path.JOINT
+    assert select_for_layer(above, None, full, record_bytes=16) == Route.JOINT
     assert above.explain_layer(demand_stats(full, topo, record_bytes=16), full, record_bytes=16).anchor == "gate"
     # The gate of the input's kind: windowed inputs take max_payload_bytes_windowed.
     from megatron_railwave.planner import cyclic_schedule
@@ -256,7 +257,7 @@ def test_the_payload_gate_runs_joint_above_it_without_an_estimate(monkeypatch):
                                                  max_payload_bytes_windowed=payload * 0.999), topo)
     stats = demand_stats(full, topo, record_bytes=16)
     assert per_kind.explain_layer(stats, full, record_bytes=16, windows=cyclic_schedule(4)).anchor == "gate"
-    assert select_for_layer(per_kind, None, full, record_bytes=16, windows=cyclic_schedule(4)) == Path.JOINT
+    assert select_for_layer(per_kind, None, full, record_bytes=16, windows=cyclic_schedule(4)) == Route.JOINT
 
 
 def test_payload_gate_is_a_margin_over_the_largest_payload_where_joint_misses():
@@ -283,7 +284,7 @@ def test_model_selector_follows_the_prediction_and_is_pure():
     assert d != 0
     for sign in (1.0, -1.0):
         sel = ModelSelector(_sign_model(sign), topo)
-        want = Path.RAIL if sign * d < 0 else Path.JOINT
+        want = Route.RAIL if sign * d < 0 else Route.JOINT
         assert needs_delivery(sel)
         assert select_for_layer(sel, st, full, record_bytes=16) == want
         assert {sel.select_layer(st, full, record_bytes=16) for _ in range(3)} == {want}
@@ -291,18 +292,18 @@ def test_model_selector_follows_the_prediction_and_is_pure():
     from megatron_railwave.planner import cyclic_schedule
 
     sel = ModelSelector(_sign_model(1.0), topo)
-    assert sel.explain_layer(st, full, record_bytes=16, windows=cyclic_schedule(4)).path == Path.JOINT
+    assert sel.explain_layer(st, full, record_bytes=16, windows=cyclic_schedule(4)).path == Route.JOINT
     # The model reads the counts, not the descriptors: none are needed (the dispatcher skips them).
-    assert not needs_descriptors(sel) and not needs_descriptors(FixedSelector(Path.RAIL))
+    assert not needs_descriptors(sel) and not needs_descriptors(FixedSelector(Route.RAIL))
     assert select_for_layer(sel, None, full, record_bytes=16) == sel.select_layer(st, full, record_bytes=16)
-    assert select_for_layer(FixedSelector(Path.RAIL), None, full, record_bytes=16) == Path.RAIL
+    assert select_for_layer(FixedSelector(Route.RAIL), None, full, record_bytes=16) == Route.RAIL
     # Only local records (every node keeps its own): no remote payload, no prediction.
     node_of_rank = torch.arange(topo.world_size) // topo.gpus_per_node
     remote = node_of_rank[:, None] != torch.arange(topo.num_nodes)[None, :]
     local_only = full.records_WNM.masked_fill(remote[:, :, None], 0)
     local = DemandCounts(records_WNM=local_only)
     assert sel.explain_layer(st, local, record_bytes=16).anchor is None
-    assert select_for_layer(sel, None, local, record_bytes=16) == Path.JOINT
+    assert select_for_layer(sel, None, local, record_bytes=16) == Route.JOINT
 
 
 def _model_rows(seeds: int = 4, per_seed: int = 30):
@@ -318,13 +319,13 @@ def _model_rows(seeds: int = 4, per_seed: int = 30):
             f[0] = 1.0
             ratio = float(np.exp(0.5 * f[1] - 0.2))
             lat = {p: PathLatency(median=1.0, p10=1.0, p90=1.0, samples=1) for p in calibration.ALL_PATHS}
-            lat[Path.RAIL] = PathLatency(median=ratio, p10=ratio, p90=ratio, samples=1)
-            lat[Path.NATIVE] = lat[Path.PERM] = PathLatency(median=9.0, p10=9.0, p90=9.0, samples=1)
+            lat[Route.RAIL] = PathLatency(median=ratio, p10=ratio, p90=ratio, samples=1)
+            lat[Route.NATIVE] = lat[Route.PERM] = PathLatency(median=9.0, p10=9.0, p90=9.0, samples=1)
             st = TrafficStats(B_mean_bytes=ref, B_max_bytes=ref, rho_g=1.0, kappa=1.0, coords=(0.0, 0.0, 0.0),
                               records_total=1, remote_records=1)
             rows.append(calibration.CalibrationRow(
                 request=f"glm{s}-l{i}", stats=st, coords=st.coords, latency=lat,
-                best=Path.RAIL if ratio < 1 else Path.JOINT, kept=False, gain=0.0, reason="joint wins",
+                best=Route.RAIL if ratio < 1 else Route.JOINT, kept=False, gain=0.0, reason="joint wins",
                 group=f"glm{s}-l{i}", seed=f"glm{s}", features=tuple(float(v) for v in f)))
     ctx = CalibrationContext(topology=topo.to_dict(), hidden_size=1, dtype="bf16", backend="fake", date="x")
     return calibration.CalibrationResult(anchor_set=AnchorSet(anchors=(), scales=(ref, rho_s, kappa_s), context=ctx),
@@ -366,15 +367,15 @@ def _with_big_rows(result, *, payload: float, rail_s: float, windows: int = 1, s
     features the rows' law gives that ratio (the model predicts them right)."""
     rows = list(result.rows)
     lat = dict(rows[0].latency)
-    lat[Path.JOINT] = PathLatency(median=1.0, p10=1.0, p90=1.0, samples=1)
-    lat[Path.RAIL] = PathLatency(median=rail_s, p10=rail_s, p90=rail_s, samples=1)
+    lat[Route.JOINT] = PathLatency(median=1.0, p10=1.0, p90=1.0, samples=1)
+    lat[Route.RAIL] = PathLatency(median=rail_s, p10=rail_s, p90=rail_s, samples=1)
     features = (1.0, 2 * (math.log(rail_s) + 0.2)) + (0.0,) * (F - 2)
     for s in range(seeds):
         for i in range(per_seed):
             rows.append(dataclasses.replace(rows[0], request=f"{prefix}{s}-{i}", group=f"{prefix}{s}-{i}",
                                             seed=f"glm{s}", input_windows=windows,
                                             stats=dataclasses.replace(rows[0].stats, B_mean_bytes=payload),
-                                            latency=lat, best=Path.RAIL if rail_s < 1 else Path.JOINT,
+                                            latency=lat, best=Route.RAIL if rail_s < 1 else Route.JOINT,
                                             features=features))
     return dataclasses.replace(result, rows=tuple(rows))
 
@@ -424,12 +425,12 @@ def test_the_model_is_scored_with_the_gate_it_would_have_without_the_left_out_se
     # Only seed 0 has large layers, and there JOINT misses by 10% while the features say RAIL: left
     # out, the other seeds' gate (1.5 x ref) sends them to JOINT and they count as over.
     lat = dict(rows[0].latency)
-    lat[Path.JOINT] = PathLatency(median=1.0, p10=1.0, p90=1.0, samples=1)
-    lat[Path.RAIL] = PathLatency(median=0.9, p10=0.9, p90=0.9, samples=1)
+    lat[Route.JOINT] = PathLatency(median=1.0, p10=1.0, p90=1.0, samples=1)
+    lat[Route.RAIL] = PathLatency(median=0.9, p10=0.9, p90=0.9, samples=1)
     features = (1.0, 2 * (math.log(0.9) + 0.2)) + (0.0,) * (F - 2)  # on the rows' own law: RAIL 10% faster
     for i in range(6):
         rows.append(dataclasses.replace(rows[0], request=f"big-{i}", group=f"big-{i}", seed="glm0", latency=lat,
-                                        best=Path.RAIL, features=features,
+                                        best=Route.RAIL, features=features,
                                         stats=dataclasses.replace(rows[0].stats, B_mean_bytes=4 * ref)))
     tuned = calibration.tune_selector(dataclasses.replace(result, rows=tuple(rows)), split_fallback=False)
     by_gate = {sc["gate"]: sc for sc in tuned["scores"] if sc.get("model")}
@@ -479,7 +480,7 @@ def test_validate_decides_with_the_model_and_rescore_compares_the_anchor_rule_on
     other = calibration.rescore(result, AnchorSelector(empty), requests, TOPO, scales=empty.scales)
     assert len(backend.calls) == calls  # nothing measured again
     assert [r.median_s for r in other.rows] == [r.median_s for r in result.rows]
-    assert {r.selected for r in other.rows} == {Path.JOINT}  # no anchors: the fallback everywhere
+    assert {r.selected for r in other.rows} == {Route.JOINT}  # no anchors: the fallback everywhere
 
 
 @pytest.mark.parametrize("topo", [RailTopology(num_nodes=4, gpus_per_node=4),
@@ -559,7 +560,7 @@ def test_rounds_and_local_round_match_the_compiled_schedule_s_ports(topo, chunks
     # arrival model exact): each round's wire copies into every target and out of every arrival
     # GPU, its busiest port, and the local round's ports equal the compiled schedule's transfers.
     from megatron_railwave.selector.path_model import _Loads, class_copies_NGNKG
-    from megatron_railwave.planner import Path
+    from megatron_railwave.names import Route
     from tests.helpers.delivery_cases import dispatch_deliveries, subset_demand
 
     n, g, b = topo.num_nodes, topo.gpus_per_node, 8
@@ -570,7 +571,7 @@ def test_rounds_and_local_round_match_the_compiled_schedule_s_ports(topo, chunks
         loads = _Loads.of(demand.records_NGN().double().numpy(), class_copies_NGNKG(demand), record_bytes=b, topo=topo,
                           chunks=chunks)
         local_out, local_in = loads.local_round()
-        for path, rounds in ((Path.RAIL, loads.windows((1.0 - np.eye(n))[None])), (Path.JOINT, loads.cyclic())):
+        for path, rounds in ((Route.RAIL, loads.windows((1.0 - np.eye(n))[None])), (Route.JOINT, loads.cyclic())):
             for step, src, dst, rows in dispatch_deliveries(demand, topo, path, chunks)[1]:
                 moves = src != dst
                 into = np.bincount(dst[moves], rows[moves], n * g).reshape(n, g) * nvl

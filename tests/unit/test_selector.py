@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from megatron_railwave.selector import policies as selector_mod
 from megatron_railwave.selector.anchors import Anchor, AnchorSet, CalibrationContext, PathLatency, load_anchors, save_anchors
 from megatron_railwave.config import RailWaveConfig
-from megatron_railwave.planner import Path
+from megatron_railwave.names import Route
 from megatron_railwave.lab.workloads import synthetic_routing_maps
 from megatron_railwave.selector import (AnchorSelector, FixedSelector, fallback_phases_of, posts_fewer_phases,
                                         selector_from_config)
@@ -26,10 +26,10 @@ from megatron_railwave.traffic import MiB, DemandCounts, TrafficStats, local_dem
 
 TOPO = RailTopology(num_nodes=4, gpus_per_node=8)
 REF = 56 * MiB  # scales on 4 x 8: payload 56 MiB, rho (R - 1) = 7, kappa (N - 2) = 2
-LAT = {p: PathLatency(median=1e-3, p10=1e-3, p90=1e-3, samples=3) for p in Path}
+LAT = {p: PathLatency(median=1e-3, p10=1e-3, p90=1e-3, samples=3) for p in Route}
 
 
-def anchor(name: str, coords: tuple[float, float, float], path: Path) -> Anchor:
+def anchor(name: str, coords: tuple[float, float, float], path: Route) -> Anchor:
     return Anchor(name=name, coords=coords, B_mean_bytes=REF * 2 ** coords[0], rho_g=1 + 7 * coords[1],
                   kappa=1 + 2 * coords[2], path=path, latency_s=LAT)
 
@@ -49,29 +49,29 @@ def stats(b_ratio: float, rho_coord: float, kappa_coord: float) -> TrafficStats:
 
 
 # Three anchors: A and C differ by 0.03 in the rho coordinate; B is 2x A's payload.
-A = anchor("a", (0.0, 0.10, 0.5), Path.RAIL)
-B = anchor("b", (1.0, 0.10, 0.5), Path.PERM)
-C = anchor("c", (0.0, 0.13, 0.5), Path.NATIVE)
+A = anchor("a", (0.0, 0.10, 0.5), Route.RAIL)
+B = anchor("b", (1.0, 0.10, 0.5), Route.PERM)
+C = anchor("c", (0.0, 0.13, 0.5), Route.NATIVE)
 SEL = AnchorSelector(anchor_set((A, B, C)))
 
 
 @pytest.mark.parametrize(("descr", "expected", "why"), [
-    (stats(1.0, 0.10, 0.5), Path.RAIL, "exactly on A"),
-    (stats(1.25, 0.10, 0.5), Path.RAIL, "payload ratio 1.25 to A: still eligible"),
-    (stats(1.0 / 1.25, 0.10, 0.5), Path.RAIL, "ratio 1.25 below A"),
-    (stats(1.26, 0.10, 0.5), Path.JOINT, "ratio 1.26 to A, 2/1.26 = 1.59 to B: none eligible"),
-    (stats(2.0 * 1.2, 0.10, 0.5), Path.PERM, "ratio 1.2 to B"),
-    (stats(1.0, 0.119, 0.5), Path.NATIVE, "A at 0.019, C at 0.011: both eligible, C nearer"),
-    (stats(1.0, 0.114, 0.5), Path.RAIL, "A at 0.014, C at 0.016: A nearer"),
-    (stats(1.0, 0.085, 0.5), Path.RAIL, "A at 0.015, C at 0.045: only A"),
-    (stats(1.0, 0.10, 0.53), Path.JOINT, "kappa 0.03 away from every anchor"),
-    (stats(0.5, 0.10, 0.5), Path.RAIL, "2x below A: RAIL (1 phase < JOINT's 3) is eligible at any smaller payload"),
-    (stats(1.0 / 64, 0.10, 0.5), Path.RAIL, "64x below A: still A"),
-    (stats(1.0 / 64, 0.12, 0.5), Path.NATIVE, "64x below A and C, C nearer in rho"),
-    (stats(0.5, 0.16, 0.5), Path.JOINT, "below A and C, but rho 0.03 from C: the shape window still holds"),
-    (stats(1.5, 0.10, 0.5), Path.JOINT, "1.5x above A (never extended upward), 1.33x below B (PERM: not extended)"),
-    (stats(1.0, 0.10, 0.48), Path.RAIL, "kappa 0.02 below A: boundary is eligible"),
-    (stats(0.0, 0.10, 0.5), Path.JOINT, "no remote payload: log2(0) = -inf"),
+    (stats(1.0, 0.10, 0.5), Route.RAIL, "exactly on A"),
+    (stats(1.25, 0.10, 0.5), Route.RAIL, "payload ratio 1.25 to A: still eligible"),
+    (stats(1.0 / 1.25, 0.10, 0.5), Route.RAIL, "ratio 1.25 below A"),
+    (stats(1.26, 0.10, 0.5), Route.JOINT, "ratio 1.26 to A, 2/1.26 = 1.59 to B: none eligible"),
+    (stats(2.0 * 1.2, 0.10, 0.5), Route.PERM, "ratio 1.2 to B"),
+    (stats(1.0, 0.119, 0.5), Route.NATIVE, "A at 0.019, C at 0.011: both eligible, C nearer"),
+    (stats(1.0, 0.114, 0.5), Route.RAIL, "A at 0.014, C at 0.016: A nearer"),
+    (stats(1.0, 0.085, 0.5), Route.RAIL, "A at 0.015, C at 0.045: only A"),
+    (stats(1.0, 0.10, 0.53), Route.JOINT, "kappa 0.03 away from every anchor"),
+    (stats(0.5, 0.10, 0.5), Route.RAIL, "2x below A: RAIL (1 phase < JOINT's 3) is eligible at any smaller payload"),
+    (stats(1.0 / 64, 0.10, 0.5), Route.RAIL, "64x below A: still A"),
+    (stats(1.0 / 64, 0.12, 0.5), Route.NATIVE, "64x below A and C, C nearer in rho"),
+    (stats(0.5, 0.16, 0.5), Route.JOINT, "below A and C, but rho 0.03 from C: the shape window still holds"),
+    (stats(1.5, 0.10, 0.5), Route.JOINT, "1.5x above A (never extended upward), 1.33x below B (PERM: not extended)"),
+    (stats(1.0, 0.10, 0.48), Route.RAIL, "kappa 0.02 below A: boundary is eligible"),
+    (stats(0.0, 0.10, 0.5), Route.JOINT, "no remote payload: log2(0) = -inf"),
 ])
 def test_anchor_selector_rule_by_hand(descr, expected, why):
     assert SEL.select(descr) == expected, why
@@ -79,25 +79,25 @@ def test_anchor_selector_rule_by_hand(descr, expected, why):
 
 def test_extension_below_applies_only_to_paths_with_fewer_phases_than_joint():
     # The paper's two-sided window when switched off: 2x below A is nobody's.
-    assert AnchorSelector(anchor_set((A, B, C)), extend_below=False).select(stats(0.5, 0.10, 0.5)) == Path.JOINT
+    assert AnchorSelector(anchor_set((A, B, C)), extend_below=False).select(stats(0.5, 0.10, 0.5)) == Route.JOINT
     # PERM posts JOINT's N - 1 waves: its window stays two-sided.
     perm = AnchorSelector(anchor_set((B,)))
-    assert perm.select(stats(2.0 / 1.25, 0.10, 0.5)) == Path.PERM
-    assert perm.select(stats(2.0 / 1.3, 0.10, 0.5)) == Path.JOINT
+    assert perm.select(stats(2.0 / 1.25, 0.10, 0.5)) == Route.PERM
+    assert perm.select(stats(2.0 / 1.3, 0.10, 0.5)) == Route.JOINT
     # RAIL on an arranged input with N - 1 = 3 windows posts 3 phases, as many as JOINT: not extended.
     arranged = Anchor(name="w3", coords=A.coords, B_mean_bytes=A.B_mean_bytes, rho_g=A.rho_g, kappa=A.kappa,
-                      path=Path.RAIL, latency_s=LAT, input_windows=3)
+                      path=Route.RAIL, latency_s=LAT, input_windows=3)
     sel = AnchorSelector(anchor_set((arranged,)))
-    assert sel.explain(stats(1.0 / 1.25, 0.10, 0.5), input_windows=3).path == Path.RAIL
-    assert sel.explain(stats(0.5, 0.10, 0.5), input_windows=3).path == Path.JOINT
+    assert sel.explain(stats(1.0 / 1.25, 0.10, 0.5), input_windows=3).path == Route.RAIL
+    assert sel.explain(stats(0.5, 0.10, 0.5), input_windows=3).path == Route.JOINT
     # On 2 nodes JOINT has one wave, as many phases as RAIL: not extended (4 x 8's scales kept, so
     # only the node count recorded in the file differs).
     two = RailTopology(num_nodes=2, gpus_per_node=8)
     ctx = CalibrationContext(topology=two.to_dict(), hidden_size=4096, dtype="bf16", backend="fake",
                              date="2026-01-01T00:00:00+00:00")
     on_two = AnchorSelector(AnchorSet(anchors=(A,), scales=AnchorSet.scales_for(TOPO), context=ctx))
-    assert on_two.select(stats(1.0 / 1.25, 0.10, 0.5)) == Path.RAIL
-    assert on_two.select(stats(0.5, 0.10, 0.5)) == Path.JOINT
+    assert on_two.select(stats(1.0 / 1.25, 0.10, 0.5)) == Route.RAIL
+    assert on_two.select(stats(0.5, 0.10, 0.5)) == Route.JOINT
     # The distance still counts the whole payload gap (nearest wins among the extended anchors).
     assert SEL.explain(stats(0.25, 0.10, 0.5)).distance == pytest.approx(2.0)
 
@@ -106,43 +106,43 @@ def test_anchor_selector_matches_the_number_of_input_windows():
     # Same descriptors, different sending windows: an all-pairs anchor (1 window) never decides
     # for an arranged input (3 windows) and the reverse; the default is a training step's 1.
     arranged = Anchor(name="w3", coords=A.coords, B_mean_bytes=A.B_mean_bytes, rho_g=A.rho_g, kappa=A.kappa,
-                      path=Path.PERM, latency_s=LAT, input_windows=3)
+                      path=Route.PERM, latency_s=LAT, input_windows=3)
     sel = AnchorSelector(anchor_set((A, arranged)))
     on_a = stats(1.0, 0.10, 0.5)
-    assert sel.select(on_a) == Path.RAIL
+    assert sel.select(on_a) == Route.RAIL
     assert sel.explain(on_a, input_windows=1).anchor == "a"
     assert sel.explain(on_a, input_windows=3).anchor == "w3"
-    assert sel.explain(on_a, input_windows=2).path == Path.JOINT
+    assert sel.explain(on_a, input_windows=2).path == Route.JOINT
     with pytest.raises(ValueError, match="input_windows must be an integer >= 1"):
-        Anchor(name="bad", coords=A.coords, B_mean_bytes=1.0, rho_g=1.0, kappa=1.0, path=Path.RAIL, input_windows=0)
+        Anchor(name="bad", coords=A.coords, B_mean_bytes=1.0, rho_g=1.0, kappa=1.0, path=Route.RAIL, input_windows=0)
 
 
 def test_anchor_selector_thresholds_are_configurable():
     wide = AnchorSelector(anchor_set((A, B, C)), payload_ratio=2.0, shape_distance=0.05)
-    assert wide.select(stats(1.0, 0.10, 0.53)) == Path.RAIL  # kappa 0.03 < 0.05
+    assert wide.select(stats(1.0, 0.10, 0.53)) == Route.RAIL  # kappa 0.03 < 0.05
     # 1.6x A: log2 1.6 = 0.678 from A, log2(2 / 1.6) = 0.322 from B: both within log2 2 = 1, B nearer.
-    assert wide.select(stats(1.6, 0.10, 0.5)) == Path.PERM
+    assert wide.select(stats(1.6, 0.10, 0.5)) == Route.PERM
     strict = AnchorSelector(anchor_set((A,)), payload_ratio=1.0, shape_distance=0.0)
-    assert strict.select(stats(1.0, 0.10, 0.5)) == Path.RAIL
-    assert strict.select(stats(1.01, 0.10, 0.5)) == Path.JOINT
+    assert strict.select(stats(1.0, 0.10, 0.5)) == Route.RAIL
+    assert strict.select(stats(1.01, 0.10, 0.5)) == Route.JOINT
     with pytest.raises(ValueError, match="payload_ratio must be >= 1"):
         AnchorSelector(anchor_set((A,)), payload_ratio=0.9)
 
 
 def test_anchor_selector_explain_names_anchor_and_distance():
     choice = SEL.explain(stats(1.0, 0.119, 0.5))
-    assert (choice.path, choice.anchor) == (Path.NATIVE, "c")
+    assert (choice.path, choice.anchor) == (Route.NATIVE, "c")
     assert choice.distance == pytest.approx(0.011)
     fallback = SEL.explain(stats(3.0, 0.5, 0.5))
-    assert (fallback.path, fallback.anchor, fallback.distance) == (Path.JOINT, None, math.inf)
+    assert (fallback.path, fallback.anchor, fallback.distance) == (Route.JOINT, None, math.inf)
 
 
 def test_anchor_selector_without_anchors_is_always_joint():
     empty = AnchorSelector(anchor_set(()))
-    assert empty.select(stats(1.0, 0.1, 0.5)) == Path.JOINT
+    assert empty.select(stats(1.0, 0.1, 0.5)) == Route.JOINT
 
 
-def _reference_rule(sel: AnchorSelector, s: TrafficStats) -> Path:
+def _reference_rule(sel: AnchorSelector, s: TrafficStats) -> Route:
     """The rule written plainly: filter eligible anchors, take the nearest (first on ties). On
     4 nodes with all-pairs inputs, NATIVE and RAIL anchors (1 phase, JOINT 3) reach any smaller
     payload."""
@@ -150,12 +150,12 @@ def _reference_rule(sel: AnchorSelector, s: TrafficStats) -> Path:
     lr = math.log2(sel.payload_ratio) + 1e-12
     eligible = [a for a in sel.anchor_set.anchors
                 if -lr <= x[0] - a.coords[0] <= lr
-                or (x[0] - a.coords[0] < -lr and a.path in (Path.NATIVE, Path.RAIL))]
+                or (x[0] - a.coords[0] < -lr and a.path in (Route.NATIVE, Route.RAIL))]
     eligible = [a for a in eligible
                 if abs(x[1] - a.coords[1]) <= sel.shape_distance + 1e-12
                 and abs(x[2] - a.coords[2]) <= sel.shape_distance + 1e-12]
     if not eligible:
-        return Path.JOINT
+        return Route.JOINT
     return min(eligible, key=lambda a: sum((u - v) ** 2 for u, v in zip(x, a.coords))).path
 
 
@@ -165,7 +165,7 @@ _coord = st.floats(min_value=-0.2, max_value=0.4, allow_nan=False)
 @settings(max_examples=150, deadline=None)
 @given(queries=st.lists(st.tuples(st.floats(min_value=0.05, max_value=1.5), _coord, _coord), min_size=1, max_size=8),
        points=st.lists(st.tuples(st.floats(min_value=-0.3, max_value=0.3), _coord, _coord,
-                                 st.sampled_from(list(Path))), max_size=6))
+                                 st.sampled_from(list(Route))), max_size=6))
 def test_anchor_selector_is_pure_and_matches_reference(queries, points):
     sel = AnchorSelector(anchor_set(tuple(anchor(f"p{i}", (x, y, z), p) for i, (x, y, z, p) in enumerate(points))),
                          shape_distance=0.1)
@@ -197,7 +197,7 @@ def test_ranks_agree_although_local_traffic_differs():
     record_bytes = 4096 * 2
     descr = demand_stats(gathered, topo, record_bytes=record_bytes)
     # One anchor on the layer's point (RAIL) and one elsewhere (PERM).
-    aset = anchor_set((anchor("here", descr.coords, Path.RAIL), anchor("far", (descr.coords[0] + 3, 0, 0), Path.PERM)),
+    aset = anchor_set((anchor("here", descr.coords, Route.RAIL), anchor("far", (descr.coords[0] + 3, 0, 0), Route.PERM)),
                       topo)
     decisions = []
     for rank in range(topo.world_size):
@@ -210,7 +210,7 @@ def test_ranks_agree_although_local_traffic_differs():
                               view_masks_WM=records_WNM[:, node, :].clone())
         sel = AnchorSelector(aset)
         decisions.append(sel.select(demand_stats(counts, topo, record_bytes=record_bytes)))
-    assert decisions == [Path.RAIL] * topo.world_size
+    assert decisions == [Route.RAIL] * topo.world_size
     # The same rule on each rank's *local* traffic alone would not be consistent: B differs.
     local_b = {float(demand_stats(DemandCounts(records_WNM=p[0].unsqueeze(0).expand(topo.world_size, -1, -1),
                                                experts_WE=p[1].unsqueeze(0).expand(topo.world_size, -1)),
@@ -229,7 +229,7 @@ def test_selector_from_config_missing_file_is_joint_with_one_logged_warning(tmp_
     with warnings.catch_warnings(record=True) as caught, caplog.at_level(logging.WARNING, "megatron_railwave"):
         warnings.simplefilter("always")
         sels = [selector_from_config(cfg, TOPO) for _ in range(5)]  # e.g. five MoE layers
-    assert all(isinstance(s, FixedSelector) and s.select(stats(1, 0, 0)) == Path.JOINT for s in sels)
+    assert all(isinstance(s, FixedSelector) and s.select(stats(1, 0, 0)) == Route.JOINT for s in sels)
     # Through logging, not warnings.warn (which PYTHONWARNINGS=ignore would hide).
     assert caught == []
     logged = [r for r in caplog.records if r.name.startswith("megatron_railwave")]
@@ -252,7 +252,7 @@ def test_selector_from_config_loads_anchors_with_config_thresholds(tmp_path, fre
     sel = selector_from_config(cfg, TOPO)
     assert isinstance(sel, AnchorSelector)
     assert (sel.payload_ratio, sel.shape_distance) == (1.5, 0.05)
-    assert sel.select(stats(1.4, 0.14, 0.5)) == Path.RAIL
+    assert sel.select(stats(1.4, 0.14, 0.5)) == Route.RAIL
 
 
 def _tuned_set(ratio, distance):
@@ -268,10 +268,10 @@ def test_selector_from_config_takes_the_files_tuned_thresholds_unless_the_config
     sel = selector_from_config(RailWaveConfig(anchors=str(tuned)), TOPO)
     assert (sel.payload_ratio, sel.shape_distance) == (1.5, 0.2)
     # 1.4x A's payload and 0.15 off in kappa: only the tuned thresholds reach A.
-    assert sel.select(stats(1.4, 0.10, 0.65)) == Path.RAIL
+    assert sel.select(stats(1.4, 0.10, 0.65)) == Route.RAIL
     over = selector_from_config(RailWaveConfig(anchors=str(tuned), payload_ratio=1.25), TOPO)
     assert (over.payload_ratio, over.shape_distance) == (1.25, 0.2)
-    assert over.select(stats(1.4, 0.10, 0.65)) == Path.JOINT
+    assert over.select(stats(1.4, 0.10, 0.65)) == Route.JOINT
     plain = save_anchors(anchor_set((A,)), tmp_path / "plain.yaml")  # records none: the paper's
     sel = selector_from_config(RailWaveConfig(anchors=str(plain)), TOPO)
     assert (sel.payload_ratio, sel.shape_distance) == (1.25, 0.02)
@@ -308,7 +308,7 @@ def test_selector_from_config_needs_the_rail_chunks_the_anchors_were_calibrated_
     path = save_anchors(_chunked_set(2), tmp_path / "c2.yaml")
     assert load_anchors(path, TOPO).chunks == 2
     sel = selector_from_config(RailWaveConfig(anchors=str(path), chunks=2), TOPO)
-    assert isinstance(sel, AnchorSelector) and sel.select(stats(1.0, 0.1, 0.5)) == Path.RAIL
+    assert isinstance(sel, AnchorSelector) and sel.select(stats(1.0, 0.1, 0.5)) == Route.RAIL
     for chunks in (1, 3):
         with pytest.raises(ValueError, match=rf"calibrated with chunks=2 \(field 'context.settings.chunks'\) but "
                                              rf"this RailWave config has chunks={chunks}; set chunks: 2 or run "
@@ -331,18 +331,18 @@ def test_anchors_file_with_bad_chunks_is_rejected(tmp_path, fresh_warnings, chun
 def test_fewer_phase_rule_counts_the_chunked_joint_phases():
     # On 4 nodes JOINT posts 3 waves x chunks rail phases; an arranged input's RAIL posts 3 windows:
     # as many as whole-wave JOINT (no reach-down), fewer than JOINT with 2 chunks (reach-down).
-    assert fallback_phases_of(anchor_set((A,)), Path.JOINT) == TOPO.num_nodes - 1
-    assert fallback_phases_of(_chunked_set(2), Path.JOINT) == 2 * (TOPO.num_nodes - 1)
+    assert fallback_phases_of(anchor_set((A,)), Route.JOINT) == TOPO.num_nodes - 1
+    assert fallback_phases_of(_chunked_set(2), Route.JOINT) == 2 * (TOPO.num_nodes - 1)
     arranged = dataclasses.replace(A, input_windows=TOPO.num_nodes - 1)
-    assert not posts_fewer_phases(arranged, fallback_phases_of(anchor_set((A,)), Path.JOINT))
-    assert posts_fewer_phases(arranged, fallback_phases_of(_chunked_set(2), Path.JOINT))
+    assert not posts_fewer_phases(arranged, fallback_phases_of(anchor_set((A,)), Route.JOINT))
+    assert posts_fewer_phases(arranged, fallback_phases_of(_chunked_set(2), Route.JOINT))
 
 
 def test_reach_matches_the_runtime_rule():
     # reach_AR (calibration's cross-seed check) marks exactly the anchors explain may pick from:
     # a point gets an anchor iff one reaches it, and the one it gets reaches it.
     rng = np.random.default_rng(7)
-    paths = [Path.RAIL, Path.NATIVE, Path.PERM]
+    paths = [Route.RAIL, Route.NATIVE, Route.PERM]
     anchors = tuple(dataclasses.replace(anchor(f"a{i}", (float(rng.uniform(-2, 2)), float(rng.uniform(0, 0.5)),
                                                          float(rng.uniform(0, 1))), paths[i % 3]),
                                         input_windows=int(rng.choice([1, 3])))
@@ -372,11 +372,11 @@ def test_selector_from_config_applies_the_files_fallback_below(tmp_path, fresh_w
     # Below 1/4 of A's payload, away from A's shape: RAIL (the file's split); above it, JOINT.
     path = save_anchors(_below_set({"payload_bytes": REF / 4, "path": "rail"}), tmp_path / "b.yaml")
     sel = selector_from_config(RailWaveConfig(anchors=str(path)), TOPO)
-    assert sel.fallback_below == (REF / 4, Path.RAIL)
-    assert sel.select(stats(0.2, 0.9, 0.9)) == Path.RAIL
-    assert sel.select(stats(0.3, 0.9, 0.9)) == Path.JOINT
-    assert sel.select(stats(1.0, 0.10, 0.5)) == Path.RAIL  # A itself
-    assert sel.explain(stats(0.2, 0.9, 0.9), input_windows=TOPO.num_nodes - 1).path == Path.JOINT
+    assert sel.fallback_below == (REF / 4, Route.RAIL)
+    assert sel.select(stats(0.2, 0.9, 0.9)) == Route.RAIL
+    assert sel.select(stats(0.3, 0.9, 0.9)) == Route.JOINT
+    assert sel.select(stats(1.0, 0.10, 0.5)) == Route.RAIL  # A itself
+    assert sel.explain(stats(0.2, 0.9, 0.9), input_windows=TOPO.num_nodes - 1).path == Route.JOINT
 
 
 @pytest.mark.parametrize(("below", "field"), [

@@ -54,12 +54,13 @@ from megatron_railwave.exchange.transport import Post
 from megatron_railwave.planner import PlanOptions, build_plan
 from megatron_railwave.topology import RailTopology
 from megatron_railwave.lab.workloads import synthetic_routing_maps
+from megatron_railwave.names import ROUTES
 
 __all__ = ["CallCostSpec", "call_cost_worker", "reduce_call_costs", "fit_per_phase", "virtual_call_costs",
            "measure_call_costs", "SCHEMA"]
 
 SCHEMA = "railwave.call_costs/1"
-_PATHS = ("native", "rail", "perm", "joint")
+_PATHS = tuple(map(str, ROUTES))
 _STEPS = ("plan", "prepare", "dispatch", "combine")
 
 

@@ -42,10 +42,11 @@ from megatron_railwave.exchange import TorchDistExchange, build_rail_groups
 from megatron_railwave.planner import PlanOptions
 from megatron_railwave.topology import RailTopology
 from megatron_railwave.lab.bench.megatron_cpu import apply_megatron_cpu_shims
+from megatron_railwave.names import ROUTES
 
 __all__ = ["BenchSpec", "bench_worker", "make_rank_inputs", "RAILWAVE_PATHS", "ALLTOALL"]
 
-RAILWAVE_PATHS = ("native", "rail", "perm", "joint")
+RAILWAVE_PATHS = tuple(map(str, ROUTES))
 ALLTOALL = "alltoall"
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

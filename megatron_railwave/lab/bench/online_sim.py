@@ -35,7 +35,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from megatron_railwave.planner import Path, PlanOptions, build_plan
+from megatron_railwave.names import Route
+from megatron_railwave.planner import PlanOptions, build_plan
 from megatron_railwave.exchange.layer import TimingWords, count_row_words, pack_status
 from megatron_railwave.selector.online import (OnlineSelector, SharedNeighbourhoods, encode_timing,
                                                fast_descriptors, learned_anchor_set)
@@ -45,7 +46,7 @@ from megatron_railwave.traffic import DemandCounts, SelectorScales
 
 __all__ = ["BaseTimes", "base_times", "base_from_json", "offline_paths", "simulate_online", "learned_file", "PATHS"]
 
-PATHS: tuple[Path, ...] = (Path.NATIVE, Path.RAIL, Path.PERM, Path.JOINT)
+PATHS: tuple[Route, ...] = (Route.NATIVE, Route.RAIL, Route.PERM, Route.JOINT)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

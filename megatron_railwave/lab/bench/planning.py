@@ -23,7 +23,8 @@ import torch
 
 from megatron_railwave import ops
 from megatron_railwave.exchange.layout import build_layout
-from megatron_railwave.planner import Path, PathPlan, PlanOptions, build_plan
+from megatron_railwave.names import Route
+from megatron_railwave.planner import PathPlan, PlanOptions, build_plan
 from megatron_railwave.schedule import MaskSource, RecordWireFormat, compile_for_rank
 from megatron_railwave.topology import RailTopology
 from megatron_railwave.traffic import DemandCounts
@@ -71,7 +72,7 @@ def node_view(demand: DemandCounts, node: int) -> DemandCounts:
 def time_rank_planning(
     demand: DemandCounts | MaskSource,
     topo: RailTopology,
-    path: Path | str,
+    path: Route | str,
     *,
     rank: int,
     routing_TE: torch.Tensor,

@@ -44,7 +44,8 @@ import torch
 from megatron_railwave.exchange import (RankContext, VirtualCluster, check_capacity, combine_backward, combine_forward,
                         dispatch_backward, dispatch_forward, gather_demand, prepare_capacity_layer, prepare_layer,
                         virtual_rank_groups)
-from megatron_railwave.planner import Path, PlanOptions, build_plan
+from megatron_railwave.names import ROUTES, Route
+from megatron_railwave.planner import PlanOptions, build_plan
 from megatron_railwave.topology import RailTopology
 from megatron_railwave.lab.bench.sync_audit import SyncAudit
 
@@ -73,7 +74,7 @@ class VirtualSpec:
     dtype: str = "fp32"
     device: str = "cpu"
     seed: int = 0
-    paths: tuple[str, ...] = ("native", "rail", "perm", "joint")
+    paths: tuple[str, ...] = tuple(map(str, ROUTES))
     options: PlanOptions = PlanOptions()
     max_tokens_per_rank: int | None = None
     """Fixed-capacity mode's C (None: the normal mode)."""
@@ -190,7 +191,7 @@ def _expert_bmm(x_blk: torch.Tensor, experts: torch.Tensor, maps: torch.Tensor, 
     return out[:n_blk]
 
 
-def run_virtual_layer(spec: VirtualSpec, inputs: dict[str, Any], path: str | Path, *,
+def run_virtual_layer(spec: VirtualSpec, inputs: dict[str, Any], path: str | Route, *,
                       cluster: VirtualCluster | None = None, phase: int = 0,
                       harness: Callable[[], AbstractContextManager] = contextlib.nullcontext,
                       ) -> dict[str, list[torch.Tensor]]:

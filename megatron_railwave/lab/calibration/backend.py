@@ -10,7 +10,8 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from megatron_railwave.lab.calibration.requests import ReplayRequest, request_plan
-from megatron_railwave.planner import Path, PlanOptions
+from megatron_railwave.names import Route
+from megatron_railwave.planner import PlanOptions
 from megatron_railwave.selector.path_model import PathCosts
 from megatron_railwave.topology import RailTopology
 
@@ -22,7 +23,7 @@ class MeasureBackend(Protocol):
 
     name: str
 
-    def measure(self, request: ReplayRequest, path: Path, repeats: int) -> list[float]:
+    def measure(self, request: ReplayRequest, path: Route, repeats: int) -> list[float]:
         """``repeats`` latencies in seconds of ``path`` on ``request`` (slowest rank per sample)."""
         ...
 
@@ -55,7 +56,7 @@ class NetmodelBackend:
         self.model = model
         self._cache: dict[tuple[str, int, int, str], float] = {}
 
-    def measure(self, request: ReplayRequest, path: Path, repeats: int) -> list[float]:
+    def measure(self, request: ReplayRequest, path: Route, repeats: int) -> list[float]:
         key = (request.name, int(request.records_NGN.sum()), request.record_bytes, str(path))
         if key not in self._cache:
             plan = request_plan(request, self.topo, path, self.options)

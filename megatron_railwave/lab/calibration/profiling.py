@@ -33,18 +33,18 @@ from megatron_railwave.lab.calibration.requests import (
     request_windows,
     token_counts,
 )
-from megatron_railwave.planner import Path, parse_path
+from megatron_railwave.names import Route, parse_route
 from megatron_railwave.selector.anchors import Anchor, AnchorSet, CalibrationContext, PathLatency
 from megatron_railwave.selector.path_model import FEATURE_NAMES
 from megatron_railwave.topology import RailTopology
 from megatron_railwave.traffic import SelectorScales, TrafficStats, dtype_bytes
 
-ALL_PATHS: tuple[Path, ...] = (Path.NATIVE, Path.RAIL, Path.PERM, Path.JOINT)
+ALL_PATHS: tuple[Route, ...] = (Route.NATIVE, Route.RAIL, Route.PERM, Route.JOINT)
 
 
 def profile_request(backend: MeasureBackend, request: ReplayRequest,
-                    paths: Sequence[Path] = ALL_PATHS, *, warmups: int = 5, repeats: int = 10,
-                    on_measure: Callable[[], None] | None = None) -> dict[Path, list[float]]:
+                    paths: Sequence[Route] = ALL_PATHS, *, warmups: int = 5, repeats: int = 10,
+                    on_measure: Callable[[], None] | None = None) -> dict[Route, list[float]]:
     """Warm-ups, then ``repeats`` interleaved rounds; returns the samples per path (seconds)."""
     if repeats < 1 or warmups < 0:
         raise ValueError(f"need repeats >= 1 and warmups >= 0, got repeats={repeats}, warmups={warmups}")
@@ -54,7 +54,7 @@ def profile_request(backend: MeasureBackend, request: ReplayRequest,
             backend.measure(request, path, warmups)
             if on_measure:
                 on_measure()
-    samples: dict[Path, list[float]] = {p: [] for p in paths}
+    samples: dict[Route, list[float]] = {p: [] for p in paths}
     for r in range(repeats):
         for path in paths[r % len(paths):] + paths[:r % len(paths)]:
             got = backend.measure(request, path, 1)
@@ -75,8 +75,8 @@ def summarize(samples: Sequence[float]) -> PathLatency:
                        samples=int(arr.size))
 
 
-def keep_anchor(latency: dict[Path, PathLatency], *, max_spread: float = 1.2,
-                min_gain: float = 0.05) -> tuple[Path, bool, float, str]:
+def keep_anchor(latency: dict[Route, PathLatency], *, max_spread: float = 1.2,
+                min_gain: float = 0.05) -> tuple[Route, bool, float, str]:
     """Apply the keep rule (module docstring). Returns (best path by median, kept, conservative
     gain ``1 - p90(best) / p10(JOINT)``, reason).
 
@@ -84,12 +84,12 @@ def keep_anchor(latency: dict[Path, PathLatency], *, max_spread: float = 1.2,
     a path exactly 5% below JOINT is kept. ``_RULE_RTOL`` absorbs only the rounding of the
     product (1e-12 relative), not a measurable difference.
     """
-    best = min(ALL_PATHS, key=lambda p: (latency[p].median, p != Path.JOINT))
-    joint = latency[Path.JOINT]
+    best = min(ALL_PATHS, key=lambda p: (latency[p].median, p != Route.JOINT))
+    joint = latency[Route.JOINT]
     gain = 1.0 - latency[best].p90 / joint.p10 if joint.p10 > 0 else 0.0
-    if best == Path.JOINT:
+    if best == Route.JOINT:
         return best, False, 0.0, "JOINT is fastest"
-    for p in (best, Path.JOINT):
+    for p in (best, Route.JOINT):
         if latency[p].spread > max_spread:
             return best, False, gain, f"{p} not repeatable (p90/p10 {latency[p].spread:.3f} > {max_spread})"
     if not latency[best].p90 <= (1.0 - min_gain) * joint.p10 * (1.0 + _RULE_RTOL):
@@ -113,8 +113,8 @@ class CalibrationRow:
     request: str
     stats: TrafficStats
     coords: tuple[float, float, float]
-    latency: dict[Path, PathLatency]
-    best: Path
+    latency: dict[Route, PathLatency]
+    best: Route
     kept: bool
     gain: float
     reason: str
@@ -181,12 +181,12 @@ def result_from_json(data: Any, *, source: str = "<json>", topo: RailTopology | 
     for i, row in enumerate(data["requests"]):
         try:
             coords = tuple(-math.inf if c is None else float(c) for c in row["coords"])
-            latency = {parse_path(p): PathLatency(**v) for p, v in row["latency_s"].items()}
+            latency = {parse_route(p): PathLatency(**v) for p, v in row["latency_s"].items()}
             st = TrafficStats(B_mean_bytes=float(row["B_mean_bytes"]), B_max_bytes=float(row["B_mean_bytes"]),
                               rho_g=float(row["rho_g"]), kappa=float(row["kappa"]), coords=coords,  # type: ignore[arg-type]
                               records_total=0, remote_records=0)
             out = CalibrationRow(request=str(row["request"]), stats=st, coords=coords, latency=latency,  # type: ignore[arg-type]
-                                 best=parse_path(row["best"]), kept=bool(row["kept"]), gain=float(row["gain"]),
+                                 best=parse_route(row["best"]), kept=bool(row["kept"]), gain=float(row["gain"]),
                                  reason=str(row["reason"]), input_windows=int(row["input_windows"]),
                                  group=str(row["group"]), seed=str(row["seed"]),
                                  features=None if row.get("features") is None or not current

@@ -14,7 +14,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from megatron_railwave.planner import Path, PathPlan, PlanOptions, WaveSchedule, build_plan
+from megatron_railwave.names import Route
+from megatron_railwave.planner import PathPlan, PlanOptions, WaveSchedule, build_plan
 from megatron_railwave.selector.path_model import PathCosts, path_features
 from megatron_railwave.telemetry.stats import demand_stats
 from megatron_railwave.topology import RailTopology
@@ -45,7 +46,7 @@ class ReplayRequest:
     demand: Any = None
 
 
-def request_plan(request: ReplayRequest, topo: RailTopology, path: Path,
+def request_plan(request: ReplayRequest, topo: RailTopology, path: Route,
                  options: PlanOptions | None = None) -> PathPlan:
     """The plan a backend executes for ``request`` on ``path`` (windows kept by NATIVE / RAIL)."""
     base = options or PlanOptions()

@@ -16,7 +16,7 @@ import numpy as np
 
 from megatron_railwave.lab.calibration.backend import path_costs
 from megatron_railwave.lab.calibration.profiling import _RULE_RTOL, ALL_PATHS, CalibrationResult
-from megatron_railwave.planner import Path
+from megatron_railwave.names import Route
 from megatron_railwave.selector import AnchorSelector, fallback_phases_of, fewer_phases
 from megatron_railwave.selector.anchors import AnchorSet
 from megatron_railwave.selector.path_model import PathCosts, fit_rail_joint
@@ -104,16 +104,16 @@ def tune_selector(result: CalibrationResult, *, grid: dict[str, Sequence[float]]
     slow_PR = {p: lat > limit_R for p, lat in lat_PR.items()}
     coords_R3 = np.array([aset.coords(r.stats) for r in rows]).reshape(len(rows), 3)
     windows_R = np.array([r.input_windows for r in rows])
-    joint_total = sum(r.latency[Path.JOINT].median for r in rows)
+    joint_total = sum(r.latency[Route.JOINT].median for r in rows)
     # The split fallback: below payload coordinate x*, outside every anchor, RAIL where it posts
     # fewer phases than JOINT (AnchorSelector.fallback_below). Candidates: no split, then every
     # payload level of the rows (0.01 apart), ascending.
-    below_ok_R = fewer_phases(windows_R, fallback_phases_of(aset, Path.JOINT))
+    below_ok_R = fewer_phases(windows_R, fallback_phases_of(aset, Route.JOINT))
     x_R = coords_R3[:, 0]
     levels = np.unique(np.round(x_R[np.isfinite(x_R)], 2)) + 0.005 if split_fallback else np.zeros(0)
     cuts = np.concatenate([[-math.inf], levels])
-    lat_rail_R, lat_joint_R = lat_PR[Path.RAIL], lat_PR[Path.JOINT]
-    slow_rail_R, slow_joint_R = slow_PR[Path.RAIL], slow_PR[Path.JOINT]
+    lat_rail_R, lat_joint_R = lat_PR[Route.RAIL], lat_PR[Route.JOINT]
+    slow_rail_R, slow_joint_R = slow_PR[Route.RAIL], slow_PR[Route.JOINT]
 
     def score(anchored_R: np.ndarray, anchored_lat_R: np.ndarray, anchored_slow_R: np.ndarray) -> tuple[int, float, float]:
         """(over, total, cut) of the best cut for these anchor decisions (first minimal cut wins)."""
@@ -208,7 +208,7 @@ def tune_selector(result: CalibrationResult, *, grid: dict[str, Sequence[float]]
     below = chosen["fallback_below_bytes"]
     return {"use_anchors": use_anchors, "payload_ratio": choice[0], "shape_distance": choice[1], "hold_rule": choice[2],
             "held": list(held_of[choice]) if use_anchors else [],
-            "fallback_below": {"payload_bytes": below, "path": str(Path.RAIL)} if below is not None else None,
+            "fallback_below": {"payload_bytes": below, "path": str(Route.RAIL)} if below is not None else None,
             "model": model.to_dict() if model is not None else None,
             "method": method, "left_out": left_out, "tolerance": tolerance,
             "scores": [no_anchors, *scores, *model_scores],

@@ -13,7 +13,7 @@ from typing import Any
 from megatron_railwave.lab.calibration.backend import MeasureBackend
 from megatron_railwave.lab.calibration.profiling import _RULE_RTOL, ALL_PATHS, _progress, profile_request, summarize
 from megatron_railwave.lab.calibration.requests import ReplayRequest, request_stats, request_windows
-from megatron_railwave.planner import Path
+from megatron_railwave.names import Route
 from megatron_railwave.selector import AnchorSelector, ModelSelector, Selection
 from megatron_railwave.selector.anchors import AnchorSet
 from megatron_railwave.topology import RailTopology
@@ -35,10 +35,10 @@ class ValidationRow:
 
     request: str
     coords: tuple[float, float, float]
-    selected: Path
+    selected: Route
     anchor: str | None
-    median_s: dict[Path, float]
-    best: Path
+    median_s: dict[Route, float]
+    best: Route
     sequence: str = ""
     position: int = 0
     windows: int = 1
@@ -49,7 +49,7 @@ class ValidationRow:
 
     @property
     def joint_s(self) -> float:
-        return self.median_s[Path.JOINT]
+        return self.median_s[Route.JOINT]
 
     @property
     def best_s(self) -> float:
@@ -101,15 +101,15 @@ class ValidationResult:
     def summary(self, *, tolerance: float = MAX_RATIO_TO_BEST - 1.0) -> dict[str, Any]:
         """The two goals (every request within ``1 + tolerance`` of its best fixed path; the
         total below always-JOINT's), path changes between consecutive layers, totals."""
-        non_joint = [r for r in self.rows if r.selected != Path.JOINT]
+        non_joint = [r for r in self.rows if r.selected != Route.JOINT]
         worst = max(self.rows, key=lambda r: r.ratio_to_best) if self.rows else None
         totals = {str(p): sum(r.median_s[p] for r in self.rows) for p in ALL_PATHS}
-        policy = min(totals, key=totals.get) if self.rows else str(Path.JOINT)
+        policy = min(totals, key=totals.get) if self.rows else str(Route.JOINT)
         selected_total = sum(r.selected_s for r in self.rows)
         oracle_total = sum(r.best_s for r in self.rows)
         over = [r for r in self.rows if r.ratio_to_best > (1.0 + tolerance) * (1.0 + _RULE_RTOL)]
         changes = count_path_changes(self.rows)
-        joint_total = totals[str(Path.JOINT)]
+        joint_total = totals[str(Route.JOINT)]
         goal_best = bool(self.rows) and not over
         goal_joint = bool(self.rows) and selected_total < joint_total
         return {
@@ -127,7 +127,7 @@ class ValidationResult:
             "num_over_tolerance": len(over),
             "over_tolerance_requests": [r.request for r in over],
             "tolerance": tolerance,
-            "num_best_not_joint": sum(r.best != Path.JOINT for r in self.rows),
+            "num_best_not_joint": sum(r.best != Route.JOINT for r in self.rows),
             "total_selected_s": selected_total,
             "total_best_per_request_s": oracle_total,
             "total_fixed_s": totals,
@@ -175,7 +175,7 @@ class ValidationResult:
             raise ValueError(f"exchanges_per_decision must be an integer >= 1, got {uses!r}")
         totals = self.summary()
         n = totals["num_requests"]
-        joint, selected = uses * totals["total_fixed_s"][str(Path.JOINT)], uses * totals["total_selected_s"]
+        joint, selected = uses * totals["total_fixed_s"][str(Route.JOINT)], uses * totals["total_selected_s"]
         best = uses * totals["total_best_per_request_s"]
         with_decisions = selected + n * decision_s
         return {
@@ -226,7 +226,7 @@ def validate(backend: MeasureBackend, selector: AnchorSelector | ModelSelector, 
             samples = profile_request(backend, req, warmups=warmups, repeats=repeats,
                                       on_measure=lambda: bar.update(1))
             medians = {p: summarize(v).median for p, v in samples.items()}
-            best = min(ALL_PATHS, key=lambda p: (medians[p], p != Path.JOINT))
+            best = min(ALL_PATHS, key=lambda p: (medians[p], p != Route.JOINT))
             rows.append(ValidationRow(request=req.name, coords=choice.coords, selected=choice.path,
                                       anchor=choice.anchor, median_s=medians, best=best,
                                       sequence=str(req.meta.get("sequence", "")),

@@ -36,7 +36,8 @@ from typing import Any
 
 import yaml
 
-from megatron_railwave.planner import Path, PlanOptions, WaveSchedule, build_plan
+from megatron_railwave.names import Route
+from megatron_railwave.planner import PlanOptions, WaveSchedule, build_plan
 from megatron_railwave.topology import RailTopology
 from megatron_railwave.traffic import DemandCounts
 from megatron_railwave.lab.workloads import demand_from_topk_ids, one_destination_topk_ids, scaled_demand
@@ -97,7 +98,7 @@ def arranged_layers(topo: RailTopology, pattern: str, *, tokens: int, seed: int 
 
 
 def pattern_sum_s(arranged: dict[int, tuple[DemandCounts, WaveSchedule]], topo: RailTopology,
-                  model: NetModelConfig, *, record_bytes: int, path: Path | str = Path.NATIVE,
+                  model: NetModelConfig, *, record_bytes: int, path: Route | str = Route.NATIVE,
                   scale: float = 1.0) -> float:
     """Sum over layers of the modelled dispatch + combine seconds of ``path``."""
     total = 0.0
@@ -251,7 +252,7 @@ def ultraep_check(topo: RailTopology, model: NetModelConfig, *, record_bytes: in
                                        source_weights=None if source_weights is None else tuple(source_weights))
         demand = demand_from_topk_ids(ids, topo, topo.world_size)
         native, perm = (execute_plan(build_plan(demand, topo, path), record_bytes=record_bytes, model=model,
-                                     demand=demand) for path in (Path.NATIVE, Path.PERM))
+                                     demand=demand) for path in (Route.NATIVE, Route.PERM))
         rows.append(ConcentrationCheck(mib_per_gpu=float(mib), records_per_gpu=records,
                                        native_dispatch_s=native.dispatch_s, native_total_s=native.total_s,
                                        perm_dispatch_s=perm.dispatch_s, perm_total_s=perm.total_s,

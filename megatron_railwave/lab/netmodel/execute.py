@@ -47,13 +47,14 @@ from __future__ import annotations
 import functools
 import time
 from dataclasses import asdict, dataclass, fields
-from pathlib import Path as FsPath
+from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
 import torch
 
-from megatron_railwave.planner import Path, PathPlan
+from megatron_railwave.names import Route
+from megatron_railwave.planner import PathPlan
 from megatron_railwave.schedule import Direction, ExecutionSchedule, MaskSource, PhaseKind, RecordWireFormat, compile_schedule
 from megatron_railwave.topology import RailTopology, read_yaml
 from megatron_railwave.lab.netmodel.cluster import Fabric, build_fabric
@@ -184,9 +185,9 @@ class NetModelConfig:
             raise ValueError(f"{source}: {exc}") from None
 
 
-def load_netmodel_config(path: str | FsPath) -> NetModelConfig:
+def load_netmodel_config(path: str | Path) -> NetModelConfig:
     """A `NetModelConfig` from YAML (``configs/netmodel/*.yaml``; its ``model:`` mapping)."""
-    path = FsPath(path)
+    path = Path(path)
     if not path.is_file():
         raise ValueError(f"netmodel config {str(path)!r} does not exist")
     data = read_yaml(path, "netmodel config")  # invalid YAML: a ValueError naming the file
@@ -342,7 +343,7 @@ def schedule_program(schedule: ExecutionSchedule, model: NetModelConfig,
     b = ProgramBuilder(fabric=fabric)
     counts = b.phase("counts", "sync", -1, (), model.count_exchange_s)
     ids = {"counts": counts}
-    balanced = Path(plan.path).balanced
+    balanced = Route(plan.path).balanced
     wave_cost = model.wave_cost_s(topo.world_size)
     offset = counts + 1
     for p in schedule.phases:

@@ -29,7 +29,8 @@ from typing import Any
 
 import numpy as np
 
-from megatron_railwave.planner import Path, PlanOptions, build_plan
+from megatron_railwave.names import Route
+from megatron_railwave.planner import PlanOptions, build_plan
 from megatron_railwave.topology import RailTopology
 from megatron_railwave.lab.netmodel.bounds import ideal_bound
 from megatron_railwave.lab.netmodel.calibrate import PAPER_INCAST, PAPER_ULTRAEP, ultraep_check
@@ -139,7 +140,7 @@ def predict_incast_slowdown(topo: RailTopology, model: NetModelConfig, *, seeds:
         ring = extreme = 0.0
         for ring_d, ring_w, ext_d, ext_w in layer_sets(seed):
             for demand, windows, acc in ((ring_d, ring_w, "ring"), (ext_d, ext_w, "extreme")):
-                plan = build_plan(demand, topo, Path.NATIVE, options=PlanOptions(windows=windows))
+                plan = build_plan(demand, topo, Route.NATIVE, options=PlanOptions(windows=windows))
                 t = execute_plan(plan, record_bytes=record_bytes, model=model, demand=demand).total_s
                 if acc == "ring":
                     ring += t

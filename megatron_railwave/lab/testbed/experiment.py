@@ -24,7 +24,7 @@ import shutil
 import tempfile
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path as FsPath
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -32,7 +32,8 @@ import torch
 
 from megatron_railwave.lab.bench.wire_bytes import railwave_record_bytes
 from megatron_railwave.schedule import ExecutionSchedule, PhaseKind, RecordWireFormat, compile_schedule
-from megatron_railwave.planner import PlanOptions, build_plan, parse_path, schedule_from_windows
+from megatron_railwave.names import ROUTES, parse_route
+from megatron_railwave.planner import PlanOptions, build_plan, schedule_from_windows
 from megatron_railwave.lab.workloads import (GLM45_AIR, GlmAirWorkload, Pattern, arrange_topk_ids, demand_from_topk_ids,
                                       glm_air_layer_ids, window_peaks)
 from megatron_railwave.telemetry.stats import demand_stats
@@ -45,7 +46,7 @@ __all__ = ["FaultConfig", "PATTERNS", "RAILS", "StudyConfig", "build_workloads",
 
 PATTERNS = tuple(p.value for p in Pattern)
 RAILS = ("balanced", "skewed")
-PATHS = ("native", "rail", "perm", "joint")
+PATHS = tuple(map(str, ROUTES))
 _TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -180,7 +181,7 @@ def _plan_info(wl: dict[str, Any], topo: RailTopology, paths: tuple[str, ...], w
     windows = schedule_from_windows(topo.num_nodes, wl["windows"])
     info = {}
     for path in paths:
-        plan = build_plan(wl["demand"], topo, parse_path(path), options=PlanOptions(windows=windows))
+        plan = build_plan(wl["demand"], topo, parse_route(path), options=PlanOptions(windows=windows))
         bound = port_bound(compile_schedule(plan, wire), line_rate_Bps(spec))
         info[path] = {"plan": plan.to_json(record_bytes=wire.dispatch_bytes), "planned_nic_bytes": bound["nic_bytes_NR"],
                       "port_bound_s": bound["port_bound_s"]}
@@ -402,7 +403,7 @@ def run_fault(spec: TestbedSpec, cfg: FaultConfig) -> dict[str, Any]:
     study = StudyConfig(patterns=(cfg.pattern,), rails=(cfg.rails,), tokens=cfg.tokens,
                         hidden=cfg.hidden, dtype=cfg.dtype, seed=cfg.seed)
     wl = build_workloads(topo, study)[0]
-    state_dir = FsPath(tempfile.mkdtemp(prefix=f"{spec.name}-fault-"))
+    state_dir = Path(tempfile.mkdtemp(prefix=f"{spec.name}-fault-"))
     args = {"workload": {"ids_WTK": wl["ids_WTK"], "windows": wl["windows"]}, "paths": list(cfg.paths),
             "fail": [node, rail], "samples": cfg.samples, "exchange_timeout_s": cfg.exchange_timeout_s,
             "unaware_path": cfg.unaware_path, "state_dir": str(state_dir), "hidden": cfg.hidden,

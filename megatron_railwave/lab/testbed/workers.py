@@ -33,7 +33,7 @@ import resource
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path as FsPath
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -216,7 +216,7 @@ def study_worker(ctx: WorkerContext, *, workloads: list[dict[str, Any]], paths: 
     return {"rank": ctx.rank, "records": records, "digests": digests, "errors": errors}
 
 
-def _write_json(path: FsPath, data: dict[str, Any]) -> None:
+def _write_json(path: Path, data: dict[str, Any]) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(data))
     os.replace(tmp, path)
@@ -239,7 +239,7 @@ def fault_worker(ctx: WorkerContext, *, workload: dict[str, Any], paths: list[st
     """
     torch.set_num_threads(1)
     rk = _Rank(ctx, num_experts=num_experts)
-    state = FsPath(state_dir)
+    state = Path(state_dir)
     inputs = make_inputs(ctx.rank, workload["ids_WTK"], num_experts=num_experts, hidden=hidden,
                          dtype=dtype, seed=seed)
     ref = dense_reference(*inputs)

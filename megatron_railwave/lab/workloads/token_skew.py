@@ -15,7 +15,7 @@ has K ids. Every MoE layer of one call carries the same tokens, so the layers mu
 
 from __future__ import annotations
 
-from pathlib import Path as FsPath
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -84,9 +84,9 @@ def token_skew_report(tokens_SW: np.ndarray | list[list[int]]) -> dict[str, Any]
     }
 
 
-def read_capture_steps(capture_dir: str | FsPath) -> list[Trace]:
+def read_capture_steps(capture_dir: str | Path) -> list[Trace]:
     """Every complete captured step of a recorder directory (``step*/rank*.npz``), in step order."""
-    capture_dir = FsPath(capture_dir)
+    capture_dir = Path(capture_dir)
     if not capture_dir.is_dir():
         raise ValueError(f"capture directory {str(capture_dir)!r} does not exist")
     steps = sorted(p for p in capture_dir.glob("step*") if p.is_dir() and any(p.glob("rank*.npz")))

@@ -26,7 +26,7 @@ layer call on the copy engine.
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path as FsPath
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -46,9 +46,9 @@ class _Staged:
     event: object | None
 
 
-def step_dir(capture_dir: str | FsPath, step: int) -> FsPath:
+def step_dir(capture_dir: str | Path, step: int) -> Path:
     """Directory of one captured step's rank parts."""
-    return FsPath(capture_dir) / f"step{int(step):09d}"
+    return Path(capture_dir) / f"step{int(step):09d}"
 
 
 class TraceRecorder:
@@ -66,7 +66,7 @@ class TraceRecorder:
 
     def __init__(
         self,
-        capture_dir: str | FsPath,
+        capture_dir: str | Path,
         interval_steps: int,
         topo: RailTopology,
         meta: TraceMeta,
@@ -79,7 +79,7 @@ class TraceRecorder:
         if layers_per_step is not None and layers_per_step < 1:
             raise ValueError(f"layers_per_step must be positive or None, got {layers_per_step!r}")
         check_topology(meta.topology, topo, source="TraceRecorder meta")
-        self.capture_dir = FsPath(capture_dir)
+        self.capture_dir = Path(capture_dir)
         self.interval_steps = interval_steps
         self.start_step = int(start_step)
         self.layers_per_step = layers_per_step
@@ -167,7 +167,7 @@ class TraceRecorder:
         ids = np.sort(np.where(routing < 0, e, routing), axis=1)
         return np.where(ids == e, -1, ids).astype(np.int16)
 
-    def _write(self, key: tuple[int, int]) -> FsPath:
+    def _write(self, key: tuple[int, int]) -> Path:
         step, rank = key
         path = step_dir(self.capture_dir, step) / f"rank{rank:05d}.npz"
         layers = self._pending.pop(key)
@@ -180,7 +180,7 @@ class TraceRecorder:
         self._written.add(key)
         return path
 
-    def flush(self) -> list[FsPath]:
+    def flush(self) -> list[Path]:
         """Write every buffered part; returns the files written."""
         return [self._write(key) for key in sorted(self._pending)]
 
@@ -195,11 +195,11 @@ class TraceRecorder:
 
 
 def merge_captures(
-    capture_dir: str | FsPath,
+    capture_dir: str | Path,
     *,
-    out_dir: str | FsPath | None = None,
+    out_dir: str | Path | None = None,
     skip_incomplete: bool = False,
-) -> list[FsPath]:
+) -> list[Path]:
     """Assemble every captured step into a global trace file.
 
     Args:
@@ -210,8 +210,8 @@ def merge_captures(
     Returns:
         The trace paths, in step order.
     """
-    capture_dir = FsPath(capture_dir)
-    out = FsPath(out_dir) if out_dir is not None else capture_dir
+    capture_dir = Path(capture_dir)
+    out = Path(out_dir) if out_dir is not None else capture_dir
     paths = []
     for sdir in sorted(p for p in capture_dir.glob("step*") if p.is_dir()):
         parts = sorted(sdir.glob("rank*.npz"))

@@ -22,7 +22,7 @@ import json
 import os
 import tempfile
 from dataclasses import dataclass, field
-from pathlib import Path as FsPath
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -208,7 +208,7 @@ def _decode(encoding: str, data: np.ndarray, source: str) -> np.ndarray:
     raise TraceFormatError(f"{source}: unknown layer encoding {encoding!r}; expected 'delta' or 'raw'")
 
 
-def _write_archive(path: FsPath, header: dict[str, Any], arrays: dict[str, np.ndarray],
+def _write_archive(path: Path, header: dict[str, Any], arrays: dict[str, np.ndarray],
                    num_experts: int) -> None:
     entries, encoding = {}, {}
     for name, ids in arrays.items():
@@ -223,11 +223,11 @@ def _write_archive(path: FsPath, header: dict[str, Any], arrays: dict[str, np.nd
             np.savez_compressed(fh, **entries)
         os.replace(tmp, path)
     except BaseException:
-        FsPath(tmp).unlink(missing_ok=True)
+        Path(tmp).unlink(missing_ok=True)
         raise
 
 
-def _read_archive(path: FsPath) -> tuple[dict[str, Any], TraceMeta, dict[int, np.ndarray]]:
+def _read_archive(path: Path) -> tuple[dict[str, Any], TraceMeta, dict[int, np.ndarray]]:
     source = f"trace file {str(path)!r}"
     if not path.is_file():
         raise ValueError(f"{source} does not exist")
@@ -286,7 +286,7 @@ def check_topology(recorded: RailTopology, expected: RailTopology, *, source: st
         )
 
 
-def write_trace(path: str | FsPath, layers: list[LayerTrace], meta: TraceMeta) -> FsPath:
+def write_trace(path: str | Path, layers: list[LayerTrace], meta: TraceMeta) -> Path:
     """Write a global trace (atomically) and return its path.
 
     Args:
@@ -295,20 +295,20 @@ def write_trace(path: str | FsPath, layers: list[LayerTrace], meta: TraceMeta) -
         meta: model, topology, experts, top-k, hidden size, dtype, step.
     """
     trace = Trace(meta=meta, layers=tuple(layers))  # validates shapes and ids
-    path = FsPath(path)
+    path = Path(path)
     _write_archive(path, {"kind": "trace", "meta": meta.to_dict(), "layers": list(trace.layer_ids)},
                    {f"layer_{lt.layer}": lt.topk_ids_WTK for lt in trace.layers}, meta.num_experts)
     return path
 
 
-def write_rank_part(path: str | FsPath, rank: int, layers: dict[int, np.ndarray], meta: TraceMeta) -> None:
+def write_rank_part(path: str | Path, rank: int, layers: dict[int, np.ndarray], meta: TraceMeta) -> None:
     """Write one rank's capture of one step: ``layers`` maps layer number -> [T, K] int16 ids."""
-    _write_archive(FsPath(path), {"kind": "rank-part", "rank": int(rank), "meta": meta.to_dict(),
+    _write_archive(Path(path), {"kind": "rank-part", "rank": int(rank), "meta": meta.to_dict(),
                                   "layers": sorted(layers)},
                    {f"layer_{k}": v for k, v in layers.items()}, meta.num_experts)
 
 
-def read_trace(path: str | FsPath, expect_topology: RailTopology | None = None, *,
+def read_trace(path: str | Path, expect_topology: RailTopology | None = None, *,
                strict_topology: bool = False) -> Trace:
     """Read a trace file, or assemble a capture step directory of rank parts.
 
@@ -322,7 +322,7 @@ def read_trace(path: str | FsPath, expect_topology: RailTopology | None = None, 
         TraceFormatError: not a trace, damaged, wrong format version.
         ValueError: topology mismatch; missing or inconsistent rank parts.
     """
-    path = FsPath(path)
+    path = Path(path)
     if path.is_dir():
         trace = _read_capture_dir(path)
     else:
@@ -339,7 +339,7 @@ def read_trace(path: str | FsPath, expect_topology: RailTopology | None = None, 
     return trace
 
 
-def _read_capture_dir(path: FsPath) -> Trace:
+def _read_capture_dir(path: Path) -> Trace:
     parts = sorted(path.glob("rank*.npz"))
     if not parts:
         steps = sorted(p for p in path.iterdir() if p.is_dir() and any(p.glob("rank*.npz")))
@@ -352,16 +352,16 @@ def _read_capture_dir(path: FsPath) -> Trace:
     return assemble_rank_parts(parts)
 
 
-def assemble_rank_parts(parts: list[FsPath]) -> Trace:
+def assemble_rank_parts(parts: list[Path]) -> Trace:
     """The global trace of one step from every rank's part (ranks padded to the longest T)."""
     metas, by_rank = [], {}
     for part in parts:
-        header, meta, layers = _read_archive(FsPath(part))
+        header, meta, layers = _read_archive(Path(part))
         if header.get("kind") != "rank-part":
             raise TraceFormatError(f"{str(part)!r} is a {header.get('kind')!r} file, not a rank part")
         rank = int(header["rank"])
         if rank in by_rank:
-            raise ValueError(f"rank {rank} has two capture parts in {str(FsPath(part).parent)!r}")
+            raise ValueError(f"rank {rank} has two capture parts in {str(Path(part).parent)!r}")
         for layer, ids in layers.items():
             if ids.ndim != 2 or ids.shape[1] != meta.topk:
                 raise TraceFormatError(
@@ -370,7 +370,7 @@ def assemble_rank_parts(parts: list[FsPath]) -> Trace:
         metas.append(meta.to_dict())
         by_rank[rank] = layers
     meta = TraceMeta.from_dict(metas[0])
-    where = str(FsPath(parts[0]).parent)
+    where = str(Path(parts[0]).parent)
     for other in metas[1:]:
         if other != metas[0]:
             raise ValueError(f"capture parts in {where!r} disagree on metadata: {metas[0]} vs {other}")

@@ -28,11 +28,12 @@ from megatron_railwave.exchange import (RankContext, VirtualCluster, combine_for
 from megatron_railwave.exchange.pending import comm_stream_for, finish, run_on_comm_stream
 from megatron_railwave.planner import PlanOptions, build_plan
 from megatron_railwave.topology import RailTopology
+from megatron_railwave.names import ROUTES
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
-PATHS = ["native", "rail", "perm", "joint"]
+PATHS = list(map(str, ROUTES))
 _SPIN_CYCLES = 100_000_000  # ~50 ms at 2 GHz: far longer than the host needs to enqueue a layer
 
 

@@ -17,8 +17,9 @@ from megatron_railwave.lab.bench.virtual_exchange import (VirtualSpec, dense_ref
 from megatron_railwave.exchange import VirtualCluster, virtual_rank_groups
 from megatron_railwave.planner import PlanOptions, schedule_from_windows
 from megatron_railwave.topology import RailTopology
+from megatron_railwave.names import ROUTES
 
-PATHS = ("native", "rail", "perm", "joint")
+PATHS = tuple(map(str, ROUTES))
 
 
 def _uneven_inputs(spec: VirtualSpec, tokens: list[int], skip_nodes: dict[int, list[int]]) -> dict:

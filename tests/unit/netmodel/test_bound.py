@@ -18,6 +18,7 @@ from megatron_railwave.traffic import DemandCounts
 
 from tests.helpers.netmodel_cases import MODELS, random_demand
 from megatron_railwave.lab.workloads import arrange
+from megatron_railwave.names import ROUTES
 
 _demand = random_demand
 
@@ -33,7 +34,7 @@ def _check(t):
 @given(seed=st.integers(0, 10_000), n=st.sampled_from([2, 3, 4]), g=st.sampled_from([2, 4]),
        density=st.floats(0.05, 0.6), skew=st.integers(1, 6),
        pattern=st.sampled_from(["none", "ring", "moderate", "extreme"]),
-       path=st.sampled_from(["native", "rail", "perm", "joint"]), variant=st.sampled_from(sorted(MODELS)),
+       path=st.sampled_from(list(map(str, ROUTES))), variant=st.sampled_from(sorted(MODELS)),
        alpha=st.sampled_from([0.0, 0.3]), nvlink=st.sampled_from([4.0, 40.0]))
 def test_no_modelled_time_below_the_bandwidth_bound(seed, n, g, density, skew, pattern, path, variant, alpha, nvlink):
     # NVLink (4 GB/s) slower than a rail (12.5 GB/s): both kinds of port set bounds.

@@ -6,7 +6,7 @@ metadata (16 bytes with one expert per node, ``num_experts=1`` below), so hand-w
 1 MB records hold to ~1e-4."""
 
 from dataclasses import replace
-from pathlib import Path as FsPath
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -28,7 +28,7 @@ from megatron_railwave.planner import PlanOptions, build_plan
 from megatron_railwave.topology import RailTopology
 from megatron_railwave.traffic import DemandCounts
 
-CONFIGS = FsPath(__file__).resolve().parents[3] / "configs"
+CONFIGS = Path(__file__).resolve().parents[3] / "configs"
 MB = 1e6
 # 1 GB/s rails (8 Gbit/s), 2 GB/s NVLink; 1 MB payload per record; no fixed costs, no incast.
 PLAIN = NetModelConfig(alpha=0.0, k_sat=None, wave_latency_s=0.0, count_exchange_s=0.0, railbalance_barrier_s=0.0,

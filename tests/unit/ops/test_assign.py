@@ -17,8 +17,9 @@ from megatron_railwave.topology import RailTopology
 from megatron_railwave.traffic import DemandCounts, target_masks
 
 from tests.helpers.ops_cases import egress_inputs, random_routing_map
+from megatron_railwave.names import ROUTES
 
-PATHS = ("native", "rail", "perm", "joint")
+PATHS = tuple(map(str, ROUTES))
 
 
 def _plans(topo: RailTopology, demand: DemandCounts, mask_NG: torch.Tensor):

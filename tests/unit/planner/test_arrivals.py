@@ -6,12 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_railwave.planner import Path, arrival_mask_counts_NGM, build_plan, delivery_copies_NGG, route_records
+from megatron_railwave.names import Route
+from megatron_railwave.planner import arrival_mask_counts_NGM, build_plan, delivery_copies_NGG, route_records
 from megatron_railwave.topology import RailTopology
 from megatron_railwave.traffic import mask_bits
 
 
-@pytest.mark.parametrize("path", list(Path))
+@pytest.mark.parametrize("path", list(Route))
 @pytest.mark.parametrize("failed", [frozenset(), frozenset({(1, 0)})])
 def test_arrival_masks_match_routed_records(path, failed, sim_tools):
     demand_from_masks, _ = sim_tools

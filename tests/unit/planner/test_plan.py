@@ -5,15 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_railwave.planner import (
-    EligiblePolicy,
-    Path,
-    PlanOptions,
-    build_plan,
-    cyclic_schedule,
-    parse_path,
-    schedule_from_windows,
-)
+from megatron_railwave.names import Route, parse_route
+from megatron_railwave.planner import EligiblePolicy, PlanOptions, build_plan, cyclic_schedule, schedule_from_windows
 from megatron_railwave.topology import RailTopology
 
 TOPO = RailTopology(num_nodes=3, gpus_per_node=2)
@@ -27,7 +20,7 @@ RECORDS_NGN[1, 1, 0], RECORDS_NGN[1, 0, 1], RECORDS_NGN[2, 1, 2] = 4, 3, 6
 
 def test_native_and_rail_quota_hand_case():
     native = build_plan(RECORDS_NGN, TOPO, "native")
-    rail = build_plan(RECORDS_NGN, TOPO, Path.RAIL)
+    rail = build_plan(RECORDS_NGN, TOPO, Route.RAIL)
     # NATIVE keeps owners: pair (0 -> 1) sends [5, 1].
     assert native.quota_NNG[0, 1].tolist() == [5, 1] and native.relayed_records() == 0
     # RAIL: 6 records over 2 GPUs -> [3, 3]; GPU 0 hands 2 to GPU 1.
@@ -88,21 +81,21 @@ def test_plan_options_validation_and_policy_names():
 
 @pytest.mark.parametrize(
     ("name", "path"),
-    [("native", Path.NATIVE), ("RAIL-ONLY", Path.RAIL), ("rail_only", Path.RAIL), ("Permutation-Only", Path.PERM),
-     ("perm", Path.PERM), (" joint ", Path.JOINT), (Path.JOINT, Path.JOINT)],
+    [("native", Route.NATIVE), ("RAIL-ONLY", Route.RAIL), ("rail_only", Route.RAIL), ("Permutation-Only", Route.PERM),
+     ("perm", Route.PERM), (" joint ", Route.JOINT), (Route.JOINT, Route.JOINT)],
 )
 def test_parse_path_aliases(name, path):
-    assert parse_path(name) is path
+    assert parse_route(name) is path
 
 
 def test_parse_path_unknown_raises():
     with pytest.raises(ValueError, match=r"unknown path 'ring'; choose one of native, rail, perm, joint"):
-        parse_path("ring")
+        parse_route("ring")
 
 
 def test_path_flags():
-    assert [p.balanced for p in Path] == [False, True, False, True]
-    assert [p.waved for p in Path] == [False, False, True, True]
+    assert [p.balanced for p in Route] == [False, True, False, True]
+    assert [p.waved for p in Route] == [False, False, True, True]
 
 
 def test_same_inputs_same_plan():

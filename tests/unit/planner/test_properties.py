@@ -15,18 +15,8 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from megatron_railwave.planner import (
-    EligiblePolicy,
-    Path,
-    PlanOptions,
-    all_at_once,
-    bounded_fanin_schedule,
-    build_plan,
-    delivery_copies_NGG,
-    eligible_NNG,
-    rank_splits,
-    route_records,
-)
+from megatron_railwave.names import Route
+from megatron_railwave.planner import EligiblePolicy, PlanOptions, all_at_once, bounded_fanin_schedule, build_plan, delivery_copies_NGG, eligible_NNG, rank_splits, route_records
 from megatron_railwave.topology import RailTopology
 from megatron_railwave.traffic import DemandCounts, mask_bits
 
@@ -113,7 +103,7 @@ def test_every_record_delivered_once_on_healthy_rails(case):
     # every record of every rank, as flat [n_rec] tensors of (rank, token, node)
     rank_all, token_all, node_all = torch.nonzero(torch.stack(masks), as_tuple=True)
     expected = (rank_all * 64 + token_all) * n + node_all  # unique record ids, T <= 8 < 64
-    for path in Path:
+    for path in Route:
         plan = build_plan(demand, topo, path, options=options, phase=phase)
         routes = [route_records(plan, rank, masks[rank]) for rank in range(w)]
         counts = torch.tensor([r.token_R.numel() for r in routes])
@@ -149,7 +139,7 @@ def test_every_record_delivered_once_on_healthy_rails(case):
 def test_balanced_paths_per_rail_counts_within_one(case):
     topo, _, demand, options, phase = case
     n = topo.num_nodes
-    for path in (Path.RAIL, Path.JOINT):
+    for path in (Route.RAIL, Route.JOINT):
         plan = build_plan(demand, topo, path, options=options, phase=phase)
         eligible = eligible_NNG(topo, plan.records_NNG, options.policy, options.rail_mask_NG)
         load_NRN = plan.rail_load_NRN()
@@ -169,7 +159,7 @@ def test_balanced_paths_per_rail_counts_within_one(case):
 def test_waved_paths_bound_senders_per_receiver_per_wave(case):
     topo, _, demand, options, phase = case
     n, f = topo.num_nodes, options.fanin
-    for path in (Path.PERM, Path.JOINT):
+    for path in (Route.PERM, Route.JOINT):
         plan = build_plan(demand, topo, path, options=options, phase=phase)
         assert plan.num_waves == -(-(n - 1) // f)
         for v in range(plan.num_waves):
@@ -199,7 +189,7 @@ def test_every_ordered_remote_pair_exactly_once(n, f):
 def test_same_inputs_same_plan(case):
     topo, masks, demand, options, phase = case
     twin = DemandCounts(records_WNM=demand.records_WNM.clone(), experts_WE=demand.experts_WE.clone())
-    for path in Path:
+    for path in Route:
         a = build_plan(demand, topo, path, options=options, phase=phase)
         b = build_plan(twin, topo, path, options=options, phase=phase)
         for field in ("records_NNG", "quota_NNG", "relay_NNGG", "pair_wave_NN"):

@@ -11,8 +11,9 @@ import torch
 from megatron_railwave.planner import PlanOptions, build_plan, delivery_copies_NGG, rank_splits, route_records
 from megatron_railwave.topology import RailTopology
 from megatron_railwave.traffic import target_masks
+from megatron_railwave.names import ROUTES
 
-PATHS = ("native", "rail", "perm", "joint")
+PATHS = tuple(map(str, ROUTES))
 
 # Hand case: 2 nodes x 2 GPUs; only rank 0 = GPU (0, 0) has records.
 #   token: 0        1        2        3        4

@@ -11,8 +11,9 @@ from megatron_railwave.planner import PlanOptions, build_plan, chunk_arrival_cou
 from megatron_railwave.schedule import Direction, PhaseKind, RecordWireFormat, compile_schedule, rank_view
 from megatron_railwave.topology import RailTopology
 from megatron_railwave.traffic import DemandCounts
+from megatron_railwave.names import ROUTES
 
-PATHS = ("native", "rail", "perm", "joint")
+PATHS = tuple(map(str, ROUTES))
 WIRE = RecordWireFormat(hidden=8, payload_dtype=torch.bfloat16, probs_dtype=torch.float32, experts_per_node=40)
 
 

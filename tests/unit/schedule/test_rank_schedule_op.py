@@ -20,11 +20,12 @@ from megatron_railwave.topology import RailTopology
 
 from tests.helpers.ops_cases import random_failed_topology
 from megatron_railwave.traffic import DemandCounts
+from megatron_railwave.names import ROUTES
 
 pytestmark = pytest.mark.skipif(ops.load_error() is not None or not ops.compiled_for(torch.device("cpu")),
                                 reason="the compiled ops did not load (make ext)")
 
-PATHS = ("native", "rail", "perm", "joint")
+PATHS = tuple(map(str, ROUTES))
 WIRE = RecordWireFormat(hidden=16, payload_dtype=torch.float32, probs_dtype=torch.float32, experts_per_node=8)
 
 

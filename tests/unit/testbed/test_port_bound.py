@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from megatron_railwave.telemetry.capture import demand_from_topk_ids
-from megatron_railwave.planner import build_plan, parse_path
+from megatron_railwave.names import parse_route
+from megatron_railwave.planner import build_plan
 from megatron_railwave.schedule import RecordWireFormat, compile_schedule
 from megatron_railwave.lab.testbed.experiment import port_bound
 from megatron_railwave.topology import RailTopology
@@ -28,7 +29,7 @@ def test_port_bound_two_nodes_one_rail_by_hand():
     # Rank 0: 3 tokens to node 1 and 1 kept at home; rank 1: 1 token to node 0, 3 kept.
     topo = RailTopology(num_nodes=2, gpus_per_node=1)
     demand = demand_from_topk_ids(_ids([[2, 3, 2, 0], [0, 2, 3, 3]]), topo, 4)
-    schedule = compile_schedule(build_plan(demand, topo, parse_path("native")), _WIRE)
+    schedule = compile_schedule(build_plan(demand, topo, parse_route("native")), _WIRE)
     d, c, rate = _WIRE.dispatch_bytes, _WIRE.combine_bytes, 1000.0
     out = port_bound(schedule, rate)
     # Whole layer: rank 0 sends 3 dispatch rows + 1 combine row; receives 1 + 3.
@@ -43,7 +44,7 @@ def test_port_bound_rail_balance_halves_a_one_rail_layer():
     topo = RailTopology(num_nodes=2, gpus_per_node=2)
     ids = _ids([[4] * 8, [0] * 8, [0] * 8, [4] * 8])
     demand = demand_from_topk_ids(ids, topo, 8)
-    bounds = {path: port_bound(compile_schedule(build_plan(demand, topo, parse_path(path)), _WIRE), 1e6)
+    bounds = {path: port_bound(compile_schedule(build_plan(demand, topo, parse_route(path)), _WIRE), 1e6)
               for path in ("native", "rail")}
     assert bounds["rail"]["port_bound_s"] == pytest.approx(bounds["native"]["port_bound_s"] / 2)
     # NATIVE: rail 0 carries everything on both nodes; RAIL: both rails equal.
