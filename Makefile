@@ -4,7 +4,7 @@ VENV := .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.railwave-installed
 
-.PHONY: demo test test-all test-mcore-oldest setup clean plan-bench bench bench-paper scale-study bench-exchange testbed-bench gpu-check \
+.PHONY: demo test lint format test-all test-mcore-oldest setup clean plan-bench bench bench-paper scale-study bench-exchange testbed-bench gpu-check \
 	simulate-exchange workload-fit token-skew call-costs ext kernels-check ops-bench deepep-conformance deepep-hardware-check
 
 # setup.py ships the opt-in RAILWAVE_AUTO_INSTALL startup hook (megatron_railwave_autoinstall.pth).
@@ -12,7 +12,8 @@ $(STAMP): pyproject.toml setup.py megatron_railwave_autoinstall.pth
 	@test -x $(VPY) || $(PY) -m venv $(VENV)
 	# torch first, so that nothing later pulls a multi-GB CUDA build.
 	$(VPY) -m pip install -q torch==2.13.0
-	$(VPY) -m pip install -q numpy "packaging>=24.2" pyyaml pytest pytest-timeout hypothesis rich tqdm matplotlib typing_extensions import-linter
+	$(VPY) -m pip install -q numpy "packaging>=24.2" pyyaml pytest pytest-timeout hypothesis rich tqdm matplotlib typing_extensions import-linter \
+		ruff==0.17.6
 	$(VPY) -m pip install -q --ignore-requires-python --no-deps megatron-core==0.19.2
 	RAILWAVE_BUILD_EXT=0 $(VPY) -m pip install -q --no-deps --no-build-isolation -e .
 	@touch $(STAMP)
@@ -50,9 +51,20 @@ $(SIMGRID_STAMP): $(STAMP)
 
 setup: $(STAMP)
 
-# The import contracts of docs/architecture.md ([tool.importlinter] in pyproject.toml) first.
+# ruff: lint (pyflakes, pycodestyle, isort, pyupgrade, bugbear) and the formatter's check.
+# `make format` rewrites the tree in the house style.
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: $(STAMP)
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/ruff check --fix .
+
+# Lint and format ([tool.ruff] in pyproject.toml), then the import contracts of
+# docs/architecture.md ([tool.importlinter]), then pytest.
 # RAILWAVE_REQUIRE_EXT=1: the ops tests fail (rather than skip) if the compiled ops did not load.
-test: $(STAMP) $(SIMGRID_STAMP) $(EXT_STAMP) kernels-check
+test: $(STAMP) $(SIMGRID_STAMP) $(EXT_STAMP) kernels-check lint
 	$(VENV)/bin/lint-imports
 	RAILWAVE_REQUIRE_EXT=1 $(VPY) -m pytest -q -m "not slow" --timeout=900 --durations=15
 

@@ -22,11 +22,27 @@ HERE = Path(__file__).resolve().parent
 
 
 def _run(dispatcher: str, args: argparse.Namespace, out: Path) -> dict:
-    cmd = [sys.executable, str(HERE / "train_glm_tiny.py"), "--nprocs", str(args.nprocs),
-           "--steps", str(args.steps), "--moe-token-dispatcher-type", dispatcher, "--json", str(out)]
+    cmd = [
+        sys.executable,
+        str(HERE / "train_glm_tiny.py"),
+        "--nprocs",
+        str(args.nprocs),
+        "--steps",
+        str(args.steps),
+        "--moe-token-dispatcher-type",
+        dispatcher,
+        "--json",
+        str(out),
+    ]
     if dispatcher == "railwave":
-        cmd += ["--railwave-path", args.railwave_path, "--gpus-per-node", str(args.gpus_per_node),
-                "--railwave-log-dir", str(args.out_dir / "demo_logs")]
+        cmd += [
+            "--railwave-path",
+            args.railwave_path,
+            "--gpus-per-node",
+            str(args.gpus_per_node),
+            "--railwave-log-dir",
+            str(args.out_dir / "demo_logs"),
+        ]
     print(f"\n=== {dispatcher} ===\n$ {' '.join(cmd)}", flush=True)
     subprocess.run(cmd, check=True)
     return json.loads(out.read_text())
@@ -64,30 +80,49 @@ def _print_layer_table(log_dir: Path, run: str) -> dict:
 
     summary = summarize_logs(split_runs(read_logs(log_dir))[run])
     header, rows = layer_table(summary)
-    print(f"\nrailwave per layer, run {run} ({summary['num_calls']} layer calls, slowest rank; {log_dir}):")
-    cells = [header] + [[f"{v:.3g}" if isinstance(v, float) else str(v) for v in row] for row in rows]
+    print(
+        f"\nrailwave per layer, run {run} ({summary['num_calls']} layer calls, slowest rank; "
+        f"{log_dir}):"
+    )
+    cells = [header] + [
+        [f"{v:.3g}" if isinstance(v, float) else str(v) for v in row] for row in rows
+    ]
     widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
     for r in cells:
         print(" | ".join(c.rjust(w) for c, w in zip(r, widths)))
     return summary
 
 
-def _print_summary(rail: dict, ok: bool, worst: float, summary: dict, log_dir: Path, run: str) -> None:
+def _print_summary(
+    rail: dict, ok: bool, worst: float, summary: dict, log_dir: Path, run: str
+) -> None:
     """The few lines to read first: what ran, whether it trained the same, what each layer did,
     where to go next."""
     print("\n=== summary ===")
-    print(f"railwave: {rail['nprocs']} CPU processes (gloo), {rail['steps']} steps, ops "
-          f"{rail.get('railwave_ops') or 'unknown'}")
-    print(f"losses against Megatron's alltoall: {'match' if ok else 'DIFFER'} (max |diff| {worst:.2e}, "
-          f"tolerance 1e-4 x max(1, |first loss|))")
+    print(
+        f"railwave: {rail['nprocs']} CPU processes (gloo), {rail['steps']} steps, ops "
+        f"{rail.get('railwave_ops') or 'unknown'}"
+    )
+    print(
+        f"losses against Megatron's alltoall: {'match' if ok else 'DIFFER'} (max |diff| "
+        f"{worst:.2e}, "
+        f"tolerance 1e-4 x max(1, |first loss|))"
+    )
     for layer in summary["layers"]:
         paths = ", ".join(f"{p} {share:.0%}" for p, share in layer["path_mix"].items() if share > 0)
         sent = sum(layer["rail_bytes"]) / 1024
-        print(f"  MoE layer {layer['layer']}: {paths} of {layer['calls']} calls; per call (mean) the dispatch sends "
-              f"{sent:.1f} KiB over {len(layer['rail_bytes'])} rails in {layer['num_waves']:g} wave(s), "
-              f"{layer['relayed_records']:g} records relayed to balance the rails")
+        print(
+            f"  MoE layer {layer['layer']}: {paths} of {layer['calls']} calls; per call (mean) "
+            f"the dispatch sends "
+            f"{sent:.1f} KiB over {len(layer['rail_bytes'])} rails in {layer['num_waves']:g} "
+            f"wave(s), "
+            f"{layer['relayed_records']:g} records relayed to balance the rails"
+        )
     print(f"next: railwave report {log_dir} --run {run}   (this run's table, plots and JSON)")
-    print("      docs/usage.md   (the three lines for your own Megatron job);  docs/index.md   (every document)")
+    print(
+        "      docs/usage.md   (the three lines for your own Megatron job);  docs/index.md   "
+        "(every document)"
+    )
 
 
 if __name__ == "__main__":

@@ -58,7 +58,9 @@ def _megatron_lm_pretrain_gpt() -> Any | None:
     if not root:
         return None
     if not os.path.isfile(os.path.join(root, "pretrain_gpt.py")):
-        raise ValueError(f"MEGATRON_LM_DIR={root!r} has no pretrain_gpt.py; point it at a Megatron-LM checkout")
+        raise ValueError(
+            f"MEGATRON_LM_DIR={root!r} has no pretrain_gpt.py; point it at a Megatron-LM checkout"
+        )
     sys.path.insert(0, root)
     import pretrain_gpt  # type: ignore[import-not-found]
 
@@ -70,17 +72,24 @@ def parse_args_and_install(args_defaults: dict[str, Any] | None = None):
     arguments, then install RailWave. Returns the parsed arguments."""
     from megatron.training.arguments import parse_and_validate_args
 
-    args = parse_and_validate_args(extra_args_provider=add_railwave_args,
-                                   args_defaults=args_defaults or {})
+    args = parse_and_validate_args(
+        extra_args_provider=add_railwave_args, args_defaults=args_defaults or {}
+    )
     install(config_from_args(args))
     return args
 
 
 # ---------------------------------------------------------------------- minimal glue
 def _check_minimal_glue_parallelism(args: Any) -> None:
-    unsupported = {name: getattr(args, name, 1) for name in
-                   ("tensor_model_parallel_size", "context_parallel_size", "pipeline_model_parallel_size")
-                   if getattr(args, name, 1) != 1}
+    unsupported = {
+        name: getattr(args, name, 1)
+        for name in (
+            "tensor_model_parallel_size",
+            "context_parallel_size",
+            "pipeline_model_parallel_size",
+        )
+        if getattr(args, name, 1) != 1
+    }
     if unsupported:
         raise ValueError(
             f"the built-in data glue of {__file__} needs TP = CP = PP = 1, got {unsupported}; set "
@@ -88,10 +97,14 @@ def _check_minimal_glue_parallelism(args: Any) -> None:
         )
 
 
-def train_valid_test_datasets_provider(train_val_test_num_samples: list[int], vp_stage: int | None = None):
+def train_valid_test_datasets_provider(
+    train_val_test_num_samples: list[int], vp_stage: int | None = None
+):
     """GPT datasets from ``--data-path`` / ``--*-data-path``, or mock data with ``--mock-data``."""
     del vp_stage
-    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.blended_megatron_dataset_builder import (
+        BlendedMegatronDatasetBuilder,
+    )
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
     from megatron.training import get_args, get_tokenizer
     from megatron.training.utils import get_blend_and_blend_per_split
@@ -100,14 +113,23 @@ def train_valid_test_datasets_provider(train_val_test_num_samples: list[int], vp
     _check_minimal_glue_parallelism(args)
     blend, blend_per_split = get_blend_and_blend_per_split(args)
     config = GPTDatasetConfig(
-        random_seed=args.seed, sequence_length=args.seq_length, blend=blend, blend_per_split=blend_per_split,
-        split=args.split, path_to_cache=args.data_cache_path, tokenizer=get_tokenizer(),
-        reset_position_ids=args.reset_position_ids, reset_attention_mask=args.reset_attention_mask,
-        eod_mask_loss=args.eod_mask_loss, create_attention_mask=args.create_attention_mask_in_dataloader,
+        random_seed=args.seed,
+        sequence_length=args.seq_length,
+        blend=blend,
+        blend_per_split=blend_per_split,
+        split=args.split,
+        path_to_cache=args.data_cache_path,
+        tokenizer=get_tokenizer(),
+        reset_position_ids=args.reset_position_ids,
+        reset_attention_mask=args.reset_attention_mask,
+        eod_mask_loss=args.eod_mask_loss,
+        create_attention_mask=args.create_attention_mask_in_dataloader,
     )
     cls = MockGPTDataset if args.mock_data else GPTDataset
     # TP = PP = 1: every rank builds (and reads) its own data-parallel shard.
-    return BlendedMegatronDatasetBuilder(cls, train_val_test_num_samples, lambda: True, config).build()
+    return BlendedMegatronDatasetBuilder(
+        cls, train_val_test_num_samples, lambda: True, config
+    ).build()
 
 
 def _loss(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
@@ -124,13 +146,17 @@ def forward_step(data_iterator, model, return_schedule_plan: bool = False):
     instead of its output, as Megatron-LM's pretrain_gpt.py returns it."""
     batch = next(data_iterator)
     device = torch.cuda.current_device()
-    tokens, labels, loss_mask, position_ids = (batch[k].to(device, non_blocking=True)
-                                               for k in ("tokens", "labels", "loss_mask", "position_ids"))
+    tokens, labels, loss_mask, position_ids = (
+        batch[k].to(device, non_blocking=True)
+        for k in ("tokens", "labels", "loss_mask", "position_ids")
+    )
     attention_mask = batch.get("attention_mask")
     if attention_mask is not None:
         attention_mask = attention_mask.to(device, non_blocking=True)
     if return_schedule_plan:
-        plan = model.build_schedule_plan(tokens, position_ids, attention_mask, labels=labels, loss_mask=loss_mask)
+        plan = model.build_schedule_plan(
+            tokens, position_ids, attention_mask, labels=labels, loss_mask=loss_mask
+        )
         return plan, partial(_loss, loss_mask)
     output = model(tokens, position_ids, attention_mask, labels=labels, loss_mask=loss_mask)
     return output, partial(_loss, loss_mask)
@@ -143,13 +169,19 @@ def main() -> None:
 
     upstream = _megatron_lm_pretrain_gpt()
     step = upstream.forward_step if upstream is not None else forward_step
-    datasets = (upstream.train_valid_test_datasets_provider if upstream is not None
-                else train_valid_test_datasets_provider)
+    datasets = (
+        upstream.train_valid_test_datasets_provider
+        if upstream is not None
+        else train_valid_test_datasets_provider
+    )
     datasets.is_distributed = True  # Megatron-LM: the provider runs on every rank
     defaults = {"tokenizer_type": "GPT2BPETokenizer"}
 
     if next(iter(inspect.signature(pretrain).parameters)) == "cfg_container":
-        from megatron.training.argument_utils import gpt_config_from_args, pretrain_cfg_container_from_args
+        from megatron.training.argument_utils import (
+            gpt_config_from_args,
+            pretrain_cfg_container_from_args,
+        )
 
         args = parse_args_and_install(defaults)
         if upstream is None:
@@ -161,8 +193,10 @@ def main() -> None:
     # Older Megatron-LM: pretrain parses the arguments itself; install inside the model provider,
     # which runs after parsing and before any MoE layer is built.
     if upstream is None:
-        raise ValueError("this Megatron-LM's pretrain() takes a model provider: set MEGATRON_LM_DIR to "
-                         "its checkout so that model_provider and gpt_builders can be imported")
+        raise ValueError(
+            "this Megatron-LM's pretrain() takes a model provider: set MEGATRON_LM_DIR to "
+            "its checkout so that model_provider and gpt_builders can be imported"
+        )
     from gpt_builders import gpt_builder  # type: ignore[import-not-found]
     from megatron.training import get_args
     from model_provider import model_provider  # type: ignore[import-not-found]
@@ -171,8 +205,14 @@ def main() -> None:
         install(config_from_args(get_args()))
         return model_provider(gpt_builder, *a, **kw)
 
-    pretrain(datasets, railwave_model_provider, ModelType.encoder_or_decoder, step,
-             args_defaults=defaults, extra_args_provider=add_railwave_args)
+    pretrain(
+        datasets,
+        railwave_model_provider,
+        ModelType.encoder_or_decoder,
+        step,
+        args_defaults=defaults,
+        extra_args_provider=add_railwave_args,
+    )
 
 
 if __name__ == "__main__":

@@ -45,7 +45,6 @@ import sys
 import time
 import warnings
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
@@ -66,33 +65,76 @@ def _parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=5, help="optimizer steps")
     parser.add_argument("--moe-token-dispatcher-type", choices=_DISPATCHERS, default="alltoall")
     parser.add_argument("--json", type=Path, default=None, help="write per-step losses here")
-    parser.add_argument("--gpus-per-node", type=int, default=2,
-                        help="railwave: ranks per emulated node (EP = nodes x this)")
-    parser.add_argument("--railwave-path", default="auto",
-                        choices=list(ROUTE_CHOICES),
-                        help="railwave: execution path (auto = selector)")
-    parser.add_argument("--failed-rail", action="append", default=[], metavar="NODE:RAIL",
-                        help="railwave: mark a rail failed (repeatable)")
-    parser.add_argument("--railwave-log-dir", type=Path, default=None,
-                        help="railwave: write the per-layer communication log (JSONL, one set of files per run) here")
-    parser.add_argument("--railwave-capture-dir", type=Path, default=None,
-                        help="railwave: capture every micro-batch's routing here (step<i>/rank<r>.npz, one step "
-                             "directory per micro-batch; read with `railwave workloads token-skew DIR`)")
-    parser.add_argument("--batching", choices=_BATCHING, default="fixed",
-                        help="fixed-length sequences, packed variable-length rollouts, or dynamic batching by a "
-                             "token budget (see the module docstring)")
-    parser.add_argument("--max-tokens-per-gpu", type=int, default=512,
-                        help="budget: tokens per micro-batch per rank (slime's --max-tokens-per-gpu)")
-    parser.add_argument("--samples-per-rank", type=int, default=8, help="budget: rollouts per rank per step")
-    parser.add_argument("--balance-ranks", action="store_true",
-                        help="packed/budget: deal the step's rollouts to ranks with equal counts and near-equal "
-                             "tokens first (slime --balance-data, verl balance_batch)")
-    parser.add_argument("--plan-only", action="store_true",
-                        help="train nothing: print the token skew of the batcher's per-rank token counts over "
-                             "--steps steps of --nprocs ranks (any count) and exit")
-    parser.add_argument("--len-median", type=float, default=64.0, help="packed/budget: median rollout length")
-    parser.add_argument("--len-sigma", type=float, default=0.8,
-                        help="packed/budget: standard deviation of log rollout length")
+    parser.add_argument(
+        "--gpus-per-node",
+        type=int,
+        default=2,
+        help="railwave: ranks per emulated node (EP = nodes x this)",
+    )
+    parser.add_argument(
+        "--railwave-path",
+        default="auto",
+        choices=list(ROUTE_CHOICES),
+        help="railwave: execution path (auto = selector)",
+    )
+    parser.add_argument(
+        "--failed-rail",
+        action="append",
+        default=[],
+        metavar="NODE:RAIL",
+        help="railwave: mark a rail failed (repeatable)",
+    )
+    parser.add_argument(
+        "--railwave-log-dir",
+        type=Path,
+        default=None,
+        help="railwave: write the per-layer communication log (JSONL, one set of files per run) "
+        "here",
+    )
+    parser.add_argument(
+        "--railwave-capture-dir",
+        type=Path,
+        default=None,
+        help="railwave: capture every micro-batch's routing here (step<i>/rank<r>.npz, one step "
+        "directory per micro-batch; read with `railwave workloads token-skew DIR`)",
+    )
+    parser.add_argument(
+        "--batching",
+        choices=_BATCHING,
+        default="fixed",
+        help="fixed-length sequences, packed variable-length rollouts, or dynamic batching by a "
+        "token budget (see the module docstring)",
+    )
+    parser.add_argument(
+        "--max-tokens-per-gpu",
+        type=int,
+        default=512,
+        help="budget: tokens per micro-batch per rank (slime's --max-tokens-per-gpu)",
+    )
+    parser.add_argument(
+        "--samples-per-rank", type=int, default=8, help="budget: rollouts per rank per step"
+    )
+    parser.add_argument(
+        "--balance-ranks",
+        action="store_true",
+        help="packed/budget: deal the step's rollouts to ranks with equal counts and near-equal "
+        "tokens first (slime --balance-data, verl balance_batch)",
+    )
+    parser.add_argument(
+        "--plan-only",
+        action="store_true",
+        help="train nothing: print the token skew of the batcher's per-rank token counts over "
+        "--steps steps of --nprocs ranks (any count) and exit",
+    )
+    parser.add_argument(
+        "--len-median", type=float, default=64.0, help="packed/budget: median rollout length"
+    )
+    parser.add_argument(
+        "--len-sigma",
+        type=float,
+        default=0.8,
+        help="packed/budget: standard deviation of log rollout length",
+    )
     parser.add_argument("--len-min", type=int, default=8, help="packed/budget: shortest rollout")
     parser.add_argument("--num-layers", type=int, default=3, help="layer 1 dense, rest MoE")
     parser.add_argument("--seq-length", type=int, default=32)
@@ -102,7 +144,8 @@ def _parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--timeout-s", type=float, default=600.0, help="gloo collective timeout")
     parser.add_argument(
-        "--torch-compile", action="store_true",
+        "--torch-compile",
+        action="store_true",
         help="keep Megatron's torch.compile'd helpers (~20 s of compilation per process on CPU)",
     )
     args = parser.parse_args(argv)
@@ -113,14 +156,23 @@ def _parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if getattr(args, field) < 1:
             parser.error(f"--{field.replace('_', '-')} must be >= 1, got {getattr(args, field)}")
     if not (args.len_median > 0 and args.len_sigma >= 0):
-        parser.error(f"--len-median must be > 0 and --len-sigma >= 0, got {args.len_median}, {args.len_sigma}")
+        parser.error(
+            f"--len-median must be > 0 and --len-sigma >= 0, got {args.len_median}, "
+            f"{args.len_sigma}"
+        )
     if args.batching != "fixed" and args.len_min > args.seq_length:
-        parser.error(f"--len-min {args.len_min} exceeds --seq-length {args.seq_length} (the longest rollout)")
+        parser.error(
+            f"--len-min {args.len_min} exceeds --seq-length {args.seq_length} (the longest rollout)"
+        )
     if args.batching == "budget" and args.seq_length > args.max_tokens_per_gpu:
-        parser.error(f"--seq-length {args.seq_length} (the longest rollout) exceeds --max-tokens-per-gpu "
-                     f"{args.max_tokens_per_gpu}: a rollout must fit one micro-batch; raise the budget")
+        parser.error(
+            f"--seq-length {args.seq_length} (the longest rollout) exceeds --max-tokens-per-gpu "
+            f"{args.max_tokens_per_gpu}: a rollout must fit one micro-batch; raise the budget"
+        )
     if args.railwave_capture_dir is not None and args.moe_token_dispatcher_type != "railwave":
-        parser.error("--railwave-capture-dir needs --moe-token-dispatcher-type railwave (the capture is its)")
+        parser.error(
+            "--railwave-capture-dir needs --moe-token-dispatcher-type railwave (the capture is its)"
+        )
     if 16 % args.nprocs != 0 and not args.plan_only:
         parser.error(f"--nprocs must divide the 16 experts, got {args.nprocs}")
     return args
@@ -205,7 +257,8 @@ def _reinit_experts(model: torch.nn.Module, seed: int, num_layers: int) -> None:
 
 
 def _rollout_lengths(args: argparse.Namespace, step: int, rank: int, count: int) -> list[int]:
-    """Lengths of ``count`` rollouts of ``rank`` at ``step``: a clipped lognormal (module docstring)."""
+    """Lengths of ``count`` rollouts of ``rank`` at ``step``: a clipped lognormal (module
+    docstring)."""
     gen = np.random.default_rng([args.seed, step, rank, 0x1E7])
     raw = np.rint(np.exp(np.log(args.len_median) + args.len_sigma * gen.standard_normal(count)))
     return np.clip(raw, args.len_min, args.seq_length).astype(int).tolist()
@@ -229,7 +282,9 @@ def _balanced_deal(per_rank: list[list[int]]) -> list[list[int]]:
     ranks: list[list[int]] = [[] for _ in range(world)]
     sums = [0] * world
     for length in sorted((n for lengths in per_rank for n in lengths), reverse=True):
-        lightest = min((r for r in range(world) if len(ranks[r]) < count), key=lambda r: (sums[r], r))
+        lightest = min(
+            (r for r in range(world) if len(ranks[r]) < count), key=lambda r: (sums[r], r)
+        )
         ranks[lightest].append(length)
         sums[lightest] += length
     return ranks
@@ -256,16 +311,20 @@ def micro_batch_plan(args: argparse.Namespace, step: int) -> list[list[list[int]
 
 
 def _sequences(gen: torch.Generator, count: int, length: int, vocab: int) -> torch.Tensor:
-    """[count, length + 1] arithmetic token sequences (start and stride random): learnable quickly."""
+    """[count, length + 1] arithmetic token sequences (start and stride random): learnable
+    quickly."""
     start = torch.randint(0, vocab, (count, 1), generator=gen)
     stride = torch.randint(1, 8, (count, 1), generator=gen)
     return (start + stride * torch.arange(length + 1)) % vocab
 
 
-def _batch(args: argparse.Namespace, rank: int, step: int, micro_batch: int,
-           lengths: list[int]) -> dict[str, torch.Tensor]:
+def _batch(
+    args: argparse.Namespace, rank: int, step: int, micro_batch: int, lengths: list[int]
+) -> dict[str, torch.Tensor]:
     """One micro-batch: ``fixed`` rows of equal length, else the rollouts packed into one row."""
-    gen = torch.Generator().manual_seed(args.seed * 7919 + rank * 104_729 + step + micro_batch * 1_000_003)
+    gen = torch.Generator().manual_seed(
+        args.seed * 7919 + rank * 104_729 + step + micro_batch * 1_000_003
+    )
     v = args.vocab_size
     if args.batching == "fixed":
         b, s = len(lengths), lengths[0]
@@ -283,7 +342,9 @@ def _batch(args: argparse.Namespace, rank: int, step: int, micro_batch: int,
     segment = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
     s = int(segment.numel())
     # Block-diagonal causal mask (True = masked): a rollout attends only to its own earlier tokens.
-    mask = torch.triu(torch.ones(s, s, dtype=torch.bool), diagonal=1) | (segment[:, None] != segment[None, :])
+    mask = torch.triu(torch.ones(s, s, dtype=torch.bool), diagonal=1) | (
+        segment[:, None] != segment[None, :]
+    )
     return {
         "input_ids": inputs,
         "labels": labels,
@@ -309,8 +370,13 @@ def _all_reduce_grads(params: list[torch.nn.Parameter], group, world_size: int) 
 def _quiet_known_warnings() -> None:
     # Each rank would print the same optional-dependency notices (no TE, Apex, absl) and torch's
     # all_gather_into_tensor deprecation; they say nothing about this run.
-    for message in (".*Transformer Engine.*", ".*Apex is not installed.*", ".*absl.logging.*",
-                    ".*all_gather_into_tensor.*", ".*full scope is deprecated.*"):
+    for message in (
+        ".*Transformer Engine.*",
+        ".*Apex is not installed.*",
+        ".*absl.logging.*",
+        ".*all_gather_into_tensor.*",
+        ".*full scope is deprecated.*",
+    ):
         warnings.filterwarnings("ignore", message=message)
 
 
@@ -333,10 +399,20 @@ def _train(rank: int, world_size: int, port: int, args: argparse.Namespace) -> N
         # megatron.core.jit wraps a few helpers (e.g. the router's expert-bias update) in
         # torch.compile; on CPU that compiles C++ for ~20 s per process and changes no number.
         torch._dynamo.config.disable = True
-    store = dist.TCPStore(_LOOPBACK, port, world_size, is_master=False,
-                          timeout=datetime.timedelta(seconds=args.timeout_s))
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=args.timeout_s))
+    store = dist.TCPStore(
+        _LOOPBACK,
+        port,
+        world_size,
+        is_master=False,
+        timeout=datetime.timedelta(seconds=args.timeout_s),
+    )
+    dist.init_process_group(
+        "gloo",
+        store=store,
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=args.timeout_s),
+    )
     apply_megatron_cpu_shims()
     layer_paths: dict[int, str] = {}
     log_sink = None
@@ -357,7 +433,8 @@ def _train(rank: int, world_size: int, port: int, args: argparse.Namespace) -> N
         log_sink = JsonlStatsSink(args.railwave_log_dir) if args.railwave_log_dir else None
         _require_railwave_install()(
             railwave_config,
-            stats_sink=FanoutSink(lambda st: layer_paths.__setitem__(st.layer, st.path), log_sink))
+            stats_sink=FanoutSink(lambda st: layer_paths.__setitem__(st.layer, st.path), log_sink),
+        )
 
     from megatron.core import parallel_state
     from megatron.core.distributed.finalize_model_grads import (
@@ -396,9 +473,11 @@ def _train(rank: int, world_size: int, port: int, args: argparse.Namespace) -> N
     tp_dp_cp_group = parallel_state.get_tensor_and_data_parallel_group(with_context_parallel=True)
 
     if rank == 0:
-        print(f"setup: init+imports {t_imported - t_start:.1f} s, parallel groups "
-              f"{t_groups - t_imported:.1f} s, model {time.perf_counter() - t_groups:.1f} s",
-              flush=True)
+        print(
+            f"setup: init+imports {t_imported - t_start:.1f} s, parallel groups "
+            f"{t_groups - t_imported:.1f} s, model {time.perf_counter() - t_groups:.1f} s",
+            flush=True,
+        )
     losses: list[float] = []
     tokens_per_rank: list[list[list[int]]] = []  # [step][micro-batch][rank], as planned
     step_seconds: list[float] = []
@@ -410,18 +489,23 @@ def _train(rank: int, world_size: int, port: int, args: argparse.Namespace) -> N
         loss = torch.zeros(())
         for micro_batch, lengths in enumerate(plan[rank]):
             batch = _batch(args, rank, step, micro_batch, lengths)
-            # GPTModel returns per-token loss [B, S]; micro-batches weigh equally (gradient accumulation).
+            # GPTModel returns per-token loss [B, S]; micro-batches weigh equally (gradient
+            # accumulation).
             mb_loss = model(**batch).mean() / len(plan[rank])
             mb_loss.backward()
             loss = loss + mb_loss.detach()
-        tokens_per_rank.append([[sum(plan[r][m]) for r in range(world_size)] for m in range(len(plan[rank]))])
+        tokens_per_rank.append(
+            [[sum(plan[r][m]) for r in range(world_size)] for m in range(len(plan[rank]))]
+        )
         _all_reduce_grads(dense_params, dp_group, world_size)
         _all_reduce_grads(expert_params, expt_dp_group, world_size)
         optimizer.step()
         _update_router_expert_bias([model], config, tp_dp_cp_group=tp_dp_cp_group)
         reset_model_temporary_tensors(config, [model])
         moe_log = get_moe_metrics_tracker().report(
-            loss_scale=1.0, iteration=step + 1, num_layers=args.num_layers,
+            loss_scale=1.0,
+            iteration=step + 1,
+            num_layers=args.num_layers,
             moe_layer_freq=config.moe_layer_freq,
         )
         global_loss = loss.detach().clone()
@@ -430,8 +514,11 @@ def _train(rank: int, world_size: int, port: int, args: argparse.Namespace) -> N
         step_seconds.append(time.perf_counter() - t0)
         if rank == 0:
             paths = " ".join(f"L{k}={v}" for k, v in sorted(layer_paths.items()))
-            print(f"step {step + 1}/{args.steps} | loss {losses[-1]:.6f} |{moe_log} "
-                  f"{step_seconds[-1]:.2f} s" + (f" | paths {paths}" if paths else ""), flush=True)
+            print(
+                f"step {step + 1}/{args.steps} | loss {losses[-1]:.6f} |{moe_log} "
+                f"{step_seconds[-1]:.2f} s" + (f" | paths {paths}" if paths else ""),
+                flush=True,
+            )
 
     if log_sink is not None:
         log_sink.close()
@@ -441,21 +528,40 @@ def _train(rank: int, world_size: int, port: int, args: argparse.Namespace) -> N
         flush_captures()
     if rank == 0 and args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({
-            "railwave_run": log_sink.run_id if log_sink is not None else None,
-            "railwave_ops": _ops_in_use() if args.moe_token_dispatcher_type == "railwave" else None,
-            "moe_token_dispatcher_type": args.moe_token_dispatcher_type,
-            "nprocs": world_size,
-            "steps": args.steps,
-            "batching": args.batching,
-            "batching_args": {k: getattr(args, k) for k in (
-                "seq_length", "micro_batch_size", "max_tokens_per_gpu", "samples_per_rank", "balance_ranks", "len_median",
-                "len_sigma", "len_min", "seed")},
-            "tokens_per_rank": tokens_per_rank,
-            "losses": losses,
-            "layer_paths": layer_paths,
-            "step_seconds": step_seconds,
-        }, indent=2) + "\n")
+        args.json.write_text(
+            json.dumps(
+                {
+                    "railwave_run": log_sink.run_id if log_sink is not None else None,
+                    "railwave_ops": _ops_in_use()
+                    if args.moe_token_dispatcher_type == "railwave"
+                    else None,
+                    "moe_token_dispatcher_type": args.moe_token_dispatcher_type,
+                    "nprocs": world_size,
+                    "steps": args.steps,
+                    "batching": args.batching,
+                    "batching_args": {
+                        k: getattr(args, k)
+                        for k in (
+                            "seq_length",
+                            "micro_batch_size",
+                            "max_tokens_per_gpu",
+                            "samples_per_rank",
+                            "balance_ranks",
+                            "len_median",
+                            "len_sigma",
+                            "len_min",
+                            "seed",
+                        )
+                    },
+                    "tokens_per_rank": tokens_per_rank,
+                    "losses": losses,
+                    "layer_paths": layer_paths,
+                    "step_seconds": step_seconds,
+                },
+                indent=2,
+            )
+            + "\n"
+        )
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
 
@@ -464,13 +570,22 @@ def _print_plan_skew(args: argparse.Namespace) -> int:
     """The token skew the batcher alone implies (every micro-batch of every step; no model runs)."""
     from megatron_railwave.lab.workloads import token_skew_report
 
-    tokens = [[sum(plan[r][m]) for r in range(args.nprocs)]
-              for step in range(args.steps) for plan in [micro_batch_plan(args, step)] for m in range(len(plan[0]))]
+    tokens = [
+        [sum(plan[r][m]) for r in range(args.nprocs)]
+        for step in range(args.steps)
+        for plan in [micro_batch_plan(args, step)]
+        for m in range(len(plan[0]))
+    ]
     report = token_skew_report(tokens)
-    print(f"{args.batching}{' balanced' if args.balance_ranks else ''}: {args.nprocs} ranks, {args.steps} steps, "
-          f"{report['steps']} micro-batches, mean tokens {np.mean(report['mean_tokens']):.0f}, token_skew "
-          f"{report['token_skew']:.3f}, busiest rank / mean: median {np.median(report['max_over_mean']):.2f}, "
-          f"max {max(report['max_over_mean']):.2f}")
+    print(
+        f"{args.batching}{' balanced' if args.balance_ranks else ''}: {args.nprocs} ranks, "
+        f"{args.steps} steps, "
+        f"{report['steps']} micro-batches, mean tokens {np.mean(report['mean_tokens']):.0f}, "
+        f"token_skew "
+        f"{report['token_skew']:.3f}, busiest rank / mean: median "
+        f"{np.median(report['max_over_mean']):.2f}, "
+        f"max {max(report['max_over_mean']):.2f}"
+    )
     return 0
 
 
@@ -484,8 +599,10 @@ def main(argv: list[str] | None = None) -> int:
     store = dist.TCPStore(_LOOPBACK, 0, None, is_master=True, wait_for_workers=False)
     t0 = time.perf_counter()
     mp.spawn(_train, args=(args.nprocs, store.port, args), nprocs=args.nprocs, join=True)
-    print(f"{args.nprocs} processes, {args.steps} steps, "
-          f"{args.moe_token_dispatcher_type}: {time.perf_counter() - t0:.1f} s total")
+    print(
+        f"{args.nprocs} processes, {args.steps} steps, "
+        f"{args.moe_token_dispatcher_type}: {time.perf_counter() - t0:.1f} s total"
+    )
     return 0
 
 

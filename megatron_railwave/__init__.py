@@ -17,7 +17,8 @@ __version__ = "0.1.0"
 
 
 def install(config=None, **kwargs):  # noqa: ANN001, ANN201 - thin lazy re-export
-    """Register ``moe_token_dispatcher_type='railwave'`` with Megatron-Core (see ``plugin.install``)."""
+    """Register ``moe_token_dispatcher_type='railwave'`` with Megatron-Core (see
+    ``plugin.install``)."""
     from megatron_railwave.plugin import install as _install
 
     return _install(config, **kwargs)

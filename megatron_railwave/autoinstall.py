@@ -41,7 +41,12 @@ def patch_arguments(arguments: Any) -> None:
 
     @functools.wraps(original)
     def parse_args(extra_args_provider: Any = None, *args: Any, **kwargs: Any) -> Any:
-        from megatron_railwave.plugin import add_railwave_args, config_from_args, install, wants_railwave
+        from megatron_railwave.plugin import (
+            add_railwave_args,
+            config_from_args,
+            install,
+            wants_railwave,
+        )
 
         def provider(parser: Any) -> Any:
             if extra_args_provider is not None:
@@ -69,7 +74,8 @@ _HOOKS = {_ARGUMENTS: patch_arguments, _MOE_LAYER: _on_moe_layer}
 
 
 class _PostImportFinder(importlib.abc.MetaPathFinder):
-    """Finds nothing itself: wraps the real loader of the hooked modules to run a hook after them."""
+    """Finds nothing itself: wraps the real loader of the hooked modules to run a hook after
+    them."""
 
     def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
         hook = _HOOKS.get(fullname)

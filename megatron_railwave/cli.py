@@ -49,7 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
     """The top-level parser with every registered subcommand."""
     parser = argparse.ArgumentParser(
         prog="railwave",
-        description="Rail-balanced, incast-bounded expert-parallel communication for Megatron-Core MoE.",
+        description="Rail-balanced, incast-bounded expert-parallel communication for "
+        "Megatron-Core MoE.",
     )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in COMMAND_MODULES:

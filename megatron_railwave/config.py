@@ -9,14 +9,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from megatron_railwave.names import BACKEND_NAMES, BackendName, Route, RouteChoice, parse_route, route_list
+from megatron_railwave.names import (
+    BACKEND_NAMES,
+    BackendName,
+    Route,
+    RouteChoice,
+    parse_route,
+    route_list,
+)
+from megatron_railwave.outputs import check_output_dir
 from megatron_railwave.planner import EligiblePolicy, PlanOptions
 from megatron_railwave.planner.plan import MAX_CHUNKS
-from megatron_railwave.outputs import check_output_dir
 from megatron_railwave.topology import RailTopology, load_topology, read_yaml, resolve_cluster_file
 
 __all__ = ["RailWaveConfig", "OnlineSettings", "load_config"]
-
 
 
 def _is_int(value: Any) -> bool:
@@ -41,7 +47,8 @@ def _check_number(name: str, value: Any, *, low: float, inclusive: bool, unit: s
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class OnlineSettings:
-    """Knobs of the online selector (``RailWaveConfig.online``; ``selector.online``); every rank must use the same."""
+    """Knobs of the online selector (``RailWaveConfig.online``; ``selector.online``); every rank
+    must use the same."""
 
     probes: int = 2
     """Times of each candidate before exploiting (>= 1)."""
@@ -57,7 +64,8 @@ class OnlineSettings:
     share: bool = True
     """A layer's new neighbourhood with nothing measured nearby in that layer takes its probe
     order from the nearest neighbourhood any layer of this process measured (one fabric: a path
-    that is 8x slower on one layer need not be probed on each of 45 layers). False: per layer only."""
+    that is 8x slower on one layer need not be probed on each of 45 layers). False: per layer
+    only."""
     window: int = 8
     """Most recent times kept per path and neighbourhood (their median decides; >= 1)."""
     payload_ratio: float = 2.0
@@ -68,7 +76,9 @@ class OnlineSettings:
     """Per layer and pass kind; the least recently used is forgotten beyond this (>= 1)."""
     max_bad: int = 3
     """Bad timings in a row that switch the layer to JOINT for the rest of the run (>= 1)."""
-    candidates: tuple[str, ...] = tuple(str(r) for r in (Route.JOINT, Route.RAIL, Route.PERM, Route.NATIVE))
+    candidates: tuple[str, ...] = tuple(
+        str(r) for r in (Route.JOINT, Route.RAIL, Route.PERM, Route.NATIVE)
+    )
     """Paths tried (NATIVE among them unless the user removes it)."""
     capacity_sync_every: int = 4
     """Fixed-capacity mode only (``max_tokens_per_rank``): a layer's calls of one pass kind run
@@ -78,31 +88,55 @@ class OnlineSettings:
     posted at the epoch's second call, once the first call's timer can be read."""
 
     def __post_init__(self) -> None:
-        for name, low in (("probes", 1), ("reprobe_every", 1), ("window", 1), ("max_neighbourhoods", 1),
-                          ("max_bad", 1), ("capacity_sync_every", 2)):
+        for name, low in (
+            ("probes", 1),
+            ("reprobe_every", 1),
+            ("window", 1),
+            ("max_neighbourhoods", 1),
+            ("max_bad", 1),
+            ("capacity_sync_every", 2),
+        ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"online.{name}={value!r} must be an integer >= {low}")
         if not isinstance(self.share, bool):
             raise ValueError(f"online.share={self.share!r} must be true or false")
-        for name, low, strict in (("drop_ratio", 1.0, True), ("reprobe_budget", 0.0, True),
-                                  ("payload_ratio", 1.0, False), ("shape_distance", 0.0, False)):
+        for name, low, strict in (
+            ("drop_ratio", 1.0, True),
+            ("reprobe_budget", 0.0, True),
+            ("payload_ratio", 1.0, False),
+            ("shape_distance", 0.0, False),
+        ):
             value = getattr(self, name)
-            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            ok = (
+                isinstance(value, (int, float))
+                and not isinstance(value, bool)
+                and math.isfinite(value)
+            )
             if not ok or value < low or (strict and value == low):
-                raise ValueError(f"online.{name}={value!r} must be a finite number {'>' if strict else '>='} {low:g}")
+                raise ValueError(
+                    f"online.{name}={value!r} must be a finite number {'>' if strict else '>='} "
+                    f"{low:g}"
+                )
         if self.probes > self.window:
-            raise ValueError(f"online.probes={self.probes} exceeds online.window={self.window} (times kept per path); "
-                             "raise window or lower probes")
+            raise ValueError(
+                f"online.probes={self.probes} exceeds online.window={self.window} (times kept per "
+                f"path); "
+                "raise window or lower probes"
+            )
         raw = self.candidates
         if isinstance(raw, str) or not isinstance(raw, (list, tuple)) or not raw:
-            raise ValueError(f"online.candidates={raw!r} must be a non-empty list of paths ({route_list()})")
+            raise ValueError(
+                f"online.candidates={raw!r} must be a non-empty list of paths ({route_list()})"
+            )
         try:
             paths = tuple(dict.fromkeys(str(parse_route(p)) for p in raw))
         except ValueError as exc:
             raise ValueError(f"online.candidates: {exc}") from None
         if Route.JOINT not in paths:
-            raise ValueError(f"online.candidates={list(raw)} must include joint (the fallback on bad timings)")
+            raise ValueError(
+                f"online.candidates={list(raw)} must include joint (the fallback on bad timings)"
+            )
         object.__setattr__(self, "candidates", paths)
 
     @classmethod
@@ -112,19 +146,24 @@ class OnlineSettings:
         if isinstance(data, OnlineSettings):
             return data
         if not isinstance(data, dict):
-            raise ValueError(f"online={data!r} must be a mapping of online-selector settings (or null)")
+            raise ValueError(
+                f"online={data!r} must be a mapping of online-selector settings (or null)"
+            )
         unknown = sorted(set(data) - set(cls.__dataclass_fields__))  # type: ignore[attr-defined]
         if unknown:
-            raise ValueError(f"online: unknown field(s) {unknown}; known: {sorted(cls.__dataclass_fields__)}")  # type: ignore[attr-defined]
+            raise ValueError(
+                f"online: unknown field(s) {unknown}; known: {sorted(cls.__dataclass_fields__)}"
+            )  # type: ignore[attr-defined]
         data = dict(data)
         if isinstance(data.get("candidates"), list):
             data["candidates"] = tuple(data["candidates"])
         return cls(**data)
 
     def to_dict(self) -> dict[str, Any]:
-        return {f: (list(v) if isinstance(v := getattr(self, f), tuple) else v)
-                for f in self.__dataclass_fields__}  # type: ignore[attr-defined]
-
+        return {
+            f: (list(v) if isinstance(v := getattr(self, f), tuple) else v)
+            for f in self.__dataclass_fields__
+        }  # type: ignore[attr-defined]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -216,23 +255,49 @@ class RailWaveConfig:
         if not isinstance(self.path, str):
             raise ValueError(f"path={self.path!r} must be a string: one of {route_list(auto=True)}")
         if self.path != "auto":
-            object.__setattr__(self, "path", str(parse_route(self.path)))  # raises with the allowed names
-        if self.gpus_per_node is not None and (not _is_int(self.gpus_per_node) or not 1 <= self.gpus_per_node <= 8):
-            raise ValueError(f"gpus_per_node={self.gpus_per_node!r} must be an integer in 1..8 (GPUs of one node), "
-                             "or null to take it from the cluster file or torchrun's LOCAL_WORLD_SIZE")
-        if not _is_seq(self.rail_of_gpu) or not all(_is_int(r) and r >= 0 for r in self.rail_of_gpu):
-            raise ValueError(f"rail_of_gpu={self.rail_of_gpu!r} must be a list of rail indices >= 0, one per local "
-                             "GPU (e.g. [0, 1, 2, 3]), or [] for one rail per GPU")
-        if self.rail_of_gpu and self.gpus_per_node is not None and len(self.rail_of_gpu) != self.gpus_per_node:
-            raise ValueError(f"rail_of_gpu has {len(self.rail_of_gpu)} entries but gpus_per_node is "
-                             f"{self.gpus_per_node}; give one rail index per local GPU")
+            object.__setattr__(
+                self, "path", str(parse_route(self.path))
+            )  # raises with the allowed names
+        if self.gpus_per_node is not None and (
+            not _is_int(self.gpus_per_node) or not 1 <= self.gpus_per_node <= 8
+        ):
+            raise ValueError(
+                f"gpus_per_node={self.gpus_per_node!r} must be an integer in 1..8 (GPUs of one "
+                f"node), "
+                "or null to take it from the cluster file or torchrun's LOCAL_WORLD_SIZE"
+            )
+        if not _is_seq(self.rail_of_gpu) or not all(
+            _is_int(r) and r >= 0 for r in self.rail_of_gpu
+        ):
+            raise ValueError(
+                f"rail_of_gpu={self.rail_of_gpu!r} must be a list of rail indices >= 0, one per "
+                f"local "
+                "GPU (e.g. [0, 1, 2, 3]), or [] for one rail per GPU"
+            )
+        if (
+            self.rail_of_gpu
+            and self.gpus_per_node is not None
+            and len(self.rail_of_gpu) != self.gpus_per_node
+        ):
+            raise ValueError(
+                f"rail_of_gpu has {len(self.rail_of_gpu)} entries but gpus_per_node is "
+                f"{self.gpus_per_node}; give one rail index per local GPU"
+            )
         object.__setattr__(self, "rail_of_gpu", tuple(int(r) for r in self.rail_of_gpu))
-        _check_number("rail_gbps", self.rail_gbps, low=0.0, inclusive=False, unit="Gbit/s of one NIC port")
+        _check_number(
+            "rail_gbps", self.rail_gbps, low=0.0, inclusive=False, unit="Gbit/s of one NIC port"
+        )
         if not _is_seq(self.failed_rails) or not all(
-                _is_seq(f) and len(f) == 2 and all(_is_int(v) and v >= 0 for v in f) for f in self.failed_rails):
-            raise ValueError(f"failed_rails={_plain(self.failed_rails)!r} must be a list of [node, rail] pairs "
-                             "of integers >= 0, e.g. [[0, 3], [2, 1]]; [] when every rail is up")
-        object.__setattr__(self, "failed_rails", tuple((int(n), int(r)) for n, r in self.failed_rails))
+            _is_seq(f) and len(f) == 2 and all(_is_int(v) and v >= 0 for v in f)
+            for f in self.failed_rails
+        ):
+            raise ValueError(
+                f"failed_rails={_plain(self.failed_rails)!r} must be a list of [node, rail] pairs "
+                "of integers >= 0, e.g. [[0, 3], [2, 1]]; [] when every rail is up"
+            )
+        object.__setattr__(
+            self, "failed_rails", tuple((int(n), int(r)) for n, r in self.failed_rails)
+        )
         self._check_cluster()
         try:
             object.__setattr__(self, "policy", EligiblePolicy(self.policy))
@@ -242,35 +307,65 @@ class RailWaveConfig:
             ) from None
         self._check_rail_mask()
         if not _is_int(self.fanin) or self.fanin < 1:
-            raise ValueError(f"fanin={self.fanin!r} must be an integer >= 1 (remote senders per receiver per "
-                             "wave; 1 = the cyclic schedule)")
+            raise ValueError(
+                f"fanin={self.fanin!r} must be an integer >= 1 (remote senders per receiver per "
+                "wave; 1 = the cyclic schedule)"
+            )
         if not _is_int(self.chunks) or not 1 <= self.chunks <= MAX_CHUNKS:
-            raise ValueError(f"chunks={self.chunks!r} must be an integer in 1..{MAX_CHUNKS} (rail chunks per wave; "
-                             "1 = whole waves)")
+            raise ValueError(
+                f"chunks={self.chunks!r} must be an integer in 1..{MAX_CHUNKS} (rail chunks per "
+                f"wave; "
+                "1 = whole waves)"
+            )
         if self.anchors is not None:
             if not isinstance(self.anchors, (str, os.PathLike)):
-                raise ValueError(f"anchors={self.anchors!r} must be the path of an anchors YAML file "
-                                 "(railwave calibrate --out) or null")
+                raise ValueError(
+                    f"anchors={self.anchors!r} must be the path of an anchors YAML file "
+                    "(railwave calibrate --out) or null"
+                )
             if Path(self.anchors).expanduser().is_dir():
-                raise ValueError(f"anchors {str(self.anchors)!r} is a directory; give the anchors YAML file "
-                                 "written by `railwave calibrate --out`")
+                raise ValueError(
+                    f"anchors {str(self.anchors)!r} is a directory; give the anchors YAML file "
+                    "written by `railwave calibrate --out`"
+                )
         if self.selector not in (None, "online", "anchors"):
-            raise ValueError(f"selector={self.selector!r} must be 'online', 'anchors' or null (online without an "
-                             "anchors file, else anchors)")
+            raise ValueError(
+                f"selector={self.selector!r} must be 'online', 'anchors' or null (online without "
+                f"an "
+                "anchors file, else anchors)"
+            )
         object.__setattr__(self, "online", OnlineSettings.from_dict(self.online))
         if self.selector == "online" and self.path != "auto":
-            raise ValueError(f"selector: online chooses among paths, but path is {self.path!r}; set path: auto, "
-                             "or drop selector")
+            raise ValueError(
+                f"selector: online chooses among paths, but path is {self.path!r}; set path: auto, "
+                "or drop selector"
+            )
         if self.online_out is not None:
-            if not isinstance(self.online_out, (str, os.PathLike)) or Path(self.online_out).expanduser().is_dir():
-                raise ValueError(f"online_out={self.online_out!r} must be the path of the anchors YAML file to write "
-                                 "(not a directory), or null")
+            if (
+                not isinstance(self.online_out, (str, os.PathLike))
+                or Path(self.online_out).expanduser().is_dir()
+            ):
+                raise ValueError(
+                    f"online_out={self.online_out!r} must be the path of the anchors YAML file to "
+                    f"write "
+                    "(not a directory), or null"
+                )
         if self.payload_ratio is not None:
-            _check_number("payload_ratio", self.payload_ratio, low=1.0, inclusive=True,
-                          unit="ratio; null = the anchors file's tuned value")
+            _check_number(
+                "payload_ratio",
+                self.payload_ratio,
+                low=1.0,
+                inclusive=True,
+                unit="ratio; null = the anchors file's tuned value",
+            )
         if self.shape_distance is not None:
-            _check_number("shape_distance", self.shape_distance, low=0.0, inclusive=True,
-                          unit="distance; null = the anchors file's tuned value")
+            _check_number(
+                "shape_distance",
+                self.shape_distance,
+                low=0.0,
+                inclusive=True,
+                unit="distance; null = the anchors file's tuned value",
+            )
         for name in ("log_dir", "capture_dir"):
             value = getattr(self, name)
             if value is not None:
@@ -280,73 +375,116 @@ class RailWaveConfig:
         if not isinstance(self.metrics, bool):
             raise ValueError(f"metrics={self.metrics!r} must be true or false")
         if self.log_mode not in ("rank", "job"):
-            raise ValueError(f"log_mode={self.log_mode!r} must be 'rank' (one file per rank) or 'job' "
-                             "(one file written by global rank 0)")
+            raise ValueError(
+                f"log_mode={self.log_mode!r} must be 'rank' (one file per rank) or 'job' "
+                "(one file written by global rank 0)"
+            )
         for name in ("log_interval", "capture_interval"):
             value = getattr(self, name)
             if not _is_int(value) or value < 1:
                 raise ValueError(f"{name}={value!r} must be an integer >= 1 (steps)")
         if self.timeout_s is not None:
-            _check_number("timeout_s", self.timeout_s, low=0.0, inclusive=False,
-                          unit="seconds; null = the process group's timeout")
+            _check_number(
+                "timeout_s",
+                self.timeout_s,
+                low=0.0,
+                inclusive=False,
+                unit="seconds; null = the process group's timeout",
+            )
         self._check_backend()
 
     def _check_backend(self) -> None:
         if self.backend not in BACKEND_NAMES:
             raise ValueError(f"backend={self.backend!r} must be 'torch', 'deepep' or 'auto'")
         if self.deepep_buffer not in ("real", "fake"):
-            raise ValueError(f"deepep_buffer={self.deepep_buffer!r} must be 'real' (the deep_ep wheel) or 'fake' "
-                             "(its CPU stand-in for gloo tests)")
+            raise ValueError(
+                f"deepep_buffer={self.deepep_buffer!r} must be 'real' (the deep_ep wheel) or "
+                f"'fake' "
+                "(its CPU stand-in for gloo tests)"
+            )
         if self.deepep_buffer == "fake" and self.backend != "deepep":
-            raise ValueError(f"deepep_buffer 'fake' needs backend: deepep (got backend {self.backend!r}); "
-                             "'auto' only ever picks the real DeepEP")
+            raise ValueError(
+                f"deepep_buffer 'fake' needs backend: deepep (got backend {self.backend!r}); "
+                "'auto' only ever picks the real DeepEP"
+            )
         if self.max_tokens_per_rank is not None:
             if not _is_int(self.max_tokens_per_rank) or self.max_tokens_per_rank < 1:
-                raise ValueError(f"max_tokens_per_rank={self.max_tokens_per_rank!r} must be an integer >= 1 (the most "
-                                 "tokens one rank dispatches per layer: micro-batch x sequence / TP), or null for "
-                                 "the normal mode")
+                raise ValueError(
+                    f"max_tokens_per_rank={self.max_tokens_per_rank!r} must be an integer >= 1 "
+                    f"(the most "
+                    "tokens one rank dispatches per layer: micro-batch x sequence / TP), or null "
+                    "for "
+                    "the normal mode"
+                )
             if self.backend == "deepep":
-                raise ValueError(f"max_tokens_per_rank={self.max_tokens_per_rank} (fixed-capacity mode) runs on the "
-                                 "torch backend only; set backend: torch (or auto), or max_tokens_per_rank: null")
+                raise ValueError(
+                    f"max_tokens_per_rank={self.max_tokens_per_rank} (fixed-capacity mode) runs "
+                    f"on the "
+                    "torch backend only; set backend: torch (or auto), or max_tokens_per_rank: null"
+                )
         if self.backend == "deepep" and _is_int(self.chunks) and self.chunks > 1:
-            raise ValueError(f"chunks={self.chunks} (rail chunks per wave) runs on the torch backend only; DeepEP "
-                             "dispatches whole waves. Set backend: torch (or auto), or chunks: 1")
+            raise ValueError(
+                f"chunks={self.chunks} (rail chunks per wave) runs on the torch backend only; "
+                f"DeepEP "
+                "dispatches whole waves. Set backend: torch (or auto), or chunks: 1"
+            )
         if not _is_int(self.deepep_num_sms) or self.deepep_num_sms < 2 or self.deepep_num_sms % 2:
-            raise ValueError(f"deepep_num_sms={self.deepep_num_sms!r} must be an even integer >= 2 (DeepEP runs "
-                             "two SMs per channel; its default is 20)")
+            raise ValueError(
+                f"deepep_num_sms={self.deepep_num_sms!r} must be an even integer >= 2 (DeepEP runs "
+                "two SMs per channel; its default is 20)"
+            )
 
     def _check_cluster(self) -> None:
         if self.cluster is None:
             return
         if not isinstance(self.cluster, (str, os.PathLike)):
-            raise ValueError(f"cluster={self.cluster!r} must be a cluster YAML path or a preset name "
-                             "(e.g. h800_4x8), or null")
+            raise ValueError(
+                f"cluster={self.cluster!r} must be a cluster YAML path or a preset name "
+                "(e.g. h800_4x8), or null"
+            )
         resolve_cluster_file(self.cluster)  # raises naming the presets
-        overrides: dict[str, Any] = {"failed_rails": [list(f) for f in self.failed_rails]} if self.failed_rails else {}
-        topo = load_topology(self.cluster, **overrides)  # the file's keys and the failed rails' ranges
+        overrides: dict[str, Any] = (
+            {"failed_rails": [list(f) for f in self.failed_rails]} if self.failed_rails else {}
+        )
+        topo = load_topology(
+            self.cluster, **overrides
+        )  # the file's keys and the failed rails' ranges
         if self.gpus_per_node is not None and self.gpus_per_node != topo.gpus_per_node:
-            raise ValueError(f"gpus_per_node={self.gpus_per_node} differs from the cluster file's "
-                             f"{topo.gpus_per_node}; remove gpus_per_node (the cluster file sets it)")
+            raise ValueError(
+                f"gpus_per_node={self.gpus_per_node} differs from the cluster file's "
+                f"{topo.gpus_per_node}; remove gpus_per_node (the cluster file sets it)"
+            )
 
     def _check_rail_mask(self) -> None:
         example = "[[1, 1, 0, 0], [1, 1, 0, 0]] (one row of 0/1 per node, one column per local GPU)"
         if self.policy == EligiblePolicy.MASK and not self.rail_mask:
             raise ValueError(f"policy 'mask' needs rail_mask: [N][G] of 0/1, e.g. {example}")
         if self.rail_mask and self.policy != EligiblePolicy.MASK:
-            raise ValueError(f"rail_mask is set but policy is {str(self.policy)!r}, which ignores it; "
-                             "set policy: mask, or remove rail_mask")
+            raise ValueError(
+                f"rail_mask is set but policy is {str(self.policy)!r}, which ignores it; "
+                "set policy: mask, or remove rail_mask"
+            )
         if not self.rail_mask:
             object.__setattr__(self, "rail_mask", ())
             return
         rows = self.rail_mask
-        if (not _is_seq(rows) or not all(_is_seq(r) and r and all(v in (0, 1) and not isinstance(v, float)
-                                                                   for v in r) for r in rows)
-                or len({len(r) for r in rows}) != 1):
-            raise ValueError(f"rail_mask={_plain(rows)!r} must be [N][G] of 0/1 with rows of equal length, "
-                             f"e.g. {example}")
+        if (
+            not _is_seq(rows)
+            or not all(
+                _is_seq(r) and r and all(v in (0, 1) and not isinstance(v, float) for v in r)
+                for r in rows
+            )
+            or len({len(r) for r in rows}) != 1
+        ):
+            raise ValueError(
+                f"rail_mask={_plain(rows)!r} must be [N][G] of 0/1 with rows of equal length, "
+                f"e.g. {example}"
+            )
         if self.gpus_per_node is not None and len(rows[0]) != self.gpus_per_node:
-            raise ValueError(f"rail_mask rows have {len(rows[0])} entries but gpus_per_node is "
-                             f"{self.gpus_per_node}; give one 0/1 per local GPU")
+            raise ValueError(
+                f"rail_mask rows have {len(rows[0])} entries but gpus_per_node is "
+                f"{self.gpus_per_node}; give one 0/1 per local GPU"
+            )
         object.__setattr__(self, "rail_mask", tuple(tuple(int(v) for v in r) for r in rows))
 
     # ------------------------------------------------------------------ derived
@@ -365,16 +503,23 @@ class RailWaveConfig:
             "fanin": str(self.fanin),
             "chunks": str(self.chunks),
             "max_tokens_per_rank": str(self.max_tokens_per_rank),
-            "selector": repr((self.selector_kind(), self.online.to_dict() if self.online else None)),
+            "selector": repr(
+                (self.selector_kind(), self.online.to_dict() if self.online else None)
+            ),
         }
 
     def selector_kind(self) -> str:
-        """'fixed', 'online' or 'anchors': what decides each layer's path (``selector`` resolved)."""
+        """'fixed', 'online' or 'anchors': what decides each layer's path (``selector``
+        resolved)."""
         if self.path != "auto":
             return "fixed"
         if self.selector is not None:
             return self.selector
-        return "anchors" if self.anchors is not None or self.max_tokens_per_rank is not None else "online"
+        return (
+            "anchors"
+            if self.anchors is not None or self.max_tokens_per_rank is not None
+            else "online"
+        )
 
     def configured_gpus_per_node(self) -> int | None:
         """G from the cluster file or ``gpus_per_node``; None when the config does not say."""
@@ -388,8 +533,13 @@ class RailWaveConfig:
             return load_topology(self.cluster).rail_of_gpu
         return self.rail_of_gpu
 
-    def topology(self, ep_size: int, *, ranks_per_node: int | None = None,
-                 rail_of_local: tuple[int, ...] = ()) -> RailTopology:
+    def topology(
+        self,
+        ep_size: int,
+        *,
+        ranks_per_node: int | None = None,
+        rail_of_local: tuple[int, ...] = (),
+    ) -> RailTopology:
         """The topology for an expert-parallel group of ``ep_size`` ranks.
 
         Args:
@@ -438,9 +588,13 @@ class RailWaveConfig:
 
             mask = torch.tensor(self.rail_mask, dtype=torch.bool)
             if tuple(mask.shape) != (topo.num_nodes, topo.gpus_per_node):
-                raise ValueError(f"rail_mask is {list(mask.shape)} but the topology is {topo.num_nodes} nodes x "
-                                 f"{topo.gpus_per_node} GPUs; give one row per node and one 0/1 per local GPU")
-        return PlanOptions(policy=self.policy, rail_mask_NG=mask, fanin=self.fanin, chunks=self.chunks)
+                raise ValueError(
+                    f"rail_mask is {list(mask.shape)} but the topology is {topo.num_nodes} nodes x "
+                    f"{topo.gpus_per_node} GPUs; give one row per node and one 0/1 per local GPU"
+                )
+        return PlanOptions(
+            policy=self.policy, rail_mask_NG=mask, fanin=self.fanin, chunks=self.chunks
+        )
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
@@ -457,15 +611,19 @@ class RailWaveConfig:
         if unknown:
             raise ValueError(f"{source}: unknown key(s) {unknown}; allowed: {sorted(known)}")
         # YAML null for a list field means "empty" (the fields themselves validate the shapes).
-        kwargs = {k: (() if v is None and k in ("failed_rails", "rail_mask", "rail_of_gpu") else v)
-                  for k, v in data.items()}
+        kwargs = {
+            k: (() if v is None and k in ("failed_rails", "rail_mask", "rail_of_gpu") else v)
+            for k, v in data.items()
+        }
         try:
             return cls(**kwargs)
         except (TypeError, ValueError) as exc:
             raise ValueError(f"{source}: {exc}") from None
 
 
-def load_config(config: RailWaveConfig | dict[str, Any] | str | os.PathLike | None) -> RailWaveConfig:
+def load_config(
+    config: RailWaveConfig | dict[str, Any] | str | os.PathLike | None,
+) -> RailWaveConfig:
     """A ``RailWaveConfig`` from itself, a dict, a YAML path, or None (defaults).
 
     Raises:
@@ -479,14 +637,18 @@ def load_config(config: RailWaveConfig | dict[str, Any] | str | os.PathLike | No
         return RailWaveConfig.from_dict(config)
     if not isinstance(config, (str, os.PathLike)):
         raise ValueError(
-            f"railwave config: got {type(config).__name__} {config!r}; give a RailWaveConfig, a dict of its "
-            "fields (e.g. {'gpus_per_node': 8, 'path': 'joint'}), the path of a YAML file, or None for the "
+            f"railwave config: got {type(config).__name__} {config!r}; give a RailWaveConfig, a "
+            f"dict of its "
+            "fields (e.g. {'gpus_per_node': 8, 'path': 'joint'}), the path of a YAML file, or "
+            "None for the "
             "defaults"
         )
     path = Path(config)
     if path.is_dir():
-        raise ValueError(f"railwave config {str(path)!r} is a directory; give the YAML file "
-                         "(e.g. configs/railwave/glm45_air_h800.yaml)")
+        raise ValueError(
+            f"railwave config {str(path)!r} is a directory; give the YAML file "
+            "(e.g. configs/railwave/glm45_air_h800.yaml)"
+        )
     try:
         data = read_yaml(path, "railwave config file")
     except FileNotFoundError:

@@ -46,7 +46,8 @@ Online selection (``selector: online``, the default for 'auto' without an anchor
 layer call is timed (plan + dispatch, and combine: CUDA events read at the layer's next call with
 ``query()``, never a wait; the CPU clock on CPU); that time rides on the next call's count exchange
 in the status word of every row (no extra bytes), so every rank files the slowest rank's time and
-decides the same (``selector.online``). Recomputes replay their forward's path and are timed as recomputes.
+decides the same (``selector.online``). Recomputes replay their forward's path and are timed as
+recomputes.
 Fixed-capacity mode has no count exchange: one path per epoch of ``online.capacity_sync_every``
 calls, the time on a small asynchronous all-reduce read an epoch later (its one host wait;
 ``selector.capacity_epochs``, ``exchange.timing_reduce``); recomputes replay their path untimed.
@@ -60,26 +61,52 @@ import logging
 import time
 import weakref
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 
-from megatron_railwave.telemetry.capture import TraceMeta, TraceRecorder
 from megatron_railwave.config import RailWaveConfig
-from megatron_railwave.process import global_rank
-from megatron_railwave.exchange import (DispatchOutput, LayerHandle, TorchDistExchange, build_exchange, build_rail_groups,
-                       capacity_demand, check_fingerprints, gather_rank_facts, place_ranks)
+from megatron_railwave.exchange import (
+    DispatchOutput,
+    LayerHandle,
+    TorchDistExchange,
+    build_exchange,
+    build_rail_groups,
+    capacity_demand,
+    check_fingerprints,
+    gather_rank_facts,
+    place_ranks,
+)
 from megatron_railwave.names import Route
-from megatron_railwave.selector import (FixedSelector, OnlineSelector, PathSelector, needs_delivery, needs_descriptors,
-                       select_for_layer, selector_from_config)
+from megatron_railwave.process import global_rank
+from megatron_railwave.selector import (
+    FixedSelector,
+    OnlineSelector,
+    PathSelector,
+    needs_delivery,
+    needs_descriptors,
+    select_for_layer,
+    selector_from_config,
+)
 from megatron_railwave.selector.capacity_epochs import CapacityEpochs
-from megatron_railwave.selector.online import (OnlineDecision, encode_timing, fast_descriptors,
-                                               save_learned_anchors_at_exit)
-from megatron_railwave.telemetry.stats import LayerCommStats, Stopwatch, demand_stats, layer_comm_stats
+from megatron_railwave.selector.online import (
+    OnlineDecision,
+    encode_timing,
+    fast_descriptors,
+    save_learned_anchors_at_exit,
+)
 from megatron_railwave.steps import PassKind, current_step, pass_kind
+from megatron_railwave.telemetry.capture import TraceMeta, TraceRecorder
+from megatron_railwave.telemetry.stats import (
+    LayerCommStats,
+    Stopwatch,
+    demand_stats,
+    layer_comm_stats,
+)
 from megatron_railwave.traffic import DemandCounts, TrafficStats, dtype_bytes
 
 __all__ = ["RailWaveTokenDispatcher", "check_supported", "flush_captures"]
@@ -108,31 +135,42 @@ def check_supported(config: Any) -> None:
     # Attention TP / CP / PP are folded out of the expert grid ("MoE parallel folding"): with
     # expert-TP 1 every EP rank holds its own tokens, which is all the exchange needs.
     if getattr(config, "expert_tensor_parallel_size", 1) not in (None, 1):
-        problems.append(f"expert_tensor_parallel_size={config.expert_tensor_parallel_size} (need 1; expert-TP "
-                        "splits every expert over ranks and makes EP groups strided)")
+        problems.append(
+            f"expert_tensor_parallel_size={config.expert_tensor_parallel_size} (need 1; expert-TP "
+            "splits every expert over ranks and makes EP groups strided)"
+        )
     if getattr(config, "moe_expert_capacity_factor", None) is not None:
         problems.append(
             f"moe_expert_capacity_factor={config.moe_expert_capacity_factor} (token dropping; "
-            "need None)")
+            "need None)"
+        )
     if getattr(config, "moe_pad_expert_input_to_capacity", False):
         problems.append("moe_pad_expert_input_to_capacity=True (need False)")
     if getattr(config, "fp8", None) or getattr(config, "fp4", None):
         problems.append("fp8/fp4 training (fp8 dispatch is not implemented; need fp8=None)")
     if getattr(config, "moe_latent_size", None):
         problems.append(f"moe_latent_size={config.moe_latent_size} (need None)")
-    if getattr(config, "moe_router_padding_for_quantization", False) or getattr(config, "moe_router_padding_for_fp8",
-                                                                               False):
-        problems.append("moe_router_padding_for_quantization / moe_router_padding_for_fp8=True (need False: the "
-                        "padding rounds every expert's rows up to the fp8/fp4 GEMM alignment and Megatron allows it "
-                        "only with fp8/fp4 training, whose quantized payload RailWave does not carry)")
+    if getattr(config, "moe_router_padding_for_quantization", False) or getattr(
+        config, "moe_router_padding_for_fp8", False
+    ):
+        problems.append(
+            "moe_router_padding_for_quantization / moe_router_padding_for_fp8=True (need False: "
+            "the "
+            "padding rounds every expert's rows up to the fp8/fp4 GEMM alignment and Megatron "
+            "allows it "
+            "only with fp8/fp4 training, whose quantized payload RailWave does not carry)"
+        )
     graphs = _graphed_moe_preprocess(config)
     if graphs:
-        problems.append(f"{graphs} (a graph replay skips MoELayer.preprocess, and with it the dispatcher's "
-                        "per-call state; need cuda_graph_impl='none', or cuda_graph_modules without 'moe', "
-                        "'moe_preprocess' and whole-layer capture, e.g. ['attn', 'moe_router'])")
+        problems.append(
+            f"{graphs} (a graph replay skips MoELayer.preprocess, and with it the dispatcher's "
+            "per-call state; need cuda_graph_impl='none', or cuda_graph_modules without 'moe', "
+            "'moe_preprocess' and whole-layer capture, e.g. ['attn', 'moe_router'])"
+        )
     if problems:
         raise ValueError(
-            "moe_token_dispatcher_type='railwave' does not support: " + "; ".join(problems)
+            "moe_token_dispatcher_type='railwave' does not support: "
+            + "; ".join(problems)
             + ". Change these options or use the 'alltoall' dispatcher."
         )
 
@@ -141,7 +179,9 @@ def _graphed_moe_preprocess(config: Any) -> str:
     """The CUDA-graph settings under which Megatron captures the MoE preprocess (where the
     dispatcher's ``dispatch_preprocess`` runs), as text; '' when it runs eagerly."""
     impl = getattr(config, "cuda_graph_impl", "none") or "none"
-    if impl == "none" and (getattr(config, "enable_cuda_graph", False) or getattr(config, "external_cuda_graph", False)):
+    if impl == "none" and (
+        getattr(config, "enable_cuda_graph", False) or getattr(config, "external_cuda_graph", False)
+    ):
         impl = "local" if getattr(config, "enable_cuda_graph", False) else "transformer_engine"
     if impl == "none":
         return ""
@@ -211,9 +251,17 @@ class RailWaveTokenDispatcher(MoETokenDispatcher):
         stats_sink: called with every layer's ``LayerCommStats`` after combine.
     """
 
-    def __init__(self, num_local_experts: int, local_expert_indices: list[int], config: Any,
-                 pg_collection: Any = None, *, railwave: RailWaveConfig | None = None,
-                 selector: PathSelector | None = None, stats_sink: StatsSink | None = None) -> None:
+    def __init__(
+        self,
+        num_local_experts: int,
+        local_expert_indices: list[int],
+        config: Any,
+        pg_collection: Any = None,
+        *,
+        railwave: RailWaveConfig | None = None,
+        selector: PathSelector | None = None,
+        stats_sink: StatsSink | None = None,
+    ) -> None:
         check_supported(config)
         super().__init__(config=config, pg_collection=pg_collection)
         # Megatron-Core 0.15 does not set ep_rank on the base dispatcher (0.19 does).
@@ -222,7 +270,9 @@ class RailWaveTokenDispatcher(MoETokenDispatcher):
         self.num_local_experts = num_local_experts
         self.local_expert_indices = list(local_expert_indices)
         self.num_experts = config.num_moe_experts
-        expected = list(range(self.ep_rank * num_local_experts, (self.ep_rank + 1) * num_local_experts))
+        expected = list(
+            range(self.ep_rank * num_local_experts, (self.ep_rank + 1) * num_local_experts)
+        )
         if self.local_expert_indices != expected:
             raise ValueError(
                 f"RailWave expects contiguous expert placement: EP rank {self.ep_rank} should own "
@@ -237,32 +287,61 @@ class RailWaveTokenDispatcher(MoETokenDispatcher):
         if configured is not None:
             self.railwave.topology(self.ep_size)  # the config's own checks (W a multiple of G, ...)
             configured = min(configured, self.ep_size)
-        self.placement = place_ranks(facts, gpus_per_node=configured, rail_of_gpu=self.railwave.cluster_rail_of_gpu())
-        self.topology = self.railwave.topology(self.ep_size, ranks_per_node=self.placement.gpus_per_node,
-                                               rail_of_local=self.placement.rail_of_local)
+        self.placement = place_ranks(
+            facts, gpus_per_node=configured, rail_of_gpu=self.railwave.cluster_rail_of_gpu()
+        )
+        self.topology = self.railwave.topology(
+            self.ep_size,
+            ranks_per_node=self.placement.gpus_per_node,
+            rail_of_local=self.placement.rail_of_local,
+        )
         if self.railwave.path == "auto":
             if selector is None:
                 # The missing-anchors warning: once per job (global rank 0), not once per rank.
-                selector = selector_from_config(self.railwave, self.topology, warn=global_rank() == 0)
+                selector = selector_from_config(
+                    self.railwave, self.topology, warn=global_rank() == 0
+                )
             self.selector: PathSelector | OnlineSelector = selector
-            if isinstance(selector, OnlineSelector) and self.railwave.online_out and global_rank() == 0:
-                save_learned_anchors_at_exit(self.railwave.online_out, self.topology, hidden_size=int(config.hidden_size),
-                                             dtype=str(_hidden_dtype(config)).removeprefix("torch."),
-                                             chunks=self.railwave.chunks)
+            if (
+                isinstance(selector, OnlineSelector)
+                and self.railwave.online_out
+                and global_rank() == 0
+            ):
+                save_learned_anchors_at_exit(
+                    self.railwave.online_out,
+                    self.topology,
+                    hidden_size=int(config.hidden_size),
+                    dtype=str(_hidden_dtype(config)).removeprefix("torch."),
+                    chunks=self.railwave.chunks,
+                )
         else:
             self.selector = FixedSelector(self.railwave.path)
         self.stats_sink = stats_sink
         self.layer_number: int | None = None
         self.moe_layer: Callable[[], Any] | None = None
-        """Weak reference to the owning MoELayer (its ``training`` flag); set by ``install``'s hook."""
+        """Weak reference to the owning MoELayer (its ``training`` flag); set by ``install``'s
+        hook."""
         options = self.railwave.plan_options(self.topology)
-        groups = build_rail_groups(self.ep_group, self.topology, timeout_s=self.railwave.timeout_s,
-                                   placement=self.placement)
+        groups = build_rail_groups(
+            self.ep_group,
+            self.topology,
+            timeout_s=self.railwave.timeout_s,
+            placement=self.placement,
+        )
         self._exchange = build_exchange(
-            self.topology, groups, backend=self.railwave.backend, num_experts=self.num_experts,
-            topk=int(config.moe_router_topk), hidden_size=int(config.hidden_size), hidden_dtype=_hidden_dtype(config),
-            deepep_buffer=self.railwave.deepep_buffer, deepep_num_sms=self.railwave.deepep_num_sms, options=options,
-            timeout_s=self.railwave.timeout_s, max_tokens_per_rank=self.railwave.max_tokens_per_rank)
+            self.topology,
+            groups,
+            backend=self.railwave.backend,
+            num_experts=self.num_experts,
+            topk=int(config.moe_router_topk),
+            hidden_size=int(config.hidden_size),
+            hidden_dtype=_hidden_dtype(config),
+            deepep_buffer=self.railwave.deepep_buffer,
+            deepep_num_sms=self.railwave.deepep_num_sms,
+            options=options,
+            timeout_s=self.railwave.timeout_s,
+            max_tokens_per_rank=self.railwave.max_tokens_per_rank,
+        )
         self._capacity_path: Route | None = None
         self._capacity_descr: Any = None
         self._capacity_rows: torch.Tensor | None = None
@@ -279,7 +358,8 @@ class RailWaveTokenDispatcher(MoETokenDispatcher):
         """The online selector's stopwatches of this layer's previous call (its timing word)."""
 
     def set_moe_layer(self, layer: Any) -> None:
-        """Remember the owning MoELayer (weakly), whose ``training`` flag tells eval passes apart."""
+        """Remember the owning MoELayer (weakly), whose ``training`` flag tells eval passes
+        apart."""
         self.moe_layer = weakref.ref(layer)
 
     # ------------------------------------------------------------------ helpers
@@ -298,14 +378,23 @@ class RailWaveTokenDispatcher(MoETokenDispatcher):
                 return self._replay.popleft()
             # No remembered forward (a checkpoint whose first forward did not come through here):
             # the last training forward's phase; any phase gives the same numbers.
-            return _Call(kind=kind, step=self._step or 0, microbatch=self._microbatch,
-                         phase=max(self._train_forwards - 1, 0))
+            return _Call(
+                kind=kind,
+                step=self._step or 0,
+                microbatch=self._microbatch,
+                phase=max(self._train_forwards - 1, 0),
+            )
         clock = current_step()
         if kind == PassKind.FORWARD_ONLY:
             step = clock if clock is not None else (self._step or 0)
             if step != self._step:
                 self._step, self._microbatch, self._forward_only_calls = step, -1, 0
-            call = _Call(kind=kind, step=step, microbatch=self._forward_only_calls, phase=self._train_forwards)
+            call = _Call(
+                kind=kind,
+                step=step,
+                microbatch=self._forward_only_calls,
+                phase=self._train_forwards,
+            )
             self._forward_only_calls += 1
             return call
         step = clock if clock is not None else self._train_forwards
@@ -327,8 +416,11 @@ class RailWaveTokenDispatcher(MoETokenDispatcher):
         wants = getattr(sink, "wants", None)
         return True if wants is None else bool(wants(step))
 
-    def _to_railwave(self, routing_map: torch.Tensor, probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Expert columns from Megatron's EP order into railwave order ([T, E] each; device, no sync).
+    def _to_railwave(
+        self, routing_map: torch.Tensor, probs: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Expert columns from Megatron's EP order into railwave order ([T, E] each; device, no
+        sync).
 
         Identity (nothing done) when the launcher numbers EP ranks node by node. A malformed input
         is passed through untouched, so that the count exchange names it.
@@ -336,7 +428,11 @@ class RailWaveTokenDispatcher(MoETokenDispatcher):
         if self.placement.identity:
             return routing_map, probs
         e = self.num_experts
-        if routing_map.dim() != 2 or routing_map.shape[1] != e or tuple(probs.shape) != tuple(routing_map.shape):
+        if (
+            routing_map.dim() != 2
+            or routing_map.shape[1] != e
+            or tuple(probs.shape) != tuple(routing_map.shape)
+        ):
             return routing_map, probs
         columns = self._columns.get(routing_map.device)
         if columns is None:
@@ -344,7 +440,9 @@ class RailWaveTokenDispatcher(MoETokenDispatcher):
             # eval or RL rollout before training) would be an inference tensor, which every later
             # training forward would save for backward ("Inference tensors cannot be saved").
             with torch.inference_mode(False):
-                columns = self.placement.expert_columns(self.num_local_experts).to(routing_map.device)
+                columns = self.placement.expert_columns(self.num_local_experts).to(
+                    routing_map.device
+                )
             self._columns[routing_map.device] = columns
         # index_select's backward scatters the probs gradient back to Megatron's columns.
         return routing_map.index_select(1, columns), probs.index_select(1, columns)
@@ -358,12 +456,16 @@ class RailWaveTokenDispatcher(MoETokenDispatcher):
         return x.clone() if getattr(self.config, "overlap_moe_expert_parallel_comm", False) else x
 
     # ------------------------------------------------------------------ the six hooks
-    def dispatch_preprocess(self, tokens: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor):
+    def dispatch_preprocess(
+        self, tokens: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor
+    ):
         """[S, B, H] -> [T, H]; keeps the routing map. No communication."""
         hidden_shape = tokens.shape
         call = self._begin_call()
         wants = call.kind != PassKind.RECOMPUTE and self._sink_wants(call.step)
-        self._state = _LayerState(hidden_shape=hidden_shape, routing_map=routing_map, call=call, wants_stats=wants)
+        self._state = _LayerState(
+            hidden_shape=hidden_shape, routing_map=routing_map, call=call, wants_stats=wants
+        )
         if wants:
             self._state.timers["dispatch"] = Stopwatch(tokens.device)
         return self._schedule_owned(tokens.reshape(-1, hidden_shape[-1])), probs
@@ -379,8 +481,13 @@ class RailWaveTokenDispatcher(MoETokenDispatcher):
         if isinstance(self.selector, OnlineSelector):
             return self._token_dispatch_online(state, exchange, hidden_states, probs, routing_map)
         selecting = call.path is None and not isinstance(self.selector, FixedSelector)
-        layer = exchange.gather_demand(hidden_states, probs, routing_map, expert_loads=state.wants_stats,
-                                       delivery_counts=selecting and needs_delivery(self.selector))
+        layer = exchange.gather_demand(
+            hidden_states,
+            probs,
+            routing_map,
+            expert_loads=state.wants_stats,
+            delivery_counts=selecting and needs_delivery(self.selector),
+        )
         t0 = time.perf_counter()
         record_bytes = hidden_states.shape[-1] * dtype_bytes(hidden_states.dtype)
         # Only the descriptors the decision reads are computed here, on the critical path; those of
@@ -388,16 +495,35 @@ class RailWaveTokenDispatcher(MoETokenDispatcher):
         descr = None
         if selecting and needs_descriptors(self.selector):
             descr = demand_stats(layer.demand, self.topology, record_bytes=record_bytes)
-        path: Route = (call.path if call.path is not None
-                      else select_for_layer(self.selector, descr, layer.demand, record_bytes=record_bytes))
+        path: Route = (
+            call.path
+            if call.path is not None
+            else select_for_layer(self.selector, descr, layer.demand, record_bytes=record_bytes)
+        )
         plan = exchange.plan(layer, path, phase=call.phase)
         handle = exchange.prepare(layer, plan, hidden_states, probs)
-        return self._move(state, exchange, hidden_states, probs, routing_map, path=path, handle=handle,
-                          descr=descr if descr is not None else layer.demand, record_bytes=record_bytes,
-                          plan_ms=(time.perf_counter() - t0) * 1e3, expert_loads=layer.expert_load_E)
+        return self._move(
+            state,
+            exchange,
+            hidden_states,
+            probs,
+            routing_map,
+            path=path,
+            handle=handle,
+            descr=descr if descr is not None else layer.demand,
+            record_bytes=record_bytes,
+            plan_ms=(time.perf_counter() - t0) * 1e3,
+            expert_loads=layer.expert_load_E,
+        )
 
-    def _token_dispatch_online(self, state: _LayerState, exchange: TorchDistExchange, hidden_states: torch.Tensor,
-                               probs: torch.Tensor, routing_map: torch.Tensor):
+    def _token_dispatch_online(
+        self,
+        state: _LayerState,
+        exchange: TorchDistExchange,
+        hidden_states: torch.Tensor,
+        probs: torch.Tensor,
+        routing_map: torch.Tensor,
+    ):
         """``token_dispatch`` with the online selector: the previous call's time rides on the count
         exchange (in each row's status word), then the path follows from the gathered times and
         descriptors, the same on every rank (``selector.online``)."""
@@ -405,12 +531,15 @@ class RailWaveTokenDispatcher(MoETokenDispatcher):
         if selector.layer is None:
             selector.layer = self.layer_number
         seconds = None
-        if self._online_timers and all(t.ready() for t in self._online_timers):  # no wait: query() only
+        if self._online_timers and all(
+            t.ready() for t in self._online_timers
+        ):  # no wait: query() only
             seconds = sum(t.elapsed_ms() for t in self._online_timers) * 1e-3
         word = encode_timing(seconds, expected=selector.expects_timing())
         self._online_timers = []
-        layer = exchange.gather_demand(hidden_states, probs, routing_map, expert_loads=state.wants_stats,
-                                       timing_word=word)
+        layer = exchange.gather_demand(
+            hidden_states, probs, routing_map, expert_loads=state.wants_stats, timing_word=word
+        )
         t0 = time.perf_counter()
         record_bytes = hidden_states.shape[-1] * dtype_bytes(hidden_states.dtype)
         message = selector.observe(layer.timing_W)
@@ -420,21 +549,41 @@ class RailWaveTokenDispatcher(MoETokenDispatcher):
         if call.path is not None:  # a recompute: its forward's path, no descriptors needed
             decision = selector.replay(call.path)
         else:
-            descr = fast_descriptors(layer.demand.records_WN, self.topology, record_bytes=record_bytes,
-                                     scales=selector.scales)
+            descr = fast_descriptors(
+                layer.demand.records_WN,
+                self.topology,
+                record_bytes=record_bytes,
+                scales=selector.scales,
+            )
             decision = selector.decide(str(call.kind), descr)
         state.exchange_timers.append(Stopwatch(hidden_states.device))
         plan = exchange.plan(layer, decision.path, phase=call.phase)
         handle = exchange.prepare(layer, plan, hidden_states, probs)
-        out = self._move(state, exchange, hidden_states, probs, routing_map, path=decision.path, handle=handle,
-                         descr=layer.demand, record_bytes=record_bytes, plan_ms=(time.perf_counter() - t0) * 1e3,
-                         expert_loads=layer.expert_load_E)
+        out = self._move(
+            state,
+            exchange,
+            hidden_states,
+            probs,
+            routing_map,
+            path=decision.path,
+            handle=handle,
+            descr=layer.demand,
+            record_bytes=record_bytes,
+            plan_ms=(time.perf_counter() - t0) * 1e3,
+            expert_loads=layer.expert_load_E,
+        )
         if state.stats is not None:
             state.stats.set_online(selector.snapshot(decision))
         return out
 
-    def _token_dispatch_fixed(self, state: _LayerState, exchange: TorchDistExchange, hidden_states: torch.Tensor,
-                              probs: torch.Tensor, routing_map: torch.Tensor):
+    def _token_dispatch_fixed(
+        self,
+        state: _LayerState,
+        exchange: TorchDistExchange,
+        hidden_states: torch.Tensor,
+        probs: torch.Tensor,
+        routing_map: torch.Tensor,
+    ):
         """``token_dispatch`` in fixed-capacity mode: no count exchange, no host sync (with the
         online selector: one host wait every ``online.capacity_sync_every`` calls, on a reduce
         posted that many - 1 calls earlier; ``selector.capacity_epochs``)."""
@@ -442,16 +591,26 @@ class RailWaveTokenDispatcher(MoETokenDispatcher):
         t0 = time.perf_counter()
         record_bytes = hidden_states.shape[-1] * dtype_bytes(hidden_states.dtype)
         online = isinstance(self.selector, OnlineSelector)
-        if self._capacity_descr is None and (state.wants_stats or not isinstance(self.selector, FixedSelector)):
+        if self._capacity_descr is None and (
+            state.wants_stats or not isinstance(self.selector, FixedSelector)
+        ):
             # The descriptors of the capacity demand: the same every layer call, computed once.
             demand = capacity_demand(self.topology, self.railwave.max_tokens_per_rank)
             self._capacity_descr = demand_stats(demand, self.topology, record_bytes=record_bytes)
             if online:
-                self._capacity_epochs = CapacityEpochs(self.selector, fast_descriptors(
-                    demand.records_WN.numpy(), self.topology, record_bytes=record_bytes, scales=self.selector.scales))
+                self._capacity_epochs = CapacityEpochs(
+                    self.selector,
+                    fast_descriptors(
+                        demand.records_WN.numpy(),
+                        self.topology,
+                        record_bytes=record_bytes,
+                        scales=self.selector.scales,
+                    ),
+                )
             elif not isinstance(self.selector, FixedSelector):
-                self._capacity_path = select_for_layer(self.selector, self._capacity_descr, demand,
-                                                       record_bytes=record_bytes)
+                self._capacity_path = select_for_layer(
+                    self.selector, self._capacity_descr, demand, record_bytes=record_bytes
+                )
         decision, timers = None, None
         if online:
             decision, timers = self._capacity_online_decision(state, exchange, hidden_states.device)
@@ -467,16 +626,28 @@ class RailWaveTokenDispatcher(MoETokenDispatcher):
             # one-time cost that would count against every path the selector probes.
             state.exchange_timers = timers
             timers.append(Stopwatch(hidden_states.device))
-        # The statistics describe the capacity plan (the bytes that move); expert loads are not gathered.
-        out = self._move(state, exchange, hidden_states, probs, routing_map, path=path, handle=handle,
-                         descr=self._capacity_descr, record_bytes=record_bytes,
-                         plan_ms=(time.perf_counter() - t0) * 1e3, expert_loads=None)
+        # The statistics describe the capacity plan (the bytes that move); expert loads are not
+        # gathered.
+        out = self._move(
+            state,
+            exchange,
+            hidden_states,
+            probs,
+            routing_map,
+            path=path,
+            handle=handle,
+            descr=self._capacity_descr,
+            record_bytes=record_bytes,
+            plan_ms=(time.perf_counter() - t0) * 1e3,
+            expert_loads=None,
+        )
         if decision is not None and state.stats is not None:
             state.stats.set_online(self.selector.snapshot(decision))
         return out
 
-    def _capacity_online_decision(self, state: _LayerState, exchange: TorchDistExchange,
-                                  device: torch.device) -> tuple[OnlineDecision, list[Stopwatch] | None]:
+    def _capacity_online_decision(
+        self, state: _LayerState, exchange: TorchDistExchange, device: torch.device
+    ) -> tuple[OnlineDecision, list[Stopwatch] | None]:
         """The online selector's path in fixed-capacity mode (``selector.capacity_epochs``) and,
         at an epoch's first call, the list its exchange's stopwatches go into (else None)."""
         selector: OnlineSelector = self.selector  # type: ignore[assignment]
@@ -486,22 +657,41 @@ class RailWaveTokenDispatcher(MoETokenDispatcher):
         if call.path is not None:
             return selector.replay(call.path), None
         decision, timers, message = self._capacity_epochs.begin_call(
-            str(call.kind), lambda word: exchange.post_timing(word, device))
+            str(call.kind), lambda word: exchange.post_timing(word, device)
+        )
         if message is not None and global_rank() == 0:
             _LOG.warning(message)
         return decision, timers
 
-    def _move(self, state: _LayerState, exchange: TorchDistExchange, hidden_states: torch.Tensor,
-              probs: torch.Tensor, routing_map: torch.Tensor, *, path: Route, handle: LayerHandle,
-              descr: TrafficStats | DemandCounts | None,
-              record_bytes: int, plan_ms: float, expert_loads: torch.Tensor | None):
+    def _move(
+        self,
+        state: _LayerState,
+        exchange: TorchDistExchange,
+        hidden_states: torch.Tensor,
+        probs: torch.Tensor,
+        routing_map: torch.Tensor,
+        *,
+        path: Route,
+        handle: LayerHandle,
+        descr: TrafficStats | DemandCounts | None,
+        record_bytes: int,
+        plan_ms: float,
+        expert_loads: torch.Tensor | None,
+    ):
         """The common tail of both modes: remember the path for recompute, capture, the dispatch
         itself, then the statistics (``descr``: the descriptors, or the counts they are computed
         from). Returns (entries [n_ent, H], probs [n_ent])."""
         call = state.call
         if call.kind == PassKind.TRAIN:
-            self._replay.append(_Call(kind=PassKind.RECOMPUTE, step=call.step, microbatch=call.microbatch,
-                                      phase=call.phase, path=path))
+            self._replay.append(
+                _Call(
+                    kind=PassKind.RECOMPUTE,
+                    step=call.step,
+                    microbatch=call.microbatch,
+                    phase=call.phase,
+                    path=path,
+                )
+            )
             self._capture(hidden_states, routing_map, call)
         shared = self.shared_experts
         if shared is None:
@@ -522,10 +712,18 @@ class RailWaveTokenDispatcher(MoETokenDispatcher):
             # on the development machine) that no transfer waits for.
             if isinstance(descr, DemandCounts):
                 descr = demand_stats(descr, self.topology, record_bytes=record_bytes)
-            state.stats = layer_comm_stats(layer=self.layer_number or 0, step=call.step, plan=handle.plan,
-                                           demand_descr=descr, record_bytes=record_bytes, plan_ms=plan_ms,
-                                           wire_row_bytes=handle.dispatch_row_bytes, tokens_per_expert_E=expert_loads,
-                                           microbatch=call.microbatch, pass_kind=str(call.kind))
+            state.stats = layer_comm_stats(
+                layer=self.layer_number or 0,
+                step=call.step,
+                plan=handle.plan,
+                demand_descr=descr,
+                record_bytes=record_bytes,
+                plan_ms=plan_ms,
+                wire_row_bytes=handle.dispatch_row_bytes,
+                tokens_per_expert_E=expert_loads,
+                microbatch=call.microbatch,
+                pass_kind=str(call.kind),
+            )
         return state.dispatched.tokens, state.dispatched.probs
 
     def dispatch_postprocess(self, hidden_states: torch.Tensor, probs: torch.Tensor):
@@ -538,8 +736,9 @@ class RailWaveTokenDispatcher(MoETokenDispatcher):
         if capacity is not None:
             if self._capacity_rows is None:
                 with torch.inference_mode(False):  # a cache (see _to_railwave)
-                    self._capacity_rows = torch.full((self.num_local_experts,), self.ep_size * capacity,
-                                                     dtype=torch.int64)
+                    self._capacity_rows = torch.full(
+                        (self.num_local_experts,), self.ep_size * capacity, dtype=torch.int64
+                    )
             return hidden_states, self._capacity_rows, probs
         return hidden_states, state.dispatched.tokens_per_expert, probs
 
@@ -576,10 +775,14 @@ class RailWaveTokenDispatcher(MoETokenDispatcher):
         self._state = None
         if state.stats is not None and self.stats_sink is not None:
             # CUDA times stay pending (no event sync here); sinks read them when they write.
-            state.stats.set_timers(dispatch=state.timers["dispatch"], combine=state.timers["combine"])
+            state.stats.set_timers(
+                dispatch=state.timers["dispatch"], combine=state.timers["combine"]
+            )
             self.stats_sink(state.stats)
         output = hidden_states.view(state.hidden_shape)
-        if self.shared_experts is not None:  # computed during the exchange (token_dispatch, token_combine)
+        if (
+            self.shared_experts is not None
+        ):  # computed during the exchange (token_dispatch, token_combine)
             output = output + self.shared_experts.get_output()
         return output
 
@@ -591,17 +794,25 @@ class RailWaveTokenDispatcher(MoETokenDispatcher):
             return
         recorder = _RECORDERS.get(capture_dir)
         if recorder is None:
-            meta = TraceMeta(model=str(getattr(self.config, "railwave_model_name", "megatron")),
-                             topology=self.topology, num_experts=self.num_experts,
-                             topk=int(self.config.moe_router_topk),
-                             hidden_size=int(hidden_states.shape[-1]),
-                             dtype={torch.bfloat16: "bf16", torch.float16: "fp16"}.get(hidden_states.dtype, "fp32"))
-            recorder = TraceRecorder(capture_dir, self.railwave.capture_interval, self.topology, meta)
+            meta = TraceMeta(
+                model=str(getattr(self.config, "railwave_model_name", "megatron")),
+                topology=self.topology,
+                num_experts=self.num_experts,
+                topk=int(self.config.moe_router_topk),
+                hidden_size=int(hidden_states.shape[-1]),
+                dtype={torch.bfloat16: "bf16", torch.float16: "fp16"}.get(
+                    hidden_states.dtype, "fp32"
+                ),
+            )
+            recorder = TraceRecorder(
+                capture_dir, self.railwave.capture_interval, self.topology, meta
+            )
             _RECORDERS[capture_dir] = recorder
             atexit.register(recorder.close)
         if recorder.should_capture(call.step):
-            recorder.record(call.step, self.layer_number or 0, self._exchange.groups.railwave_rank,
-                            routing_map)  # an asynchronous copy: no host sync on the dispatch path
+            recorder.record(
+                call.step, self.layer_number or 0, self._exchange.groups.railwave_rank, routing_map
+            )  # an asynchronous copy: no host sync on the dispatch path
 
     def _require_state(self, hook: str) -> _LayerState:
         if self._state is None:

@@ -34,7 +34,12 @@ from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from megatron_railwave.config import RailWaveConfig, load_config
-from megatron_railwave.plugin import _default_sink, build_railwave_moe_layer, check_megatron_version, installed_config
+from megatron_railwave.plugin import (
+    _default_sink,
+    build_railwave_moe_layer,
+    check_megatron_version,
+    installed_config,
+)
 
 __all__ = ["RailWaveMoELayer", "use_railwave_moe", "gpt_layer_spec"]
 
@@ -48,12 +53,24 @@ class RailWaveMoELayer(MoELayer):
         stats_sink: the statistics sink; default as ``install()`` builds it from the config.
     """
 
-    def __init__(self, config: Any, *args: Any, railwave: RailWaveConfig | dict | str | os.PathLike | None = None,
-                 stats_sink: Any = None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        config: Any,
+        *args: Any,
+        railwave: RailWaveConfig | dict | str | os.PathLike | None = None,
+        stats_sink: Any = None,
+        **kwargs: Any,
+    ) -> None:
         check_megatron_version()
-        rw = load_config(railwave) if railwave is not None else (installed_config() or RailWaveConfig())
+        rw = (
+            load_config(railwave)
+            if railwave is not None
+            else (installed_config() or RailWaveConfig())
+        )
         sink = stats_sink if stats_sink is not None else _default_sink(rw)
-        build_railwave_moe_layer(MoELayer.__init__, self, config, args, kwargs, railwave=rw, stats_sink=sink)
+        build_railwave_moe_layer(
+            MoELayer.__init__, self, config, args, kwargs, railwave=rw, stats_sink=sink
+        )
 
     def set_layer_number(self, layer_number: int) -> None:
         super().set_layer_number(layer_number)
@@ -61,26 +78,41 @@ class RailWaveMoELayer(MoELayer):
 
 
 def _swap(spec: Any, params: dict[str, Any], swapped: list[int]) -> Any:
-    if isinstance(spec, functools.partial) and isinstance(spec.func, type) and issubclass(spec.func, MoELayer):
+    if (
+        isinstance(spec, functools.partial)
+        and isinstance(spec.func, type)
+        and issubclass(spec.func, MoELayer)
+    ):
         swapped.append(1)
         return functools.partial(RailWaveMoELayer, *spec.args, **{**spec.keywords, **params})
     if isinstance(spec, ModuleSpec):
         module = spec.module
         if isinstance(module, type) and issubclass(module, MoELayer):
             swapped.append(1)
-            return dataclasses.replace(spec, module=RailWaveMoELayer, params={**(spec.params or {}), **params})
+            return dataclasses.replace(
+                spec, module=RailWaveMoELayer, params={**(spec.params or {}), **params}
+            )
         return dataclasses.replace(spec, submodules=_swap(spec.submodules, params, swapped))
     if isinstance(spec, (list, tuple)):
         return type(spec)(_swap(s, params, swapped) for s in spec)
     if dataclasses.is_dataclass(spec) and not isinstance(spec, type):
-        changes = {f.name: _swap(getattr(spec, f.name), params, swapped) for f in dataclasses.fields(spec) if f.init}
+        changes = {
+            f.name: _swap(getattr(spec, f.name), params, swapped)
+            for f in dataclasses.fields(spec)
+            if f.init
+        }
         return dataclasses.replace(spec, **changes)
     return spec
 
 
-def use_railwave_moe(spec: Any, *, railwave: RailWaveConfig | dict | str | os.PathLike | None = None,
-                     stats_sink: Any = None) -> Any:
-    """A copy of ``spec`` (block, layer or MoE spec) with every ``MoELayer`` -> ``RailWaveMoELayer``.
+def use_railwave_moe(
+    spec: Any,
+    *,
+    railwave: RailWaveConfig | dict | str | os.PathLike | None = None,
+    stats_sink: Any = None,
+) -> Any:
+    """A copy of ``spec`` (block, layer or MoE spec) with every ``MoELayer`` ->
+    ``RailWaveMoELayer``.
 
     Args:
         spec: what Megatron's spec functions return (``get_gpt_decoder_block_spec``,
@@ -89,15 +121,21 @@ def use_railwave_moe(spec: Any, *, railwave: RailWaveConfig | dict | str | os.Pa
         stats_sink: their statistics sink (default: see ``RailWaveMoELayer``).
 
     Raises:
-        ValueError: a bad RailWave config, an unsupported Megatron-Core, or no MoE layer in ``spec``.
+        ValueError: a bad RailWave config, an unsupported Megatron-Core, or no MoE layer in
+        ``spec``.
     """
     check_megatron_version()
-    params = {"railwave": load_config(railwave) if railwave is not None else None, "stats_sink": stats_sink}
+    params = {
+        "railwave": load_config(railwave) if railwave is not None else None,
+        "stats_sink": stats_sink,
+    }
     swapped: list[int] = []
     out = _swap(spec, params, swapped)
     if not swapped:
-        raise ValueError("use_railwave_moe: the spec has no MoELayer to replace; pass a spec built with "
-                         "num_moe_experts set (e.g. get_gpt_decoder_block_spec(config, ...))")
+        raise ValueError(
+            "use_railwave_moe: the spec has no MoELayer to replace; pass a spec built with "
+            "num_moe_experts set (e.g. get_gpt_decoder_block_spec(config, ...))"
+        )
     return out
 
 
@@ -119,6 +157,10 @@ def gpt_layer_spec(config: Any, vp_stage: int | None = None) -> Any:
     if spec is None:
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
-        spec = get_gpt_decoder_block_spec(transformer, use_transformer_engine=getattr(
-            transformer, "transformer_impl", "local") == "transformer_engine", vp_stage=vp_stage)
+        spec = get_gpt_decoder_block_spec(
+            transformer,
+            use_transformer_engine=getattr(transformer, "transformer_impl", "local")
+            == "transformer_engine",
+            vp_stage=vp_stage,
+        )
     return use_railwave_moe(spec)

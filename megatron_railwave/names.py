@@ -25,7 +25,8 @@ __all__ = [
 ]
 
 AUTO = "auto"
-"""The choice that lets RailWave pick: the selector for a route, the job's environment for a backend."""
+"""The choice that lets RailWave pick: the selector for a route, the job's environment for a
+backend."""
 
 
 class Route(StrEnum):
@@ -89,8 +90,10 @@ def parse_route(name: str | Route) -> Route:
         return name
     key = str(name).strip().lower()
     if key not in _ROUTE_ALIASES:
-        raise ValueError(f"unknown path {name!r}; choose one of {route_list()} (or 'auto' where the selector is "
-                         "allowed)")
+        raise ValueError(
+            f"unknown path {name!r}; choose one of {route_list()} (or 'auto' where the selector is "
+            "allowed)"
+        )
     return _ROUTE_ALIASES[key]
 
 

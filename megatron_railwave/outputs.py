@@ -25,11 +25,15 @@ def _creatable(path: Path, name: str, what: str) -> None:
     writable directory)."""
     base = _first_existing(path.parent)
     if not base.is_dir():
-        raise ValueError(f"{name} {str(path)!r}: cannot create this {what}: {str(base)!r} is a file, "
-                         "not a directory; choose another path")
+        raise ValueError(
+            f"{name} {str(path)!r}: cannot create this {what}: {str(base)!r} is a file, "
+            "not a directory; choose another path"
+        )
     if not os.access(base, os.W_OK | os.X_OK):
-        raise ValueError(f"{name} {str(path)!r}: cannot create this {what}: directory {str(base)!r} is "
-                         "not writable; choose a path you can write")
+        raise ValueError(
+            f"{name} {str(path)!r}: cannot create this {what}: directory {str(base)!r} is "
+            "not writable; choose a path you can write"
+        )
 
 
 def check_output_file(path: str | os.PathLike | None, name: str) -> None:
@@ -38,8 +42,10 @@ def check_output_file(path: str | os.PathLike | None, name: str) -> None:
         return
     p = Path(path)
     if p.is_dir():
-        raise ValueError(f"{name} {str(p)!r} is a directory; give a file name inside it "
-                         f"(e.g. {str(p / 'out.json')!r})")
+        raise ValueError(
+            f"{name} {str(p)!r} is a directory; give a file name inside it "
+            f"(e.g. {str(p / 'out.json')!r})"
+        )
     if p.exists():
         if not os.access(p, os.W_OK):
             raise ValueError(f"{name} {str(p)!r} exists and is not writable; choose another file")

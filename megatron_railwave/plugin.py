@@ -32,8 +32,17 @@ from typing import Any
 from megatron_railwave.config import RailWaveConfig, load_config
 from megatron_railwave.names import BACKEND_NAMES, ROUTE_CHOICES
 
-__all__ = ["install", "uninstall", "installed_config", "add_railwave_args", "config_from_args",
-           "check_megatron_version", "SUPPORTED_MEGATRON_CORE", "build_railwave_moe_layer", "wants_railwave"]
+__all__ = [
+    "install",
+    "uninstall",
+    "installed_config",
+    "add_railwave_args",
+    "config_from_args",
+    "check_megatron_version",
+    "SUPPORTED_MEGATRON_CORE",
+    "build_railwave_moe_layer",
+    "wants_railwave",
+]
 
 _LOCK = threading.Lock()
 _INSTALLED: dict[str, Any] = {}
@@ -63,12 +72,17 @@ def check_megatron_version(version: str | None = None) -> str:
     try:
         release = Version(version).release
     except InvalidVersion:
-        raise ValueError(f"megatron-core version {version!r} is not a version RailWave can read; "
-                         f"supported: {supported}") from None
+        raise ValueError(
+            f"megatron-core version {version!r} is not a version RailWave can read; "
+            f"supported: {supported}"
+        ) from None
     if not (lo_major, lo_minor) <= tuple(release[:2]) <= (hi_major, hi_minor):
-        raise ValueError(f"megatron-core {version} is not supported by megatron-railwave (supported: {supported}, "
-                         "the dispatcher constructor takes pg_collection since 0.15); install a supported "
-                         "megatron-core, e.g. pip install 'megatron-core>=0.15,<0.20'")
+        raise ValueError(
+            f"megatron-core {version} is not supported by megatron-railwave (supported: "
+            f"{supported}, "
+            "the dispatcher constructor takes pg_collection since 0.15); install a supported "
+            "megatron-core, e.g. pip install 'megatron-core>=0.15,<0.20'"
+        )
     return version
 
 
@@ -77,8 +91,9 @@ def installed_config() -> RailWaveConfig | None:
     return _INSTALLED.get("config")
 
 
-def install(config: RailWaveConfig | dict | str | os.PathLike | None = None, *,
-            stats_sink: Any = None) -> RailWaveConfig:
+def install(
+    config: RailWaveConfig | dict | str | os.PathLike | None = None, *, stats_sink: Any = None
+) -> RailWaveConfig:
     """Make ``moe_token_dispatcher_type='railwave'`` build ``RailWaveTokenDispatcher``.
 
     Idempotent; calling it again with a new config replaces the old one (for layers built
@@ -121,18 +136,30 @@ def wants_railwave(config: Any) -> bool:
     """Whether a Megatron config (or parsed arguments) selects RailWave: type 'railwave', or type
     'flex' with ``moe_flex_dispatcher_backend='railwave'``."""
     kind = getattr(config, "moe_token_dispatcher_type", None)
-    return kind == "railwave" or (kind == "flex" and getattr(config, "moe_flex_dispatcher_backend", None) == "railwave")
+    return kind == "railwave" or (
+        kind == "flex" and getattr(config, "moe_flex_dispatcher_backend", None) == "railwave"
+    )
 
 
 _NOT_INSTALLED = (
-    "moe_token_dispatcher_type='railwave' needs megatron_railwave.install() before the model is built: "
-    "call megatron_railwave.install(config) (Megatron-LM: install(megatron_railwave.plugin.config_from_args(args)) "
+    "moe_token_dispatcher_type='railwave' needs megatron_railwave.install() before the model is "
+    "built: "
+    "call megatron_railwave.install(config) (Megatron-LM: "
+    "install(megatron_railwave.plugin.config_from_args(args)) "
     "after parsing the arguments, or set RAILWAVE_AUTO_INSTALL=1); see docs/usage.md"
 )
 
 
-def build_railwave_moe_layer(original_init: Any, layer: Any, config: Any, args: tuple, kwargs: dict, *,
-                             railwave: RailWaveConfig, stats_sink: Any) -> None:
+def build_railwave_moe_layer(
+    original_init: Any,
+    layer: Any,
+    config: Any,
+    args: tuple,
+    kwargs: dict,
+    *,
+    railwave: RailWaveConfig,
+    stats_sink: Any,
+) -> None:
     """Run MoELayer's constructor ``original_init`` so that it builds ``RailWaveTokenDispatcher``.
 
     Shared by ``install``'s wrapped constructor and ``layer_spec.RailWaveMoELayer``.
@@ -178,8 +205,9 @@ def _patch_moe_layer() -> None:
         rw = _INSTALLED.get("config")
         if rw is None:
             raise ValueError(_NOT_INSTALLED)
-        build_railwave_moe_layer(original_init, self, config, args, kwargs, railwave=rw,
-                                 stats_sink=_INSTALLED["sink"])
+        build_railwave_moe_layer(
+            original_init, self, config, args, kwargs, railwave=rw, stats_sink=_INSTALLED["sink"]
+        )
 
     @functools.wraps(original_set_layer)
     def set_layer_number(self: Any, layer_number: int) -> None:
@@ -247,8 +275,8 @@ def _tracker_available() -> bool:
 
 
 def _default_sink(cfg: RailWaveConfig) -> Any:
-    """Megatron's tracker sink (``megatron_logging``) unless ``metrics`` is off or this Megatron-Core
-    has no tracker, plus JSONL files when ``log_dir`` is set; None when neither."""
+    """Megatron's tracker sink (``megatron_logging``) unless ``metrics`` is off or this
+    Megatron-Core has no tracker, plus JSONL files when ``log_dir`` is set; None when neither."""
     from megatron_railwave.telemetry.commlog import FanoutSink, JsonlStatsSink
 
     sinks: list[Any] = []
@@ -278,7 +306,9 @@ def add_railwave_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                 _patch_moe_layer()
         except ImportError:  # a Megatron-Core without the MoE package: only the flags
             pass
-    for action in parser._actions:  # the flex route's spelling: --moe-flex-dispatcher-backend railwave
+    for (
+        action
+    ) in parser._actions:  # the flex route's spelling: --moe-flex-dispatcher-backend railwave
         if "--moe-flex-dispatcher-backend" in action.option_strings:
             if action.choices is not None and "railwave" not in action.choices:
                 action.choices = list(action.choices) + ["railwave"]
@@ -288,36 +318,78 @@ def add_railwave_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                 action.choices = list(action.choices) + ["railwave"]
             break
     else:
-        parser.add_argument("--moe-token-dispatcher-type", type=str, default="allgather",
-                            choices=["allgather", "alltoall", "flex", "railwave"])
+        parser.add_argument(
+            "--moe-token-dispatcher-type",
+            type=str,
+            default="allgather",
+            choices=["allgather", "alltoall", "flex", "railwave"],
+        )
     group = parser.add_argument_group(title="railwave")
-    group.add_argument("--railwave-config", type=str, default=None,
-                       help="RailWave YAML config (see configs/railwave/*.yaml).")
-    group.add_argument("--railwave-path", type=str, default=None, choices=list(ROUTE_CHOICES),
-                       help="Execution path; overrides the config file's 'path'.")
-    group.add_argument("--railwave-log-dir", type=str, default=None,
-                       help="Write per-layer communication JSONL here.")
-    group.add_argument("--railwave-log-mode", type=str, default=None, choices=["rank", "job"],
-                       help="JSONL layout: one file per rank, or one per job written by rank 0.")
-    group.add_argument("--railwave-capture-dir", type=str, default=None,
-                       help="Record routing traces for replay here.")
-    group.add_argument("--railwave-capture-interval", type=int, default=None,
-                       help="Record a trace every this many steps.")
-    group.add_argument("--railwave-no-metrics", action="store_true", default=None,
-                       help="Do not report railwave_* scalars through Megatron's MoE metrics tracker.")
-    group.add_argument("--railwave-backend", type=str, default=None, choices=list(BACKEND_NAMES),
-                       help="Execution backend; overrides the config file's 'backend' (docs/deepep.md).")
+    group.add_argument(
+        "--railwave-config",
+        type=str,
+        default=None,
+        help="RailWave YAML config (see configs/railwave/*.yaml).",
+    )
+    group.add_argument(
+        "--railwave-path",
+        type=str,
+        default=None,
+        choices=list(ROUTE_CHOICES),
+        help="Execution path; overrides the config file's 'path'.",
+    )
+    group.add_argument(
+        "--railwave-log-dir",
+        type=str,
+        default=None,
+        help="Write per-layer communication JSONL here.",
+    )
+    group.add_argument(
+        "--railwave-log-mode",
+        type=str,
+        default=None,
+        choices=["rank", "job"],
+        help="JSONL layout: one file per rank, or one per job written by rank 0.",
+    )
+    group.add_argument(
+        "--railwave-capture-dir",
+        type=str,
+        default=None,
+        help="Record routing traces for replay here.",
+    )
+    group.add_argument(
+        "--railwave-capture-interval",
+        type=int,
+        default=None,
+        help="Record a trace every this many steps.",
+    )
+    group.add_argument(
+        "--railwave-no-metrics",
+        action="store_true",
+        default=None,
+        help="Do not report railwave_* scalars through Megatron's MoE metrics tracker.",
+    )
+    group.add_argument(
+        "--railwave-backend",
+        type=str,
+        default=None,
+        choices=list(BACKEND_NAMES),
+        help="Execution backend; overrides the config file's 'backend' (docs/deepep.md).",
+    )
     return parser
 
 
 def config_from_args(args: argparse.Namespace) -> RailWaveConfig:
     """The ``RailWaveConfig`` that parsed Megatron-LM arguments describe."""
     base = load_config(getattr(args, "railwave_config", None)).to_dict()
-    for flag, key in (("railwave_path", "path"), ("railwave_log_dir", "log_dir"),
-                      ("railwave_log_mode", "log_mode"),
-                      ("railwave_capture_dir", "capture_dir"),
-                      ("railwave_capture_interval", "capture_interval"),
-                      ("railwave_backend", "backend")):
+    for flag, key in (
+        ("railwave_path", "path"),
+        ("railwave_log_dir", "log_dir"),
+        ("railwave_log_mode", "log_mode"),
+        ("railwave_capture_dir", "capture_dir"),
+        ("railwave_capture_interval", "capture_interval"),
+        ("railwave_backend", "backend"),
+    ):
         value = getattr(args, flag, None)
         if value is not None:
             base[key] = value

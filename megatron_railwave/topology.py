@@ -16,7 +16,13 @@ from typing import Any
 
 import yaml
 
-__all__ = ["RailTopology", "load_topology", "resolve_cluster_file", "read_yaml", "CLUSTER_PRESET_DIR"]
+__all__ = [
+    "RailTopology",
+    "load_topology",
+    "resolve_cluster_file",
+    "read_yaml",
+    "CLUSTER_PRESET_DIR",
+]
 
 CLUSTER_PRESET_DIR = Path(__file__).resolve().parents[1] / "configs" / "clusters"
 """Cluster presets of a source checkout (``h800_4x8``, ...): a cluster given by name is looked up
@@ -67,7 +73,8 @@ class RailTopology:
         for gpu, rail in enumerate(self.rail_of_gpu):
             if not 0 <= rail < self.num_rails:
                 raise ValueError(
-                    f"rail_of_gpu[{gpu}] = {rail} is out of range: rails are 0..{self.num_rails - 1}"
+                    f"rail_of_gpu[{gpu}] = {rail} is out of range: rails are "
+                    f"0..{self.num_rails - 1}"
                 )
         adapters = self.adapter_of_rail or tuple(range(self.num_rails))
         object.__setattr__(self, "adapter_of_rail", tuple(int(a) for a in adapters))
@@ -86,11 +93,13 @@ class RailTopology:
         for node, rail in failed:
             if not 0 <= node < self.num_nodes:
                 raise ValueError(
-                    f"failed rail ({node}, {rail}): node {node} is out of range 0..{self.num_nodes - 1}"
+                    f"failed rail ({node}, {rail}): node {node} is out of range "
+                    f"0..{self.num_nodes - 1}"
                 )
             if not 0 <= rail < self.num_rails:
                 raise ValueError(
-                    f"failed rail ({node}, {rail}): rail {rail} is out of range 0..{self.num_rails - 1}"
+                    f"failed rail ({node}, {rail}): rail {rail} is out of range "
+                    f"0..{self.num_rails - 1}"
                 )
         for node in range(self.num_nodes):
             if all(not self.rail_healthy(node, r) for r in set(self.rail_of_gpu)):
@@ -144,14 +153,19 @@ class RailTopology:
             for l in range(self.gpus_per_node)
         ]
 
-    def with_failed_rails(self, failed: set[tuple[int, int]] | frozenset[tuple[int, int]]) -> RailTopology:
+    def with_failed_rails(
+        self, failed: set[tuple[int, int]] | frozenset[tuple[int, int]]
+    ) -> RailTopology:
         """A copy with ``failed`` added to the failed rails."""
         return _replace(self, failed_rails=self.failed_rails | frozenset(failed))
 
     def with_nodes(self, num_nodes: int) -> RailTopology:
         """The same node design with another node count (failed rails must still fit)."""
-        return _replace(self, num_nodes=num_nodes,
-                        failed_rails=frozenset(f for f in self.failed_rails if f[0] < num_nodes))
+        return _replace(
+            self,
+            num_nodes=num_nodes,
+            failed_rails=frozenset(f for f in self.failed_rails if f[0] < num_nodes),
+        )
 
     def check_world_size(self, world_size: int) -> None:
         """Raise if the expert-parallel world does not match nodes x GPUs."""
@@ -181,7 +195,9 @@ class RailTopology:
     def from_dict(cls, data: dict[str, Any], *, source: str = "topology") -> RailTopology:
         """Build from a mapping (the YAML schema); errors name the offending key."""
         if not isinstance(data, dict):
-            raise ValueError(f"{source}: expected a mapping of topology keys, got {type(data).__name__}")
+            raise ValueError(
+                f"{source}: expected a mapping of topology keys, got {type(data).__name__}"
+            )
         known = {f for f in cls.__dataclass_fields__}  # type: ignore[attr-defined]
         unknown = sorted(set(data) - known)
         if unknown:
@@ -196,16 +212,23 @@ class RailTopology:
         kwargs = dict(data)
         for key in ("rail_of_gpu", "adapter_of_rail"):
             if key in kwargs:
-                if not isinstance(kwargs[key], list) or not all(isinstance(v, int) for v in kwargs[key]):
-                    raise ValueError(f"{source}: key {key!r} must be a list of integers, got {kwargs[key]!r}")
+                if not isinstance(kwargs[key], list) or not all(
+                    isinstance(v, int) for v in kwargs[key]
+                ):
+                    raise ValueError(
+                        f"{source}: key {key!r} must be a list of integers, got {kwargs[key]!r}"
+                    )
                 kwargs[key] = tuple(kwargs[key])
         for key in ("rail_gbps", "adapter_gbps", "nvlink_gBps"):
-            if key in kwargs and (not isinstance(kwargs[key], (int, float)) or isinstance(kwargs[key], bool)):
+            if key in kwargs and (
+                not isinstance(kwargs[key], (int, float)) or isinstance(kwargs[key], bool)
+            ):
                 raise ValueError(f"{source}: key {key!r} must be a number, got {kwargs[key]!r}")
         if "failed_rails" in kwargs:
             fr = kwargs["failed_rails"] or []
             if not isinstance(fr, list) or not all(
-                isinstance(p, (list, tuple)) and len(p) == 2 and all(isinstance(v, int) for v in p) for p in fr
+                isinstance(p, (list, tuple)) and len(p) == 2 and all(isinstance(v, int) for v in p)
+                for p in fr
             ):
                 raise ValueError(
                     f"{source}: key 'failed_rails' must be a list of [node, rail] pairs, got {fr!r}"
@@ -231,16 +254,23 @@ def resolve_cluster_file(cluster: str | Path) -> Path:
     """
     path = Path(cluster).expanduser()
     if path.is_dir():
-        raise ValueError(f"cluster {str(cluster)!r} is a directory; give a cluster YAML file or a preset name")
+        raise ValueError(
+            f"cluster {str(cluster)!r} is a directory; give a cluster YAML file or a preset name"
+        )
     if path.is_file():
         return path
     preset = CLUSTER_PRESET_DIR / f"{cluster}.yaml"
     if "/" not in str(cluster) and preset.is_file():
         return preset
-    presets = sorted(p.stem for p in CLUSTER_PRESET_DIR.glob("*.yaml")) if CLUSTER_PRESET_DIR.is_dir() else []
+    presets = (
+        sorted(p.stem for p in CLUSTER_PRESET_DIR.glob("*.yaml"))
+        if CLUSTER_PRESET_DIR.is_dir()
+        else []
+    )
     raise ValueError(
         f"cluster file {str(cluster)!r} does not exist and is not a preset name "
-        f"(presets: {', '.join(presets) or 'none found'}); give a cluster YAML file (configs/clusters/)"
+        f"(presets: {', '.join(presets) or 'none found'}); give a cluster YAML file "
+        f"(configs/clusters/)"
     )
 
 
@@ -261,7 +291,8 @@ def read_yaml(path: str | Path, what: str) -> Any:
 
 
 def load_topology(path: str | Path, **overrides: Any) -> RailTopology:
-    """Read a cluster YAML file or preset (see ``resolve_cluster_file``); ``overrides`` replace keys."""
+    """Read a cluster YAML file or preset (see ``resolve_cluster_file``); ``overrides`` replace
+    keys."""
     path = resolve_cluster_file(path)
     data = read_yaml(path, "cluster file")
     if isinstance(data, dict) and "topology" in data:

@@ -42,8 +42,16 @@ MiB = 1 << 20
 def dtype_bytes(dtype: torch.dtype | str) -> int:
     """Bytes per element of a torch dtype or its name ('bf16', 'fp32', ...)."""
     if isinstance(dtype, str):
-        names = {"bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "fp32": 4, "float32": 4,
-                 "fp8": 1, "float8": 1}
+        names = {
+            "bf16": 2,
+            "bfloat16": 2,
+            "fp16": 2,
+            "float16": 2,
+            "fp32": 4,
+            "float32": 4,
+            "fp8": 1,
+            "float8": 1,
+        }
         if dtype not in names:
             raise ValueError(f"unknown dtype name {dtype!r}; use one of {sorted(names)}")
         return names[dtype]
@@ -65,7 +73,8 @@ def mask_classes(gpus_per_node: int) -> int:
     masks m with m >> (G - log2 K) == k). A rank's records to one node are sorted by mask, so its
     classes lie one after another in that order; the count exchange carries copies per target GPU
     per class (``DemandCounts.class_copies_WNKG``) so that the path model sees which targets
-    travel together in that order (``arrivals``), at K times the bytes of copies per target alone."""
+    travel together in that order (``arrivals``), at K times the bytes of copies per target
+    alone."""
     return 1 << min(MASK_CLASS_BITS, gpus_per_node)
 
 
@@ -97,7 +106,9 @@ def target_masks(routing_map_TE: torch.Tensor, topo: RailTopology) -> torch.Tens
     return (hit_TNG.to(torch.int64) * weights_G).sum(dim=-1)
 
 
-def local_demand(routing_map_TE: torch.Tensor, topo: RailTopology) -> tuple[torch.Tensor, torch.Tensor]:
+def local_demand(
+    routing_map_TE: torch.Tensor, topo: RailTopology
+) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's share of the demand counts.
 
     Returns:
@@ -191,12 +202,16 @@ class DemandCounts:
 
     def class_copies_WNKG(self) -> torch.Tensor:
         """[W, N, K, G] int64: token copies from rank w delivered to GPU (n, j) among its records of
-        mask class k (``mask_classes``; full form, or a node view gathered with ``delivery_WNKG``)."""
+        mask class k (``mask_classes``; full form, or a node view gathered with
+        ``delivery_WNKG``)."""
         if self.delivery_WNKG is not None:
             return self.delivery_WNKG
         if self.records_WNM is None:
-            raise ValueError("the copies per target GPU need the full demand (records_WNM) or a node view gathered "
-                             "with delivery counts (exchange.layer.gather_demand(..., delivery_counts=True))")
+            raise ValueError(
+                "the copies per target GPU need the full demand (records_WNM) or a node view "
+                "gathered "
+                "with delivery counts (exchange.layer.gather_demand(..., delivery_counts=True))"
+            )
         w, n, m = self.records_WNM.shape
         g = w // n
         k = mask_classes(g)
@@ -269,7 +284,8 @@ def _remote_NGN(records_NGN: torch.Tensor) -> torch.Tensor:
 
 
 def rail_load_NRN(load_NGN: torch.Tensor, topo: RailTopology) -> torch.Tensor:
-    """[N_src, R, N_dst] int64: per-GPU egress counts [N_src, G, N_dst] summed onto each GPU's rail."""
+    """[N_src, R, N_dst] int64: per-GPU egress counts [N_src, G, N_dst] summed onto each GPU's
+    rail."""
     rails = torch.tensor(topo.rail_of_gpu, dtype=torch.int64)
     out = torch.zeros(topo.num_nodes, topo.num_rails, topo.num_nodes, dtype=torch.int64)
     return out.index_add_(1, rails, load_NGN.to(torch.int64))
@@ -315,7 +331,9 @@ def receiver_concentration(rail_load_NRN: torch.Tensor, pair_window_NN: torch.Te
     if num_windows <= 0:
         return 1.0
     load = rail_load_NRN.to(torch.float64)  # [s, r, d]
-    win_onehot = torch.nn.functional.one_hot(pair_window_NN.clamp(min=0), num_windows).to(torch.float64)
+    win_onehot = torch.nn.functional.one_hot(pair_window_NN.clamp(min=0), num_windows).to(
+        torch.float64
+    )
     win_onehot = win_onehot * (pair_window_NN >= 0).unsqueeze(-1)  # [s, d, V]
     total = torch.einsum("srd,sdv->vrd", load, win_onehot)
     squares = torch.einsum("srd,sdv->vrd", load * load, win_onehot)

@@ -36,8 +36,8 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron_railwave.exchange import build_exchange, build_rail_groups  # noqa: E402
-from megatron_railwave.topology import RailTopology  # noqa: E402
 from megatron_railwave.names import ROUTES  # noqa: E402
+from megatron_railwave.topology import RailTopology  # noqa: E402
 
 PATHS = tuple(map(str, ROUTES))
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -65,7 +65,9 @@ def rank_inputs(args, rank: int, device: torch.device):
     """(hidden [T, H], probs [T, E] float32, routing [T, E] bool, grad [T, H]), seeded by rank."""
     gen = torch.Generator().manual_seed(1000 + rank)
     scores = torch.rand(args.tokens, args.experts, generator=gen)
-    routing = torch.zeros_like(scores, dtype=torch.bool).scatter_(1, scores.topk(args.topk, dim=1).indices, True)
+    routing = torch.zeros_like(scores, dtype=torch.bool).scatter_(
+        1, scores.topk(args.topk, dim=1).indices, True
+    )
     probs = torch.softmax(torch.randn(args.tokens, args.experts, generator=gen), dim=1) * routing
     hidden = torch.randn(args.tokens, args.hidden, generator=gen).to(DTYPES[args.dtype])
     grad = torch.randn(args.tokens, args.hidden, generator=gen).to(DTYPES[args.dtype])
@@ -75,8 +77,14 @@ def rank_inputs(args, rank: int, device: torch.device):
 def railwave_variant(exchange, path: str):
     def run(hidden, probs, routing):
         layer = exchange.gather_demand(hidden, probs, routing)
-        d = exchange.dispatch(hidden, probs, routing, exchange.prepare(layer, exchange.plan(layer, path), hidden, probs))
+        d = exchange.dispatch(
+            hidden,
+            probs,
+            routing,
+            exchange.prepare(layer, exchange.plan(layer, path), hidden, probs),
+        )
         return exchange.combine(d.tokens * d.probs.unsqueeze(1).to(d.tokens.dtype), d.handle)
+
     return run
 
 
@@ -90,16 +98,35 @@ def alltoall_variant(args, world: int):
     from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, expert_model_parallel_size=world)
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=1, expert_model_parallel_size=world
+    )
     config = TransformerConfig(
-        num_layers=1, hidden_size=args.hidden, num_attention_heads=1, ffn_hidden_size=args.hidden,
-        num_moe_experts=args.experts, moe_router_topk=args.topk, moe_token_dispatcher_type="alltoall",
-        expert_model_parallel_size=world, tensor_model_parallel_size=1, params_dtype=DTYPES[args.dtype],
-        bf16=args.dtype == "bf16", use_cpu_initialization=args.device == "cpu", moe_permute_fusion=False, moe_grouped_gemm=False, add_bias_linear=False,
-        moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0)
+        num_layers=1,
+        hidden_size=args.hidden,
+        num_attention_heads=1,
+        ffn_hidden_size=args.hidden,
+        num_moe_experts=args.experts,
+        moe_router_topk=args.topk,
+        moe_token_dispatcher_type="alltoall",
+        expert_model_parallel_size=world,
+        tensor_model_parallel_size=1,
+        params_dtype=DTYPES[args.dtype],
+        bf16=args.dtype == "bf16",
+        use_cpu_initialization=args.device == "cpu",
+        moe_permute_fusion=False,
+        moe_grouped_gemm=False,
+        add_bias_linear=False,
+        moe_router_load_balancing_type="none",
+        moe_aux_loss_coeff=0.0,
+    )
     e_loc, rank = args.experts // world, dist.get_rank()
-    disp = MoEAlltoAllTokenDispatcher(e_loc, list(range(rank * e_loc, (rank + 1) * e_loc)), config=config,
-                                      pg_collection=ProcessGroupCollection.use_mpu_process_groups())
+    disp = MoEAlltoAllTokenDispatcher(
+        e_loc,
+        list(range(rank * e_loc, (rank + 1) * e_loc)),
+        config=config,
+        pg_collection=ProcessGroupCollection.use_mpu_process_groups(),
+    )
 
     def run(hidden, probs, routing):
         x, p = disp.dispatch_preprocess(hidden, routing, probs)
@@ -107,6 +134,7 @@ def alltoall_variant(args, world: int):
         x, _, p = disp.dispatch_postprocess(x, p)
         y = disp.token_combine(disp.combine_preprocess(x * p.unsqueeze(1).to(x.dtype)))
         return disp.combine_postprocess(y)
+
     return run
 
 
@@ -120,17 +148,34 @@ def run_once(fn, inputs):
 
 def main() -> int:
     args = parse_args()
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if args.device == "cuda" else torch.device("cpu")
+    device = (
+        torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        if args.device == "cuda"
+        else torch.device("cpu")
+    )
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     topo = RailTopology(num_nodes=world // args.gpus_per_node, gpus_per_node=args.gpus_per_node)
     groups = build_rail_groups(None, topo, timeout_s=300)
-    common = dict(num_experts=args.experts, topk=args.topk, hidden_size=args.hidden, hidden_dtype=DTYPES[args.dtype])
-    exchanges = {"torch": build_exchange(topo, groups, backend="torch", **common),
-                 "deepep": build_exchange(topo, groups, backend="deepep", deepep_buffer=args.deepep_buffer,
-                                          deepep_num_sms=args.num_sms, **common)}
+    common = dict(
+        num_experts=args.experts,
+        topk=args.topk,
+        hidden_size=args.hidden,
+        hidden_dtype=DTYPES[args.dtype],
+    )
+    exchanges = {
+        "torch": build_exchange(topo, groups, backend="torch", **common),
+        "deepep": build_exchange(
+            topo,
+            groups,
+            backend="deepep",
+            deepep_buffer=args.deepep_buffer,
+            deepep_num_sms=args.num_sms,
+            **common,
+        ),
+    }
     variants = {f"{b}/{p}": railwave_variant(ex, p) for b, ex in exchanges.items() for p in PATHS}
     if not args.no_alltoall:
         try:
@@ -142,9 +187,14 @@ def main() -> int:
     results = {name: run_once(fn, inputs) for name, fn in variants.items()}
     base = results["torch/native"]
     expected = inputs[0].float() * inputs[1].sum(dim=1, keepdim=True)
-    equal = {name: all(torch.equal(a, b) for a, b in zip(res, base)) for name, res in results.items()
-             if name != "alltoall"}
-    max_err = {name: float((res[0].float() - expected).abs().max()) for name, res in results.items()}
+    equal = {
+        name: all(torch.equal(a, b) for a, b in zip(res, base))
+        for name, res in results.items()
+        if name != "alltoall"
+    }
+    max_err = {
+        name: float((res[0].float() - expected).abs().max()) for name, res in results.items()
+    }
     flags = torch.tensor([int(v) for v in equal.values()], device=device)
     dist.all_reduce(flags, op=dist.ReduceOp.MIN)
     equal = dict(zip(equal, (bool(v) for v in flags.tolist())))
@@ -168,8 +218,12 @@ def main() -> int:
     if rank == 0:
         report = {
             "layout": {"nodes": topo.num_nodes, "gpus_per_node": topo.gpus_per_node, **vars(args)},
-            "env": {"torch": torch.__version__, "cuda": torch.version.cuda, "deepep_buffer": args.deepep_buffer,
-                    "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"},
+            "env": {
+                "torch": torch.__version__,
+                "cuda": torch.version.cuda,
+                "deepep_buffer": args.deepep_buffer,
+                "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            },
             "bitwise_equal_to_torch_native": equal,
             "max_abs_err_vs_hidden_times_probs": max_err,
             "median_ms_forward_backward": {n: statistics.median(v) for n, v in times.items()},
@@ -178,8 +232,11 @@ def main() -> int:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "deepep_hardware.json").write_text(json.dumps(report, indent=1))
         for name in names:
-            print(f"{name:14s} {report['median_ms_forward_backward'][name]:9.3f} ms  "
-                  f"equal={equal.get(name, '-')}  max_err={max_err[name]:.3g}", flush=True)
+            print(
+                f"{name:14s} {report['median_ms_forward_backward'][name]:9.3f} ms  "
+                f"equal={equal.get(name, '-')}  max_err={max_err[name]:.3g}",
+                flush=True,
+            )
     ok = all(equal.values())
     dist.barrier()
     dist.destroy_process_group()

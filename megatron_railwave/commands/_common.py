@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from megatron_railwave.names import Route, parse_route, route_list
+from megatron_railwave.names import ROUTES, Route, parse_route, route_list
 from megatron_railwave.planner import EligiblePolicy, PlanOptions
 from megatron_railwave.topology import RailTopology, load_topology
 from megatron_railwave.traffic import dtype_bytes
@@ -33,7 +33,7 @@ __all__ = [
     "write_json",
 ]
 
-ALL_PATHS = (Route.NATIVE, Route.RAIL, Route.PERM, Route.JOINT)
+ALL_PATHS = ROUTES
 
 
 def parse_failed_rail(text: str) -> tuple[int, int]:
@@ -74,40 +74,95 @@ def _rail_mask_gpus(text: str) -> list[int]:
 def add_cluster_args(parser: argparse.ArgumentParser, *, default: str | None = None) -> None:
     group = parser.add_argument_group("cluster")
     group.add_argument(
-        "--cluster", default=default, required=default is None, metavar="YAML",
+        "--cluster",
+        default=default,
+        required=default is None,
+        metavar="YAML",
         help="cluster YAML file, or the name of a preset in configs/clusters (e.g. h800_4x8)"
-             + (f" (default {default})" if default else ""),
+        + (f" (default {default})" if default else ""),
     )
-    group.add_argument("--nodes", type=int, default=None, metavar="N",
-                       help="override the node count of the cluster file")
-    group.add_argument("--failed-rail", type=parse_failed_rail, action="append", default=[],
-                       metavar="NODE:RAIL", help="mark rail RAIL of node NODE failed (repeatable)")
+    group.add_argument(
+        "--nodes",
+        type=int,
+        default=None,
+        metavar="N",
+        help="override the node count of the cluster file",
+    )
+    group.add_argument(
+        "--failed-rail",
+        type=parse_failed_rail,
+        action="append",
+        default=[],
+        metavar="NODE:RAIL",
+        help="mark rail RAIL of node NODE failed (repeatable)",
+    )
 
 
 def add_workload_args(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("workload (seeded synthetic routing, workloads.synthetic_routing_maps)")
-    group.add_argument("--tokens", type=int, default=4096, metavar="T", help="tokens per GPU (default 4096)")
-    group.add_argument("--experts", type=int, default=128, metavar="E",
-                       help="routed experts, divisible by the world size (default 128)")
-    group.add_argument("--topk", type=int, default=8, metavar="K", help="experts per token (default 8)")
-    group.add_argument("--hidden", type=int, default=4096, metavar="H", help="hidden size (default 4096)")
-    group.add_argument("--dtype", default="bf16", help="payload element type: bf16, fp16, fp32, fp8 (default bf16)")
+    group = parser.add_argument_group(
+        "workload (seeded synthetic routing, workloads.synthetic_routing_maps)"
+    )
+    group.add_argument(
+        "--tokens", type=int, default=4096, metavar="T", help="tokens per GPU (default 4096)"
+    )
+    group.add_argument(
+        "--experts",
+        type=int,
+        default=128,
+        metavar="E",
+        help="routed experts, divisible by the world size (default 128)",
+    )
+    group.add_argument(
+        "--topk", type=int, default=8, metavar="K", help="experts per token (default 8)"
+    )
+    group.add_argument(
+        "--hidden", type=int, default=4096, metavar="H", help="hidden size (default 4096)"
+    )
+    group.add_argument(
+        "--dtype", default="bf16", help="payload element type: bf16, fp16, fp32, fp8 (default bf16)"
+    )
     group.add_argument("--seed", type=int, default=0, help="routing seed (default 0)")
 
 
 def add_plan_args(parser: argparse.ArgumentParser, *, default_path: str = "joint") -> None:
     group = parser.add_argument_group("planner")
-    group.add_argument("--path", type=parse_path_choice, default=default_path, metavar="PATH",
-                       help=f"{route_list(extra=('all',))} (default {default_path})")
-    group.add_argument("--policy", choices=[str(p) for p in EligiblePolicy], default="all",
-                       help="RailBalance eligible rails: all healthy, active senders, or --rail-mask")
-    group.add_argument("--rail-mask", type=_rail_mask_gpus, default=None, metavar="GPUS",
-                       help="local GPUs (rails) allowed under --policy mask on every node, e.g. 0,1,2,3")
-    group.add_argument("--fanin", type=int, default=1, metavar="F",
-                       help="remote senders per receiver per wave for perm/joint (default 1: cyclic)")
-    group.add_argument("--chunks", type=int, default=1, metavar="C",
-                       help="rail chunks per wave for perm/joint (default 1: whole waves)")
-    group.add_argument("--phase", type=int, default=0, help="remainder-rotation counter (default 0)")
+    group.add_argument(
+        "--path",
+        type=parse_path_choice,
+        default=default_path,
+        metavar="PATH",
+        help=f"{route_list(extra=('all',))} (default {default_path})",
+    )
+    group.add_argument(
+        "--policy",
+        choices=[str(p) for p in EligiblePolicy],
+        default="all",
+        help="RailBalance eligible rails: all healthy, active senders, or --rail-mask",
+    )
+    group.add_argument(
+        "--rail-mask",
+        type=_rail_mask_gpus,
+        default=None,
+        metavar="GPUS",
+        help="local GPUs (rails) allowed under --policy mask on every node, e.g. 0,1,2,3",
+    )
+    group.add_argument(
+        "--fanin",
+        type=int,
+        default=1,
+        metavar="F",
+        help="remote senders per receiver per wave for perm/joint (default 1: cyclic)",
+    )
+    group.add_argument(
+        "--chunks",
+        type=int,
+        default=1,
+        metavar="C",
+        help="rail chunks per wave for perm/joint (default 1: whole waves)",
+    )
+    group.add_argument(
+        "--phase", type=int, default=0, help="remainder-rotation counter (default 0)"
+    )
 
 
 def cluster_from_args(args: argparse.Namespace) -> RailTopology:
@@ -143,7 +198,8 @@ def check_workload_args(args: argparse.Namespace, topo: RailTopology) -> None:
     if args.experts % topo.world_size:
         raise ValueError(
             f"--experts {args.experts} is not divisible by the world size {topo.world_size} "
-            f"({topo.num_nodes} nodes x {topo.gpus_per_node} GPUs); experts are placed E / W per rank"
+            f"({topo.num_nodes} nodes x {topo.gpus_per_node} GPUs); experts are placed E / W per "
+            f"rank"
         )
 
 
@@ -162,8 +218,12 @@ def options_from_args(args: argparse.Namespace, topo: RailTopology) -> PlanOptio
         mask_NG[:, args.rail_mask] = True
     if args.policy == EligiblePolicy.MASK and mask_NG is None:
         raise ValueError("--policy mask needs --rail-mask GPUS (e.g. --rail-mask 0,1,2,3)")
-    return PlanOptions(policy=EligiblePolicy(args.policy), rail_mask_NG=mask_NG, fanin=args.fanin,
-                       chunks=getattr(args, "chunks", 1))
+    return PlanOptions(
+        policy=EligiblePolicy(args.policy),
+        rail_mask_NG=mask_NG,
+        fanin=args.fanin,
+        chunks=getattr(args, "chunks", 1),
+    )
 
 
 def json_ready(value: Any) -> Any:

@@ -15,8 +15,9 @@ from megatron_railwave.outputs import check_output_dir, check_output_file
 __all__ = ["declare_outputs", "check_outputs"]
 
 
-def declare_outputs(parser: argparse.ArgumentParser, *, files: tuple[str, ...] = (),
-                    dirs: tuple[str, ...] = ()) -> None:
+def declare_outputs(
+    parser: argparse.ArgumentParser, *, files: tuple[str, ...] = (), dirs: tuple[str, ...] = ()
+) -> None:
     """Record which argument dests of ``parser`` name output files and output directories."""
     parser.set_defaults(output_files=files, output_dirs=dirs)
 

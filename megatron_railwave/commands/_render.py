@@ -44,10 +44,16 @@ def print_table(title: str, headers: Sequence[str], rows: Sequence[Sequence[Any]
             table.add_row(*row)
         _CONSOLE.print(table)
         return
-    widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]  # pragma: no cover
+    widths = [
+        max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)
+    ]  # pragma: no cover
     print(title)  # pragma: no cover
     for row in [list(headers)] + cells:  # pragma: no cover
-        print("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))))
+        print(
+            "  ".join(
+                c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))
+            )
+        )
 
 
 def _fmt(value: Any) -> str:
@@ -57,7 +63,8 @@ def _fmt(value: Any) -> str:
 
 
 def print_rail_egress(plan: PathPlan, *, record_bytes: int) -> None:
-    """Remote egress of every (node, rail) in MiB, with each node's max/mean over its healthy rails."""
+    """Remote egress of every (node, rail) in MiB, with each node's max/mean over its healthy
+    rails."""
     topo = plan.topology
     load_NRN = plan.rail_load_NRN().clone()
     for node in range(topo.num_nodes):
@@ -70,7 +77,9 @@ def print_rail_egress(plan: PathPlan, *, record_bytes: int) -> None:
         vals = [float(egress_NR[node, r]) for r in healthy]
         mean = sum(vals) / len(vals) if vals else 0.0
         ratio = max(vals) / mean if mean > 0 else 1.0
-        cells = [f"{egress_NR[node, r]:.1f}" if topo.rail_healthy(node, r) else "failed" for r in used]
+        cells = [
+            f"{egress_NR[node, r]:.1f}" if topo.rail_healthy(node, r) else "failed" for r in used
+        ]
         rows.append([f"node {node}", *cells, ratio])
     print_table(
         f"{plan.path}: remote egress per rail (MiB)",
@@ -83,8 +92,10 @@ def print_waves(plan: PathPlan, *, max_pairs: int = 16) -> None:
     """The sending windows (NATIVE, RAIL) or waves (PERM, JOINT) as 's->d' lists."""
     sched = plan.schedule
     chunks = f", each in {plan.chunks} rail chunks" if plan.chunks > 1 else ""
-    lines = [f"{plan.path}: {sched.num_waves} {'wave' if plan.path.waved else 'window'}(s){chunks}, "
-             f"schedule {sched.kind}, max fan-in {sched.max_fanin()}"]
+    lines = [
+        f"{plan.path}: {sched.num_waves} {'wave' if plan.path.waved else 'window'}(s){chunks}, "
+        f"schedule {sched.kind}, max fan-in {sched.max_fanin()}"
+    ]
     for v, wave in enumerate(sched.waves):
         pairs = [f"{s}->{d}" for s, d in wave]
         more = f" ... (+{len(pairs) - max_pairs})" if len(pairs) > max_pairs else ""
@@ -96,10 +107,29 @@ def print_descriptors(rows: Sequence[tuple[str, TrafficStats, int, float]]) -> N
     """One row per path: (path name, stats, relayed records, planning ms)."""
     print_table(
         "descriptors (B per GPU; rho_g source-rail imbalance; kappa receiver concentration)",
-        ["path", "B mean MiB", "B max MiB", "rho_g", "kappa", "log2(B/ref)", "(rho-1)/s",
-         "(kappa-1)/s", "relayed", "plan ms"],
         [
-            [name, st.B_mean_bytes / MiB, st.B_max_bytes / MiB, st.rho_g, st.kappa, *st.coords, relayed, ms]
+            "path",
+            "B mean MiB",
+            "B max MiB",
+            "rho_g",
+            "kappa",
+            "log2(B/ref)",
+            "(rho-1)/s",
+            "(kappa-1)/s",
+            "relayed",
+            "plan ms",
+        ],
+        [
+            [
+                name,
+                st.B_mean_bytes / MiB,
+                st.B_max_bytes / MiB,
+                st.rho_g,
+                st.kappa,
+                *st.coords,
+                relayed,
+                ms,
+            ]
             for name, st, relayed, ms in rows
         ],
     )

@@ -41,44 +41,102 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "bench-exchange",
         help="time dispatch+combine of each path vs Megatron alltoall on CPU gloo (loopback)",
-        description="Interleaved CPU benchmark of one MoE dispatch + combine: RailWave native, rail, "
-                    "perm and joint next to Megatron's alltoall dispatcher, W local gloo processes, "
-                    "same seeded routing; also the bytes each path puts on every rail.",
+        description="Interleaved CPU benchmark of one MoE dispatch + combine: RailWave native, "
+        "rail, "
+        "perm and joint next to Megatron's alltoall dispatcher, W local gloo processes, "
+        "same seeded routing; also the bytes each path puts on every rail.",
     )
     group = parser.add_argument_group("cluster and workload")
     group.add_argument("--nodes", type=int, default=4, metavar="N", help="nodes (default 4)")
-    group.add_argument("--gpus-per-node", type=int, default=2, metavar="G",
-                       help="GPUs (processes) per node (default 2; W = N * G processes)")
-    group.add_argument("--failed-rail", type=_common.parse_failed_rail, action="append", default=[],
-                       metavar="NODE:RAIL", help="mark a rail failed (repeatable)")
-    group.add_argument("--tokens", type=int, default=256, metavar="T", help="tokens per rank (default 256)")
-    group.add_argument("--hidden", type=int, default=512, metavar="H", help="hidden size (default 512)")
-    group.add_argument("--experts", type=int, default=32, metavar="E",
-                       help="experts, a multiple of W (default 32)")
-    group.add_argument("--topk", type=int, default=8, metavar="K", help="experts per token (default 8)")
-    group.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32",
-                       help="hidden dtype (default fp32)")
+    group.add_argument(
+        "--gpus-per-node",
+        type=int,
+        default=2,
+        metavar="G",
+        help="GPUs (processes) per node (default 2; W = N * G processes)",
+    )
+    group.add_argument(
+        "--failed-rail",
+        type=_common.parse_failed_rail,
+        action="append",
+        default=[],
+        metavar="NODE:RAIL",
+        help="mark a rail failed (repeatable)",
+    )
+    group.add_argument(
+        "--tokens", type=int, default=256, metavar="T", help="tokens per rank (default 256)"
+    )
+    group.add_argument(
+        "--hidden", type=int, default=512, metavar="H", help="hidden size (default 512)"
+    )
+    group.add_argument(
+        "--experts", type=int, default=32, metavar="E", help="experts, a multiple of W (default 32)"
+    )
+    group.add_argument(
+        "--topk", type=int, default=8, metavar="K", help="experts per token (default 8)"
+    )
+    group.add_argument(
+        "--dtype",
+        choices=["fp32", "bf16", "fp16"],
+        default="fp32",
+        help="hidden dtype (default fp32)",
+    )
     group.add_argument("--seed", type=int, default=0, help="routing and input seed (default 0)")
     group = parser.add_argument_group("measurement")
-    group.add_argument("--path", type=_common.parse_path_choice, default="all", metavar="PATH",
-                       help=f"{route_list(extra=('all',))} (default all)")
-    group.add_argument("--warmups", type=int, default=3, help="untimed rounds of every variant (default 3)")
+    group.add_argument(
+        "--path",
+        type=_common.parse_path_choice,
+        default="all",
+        metavar="PATH",
+        help=f"{route_list(extra=('all',))} (default all)",
+    )
+    group.add_argument(
+        "--warmups", type=int, default=3, help="untimed rounds of every variant (default 3)"
+    )
     group.add_argument("--samples", type=int, default=20, help="timed rounds (default 20)")
-    group.add_argument("--backward", action="store_true",
-                       help="also time the backward pass (dispatch+combine gradients)")
-    group.add_argument("--no-alltoall", action="store_true",
-                       help="skip Megatron's alltoall baseline (default: time it when megatron-core is installed)")
-    group.add_argument("--timeout", type=float, default=900.0, metavar="S",
-                       help="limit for the whole multi-process run in seconds (default 900)")
-    group.add_argument("--profile", choices=_VARIANTS, default=None, metavar="VARIANT",
-                       help="cProfile this variant's timed samples on rank 0 (native, ..., alltoall)")
-    group.add_argument("--profile-out", default=None, metavar="FILE",
-                       help="write the profile text here (default: print the top entries)")
-    group.add_argument("--shared-expert", action="store_true",
-                       help="instead: the share of a shared expert's compute hidden behind dispatch+combine "
-                            "(moe_shared_expert_overlap), each path next to alltoall's own overlap")
-    group.add_argument("--shared-ffn", type=int, default=None, metavar="F",
-                       help="--shared-expert: the shared expert's FFN size (default 4 x hidden)")
+    group.add_argument(
+        "--backward",
+        action="store_true",
+        help="also time the backward pass (dispatch+combine gradients)",
+    )
+    group.add_argument(
+        "--no-alltoall",
+        action="store_true",
+        help="skip Megatron's alltoall baseline (default: time it when megatron-core is installed)",
+    )
+    group.add_argument(
+        "--timeout",
+        type=float,
+        default=900.0,
+        metavar="S",
+        help="limit for the whole multi-process run in seconds (default 900)",
+    )
+    group.add_argument(
+        "--profile",
+        choices=_VARIANTS,
+        default=None,
+        metavar="VARIANT",
+        help="cProfile this variant's timed samples on rank 0 (native, ..., alltoall)",
+    )
+    group.add_argument(
+        "--profile-out",
+        default=None,
+        metavar="FILE",
+        help="write the profile text here (default: print the top entries)",
+    )
+    group.add_argument(
+        "--shared-expert",
+        action="store_true",
+        help="instead: the share of a shared expert's compute hidden behind dispatch+combine "
+        "(moe_shared_expert_overlap), each path next to alltoall's own overlap",
+    )
+    group.add_argument(
+        "--shared-ffn",
+        type=int,
+        default=None,
+        metavar="F",
+        help="--shared-expert: the shared expert's FFN size (default 4 x hidden)",
+    )
     parser.add_argument("--json", default=None, metavar="FILE", help="write the result as JSON")
     parser.set_defaults(handler=run)
     _outputs.declare_outputs(parser, files=("json", "profile_out"))
@@ -98,9 +156,14 @@ def alltoall_skip_reason(no_alltoall: bool) -> str | None:
 
 
 def _check(args: argparse.Namespace) -> None:
-    for flag, value, low in (("--nodes", args.nodes, 1), ("--gpus-per-node", args.gpus_per_node, 1),
-                             ("--tokens", args.tokens, 1), ("--hidden", args.hidden, 1),
-                             ("--samples", args.samples, 1), ("--warmups", args.warmups, 0)):
+    for flag, value, low in (
+        ("--nodes", args.nodes, 1),
+        ("--gpus-per-node", args.gpus_per_node, 1),
+        ("--tokens", args.tokens, 1),
+        ("--hidden", args.hidden, 1),
+        ("--samples", args.samples, 1),
+        ("--warmups", args.warmups, 0),
+    ):
         if value < low:
             raise ValueError(f"{flag} must be >= {low}, got {value}")
     if args.profile_out and not args.profile:
@@ -116,13 +179,21 @@ def _rows(result: dict[str, Any]) -> list[list[Any]]:
     wire = result["bytes"]
     for name, v in result["variants"].items():
         b = wire["alltoall"] if name == "alltoall" else wire["railwave"][name]
-        rows.append([
-            name, v["median_ms"], v["p95_ms"], v["min_ms"],
-            f"{v['over_alltoall']:.2f}x" if v["over_alltoall"] is not None else "-",
-            b.get("inter_node_records", b.get("inter_node_entries")),
-            b["inter_node_bytes"] / _MiB, " / ".join(f"{x / _MiB:.2f}" for x in b["rail_bytes_R"]),
-            b["node_rail_imbalance"], b["node_local_bytes"] / _MiB, f"{v['max_abs_err']:.1e}",
-        ])
+        rows.append(
+            [
+                name,
+                v["median_ms"],
+                v["p95_ms"],
+                v["min_ms"],
+                f"{v['over_alltoall']:.2f}x" if v["over_alltoall"] is not None else "-",
+                b.get("inter_node_records", b.get("inter_node_entries")),
+                b["inter_node_bytes"] / _MiB,
+                " / ".join(f"{x / _MiB:.2f}" for x in b["rail_bytes_R"]),
+                b["node_rail_imbalance"],
+                b["node_local_bytes"] / _MiB,
+                f"{v['max_abs_err']:.1e}",
+            ]
+        )
     return rows
 
 
@@ -130,17 +201,32 @@ def _run_shared_expert(args: argparse.Namespace, spec: Any, skipped: str | None)
     from megatron_railwave.lab.bench.shared_overlap import SharedOverlapSpec, run_shared_overlap
 
     shared_ffn = args.shared_ffn if args.shared_ffn is not None else 4 * args.hidden
-    result = run_shared_overlap(SharedOverlapSpec(bench=spec, shared_ffn=shared_ffn), timeout_s=args.timeout,
-                                alltoall_skipped=skipped)
+    result = run_shared_overlap(
+        SharedOverlapSpec(bench=spec, shared_ffn=shared_ffn),
+        timeout_s=args.timeout,
+        alltoall_skipped=skipped,
+    )
     _render.print_table(
-        f"shared expert (F={shared_ffn}) during dispatch+combine, forward, {args.nodes}x{args.gpus_per_node} "
-        f"({result['world_size']} gloo processes, loopback), T={args.tokens} H={args.hidden} {args.dtype} "
-        f"E={args.experts} K={args.topk}; {args.samples} samples, slowest rank per sample; shared expert "
+        f"shared expert (F={shared_ffn}) during dispatch+combine, forward, "
+        f"{args.nodes}x{args.gpus_per_node} "
+        f"({result['world_size']} gloo processes, loopback), T={args.tokens} H={args.hidden} "
+        f"{args.dtype} "
+        f"E={args.experts} K={args.topk}; {args.samples} samples, slowest rank per sample; shared "
+        f"expert "
         f"alone {result['shared_ms']:.2f} ms",
         ["variant", "exchange ms", "exchange + shared ms", "hidden ms", "hidden share", "max err"],
-        [[name, v["exchange_ms"], v["overlapped_ms"], v["hidden_ms"],
-          f"{v['hidden_share']:.0%}" if v["hidden_share"] is not None else "-", f"{v['max_abs_err']:.1e}"]
-         for name, v in result["variants"].items()])
+        [
+            [
+                name,
+                v["exchange_ms"],
+                v["overlapped_ms"],
+                v["hidden_ms"],
+                f"{v['hidden_share']:.0%}" if v["hidden_share"] is not None else "-",
+                f"{v['max_abs_err']:.1e}",
+            ]
+            for name, v in result["variants"].items()
+        ],
+    )
     if args.json:
         _common.write_json(args.json, result)
         _render.print_text(f"wrote {args.json}")
@@ -156,14 +242,30 @@ def run(args: argparse.Namespace) -> int:
         _render.print_text(f"alltoall baseline skipped: {skipped}")
     paths = tuple(str(p) for p in _common.paths_from_choice(args.path))
     if args.profile == ALLTOALL and skipped:
-        raise ValueError(f"--profile alltoall needs the alltoall baseline, which is skipped: {skipped}")
+        raise ValueError(
+            f"--profile alltoall needs the alltoall baseline, which is skipped: {skipped}"
+        )
     if args.profile and args.profile != ALLTOALL and args.profile not in paths:
-        raise ValueError(f"--profile {args.profile} is not among the benchmarked paths {list(paths)}")
-    spec = BenchSpec(num_nodes=args.nodes, gpus_per_node=args.gpus_per_node, tokens=args.tokens,
-                     hidden=args.hidden, experts=args.experts, topk=args.topk, dtype=args.dtype,
-                     seed=args.seed, warmups=args.warmups, samples=args.samples, backward=args.backward,
-                     paths=paths, alltoall=skipped is None, profile_variant=args.profile,
-                     failed_rails=tuple(sorted(args.failed_rail)))
+        raise ValueError(
+            f"--profile {args.profile} is not among the benchmarked paths {list(paths)}"
+        )
+    spec = BenchSpec(
+        num_nodes=args.nodes,
+        gpus_per_node=args.gpus_per_node,
+        tokens=args.tokens,
+        hidden=args.hidden,
+        experts=args.experts,
+        topk=args.topk,
+        dtype=args.dtype,
+        seed=args.seed,
+        warmups=args.warmups,
+        samples=args.samples,
+        backward=args.backward,
+        paths=paths,
+        alltoall=skipped is None,
+        profile_variant=args.profile,
+        failed_rails=tuple(sorted(args.failed_rail)),
+    )
     spec.topology()  # validates nodes, GPUs and failed rails before any process starts
     if args.shared_expert:
         return _run_shared_expert(args, spec, skipped)
@@ -171,34 +273,60 @@ def run(args: argparse.Namespace) -> int:
 
     world = args.nodes * args.gpus_per_node
     _render.print_table(
-        f"dispatch+combine{' + backward' if args.backward else ''}, {args.nodes}x{args.gpus_per_node} "
-        f"({world} gloo processes, loopback), T={args.tokens} H={args.hidden} {args.dtype} E={args.experts} "
+        f"dispatch+combine{' + backward' if args.backward else ''}, "
+        f"{args.nodes}x{args.gpus_per_node} "
+        f"({world} gloo processes, loopback), T={args.tokens} H={args.hidden} {args.dtype} "
+        f"E={args.experts} "
         f"K={args.topk}; {args.samples} samples, slowest rank per sample",
-        ["variant", "median ms", "P95 ms", "min ms", "vs alltoall", "inter-node rows", "inter-node MiB",
-         "MiB per rail", "node rail max/mean", "node-local MiB", "max err"],
+        [
+            "variant",
+            "median ms",
+            "P95 ms",
+            "min ms",
+            "vs alltoall",
+            "inter-node rows",
+            "inter-node MiB",
+            "MiB per rail",
+            "node rail max/mean",
+            "node-local MiB",
+            "max err",
+        ],
         _rows(result),
     )
-    phase_names = sorted({p for v in result["variants"].values() for p in v["phases_ms"]},
-                         key=["counts", "plan", "dispatch", "experts", "combine", "backward"].index)
-    _render.print_table("phase medians (ms, slowest rank per sample; alltoall 'counts' = dispatch_preprocess)",
-                        ["variant"] + phase_names,
-                        [[n] + [v["phases_ms"].get(p, "-") for p in phase_names]
-                         for n, v in result["variants"].items()])
+    phase_names = sorted(
+        {p for v in result["variants"].values() for p in v["phases_ms"]},
+        key=["counts", "plan", "dispatch", "experts", "combine", "backward"].index,
+    )
+    _render.print_table(
+        "phase medians (ms, slowest rank per sample; alltoall 'counts' = dispatch_preprocess)",
+        ["variant"] + phase_names,
+        [
+            [n] + [v["phases_ms"].get(p, "-") for p in phase_names]
+            for n, v in result["variants"].items()
+        ],
+    )
     _render.print_text(f"RailWave ops: {result['ops']}")
     s = result["summary"]
     if s["native_over_alltoall"] is not None:
         if s["native_goal"] is None:
             verdict = "no goal stated at this size; goals: " + ", ".join(
-                f"T={t} H={h}: <= {g}x" for (t, h), g in NATIVE_GOALS.items())
+                f"T={t} H={h}: <= {g}x" for (t, h), g in NATIVE_GOALS.items()
+            )
         else:
-            verdict = f"{'within' if s['native_within_goal'] else 'NOT within'} the {s['native_goal']}x goal"
-        _render.print_text(f"NATIVE / alltoall median: {s['native_over_alltoall']:.2f}x ({verdict})")
+            verdict = (
+                f"{'within' if s['native_within_goal'] else 'NOT within'} the "
+                f"{s['native_goal']}x goal"
+            )
+        _render.print_text(
+            f"NATIVE / alltoall median: {s['native_over_alltoall']:.2f}x ({verdict})"
+        )
     if s["inter_node_records_ratio"] is not None:
         _render.print_text(
             "inter-node rows alltoall/railwave (dedup per destination node): "
             f"{s['inter_node_records_ratio']:.2f}x; "
             f"payload bytes {s['inter_node_payload_ratio']:.2f}x; wire bytes incl. probs+metadata "
-            f"{s['inter_node_wire_ratio']:.2f}x")
+            f"{s['inter_node_wire_ratio']:.2f}x"
+        )
     if result["profile"]:
         if args.profile_out:
             Path(args.profile_out).write_text(result["profile"])

@@ -26,26 +26,47 @@ __all__ = ["register", "run"]
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "call-costs",
-        help="measure the exchange's per-call costs on CPU (count exchange, per phase, RailBalance)",
+        help="measure the exchange's per-call costs on CPU (count exchange, per phase, "
+        "RailBalance)",
         description="Time the count exchange, an empty phase on the rail and node groups, a node "
-                    "barrier and every path's plan / prepare / dispatch / combine at a small payload on "
-                    "W gloo processes (loopback), fit a per-phase cost, and repeat on the virtual cluster.",
+        "barrier and every path's plan / prepare / dispatch / combine at a small payload on "
+        "W gloo processes (loopback), fit a per-phase cost, and repeat on the virtual cluster.",
     )
     group = parser.add_argument_group("cluster and workload")
     group.add_argument("--nodes", type=int, default=4, metavar="N", help="nodes (default 4)")
-    group.add_argument("--gpus-per-node", type=int, default=2, metavar="G",
-                       help="GPUs (processes) per node (default 2)")
-    group.add_argument("--tokens", type=int, default=128, metavar="T", help="tokens per rank (default 128)")
-    group.add_argument("--hidden", type=int, default=64, metavar="H", help="hidden size (default 64)")
-    group.add_argument("--experts", type=int, default=32, metavar="E", help="experts, a multiple of W (default 32)")
-    group.add_argument("--topk", type=int, default=8, metavar="K", help="experts per token (default 8)")
+    group.add_argument(
+        "--gpus-per-node",
+        type=int,
+        default=2,
+        metavar="G",
+        help="GPUs (processes) per node (default 2)",
+    )
+    group.add_argument(
+        "--tokens", type=int, default=128, metavar="T", help="tokens per rank (default 128)"
+    )
+    group.add_argument(
+        "--hidden", type=int, default=64, metavar="H", help="hidden size (default 64)"
+    )
+    group.add_argument(
+        "--experts", type=int, default=32, metavar="E", help="experts, a multiple of W (default 32)"
+    )
+    group.add_argument(
+        "--topk", type=int, default=8, metavar="K", help="experts per token (default 8)"
+    )
     group.add_argument("--seed", type=int, default=0, help="routing seed (default 0)")
     group = parser.add_argument_group("measurement")
     group.add_argument("--warmups", type=int, default=5, help="untimed calls per step (default 5)")
     group.add_argument("--samples", type=int, default=30, help="timed calls per step (default 30)")
-    group.add_argument("--no-virtual", action="store_true", help="skip the virtual-cluster measurement")
-    group.add_argument("--timeout", type=float, default=600.0, metavar="S",
-                       help="limit for the multi-process run in seconds (default 600)")
+    group.add_argument(
+        "--no-virtual", action="store_true", help="skip the virtual-cluster measurement"
+    )
+    group.add_argument(
+        "--timeout",
+        type=float,
+        default=600.0,
+        metavar="S",
+        help="limit for the multi-process run in seconds (default 600)",
+    )
     parser.add_argument("--json", default=None, metavar="FILE", help="write the result as JSON")
     parser.set_defaults(handler=run)
     _outputs.declare_outputs(parser, files=("json",))
@@ -56,39 +77,65 @@ def run(args: argparse.Namespace) -> int:
 
     if args.timeout <= 0:
         raise ValueError(f"--timeout must be > 0, got {args.timeout}")
-    spec = CallCostSpec(num_nodes=args.nodes, gpus_per_node=args.gpus_per_node, tokens=args.tokens,
-                        hidden=args.hidden, experts=args.experts, topk=args.topk, seed=args.seed,
-                        warmups=args.warmups, samples=args.samples)
+    spec = CallCostSpec(
+        num_nodes=args.nodes,
+        gpus_per_node=args.gpus_per_node,
+        tokens=args.tokens,
+        hidden=args.hidden,
+        experts=args.experts,
+        topk=args.topk,
+        seed=args.seed,
+        warmups=args.warmups,
+        samples=args.samples,
+    )
     result = measure_call_costs(spec, timeout_s=args.timeout, virtual=not args.no_virtual)
     g = result["gloo"]
     steps = g["steps"]
     world = args.nodes * args.gpus_per_node
     _render.print_table(
-        f"per-call costs, {args.nodes}x{args.gpus_per_node} ({world} gloo processes, loopback), T={args.tokens} "
+        f"per-call costs, {args.nodes}x{args.gpus_per_node} ({world} gloo processes, loopback), "
+        f"T={args.tokens} "
         f"H={args.hidden}; {args.samples} samples, slowest rank per sample (us)",
         ["step", "median", "p10", "p90"],
-        [[name, s["median_us"], s["p10_us"], s["p90_us"]] for name, s in steps.items()])
+        [[name, s["median_us"], s["p10_us"], s["p90_us"]] for name, s in steps.items()],
+    )
     fit = g["per_phase_fit"]
-    _render.print_table("dispatch + combine per path", ["path", "phases per call", "move us (median)"],
-                        [[p, g["phases_per_call"][p], g["move_us"][p]] for p in g["phases_per_call"]])
+    _render.print_table(
+        "dispatch + combine per path",
+        ["path", "phases per call", "move us (median)"],
+        [[p, g["phases_per_call"][p], g["move_us"][p]] for p in g["phases_per_call"]],
+    )
     rb = g["railbalance_us"]
     _render.print_text(
         f"count exchange {steps['count_exchange']['median_us']:.0f} us; empty phase rail "
-        f"{steps['empty_phase_rail']['median_us']:.0f} us, node {steps['empty_phase_node']['median_us']:.0f} us; "
-        f"fit: {fit['per_phase_us']:.0f} us per phase + {fit['fixed_us']:.0f} us (r2 {fit['r2']:.2f}); "
-        f"RailBalance quota (plan RAIL - NATIVE) {rb['quota_rail_minus_native']:.0f} us, node barrier "
+        f"{steps['empty_phase_rail']['median_us']:.0f} us, node "
+        f"{steps['empty_phase_node']['median_us']:.0f} us; "
+        f"fit: {fit['per_phase_us']:.0f} us per phase + {fit['fixed_us']:.0f} us (r2 "
+        f"{fit['r2']:.2f}); "
+        f"RailBalance quota (plan RAIL - NATIVE) {rb['quota_rail_minus_native']:.0f} us, node "
+        f"barrier "
         f"{rb['node_barrier']:.0f} us; fixed-capacity online timing reduce: post "
         f"{steps['timing_reduce_post']['median_us']:.0f} us, read an epoch later "
-        f"{steps['timing_reduce_read']['median_us']:.0f} us. CPU gloo numbers: GPU / NCCL / DeepEP values are "
-        "not yet measured.")
+        f"{steps['timing_reduce_read']['median_us']:.0f} us. CPU gloo numbers: GPU / NCCL / "
+        f"DeepEP values are "
+        "not yet measured."
+    )
     if "virtual" in result:
         v = result["virtual"]
         _render.print_table(
             f"virtual cluster (host work per rank, no transport): count exchange "
-            f"{v['count_exchange_us_per_rank']:.0f} us", ["path", "phases per rank", "move us per rank", "plan us"],
-            [[p, d["phases_per_rank"], d["move_us_per_rank"], d["plan_us"]] for p, d in v["paths"].items()])
-        _render.print_text(f"RailBalance quota step on the host (plan RAIL - NATIVE, one process): "
-                           f"{v['quota_rail_minus_native_us']:.0f} us; JOINT - PERM {v['quota_joint_minus_perm_us']:.0f} us")
+            f"{v['count_exchange_us_per_rank']:.0f} us",
+            ["path", "phases per rank", "move us per rank", "plan us"],
+            [
+                [p, d["phases_per_rank"], d["move_us_per_rank"], d["plan_us"]]
+                for p, d in v["paths"].items()
+            ],
+        )
+        _render.print_text(
+            f"RailBalance quota step on the host (plan RAIL - NATIVE, one process): "
+            f"{v['quota_rail_minus_native_us']:.0f} us; JOINT - PERM "
+            f"{v['quota_joint_minus_perm_us']:.0f} us"
+        )
     if args.json:
         _common.write_json(args.json, result)
         _render.print_text(f"wrote {args.json}")

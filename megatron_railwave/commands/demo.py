@@ -11,10 +11,10 @@ import argparse
 
 import torch
 
-from megatron_railwave.planner import PlanOptions
-from megatron_railwave.topology import RailTopology
 from megatron_railwave.commands import _common, _outputs, _render
 from megatron_railwave.commands.plan import plan_layer
+from megatron_railwave.planner import PlanOptions
+from megatron_railwave.topology import RailTopology
 
 __all__ = ["register", "run"]
 
@@ -26,12 +26,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "demo",
         help="plan a GLM-4.5-Air-shaped layer on H800 4x8 with every path",
         description="Plan one GLM-4.5-Air-shaped MoE layer (128 experts, top-8, hidden 4096, bf16, "
-                    "4096 tokens per GPU) on the H800 4x8 preset and print each path's rails, "
-                    "waves and descriptors.",
+        "4096 tokens per GPU) on the H800 4x8 preset and print each path's rails, "
+        "waves and descriptors.",
     )
     parser.add_argument("--seed", type=int, default=0, help="routing seed (default 0)")
-    parser.add_argument("--tokens", type=int, default=4096, metavar="T", help="tokens per GPU (default 4096)")
-    parser.add_argument("--json", default=None, metavar="FILE", help="also write every plan as JSON")
+    parser.add_argument(
+        "--tokens", type=int, default=4096, metavar="T", help="tokens per GPU (default 4096)"
+    )
+    parser.add_argument(
+        "--json", default=None, metavar="FILE", help="also write every plan as JSON"
+    )
     parser.set_defaults(handler=run)
     _outputs.declare_outputs(parser, files=("json",))
 
@@ -42,7 +46,9 @@ def _preset() -> RailTopology:
     if (CLUSTER_PRESET_DIR / f"{_PRESET}.yaml").is_file():
         return load_topology(_PRESET)
     # Installed without the source tree: the same preset (one 400 Gb/s port per GPU).
-    return RailTopology(num_nodes=4, gpus_per_node=8, rail_gbps=400.0, nvlink_gBps=155.0, name=_PRESET)
+    return RailTopology(
+        num_nodes=4, gpus_per_node=8, rail_gbps=400.0, nvlink_gBps=155.0, name=_PRESET
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -51,8 +57,10 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--tokens must be >= 1, got {args.tokens}")
     topo = _preset()
     _render.print_text(
-        f"RailWave demo: GLM-4.5-Air-shaped layer (E=128, K=8, H=4096, bf16, T={args.tokens} per GPU) on "
-        f"{topo.name} ({topo.num_nodes} nodes x {topo.gpus_per_node} GPUs, {topo.rail_gbps:g} Gb/s rails)"
+        f"RailWave demo: GLM-4.5-Air-shaped layer (E=128, K=8, H=4096, bf16, T={args.tokens} per "
+        f"GPU) on "
+        f"{topo.name} ({topo.num_nodes} nodes x {topo.gpus_per_node} GPUs, {topo.rail_gbps:g} "
+        f"Gb/s rails)"
     )
     result = plan_layer(
         topo,

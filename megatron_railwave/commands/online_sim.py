@@ -5,15 +5,15 @@ Runs ``lab.bench.online_sim`` (see there for the workload, the noise and the pol
 always-JOINT (every always-X in the JSON), the per-call oracle and, with ``--anchors``, the offline
 selector on the same draws; the goals (online <= 1.03x the per-layer oracle, below always-NATIVE
 and always-JOINT) as met or missed; and the cost: the online selector's host microseconds per
-layer call (timing words + observe + descriptors + decide, thread CPU time; ``--decision-cost``: each part's mean
-and percentiles over every call, next to ``demand_stats`` on the same counts) and the bytes it adds
-to the count message. ``--learned`` writes what the online selector learned
+layer call (timing words + observe + descriptors + decide, thread CPU time; ``--decision-cost``:
+each part's mean and percentiles over every call, next to ``demand_stats`` on the same counts) and
+the bytes it adds to the count message. ``--learned`` writes what the online selector learned
 (last seed) as an anchors file that ``railwave validate`` reads.
 
 JSON written by ``--json``: ``settings``, ``models`` (per flow-model file: ``base``, the flow
 model's seconds per epoch, layer and path, the counts and the offline selector's paths, which
-``--base-from`` reuses; ``runs`` (per seed: ``summary`` and ``layers``, each with the path per step, its mode, the
-online, oracle and fixed totals).
+``--base-from`` reuses; ``runs`` (per seed: ``summary`` and ``layers``, each with the path per step,
+its mode, the online, oracle and fixed totals).
 """
 
 from __future__ import annotations
@@ -32,7 +32,9 @@ def _seeds(text: str) -> list[int]:
     try:
         seeds = [int(v) for v in text.split(",") if v.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a seed or a comma-separated list (e.g. 0,1,2), got {text!r}") from None
+        raise argparse.ArgumentTypeError(
+            f"expected a seed or a comma-separated list (e.g. 0,1,2), got {text!r}"
+        ) from None
     if not seeds:
         raise argparse.ArgumentTypeError("expected at least one seed")
     return seeds
@@ -42,39 +44,83 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "online-sim",
         help="the online path selector over many steps, timed by the flow model",
-        description="Run the online selector on the synthetic GLM-4.5-Air routing for --steps steps with "
-                    "per-call noise, the flow model as the clock, and compare it with the per-layer oracle, "
-                    "always-NATIVE, always-JOINT and (--anchors) the offline selector on the same draws.",
+        description="Run the online selector on the synthetic GLM-4.5-Air routing for --steps "
+        "steps with "
+        "per-call noise, the flow model as the clock, and compare it with the per-layer oracle, "
+        "always-NATIVE, always-JOINT and (--anchors) the offline selector on the same draws.",
     )
     _common.add_cluster_args(parser, default="h800_4x8")
-    parser.add_argument("--model", default="configs/netmodel/h800_4x8.yaml", metavar="YAML[,YAML]",
-                        help="flow-model parameters; several (comma-separated) share one routing (default "
-                             "configs/netmodel/h800_4x8.yaml)")
-    parser.add_argument("--workload", choices=["glm45-air"], default="glm45-air", help="routing (glm45-air)")
-    parser.add_argument("--tokens", type=int, default=4096, metavar="T", help="tokens per GPU (default 4096)")
-    parser.add_argument("--layers", type=_layers, default=None, metavar="L,L", help="MoE layers (default all 45)")
+    parser.add_argument(
+        "--model",
+        default="configs/netmodel/h800_4x8.yaml",
+        metavar="YAML[,YAML]",
+        help="flow-model parameters; several (comma-separated) share one routing (default "
+        "configs/netmodel/h800_4x8.yaml)",
+    )
+    parser.add_argument(
+        "--workload", choices=["glm45-air"], default="glm45-air", help="routing (glm45-air)"
+    )
+    parser.add_argument(
+        "--tokens", type=int, default=4096, metavar="T", help="tokens per GPU (default 4096)"
+    )
+    parser.add_argument(
+        "--layers", type=_layers, default=None, metavar="L,L", help="MoE layers (default all 45)"
+    )
     parser.add_argument("--workload-seed", type=int, default=0, help="routing seed (default 0)")
     parser.add_argument("--steps", type=int, default=200, help="training steps (default 200)")
-    parser.add_argument("--routing-every", type=int, default=50, metavar="K",
-                        help="steps per routing epoch: the routing moves to the workload's next step every K "
-                             "steps (default 50)")
-    parser.add_argument("--seed", type=_seeds, default=[0], metavar="S[,S]", help="noise seed(s) (default 0)")
-    parser.add_argument("--noise", type=float, default=0.05, metavar="F",
-                        help="log-normal sigma of each call's time (default 0.05)")
-    parser.add_argument("--chunks", type=int, default=1, help="rail chunks per wave of PERM / JOINT (default 1)")
-    parser.add_argument("--anchors", default=None, metavar="YAML",
-                        help="offline anchors file to compare on the same draws (the runtime's rule)")
-    parser.add_argument("--prior", default=None, metavar="YAML",
-                        help="seed the online selector with this anchors file (e.g. an earlier --learned file)")
-    parser.add_argument("--learned", default=None, metavar="YAML",
-                        help="write what the online selector learned (last seed) as an anchors file")
-    parser.add_argument("--base-from", default=None, metavar="JSON",
-                        help="reuse the flow-model times, counts and offline paths of an earlier --json (same "
-                             "--model list and routing; no simulation)")
-    parser.add_argument("--decision-cost", action="store_true",
-                        help="print the online selector's host work per layer call part by part (timing words, "
-                             "observe, descriptors, decide: mean and percentiles over every call of the run) next to "
-                             "demand_stats on the same counts")
+    parser.add_argument(
+        "--routing-every",
+        type=int,
+        default=50,
+        metavar="K",
+        help="steps per routing epoch: the routing moves to the workload's next step every K "
+        "steps (default 50)",
+    )
+    parser.add_argument(
+        "--seed", type=_seeds, default=[0], metavar="S[,S]", help="noise seed(s) (default 0)"
+    )
+    parser.add_argument(
+        "--noise",
+        type=float,
+        default=0.05,
+        metavar="F",
+        help="log-normal sigma of each call's time (default 0.05)",
+    )
+    parser.add_argument(
+        "--chunks", type=int, default=1, help="rail chunks per wave of PERM / JOINT (default 1)"
+    )
+    parser.add_argument(
+        "--anchors",
+        default=None,
+        metavar="YAML",
+        help="offline anchors file to compare on the same draws (the runtime's rule)",
+    )
+    parser.add_argument(
+        "--prior",
+        default=None,
+        metavar="YAML",
+        help="seed the online selector with this anchors file (e.g. an earlier --learned file)",
+    )
+    parser.add_argument(
+        "--learned",
+        default=None,
+        metavar="YAML",
+        help="write what the online selector learned (last seed) as an anchors file",
+    )
+    parser.add_argument(
+        "--base-from",
+        default=None,
+        metavar="JSON",
+        help="reuse the flow-model times, counts and offline paths of an earlier --json (same "
+        "--model list and routing; no simulation)",
+    )
+    parser.add_argument(
+        "--decision-cost",
+        action="store_true",
+        help="print the online selector's host work per layer call part by part (timing words, "
+        "observe, descriptors, decide: mean and percentiles over every call of the run) next to "
+        "demand_stats on the same counts",
+    )
     parser.add_argument("--json", default=None, metavar="FILE", help="write the per-layer results")
     parser.set_defaults(handler=run)
     _outputs.declare_outputs(parser, files=("json", "learned"))
@@ -82,8 +128,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from megatron_railwave.config import RailWaveConfig
-    from megatron_railwave.lab.bench.online_sim import (base_from_json, base_times, learned_file, offline_paths,
-                                                        simulate_online)
+    from megatron_railwave.lab.bench.online_sim import (
+        base_from_json,
+        base_times,
+        learned_file,
+        offline_paths,
+        simulate_online,
+    )
     from megatron_railwave.planner import PlanOptions
     from megatron_railwave.selector import selector_from_config
     from megatron_railwave.selector.anchors import save_anchors
@@ -98,13 +149,17 @@ def run(args: argparse.Namespace) -> int:
     offline = selector_from_config(cfg, topo) if args.anchors else None
     prior, scales = None, SelectorScales().resolve(topo)
     if args.prior:
-        online = selector_from_config(RailWaveConfig(path="auto", anchors=args.prior, chunks=args.chunks,
-                                                     selector="online"), topo)
+        online = selector_from_config(
+            RailWaveConfig(path="auto", anchors=args.prior, chunks=args.chunks, selector="online"),
+            topo,
+        )
         prior, scales = online.prior, online.scales
     record_bytes = 4096 * 2  # GLM-4.5-Air hidden 4096, bf16
     epochs = (args.steps + args.routing_every - 1) // args.routing_every
-    _render.print_text(f"flow model(s) {', '.join(model_files)} on {topo.name}: {epochs} routing epochs x "
-                       f"{len(args.layers) if args.layers else 45} layers x 4 paths ...")
+    _render.print_text(
+        f"flow model(s) {', '.join(model_files)} on {topo.name}: {epochs} routing epochs x "
+        f"{len(args.layers) if args.layers else 45} layers x 4 paths ..."
+    )
     offline_XL: list[Any] = [None] * len(models)
     if args.base_from:
         import json
@@ -112,49 +167,111 @@ def run(args: argparse.Namespace) -> int:
         earlier = json.loads(open(args.base_from).read())["models"]
         missing = [m for m in model_files if m not in earlier]
         if missing:
-            raise ValueError(f"--base-from {args.base_from}: no base times for model(s) {missing} (it has {list(earlier)})")
+            raise ValueError(
+                f"--base-from {args.base_from}: no base times for model(s) {missing} (it has "
+                f"{list(earlier)})"
+            )
         bases = [base_from_json(earlier[m]["base"], record_bytes) for m in model_files]
         if args.anchors:
             offline_XL = [earlier[m]["base"].get("offline_XL") for m in model_files]
             recorded = {earlier[m]["base"].get("offline_anchors") for m in model_files}
             if any(o is None for o in offline_XL) or recorded != {args.anchors}:
-                raise ValueError(f"--base-from {args.base_from} has no offline paths for --anchors {args.anchors} "
-                                 f"(it has them for {sorted(map(str, recorded))}); run it without --base-from")
+                raise ValueError(
+                    f"--base-from {args.base_from} has no offline paths for --anchors "
+                    f"{args.anchors} "
+                    f"(it has them for {sorted(map(str, recorded))}); run it without --base-from"
+                )
     else:
-        bases = base_times(topo, models, epochs=epochs, tokens=args.tokens, workload_seed=args.workload_seed,
-                           layers=tuple(args.layers) if args.layers else None, record_bytes=record_bytes,
-                           options=PlanOptions(chunks=args.chunks), progress=True)
+        bases = base_times(
+            topo,
+            models,
+            epochs=epochs,
+            tokens=args.tokens,
+            workload_seed=args.workload_seed,
+            layers=tuple(args.layers) if args.layers else None,
+            record_bytes=record_bytes,
+            options=PlanOptions(chunks=args.chunks),
+            progress=True,
+        )
         if offline is not None:
-            paths = offline_paths(bases[0], topo, offline).tolist()  # the counts are the same for every model
+            paths = offline_paths(
+                bases[0], topo, offline
+            ).tolist()  # the counts are the same for every model
             offline_XL = [paths] * len(models)
     out_models: dict[str, Any] = {}
     result: dict[str, Any] = {}
     for model_file, model, base, off in zip(model_files, models, bases, offline_XL):
         runs: dict[str, Any] = {}
         for seed in args.seed:
-            result = simulate_online(base, topo, steps=args.steps, routing_every=args.routing_every, seed=seed,
-                                     noise=args.noise, offline=off, prior=prior, scales=scales)
+            result = simulate_online(
+                base,
+                topo,
+                steps=args.steps,
+                routing_every=args.routing_every,
+                seed=seed,
+                noise=args.noise,
+                offline=off,
+                prior=prior,
+                scales=scales,
+            )
             _print_run(model_file, seed, result["summary"], topo.world_size, args.decision_cost)
             runs[str(seed)] = {k: v for k, v in result.items() if not k.startswith("_")}
-        out_models[model_file] = {"base": {"layers": list(base.layers), "seconds_XLP": base.seconds_XLP.tolist(),
-                                           "paths": list(map(str, ROUTES)),
-                                           "records_XLWN": [[r.tolist() for r in row] for row in base.records_XL],
-                                           "offline_XL": off, "offline_anchors": args.anchors if off else None},
-                                  "runs": runs}
+        out_models[model_file] = {
+            "base": {
+                "layers": list(base.layers),
+                "seconds_XLP": base.seconds_XLP.tolist(),
+                "paths": list(map(str, ROUTES)),
+                "records_XLWN": [[r.tolist() for r in row] for row in base.records_XL],
+                "offline_XL": off,
+                "offline_anchors": args.anchors if off else None,
+            },
+            "runs": runs,
+        }
         if args.learned:
-            requests = {"workload": "glm", "seed": args.workload_seed, "layers": list(base.layers),
-                        "payload_scales": [1.0], "tokens": args.tokens, "arrangements": ["none"]}
+            requests = {
+                "workload": "glm",
+                "seed": args.workload_seed,
+                "layers": list(base.layers),
+                "payload_scales": [1.0],
+                "tokens": args.tokens,
+                "arrangements": ["none"],
+            }
             target = args.learned if len(models) == 1 else _suffixed(args.learned, model_file)
-            save_anchors(learned_file(result, topo, hidden_size=4096, dtype="bf16", chunks=args.chunks,
-                                      requests=requests, model=model.to_dict()), target)
+            save_anchors(
+                learned_file(
+                    result,
+                    topo,
+                    hidden_size=4096,
+                    dtype="bf16",
+                    chunks=args.chunks,
+                    requests=requests,
+                    model=model.to_dict(),
+                ),
+                target,
+            )
             _render.print_text(f"wrote {target}")
     if args.json:
-        _common.write_json(args.json, {
-            "settings": {"cluster": topo.name, "models": model_files, "workload": args.workload, "tokens": args.tokens,
-                         "workload_seed": args.workload_seed, "steps": args.steps, "routing_every": args.routing_every,
-                         "seeds": args.seed, "noise": args.noise, "chunks": args.chunks, "anchors": args.anchors,
-                         "prior": args.prior, "base_wall_s": bases[0].wall_s},
-            "models": out_models})
+        _common.write_json(
+            args.json,
+            {
+                "settings": {
+                    "cluster": topo.name,
+                    "models": model_files,
+                    "workload": args.workload,
+                    "tokens": args.tokens,
+                    "workload_seed": args.workload_seed,
+                    "steps": args.steps,
+                    "routing_every": args.routing_every,
+                    "seeds": args.seed,
+                    "noise": args.noise,
+                    "chunks": args.chunks,
+                    "anchors": args.anchors,
+                    "prior": args.prior,
+                    "base_wall_s": bases[0].wall_s,
+                },
+                "models": out_models,
+            },
+        )
     return 0
 
 
@@ -166,33 +283,59 @@ def _suffixed(path: str, model_file: str) -> str:
     return str(p.with_name(f"{p.stem}.{Path(model_file).stem}{p.suffix}"))
 
 
-def _print_run(model_file: str, seed: int, s: dict[str, Any], world: int, decision_cost: bool = False) -> None:
+def _print_run(
+    model_file: str, seed: int, s: dict[str, Any], world: int, decision_cost: bool = False
+) -> None:
     t, r = s["totals_s"], s["ratio_to_oracle"]
     _render.print_text(
-        f"{model_file}, seed {seed}: online {t['online']:.3f} s = {r['online']:.4f}x the per-layer oracle "
+        f"{model_file}, seed {seed}: online {t['online']:.3f} s = {r['online']:.4f}x the "
+        f"per-layer oracle "
         f"({t['oracle_per_layer']:.3f} s); always-NATIVE {r['always_native']:.4f}x, always-JOINT "
-        f"{r['always_joint']:.4f}x, always-RAIL {r['always_rail']:.4f}x, per-call oracle {r['oracle_per_call']:.4f}x"
+        f"{r['always_joint']:.4f}x, always-RAIL {r['always_rail']:.4f}x, per-call oracle "
+        f"{r['oracle_per_call']:.4f}x"
         + (f", offline selector {r['offline']:.4f}x" if "offline" in r else "")
-        + f"; {s['probe_calls']} probe calls of {s['calls']}; {s['layers_final_on_oracle_path']}/{s['num_layers']} "
-        f"layers end on the oracle's path")
+        + f"; {s['probe_calls']} probe calls of {s['calls']}; "
+        f"{s['layers_final_on_oracle_path']}/{s['num_layers']} "
+        f"layers end on the oracle's path"
+    )
     g = s["goals"]
     _render.print_text(
-        "  goals: <= 1.03x oracle " + ("MET" if g["within_1.03x_oracle"] else "MISSED")
-        + ", below always-NATIVE " + ("MET" if g["below_always_native"] else "MISSED")
-        + ", below always-JOINT " + ("MET" if g["below_always_joint"] else "MISSED"))
+        "  goals: <= 1.03x oracle "
+        + ("MET" if g["within_1.03x_oracle"] else "MISSED")
+        + ", below always-NATIVE "
+        + ("MET" if g["below_always_native"] else "MISSED")
+        + ", below always-JOINT "
+        + ("MET" if g["below_always_joint"] else "MISSED")
+    )
     c = s["cost"]
     cpu = c["cpu_us_per_call"]
     _render.print_text(
-        f"  cost (this host, thread CPU per layer call): words + observe + descriptors + decide {cpu['total']['mean']:.1f} us "
-        f"mean, {cpu['total']['p50']:.1f} us median (descriptors {cpu['descriptors']['mean']:.1f} us; demand_stats on "
+        f"  cost (this host, thread CPU per layer call): words + observe + descriptors + decide "
+        f"{cpu['total']['mean']:.1f} us "
+        f"mean, {cpu['total']['p50']:.1f} us median (descriptors {cpu['descriptors']['mean']:.1f} "
+        f"us; demand_stats on "
         f"the same counts {c['reference_descriptors_cpu_us_per_call']:.1f} us); count message "
-        f"+{c['extra_bytes_per_peer_message']} bytes per peer message ({c['extra_bytes_per_rank_per_layer_call']} bytes "
-        f"per rank per layer call over {world} peers)")
+        f"+{c['extra_bytes_per_peer_message']} bytes per peer message "
+        f"({c['extra_bytes_per_rank_per_layer_call']} bytes "
+        f"per rank per layer call over {world} peers)"
+    )
     if decision_cost:
         _render.print_table(
             "  online selector host work per layer call (thread CPU us, every call of the run)",
             ["part", "mean", "p50", "p90", "p99", "max"],
-            [[part, *(round(cpu[part][k], 1) for k in ("mean", "p50", "p90", "p99", "max"))]
-             for part in ("words", "observe", "descriptors", "decide", "total")]
-            + [["demand_stats (reference)", round(c["reference_descriptors_cpu_us_per_call"], 1), "", "", "", ""],
-               ["one clock read (in each part)", round(c["clock_read_us"], 1), "", "", "", ""]])
+            [
+                [part, *(round(cpu[part][k], 1) for k in ("mean", "p50", "p90", "p99", "max"))]
+                for part in ("words", "observe", "descriptors", "decide", "total")
+            ]
+            + [
+                [
+                    "demand_stats (reference)",
+                    round(c["reference_descriptors_cpu_us_per_call"], 1),
+                    "",
+                    "",
+                    "",
+                    "",
+                ],
+                ["one clock read (in each part)", round(c["clock_read_us"], 1), "", "", "", ""],
+            ],
+        )

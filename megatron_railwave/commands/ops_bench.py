@@ -17,18 +17,35 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "ops-bench",
         help="compiled ops vs their pure-torch reference and a plain copy (GLM-4.5-Air sizes)",
-        description="Time each railwave op, its pure-torch reference and a plain copy of the same bytes "
-                    "(CPU: one thread).",
+        description="Time each railwave op, its pure-torch reference and a plain copy of the same "
+        "bytes "
+        "(CPU: one thread).",
     )
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where to run (default cpu)")
-    parser.add_argument("--quick", action="store_true", help="small sizes for a smoke test (T=256, H=256, E=64)")
-    parser.add_argument("--tokens", type=int, default=None, metavar="T", help="tokens per rank (default 4096)")
-    parser.add_argument("--hidden", type=int, default=None, metavar="H", help="hidden size, bf16 (default 4096)")
-    parser.add_argument("--experts", type=int, default=None, metavar="E", help="experts (default 128)")
-    parser.add_argument("--topk", type=int, default=None, metavar="K", help="experts per token (default 8)")
+    parser.add_argument(
+        "--device", choices=("cpu", "cuda"), default="cpu", help="where to run (default cpu)"
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="small sizes for a smoke test (T=256, H=256, E=64)"
+    )
+    parser.add_argument(
+        "--tokens", type=int, default=None, metavar="T", help="tokens per rank (default 4096)"
+    )
+    parser.add_argument(
+        "--hidden", type=int, default=None, metavar="H", help="hidden size, bf16 (default 4096)"
+    )
+    parser.add_argument(
+        "--experts", type=int, default=None, metavar="E", help="experts (default 128)"
+    )
+    parser.add_argument(
+        "--topk", type=int, default=None, metavar="K", help="experts per token (default 8)"
+    )
     parser.add_argument("--nodes", type=int, default=None, metavar="N", help="nodes (default 4)")
-    parser.add_argument("--gpus-per-node", type=int, default=None, metavar="G", help="GPUs per node (default 8)")
-    parser.add_argument("--repeats", type=int, default=None, help="timed calls per op, median (default 5)")
+    parser.add_argument(
+        "--gpus-per-node", type=int, default=None, metavar="G", help="GPUs per node (default 8)"
+    )
+    parser.add_argument(
+        "--repeats", type=int, default=None, help="timed calls per op, median (default 5)"
+    )
     parser.add_argument("--seed", type=int, default=0, help="routing and data seed (default 0)")
     parser.add_argument("--json", default=None, metavar="FILE", help="write the results as JSON")
     _outputs.declare_outputs(parser, files=("json",))
@@ -38,32 +55,63 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     import dataclasses
 
-    from megatron_railwave.lab.bench.ops_bench import QUICK, OpsBenchSpec, run_ops_bench
     from megatron_railwave.commands._common import write_json
+    from megatron_railwave.lab.bench.ops_bench import QUICK, OpsBenchSpec, run_ops_bench
 
     base = QUICK if args.quick else OpsBenchSpec()
-    overrides = {"num_tokens": args.tokens, "hidden": args.hidden, "num_experts": args.experts, "topk": args.topk,
-                 "num_nodes": args.nodes, "gpus_per_node": args.gpus_per_node, "repeats": args.repeats}
-    spec = dataclasses.replace(base, seed=args.seed, **{k: v for k, v in overrides.items() if v is not None})
+    overrides = {
+        "num_tokens": args.tokens,
+        "hidden": args.hidden,
+        "num_experts": args.experts,
+        "topk": args.topk,
+        "num_nodes": args.nodes,
+        "gpus_per_node": args.gpus_per_node,
+        "repeats": args.repeats,
+    }
+    spec = dataclasses.replace(
+        base, seed=args.seed, **{k: v for k, v in overrides.items() if v is not None}
+    )
     result = run_ops_bench(spec, args.device)
     if not result["compiled"]:
-        _render.print_text(f"note: compiled ops unavailable ({result['compiled_unavailable_reason']}); "
-                           "the 'op' column times the reference")
+        _render.print_text(
+            f"note: compiled ops unavailable ({result['compiled_unavailable_reason']}); "
+            "the 'op' column times the reference"
+        )
     rows = []
     for r in result["ops"]:
         goal = r["goal"]
-        rows.append([r["op"], r["ms"], r["reference_ms"], r["speedup_vs_reference"], r["GBps"], r["copy_GBps"],
-                     r["fraction_of_copy"], "-" if goal is None else ("met" if goal["met"] else "NOT met")])
+        rows.append(
+            [
+                r["op"],
+                r["ms"],
+                r["reference_ms"],
+                r["speedup_vs_reference"],
+                r["GBps"],
+                r["copy_GBps"],
+                r["fraction_of_copy"],
+                "-" if goal is None else ("met" if goal["met"] else "NOT met"),
+            ]
+        )
     s = result["sizes"]
     _render.print_table(
-        f"ops-bench on {result['device_name']} (T={spec.num_tokens} H={spec.hidden} E={spec.num_experts} "
-        f"K={spec.topk} {spec.num_nodes}x{spec.gpus_per_node}; {s['records']} records, {s['copies']} copies, "
+        f"ops-bench on {result['device_name']} (T={spec.num_tokens} H={spec.hidden} "
+        f"E={spec.num_experts} "
+        f"K={spec.topk} {spec.num_nodes}x{spec.gpus_per_node}; {s['records']} records, "
+        f"{s['copies']} copies, "
         f"{s['row_bytes']} B/row; median of {spec.repeats})",
-        ["op", "ms", "reference ms", "x reference", "GB/s", "copy GB/s", "of copy", "goal"], rows)
-    line = f"records_from_routing + assign_egress: {result['records_plus_assign_us']:.1f} us per layer"
+        ["op", "ms", "reference ms", "x reference", "GB/s", "copy GB/s", "of copy", "goal"],
+        rows,
+    )
+    line = (
+        f"records_from_routing + assign_egress: {result['records_plus_assign_us']:.1f} us per layer"
+    )
     if "records_plus_assign_goal" in result:
-        line += " (goal " + result["records_plus_assign_goal"]["what"] + ": " + (
-            "met)" if result["records_plus_assign_goal"]["met"] else "NOT met)")
+        line += (
+            " (goal "
+            + result["records_plus_assign_goal"]["what"]
+            + ": "
+            + ("met)" if result["records_plus_assign_goal"]["met"] else "NOT met)")
+        )
     _render.print_text(line)
     if args.json:
         write_json(args.json, result)

@@ -22,13 +22,13 @@ from typing import Any
 
 import torch
 
+from megatron_railwave.commands import _common, _outputs, _render
+from megatron_railwave.lab.bench.planning import time_rank_planning
+from megatron_railwave.lab.workloads import synthetic_routing_maps
 from megatron_railwave.names import Route
 from megatron_railwave.planner import PlanOptions
-from megatron_railwave.lab.workloads import synthetic_routing_maps
 from megatron_railwave.topology import RailTopology
-from megatron_railwave.lab.bench.planning import time_rank_planning
 from megatron_railwave.traffic import DemandCounts
-from megatron_railwave.commands import _common, _outputs, _render
 
 __all__ = ["register", "run", "plan_layer"]
 
@@ -38,7 +38,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "plan",
         help="plan one layer (rails, waves, descriptors) for synthetic routing",
         description="Plan one MoE layer of seeded synthetic routing on a cluster: per-rail egress, "
-                    "waves and traffic descriptors of each path.",
+        "waves and traffic descriptors of each path.",
     )
     _common.add_cluster_args(parser)
     _common.add_workload_args(parser)
@@ -68,14 +68,30 @@ def plan_layer(
     Returns:
         ``{"topology", "workload", "plans": [per-path JSON dict]}`` (see the module docstring).
     """
-    maps = synthetic_routing_maps(topo, num_tokens=num_tokens, num_experts=num_experts, topk=topk, seed=seed)
+    maps = synthetic_routing_maps(
+        topo, num_tokens=num_tokens, num_experts=num_experts, topk=topk, seed=seed
+    )
     demand = DemandCounts.from_routing_maps(maps, topo)
-    workload = {"tokens_per_gpu": num_tokens, "experts": num_experts, "topk": topk, "seed": seed,
-                "record_bytes": record_bytes, "generator": "workloads.synthetic_routing_maps"}
+    workload = {
+        "tokens_per_gpu": num_tokens,
+        "experts": num_experts,
+        "topk": topk,
+        "seed": seed,
+        "record_bytes": record_bytes,
+        "generator": "workloads.synthetic_routing_maps",
+    }
     plans, desc_rows = [], []
     for path in paths:
-        plan, timing = time_rank_planning(demand, topo, path, rank=0, routing_TE=maps[0],
-                                                  options=options, phase=phase, repeats=repeats)
+        plan, timing = time_rank_planning(
+            demand,
+            topo,
+            path,
+            rank=0,
+            routing_TE=maps[0],
+            options=options,
+            phase=phase,
+            repeats=repeats,
+        )
         data = plan.to_json(record_bytes=record_bytes)
         data["workload"] = workload
         data["plan_ms"] = timing.total_ms
@@ -89,7 +105,8 @@ def plan_layer(
     if verbose:
         failed = sorted(topo.failed_rails)
         _render.print_text(
-            f"{topo.name}: {topo.num_nodes} nodes x {topo.gpus_per_node} GPUs, {topo.num_rails} rails"
+            f"{topo.name}: {topo.num_nodes} nodes x {topo.gpus_per_node} GPUs, {topo.num_rails} "
+            f"rails"
             + (f", failed rails {failed}" if failed else "")
             + f"; T={num_tokens} E={num_experts} K={topk} record {record_bytes} B; "
             f"{plans[0]['records_total']} records"

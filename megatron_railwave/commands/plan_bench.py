@@ -26,18 +26,17 @@ from __future__ import annotations
 
 import argparse
 import math
-import time
 from typing import Any
 
 import torch
 
-from megatron_railwave.planner import PlanOptions
-from megatron_railwave.lab.workloads import synthetic_routing_maps
-from megatron_railwave.topology import RailTopology
-from megatron_railwave.lab.bench.planning import time_rank_planning
-from megatron_railwave.traffic import DemandCounts, local_demand
 from megatron_railwave.commands import _common, _outputs, _render
+from megatron_railwave.lab.bench.planning import time_rank_planning
+from megatron_railwave.lab.workloads import synthetic_routing_maps
 from megatron_railwave.names import route_list
+from megatron_railwave.planner import PlanOptions
+from megatron_railwave.topology import RailTopology
+from megatron_railwave.traffic import DemandCounts, local_demand
 
 __all__ = ["register", "run", "bench_config"]
 
@@ -48,22 +47,50 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "plan-bench",
         help="one rank's planning time per layer (records, plan, schedule, index maps)",
-        description="Time one rank's per-layer planning on one CPU thread for several cluster sizes.",
+        description="Time one rank's per-layer planning on one CPU thread for several cluster "
+        "sizes.",
     )
-    parser.add_argument("--configs", default=_DEFAULT_CONFIGS, metavar="NxG,...",
-                        help=f"cluster sizes, nodes x GPUs per node (default {_DEFAULT_CONFIGS})")
-    parser.add_argument("--tokens", type=int, default=4096, metavar="T", help="tokens per GPU (default 4096)")
-    parser.add_argument("--experts", type=int, default=128, metavar="E",
-                        help="experts; raised to the next multiple of the world size (default 128)")
-    parser.add_argument("--topk", type=int, default=8, metavar="K", help="experts per token (default 8)")
-    parser.add_argument("--path", type=_common.parse_path_choice, default="joint", metavar="PATH",
-                        help=f"{route_list(extra=('all',))} (default joint)")
-    parser.add_argument("--fanin", type=int, default=1, metavar="F", help="wave fan-in for perm/joint")
+    parser.add_argument(
+        "--configs",
+        default=_DEFAULT_CONFIGS,
+        metavar="NxG,...",
+        help=f"cluster sizes, nodes x GPUs per node (default {_DEFAULT_CONFIGS})",
+    )
+    parser.add_argument(
+        "--tokens", type=int, default=4096, metavar="T", help="tokens per GPU (default 4096)"
+    )
+    parser.add_argument(
+        "--experts",
+        type=int,
+        default=128,
+        metavar="E",
+        help="experts; raised to the next multiple of the world size (default 128)",
+    )
+    parser.add_argument(
+        "--topk", type=int, default=8, metavar="K", help="experts per token (default 8)"
+    )
+    parser.add_argument(
+        "--path",
+        type=_common.parse_path_choice,
+        default="joint",
+        metavar="PATH",
+        help=f"{route_list(extra=('all',))} (default joint)",
+    )
+    parser.add_argument(
+        "--fanin", type=int, default=1, metavar="F", help="wave fan-in for perm/joint"
+    )
     parser.add_argument("--seed", type=int, default=0, help="routing seed (default 0)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed runs per config (default 3)")
-    parser.add_argument("--repeats", type=int, default=20, help="timed runs per config (default 20)")
-    parser.add_argument("--full-routing-max-ranks", type=int, default=32, metavar="W",
-                        help="largest world that gets a routing map per rank (default 32)")
+    parser.add_argument(
+        "--repeats", type=int, default=20, help="timed runs per config (default 20)"
+    )
+    parser.add_argument(
+        "--full-routing-max-ranks",
+        type=int,
+        default=32,
+        metavar="W",
+        help="largest world that gets a routing map per rank (default 32)",
+    )
     parser.add_argument("--json", default=None, metavar="FILE", help="write the results as JSON")
     parser.set_defaults(handler=run)
     _outputs.declare_outputs(parser, files=("json",))
@@ -90,8 +117,9 @@ def _prototype_demand(
     n, g = topo.num_nodes, topo.gpus_per_node
     # Real routing of the first P ranks of a one-node-wider slice: same model and seed as the
     # full generator, on a cluster whose first node is what the prototypes see.
-    protos = _node0_routing_maps(topo, num_tokens=num_tokens, num_experts=num_experts, topk=topk,
-                                 seed=seed, count=num_protos)
+    protos = _node0_routing_maps(
+        topo, num_tokens=num_tokens, num_experts=num_experts, topk=topk, seed=seed, count=num_protos
+    )
     parts = [local_demand(r, topo) for r in protos]
     rec_PNM = torch.stack([p[0] for p in parts])
     exp_PE = torch.stack([p[1] for p in parts])
@@ -106,8 +134,9 @@ def _prototype_demand(
     return DemandCounts(records_WNM=records_WNM, experts_WE=experts_WE), protos[0]
 
 
-def _node0_routing_maps(topo: RailTopology, *, num_tokens: int, num_experts: int, topk: int,
-                        seed: int, count: int) -> list[torch.Tensor]:
+def _node0_routing_maps(
+    topo: RailTopology, *, num_tokens: int, num_experts: int, topk: int, seed: int, count: int
+) -> list[torch.Tensor]:
     """[T, E] bool routing maps of ``count`` ranks on node 0 of ``topo``.
 
     The model of ``workloads.synthetic_routing_maps`` (log-normal expert popularity with max/mean
@@ -148,44 +177,70 @@ def bench_config(
     full_routing_max_ranks: int,
 ) -> list[dict[str, Any]]:
     """Time rank 0's per-layer planning on an N x G cluster; one result row per path."""
-    topo = RailTopology(num_nodes=num_nodes, gpus_per_node=gpus_per_node, name=f"{num_nodes}x{gpus_per_node}")
+    topo = RailTopology(
+        num_nodes=num_nodes, gpus_per_node=gpus_per_node, name=f"{num_nodes}x{gpus_per_node}"
+    )
     world = topo.world_size
     experts = _experts_for(num_experts, world)
     if topk > experts:
         raise ValueError(f"--topk {topk} exceeds the {experts} experts of config {topo.name}")
     if world <= full_routing_max_ranks:
-        maps = synthetic_routing_maps(topo, num_tokens=num_tokens, num_experts=experts, topk=topk, seed=seed)
+        maps = synthetic_routing_maps(
+            topo, num_tokens=num_tokens, num_experts=experts, topk=topk, seed=seed
+        )
         demand, routing_TE = DemandCounts.from_routing_maps(maps, topo), maps[0]
         source = "synthetic_routing_maps (every rank)"
     else:
         protos = min(world, 8)
-        demand, routing_TE = _prototype_demand(topo, num_tokens=num_tokens, num_experts=experts,
-                                               topk=topk, seed=seed, num_protos=protos)
+        demand, routing_TE = _prototype_demand(
+            topo,
+            num_tokens=num_tokens,
+            num_experts=experts,
+            topk=topk,
+            seed=seed,
+            num_protos=protos,
+        )
         source = f"{protos} prototype routing maps, node-shifted counts"
     # Rank 0 plans from what the exchange gathers: per-node totals of every rank and the masks
     # of the records into its own node (not the full W x N x M table).
-    demand = DemandCounts(records_WN=demand.records_WN, view_node=0, view_masks_WM=demand.masks_into(0))
+    demand = DemandCounts(
+        records_WN=demand.records_WN, view_node=0, view_masks_WM=demand.masks_into(0)
+    )
     options = PlanOptions(fanin=fanin)
     rows = []
     for path in _common.paths_from_choice(path_choice):
-        plan, timing = time_rank_planning(demand, topo, path, rank=0, routing_TE=routing_TE,
-                                                  options=options, warmup=warmup, repeats=repeats)
-        rows.append({
-            "nodes": num_nodes,
-            "gpus_per_node": gpus_per_node,
-            "world_size": world,
-            "path": str(path),
-            "tokens_per_gpu": num_tokens,
-            "experts": experts,
-            "experts_note": (f"--experts {num_experts} does not divide W={world}; used {experts} "
-                             f"({experts // world} per rank)") if experts != num_experts else "",
-            "topk": topk,
-            "num_waves": plan.num_waves,
-            "rank_records": int(plan.records_NNG[0, :, 0].sum()),
-            "demand_source": source,
-            "demand_view": "node 0: records_WN + masks into node 0 (what the exchange gathers)",
-            **timing.to_dict(),
-        })
+        plan, timing = time_rank_planning(
+            demand,
+            topo,
+            path,
+            rank=0,
+            routing_TE=routing_TE,
+            options=options,
+            warmup=warmup,
+            repeats=repeats,
+        )
+        rows.append(
+            {
+                "nodes": num_nodes,
+                "gpus_per_node": gpus_per_node,
+                "world_size": world,
+                "path": str(path),
+                "tokens_per_gpu": num_tokens,
+                "experts": experts,
+                "experts_note": (
+                    f"--experts {num_experts} does not divide W={world}; used {experts} "
+                    f"({experts // world} per rank)"
+                )
+                if experts != num_experts
+                else "",
+                "topk": topk,
+                "num_waves": plan.num_waves,
+                "rank_records": int(plan.records_NNG[0, :, 0].sum()),
+                "demand_source": source,
+                "demand_view": "node 0: records_WN + masks into node 0 (what the exchange gathers)",
+                **timing.to_dict(),
+            }
+        )
     return rows
 
 
@@ -193,22 +248,59 @@ def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(1)
     configs = _parse_configs(args.configs)
     if args.warmup < 0 or args.repeats < 1:
-        raise ValueError(f"--warmup must be >= 0 and --repeats >= 1, got {args.warmup}, {args.repeats}")
+        raise ValueError(
+            f"--warmup must be >= 0 and --repeats >= 1, got {args.warmup}, {args.repeats}"
+        )
     if args.tokens < 1:
         raise ValueError(f"--tokens must be >= 1, got {args.tokens}")
     rows: list[dict[str, Any]] = []
     for n, g in configs:
-        rows += bench_config(n, g, num_tokens=args.tokens, num_experts=args.experts, topk=args.topk,
-                             path_choice=args.path, fanin=args.fanin, seed=args.seed, warmup=args.warmup,
-                             repeats=args.repeats, full_routing_max_ranks=args.full_routing_max_ranks)
+        rows += bench_config(
+            n,
+            g,
+            num_tokens=args.tokens,
+            num_experts=args.experts,
+            topk=args.topk,
+            path_choice=args.path,
+            fanin=args.fanin,
+            seed=args.seed,
+            warmup=args.warmup,
+            repeats=args.repeats,
+            full_routing_max_ranks=args.full_routing_max_ranks,
+        )
     _render.print_table(
         f"one rank's planning per layer (median of {args.repeats}, 1 thread)",
-        ["config", "path", "E", "waves", "records", "records ms", "build_plan ms", "schedule ms", "layout ms",
-         "ms/layer", "cpu ms/layer", "min ms/layer"],
-        [[f"{r['nodes']}x{r['gpus_per_node']}", r["path"], r["experts"], r["num_waves"], r["rank_records"],
-          r["records_ms"], r["build_plan_ms"], r["schedule_ms"], r["layout_ms"], r["ms_per_layer"],
-          r["cpu_ms_per_layer"], r["min_ms_per_layer"]]
-         for r in rows],
+        [
+            "config",
+            "path",
+            "E",
+            "waves",
+            "records",
+            "records ms",
+            "build_plan ms",
+            "schedule ms",
+            "layout ms",
+            "ms/layer",
+            "cpu ms/layer",
+            "min ms/layer",
+        ],
+        [
+            [
+                f"{r['nodes']}x{r['gpus_per_node']}",
+                r["path"],
+                r["experts"],
+                r["num_waves"],
+                r["rank_records"],
+                r["records_ms"],
+                r["build_plan_ms"],
+                r["schedule_ms"],
+                r["layout_ms"],
+                r["ms_per_layer"],
+                r["cpu_ms_per_layer"],
+                r["min_ms_per_layer"],
+            ]
+            for r in rows
+        ],
     )
     for r in rows:
         if r["experts_note"]:

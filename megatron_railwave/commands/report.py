@@ -47,15 +47,22 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "report",
         help="summarise RailWave JSONL logs (table and PNG plots)",
-        description="Per-layer path mix, P50/P95 dispatch+combine and rail shares of a RailWave log "
-                    "directory, with plots of path choice, NIC shares per path and latencies.",
+        description="Per-layer path mix, P50/P95 dispatch+combine and rail shares of a RailWave "
+        "log "
+        "directory, with plots of path choice, NIC shares per path and latencies.",
     )
     parser.add_argument("log_dir", metavar="LOG_DIR", help="directory of railwave*.jsonl files")
-    parser.add_argument("--out", default=None, metavar="DIR", help="plot directory (default LOG_DIR/report)")
+    parser.add_argument(
+        "--out", default=None, metavar="DIR", help="plot directory (default LOG_DIR/report)"
+    )
     parser.add_argument("--no-plots", action="store_true", help="table (and JSON) only")
     parser.add_argument("--json", default=None, metavar="FILE", help="write the summary as JSON")
-    parser.add_argument("--run", default=None, metavar="ID",
-                        help="summarise only this run (default: each run of LOG_DIR on its own)")
+    parser.add_argument(
+        "--run",
+        default=None,
+        metavar="ID",
+        help="summarise only this run (default: each run of LOG_DIR on its own)",
+    )
     parser.set_defaults(handler=run)
     _outputs.declare_outputs(parser, files=("json",), dirs=("out",))
 
@@ -65,15 +72,25 @@ def _calls(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     slowest rank's time."""
     runs = {rec.get("run") for rec in records}
     if len(runs) > 1:
-        raise ValueError(f"log records of {len(runs)} runs ({sorted(map(str, runs))}); summarise each run on its "
-                         "own (commlog.split_runs)")
+        raise ValueError(
+            f"log records of {len(runs)} runs ({sorted(map(str, runs))}); summarise each run on "
+            f"its "
+            "own (commlog.split_runs)"
+        )
     by_key: dict[tuple[int, int, int, str], dict[str, Any]] = {}
     for rec in records:
         for key in ("layer", "step", "path"):
             if key not in rec:
-                raise ValueError(f"log record without {key!r}: {sorted(rec)[:8]}...; not a RailWave log")
+                raise ValueError(
+                    f"log record without {key!r}: {sorted(rec)[:8]}...; not a RailWave log"
+                )
         ms = float(rec.get("dispatch_ms", 0.0)) + float(rec.get("combine_ms", 0.0))
-        key = (int(rec["layer"]), int(rec["step"]), int(rec.get("microbatch", 0)), str(rec.get("pass_kind", "train")))
+        key = (
+            int(rec["layer"]),
+            int(rec["step"]),
+            int(rec.get("microbatch", 0)),
+            str(rec.get("pass_kind", "train")),
+        )
         if key not in by_key:
             by_key[key] = {**rec, "comm_ms": ms}
         else:
@@ -87,7 +104,11 @@ def _mean(calls: list[dict[str, Any]], key: str, default: float = 0.0) -> float:
 
 def _rail_bytes(calls: list[dict[str, Any]]) -> list[float]:
     """[R] mean over calls of the bytes each rail carries, summed over nodes (dispatch rows)."""
-    rows = [np.asarray(c["rail_bytes"], dtype=np.float64).sum(axis=0) for c in calls if c.get("rail_bytes")]
+    rows = [
+        np.asarray(c["rail_bytes"], dtype=np.float64).sum(axis=0)
+        for c in calls
+        if c.get("rail_bytes")
+    ]
     return np.mean(rows, axis=0).tolist() if rows else []
 
 
@@ -113,32 +134,49 @@ def summarize_logs(records: list[dict[str, Any]]) -> dict[str, Any]:
         cs = layers[layer]
         ms = np.array([c["comm_ms"] for c in cs])
         shares = np.array([_sorted_shares(c) for c in cs])
-        rows.append({
-            "layer": layer, "calls": len(cs),
-            "path_mix": {p: sum(c["path"] == p for c in cs) / len(cs) for p in PATHS},
-            "p50_ms": float(np.percentile(ms, 50)), "p95_ms": float(np.percentile(ms, 95)),
-            "dispatch_ms": _mean(cs, "dispatch_ms"), "combine_ms": _mean(cs, "combine_ms"),
-            "B_mean_MiB": _mean(cs, "B_mean_bytes") / (1 << 20),
-            "rho_g": _mean(cs, "rho_g", 1.0), "kappa": _mean(cs, "kappa", 1.0),
-            "relayed_records": _mean(cs, "relayed_records"), "num_waves": _mean(cs, "num_waves"),
-            "rail_bytes": _rail_bytes(cs),
-            "tokens_per_expert_min": _mean(cs, "tokens_per_expert_min"),
-            "tokens_per_expert_max": _mean(cs, "tokens_per_expert_max"),
-            "tokens_per_expert_std": _mean(cs, "tokens_per_expert_std"),
-            "overload_factor": _mean(cs, "overload_factor"),
-            "rail_share_max": float(shares[:, 0].mean()), "rail_share_min": float(shares[:, -1].mean()),
-            **_online_row(cs),
-        })
+        rows.append(
+            {
+                "layer": layer,
+                "calls": len(cs),
+                "path_mix": {p: sum(c["path"] == p for c in cs) / len(cs) for p in PATHS},
+                "p50_ms": float(np.percentile(ms, 50)),
+                "p95_ms": float(np.percentile(ms, 95)),
+                "dispatch_ms": _mean(cs, "dispatch_ms"),
+                "combine_ms": _mean(cs, "combine_ms"),
+                "B_mean_MiB": _mean(cs, "B_mean_bytes") / (1 << 20),
+                "rho_g": _mean(cs, "rho_g", 1.0),
+                "kappa": _mean(cs, "kappa", 1.0),
+                "relayed_records": _mean(cs, "relayed_records"),
+                "num_waves": _mean(cs, "num_waves"),
+                "rail_bytes": _rail_bytes(cs),
+                "tokens_per_expert_min": _mean(cs, "tokens_per_expert_min"),
+                "tokens_per_expert_max": _mean(cs, "tokens_per_expert_max"),
+                "tokens_per_expert_std": _mean(cs, "tokens_per_expert_std"),
+                "overload_factor": _mean(cs, "overload_factor"),
+                "rail_share_max": float(shares[:, 0].mean()),
+                "rail_share_min": float(shares[:, -1].mean()),
+                **_online_row(cs),
+            }
+        )
     per_path = {}
     for p, cs in sorted(paths.items()):
         ms = np.array([c["comm_ms"] for c in cs])
-        per_path[p] = {"calls": len(cs), "p50_ms": float(np.percentile(ms, 50)),
-                       "p95_ms": float(np.percentile(ms, 95)),
-                       "nic_shares": np.mean([_sorted_shares(c) for c in cs], axis=0).tolist()}
+        per_path[p] = {
+            "calls": len(cs),
+            "p50_ms": float(np.percentile(ms, 50)),
+            "p95_ms": float(np.percentile(ms, 95)),
+            "nic_shares": np.mean([_sorted_shares(c) for c in cs], axis=0).tolist(),
+        }
     run = str(records[0].get("run", "")) if records else ""
     passes = sorted({str(c.get("pass_kind", "train")) for c in calls})
-    return {"run": run, "layers": rows, "paths": per_path, "num_calls": len(calls), "num_records": len(records),
-            "passes": passes}
+    return {
+        "run": run,
+        "layers": rows,
+        "paths": per_path,
+        "num_calls": len(calls),
+        "num_records": len(records),
+        "passes": passes,
+    }
 
 
 def _online_row(calls: list[dict[str, Any]]) -> dict[str, Any]:
@@ -146,8 +184,10 @@ def _online_row(calls: list[dict[str, Any]]) -> dict[str, Any]:
     modes = [c.get("selector_mode") or "" for c in calls]
     if not any(modes):
         return {}
-    return {"online_probe_share": sum(m in ("probe", "reprobe") for m in modes) / len(modes),
-            "online_fallback_calls": sum(m == "fallback" for m in modes)}
+    return {
+        "online_probe_share": sum(m in ("probe", "reprobe") for m in modes) / len(modes),
+        "online_fallback_calls": sum(m == "fallback" for m in modes),
+    }
 
 
 def _kib(values: list[float]) -> str:
@@ -156,21 +196,48 @@ def _kib(values: list[float]) -> str:
 
 def layer_table(summary: dict[str, Any]) -> tuple[list[str], list[list[Any]]]:
     """Header and rows of the per-layer table (``railwave report`` and ``make demo``)."""
-    header = ["layer", "calls", "path", "B MiB", "rho_g", "kappa", "relayed", "waves", "KiB per rail",
-              "tok/expert min/max/std", "overload", "dispatch ms", "combine ms"]
+    header = [
+        "layer",
+        "calls",
+        "path",
+        "B MiB",
+        "rho_g",
+        "kappa",
+        "relayed",
+        "waves",
+        "KiB per rail",
+        "tok/expert min/max/std",
+        "overload",
+        "dispatch ms",
+        "combine ms",
+    ]
     rows = []
     for r in summary["layers"]:
         mix = [f"{p} {r['path_mix'][p]:.0%}" for p in PATHS if r["path_mix"][p] > 0]
-        rows.append([r["layer"], r["calls"], " ".join(mix) if len(mix) > 1 else mix[0].split()[0] if mix else "-",
-                     r["B_mean_MiB"], r["rho_g"], r["kappa"], r["relayed_records"], r["num_waves"],
-                     _kib(r["rail_bytes"]),
-                     f"{r['tokens_per_expert_min']:.0f}/{r['tokens_per_expert_max']:.0f}/"
-                     f"{r['tokens_per_expert_std']:.1f}",
-                     r["overload_factor"], r["dispatch_ms"], r["combine_ms"]])
+        rows.append(
+            [
+                r["layer"],
+                r["calls"],
+                " ".join(mix) if len(mix) > 1 else mix[0].split()[0] if mix else "-",
+                r["B_mean_MiB"],
+                r["rho_g"],
+                r["kappa"],
+                r["relayed_records"],
+                r["num_waves"],
+                _kib(r["rail_bytes"]),
+                f"{r['tokens_per_expert_min']:.0f}/{r['tokens_per_expert_max']:.0f}/"
+                f"{r['tokens_per_expert_std']:.1f}",
+                r["overload_factor"],
+                r["dispatch_ms"],
+                r["combine_ms"],
+            ]
+        )
     return header, rows
 
 
-def write_plots(records: list[dict[str, Any]], summary: dict[str, Any], out_dir: str | Path) -> list[Path]:
+def write_plots(
+    records: list[dict[str, Any]], summary: dict[str, Any], out_dir: str | Path
+) -> list[Path]:
     """The three PNGs (see the module docstring); returns their paths."""
     import matplotlib
 
@@ -190,15 +257,28 @@ def write_plots(records: list[dict[str, Any]], summary: dict[str, Any], out_dir:
             grid[li[int(c["layer"])], si[int(c["step"])]] = PATHS.index(c["path"])
     files = []
 
-    fig, ax = plt.subplots(figsize=(max(4.0, 0.25 * len(steps) + 2), max(3.0, 0.2 * len(layers) + 1.5)))
-    ax.imshow(np.ma.masked_invalid(grid), aspect="auto", interpolation="nearest", vmin=-0.5, vmax=3.5,
-              cmap=ListedColormap([COLORS[p] for p in PATHS]))
+    fig, ax = plt.subplots(
+        figsize=(max(4.0, 0.25 * len(steps) + 2), max(3.0, 0.2 * len(layers) + 1.5))
+    )
+    ax.imshow(
+        np.ma.masked_invalid(grid),
+        aspect="auto",
+        interpolation="nearest",
+        vmin=-0.5,
+        vmax=3.5,
+        cmap=ListedColormap([COLORS[p] for p in PATHS]),
+    )
     ax.set_yticks(range(len(layers)), [str(v) for v in layers], fontsize=6)
     ax.set_xlabel("step")
     ax.set_ylabel("layer")
     ax.set_title("path choice per layer and step")
-    ax.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=COLORS[p]) for p in PATHS], labels=list(PATHS),
-              loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=7)
+    ax.legend(
+        handles=[plt.Rectangle((0, 0), 1, 1, color=COLORS[p]) for p in PATHS],
+        labels=list(PATHS),
+        loc="upper left",
+        bbox_to_anchor=(1.01, 1),
+        fontsize=7,
+    )
     files.append(_save(fig, out / "path_choice.png"))
 
     fig, ax = plt.subplots(figsize=(6, 3.5))
@@ -234,25 +314,34 @@ def _online_plot(calls: list[dict[str, Any]], path: Path) -> Path:
     layers = sorted({int(c["layer"]) for c in calls})[:12]
     cols = min(3, len(layers))
     rows = (len(layers) + cols - 1) // cols
-    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 2.6 * rows), squeeze=False, sharex=True)
+    fig, axes = plt.subplots(
+        rows, cols, figsize=(4.2 * cols, 2.6 * rows), squeeze=False, sharex=True
+    )
     for ax, layer in zip(axes.flat, layers):
-        cs = sorted((c for c in calls if int(c["layer"]) == layer), key=lambda c: (int(c["step"]), int(c.get("microbatch", 0))))
+        cs = sorted(
+            (c for c in calls if int(c["layer"]) == layer),
+            key=lambda c: (int(c["step"]), int(c.get("microbatch", 0))),
+        )
         x = np.arange(len(cs))
         for p in PATHS:
             y = [((c.get("measured_ms") or {}).get(p)) for c in cs]
             ax.plot(x, [np.nan if v is None else v for v in y], color=COLORS[p], lw=1, label=p)
-            ran = [(i, v) for i, (c, v) in enumerate(zip(cs, y)) if c["path"] == p and v is not None]
+            ran = [
+                (i, v) for i, (c, v) in enumerate(zip(cs, y)) if c["path"] == p and v is not None
+            ]
             for i, v in ran:
                 probing = cs[i].get("selector_mode") in ("probe", "reprobe")
                 ax.plot(i, v, "o", ms=3, color=COLORS[p], mfc="none" if probing else COLORS[p])
         ax.set_title(f"layer {layer}", fontsize=8)
         ax.set_ylabel("measured ms", fontsize=7)
         ax.tick_params(labelsize=6)
-    for ax in list(axes.flat)[len(layers):]:
+    for ax in list(axes.flat)[len(layers) :]:
         ax.axis("off")
     axes.flat[0].legend(fontsize=6)
-    fig.suptitle("online selector: median measured time per path (lines), path run (dots; hollow = probe)",
-                 fontsize=8)
+    fig.suptitle(
+        "online selector: median measured time per path (lines), path run (dots; hollow = probe)",
+        fontsize=8,
+    )
     return _save(fig, path)
 
 
@@ -266,14 +355,16 @@ def _save(fig: Any, path: Path) -> Path:
 
 
 def run(args: argparse.Namespace) -> int:
-    from megatron_railwave.telemetry.commlog import read_logs, split_runs
     from megatron_railwave.outputs import check_output_dir
+    from megatron_railwave.telemetry.commlog import read_logs, split_runs
 
     plot_dir = Path(args.out) if args.out else Path(args.log_dir) / "report"
     runs = split_runs(read_logs(args.log_dir))
     if args.run is not None:
         if args.run not in runs:
-            raise ValueError(f"--run {args.run!r} is not in {args.log_dir} (runs there: {', '.join(runs)})")
+            raise ValueError(
+                f"--run {args.run!r} is not in {args.log_dir} (runs there: {', '.join(runs)})"
+            )
         runs = {args.run: runs[args.run]}
     if not args.no_plots:
         check_output_dir(plot_dir, "--out")
@@ -283,20 +374,42 @@ def run(args: argparse.Namespace) -> int:
         summaries[run_id] = summary
         header, rows = layer_table(summary)
         _render.print_table(
-            f"{args.log_dir} run {run_id}: {summary['num_calls']} layer calls ({summary['num_records']} records; "
-            f"passes: {', '.join(summary['passes'])})", header, rows)
+            f"{args.log_dir} run {run_id}: {summary['num_calls']} layer calls "
+            f"({summary['num_records']} records; "
+            f"passes: {', '.join(summary['passes'])})",
+            header,
+            rows,
+        )
         _render.print_table(
-            "rail shares and latency (slowest rank)", ["layer", "P50 ms", "P95 ms", "max rail share", "min rail share"],
-            [[r["layer"], r["p50_ms"], r["p95_ms"], f"{r['rail_share_max']:.1%}", f"{r['rail_share_min']:.1%}"]
-             for r in summary["layers"]])
+            "rail shares and latency (slowest rank)",
+            ["layer", "P50 ms", "P95 ms", "max rail share", "min rail share"],
+            [
+                [
+                    r["layer"],
+                    r["p50_ms"],
+                    r["p95_ms"],
+                    f"{r['rail_share_max']:.1%}",
+                    f"{r['rail_share_min']:.1%}",
+                ]
+                for r in summary["layers"]
+            ],
+        )
         online = [r for r in summary["layers"] if "online_probe_share" in r]
         if online:
-            _render.print_table("online selector", ["layer", "probing calls", "fallback calls"],
-                                [[r["layer"], f"{r['online_probe_share']:.1%}", r["online_fallback_calls"]]
-                                 for r in online])
+            _render.print_table(
+                "online selector",
+                ["layer", "probing calls", "fallback calls"],
+                [
+                    [r["layer"], f"{r['online_probe_share']:.1%}", r["online_fallback_calls"]]
+                    for r in online
+                ],
+            )
         if not args.no_plots:
             files = write_plots(records, summary, plot_dir if len(runs) == 1 else plot_dir / run_id)
             _render.print_text("wrote " + ", ".join(str(f) for f in files))
     if args.json:
-        _common.write_json(args.json, next(iter(summaries.values())) if len(summaries) == 1 else {"runs": summaries})
+        _common.write_json(
+            args.json,
+            next(iter(summaries.values())) if len(summaries) == 1 else {"runs": summaries},
+        )
     return 0

@@ -4,7 +4,8 @@ All W ranks of ``--cluster`` run in this process on one device (``--device cpu``
 through the same rank programs as the distributed exchange, on one seeded routing. Prints, per
 path: bitwise equality with the first path (outputs and gradients of every rank), the max
 relative error against the dense float64 reference, host syncs per layer per rank (forward +
-backward), the wall time and the bytes the schedules send over rails and NVLink; ``--json`` writes the report (``bench.virtual_exchange``).
+backward), the wall time and the bytes the schedules send over rails and NVLink; ``--json`` writes
+the report (``bench.virtual_exchange``).
 With ``--max-tokens-per-rank C`` the layer runs in fixed-capacity mode, and each path also runs
 in the normal mode on the same inputs: the table adds bitwise equality to the normal mode and
 the normal mode's syncs and time. Exits 1 when the paths differ (from each other or, in
@@ -23,28 +24,61 @@ __all__ = ["register", "run"]
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "simulate-exchange",
-        help="run every path of one layer on an in-process virtual cluster (equality, error, syncs)",
-        description="Run dispatch + combine, forward and backward, of every path for all ranks of a "
-                    "cluster in one process on one device, with seeded routing and linear experts.",
+        help="run every path of one layer on an in-process virtual cluster (equality, error, "
+        "syncs)",
+        description="Run dispatch + combine, forward and backward, of every path for all ranks of "
+        "a "
+        "cluster in one process on one device, with seeded routing and linear experts.",
     )
     _common.add_cluster_args(parser)
-    parser.add_argument("--tokens", type=int, default=512, metavar="T", help="tokens per rank (default 512)")
-    parser.add_argument("--hidden", type=int, default=256, metavar="H", help="hidden size (default 256)")
-    parser.add_argument("--experts", type=int, default=128, metavar="E", help="routed experts (default 128)")
-    parser.add_argument("--topk", type=int, default=8, metavar="K", help="experts per token (default 8)")
-    parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="hidden dtype (default fp32)")
-    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="device (default cpu)")
+    parser.add_argument(
+        "--tokens", type=int, default=512, metavar="T", help="tokens per rank (default 512)"
+    )
+    parser.add_argument(
+        "--hidden", type=int, default=256, metavar="H", help="hidden size (default 256)"
+    )
+    parser.add_argument(
+        "--experts", type=int, default=128, metavar="E", help="routed experts (default 128)"
+    )
+    parser.add_argument(
+        "--topk", type=int, default=8, metavar="K", help="experts per token (default 8)"
+    )
+    parser.add_argument(
+        "--dtype", choices=["fp32", "bf16"], default="fp32", help="hidden dtype (default fp32)"
+    )
+    parser.add_argument(
+        "--device", choices=["cpu", "cuda"], default="cpu", help="device (default cpu)"
+    )
     parser.add_argument("--seed", type=int, default=0, help="routing and data seed (default 0)")
-    parser.add_argument("--max-tokens-per-rank", type=int, default=None, metavar="C",
-                        help="fixed-capacity mode: buffers sized for C tokens per rank, no host sync "
-                             "(C >= --tokens; default: the normal mode)")
-    parser.add_argument("--chunks", type=int, default=1, metavar="C",
-                        help="rail chunks per wave for perm / joint (default 1: whole waves)")
-    parser.add_argument("--max-error", type=float, default=None,
-                        help="fail when a relative error exceeds this (default 1e-5 for fp32, 2e-2 for bf16)")
-    parser.add_argument("--max-memory-gib", type=float, default=None, metavar="GIB",
-                        help="refuse to start when the estimated peak device memory of this run "
-                             "(lab.bench.virtual_exchange.estimate_peak_bytes) exceeds GIB (default: no limit)")
+    parser.add_argument(
+        "--max-tokens-per-rank",
+        type=int,
+        default=None,
+        metavar="C",
+        help="fixed-capacity mode: buffers sized for C tokens per rank, no host sync "
+        "(C >= --tokens; default: the normal mode)",
+    )
+    parser.add_argument(
+        "--chunks",
+        type=int,
+        default=1,
+        metavar="C",
+        help="rail chunks per wave for perm / joint (default 1: whole waves)",
+    )
+    parser.add_argument(
+        "--max-error",
+        type=float,
+        default=None,
+        help="fail when a relative error exceeds this (default 1e-5 for fp32, 2e-2 for bf16)",
+    )
+    parser.add_argument(
+        "--max-memory-gib",
+        type=float,
+        default=None,
+        metavar="GIB",
+        help="refuse to start when the estimated peak device memory of this run "
+        "(lab.bench.virtual_exchange.estimate_peak_bytes) exceeds GIB (default: no limit)",
+    )
     parser.add_argument("--json", default=None, metavar="FILE", help="write the report as JSON")
     parser.set_defaults(handler=run)
     _outputs.declare_outputs(parser, files=("json",))
@@ -56,46 +90,82 @@ def _megabytes(wire: dict[str, int]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from megatron_railwave.lab.bench.virtual_exchange import VirtualSpec, estimate_peak_bytes, simulate_exchange
+    from megatron_railwave.lab.bench.virtual_exchange import (
+        VirtualSpec,
+        estimate_peak_bytes,
+        simulate_exchange,
+    )
     from megatron_railwave.planner import PlanOptions
 
     topo = _common.cluster_from_args(args)
     capacity = args.max_tokens_per_rank
-    spec = VirtualSpec(topology=topo, tokens=args.tokens, hidden=args.hidden, experts=args.experts,
-                       topk=args.topk, dtype=args.dtype, device=args.device, seed=args.seed,
-                       max_tokens_per_rank=capacity,
-                       options=PlanOptions(chunks=args.chunks))  # a bad value raises ValueError: exit 2
+    spec = VirtualSpec(
+        topology=topo,
+        tokens=args.tokens,
+        hidden=args.hidden,
+        experts=args.experts,
+        topk=args.topk,
+        dtype=args.dtype,
+        device=args.device,
+        seed=args.seed,
+        max_tokens_per_rank=capacity,
+        options=PlanOptions(chunks=args.chunks),
+    )  # a bad value raises ValueError: exit 2
     estimate_gib = estimate_peak_bytes(spec) / 2**30
     if args.max_memory_gib is not None and estimate_gib > args.max_memory_gib:
-        raise ValueError(f"the estimated peak memory of this run is {estimate_gib:.1f} GiB, over --max-memory-gib "
-                         f"{args.max_memory_gib:g}; lower --tokens, --hidden or --max-tokens-per-rank")
+        raise ValueError(
+            f"the estimated peak memory of this run is {estimate_gib:.1f} GiB, over "
+            f"--max-memory-gib "
+            f"{args.max_memory_gib:g}; lower --tokens, --hidden or --max-tokens-per-rank"
+        )
     report = simulate_exchange(spec)
-    limit = args.max_error if args.max_error is not None else (1e-5 if args.dtype == "fp32" else 2e-2)
+    limit = (
+        args.max_error if args.max_error is not None else (1e-5 if args.dtype == "fp32" else 2e-2)
+    )
     rows = []
     for path in spec.paths:
         err = report["max_rel_error"][path]
         row = [path, "yes" if report["bitwise_equal"][path] else "NO"]
         if capacity is not None:
             row.append("yes" if report["bitwise_equal_to_normal_mode"][path] else "NO")
-        row += [f"{max(err.values()):.2e}", report["host_syncs_per_layer"][path], report["time_ms"][path],
-                _megabytes(report["wire_bytes"][path])]
+        row += [
+            f"{max(err.values()):.2e}",
+            report["host_syncs_per_layer"][path],
+            report["time_ms"][path],
+            _megabytes(report["wire_bytes"][path]),
+        ]
         if capacity is not None:
             normal = report["normal_mode"]
-            row += [normal["host_syncs_per_layer"][path], normal["time_ms"][path],
-                    _megabytes(normal["wire_bytes"][path])]
+            row += [
+                normal["host_syncs_per_layer"][path],
+                normal["time_ms"][path],
+                _megabytes(normal["wire_bytes"][path]),
+            ]
         rows.append(row)
     mode = f", fixed capacity C={capacity}" if capacity is not None else ""
     columns = ["path", f"bitwise = {report['bitwise_equal_to']}"]
     if capacity is not None:
         columns.append("bitwise = normal mode")
-    columns += ["max rel. error", "host syncs / layer / rank", "time ms (all ranks)", "MB rail / NVLink"]
+    columns += [
+        "max rel. error",
+        "host syncs / layer / rank",
+        "time ms (all ranks)",
+        "MB rail / NVLink",
+    ]
     if capacity is not None:
         columns += ["normal mode: syncs", "normal mode: time ms", "normal mode: MB rail / NVLink"]
     _render.print_table(
-        f"virtual cluster {topo.name} ({topo.num_nodes}x{topo.gpus_per_node}), T={args.tokens} H={args.hidden} "
-        f"E={args.experts} top-{args.topk} {args.dtype} on {args.device}{mode}", columns, rows)
-    peak = (f", measured peak {report['measured_peak_bytes'] / 2**30:.1f} GiB"
-            if "measured_peak_bytes" in report else "")
+        f"virtual cluster {topo.name} ({topo.num_nodes}x{topo.gpus_per_node}), T={args.tokens} "
+        f"H={args.hidden} "
+        f"E={args.experts} top-{args.topk} {args.dtype} on {args.device}{mode}",
+        columns,
+        rows,
+    )
+    peak = (
+        f", measured peak {report['measured_peak_bytes'] / 2**30:.1f} GiB"
+        if "measured_peak_bytes" in report
+        else ""
+    )
     _render.print_text(f"estimated peak memory {estimate_gib:.1f} GiB{peak}")
     worst = max(max(e.values()) for e in report["max_rel_error"].values())
     report["max_error_limit"] = limit
@@ -103,7 +173,9 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         _common.write_json(args.json, report)
     if not report["ok"]:
-        _render.print_text(f"FAILED: bitwise equal: {report['all_bitwise_equal']}, worst error {worst:.3g} "
-                           f"(limit {limit:g})")
+        _render.print_text(
+            f"FAILED: bitwise equal: {report['all_bitwise_equal']}, worst error {worst:.3g} "
+            f"(limit {limit:g})"
+        )
         return 1
     return 0

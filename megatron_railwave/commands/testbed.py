@@ -1,4 +1,5 @@
-"""``railwave testbed up|run|down``: the real exchange on an emulated rail cluster (network namespaces).
+"""``railwave testbed up|run|down``: the real exchange on an emulated rail cluster (network
+namespaces).
 
 Letters: N nodes, G GPUs per node (= rails), T tokens per rank, H hidden size.
 
@@ -32,13 +33,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "testbed",
         help="emulated rail cluster (network namespaces): up, run the exchange study, down",
-        description="Bring up an emulated rail cluster, run the exchange study and fault test on it, take it down.",
+        description="Bring up an emulated rail cluster, run the exchange study and fault test on "
+        "it, take it down.",
     )
     sub = parser.add_subparsers(dest="testbed_command", metavar="ACTION", required=True)
 
     up = sub.add_parser("up", help="bring up a testbed that stays up (saved under --state-dir)")
     _add_spec_args(up)
-    up.add_argument("--state-dir", default=_DEFAULT_STATE_DIR, help=f"where specs are saved (default {_DEFAULT_STATE_DIR})")
+    up.add_argument(
+        "--state-dir",
+        default=_DEFAULT_STATE_DIR,
+        help=f"where specs are saved (default {_DEFAULT_STATE_DIR})",
+    )
     up.set_defaults(handler=_up)
     _outputs.declare_outputs(up, dirs=("state_dir",))
 
@@ -47,52 +53,135 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     down.add_argument("--state-dir", default=_DEFAULT_STATE_DIR)
     down.set_defaults(handler=_down)
 
-    run = sub.add_parser("run", help="measure NATIVE/RAIL/PERM/JOINT on replay workloads, plus the rail fault")
-    run.add_argument("--name", default=None, help="run on this testbed (from `up`); default: a temporary one")
+    run = sub.add_parser(
+        "run", help="measure NATIVE/RAIL/PERM/JOINT on replay workloads, plus the rail fault"
+    )
+    run.add_argument(
+        "--name", default=None, help="run on this testbed (from `up`); default: a temporary one"
+    )
     run.add_argument("--state-dir", default=_DEFAULT_STATE_DIR)
     _add_spec_args(run)
-    run.add_argument("--patterns", default="ring,moderate,extreme", help="sending arrangements (default all three)")
-    run.add_argument("--rails", default="balanced,skewed", help="replayed layer: balanced and/or skewed rails")
-    run.add_argument("--paths", default=",".join(map(str, ROUTES)), help="paths to measure (default all)")
-    run.add_argument("--tokens", type=int, default=64, metavar="T", help="tokens per rank (default 64)")
-    run.add_argument("--hidden", type=int, default=4096, metavar="H", help="hidden size (default 4096, GLM-4.5-Air)")
+    run.add_argument(
+        "--patterns",
+        default="ring,moderate,extreme",
+        help="sending arrangements (default all three)",
+    )
+    run.add_argument(
+        "--rails", default="balanced,skewed", help="replayed layer: balanced and/or skewed rails"
+    )
+    run.add_argument(
+        "--paths", default=",".join(map(str, ROUTES)), help="paths to measure (default all)"
+    )
+    run.add_argument(
+        "--tokens", type=int, default=64, metavar="T", help="tokens per rank (default 64)"
+    )
+    run.add_argument(
+        "--hidden",
+        type=int,
+        default=4096,
+        metavar="H",
+        help="hidden size (default 4096, GLM-4.5-Air)",
+    )
     run.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     run.add_argument("--seed", type=int, default=0, help="GLM-4.5-Air routing seed (default 0)")
-    run.add_argument("--balanced-layer", type=int, default=None, help="MoE layer for 'balanced' (default: lowest skew)")
-    run.add_argument("--skewed-layer", type=int, default=None, help="MoE layer for 'skewed' (default: highest skew)")
-    run.add_argument("--arrange-mode", default="even", choices=["even", "relabel"],
-                     help="how workloads.arrange_topk_ids moves records onto the windows (default even)")
-    run.add_argument("--warmup", type=int, default=2, help="untimed rounds per workload (default 2)")
-    run.add_argument("--samples", type=int, default=10, help="timed rounds per workload (default 10)")
-    run.add_argument("--no-recv-first", action="store_true",
-                     help="post sends before receives as the exchange does (gloo then runs pairs half-duplex)")
-    run.add_argument("--fault", choices=["on", "off", "only"], default="on",
-                     help="mid-run rail failure experiment after the study (default on)")
-    run.add_argument("--fail-rail", type=_common.parse_failed_rail, default=(1, 1), metavar="NODE:RAIL",
-                     help="NIC taken down by the fault experiment (default 1:1)")
-    run.add_argument("--exchange-timeout-s", type=float, default=5.0,
-                     help="TorchDistExchange timeout of the run that does not know the rail failed (default 5)")
-    run.add_argument("--incast", action="store_true", help="also measure k-to-1 goodput into one port (k = 1..N-1)")
+    run.add_argument(
+        "--balanced-layer",
+        type=int,
+        default=None,
+        help="MoE layer for 'balanced' (default: lowest skew)",
+    )
+    run.add_argument(
+        "--skewed-layer",
+        type=int,
+        default=None,
+        help="MoE layer for 'skewed' (default: highest skew)",
+    )
+    run.add_argument(
+        "--arrange-mode",
+        default="even",
+        choices=["even", "relabel"],
+        help="how workloads.arrange_topk_ids moves records onto the windows (default even)",
+    )
+    run.add_argument(
+        "--warmup", type=int, default=2, help="untimed rounds per workload (default 2)"
+    )
+    run.add_argument(
+        "--samples", type=int, default=10, help="timed rounds per workload (default 10)"
+    )
+    run.add_argument(
+        "--no-recv-first",
+        action="store_true",
+        help="post sends before receives as the exchange does (gloo then runs pairs half-duplex)",
+    )
+    run.add_argument(
+        "--fault",
+        choices=["on", "off", "only"],
+        default="on",
+        help="mid-run rail failure experiment after the study (default on)",
+    )
+    run.add_argument(
+        "--fail-rail",
+        type=_common.parse_failed_rail,
+        default=(1, 1),
+        metavar="NODE:RAIL",
+        help="NIC taken down by the fault experiment (default 1:1)",
+    )
+    run.add_argument(
+        "--exchange-timeout-s",
+        type=float,
+        default=5.0,
+        help="TorchDistExchange timeout of the run that does not know the rail failed (default 5)",
+    )
+    run.add_argument(
+        "--incast",
+        action="store_true",
+        help="also measure k-to-1 goodput into one port (k = 1..N-1)",
+    )
     run.add_argument("--json", default=None, metavar="FILE", help="write all results as JSON")
     run.set_defaults(handler=_run)
     _outputs.declare_outputs(run, files=("json",))
 
-    online = sub.add_parser("online", help="the online path selector over training steps against each fixed path "
-                                           "(issue 33, goal 2)")
-    online.add_argument("--name", default=None, help="run on this testbed (from `up`); default: a temporary one")
+    online = sub.add_parser(
+        "online",
+        help="the online path selector over training steps against each fixed path "
+        "(issue 33, goal 2)",
+    )
+    online.add_argument(
+        "--name", default=None, help="run on this testbed (from `up`); default: a temporary one"
+    )
     online.add_argument("--state-dir", default=_DEFAULT_STATE_DIR)
     _add_spec_args(online)
-    online.add_argument("--patterns", default="extreme", help="sending arrangements of the layers (default extreme)")
-    online.add_argument("--rails", default="balanced,skewed", help="layers: balanced and/or skewed rails (default both)")
-    online.add_argument("--paths", default=",".join(map(str, ROUTES)), help="fixed paths run next to the online "
-                                                                          "selector (default all four)")
+    online.add_argument(
+        "--patterns", default="extreme", help="sending arrangements of the layers (default extreme)"
+    )
+    online.add_argument(
+        "--rails",
+        default="balanced,skewed",
+        help="layers: balanced and/or skewed rails (default both)",
+    )
+    online.add_argument(
+        "--paths",
+        default=",".join(map(str, ROUTES)),
+        help="fixed paths run next to the online selector (default all four)",
+    )
     online.add_argument("--steps", type=int, default=40, help="training steps (default 40)")
-    online.add_argument("--tokens", type=int, default=64, metavar="T", help="tokens per rank (default 64)")
-    online.add_argument("--hidden", type=int, default=1024, metavar="H", help="hidden size (default 1024)")
+    online.add_argument(
+        "--tokens", type=int, default=64, metavar="T", help="tokens per rank (default 64)"
+    )
+    online.add_argument(
+        "--hidden", type=int, default=1024, metavar="H", help="hidden size (default 1024)"
+    )
     online.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     online.add_argument("--seed", type=int, default=0, help="GLM-4.5-Air routing seed (default 0)")
-    online.add_argument("--warmup", type=int, default=2, help="untimed rounds of every fixed path first (default 2)")
-    online.add_argument("--timeout", type=float, default=1800.0, help="limit of the worker run in seconds (default 1800)")
+    online.add_argument(
+        "--warmup", type=int, default=2, help="untimed rounds of every fixed path first (default 2)"
+    )
+    online.add_argument(
+        "--timeout",
+        type=float,
+        default=1800.0,
+        help="limit of the worker run in seconds (default 1800)",
+    )
     online.add_argument("--json", default=None, metavar="FILE", help="write all results as JSON")
     online.set_defaults(handler=_online)
     _outputs.declare_outputs(online, files=("json",))
@@ -100,26 +189,52 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def _add_spec_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nodes", type=int, default=4, help="N (default 4)")
-    parser.add_argument("--gpus-per-node", type=int, default=4, help="G = rails per node (default 4)")
-    parser.add_argument("--rail-mbit", type=float, default=10.0,
-                        help="rate of every NIC, Mbit/s (default 10: the workers stay under half of two cores)")
-    parser.add_argument("--mtu", type=int, default=4096, help="rail MTU in bytes (default 4096, as RoCE)")
-    parser.add_argument("--port-buffer-bytes", type=int, default=32768,
-                        help="receiver-facing switch port queue (default 32768 = 8 packets of 4 KiB)")
-    parser.add_argument("--rto-min-ms", type=int, default=50, help="TCP minimum RTO on the rails (default 50)")
-    parser.add_argument("--sender-queue-bytes", type=int, default=32768,
-                        help="bytes a TCP socket may queue on its NIC (tcp_limit_output_bytes; default 32768; "
-                             "0 = kernel default 4 MiB)")
-    parser.add_argument("--prefix", default="rwb", help="name prefix, 1-4 lowercase chars (default rwb)")
+    parser.add_argument(
+        "--gpus-per-node", type=int, default=4, help="G = rails per node (default 4)"
+    )
+    parser.add_argument(
+        "--rail-mbit",
+        type=float,
+        default=10.0,
+        help="rate of every NIC, Mbit/s (default 10: the workers stay under half of two cores)",
+    )
+    parser.add_argument(
+        "--mtu", type=int, default=4096, help="rail MTU in bytes (default 4096, as RoCE)"
+    )
+    parser.add_argument(
+        "--port-buffer-bytes",
+        type=int,
+        default=32768,
+        help="receiver-facing switch port queue (default 32768 = 8 packets of 4 KiB)",
+    )
+    parser.add_argument(
+        "--rto-min-ms", type=int, default=50, help="TCP minimum RTO on the rails (default 50)"
+    )
+    parser.add_argument(
+        "--sender-queue-bytes",
+        type=int,
+        default=32768,
+        help="bytes a TCP socket may queue on its NIC (tcp_limit_output_bytes; default 32768; "
+        "0 = kernel default 4 MiB)",
+    )
+    parser.add_argument(
+        "--prefix", default="rwb", help="name prefix, 1-4 lowercase chars (default rwb)"
+    )
 
 
 def _spec_from_args(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     from megatron_railwave.lab.testbed import TestbedSpec
 
-    return TestbedSpec(nodes=args.nodes, gpus_per_node=args.gpus_per_node, rail_mbit=args.rail_mbit,
-                       mtu=args.mtu, port_buffer_bytes=args.port_buffer_bytes, rto_min_ms=args.rto_min_ms,
-                       sender_queue_bytes=args.sender_queue_bytes or None,
-                       prefix=args.prefix)
+    return TestbedSpec(
+        nodes=args.nodes,
+        gpus_per_node=args.gpus_per_node,
+        rail_mbit=args.rail_mbit,
+        mtu=args.mtu,
+        port_buffer_bytes=args.port_buffer_bytes,
+        rto_min_ms=args.rto_min_ms,
+        sender_queue_bytes=args.sender_queue_bytes or None,
+        prefix=args.prefix,
+    )
 
 
 def _state_path(state_dir: str, name: str) -> Path:
@@ -136,9 +251,11 @@ def _up(args: argparse.Namespace) -> int:
     path = _state_path(args.state_dir, spec.name)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(asdict(spec)))
-    _render.print_text(f"testbed {spec.name} is up ({spec.nodes} nodes x {spec.gpus_per_node} rails, "
-                       f"{spec.rail_mbit:g} Mbit/s); run: railwave testbed run --name {spec.name}; "
-                       f"remove: railwave testbed down {spec.name}")
+    _render.print_text(
+        f"testbed {spec.name} is up ({spec.nodes} nodes x {spec.gpus_per_node} rails, "
+        f"{spec.rail_mbit:g} Mbit/s); run: railwave testbed run --name {spec.name}; "
+        f"remove: railwave testbed down {spec.name}"
+    )
     return 0
 
 
@@ -148,7 +265,11 @@ def _down(args: argparse.Namespace) -> int:
     for name in args.names:
         removed = down(name + "-")  # the trailing dash keeps other testbeds sharing the prefix
         _state_path(args.state_dir, name).unlink(missing_ok=True)
-        _render.print_text(f"{name}: removed {len(removed)} namespace(s)" if removed else f"{name}: nothing to remove")
+        _render.print_text(
+            f"{name}: removed {len(removed)} namespace(s)"
+            if removed
+            else f"{name}: nothing to remove"
+        )
     return 0
 
 
@@ -157,7 +278,10 @@ def _load_spec(args: argparse.Namespace):  # type: ignore[no-untyped-def]
 
     path = _state_path(args.state_dir, args.name)
     if not path.exists():
-        raise ValueError(f"--name {args.name!r}: no saved testbed at {path}; bring one up with `railwave testbed up`")
+        raise ValueError(
+            f"--name {args.name!r}: no saved testbed at {path}; bring one up with `railwave "
+            f"testbed up`"
+        )
     return TestbedSpec(**json.loads(path.read_text()))
 
 
@@ -167,39 +291,73 @@ def _split(text: str) -> tuple[str, ...]:
 
 def _run(args: argparse.Namespace) -> int:
     from megatron_railwave.lab.testbed import check_prerequisites, down, up
-    from megatron_railwave.lab.testbed.experiment import FaultConfig, StudyConfig, goals, incast_sweep, run_fault, run_study
+    from megatron_railwave.lab.testbed.experiment import (
+        FaultConfig,
+        StudyConfig,
+        goals,
+        incast_sweep,
+        run_fault,
+        run_study,
+    )
 
     temporary = args.name is None
     spec = _spec_from_args(args) if temporary else _load_spec(args)
     if spec.nodes < 2:
-        raise ValueError(f"the testbed study needs at least 2 nodes (got {spec.nodes}): it measures traffic "
-                         "between nodes over the rails, and one node has none; use --nodes 2 or more")
+        raise ValueError(
+            f"the testbed study needs at least 2 nodes (got {spec.nodes}): it measures traffic "
+            "between nodes over the rails, and one node has none; use --nodes 2 or more"
+        )
     reason = check_prerequisites()
     if reason is not None:
         raise ValueError(reason)
-    study_cfg = StudyConfig(patterns=_split(args.patterns), rails=_split(args.rails), paths=_split(args.paths),
-                            tokens=args.tokens, hidden=args.hidden, dtype=args.dtype, warmup=args.warmup,
-                            samples=args.samples, seed=args.seed, balanced_layer=args.balanced_layer,
-                            skewed_layer=args.skewed_layer, arrange_mode=args.arrange_mode,
-                            recv_first=not args.no_recv_first)
-    fault_cfg = FaultConfig(fail=tuple(args.fail_rail), exchange_timeout_s=args.exchange_timeout_s,
-                            pattern="ring", rails="skewed", tokens=args.tokens, hidden=args.hidden,
-                            dtype=args.dtype, seed=args.seed, recv_first=not args.no_recv_first)
-    out: dict[str, Any] = {"command": "testbed run", "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
-                           "loadavg_start": os.getloadavg()}
+    study_cfg = StudyConfig(
+        patterns=_split(args.patterns),
+        rails=_split(args.rails),
+        paths=_split(args.paths),
+        tokens=args.tokens,
+        hidden=args.hidden,
+        dtype=args.dtype,
+        warmup=args.warmup,
+        samples=args.samples,
+        seed=args.seed,
+        balanced_layer=args.balanced_layer,
+        skewed_layer=args.skewed_layer,
+        arrange_mode=args.arrange_mode,
+        recv_first=not args.no_recv_first,
+    )
+    fault_cfg = FaultConfig(
+        fail=tuple(args.fail_rail),
+        exchange_timeout_s=args.exchange_timeout_s,
+        pattern="ring",
+        rails="skewed",
+        tokens=args.tokens,
+        hidden=args.hidden,
+        dtype=args.dtype,
+        seed=args.seed,
+        recv_first=not args.no_recv_first,
+    )
+    out: dict[str, Any] = {
+        "command": "testbed run",
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "loadavg_start": os.getloadavg(),
+    }
     if temporary:
         up(spec)
     try:
         if args.incast:
             # 80 ms of line rate per sender, at least 1 MiB.
             nbytes = max(1 << 20, int(spec.rail_mbit * 1e6 / 8 * 0.08))
-            out["incast"] = incast_sweep(spec, tuple(range(1, spec.nodes)), nbytes=nbytes, repeats=5)
+            out["incast"] = incast_sweep(
+                spec, tuple(range(1, spec.nodes)), nbytes=nbytes, repeats=5
+            )
             _print_incast(out["incast"], spec)
         if args.fault != "only":
             out["study"] = run_study(spec, study_cfg)
             _print_study(out["study"])
             out["model_comparison"] = _model_comparison(out["study"], out.get("incast"))
-            out["study"]["goals"] = goals(out["study"]["workloads"], out["model_comparison"].get(_PRIMARY_FIT))
+            out["study"]["goals"] = goals(
+                out["study"]["workloads"], out["model_comparison"].get(_PRIMARY_FIT)
+            )
             _print_goals(out["study"]["goals"])
         if args.fault != "off":
             out["fault"] = run_fault(spec, fault_cfg)
@@ -208,8 +366,10 @@ def _run(args: argparse.Namespace) -> int:
         if temporary:
             down(spec)
     out["loadavg_end"] = os.getloadavg()
-    _render.print_text("load average (1, 5, 15 min) at start {:.1f} {:.1f} {:.1f}, at end {:.1f} {:.1f} {:.1f}".format(
-        *out["loadavg_start"], *out["loadavg_end"]))
+    _render.print_text(
+        "load average (1, 5, 15 min) at start {:.1f} {:.1f} {:.1f}, at end {:.1f} {:.1f} "
+        "{:.1f}".format(*out["loadavg_start"], *out["loadavg_end"])
+    )
     if args.json:
         _common.write_json(args.json, out)
         _render.print_text(f"wrote {args.json}")
@@ -223,13 +383,25 @@ def _online(args: argparse.Namespace) -> int:
     temporary = args.name is None
     spec = _spec_from_args(args) if temporary else _load_spec(args)
     if spec.nodes < 2:
-        raise ValueError(f"the online run needs at least 2 nodes (got {spec.nodes}); use --nodes 2 or more")
-    cfg = StudyConfig(patterns=_split(args.patterns), rails=_split(args.rails), paths=_split(args.paths),
-                      tokens=args.tokens, hidden=args.hidden, dtype=args.dtype, seed=args.seed,
-                      warmup=args.warmup, timeout_s=args.timeout)
+        raise ValueError(
+            f"the online run needs at least 2 nodes (got {spec.nodes}); use --nodes 2 or more"
+        )
+    cfg = StudyConfig(
+        patterns=_split(args.patterns),
+        rails=_split(args.rails),
+        paths=_split(args.paths),
+        tokens=args.tokens,
+        hidden=args.hidden,
+        dtype=args.dtype,
+        seed=args.seed,
+        warmup=args.warmup,
+        timeout_s=args.timeout,
+    )
     if "native" not in cfg.paths or args.steps < 1:
-        raise ValueError(f"--paths must include native (the balanced layers' reference; got {args.paths!r}) and "
-                         f"--steps must be >= 1 (got {args.steps})")
+        raise ValueError(
+            f"--paths must include native (the balanced layers' reference; got {args.paths!r}) and "
+            f"--steps must be >= 1 (got {args.steps})"
+        )
     reason = check_prerequisites()
     if reason is not None:
         raise ValueError(reason)
@@ -244,20 +416,32 @@ def _online(args: argparse.Namespace) -> int:
     for name, lay in out["layers"].items():
         t = lay["totals_s"]
         _render.print_text(
-            f"{name} (layer {lay['layer']}, rho_g {lay['native_demand_stats']['rho_g']:.2f}): online {t['online']:.3f} s "
-            f"= {lay['online_over_oracle']:.4f}x its oracle ({lay['oracle_path']}, {lay['oracle_s']:.3f} s); "
+            f"{name} (layer {lay['layer']}, rho_g {lay['native_demand_stats']['rho_g']:.2f}): "
+            f"online {t['online']:.3f} s "
+            f"= {lay['online_over_oracle']:.4f}x its oracle ({lay['oracle_path']}, "
+            f"{lay['oracle_s']:.3f} s); "
             + ", ".join(f"{p} {t[p]:.3f} s" for p in args.paths.split(","))
-            + f"; {lay['probe_calls']} probe calls of {out['steps']}; last path {lay['path_per_step'][-1]}")
+            + f"; {lay['probe_calls']} probe calls of {out['steps']}; last path "
+            f"{lay['path_per_step'][-1]}"
+        )
     g = s["goals"]
     _render.print_text(
-        f"total over {len(out['layers'])} layers x {out['steps']} steps: online {s['online_s']:.3f} s = "
+        f"total over {len(out['layers'])} layers x {out['steps']} steps: online "
+        f"{s['online_s']:.3f} s = "
         f"{s['online_over_oracle']:.4f}x the per-layer oracle ({s['per_layer_oracle_s']:.3f} s); "
-        + ", ".join(f"always-{p.upper()} {s[f'always_{p}_over_oracle']:.4f}x" for p in args.paths.split(","))
-        + f"; goals: <= 1.05x oracle {'MET' if g['within_1.05x_oracle'] else 'MISSED'}, balanced layers <= 1.03x "
-        f"NATIVE {dict({True: 'MET', False: 'MISSED', None: 'n/a'})[g['balanced_within_1.03x_native']]} "
-        f"({', '.join(f'{k} {v:.4f}x' for k, v in s['balanced_online_over_native'].items())}); ranks decide the "
-        f"same: {s['ranks_decide_the_same']}; every policy bitwise equal: {s['all_policies_bitwise_equal']}; "
-        f"wall {out['run_wall_s']:.0f} s")
+        + ", ".join(
+            f"always-{p.upper()} {s[f'always_{p}_over_oracle']:.4f}x" for p in args.paths.split(",")
+        )
+        + f"; goals: <= 1.05x oracle {'MET' if g['within_1.05x_oracle'] else 'MISSED'}, balanced "
+        f"layers <= 1.03x "
+        f"NATIVE "
+        f"{dict({True: 'MET', False: 'MISSED', None: 'n/a'})[g['balanced_within_1.03x_native']]} "
+        f"({', '.join(f'{k} {v:.4f}x' for k, v in s['balanced_online_over_native'].items())}); "
+        f"ranks decide the "
+        f"same: {s['ranks_decide_the_same']}; every policy bitwise equal: "
+        f"{s['all_policies_bitwise_equal']}; "
+        f"wall {out['run_wall_s']:.0f} s"
+    )
     if args.json:
         _common.write_json(args.json, out)
         _render.print_text(f"wrote {args.json}")
@@ -270,20 +454,36 @@ def _model_comparison(study: dict[str, Any], incast: list[dict[str, Any]] | None
     try:
         from megatron_railwave.lab.testbed.model_compare import compare_with_netmodel
 
-        res = {fit: compare_with_netmodel(study, incast=incast, fit_param=fit)
-               for fit in (_PRIMARY_FIT, "rail_rate")}
+        res = {
+            fit: compare_with_netmodel(study, incast=incast, fit_param=fit)
+            for fit in (_PRIMARY_FIT, "rail_rate")
+        }
     except ImportError as exc:
         return {"unavailable": f"flow model not importable ({exc}); compare later from this JSON"}
     for fit, r in res.items():
-        _render.print_text(f"flow model, {fit} fitted on {r['model']['fitted_on']} = {r['model']['fitted_value']}: "
-                           f"{r['within_25pct_comm']}/{r['cases']} within 25% of the measured P50 "
-                           f"(max error {r['max_abs_rel_error_comm']:.2f})")
+        _render.print_text(
+            f"flow model, {fit} fitted on {r['model']['fitted_on']} = "
+            f"{r['model']['fitted_value']}: "
+            f"{r['within_25pct_comm']}/{r['cases']} within 25% of the measured P50 "
+            f"(max error {r['max_abs_rel_error_comm']:.2f})"
+        )
     primary = res[_PRIMARY_FIT]
     _render.print_table(
         f"flow model ({_PRIMARY_FIT} fitted) against the slowest rank's dispatch + combine P50",
         ["workload", "path", "measured ms", "model ms", "error", "unfitted ms", "error unfitted"],
-        [[r["workload"], r["path"], r["measured_comm_p50_s"] * 1e3, r["model_s"] * 1e3, r["rel_error_comm"],
-          r["model_unfitted_s"] * 1e3, r["rel_error_comm_unfitted"]] for r in primary["rows"]])
+        [
+            [
+                r["workload"],
+                r["path"],
+                r["measured_comm_p50_s"] * 1e3,
+                r["model_s"] * 1e3,
+                r["rel_error_comm"],
+                r["model_unfitted_s"] * 1e3,
+                r["rel_error_comm_unfitted"],
+            ]
+            for r in primary["rows"]
+        ],
+    )
     return res
 
 
@@ -293,17 +493,32 @@ def _print_goals(result: dict[str, Any]) -> None:
         detail = {k: v for k, v in g.items() if k not in ("met", "cases")}
         if "cases" in g and isinstance(g["cases"], list):
             detail["worst_dev"] = max((c["dev"] for c in g["cases"]), default=None)
-        rows.append([name, {True: "met", False: "MISSED", None: "n/a"}[g["met"]],
-                     json.dumps(detail, default=float)[:160]])
+        rows.append(
+            [
+                name,
+                {True: "met", False: "MISSED", None: "n/a"}[g["met"]],
+                json.dumps(detail, default=float)[:160],
+            ]
+        )
     _render.print_table("goals", ["goal", "status", "numbers"], rows)
 
 
 def _print_incast(rows: list[dict[str, Any]], spec: Any) -> None:
     _render.print_table(
-        f"k-to-1 goodput into one {spec.rail_mbit:g} Mbit/s port (buffer {spec.port_buffer_bytes} B, MTU {spec.mtu}, "
+        f"k-to-1 goodput into one {spec.rail_mbit:g} Mbit/s port (buffer {spec.port_buffer_bytes} "
+        f"B, MTU {spec.mtu}, "
         f"rto_min {spec.rto_min_ms} ms)",
         ["k", "median s", "goodput / rate", "times s"],
-        [[r["fan_in"], r["median_s"], r["goodput_over_rate"], " ".join(f"{t:.3f}" for t in r["times_s"])] for r in rows])
+        [
+            [
+                r["fan_in"],
+                r["median_s"],
+                r["goodput_over_rate"],
+                " ".join(f"{t:.3f}" for t in r["times_s"]),
+            ]
+            for r in rows
+        ],
+    )
 
 
 def _print_study(study: dict[str, Any]) -> None:
@@ -311,26 +526,61 @@ def _print_study(study: dict[str, Any]) -> None:
         rows = []
         for path, d in wl["paths"].items():
             s = d["slowest_s"]
-            rows.append([path, s["p50"] * 1e3, s["p95"] * 1e3, d["comm_slowest_s"]["p50"] * 1e3,
-                         d["planning_slowest_s"]["p50"] * 1e3,
-                         d["port_bound_s"] * 1e3, d["speedup_vs_native"]["p50"], d["bound_speedup_vs_native"],
-                         d["speedup_over_bound_speedup"], d["worker_cpu_over_wall"]["p50"],
-                         " ".join(f"{v:.2f}" for node in d["nic_shares"]["share_NR"] for v in node),
-                         d["nic_shares"]["max_dev_from_node_mean"]])
+            rows.append(
+                [
+                    path,
+                    s["p50"] * 1e3,
+                    s["p95"] * 1e3,
+                    d["comm_slowest_s"]["p50"] * 1e3,
+                    d["planning_slowest_s"]["p50"] * 1e3,
+                    d["port_bound_s"] * 1e3,
+                    d["speedup_vs_native"]["p50"],
+                    d["bound_speedup_vs_native"],
+                    d["speedup_over_bound_speedup"],
+                    d["worker_cpu_over_wall"]["p50"],
+                    " ".join(f"{v:.2f}" for node in d["nic_shares"]["share_NR"] for v in node),
+                    d["nic_shares"]["max_dev_from_node_mean"],
+                ]
+            )
         _render.print_table(
-            f"{name} (layer {wl['layer']}, rho_g {wl['native_demand_stats']['rho_g']:.2f}, peak fan-in "
+            f"{name} (layer {wl['layer']}, rho_g {wl['native_demand_stats']['rho_g']:.2f}, peak "
+            f"fan-in "
             f"{wl['peak_fanin']}, bitwise equal: {wl['all_paths_bitwise_equal']})",
-            ["path", "P50 ms", "P95 ms", "comm P50 ms", "plan P50 ms", "port bound ms",
-             "x NATIVE P50", "bound x NATIVE", "x / bound x", "CPU/wall", "NIC shares (per node)", "max dev"], rows)
-    _render.print_text(f"machine CPU busy {study['machine_cpu_busy_fraction']:.2f} over {study['run_wall_s']:.0f} s")
+            [
+                "path",
+                "P50 ms",
+                "P95 ms",
+                "comm P50 ms",
+                "plan P50 ms",
+                "port bound ms",
+                "x NATIVE P50",
+                "bound x NATIVE",
+                "x / bound x",
+                "CPU/wall",
+                "NIC shares (per node)",
+                "max dev",
+            ],
+            rows,
+        )
+    _render.print_text(
+        f"machine CPU busy {study['machine_cpu_busy_fraction']:.2f} over "
+        f"{study['run_wall_s']:.0f} s"
+    )
 
 
 def _print_fault(fault: dict[str, Any]) -> None:
     aware = fault["aware"]
     _render.print_text(
-        f"fault (rail {fault['config']['fail']}): healthy paths bitwise equal {fault['healthy_paths_bitwise_equal']}; "
-        f"after the failure, with it in the topology: all equal to healthy NATIVE {aware['all_equal_to_healthy_native']}, "
-        f"failed NIC bytes {aware['failed_nic_bytes']}; without it: raised {fault['unaware']['raised']}, names the "
-        f"rail {fault['unaware']['names_failed_rail']}")
+        f"fault (rail {fault['config']['fail']}): healthy paths bitwise equal "
+        f"{fault['healthy_paths_bitwise_equal']}; "
+        f"after the failure, with it in the topology: all equal to healthy NATIVE "
+        f"{aware['all_equal_to_healthy_native']}, "
+        f"failed NIC bytes {aware['failed_nic_bytes']}; without it: raised "
+        f"{fault['unaware']['raised']}, names the "
+        f"rail {fault['unaware']['names_failed_rail']}"
+    )
     for err in fault["unaware"]["errors"][:3]:
-        _render.print_text(f"  rank {err['rank']} {err['type']} after {err['after_s']:.1f} s: {err['message'][:200]}")
+        _render.print_text(
+            f"  rank {err['rank']} {err['type']} after {err['after_s']:.1f} s: "
+            f"{err['message'][:200]}"
+        )

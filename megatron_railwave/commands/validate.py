@@ -41,7 +41,12 @@ import time
 from typing import Any
 
 from megatron_railwave.commands import _common, _outputs, _render
-from megatron_railwave.commands.calibrate import _layers, add_measure_args, check_measure_args, load_model
+from megatron_railwave.commands.calibrate import (
+    _layers,
+    add_measure_args,
+    check_measure_args,
+    load_model,
+)
 
 __all__ = ["register", "run", "bench_selector"]
 
@@ -50,32 +55,74 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "validate",
         help="check the calibrated selector on unseen requests (or --bench its cost)",
-        description="Select a path with the anchors for requests not used for calibration, time all "
-                    "four paths and report the selected path against JOINT and the best fixed path.",
+        description="Select a path with the anchors for requests not used for calibration, time "
+        "all "
+        "four paths and report the selected path against JOINT and the best fixed path.",
     )
-    parser.add_argument("--anchors", required=True, metavar="YAML", help="anchors file (railwave calibrate)")
-    parser.add_argument("--cluster", default=None, metavar="YAML",
-                        help="cluster file or preset (default: the anchors file's topology)")
+    parser.add_argument(
+        "--anchors", required=True, metavar="YAML", help="anchors file (railwave calibrate)"
+    )
+    parser.add_argument(
+        "--cluster",
+        default=None,
+        metavar="YAML",
+        help="cluster file or preset (default: the anchors file's topology)",
+    )
     add_measure_args(parser, backend_required=False)
-    parser.add_argument("--requests", type=int, default=None, metavar="K",
-                        help="glm: keep the first K held-out layers; synthetic: K held-out families "
-                             "(default: all held-out layers / as many families as calibration)")
-    parser.add_argument("--layers", type=_layers, default=None, metavar="L,L",
-                        help="glm: held-out layer numbers (default: every layer calibration did not use)")
-    parser.add_argument("--seed", type=int, default=1000,
-                        help="glm workload seed / first synthetic family of the held-out requests; must "
-                             "differ from calibration's (default 1000)")
-    parser.add_argument("--require-goals", action="store_true", help="exit 1 when a validation goal is missed")
-    parser.add_argument("--payload-ratio", type=float, default=None,
-                        help="selector payload ratio (default: the anchors file's context.settings.selector, else 1.25)")
-    parser.add_argument("--shape-distance", type=float, default=None,
-                        help="selector shape distance (default: the anchors file's context.settings.selector, else 0.02)")
-    parser.add_argument("--bench", action="store_true",
-                        help="print the selector decision cost per layer (no backend needed)")
-    parser.add_argument("--rule", choices=("anchors", "model"), default=None,
-                        help="decide with the nearest-anchor rule or the file's path model (default: what the "
-                             "runtime uses: the model when the file records one, else the anchors)")
-    parser.add_argument("--json", default=None, metavar="FILE", help="write the per-request table and summary")
+    parser.add_argument(
+        "--requests",
+        type=int,
+        default=None,
+        metavar="K",
+        help="glm: keep the first K held-out layers; synthetic: K held-out families "
+        "(default: all held-out layers / as many families as calibration)",
+    )
+    parser.add_argument(
+        "--layers",
+        type=_layers,
+        default=None,
+        metavar="L,L",
+        help="glm: held-out layer numbers (default: every layer calibration did not use)",
+    )
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=1000,
+        help="glm workload seed / first synthetic family of the held-out requests; must "
+        "differ from calibration's (default 1000)",
+    )
+    parser.add_argument(
+        "--require-goals", action="store_true", help="exit 1 when a validation goal is missed"
+    )
+    parser.add_argument(
+        "--payload-ratio",
+        type=float,
+        default=None,
+        help="selector payload ratio (default: the anchors file's context.settings.selector, else "
+        "1.25)",
+    )
+    parser.add_argument(
+        "--shape-distance",
+        type=float,
+        default=None,
+        help="selector shape distance (default: the anchors file's context.settings.selector, "
+        "else 0.02)",
+    )
+    parser.add_argument(
+        "--bench",
+        action="store_true",
+        help="print the selector decision cost per layer (no backend needed)",
+    )
+    parser.add_argument(
+        "--rule",
+        choices=("anchors", "model"),
+        default=None,
+        help="decide with the nearest-anchor rule or the file's path model (default: what the "
+        "runtime uses: the model when the file records one, else the anchors)",
+    )
+    parser.add_argument(
+        "--json", default=None, metavar="FILE", help="write the per-request table and summary"
+    )
     parser.set_defaults(handler=run)
     _outputs.declare_outputs(parser, files=("json",))
 
@@ -84,7 +131,10 @@ def _describe_gates(model: Any) -> str:
     """The path model's payload gates in words (``RailJointModel.gate``), "" without any."""
     from megatron_railwave.traffic import MiB
 
-    gates = {kind: model.gate(input_windows=windows) for kind, windows in (("all pairs", 1), ("windowed", 2))}
+    gates = {
+        kind: model.gate(input_windows=windows)
+        for kind, windows in (("all pairs", 1), ("windowed", 2))
+    }
     if all(g is None for g in gates.values()):
         return ""
     mib = {kind: "none" if g is None else f"{g / MiB:.2f} MiB" for kind, g in gates.items()}
@@ -93,8 +143,9 @@ def _describe_gates(model: Any) -> str:
     return ", payload gates " + ", ".join(f"{kind} {text}" for kind, text in mib.items())
 
 
-def bench_selector(selector: Any, requests: list[Any], topo: Any, *, repeats: int = 200,
-                   num_anchors: int = 0) -> dict[str, Any]:
+def bench_selector(
+    selector: Any, requests: list[Any], topo: Any, *, repeats: int = 200, num_anchors: int = 0
+) -> dict[str, Any]:
     """Median host cost in microseconds of one layer's decision as the dispatcher pays it, and of
     the descriptors alone.
 
@@ -110,9 +161,15 @@ def bench_selector(selector: Any, requests: list[Any], topo: Any, *, repeats: in
     from megatron_railwave.telemetry.stats import demand_stats
     from megatron_railwave.traffic import DemandCounts
 
-    gathered = [(DemandCounts(records_WN=r.demand.records_WN, delivery_WNKG=r.demand.class_copies_WNKG())
-                 if r.demand is not None else DemandCounts(records_WN=r.records_NGN.reshape(-1, r.records_NGN.shape[0])),
-                 r.record_bytes) for r in requests]
+    gathered = [
+        (
+            DemandCounts(records_WN=r.demand.records_WN, delivery_WNKG=r.demand.class_copies_WNKG())
+            if r.demand is not None
+            else DemandCounts(records_WN=r.records_NGN.reshape(-1, r.records_NGN.shape[0])),
+            r.record_bytes,
+        )
+        for r in requests
+    ]
     reads_descriptors = needs_descriptors(selector)
 
     def decide(item: tuple[Any, int]) -> Any:
@@ -131,17 +188,24 @@ def bench_selector(selector: Any, requests: list[Any], topo: Any, *, repeats: in
 
     calls = max(repeats, len(gathered))
     decision_us = per_call(decide, gathered, calls)
-    descr_us = per_call(lambda item: demand_stats(item[0], topo, record_bytes=item[1]), gathered, calls)
-    return {"us_per_decision": decision_us, "us_per_descriptors": descr_us,
-            "descriptors_in_decision": reads_descriptors, "num_anchors": num_anchors, "repeats": calls}
+    descr_us = per_call(
+        lambda item: demand_stats(item[0], topo, record_bytes=item[1]), gathered, calls
+    )
+    return {
+        "us_per_decision": decision_us,
+        "us_per_descriptors": descr_us,
+        "descriptors_in_decision": reads_descriptors,
+        "num_anchors": num_anchors,
+        "repeats": calls,
+    }
 
 
 def run(args: argparse.Namespace) -> int:
     import torch
 
     from megatron_railwave.lab import calibration
-    from megatron_railwave.selector.anchors import load_anchors
     from megatron_railwave.selector import AnchorSelector, ModelSelector
+    from megatron_railwave.selector.anchors import load_anchors
     from megatron_railwave.topology import RailTopology
 
     check_measure_args(args)
@@ -150,41 +214,68 @@ def run(args: argparse.Namespace) -> int:
     if args.backend is None and not args.bench:
         raise ValueError("--backend is required (unless only --bench is asked for)")
     if os.path.isdir(args.anchors):
-        raise ValueError(f"--anchors {args.anchors!r} is a directory; give the anchors YAML file written by "
-                         "`railwave calibrate --out`")
+        raise ValueError(
+            f"--anchors {args.anchors!r} is a directory; give the anchors YAML file written by "
+            "`railwave calibrate --out`"
+        )
     if not os.path.isfile(args.anchors):
-        raise ValueError(f"--anchors: file {args.anchors!r} does not exist (write it with `railwave calibrate`)")
+        raise ValueError(
+            f"--anchors: file {args.anchors!r} does not exist (write it with `railwave calibrate`)"
+        )
     if args.cluster is not None:
         args.nodes, args.failed_rail = None, []
         topo = _common.cluster_from_args(args)
         anchor_set = load_anchors(args.anchors, topo)  # rejects another topology
     else:
         anchor_set = load_anchors(args.anchors, None)
-        topo = RailTopology.from_dict({k: v for k, v in anchor_set.context.topology.items()},
-                                      source=f"anchors file {args.anchors!r}: context.topology")
+        topo = RailTopology.from_dict(
+            {k: v for k, v in anchor_set.context.topology.items()},
+            source=f"anchors file {args.anchors!r}: context.topology",
+        )
     payload_ratio, shape_distance = anchor_set.thresholds(args.payload_ratio, args.shape_distance)
     rule = args.rule or ("model" if anchor_set.path_model is not None else "anchors")
     if rule == "model" and anchor_set.path_model is None:
-        raise ValueError(f"--rule model: anchors file {args.anchors!r} records no path model (field "
-                         "'context.settings.selector.model'); re-run `railwave calibrate` or use --rule anchors")
-    anchors_rule = AnchorSelector(anchor_set, payload_ratio=payload_ratio, shape_distance=shape_distance,
-                                  fallback_below=anchor_set.fallback_below)
+        raise ValueError(
+            f"--rule model: anchors file {args.anchors!r} records no path model (field "
+            "'context.settings.selector.model'); re-run `railwave calibrate` or use --rule anchors"
+        )
+    anchors_rule = AnchorSelector(
+        anchor_set,
+        payload_ratio=payload_ratio,
+        shape_distance=shape_distance,
+        fallback_below=anchor_set.fallback_below,
+    )
     selector: Any = ModelSelector(anchor_set.path_model, topo) if rule == "model" else anchors_rule
     settings = anchor_set.context.settings.get("requests")
     if not isinstance(settings, dict) or "payload_scales" not in settings:
-        raise ValueError(f"anchors file {args.anchors!r}: field 'context.settings.requests' is missing; it "
-                         "names the calibration requests (write the file with `railwave calibrate`)")
+        raise ValueError(
+            f"anchors file {args.anchors!r}: field 'context.settings.requests' is missing; it "
+            "names the calibration requests (write the file with `railwave calibrate`)"
+        )
     from megatron_railwave.traffic import dtype_bytes
 
     record_bytes = anchor_set.context.hidden_size * dtype_bytes(anchor_set.context.dtype)
-    held_out = calibration.held_out_settings(settings, seed=args.seed, count=args.requests, layers=args.layers)
-    requests = calibration.validation_requests(topo, settings, seed=args.seed, count=args.requests,
-                                               layers=args.layers, record_bytes=record_bytes)
+    held_out = calibration.held_out_settings(
+        settings, seed=args.seed, count=args.requests, layers=args.layers
+    )
+    requests = calibration.validation_requests(
+        topo,
+        settings,
+        seed=args.seed,
+        count=args.requests,
+        layers=args.layers,
+        record_bytes=record_bytes,
+    )
     below = anchor_set.fallback_below
-    out: dict[str, Any] = {"held_out": held_out,
-                           "selector": {"rule": rule, "payload_ratio": payload_ratio, "shape_distance": shape_distance,
-                                        "fallback_below": {"payload_bytes": below[0], "path": str(below[1])}
-                                        if below else None}}
+    out: dict[str, Any] = {
+        "held_out": held_out,
+        "selector": {
+            "rule": rule,
+            "payload_ratio": payload_ratio,
+            "shape_distance": shape_distance,
+            "fallback_below": {"payload_bytes": below[0], "path": str(below[1])} if below else None,
+        },
+    }
     status = 0
     bench = None
     if args.bench or args.backend is not None:
@@ -195,81 +286,152 @@ def run(args: argparse.Namespace) -> int:
         finally:
             torch.set_num_threads(threads)
         out["bench"] = bench
-        rule_text = (f"{bench['num_anchors']} anchors" if rule == "anchors" else
-                     "the path model" + _describe_gates(anchor_set.path_model))
+        rule_text = (
+            f"{bench['num_anchors']} anchors"
+            if rule == "anchors"
+            else "the path model" + _describe_gates(anchor_set.path_model)
+        )
         _render.print_text(
-            f"selector decision cost ({rule}): {bench['us_per_decision']:.2f} us per layer as the dispatcher pays it "
-            f"({'with' if bench['descriptors_in_decision'] else 'without'} the descriptors; {rule_text}, "
+            f"selector decision cost ({rule}): {bench['us_per_decision']:.2f} us per layer as the "
+            f"dispatcher pays it "
+            f"({'with' if bench['descriptors_in_decision'] else 'without'} the descriptors; "
+            f"{rule_text}, "
             f"median of 5 x {bench['repeats']} calls, 1 thread, this host); "
-            f"descriptors from counts: {bench['us_per_descriptors']:.0f} us")
+            f"descriptors from counts: {bench['us_per_descriptors']:.0f} us"
+        )
     if args.backend is not None:
         from megatron_railwave.planner import PlanOptions
 
         # The JOINT the anchors were calibrated against (context.settings.chunks).
-        backend = calibration.make_backend(args.backend, topo, options=PlanOptions(chunks=anchor_set.chunks),
-                                           model=_model(args, anchor_set))
-        result = calibration.validate(backend, selector, requests, topo, scales=anchor_set.scales, warmups=args.warmups,
-                                      repeats=args.repeats, progress=not args.no_progress)
+        backend = calibration.make_backend(
+            args.backend,
+            topo,
+            options=PlanOptions(chunks=anchor_set.chunks),
+            model=_model(args, anchor_set),
+        )
+        result = calibration.validate(
+            backend,
+            selector,
+            requests,
+            topo,
+            scales=anchor_set.scales,
+            warmups=args.warmups,
+            repeats=args.repeats,
+            progress=not args.no_progress,
+        )
         data = result.to_dict()
         out.update(data)
         compare = None
-        if rule == "model" and anchor_set.anchors:  # the anchor rule on the same medians, side by side
-            compare = calibration.rescore(result, anchors_rule, requests, topo, scales=anchor_set.scales).summary()
+        if (
+            rule == "model" and anchor_set.anchors
+        ):  # the anchor rule on the same medians, side by side
+            compare = calibration.rescore(
+                result, anchors_rule, requests, topo, scales=anchor_set.scales
+            ).summary()
             out["compare"] = {"anchors": compare}
         _render.print_table(
-            f"validation on {len(requests)} held-out requests ({backend.name}, median of {args.repeats})",
-            ["request", "selected", "anchor", "selected ms", "joint ms", "best", "best ms", "sel/best",
-             "gain vs joint"],
-            [[r["request"], r["selected"], r["anchor"] or "-", r["selected_s"] * 1e3, r["joint_s"] * 1e3,
-              r["best_path"], r["best_s"] * 1e3, r["ratio_to_best"], f"{r['gain_vs_joint']:+.1%}"]
-             for r in data["requests"]])
+            f"validation on {len(requests)} held-out requests ({backend.name}, median of "
+            f"{args.repeats})",
+            [
+                "request",
+                "selected",
+                "anchor",
+                "selected ms",
+                "joint ms",
+                "best",
+                "best ms",
+                "sel/best",
+                "gain vs joint",
+            ],
+            [
+                [
+                    r["request"],
+                    r["selected"],
+                    r["anchor"] or "-",
+                    r["selected_s"] * 1e3,
+                    r["joint_s"] * 1e3,
+                    r["best_path"],
+                    r["best_s"] * 1e3,
+                    r["ratio_to_best"],
+                    f"{r['gain_vs_joint']:+.1%}",
+                ]
+                for r in data["requests"]
+            ],
+        )
         s = data["summary"]
         goals = s["goals"]
         tol = 1 + s["tolerance"]
         _render.print_text(
-            ("selector: the path model; " if rule == "model" else
-             f"selector: anchors, payload ratio {payload_ratio}, shape distance {shape_distance}; ") +
-            f"held out: {_describe_held_out(held_out)}; {s['num_requests']} requests in {s['num_sequences']} "
-            f"sequences of consecutive layers; selected {s['selected_paths']}; best per request {s['best_paths']}; "
-            f"{s['num_path_changes']} path changes between consecutive layers")
+            (
+                "selector: the path model; "
+                if rule == "model"
+                else f"selector: anchors, payload ratio {payload_ratio}, shape distance "
+                f"{shape_distance}; "
+            )
+            + f"held out: {_describe_held_out(held_out)}; {s['num_requests']} requests in "
+            f"{s['num_sequences']} "
+            f"sequences of consecutive layers; selected {s['selected_paths']}; best per request "
+            f"{s['best_paths']}; "
+            f"{s['num_path_changes']} path changes between consecutive layers"
+        )
         _render.print_text(
             f"totals: selected {s['total_selected_s'] * 1e3:.3f} ms, always-JOINT "
-            f"{s['total_fixed_s']['joint'] * 1e3:.3f} ms (selected/JOINT {s['selected_vs_joint_policy']:.3f}), "
-            f"best fixed policy always-{s['best_fixed_policy']} {s['total_fixed_s'][s['best_fixed_policy']] * 1e3:.3f} ms, "
-            f"best path per request {s['total_best_per_request_s'] * 1e3:.3f} ms")
+            f"{s['total_fixed_s']['joint'] * 1e3:.3f} ms (selected/JOINT "
+            f"{s['selected_vs_joint_policy']:.3f}), "
+            f"best fixed policy always-{s['best_fixed_policy']} "
+            f"{s['total_fixed_s'][s['best_fixed_policy']] * 1e3:.3f} ms, "
+            f"best path per request {s['total_best_per_request_s'] * 1e3:.3f} ms"
+        )
         _render.print_text(
             f"goal 1, selected within {tol:.2f}x of the best fixed path on every request: "
             f"{'MET' if goals['within_tolerance_of_best_on_every_request'] else 'MISSED'} (worst "
-            f"{s['worst_ratio_to_best']:.3f} on {s['worst_request']}; {s['num_over_tolerance']} over)")
+            f"{s['worst_ratio_to_best']:.3f} on {s['worst_request']}; {s['num_over_tolerance']} "
+            f"over)"
+        )
         _render.print_text(
-            f"goal 2, total beats always-JOINT: {'MET' if goals['total_beats_always_joint'] else 'MISSED'} "
-            f"({s['selected_vs_joint_policy']:.3f})")
+            f"goal 2, total beats always-JOINT: "
+            f"{'MET' if goals['total_beats_always_joint'] else 'MISSED'} "
+            f"({s['selected_vs_joint_policy']:.3f})"
+        )
         paid = result.with_decision_cost(bench["us_per_decision"] * 1e-6)
         by_pass = result.decision_cost_by_pass(bench["us_per_decision"] * 1e-6)
         out["decision_cost"] = paid
         out["decision_cost_by_pass"] = by_pass
         _render.print_text(
-            f"with the decision cost ({paid['decision_s_per_layer'] * 1e6:.0f} us per layer call, measured above): "
+            f"with the decision cost ({paid['decision_s_per_layer'] * 1e6:.0f} us per layer call, "
+            f"measured above): "
             f"selected + decisions / JOINT {paid['selected_with_decisions_vs_joint_policy']:.4f} "
-            f"({'beats' if paid['total_with_decisions_beats_always_joint'] else 'does not beat'} always-JOINT); "
-            f"per layer the selection saves {paid['selected_gain_s_per_layer'] * 1e6:.1f} us against JOINT, the best "
-            f"path per request {paid['best_gain_s_per_layer'] * 1e6:.1f} us (the most any decision can earn: "
-            f"{'more' if paid['a_decision_could_pay'] else 'less'} than this decision costs)")
+            f"({'beats' if paid['total_with_decisions_beats_always_joint'] else 'does not beat'} "
+            f"always-JOINT); "
+            f"per layer the selection saves {paid['selected_gain_s_per_layer'] * 1e6:.1f} us "
+            f"against JOINT, the best "
+            f"path per request {paid['best_gain_s_per_layer'] * 1e6:.1f} us (the most any "
+            f"decision can earn: "
+            f"{'more' if paid['a_decision_could_pay'] else 'less'} than this decision costs)"
+        )
         num_all_pairs = by_pass["forward only"]["num_requests"]
         if num_all_pairs:
-            _render.print_text(f"on the {num_all_pairs} requests sent all node pairs at once (what the dispatcher "
-                               "sends; the others are replay arrangements), per kind of layer call:")
+            _render.print_text(
+                f"on the {num_all_pairs} requests sent all node pairs at once (what the dispatcher "
+                "sends; the others are replay arrangements), per kind of layer call:"
+            )
         for name, uses in calibration.PASS_EXCHANGES.items() if num_all_pairs else ():
             p = by_pass[name]
             _render.print_text(
-                f"  {name} ({uses} exchange{'s' if uses > 1 else ''} on one decision's path): selected + decisions "
+                f"  {name} ({uses} exchange{'s' if uses > 1 else ''} on one decision's path): "
+                f"selected + decisions "
                 f"/ JOINT {p['selected_with_decisions_vs_joint_policy']:.4f} "
-                f"({'beats' if p['total_with_decisions_beats_always_joint'] else 'does not beat'} always-JOINT), "
-                f"saving {p['selected_gain_s_per_layer'] * 1e6:.1f} us per decision")
+                f"({'beats' if p['total_with_decisions_beats_always_joint'] else 'does not beat'} "
+                f"always-JOINT), "
+                f"saving {p['selected_gain_s_per_layer'] * 1e6:.1f} us per decision"
+            )
         if compare is not None:
             _render.print_text(
-                f"the anchor rule on the same requests and medians: {compare['num_over_tolerance']} over {tol:.2f}x "
-                f"(worst {compare['worst_ratio_to_best']:.3f}), selected/JOINT {compare['selected_vs_joint_policy']:.4f}")
+                f"the anchor rule on the same requests and medians: "
+                f"{compare['num_over_tolerance']} over {tol:.2f}x "
+                f"(worst {compare['worst_ratio_to_best']:.3f}), selected/JOINT "
+                f"{compare['selected_vs_joint_policy']:.4f}"
+            )
         status = 1 if args.require_goals and not goals["all_met"] else 0
     if args.json:
         _common.write_json(args.json, out)
@@ -283,19 +445,31 @@ def _model(args: argparse.Namespace, anchor_set: Any):
     recorded = anchor_set.context.settings.get("model")
     source = f"anchors file {args.anchors!r}: context.settings.model"
     if not args.model:
-        return NetModelConfig.from_dict(recorded, source=source) if isinstance(recorded, dict) else NetModelConfig()
+        return (
+            NetModelConfig.from_dict(recorded, source=source)
+            if isinstance(recorded, dict)
+            else NetModelConfig()
+        )
     model = load_model(args.model)
     try:
-        calibrated = NetModelConfig.from_dict(recorded, source=source) if isinstance(recorded, dict) else None
+        calibrated = (
+            NetModelConfig.from_dict(recorded, source=source)
+            if isinstance(recorded, dict)
+            else None
+        )
     except ValueError:  # an older file's model with a retired field: --model replaces it anyway
         calibrated = None
     if calibrated is not None and model != calibrated:
         # A what-if, not a validation of the file: its anchors and path model were fitted on
         # another fabric (e.g. the about max-min presets against the paper-incast ones).
         before = calibrated.to_dict()
-        changed = ", ".join(f"{k} {before.get(k)} -> {v}" for k, v in model.to_dict().items() if before.get(k) != v)
-        _render.print_text(f"note: --model differs from the model the anchors file was calibrated on ({changed}); "
-                           "the goals below test the file on another network model")
+        changed = ", ".join(
+            f"{k} {before.get(k)} -> {v}" for k, v in model.to_dict().items() if before.get(k) != v
+        )
+        _render.print_text(
+            f"note: --model differs from the model the anchors file was calibrated on ({changed}); "
+            "the goals below test the file on another network model"
+        )
     return model
 
 

@@ -27,33 +27,73 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Tools of the synthetic GLM-4.5-Air workload (docs/workloads.md).",
     )
     sub = parser.add_subparsers(dest="workloads_command", metavar="ACTION", required=True)
-    fit = sub.add_parser("fit", help="workload statistics next to the paper's published ones (optionally refit)",
-                         description="Statistics of the synthetic GLM-4.5-Air routing (NIC shares under NATIVE, "
-                                     "expert-load and destination-rail skew, R^2) next to the paper's published "
-                                     "values; --refit reruns the fit of the knobs to them.")
-    fit.add_argument("--cluster", default="h20_4x8", metavar="YAML",
-                     help="cluster whose NIC adapters define the shares (default h20_4x8, the paper's)")
+    fit = sub.add_parser(
+        "fit",
+        help="workload statistics next to the paper's published ones (optionally refit)",
+        description="Statistics of the synthetic GLM-4.5-Air routing (NIC shares under NATIVE, "
+        "expert-load and destination-rail skew, R^2) next to the paper's published "
+        "values; --refit reruns the fit of the knobs to them.",
+    )
+    fit.add_argument(
+        "--cluster",
+        default="h20_4x8",
+        metavar="YAML",
+        help="cluster whose NIC adapters define the shares (default h20_4x8, the paper's)",
+    )
     fit.add_argument("--seed", type=int, default=0, help="routing seed (default 0)")
-    fit.add_argument("--steps", type=int, default=20,
-                     help="steps of expected counts, each with all 45 layers (default 20: 900 pairs, as the paper)")
-    fit.add_argument("--nic-steps", type=int, default=100,
-                     help="steps of the NIC shares' expected counts, 3 layers each (default 100)")
-    fit.add_argument("--sampled-steps", type=int, default=2,
-                     help="steps of drawn tokens, to check the expected counts (default 2; 0 = skip)")
-    fit.add_argument("--tokens", type=int, default=1024, help="mean tokens per GPU of the drawn steps (default 1024)")
+    fit.add_argument(
+        "--steps",
+        type=int,
+        default=20,
+        help="steps of expected counts, each with all 45 layers (default 20: 900 pairs, as the "
+        "paper)",
+    )
+    fit.add_argument(
+        "--nic-steps",
+        type=int,
+        default=100,
+        help="steps of the NIC shares' expected counts, 3 layers each (default 100)",
+    )
+    fit.add_argument(
+        "--sampled-steps",
+        type=int,
+        default=2,
+        help="steps of drawn tokens, to check the expected counts (default 2; 0 = skip)",
+    )
+    fit.add_argument(
+        "--tokens",
+        type=int,
+        default=1024,
+        help="mean tokens per GPU of the drawn steps (default 1024)",
+    )
     fit.add_argument("--refit", action="store_true", help="rerun the fit first (minutes)")
-    fit.add_argument("--fit-steps", type=int, default=20,
-                     help="steps the fit samples, each with all 45 layers (default 20)")
-    fit.add_argument("--sweeps", type=int, default=1, help="coordinate-descent sweeps of the fit (default 1)")
-    fit.add_argument("--json", default=None, metavar="FILE", help="write the report (and fit) as JSON")
+    fit.add_argument(
+        "--fit-steps",
+        type=int,
+        default=20,
+        help="steps the fit samples, each with all 45 layers (default 20)",
+    )
+    fit.add_argument(
+        "--sweeps", type=int, default=1, help="coordinate-descent sweeps of the fit (default 1)"
+    )
+    fit.add_argument(
+        "--json", default=None, metavar="FILE", help="write the report (and fit) as JSON"
+    )
     fit.set_defaults(handler=_fit)
     _outputs.declare_outputs(fit, files=("json",))
-    skew = sub.add_parser("token-skew", help="token skew (the generator's token_skew) of captured routing",
-                          description="Per-rank token counts of every captured step of each capture directory "
-                                      "and their token skew: the standard deviation of log tokens over the ranks "
-                                      "of a step (the generator's token_skew), pooled over the steps.")
-    skew.add_argument("capture_dirs", nargs="+", metavar="CAPTURE_DIR",
-                      help="recorder directories (step*/rank*.npz), e.g. from --railwave-capture-dir")
+    skew = sub.add_parser(
+        "token-skew",
+        help="token skew (the generator's token_skew) of captured routing",
+        description="Per-rank token counts of every captured step of each capture directory "
+        "and their token skew: the standard deviation of log tokens over the ranks "
+        "of a step (the generator's token_skew), pooled over the steps.",
+    )
+    skew.add_argument(
+        "capture_dirs",
+        nargs="+",
+        metavar="CAPTURE_DIR",
+        help="recorder directories (step*/rank*.npz), e.g. from --railwave-capture-dir",
+    )
     skew.add_argument("--json", default=None, metavar="FILE", help="write the reports as JSON")
     skew.set_defaults(handler=_token_skew)
     _outputs.declare_outputs(skew, files=("json",))
@@ -62,38 +102,73 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def _fit(args: argparse.Namespace) -> int:
     from megatron_railwave.lab.workloads import GlmAirWorkload, fit_workload, workload_report
 
-    if min(args.steps, args.nic_steps, args.tokens, args.fit_steps, args.sweeps) < 1 or min(args.sampled_steps,
-                                                                                         args.seed) < 0:
-        raise ValueError(f"need --steps, --nic-steps, --tokens, --fit-steps, --sweeps >= 1 and --sampled-steps, --seed "
-                         f">= 0, got {args.steps}, {args.nic_steps}, {args.tokens}, {args.fit_steps}, {args.sweeps}, "
-                         f"{args.sampled_steps}, {args.seed}")
+    if (
+        min(args.steps, args.nic_steps, args.tokens, args.fit_steps, args.sweeps) < 1
+        or min(args.sampled_steps, args.seed) < 0
+    ):
+        raise ValueError(
+            f"need --steps, --nic-steps, --tokens, --fit-steps, --sweeps >= 1 and "
+            f"--sampled-steps, --seed "
+            f">= 0, got {args.steps}, {args.nic_steps}, {args.tokens}, {args.fit_steps}, "
+            f"{args.sweeps}, "
+            f"{args.sampled_steps}, {args.seed}"
+        )
     args.nodes, args.failed_rail = None, []
     topo = _common.cluster_from_args(args)
     work = GlmAirWorkload(seed=args.seed)
     out = {}
     if args.refit:
-        fit = fit_workload(topo, start=work, steps=range(args.fit_steps), nic_steps=range(args.nic_steps),
-                           sweeps=args.sweeps, log=_render.print_text)
+        fit = fit_workload(
+            topo,
+            start=work,
+            steps=range(args.fit_steps),
+            nic_steps=range(args.nic_steps),
+            sweeps=args.sweeps,
+            log=_render.print_text,
+        )
         work = replace(work, **fit.knobs)  # the fit's layer subset stays with the fit
         out["fit"] = fit.to_dict()
-        _render.print_text(f"fit: {fit.evaluations} evaluations, {fit.seconds:.0f} s, loss {fit.loss:.4g}")
-    report = workload_report(topo, work, steps=range(args.steps), nic_steps=range(args.nic_steps),
-                             sampled_steps=range(args.steps, args.steps + args.sampled_steps),
-                             sampled_tokens=args.tokens)
+        _render.print_text(
+            f"fit: {fit.evaluations} evaluations, {fit.seconds:.0f} s, loss {fit.loss:.4g}"
+        )
+    report = workload_report(
+        topo,
+        work,
+        steps=range(args.steps),
+        nic_steps=range(args.nic_steps),
+        sampled_steps=range(args.steps, args.steps + args.sampled_steps),
+        sampled_tokens=args.tokens,
+    )
     out["report"] = report
     _render.print_table("knobs", ["knob", "value"], [[k, v] for k, v in report["knobs"].items()])
     for kind in ("expected", "sampled"):
         if kind not in report:
             continue
         part = report[kind]
-        what = (f"expected counts, {args.steps} steps x 45 layers, NIC shares {args.nic_steps} steps x 3 layers"
-                if kind == "expected" else
-                f"drawn tokens ({args.tokens}/GPU), {args.sampled_steps} steps x 45 layers")
-        rows = [[r["statistic"], f"{r['published']:.4g}", f"{r['ours']:.4g}", f"{100 * r['rel_err']:+.1f}%",
-                 ("yes" if r["within"] else "NO") if r["fitted"] else "(not fitted)"] for r in part["rows"]]
-        rows += [[k, "", f"{part['statistics'][k]:.4g}", "", ""] for k in ("rho_g_p50", "rho_g_p90")]
-        _render.print_table(f"workload statistics vs the paper ({what}; {topo.name})",
-                            ["statistic", "paper", "ours", "rel. err", "within 10%"], rows)
+        what = (
+            f"expected counts, {args.steps} steps x 45 layers, NIC shares {args.nic_steps} steps "
+            f"x 3 layers"
+            if kind == "expected"
+            else f"drawn tokens ({args.tokens}/GPU), {args.sampled_steps} steps x 45 layers"
+        )
+        rows = [
+            [
+                r["statistic"],
+                f"{r['published']:.4g}",
+                f"{r['ours']:.4g}",
+                f"{100 * r['rel_err']:+.1f}%",
+                ("yes" if r["within"] else "NO") if r["fitted"] else "(not fitted)",
+            ]
+            for r in part["rows"]
+        ]
+        rows += [
+            [k, "", f"{part['statistics'][k]:.4g}", "", ""] for k in ("rho_g_p50", "rho_g_p90")
+        ]
+        _render.print_table(
+            f"workload statistics vs the paper ({what}; {topo.name})",
+            ["statistic", "paper", "ours", "rel. err", "within 10%"],
+            rows,
+        )
     if args.json:
         _common.write_json(args.json, out)
         _render.print_text(f"wrote {args.json}")
@@ -103,21 +178,49 @@ def _fit(args: argparse.Namespace) -> int:
 def _token_skew(args: argparse.Namespace) -> int:
     import numpy as np
 
-    from megatron_railwave.lab.workloads import read_capture_steps, token_skew_report, trace_tokens_per_rank
+    from megatron_railwave.lab.workloads import (
+        read_capture_steps,
+        token_skew_report,
+        trace_tokens_per_rank,
+    )
 
     reports, rows = {}, []
     for capture_dir in args.capture_dirs:
         traces = read_capture_steps(capture_dir)
         tokens = [trace_tokens_per_rank(t).tolist() for t in traces]
-        report = {**token_skew_report(tokens), "tokens_per_rank": tokens, "capture_steps": [t.meta.step for t in traces]}
+        report = {
+            **token_skew_report(tokens),
+            "tokens_per_rank": tokens,
+            "capture_steps": [t.meta.step for t in traces],
+        }
         reports[capture_dir] = report
         per_step = report["token_skew_per_step"]
-        rows.append([capture_dir, report["steps"], report["world"], f"{np.mean(report['mean_tokens']):.0f}",
-                     f"{report['token_skew']:.3f}", f"{min(per_step):.3f}-{max(per_step):.3f}",
-                     f"{np.median(report['max_over_mean']):.2f}", f"{max(report['max_over_mean']):.2f}"])
-    _render.print_table("token skew of captured routing (std of log tokens per rank, per step; pooled)",
-                        ["capture", "steps", "ranks", "mean tokens", "token_skew", "per step", "max/mean p50",
-                         "max/mean max"], rows)
+        rows.append(
+            [
+                capture_dir,
+                report["steps"],
+                report["world"],
+                f"{np.mean(report['mean_tokens']):.0f}",
+                f"{report['token_skew']:.3f}",
+                f"{min(per_step):.3f}-{max(per_step):.3f}",
+                f"{np.median(report['max_over_mean']):.2f}",
+                f"{max(report['max_over_mean']):.2f}",
+            ]
+        )
+    _render.print_table(
+        "token skew of captured routing (std of log tokens per rank, per step; pooled)",
+        [
+            "capture",
+            "steps",
+            "ranks",
+            "mean tokens",
+            "token_skew",
+            "per step",
+            "max/mean p50",
+            "max/mean max",
+        ],
+        rows,
+    )
     if args.json:
         _common.write_json(args.json, reports)
         _render.print_text(f"wrote {args.json}")

@@ -7,17 +7,58 @@ DeepEP's internode dispatch / combine (``DeepEPExchange``; run only against the 
 """
 
 from megatron_railwave.exchange.backend import build_exchange
+from megatron_railwave.exchange.capacity import (
+    PaddedEntries,
+    capacity_demand,
+    capacity_layer,
+    capacity_plan,
+    check_capacity,
+)
 from megatron_railwave.exchange.deepep import DeepEPExchange
-from megatron_railwave.exchange.groups import RankGroups, build_rail_groups, rank_groups, survey_unresponsive, virtual_rank_groups
-from megatron_railwave.exchange.placement import (ConfigMismatchError, Placement, PlacementError, RankFacts, check_fingerprints,
-                        gather_rank_facts, identity_placement, place_ranks)
-from megatron_railwave.exchange.capacity import PaddedEntries, capacity_demand, capacity_layer, capacity_plan, check_capacity
-from megatron_railwave.exchange.layer import (CapacityOverflowError, EntryIndex, InputError, LayerDemand, LayerHandle, RankContext,
-                    combine_backward, combine_forward, dispatch_backward, dispatch_forward, gather_demand,
-                    prepare_capacity_layer, prepare_layer)
-from megatron_railwave.exchange.timing_reduce import TIMING_REDUCE_BYTES, PostedTimingReduce, post_timing_reduce
+from megatron_railwave.exchange.groups import (
+    RankGroups,
+    build_rail_groups,
+    rank_groups,
+    survey_unresponsive,
+    virtual_rank_groups,
+)
+from megatron_railwave.exchange.layer import (
+    CapacityOverflowError,
+    EntryIndex,
+    InputError,
+    LayerDemand,
+    LayerHandle,
+    RankContext,
+    combine_backward,
+    combine_forward,
+    dispatch_backward,
+    dispatch_forward,
+    gather_demand,
+    prepare_capacity_layer,
+    prepare_layer,
+)
+from megatron_railwave.exchange.placement import (
+    ConfigMismatchError,
+    Placement,
+    PlacementError,
+    RankFacts,
+    check_fingerprints,
+    gather_rank_facts,
+    identity_placement,
+    place_ranks,
+)
+from megatron_railwave.exchange.timing_reduce import (
+    TIMING_REDUCE_BYTES,
+    PostedTimingReduce,
+    post_timing_reduce,
+)
 from megatron_railwave.exchange.torch_dist import DispatchOutput, ExchangeHandle, TorchDistExchange
-from megatron_railwave.exchange.transport import ExchangeError, ExchangeTimeoutError, TorchDistTransport, drive
+from megatron_railwave.exchange.transport import (
+    ExchangeError,
+    ExchangeTimeoutError,
+    TorchDistTransport,
+    drive,
+)
 from megatron_railwave.exchange.virtual import PhaseEvent, VirtualCluster
 
 __all__ = [

@@ -1,4 +1,5 @@
-"""Which execution backend runs a layer: the torch.distributed one or DeepEP; one construction point.
+"""Which execution backend runs a layer: the torch.distributed one or DeepEP; one construction
+point.
 
 ``build_exchange`` is what the dispatcher calls. ``backend``:
 
@@ -8,8 +9,8 @@
   communication, a rank where DeepEP does not import makes every rank raise ``ImportError``.
 * 'auto': 'deepep' when the job runs on GPUs (NCCL), ``deep_ep`` imports on every EP rank and the
   layout meets DeepEP's limits; else 'torch'. With ``max_tokens_per_rank`` (fixed-capacity mode,
-  which only the torch backend runs) 'auto' is 'torch' and 'deepep' raises ``ValueError``. The choice is agreed on the EP group (one small
-  all-gather), so every rank takes the same backend.
+  which only the torch backend runs) 'auto' is 'torch' and 'deepep' raises ``ValueError``. The
+  choice is agreed on the EP group (one small all-gather), so every rank takes the same backend.
 """
 
 from __future__ import annotations
@@ -20,18 +21,26 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
-from megatron_railwave.planner import PlanOptions
-from megatron_railwave.topology import RailTopology
-from megatron_railwave.exchange.deepep_api import REAL_LIMITS, check_deepep_layout, deep_ep_importable, deepep_layout_problems, load_deep_ep
 from megatron_railwave.exchange.capacity import check_capacity, check_padding
+from megatron_railwave.exchange.deepep_api import (
+    REAL_LIMITS,
+    check_deepep_layout,
+    deep_ep_importable,
+    deepep_layout_problems,
+    load_deep_ep,
+)
 from megatron_railwave.exchange.groups import RankGroups
 from megatron_railwave.exchange.torch_dist import TorchDistExchange
 from megatron_railwave.names import BackendName
+from megatron_railwave.planner import PlanOptions
+from megatron_railwave.topology import RailTopology
 
 __all__ = ["build_exchange", "deepep_rank_order_problem"]
 
 _LOG = logging.getLogger("megatron_railwave.exchange")
-_LOGGED: set[str] = set()  # 'auto' decisions already logged in this process (one per layer otherwise)
+_LOGGED: set[str] = (
+    set()
+)  # 'auto' decisions already logged in this process (one per layer otherwise)
 
 
 def _ranks_failing(groups: RankGroups, ok: bool) -> list[int]:
@@ -39,9 +48,15 @@ def _ranks_failing(groups: RankGroups, ok: bool) -> list[int]:
     handle = groups.ep.handle
     if handle is None or not dist.is_initialized():
         return [] if ok else [groups.ep_rank]
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(handle) == "nccl" else "cpu"
+    device = (
+        torch.device("cuda", torch.cuda.current_device())
+        if dist.get_backend(handle) == "nccl"
+        else "cpu"
+    )
     flags = torch.zeros(len(groups.ep.ranks), dtype=torch.int32, device=device)
-    dist.all_gather_into_tensor(flags, torch.tensor([int(ok)], dtype=torch.int32, device=device), group=handle)
+    dist.all_gather_into_tensor(
+        flags, torch.tensor([int(ok)], dtype=torch.int32, device=device), group=handle
+    )
     return [r for r, f in enumerate(flags.tolist()) if not f]
 
 
@@ -55,15 +70,29 @@ def deepep_rank_order_problem(groups: RankGroups) -> str:
     order = groups.ep.group_ranks
     if order is None or tuple(order) == tuple(range(len(order))):
         return ""
-    return (f"the EP group's rank order is not node by node (railwave rank -> global rank "
-            f"{groups.placement.global_rank_of_railwave}; {groups.placement.describe()}), while DeepEP's Buffer "
-            "assumes group rank r sits on node r // G and owns experts r * E_loc ..")
+    return (
+        f"the EP group's rank order is not node by node (railwave rank -> global rank "
+        f"{groups.placement.global_rank_of_railwave}; {groups.placement.describe()}), while "
+        f"DeepEP's Buffer "
+        "assumes group rank r sits on node r // G and owns experts r * E_loc .."
+    )
 
 
-def build_exchange(topo: RailTopology, groups: RankGroups, *, backend: BackendName, num_experts: int, topk: int,
-                   hidden_size: int, hidden_dtype: torch.dtype, deepep_buffer: Literal["real", "fake"] = "real",
-                   deepep_num_sms: int = 20, options: PlanOptions | None = None,
-                   timeout_s: float | None = None, max_tokens_per_rank: int | None = None) -> TorchDistExchange:
+def build_exchange(
+    topo: RailTopology,
+    groups: RankGroups,
+    *,
+    backend: BackendName,
+    num_experts: int,
+    topk: int,
+    hidden_size: int,
+    hidden_dtype: torch.dtype,
+    deepep_buffer: Literal["real", "fake"] = "real",
+    deepep_num_sms: int = 20,
+    options: PlanOptions | None = None,
+    timeout_s: float | None = None,
+    max_tokens_per_rank: int | None = None,
+) -> TorchDistExchange:
     """The exchange of one MoE layer's EP group (see module docstring).
 
     Collective: yes (the EP group: the backend agreement for 'deepep' / 'auto', DeepEP's Buffer).
@@ -76,25 +105,42 @@ def build_exchange(topo: RailTopology, groups: RankGroups, *, backend: BackendNa
     common = dict(num_experts=num_experts, options=options, timeout_s=timeout_s)
     chunked = options is not None and options.chunks != 1
     if max_tokens_per_rank is not None:
-        check_padding(capacity=check_capacity(max_tokens_per_rank), num_experts=num_experts, world_size=topo.world_size, topk=topk,
-                      hidden_size=hidden_size, element_bytes=torch.empty(0, dtype=hidden_dtype).element_size())
+        check_padding(
+            capacity=check_capacity(max_tokens_per_rank),
+            num_experts=num_experts,
+            world_size=topo.world_size,
+            topk=topk,
+            hidden_size=hidden_size,
+            element_bytes=torch.empty(0, dtype=hidden_dtype).element_size(),
+        )
     if backend == "torch" or (backend == "auto" and (max_tokens_per_rank is not None or chunked)):
         return TorchDistExchange(topo, groups, max_tokens_per_rank=max_tokens_per_rank, **common)
     if backend == "deepep" and max_tokens_per_rank is not None:
-        raise ValueError(f"max_tokens_per_rank={max_tokens_per_rank} (fixed-capacity mode) runs on the torch backend "
-                         "only; set backend: torch (or auto), or max_tokens_per_rank: null for DeepEP")
+        raise ValueError(
+            f"max_tokens_per_rank={max_tokens_per_rank} (fixed-capacity mode) runs on the torch "
+            f"backend "
+            "only; set backend: torch (or auto), or max_tokens_per_rank: null for DeepEP"
+        )
     if backend == "deepep" and chunked:
-        raise ValueError(f"chunks={options.chunks} (rail chunks per wave) runs on the torch backend only; DeepEP "
-                         "dispatches whole waves. Set backend: torch (or auto), or chunks: 1 for DeepEP")
+        raise ValueError(
+            f"chunks={options.chunks} (rail chunks per wave) runs on the torch backend only; "
+            f"DeepEP "
+            "dispatches whole waves. Set backend: torch (or auto), or chunks: 1 for DeepEP"
+        )
     if backend not in ("deepep", "auto"):
         raise ValueError(f"backend={backend!r} must be 'torch', 'deepep' or 'auto'")
     order_problem = deepep_rank_order_problem(groups)
     if backend == "deepep" and order_problem:
-        raise ValueError(f"backend 'deepep': {order_problem}; launch ranks node by node (torchrun's order), or set "
-                         "backend: torch (or auto), which serves any placement")
+        raise ValueError(
+            f"backend 'deepep': {order_problem}; launch ranks node by node (torchrun's order), or "
+            f"set "
+            "backend: torch (or auto), which serves any placement"
+        )
     from megatron_railwave.exchange.deepep import DeepEPExchange
 
-    limits = dict(hidden_size=hidden_size, hidden_dtype=hidden_dtype, topk=topk, num_experts=num_experts)
+    limits = dict(
+        hidden_size=hidden_size, hidden_dtype=hidden_dtype, topk=topk, num_experts=num_experts
+    )
     if backend == "deepep":
         api = error = None
         try:
@@ -107,10 +153,21 @@ def build_exchange(topo: RailTopology, groups: RankGroups, *, backend: BackendNa
         if error is not None:
             raise error
         if failing:
-            raise ImportError(f"backend 'deepep': DeepEP does not import on EP rank(s) {failing} (see their errors); "
-                              "install it on every node, or set backend: torch")
-        return DeepEPExchange(topo, groups, topk=topk, hidden_size=hidden_size, hidden_dtype=hidden_dtype, api=api,
-                              num_sms=deepep_num_sms, **common)
+            raise ImportError(
+                f"backend 'deepep': DeepEP does not import on EP rank(s) {failing} (see their "
+                f"errors); "
+                "install it on every node, or set backend: torch"
+            )
+        return DeepEPExchange(
+            topo,
+            groups,
+            topk=topk,
+            hidden_size=hidden_size,
+            hidden_dtype=hidden_dtype,
+            api=api,
+            num_sms=deepep_num_sms,
+            **common,
+        )
     # auto: real DeepEP only (the fake is for tests and is never picked by itself).
     reason = ""
     on_gpu = groups.ep.handle is not None and dist.get_backend(groups.ep.handle) == "nccl"
@@ -135,6 +192,13 @@ def build_exchange(topo: RailTopology, groups: RankGroups, *, backend: BackendNa
         _LOG.info(message)
     if reason:
         return TorchDistExchange(topo, groups, **common)
-    return DeepEPExchange(topo, groups, topk=topk, hidden_size=hidden_size, hidden_dtype=hidden_dtype,
-                          api=load_deep_ep("real", gpus_per_node=REAL_LIMITS.nvl_peers), num_sms=deepep_num_sms,
-                          **common)
+    return DeepEPExchange(
+        topo,
+        groups,
+        topk=topk,
+        hidden_size=hidden_size,
+        hidden_dtype=hidden_dtype,
+        api=load_deep_ep("real", gpus_per_node=REAL_LIMITS.nvl_peers),
+        num_sms=deepep_num_sms,
+        **common,
+    )

@@ -42,20 +42,36 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron_railwave.exchange.layout import LayerLayout, build_layout
 from megatron_railwave.names import Route, parse_route
 from megatron_railwave.planner import PathPlan, PlanOptions, build_plan
-from megatron_railwave.schedule import ExecutionSchedule, RankView, RecordWireFormat, compile_schedule, rank_view
+from megatron_railwave.schedule import (
+    ExecutionSchedule,
+    RankView,
+    RecordWireFormat,
+    compile_schedule,
+    rank_view,
+)
 from megatron_railwave.schedule.wire import META_FIXED_WORDS, ROUTING_BITS_PER_WORD
 from megatron_railwave.topology import RailTopology
 from megatron_railwave.traffic import DemandCounts
-from megatron_railwave.exchange.layout import LayerLayout, build_layout
 
-__all__ = ["CapacityLayer", "capacity_demand", "capacity_plan", "capacity_layer", "slot_tokens", "expand_padded",
-           "PaddedEntries", "check_capacity", "check_padding", "PADDING_WARN_MULTIPLE"]
+__all__ = [
+    "CapacityLayer",
+    "capacity_demand",
+    "capacity_plan",
+    "capacity_layer",
+    "slot_tokens",
+    "expand_padded",
+    "PaddedEntries",
+    "check_capacity",
+    "check_padding",
+    "PADDING_WARN_MULTIPLE",
+]
 
 _CACHE_SIZE = 512
 _SCHEDULES: OrderedDict[tuple, ExecutionSchedule] = OrderedDict()
-_LAYERS: OrderedDict[tuple, "CapacityLayer"] = OrderedDict()
+_LAYERS: OrderedDict[tuple, CapacityLayer] = OrderedDict()
 
 
 def check_capacity(capacity: int | None) -> int | None:
@@ -63,18 +79,29 @@ def check_capacity(capacity: int | None) -> int | None:
     if capacity is None:
         return None
     if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
-        raise ValueError(f"max_tokens_per_rank={capacity!r} must be a positive integer (the most tokens one rank "
-                         "dispatches per layer), or None for the normal mode")
+        raise ValueError(
+            f"max_tokens_per_rank={capacity!r} must be a positive integer (the most tokens one "
+            f"rank "
+            "dispatches per layer), or None for the normal mode"
+        )
     return capacity
 
 
 PADDING_WARN_MULTIPLE = 4
-"""``check_padding`` warns where the padded rows per rank exceed this many times the expected rows."""
+"""``check_padding`` warns where the padded rows per rank exceed this many times the expected
+rows."""
 _PADDING_WARNED: set[tuple] = set()
 
 
-def check_padding(*, capacity: int, num_experts: int, world_size: int, topk: int, hidden_size: int,
-                  element_bytes: int) -> str:
+def check_padding(
+    *,
+    capacity: int,
+    num_experts: int,
+    world_size: int,
+    topk: int,
+    hidden_size: int,
+    element_bytes: int,
+) -> str:
     """Warn once per process (and return the text; '' when under the limit) where fixed capacity
     pads the experts' input beyond ``PADDING_WARN_MULTIPLE`` times the rows a full batch has.
 
@@ -84,12 +111,19 @@ def check_padding(*, capacity: int, num_experts: int, world_size: int, topk: int
     padded, expected = num_experts * capacity, capacity * topk
     if padded <= PADDING_WARN_MULTIPLE * expected:
         return ""
-    text = (f"max_tokens_per_rank={capacity}: fixed-capacity mode gives every rank's experts {padded} rows "
-            f"(E_loc * W * C = {num_experts // world_size} * {world_size} * {capacity}) where a full batch has "
-            f"{expected} (C * top-{topk}): {padded / expected:g}x, over the {PADDING_WARN_MULTIPLE}x this mode is "
-            f"meant for; {padded * hidden_size * element_bytes / 2**30:.2f} GiB of expert input per layer and rank. "
-            "Fixed capacity is for small calls (decode-sized C); use the normal mode (max_tokens_per_rank: null) "
-            "for training-size batches")
+    text = (
+        f"max_tokens_per_rank={capacity}: fixed-capacity mode gives every rank's experts {padded} "
+        f"rows "
+        f"(E_loc * W * C = {num_experts // world_size} * {world_size} * {capacity}) where a full "
+        f"batch has "
+        f"{expected} (C * top-{topk}): {padded / expected:g}x, over the {PADDING_WARN_MULTIPLE}x "
+        f"this mode is "
+        f"meant for; {padded * hidden_size * element_bytes / 2**30:.2f} GiB of expert input per "
+        f"layer and rank. "
+        "Fixed capacity is for small calls (decode-sized C); use the normal mode "
+        "(max_tokens_per_rank: null) "
+        "for training-size batches"
+    )
     key = (capacity, num_experts, world_size, topk, hidden_size, element_bytes)
     if key not in _PADDING_WARNED:
         _PADDING_WARNED.add(key)
@@ -109,15 +143,23 @@ def capacity_demand(topo: RailTopology, capacity: int, num_experts: int = 0) -> 
 def _options_key(options: PlanOptions) -> tuple:
     """Every field of the options, hashable (a tensor as nested tuples): a field added to
     ``PlanOptions`` keys the caches without being listed here."""
-    return tuple((f.name, tuple(map(tuple, v.tolist())) if isinstance(v := getattr(options, f.name), torch.Tensor)
-                  else v) for f in dataclasses.fields(options))
+    return tuple(
+        (
+            f.name,
+            tuple(map(tuple, v.tolist()))
+            if isinstance(v := getattr(options, f.name), torch.Tensor)
+            else v,
+        )
+        for f in dataclasses.fields(options)
+    )
 
 
 def _lru_get(cache: OrderedDict, key: tuple, make):
     value = cache.get(key)
     if value is None:
         # Outside inference mode: a first call under torch.inference_mode() (an eval before
-        # training) would otherwise cache inference tensors, which training cannot save for backward.
+        # training) would otherwise cache inference tensors, which training cannot save for
+        # backward.
         with torch.inference_mode(False):
             value = make()
         cache[key] = value
@@ -128,16 +170,28 @@ def _lru_get(cache: OrderedDict, key: tuple, make):
     return value
 
 
-def capacity_plan(topo: RailTopology, path: Route | str, capacity: int, options: PlanOptions) -> PathPlan:
+def capacity_plan(
+    topo: RailTopology, path: Route | str, capacity: int, options: PlanOptions
+) -> PathPlan:
     """The path's plan for the capacity demand (remainder rotation phase 0: the plan is fixed)."""
-    return build_plan(capacity_demand(topo, capacity), topo, parse_route(path), options=options, phase=0)
+    return build_plan(
+        capacity_demand(topo, capacity), topo, parse_route(path), options=options, phase=0
+    )
 
 
-def _schedule(topo: RailTopology, path: Route, capacity: int, options: PlanOptions,
-              wire: RecordWireFormat) -> ExecutionSchedule:
+def _schedule(
+    topo: RailTopology, path: Route, capacity: int, options: PlanOptions, wire: RecordWireFormat
+) -> ExecutionSchedule:
     key = (topo, path, capacity, _options_key(options), wire)
-    return _lru_get(_SCHEDULES, key, lambda: compile_schedule(
-        capacity_plan(topo, path, capacity, options), wire, demand=capacity_demand(topo, capacity)))
+    return _lru_get(
+        _SCHEDULES,
+        key,
+        lambda: compile_schedule(
+            capacity_plan(topo, path, capacity, options),
+            wire,
+            demand=capacity_demand(topo, capacity),
+        ),
+    )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -158,8 +212,15 @@ class CapacityLayer:
     capacity: int
 
 
-def capacity_layer(topo: RailTopology, path: Route | str, capacity: int, options: PlanOptions,
-                   wire: RecordWireFormat, rank: int, device: torch.device) -> CapacityLayer:
+def capacity_layer(
+    topo: RailTopology,
+    path: Route | str,
+    capacity: int,
+    options: PlanOptions,
+    wire: RecordWireFormat,
+    rank: int,
+    device: torch.device,
+) -> CapacityLayer:
     """The cached schedule, rank view and index maps of the capacity plan (built on first use:
     host planning and one host-to-device copy of small counts; later calls cost a dict lookup)."""
     path = parse_route(path)
@@ -171,8 +232,13 @@ def capacity_layer(topo: RailTopology, path: Route | str, capacity: int, options
         view = rank_view(schedule, rank)
         n, m = topo.num_nodes, 1 << topo.gpus_per_node
         node_R = torch.arange(n, dtype=torch.int64, device=device).repeat_interleave(capacity)
-        layout = build_layout(schedule.plan, view, token_R=torch.zeros_like(node_R), node_R=node_R,
-                              mask_R=torch.full_like(node_R, m - 1))
+        layout = build_layout(
+            schedule.plan,
+            view,
+            token_R=torch.zeros_like(node_R),
+            node_R=node_R,
+            mask_R=torch.full_like(node_R, m - 1),
+        )
         return CapacityLayer(schedule=schedule, view=view, layout=layout, capacity=capacity)
 
     return _lru_get(_LAYERS, key, make)
@@ -190,7 +256,12 @@ def slot_tokens(routing_map: torch.Tensor, num_nodes: int, capacity: int) -> tor
     node_N = torch.arange(num_nodes, dtype=torch.int64, device=device)
     trash = num_nodes * capacity
     dest = torch.where(hit_TN, node_N * capacity + slot_TN, trash).reshape(-1)
-    token = torch.arange(t, dtype=torch.int64, device=device).unsqueeze(1).expand(t, num_nodes).reshape(-1)
+    token = (
+        torch.arange(t, dtype=torch.int64, device=device)
+        .unsqueeze(1)
+        .expand(t, num_nodes)
+        .reshape(-1)
+    )
     out = torch.full((trash + 1,), t, dtype=torch.int64, device=device)
     return out.scatter_(0, dest, token)[:trash]
 
@@ -223,8 +294,9 @@ class PaddedEntries:
         return self.expert_of_slot
 
 
-def expand_padded(meta_C: torch.Tensor, *, local: int, experts_per_rank: int, world_size: int,
-                  capacity: int) -> PaddedEntries:
+def expand_padded(
+    meta_C: torch.Tensor, *, local: int, experts_per_rank: int, world_size: int, capacity: int
+) -> PaddedEntries:
     """Entries of the received copies in the padded layout, canonical order. Device; no sync.
 
     Every (copy, local expert) pair whose routing bit is set is an entry, keyed (expert,
@@ -247,9 +319,18 @@ def expand_padded(meta_C: torch.Tensor, *, local: int, experts_per_rank: int, wo
     tokens_per_expert = hits.sum(dim=0, dtype=torch.int64)
     start = torch.cumsum(tokens_per_expert, 0) - tokens_per_expert
     copy, expert = order // e_loc, order % e_loc
-    position = torch.arange(order.numel(), dtype=torch.int64, device=device) - start.index_select(0, expert)
+    position = torch.arange(order.numel(), dtype=torch.int64, device=device) - start.index_select(
+        0, expert
+    )
     dest = torch.where(sorted_key < total, expert * slots + position, total)
-    copy_of_slot = torch.full((total + 1,), n_copy, dtype=torch.int64, device=device).scatter_(0, dest, copy)[:total]
+    copy_of_slot = torch.full((total + 1,), n_copy, dtype=torch.int64, device=device).scatter_(
+        0, dest, copy
+    )[:total]
     expert_of_slot = torch.arange(total, dtype=torch.int64, device=device) // slots
-    return PaddedEntries(copy_of_slot=copy_of_slot, valid=copy_of_slot < n_copy, expert_of_slot=expert_of_slot,
-                         tokens_per_expert=tokens_per_expert, num_copies=n_copy)
+    return PaddedEntries(
+        copy_of_slot=copy_of_slot,
+        valid=copy_of_slot < n_copy,
+        expert_of_slot=expert_of_slot,
+        tokens_per_expert=tokens_per_expert,
+        num_copies=n_copy,
+    )

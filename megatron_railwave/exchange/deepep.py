@@ -38,15 +38,21 @@ import numpy as np
 import torch
 
 from megatron_railwave import ops
-from megatron_railwave.planner import PathPlan, PlanOptions
-from megatron_railwave.topology import RailTopology
-from megatron_railwave.exchange.deepep_api import DeepEPApi, check_deepep_layout, deepep_buffer_bytes, dispatch_row_bytes, record_meta_bytes
+from megatron_railwave.exchange.deepep_api import (
+    DeepEPApi,
+    check_deepep_layout,
+    deepep_buffer_bytes,
+    dispatch_row_bytes,
+    record_meta_bytes,
+)
 from megatron_railwave.exchange.groups import RankGroups
 from megatron_railwave.exchange.layer import InputError, LayerDemand, LayerHandle
 from megatron_railwave.exchange.layout import HostCounts, select_positions
 from megatron_railwave.exchange.moves import relay_backward, relay_forward
 from megatron_railwave.exchange.torch_dist import TorchDistExchange
 from megatron_railwave.exchange.transport import Program
+from megatron_railwave.planner import PathPlan, PlanOptions
+from megatron_railwave.topology import RailTopology
 
 __all__ = ["DeepEPExchange", "DeepEPLayer", "DeepEPHandle"]
 
@@ -112,7 +118,9 @@ class DeepEPHandle:
 _BUFFERS: dict[tuple, tuple[Any, Any]] = {}
 
 
-def _shared_buffer(api: DeepEPApi, groups: RankGroups, num_nvl_bytes: int, num_rdma_bytes: int) -> Any:
+def _shared_buffer(
+    api: DeepEPApi, groups: RankGroups, num_nvl_bytes: int, num_rdma_bytes: int
+) -> Any:
     """One Buffer per (implementation, EP group, sizes) in this process, shared by every MoE layer
     (as Megatron's flex dispatcher shares its one): a layer's dispatch, experts and combine finish
     before the next layer's start, and each call's handle holds its own layout tensors.
@@ -121,7 +129,10 @@ def _shared_buffer(api: DeepEPApi, groups: RankGroups, num_nvl_bytes: int, num_r
     """
     key = (id(api.Buffer), id(groups.ep.handle), num_nvl_bytes, num_rdma_bytes)
     if key not in _BUFFERS:  # the value keeps the group alive, so its id is not reused
-        _BUFFERS[key] = (api.Buffer(groups.ep.handle, num_nvl_bytes, num_rdma_bytes), groups.ep.handle)
+        _BUFFERS[key] = (
+            api.Buffer(groups.ep.handle, num_nvl_bytes, num_rdma_bytes),
+            groups.ep.handle,
+        )
     return _BUFFERS[key][0]
 
 
@@ -149,15 +160,36 @@ class DeepEPExchange(TorchDistExchange):
     Collective: yes (the EP group, at construction: DeepEP's Buffer).
     """
 
-    def __init__(self, topo: RailTopology, groups: RankGroups, *, num_experts: int, topk: int, hidden_size: int,
-                 hidden_dtype: torch.dtype, api: DeepEPApi, num_sms: int = 20,
-                 options: PlanOptions | None = None, timeout_s: float | None = None) -> None:
-        check_deepep_layout(topo, api, hidden_size=hidden_size, hidden_dtype=hidden_dtype, topk=topk,
-                            num_experts=num_experts)
+    def __init__(
+        self,
+        topo: RailTopology,
+        groups: RankGroups,
+        *,
+        num_experts: int,
+        topk: int,
+        hidden_size: int,
+        hidden_dtype: torch.dtype,
+        api: DeepEPApi,
+        num_sms: int = 20,
+        options: PlanOptions | None = None,
+        timeout_s: float | None = None,
+    ) -> None:
+        check_deepep_layout(
+            topo,
+            api,
+            hidden_size=hidden_size,
+            hidden_dtype=hidden_dtype,
+            topk=topk,
+            num_experts=num_experts,
+        )
         if not isinstance(num_sms, int) or num_sms < 2 or num_sms % 2:
-            raise ValueError(f"deepep_num_sms={num_sms!r} must be an even integer >= 2 (DeepEP runs two SMs per "
-                             "channel; its default is 20)")
-        super().__init__(topo, groups, num_experts=num_experts, options=options, timeout_s=timeout_s)
+            raise ValueError(
+                f"deepep_num_sms={num_sms!r} must be an even integer >= 2 (DeepEP runs two SMs per "
+                "channel; its default is 20)"
+            )
+        super().__init__(
+            topo, groups, num_experts=num_experts, options=options, timeout_s=timeout_s
+        )
         self.api = api
         self.hidden_size, self.hidden_dtype = hidden_size, hidden_dtype
         self.topk_slots = min(topk, self.ctx.experts_per_node)
@@ -166,22 +198,35 @@ class DeepEPExchange(TorchDistExchange):
         self.dispatch_config = api.Buffer.get_dispatch_config(topo.world_size)
         self.combine_config = api.Buffer.get_combine_config(topo.world_size)
         self.num_nvl_bytes, self.num_rdma_bytes = deepep_buffer_bytes(
-            self.dispatch_config, self.combine_config, num_ranks=topo.world_size,
-            row_bytes=dispatch_row_bytes(hidden_size, hidden_dtype))
+            self.dispatch_config,
+            self.combine_config,
+            num_ranks=topo.world_size,
+            row_bytes=dispatch_row_bytes(hidden_size, hidden_dtype),
+        )
         self.buffer = _shared_buffer(api, groups, self.num_nvl_bytes, self.num_rdma_bytes)
 
     # ------------------------------------------------------------------ preparation
-    def prepare(self, layer: LayerDemand, plan: PathPlan, hidden: torch.Tensor, probs: torch.Tensor) -> DeepEPLayer:
+    def prepare(
+        self, layer: LayerDemand, plan: PathPlan, hidden: torch.Tensor, probs: torch.Tensor
+    ) -> DeepEPLayer:
         """The torch backend's preparation plus the wave-ordered dispatch rows. No communication."""
         if hidden.dtype != self.hidden_dtype or hidden.shape[-1] != self.hidden_size:
-            raise ValueError(f"backend 'deepep': hidden states are {hidden.dtype} [.., {hidden.shape[-1]}], the "
-                             f"DeepEP buffer was built for {self.hidden_dtype} [.., {self.hidden_size}]")
+            raise ValueError(
+                f"backend 'deepep': hidden states are {hidden.dtype} [.., {hidden.shape[-1]}], the "
+                f"DeepEP buffer was built for {self.hidden_dtype} [.., {self.hidden_size}]"
+            )
         if probs.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-            raise ValueError(f"backend 'deepep': probs dtype {probs.dtype}; DeepEP carries them as float32 top-k "
-                             "weights, exact for float32, bfloat16 and float16 only")
+            raise ValueError(
+                f"backend 'deepep': probs dtype {probs.dtype}; DeepEP carries them as float32 "
+                f"top-k "
+                "weights, exact for float32, bfloat16 and float16 only"
+            )
         if plan.chunks != 1:
-            raise ValueError(f"backend 'deepep': the plan has {plan.chunks} rail chunks per wave; DeepEP dispatches "
-                             "whole waves. Set chunks: 1 in the RailWave config, or use backend 'torch'")
+            raise ValueError(
+                f"backend 'deepep': the plan has {plan.chunks} rail chunks per wave; DeepEP "
+                f"dispatches "
+                "whole waves. Set chunks: 1 in the RailWave config, or use backend 'torch'"
+            )
         handle = super().prepare(layer, plan, hidden, probs)
         view, layout = handle.view, handle.layout
         g, s = self.topo.gpus_per_node, view.node
@@ -200,68 +245,113 @@ class DeepEPExchange(TorchDistExchange):
         host.add("shift", np.asarray(starts) - (np.cumsum(counts) - counts))
         host.add("count", np.asarray(counts))
         dev = host.to(hidden.device)
-        in_s = torch.repeat_interleave(dev["shift"], dev["count"], output_size=total) + torch.arange(
-            total, dtype=torch.int64, device=hidden.device)  # position in [local rows | egress rows]
-        row_of_s = torch.cat([torch.arange(num_local, dtype=torch.int64, device=hidden.device),
-                              layout.egress_perm + num_local])  # -> row of [local rows | pool]
+        in_s = torch.repeat_interleave(
+            dev["shift"], dev["count"], output_size=total
+        ) + torch.arange(
+            total, dtype=torch.int64, device=hidden.device
+        )  # position in [local rows | egress rows]
+        row_of_s = torch.cat(
+            [
+                torch.arange(num_local, dtype=torch.int64, device=hidden.device),
+                layout.egress_perm + num_local,
+            ]
+        )  # -> row of [local rows | pool]
         order = row_of_s.index_select(0, in_s)
-        inverse = torch.empty_like(order).scatter_(0, order, torch.arange(total, dtype=torch.int64,
-                                                                          device=hidden.device))
-        return DeepEPLayer(layer=handle, order=order, inverse=inverse, wave_rows=wave_rows, num_local=num_local)
+        inverse = torch.empty_like(order).scatter_(
+            0, order, torch.arange(total, dtype=torch.int64, device=hidden.device)
+        )
+        return DeepEPLayer(
+            layer=handle, order=order, inverse=inverse, wave_rows=wave_rows, num_local=num_local
+        )
 
     # ------------------------------------------------------------------ programs
-    def _records_topk(self, routing_map: torch.Tensor, token_R: torch.Tensor, node_R: torch.Tensor) -> torch.Tensor:
+    def _records_topk(
+        self, routing_map: torch.Tensor, token_R: torch.Tensor, node_R: torch.Tensor
+    ) -> torch.Tensor:
         """[n_rec, K] int64: each record's experts on its node, ascending, -1 padded."""
         e_node, n = self.ctx.experts_per_node, self.topo.num_nodes
         bits = routing_map.reshape(-1, e_node).index_select(0, token_R * n + node_R)
         col = torch.arange(e_node, dtype=torch.int64, device=bits.device)
-        first = torch.where(bits, col, col + e_node).sort(dim=1).values[:, :self.topk_slots]
+        first = torch.where(bits, col, col + e_node).sort(dim=1).values[:, : self.topk_slots]
         return torch.where(first < e_node, node_R.unsqueeze(1) * e_node + first, -1)
 
     def _dispatch_rows(self, dl: DeepEPLayer, rows_o: torch.Tensor) -> Program:
-        """Owner rows [n_rec, b] (owner order) -> this rank's dispatch rows [n_disp, b] (relay first)."""
+        """Owner rows [n_rec, b] (owner order) -> this rank's dispatch rows [n_disp, b] (relay
+        first)."""
         layer = dl.layer
-        pool = yield from relay_forward(rows_o, layout=layer.layout, schedule=layer.schedule, groups=self.groups)
-        local = rows_o[rows_o.shape[0] - dl.num_local:]
+        pool = yield from relay_forward(
+            rows_o, layout=layer.layout, schedule=layer.schedule, groups=self.groups
+        )
+        local = rows_o[rows_o.shape[0] - dl.num_local :]
         return ops.pack_rows([torch.cat([local, pool])], [dl.order])
 
     def _return_rows(self, dl: DeepEPLayer, parts: list[torch.Tensor]) -> Program:
-        """Rows in dispatch order -> the owners' rows [n_rec, b] uint8 in owner order (relay back)."""
+        """Rows in dispatch order -> the owners' rows [n_rec, b] uint8 in owner order (relay
+        back)."""
         layer = dl.layer
         packed = ops.pack_rows(parts, [dl.inverse] * len(parts))  # [local | pool] order
         out = packed.new_empty((layer.view.num_records, packed.shape[1]))
-        out[out.shape[0] - dl.num_local:].copy_(packed[:dl.num_local])
-        yield from relay_backward(packed[dl.num_local:], out, layout=layer.layout, schedule=layer.schedule,
-                                  groups=self.groups)
+        out[out.shape[0] - dl.num_local :].copy_(packed[: dl.num_local])
+        yield from relay_backward(
+            packed[dl.num_local :],
+            out,
+            layout=layer.layout,
+            schedule=layer.schedule,
+            groups=self.groups,
+        )
         return out
 
     def _wave_slices(self, rows: list[int]) -> list[slice]:
         bounds = np.concatenate([[0], np.cumsum(rows)]).tolist()
         return [slice(bounds[v], bounds[v + 1]) for v in range(len(rows))]
 
-    def _dispatch_forward(self, dl: DeepEPLayer, hidden: torch.Tensor, probs: torch.Tensor,
-                          routing_map: torch.Tensor) -> Program:
+    def _dispatch_forward(
+        self, dl: DeepEPLayer, hidden: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor
+    ) -> Program:
         """Returns (tokens [n_ent, H], entry probs [n_ent], ``DeepEPHandle``)."""
         layer, ctx, h = dl.layer, self.ctx, self.hidden_size
         layout = layer.layout
         idx_R = self._records_topk(routing_map, layout.token_R, layout.node_R)
         order = layout.owner_order
         token_o, idx_o = layout.token_R.index_select(0, order), idx_R.index_select(0, order)
-        weights_o = torch.where(idx_o >= 0, probs[token_o.unsqueeze(1), idx_o.clamp(min=0)], 0).to(torch.float32)
-        meta_o = torch.zeros((token_o.shape[0], record_meta_bytes() // 4), dtype=torch.int32, device=hidden.device)
+        weights_o = torch.where(idx_o >= 0, probs[token_o.unsqueeze(1), idx_o.clamp(min=0)], 0).to(
+            torch.float32
+        )
+        meta_o = torch.zeros(
+            (token_o.shape[0], record_meta_bytes() // 4), dtype=torch.int32, device=hidden.device
+        )
         meta_o[:, 0], meta_o[:, 1] = ctx.groups.ep_rank, token_o.to(torch.int32)
         rows_o = ops.pack_rows([hidden, meta_o, idx_o, weights_o], [token_o, None, None, None])
         disp = yield from self._dispatch_rows(dl, rows_o)
-        x, topk_idx, topk_w = ops.unpack_rows(disp, [(hidden.dtype, (h + self.meta_cols,)),
-                                                     (torch.int64, (self.topk_slots,)),
-                                                     (torch.float32, (self.topk_slots,))])
-        recv_x, recv_idx, recv_w, handles, per_expert = [], [], [], [], np.zeros(ctx.experts_per_rank, np.int64)
+        x, topk_idx, topk_w = ops.unpack_rows(
+            disp,
+            [
+                (hidden.dtype, (h + self.meta_cols,)),
+                (torch.int64, (self.topk_slots,)),
+                (torch.float32, (self.topk_slots,)),
+            ],
+        )
+        recv_x, recv_idx, recv_w, handles, per_expert = (
+            [],
+            [],
+            [],
+            [],
+            np.zeros(ctx.experts_per_rank, np.int64),
+        )
         for part in self._wave_slices(dl.wave_rows):
-            per_rank, per_rdma, per_exp, in_rank, _ = self.buffer.get_dispatch_layout(topk_idx[part], self.num_experts)
+            per_rank, per_rdma, per_exp, in_rank, _ = self.buffer.get_dispatch_layout(
+                topk_idx[part], self.num_experts
+            )
             rx, ridx, rw, counts, handle, _ = self.buffer.dispatch(
-                x[part], num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma, is_token_in_rank=in_rank,
-                num_tokens_per_expert=per_exp, topk_idx=topk_idx[part], topk_weights=topk_w[part],
-                config=self.dispatch_config)
+                x[part],
+                num_tokens_per_rank=per_rank,
+                num_tokens_per_rdma_rank=per_rdma,
+                is_token_in_rank=in_rank,
+                num_tokens_per_expert=per_exp,
+                topk_idx=topk_idx[part],
+                topk_weights=topk_w[part],
+                config=self.dispatch_config,
+            )
             recv_x.append(rx)
             recv_idx.append(ridx)
             recv_w.append(rw)
@@ -270,9 +360,12 @@ class DeepEPExchange(TorchDistExchange):
         expected = layer.tokens_per_expert.numpy()
         if not np.array_equal(per_expert, expected):
             raise InputError(
-                f"EP rank {ctx.groups.ep_rank}: DeepEP delivered {per_expert.tolist()} entries per local expert, the "
-                f"count exchange announced {expected.tolist()}: a token routes to more than {self.topk_slots} experts "
-                "of one node. routing_map must have at most top-k True per row")
+                f"EP rank {ctx.groups.ep_rank}: DeepEP delivered {per_expert.tolist()} entries "
+                f"per local expert, the "
+                f"count exchange announced {expected.tolist()}: a token routes to more than "
+                f"{self.topk_slots} experts "
+                "of one node. routing_map must have at most top-k True per row"
+            )
         rx, ridx, rw = torch.cat(recv_x), torch.cat(recv_idx), torch.cat(recv_w)
         meta = rx[:, h:].contiguous().view(torch.int32)
         flat = select_positions((ridx >= 0).reshape(-1), layer.num_entries)
@@ -284,64 +377,112 @@ class DeepEPExchange(TorchDistExchange):
         copy_of_entry, slot_of_entry = copy.index_select(0, perm), flat.index_select(0, perm)
         tokens = rx[:, :h].index_select(0, copy_of_entry)
         entry_probs = rw.reshape(-1).index_select(0, slot_of_entry).to(probs.dtype)
-        handle = DeepEPHandle(layer=dl, wave_handles=tuple(handles), recv_rows=tuple(int(r.shape[0]) for r in recv_x),
-                              topk_idx_R=idx_R, copy_of_entry=copy_of_entry, slot_of_entry=slot_of_entry)
+        handle = DeepEPHandle(
+            layer=dl,
+            wave_handles=tuple(handles),
+            recv_rows=tuple(int(r.shape[0]) for r in recv_x),
+            topk_idx_R=idx_R,
+            copy_of_entry=copy_of_entry,
+            slot_of_entry=slot_of_entry,
+        )
         return tokens, entry_probs, handle
 
-    def _combine_waves(self, handle: DeepEPHandle, x_C: torch.Tensor,
-                       w_C: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _combine_waves(
+        self, handle: DeepEPHandle, x_C: torch.Tensor, w_C: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """DeepEP combine per wave, in reverse wave order. Returns rows in dispatch order."""
         parts = self._wave_slices(list(handle.recv_rows))
         out_x: list[Any] = [None] * len(parts)
         out_w: list[Any] = [None] * len(parts)
         for v in reversed(range(len(parts))):
             out_x[v], out_w[v], _ = self.buffer.combine(
-                x_C[parts[v]], handle.wave_handles[v], topk_weights=None if w_C is None else w_C[parts[v]],
-                config=self.combine_config)
+                x_C[parts[v]],
+                handle.wave_handles[v],
+                topk_weights=None if w_C is None else w_C[parts[v]],
+                config=self.combine_config,
+            )
         return torch.cat(out_x), (None if w_C is None else torch.cat(out_w))
 
     def _combine_forward(self, handle: DeepEPHandle, expert_out: torch.Tensor) -> Program:
         """Returns [T, H]: expert outputs summed per received row, combined, summed per token."""
         layer = handle.layer.layer
         if expert_out.dtype != self.hidden_dtype:
-            raise ValueError(f"combine: expert output dtype {expert_out.dtype} differs from the dispatched hidden "
-                             f"dtype {self.hidden_dtype}")
-        y_C = ops.segment_sum(expert_out, handle.copy_of_entry, sum(handle.recv_rows),
-                              max_segment_len=self.ctx.experts_per_rank)
+            raise ValueError(
+                f"combine: expert output dtype {expert_out.dtype} differs from the dispatched "
+                f"hidden "
+                f"dtype {self.hidden_dtype}"
+            )
+        y_C = ops.segment_sum(
+            expert_out,
+            handle.copy_of_entry,
+            sum(handle.recv_rows),
+            max_segment_len=self.ctx.experts_per_rank,
+        )
         y_disp, _ = self._combine_waves(handle, y_C, None)
         back = yield from self._return_rows(handle.layer, [y_disp])
-        (y_R,) = ops.unpack_rows(back, [(self.hidden_dtype, (self.hidden_size,))], row_index=layer.layout.owner_order,
-                                 num_rows=layer.view.num_records)
-        return ops.segment_sum(y_R, layer.layout.token_R, layer.num_tokens, max_segment_len=self.topo.num_nodes)
+        (y_R,) = ops.unpack_rows(
+            back,
+            [(self.hidden_dtype, (self.hidden_size,))],
+            row_index=layer.layout.owner_order,
+            num_rows=layer.view.num_records,
+        )
+        return ops.segment_sum(
+            y_R, layer.layout.token_R, layer.num_tokens, max_segment_len=self.topo.num_nodes
+        )
 
     def _combine_backward(self, handle: DeepEPHandle, g_out: torch.Tensor) -> Program:
         """Returns g_expert_out [n_ent, H]: g_out rows dispatched again with the cached handles."""
         layer = handle.layer.layer
         token_o = layer.layout.token_R.index_select(0, layer.layout.owner_order)
-        disp = yield from self._dispatch_rows(handle.layer, ops.pack_rows([g_out.to(self.hidden_dtype)], [token_o]))
+        disp = yield from self._dispatch_rows(
+            handle.layer, ops.pack_rows([g_out.to(self.hidden_dtype)], [token_o])
+        )
         (x,) = ops.unpack_rows(disp, [(self.hidden_dtype, (self.hidden_size,))])
-        recv = [self.buffer.dispatch(x[part], handle=handle.wave_handles[v], config=self.dispatch_config)[0]
-                for v, part in enumerate(self._wave_slices(handle.layer.wave_rows))]
+        recv = [
+            self.buffer.dispatch(
+                x[part], handle=handle.wave_handles[v], config=self.dispatch_config
+            )[0]
+            for v, part in enumerate(self._wave_slices(handle.layer.wave_rows))
+        ]
         return torch.cat(recv).index_select(0, handle.copy_of_entry)
 
-    def _dispatch_backward(self, handle: DeepEPHandle, g_tokens: torch.Tensor, g_probs: torch.Tensor,
-                           probs_dtype: torch.dtype) -> Program:
+    def _dispatch_backward(
+        self,
+        handle: DeepEPHandle,
+        g_tokens: torch.Tensor,
+        g_probs: torch.Tensor,
+        probs_dtype: torch.dtype,
+    ) -> Program:
         """Returns (g_hidden [T, H], g_probs [T, E])."""
         layer, k = handle.layer.layer, self.topk_slots
         n_copy = sum(handle.recv_rows)
-        g_x_C = ops.segment_sum(g_tokens, handle.copy_of_entry, n_copy, out_dtype=self.hidden_dtype,
-                                max_segment_len=self.ctx.experts_per_rank)
+        g_x_C = ops.segment_sum(
+            g_tokens,
+            handle.copy_of_entry,
+            n_copy,
+            out_dtype=self.hidden_dtype,
+            max_segment_len=self.ctx.experts_per_rank,
+        )
         g_w_C = torch.zeros(n_copy * k, dtype=torch.float32, device=g_tokens.device)
         g_w_C.index_put_((handle.slot_of_entry,), g_probs.to(torch.float32))
         g_x_disp, g_w_disp = self._combine_waves(handle, g_x_C, g_w_C.view(n_copy, k))
         back = yield from self._return_rows(handle.layer, [g_x_disp, g_w_disp])
-        g_x_R, g_w_R = ops.unpack_rows(back, [(self.hidden_dtype, (self.hidden_size,)), (torch.float32, (k,))],
-                                       row_index=layer.layout.owner_order, num_rows=layer.view.num_records)
+        g_x_R, g_w_R = ops.unpack_rows(
+            back,
+            [(self.hidden_dtype, (self.hidden_size,)), (torch.float32, (k,))],
+            row_index=layer.layout.owner_order,
+            num_rows=layer.view.num_records,
+        )
         t, e = layer.num_tokens, self.num_experts
-        g_hidden = ops.segment_sum(g_x_R, layer.layout.token_R, t, out_dtype=self.hidden_dtype,
-                                   max_segment_len=self.topo.num_nodes)
+        g_hidden = ops.segment_sum(
+            g_x_R,
+            layer.layout.token_R,
+            t,
+            out_dtype=self.hidden_dtype,
+            max_segment_len=self.topo.num_nodes,
+        )
         idx_R = handle.topk_idx_R
         target = torch.where(idx_R >= 0, layer.layout.token_R.unsqueeze(1) * e + idx_R, t * e)
         g_probs_TE = torch.zeros(t * e + 1, dtype=probs_dtype, device=g_tokens.device)
         g_probs_TE.scatter_(0, target.reshape(-1), g_w_R.reshape(-1).to(probs_dtype))
-        return g_hidden, g_probs_TE[:t * e].view(t, e)
+        return g_hidden, g_probs_TE[: t * e].view(t, e)

@@ -25,11 +25,22 @@ from typing import Any, Literal
 
 import torch
 
-from megatron_railwave.topology import RailTopology
 from megatron_railwave.exchange.deepep_fake import fake_deep_ep
+from megatron_railwave.topology import RailTopology
 
-__all__ = ["DeepEPApi", "DeepEPLimits", "REAL_LIMITS", "load_deep_ep", "deep_ep_importable", "check_deepep_layout",
-           "deepep_layout_problems", "deepep_buffer_bytes", "record_meta_bytes", "dispatch_row_bytes", "REAL_WHEEL"]
+__all__ = [
+    "DeepEPApi",
+    "DeepEPLimits",
+    "REAL_LIMITS",
+    "load_deep_ep",
+    "deep_ep_importable",
+    "check_deepep_layout",
+    "deepep_layout_problems",
+    "deepep_buffer_bytes",
+    "record_meta_bytes",
+    "dispatch_row_bytes",
+    "REAL_WHEEL",
+]
 
 REAL_WHEEL = "tokenspeed-deepep"
 _MAX_TOPK = 32
@@ -53,8 +64,9 @@ class DeepEPLimits:
     combine_dtypes: tuple[torch.dtype, ...]
 
 
-REAL_LIMITS = DeepEPLimits(nvl_peers=8, node_counts=(2, 3, 4, 6, 8, 12, 16, 18, 20),
-                           combine_dtypes=(torch.bfloat16,))
+REAL_LIMITS = DeepEPLimits(
+    nvl_peers=8, node_counts=(2, 3, 4, 6, 8, 12, 16, 18, 20), combine_dtypes=(torch.bfloat16,)
+)
 """DeepEP 2.1 (``LEGACY_NUM_MAX_NVL_PEERS``, ``SWITCH_RDMA_RANKS``, ``internode::combine``)."""
 
 
@@ -87,19 +99,33 @@ def load_deep_ep(kind: Literal["real", "fake"], *, gpus_per_node: int) -> DeepEP
     """
     if kind == "fake":
         ns = fake_deep_ep(gpus_per_node)
-        limits = DeepEPLimits(nvl_peers=gpus_per_node, node_counts=ns.known_node_counts,
-                              combine_dtypes=ns.combine_dtypes)
-        return DeepEPApi(kind="fake", Buffer=ns.Buffer, Config=ns.Config, EventOverlap=ns.EventOverlap, limits=limits)
+        limits = DeepEPLimits(
+            nvl_peers=gpus_per_node,
+            node_counts=ns.known_node_counts,
+            combine_dtypes=ns.combine_dtypes,
+        )
+        return DeepEPApi(
+            kind="fake",
+            Buffer=ns.Buffer,
+            Config=ns.Config,
+            EventOverlap=ns.EventOverlap,
+            limits=limits,
+        )
     if kind != "real":
         raise ValueError(f"deepep_buffer={kind!r} must be 'real' or 'fake'")
     try:
         from deep_ep import Buffer, Config, EventOverlap
     except Exception as exc:  # noqa: BLE001 - deep_ep's import also runs NCCL / JIT checks (asserts)
         raise ImportError(
-            f"backend 'deepep' needs DeepEP 2.1 (`import deep_ep` failed: {type(exc).__name__}: {exc}). "
-            f"Install the `{REAL_WHEEL}` wheel (DeepEP 2.1 for CUDA 13, next to a CUDA torch), or set "
-            "backend: torch (backend: auto falls back to torch by itself)") from exc
-    return DeepEPApi(kind="real", Buffer=Buffer, Config=Config, EventOverlap=EventOverlap, limits=REAL_LIMITS)
+            f"backend 'deepep' needs DeepEP 2.1 (`import deep_ep` failed: {type(exc).__name__}: "
+            f"{exc}). "
+            f"Install the `{REAL_WHEEL}` wheel (DeepEP 2.1 for CUDA 13, next to a CUDA torch), or "
+            f"set "
+            "backend: torch (backend: auto falls back to torch by itself)"
+        ) from exc
+    return DeepEPApi(
+        kind="real", Buffer=Buffer, Config=Config, EventOverlap=EventOverlap, limits=REAL_LIMITS
+    )
 
 
 def deep_ep_importable() -> tuple[bool, str]:
@@ -123,8 +149,15 @@ def dispatch_row_bytes(hidden_size: int, hidden_dtype: torch.dtype) -> int:
     return hidden_size * torch.empty(0, dtype=hidden_dtype).element_size() + record_meta_bytes()
 
 
-def deepep_layout_problems(topo: RailTopology, limits: DeepEPLimits, *, hidden_size: int,
-                           hidden_dtype: torch.dtype, topk: int, num_experts: int) -> list[str]:
+def deepep_layout_problems(
+    topo: RailTopology,
+    limits: DeepEPLimits,
+    *,
+    hidden_size: int,
+    hidden_dtype: torch.dtype,
+    topk: int,
+    num_experts: int,
+) -> list[str]:
     """What keeps a DeepEP with ``limits`` from running this layer layout (empty: nothing). Pure."""
     n, g, w = topo.num_nodes, topo.gpus_per_node, topo.world_size
     p = limits.nvl_peers
@@ -132,51 +165,94 @@ def deepep_layout_problems(topo: RailTopology, limits: DeepEPLimits, *, hidden_s
     if g != p:
         problems.append(f"{g} GPUs per node (DeepEP's internode kernels need exactly {p})")
     if n < 2:
-        problems.append(f"an EP group of {w} ranks inside one node (DeepEP's internode mode needs more than {p} "
-                        f"ranks, a multiple of {p}; its intranode mode is not driven by this backend)")
+        problems.append(
+            f"an EP group of {w} ranks inside one node (DeepEP's internode mode needs more than "
+            f"{p} "
+            f"ranks, a multiple of {p}; its intranode mode is not driven by this backend)"
+        )
     elif n not in limits.node_counts:
-        problems.append(f"{n} nodes (DeepEP's internode kernels are built for {list(limits.node_counts)} nodes)")
+        problems.append(
+            f"{n} nodes (DeepEP's internode kernels are built for {list(limits.node_counts)} nodes)"
+        )
     elt = torch.empty(0, dtype=hidden_dtype).element_size()
     if hidden_dtype not in limits.combine_dtypes:
-        problems.append(f"hidden dtype {hidden_dtype} (DeepEP's combine reduces {list(limits.combine_dtypes)} only)")
+        problems.append(
+            f"hidden dtype {hidden_dtype} (DeepEP's combine reduces {list(limits.combine_dtypes)} "
+            f"only)"
+        )
     if hidden_size * elt % 512:
-        problems.append(f"hidden size {hidden_size} ({hidden_size * elt} bytes per row; DeepEP's internode combine "
-                        "needs a multiple of 512 bytes, i.e. a multiple of 256 in bf16)")
+        problems.append(
+            f"hidden size {hidden_size} ({hidden_size * elt} bytes per row; DeepEP's internode "
+            f"combine "
+            "needs a multiple of 512 bytes, i.e. a multiple of 256 in bf16)"
+        )
     e_node = num_experts // n if n else num_experts
     slots = min(topk, e_node)
     if slots > _MAX_TOPK:
-        problems.append(f"top-k {topk} with {e_node} experts per node ({slots} slots per record; "
-                        f"DeepEP: <= {_MAX_TOPK})")
-    token_bytes = -(-(dispatch_row_bytes(hidden_size, hidden_dtype) + _SOURCE_META_BYTES + 8 * slots) // 16) * 16
+        problems.append(
+            f"top-k {topk} with {e_node} experts per node ({slots} slots per record; "
+            f"DeepEP: <= {_MAX_TOPK})"
+        )
+    token_bytes = (
+        -(-(dispatch_row_bytes(hidden_size, hidden_dtype) + _SOURCE_META_BYTES + 8 * slots) // 16)
+        * 16
+    )
     if token_bytes + 8 > _TMA_BYTES_PER_WARP:
-        problems.append(f"{token_bytes} bytes per dispatched row (hidden {hidden_size}, {slots} top-k slots, 16 bytes "
-                        f"of record meta); DeepEP's internode dispatch holds at most {_TMA_BYTES_PER_WARP - 8}")
+        problems.append(
+            f"{token_bytes} bytes per dispatched row (hidden {hidden_size}, {slots} top-k slots, "
+            f"16 bytes "
+            f"of record meta); DeepEP's internode dispatch holds at most {_TMA_BYTES_PER_WARP - 8}"
+        )
     if w and num_experts % w == 0 and num_experts // w > _MAX_LOCAL_EXPERTS:
         problems.append(f"{num_experts // w} experts per rank (DeepEP: <= {_MAX_LOCAL_EXPERTS})")
     return problems
 
 
-def check_deepep_layout(topo: RailTopology, api: DeepEPApi, *, hidden_size: int, hidden_dtype: torch.dtype,
-                        topk: int, num_experts: int) -> None:
+def check_deepep_layout(
+    topo: RailTopology,
+    api: DeepEPApi,
+    *,
+    hidden_size: int,
+    hidden_dtype: torch.dtype,
+    topk: int,
+    num_experts: int,
+) -> None:
     """Raise ``ValueError`` naming every DeepEP limit this layout breaks (no communication).
 
     Raises:
         ValueError: names each problem and the fallback (backend: torch).
     """
-    problems = deepep_layout_problems(topo, api.limits, hidden_size=hidden_size, hidden_dtype=hidden_dtype, topk=topk,
-                                      num_experts=num_experts)
+    problems = deepep_layout_problems(
+        topo,
+        api.limits,
+        hidden_size=hidden_size,
+        hidden_dtype=hidden_dtype,
+        topk=topk,
+        num_experts=num_experts,
+    )
     if problems:
-        kind = "DeepEP" if api.kind == "real" else f"the fake DeepEP ({api.limits.nvl_peers} GPUs per node)"
-        raise ValueError(f"backend 'deepep' cannot run {topo.num_nodes} nodes x {topo.gpus_per_node} GPUs with "
-                         f"{kind}: " + "; ".join(problems) + ". Use backend: torch (or auto, which picks torch "
-                         "for such layouts)")
+        kind = (
+            "DeepEP"
+            if api.kind == "real"
+            else f"the fake DeepEP ({api.limits.nvl_peers} GPUs per node)"
+        )
+        raise ValueError(
+            f"backend 'deepep' cannot run {topo.num_nodes} nodes x {topo.gpus_per_node} GPUs with "
+            f"{kind}: " + "; ".join(problems) + ". Use backend: torch (or auto, which picks torch "
+            "for such layouts)"
+        )
 
 
-def deepep_buffer_bytes(dispatch_config: Any, combine_config: Any, *, num_ranks: int,
-                        row_bytes: int) -> tuple[int, int]:
+def deepep_buffer_bytes(
+    dispatch_config: Any, combine_config: Any, *, num_ranks: int, row_bytes: int
+) -> tuple[int, int]:
     """(num_nvl_bytes, num_rdma_bytes) of the Buffer: the larger of the two configs' hints for
     rows of ``row_bytes`` (``dispatch_row_bytes``). Sized by the Config, not by token counts:
     DeepEP streams rows through fixed per-channel ring buffers. Pure."""
-    nvl = max(c.get_nvl_buffer_size_hint(row_bytes, num_ranks) for c in (dispatch_config, combine_config))
-    rdma = max(c.get_rdma_buffer_size_hint(row_bytes, num_ranks) for c in (dispatch_config, combine_config))
+    nvl = max(
+        c.get_nvl_buffer_size_hint(row_bytes, num_ranks) for c in (dispatch_config, combine_config)
+    )
+    rdma = max(
+        c.get_rdma_buffer_size_hint(row_bytes, num_ranks) for c in (dispatch_config, combine_config)
+    )
     return int(nvl), int(rdma)

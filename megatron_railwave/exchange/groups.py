@@ -44,12 +44,19 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron_railwave.topology import RailTopology
 from megatron_railwave.exchange.placement import Placement, identity_placement
 from megatron_railwave.exchange.transport import GroupRef
+from megatron_railwave.topology import RailTopology
 
-__all__ = ["RankGroups", "build_rail_groups", "rank_groups", "virtual_rank_groups", "survey_unresponsive",
-           "report_failure", "reported_failures"]
+__all__ = [
+    "RankGroups",
+    "build_rail_groups",
+    "rank_groups",
+    "virtual_rank_groups",
+    "survey_unresponsive",
+    "report_failure",
+    "reported_failures",
+]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -92,7 +99,12 @@ class RankGroups:
 def _members(topo: RailTopology, rank: int) -> tuple[int, int, tuple[int, ...], tuple[int, ...]]:
     g = topo.gpus_per_node
     node, local = divmod(rank, g)
-    return node, local, tuple(node * g + j for j in range(g)), tuple(n * g + local for n in range(topo.num_nodes))
+    return (
+        node,
+        local,
+        tuple(node * g + j for j in range(g)),
+        tuple(n * g + local for n in range(topo.num_nodes)),
+    )
 
 
 def _node_label(node: int) -> str:
@@ -103,10 +115,18 @@ def _rail_label(topo: RailTopology, local: int) -> str:
     return f"rail {topo.rail_of_gpu[local]} (GPU {local} of every node)"
 
 
-def rank_groups(topo: RailTopology, railwave_rank: int, *, ep_handle: Any = None, node_handle: Any = None,
-                rail_handle: Any = None, placement: Placement | None = None,
-                group_ranks: tuple[tuple[int, ...] | None, ...] = (None, None, None)) -> RankGroups:
-    """``RankGroups`` of ``railwave_rank`` around existing process groups (None: the virtual cluster).
+def rank_groups(
+    topo: RailTopology,
+    railwave_rank: int,
+    *,
+    ep_handle: Any = None,
+    node_handle: Any = None,
+    rail_handle: Any = None,
+    placement: Placement | None = None,
+    group_ranks: tuple[tuple[int, ...] | None, ...] = (None, None, None),
+) -> RankGroups:
+    """``RankGroups`` of ``railwave_rank`` around existing process groups (None: the virtual
+    cluster).
 
     The handles must be the EP group, this rank's node group and its rail group, as
     ``build_rail_groups`` creates them; ``group_ranks`` gives each one's torch group rank per
@@ -115,12 +135,29 @@ def rank_groups(topo: RailTopology, railwave_rank: int, *, ep_handle: Any = None
     node, local, node_ranks, rail_ranks = _members(topo, railwave_rank)
     world = tuple(range(topo.world_size))
     placement = placement or identity_placement(topo.world_size, topo.gpus_per_node)
-    return RankGroups(ep=GroupRef(kind="ep", index=0, ranks=world, handle=ep_handle, group_ranks=group_ranks[0]),
-                      node=GroupRef(kind="node", index=node, ranks=node_ranks, handle=node_handle,
-                                    label=_node_label(node), group_ranks=group_ranks[1]),
-                      rail=GroupRef(kind="rail", index=local, ranks=rail_ranks, handle=rail_handle,
-                                    label=_rail_label(topo, local), group_ranks=group_ranks[2]),
-                      railwave_rank=railwave_rank, node_index=node, local=local, placement=placement)
+    return RankGroups(
+        ep=GroupRef(kind="ep", index=0, ranks=world, handle=ep_handle, group_ranks=group_ranks[0]),
+        node=GroupRef(
+            kind="node",
+            index=node,
+            ranks=node_ranks,
+            handle=node_handle,
+            label=_node_label(node),
+            group_ranks=group_ranks[1],
+        ),
+        rail=GroupRef(
+            kind="rail",
+            index=local,
+            ranks=rail_ranks,
+            handle=rail_handle,
+            label=_rail_label(topo, local),
+            group_ranks=group_ranks[2],
+        ),
+        railwave_rank=railwave_rank,
+        node_index=node,
+        local=local,
+        placement=placement,
+    )
 
 
 def virtual_rank_groups(topo: RailTopology, rank: int) -> RankGroups:
@@ -147,8 +184,13 @@ def _unbound_default_group() -> Iterator[None]:
         default.bound_device_id = bound
 
 
-def build_rail_groups(ep_group: dist.ProcessGroup | None, topo: RailTopology, *,
-                      timeout_s: float | None = None, placement: Placement | None = None) -> RankGroups:
+def build_rail_groups(
+    ep_group: dist.ProcessGroup | None,
+    topo: RailTopology,
+    *,
+    timeout_s: float | None = None,
+    placement: Placement | None = None,
+) -> RankGroups:
     """Create and warm up (once per EP membership, placement, G and timeout) this rank's groups.
 
     Args:
@@ -160,16 +202,27 @@ def build_rail_groups(ep_group: dist.ProcessGroup | None, topo: RailTopology, *,
 
     Collective: yes (every EP rank, at construction). Host sync: yes (the warm-ups).
     """
-    global_of_ep = tuple(dist.get_process_group_ranks(ep_group) if ep_group is not None
-                         else range(dist.get_world_size()))
+    global_of_ep = tuple(
+        dist.get_process_group_ranks(ep_group)
+        if ep_group is not None
+        else range(dist.get_world_size())
+    )
     topo.check_world_size(len(global_of_ep))
     if placement is None:
         placement = identity_placement(len(global_of_ep), topo.gpus_per_node)
     if placement.global_rank_of_ep != global_of_ep or placement.gpus_per_node != topo.gpus_per_node:
-        raise ValueError(f"internal: the placement ({placement.gpus_per_node} per node, global ranks "
-                         f"{placement.global_rank_of_ep}) does not describe this EP group {global_of_ep} "
-                         f"({topo.gpus_per_node} per node)")
-    key = (global_of_ep, placement.railwave_rank_of_ep, topo.gpus_per_node, topo.rail_of_gpu, timeout_s)
+        raise ValueError(
+            f"internal: the placement ({placement.gpus_per_node} per node, global ranks "
+            f"{placement.global_rank_of_ep}) does not describe this EP group {global_of_ep} "
+            f"({topo.gpus_per_node} per node)"
+        )
+    key = (
+        global_of_ep,
+        placement.railwave_rank_of_ep,
+        topo.gpus_per_node,
+        topo.rail_of_gpu,
+        timeout_s,
+    )
     if key in _CACHE:
         return _CACHE[key]
     global_of_rw = placement.global_rank_of_railwave
@@ -182,22 +235,36 @@ def build_rail_groups(ep_group: dist.ProcessGroup | None, topo: RailTopology, *,
         for members in (range(len(global_of_rw)), node_ranks, rail_ranks):
             ranks = [global_of_rw[r] for r in members]
             handle = dist.new_group(ranks, timeout=timeout, use_local_synchronization=True)
-            in_group = list(dist.get_process_group_ranks(handle))  # torch's member order (by global rank)
+            in_group = list(
+                dist.get_process_group_ranks(handle)
+            )  # torch's member order (by global rank)
             order = tuple(in_group.index(r) for r in ranks)
             handles.append(handle)
             orders.append(None if order == tuple(range(len(order))) else order)
-    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    device = (
+        torch.device("cuda", torch.cuda.current_device())
+        if backend == "nccl"
+        else torch.device("cpu")
+    )
     for handle in handles:
         probe = torch.ones(1, device=device)
         dist.all_reduce(probe, group=handle)  # creates the communicator now, collectively
-    groups = rank_groups(topo, me, ep_handle=handles[0], node_handle=handles[1], rail_handle=handles[2],
-                         placement=placement, group_ranks=tuple(orders))
+    groups = rank_groups(
+        topo,
+        me,
+        ep_handle=handles[0],
+        node_handle=handles[1],
+        rail_handle=handles[2],
+        placement=placement,
+        group_ranks=tuple(orders),
+    )
     _CACHE[key] = groups
     return groups
 
 
-def survey_unresponsive(groups: RankGroups, call: int, stage: str, group: GroupRef,
-                        *, grace_s: float = 2.0) -> list[int]:
+def survey_unresponsive(
+    groups: RankGroups, call: int, stage: str, group: GroupRef, *, grace_s: float = 2.0
+) -> list[int]:
     """Railwave ranks of ``group`` that did not report reaching ``stage`` of call ``call``.
 
     Every rank that fails a step writes ``railwave/<call>/<stage>/<group>/<rank>`` into the

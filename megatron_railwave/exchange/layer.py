@@ -39,22 +39,55 @@ from dataclasses import dataclass
 import torch
 
 from megatron_railwave import ops
+from megatron_railwave.exchange.capacity import (
+    PaddedEntries,
+    capacity_layer,
+    expand_padded,
+    slot_tokens,
+)
+from megatron_railwave.exchange.groups import RankGroups
+from megatron_railwave.exchange.layout import LayerLayout, build_layout, select_positions
+from megatron_railwave.exchange.moves import (
+    as_row_bytes,
+    backward_moves,
+    forward_moves,
+    part_view,
+    unpack_views,
+)
+from megatron_railwave.exchange.transport import Collective, Program
 from megatron_railwave.names import Route
 from megatron_railwave.planner import PathPlan, PlanOptions
-from megatron_railwave.schedule import ExecutionSchedule, RankView, RecordWireFormat, compile_for_rank
+from megatron_railwave.schedule import (
+    ExecutionSchedule,
+    RankView,
+    RecordWireFormat,
+    compile_for_rank,
+)
 from megatron_railwave.schedule.wire import META_FIXED_WORDS, ROUTING_BITS_PER_WORD
 from megatron_railwave.topology import RailTopology
 from megatron_railwave.traffic import DemandCounts, mask_bits, mask_classes
-from megatron_railwave.exchange.capacity import PaddedEntries, capacity_layer, expand_padded, slot_tokens
-from megatron_railwave.exchange.groups import RankGroups
-from megatron_railwave.exchange.layout import LayerLayout, build_layout, select_positions
-from megatron_railwave.exchange.moves import as_row_bytes, backward_moves, forward_moves, part_view, unpack_views
-from megatron_railwave.exchange.transport import Collective, Program
 
-__all__ = ["InputError", "CapacityOverflowError", "RankContext", "LayerDemand", "LayerHandle", "EntryIndex", "gather_demand",
-           "prepare_layer", "dispatch_forward", "dispatch_backward", "combine_forward", "combine_backward",
-           "input_status", "prepare_capacity_layer", "pack_status", "TimingWords", "count_row_words", "TIMING_WORD_MIN",
-           "TIMING_WORD_MAX"]
+__all__ = [
+    "InputError",
+    "CapacityOverflowError",
+    "RankContext",
+    "LayerDemand",
+    "LayerHandle",
+    "EntryIndex",
+    "gather_demand",
+    "prepare_layer",
+    "dispatch_forward",
+    "dispatch_backward",
+    "combine_forward",
+    "combine_backward",
+    "input_status",
+    "prepare_capacity_layer",
+    "pack_status",
+    "TimingWords",
+    "count_row_words",
+    "TIMING_WORD_MIN",
+    "TIMING_WORD_MAX",
+]
 
 
 class InputError(ValueError):
@@ -77,8 +110,10 @@ class RankContext:
 
     def __post_init__(self) -> None:
         if self.num_experts % self.topo.world_size:
-            raise ValueError(f"num_experts={self.num_experts} is not divisible by the EP size "
-                             f"{self.topo.world_size}; experts are placed contiguously, E / W per rank")
+            raise ValueError(
+                f"num_experts={self.num_experts} is not divisible by the EP size "
+                f"{self.topo.world_size}; experts are placed contiguously, E / W per rank"
+            )
 
     @property
     def experts_per_rank(self) -> int:
@@ -114,7 +149,7 @@ class LayerDemand:
     mask_C: torch.Tensor
     num_records: int
     expert_load_E: torch.Tensor | None = None
-    timing_W: "TimingWords | None" = None
+    timing_W: TimingWords | None = None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -166,8 +201,9 @@ class LayerHandle:
         return self.schedule.wire.dispatch_bytes
 
 
-def input_status(ctx: RankContext, hidden: torch.Tensor, probs: torch.Tensor,
-                 routing_map: torch.Tensor) -> tuple[int, str]:
+def input_status(
+    ctx: RankContext, hidden: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor
+) -> tuple[int, str]:
     """(code, message) of this rank's input; 0 = well formed. Host only (shapes and dtypes)."""
     e = ctx.num_experts
     if routing_map.dtype != torch.bool:
@@ -175,14 +211,20 @@ def input_status(ctx: RankContext, hidden: torch.Tensor, probs: torch.Tensor,
     if routing_map.dim() != 2 or routing_map.shape[1] != e:
         return 2, f"routing_map has shape {tuple(routing_map.shape)}, expected [T, {e}]"
     if tuple(probs.shape) != tuple(routing_map.shape):
-        return 3, f"probs has shape {tuple(probs.shape)}, expected routing_map's {tuple(routing_map.shape)}"
+        return (
+            3,
+            f"probs has shape {tuple(probs.shape)}, expected routing_map's "
+            f"{tuple(routing_map.shape)}",
+        )
     if hidden.dim() != 2 or hidden.shape[0] != routing_map.shape[0]:
         return 4, f"hidden has shape {tuple(hidden.shape)}, expected [T={routing_map.shape[0]}, H]"
     if not hidden.is_floating_point() or not probs.is_floating_point():
         return 5, f"hidden ({hidden.dtype}) and probs ({probs.dtype}) must be floating point"
     if hidden.device != routing_map.device or probs.device != routing_map.device:
-        return 6, (f"hidden ({hidden.device}), probs ({probs.device}) and routing_map "
-                   f"({routing_map.device}) must be on one device")
+        return 6, (
+            f"hidden ({hidden.device}), probs ({probs.device}) and routing_map "
+            f"({routing_map.device}) must be on one device"
+        )
     return 0, ""
 
 
@@ -203,7 +245,8 @@ def pack_status(code: int, timing_word: int | None) -> int:
     timing word plus 2**8 (0 there: no timing word).
 
     Raises:
-        ValueError: a timing word outside [``TIMING_WORD_MIN``, ``TIMING_WORD_MAX``] (this rank only,
+        ValueError: a timing word outside [``TIMING_WORD_MIN``, ``TIMING_WORD_MAX``] (this rank
+        only,
             before the count exchange: a caller's bug, not an input problem).
     """
     if not 0 <= code < 1 << (63 - _CODE_SHIFT):
@@ -211,8 +254,10 @@ def pack_status(code: int, timing_word: int | None) -> int:
     if timing_word is None:
         return code << _CODE_SHIFT
     if not TIMING_WORD_MIN <= timing_word <= TIMING_WORD_MAX:
-        raise ValueError(f"timing_word={timing_word} is outside [{TIMING_WORD_MIN}, {TIMING_WORD_MAX}]; pass "
-                         "selector.online.encode_timing's word (nanoseconds, or a code)")
+        raise ValueError(
+            f"timing_word={timing_word} is outside [{TIMING_WORD_MIN}, {TIMING_WORD_MAX}]; pass "
+            "selector.online.encode_timing's word (nanoseconds, or a code)"
+        )
     return (code << _CODE_SHIFT) | (int(timing_word) + _TIMING_OFFSET)
 
 
@@ -225,7 +270,8 @@ class TimingWords(Sequence[int]):
     __slots__ = ("status_W", "lowest", "highest")
 
     def __init__(self, status_W: list[int], highest_status: int) -> None:
-        """From the received status words and their ``max`` (which ``gather_demand`` has already)."""
+        """From the received status words and their ``max`` (which ``gather_demand`` has
+        already)."""
         self.status_W = status_W
         self.lowest = min(status_W) - _TIMING_OFFSET
         self.highest = highest_status - _TIMING_OFFSET
@@ -239,8 +285,14 @@ class TimingWords(Sequence[int]):
         return self.status_W[index] - _TIMING_OFFSET
 
 
-def count_row_words(topo: RailTopology, num_experts: int, *, expert_loads: bool = False,
-                    delivery_counts: bool = False, timing: bool = False) -> int:
+def count_row_words(
+    topo: RailTopology,
+    num_experts: int,
+    *,
+    expert_loads: bool = False,
+    delivery_counts: bool = False,
+    timing: bool = False,
+) -> int:
     """int64 words of one row (one peer's part) of ``gather_demand``'s count message: N records per
     node, the token count, the status word, M mask counts, E_loc expert counts, and E expert loads
     and W * K delivery counts on request. ``timing`` adds nothing (the status word carries it);
@@ -252,9 +304,16 @@ def count_row_words(topo: RailTopology, num_experts: int, *, expert_loads: bool 
     return words
 
 
-def gather_demand(ctx: RankContext, hidden: torch.Tensor, probs: torch.Tensor,
-                  routing_map: torch.Tensor, *, expert_loads: bool = False, delivery_counts: bool = False,
-                  timing_word: int | None = None) -> Program:
+def gather_demand(
+    ctx: RankContext,
+    hidden: torch.Tensor,
+    probs: torch.Tensor,
+    routing_map: torch.Tensor,
+    *,
+    expert_loads: bool = False,
+    delivery_counts: bool = False,
+    timing_word: int | None = None,
+) -> Program:
     """Program: the count exchange (see module docstring). Returns a ``LayerDemand``.
 
     Args:
@@ -283,9 +342,16 @@ def gather_demand(ctx: RankContext, hidden: torch.Tensor, probs: torch.Tensor,
     code, message = input_status(ctx, hidden, probs, routing_map)
     width = n + 2 + m + e_loc
     loads_end = width + (ctx.num_experts if expert_loads else 0)
-    delivery_end = count_row_words(topo, ctx.num_experts, expert_loads=expert_loads, delivery_counts=delivery_counts,
-                                   timing=timing_word is not None)
-    status_word = pack_status(code, timing_word)  # before any collective: a bad word raises on this rank
+    delivery_end = count_row_words(
+        topo,
+        ctx.num_experts,
+        expert_loads=expert_loads,
+        delivery_counts=delivery_counts,
+        timing=timing_word is not None,
+    )
+    status_word = pack_status(
+        code, timing_word
+    )  # before any collective: a bad word raises on this rank
     send = torch.zeros(w, delivery_end, dtype=torch.int64, device=device)
     t = int(routing_map.shape[0]) if routing_map.dim() >= 1 else 0
     if code == 0:
@@ -293,63 +359,122 @@ def gather_demand(ctx: RankContext, hidden: torch.Tensor, probs: torch.Tensor,
         send[:, :n] = counts_NM.sum(dim=1)
         send[:, n] = t
         node_of_peer = torch.arange(w, device=device) // g
-        send[:, n + 2:n + 2 + m] = counts_NM[node_of_peer]
+        send[:, n + 2 : n + 2 + m] = counts_NM[node_of_peer]
         per_expert = routing_map.sum(dim=0, dtype=torch.int64)
-        send[:, n + 2 + m:width] = per_expert.view(w, e_loc)
+        send[:, n + 2 + m : width] = per_expert.view(w, e_loc)
         if expert_loads:
             send[:, width:loads_end] = per_expert
         if delivery_counts:  # copies per destination GPU and mask class: a record counts once per
             # target bit, in its mask's class (a class is a contiguous range of masks).
             # Elementwise product and sum, not a matmul: CUDA has no int64 matmul.
             bits_KMG = mask_bits(g).to(device).view(1, k, m // k, g)
-            send[:, loads_end:delivery_end] = (counts_NM.view(n, k, m // k, 1) * bits_KMG).sum(dim=2).reshape(1, w * k)
+            send[:, loads_end:delivery_end] = (
+                (counts_NM.view(n, k, m // k, 1) * bits_KMG).sum(dim=2).reshape(1, w * k)
+            )
     else:
         token_C = node_C = mask_C = torch.zeros(0, dtype=torch.int64, device=device)
     send[:, n + 1] = status_word
     recv = torch.empty_like(send)
-    yield Collective(kind="all_to_all", stage="count exchange", group=ctx.groups.ep, send=send, recv=recv)
+    yield Collective(
+        kind="all_to_all", stage="count exchange", group=ctx.groups.ep, send=send, recv=recv
+    )
     counts = recv.cpu()  # the layer's one host sync: every split size follows from these counts
-    status_W = counts[:, n + 1].tolist()  # W ints: one max finds a bad input (the code bits are on top)
+    status_W = counts[
+        :, n + 1
+    ].tolist()  # W ints: one max finds a bad input (the code bits are on top)
     highest_status = max(status_W)
-    bad = [i for i, word in enumerate(status_W) if word >> _CODE_SHIFT] if highest_status >> _CODE_SHIFT else []
+    bad = (
+        [i for i, word in enumerate(status_W) if word >> _CODE_SHIFT]
+        if highest_status >> _CODE_SHIFT
+        else []
+    )
     if bad:
         own = f" (this rank: {message})" if code else ""
         raise InputError(
-            f"malformed dispatcher input on EP rank(s) {ctx.groups.ep_ranks(bad)}{own}; expected hidden [T, H] and probs [T, "
-            f"{ctx.num_experts}] (floating point) and a bool routing_map [T, {ctx.num_experts}] with top-k "
-            "True per row, all on one device")
-    demand = DemandCounts(records_WN=counts[:, :n], view_node=ctx.groups.node_index,
-                          view_masks_WM=counts[:, n + 2:n + 2 + m],
-                          view_experts_X=counts[:, n + 2 + m:width].sum(dim=0),
-                          delivery_WNKG=counts[:, loads_end:delivery_end].reshape(w, n, k, g) if delivery_counts else None)
-    return LayerDemand(demand=demand, max_tokens=int(counts[:, n].max()), num_tokens=t, token_C=token_C,
-                       node_C=node_C, mask_C=mask_C, num_records=int(counts[ctx.groups.railwave_rank, :n].sum()),
-                       expert_load_E=counts[:, width:loads_end].sum(dim=0) if expert_loads else None,
-                       timing_W=TimingWords(status_W, highest_status) if timing_word is not None else None)
+            f"malformed dispatcher input on EP rank(s) {ctx.groups.ep_ranks(bad)}{own}; expected "
+            f"hidden [T, H] and probs [T, "
+            f"{ctx.num_experts}] (floating point) and a bool routing_map [T, {ctx.num_experts}] "
+            f"with top-k "
+            "True per row, all on one device"
+        )
+    demand = DemandCounts(
+        records_WN=counts[:, :n],
+        view_node=ctx.groups.node_index,
+        view_masks_WM=counts[:, n + 2 : n + 2 + m],
+        view_experts_X=counts[:, n + 2 + m : width].sum(dim=0),
+        delivery_WNKG=counts[:, loads_end:delivery_end].reshape(w, n, k, g)
+        if delivery_counts
+        else None,
+    )
+    return LayerDemand(
+        demand=demand,
+        max_tokens=int(counts[:, n].max()),
+        num_tokens=t,
+        token_C=token_C,
+        node_C=node_C,
+        mask_C=mask_C,
+        num_records=int(counts[ctx.groups.railwave_rank, :n].sum()),
+        expert_load_E=counts[:, width:loads_end].sum(dim=0) if expert_loads else None,
+        timing_W=TimingWords(status_W, highest_status) if timing_word is not None else None,
+    )
 
 
-def prepare_layer(ctx: RankContext, layer: LayerDemand, plan: PathPlan, *, hidden_dtype: torch.dtype,
-                  probs_dtype: torch.dtype, hidden_size: int) -> LayerHandle:
+def prepare_layer(
+    ctx: RankContext,
+    layer: LayerDemand,
+    plan: PathPlan,
+    *,
+    hidden_dtype: torch.dtype,
+    probs_dtype: torch.dtype,
+    hidden_size: int,
+) -> LayerHandle:
     """Compile the schedule and build this rank's index maps. No communication, no host sync."""
-    wire = RecordWireFormat(hidden=hidden_size, payload_dtype=hidden_dtype, probs_dtype=probs_dtype,
-                            experts_per_node=ctx.experts_per_node)
-    compiled = compile_for_rank(plan, wire, demand=layer.demand, node=ctx.groups.node_index,
-                                rank=ctx.groups.railwave_rank)
+    wire = RecordWireFormat(
+        hidden=hidden_size,
+        payload_dtype=hidden_dtype,
+        probs_dtype=probs_dtype,
+        experts_per_node=ctx.experts_per_node,
+    )
+    compiled = compile_for_rank(
+        plan, wire, demand=layer.demand, node=ctx.groups.node_index, rank=ctx.groups.railwave_rank
+    )
     schedule, view = compiled.schedule, compiled.view
     if view.num_records != layer.num_records:
-        raise RuntimeError(f"internal: railwave rank {ctx.groups.railwave_rank}: the plan counts {view.num_records} "
-                           f"records of this rank, its routing has {layer.num_records}")
+        raise RuntimeError(
+            f"internal: railwave rank {ctx.groups.railwave_rank}: the plan counts "
+            f"{view.num_records} "
+            f"records of this rank, its routing has {layer.num_records}"
+        )
     n_rec = layer.num_records
-    layout = build_layout(plan, view, token_R=layer.token_C[:n_rec], node_R=layer.node_C[:n_rec],
-                          mask_R=layer.mask_C[:n_rec], counts=compiled.layout_counts)
+    layout = build_layout(
+        plan,
+        view,
+        token_R=layer.token_C[:n_rec],
+        node_R=layer.node_C[:n_rec],
+        mask_R=layer.mask_C[:n_rec],
+        counts=compiled.layout_counts,
+    )
     tokens_per_expert = layer.demand.view_experts_X
-    return LayerHandle(schedule=schedule, view=view, layout=layout, tokens_per_expert=tokens_per_expert,
-                       num_entries=int(tokens_per_expert.sum()), num_tokens=layer.num_tokens,
-                       max_tokens=layer.max_tokens)
+    return LayerHandle(
+        schedule=schedule,
+        view=view,
+        layout=layout,
+        tokens_per_expert=tokens_per_expert,
+        num_entries=int(tokens_per_expert.sum()),
+        num_tokens=layer.num_tokens,
+        max_tokens=layer.max_tokens,
+    )
 
 
-def prepare_capacity_layer(ctx: RankContext, hidden: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor,
-                           *, path: Route | str, capacity: int) -> LayerHandle:
+def prepare_capacity_layer(
+    ctx: RankContext,
+    hidden: torch.Tensor,
+    probs: torch.Tensor,
+    routing_map: torch.Tensor,
+    *,
+    path: Route | str,
+    capacity: int,
+) -> LayerHandle:
     """Fixed-capacity mode: this rank's handle for one layer, with no communication and no host
     sync (``exchange.capacity``). Replaces ``gather_demand`` + ``prepare_layer``.
 
@@ -364,22 +489,45 @@ def prepare_capacity_layer(ctx: RankContext, hidden: torch.Tensor, probs: torch.
     code, message = input_status(ctx, hidden, probs, routing_map)
     ep_rank = ctx.groups.ep_rank
     if code:
-        raise InputError(f"malformed dispatcher input on EP rank {ep_rank}: {message}; expected hidden [T, H] and "
-                         f"probs [T, {ctx.num_experts}] (floating point) and a bool routing_map [T, {ctx.num_experts}] "
-                         "with top-k True per row, all on one device")
+        raise InputError(
+            f"malformed dispatcher input on EP rank {ep_rank}: {message}; expected hidden [T, H] "
+            f"and "
+            f"probs [T, {ctx.num_experts}] (floating point) and a bool routing_map [T, "
+            f"{ctx.num_experts}] "
+            "with top-k True per row, all on one device"
+        )
     t = int(routing_map.shape[0])
     if t > capacity:
         raise CapacityOverflowError(
-            f"EP rank {ep_rank}: {t} tokens in this layer call exceed max_tokens_per_rank={capacity} (the fixed "
-            f"capacity every buffer is sized for); raise max_tokens_per_rank to at least {t} (micro-batch size x "
-            "sequence length / tensor-parallel size for Megatron), or set it to None for the normal mode")
-    wire = RecordWireFormat(hidden=int(hidden.shape[-1]), payload_dtype=hidden.dtype, probs_dtype=probs.dtype,
-                            experts_per_node=ctx.experts_per_node)
-    fixed = capacity_layer(ctx.topo, path, capacity, ctx.options, wire, ctx.groups.railwave_rank, routing_map.device)
-    layout = dataclasses.replace(fixed.layout, token_R=slot_tokens(routing_map, ctx.topo.num_nodes, capacity))
-    return LayerHandle(schedule=fixed.schedule, view=fixed.view, layout=layout, tokens_per_expert=None,
-                       num_entries=ctx.experts_per_rank * ctx.topo.world_size * capacity, num_tokens=t,
-                       max_tokens=capacity, capacity=capacity)
+            f"EP rank {ep_rank}: {t} tokens in this layer call exceed "
+            f"max_tokens_per_rank={capacity} (the fixed "
+            f"capacity every buffer is sized for); raise max_tokens_per_rank to at least {t} "
+            f"(micro-batch size x "
+            "sequence length / tensor-parallel size for Megatron), or set it to None for the "
+            "normal mode"
+        )
+    wire = RecordWireFormat(
+        hidden=int(hidden.shape[-1]),
+        payload_dtype=hidden.dtype,
+        probs_dtype=probs.dtype,
+        experts_per_node=ctx.experts_per_node,
+    )
+    fixed = capacity_layer(
+        ctx.topo, path, capacity, ctx.options, wire, ctx.groups.railwave_rank, routing_map.device
+    )
+    layout = dataclasses.replace(
+        fixed.layout, token_R=slot_tokens(routing_map, ctx.topo.num_nodes, capacity)
+    )
+    return LayerHandle(
+        schedule=fixed.schedule,
+        view=fixed.view,
+        layout=layout,
+        tokens_per_expert=None,
+        num_entries=ctx.experts_per_rank * ctx.topo.world_size * capacity,
+        num_tokens=t,
+        max_tokens=capacity,
+        capacity=capacity,
+    )
 
 
 def _trash(handle: LayerHandle) -> int:
@@ -396,7 +544,9 @@ def _entry_rows(rows_C: torch.Tensor, entries: EntryIndex | PaddedEntries) -> to
     return rows_C.index_select(0, entries.copy_of_entry)
 
 
-def _routing_words(routing_map: torch.Tensor, rows: torch.Tensor, ctx: RankContext, words: int) -> torch.Tensor:
+def _routing_words(
+    routing_map: torch.Tensor, rows: torch.Tensor, ctx: RankContext, words: int
+) -> torch.Tensor:
     """[n, words] int32: the routing bits of each (token, node) row, 32 per word."""
     e_node = ctx.experts_per_node
     bits = routing_map.reshape(-1, e_node).index_select(0, rows).to(torch.int64)
@@ -418,7 +568,10 @@ def _expand(meta_C: torch.Tensor, ctx: RankContext, handle: LayerHandle) -> Entr
     token = meta_C[:, 1].to(torch.int64).index_select(0, copy_idx)
     key = (expert_idx * w + src) * max(handle.max_tokens, 1) + token
     order = torch.sort(key).indices
-    return EntryIndex(copy_of_entry=copy_idx.index_select(0, order), expert_of_entry=expert_idx.index_select(0, order))
+    return EntryIndex(
+        copy_of_entry=copy_idx.index_select(0, order),
+        expert_of_entry=expert_idx.index_select(0, order),
+    )
 
 
 def _probs_column(ctx: RankContext, entries: EntryIndex | PaddedEntries) -> torch.Tensor:
@@ -426,8 +579,13 @@ def _probs_column(ctx: RankContext, entries: EntryIndex | PaddedEntries) -> torc
     return ctx.groups.local * ctx.experts_per_rank + entries.expert_of_entry
 
 
-def dispatch_forward(ctx: RankContext, handle: LayerHandle, hidden: torch.Tensor, probs: torch.Tensor,
-                     routing_map: torch.Tensor) -> Program:
+def dispatch_forward(
+    ctx: RankContext,
+    handle: LayerHandle,
+    hidden: torch.Tensor,
+    probs: torch.Tensor,
+    routing_map: torch.Tensor,
+) -> Program:
     """Program: tokens to the experts. Returns (tokens [n_ent, H], probs [n_ent], ``EntryIndex``).
 
     Fixed capacity: tokens [E_loc * W * C, H] and probs [E_loc * W * C] in the padded layout
@@ -441,27 +599,43 @@ def dispatch_forward(ctx: RankContext, handle: LayerHandle, hidden: torch.Tensor
     source_o = torch.full_like(token_o, ctx.groups.railwave_rank)
     probs_rows = probs.reshape(-1, e_node)
     if handle.capacity is not None:
-        # Padding slots (token T) read an appended zero row and carry source rank -1, no routing bits.
+        # Padding slots (token T) read an appended zero row and carry source rank -1, no routing
+        # bits.
         t = handle.num_tokens
         valid_o = token_o < t
         row_o = torch.where(valid_o, row_o, t * n)
         source_o = torch.where(valid_o, source_o, -1)
         hidden = torch.cat([hidden, hidden.new_zeros((1, hidden.shape[1]))])
         probs_rows = torch.cat([probs_rows, probs_rows.new_zeros((1, e_node))])
-        routing_map = torch.cat([routing_map.reshape(-1, e_node), routing_map.new_zeros((1, e_node))])
+        routing_map = torch.cat(
+            [routing_map.reshape(-1, e_node), routing_map.new_zeros((1, e_node))]
+        )
     meta = torch.cat([source_o.unsqueeze(1), token_o.unsqueeze(1)], dim=1)
-    meta = torch.cat([meta.to(torch.int32), _routing_words(routing_map, row_o, ctx, wire.meta_words - META_FIXED_WORDS)],
-                     dim=1)
+    meta = torch.cat(
+        [
+            meta.to(torch.int32),
+            _routing_words(routing_map, row_o, ctx, wire.meta_words - META_FIXED_WORDS),
+        ],
+        dim=1,
+    )
     rows = ops.pack_rows([hidden, probs_rows, meta], [token_o, row_o, None])
-    copies = yield from forward_moves(rows, layout=layout, view=handle.view, schedule=handle.schedule,
-                                      groups=ctx.groups)
+    copies = yield from forward_moves(
+        rows, layout=layout, view=handle.view, schedule=handle.schedule, groups=ctx.groups
+    )
     specs = wire.dispatch_specs()
-    _, probs_C, meta_C = ops.unpack_rows(copies[:, wire.payload_bytes:], [(torch.uint8, (0,))] + specs[1:])
+    _, probs_C, meta_C = ops.unpack_rows(
+        copies[:, wire.payload_bytes :], [(torch.uint8, (0,))] + specs[1:]
+    )
     if handle.capacity is None:
         entries: EntryIndex | PaddedEntries = _expand(meta_C, ctx, handle)
     else:
-        entries = expand_padded(meta_C, local=ctx.groups.local, experts_per_rank=ctx.experts_per_rank,
-                                world_size=ctx.topo.world_size, capacity=handle.capacity)
+        entries = expand_padded(
+            meta_C,
+            local=ctx.groups.local,
+            experts_per_rank=ctx.experts_per_rank,
+            world_size=ctx.topo.world_size,
+            capacity=handle.capacity,
+        )
     payload_C = part_view(copies, specs, 0)  # rows gathered straight from the packed copies
     if payload_C is None:
         payload_C = ops.unpack_rows(copies, specs)[0]
@@ -474,51 +648,95 @@ def dispatch_forward(ctx: RankContext, handle: LayerHandle, hidden: torch.Tensor
     return tokens, entry_probs, entries
 
 
-def dispatch_backward(ctx: RankContext, handle: LayerHandle, entries: EntryIndex, g_tokens: torch.Tensor,
-                      g_probs: torch.Tensor) -> Program:
+def dispatch_backward(
+    ctx: RankContext,
+    handle: LayerHandle,
+    entries: EntryIndex,
+    g_tokens: torch.Tensor,
+    g_probs: torch.Tensor,
+) -> Program:
     """Program: gradients of dispatch. Returns (g_hidden [T, H], g_probs [T, E])."""
     layout, wire, n = handle.layout, handle.wire, ctx.topo.num_nodes
-    n_copy, trash = layout.num_copies, _trash(handle)  # fixed capacity: padding probs go to a dropped row
-    # Fixed capacity: padding entries carry copy n_copy, out of range, so segment_sum leaves them out.
-    g_payload_C = ops.segment_sum(g_tokens, entries.copy_of_entry, n_copy, out_dtype=wire.payload_dtype,
-                                  max_segment_len=ctx.experts_per_rank)
-    g_probs_C = torch.zeros((n_copy + trash, ctx.experts_per_node), dtype=wire.probs_dtype, device=g_tokens.device)
-    g_probs_C.index_put_((entries.copy_of_entry, _probs_column(ctx, entries)), g_probs.to(wire.probs_dtype))
+    n_copy, trash = (
+        layout.num_copies,
+        _trash(handle),
+    )  # fixed capacity: padding probs go to a dropped row
+    # Fixed capacity: padding entries carry copy n_copy, out of range, so segment_sum leaves them
+    # out.
+    g_payload_C = ops.segment_sum(
+        g_tokens,
+        entries.copy_of_entry,
+        n_copy,
+        out_dtype=wire.payload_dtype,
+        max_segment_len=ctx.experts_per_rank,
+    )
+    g_probs_C = torch.zeros(
+        (n_copy + trash, ctx.experts_per_node), dtype=wire.probs_dtype, device=g_tokens.device
+    )
+    g_probs_C.index_put_(
+        (entries.copy_of_entry, _probs_column(ctx, entries)), g_probs.to(wire.probs_dtype)
+    )
     rows = ops.pack_rows([g_payload_C, g_probs_C[:n_copy]], [None, None])
-    back = yield from backward_moves(rows, wire.dispatch_grad_specs(), layout=layout, view=handle.view,
-                                     schedule=handle.schedule, groups=ctx.groups)
+    back = yield from backward_moves(
+        rows,
+        wire.dispatch_grad_specs(),
+        layout=layout,
+        view=handle.view,
+        schedule=handle.schedule,
+        groups=ctx.groups,
+    )
     n_rec = handle.view.num_records
-    g_payload_R, g_probs_R = ops.unpack_rows(back, wire.dispatch_grad_specs(), row_index=layout.owner_order,
-                                             num_rows=n_rec)
+    g_payload_R, g_probs_R = ops.unpack_rows(
+        back, wire.dispatch_grad_specs(), row_index=layout.owner_order, num_rows=n_rec
+    )
     t = handle.num_tokens
-    g_hidden = ops.segment_sum(g_payload_R, layout.token_R, t, out_dtype=wire.payload_dtype,
-                               max_segment_len=n)  # padding slots (token T) are out of range: left out
-    g_probs_full = torch.zeros(((t + trash) * n, ctx.experts_per_node), dtype=wire.probs_dtype,
-                               device=g_tokens.device)
+    g_hidden = ops.segment_sum(
+        g_payload_R, layout.token_R, t, out_dtype=wire.payload_dtype, max_segment_len=n
+    )  # padding slots (token T) are out of range: left out
+    g_probs_full = torch.zeros(
+        ((t + trash) * n, ctx.experts_per_node), dtype=wire.probs_dtype, device=g_tokens.device
+    )
     g_probs_full.index_copy_(0, layout.token_R * n + layout.node_R, g_probs_R)
-    return g_hidden, g_probs_full[:t * n].view(t, ctx.num_experts)
+    return g_hidden, g_probs_full[: t * n].view(t, ctx.num_experts)
 
 
-def combine_forward(ctx: RankContext, handle: LayerHandle, entries: EntryIndex, expert_out: torch.Tensor) -> Program:
+def combine_forward(
+    ctx: RankContext, handle: LayerHandle, entries: EntryIndex, expert_out: torch.Tensor
+) -> Program:
     """Program: expert outputs [n_ent, H] back to this rank's tokens. Returns [T, H]."""
     layout, wire = handle.layout, handle.wire
     if expert_out.dtype != wire.payload_dtype:
-        raise ValueError(f"combine: expert output dtype {expert_out.dtype} differs from the dispatched hidden "
-                         f"dtype {wire.payload_dtype}")
+        raise ValueError(
+            f"combine: expert output dtype {expert_out.dtype} differs from the dispatched hidden "
+            f"dtype {wire.payload_dtype}"
+        )
     if expert_out.shape[0] != handle.num_entries:
-        raise ValueError(f"combine: expert output has {expert_out.shape[0]} rows, dispatch returned "
-                         f"{handle.num_entries}")
+        raise ValueError(
+            f"combine: expert output has {expert_out.shape[0]} rows, dispatch returned "
+            f"{handle.num_entries}"
+        )
     n_copy, t = layout.num_copies, handle.num_tokens
     # Padding (fixed capacity: copy n_copy, token T) is out of range: segment_sum leaves it out.
-    y_C = ops.segment_sum(expert_out, entries.copy_of_entry, n_copy, max_segment_len=ctx.experts_per_rank)
-    back = yield from backward_moves(as_row_bytes(y_C), wire.combine_specs(), layout=layout,
-                                     view=handle.view, schedule=handle.schedule, groups=ctx.groups)
-    (y_R,) = ops.unpack_rows(back, wire.combine_specs(), row_index=layout.owner_order,
-                             num_rows=handle.view.num_records)
+    y_C = ops.segment_sum(
+        expert_out, entries.copy_of_entry, n_copy, max_segment_len=ctx.experts_per_rank
+    )
+    back = yield from backward_moves(
+        as_row_bytes(y_C),
+        wire.combine_specs(),
+        layout=layout,
+        view=handle.view,
+        schedule=handle.schedule,
+        groups=ctx.groups,
+    )
+    (y_R,) = ops.unpack_rows(
+        back, wire.combine_specs(), row_index=layout.owner_order, num_rows=handle.view.num_records
+    )
     return ops.segment_sum(y_R, layout.token_R, t, max_segment_len=ctx.topo.num_nodes)
 
 
-def combine_backward(ctx: RankContext, handle: LayerHandle, entries: EntryIndex, g_out: torch.Tensor) -> Program:
+def combine_backward(
+    ctx: RankContext, handle: LayerHandle, entries: EntryIndex, g_out: torch.Tensor
+) -> Program:
     """Program: gradient of combine. Returns g_expert_out [n_ent, H]."""
     layout, wire = handle.layout, handle.wire
     token_o = layout.token_R.index_select(0, layout.owner_order)
@@ -526,7 +744,8 @@ def combine_backward(ctx: RankContext, handle: LayerHandle, entries: EntryIndex,
     if handle.capacity is not None:  # padding slots (token T) read an appended zero row
         g_out = torch.cat([g_out, g_out.new_zeros((1, g_out.shape[1]))])
     rows = ops.pack_rows([g_out], [token_o])
-    copies = yield from forward_moves(rows, layout=layout, view=handle.view, schedule=handle.schedule,
-                                      groups=ctx.groups)
+    copies = yield from forward_moves(
+        rows, layout=layout, view=handle.view, schedule=handle.schedule, groups=ctx.groups
+    )
     (g_y_C,) = unpack_views(copies, wire.combine_specs())
     return _entry_rows(g_y_C, entries)

@@ -39,15 +39,18 @@ class HostCounts:
         self._parts.append((name, np.asarray(array, dtype=np.int64).reshape(-1)))
 
     def to(self, device: torch.device) -> dict[str, torch.Tensor]:
-        flat = torch.from_numpy(np.concatenate([a for _, a in self._parts]) if self._parts
-                                else np.zeros(0, dtype=np.int64))
+        flat = torch.from_numpy(
+            np.concatenate([a for _, a in self._parts])
+            if self._parts
+            else np.zeros(0, dtype=np.int64)
+        )
         if device.type == "cuda":
             flat = flat.pin_memory().to(device, non_blocking=True)
         else:
             flat = flat.to(device)
         out, offset = {}, 0
         for name, a in self._parts:
-            out[name] = flat[offset:offset + a.size]
+            out[name] = flat[offset : offset + a.size]
             offset += a.size
         return out
 
@@ -116,15 +119,28 @@ def layout_counts(plan: PathPlan, view: RankView) -> np.ndarray:
     surplus_DG, deficit_DG = moved_DGL.sum(axis=2), moved_DGL.sum(axis=1)
     # Pool rows (kept, then owners o != me), each block by destination node: key node * G + owner.
     owners = [me] + [o for o in range(g) if o != me]
-    pool_NB = np.concatenate([view.kept_N[:, None], view.relay_in_NG[:, owners[1:]]], axis=1)  # [N, blocks]
-    parts = [plan.records_NNG[s, :, me].numpy(), keep_DG[:, me],
-             np.cumsum(surplus_DG, axis=1)[:, me] - surplus_DG[:, me], np.cumsum(deficit_DG, axis=1).reshape(-1),
-             plan.pair_wave_NN[s].numpy(), (np.arange(view.kept_N.size)[None, :] * g + np.array(owners)[:, None]).reshape(-1),
-             pool_NB.T.reshape(-1)]
+    pool_NB = np.concatenate(
+        [view.kept_N[:, None], view.relay_in_NG[:, owners[1:]]], axis=1
+    )  # [N, blocks]
+    parts = [
+        plan.records_NNG[s, :, me].numpy(),
+        keep_DG[:, me],
+        np.cumsum(surplus_DG, axis=1)[:, me] - surplus_DG[:, me],
+        np.cumsum(deficit_DG, axis=1).reshape(-1),
+        plan.pair_wave_NN[s].numpy(),
+        (np.arange(view.kept_N.size)[None, :] * g + np.array(owners)[:, None]).reshape(-1),
+        pool_NB.T.reshape(-1),
+    ]
     for rnd in range(1, plan.num_rail_phases + 1):
         sources, chunk = _round_sources(view, rnd, plan.chunks)
         arrival = view.arrival_counts_NGM[sources]
-        parts.append((arrival if plan.chunks == 1 else chunk_arrival_counts(arrival, plan.chunks)[:, chunk]).reshape(-1))
+        parts.append(
+            (
+                arrival
+                if plan.chunks == 1
+                else chunk_arrival_counts(arrival, plan.chunks)[:, chunk]
+            ).reshape(-1)
+        )
     return np.concatenate(parts).astype(np.int64, copy=False)
 
 
@@ -134,8 +150,15 @@ def _round_sources(view: RankView, rnd: int, chunks: int) -> tuple[np.ndarray, i
     return np.flatnonzero(view.source_round_N == first), rnd - first
 
 
-def build_layout(plan: PathPlan, view: RankView, *, token_R: torch.Tensor, node_R: torch.Tensor,
-                 mask_R: torch.Tensor, counts: np.ndarray | None = None) -> LayerLayout:
+def build_layout(
+    plan: PathPlan,
+    view: RankView,
+    *,
+    token_R: torch.Tensor,
+    node_R: torch.Tensor,
+    mask_R: torch.Tensor,
+    counts: np.ndarray | None = None,
+) -> LayerLayout:
     """Owner, egress and delivery maps of rank ``view.rank`` (device; no host sync).
 
     Args:
@@ -155,21 +178,35 @@ def build_layout(plan: PathPlan, view: RankView, *, token_R: torch.Tensor, node_
         counts = layout_counts(plan, view)
     # One copy to the device (pinned, non-blocking on CUDA); the named parts are views of it.
     flat = torch.from_numpy(counts)
-    flat = flat.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else flat.to(device)
+    flat = (
+        flat.pin_memory().to(device, non_blocking=True)
+        if device.type == "cuda"
+        else flat.to(device)
+    )
     offsets = np.cumsum([0, n, n, n, n * g, n, g * n, g * n])
     counts_N, keep_N, surplus_lo_N, deficit_hi_NG, wave_N, pool_key, pool_count = (
-        flat[a:b] for a, b in zip(offsets[:-1], offsets[1:]))
-    pool_GN = counts[offsets[6]:offsets[7]].reshape(g, n)  # host: pool rows per (block, node)
+        flat[a:b] for a, b in zip(offsets[:-1], offsets[1:])
+    )
+    pool_GN = counts[offsets[6] : offsets[7]].reshape(g, n)  # host: pool rows per (block, node)
     # Arrival masks of rounds >= 1: sources of the round ascending, then owner, then mask.
     arrival_rounds, start = [], int(offsets[-1])
     for rnd in range(1, plan.num_rail_phases + 1):
         num_sources = _round_sources(view, rnd, plan.chunks)[0].size
         size = num_sources * g * m
-        arrival_rounds.append((rnd, int(counts[start:start + size].sum()), num_sources, flat[start:start + size]))
+        arrival_rounds.append(
+            (rnd, int(counts[start : start + size].sum()), num_sources, flat[start : start + size])
+        )
         start += size
 
-    egress_R, _ = ops.assign_egress(node_R, owner_gpu=me, counts_N=counts_N, keep_N=keep_N,
-                                    surplus_lo_N=surplus_lo_N, deficit_hi_NG=deficit_hi_NG.view(n, g), wave_N=wave_N)
+    egress_R, _ = ops.assign_egress(
+        node_R,
+        owner_gpu=me,
+        counts_N=counts_N,
+        keep_N=keep_N,
+        surplus_lo_N=surplus_lo_N,
+        deficit_hi_NG=deficit_hi_NG.view(n, g),
+        wave_N=wave_N,
+    )
     category_R = torch.where(node_R == s, g, egress_R)
     owner_order = torch.sort(category_R, stable=True).indices
 
@@ -180,9 +217,12 @@ def build_layout(plan: PathPlan, view: RankView, *, token_R: torch.Tensor, node_
     else:
         egress_perm = torch.sort(_runs(pool_key, pool_count, pool_total), stable=True).indices
         egress_inverse = torch.empty_like(egress_perm).scatter_(
-            0, egress_perm, torch.arange(pool_total, dtype=torch.int64, device=device))
+            0, egress_perm, torch.arange(pool_total, dtype=torch.int64, device=device)
+        )
 
-    masks = [mask_R[owner_order[n_rec - view.owner_category_counts[g]:]]]  # round 0: own local records
+    masks = [
+        mask_R[owner_order[n_rec - view.owner_category_counts[g] :]]
+    ]  # round 0: own local records
     arrivals = [view.owner_category_counts[g]]
     mask_ids, bits_G1 = _mask_constants(g, device)
     for _, total, num_sources, arrive_count in arrival_rounds:
@@ -194,18 +234,31 @@ def build_layout(plan: PathPlan, view: RankView, *, token_R: torch.Tensor, node_
         hit_GA = (mask_A & bits_G1) != 0  # [G, n_arr], j-major
         pos = select_positions(hit_GA.reshape(-1), delivered)
         deliver_index.append(pos % max(mask_A.numel(), 1))
-    return LayerLayout(token_R=token_R, node_R=node_R, owner_order=owner_order,
-                       category_counts=list(view.owner_category_counts), egress_perm=egress_perm,
-                       egress_inverse=egress_inverse, egress_is_kept=egress_is_kept,
-                       pool_counts=pool_GN.sum(axis=1).tolist(), deliver_index=deliver_index,
-                       arrivals=arrivals, num_copies=view.num_copies)
+    return LayerLayout(
+        token_R=token_R,
+        node_R=node_R,
+        owner_order=owner_order,
+        category_counts=list(view.owner_category_counts),
+        egress_perm=egress_perm,
+        egress_inverse=egress_inverse,
+        egress_is_kept=egress_is_kept,
+        pool_counts=pool_GN.sum(axis=1).tolist(),
+        deliver_index=deliver_index,
+        arrivals=arrivals,
+        num_copies=view.num_copies,
+    )
 
 
 @functools.lru_cache(maxsize=32)
 def _mask_constants(g: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(mask ids [M], GPU bits [G, 1]) int64 on ``device``: read-only, cached (every layer needs them)."""
-    return (torch.arange(1 << g, dtype=torch.int64, device=device),
-            (torch.ones(g, dtype=torch.int64, device=device) << torch.arange(g, device=device)).unsqueeze(1))
+    """(mask ids [M], GPU bits [G, 1]) int64 on ``device``: read-only, cached (every layer needs
+    them)."""
+    return (
+        torch.arange(1 << g, dtype=torch.int64, device=device),
+        (
+            torch.ones(g, dtype=torch.int64, device=device) << torch.arange(g, device=device)
+        ).unsqueeze(1),
+    )
 
 
 def _deliver_phase(view: RankView, rnd: int) -> int:

@@ -26,32 +26,47 @@ import numpy as np
 import torch
 
 from megatron_railwave import ops
-from megatron_railwave.planner import chunk_sizes
-from megatron_railwave.schedule import ExecutionSchedule, Phase, PhaseKind, RankView
 from megatron_railwave.exchange.groups import RankGroups
 from megatron_railwave.exchange.layout import LayerLayout
 from megatron_railwave.exchange.transport import FlatBlocks, Post, Program, Wait
+from megatron_railwave.planner import chunk_sizes
+from megatron_railwave.schedule import ExecutionSchedule, Phase, PhaseKind, RankView
 
-__all__ = ["forward_moves", "backward_moves", "relay_forward", "relay_backward", "as_row_bytes", "part_view",
-           "unpack_views"]
+__all__ = [
+    "forward_moves",
+    "backward_moves",
+    "relay_forward",
+    "relay_backward",
+    "as_row_bytes",
+    "part_view",
+    "unpack_views",
+]
 
 
-def _copy_slices(copies: torch.Tensor, view: RankView, schedule: ExecutionSchedule
-                 ) -> tuple[dict[tuple[int, int], torch.Tensor], list[torch.Tensor]]:
+def _copy_slices(
+    copies: torch.Tensor, view: RankView, schedule: ExecutionSchedule
+) -> tuple[dict[tuple[int, int], torch.Tensor], list[torch.Tensor]]:
     """Rows of the copies buffer per (round, sending GPU), rounds ascending, then GPUs; and the
     rows of each round (its GPUs' blocks, contiguous)."""
     out, rounds, offset = {}, [], 0
     for rnd in range(schedule.num_rounds):
         counts = view.counts(schedule.phase("dispatch", "deliver", rnd)).recv_Q
-        rounds.append(copies[offset:offset + sum(counts)])
+        rounds.append(copies[offset : offset + sum(counts)])
         for l, c in enumerate(counts):
-            out[(rnd, l)] = copies[offset:offset + c]
+            out[(rnd, l)] = copies[offset : offset + c]
             offset += c
     return out, rounds
 
 
-def _flat(phase: Phase, schedule: ExecutionSchedule, local: int, send: torch.Tensor, send_rows: list[int],
-          recv: torch.Tensor, recv_rows: list[int]) -> FlatBlocks | None:
+def _flat(
+    phase: Phase,
+    schedule: ExecutionSchedule,
+    local: int,
+    send: torch.Tensor,
+    send_rows: list[int],
+    recv: torch.Tensor,
+    recv_rows: list[int],
+) -> FlatBlocks | None:
     """The phase as one buffer per direction (``transport.FlatBlocks``) where that is decided by
     the schedule alone, hence the same on every member of the group: every delivery round (all
     GPUs of the node are peers), and the rail phase when all node pairs travel in one wave (the
@@ -65,11 +80,15 @@ def _flat(phase: Phase, schedule: ExecutionSchedule, local: int, send: torch.Ten
         return None
     if phase.kind == PhaseKind.RAIL:
         topo = schedule.plan.topology
-        if schedule.num_waves != 1 or not all(topo.gpu_rail_healthy(n, local) for n in range(topo.num_nodes)):
+        if schedule.num_waves != 1 or not all(
+            topo.gpu_rail_healthy(n, local) for n in range(topo.num_nodes)
+        ):
             return None
     if send.shape[0] != sum(send_rows) or recv.shape[0] != sum(recv_rows):
-        raise RuntimeError(f"internal: {phase.name}: flat buffers of {send.shape[0]} / {recv.shape[0]} rows for "
-                           f"{sum(send_rows)} / {sum(recv_rows)} rows of blocks")
+        raise RuntimeError(
+            f"internal: {phase.name}: flat buffers of {send.shape[0]} / {recv.shape[0]} rows for "
+            f"{sum(send_rows)} / {sum(recv_rows)} rows of blocks"
+        )
     return FlatBlocks(send=send, send_rows=send_rows, recv=recv, recv_rows=recv_rows)
 
 
@@ -90,10 +109,15 @@ def part_view(packed: torch.Tensor, specs: Sequence[ops.RowSpec], k: int) -> tor
     offset = ops.row_bytes(specs[:k])
     width = ops.row_bytes([specs[k]])
     size = dtype.itemsize
-    if (offset % size or packed.shape[1] % size or width == 0 or packed.stride(1) != 1
-            or (packed.storage_offset() + offset) % size):
+    if (
+        offset % size
+        or packed.shape[1] % size
+        or width == 0
+        or packed.stride(1) != 1
+        or (packed.storage_offset() + offset) % size
+    ):
         return None
-    part = packed[:, offset:offset + width]
+    part = packed[:, offset : offset + width]
     if packed.shape[0] <= 1:
         part = part.contiguous()
     return part.view(dtype).reshape(packed.shape[0], *shape)
@@ -113,7 +137,11 @@ def _egress_parts(egress: torch.Tensor, view: RankView, chunks: int) -> list[tor
     is what rail phase w * chunks + k carries to node d (w: the pair's wave)."""
     if chunks == 1:
         return list(egress.split(view.egress_N))
-    return list(egress.split(chunk_sizes(np.asarray(view.egress_N, dtype=np.int64), chunks).reshape(-1).tolist()))
+    return list(
+        egress.split(
+            chunk_sizes(np.asarray(view.egress_N, dtype=np.int64), chunks).reshape(-1).tolist()
+        )
+    )
 
 
 def _take_rows(rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -132,15 +160,30 @@ def _joins_next(phase: Phase, schedule: ExecutionSchedule) -> bool:
     return phase.index not in schedule.phase(phase.direction, PhaseKind.DELIVER, 1).depends_on
 
 
-def _post(phase: Phase, groups: RankGroups, sends: list, recvs: list, flat: FlatBlocks | None = None,
-          schedule: ExecutionSchedule | None = None) -> Post:
+def _post(
+    phase: Phase,
+    groups: RankGroups,
+    sends: list,
+    recvs: list,
+    flat: FlatBlocks | None = None,
+    schedule: ExecutionSchedule | None = None,
+) -> Post:
     group = groups.rail if phase.kind == PhaseKind.RAIL else groups.node
     hold = flat is not None and schedule is not None and _joins_next(phase, schedule)
-    return Post(tag=phase.index, stage=phase.name, group=group, sends=sends, recvs=recvs, flat=flat, hold=hold)
+    return Post(
+        tag=phase.index,
+        stage=phase.name,
+        group=group,
+        sends=sends,
+        recvs=recvs,
+        flat=flat,
+        hold=hold,
+    )
 
 
-def _relay_out(phase: Phase, groups: RankGroups, owner_rows: list[torch.Tensor],
-               pool_rows: list[torch.Tensor]) -> Post:
+def _relay_out(
+    phase: Phase, groups: RankGroups, owner_rows: list[torch.Tensor], pool_rows: list[torch.Tensor]
+) -> Post:
     """The relay phase: owner rows of category l != me go to GPU l; the kept rows (category me)
     are copied to the first pool block; pool block b >= 1 receives from the b-th other owner.
     No pool blocks (nothing relayed in): only the sends."""
@@ -154,8 +197,9 @@ def _relay_out(phase: Phase, groups: RankGroups, owner_rows: list[torch.Tensor],
     return _post(phase, groups, sends, recvs)
 
 
-def _relay_back(phase: Phase, groups: RankGroups, pool_rows: list[torch.Tensor],
-                out_rows: list[torch.Tensor]) -> Post:
+def _relay_back(
+    phase: Phase, groups: RankGroups, pool_rows: list[torch.Tensor], out_rows: list[torch.Tensor]
+) -> Post:
     """The mirror of ``_relay_out``: pool blocks return to their owners' egress categories."""
     g, me = len(pool_rows), groups.local
     out_rows[me].copy_(pool_rows[0])
@@ -166,8 +210,9 @@ def _relay_back(phase: Phase, groups: RankGroups, pool_rows: list[torch.Tensor],
     return _post(phase, groups, sends, recvs)
 
 
-def relay_forward(rows: torch.Tensor, *, layout: LayerLayout, schedule: ExecutionSchedule,
-                  groups: RankGroups) -> Program:
+def relay_forward(
+    rows: torch.Tensor, *, layout: LayerLayout, schedule: ExecutionSchedule, groups: RankGroups
+) -> Program:
     """The dispatch relay phase alone (owner -> proxy inside the node).
 
     Args:
@@ -179,14 +224,24 @@ def relay_forward(rows: torch.Tensor, *, layout: LayerLayout, schedule: Executio
     """
     owner_rows = list(rows.split(layout.category_counts))
     pool = rows.new_empty((sum(layout.pool_counts), rows.shape[1]))
-    ticket = yield _relay_out(schedule.phase("dispatch", PhaseKind.RELAY), groups, owner_rows,
-                              list(pool.split(layout.pool_counts)))
+    ticket = yield _relay_out(
+        schedule.phase("dispatch", PhaseKind.RELAY),
+        groups,
+        owner_rows,
+        list(pool.split(layout.pool_counts)),
+    )
     yield Wait(ticket=ticket)
     return pool
 
 
-def relay_backward(pool: torch.Tensor, out: torch.Tensor, *, layout: LayerLayout, schedule: ExecutionSchedule,
-                   groups: RankGroups) -> Program:
+def relay_backward(
+    pool: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    layout: LayerLayout,
+    schedule: ExecutionSchedule,
+    groups: RankGroups,
+) -> Program:
     """The combine relay phase alone: pool rows back to their owners.
 
     Args:
@@ -194,12 +249,18 @@ def relay_backward(pool: torch.Tensor, out: torch.Tensor, *, layout: LayerLayout
         out: [n_rec, b] uint8 in owner order; its egress categories (0..G-1) are written here,
             the local-node category is left as it is.
     """
-    ticket = yield _relay_back(schedule.phase("combine", PhaseKind.RELAY), groups,
-                               list(pool.split(layout.pool_counts)), list(out.split(layout.category_counts)))
+    ticket = yield _relay_back(
+        schedule.phase("combine", PhaseKind.RELAY),
+        groups,
+        list(pool.split(layout.pool_counts)),
+        list(out.split(layout.category_counts)),
+    )
     yield Wait(ticket=ticket)
 
 
-def _execute(phases: tuple[Phase, ...], start: Callable[[Phase], Post], complete: Callable[[Phase], None]) -> Program:
+def _execute(
+    phases: tuple[Phase, ...], start: Callable[[Phase], Post], complete: Callable[[Phase], None]
+) -> Program:
     """The schedule's executor: post each phase (``start``) once every phase in its ``depends_on``
     has completed (``complete`` consumes its result), then wait for the rest in order."""
     tickets: dict[int, object] = {}
@@ -215,8 +276,14 @@ def _execute(phases: tuple[Phase, ...], start: Callable[[Phase], Post], complete
         complete(by_index[index])
 
 
-def forward_moves(rows: torch.Tensor, *, layout: LayerLayout, view: RankView, schedule: ExecutionSchedule,
-                  groups: RankGroups) -> Program:
+def forward_moves(
+    rows: torch.Tensor,
+    *,
+    layout: LayerLayout,
+    view: RankView,
+    schedule: ExecutionSchedule,
+    groups: RankGroups,
+) -> Program:
     """Dispatch-direction program.
 
     Args:
@@ -244,38 +311,67 @@ def forward_moves(rows: torch.Tensor, *, layout: LayerLayout, view: RankView, sc
             buf = rows.new_empty((sum(counts.recv_Q), rows.shape[1]))
             arrivals[phase.step + 1] = buf
             k = phase.step % chunks
-            return _post(phase, groups, [egress_rows[d * chunks + k] if c else None for d, c in enumerate(counts.send_Q)],
-                         list(buf.split(counts.recv_Q)),
-                         _flat(phase, schedule, me, egress[0], counts.send_Q, buf, counts.recv_Q))
+            return _post(
+                phase,
+                groups,
+                [egress_rows[d * chunks + k] if c else None for d, c in enumerate(counts.send_Q)],
+                list(buf.split(counts.recv_Q)),
+                _flat(phase, schedule, me, egress[0], counts.send_Q, buf, counts.recv_Q),
+            )
         rnd = phase.step
         delivered_all = _take_rows(arrivals.pop(rnd), layout.deliver_index[rnd])
         delivered = delivered_all.split(counts.send_Q)
         copy_rows[(rnd, me)].copy_(delivered[me])
-        return _post(phase, groups, [delivered[j] if j != me else None for j in range(g)],
-                     [copy_rows[(rnd, l)] if l != me else None for l in range(g)],
-                     _flat(phase, schedule, me, delivered_all, counts.send_Q, round_rows[rnd], counts.recv_Q),
-                     schedule)
+        return _post(
+            phase,
+            groups,
+            [delivered[j] if j != me else None for j in range(g)],
+            [copy_rows[(rnd, l)] if l != me else None for l in range(g)],
+            _flat(
+                phase, schedule, me, delivered_all, counts.send_Q, round_rows[rnd], counts.recv_Q
+            ),
+            schedule,
+        )
 
     def complete(phase: Phase) -> None:
         if phase.kind == PhaseKind.RELAY:
             # Without relayed records the kept rows are already in egress order (node ascending).
-            egress.append(owner_rows[me] if layout.egress_is_kept else _take_rows(pool, layout.egress_perm))
+            egress.append(
+                owner_rows[me] if layout.egress_is_kept else _take_rows(pool, layout.egress_perm)
+            )
             egress_rows.extend(_egress_parts(egress[0], view, chunks))
 
     yield from _execute(schedule.dispatch_phases(), start, complete)
     return copies
 
 
-def _reduce_rows(received: torch.Tensor, index: torch.Tensor, num_rows: int, specs: Sequence[ops.RowSpec],
-                 max_fanout: int) -> torch.Tensor:
+def _reduce_rows(
+    received: torch.Tensor,
+    index: torch.Tensor,
+    num_rows: int,
+    specs: Sequence[ops.RowSpec],
+    max_fanout: int,
+) -> torch.Tensor:
     """Sum returned copies into their arrival rows (copies of one row in index order)."""
     parts = unpack_views(received, specs)
-    summed = [ops.segment_sum(p, index, num_rows, out_dtype=p.dtype, max_segment_len=max_fanout) for p in parts]
-    return as_row_bytes(summed[0]) if len(summed) == 1 else ops.pack_rows(summed, [None] * len(summed))
+    summed = [
+        ops.segment_sum(p, index, num_rows, out_dtype=p.dtype, max_segment_len=max_fanout)
+        for p in parts
+    ]
+    return (
+        as_row_bytes(summed[0]) if len(summed) == 1 else ops.pack_rows(summed, [None] * len(summed))
+    )
 
 
-def backward_moves(rows: torch.Tensor, specs: Sequence[ops.RowSpec], *, layout: LayerLayout, view: RankView,
-                   schedule: ExecutionSchedule, groups: RankGroups) -> Program:
+def backward_moves(
+    rows: torch.Tensor,
+    specs: Sequence[ops.RowSpec],
+    *,
+    layout: LayerLayout,
+    view: RankView,
+    schedule: ExecutionSchedule,
+    groups: RankGroups,
+) -> Program:
     """Combine-direction program (the adjoint of ``forward_moves``).
 
     Args:
@@ -303,23 +399,33 @@ def backward_moves(rows: torch.Tensor, specs: Sequence[ops.RowSpec], *, layout: 
             returned[rnd] = buf
             back = list(buf.split(counts.recv_Q))
             back[me].copy_(copy_rows[(rnd, me)])
-            return _post(phase, groups, [copy_rows[(rnd, l)] if l != me else None for l in range(g)],
-                         [back[j] if j != me else None for j in range(g)],
-                         _flat(phase, schedule, me, round_rows[rnd], counts.send_Q, buf, counts.recv_Q),
-                         schedule)
+            return _post(
+                phase,
+                groups,
+                [copy_rows[(rnd, l)] if l != me else None for l in range(g)],
+                [back[j] if j != me else None for j in range(g)],
+                _flat(phase, schedule, me, round_rows[rnd], counts.send_Q, buf, counts.recv_Q),
+                schedule,
+            )
         if phase.kind == PhaseKind.RAIL:
             arrived = reduced.pop(phase.step + 1)
             k = phase.step % chunks
-            return _post(phase, groups, list(arrived.split(counts.send_Q)),
-                         [egress_rows[d * chunks + k] if c else None for d, c in enumerate(counts.recv_Q)],
-                         _flat(phase, schedule, me, arrived, counts.send_Q, egress, counts.recv_Q))
+            return _post(
+                phase,
+                groups,
+                list(arrived.split(counts.send_Q)),
+                [egress_rows[d * chunks + k] if c else None for d, c in enumerate(counts.recv_Q)],
+                _flat(phase, schedule, me, arrived, counts.send_Q, egress, counts.recv_Q),
+            )
         pool = egress if layout.egress_is_kept else _take_rows(egress, layout.egress_inverse)
         return _relay_back(phase, groups, list(pool.split(layout.pool_counts)), out_rows)
 
     def complete(phase: Phase) -> None:
         if phase.kind == PhaseKind.DELIVER:
             rnd = phase.step
-            reduced[rnd] = _reduce_rows(returned.pop(rnd), layout.deliver_index[rnd], layout.arrivals[rnd], specs, g)
+            reduced[rnd] = _reduce_rows(
+                returned.pop(rnd), layout.deliver_index[rnd], layout.arrivals[rnd], specs, g
+            )
 
     yield from _execute(schedule.combine_phases(), start, complete)
     out_rows[g].copy_(reduced.pop(0))  # round 0: the local node's records, summed here

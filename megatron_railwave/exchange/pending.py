@@ -40,7 +40,14 @@ import torch
 
 from megatron_railwave.exchange.transport import Program, TorchDistTransport, Wait, answer, drive
 
-__all__ = ["PendingProgram", "start", "finish", "stream_for", "comm_stream_for", "run_on_comm_stream"]
+__all__ = [
+    "PendingProgram",
+    "start",
+    "finish",
+    "stream_for",
+    "comm_stream_for",
+    "run_on_comm_stream",
+]
 
 _STREAMS: dict[tuple[str, torch.device], Any] = {}
 
@@ -50,7 +57,12 @@ def stream_for(device: torch.device, purpose: str) -> Any:
     use): work on it queues behind that purpose's work only. None for any other device."""
     if device.type != "cuda":
         return None
-    key = (purpose, torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device()))
+    key = (
+        purpose,
+        torch.device(
+            "cuda", device.index if device.index is not None else torch.cuda.current_device()
+        ),
+    )
     stream = _STREAMS.get(key)
     if stream is None:
         stream = torch.cuda.Stream(device=key[1])
@@ -89,7 +101,8 @@ class PendingProgram:
 def _tensors(value: Any) -> list[torch.Tensor]:
     """The tensors of a result: the value itself, or those inside (nested) tuples / lists. Tensors
     inside other objects (an ``ExchangeHandle``'s index maps) are read later only by work that is
-    ordered after the next ``start``'s ``wait_stream``, so the allocator may not reuse them early."""
+    ordered after the next ``start``'s ``wait_stream``, so the allocator may not reuse them
+    early."""
     if isinstance(value, torch.Tensor):
         return [value]
     if isinstance(value, (tuple, list)):
@@ -105,7 +118,11 @@ def _advance(pending: PendingProgram, reply: Any, *, until_blocked: bool) -> Non
     try:
         request = program.send(reply)
         while True:
-            if until_blocked and isinstance(request, Wait) and pending.transport.in_flight(request.ticket):
+            if (
+                until_blocked
+                and isinstance(request, Wait)
+                and pending.transport.in_flight(request.ticket)
+            ):
                 pending.request = request
                 return
             request = program.send(answer(request, pending.transport))
@@ -113,8 +130,13 @@ def _advance(pending: PendingProgram, reply: Any, *, until_blocked: bool) -> Non
         pending.result, pending.program, pending.request = stop.value, None, None
 
 
-def start(program: Program, transport: TorchDistTransport, *, comm_stream: Any = None,
-          inputs: tuple[torch.Tensor, ...] = ()) -> PendingProgram:
+def start(
+    program: Program,
+    transport: TorchDistTransport,
+    *,
+    comm_stream: Any = None,
+    inputs: tuple[torch.Tensor, ...] = (),
+) -> PendingProgram:
     """Start ``program`` (see the module docstring); returns what ``finish`` takes.
 
     Args:
@@ -127,6 +149,7 @@ def start(program: Program, transport: TorchDistTransport, *, comm_stream: Any =
     Collective: whatever the program posts. Host sync: none of its own.
     """
     if comm_stream is not None:
+
         def work() -> Any:
             saved, transport.device_waits = transport.device_waits, True
             try:
@@ -140,8 +163,9 @@ def start(program: Program, transport: TorchDistTransport, *, comm_stream: Any =
     return pending
 
 
-def run_on_comm_stream(work: Any, comm_stream: Any, *, inputs: tuple[torch.Tensor, ...] = (),
-                       transport: Any = None) -> PendingProgram:
+def run_on_comm_stream(
+    work: Any, comm_stream: Any, *, inputs: tuple[torch.Tensor, ...] = (), transport: Any = None
+) -> PendingProgram:
     """CUDA: run ``work()`` (a driver of rank programs) on ``comm_stream`` after it waited on the
     current stream; ``finish`` then joins it (the stream and event protocol of ``start``, also
     for the in-process virtual cluster in the GPU check). No host sync."""
@@ -153,7 +177,9 @@ def run_on_comm_stream(work: Any, comm_stream: Any, *, inputs: tuple[torch.Tenso
     with torch.cuda.stream(comm_stream):
         result = work()
         event = comm_stream.record_event()
-    return PendingProgram(program=None, transport=transport, result=result, event=event, stream=comm_stream)
+    return PendingProgram(
+        program=None, transport=transport, result=result, event=event, stream=comm_stream
+    )
 
 
 def finish(pending: PendingProgram) -> Any:

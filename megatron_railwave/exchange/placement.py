@@ -40,8 +40,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["RankFacts", "Placement", "PlacementError", "ConfigMismatchError", "local_facts", "gather_rank_facts",
-           "check_fingerprints", "place_ranks", "identity_placement"]
+__all__ = [
+    "RankFacts",
+    "Placement",
+    "PlacementError",
+    "ConfigMismatchError",
+    "local_facts",
+    "gather_rank_facts",
+    "check_fingerprints",
+    "place_ranks",
+    "identity_placement",
+]
 
 _HOST_CHARS = 48
 """Characters of the host name that travel for messages (the full name travels as a hash)."""
@@ -97,19 +106,29 @@ def _physical_gpu(device: torch.device) -> int:
     if device.type != "cuda":
         return -1
     index = device.index if device.index is not None else torch.cuda.current_device()
-    visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+    visible = [
+        v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()
+    ]
     if index < len(visible) and visible[index].isdigit():
         return int(visible[index])
     return index  # unset, or UUIDs: the ordinal is the best fact available
 
 
-def local_facts(*, ep_rank: int, global_rank: int, device: torch.device,
-                fingerprint: Sequence[int]) -> RankFacts:
+def local_facts(
+    *, ep_rank: int, global_rank: int, device: torch.device, fingerprint: Sequence[int]
+) -> RankFacts:
     """This process's facts (no communication)."""
     host = os.environ.get(HOST_ENV) or socket.gethostname()
-    return RankFacts(ep_rank=ep_rank, global_rank=global_rank, host=host[:_HOST_CHARS], host_id=_hash63(host),
-                     local_rank=int(os.environ.get("LOCAL_RANK", -1)), gpu=_physical_gpu(device),
-                     fingerprint=tuple(fingerprint), group_rank=int(os.environ.get("GROUP_RANK", -1)))
+    return RankFacts(
+        ep_rank=ep_rank,
+        global_rank=global_rank,
+        host=host[:_HOST_CHARS],
+        host_id=_hash63(host),
+        local_rank=int(os.environ.get("LOCAL_RANK", -1)),
+        gpu=_physical_gpu(device),
+        fingerprint=tuple(fingerprint),
+        group_rank=int(os.environ.get("GROUP_RANK", -1)),
+    )
 
 
 def fingerprint_hashes(fields: Mapping[str, str]) -> tuple[int, ...]:
@@ -119,16 +138,31 @@ def fingerprint_hashes(fields: Mapping[str, str]) -> tuple[int, ...]:
 
 def _encode(facts: RankFacts) -> torch.Tensor:
     host = list(facts.host.encode()[:_HOST_CHARS])
-    row = [facts.global_rank, facts.local_rank, facts.gpu, facts.host_id, facts.group_rank, len(host)]
+    row = [
+        facts.global_rank,
+        facts.local_rank,
+        facts.gpu,
+        facts.host_id,
+        facts.group_rank,
+        len(host),
+    ]
     row += host + [0] * (_HOST_CHARS - len(host)) + list(facts.fingerprint)
     return torch.tensor(row, dtype=torch.int64)
 
 
 def _decode(ep_rank: int, row: list[int]) -> RankFacts:
     n = row[5]
-    host = bytes(row[6:6 + n]).decode(errors="replace")
-    return RankFacts(ep_rank=ep_rank, global_rank=row[0], local_rank=row[1], gpu=row[2], host_id=row[3], host=host,
-                     group_rank=row[4], fingerprint=tuple(row[6 + _HOST_CHARS:]))
+    host = bytes(row[6 : 6 + n]).decode(errors="replace")
+    return RankFacts(
+        ep_rank=ep_rank,
+        global_rank=row[0],
+        local_rank=row[1],
+        gpu=row[2],
+        host_id=row[3],
+        host=host,
+        group_rank=row[4],
+        fingerprint=tuple(row[6 + _HOST_CHARS :]),
+    )
 
 
 def gather_rank_facts(ep_group: Any, fields: Mapping[str, str]) -> list[RankFacts]:
@@ -140,11 +174,24 @@ def gather_rank_facts(ep_group: Any, fields: Mapping[str, str]) -> list[RankFact
 
     Collective: yes (every EP rank, once at construction). Host sync: yes (construction only).
     """
-    ranks = dist.get_process_group_ranks(ep_group) if ep_group is not None else list(range(dist.get_world_size()))
+    ranks = (
+        dist.get_process_group_ranks(ep_group)
+        if ep_group is not None
+        else list(range(dist.get_world_size()))
+    )
     backend = dist.get_backend(ep_group)
-    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    device = (
+        torch.device("cuda", torch.cuda.current_device())
+        if backend == "nccl"
+        else torch.device("cpu")
+    )
     me = ranks.index(dist.get_rank())
-    own = local_facts(ep_rank=me, global_rank=dist.get_rank(), device=device, fingerprint=fingerprint_hashes(fields))
+    own = local_facts(
+        ep_rank=me,
+        global_rank=dist.get_rank(),
+        device=device,
+        fingerprint=fingerprint_hashes(fields),
+    )
     send = _encode(own).to(device)
     recv = torch.empty(len(ranks) * send.numel(), dtype=torch.int64, device=device)
     dist.all_gather_into_tensor(recv, send, group=ep_group)
@@ -164,16 +211,21 @@ def check_fingerprints(facts: Sequence[RankFacts], fields: Mapping[str, str]) ->
     for i, name in enumerate(names):
         groups: dict[int, list[int]] = {}
         for f in facts:
-            groups.setdefault(f.fingerprint[i] if i < len(f.fingerprint) else -1, []).append(f.ep_rank)
+            groups.setdefault(f.fingerprint[i] if i < len(f.fingerprint) else -1, []).append(
+                f.ep_rank
+            )
         if len(groups) > 1:
             parts = " vs ".join(f"EP ranks {ranks}" for ranks in sorted(groups.values()))
             problems.append(f"'{name}' differs ({parts})")
     if problems:
         raise ConfigMismatchError(
-            "RailWave configuration differs between ranks of one EP group: " + "; ".join(problems)
-            + f". Every EP rank must run the same RailWave config (this rank: "
-            + ", ".join(f"{n}={fields[n]}" for n in names) + "); pass the same --railwave-config / flags "
-            "to every rank.")
+            "RailWave configuration differs between ranks of one EP group: "
+            + "; ".join(problems)
+            + ". Every EP rank must run the same RailWave config (this rank: "
+            + ", ".join(f"{n}={fields[n]}" for n in names)
+            + "); pass the same --railwave-config / flags "
+            "to every rank."
+        )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -217,8 +269,12 @@ class Placement:
 
     def expert_columns(self, experts_per_rank: int) -> torch.Tensor:
         """[E] int64: Megatron column of each railwave-ordered expert column (CPU)."""
-        rank = torch.tensor(self.ep_rank_of_railwave, dtype=torch.int64).repeat_interleave(experts_per_rank)
-        return rank * experts_per_rank + torch.arange(experts_per_rank, dtype=torch.int64).repeat(self.world_size)
+        rank = torch.tensor(self.ep_rank_of_railwave, dtype=torch.int64).repeat_interleave(
+            experts_per_rank
+        )
+        return rank * experts_per_rank + torch.arange(experts_per_rank, dtype=torch.int64).repeat(
+            self.world_size
+        )
 
     def describe(self) -> str:
         """One line: every node's EP ranks in local-GPU order."""
@@ -234,16 +290,25 @@ class Placement:
 def identity_placement(world_size: int, gpus_per_node: int) -> Placement:
     """EP rank e on node e // G as local GPU e % G (the virtual cluster, the CPU benchmarks)."""
     order = tuple(range(world_size))
-    return Placement(gpus_per_node=gpus_per_node, railwave_rank_of_ep=order, ep_rank_of_railwave=order,
-                     global_rank_of_ep=order)
+    return Placement(
+        gpus_per_node=gpus_per_node,
+        railwave_rank_of_ep=order,
+        ep_rank_of_railwave=order,
+        global_rank_of_ep=order,
+    )
 
 
-_FIX = ("launch the same number of EP ranks on every node with contiguous EP groups "
-        "(expert_tensor_parallel_size 1, EP size a multiple of the GPUs per node, or an EP group inside "
-        "one node), or set gpus_per_node to the EP ranks per node")
+_FIX = (
+    "launch the same number of EP ranks on every node with contiguous EP groups "
+    "(expert_tensor_parallel_size 1, EP size a multiple of the GPUs per node, or an EP group "
+    "inside "
+    "one node), or set gpus_per_node to the EP ranks per node"
+)
 
 
-def _nodes(facts: Sequence[RankFacts], gpus_per_node: int | None) -> tuple[list[list[RankFacts]], list[str], bool]:
+def _nodes(
+    facts: Sequence[RankFacts], gpus_per_node: int | None
+) -> tuple[list[list[RankFacts]], list[str], bool]:
     """EP ranks per node (each in device order), node names, and whether nodes were emulated."""
     hosts: dict[int, list[RankFacts]] = {}
     for f in facts:  # hosts in order of their first EP rank
@@ -259,7 +324,7 @@ def _nodes(facts: Sequence[RankFacts], gpus_per_node: int | None) -> tuple[list[
             # CPU emulation: G consecutive local ranks of this machine form one node.
             emulated = True
             for i in range(k):
-                nodes.append(members[i * gpus_per_node:(i + 1) * gpus_per_node])
+                nodes.append(members[i * gpus_per_node : (i + 1) * gpus_per_node])
                 names.append(f"{host}#{i}")
         else:
             nodes.append(members)
@@ -284,8 +349,9 @@ def _split_by_agent(members: list[RankFacts]) -> list[tuple[str, list[RankFacts]
     return [(f"{host}/node{rank}", ranks) for rank, ranks in agents.items()]
 
 
-def place_ranks(facts: Sequence[RankFacts], *, gpus_per_node: int | None = None,
-                rail_of_gpu: Sequence[int] = ()) -> Placement:
+def place_ranks(
+    facts: Sequence[RankFacts], *, gpus_per_node: int | None = None, rail_of_gpu: Sequence[int] = ()
+) -> Placement:
     """Build and check the placement from every EP rank's facts (pure; same on every rank).
 
     Args:
@@ -301,11 +367,15 @@ def place_ranks(facts: Sequence[RankFacts], *, gpus_per_node: int | None = None,
     w = len(facts)
     nodes, names, emulated = _nodes(facts, gpus_per_node)
     g = gpus_per_node or len(nodes[0])
-    layout = "; ".join(f"{name}: EP ranks {[f.ep_rank for f in members]}" for name, members in zip(names, nodes))
+    layout = "; ".join(
+        f"{name}: EP ranks {[f.ep_rank for f in members]}" for name, members in zip(names, nodes)
+    )
     if any(len(members) != g for members in nodes):
         raise PlacementError(
-            f"RailWave cannot serve this EP layout: {w} EP ranks over {len(nodes)} node(s) ({layout}); every node "
-            f"must hold the same number of EP ranks (G = {g}). Fix: {_FIX}.")
+            f"RailWave cannot serve this EP layout: {w} EP ranks over {len(nodes)} node(s) "
+            f"({layout}); every node "
+            f"must hold the same number of EP ranks (G = {g}). Fix: {_FIX}."
+        )
     rails_per_node = []
     for name, members in zip(names, nodes):
         devices = [f.device_index for f in members]
@@ -314,27 +384,37 @@ def place_ranks(facts: Sequence[RankFacts], *, gpus_per_node: int | None = None,
             dup = sorted({d for d in devices if devices.count(d) > 1})
             raise PlacementError(
                 f"RailWave cannot serve this EP layout: EP ranks "
-                f"{[f.ep_rank for f in members if f.device_index in dup]} on {name} report the same GPU {dup} "
-                "(check LOCAL_RANK / CUDA_VISIBLE_DEVICES of the launcher)")
+                f"{[f.ep_rank for f in members if f.device_index in dup]} on {name} report the "
+                f"same GPU {dup} "
+                "(check LOCAL_RANK / CUDA_VISIBLE_DEVICES of the launcher)"
+            )
         if emulated or not known:
             rails = list(range(g))
         else:
             if rail_of_gpu and any(d < 0 or d >= len(rail_of_gpu) for d in devices):
                 raise PlacementError(
-                    f"RailWave cannot serve this EP layout: {name} reports GPUs {devices} but the cluster file "
-                    f"describes GPUs 0..{len(rail_of_gpu) - 1}; fix the cluster file or the launcher's GPU binding")
+                    f"RailWave cannot serve this EP layout: {name} reports GPUs {devices} but the "
+                    f"cluster file "
+                    f"describes GPUs 0..{len(rail_of_gpu) - 1}; fix the cluster file or the "
+                    f"launcher's GPU binding"
+                )
             rails = [rail_of_gpu[d] for d in devices] if rail_of_gpu else devices
             if len(set(rails)) != len(rails) and len(set(rail_of_gpu)) == len(rail_of_gpu):
                 raise PlacementError(
-                    f"RailWave cannot serve this EP layout: two EP ranks of {name} share a rail ({rails}); "
-                    "each EP rank of a node needs its own NIC")
+                    f"RailWave cannot serve this EP layout: two EP ranks of {name} share a rail "
+                    f"({rails}); "
+                    "each EP rank of a node needs its own NIC"
+                )
         rails_per_node.append(rails)
     for name, rails in zip(names[1:], rails_per_node[1:]):
         if rails != rails_per_node[0]:
             raise PlacementError(
-                f"RailWave cannot serve this EP layout ({layout}): local GPUs of {names[0]} sit on rails "
-                f"{rails_per_node[0]} but those of {name} on rails {rails}, so a rail group would cross rails. "
-                f"Give every node the same GPUs of the EP group. Fix: {_FIX}.")
+                f"RailWave cannot serve this EP layout ({layout}): local GPUs of {names[0]} sit "
+                f"on rails "
+                f"{rails_per_node[0]} but those of {name} on rails {rails}, so a rail group would "
+                f"cross rails. "
+                f"Give every node the same GPUs of the EP group. Fix: {_FIX}."
+            )
     railwave_of_ep = [0] * w
     for n, members in enumerate(nodes):
         for local, f in enumerate(members):
@@ -344,7 +424,12 @@ def place_ranks(facts: Sequence[RankFacts], *, gpus_per_node: int | None = None,
         ep_of_railwave[r] = e
     base = rails_per_node[0]
     rails = () if base == list(range(g)) else tuple(base)
-    return Placement(gpus_per_node=g, railwave_rank_of_ep=tuple(railwave_of_ep),
-                     ep_rank_of_railwave=tuple(ep_of_railwave),
-                     global_rank_of_ep=tuple(f.global_rank for f in facts), rail_of_local=rails,
-                     node_hosts=tuple(names), emulated=emulated)
+    return Placement(
+        gpus_per_node=g,
+        railwave_rank_of_ep=tuple(railwave_of_ep),
+        ep_rank_of_railwave=tuple(ep_of_railwave),
+        global_rank_of_ep=tuple(f.global_rank for f in facts),
+        rail_of_local=rails,
+        node_hosts=tuple(names),
+        emulated=emulated,
+    )

@@ -74,22 +74,31 @@ class PostedTimingReduce:
             values = self.host.tolist()
         else:
             if self.work is not None:
-                what = (f"the online selector's timing all-reduce on {self.group.describe()} (posted one epoch "
-                        "of online.capacity_sync_every calls ago)")
+                what = (
+                    f"the online selector's timing all-reduce on {self.group.describe()} (posted "
+                    f"one epoch "
+                    "of online.capacity_sync_every calls ago)"
+                )
                 try:
-                    done = (self.work.wait(datetime.timedelta(seconds=self.timeout_s)) if self.timeout_s
-                            else self.work.wait())
+                    done = (
+                        self.work.wait(datetime.timedelta(seconds=self.timeout_s))
+                        if self.timeout_s
+                        else self.work.wait()
+                    )
                 except RuntimeError as exc:
                     raise ExchangeError(f"{what} failed: {exc}; see the peers' own errors") from exc
                 if done is False:
-                    raise ExchangeTimeoutError(f"{what} did not complete within {self.timeout_s} s: a peer "
-                                               "stopped running this layer; see the peers' own errors")
+                    raise ExchangeTimeoutError(
+                        f"{what} did not complete within {self.timeout_s} s: a peer "
+                        "stopped running this layer; see the peers' own errors"
+                    )
             values = self.pair.tolist()
         return int(values[0]), -int(values[1])
 
 
-def post_timing_reduce(word: int, group: GroupRef, *, device: torch.device,
-                       timeout_s: float | None = None) -> PostedTimingReduce:
+def post_timing_reduce(
+    word: int, group: GroupRef, *, device: torch.device, timeout_s: float | None = None
+) -> PostedTimingReduce:
     """Post the all-reduce (MAX) of this rank's timing word over ``group`` (the EP count group).
 
     Args:
@@ -119,4 +128,6 @@ def post_timing_reduce(word: int, group: GroupRef, *, device: torch.device,
         event = torch.cuda.Event()
         event.record(side)
     pair.record_stream(side)
-    return PostedTimingReduce(pair=pair, work=work, group=group, timeout_s=timeout_s, host=host, event=event)
+    return PostedTimingReduce(
+        pair=pair, work=work, group=group, timeout_s=timeout_s, host=host, event=event
+    )

@@ -30,8 +30,19 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
-__all__ = ["GroupRef", "FlatBlocks", "Post", "Wait", "Collective", "Program", "ExchangeError", "ExchangeTimeoutError",
-           "TorchDistTransport", "answer", "drive"]
+__all__ = [
+    "GroupRef",
+    "FlatBlocks",
+    "Post",
+    "Wait",
+    "Collective",
+    "Program",
+    "ExchangeError",
+    "ExchangeTimeoutError",
+    "TorchDistTransport",
+    "answer",
+    "drive",
+]
 
 
 class ExchangeError(RuntimeError):
@@ -187,7 +198,9 @@ class TorchDistTransport:
     (``_wait_work``); this also drops gloo's host-polling wait there. The phases are then
     bounded by the groups' own timeout (the same ``timeout_s``, enforced by NCCL's watchdog), not
     by an ``ExchangeTimeoutError`` naming the stage."""
-    _orders: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict, repr=False)
+    _orders: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = field(
+        default_factory=dict, repr=False
+    )
     _backend_is_gloo: dict[int, bool] = field(default_factory=dict, repr=False)
     _held: dict[int, _Ticket] = field(default_factory=dict, repr=False)
     """Held flat phase per group (key: id of the process group), at most one."""
@@ -212,12 +225,30 @@ class TorchDistTransport:
         # Receives first: on gloo's TCP pairs, two ranks exchanging both ways otherwise take turns.
         for peer, buf in enumerate(req.recvs):
             if _nonempty(buf) and peer != self._me(group):
-                ops.append(dist.P2POp(dist.irecv, buf, group=group.handle, group_peer=group.peer(peer), tag=req.tag))
+                ops.append(
+                    dist.P2POp(
+                        dist.irecv,
+                        buf,
+                        group=group.handle,
+                        group_peer=group.peer(peer),
+                        tag=req.tag,
+                    )
+                )
                 peers.append(peer)
-                self.bytes_received[req.stage] = self.bytes_received.get(req.stage, 0) + _nbytes(buf)
+                self.bytes_received[req.stage] = self.bytes_received.get(req.stage, 0) + _nbytes(
+                    buf
+                )
         for peer, buf in enumerate(req.sends):
             if _nonempty(buf) and peer != self._me(group):
-                ops.append(dist.P2POp(dist.isend, buf, group=group.handle, group_peer=group.peer(peer), tag=req.tag))
+                ops.append(
+                    dist.P2POp(
+                        dist.isend,
+                        buf,
+                        group=group.handle,
+                        group_peer=group.peer(peer),
+                        tag=req.tag,
+                    )
+                )
                 peers.append(peer)
                 self.bytes_sent[req.stage] = self.bytes_sent.get(req.stage, 0) + _nbytes(buf)
         started = time.monotonic()
@@ -270,8 +301,12 @@ class TorchDistTransport:
         """Start a held phase alone (the program waits for it, or posts something else first)."""
         assert ticket.post.flat is not None
         started = self._post_all_to_all(ticket.post.stage, ticket.post.group, ticket.post.flat)
-        ticket.works, ticket.peers, ticket.finish, ticket.started = (started.works, started.peers, started.finish,
-                                                                    started.started)
+        ticket.works, ticket.peers, ticket.finish, ticket.started = (
+            started.works,
+            started.peers,
+            started.finish,
+            started.started,
+        )
         ticket.held = False
 
     def _post_joined(self, held: _Ticket, req: Post) -> _Ticket:
@@ -286,8 +321,11 @@ class TorchDistTransport:
         recv_rows = [x + y for x, y in zip(a.recv_rows, b.recv_rows)]
         recv = b.recv.new_empty((sum(recv_rows),) + tuple(b.recv.shape[1:]))
         stage = f"{held.post.stage}+{req.stage}"
-        ticket = self._post_all_to_all(stage, req.group, FlatBlocks(send=send, send_rows=send_rows, recv=recv,
-                                                                    recv_rows=recv_rows))
+        ticket = self._post_all_to_all(
+            stage,
+            req.group,
+            FlatBlocks(send=send, send_rows=send_rows, recv=recv, recv_rows=recv_rows),
+        )
         reorder = ticket.finish
 
         def finish(recv=recv, a=a, b=b) -> None:
@@ -318,14 +356,20 @@ class TorchDistTransport:
         peers = [p for p in range(len(group.ranks)) if p != me]
         started = time.monotonic()
         try:
-            work = dist.all_to_all_single(recv, send, recv_rows_g, send_rows, group=group.handle, async_op=True)
+            work = dist.all_to_all_single(
+                recv, send, recv_rows_g, send_rows, group=group.handle, async_op=True
+            )
         except Exception as exc:  # noqa: BLE001 - a failed post names the stage too
             raise self._error(stage, group, peers, started, exc) from exc
         finish = None
         if by_group is not None:
-            def finish(recv=recv, by_group=by_group, recv_rows_g=recv_rows_g, out=flat.recv) -> None:
+
+            def finish(
+                recv=recv, by_group=by_group, recv_rows_g=recv_rows_g, out=flat.recv
+            ) -> None:
                 blocks = dict(zip(by_group, recv.split(recv_rows_g)))
                 out.copy_(torch.cat([blocks[m] for m in range(len(by_group))]))
+
         post = Post(tag=-1, stage=stage, group=group, sends=[], recvs=[], flat=flat)
         return _Ticket(post=post, works=[work], peers=peers, started=started, finish=finish)
 
@@ -349,9 +393,13 @@ class TorchDistTransport:
             try:
                 done = self._wait_work(work, ticket.post.group)
             except Exception as exc:  # noqa: BLE001 - any failure of a wait names the stage
-                raise self._error(ticket.post.stage, ticket.post.group, ticket.peers, ticket.started, exc) from exc
+                raise self._error(
+                    ticket.post.stage, ticket.post.group, ticket.peers, ticket.started, exc
+                ) from exc
             if done is False:
-                raise self._error(ticket.post.stage, ticket.post.group, ticket.peers, ticket.started, None)
+                raise self._error(
+                    ticket.post.stage, ticket.post.group, ticket.peers, ticket.started, None
+                )
         ticket.works = []
         if ticket.finish is not None:
             ticket.finish()
@@ -361,41 +409,60 @@ class TorchDistTransport:
         started = time.monotonic()
         order = req.group.group_ranks
         send, recv = req.send, req.recv
-        if order is not None:  # rows in member order <-> rows in torch group-rank order (device, no sync)
+        if (
+            order is not None
+        ):  # rows in member order <-> rows in torch group-rank order (device, no sync)
             to_group, from_group = self._row_orders(order, send.device)
             if req.kind == "all_to_all":
                 send = send.index_select(0, from_group)
             recv = torch.empty_like(recv)
         try:
             if req.kind == "all_gather":
-                work = dist.all_gather_into_tensor(recv, send, group=req.group.handle, async_op=True)
+                work = dist.all_gather_into_tensor(
+                    recv, send, group=req.group.handle, async_op=True
+                )
             else:
                 work = dist.all_to_all_single(recv, send, group=req.group.handle, async_op=True)
             done = self._wait_work(work, req.group)
         except Exception as exc:  # noqa: BLE001
-            raise self._error(req.stage, req.group, list(range(len(req.group.ranks))), started, exc) from exc
+            raise self._error(
+                req.stage, req.group, list(range(len(req.group.ranks))), started, exc
+            ) from exc
         if done is False:
-            raise self._error(req.stage, req.group, list(range(len(req.group.ranks))), started, None)
+            raise self._error(
+                req.stage, req.group, list(range(len(req.group.ranks))), started, None
+            )
         if order is not None:
             rows = recv.view(len(order), -1).index_select(0, to_group)
             req.recv.copy_(rows.view_as(req.recv))
 
-    def _row_orders(self, order: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    def _row_orders(
+        self, order: tuple[int, ...], device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(member -> group rank, group rank -> member) index tensors, made once per device."""
         key = (order, device)
         if key not in self._orders:
-            with torch.inference_mode(False):  # a cache: no inference tensors (see dispatcher._to_railwave)
+            with torch.inference_mode(
+                False
+            ):  # a cache: no inference tensors (see dispatcher._to_railwave)
                 to_group = torch.tensor(order, dtype=torch.int64, device=device)
-                from_group = torch.empty_like(to_group).index_copy_(0, to_group,
-                                                                    torch.arange(len(order), device=device))
+                from_group = torch.empty_like(to_group).index_copy_(
+                    0, to_group, torch.arange(len(order), device=device)
+                )
             self._orders[key] = (to_group, from_group)
         return self._orders[key]
 
     def _me(self, group: GroupRef) -> int:
         return group.ranks.index(self.rank)
 
-    def _error(self, stage: str, group: GroupRef, peers: list[int], started: float,
-               exc: BaseException | None) -> ExchangeError:
+    def _error(
+        self,
+        stage: str,
+        group: GroupRef,
+        peers: list[int],
+        started: float,
+        exc: BaseException | None,
+    ) -> ExchangeError:
         waited = time.monotonic() - started
         timed_out = self.timeout_s is not None and waited >= 0.9 * self.timeout_s
         ep = (lambda r: r) if self.ep_rank_of is None else self.ep_rank_of.__getitem__
@@ -403,12 +470,19 @@ class TorchDistTransport:
         me = group.ranks.index(self.rank)
         others = sorted({p for p in peers if p != me})
         if group.kind == "rail" and others:  # group ranks of a rail group are node indices
-            link = f"{group.describe()} between node {me} and " + ", ".join(f"node {p}" for p in others)
+            link = f"{group.describe()} between node {me} and " + ", ".join(
+                f"node {p}" for p in others
+            )
         else:
             link = group.describe()
-        unresponsive = sorted(ep(r) for r in self.survey(stage, group)) if self.survey is not None else []
-        who = (f"unresponsive: EP rank(s) {unresponsive}" if unresponsive
-               else f"peers of this step: EP rank(s) {ranks}")
+        unresponsive = (
+            sorted(ep(r) for r in self.survey(stage, group)) if self.survey is not None else []
+        )
+        who = (
+            f"unresponsive: EP rank(s) {unresponsive}"
+            if unresponsive
+            else f"peers of this step: EP rank(s) {ranks}"
+        )
         cause = f" ({type(exc).__name__}: {exc})" if exc is not None else ""
         reported = self.explain() if self.explain is not None else ""
         if reported:
@@ -417,11 +491,14 @@ class TorchDistTransport:
             return ExchangeTimeoutError(
                 f"RailWave exchange, EP rank {ep(self.rank)}: stage '{stage}' on {link} did not "
                 f"complete within {self.timeout_s} s; {who}{cause}. If a rail is down, list it in "
-                "failed_rails (RailWaveConfig) so that no traffic is planned on it; if a rank is slow "
-                "or stuck, see its own log.")
+                "failed_rails (RailWaveConfig) so that no traffic is planned on it; if a rank is "
+                "slow "
+                "or stuck, see its own log."
+            )
         return ExchangeError(
             f"RailWave exchange, EP rank {ep(self.rank)}: stage '{stage}' on {link} failed after "
-            f"{waited:.1f} s; {who}{cause}")
+            f"{waited:.1f} s; {who}{cause}"
+        )
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -430,9 +507,13 @@ def _nbytes(t: torch.Tensor) -> int:
 
 def _joinable(a: FlatBlocks | None, b: FlatBlocks | None) -> bool:
     """Whether two flat phases can travel as one all-to-all: rows of one dtype and width."""
-    return (a is not None and b is not None and a.send.dtype == b.send.dtype == a.recv.dtype == b.recv.dtype
-            and a.send.shape[1:] == b.send.shape[1:] == a.recv.shape[1:] == b.recv.shape[1:]
-            and len(a.send_rows) == len(b.send_rows))
+    return (
+        a is not None
+        and b is not None
+        and a.send.dtype == b.send.dtype == a.recv.dtype == b.recv.dtype
+        and a.send.shape[1:] == b.send.shape[1:] == a.recv.shape[1:] == b.recv.shape[1:]
+        and len(a.send_rows) == len(b.send_rows)
+    )
 
 
 def _row_nbytes(t: torch.Tensor) -> int:
@@ -441,14 +522,17 @@ def _row_nbytes(t: torch.Tensor) -> int:
 
 
 def answer(request: Any, transport: TorchDistTransport) -> Any:
-    """Carry out one request of a rank program over ``transport``; returns what the program gets back."""
+    """Carry out one request of a rank program over ``transport``; returns what the program gets
+    back."""
     if isinstance(request, Post):
         return transport.post(request)
     if isinstance(request, Wait):
         return transport.wait(request.ticket)
     if isinstance(request, Collective):
         return transport.collective(request)
-    raise TypeError(f"rank program yielded {type(request).__name__}")  # pragma: no cover - programming error
+    raise TypeError(
+        f"rank program yielded {type(request).__name__}"
+    )  # pragma: no cover - programming error
 
 
 def drive(program: Program, transport: TorchDistTransport) -> Any:

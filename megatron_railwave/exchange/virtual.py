@@ -19,7 +19,14 @@ from typing import Any
 
 import torch
 
-from megatron_railwave.exchange.transport import Collective, ExchangeError, GroupRef, Post, Program, Wait
+from megatron_railwave.exchange.transport import (
+    Collective,
+    ExchangeError,
+    GroupRef,
+    Post,
+    Program,
+    Wait,
+)
 
 __all__ = ["VirtualCluster", "PhaseEvent"]
 
@@ -87,11 +94,15 @@ class VirtualCluster:
                     progress = True
             if not progress:
                 stuck = {r: _describe(pending[r]) for r in range(len(programs)) if not done[r]}
-                raise ExchangeError(f"virtual cluster deadlock: no rank can advance; pending: {stuck}")
+                raise ExchangeError(
+                    f"virtual cluster deadlock: no rank can advance; pending: {stuck}"
+                )
         return results
 
     @staticmethod
-    def _advance(prog: Program, answer: Any, rank: int, *, first: bool = False) -> tuple[Any, bool, Any]:
+    def _advance(
+        prog: Program, answer: Any, rank: int, *, first: bool = False
+    ) -> tuple[Any, bool, Any]:
         """Resume ``prog`` with ``answer``: (next request, finished, result)."""
         try:
             request = next(prog) if first else prog.send(answer)
@@ -103,7 +114,9 @@ class VirtualCluster:
             raise type(exc)(f"[virtual rank {rank}] {exc}") from exc
         return request, False, None
 
-    def _try(self, rank: int, request: Any, mailbox: dict, arrivals: dict, collective_seq: list) -> tuple[Any, bool]:
+    def _try(
+        self, rank: int, request: Any, mailbox: dict, arrivals: dict, collective_seq: list
+    ) -> tuple[Any, bool]:
         if isinstance(request, Post):
             group = request.group
             me = group.ranks.index(rank)
@@ -111,15 +124,20 @@ class VirtualCluster:
                 if buf is not None and buf.numel() and peer != me:
                     mailbox[(_group_key(group), request.tag, me, peer)] = buf
                     sent = self.bytes_sent[rank]
-                    sent[request.stage] = sent.get(request.stage, 0) + buf.numel() * buf.element_size()
+                    sent[request.stage] = (
+                        sent.get(request.stage, 0) + buf.numel() * buf.element_size()
+                    )
             self.events.append(PhaseEvent(rank=rank, stage=request.stage, event="post"))
             return _Ticket(rank=rank, post=request), True
         if isinstance(request, Wait):
             post: Post = request.ticket.post
             group = post.group
             me = group.ranks.index(rank)
-            keys = [(_group_key(group), post.tag, peer, me) for peer, buf in enumerate(post.recvs)
-                    if buf is not None and buf.numel() and peer != me]
+            keys = [
+                (_group_key(group), post.tag, peer, me)
+                for peer, buf in enumerate(post.recvs)
+                if buf is not None and buf.numel() and peer != me
+            ]
             if not all(k in mailbox for k in keys):
                 return None, False
             for key in keys:
@@ -128,7 +146,9 @@ class VirtualCluster:
                 if src.shape != buf.shape or src.dtype != buf.dtype:
                     raise ExchangeError(
                         f"virtual cluster: stage '{post.stage}': rank {group.ranks[key[2]]} sent "
-                        f"{tuple(src.shape)} {src.dtype}, rank {rank} expected {tuple(buf.shape)} {buf.dtype}")
+                        f"{tuple(src.shape)} {src.dtype}, rank {rank} expected {tuple(buf.shape)} "
+                        f"{buf.dtype}"
+                    )
                 buf.copy_(src)
                 got = self.bytes_received[rank]
                 got[post.stage] = got.get(post.stage, 0) + buf.numel() * buf.element_size()
@@ -163,7 +183,11 @@ class VirtualCluster:
         else:
             p = len(reqs)
             for dst, r in enumerate(reqs):
-                r.recv.copy_(torch.stack([reqs[src].send.view(p, -1)[dst] for src in range(p)]).view_as(r.recv))
+                r.recv.copy_(
+                    torch.stack([reqs[src].send.view(p, -1)[dst] for src in range(p)]).view_as(
+                        r.recv
+                    )
+                )
 
 
 def _describe(request: Any) -> str:

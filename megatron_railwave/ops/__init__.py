@@ -19,7 +19,12 @@ from collections.abc import Sequence
 import torch
 
 from megatron_railwave.ops import reference
-from megatron_railwave.ops._compiled import compiled_for, host_function, load_error, set_forced_reference
+from megatron_railwave.ops._compiled import (
+    compiled_for,
+    host_function,
+    load_error,
+    set_forced_reference,
+)
 from megatron_railwave.ops.reference import RowSpec, row_bytes
 
 __all__ = [
@@ -75,7 +80,8 @@ def assign_egress(
     deficit_hi_NG: torch.Tensor,
     wave_N: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each record's egress GPU and wave (RailBalance's greedy fill). See ``reference.assign_egress``.
+    """Each record's egress GPU and wave (RailBalance's greedy fill). See
+    ``reference.assign_egress``.
 
     Args:
         node_R: [n] int64 canonical order, -1 past the last record. Other arguments: [N] int64
@@ -85,13 +91,23 @@ def assign_egress(
         egress_R, wave_R: [n] int64 (-1 for padding). Host sync: no.
     """
     if compiled_for(node_R.device):
-        return torch.ops.railwave.assign_egress(node_R, owner_gpu, counts_N, keep_N, surplus_lo_N, deficit_hi_NG,
-                                                wave_N)
-    return reference.assign_egress(node_R, owner_gpu=owner_gpu, counts_N=counts_N, keep_N=keep_N,
-                                   surplus_lo_N=surplus_lo_N, deficit_hi_NG=deficit_hi_NG, wave_N=wave_N)
+        return torch.ops.railwave.assign_egress(
+            node_R, owner_gpu, counts_N, keep_N, surplus_lo_N, deficit_hi_NG, wave_N
+        )
+    return reference.assign_egress(
+        node_R,
+        owner_gpu=owner_gpu,
+        counts_N=counts_N,
+        keep_N=keep_N,
+        surplus_lo_N=surplus_lo_N,
+        deficit_hi_NG=deficit_hi_NG,
+        wave_N=wave_N,
+    )
 
 
-def pack_rows(tensors: Sequence[torch.Tensor], row_index: Sequence[torch.Tensor | None]) -> torch.Tensor:
+def pack_rows(
+    tensors: Sequence[torch.Tensor], row_index: Sequence[torch.Tensor | None]
+) -> torch.Tensor:
     """Gather rows of several tensors (any dtypes) side by side into one [n, row_bytes] uint8
     buffer, in one pass (one kernel launch on CUDA). See ``reference.pack_rows``.
 
@@ -126,10 +142,17 @@ def unpack_rows(
     if not compiled_for(packed.device):
         return reference.unpack_rows(packed, specs, row_index=row_index, num_rows=num_rows)
     widths = [row_bytes([spec]) for spec in specs]
-    parts = torch.ops.railwave.unpack_rows(packed, widths, row_index, -1 if num_rows is None else num_rows)
-    return [part.view(dtype).reshape(part.shape[0], *shape) if part.shape[1] else
-            part.new_empty((part.shape[0], *shape), dtype=dtype)  # zero bytes: view(dtype) rejects the strides
-            for part, (dtype, shape) in zip(parts, specs, strict=True)]
+    parts = torch.ops.railwave.unpack_rows(
+        packed, widths, row_index, -1 if num_rows is None else num_rows
+    )
+    return [
+        part.view(dtype).reshape(part.shape[0], *shape)
+        if part.shape[1]
+        else part.new_empty(
+            (part.shape[0], *shape), dtype=dtype
+        )  # zero bytes: view(dtype) rejects the strides
+        for part, (dtype, shape) in zip(parts, specs, strict=True)
+    ]
 
 
 def segment_sum(
@@ -156,22 +179,32 @@ def segment_sum(
         [S, *shape] of ``out_dtype``. Host sync: no.
     """
     out_dtype = out_dtype or values.dtype
-    if (values.dtype in _SEGMENT_SUM_DTYPES and out_dtype in _SEGMENT_SUM_DTYPES
-            and compiled_for(values.device)):
+    if (
+        values.dtype in _SEGMENT_SUM_DTYPES
+        and out_dtype in _SEGMENT_SUM_DTYPES
+        and compiled_for(values.device)
+    ):
         return torch.ops.railwave.segment_sum(values, segment_ids, num_segments, out_dtype)
-    return reference.segment_sum(values, segment_ids, num_segments, out_dtype=out_dtype,
-                                 max_segment_len=max_segment_len)
+    return reference.segment_sum(
+        values, segment_ids, num_segments, out_dtype=out_dtype, max_segment_len=max_segment_len
+    )
 
 
 def records_per_node_rail(
-    node_R: torch.Tensor, egress_R: torch.Tensor, rail_of_gpu_G: torch.Tensor, num_nodes: int, num_rails: int
+    node_R: torch.Tensor,
+    egress_R: torch.Tensor,
+    rail_of_gpu_G: torch.Tensor,
+    num_nodes: int,
+    num_rails: int,
 ) -> torch.Tensor:
     """[N, R] int64: records per (destination node, egress rail); padding (node -1) not counted.
     A record with an out-of-range node, egress or rail is not counted either, on CPU and CUDA
     alike (the CUDA kernel cannot raise without a host sync): the counts then sum to fewer than
     the records. See ``reference.records_per_node_rail``. Host sync: no."""
     if compiled_for(node_R.device):
-        return torch.ops.railwave.records_per_node_rail(node_R, egress_R, rail_of_gpu_G, num_nodes, num_rails)
+        return torch.ops.railwave.records_per_node_rail(
+            node_R, egress_R, rail_of_gpu_G, num_nodes, num_rails
+        )
     return reference.records_per_node_rail(node_R, egress_R, rail_of_gpu_G, num_nodes, num_rails)
 
 
@@ -216,14 +249,24 @@ def rank_schedule(
     """
     if not compiled_for(torch.device("cpu")):
         return None
-    return torch.ops.railwave.rank_schedule(records_NNG.contiguous(), quota_NNG.contiguous(), relay_NNGG.contiguous(),
-                                            wave_NN.contiguous(), masks_WM.contiguous(), rank, chunks, num_phases,
-                                            relay_phase,
-                                            list(rail_phase_V), list(deliver_phase_R))
+    return torch.ops.railwave.rank_schedule(
+        records_NNG.contiguous(),
+        quota_NNG.contiguous(),
+        relay_NNGG.contiguous(),
+        wave_NN.contiguous(),
+        masks_WM.contiguous(),
+        rank,
+        chunks,
+        num_phases,
+        relay_phase,
+        list(rail_phase_V),
+        list(deliver_phase_R),
+    )
 
 
-def rail_plan(records_NNG: torch.Tensor, eligible_NNG: torch.Tensor, *, balanced: bool,
-              phase: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+def rail_plan(
+    records_NNG: torch.Tensor, eligible_NNG: torch.Tensor, *, balanced: bool, phase: int
+) -> tuple[torch.Tensor, torch.Tensor] | None:
     """RailBalance's quotas and relay counts in one compiled call (csrc/cpu/schedule.cpp); None
     where the compiled ops do not load (the caller then runs ``planner.railbalance``'s numpy,
     the reference: tests/unit/planner/test_rail_plan_op.py checks the equality).
@@ -239,11 +282,18 @@ def rail_plan(records_NNG: torch.Tensor, eligible_NNG: torch.Tensor, *, balanced
     """
     if not compiled_for(torch.device("cpu")):
         return None
-    return torch.ops.railwave.rail_plan(records_NNG.contiguous(), eligible_NNG.contiguous(), balanced, phase)
+    return torch.ops.railwave.rail_plan(
+        records_NNG.contiguous(), eligible_NNG.contiguous(), balanced, phase
+    )
 
 
-def arrival_copies(records_NGN: torch.Tensor, class_copies_NGNKG: torch.Tensor, relay_NNGG: torch.Tensor, *,
-                   chunks: int) -> torch.Tensor | None:
+def arrival_copies(
+    records_NGN: torch.Tensor,
+    class_copies_NGNKG: torch.Tensor,
+    relay_NNGG: torch.Tensor,
+    *,
+    chunks: int,
+) -> torch.Tensor | None:
     """The path model's expected copies per node pair, rail chunk, arrival GPU and target GPU in
     one compiled call (csrc/cpu/arrivals.cpp); None where the compiled ops do not load (the
     caller then runs ``arrivals``' numpy, the reference: tests/unit/test_arrival_copies_op.py
@@ -263,14 +313,26 @@ def arrival_copies(records_NGN: torch.Tensor, class_copies_NGNKG: torch.Tensor, 
     """
     if not compiled_for(torch.device("cpu")):
         return None
-    return torch.ops.railwave.arrival_copies(records_NGN.contiguous(), class_copies_NGNKG.contiguous(),
-                                             relay_NNGG.contiguous(), chunks)
+    return torch.ops.railwave.arrival_copies(
+        records_NGN.contiguous(), class_copies_NGNKG.contiguous(), relay_NNGG.contiguous(), chunks
+    )
 
 
-def path_estimates(records_WN: torch.Tensor, copies_WNKG: torch.Tensor, eligible_NNG: torch.Tensor,
-                   window_NN: torch.Tensor, *, num_windows: int, chunks: int, record_bytes: int,
-                   nvlink_bytes_per_s: float, rail_bytes_per_s: float, rail_phase_s: float, layer_s: float,
-                   combine_share: float) -> torch.Tensor | None:
+def path_estimates(
+    records_WN: torch.Tensor,
+    copies_WNKG: torch.Tensor,
+    eligible_NNG: torch.Tensor,
+    window_NN: torch.Tensor,
+    *,
+    num_windows: int,
+    chunks: int,
+    record_bytes: int,
+    nvlink_bytes_per_s: float,
+    rail_bytes_per_s: float,
+    rail_phase_s: float,
+    layer_s: float,
+    combine_share: float,
+) -> torch.Tensor | None:
     """The path model's estimated seconds of one layer on RAIL and on JOINT in one compiled call
     from the gathered counts (csrc/cpu/path_model.cpp; RailBalance's relay as ``rail_plan``
     computes it, rotation 0); None where the compiled ops do not load (the caller then runs
@@ -297,13 +359,24 @@ def path_estimates(records_WN: torch.Tensor, copies_WNKG: torch.Tensor, eligible
     if not compiled_for(torch.device("cpu")):
         return None
     return torch.ops.railwave.path_estimates(
-        records_WN.contiguous(), copies_WNKG.contiguous(), eligible_NNG.contiguous(), window_NN.contiguous(),
-        num_windows, chunks, float(record_bytes), float(nvlink_bytes_per_s), float(rail_bytes_per_s),
-        float(rail_phase_s), float(layer_s), float(combine_share))
+        records_WN.contiguous(),
+        copies_WNKG.contiguous(),
+        eligible_NNG.contiguous(),
+        window_NN.contiguous(),
+        num_windows,
+        chunks,
+        float(record_bytes),
+        float(nvlink_bytes_per_s),
+        float(rail_bytes_per_s),
+        float(rail_phase_s),
+        float(layer_s),
+        float(combine_share),
+    )
 
 
-
-def layer_descriptors(records_WN, geometry) -> tuple[float, float, float, float, float, float] | None:
+def layer_descriptors(
+    records_WN, geometry
+) -> tuple[float, float, float, float, float, float] | None:
     """The sums behind one layer's B, rho_g and kappa from the gathered counts in one compiled call
     (csrc/cpu/descriptors.cpp, a plain CPython function: a torch op's dispatch would cost more than
     the work); None where the compiled ops are not used (the caller then runs
@@ -318,9 +391,9 @@ def layer_descriptors(records_WN, geometry) -> tuple[float, float, float, float,
 
     Returns:
         (remote records in all, the most remote records of one GPU, the most remote records of one
-        port (node, rail), their mean over healthy ports, kappa (the largest (sum)^2 / sum of squares
-        over source nodes of one (rail, destination node); 1.0 when nothing is remote or N = 1),
-        records in all) as floats. Host sync: no (host arrays).
+        port (node, rail), their mean over healthy ports, kappa (the largest (sum)^2 / sum of
+        squares over source nodes of one (rail, destination node); 1.0 when nothing is remote or N =
+        1), records in all) as floats. Host sync: no (host arrays).
 
     Raises:
         ValueError: shapes or dtypes that do not match (names the argument).

@@ -27,11 +27,14 @@ __all__ = ["compiled_for", "host_function", "load_error", "set_forced_reference"
 
 _LOG = logging.getLogger("megatron_railwave.ops")
 _MODULE = "megatron_railwave._C"
-_FIX = "build it with `make ext` (or `pip install -e .` with torch installed; RAILWAVE_BUILD_EXT=0 skips it)"
+_FIX = (
+    "build it with `make ext` (or `pip install -e .` with torch installed; "
+    "RAILWAVE_BUILD_EXT=0 skips it)"
+)
 
-_module = None            # the imported extension, once loaded
+_module = None  # the imported extension, once loaded
 _load_error: str | None = None
-_loaded = False           # load attempted
+_loaded = False  # load attempted
 _warned: set[str] = set()
 _forced_reference = os.environ.get("RAILWAVE_OPS", "auto").strip().lower() == "reference"
 
@@ -49,7 +52,9 @@ def _load() -> None:
     try:
         module = importlib.import_module(_MODULE)
     except (ImportError, OSError) as exc:
-        _load_error = f"the compiled ops {_MODULE} did not load ({type(exc).__name__}: {exc}); {_FIX}"
+        _load_error = (
+            f"the compiled ops {_MODULE} did not load ({type(exc).__name__}: {exc}); {_FIX}"
+        )
         return
     _register_python_parts()
     _module = module
@@ -63,7 +68,8 @@ def load_error() -> str | None:
 
 
 def set_forced_reference(forced: bool) -> bool:
-    """Use the reference ops (True) or the compiled ones where available (False); returns the old value."""
+    """Use the reference ops (True) or the compiled ones where available (False); returns the old
+    value."""
     global _forced_reference
     old, _forced_reference = _forced_reference, bool(forced)
     return old
@@ -85,8 +91,11 @@ def compiled_for(device: torch.device) -> bool:
     if kind == "cuda":
         if _module.with_cuda:
             return True
-        _warn_once(f"{_MODULE} was built without CUDA kernels (CPU torch or no nvcc at build time); rebuild it "
-                   "on the GPU machine (TORCH_CUDA_ARCH_LIST=9.0 python setup.py build_ext --inplace)")
+        _warn_once(
+            f"{_MODULE} was built without CUDA kernels (CPU torch or no nvcc at build time); "
+            f"rebuild it "
+            "on the GPU machine (TORCH_CUDA_ARCH_LIST=9.0 python setup.py build_ext --inplace)"
+        )
         return False
     _warn_once(f"no compiled railwave kernels for device type {kind!r}")
     return False
@@ -94,7 +103,8 @@ def compiled_for(device: torch.device) -> bool:
 
 def host_function(name: str):
     """The library's plain CPython function ``name`` (host-only helpers bound without a torch op:
-    csrc/bindings/module.cpp), or None where the compiled ops are not used (the reason logged once)."""
+    csrc/bindings/module.cpp), or None where the compiled ops are not used (the reason logged
+    once)."""
     if _forced_reference:
         return None
     if not _loaded:
@@ -116,8 +126,12 @@ def _register_python_parts() -> None:
     def _records_fake(routing_map, num_nodes, gpus_per_node):
         capacity = routing_map.shape[0] * num_nodes
         new = routing_map.new_empty
-        return (new(capacity, dtype=torch.int64), new(capacity, dtype=torch.int64), new(capacity, dtype=torch.int64),
-                new((num_nodes, 1 << gpus_per_node), dtype=torch.int64))
+        return (
+            new(capacity, dtype=torch.int64),
+            new(capacity, dtype=torch.int64),
+            new(capacity, dtype=torch.int64),
+            new((num_nodes, 1 << gpus_per_node), dtype=torch.int64),
+        )
 
     @torch.library.register_fake(lib + "assign_egress")
     def _assign_fake(node, owner_gpu, counts, keep, surplus_lo, deficit_hi, wave):
@@ -158,20 +172,47 @@ def _register_python_parts() -> None:
         return records.new_empty((n, n, chunks, g, g))
 
     @torch.library.register_fake(lib + "path_estimates")
-    def _path_estimates_fake(records, copies, eligible, window, num_windows, chunks, record_bytes,
-                             nvlink_bytes_per_s, rail_bytes_per_s, rail_phase_s, layer_s, combine_share):
+    def _path_estimates_fake(
+        records,
+        copies,
+        eligible,
+        window,
+        num_windows,
+        chunks,
+        record_bytes,
+        nvlink_bytes_per_s,
+        rail_bytes_per_s,
+        rail_phase_s,
+        layer_s,
+        combine_share,
+    ):
         return records.new_empty((2,))
 
     @torch.library.register_fake(lib + "rank_schedule")
-    def _rank_schedule_fake(records, quota, relay, wave, masks, rank, chunks, num_phases, relay_phase, rail_phase,
-                            deliver_phase):
+    def _rank_schedule_fake(
+        records,
+        quota,
+        relay,
+        wave,
+        masks,
+        rank,
+        chunks,
+        num_phases,
+        relay_phase,
+        rail_phase,
+        deliver_phase,
+    ):
         n, g = records.shape[0], records.shape[2]
         m, width = 1 << g, max(n, g)
         new = records.new_empty
         transfers = torch.library.get_ctx().new_dynamic_size()
-        return (new((4, transfers)), new((num_phases, width)), new((num_phases, width)),
-                new((g + 1 + 3 * n + n * g + n * g * m + 1,)),
-                new((4 * n + n * g + 2 * g * n + (n - 1) * g * m * chunks,)))
+        return (
+            new((4, transfers)),
+            new((num_phases, width)),
+            new((num_phases, width)),
+            new((g + 1 + 3 * n + n * g + n * g * m + 1,)),
+            new((4 * n + n * g + 2 * g * n + (n - 1) * g * m * chunks,)),
+        )
 
     def _segment_sum_setup(ctx, inputs, output):
         values, segment_ids, _, _ = inputs
@@ -179,16 +220,20 @@ def _register_python_parts() -> None:
         ctx.values_dtype = values.dtype
 
     def _segment_sum_backward(ctx, grad_S):
-        # d out[s] / d values[i] = 1 where segment_ids[i] == s: a gather of the gradient, through the
-        # accumulation dtype, as autograd gives for the reference (to(acc) -> index_add_ -> to(out)).
-        # Rows the forward left out (id outside [0, S): fixed-capacity padding) get a zero gradient
-        # from an appended zero row: index_select on such an id is a device assert on CUDA.
+        # d out[s] / d values[i] = 1 where segment_ids[i] == s: a gather of the gradient, through
+        # the accumulation dtype, as autograd gives for the reference (to(acc) -> index_add_ ->
+        # to(out)). Rows the forward left out (id outside [0, S): fixed-capacity padding) get a zero
+        # gradient from an appended zero row: index_select on such an id is a device assert on CUDA.
         (segment_ids,) = ctx.saved_tensors
         acc = torch.float64 if ctx.values_dtype == torch.float64 else torch.float32
         num_segments = grad_S.shape[0]
         grad_ext = torch.cat([grad_S.to(acc), grad_S.new_zeros((1, *grad_S.shape[1:]), dtype=acc)])
-        ids = torch.where((segment_ids >= 0) & (segment_ids < num_segments), segment_ids, num_segments)
+        ids = torch.where(
+            (segment_ids >= 0) & (segment_ids < num_segments), segment_ids, num_segments
+        )
         grad_values = grad_ext.index_select(0, ids).to(ctx.values_dtype)
         return grad_values, None, None, None
 
-    torch.library.register_autograd(lib + "segment_sum", _segment_sum_backward, setup_context=_segment_sum_setup)
+    torch.library.register_autograd(
+        lib + "segment_sum", _segment_sum_backward, setup_context=_segment_sum_setup
+    )

@@ -143,7 +143,9 @@ def row_bytes(specs: Sequence[RowSpec]) -> int:
     return total
 
 
-def pack_rows(tensors: Sequence[torch.Tensor], row_index: Sequence[torch.Tensor | None]) -> torch.Tensor:
+def pack_rows(
+    tensors: Sequence[torch.Tensor], row_index: Sequence[torch.Tensor | None]
+) -> torch.Tensor:
     """Gather rows of several tensors (any dtypes) side by side into one byte buffer.
 
     Args:
@@ -162,7 +164,9 @@ def pack_rows(tensors: Sequence[torch.Tensor], row_index: Sequence[torch.Tensor 
             n = rows.shape[0]
         elif rows.shape[0] != n:
             raise ValueError(f"pack_rows: tensors give {rows.shape[0]} and {n} rows")
-        parts.append(rows.view(torch.uint8) if rows.shape[1] else rows.new_empty((n, 0)).view(torch.uint8))
+        parts.append(
+            rows.view(torch.uint8) if rows.shape[1] else rows.new_empty((n, 0)).view(torch.uint8)
+        )
     return torch.cat(parts, dim=1)
 
 
@@ -186,7 +190,9 @@ def unpack_rows(
     """
     n = packed.shape[0]
     if packed.shape[1] != row_bytes(specs):
-        raise ValueError(f"unpack_rows: rows have {packed.shape[1]} bytes, specs need {row_bytes(specs)}")
+        raise ValueError(
+            f"unpack_rows: rows have {packed.shape[1]} bytes, specs need {row_bytes(specs)}"
+        )
     out, offset = [], 0
     for dtype, shape in specs:
         width = row_bytes([(dtype, shape)])
@@ -196,7 +202,7 @@ def unpack_rows(
         if width == 0:  # nothing to copy (and view(dtype) rejects a [n, 0] byte tensor's strides)
             part = packed.new_empty((n, *shape), dtype=dtype)
         else:
-            part = packed[:, offset:offset + width].clone(memory_format=torch.contiguous_format)
+            part = packed[:, offset : offset + width].clone(memory_format=torch.contiguous_format)
             part = part.view(dtype).reshape(n, *shape)
         offset += width
         if row_index is not None:
@@ -251,8 +257,9 @@ def segment_sum(
     return _segment_sum_stepwise(acc, v, ids, max_segment_len)[:num_segments].to(out_dtype)
 
 
-def _segment_sum_stepwise(acc: torch.Tensor, v: torch.Tensor, segment_ids: torch.Tensor,
-                          max_segment_len: int | None) -> torch.Tensor:
+def _segment_sum_stepwise(
+    acc: torch.Tensor, v: torch.Tensor, segment_ids: torch.Tensor, max_segment_len: int | None
+) -> torch.Tensor:
     """``segment_sum``'s order on any device: step k adds the k-th row of every segment."""
     num_segments = acc.shape[0]
     # Elsewhere index_add_ uses atomics (order not fixed), so add the k-th row of every segment
@@ -273,7 +280,11 @@ def _segment_sum_stepwise(acc: torch.Tensor, v: torch.Tensor, segment_ids: torch
 
 
 def records_per_node_rail(
-    node_R: torch.Tensor, egress_R: torch.Tensor, rail_of_gpu_G: torch.Tensor, num_nodes: int, num_rails: int
+    node_R: torch.Tensor,
+    egress_R: torch.Tensor,
+    rail_of_gpu_G: torch.Tensor,
+    num_nodes: int,
+    num_rails: int,
 ) -> torch.Tensor:
     """[N, R] int64: this rank's records per (destination node, egress rail); no host sync
     (``torch.bincount`` reads its maximum back to the host on CUDA).

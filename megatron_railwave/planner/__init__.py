@@ -6,10 +6,28 @@ on every rank; nothing here communicates.
 
 from megatron_railwave.planner.eligible import EligiblePolicy
 from megatron_railwave.planner.plan import PathPlan, PlanOptions, build_plan, chunk_sizes
-from megatron_railwave.planner.railbalance import eligible_NNG, healthy_gpus_NG, rail_quota_NNG, relay_NNGG
-from megatron_railwave.planner.routes import (RankSplits, RecordRoutes, arrival_mask_counts_NGM, chunk_arrival_counts, delivery_copies_NGG,
-                     rank_splits, route_records)
-from megatron_railwave.planner.waves import WaveSchedule, all_at_once, bounded_fanin_schedule, cyclic_schedule, schedule_from_windows
+from megatron_railwave.planner.railbalance import (
+    eligible_NNG,
+    healthy_gpus_NG,
+    rail_quota_NNG,
+    relay_NNGG,
+)
+from megatron_railwave.planner.routes import (
+    RankSplits,
+    RecordRoutes,
+    arrival_mask_counts_NGM,
+    chunk_arrival_counts,
+    delivery_copies_NGG,
+    rank_splits,
+    route_records,
+)
+from megatron_railwave.planner.waves import (
+    WaveSchedule,
+    all_at_once,
+    bounded_fanin_schedule,
+    cyclic_schedule,
+    schedule_from_windows,
+)
 
 __all__ = [
     "EligiblePolicy",

@@ -17,12 +17,18 @@ from typing import Any
 import numpy as np
 import torch
 
-from megatron_railwave.topology import RailTopology
-from megatron_railwave.traffic import DemandCounts, SelectorScales, TrafficStats, rail_load_NRN, traffic_stats
 from megatron_railwave.names import Route, parse_route
 from megatron_railwave.planner.eligible import EligiblePolicy
 from megatron_railwave.planner.railbalance import eligible_NNG, quota_and_relay
 from megatron_railwave.planner.waves import WaveSchedule, all_at_once, bounded_fanin_schedule
+from megatron_railwave.topology import RailTopology
+from megatron_railwave.traffic import (
+    DemandCounts,
+    SelectorScales,
+    TrafficStats,
+    rail_load_NRN,
+    traffic_stats,
+)
 
 __all__ = ["PathPlan", "PlanOptions", "build_plan", "chunk_sizes"]
 
@@ -52,9 +58,16 @@ class PlanOptions:
     def __post_init__(self) -> None:
         if self.fanin < 1:
             raise ValueError(f"fanin must be >= 1, got {self.fanin}")
-        if isinstance(self.chunks, bool) or not isinstance(self.chunks, int) or not 1 <= self.chunks <= MAX_CHUNKS:
-            raise ValueError(f"chunks must be an integer in 1..{MAX_CHUNKS} (rail chunks per wave; every part adds a "
-                             f"rail phase and a delivery round per wave), got {self.chunks!r}")
+        if (
+            isinstance(self.chunks, bool)
+            or not isinstance(self.chunks, int)
+            or not 1 <= self.chunks <= MAX_CHUNKS
+        ):
+            raise ValueError(
+                f"chunks must be an integer in 1..{MAX_CHUNKS} (rail chunks per wave; every part "
+                f"adds a "
+                f"rail phase and a delivery round per wave), got {self.chunks!r}"
+            )
         object.__setattr__(self, "policy", EligiblePolicy(self.policy))
 
 
@@ -97,7 +110,8 @@ class PathPlan:
         return self.schedule.num_waves * self.chunks
 
     def rail_load_NRN(self) -> torch.Tensor:
-        """[N_src, R, N_dst] int64: records sent on rail r of node s to node d (local: owner rail)."""
+        """[N_src, R, N_dst] int64: records sent on rail r of node s to node d (local: owner
+        rail)."""
         return rail_load_NRN(self.quota_NNG.permute(0, 2, 1), self.topology)
 
     def relayed_records(self) -> int:
@@ -168,7 +182,8 @@ def build_plan(
     n, g = topo.num_nodes, topo.gpus_per_node
     if tuple(records_NGN.shape) != (n, g, n):
         raise ValueError(
-            f"demand has shape {tuple(records_NGN.shape)}, expected [N, G, N] = [{n}, {g}, {n}] for "
+            f"demand has shape {tuple(records_NGN.shape)}, expected [N, G, N] = [{n}, {g}, {n}] "
+            f"for "
             f"topology {topo.name!r}"
         )
     records_NNG = records_NGN.permute(0, 2, 1).to(torch.int64).cpu()

@@ -30,17 +30,24 @@ import numpy as np
 import torch
 
 from megatron_railwave import ops
-from megatron_railwave.topology import RailTopology
 from megatron_railwave.planner.eligible import EligiblePolicy
+from megatron_railwave.topology import RailTopology
 
-__all__ = ["healthy_gpus_NG", "eligible_NNG", "rail_quota_NNG", "relay_NNGG", "quota_and_relay",
-           "surplus_deficit_bounds"]
+__all__ = [
+    "healthy_gpus_NG",
+    "eligible_NNG",
+    "rail_quota_NNG",
+    "relay_NNGG",
+    "quota_and_relay",
+    "surplus_deficit_bounds",
+]
 
 ArrayT = TypeVar("ArrayT", np.ndarray, torch.Tensor)
 
 
 # Host arithmetic on tiny [N, N, G] arrays, on every layer's planning path: numpy inside (a
 # fraction of torch's per-call cost), torch CPU tensors at the interface.
+
 
 @functools.lru_cache(maxsize=64)
 def _healthy_NG(topo: RailTopology) -> np.ndarray:
@@ -131,7 +138,9 @@ def rail_quota_NNG(
     return torch.from_numpy(quota)
 
 
-def surplus_deficit_bounds(records_NNG: ArrayT, quota_NNG: ArrayT) -> tuple[ArrayT, ArrayT, ArrayT, ArrayT, ArrayT]:
+def surplus_deficit_bounds(
+    records_NNG: ArrayT, quota_NNG: ArrayT
+) -> tuple[ArrayT, ArrayT, ArrayT, ArrayT, ArrayT]:
     """Greedy-fill intervals: (keep, s_lo, s_hi, d_lo, d_hi), each [N, N, G] int64 (numpy in,
     numpy out; CPU torch tensors in, torch tensors out).
 
@@ -164,8 +173,9 @@ def relay_NNGG(records_NNG: torch.Tensor, quota_NNG: torch.Tensor) -> torch.Tens
     return torch.from_numpy(moved)
 
 
-def quota_and_relay(records_NNG: torch.Tensor, eligible: torch.Tensor, *, balanced: bool,
-                    phase: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def quota_and_relay(
+    records_NNG: torch.Tensor, eligible: torch.Tensor, *, balanced: bool, phase: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(``rail_quota_NNG``, ``relay_NNGG``) in one call: the compiled ``ops.rail_plan`` where the
     compiled ops load, else this module's numpy (the same counts; tests/unit/planner/
     test_rail_plan_op.py)."""

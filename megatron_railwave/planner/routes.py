@@ -16,18 +16,24 @@ delivery runs while rail wave 0 is in flight); round v + 1 carries the records o
 from __future__ import annotations
 
 import functools
-
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from megatron_railwave.traffic import DemandCounts, mask_bits
 from megatron_railwave.planner.plan import PathPlan, chunk_sizes
 from megatron_railwave.planner.railbalance import surplus_deficit_bounds
+from megatron_railwave.traffic import DemandCounts, mask_bits
 
-__all__ = ["RecordRoutes", "route_records", "delivery_copies_NGG", "arrival_mask_counts_NGM",
-           "chunk_arrival_counts", "RankSplits", "rank_splits"]
+__all__ = [
+    "RecordRoutes",
+    "route_records",
+    "delivery_copies_NGG",
+    "arrival_mask_counts_NGM",
+    "chunk_arrival_counts",
+    "RankSplits",
+    "rank_splits",
+]
 
 
 def _stable_order(key_R: torch.Tensor, num_keys: int) -> torch.Tensor:
@@ -95,10 +101,15 @@ def route_records(plan: PathPlan, rank: int, masks_TN: torch.Tensor) -> RecordRo
     # single sorted line: node d's deficit ends are shifted by d * span (span > every end).
     span = int(d_hi[:, -1].max()) + 1
     line = (d_hi + torch.arange(n, dtype=torch.int64).unsqueeze(1) * span).flatten()
-    proxy_R = torch.searchsorted(line, surplus_pos_R + node_R * span, right=True) - node_R * topo.gpus_per_node
+    proxy_R = (
+        torch.searchsorted(line, surplus_pos_R + node_R * span, right=True)
+        - node_R * topo.gpus_per_node
+    )
     egress_R = torch.where(pos_R < keep_R, g, proxy_R)
     wave_R = plan.pair_wave_NN[s, node_R]
-    return RecordRoutes(token_R=token_R, node_R=node_R, mask_R=mask_R, egress_R=egress_R, wave_R=wave_R)
+    return RecordRoutes(
+        token_R=token_R, node_R=node_R, mask_R=mask_R, egress_R=egress_R, wave_R=wave_R
+    )
 
 
 def _keep_and_moved(plan: PathPlan, dest_node: int) -> tuple[np.ndarray, np.ndarray]:
@@ -133,11 +144,16 @@ def delivery_copies_NGG(plan: PathPlan, demand: DemandCounts, dest_node: int) ->
     """
     topo = plan.topology
     n, g = topo.num_nodes, topo.gpus_per_node
-    hist = demand.masks_into(dest_node).reshape(n, g, -1).numpy().astype(np.float64)  # [s, owner, m]
+    hist = (
+        demand.masks_into(dest_node).reshape(n, g, -1).numpy().astype(np.float64)
+    )  # [s, owner, m]
     # Owner g's sorted list: [0, keep) stays on g, then its surplus goes to the proxies in GPU
-    # order (the plan's relay counts), so the records for egress l end at keep + (moved to GPUs <= l).
+    # order (the plan's relay counts), so the records for egress l end at keep + (moved to GPUs <=
+    # l).
     keep, moved = _keep_and_moved(plan, dest_node)  # [s, g], [s, g, l]
-    ends = np.concatenate([keep[:, :, None], keep[:, :, None] + np.cumsum(moved, axis=-1)], axis=-1)  # [s, g, G+1]
+    ends = np.concatenate(
+        [keep[:, :, None], keep[:, :, None] + np.cumsum(moved, axis=-1)], axis=-1
+    )  # [s, g, G+1]
     # F(x)[j]: copies for target j among the first x records = sum over masks of the part of the
     # mask's run [c_lo, c_lo + hist) below x, times bit j. Float64 is exact here (counts << 2**53)
     # and lets the sum over masks run as one matrix product.
@@ -151,8 +167,11 @@ def delivery_copies_NGG(plan: PathPlan, demand: DemandCounts, dest_node: int) ->
     return torch.from_numpy(np.rint(copies.sum(axis=1)).astype(np.int64))
 
 
-def arrival_mask_counts_NGM(plan: PathPlan, demand: DemandCounts, dest_node: int, arrive_gpu: int) -> torch.Tensor:
-    """[N_src, G_owner, M] int64: records of owner (s, g) that arrive at GPU (dest_node, l), by mask.
+def arrival_mask_counts_NGM(
+    plan: PathPlan, demand: DemandCounts, dest_node: int, arrive_gpu: int
+) -> torch.Tensor:
+    """[N_src, G_owner, M] int64: records of owner (s, g) that arrive at GPU (dest_node, l), by
+    mask.
 
     On the arrival GPU the records of one source node come in egress-buffer order: owner g
     ascending, then mask ascending (each owner's list is mask-sorted and its part for egress l is
@@ -186,7 +205,9 @@ def chunk_arrival_counts(arrival_NGM: np.ndarray, chunks: int) -> np.ndarray:
     sizes = chunk_sizes(hi[:, -1] if g * m else np.zeros(n, dtype=np.int64), chunks)  # [N, c]
     b_hi = np.cumsum(sizes, axis=1)
     b_lo = b_hi - sizes
-    cut = np.minimum(hi[:, None, :], b_hi[:, :, None]) - np.maximum(lo[:, None, :], b_lo[:, :, None])
+    cut = np.minimum(hi[:, None, :], b_hi[:, :, None]) - np.maximum(
+        lo[:, None, :], b_lo[:, :, None]
+    )
     return np.clip(cut, 0, None).reshape(n, chunks, g, m)
 
 
@@ -219,10 +240,13 @@ def rank_splits(plan: PathPlan, demand: DemandCounts, rank: int) -> RankSplits:
         ValueError: for a plan with rail chunks.
     """
     if plan.chunks != 1:
-        raise ValueError(f"rank_splits covers whole waves only; this plan has {plan.chunks} rail chunks per wave "
-                         "(use schedule.compile_for_rank and its rank view)")
+        raise ValueError(
+            f"rank_splits covers whole waves only; this plan has {plan.chunks} rail chunks per "
+            f"wave "
+            "(use schedule.compile_for_rank and its rank view)"
+        )
     topo = plan.topology
-    n, g = topo.num_nodes, topo.gpus_per_node
+    n = topo.num_nodes
     s, me = topo.node_of(rank), topo.local_of(rank)
     remote_N = torch.ones(n, dtype=torch.bool)
     remote_N[s] = False

@@ -17,7 +17,13 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["WaveSchedule", "cyclic_schedule", "bounded_fanin_schedule", "all_at_once", "schedule_from_windows"]
+__all__ = [
+    "WaveSchedule",
+    "cyclic_schedule",
+    "bounded_fanin_schedule",
+    "all_at_once",
+    "schedule_from_windows",
+]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -44,7 +50,8 @@ class WaveSchedule:
         missing = n * (n - 1) - len(seen)
         if missing:
             raise ValueError(
-                f"schedule covers {len(seen)} of the {n * (n - 1)} remote node pairs; every ordered "
+                f"schedule covers {len(seen)} of the {n * (n - 1)} remote node pairs; every "
+                f"ordered "
                 "pair must be sent in exactly one wave"
             )
 
@@ -89,7 +96,7 @@ def bounded_fanin_schedule(num_nodes: int, fanin: int) -> WaveSchedule:
     shifts = list(range(1, n))
     waves = []
     for start in range(0, len(shifts), fanin):
-        group = shifts[start:start + fanin]
+        group = shifts[start : start + fanin]
         waves.append(tuple((s, (s + k) % n) for k in group for s in range(n)))
     kind = "cyclic" if fanin == 1 else f"fanin{fanin}"
     return WaveSchedule(num_nodes=n, waves=tuple(waves), kind=kind)
@@ -108,7 +115,9 @@ def all_at_once(num_nodes: int) -> WaveSchedule:
     return WaveSchedule(num_nodes=n, waves=(pairs,) if pairs else (), kind="all")
 
 
-def schedule_from_windows(num_nodes: int, windows: list[list[tuple[int, int]]] | list[list[list[int]]]) -> WaveSchedule:
+def schedule_from_windows(
+    num_nodes: int, windows: list[list[tuple[int, int]]] | list[list[list[int]]]
+) -> WaveSchedule:
     """A schedule from explicit sending windows (replay arrangements)."""
     waves = tuple(tuple((int(s), int(d)) for s, d in win) for win in windows if len(win))
     return WaveSchedule(num_nodes=num_nodes, waves=waves, kind="windows")

@@ -56,9 +56,15 @@ from typing import Literal, Protocol
 import numpy as np
 import torch
 
-from megatron_railwave.planner import PathPlan, arrival_mask_counts_NGM, chunk_arrival_counts, chunk_sizes, delivery_copies_NGG
-from megatron_railwave.traffic import mask_bits
+from megatron_railwave.planner import (
+    PathPlan,
+    arrival_mask_counts_NGM,
+    chunk_arrival_counts,
+    chunk_sizes,
+    delivery_copies_NGG,
+)
 from megatron_railwave.schedule.wire import RecordWireFormat
+from megatron_railwave.traffic import mask_bits
 
 __all__ = ["Direction", "PhaseKind", "Phase", "ExecutionSchedule", "MaskSource", "compile_schedule"]
 
@@ -133,8 +139,10 @@ def _build_phases(num_waves: int) -> tuple[Phase, ...]:
     """The phases of a schedule with ``num_waves`` waves (immutable; cached)."""
     phases: list[Phase] = []
     index: dict[tuple[Direction, PhaseKind, int], int] = {}
-    for direction, layout in ((Direction.DISPATCH, _dispatch_layout(num_waves)),
-                              (Direction.COMBINE, _combine_layout(num_waves))):
+    for direction, layout in (
+        (Direction.DISPATCH, _dispatch_layout(num_waves)),
+        (Direction.COMBINE, _combine_layout(num_waves)),
+    ):
         for kind, step in layout:
             index[(direction, kind, step)] = len(phases)
             phases.append(None)  # type: ignore[arg-type]  # filled below, once every index is known
@@ -149,8 +157,12 @@ def _build_phases(num_waves: int) -> tuple[Phase, ...]:
             else:
                 # Round 1 does not wait for round 0 (the local node's copies) either: the two
                 # write disjoint copy slots, so the first wave's copies go on as they arrive.
-                deps = (() if step == 0 else (index[(D, L, step - 1)],)
-                        + ((index[(D, DL, step - 1)],) if step >= 2 else ()))
+                deps = (
+                    ()
+                    if step == 0
+                    else (index[(D, L, step - 1)],)
+                    + ((index[(D, DL, step - 1)],) if step >= 2 else ())
+                )
             mirror = None
         else:
             if kind == DL:
@@ -163,8 +175,16 @@ def _build_phases(num_waves: int) -> tuple[Phase, ...]:
                 deps = (index[(C, L, num_waves - 1)],) if num_waves else ()
             mirror = index[(D, kind, step)]
         label = kind.value if kind == R else f"{kind.value}[{step}]"
-        phases[i] = Phase(index=i, name=f"{direction.value}.{label}", direction=direction, kind=kind, step=step,
-                          group="rail" if kind == L else "node", depends_on=deps, mirror_of=mirror)
+        phases[i] = Phase(
+            index=i,
+            name=f"{direction.value}.{label}",
+            direction=direction,
+            kind=kind,
+            step=step,
+            group="rail" if kind == L else "node",
+            depends_on=deps,
+            mirror_of=mirror,
+        )
     return tuple(phases)
 
 
@@ -173,8 +193,11 @@ def _dispatch_phase_indices(num_waves: int) -> tuple[int, tuple[int, ...], tuple
     """(relay phase, rail phases [V], deliver phases [V + 1]) of a schedule with V rail phases."""
     index = {(p.direction, p.kind, p.step): p.index for p in _build_phases(num_waves)}
     D = Direction.DISPATCH
-    return (index[(D, PhaseKind.RELAY, 0)], tuple(index[(D, PhaseKind.RAIL, v)] for v in range(num_waves)),
-            tuple(index[(D, PhaseKind.DELIVER, r)] for r in range(num_waves + 1)))
+    return (
+        index[(D, PhaseKind.RELAY, 0)],
+        tuple(index[(D, PhaseKind.RAIL, v)] for v in range(num_waves)),
+        tuple(index[(D, PhaseKind.DELIVER, r)] for r in range(num_waves + 1)),
+    )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -222,7 +245,9 @@ class ExecutionSchedule:
         for p in self.phases:
             if p.direction == direction and p.kind == kind and p.step == step:
                 return p
-        raise KeyError(f"no phase {direction}.{kind}[{step}] in a schedule of {self.num_waves} waves")
+        raise KeyError(
+            f"no phase {direction}.{kind}[{step}] in a schedule of {self.num_waves} waves"
+        )
 
     def transfers(self, phase: Phase) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(src [x], dst [x], rows [x]) int64 of one phase; combine phases are mirrored."""
@@ -239,8 +264,10 @@ class ExecutionSchedule:
 
     def wire_rows_P(self) -> torch.Tensor:
         """[P] int64: rows that cross a link (src != dst) in each phase."""
-        mirror = torch.tensor([p.index if p.mirror_of is None else p.mirror_of for p in self.phases],
-                              dtype=torch.int64)
+        mirror = torch.tensor(
+            [p.index if p.mirror_of is None else p.mirror_of for p in self.phases],
+            dtype=torch.int64,
+        )
         moved = torch.zeros(len(self.phases), dtype=torch.int64)
         off = self.src_X != self.dst_X
         moved.index_add_(0, self.phase_X[off], self.rows_X[off])
@@ -268,17 +295,25 @@ class ExecutionSchedule:
             "num_waves": self.num_waves,
             "wire": self.wire.to_dict(),
             "delivery_nodes": list(self.delivery_nodes),
-            "phases": [{"name": p.name, "group": p.group, "depends_on": [self.phases[d].name for d in p.depends_on],
-                        "wire_rows": rows[p.index], "wire_bytes": rows[p.index] * self.row_bytes(p)}
-                       for p in self.phases],
+            "phases": [
+                {
+                    "name": p.name,
+                    "group": p.group,
+                    "depends_on": [self.phases[d].name for d in p.depends_on],
+                    "wire_rows": rows[p.index],
+                    "wire_bytes": rows[p.index] * self.row_bytes(p),
+                }
+                for p in self.phases
+            ],
         }
 
 
 # Transfer tables are built in numpy: tiny integer arrays on every layer's planning path, where
 # numpy's per-call cost is a fraction of torch's.
 
+
 def _relay_transfers(plan: PathPlan) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    n, g = plan.topology.num_nodes, plan.topology.gpus_per_node
+    g = plan.topology.gpus_per_node
     remote = (plan.pair_wave_NN >= 0).numpy()
     relay_NGG = np.einsum("sdgl,sd->sgl", plan.relay_NNGG.numpy(), remote)
     relay_NGG = relay_NGG * ~np.eye(g, dtype=bool)  # kept records are not transfers
@@ -296,12 +331,16 @@ def _rail_transfers(plan: PathPlan) -> tuple[np.ndarray, np.ndarray, np.ndarray,
     rows_XC = chunk_sizes(remote_quota[s, d, l], c)
     phase_XC = wave_NN[s, d][:, None] * c + np.arange(c)
     keep = rows_XC > 0
-    src, dst = np.broadcast_to((s * g + l)[:, None], keep.shape), np.broadcast_to((d * g + l)[:, None], keep.shape)
+    src, dst = (
+        np.broadcast_to((s * g + l)[:, None], keep.shape),
+        np.broadcast_to((d * g + l)[:, None], keep.shape),
+    )
     return phase_XC[keep], src[keep], dst[keep], rows_XC[keep]
 
 
-def _delivery_transfers(plan: PathPlan, demand: MaskSource, node: int
-                        ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def _delivery_transfers(
+    plan: PathPlan, demand: MaskSource, node: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     g, c = plan.topology.gpus_per_node, plan.chunks
     copies_NGG = delivery_copies_NGG(plan, demand, node).numpy()  # [s, arrive l, target j]
     wave_N = plan.pair_wave_NN[:, node].numpy()
@@ -325,8 +364,13 @@ def _delivery_transfers(plan: PathPlan, demand: MaskSource, node: int
     return r, node * g + l, node * g + j, per_round[r, l, j]
 
 
-def compile_schedule(plan: PathPlan, wire: RecordWireFormat, *, demand: MaskSource | None = None,
-                     delivery_nodes: tuple[int, ...] | None = None) -> ExecutionSchedule:
+def compile_schedule(
+    plan: PathPlan,
+    wire: RecordWireFormat,
+    *,
+    demand: MaskSource | None = None,
+    delivery_nodes: tuple[int, ...] | None = None,
+) -> ExecutionSchedule:
     """Compile ``plan`` into the phases and transfers of one layer. Pure; host tensors only.
 
     Args:
@@ -350,7 +394,9 @@ def compile_schedule(plan: PathPlan, wire: RecordWireFormat, *, demand: MaskSour
             view = getattr(demand, "view_node", None)
             delivery_nodes = () if view is None else (int(view),)
     elif delivery_nodes and demand is None:
-        raise ValueError("compile_schedule: delivery_nodes need the demand's target-mask histograms")
+        raise ValueError(
+            "compile_schedule: delivery_nodes need the demand's target-mask histograms"
+        )
     phases = _build_phases(plan.num_rail_phases)
     relay_phase, rail_phases, deliver_phases = _dispatch_phase_indices(plan.num_rail_phases)
     parts = []  # (phase [x], src [x], dst [x], rows [x])
@@ -367,9 +413,19 @@ def compile_schedule(plan: PathPlan, wire: RecordWireFormat, *, demand: MaskSour
         rnd, src, dst, rows = _delivery_transfers(plan, demand, node)  # type: ignore[arg-type]
         parts.append((deliver_phase_R[rnd], src, dst, rows))
 
-    table = np.stack([np.concatenate([p[k] for p in parts]).astype(np.int64, copy=False) for k in range(4)])
+    table = np.stack(
+        [np.concatenate([p[k] for p in parts]).astype(np.int64, copy=False) for k in range(4)]
+    )
     table = table[:, np.argsort(table[0], kind="stable")]  # sorted by phase, stable
     phase_X, src_X, dst_X, rows_X = (torch.from_numpy(row) for row in table)
-    return ExecutionSchedule(plan=plan, wire=wire, phases=phases, delivery_nodes=tuple(delivery_nodes),
-                             demand=demand if delivery_nodes else None, phase_X=phase_X, src_X=src_X,
-                             dst_X=dst_X, rows_X=rows_X)
+    return ExecutionSchedule(
+        plan=plan,
+        wire=wire,
+        phases=phases,
+        delivery_nodes=tuple(delivery_nodes),
+        demand=demand if delivery_nodes else None,
+        phase_X=phase_X,
+        src_X=src_X,
+        dst_X=dst_X,
+        rows_X=rows_X,
+    )

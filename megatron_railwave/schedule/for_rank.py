@@ -17,7 +17,13 @@ import numpy as np
 
 from megatron_railwave import ops
 from megatron_railwave.planner import PathPlan
-from megatron_railwave.schedule.execution import ExecutionSchedule, MaskSource, _build_phases, _dispatch_phase_indices, compile_schedule
+from megatron_railwave.schedule.execution import (
+    ExecutionSchedule,
+    MaskSource,
+    _build_phases,
+    _dispatch_phase_indices,
+    compile_schedule,
+)
 from megatron_railwave.schedule.rank_view import RankView, phase_counts, rank_view
 from megatron_railwave.schedule.wire import RecordWireFormat
 
@@ -27,10 +33,10 @@ __all__ = ["RankSchedule", "compile_for_rank"]
 @dataclass(frozen=True, kw_only=True, slots=True)
 class RankSchedule:
     """Attributes:
-        schedule: the layer's schedule (stage 3 of the rank's node only).
-        view: the rank's view of it.
-        layout_counts: [K] int64 (numpy), ``exchange.layout``'s host counts in its order, or
-            None (the layout then computes them).
+    schedule: the layer's schedule (stage 3 of the rank's node only).
+    view: the rank's view of it.
+    layout_counts: [K] int64 (numpy), ``exchange.layout``'s host counts in its order, or
+        None (the layout then computes them).
     """
 
     schedule: ExecutionSchedule
@@ -38,8 +44,9 @@ class RankSchedule:
     layout_counts: np.ndarray | None
 
 
-def compile_for_rank(plan: PathPlan, wire: RecordWireFormat, *, demand: MaskSource, node: int,
-                     rank: int) -> RankSchedule:
+def compile_for_rank(
+    plan: PathPlan, wire: RecordWireFormat, *, demand: MaskSource, node: int, rank: int
+) -> RankSchedule:
     """The schedule of ``plan`` with the deliveries of ``node`` (the rank's node), the rank's view
     and its layout counts. Pure; host only.
 
@@ -50,15 +57,34 @@ def compile_for_rank(plan: PathPlan, wire: RecordWireFormat, *, demand: MaskSour
     n, g = topo.num_nodes, topo.gpus_per_node
     phases = _build_phases(plan.num_rail_phases)
     relay_phase, rail_phase_V, deliver_phase_R = _dispatch_phase_indices(plan.num_rail_phases)
-    out = ops.rank_schedule(plan.records_NNG, plan.quota_NNG, plan.relay_NNGG, plan.pair_wave_NN,
-                            demand.masks_into(node), rank=rank, chunks=plan.chunks, num_phases=len(phases),
-                            relay_phase=relay_phase, rail_phase_V=rail_phase_V, deliver_phase_R=deliver_phase_R)
+    out = ops.rank_schedule(
+        plan.records_NNG,
+        plan.quota_NNG,
+        plan.relay_NNGG,
+        plan.pair_wave_NN,
+        demand.masks_into(node),
+        rank=rank,
+        chunks=plan.chunks,
+        num_phases=len(phases),
+        relay_phase=relay_phase,
+        rail_phase_V=rail_phase_V,
+        deliver_phase_R=deliver_phase_R,
+    )
     if out is None:
         schedule = compile_schedule(plan, wire, demand=demand, delivery_nodes=(node,))
         return RankSchedule(schedule=schedule, view=rank_view(schedule, rank), layout_counts=None)
     table, send_PQ, recv_PQ, view_counts, layout_counts = out
-    schedule = ExecutionSchedule(plan=plan, wire=wire, phases=phases, delivery_nodes=(node,), demand=demand,
-                                 phase_X=table[0], src_X=table[1], dst_X=table[2], rows_X=table[3])
+    schedule = ExecutionSchedule(
+        plan=plan,
+        wire=wire,
+        phases=phases,
+        delivery_nodes=(node,),
+        demand=demand,
+        phase_X=table[0],
+        src_X=table[1],
+        dst_X=table[2],
+        rows_X=table[3],
+    )
     v = view_counts.numpy()
     m = 1 << g
     kept = g + 1
@@ -67,11 +93,16 @@ def compile_for_rank(plan: PathPlan, wire: RecordWireFormat, *, demand: MaskSour
     source_round = egress + n
     arrival = source_round + n
     view = RankView(
-        rank=rank, node=node, local=rank % g,
+        rank=rank,
+        node=node,
+        local=rank % g,
         phases=phase_counts(phases, send_PQ.tolist(), recv_PQ.tolist(), n, g),
-        owner_category_counts=v[:kept].tolist(), kept_N=v[kept:relay_in],
-        relay_in_NG=v[relay_in:egress].reshape(n, g), egress_N=v[egress:source_round].tolist(),
-        arrival_counts_NGM=v[arrival:arrival + n * g * m].reshape(n, g, m), source_round_N=v[source_round:arrival],
+        owner_category_counts=v[:kept].tolist(),
+        kept_N=v[kept:relay_in],
+        relay_in_NG=v[relay_in:egress].reshape(n, g),
+        egress_N=v[egress:source_round].tolist(),
+        arrival_counts_NGM=v[arrival : arrival + n * g * m].reshape(n, g, m),
+        source_round_N=v[source_round:arrival],
         num_copies=int(v[-1]),
     )
     return RankSchedule(schedule=schedule, view=view, layout_counts=layout_counts.numpy())

@@ -47,10 +47,12 @@ class RankView:
         phases: per phase of the schedule (same order), this rank's row counts.
         owner_category_counts: [G + 1] own records per category (egress GPU, then local node).
         kept_N: [N] int64 (numpy), records this GPU keeps on its own rail per destination node.
-        relay_in_NG: [N, G] int64 (numpy), records owner o relays to this GPU for node d (o == local: 0).
+        relay_in_NG: [N, G] int64 (numpy), records owner o relays to this GPU for node d (o ==
+        local: 0).
         egress_N: [N] rows leaving on this rail per destination node (own node: 0).
         arrival_counts_NGM: [N, G, M] int64 (numpy), records of owner (s, o) arriving here, by mask.
-        source_round_N: [N] int64 (numpy), delivery round of each source node's records (own node: 0);
+        source_round_N: [N] int64 (numpy), delivery round of each source node's records (own node:
+        0);
             with rail chunks, that of its first chunk (chunk k arrives in that round + k).
         num_copies: copies this rank receives over all rounds.
     """
@@ -75,8 +77,9 @@ class RankView:
         return self.phases[phase.index]
 
 
-def phase_counts(phases: tuple[Phase, ...], send_PQ: list[list[int]], recv_PQ: list[list[int]], n: int,
-                 g: int) -> tuple[PhaseCounts, ...]:
+def phase_counts(
+    phases: tuple[Phase, ...], send_PQ: list[list[int]], recv_PQ: list[list[int]], n: int, g: int
+) -> tuple[PhaseCounts, ...]:
     """Per phase, the rank's rows to / from each peer (``send_PQ`` / ``recv_PQ``: [P, >= max(N, G)]
     rows per dispatch phase and peer; a combine phase runs its mirror backwards)."""
     counts = []
@@ -103,12 +106,14 @@ def rank_view(schedule: ExecutionSchedule, rank: int) -> RankView:
     if node not in schedule.delivery_nodes:
         raise ValueError(
             f"rank {rank}: the schedule was compiled without node {node}'s deliveries "
-            f"(delivery_nodes={schedule.delivery_nodes}); compile it with that node's demand view")
+            f"(delivery_nodes={schedule.delivery_nodes}); compile it with that node's demand view"
+        )
     width = max(n, g)
     num_phases = len(schedule.phases)
     # numpy for the small host arithmetic of every layer (a fraction of torch's per-call cost).
-    phase_X, src_X, dst_X, rows_X = (t.numpy() for t in (schedule.phase_X, schedule.src_X, schedule.dst_X,
-                                                         schedule.rows_X))
+    phase_X, src_X, dst_X, rows_X = (
+        t.numpy() for t in (schedule.phase_X, schedule.src_X, schedule.dst_X, schedule.rows_X)
+    )
     is_rail_P = np.array([p.group == "rail" for p in schedule.phases])
 
     def dense(from_rank: np.ndarray, peer: np.ndarray) -> list[list[int]]:
@@ -118,7 +123,9 @@ def rank_view(schedule: ExecutionSchedule, rank: int) -> RankView:
         np.add.at(out, phase * width + peer_index, rows)
         return out.reshape(num_phases, width).tolist()
 
-    counts = phase_counts(schedule.phases, dense(src_X == rank, dst_X), dense(dst_X == rank, src_X), n, g)
+    counts = phase_counts(
+        schedule.phases, dense(src_X == rank, dst_X), dense(dst_X == rank, src_X), n, g
+    )
 
     wave_N = plan.pair_wave_NN.numpy()
     remote_N = wave_N[node] >= 0
@@ -130,11 +137,21 @@ def rank_view(schedule: ExecutionSchedule, rank: int) -> RankView:
     egress_N = (plan.quota_NNG[node, :, me].numpy() * remote_N).tolist()
     source_round_N = wave_N[:, node] * plan.chunks + 1
     source_round_N[node] = 0
-    num_copies = sum(sum(c.recv_Q) for c in counts if c.phase.direction == Direction.DISPATCH
-                     and c.phase.kind == "deliver")
+    num_copies = sum(
+        sum(c.recv_Q)
+        for c in counts
+        if c.phase.direction == Direction.DISPATCH and c.phase.kind == "deliver"
+    )
     return RankView(
-        rank=rank, node=node, local=me, phases=counts, owner_category_counts=categories,
-        kept_N=kept_N, relay_in_NG=relay_in_NG, egress_N=egress_N,
+        rank=rank,
+        node=node,
+        local=me,
+        phases=counts,
+        owner_category_counts=categories,
+        kept_N=kept_N,
+        relay_in_NG=relay_in_NG,
+        egress_N=egress_N,
         arrival_counts_NGM=arrival_mask_counts_NGM(plan, schedule.demand, node, me).numpy(),
-        source_round_N=source_round_N, num_copies=num_copies,
+        source_round_N=source_round_N,
+        num_copies=num_copies,
     )

@@ -63,7 +63,8 @@ class RecordWireFormat:
         if self.hidden < 0 or self.experts_per_node < 1:
             raise ValueError(
                 f"wire format needs hidden >= 0 and experts_per_node >= 1, got {self.hidden}, "
-                f"{self.experts_per_node}")
+                f"{self.experts_per_node}"
+            )
 
     @property
     def meta_words(self) -> int:
@@ -71,14 +72,19 @@ class RecordWireFormat:
         words = META_FIXED_WORDS + -(-self.experts_per_node // ROUTING_BITS_PER_WORD)
         if not self.align_rows:
             return words
-        before = row_bytes([(self.payload_dtype, (self.hidden,)), (self.probs_dtype, (self.experts_per_node,))])
+        before = row_bytes(
+            [(self.payload_dtype, (self.hidden,)), (self.probs_dtype, (self.experts_per_node,))]
+        )
         if before % 4:
             return words  # int32 words cannot align such a row
         return words + (-(before + 4 * words) % 16) // 4
 
     def dispatch_specs(self) -> list[RowSpec]:
-        return [(self.payload_dtype, (self.hidden,)), (self.probs_dtype, (self.experts_per_node,)),
-                (torch.int32, (self.meta_words,))]
+        return [
+            (self.payload_dtype, (self.hidden,)),
+            (self.probs_dtype, (self.experts_per_node,)),
+            (torch.int32, (self.meta_words,)),
+        ]
 
     def combine_specs(self) -> list[RowSpec]:
         return [(self.payload_dtype, (self.hidden,))]
@@ -106,8 +112,13 @@ class RecordWireFormat:
         return row_bytes(self.dispatch_grad_specs())
 
     def to_dict(self) -> dict[str, int | str]:
-        return {"hidden": self.hidden, "payload_dtype": str(self.payload_dtype).removeprefix("torch."),
-                "probs_dtype": str(self.probs_dtype).removeprefix("torch."),
-                "experts_per_node": self.experts_per_node, "meta_words": self.meta_words,
-                "dispatch_bytes": self.dispatch_bytes, "combine_bytes": self.combine_bytes,
-                "dispatch_grad_bytes": self.dispatch_grad_bytes}
+        return {
+            "hidden": self.hidden,
+            "payload_dtype": str(self.payload_dtype).removeprefix("torch."),
+            "probs_dtype": str(self.probs_dtype).removeprefix("torch."),
+            "experts_per_node": self.experts_per_node,
+            "meta_words": self.meta_words,
+            "dispatch_bytes": self.dispatch_bytes,
+            "combine_bytes": self.combine_bytes,
+            "dispatch_grad_bytes": self.dispatch_grad_bytes,
+        }

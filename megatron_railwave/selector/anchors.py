@@ -22,7 +22,8 @@ File layout (``format: railwave-anchors``, ``version: 1``)::
       kappa_scale: 2.0
     anchors:
       - name: req-003
-        coords: [0.41, 0.12, 0.98]            # log2(B / ref), (rho_g - 1) / rho_scale, (kappa - 1) / kappa_scale
+        coords: [0.41, 0.12, 0.98]            # log2(B / ref), (rho_g - 1) / rho_scale, (kappa - 1)
+        / kappa_scale
         B_mean_bytes: 78643200.0
         rho_g: 1.84
         kappa: 2.96
@@ -49,9 +50,9 @@ from typing import Any
 
 import yaml
 
-from megatron_railwave.selector.path_model import RailJointModel
-from megatron_railwave.names import Route, parse_route, route_list
+from megatron_railwave.names import ROUTES, Route, parse_route, route_list
 from megatron_railwave.planner.plan import MAX_CHUNKS
+from megatron_railwave.selector.path_model import RailJointModel
 from megatron_railwave.topology import RailTopology, read_yaml
 from megatron_railwave.traffic import SelectorScales, TrafficStats
 
@@ -77,7 +78,7 @@ DEFAULT_SHAPE_DISTANCE = 0.02
 
 ANCHORS_FORMAT = "railwave-anchors"
 ANCHORS_VERSION = 1
-_PATHS = (Route.NATIVE, Route.RAIL, Route.PERM, Route.JOINT)
+_PATHS = ROUTES
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -91,8 +92,10 @@ class PathLatency:
 
     def __post_init__(self) -> None:
         if not (0 <= self.p10 <= self.median <= self.p90) or not math.isfinite(self.p90):
-            raise ValueError(f"need 0 <= p10 <= median <= p90 (finite), got p10={self.p10}, "
-                             f"median={self.median}, p90={self.p90}")
+            raise ValueError(
+                f"need 0 <= p10 <= median <= p90 (finite), got p10={self.p10}, "
+                f"median={self.median}, p90={self.p90}"
+            )
         if self.samples < 1:
             raise ValueError(f"samples must be >= 1, got {self.samples}")
 
@@ -126,8 +129,14 @@ class Anchor:
     second)."""
 
     def __post_init__(self) -> None:
-        if isinstance(self.input_windows, bool) or not isinstance(self.input_windows, int) or self.input_windows < 1:
-            raise ValueError(f"Anchor.input_windows must be an integer >= 1, got {self.input_windows!r}")
+        if (
+            isinstance(self.input_windows, bool)
+            or not isinstance(self.input_windows, int)
+            or self.input_windows < 1
+        ):
+            raise ValueError(
+                f"Anchor.input_windows must be an integer >= 1, got {self.input_windows!r}"
+            )
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -138,7 +147,9 @@ class Anchor:
             "kappa": float(self.kappa),
             "path": str(self.path),
             "input_windows": int(self.input_windows),
-            "latency_s": {str(p): self.latency_s[p].to_dict() for p in _PATHS if p in self.latency_s},
+            "latency_s": {
+                str(p): self.latency_s[p].to_dict() for p in _PATHS if p in self.latency_s
+            },
         }
 
 
@@ -158,11 +169,17 @@ class CalibrationContext:
 
     @staticmethod
     def now() -> str:
-        return _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat()
+        return _dt.datetime.now(_dt.UTC).replace(microsecond=0).isoformat()
 
     def to_dict(self) -> dict[str, Any]:
-        return {"topology": dict(self.topology), "hidden_size": self.hidden_size, "dtype": self.dtype,
-                "backend": self.backend, "date": self.date, "settings": dict(self.settings)}
+        return {
+            "topology": dict(self.topology),
+            "hidden_size": self.hidden_size,
+            "dtype": self.dtype,
+            "backend": self.backend,
+            "date": self.date,
+            "settings": dict(self.settings),
+        }
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -174,16 +191,22 @@ class AnchorSet:
     """(payload_ref_bytes, rho_scale, kappa_scale), resolved for the calibrated topology."""
     context: CalibrationContext
 
-    def thresholds(self, payload_ratio: float | None = None,
-                   shape_distance: float | None = None) -> tuple[float, float]:
+    def thresholds(
+        self, payload_ratio: float | None = None, shape_distance: float | None = None
+    ) -> tuple[float, float]:
         """(payload_ratio, shape_distance) for a selector over this file: each one given here
         (a RailWave config's or a command line's override), else the one `railwave calibrate`
         tuned and recorded under ``context.settings.selector`` (checked when the file is loaded),
         else the paper's default."""
         tuned = self.context.settings.get("selector") or {}
-        return (float(tuned.get("payload_ratio", DEFAULT_PAYLOAD_RATIO)) if payload_ratio is None else payload_ratio,
-                float(tuned.get("shape_distance", DEFAULT_SHAPE_DISTANCE)) if shape_distance is None
-                else shape_distance)
+        return (
+            float(tuned.get("payload_ratio", DEFAULT_PAYLOAD_RATIO))
+            if payload_ratio is None
+            else payload_ratio,
+            float(tuned.get("shape_distance", DEFAULT_SHAPE_DISTANCE))
+            if shape_distance is None
+            else shape_distance,
+        )
 
     @property
     def fallback_below(self) -> tuple[float, Route] | None:
@@ -201,21 +224,29 @@ class AnchorSet:
         model``, checked when the file is loaded), when the tuning chose it over the anchors;
         None: the nearest-anchor rule."""
         raw = (self.context.settings.get("selector") or {}).get("model")
-        return None if raw is None else RailJointModel.from_dict(raw, source="context.settings.selector.model")
+        return (
+            None
+            if raw is None
+            else RailJointModel.from_dict(raw, source="context.settings.selector.model")
+        )
 
     @property
     def chunks(self) -> int:
         """Rail chunks per wave of the PERM / JOINT plans the file was calibrated with
         (``context.settings.chunks``, checked when the file is loaded; absent = 1, whole waves). The
-        anchors compare paths against *that* JOINT, so a selector over them needs the same chunks."""
+        anchors compare paths against *that* JOINT, so a selector over them needs the same
+        chunks."""
         return int(self.context.settings.get("chunks", 1))
 
     def coords(self, stats: TrafficStats) -> tuple[float, float, float]:
         """Selector coordinates of ``stats`` under this file's scales (pure, ~1 us)."""
         ref, rho_scale, kappa_scale = self.scales
         b = stats.B_mean_bytes
-        return (math.log2(b / ref) if b > 0 else -math.inf,
-                (stats.rho_g - 1.0) / rho_scale, (stats.kappa - 1.0) / kappa_scale)
+        return (
+            math.log2(b / ref) if b > 0 else -math.inf,
+            (stats.rho_g - 1.0) / rho_scale,
+            (stats.kappa - 1.0) / kappa_scale,
+        )
 
     def to_dict(self) -> dict[str, Any]:
         ref, rho, kappa = self.scales
@@ -228,7 +259,9 @@ class AnchorSet:
         }
 
     @staticmethod
-    def scales_for(topo: RailTopology, scales: SelectorScales | None = None) -> tuple[float, float, float]:
+    def scales_for(
+        topo: RailTopology, scales: SelectorScales | None = None
+    ) -> tuple[float, float, float]:
         return (scales or SelectorScales()).resolve(topo)
 
 
@@ -237,7 +270,9 @@ def _fail(source: str, where: str, problem: str) -> ValueError:
     return ValueError(f"anchors file {source}: field '{where}' {problem}")
 
 
-def _number(data: dict[str, Any], key: str, source: str, where: str, *, positive: bool = False) -> float:
+def _number(
+    data: dict[str, Any], key: str, source: str, where: str, *, positive: bool = False
+) -> float:
     if key not in data:
         raise _fail(source, f"{where}.{key}" if where else key, "is missing")
     value = data[key]
@@ -279,10 +314,17 @@ def _anchor(data: Any, source: str, where: str) -> Anchor:
     if not isinstance(name, str):
         raise _fail(source, f"{where}.name", f"must be a string, got {name!r}")
     coords = data.get("coords")
-    if (not isinstance(coords, list) or len(coords) != 3
-            or not all(isinstance(c, (int, float)) and not isinstance(c, bool) and math.isfinite(c)
-                       for c in coords)):
-        raise _fail(source, f"{where}.coords", f"must be a list of 3 finite numbers, got {coords!r}")
+    if (
+        not isinstance(coords, list)
+        or len(coords) != 3
+        or not all(
+            isinstance(c, (int, float)) and not isinstance(c, bool) and math.isfinite(c)
+            for c in coords
+        )
+    ):
+        raise _fail(
+            source, f"{where}.coords", f"must be a list of 3 finite numbers, got {coords!r}"
+        )
     if "path" not in data:
         raise _fail(source, f"{where}.path", "is missing")
     path = _path(data["path"], source, f"{where}.path")
@@ -293,7 +335,9 @@ def _anchor(data: Any, source: str, where: str) -> Anchor:
         latency[p] = _latency(value, source, f"{where}.latency_s.{key}")
     missing = [str(p) for p in _PATHS if p not in latency]
     if missing:
-        raise _fail(source, f"{where}.latency_s", f"lacks the path(s) {missing}; all four are required")
+        raise _fail(
+            source, f"{where}.latency_s", f"lacks the path(s) {missing}; all four are required"
+        )
     windows = data.get("input_windows", 1)
     if isinstance(windows, bool) or not isinstance(windows, int) or windows < 1:
         raise _fail(source, f"{where}.input_windows", f"must be an integer >= 1, got {windows!r}")
@@ -339,27 +383,40 @@ def _check_thresholds(settings: dict[str, Any], source: str) -> None:
         if key in tuned:
             value = _number(tuned, key, source, "context.settings.selector")
             if not (math.isfinite(value) and value >= low):
-                raise _fail(source, f"context.settings.selector.{key}",
-                            f"must be a finite number >= {low:g}, got {value!r}; re-run `railwave calibrate`")
+                raise _fail(
+                    source,
+                    f"context.settings.selector.{key}",
+                    f"must be a finite number >= {low:g}, got {value!r}; re-run `railwave "
+                    f"calibrate`",
+                )
     if tuned.get("fallback_below") is not None:
         where = "context.settings.selector.fallback_below"
         below = _mapping(tuned["fallback_below"], source, where)
         _number(below, "payload_bytes", source, where, positive=True)
         path = _path(below.get("path"), source, f"{where}.path")
         if path.waved:
-            raise _fail(source, f"{where}.path", f"must be native or rail (fewer phases than JOINT), got {path}")
+            raise _fail(
+                source,
+                f"{where}.path",
+                f"must be native or rail (fewer phases than JOINT), got {path}",
+            )
 
 
 def _check_model(settings: dict[str, Any], source: str) -> None:
     """A recorded path model, where present, is what the runtime uses: check it."""
     tuned = settings.get("selector") or {}
     if tuned.get("model") is not None:
-        model = RailJointModel.from_dict(tuned["model"], source=f"{source}: field 'context.settings.selector.model'")
+        model = RailJointModel.from_dict(
+            tuned["model"], source=f"{source}: field 'context.settings.selector.model'"
+        )
         chunks = settings.get("chunks", 1)
         if model.costs.chunks != chunks:
-            raise _fail(source, "context.settings.selector.model.costs.chunks",
-                        f"is {model.costs.chunks} but the file was calibrated with chunks={chunks} "
-                        "(context.settings.chunks); re-run `railwave calibrate --retune`")
+            raise _fail(
+                source,
+                "context.settings.selector.model.costs.chunks",
+                f"is {model.costs.chunks} but the file was calibrated with chunks={chunks} "
+                "(context.settings.chunks); re-run `railwave calibrate --retune`",
+            )
 
 
 def _check_chunks(settings: dict[str, Any], source: str) -> None:
@@ -368,12 +425,17 @@ def _check_chunks(settings: dict[str, Any], source: str) -> None:
         return
     value = settings["chunks"]
     if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_CHUNKS:
-        raise _fail(source, "context.settings.chunks",
-                    f"must be an integer in 1..{MAX_CHUNKS} (rail chunks per wave), got {value!r}; "
-                    "re-run `railwave calibrate`")
+        raise _fail(
+            source,
+            "context.settings.chunks",
+            f"must be an integer in 1..{MAX_CHUNKS} (rail chunks per wave), got {value!r}; "
+            "re-run `railwave calibrate`",
+        )
 
 
-def anchors_from_dict(data: Any, *, source: str = "<dict>", topo: RailTopology | None = None) -> AnchorSet:
+def anchors_from_dict(
+    data: Any, *, source: str = "<dict>", topo: RailTopology | None = None
+) -> AnchorSet:
     """Validate and build an ``AnchorSet``; errors name the offending field.
 
     Args:
@@ -389,8 +451,12 @@ def anchors_from_dict(data: Any, *, source: str = "<dict>", topo: RailTopology |
         raise _fail(source, "format", f"must be {ANCHORS_FORMAT!r}, got {data.get('format')!r}")
     version = data.get("version")
     if version != ANCHORS_VERSION:
-        raise _fail(source, "version", f"must be {ANCHORS_VERSION} (this build reads version "
-                    f"{ANCHORS_VERSION}), got {version!r}; re-run `railwave calibrate`")
+        raise _fail(
+            source,
+            "version",
+            f"must be {ANCHORS_VERSION} (this build reads version "
+            f"{ANCHORS_VERSION}), got {version!r}; re-run `railwave calibrate`",
+        )
     ctx = _mapping(data.get("context"), source, "context")
     topo_data = _mapping(ctx.get("topology"), source, "context.topology")
     hidden = ctx.get("hidden_size")
@@ -399,17 +465,24 @@ def anchors_from_dict(data: Any, *, source: str = "<dict>", topo: RailTopology |
     for key in ("dtype", "backend", "date"):
         if not isinstance(ctx.get(key), str):
             raise _fail(source, f"context.{key}", f"must be a string, got {ctx.get(key)!r}")
-    context = CalibrationContext(topology=topo_data, hidden_size=hidden, dtype=ctx["dtype"],
-                                 backend=ctx["backend"], date=ctx["date"],
-                                 settings=_mapping(ctx.get("settings", {}), source, "context.settings"))
+    context = CalibrationContext(
+        topology=topo_data,
+        hidden_size=hidden,
+        dtype=ctx["dtype"],
+        backend=ctx["backend"],
+        date=ctx["date"],
+        settings=_mapping(ctx.get("settings", {}), source, "context.settings"),
+    )
     _check_thresholds(context.settings, source)
     _check_chunks(context.settings, source)
     _check_model(context.settings, source)
     if topo is not None:
         _check_topology(topo_data, topo, source)
     sc = _mapping(data.get("scales"), source, "scales")
-    scales = tuple(_number(sc, k, source, "scales", positive=True)
-                   for k in ("payload_ref_bytes", "rho_scale", "kappa_scale"))
+    scales = tuple(
+        _number(sc, k, source, "scales", positive=True)
+        for k in ("payload_ref_bytes", "rho_scale", "kappa_scale")
+    )
     raw = data.get("anchors")
     if raw is None:
         raw = []

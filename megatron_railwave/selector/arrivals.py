@@ -66,7 +66,11 @@ def _bit_probabilities(p_IL: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def _target_probabilities(records: np.ndarray, copies: np.ndarray) -> np.ndarray:
     """[..., L] P(a record of the list (or class) has target j)."""
-    return np.clip(np.where(records[..., None] > 0, copies / np.maximum(records[..., None], 1.0), 0.0), 0.0, 1.0)
+    return np.clip(
+        np.where(records[..., None] > 0, copies / np.maximum(records[..., None], 1.0), 0.0),
+        0.0,
+        1.0,
+    )
 
 
 def _walk(records: np.ndarray, q: np.ndarray, some: np.ndarray, x_IX: np.ndarray) -> np.ndarray:
@@ -122,17 +126,32 @@ class _Lists:
         low = g - (k.bit_length() - 1)
         # A class >= 1 has a top bit on every record: its records are that bit's copies.
         top = class_copies[..., 1:, low:].max(axis=-1)
-        class_records = np.concatenate([np.maximum(records - top.sum(axis=-1), 0.0)[..., None], top], axis=-1)
-        starts = np.concatenate([np.zeros(records.shape + (1,)), np.cumsum(class_records, axis=-1)], axis=-1)
-        before = np.concatenate([np.zeros(records.shape + (1, g)), np.cumsum(class_copies, axis=-2)], axis=-2)
+        class_records = np.concatenate(
+            [np.maximum(records - top.sum(axis=-1), 0.0)[..., None], top], axis=-1
+        )
+        starts = np.concatenate(
+            [np.zeros(records.shape + (1,)), np.cumsum(class_records, axis=-1)], axis=-1
+        )
+        before = np.concatenate(
+            [np.zeros(records.shape + (1, g)), np.cumsum(class_copies, axis=-2)], axis=-2
+        )
         q = _target_probabilities(class_records, class_copies[..., :low])
         some = np.ones(class_records.shape)
         if low:
             first = q[..., 0, :].reshape(-1, low)
             q0, some0 = _bit_probabilities(np.ascontiguousarray(first))
-            q[..., 0, :], some[..., 0] = q0.reshape(q.shape[:-2] + (low,)), some0.reshape(some.shape[:-1])
-        return cls(class_copies=class_copies, class_records=class_records, starts=starts, before=before, q=q,
-                   some=some)
+            q[..., 0, :], some[..., 0] = (
+                q0.reshape(q.shape[:-2] + (low,)),
+                some0.reshape(some.shape[:-1]),
+            )
+        return cls(
+            class_copies=class_copies,
+            class_records=class_records,
+            starts=starts,
+            before=before,
+            q=q,
+            some=some,
+        )
 
     def copies_at(self, x: np.ndarray, index: tuple[np.ndarray, ...] | None = None) -> np.ndarray:
         """[..., X, G] expected copies per target among the first x records of lists ``index``
@@ -147,23 +166,35 @@ class _Lists:
         where_k = (starts[..., None, 1:k] <= x[..., None]).sum(axis=-1)  # [..., X]
         take = np.take_along_axis
         inside = x - take(starts, where_k, axis=-1)
-        out = take(before[..., None, :, :], where_k[..., None, None], axis=-2)[..., 0, :].copy()  # [..., X, G]
+        out = take(before[..., None, :, :], where_k[..., None, None], axis=-2)[
+            ..., 0, :
+        ].copy()  # [..., X, G]
         out = np.where((x >= starts[..., -1:])[..., None], before[..., None, -1, :], out)
         walked = (inside > 0) & (x < starts[..., -1:])
         at = np.nonzero(walked)
         if at[0].size:
             lead, cls_at = at[:-1], where_k[at]
-            lists = tuple(np.broadcast_to(i, x.shape[:-1])[lead] for i in index) if index is not None else lead
+            lists = (
+                tuple(np.broadcast_to(i, x.shape[:-1])[lead] for i in index)
+                if index is not None
+                else lead
+            )
             part = np.empty((at[0].size, g))
             cls_index = lists + (cls_at,)
-            part[:, :low] = _walk(self.class_records[cls_index], self.q[cls_index], self.some[cls_index],
-                                  inside[at][:, None])[:, 0]
+            part[:, :low] = _walk(
+                self.class_records[cls_index],
+                self.q[cls_index],
+                self.some[cls_index],
+                inside[at][:, None],
+            )[:, 0]
             part[:, low:] = inside[at][:, None] * (self.class_copies[cls_index][:, low:] > 0)
             out[at] = out[at] + part
         return out
 
 
-def prefix_copies(records_I: np.ndarray, class_copies_IKG: np.ndarray, x_IX: np.ndarray) -> np.ndarray:
+def prefix_copies(
+    records_I: np.ndarray, class_copies_IKG: np.ndarray, x_IX: np.ndarray
+) -> np.ndarray:
     """[I, X, G] float64: expected copies per target GPU among the first x records of an owner's
     mask-sorted list (module docstring).
 
@@ -174,11 +205,14 @@ def prefix_copies(records_I: np.ndarray, class_copies_IKG: np.ndarray, x_IX: np.
         x_IX: [I, X] positions, 0 <= x <= records.
     """
     records = np.asarray(records_I, dtype=np.float64)
-    return _Lists.of(records, np.asarray(class_copies_IKG, dtype=np.float64)).copies_at(np.asarray(x_IX, np.float64))
+    return _Lists.of(records, np.asarray(class_copies_IKG, dtype=np.float64)).copies_at(
+        np.asarray(x_IX, np.float64)
+    )
 
 
-def arrival_copies_NNCGG(records_NGN: np.ndarray, class_copies_NGNKG: np.ndarray, topo: RailTopology,
-                         chunks: int) -> np.ndarray:
+def arrival_copies_NNCGG(
+    records_NGN: np.ndarray, class_copies_NGNKG: np.ndarray, topo: RailTopology, chunks: int
+) -> np.ndarray:
     """[N_src, N_dst, C, G_arrive, G_target] float64: expected copies that arrive on GPU
     (d, l) from node s in rail chunk k and are for GPU (d, j), l == j included (they stay).
     Local pairs (s == d) are zero (no rail). Uses RailBalance's default eligible rails (all
@@ -195,9 +229,12 @@ def arrival_copies_NNCGG(records_NGN: np.ndarray, class_copies_NGNKG: np.ndarray
         chunks: rail chunks per wave (1: whole waves).
     """
     relay = _rail_relay_NNGG(records_NGN, topo)
-    compiled = ops.arrival_copies(torch.from_numpy(np.ascontiguousarray(records_NGN, dtype=np.float64)),
-                                  torch.from_numpy(np.ascontiguousarray(class_copies_NGNKG, dtype=np.float64)),
-                                  relay, chunks=chunks)
+    compiled = ops.arrival_copies(
+        torch.from_numpy(np.ascontiguousarray(records_NGN, dtype=np.float64)),
+        torch.from_numpy(np.ascontiguousarray(class_copies_NGNKG, dtype=np.float64)),
+        relay,
+        chunks=chunks,
+    )
     if compiled is not None:
         return compiled.numpy()
     return _arrival_copies(records_NGN, class_copies_NGNKG, relay.numpy(), chunks)
@@ -205,38 +242,53 @@ def arrival_copies_NNCGG(records_NGN: np.ndarray, class_copies_NGNKG: np.ndarray
 
 def _rail_relay_NNGG(records_NGN: np.ndarray, topo: RailTopology) -> torch.Tensor:
     """[N, N, G, G] int64: RailBalance's relay (rotation 0, all healthy rails eligible)."""
-    records_NNG = torch.from_numpy(np.ascontiguousarray(records_NGN.transpose(0, 2, 1))).to(torch.int64)
+    records_NNG = torch.from_numpy(np.ascontiguousarray(records_NGN.transpose(0, 2, 1))).to(
+        torch.int64
+    )
     return quota_and_relay(records_NNG, eligible_NNG(topo, records_NNG), balanced=True, phase=0)[1]
 
 
-def arrival_copies_reference(records_NGN: np.ndarray, class_copies_NGNKG: np.ndarray, topo: RailTopology,
-                             chunks: int) -> np.ndarray:
+def arrival_copies_reference(
+    records_NGN: np.ndarray, class_copies_NGNKG: np.ndarray, topo: RailTopology, chunks: int
+) -> np.ndarray:
     """``arrival_copies_NNCGG`` in numpy: the meaning the compiled twin reproduces."""
-    return _arrival_copies(records_NGN, class_copies_NGNKG, _rail_relay_NNGG(records_NGN, topo).numpy(), chunks)
+    return _arrival_copies(
+        records_NGN, class_copies_NGNKG, _rail_relay_NNGG(records_NGN, topo).numpy(), chunks
+    )
 
 
-def _arrival_copies(records_NGN: np.ndarray, class_copies_NGNKG: np.ndarray, relay: np.ndarray,
-                    chunks: int) -> np.ndarray:
+def _arrival_copies(
+    records_NGN: np.ndarray, class_copies_NGNKG: np.ndarray, relay: np.ndarray, chunks: int
+) -> np.ndarray:
     n, g = records_NGN.shape[0], records_NGN.shape[1]
     remote = ~np.eye(n, dtype=bool)
-    relay = np.where(remote[:, :, None, None], relay, 0).astype(np.float64)  # [s, d, owner, arrival]
+    relay = np.where(remote[:, :, None, None], relay, 0).astype(
+        np.float64
+    )  # [s, d, owner, arrival]
     eye = np.eye(g, dtype=bool)
     keep = np.einsum("sdoo->sdo", relay)
     moved = np.where(eye, 0.0, relay)
     # An owner's list: kept part first, then its moved parts to arrival GPU 0, 1, ... in turn.
     records = records_NGN.transpose(0, 2, 1).astype(np.float64) * remote[:, :, None]  # [s, d, o]
-    class_copies = (class_copies_NGNKG.transpose(0, 2, 1, 3, 4).astype(np.float64)
-                    * remote[:, :, None, None, None])  # [s, d, o, k, j]
+    class_copies = (
+        class_copies_NGNKG.transpose(0, 2, 1, 3, 4).astype(np.float64)
+        * remote[:, :, None, None, None]
+    )  # [s, d, o, k, j]
     lists = _Lists.of(records, class_copies)
     owner_copies = lists.before[..., -1, :]  # [s, d, o, j]
-    moved_end = keep[..., None] + np.cumsum(moved, axis=-1)  # [s, d, o, l]: where the part for l ends
-    # Where each part ends, in list order: keep, then l = 0 .. G-2 (the last ends at the list's end).
+    moved_end = keep[..., None] + np.cumsum(
+        moved, axis=-1
+    )  # [s, d, o, l]: where the part for l ends
+    # Where each part ends, in list order: keep, then l = 0 .. G-2 (the last ends at the list's
+    # end).
     bounds = np.concatenate([keep[..., None], moved_end[..., :-1]], axis=-1)  # [s, d, o, G]
     at_bounds = lists.copies_at(bounds)  # [s, d, o, G, j]
     seg_copies = np.empty_like(at_bounds)  # [s, d, o, l, j]: the part moved to l (0 for l == o)
     np.subtract(at_bounds[..., 1:, :], at_bounds[..., :-1, :], out=seg_copies[..., :-1, :])
     np.subtract(owner_copies, at_bounds[..., -1, :], out=seg_copies[..., -1, :])
-    seg_copies[:, :, np.arange(g), np.arange(g)] = at_bounds[:, :, :, 0]  # the kept part: its first `keep`
+    seg_copies[:, :, np.arange(g), np.arange(g)] = at_bounds[
+        :, :, :, 0
+    ]  # the kept part: its first `keep`
     total = seg_copies.sum(axis=2)  # [s, d, l, j]
     if chunks == 1:
         return total[:, :, None]
@@ -244,17 +296,27 @@ def _arrival_copies(records_NGN: np.ndarray, class_copies_NGNKG: np.ndarray, rel
     # the cut's position in that owner's list.
     block = relay.transpose(0, 1, 3, 2)  # [s, d, l, o] segment lengths in block order
     block_end = np.cumsum(block, axis=-1)
-    cuts = np.cumsum(chunk_sizes(block_end[..., -1].astype(np.int64), chunks), axis=-1)[..., :-1].astype(np.float64)
-    cut_owner = np.minimum((block_end[..., None, :] <= cuts[..., None]).sum(axis=-1), g - 1)  # [s, d, l, C-1]
+    cuts = np.cumsum(chunk_sizes(block_end[..., -1].astype(np.int64), chunks), axis=-1)[
+        ..., :-1
+    ].astype(np.float64)
+    cut_owner = np.minimum(
+        (block_end[..., None, :] <= cuts[..., None]).sum(axis=-1), g - 1
+    )  # [s, d, l, C-1]
     pick = np.take_along_axis
-    seg_start = np.where(eye, 0.0, moved_end - moved).transpose(0, 1, 3, 2)  # [s, d, l, o] in the owner's list
-    position = pick(seg_start, cut_owner, axis=-1) + cuts - pick(block_end - block, cut_owner, axis=-1)
+    seg_start = np.where(eye, 0.0, moved_end - moved).transpose(
+        0, 1, 3, 2
+    )  # [s, d, l, o] in the owner's list
+    position = (
+        pick(seg_start, cut_owner, axis=-1) + cuts - pick(block_end - block, cut_owner, axis=-1)
+    )
     s_i, d_i, l_i = np.ix_(np.arange(n), np.arange(n), np.arange(g))
     s_i, d_i, l_i = s_i[..., None], d_i[..., None], l_i[..., None]
     at_cut = lists.copies_at(position[..., None], (s_i, d_i, cut_owner))[..., 0, :]
     # Where the cut owner's part starts: 0 for its kept part, else where its previous part ends.
     at_start = np.where((cut_owner == l_i)[..., None], 0.0, at_bounds[s_i, d_i, cut_owner, l_i])
     owners_before = (np.arange(g) < cut_owner[..., None]).astype(np.float64)  # [s, d, l, C-1, o]
-    cum = np.einsum("sdlko,sdolj->sdlkj", owners_before, seg_copies) + at_cut - at_start  # [s, d, l, C-1, j]
+    cum = (
+        np.einsum("sdlko,sdolj->sdlkj", owners_before, seg_copies) + at_cut - at_start
+    )  # [s, d, l, C-1, j]
     cum = np.concatenate([np.zeros_like(cum[..., :1, :]), cum, total[:, :, :, None]], axis=-2)
     return np.diff(cum, axis=-2).transpose(0, 1, 3, 2, 4)  # [s, d, C, l, j]

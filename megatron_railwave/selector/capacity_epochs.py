@@ -76,8 +76,9 @@ class CapacityEpochs:
         self.every = selector.settings.capacity_sync_every
         self._epochs: dict[str, _Epoch] = {}
 
-    def begin_call(self, kind: str, post: Callable[[int], PostedPair]) -> tuple[OnlineDecision, list[Any] | None,
-                                                                                 str | None]:
+    def begin_call(
+        self, kind: str, post: Callable[[int], PostedPair]
+    ) -> tuple[OnlineDecision, list[Any] | None, str | None]:
         """This call's decision, in pass ``kind`` ('train' or 'forward_only').
 
         Args:

@@ -67,15 +67,40 @@ import torch
 
 from megatron_railwave import ops
 from megatron_railwave.config import OnlineSettings
-from megatron_railwave.selector.anchors import Anchor, AnchorSet, CalibrationContext, PathLatency, save_anchors
 from megatron_railwave.names import Route
+from megatron_railwave.selector.anchors import (
+    Anchor,
+    AnchorSet,
+    CalibrationContext,
+    PathLatency,
+    save_anchors,
+)
 from megatron_railwave.topology import RailTopology
 from megatron_railwave.traffic import SelectorScales, TrafficStats
 
-__all__ = ["OnlineSettings", "OnlineDecision", "OnlineSelector", "SharedNeighbourhoods", "PROCESS_SHARED", "Prior",
-           "fast_descriptors", "encode_timing", "slowest_timing", "slowest_reduced_timing", "learned_anchor_set",
-           "anchor_prior", "live_selectors", "save_learned_anchors", "save_learned_anchors_at_exit", "TIMING_NONE",
-           "TIMING_MISSING", "TIMING_NAN", "TIMING_NEGATIVE", "TIMING_STALLED", "TIMING_MAX_NS"]
+__all__ = [
+    "OnlineSettings",
+    "OnlineDecision",
+    "OnlineSelector",
+    "SharedNeighbourhoods",
+    "PROCESS_SHARED",
+    "Prior",
+    "fast_descriptors",
+    "encode_timing",
+    "slowest_timing",
+    "slowest_reduced_timing",
+    "learned_anchor_set",
+    "anchor_prior",
+    "live_selectors",
+    "save_learned_anchors",
+    "save_learned_anchors_at_exit",
+    "TIMING_NONE",
+    "TIMING_MISSING",
+    "TIMING_NAN",
+    "TIMING_NEGATIVE",
+    "TIMING_STALLED",
+    "TIMING_MAX_NS",
+]
 
 ALL_PATHS: tuple[Route, ...] = (Route.JOINT, Route.RAIL, Route.PERM, Route.NATIVE)
 """Candidates in tie-break order (JOINT first: the fallback wins ties)."""
@@ -88,8 +113,12 @@ TIMING_NAN = -2
 TIMING_NEGATIVE = -3
 TIMING_STALLED = -4
 """Zero elapsed time: the clock did not advance."""
-_PROBLEMS = {TIMING_MISSING: "missing", TIMING_NAN: "NaN or infinite", TIMING_NEGATIVE: "negative",
-             TIMING_STALLED: "zero (stalled clock)"}
+_PROBLEMS = {
+    TIMING_MISSING: "missing",
+    TIMING_NAN: "NaN or infinite",
+    TIMING_NEGATIVE: "negative",
+    TIMING_STALLED: "zero (stalled clock)",
+}
 TIMING_MAX_NS = (1 << 54) - 1
 """Longest time a word carries (208 days; longer is clipped): the count exchange packs the word
 into each row's status word, below the input-status code (``exchange.layer.pack_status``)."""
@@ -168,15 +197,29 @@ def _geometry_of(topo: RailTopology) -> _Geometry:
         sums[w + (src % g * n + dst)[remote], np.arange(wn)[remote]] = 1.0
         sums[w + gn + (src % g * n + dst)[remote], wn + np.arange(wn)[remote]] = 1.0
         sums[-1, :wn] = 1.0
-        sums[w + gn:w + 2 * gn, -1] = _TINY
+        sums[w + gn : w + 2 * gn, -1] = _TINY
     healthy = None if healthy_idx.size == n * r else tuple(healthy_idx.tolist())
-    return _Geometry(world=w, sums=sums, healthy=healthy, remote_WN=remote_WN, rail_GR=rail_GR,
-                     healthy_idx=healthy_idx,
-                     packed=np.array([n, g, r, *rails, *healthy_NR.reshape(-1).astype(np.int64)], dtype=np.int64))
+    return _Geometry(
+        world=w,
+        sums=sums,
+        healthy=healthy,
+        remote_WN=remote_WN,
+        rail_GR=rail_GR,
+        healthy_idx=healthy_idx,
+        packed=np.array(
+            [n, g, r, *rails, *healthy_NR.reshape(-1).astype(np.int64)], dtype=np.int64
+        ),
+    )
 
 
-def fast_descriptors(records_WN: torch.Tensor | np.ndarray, topo: RailTopology, *, record_bytes: int,
-                     scales: tuple[float, float, float] | None = None, compiled: bool = True) -> TrafficStats:
+def fast_descriptors(
+    records_WN: torch.Tensor | np.ndarray,
+    topo: RailTopology,
+    *,
+    record_bytes: int,
+    scales: tuple[float, float, float] | None = None,
+    compiled: bool = True,
+) -> TrafficStats:
     """B, rho_g, kappa and the coordinates of a layer sent all node pairs at once, from the
     gathered [W, N] records: ``stats.demand_stats``'s values, cheap enough for every layer call
     (the online selector reads them there; ``demand_stats`` costs ~0.3 ms at 4 x 8).
@@ -190,14 +233,19 @@ def fast_descriptors(records_WN: torch.Tensor | np.ndarray, topo: RailTopology, 
     Args:
         records_WN: [W, N] int64 (CPU tensor or array), records from rank w (railwave order:
             node-major) to node n.
-        scales: (payload_ref_bytes, rho_scale, kappa_scale); default ``SelectorScales`` for ``topo``.
+        scales: (payload_ref_bytes, rho_scale, kappa_scale); default ``SelectorScales`` for
+        ``topo``.
         compiled: False forces the numpy reference (the tests compare the two).
     """
     geo = _geometry(topo)
     n, w = topo.num_nodes, geo.world
     if isinstance(records_WN, torch.Tensor):
         records_WN = records_WN.numpy()  # a view, any strides (the count message's first N columns)
-    sums_op = ops.layer_descriptors(records_WN, geo.packed) if compiled and records_WN.dtype == np.int64 else None
+    sums_op = (
+        ops.layer_descriptors(records_WN, geo.packed)
+        if compiled and records_WN.dtype == np.int64
+        else None
+    )
     if sums_op is not None:
         remote_total, busiest, egress_max, healthy_mean, kappa, records_total = sums_op
         records_total = int(records_total)
@@ -205,41 +253,68 @@ def fast_descriptors(records_WN: torch.Tensor | np.ndarray, topo: RailTopology, 
         wn = records_WN.size
         y = np.empty(2 * wn + 1, dtype=np.float64)
         y[:wn] = records_WN.reshape(-1)
-        np.multiply(y[:wn], y[:wn], out=y[wn:2 * wn])
+        np.multiply(y[:wn], y[:wn], out=y[wn : 2 * wn])
         y[-1] = 1.0
         sums = (geo.sums @ y).tolist()
         per_gpu = sums[:w]
         remote_total = sum(per_gpu)
         busiest = max(per_gpu)
         egress_max = busiest
-        healthy_mean = (remote_total / w if geo.healthy is None
-                        else sum([per_gpu[i] for i in geo.healthy]) / len(geo.healthy) if geo.healthy else 0.0)
+        healthy_mean = (
+            remote_total / w
+            if geo.healthy is None
+            else sum([per_gpu[i] for i in geo.healthy]) / len(geo.healthy)
+            if geo.healthy
+            else 0.0
+        )
         gn = (len(sums) - 1 - w) // 2
-        total = sums[w:w + gn]
-        kappa = (max(map(truediv, map(mul, total, total), sums[w + gn:w + 2 * gn]))  # see _TINY
-                 if n > 1 and remote_total > 0 else 1.0)
+        total = sums[w : w + gn]
+        kappa = (
+            max(map(truediv, map(mul, total, total), sums[w + gn : w + 2 * gn]))  # see _TINY
+            if n > 1 and remote_total > 0
+            else 1.0
+        )
         records_total = int(sums[-1])
     else:
         remote = (records_WN * geo.remote_WN).astype(np.float64)  # [W, N], the local node zeroed
         per_gpu_W = remote.sum(axis=1)
         remote_total = float(per_gpu_W.sum())
         busiest = float(per_gpu_W.max())
-        load_NGN = np.einsum("sgd,gr->srd", remote.reshape(n, w // n, n), geo.rail_GR)  # GPUs sharing a rail add up
+        load_NGN = np.einsum(
+            "sgd,gr->srd", remote.reshape(n, w // n, n), geo.rail_GR
+        )  # GPUs sharing a rail add up
         egress = load_NGN.sum(axis=2).reshape(-1)
         egress_max = float(egress.max())
         healthy_mean = float(egress[geo.healthy_idx].mean()) if geo.healthy_idx.size else 0.0
         total = load_NGN.sum(axis=0)
         squares = np.einsum("srd,srd->rd", load_NGN, load_NGN)
-        kappa = float(np.max(np.divide(total * total, squares, out=np.ones_like(total), where=squares > 0))) \
-            if n > 1 and remote_total > 0 else 1.0
+        kappa = (
+            float(
+                np.max(
+                    np.divide(total * total, squares, out=np.ones_like(total), where=squares > 0)
+                )
+            )
+            if n > 1 and remote_total > 0
+            else 1.0
+        )
         records_total = int(records_WN.sum())
     b_mean = remote_total / w * record_bytes
     rho = egress_max / healthy_mean if healthy_mean > 0 else 1.0
     ref, rho_scale, kappa_scale = scales if scales is not None else SelectorScales().resolve(topo)
-    coords = (math.log2(b_mean / ref) if b_mean > 0 else -math.inf, (rho - 1.0) / rho_scale,
-              (kappa - 1.0) / kappa_scale)
-    return TrafficStats(B_mean_bytes=b_mean, B_max_bytes=busiest * record_bytes, rho_g=rho, kappa=kappa,
-                        coords=coords, records_total=records_total, remote_records=int(remote_total))
+    coords = (
+        math.log2(b_mean / ref) if b_mean > 0 else -math.inf,
+        (rho - 1.0) / rho_scale,
+        (kappa - 1.0) / kappa_scale,
+    )
+    return TrafficStats(
+        B_mean_bytes=b_mean,
+        B_max_bytes=busiest * record_bytes,
+        rho_g=rho,
+        kappa=kappa,
+        coords=coords,
+        records_total=records_total,
+        remote_records=int(remote_total),
+    )
 
 
 # ---------------------------------------------------------------------- timing words
@@ -308,7 +383,10 @@ def slowest_reduced_timing(max_word: int, min_word: int) -> tuple[float | None, 
     if min_word > 0:
         return max_word * 1e-9, None
     if min_word < 0:
-        return None, f"at least one EP rank reported {_PROBLEMS.get(min_word, f'code {min_word}')} timings"
+        return (
+            None,
+            f"at least one EP rank reported {_PROBLEMS.get(min_word, f'code {min_word}')} timings",
+        )
     if max_word == TIMING_NONE:
         return None, None
     assert max_word > 0, f"reduced timing words out of order: max {max_word} < min {min_word}"
@@ -361,7 +439,8 @@ class _Neighbourhood:
     probing_done: bool = False
     """Every candidate has its probes or waits for re-probes (counts only grow: stays done)."""
     probed_at: dict[Route, int] = field(default_factory=dict)
-    """Exploit count when each candidate was last chosen to probe (its re-probe wait starts there)."""
+    """Exploit count when each candidate was last chosen to probe (its re-probe wait starts
+    there)."""
     last_used: int = 0
     seeded_by: str = "none"
     shared_seq: int = 0
@@ -396,7 +475,7 @@ class OnlineDecision:
 Prior = Callable[[TrafficStats], "tuple[Route, dict[Route, float] | None] | None"]
 """The anchors' advice for a new neighbourhood: (path, median seconds per path or None), or None."""
 
-_LIVE: "weakref.WeakSet[OnlineSelector]" = weakref.WeakSet()
+_LIVE: weakref.WeakSet[OnlineSelector] = weakref.WeakSet()
 
 
 class SharedNeighbourhoods:
@@ -408,19 +487,27 @@ class SharedNeighbourhoods:
         self.tables: dict[str, list[_Neighbourhood]] = {}
         self.pending: dict[tuple[str, Route], int] = {}
         """Probes decided whose times have not come back yet, per (pass kind, path)."""
-        self.timed: dict[tuple[str, Route], list[tuple[float, float, float, int, _Neighbourhood]]] = {}
+        self.timed: dict[
+            tuple[str, Route], list[tuple[float, float, float, int, _Neighbourhood]]
+        ] = {}
         """The neighbourhoods in ``tables`` that timed each (pass kind, path), as (centre,
         creation order, neighbourhood): what ``ratio`` scans, instead of every neighbourhood of
         every layer."""
         self._created = 0
 
-    def ratio(self, kind: str, centre: tuple[float, float, float], path: Route, exclude: _Neighbourhood) -> float | None:
+    def ratio(
+        self, kind: str, centre: tuple[float, float, float], path: Route, exclude: _Neighbourhood
+    ) -> float | None:
         """``path``'s median over the best other path's in the nearest other neighbourhood that
         timed both (None: none did)."""
         x, y, z = centre
-        best: tuple[float, int] | None = None  # (distance^2, creation order): the nearest, the oldest of ties
+        best: tuple[float, int] | None = (
+            None  # (distance^2, creation order): the nearest, the oldest of ties
+        )
         ratio = 0.0
-        for cx, cy, cz, seq, nb in self.timed.get((kind, path), ()):  # the distance first, the medians only if nearer
+        for cx, cy, cz, seq, nb in self.timed.get(
+            (kind, path), ()
+        ):  # the distance first, the medians only if nearer
             key = ((x - cx) ** 2 + (y - cy) ** 2 + (z - cz) ** 2, seq)
             if best is not None and key >= best or nb is exclude:
                 continue
@@ -451,7 +538,12 @@ class SharedNeighbourhoods:
         known = [nb for nb in self.tables.get(kind, []) if nb.best() is not None]
         if not known:
             return None
-        return min(known, key=lambda nb: (x - nb.centre[0]) ** 2 + (y - nb.centre[1]) ** 2 + (z - nb.centre[2]) ** 2)
+        return min(
+            known,
+            key=lambda nb: (
+                (x - nb.centre[0]) ** 2 + (y - nb.centre[1]) ** 2 + (z - nb.centre[2]) ** 2
+            ),
+        )
 
 
 PROCESS_SHARED = SharedNeighbourhoods()
@@ -474,15 +566,23 @@ class OnlineSelector:
         layer: the layer number (logs and learned anchors).
     """
 
-    def __init__(self, settings: OnlineSettings | None = None, *, scales: tuple[float, float, float],
-                 prior: Prior | None = None, layer: int | None = None,
-                 shared: SharedNeighbourhoods | None = None) -> None:
+    def __init__(
+        self,
+        settings: OnlineSettings | None = None,
+        *,
+        scales: tuple[float, float, float],
+        prior: Prior | None = None,
+        layer: int | None = None,
+        shared: SharedNeighbourhoods | None = None,
+    ) -> None:
         self.settings = settings or OnlineSettings()
         self.scales = scales
         self.prior = prior
         self.layer = layer
         self.shared = shared if self.settings.share else None
-        self.candidates: tuple[Route, ...] = tuple(p for p in ALL_PATHS if str(p) in self.settings.candidates)
+        self.candidates: tuple[Route, ...] = tuple(
+            p for p in ALL_PATHS if str(p) in self.settings.candidates
+        )
         self._log_ratio = math.log2(self.settings.payload_ratio) + 1e-12
         self._tables: dict[str, list[_Neighbourhood]] = {}
         self._current: dict[str, _Neighbourhood] = {}
@@ -505,22 +605,30 @@ class OnlineSelector:
         reported): the same on every rank."""
         return self._last is not None
 
-    def observe(self, words_W: Iterable[int], *, decision: OnlineDecision | None = None) -> str | None:
+    def observe(
+        self, words_W: Iterable[int], *, decision: OnlineDecision | None = None
+    ) -> str | None:
         """File the slowest rank's time of a call run with ``decision`` (None: the previous
         call's, ``self._last``), from every rank's word. Returns a message when this switched
         the layer to JOINT (the caller logs it once), else None."""
         return self._file(*slowest_timing(words_W), decision)
 
-    def observe_reduced(self, max_word: int, min_word: int, *, decision: OnlineDecision) -> str | None:
+    def observe_reduced(
+        self, max_word: int, min_word: int, *, decision: OnlineDecision
+    ) -> str | None:
         """``observe`` from the all-reduced pair (``slowest_reduced_timing``) of a call run with
         ``decision`` (fixed-capacity mode: the decision of the previous epoch; the previous
         call may be of another epoch or pass kind). ``self._last`` is left as it is."""
         return self._file(*slowest_reduced_timing(max_word, min_word), decision)
 
-    def _file(self, seconds: float | None, problem: str | None, decision: OnlineDecision | None) -> str | None:
+    def _file(
+        self, seconds: float | None, problem: str | None, decision: OnlineDecision | None
+    ) -> str | None:
         if decision is None:
             last, self._last = self._last, None
-            nb = self._last_nb if last is not None and last.neighbourhood >= 0 else None  # where ``last`` was decided
+            nb = (
+                self._last_nb if last is not None and last.neighbourhood >= 0 else None
+            )  # where ``last`` was decided
         else:
             last = decision if decision.mode != "idle" else None
             nb = None
@@ -536,17 +644,25 @@ class OnlineSelector:
             self.bad_in_row += 1
             self.bad_total += 1
             if self.bad_in_row >= self.settings.max_bad:
-                self.fallback_reason = (f"railwave online selector, layer {self.layer}: {self.bad_in_row} bad timings in "
-                                        f"a row (last: {problem}); this layer runs JOINT for the rest of the run")
+                self.fallback_reason = (
+                    f"railwave online selector, layer {self.layer}: {self.bad_in_row} bad timings "
+                    f"in "
+                    f"a row (last: {problem}); this layer runs JOINT for the rest of the run"
+                )
                 return self.fallback_reason
             return None
         self.bad_in_row = 0
         if last.kind == "recompute":
-            self._recompute.setdefault(last.path, _Times(recent=deque(maxlen=self.settings.window))).add(
-                seconds, last.call)
+            self._recompute.setdefault(
+                last.path, _Times(recent=deque(maxlen=self.settings.window))
+            ).add(seconds, last.call)
             return None
-        if nb is None or nb.index != last.neighbourhood:  # an explicit decision: look its neighbourhood up
-            nb = next((x for x in self._tables.get(last.kind, ()) if x.index == last.neighbourhood), None)
+        if (
+            nb is None or nb.index != last.neighbourhood
+        ):  # an explicit decision: look its neighbourhood up
+            nb = next(
+                (x for x in self._tables.get(last.kind, ()) if x.index == last.neighbourhood), None
+            )
             if nb is None:  # forgotten since (``max_neighbourhoods``)
                 return None
         times = nb.times[last.path]
@@ -578,13 +694,19 @@ class OnlineSelector:
             path, mode = self._choose(nb, kind)
             if mode in ("probe", "reprobe") and self.shared is not None:
                 self.shared.pending[(kind, path)] = self.shared.pending.get((kind, path), 0) + 1
-            decision = OnlineDecision(path=path, mode=mode, kind=kind, neighbourhood=nb.index, call=call)
+            decision = OnlineDecision(
+                path=path, mode=mode, kind=kind, neighbourhood=nb.index, call=call
+            )
         self._last = decision if decision.mode != "idle" else None
         return decision
 
     def _within(self, centre: tuple[float, float, float], x: float, y: float, z: float) -> bool:
         sd = self.settings.shape_distance + 1e-12
-        return abs(x - centre[0]) <= self._log_ratio and abs(y - centre[1]) <= sd and abs(z - centre[2]) <= sd
+        return (
+            abs(x - centre[0]) <= self._log_ratio
+            and abs(y - centre[1]) <= sd
+            and abs(z - centre[2]) <= sd
+        )
 
     def _neighbourhood(self, kind: str, stats: TrafficStats, call: int) -> _Neighbourhood:
         x, y, z = stats.coords
@@ -605,15 +727,22 @@ class OnlineSelector:
         self._current[kind] = best
         return best
 
-    def _new_neighbourhood(self, kind: str, table: list[_Neighbourhood], stats: TrafficStats) -> _Neighbourhood:
+    def _new_neighbourhood(
+        self, kind: str, table: list[_Neighbourhood], stats: TrafficStats
+    ) -> _Neighbourhood:
         x, y, z = stats.coords
         index = max((nb.index for nb in table), default=-1) + 1
         order, deferred, seeded = self.candidates, set(), "none"
         known = [nb for nb in table if nb.best() is not None]
         near = None
         if known:  # what this job measured outranks any prior: this layer first, then any layer
-            near = min(known, key=lambda nb: ((x - nb.centre[0]) ** 2 + (y - nb.centre[1]) ** 2
-                                              + (z - nb.centre[2]) ** 2, nb.index))
+            near = min(
+                known,
+                key=lambda nb: (
+                    (x - nb.centre[0]) ** 2 + (y - nb.centre[1]) ** 2 + (z - nb.centre[2]) ** 2,
+                    nb.index,
+                ),
+            )
             seeded = f"neighbourhood {near.index}"
         elif self.shared is not None:
             near = self.shared.nearest(kind, x, y, z)
@@ -628,13 +757,21 @@ class OnlineSelector:
                 path, medians = advice
                 if medians:
                     order, deferred, excess = self._seeded_order(
-                        {p: v for p, v in medians.items() if p in self.candidates})
+                        {p: v for p, v in medians.items() if p in self.candidates}
+                    )
                 elif path in self.candidates:
                     order = (path,) + tuple(p for p in self.candidates if p != path)
                 seeded = "anchors"
-        nb = _Neighbourhood(index=index, centre=(x, y, z), stats=stats, order=order,
-                            times={p: _Times(recent=deque(maxlen=self.settings.window)) for p in self.candidates},
-                            deferred=deferred, seed_excess=excess, seeded_by=seeded)
+        nb = _Neighbourhood(
+            index=index,
+            centre=(x, y, z),
+            stats=stats,
+            order=order,
+            times={p: _Times(recent=deque(maxlen=self.settings.window)) for p in self.candidates},
+            deferred=deferred,
+            seed_excess=excess,
+            seeded_by=seeded,
+        )
         if len(table) >= self.settings.max_neighbourhoods:
             old = min(table, key=lambda nb: (nb.last_used, nb.index))
             table.remove(old)
@@ -645,18 +782,26 @@ class OnlineSelector:
             self.shared.add(kind, nb)
         return nb
 
-    def _seeded_order(self, medians: dict[Route, float]) -> tuple[tuple[Route, ...], set[Route], dict[Route, float]]:
+    def _seeded_order(
+        self, medians: dict[Route, float]
+    ) -> tuple[tuple[Route, ...], set[Route], dict[Route, float]]:
         """Probe order by known medians (fastest first, unknown last), the candidates put behind
         by ``drop_ratio`` (probed only at re-probes) and their excess over the best."""
-        ranked = sorted(self.candidates, key=lambda p: (medians.get(p, math.inf), self.candidates.index(p)))
+        ranked = sorted(
+            self.candidates, key=lambda p: (medians.get(p, math.inf), self.candidates.index(p))
+        )
         best = medians.get(ranked[0], math.inf)
-        deferred = {p for p in ranked[1:] if p in medians and medians[p] > self.settings.drop_ratio * best}
+        deferred = {
+            p for p in ranked[1:] if p in medians and medians[p] > self.settings.drop_ratio * best
+        }
         return tuple(ranked), deferred, {p: medians[p] / best - 1.0 for p in deferred}
 
     def _choose(self, nb: _Neighbourhood, kind: str) -> tuple[Route, str]:
         s = self.settings
         waiting = False
-        ratios: dict[Route, float | None] = {}  # the other layers' ratio of each path, once per call
+        ratios: dict[
+            Route, float | None
+        ] = {}  # the other layers' ratio of each path, once per call
         for round_ in range(0 if nb.probing_done else s.probes):
             for p in nb.order:
                 if p in nb.deferred:
@@ -676,7 +821,11 @@ class OnlineSelector:
                         nb.deferred.add(p)
                         nb.seed_excess[p] = ratio - 1.0
                         continue
-                    if p != Route.JOINT and self.shared.pending.get((kind, p), 0) > 0 and nb.waits < _MAX_WAITS:
+                    if (
+                        p != Route.JOINT
+                        and self.shared.pending.get((kind, p), 0) > 0
+                        and nb.waits < _MAX_WAITS
+                    ):
                         waiting = True
                         continue
                 if t.recent:
@@ -686,7 +835,9 @@ class OnlineSelector:
                         continue
                 nb.probed_at[p] = nb.exploits
                 return p, "probe"
-        if waiting:  # the best timed path so far (JOINT before any), until the other layers' times arrive
+        if (
+            waiting
+        ):  # the best timed path so far (JOINT before any), until the other layers' times arrive
             nb.waits += 1
             return nb.best() or Route.JOINT, "wait"
         nb.probing_done = True
@@ -713,8 +864,11 @@ class OnlineSelector:
             if age < s.reprobe_every:
                 continue
             t = nb.times[p]
-            excess = ((t.median() / best_t - 1.0) if t.recent and best_t > 0
-                      else nb.seed_excess.get(p, s.drop_ratio - 1.0))
+            excess = (
+                (t.median() / best_t - 1.0)
+                if t.recent and best_t > 0
+                else nb.seed_excess.get(p, s.drop_ratio - 1.0)
+            )
             if age * s.reprobe_budget >= excess and age > pick_age:
                 pick, pick_age = p, age
         return pick
@@ -727,17 +881,30 @@ class OnlineSelector:
         table = self._tables.get(decision.kind, [])
         nb = next((n for n in table if n.index == decision.neighbourhood), None)
         for p in ALL_PATHS:
-            t = nb.times.get(p) if nb is not None else self._recompute.get(p) if decision.kind == "recompute" else None
+            t = (
+                nb.times.get(p)
+                if nb is not None
+                else self._recompute.get(p)
+                if decision.kind == "recompute"
+                else None
+            )
             medians[str(p)] = t.median() * 1e3 if t is not None and t.recent else None
-        return {"mode": decision.mode, "neighbourhood": decision.neighbourhood, "measured_ms": medians,
-                "last_ms": self.last_seconds * 1e3 if self.last_seconds is not None else None,
-                "bad_timings": self.bad_total}
+        return {
+            "mode": decision.mode,
+            "neighbourhood": decision.neighbourhood,
+            "measured_ms": medians,
+            "last_ms": self.last_seconds * 1e3 if self.last_seconds is not None else None,
+            "bad_timings": self.bad_total,
+        }
 
-    def learned(self, kind: str = "train") -> list[tuple[_Neighbourhood, dict[Route, PathLatency], list[Route]]]:
+    def learned(
+        self, kind: str = "train"
+    ) -> list[tuple[_Neighbourhood, dict[Route, PathLatency], list[Route]]]:
         """Neighbourhoods of ``kind`` that timed their best path, with every path's latency summary
         and the paths whose latency is *estimated*: never timed there but deferred by a seed
         (another neighbourhood's ratio to its best, ``seed_excess``): the best median x (1 +
-        excess), one pseudo-sample. Neighbourhoods with a path neither timed nor estimated are left out."""
+        excess), one pseudo-sample. Neighbourhoods with a path neither timed nor estimated are left
+        out."""
         out = []
         for nb in sorted(self._tables.get(kind, []), key=lambda n: n.index):
             best = nb.best()
@@ -747,8 +914,12 @@ class OnlineSelector:
             for p in ALL_PATHS:
                 values = sorted(nb.times[p].recent)
                 if values:
-                    lat[p] = PathLatency(median=nb.times[p].median(), p10=_quantile(values, 0.1),
-                                         p90=_quantile(values, 0.9), samples=len(values))
+                    lat[p] = PathLatency(
+                        median=nb.times[p].median(),
+                        p10=_quantile(values, 0.1),
+                        p90=_quantile(values, 0.9),
+                        samples=len(values),
+                    )
                 elif p in nb.seed_excess:
                     v = nb.times[best].median() * (1.0 + nb.seed_excess[p])
                     lat[p] = PathLatency(median=v, p10=v, p90=v, samples=1)
@@ -767,16 +938,25 @@ def _quantile(sorted_values: list[float], q: float) -> float:
     return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
 
 
-def learned_anchor_set(selectors: Iterable[OnlineSelector], topo: RailTopology, *, hidden_size: int, dtype: str,
-                       backend: str = "online", kind: str = "train", chunks: int = 1,
-                       settings: dict[str, Any] | None = None) -> AnchorSet:
+def learned_anchor_set(
+    selectors: Iterable[OnlineSelector],
+    topo: RailTopology,
+    *,
+    hidden_size: int,
+    dtype: str,
+    backend: str = "online",
+    kind: str = "train",
+    chunks: int = 1,
+    settings: dict[str, Any] | None = None,
+) -> AnchorSet:
     """The anchors file of what ``selectors`` learned (``anchors.save_anchors`` writes it).
 
     One anchor per neighbourhood of pass ``kind`` that timed its best path and has every path
     timed or estimated (``OnlineSelector.learned``): its centre's descriptors, the path with the
     lowest median, and each path's median / p10 / p90 of the kept times (slowest rank per call);
-    ``context.settings.online.estimated`` names, per anchor, the paths whose latency is estimated. ``context.settings.selector`` records the neighbourhood window
-    as the anchor rule's thresholds, ``context.settings.online`` the selector's knobs.
+    ``context.settings.online.estimated`` names, per anchor, the paths whose latency is estimated.
+    ``context.settings.selector`` records the neighbourhood window as the anchor rule's thresholds,
+    ``context.settings.online`` the selector's knobs.
     """
     selectors = list(selectors)
     anchors = []
@@ -789,19 +969,42 @@ def learned_anchor_set(selectors: Iterable[OnlineSelector], topo: RailTopology, 
         for nb, lat, guessed in sel.learned(kind):
             best = min(ALL_PATHS, key=lambda p: (lat[p].median, ALL_PATHS.index(p)))
             name = f"online-l{sel.layer}-{kind}-n{nb.index}"
-            anchors.append(Anchor(name=name, coords=nb.centre,
-                                  B_mean_bytes=nb.stats.B_mean_bytes, rho_g=nb.stats.rho_g, kappa=nb.stats.kappa,
-                                  path=best, latency_s=lat, input_windows=1))
+            anchors.append(
+                Anchor(
+                    name=name,
+                    coords=nb.centre,
+                    B_mean_bytes=nb.stats.B_mean_bytes,
+                    rho_g=nb.stats.rho_g,
+                    kappa=nb.stats.kappa,
+                    path=best,
+                    latency_s=lat,
+                    input_windows=1,
+                )
+            )
             estimated.update({name: [str(p) for p in guessed]} if guessed else {})
     online = online or OnlineSettings()
     extra = dict(settings or {})
-    extra.setdefault("selector", {"payload_ratio": online.payload_ratio, "shape_distance": online.shape_distance})
-    extra["online"] = {**online.to_dict(), "pass_kind": kind, "layers": [s.layer for s in selectors],
-                       "estimated": estimated}
+    extra.setdefault(
+        "selector", {"payload_ratio": online.payload_ratio, "shape_distance": online.shape_distance}
+    )
+    extra["online"] = {
+        **online.to_dict(),
+        "pass_kind": kind,
+        "layers": [s.layer for s in selectors],
+        "estimated": estimated,
+    }
     extra["chunks"] = int(chunks)
-    context = CalibrationContext(topology=topo.to_dict(), hidden_size=int(hidden_size), dtype=dtype, backend=backend,
-                                 date=CalibrationContext.now(), settings=extra)
-    return AnchorSet(anchors=tuple(anchors), scales=scales or AnchorSet.scales_for(topo), context=context)
+    context = CalibrationContext(
+        topology=topo.to_dict(),
+        hidden_size=int(hidden_size),
+        dtype=dtype,
+        backend=backend,
+        date=CalibrationContext.now(),
+        settings=extra,
+    )
+    return AnchorSet(
+        anchors=tuple(anchors), scales=scales or AnchorSet.scales_for(topo), context=context
+    )
 
 
 def anchor_prior(anchor_set: AnchorSet, explain: Callable[[TrafficStats], Any]) -> Prior:
@@ -819,23 +1022,34 @@ def anchor_prior(anchor_set: AnchorSet, explain: Callable[[TrafficStats], Any]) 
     return prior
 
 
-
-def save_learned_anchors(path: str | os.PathLike, topo: RailTopology, *, hidden_size: int, dtype: str,
-                         chunks: int = 1, kind: str = "train") -> os.PathLike:
-    """Write what this process's online selectors learned (``live_selectors``) as an anchors file."""
-    anchor_set = learned_anchor_set(live_selectors(), topo, hidden_size=hidden_size, dtype=dtype, chunks=chunks,
-                                    kind=kind)
+def save_learned_anchors(
+    path: str | os.PathLike,
+    topo: RailTopology,
+    *,
+    hidden_size: int,
+    dtype: str,
+    chunks: int = 1,
+    kind: str = "train",
+) -> os.PathLike:
+    """Write what this process's online selectors learned (``live_selectors``) as an anchors
+    file."""
+    anchor_set = learned_anchor_set(
+        live_selectors(), topo, hidden_size=hidden_size, dtype=dtype, chunks=chunks, kind=kind
+    )
     return save_anchors(anchor_set, path)
 
 
 _AT_EXIT: set[str] = set()
 
 
-def save_learned_anchors_at_exit(path: str | os.PathLike, topo: RailTopology, *, hidden_size: int, dtype: str,
-                                 chunks: int = 1) -> None:
+def save_learned_anchors_at_exit(
+    path: str | os.PathLike, topo: RailTopology, *, hidden_size: int, dtype: str, chunks: int = 1
+) -> None:
     """Register ``save_learned_anchors`` at interpreter exit, once per path and process."""
     key = str(path)
     if key in _AT_EXIT:
         return
     _AT_EXIT.add(key)
-    atexit.register(save_learned_anchors, path, topo, hidden_size=hidden_size, dtype=dtype, chunks=chunks)
+    atexit.register(
+        save_learned_anchors, path, topo, hidden_size=hidden_size, dtype=dtype, chunks=chunks
+    )

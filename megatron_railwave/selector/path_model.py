@@ -68,14 +68,21 @@ import numpy as np
 import torch
 
 from megatron_railwave import ops
-from megatron_railwave.selector.arrivals import arrival_copies_NNCGG
 from megatron_railwave.planner import WaveSchedule, all_at_once
 from megatron_railwave.planner.railbalance import eligible_NNG
+from megatron_railwave.selector.arrivals import arrival_copies_NNCGG
 from megatron_railwave.topology import RailTopology
 from megatron_railwave.traffic import DemandCounts
 
-__all__ = ["FEATURE_NAMES", "PathCosts", "RailJointModel", "path_features", "path_estimates", "class_copies_NGNKG",
-           "fit_rail_joint"]
+__all__ = [
+    "FEATURE_NAMES",
+    "PathCosts",
+    "RailJointModel",
+    "path_features",
+    "path_estimates",
+    "class_copies_NGNKG",
+    "fit_rail_joint",
+]
 
 FEATURE_NAMES: tuple[str, ...] = ("const", "log_estimate_v4")
 """The suffix versions the estimate: v4 walks each owner's list per mask class (``arrivals``:
@@ -111,21 +118,36 @@ class PathCosts:
     def __post_init__(self) -> None:
         for name in ("rail_phase_s", "layer_s"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-                raise ValueError(f"PathCosts.{name} must be a finite number of seconds >= 0, got {value!r}")
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, (int, float))
+                or not math.isfinite(value)
+                or value < 0
+            ):
+                raise ValueError(
+                    f"PathCosts.{name} must be a finite number of seconds >= 0, got {value!r}"
+                )
         if isinstance(self.chunks, bool) or not isinstance(self.chunks, int) or self.chunks < 1:
-            raise ValueError(f"PathCosts.chunks must be an integer >= 1 (JOINT's rail chunks per wave), "
-                             f"got {self.chunks!r}")
+            raise ValueError(
+                f"PathCosts.chunks must be an integer >= 1 (JOINT's rail chunks per wave), "
+                f"got {self.chunks!r}"
+            )
 
     def to_dict(self) -> dict[str, Any]:
-        return {"rail_phase_s": float(self.rail_phase_s), "layer_s": float(self.layer_s), "chunks": int(self.chunks)}
+        return {
+            "rail_phase_s": float(self.rail_phase_s),
+            "layer_s": float(self.layer_s),
+            "chunks": int(self.chunks),
+        }
 
     @classmethod
     def from_dict(cls, data: Any, *, source: str = "path costs") -> PathCosts:
         """Parse ``to_dict``'s layout; a wrong one raises ValueError naming the field."""
         if not isinstance(data, dict) or set(data) != {"rail_phase_s", "layer_s", "chunks"}:
-            raise ValueError(f"{source}: must be a mapping with exactly 'rail_phase_s', 'layer_s' and 'chunks', "
-                             f"got {data!r}")
+            raise ValueError(
+                f"{source}: must be a mapping with exactly 'rail_phase_s', 'layer_s' and 'chunks', "
+                f"got {data!r}"
+            )
         try:
             return cls(**data)
         except ValueError as exc:
@@ -146,7 +168,8 @@ def class_copies_NGNKG(demand: DemandCounts) -> np.ndarray:
 
 @lru_cache(maxsize=32)
 def _rail_eligible_NNG(topo: RailTopology) -> torch.Tensor:
-    """[N, N, G] bool: RailBalance's default rails of each pair (``planner.railbalance.eligible_NNG``:
+    """[N, N, G] bool: RailBalance's default rails of each pair
+    (``planner.railbalance.eligible_NNG``:
     every GPU whose rail is healthy on both nodes; local pairs all True, never balanced). Cached:
     it depends on the topology only; never written to."""
     n, g = topo.num_nodes, topo.gpus_per_node
@@ -189,8 +212,15 @@ class _Loads:
     topo: RailTopology
 
     @classmethod
-    def of(cls, records_NGN: np.ndarray, class_copies_NGNKG: np.ndarray, *, record_bytes: int, topo: RailTopology,
-           chunks: int) -> _Loads:
+    def of(
+        cls,
+        records_NGN: np.ndarray,
+        class_copies_NGNKG: np.ndarray,
+        *,
+        record_bytes: int,
+        topo: RailTopology,
+        chunks: int,
+    ) -> _Loads:
         n, g = records_NGN.shape[0], records_NGN.shape[1]
         remote_NGN = records_NGN * (1.0 - np.eye(n))[:, None, :]  # local records never cross a rail
         pair_NN = remote_NGN.sum(axis=1)
@@ -201,12 +231,19 @@ class _Loads:
         # The local round: owner (d, o) to GPU (d, j), exact; a copy for the owner itself stays.
         copies_NGNG = class_copies_NGNKG.sum(axis=3)  # counts: exact in any order
         local_NGG = copies_NGNG[np.arange(n), :, np.arange(n), :] * (1.0 - np.eye(g))
-        wire = arrival_copies_NNCGG(records_NGN, class_copies_NGNKG, topo, chunks) * (1.0 - np.eye(g))
-        return cls(per_rail_NN=pair_NN / healthy_NN,
-                   relay_out_NG=np.maximum(remote_NGN - share_NGN, 0.0).sum(axis=2),
-                   relay_in_NG=np.maximum(share_NGN - remote_NGN, 0.0).sum(axis=2),
-                   local_out_NG=local_NGG.sum(axis=2), local_in_NG=local_NGG.sum(axis=1), wire_NNCGG=wire,
-                   record_bytes=record_bytes, topo=topo)
+        wire = arrival_copies_NNCGG(records_NGN, class_copies_NGNKG, topo, chunks) * (
+            1.0 - np.eye(g)
+        )
+        return cls(
+            per_rail_NN=pair_NN / healthy_NN,
+            relay_out_NG=np.maximum(remote_NGN - share_NGN, 0.0).sum(axis=2),
+            relay_in_NG=np.maximum(share_NGN - remote_NGN, 0.0).sum(axis=2),
+            local_out_NG=local_NGG.sum(axis=2),
+            local_in_NG=local_NGG.sum(axis=1),
+            wire_NNCGG=wire,
+            record_bytes=record_bytes,
+            topo=topo,
+        )
 
     def _nvlink_s(self, copies: Any) -> Any:
         return copies * self.record_bytes / self.topo.nvlink_bytes_per_s
@@ -218,8 +255,10 @@ class _Loads:
         """Phases given as node-pair masks (RAIL's windows, whole): one round each."""
         sent_PNN = mask_PNN * self.per_rail_NN
         # A phase's busiest rail port: max over nodes of records sent or received per rail.
-        busiest_P = np.maximum(sent_PNN.sum(axis=2).max(axis=1, initial=0.0),
-                               sent_PNN.sum(axis=1).max(axis=1, initial=0.0))
+        busiest_P = np.maximum(
+            sent_PNN.sum(axis=2).max(axis=1, initial=0.0),
+            sent_PNN.sum(axis=1).max(axis=1, initial=0.0),
+        )
         wire_PDLJ = np.einsum("psd,sdlj->pdlj", mask_PNN, self.wire_NNCGG.sum(axis=2))
         return _Rounds.of(self._rail_s(busiest_P), self._nvlink_s(wire_PDLJ))
 
@@ -230,23 +269,41 @@ class _Loads:
         n, chunks = self.per_rail_NN.shape[0], self.wire_NNCGG.shape[2]
         dst_N = np.arange(n)
         src_PN = (dst_N[None, :] - np.arange(1, n)[:, None]) % n  # row d of wave k: node d's sender
-        rail_P = np.repeat(self.per_rail_NN[src_PN, dst_N].max(axis=1, initial=0.0) / chunks, chunks)
-        wire_PCDLJ = self.wire_NNCGG[src_PN, dst_N].transpose(0, 2, 1, 3, 4)  # [wave, chunk, d, l, j]
-        return _Rounds.of(self._rail_s(rail_P), self._nvlink_s(wire_PCDLJ.reshape((-1,) + wire_PCDLJ.shape[2:])))
+        rail_P = np.repeat(
+            self.per_rail_NN[src_PN, dst_N].max(axis=1, initial=0.0) / chunks, chunks
+        )
+        wire_PCDLJ = self.wire_NNCGG[src_PN, dst_N].transpose(
+            0, 2, 1, 3, 4
+        )  # [wave, chunk, d, l, j]
+        return _Rounds.of(
+            self._rail_s(rail_P), self._nvlink_s(wire_PCDLJ.reshape((-1,) + wire_PCDLJ.shape[2:]))
+        )
 
     def local_round(self) -> tuple[np.ndarray, np.ndarray]:
-        """([N, G] seconds out of each source GPU, [N, G] into each target GPU) of the local round."""
+        """([N, G] seconds out of each source GPU, [N, G] into each target GPU) of the local
+        round."""
         return self._nvlink_s(self.local_out_NG), self._nvlink_s(self.local_in_NG)
 
     def relay_seconds(self) -> float:
-        """The relay alone: its busiest GPU port (combine's relay back, after the last rail phase)."""
-        return float(self._nvlink_s(max(self.relay_out_NG.max(initial=0.0), self.relay_in_NG.max(initial=0.0))))
+        """The relay alone: its busiest GPU port (combine's relay back, after the last rail
+        phase)."""
+        return float(
+            self._nvlink_s(
+                max(self.relay_out_NG.max(initial=0.0), self.relay_in_NG.max(initial=0.0))
+            )
+        )
 
     def before_rail_seconds(self) -> float:
         """The relay and the local round together (they start at once and share the NVLink
         ports; the first rail phase waits for the relay): the busiest GPU port's load."""
-        return float(self._nvlink_s(max((self.relay_out_NG + self.local_out_NG).max(initial=0.0),
-                                        (self.relay_in_NG + self.local_in_NG).max(initial=0.0))))
+        return float(
+            self._nvlink_s(
+                max(
+                    (self.relay_out_NG + self.local_out_NG).max(initial=0.0),
+                    (self.relay_in_NG + self.local_in_NG).max(initial=0.0),
+                )
+            )
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -282,8 +339,13 @@ def _dispatch_seconds(rail_P: np.ndarray, delivery_P: np.ndarray, phase_s: float
     return delivery_end
 
 
-def _combine_seconds(rounds: _Rounds, local_out_NG: np.ndarray, local_in_NG: np.ndarray, phase_s: float,
-                     relay_s: float) -> float:
+def _combine_seconds(
+    rounds: _Rounds,
+    local_out_NG: np.ndarray,
+    local_in_NG: np.ndarray,
+    phase_s: float,
+    relay_s: float,
+) -> float:
     """Combine in the schedule's order: the delivery rounds back one after another from the
     start, rail phase v after round v and rail phase v - 1 (paying ``phase_s``), the relay back
     after the last rail phase. The local round back starts with the first round and shares both
@@ -301,10 +363,15 @@ def _combine_seconds(rounds: _Rounds, local_out_NG: np.ndarray, local_in_NG: np.
     for v, rail_s in enumerate(rounds.rail_P.tolist()):
         if any(part.any() for part in left):  # the local round still runs somewhere: per port
             ports = (rounds.into_PNG[v], rounds.out_PNG[v])
-            slowed = [_COMBINE_LOCAL_SHARE * np.minimum(port, rest) for port, rest in zip(ports, left)]
+            slowed = [
+                _COMBINE_LOCAL_SHARE * np.minimum(port, rest) for port, rest in zip(ports, left)
+            ]
             ends = [round_end + port + slow for port, slow in zip(ports, slowed)]
             end = max(float(e.max(initial=round_end)) for e in ends)
-            left = [np.maximum(rest - slow - (end - e), 0.0) for rest, slow, e in zip(left, slowed, ends)]
+            left = [
+                np.maximum(rest - slow - (end - e), 0.0)
+                for rest, slow, e in zip(left, slowed, ends)
+            ]
             round_end = end
         else:
             round_end += busiest[v]
@@ -312,8 +379,14 @@ def _combine_seconds(rounds: _Rounds, local_out_NG: np.ndarray, local_in_NG: np.
     return max(rail_end + relay_s, round_end + max(float(part.max(initial=0.0)) for part in left))
 
 
-def path_estimates(demand: DemandCounts, topo: RailTopology, *, record_bytes: int,
-                   windows: WaveSchedule | None = None, costs: PathCosts = PathCosts()) -> tuple[float, float]:
+def path_estimates(
+    demand: DemandCounts,
+    topo: RailTopology,
+    *,
+    record_bytes: int,
+    windows: WaveSchedule | None = None,
+    costs: PathCosts = PathCosts(),
+) -> tuple[float, float]:
     """(RAIL, JOINT) estimated seconds of one layer's dispatch + combine (module docstring),
     identical on every rank.
 
@@ -327,38 +400,77 @@ def path_estimates(demand: DemandCounts, topo: RailTopology, *, record_bytes: in
     """
     sending = windows if windows is not None else all_at_once(topo.num_nodes)
     compiled = ops.path_estimates(
-        demand.records_WN, demand.class_copies_WNKG(), _rail_eligible_NNG(topo), _pair_window_NN(sending),
-        num_windows=sending.num_waves, chunks=costs.chunks, record_bytes=record_bytes,
-        nvlink_bytes_per_s=topo.nvlink_bytes_per_s, rail_bytes_per_s=topo.rail_bytes_per_s,
-        rail_phase_s=costs.rail_phase_s, layer_s=costs.layer_s, combine_share=_COMBINE_LOCAL_SHARE)
+        demand.records_WN,
+        demand.class_copies_WNKG(),
+        _rail_eligible_NNG(topo),
+        _pair_window_NN(sending),
+        num_windows=sending.num_waves,
+        chunks=costs.chunks,
+        record_bytes=record_bytes,
+        nvlink_bytes_per_s=topo.nvlink_bytes_per_s,
+        rail_bytes_per_s=topo.rail_bytes_per_s,
+        rail_phase_s=costs.rail_phase_s,
+        layer_s=costs.layer_s,
+        combine_share=_COMBINE_LOCAL_SHARE,
+    )
     if compiled is not None:
         rail_s, joint_s = compiled.tolist()
         return rail_s, joint_s
-    return _estimates(demand.records_NGN().to(torch.float64).numpy(), class_copies_NGNKG(demand), sending, topo,
-                      record_bytes=record_bytes, costs=costs)
+    return _estimates(
+        demand.records_NGN().to(torch.float64).numpy(),
+        class_copies_NGNKG(demand),
+        sending,
+        topo,
+        record_bytes=record_bytes,
+        costs=costs,
+    )
 
 
-def _estimates(records_NGN: np.ndarray, class_copies_NGNKG: np.ndarray, sending: WaveSchedule, topo: RailTopology, *,
-               record_bytes: int, costs: PathCosts) -> tuple[float, float]:
-    """``path_estimates`` in numpy: the meaning its compiled twin (``ops.path_estimates``) reproduces."""
-    loads = _Loads.of(records_NGN, class_copies_NGNKG, record_bytes=record_bytes, topo=topo, chunks=costs.chunks)
+def _estimates(
+    records_NGN: np.ndarray,
+    class_copies_NGNKG: np.ndarray,
+    sending: WaveSchedule,
+    topo: RailTopology,
+    *,
+    record_bytes: int,
+    costs: PathCosts,
+) -> tuple[float, float]:
+    """``path_estimates`` in numpy: the meaning its compiled twin (``ops.path_estimates``)
+    reproduces."""
+    loads = _Loads.of(
+        records_NGN, class_copies_NGNKG, record_bytes=record_bytes, topo=topo, chunks=costs.chunks
+    )
     window_NN = sending.pair_wave_NN().numpy()
-    rail_path = loads.windows((window_NN[None] == np.arange(sending.num_waves)[:, None, None]).astype(np.float64))
+    rail_path = loads.windows(
+        (window_NN[None] == np.arange(sending.num_waves)[:, None, None]).astype(np.float64)
+    )
     before_rail, relay = loads.before_rail_seconds(), loads.relay_seconds()
     local_out, local_in = loads.local_round()
 
     def seconds(rounds: _Rounds) -> float:
-        return (costs.layer_s + before_rail + _dispatch_seconds(rounds.rail_P, rounds.busiest_P, costs.rail_phase_s)
-                + _combine_seconds(rounds, local_out, local_in, costs.rail_phase_s, relay))
+        return (
+            costs.layer_s
+            + before_rail
+            + _dispatch_seconds(rounds.rail_P, rounds.busiest_P, costs.rail_phase_s)
+            + _combine_seconds(rounds, local_out, local_in, costs.rail_phase_s, relay)
+        )
 
     return seconds(rail_path), seconds(loads.cyclic())
 
 
-def path_features(demand: DemandCounts, topo: RailTopology, *, record_bytes: int,
-                  windows: WaveSchedule | None = None, costs: PathCosts = PathCosts()) -> np.ndarray:
+def path_features(
+    demand: DemandCounts,
+    topo: RailTopology,
+    *,
+    record_bytes: int,
+    windows: WaveSchedule | None = None,
+    costs: PathCosts = PathCosts(),
+) -> np.ndarray:
     """[F] float64: the model's features of one layer (``FEATURE_NAMES``; arguments as
     ``path_estimates``)."""
-    est_rail, est_joint = path_estimates(demand, topo, record_bytes=record_bytes, windows=windows, costs=costs)
+    est_rail, est_joint = path_estimates(
+        demand, topo, record_bytes=record_bytes, windows=windows, costs=costs
+    )
     return np.array([1.0, math.log(max(est_rail, _TINY) / max(est_joint, _TINY))])
 
 
@@ -367,9 +479,15 @@ _GATE_FIELDS = ("max_payload_bytes", "max_payload_bytes_windowed")
 
 
 def _check_gate(name: str, gate: Any) -> None:
-    if gate is not None and (isinstance(gate, bool) or not isinstance(gate, (int, float))
-                             or not math.isfinite(gate) or gate < 0):
-        raise ValueError(f"RailJointModel.{name} must be a finite number of bytes >= 0 or None, got {gate!r}")
+    if gate is not None and (
+        isinstance(gate, bool)
+        or not isinstance(gate, (int, float))
+        or not math.isfinite(gate)
+        or gate < 0
+    ):
+        raise ValueError(
+            f"RailJointModel.{name} must be a finite number of bytes >= 0 or None, got {gate!r}"
+        )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -418,8 +536,12 @@ class RailJointModel:
         return None if coef is None else float(np.dot(features, coef))
 
     def to_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"target": "log(t_rail / t_joint)", "features": list(FEATURE_NAMES),
-                               "costs": self.costs.to_dict(), "all_pairs": [float(v) for v in self.all_pairs]}
+        out: dict[str, Any] = {
+            "target": "log(t_rail / t_joint)",
+            "features": list(FEATURE_NAMES),
+            "costs": self.costs.to_dict(),
+            "all_pairs": [float(v) for v in self.all_pairs],
+        }
         if self.windowed is not None:
             out["windowed"] = [float(v) for v in self.windowed]
         if self.max_payload_bytes is not None or self.max_payload_bytes_windowed is not None:
@@ -436,18 +558,30 @@ class RailJointModel:
         if not isinstance(data, dict):
             raise ValueError(f"{source}: must be a mapping, got {type(data).__name__}")
         if data.get("features") != list(FEATURE_NAMES):
-            raise ValueError(f"{source}: field 'features' must be {list(FEATURE_NAMES)} (this version's features), "
-                             f"got {data.get('features')!r}; re-run `railwave calibrate --retune`")
+            raise ValueError(
+                f"{source}: field 'features' must be {list(FEATURE_NAMES)} (this version's "
+                f"features), "
+                f"got {data.get('features')!r}; re-run `railwave calibrate --retune`"
+            )
         costs = PathCosts.from_dict(data.get("costs"), source=f"{source}: field 'costs'")
 
         def coef(key: str) -> tuple[float, ...] | None:
             raw = data.get(key)
             if raw is None and key == "windowed":
                 return None
-            if (not isinstance(raw, list) or len(raw) != len(FEATURE_NAMES)
-                    or any(isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) for v in raw)):
-                raise ValueError(f"{source}: field '{key}' must be a list of {len(FEATURE_NAMES)} finite numbers, "
-                                 f"got {raw!r}")
+            if (
+                not isinstance(raw, list)
+                or len(raw) != len(FEATURE_NAMES)
+                or any(
+                    isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)
+                    for v in raw
+                )
+            ):
+                raise ValueError(
+                    f"{source}: field '{key}' must be a list of {len(FEATURE_NAMES)} finite "
+                    f"numbers, "
+                    f"got {raw!r}"
+                )
             return tuple(float(v) for v in raw)
 
         for name in _GATE_FIELDS:
@@ -458,12 +592,22 @@ class RailJointModel:
                     raise ValueError(f"{source}: field '{name}': {exc}") from None
         # Files from before the gates per kind have one gate for every input kind.
         windowed_gate = data.get("max_payload_bytes_windowed", data.get("max_payload_bytes"))
-        return cls(all_pairs=coef("all_pairs"), windowed=coef("windowed"), costs=costs,  # type: ignore[arg-type]
-                   max_payload_bytes=data.get("max_payload_bytes"), max_payload_bytes_windowed=windowed_gate)
+        return cls(
+            all_pairs=coef("all_pairs"),
+            windowed=coef("windowed"),
+            costs=costs,  # type: ignore[arg-type]
+            max_payload_bytes=data.get("max_payload_bytes"),
+            max_payload_bytes_windowed=windowed_gate,
+        )
 
 
-def fit_rail_joint(features_RF: np.ndarray, windows_R: np.ndarray, log_ratio_R: np.ndarray, *,
-                   costs: PathCosts = PathCosts()) -> RailJointModel | None:
+def fit_rail_joint(
+    features_RF: np.ndarray,
+    windows_R: np.ndarray,
+    log_ratio_R: np.ndarray,
+    *,
+    costs: PathCosts = PathCosts(),
+) -> RailJointModel | None:
     """Least squares per input kind (all pairs at once / several windows); None without
     all-pairs requests. A kind with fewer requests than features gets no coefficients.
     ``costs``: what the features were computed with (recorded in the model)."""

@@ -38,20 +38,37 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from megatron_railwave.selector.anchors import DEFAULT_PAYLOAD_RATIO, DEFAULT_SHAPE_DISTANCE, Anchor, AnchorSet, load_anchors
-from megatron_railwave.selector.online import PROCESS_SHARED, OnlineSelector, anchor_prior
-from megatron_railwave.selector.path_model import RailJointModel, path_features
 from megatron_railwave.names import Route, parse_route
 from megatron_railwave.planner import WaveSchedule
+from megatron_railwave.selector.anchors import (
+    DEFAULT_PAYLOAD_RATIO,
+    DEFAULT_SHAPE_DISTANCE,
+    Anchor,
+    AnchorSet,
+    load_anchors,
+)
+from megatron_railwave.selector.online import PROCESS_SHARED, OnlineSelector, anchor_prior
+from megatron_railwave.selector.path_model import RailJointModel, path_features
 from megatron_railwave.topology import RailTopology
 from megatron_railwave.traffic import DemandCounts, SelectorScales, TrafficStats
 
 if TYPE_CHECKING:
     from megatron_railwave.config import RailWaveConfig
 
-__all__ = ["PathSelector", "FixedSelector", "AnchorSelector", "ModelSelector", "Selection", "selector_from_config",
-           "select_for_layer", "needs_delivery", "needs_descriptors",
-           "fallback_phases_of", "fewer_phases", "posts_fewer_phases"]
+__all__ = [
+    "PathSelector",
+    "FixedSelector",
+    "AnchorSelector",
+    "ModelSelector",
+    "Selection",
+    "selector_from_config",
+    "select_for_layer",
+    "needs_delivery",
+    "needs_descriptors",
+    "fallback_phases_of",
+    "fewer_phases",
+    "posts_fewer_phases",
+]
 
 
 class PathSelector(Protocol):
@@ -102,12 +119,30 @@ class AnchorSelector:
             decide, tuned by ``railwave calibrate`` (``AnchorSet.fallback_below``).
     """
 
-    __slots__ = ("anchor_set", "payload_ratio", "shape_distance", "fallback", "extend_below", "fallback_below",
-                 "_points", "_scales", "_log_ratio", "_below_x", "_fallback_phases")
+    __slots__ = (
+        "anchor_set",
+        "payload_ratio",
+        "shape_distance",
+        "fallback",
+        "extend_below",
+        "fallback_below",
+        "_points",
+        "_scales",
+        "_log_ratio",
+        "_below_x",
+        "_fallback_phases",
+    )
 
-    def __init__(self, anchor_set: AnchorSet, *, payload_ratio: float = DEFAULT_PAYLOAD_RATIO,
-                 shape_distance: float = DEFAULT_SHAPE_DISTANCE, fallback: Route | str = Route.JOINT,
-                 extend_below: bool = True, fallback_below: tuple[float, Route | str] | None = None) -> None:
+    def __init__(
+        self,
+        anchor_set: AnchorSet,
+        *,
+        payload_ratio: float = DEFAULT_PAYLOAD_RATIO,
+        shape_distance: float = DEFAULT_SHAPE_DISTANCE,
+        fallback: Route | str = Route.JOINT,
+        extend_below: bool = True,
+        fallback_below: tuple[float, Route | str] | None = None,
+    ) -> None:
         if not payload_ratio >= 1:
             raise ValueError(f"payload_ratio must be >= 1, got {payload_ratio}")
         if not shape_distance >= 0:
@@ -115,7 +150,9 @@ class AnchorSelector:
         if fallback_below is not None:
             below_bytes, below_path = float(fallback_below[0]), parse_route(fallback_below[1])
             if not (below_bytes > 0 and math.isfinite(below_bytes)) or below_path.waved:
-                raise ValueError(f"fallback_below must be (bytes > 0, native or rail), got {fallback_below!r}")
+                raise ValueError(
+                    f"fallback_below must be (bytes > 0, native or rail), got {fallback_below!r}"
+                )
             fallback_below = (below_bytes, below_path)
         self.fallback_below = fallback_below
         self.anchor_set = anchor_set
@@ -125,12 +162,24 @@ class AnchorSelector:
         self.extend_below = bool(extend_below)
         fallback_phases = fallback_phases_of(anchor_set, self.fallback)
         self._fallback_phases = fallback_phases
-        self._below_x = (math.log2(fallback_below[0] / anchor_set.scales[0]) if fallback_below is not None
-                         else -math.inf)
+        self._below_x = (
+            math.log2(fallback_below[0] / anchor_set.scales[0])
+            if fallback_below is not None
+            else -math.inf
+        )
         # Flat tuples: the hot loop touches only floats (no attribute lookups per anchor).
-        self._points = tuple((a.coords[0], a.coords[1], a.coords[2], a.path, a.name, a.input_windows,
-                              self.extend_below and posts_fewer_phases(a, fallback_phases))
-                             for a in anchor_set.anchors)
+        self._points = tuple(
+            (
+                a.coords[0],
+                a.coords[1],
+                a.coords[2],
+                a.path,
+                a.name,
+                a.input_windows,
+                self.extend_below and posts_fewer_phases(a, fallback_phases),
+            )
+            for a in anchor_set.anchors
+        )
         self._scales = anchor_set.scales
         # Tiny slack so a ratio of exactly payload_ratio stays eligible despite rounding.
         self._log_ratio = math.log2(self.payload_ratio) + 1e-12
@@ -138,8 +187,11 @@ class AnchorSelector:
     def _coords(self, stats: TrafficStats) -> tuple[float, float, float]:
         ref, rho_scale, kappa_scale = self._scales
         b = stats.B_mean_bytes
-        return (math.log2(b / ref) if b > 0 else -math.inf,
-                (stats.rho_g - 1.0) / rho_scale, (stats.kappa - 1.0) / kappa_scale)
+        return (
+            math.log2(b / ref) if b > 0 else -math.inf,
+            (stats.rho_g - 1.0) / rho_scale,
+            (stats.kappa - 1.0) / kappa_scale,
+        )
 
     def explain(self, stats: TrafficStats, *, input_windows: int = 1) -> Selection:
         """The decision with the anchor that made it.
@@ -164,15 +216,25 @@ class AnchorSelector:
             if d2 < best_d2:
                 best, best_d2 = (path, name), d2
         if best is None:
-            return Selection(path=self.fallback_path(x, input_windows), anchor=None, distance=math.inf,
-                             coords=(x, y, z))
-        return Selection(path=best[0], anchor=best[1], distance=math.sqrt(best_d2), coords=(x, y, z))
+            return Selection(
+                path=self.fallback_path(x, input_windows),
+                anchor=None,
+                distance=math.inf,
+                coords=(x, y, z),
+            )
+        return Selection(
+            path=best[0], anchor=best[1], distance=math.sqrt(best_d2), coords=(x, y, z)
+        )
 
     def fallback_path(self, x: float, input_windows: int = 1) -> Route:
         """The path outside every anchor's neighbourhood at payload coordinate ``x``:
-        ``fallback_below``'s path below its payload where it posts fewer phases, else ``fallback``."""
-        if x < self._below_x and self.fallback_below is not None and fewer_phases(input_windows,
-                                                                                 self._fallback_phases):
+        ``fallback_below``'s path below its payload where it posts fewer phases, else
+        ``fallback``."""
+        if (
+            x < self._below_x
+            and self.fallback_below is not None
+            and fewer_phases(input_windows, self._fallback_phases)
+        ):
             return self.fallback_below[1]
         return self.fallback
 
@@ -184,7 +246,8 @@ class AnchorSelector:
         runtime rule of ``explain`` (calibration's cross-seed check; not used at run time).
 
         Args:
-            coords_R3: [R, 3] float, selector coordinates of R points (x may be -inf: never eligible).
+            coords_R3: [R, 3] float, selector coordinates of R points (x may be -inf: never
+            eligible).
             windows_R: [R] int, the points' input windows.
         """
         x, y, z = (np.asarray(coords_R3, dtype=np.float64)[:, k] for k in range(3))
@@ -193,8 +256,14 @@ class AnchorSelector:
         out = np.zeros((len(self._points), x.size), dtype=bool)
         for i, (ax, ay, az, _, _, windows, below_ok) in enumerate(self._points):
             dx = x - ax
-            out[i] = (np.isfinite(x) & (windows_R == windows) & (dx <= lr) & ((dx >= -lr) | below_ok)
-                      & (np.abs(y - ay) <= sd) & (np.abs(z - az) <= sd))
+            out[i] = (
+                np.isfinite(x)
+                & (windows_R == windows)
+                & (dx <= lr)
+                & ((dx >= -lr) | below_ok)
+                & (np.abs(y - ay) <= sd)
+                & (np.abs(z - az) <= sd)
+            )
         return out
 
 
@@ -216,26 +285,50 @@ class ModelSelector:
 
     __slots__ = ("model", "topo", "fallback")
 
-    def __init__(self, model: RailJointModel, topo: RailTopology, *, fallback: Route | str = Route.JOINT) -> None:
+    def __init__(
+        self, model: RailJointModel, topo: RailTopology, *, fallback: Route | str = Route.JOINT
+    ) -> None:
         self.model = model
         self.topo = topo
         self.fallback = parse_route(fallback)
 
-    def explain_layer(self, stats: TrafficStats, demand: DemandCounts, *, record_bytes: int,
-                      windows: WaveSchedule | None = None) -> Selection:
-        """The decision; ``distance`` holds the predicted log(t_RAIL / t_JOINT) (inf: no prediction);
-        ``anchor`` is "model", "gate" (above the payload gate) or None (no prediction)."""
+    def explain_layer(
+        self,
+        stats: TrafficStats,
+        demand: DemandCounts,
+        *,
+        record_bytes: int,
+        windows: WaveSchedule | None = None,
+    ) -> Selection:
+        """The decision; ``distance`` holds the predicted log(t_RAIL / t_JOINT) (inf: no
+        prediction); ``anchor`` is "model", "gate" (above the payload gate) or None (no
+        prediction)."""
         predicted = self._predict(demand, record_bytes=record_bytes, windows=windows)
         if predicted is None:
-            gated = stats.B_mean_bytes > 0 and not self.model.decides(stats.B_mean_bytes,
-                                                                      input_windows=_input_windows(windows))
-            return Selection(path=self.fallback, anchor="gate" if gated else None, distance=math.inf,
-                             coords=stats.coords)
-        return Selection(path=Route.RAIL if predicted < 0 else Route.JOINT, anchor="model", distance=predicted,
-                         coords=stats.coords)
+            gated = stats.B_mean_bytes > 0 and not self.model.decides(
+                stats.B_mean_bytes, input_windows=_input_windows(windows)
+            )
+            return Selection(
+                path=self.fallback,
+                anchor="gate" if gated else None,
+                distance=math.inf,
+                coords=stats.coords,
+            )
+        return Selection(
+            path=Route.RAIL if predicted < 0 else Route.JOINT,
+            anchor="model",
+            distance=predicted,
+            coords=stats.coords,
+        )
 
-    def select_layer(self, stats: TrafficStats | None, demand: DemandCounts, *, record_bytes: int,
-                     windows: WaveSchedule | None = None) -> Route:
+    def select_layer(
+        self,
+        stats: TrafficStats | None,
+        demand: DemandCounts,
+        *,
+        record_bytes: int,
+        windows: WaveSchedule | None = None,
+    ) -> Route:
         """The path alone. ``stats`` is not read (None is fine): the model decides from the counts,
         so the dispatcher need not compute the descriptors for it (``needs_descriptors``)."""
         predicted = self._predict(demand, record_bytes=record_bytes, windows=windows)
@@ -243,7 +336,9 @@ class ModelSelector:
             return self.fallback
         return Route.RAIL if predicted < 0 else Route.JOINT
 
-    def _predict(self, demand: DemandCounts, *, record_bytes: int, windows: WaveSchedule | None) -> float | None:
+    def _predict(
+        self, demand: DemandCounts, *, record_bytes: int, windows: WaveSchedule | None
+    ) -> float | None:
         """Predicted log(t_RAIL / t_JOINT); None without remote payload (every path is the same),
         above the model's payload gate for the input kind (``RailJointModel.gate``: no estimate is
         computed) or without coefficients for the input kind."""
@@ -251,15 +346,21 @@ class ModelSelector:
         if not (record_bytes > 0 and remote > 0):
             return None
         input_windows = _input_windows(windows)
-        if not self.model.decides(remote * record_bytes / demand.world_size,  # B_mean, as TrafficStats has it
-                                  input_windows=input_windows):
+        if not self.model.decides(
+            remote * record_bytes / demand.world_size,  # B_mean, as TrafficStats has it
+            input_windows=input_windows,
+        ):
             return None
-        features = path_features(demand, self.topo, record_bytes=record_bytes, windows=windows, costs=self.model.costs)
+        features = path_features(
+            demand, self.topo, record_bytes=record_bytes, windows=windows, costs=self.model.costs
+        )
         return self.model.log_ratio(features, input_windows=input_windows)
 
     def select(self, stats: TrafficStats) -> Route:
-        raise TypeError("ModelSelector decides from the gathered counts, not the descriptors alone: call "
-                        "select_for_layer(selector, stats, demand, record_bytes=...)")
+        raise TypeError(
+            "ModelSelector decides from the gathered counts, not the descriptors alone: call "
+            "select_for_layer(selector, stats, demand, record_bytes=...)"
+        )
 
 
 def _input_windows(windows: WaveSchedule | None) -> int:
@@ -267,16 +368,25 @@ def _input_windows(windows: WaveSchedule | None) -> int:
     return windows.num_waves if windows is not None else 1
 
 
-def select_for_layer(selector: PathSelector, stats: TrafficStats | None, demand: DemandCounts, *,
-                     record_bytes: int, windows: WaveSchedule | None = None) -> Route:
+def select_for_layer(
+    selector: PathSelector,
+    stats: TrafficStats | None,
+    demand: DemandCounts,
+    *,
+    record_bytes: int,
+    windows: WaveSchedule | None = None,
+) -> Route:
     """One layer's path: a selector that reads the counts (``select_layer``, the path model) gets
     them; any other ``PathSelector`` the descriptors alone (``stats``; None only where
     ``needs_descriptors(selector)`` is False)."""
     if isinstance(selector, ModelSelector):
         return selector.select_layer(stats, demand, record_bytes=record_bytes, windows=windows)
     if stats is None and needs_descriptors(selector):
-        raise ValueError(f"{type(selector).__name__} decides from the descriptors; pass the layer's TrafficStats "
-                         "(stats.demand_stats)")
+        raise ValueError(
+            f"{type(selector).__name__} decides from the descriptors; pass the layer's "
+            f"TrafficStats "
+            "(stats.demand_stats)"
+        )
     return selector.select(stats)
 
 
@@ -309,7 +419,11 @@ def fewer_phases(input_windows: Any, fallback_phases: int | None) -> Any:
     fewer rail phases than the fallback's ``fallback_phases`` (None: unknown, never). Works on an
     int or elementwise on an array of window counts."""
     if fallback_phases is None:
-        return np.zeros_like(input_windows, dtype=bool) if isinstance(input_windows, np.ndarray) else False
+        return (
+            np.zeros_like(input_windows, dtype=bool)
+            if isinstance(input_windows, np.ndarray)
+            else False
+        )
     return input_windows < fallback_phases
 
 
@@ -337,8 +451,9 @@ def _cached_anchors(path: str, mtime_ns: int, topo: RailTopology) -> AnchorSet:
     return load_anchors(path, topo)
 
 
-def selector_from_config(config: RailWaveConfig, topo: RailTopology, *,
-                         warn: bool = True) -> PathSelector | OnlineSelector:
+def selector_from_config(
+    config: RailWaveConfig, topo: RailTopology, *, warn: bool = True
+) -> PathSelector | OnlineSelector:
     """The selector for ``path='auto'``: with ``config.selector_kind() == 'online'`` an
     ``online.OnlineSelector`` (one per layer: it keeps that layer's measurements), seeded by the
     anchors file when one is given; otherwise the file's path model when its tuning recorded one
@@ -354,48 +469,81 @@ def selector_from_config(config: RailWaveConfig, topo: RailTopology, *,
     if config.selector_kind() == "online":
         return _online_selector(config, topo)
     if config.anchors is None:
-        _warn_once("<none>", "railwave path 'auto' without an anchors file: every layer runs JOINT "
-                   "(run `railwave calibrate` to create anchors)", warn=warn)
+        _warn_once(
+            "<none>",
+            "railwave path 'auto' without an anchors file: every layer runs JOINT "
+            "(run `railwave calibrate` to create anchors)",
+            warn=warn,
+        )
         return FixedSelector(Route.JOINT)
     path = Path(config.anchors).expanduser().resolve()
     try:
         mtime = os.stat(path).st_mtime_ns
     except FileNotFoundError:
-        _warn_once(str(path), f"railwave anchors file {str(path)!r} does not exist: every layer "
-                   "runs JOINT (run `railwave calibrate --out` to create it)", warn=warn)
+        _warn_once(
+            str(path),
+            f"railwave anchors file {str(path)!r} does not exist: every layer "
+            "runs JOINT (run `railwave calibrate --out` to create it)",
+            warn=warn,
+        )
         return FixedSelector(Route.JOINT)
     anchor_set = _cached_anchors(str(path), mtime, topo)
     if anchor_set.chunks != config.chunks:
         # The anchors say where a path beats JOINT with the file's chunks; another JOINT (more or
         # fewer rail phases per wave) moves every boundary, so the file does not apply.
-        raise ValueError(f"anchors file {str(path)!r} was calibrated with chunks={anchor_set.chunks} (field "
-                         f"'context.settings.chunks') but this RailWave config has chunks={config.chunks}; set "
-                         f"chunks: {anchor_set.chunks} or run `railwave calibrate --chunks {config.chunks}`")
+        raise ValueError(
+            f"anchors file {str(path)!r} was calibrated with chunks={anchor_set.chunks} (field "
+            f"'context.settings.chunks') but this RailWave config has chunks={config.chunks}; set "
+            f"chunks: {anchor_set.chunks} or run `railwave calibrate --chunks {config.chunks}`"
+        )
     if anchor_set.path_model is not None:
         return ModelSelector(anchor_set.path_model, topo)
     # The thresholds the file was tuned with (calibrate's leave-one-out choice), unless the
     # config overrides them: anchors are only validated with the thresholds they were tuned for.
-    payload_ratio, shape_distance = anchor_set.thresholds(config.payload_ratio, config.shape_distance)
-    return AnchorSelector(anchor_set, payload_ratio=payload_ratio, shape_distance=shape_distance,
-                          fallback_below=anchor_set.fallback_below)
+    payload_ratio, shape_distance = anchor_set.thresholds(
+        config.payload_ratio, config.shape_distance
+    )
+    return AnchorSelector(
+        anchor_set,
+        payload_ratio=payload_ratio,
+        shape_distance=shape_distance,
+        fallback_below=anchor_set.fallback_below,
+    )
 
 
 def _online_selector(config: RailWaveConfig, topo: RailTopology) -> OnlineSelector:
     """An online selector; an anchors file (checked like the offline rule's: topology, chunks)
     is its prior and sets its coordinate scales. A missing file raises: the user named it."""
     if config.anchors is None:
-        return OnlineSelector(config.online, scales=SelectorScales().resolve(topo), shared=PROCESS_SHARED)
+        return OnlineSelector(
+            config.online, scales=SelectorScales().resolve(topo), shared=PROCESS_SHARED
+        )
     path = Path(config.anchors).expanduser().resolve()
     if not path.is_file():
-        raise ValueError(f"anchors file {str(path)!r} (the online selector's prior) does not exist; write it with "
-                         "`railwave calibrate --out` or an earlier run's online_out, or drop 'anchors'")
+        raise ValueError(
+            f"anchors file {str(path)!r} (the online selector's prior) does not exist; write it "
+            f"with "
+            "`railwave calibrate --out` or an earlier run's online_out, or drop 'anchors'"
+        )
     anchor_set = _cached_anchors(str(path), os.stat(path).st_mtime_ns, topo)
     if anchor_set.chunks != config.chunks:
-        raise ValueError(f"anchors file {str(path)!r} was calibrated with chunks={anchor_set.chunks} (field "
-                         f"'context.settings.chunks') but this RailWave config has chunks={config.chunks}; set "
-                         f"chunks: {anchor_set.chunks} or drop 'anchors'")
-    payload_ratio, shape_distance = anchor_set.thresholds(config.payload_ratio, config.shape_distance)
-    rule = AnchorSelector(anchor_set, payload_ratio=payload_ratio, shape_distance=shape_distance,
-                          fallback_below=anchor_set.fallback_below)
-    return OnlineSelector(config.online, scales=anchor_set.scales, prior=anchor_prior(anchor_set, rule.explain),
-                          shared=PROCESS_SHARED)
+        raise ValueError(
+            f"anchors file {str(path)!r} was calibrated with chunks={anchor_set.chunks} (field "
+            f"'context.settings.chunks') but this RailWave config has chunks={config.chunks}; set "
+            f"chunks: {anchor_set.chunks} or drop 'anchors'"
+        )
+    payload_ratio, shape_distance = anchor_set.thresholds(
+        config.payload_ratio, config.shape_distance
+    )
+    rule = AnchorSelector(
+        anchor_set,
+        payload_ratio=payload_ratio,
+        shape_distance=shape_distance,
+        fallback_below=anchor_set.fallback_below,
+    )
+    return OnlineSelector(
+        config.online,
+        scales=anchor_set.scales,
+        prior=anchor_prior(anchor_set, rule.explain),
+        shared=PROCESS_SHARED,
+    )

@@ -26,13 +26,22 @@ import re
 import time
 import weakref
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Literal
+from typing import Any, Literal
 
 from megatron_railwave.process import global_rank
 from megatron_railwave.telemetry.stats import LayerCommStats
 
-__all__ = ["JsonlStatsSink", "FanoutSink", "read_logs", "split_runs", "job_run_id", "LOG_GLOB", "RUN_ENV"]
+__all__ = [
+    "JsonlStatsSink",
+    "FanoutSink",
+    "read_logs",
+    "split_runs",
+    "job_run_id",
+    "LOG_GLOB",
+    "RUN_ENV",
+]
 
 LogMode = Literal["rank", "job"]
 LOG_GLOB = "railwave*.jsonl"
@@ -65,7 +74,9 @@ def job_run_id() -> str:
         except Exception:  # noqa: BLE001 - no reachable store: this process's own id
             pass
     if not re.fullmatch(r"[A-Za-z0-9._-]+", run):
-        raise ValueError(f"{RUN_ENV}={run!r} must use only letters, digits, '.', '_' and '-' (it names files)")
+        raise ValueError(
+            f"{RUN_ENV}={run!r} must use only letters, digits, '.', '_' and '-' (it names files)"
+        )
     _RUN_ID.append(run)
     return run
 
@@ -87,8 +98,15 @@ class JsonlStatsSink:
         run_id: the run's id; default ``job_run_id()`` (resolved at the first record).
     """
 
-    def __init__(self, log_dir: str | os.PathLike, *, interval: int = 1, rank: int | None = None,
-                 mode: LogMode = "rank", run_id: str | None = None) -> None:
+    def __init__(
+        self,
+        log_dir: str | os.PathLike,
+        *,
+        interval: int = 1,
+        rank: int | None = None,
+        mode: LogMode = "rank",
+        run_id: str | None = None,
+    ) -> None:
         if mode not in ("rank", "job"):
             raise ValueError(f"log mode must be 'rank' or 'job', got {mode!r}")
         if interval < 1:
@@ -117,7 +135,11 @@ class JsonlStatsSink:
 
     @property
     def path(self) -> Path:
-        name = f"railwave_{self.run_id}.jsonl" if self.mode == "job" else f"railwave_{self.run_id}_rank{self.rank}.jsonl"
+        name = (
+            f"railwave_{self.run_id}.jsonl"
+            if self.mode == "job"
+            else f"railwave_{self.run_id}_rank{self.rank}.jsonl"
+        )
         return self.log_dir / name
 
     def wants(self, step: int) -> bool:
@@ -167,7 +189,8 @@ class JsonlStatsSink:
 
 
 class FanoutSink:
-    """Hands every record to several sinks, in order; ``flush``/``close`` reach those that have them."""
+    """Hands every record to several sinks, in order; ``flush``/``close`` reach those that have
+    them."""
 
     def __init__(self, *sinks: Callable[[LayerCommStats], None]) -> None:
         self.sinks = tuple(s for s in sinks if s is not None)
@@ -216,15 +239,21 @@ def read_logs(log_dir: str | os.PathLike) -> list[dict[str, Any]]:
     """
     log_dir = Path(log_dir)
     if not log_dir.exists():
-        raise ValueError(f"log directory {str(log_dir)!r} does not exist; give the directory set as "
-                         "--railwave-log-dir (RailWaveConfig.log_dir)")
+        raise ValueError(
+            f"log directory {str(log_dir)!r} does not exist; give the directory set as "
+            "--railwave-log-dir (RailWaveConfig.log_dir)"
+        )
     if not log_dir.is_dir():
-        raise ValueError(f"{str(log_dir)!r} is a file, not a log directory; give the directory that holds "
-                         f"the {LOG_GLOB} files")
+        raise ValueError(
+            f"{str(log_dir)!r} is a file, not a log directory; give the directory that holds "
+            f"the {LOG_GLOB} files"
+        )
     files = sorted(log_dir.glob(LOG_GLOB))
     if not files:
-        raise ValueError(f"no {LOG_GLOB} files in {str(log_dir)!r}; write logs with "
-                         "--railwave-log-dir (RailWaveConfig.log_dir)")
+        raise ValueError(
+            f"no {LOG_GLOB} files in {str(log_dir)!r}; write logs with "
+            "--railwave-log-dir (RailWaveConfig.log_dir)"
+        )
     out = []
     for path in files:
         file_run = _run_of_file(path)

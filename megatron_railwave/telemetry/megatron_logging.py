@@ -27,7 +27,8 @@ torch.distributed is not initialised (single process).
 from __future__ import annotations
 
 from collections import deque
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -70,8 +71,12 @@ METRICS: dict[str, Callable[[LayerCommStats], float | None]] = {
     "overload_factor": lambda s: s.overload_factor,
     **{f"path_{r}": (lambda s, r=str(r): float(s.path == r)) for r in ROUTES},
     # The online selector's state (None: another selector; such calls add nothing).
-    "selector_probe": lambda s: float(s.selector_mode in ("probe", "reprobe")) if s.selector_mode else None,
-    "selector_fallback": lambda s: float(s.selector_mode == "fallback") if s.selector_mode else None,
+    "selector_probe": lambda s: (
+        float(s.selector_mode in ("probe", "reprobe")) if s.selector_mode else None
+    ),
+    "selector_fallback": lambda s: (
+        float(s.selector_mode == "fallback") if s.selector_mode else None
+    ),
     **{f"measured_{p}_ms": (lambda s, p=p: s.measured_ms.get(p)) for p in map(str, ROUTES)},
 }
 """Metric name (without the ``railwave_`` prefix) -> value of one layer call.
@@ -86,9 +91,8 @@ _NAMES = tuple(METRICS) + TIME_METRICS
 
 
 def _make_tracker() -> Any:
-    from megatron.core.transformer.moe.moe_logging import MoEMetricsTracker
-
     from megatron.core import parallel_state
+    from megatron.core.transformer.moe.moe_logging import MoEMetricsTracker
 
     class RailWaveMetricsTracker(MoEMetricsTracker):
         """Megatron's tracker; it reduces only where Megatron's groups exist.
@@ -167,15 +171,19 @@ class MegatronMetricsSink:
 
     def means(self) -> dict[str, dict[int, float]]:
         """Per metric, per 1-based layer: the mean over the calls since the last ``reset``."""
-        return {n: {layer: total / self._counts[n][layer] for layer, total in per.items()}
-                for n, per in self._sums.items()}
+        return {
+            n: {layer: total / self._counts[n][layer] for layer, total in per.items()}
+            for n, per in self._sums.items()
+        }
 
     def reset(self) -> None:
         for name in _NAMES:
             self._sums[name].clear()
             self._counts[name].clear()
 
-    def commit(self, *, num_layers: int | None = None, device: torch.device | str | None = None) -> int:
+    def commit(
+        self, *, num_layers: int | None = None, device: torch.device | str | None = None
+    ) -> int:
         """Move the per-layer means into the tracker entries; returns the entry size used."""
         self.flush()
         tracker = self.tracker if self.tracker is not None else get_railwave_metrics_tracker()
@@ -211,11 +219,19 @@ def default_metrics_sink() -> MegatronMetricsSink:
     return _DEFAULT_SINK
 
 
-def report_railwave_metrics(writer: Any, wandb_writer: Any, iteration: int, per_layer_logging: bool, *,
-                            log_interval: int = 1, num_layers: int | None = None,
-                            moe_layer_freq: int | list[int] | None = None,
-                            mtp_num_layers: int | None = None, pg_collection: Any = None,
-                            sink: MegatronMetricsSink | None = None) -> str:
+def report_railwave_metrics(
+    writer: Any,
+    wandb_writer: Any,
+    iteration: int,
+    per_layer_logging: bool,
+    *,
+    log_interval: int = 1,
+    num_layers: int | None = None,
+    moe_layer_freq: int | list[int] | None = None,
+    mtp_num_layers: int | None = None,
+    pg_collection: Any = None,
+    sink: MegatronMetricsSink | None = None,
+) -> str:
     """Write RailWave's scalars through Megatron's tracker; call once per training step.
 
     On steps where ``iteration % log_interval != 0`` nothing is written and the sums keep
@@ -248,12 +264,22 @@ def report_railwave_metrics(writer: Any, wandb_writer: Any, iteration: int, per_
         return ""
     if num_layers is None:
         num_layers = size
-        moe_layer_freq = [1 if layer + 1 in recorded else 0 for layer in range(size)] if recorded else None
+        moe_layer_freq = (
+            [1 if layer + 1 in recorded else 0 for layer in range(size)] if recorded else None
+        )
         mtp_num_layers = None
-    return tracker.report(loss_scale=1.0, iteration=iteration, writer=writer, wandb_writer=wandb_writer,
-                          per_layer_logging=per_layer_logging, track_names=names,
-                          num_layers=num_layers, moe_layer_freq=moe_layer_freq,
-                          mtp_num_layers=mtp_num_layers, pg_collection=pg_collection)
+    return tracker.report(
+        loss_scale=1.0,
+        iteration=iteration,
+        writer=writer,
+        wandb_writer=wandb_writer,
+        per_layer_logging=per_layer_logging,
+        track_names=names,
+        num_layers=num_layers,
+        moe_layer_freq=moe_layer_freq,
+        mtp_num_layers=mtp_num_layers,
+        pg_collection=pg_collection,
+    )
 
 
 def _megatron_log_interval() -> int:
@@ -265,8 +291,9 @@ def _megatron_log_interval() -> int:
         return 1
 
 
-def attach_to_megatron_report(*, log_interval: int | None = None,
-                              sink: MegatronMetricsSink | None = None) -> bool:
+def attach_to_megatron_report(
+    *, log_interval: int | None = None, sink: MegatronMetricsSink | None = None
+) -> bool:
     """Run ``report_railwave_metrics`` after every report of Megatron's global MoE tracker.
 
     Args:
@@ -294,10 +321,17 @@ def attach_to_megatron_report(*, log_interval: int | None = None,
         call.apply_defaults()
         a = call.arguments
         ours = report_railwave_metrics(
-            a["writer"], a["wandb_writer"], a["iteration"], a["per_layer_logging"],
-            log_interval=log_interval or _megatron_log_interval(), num_layers=a["num_layers"],
-            moe_layer_freq=a["moe_layer_freq"], mtp_num_layers=a["mtp_num_layers"],
-            pg_collection=a["pg_collection"], sink=sink)
+            a["writer"],
+            a["wandb_writer"],
+            a["iteration"],
+            a["per_layer_logging"],
+            log_interval=log_interval or _megatron_log_interval(),
+            num_layers=a["num_layers"],
+            moe_layer_freq=a["moe_layer_freq"],
+            mtp_num_layers=a["mtp_num_layers"],
+            pg_collection=a["pg_collection"],
+            sink=sink,
+        )
         return out + ours
 
     report._railwave_original = original  # type: ignore[attr-defined]

@@ -17,14 +17,25 @@ import torch
 
 from megatron_railwave.planner import PathPlan, WaveSchedule
 from megatron_railwave.topology import RailTopology
-from megatron_railwave.traffic import DemandCounts, SelectorScales, TrafficStats, rail_load_NRN, traffic_stats
+from megatron_railwave.traffic import (
+    DemandCounts,
+    SelectorScales,
+    TrafficStats,
+    rail_load_NRN,
+    traffic_stats,
+)
 
 __all__ = ["LayerCommStats", "demand_stats", "layer_comm_stats", "expert_load_stats", "Stopwatch"]
 
 
-def demand_stats(demand: DemandCounts | torch.Tensor, topo: RailTopology, *, record_bytes: int,
-                 scales: SelectorScales | None = None,
-                 windows: WaveSchedule | None = None) -> TrafficStats:
+def demand_stats(
+    demand: DemandCounts | torch.Tensor,
+    topo: RailTopology,
+    *,
+    record_bytes: int,
+    scales: SelectorScales | None = None,
+    windows: WaveSchedule | None = None,
+) -> TrafficStats:
     """Descriptors of the demand as sent natively: owner rails, all node pairs at once.
 
     These drive the selector: B, rho_g and kappa before any reshaping. Pure function of global
@@ -43,8 +54,9 @@ def demand_stats(demand: DemandCounts | torch.Tensor, topo: RailTopology, *, rec
         pair_window_NN.fill_diagonal_(-1)
     else:
         pair_window_NN = windows.pair_wave_NN()
-    return traffic_stats(records_NGN, rail_load, pair_window_NN, topo, record_bytes=record_bytes,
-                         scales=scales)
+    return traffic_stats(
+        records_NGN, rail_load, pair_window_NN, topo, record_bytes=record_bytes, scales=scales
+    )
 
 
 @dataclass(kw_only=True, slots=True)
@@ -83,7 +95,8 @@ class LayerCommStats:
     tokens_per_expert_max: int = 0
     tokens_per_expert_std: float = 0.0
     overload_factor: float = 0.0
-    """Busiest expert's tokens over the mean tokens per expert (1 = perfectly even; 0 = no tokens)."""
+    """Busiest expert's tokens over the mean tokens per expert (1 = perfectly even; 0 = no
+    tokens)."""
     dispatch_ms: float = 0.0
     combine_ms: float = 0.0
     selector_mode: str = ""
@@ -95,9 +108,11 @@ class LayerCommStats:
     """Online selector: median measured exchange ms per path in that neighbourhood (slowest rank;
     None: not measured there yet)."""
     last_exchange_ms: float | None = None
-    """Online selector: the slowest rank's exchange ms of this layer's previous call (None: none or bad)."""
+    """Online selector: the slowest rank's exchange ms of this layer's previous call (None: none or
+    bad)."""
     bad_timings: int = 0
-    """Online selector: bad timings (NaN, negative, stalled, missing) this layer has dropped so far."""
+    """Online selector: bad timings (NaN, negative, stalled, missing) this layer has dropped so
+    far."""
     timers: dict[str, Stopwatch] = field(default_factory=dict, repr=False)
     """Stopwatches whose times are not read yet ('dispatch', 'combine'); not serialised."""
 
@@ -146,16 +161,27 @@ def expert_load_stats(tokens_per_expert_E: torch.Tensor | None) -> dict[str, flo
         return {}
     load = tokens_per_expert_E.to(torch.float64)
     mean = float(load.mean())
-    return {"tokens_per_expert_min": int(tokens_per_expert_E.min()),
-            "tokens_per_expert_max": int(tokens_per_expert_E.max()),
-            "tokens_per_expert_std": float(load.std(unbiased=False)),
-            "overload_factor": float(load.max()) / mean if mean > 0 else 0.0}
+    return {
+        "tokens_per_expert_min": int(tokens_per_expert_E.min()),
+        "tokens_per_expert_max": int(tokens_per_expert_E.max()),
+        "tokens_per_expert_std": float(load.std(unbiased=False)),
+        "overload_factor": float(load.max()) / mean if mean > 0 else 0.0,
+    }
 
 
-def layer_comm_stats(*, layer: int, step: int, plan: PathPlan, demand_descr: TrafficStats,
-                     record_bytes: int, plan_ms: float, wire_row_bytes: int | None = None,
-                     tokens_per_expert_E: torch.Tensor | None = None, microbatch: int = 0,
-                     pass_kind: str = "train") -> LayerCommStats:
+def layer_comm_stats(
+    *,
+    layer: int,
+    step: int,
+    plan: PathPlan,
+    demand_descr: TrafficStats,
+    record_bytes: int,
+    plan_ms: float,
+    wire_row_bytes: int | None = None,
+    tokens_per_expert_E: torch.Tensor | None = None,
+    microbatch: int = 0,
+    pass_kind: str = "train",
+) -> LayerCommStats:
     """Statistics of one planned phase (times of dispatch/combine are filled in later).
 
     Args:

@@ -17,15 +17,24 @@ from tests.helpers.exchange_worker import expert_weights, make_inputs
 _KW = dict(tokens=[10, 7, 12, 9], experts=8, topk=3, hidden=16, seed=3)
 
 
-def _layer(ex: TorchDistExchange, rank: int, world: int, path: str, *, asynchronous: bool,
-           between: Any = None) -> dict[str, np.ndarray]:
+def _layer(
+    ex: TorchDistExchange,
+    rank: int,
+    world: int,
+    path: str,
+    *,
+    asynchronous: bool,
+    between: Any = None,
+) -> dict[str, np.ndarray]:
     """One layer forward + backward with linear experts; ``asynchronous``: start / finish with
     ``between()`` called while each direction's phases are in flight."""
     x, probs, routing = make_inputs(rank, **_KW)
     x.requires_grad_(True)
     probs.requires_grad_(True)
     per_rank = _KW["experts"] // world
-    w = expert_weights(_KW["experts"], _KW["hidden"], _KW["seed"])[rank * per_rank:(rank + 1) * per_rank]
+    w = expert_weights(_KW["experts"], _KW["hidden"], _KW["seed"])[
+        rank * per_rank : (rank + 1) * per_rank
+    ]
     layer = ex.gather_demand(x, probs, routing)
     handle = ex.prepare(layer, ex.plan(layer, path), x, probs)
     if asynchronous:
@@ -47,7 +56,12 @@ def _layer(ex: TorchDistExchange, rank: int, world: int, path: str, *, asynchron
     else:
         out = ex.combine(y, d.handle)
     (out * out).sum().backward()
-    return {"out": out.detach().numpy(), "x_grad": x.grad.numpy(), "probs_grad": probs.grad.numpy(), **info}
+    return {
+        "out": out.detach().numpy(),
+        "x_grad": x.grad.numpy(),
+        "probs_grad": probs.grad.numpy(),
+        **info,
+    }
 
 
 def run_async_matches_sync(rank: int, world: int, paths: list[str]) -> dict[str, Any]:
@@ -55,8 +69,12 @@ def run_async_matches_sync(rank: int, world: int, paths: list[str]) -> dict[str,
     ``start_*`` has returned (through the job's store): rank 0 can only get past ``start`` if it
     returns before its phases complete; a blocking ``start`` would hang until the timeout."""
     topo = RailTopology(num_nodes=world // 2, gpus_per_node=2)
-    ex = TorchDistExchange(topo, build_rail_groups(None, topo, timeout_s=60.0), num_experts=_KW["experts"],
-                           timeout_s=60.0)
+    ex = TorchDistExchange(
+        topo,
+        build_rail_groups(None, topo, timeout_s=60.0),
+        num_experts=_KW["experts"],
+        timeout_s=60.0,
+    )
     store = dist.distributed_c10d._get_default_store()
     out: dict[str, Any] = {}
     for path in paths:
@@ -97,8 +115,12 @@ def run_async_timeout(rank: int, world: int) -> str:
     """Rank 1 takes part in the count exchange and then never dispatches: rank 0's
     ``start_dispatch`` returns, and ``finish_dispatch`` raises ``ExchangeTimeoutError``."""
     topo = RailTopology(num_nodes=world // 2, gpus_per_node=2)
-    ex = TorchDistExchange(topo, build_rail_groups(None, topo, timeout_s=3.0), num_experts=_KW["experts"],
-                           timeout_s=3.0)
+    ex = TorchDistExchange(
+        topo,
+        build_rail_groups(None, topo, timeout_s=3.0),
+        num_experts=_KW["experts"],
+        timeout_s=3.0,
+    )
     x, probs, routing = make_inputs(rank, **_KW)
     layer = ex.gather_demand(x, probs, routing)
     handle = ex.prepare(layer, ex.plan(layer, "joint"), x, probs)

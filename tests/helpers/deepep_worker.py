@@ -17,8 +17,15 @@ from tests.helpers.exchange_worker import expert_weights, make_inputs
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def run_backends(rank: int, world: int, topo_kwargs: dict, paths: list[str], kw: dict, dtype: str,
-                 torch_paths: tuple[str, ...] = ("native",)) -> dict[str, Any]:
+def run_backends(
+    rank: int,
+    world: int,
+    topo_kwargs: dict,
+    paths: list[str],
+    kw: dict,
+    dtype: str,
+    torch_paths: tuple[str, ...] = ("native",),
+) -> dict[str, Any]:
     """One layer per (backend, path): dispatch, linear experts ``y = p * x @ A_e``, combine, and the
     backward of ``sum(out * out)``; the DeepEP backend (fake Buffer) runs ``paths``, the torch
     backend ``torch_paths``. Returns {"torch/<path>" | "deepep/<path>": (out, dx, dprobs)} as
@@ -29,16 +36,25 @@ def run_backends(rank: int, world: int, topo_kwargs: dict, paths: list[str], kw:
     hidden_dtype = _DTYPES[dtype]
     backends = {
         "torch": TorchDistExchange(topo, groups, num_experts=kw["experts"], options=PlanOptions()),
-        "deepep": DeepEPExchange(topo, groups, num_experts=kw["experts"], topk=kw["topk"], hidden_size=kw["hidden"],
-                                 hidden_dtype=hidden_dtype, api=load_deep_ep("fake", gpus_per_node=topo.gpus_per_node),
-                                 options=PlanOptions()),
+        "deepep": DeepEPExchange(
+            topo,
+            groups,
+            num_experts=kw["experts"],
+            topk=kw["topk"],
+            hidden_size=kw["hidden"],
+            hidden_dtype=hidden_dtype,
+            api=load_deep_ep("fake", gpus_per_node=topo.gpus_per_node),
+            options=PlanOptions(),
+        ),
     }
     per_rank = kw["experts"] // world
-    local_w = expert_weights(kw["experts"], kw["hidden"], kw["seed"])[rank * per_rank:(rank + 1) * per_rank]
+    local_w = expert_weights(kw["experts"], kw["hidden"], kw["seed"])[
+        rank * per_rank : (rank + 1) * per_rank
+    ]
     local_w = local_w.to(hidden_dtype)
     results = {}
     for name, ex in backends.items():
-        for path in (torch_paths if name == "torch" else paths):
+        for path in torch_paths if name == "torch" else paths:
             x, probs, routing = make_inputs(rank, **kw)
             x = x.to(hidden_dtype).requires_grad_(True)
             probs.requires_grad_(True)
@@ -47,18 +63,30 @@ def run_backends(rank: int, world: int, topo_kwargs: dict, paths: list[str], kw:
             d = ex.dispatch(x, probs, routing, prepared)
             if name == "deepep":  # what the DeepEP path really did: waves, relayed rows
                 pool = prepared.layer.layout.pool_counts
-                results[f"shape/{path}"] = {"waves": len(prepared.wave_rows), "relayed_in": sum(pool[1:]),
-                                            "dispatched": sum(prepared.wave_rows)}
-            outs = [rows @ local_w[e] for e, rows in enumerate(d.tokens.split(d.tokens_per_expert.tolist()))]
+                results[f"shape/{path}"] = {
+                    "waves": len(prepared.wave_rows),
+                    "relayed_in": sum(pool[1:]),
+                    "dispatched": sum(prepared.wave_rows),
+                }
+            outs = [
+                rows @ local_w[e]
+                for e, rows in enumerate(d.tokens.split(d.tokens_per_expert.tolist()))
+            ]
             y = torch.cat(outs) * d.probs.unsqueeze(1).to(hidden_dtype) if outs else d.tokens[:0]
             out = ex.combine(y, d.handle)
             (out.float() * out.float()).sum().backward()
-            results[f"{name}/{path}"] = (out.detach().float().numpy(), x.grad.float().numpy(), probs.grad.numpy())
+            results[f"{name}/{path}"] = (
+                out.detach().float().numpy(),
+                x.grad.float().numpy(),
+                probs.grad.numpy(),
+            )
     dist.barrier()
     return results
 
 
-def run_moe_layer_backends(rank: int, world: int, railwave: dict, paths: list[str], kw: dict) -> dict[str, Any]:
+def run_moe_layer_backends(
+    rank: int, world: int, railwave: dict, paths: list[str], kw: dict
+) -> dict[str, Any]:
     """A real Megatron MoELayer (forward + backward): 'alltoall', railwave on the torch backend
     (native), then railwave on the DeepEP backend with the fake Buffer, once per path."""
     from megatron_railwave.lab.bench.megatron_cpu import apply_megatron_cpu_shims
@@ -71,7 +99,9 @@ def run_moe_layer_backends(rank: int, world: int, railwave: dict, paths: list[st
     megatron_railwave.install({**railwave, "path": "native", "backend": "torch"})
     out["torch/native"] = build_and_run_moe_layer(rank, world, "railwave", **kw)
     for path in paths:
-        megatron_railwave.install({**railwave, "path": path, "backend": "deepep", "deepep_buffer": "fake"})
+        megatron_railwave.install(
+            {**railwave, "path": path, "backend": "deepep", "deepep_buffer": "fake"}
+        )
         out[f"deepep/{path}"] = build_and_run_moe_layer(rank, world, "railwave", **kw)
     return out
 
@@ -85,8 +115,10 @@ def run_unsupported_layouts(rank: int, world: int) -> dict[str, str]:
     groups = build_rail_groups(None, topo)
     common = dict(backend="deepep", num_experts=2 * world, topk=2, options=PlanOptions())
     errors = {}
-    for name, kwargs in (("hidden", dict(hidden_size=100, hidden_dtype=torch.float32, deepep_buffer="fake")),
-                         ("real", dict(hidden_size=256, hidden_dtype=torch.bfloat16, deepep_buffer="real"))):
+    for name, kwargs in (
+        ("hidden", dict(hidden_size=100, hidden_dtype=torch.float32, deepep_buffer="fake")),
+        ("real", dict(hidden_size=256, hidden_dtype=torch.bfloat16, deepep_buffer="real")),
+    ):
         try:
             build_exchange(topo, groups, **kwargs, **common)
             errors[name] = "no error"
@@ -94,10 +126,23 @@ def run_unsupported_layouts(rank: int, world: int) -> dict[str, str]:
             errors[name] = f"{type(exc).__name__}: {exc}"
     # A routing map with more experts per token than the exchange was built for (top-3 routed,
     # topk=1 declared): DeepEP's per-expert counts disagree with the count exchange.
-    ex = build_exchange(topo, groups, hidden_size=256, hidden_dtype=torch.float32, deepep_buffer="fake",
-                        **{**common, "topk": 1})
-    x, probs, routing = make_inputs(rank, tokens=[16] * world, experts=2 * world, topk=3, hidden=256, seed=3,
-                                    gpus_per_node=world // 2)
+    ex = build_exchange(
+        topo,
+        groups,
+        hidden_size=256,
+        hidden_dtype=torch.float32,
+        deepep_buffer="fake",
+        **{**common, "topk": 1},
+    )
+    x, probs, routing = make_inputs(
+        rank,
+        tokens=[16] * world,
+        experts=2 * world,
+        topk=3,
+        hidden=256,
+        seed=3,
+        gpus_per_node=world // 2,
+    )
     layer = ex.gather_demand(x, probs, routing)
     try:
         ex.dispatch(x, probs, routing, ex.prepare(layer, ex.plan(layer, "native"), x, probs))

@@ -12,7 +12,9 @@ from megatron_railwave.schedule import PhaseKind, RecordWireFormat, compile_sche
 from megatron_railwave.topology import RailTopology
 from megatron_railwave.traffic import DemandCounts
 
-WIRE = RecordWireFormat(hidden=8, payload_dtype=torch.float32, probs_dtype=torch.float32, experts_per_node=8)
+WIRE = RecordWireFormat(
+    hidden=8, payload_dtype=torch.float32, probs_dtype=torch.float32, experts_per_node=8
+)
 
 
 def subset_demand(topo: RailTopology, rng: np.random.Generator) -> DemandCounts:
@@ -31,8 +33,9 @@ def subset_demand(topo: RailTopology, rng: np.random.Generator) -> DemandCounts:
     return DemandCounts(records_WNM=wnm)
 
 
-def dispatch_deliveries(demand: DemandCounts, topo: RailTopology, path: Route, chunks: int
-                        ) -> tuple[PathPlan, list[tuple[int, np.ndarray, np.ndarray, np.ndarray]]]:
+def dispatch_deliveries(
+    demand: DemandCounts, topo: RailTopology, path: Route, chunks: int
+) -> tuple[PathPlan, list[tuple[int, np.ndarray, np.ndarray, np.ndarray]]]:
     """The plan, and (round, source ranks, destination ranks, rows) of every dispatch delivery
     round of its compiled schedule (round 0: the local round), copies that stay on their GPU
     included."""

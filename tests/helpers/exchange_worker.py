@@ -10,8 +10,17 @@ from megatron_railwave.planner import PlanOptions
 from megatron_railwave.topology import RailTopology
 
 
-def make_inputs(rank: int, *, tokens: list[int], experts: int, topk: int, hidden: int, seed: int,
-                skip_nodes: dict[int, list[int]] | None = None, gpus_per_node: int = 2):
+def make_inputs(
+    rank: int,
+    *,
+    tokens: list[int],
+    experts: int,
+    topk: int,
+    hidden: int,
+    seed: int,
+    skip_nodes: dict[int, list[int]] | None = None,
+    gpus_per_node: int = 2,
+):
     """Deterministic per-rank inputs: (hidden [T, H], probs [T, E], routing_map [T, E])."""
     gen = torch.Generator().manual_seed(seed * 1000 + rank)
     t = tokens[rank]
@@ -21,7 +30,7 @@ def make_inputs(rank: int, *, tokens: list[int], experts: int, topk: int, hidden
         world = len(tokens)
         per_node = experts // (world // gpus_per_node)
         for node in skip_nodes[rank]:
-            scores[:, node * per_node:(node + 1) * per_node] = -1.0
+            scores[:, node * per_node : (node + 1) * per_node] = -1.0
     idx = scores.topk(topk, dim=1).indices
     routing = torch.zeros(t, experts, dtype=torch.bool)
     routing.scatter_(1, idx, True)
@@ -31,7 +40,7 @@ def make_inputs(rank: int, *, tokens: list[int], experts: int, topk: int, hidden
 
 def expert_weights(experts: int, hidden: int, seed: int) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed + 7)
-    return torch.randn(experts, hidden, hidden, generator=gen) / hidden ** 0.5
+    return torch.randn(experts, hidden, hidden, generator=gen) / hidden**0.5
 
 
 def dense_reference(rank: int, world: int, **kw):
@@ -57,7 +66,7 @@ def run_exchange(rank: int, world: int, topo_kwargs: dict, paths: list[str], kw:
     ex = TorchDistExchange(topo, groups, num_experts=kw["experts"], options=options)
     w = expert_weights(kw["experts"], kw["hidden"], kw["seed"])
     per_rank = kw["experts"] // world
-    local_w = w[rank * per_rank:(rank + 1) * per_rank]
+    local_w = w[rank * per_rank : (rank + 1) * per_rank]
     results, wire, a2a_calls = {}, {}, {}
     real_all_to_all = dist.all_to_all_single
 
@@ -88,12 +97,22 @@ def run_exchange(rank: int, world: int, topo_kwargs: dict, paths: list[str], kw:
         sched = d.handle.layer.schedule
         fwd, bwd = sched.rank_bytes(rank), sched.rank_bytes(rank, backward=True)
         wire[key] = {
-            "measured": ({k: v for k, v in ex.transport.bytes_sent.items() if v},
-                         {k: v for k, v in ex.transport.bytes_received.items() if v}),
-            "schedule": ({p.name: fwd["sent"][p.index] + bwd["sent"][p.index] for p in sched.phases
-                          if fwd["sent"][p.index] + bwd["sent"][p.index]},
-                         {p.name: fwd["received"][p.index] + bwd["received"][p.index] for p in sched.phases
-                          if fwd["received"][p.index] + bwd["received"][p.index]}),
+            "measured": (
+                {k: v for k, v in ex.transport.bytes_sent.items() if v},
+                {k: v for k, v in ex.transport.bytes_received.items() if v},
+            ),
+            "schedule": (
+                {
+                    p.name: fwd["sent"][p.index] + bwd["sent"][p.index]
+                    for p in sched.phases
+                    if fwd["sent"][p.index] + bwd["sent"][p.index]
+                },
+                {
+                    p.name: fwd["received"][p.index] + bwd["received"][p.index]
+                    for p in sched.phases
+                    if fwd["received"][p.index] + bwd["received"][p.index]
+                },
+            ),
         }
     dist.all_to_all_single = real_all_to_all
     ref = tuple(t.numpy() for t in dense_reference(rank, world, **kw))
@@ -126,8 +145,9 @@ class _Leave(Exception):
     """The victim rank leaves the job (its process ends)."""
 
 
-def run_fault(rank: int, world: int, topo_kwargs: dict, victim: int, stage: str, mode: str,
-              timeout_s: float) -> dict:
+def run_fault(
+    rank: int, world: int, topo_kwargs: dict, victim: int, stage: str, mode: str, timeout_s: float
+) -> dict:
     """One layer (path 'rail') where ``victim`` stalls or leaves right before ``stage``.
 
     mode 'stall': the victim sleeps 3 x timeout_s before posting that stage; 'leave': it returns
@@ -167,21 +187,30 @@ def run_fault(rank: int, world: int, topo_kwargs: dict, victim: int, stage: str,
     return {"ok": True, "after_s": time.monotonic() - t0}
 
 
-def _blocked_experts(tokens: torch.Tensor, probs: torch.Tensor, spans: list[tuple[int, int]],
-                     weights: torch.Tensor, block: int = 32) -> torch.Tensor:
+def _blocked_experts(
+    tokens: torch.Tensor,
+    probs: torch.Tensor,
+    spans: list[tuple[int, int]],
+    weights: torch.Tensor,
+    block: int = 32,
+) -> torch.Tensor:
     """y = (x @ W_e) * p over every span's rows, each GEMM on a fresh [block, H] tensor: a GEMM's
     rounding can depend on its row count, so both modes give a row the same call and position."""
     pieces = []
     for e, (start, rows) in enumerate(spans):
         for b0 in range(0, rows, block):
             r = min(block, rows - b0)
-            x = torch.nn.functional.pad(tokens[start + b0:start + b0 + r], (0, 0, 0, block - r)).clone()
+            x = torch.nn.functional.pad(
+                tokens[start + b0 : start + b0 + r], (0, 0, 0, block - r)
+            ).clone()
             pieces.append((x @ weights[e])[:r])
     y = torch.cat(pieces) if pieces else tokens[:0]
     return y * probs.unsqueeze(1)
 
 
-def run_fixed_capacity(rank: int, world: int, topo_kwargs: dict, path: str, capacity: int, kw: dict) -> dict:
+def run_fixed_capacity(
+    rank: int, world: int, topo_kwargs: dict, path: str, capacity: int, kw: dict
+) -> dict:
     """One layer of ``path`` in the normal mode and in fixed-capacity mode on the same inputs:
     outputs and gradients of both, the bytes each phase moved against the capacity schedule,
     and the host syncs SyncAudit counts in the fixed mode's forward (dispatch + combine)."""
@@ -191,11 +220,15 @@ def run_fixed_capacity(rank: int, world: int, topo_kwargs: dict, path: str, capa
     groups = build_rail_groups(None, topo)
     w = expert_weights(kw["experts"], kw["hidden"], kw["seed"])
     per_rank = kw["experts"] // world
-    local_w = w[rank * per_rank:(rank + 1) * per_rank]
+    local_w = w[rank * per_rank : (rank + 1) * per_rank]
     results = {}
     for mode in ("normal", "fixed"):
-        ex = TorchDistExchange(topo, groups, num_experts=kw["experts"],
-                               max_tokens_per_rank=capacity if mode == "fixed" else None)
+        ex = TorchDistExchange(
+            topo,
+            groups,
+            num_experts=kw["experts"],
+            max_tokens_per_rank=capacity if mode == "fixed" else None,
+        )
         x, probs, routing = make_inputs(rank, **kw)
         x.requires_grad_(True)
         probs.requires_grad_(True)
@@ -221,9 +254,14 @@ def run_fixed_capacity(rank: int, world: int, topo_kwargs: dict, path: str, capa
             "arrays": (out.detach().numpy(), x.grad.numpy(), probs.grad.numpy()),
             "syncs": syncs,
             "tokens_per_expert": d.tokens_per_expert.tolist(),
-            "wire": ({k: v for k, v in ex.transport.bytes_sent.items() if v},
-                     {p.name: fwd["sent"][p.index] + bwd["sent"][p.index] for p in sched.phases
-                      if fwd["sent"][p.index] + bwd["sent"][p.index]}),
+            "wire": (
+                {k: v for k, v in ex.transport.bytes_sent.items() if v},
+                {
+                    p.name: fwd["sent"][p.index] + bwd["sent"][p.index]
+                    for p in sched.phases
+                    if fwd["sent"][p.index] + bwd["sent"][p.index]
+                },
+            ),
         }
     dist.barrier()
     return results
@@ -247,19 +285,27 @@ def run_capacity_overflow(rank: int, world: int, topo_kwargs: dict, timeout_s: f
         d = ex.dispatch(x, probs, routing, ex.prepare_capacity(x, probs, routing, "rail"))
         ex.combine(d.tokens * d.probs.unsqueeze(1), d.handle)
     except CapacityOverflowError as exc:
-        return {"error": "CapacityOverflowError", "message": str(exc), "after_s": time.monotonic() - t0}
+        return {
+            "error": "CapacityOverflowError",
+            "message": str(exc),
+            "after_s": time.monotonic() - t0,
+        }
     except Exception as exc:  # noqa: BLE001 - the test inspects what each rank raised
         return {"error": type(exc).__name__, "message": str(exc), "after_s": time.monotonic() - t0}
     return {"ok": True}
 
 
-def reduce_timing_words(rank: int, world: int, words: list[int], posts: int) -> list[tuple[int, int]]:
+def reduce_timing_words(
+    rank: int, world: int, words: list[int], posts: int
+) -> list[tuple[int, int]]:
     """Post ``posts`` timing reduces back to back (rank r's word k: ``words[r] + k``), read them
     in order afterwards (as the dispatcher reads an epoch later): [(max, min)] per post."""
     from megatron_railwave.exchange import post_timing_reduce
 
     topo = RailTopology(num_nodes=world // 2, gpus_per_node=2)
     groups = build_rail_groups(None, topo, timeout_s=30.0)
-    posted = [post_timing_reduce(words[rank] + k, groups.ep, device=torch.device("cpu"), timeout_s=30.0)
-              for k in range(posts)]
+    posted = [
+        post_timing_reduce(words[rank] + k, groups.ep, device=torch.device("cpu"), timeout_s=30.0)
+        for k in range(posts)
+    ]
     return [p.result() for p in posted]

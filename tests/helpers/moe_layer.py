@@ -20,8 +20,14 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["build_and_run_moe_layer", "build_from_spec", "canonical_weights", "dense_moe_reference",
-           "load_canonical_weights", "rank_inputs"]
+__all__ = [
+    "build_and_run_moe_layer",
+    "build_from_spec",
+    "canonical_weights",
+    "dense_moe_reference",
+    "load_canonical_weights",
+    "rank_inputs",
+]
 
 # Config keys the dense oracle models; anything else in extra_config is Megatron-only.
 _ORACLE_KEYS = frozenset({"moe_router_score_function", "moe_router_pre_softmax"})
@@ -50,9 +56,13 @@ def canonical_weights(
     return {"router": router, "fc1": fc1, "fc2": fc2}
 
 
-def load_canonical_weights(layer: Any, *, num_experts: int, hidden: int, ffn_hidden: int, seed: int) -> None:
+def load_canonical_weights(
+    layer: Any, *, num_experts: int, hidden: int, ffn_hidden: int, seed: int
+) -> None:
     """Copy ``canonical_weights`` into a MoELayer (router, and this rank's local experts)."""
-    weights = canonical_weights(num_experts=num_experts, hidden=hidden, ffn_hidden=ffn_hidden, seed=seed)
+    weights = canonical_weights(
+        num_experts=num_experts, hidden=hidden, ffn_hidden=ffn_hidden, seed=seed
+    )
     with torch.no_grad():
         layer.router.weight.copy_(weights["router"])
         for local_idx, global_idx in enumerate(layer.local_expert_indices):
@@ -155,8 +165,13 @@ def build_and_run_moe_layer(
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     config = _moe_config(
-        world_size, dispatcher_type, num_experts=num_experts, topk=topk, hidden=hidden,
-        ffn_hidden=ffn_hidden, extra_config=extra_config,
+        world_size,
+        dispatcher_type,
+        num_experts=num_experts,
+        topk=topk,
+        hidden=hidden,
+        ffn_hidden=ffn_hidden,
+        extra_config=extra_config,
     )
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=1, expert_model_parallel_size=world_size
@@ -167,7 +182,9 @@ def build_and_run_moe_layer(
         layer = build_from_spec(spec, config=config, layer_number=1, pg_collection=pg_collection)
         layer.set_layer_number(1)
 
-        load_canonical_weights(layer, num_experts=num_experts, hidden=hidden, ffn_hidden=ffn_hidden, seed=seed)
+        load_canonical_weights(
+            layer, num_experts=num_experts, hidden=hidden, ffn_hidden=ffn_hidden, seed=seed
+        )
 
         x, grad_weight = rank_inputs(
             rank, seq_len=seq_len, micro_batch=micro_batch, hidden=hidden, seed=seed

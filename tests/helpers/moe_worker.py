@@ -7,7 +7,9 @@ from typing import Any
 from tests.helpers.moe_layer import build_and_run_moe_layer
 
 
-def run_layer_all_dispatchers(rank: int, world: int, railwave: dict, paths: list[str], kw: dict) -> dict[str, Any]:
+def run_layer_all_dispatchers(
+    rank: int, world: int, railwave: dict, paths: list[str], kw: dict
+) -> dict[str, Any]:
     """alltoall once, then railwave once per path; returns each run's arrays."""
     from megatron_railwave.lab.bench.megatron_cpu import apply_megatron_cpu_shims
 
@@ -37,14 +39,20 @@ def run_layer_with_capture(rank: int, world: int, capture_dir: str, kw: dict) ->
     original = RailWaveTokenDispatcher.dispatch_preprocess
 
     def spy(self, tokens, routing_map, probs):
-        seen.append({"layer": self.layer_number, "ep_rank": self.ep_rank,
-                     "routing_map": routing_map.detach().cpu().numpy().copy()})
+        seen.append(
+            {
+                "layer": self.layer_number,
+                "ep_rank": self.ep_rank,
+                "routing_map": routing_map.detach().cpu().numpy().copy(),
+            }
+        )
         return original(self, tokens, routing_map, probs)
 
     RailWaveTokenDispatcher.dispatch_preprocess = spy
     try:
-        megatron_railwave.install({"gpus_per_node": 2, "path": "joint", "capture_dir": capture_dir,
-                                   "capture_interval": 1})
+        megatron_railwave.install(
+            {"gpus_per_node": 2, "path": "joint", "capture_dir": capture_dir, "capture_interval": 1}
+        )
         build_and_run_moe_layer(rank, world, "railwave", **kw)
         flush_captures()
     finally:
@@ -52,7 +60,9 @@ def run_layer_with_capture(rank: int, world: int, capture_dir: str, kw: dict) ->
     return {"calls": seen}
 
 
-def run_layer_flex_railwave_backend(rank: int, world: int, railwave: dict, kw: dict) -> dict[str, Any]:
+def run_layer_flex_railwave_backend(
+    rank: int, world: int, railwave: dict, kw: dict
+) -> dict[str, Any]:
     """The same layer built as type 'railwave' and as type 'flex' with backend 'railwave'."""
     from megatron_railwave.lab.bench.megatron_cpu import apply_megatron_cpu_shims
 
@@ -60,6 +70,9 @@ def run_layer_flex_railwave_backend(rank: int, world: int, railwave: dict, kw: d
     import megatron_railwave
 
     megatron_railwave.install(railwave)
-    return {"railwave": build_and_run_moe_layer(rank, world, "railwave", **kw),
-            "flex": build_and_run_moe_layer(rank, world, "flex",
-                                            extra_config={"moe_flex_dispatcher_backend": "railwave"}, **kw)}
+    return {
+        "railwave": build_and_run_moe_layer(rank, world, "railwave", **kw),
+        "flex": build_and_run_moe_layer(
+            rank, world, "flex", extra_config={"moe_flex_dispatcher_backend": "railwave"}, **kw
+        ),
+    }

@@ -20,15 +20,16 @@ MODELS = {
 }
 
 
-def random_demand(n: int, g: int, seed: int, density: float, skew: int, *,
-                  consistent_experts: bool = False) -> DemandCounts:
+def random_demand(
+    n: int, g: int, seed: int, density: float, skew: int, *, consistent_experts: bool = False
+) -> DemandCounts:
     """Poisson records per (rank, node, mask) with a hot source node (``skew`` times), no empty
     mask. Expert counts: random (``consistent_experts`` False), or one expert per target GPU bit,
     consistent with the masks (what the Megatron peer needs)."""
     rng = np.random.default_rng(seed)
     shape = (n * g, n, 1 << g)
     rec = rng.poisson(4.0, size=shape) * (rng.random(shape) < density)
-    rec[: g] *= skew  # a hot source node
+    rec[:g] *= skew  # a hot source node
     rec[:, :, 0] = 0
     if consistent_experts:
         copies = torch.from_numpy(rec).view(n * g, n, 1 << g)

@@ -18,6 +18,17 @@ TRUE_S = {Route.NATIVE: 4e-3, Route.RAIL: 2.2e-3, Route.PERM: 3e-3, Route.JOINT:
 def stats(b_mib: float, rho: float = 3.0, kappa: float = 2.0) -> TrafficStats:
     """Descriptors of a layer with mean payload ``b_mib`` MiB, rail skew ``rho`` and ``kappa``."""
     b = b_mib * MiB
-    coords = (math.log2(b / SCALES[0]) if b > 0 else -math.inf, (rho - 1) / SCALES[1], (kappa - 1) / SCALES[2])
-    return TrafficStats(B_mean_bytes=b, B_max_bytes=b, rho_g=rho, kappa=kappa, coords=coords, records_total=0,
-                        remote_records=0)
+    coords = (
+        math.log2(b / SCALES[0]) if b > 0 else -math.inf,
+        (rho - 1) / SCALES[1],
+        (kappa - 1) / SCALES[2],
+    )
+    return TrafficStats(
+        B_mean_bytes=b,
+        B_max_bytes=b,
+        rho_g=rho,
+        kappa=kappa,
+        coords=coords,
+        records_total=0,
+        remote_records=0,
+    )

@@ -14,10 +14,17 @@ from typing import Any
 import numpy as np
 import torch
 
-from tests.helpers.moe_layer import _moe_config, build_from_spec, load_canonical_weights, rank_inputs
+from tests.helpers.moe_layer import (
+    _moe_config,
+    build_from_spec,
+    load_canonical_weights,
+    rank_inputs,
+)
 
 
-def _run_steps(rank: int, world: int, dispatcher: str, kw: dict, steps: int) -> list[dict[str, np.ndarray]]:
+def _run_steps(
+    rank: int, world: int, dispatcher: str, kw: dict, steps: int
+) -> list[dict[str, np.ndarray]]:
     from megatron.core import parallel_state
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
     from megatron.core.process_groups_config import ProcessGroupCollection
@@ -25,8 +32,12 @@ def _run_steps(rank: int, world: int, dispatcher: str, kw: dict, steps: int) -> 
     from megatron_railwave.steps import set_step
 
     e, h, f = kw["num_experts"], kw["hidden"], kw["ffn_hidden"]
-    config = _moe_config(world, dispatcher, num_experts=e, topk=kw["topk"], hidden=h, ffn_hidden=f, extra_config=None)
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, expert_model_parallel_size=world)
+    config = _moe_config(
+        world, dispatcher, num_experts=e, topk=kw["topk"], hidden=h, ffn_hidden=f, extra_config=None
+    )
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=1, expert_model_parallel_size=world
+    )
     try:
         pg = ProcessGroupCollection.use_mpu_process_groups()
         spec = get_moe_module_spec(use_te=False, num_experts=e, moe_grouped_gemm=False)
@@ -36,20 +47,33 @@ def _run_steps(rank: int, world: int, dispatcher: str, kw: dict, steps: int) -> 
         out = []
         for step in range(steps):
             set_step(step)
-            x, grad_weight = rank_inputs(rank, seq_len=kw["seq_len"], micro_batch=kw["micro_batch"], hidden=h,
-                                         seed=kw["seed"] + step)
+            x, grad_weight = rank_inputs(
+                rank,
+                seq_len=kw["seq_len"],
+                micro_batch=kw["micro_batch"],
+                hidden=h,
+                seed=kw["seed"] + step,
+            )
             x.requires_grad_(True)
             layer.train()
             layer.zero_grad(set_to_none=True)
             y, _ = layer(x)
             (y * grad_weight).sum().backward()
-            out.append({"output": y.detach().numpy().copy(), "input_grad": x.grad.numpy().copy(),
-                        "router_grad": layer.router.weight.grad.numpy().copy(),
-                        "fc1_grad": np.stack([ex.linear_fc1.weight.grad.numpy()
-                                              for ex in layer.experts.local_experts])})
+            out.append(
+                {
+                    "output": y.detach().numpy().copy(),
+                    "input_grad": x.grad.numpy().copy(),
+                    "router_grad": layer.router.weight.grad.numpy().copy(),
+                    "fc1_grad": np.stack(
+                        [ex.linear_fc1.weight.grad.numpy() for ex in layer.experts.local_experts]
+                    ),
+                }
+            )
         layer.eval()
         with torch.no_grad():
-            x, _ = rank_inputs(rank, seq_len=kw["seq_len"], micro_batch=kw["micro_batch"], hidden=h, seed=99)
+            x, _ = rank_inputs(
+                rank, seq_len=kw["seq_len"], micro_batch=kw["micro_batch"], hidden=h, seed=99
+            )
             out.append({"output": layer(x)[0].numpy().copy()})
         set_step(None)
         return out
@@ -57,9 +81,19 @@ def _run_steps(rank: int, world: int, dispatcher: str, kw: dict, steps: int) -> 
         parallel_state.destroy_model_parallel()
 
 
-def run_layer_online(rank: int, world: int, kw: dict, steps: int, log_dir: str, fixed: str, *,
-                     mode: dict | None = None, online: dict | None = None, bad_online: dict | None = None,
-                     bad_after: int = 6) -> dict[str, Any]:
+def run_layer_online(
+    rank: int,
+    world: int,
+    kw: dict,
+    steps: int,
+    log_dir: str,
+    fixed: str,
+    *,
+    mode: dict | None = None,
+    online: dict | None = None,
+    bad_online: dict | None = None,
+    bad_after: int = 6,
+) -> dict[str, Any]:
     """``mode``: more RailWave fields for every railwave run (e.g. ``max_tokens_per_rank``: the
     fixed path and the online runs then share the fixed-capacity mode); ``online`` / ``bad_online``:
     the online knobs of the skewed-clock run and of the NaN run; ``bad_after``: rank 2's clock
@@ -82,14 +116,28 @@ def run_layer_online(rank: int, world: int, kw: dict, steps: int, log_dir: str, 
         base = {"gpus_per_node": 2, **(mode or {})}
         megatron_railwave.install({**base, "path": fixed, "metrics": False})
         res["fixed"] = _run_steps(rank, world, "railwave", kw, steps)
-        megatron_railwave.install({**base, "path": "auto", "selector": "online", "metrics": True,
-                                   "log_dir": log_dir, "log_mode": "rank",
-                                   "online": online or {"probes": 1, "reprobe_every": 2, "reprobe_budget": 1.0}})
+        megatron_railwave.install(
+            {
+                **base,
+                "path": "auto",
+                "selector": "online",
+                "metrics": True,
+                "log_dir": log_dir,
+                "log_mode": "rank",
+                "online": online or {"probes": 1, "reprobe_every": 2, "reprobe_budget": 1.0},
+            }
+        )
         res["online"] = _run_steps(rank, world, "railwave", kw, steps)
-        megatron_railwave.install({**base, "path": "joint", "metrics": False})  # closes the log sink
+        megatron_railwave.install(
+            {**base, "path": "joint", "metrics": False}
+        )  # closes the log sink
         from megatron_railwave.telemetry.megatron_logging import default_metrics_sink
 
-        res["tracker"] = {k: v for k, v in default_metrics_sink().means().items() if k.startswith(("selector", "measured"))}
+        res["tracker"] = {
+            k: v
+            for k, v in default_metrics_sink().means().items()
+            if k.startswith(("selector", "measured"))
+        }
 
         # Rank 2's clock goes bad (NaN) after ``bad_after`` readings (two per timed call): every
         # rank must fall back to JOINT at the same call.
@@ -100,9 +148,17 @@ def run_layer_online(rank: int, world: int, kw: dict, steps: int, log_dir: str, 
             return float("nan") if rank == 2 and readings[0] > bad_after else original(self)
 
         stats.Stopwatch.elapsed_ms = bad_on_rank2
-        megatron_railwave.install({**base, "path": "auto", "selector": "online", "metrics": False,
-                                   "log_dir": log_dir + "/bad", "log_mode": "rank",
-                                   **({"online": bad_online} if bad_online else {})})
+        megatron_railwave.install(
+            {
+                **base,
+                "path": "auto",
+                "selector": "online",
+                "metrics": False,
+                "log_dir": log_dir + "/bad",
+                "log_mode": "rank",
+                **({"online": bad_online} if bad_online else {}),
+            }
+        )
         res["bad"] = _run_steps(rank, world, "railwave", kw, steps)
         megatron_railwave.install({**base, "path": "joint", "metrics": False})
         return res

@@ -14,10 +14,14 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
         return False
     if a.numel() == 0:
         return True
-    return torch.equal(a.contiguous().view(-1).view(torch.uint8), b.contiguous().view(-1).view(torch.uint8))
+    return torch.equal(
+        a.contiguous().view(-1).view(torch.uint8), b.contiguous().view(-1).view(torch.uint8)
+    )
 
 
-def random_routing_map(num_tokens: int, num_experts: int, topk: int, generator: torch.Generator) -> torch.Tensor:
+def random_routing_map(
+    num_tokens: int, num_experts: int, topk: int, generator: torch.Generator
+) -> torch.Tensor:
     """[T, E] bool with exactly min(topk, E) experts per token."""
     k = min(topk, num_experts)
     routing = torch.zeros(num_tokens, num_experts, dtype=torch.bool)
@@ -35,9 +39,14 @@ def egress_inputs(plan, rank: int) -> dict[str, object]:
     topo = plan.topology
     s, g = topo.node_of(rank), topo.local_of(rank)
     keep, s_lo, _, _, d_hi = surplus_deficit_bounds(plan.records_NNG[s], plan.quota_NNG[s])
-    return dict(owner_gpu=g, counts_N=plan.records_NNG[s, :, g].contiguous(), keep_N=keep[:, g].contiguous(),
-                surplus_lo_N=s_lo[:, g].contiguous(), deficit_hi_NG=d_hi.contiguous(),
-                wave_N=plan.pair_wave_NN[s].contiguous())
+    return dict(
+        owner_gpu=g,
+        counts_N=plan.records_NNG[s, :, g].contiguous(),
+        keep_N=keep[:, g].contiguous(),
+        surplus_lo_N=s_lo[:, g].contiguous(),
+        deficit_hi_NG=d_hi.contiguous(),
+        wave_N=plan.pair_wave_NN[s].contiguous(),
+    )
 
 
 def random_failed_topology(rng, num_nodes: int, gpus: int, failed: int):
@@ -50,7 +59,9 @@ def random_failed_topology(rng, num_nodes: int, gpus: int, failed: int):
     from megatron_railwave.topology import RailTopology
 
     picked = {(int(rng.integers(num_nodes)), int(rng.integers(gpus))) for _ in range(failed)}
-    failed_rails = frozenset((n, r) for n, r in picked if sum(1 for m, _ in picked if m == n) < gpus)
+    failed_rails = frozenset(
+        (n, r) for n, r in picked if sum(1 for m, _ in picked if m == n) < gpus
+    )
     try:
         return RailTopology(num_nodes=num_nodes, gpus_per_node=gpus, failed_rails=failed_rails)
     except ValueError:

@@ -14,9 +14,9 @@ _REPO_ROOT = Path(__file__).resolve().parents[2]
 if str(_REPO_ROOT) not in sys.path:  # spawned ranks inherit sys.path and import tests.helpers
     sys.path.insert(0, str(_REPO_ROOT))
 
+from megatron_railwave.names import ROUTES  # noqa: E402
 from tests.helpers.async_worker import run_async_matches_sync, run_async_timeout  # noqa: E402
 from tests.helpers.dist import run_distributed  # noqa: E402
-from megatron_railwave.names import ROUTES
 
 PATHS = list(map(str, ROUTES))
 
@@ -28,7 +28,9 @@ def test_async_exchange_returns_in_flight_and_matches_sync_bitwise():
             sync, asy = res[path]["sync"], res[path]["async"]
             for key in ("out", "x_grad", "probs_grad"):
                 assert np.array_equal(sync[key], asy[key]), f"rank {rank} {path} {key}"
-                assert np.array_equal(sync[key], res["native"]["sync"][key]), f"rank {rank} {path} {key} != native"
+                assert np.array_equal(sync[key], res["native"]["sync"][key]), (
+                    f"rank {rank} {path} {key} != native"
+                )
     # Rank 0 got past start while every peer was held back: its phases were still in flight.
     for path in PATHS:
         assert results[0][path]["async"]["dispatch_in_flight"], path
@@ -38,5 +40,7 @@ def test_async_exchange_returns_in_flight_and_matches_sync_bitwise():
 def test_async_exchange_finish_times_out_naming_the_stage():
     results = run_distributed(run_async_timeout, 4, timeout_s=120)
     assert results[1] == "silent"
-    assert results[0].startswith("ExchangeTimeoutError: RailWave exchange, EP rank 0: stage '"), results[0]
+    assert results[0].startswith("ExchangeTimeoutError: RailWave exchange, EP rank 0: stage '"), (
+        results[0]
+    )
     assert "did not complete within 3.0 s" in results[0]

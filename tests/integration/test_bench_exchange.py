@@ -12,30 +12,78 @@ import json
 import pytest
 import torch
 
-from megatron_railwave.lab.bench import (alltoall_bytes, alltoall_entry_bytes, railwave_bytes,
-                                     railwave_record_bytes)
-from megatron_railwave.schedule import RecordWireFormat, compile_schedule
 from megatron_railwave.cli import main
+from megatron_railwave.lab.bench import (
+    alltoall_bytes,
+    alltoall_entry_bytes,
+    railwave_bytes,
+    railwave_record_bytes,
+)
+from megatron_railwave.names import ROUTES
 from megatron_railwave.planner import build_plan
+from megatron_railwave.schedule import RecordWireFormat, compile_schedule
 from megatron_railwave.topology import RailTopology
 from megatron_railwave.traffic import DemandCounts
-from megatron_railwave.names import ROUTES
 
-TINY = ["bench-exchange", "--nodes", "2", "--gpus-per-node", "2", "--tokens", "16", "--hidden", "16",
-        "--experts", "8", "--topk", "3", "--warmups", "1", "--samples", "3", "--timeout", "300"]
-VARIANT_KEYS = {"median_ms", "p95_ms", "mean_ms", "min_ms", "samples_ms", "phases_ms", "max_abs_err",
-                "over_alltoall"}
-BYTES_KEYS = {"inter_node_bytes", "inter_node_payload_bytes", "rail_send_bytes_NG", "rail_bytes_R",
-              "rail_imbalance", "node_rail_imbalance", "node_local_bytes"}
+TINY = [
+    "bench-exchange",
+    "--nodes",
+    "2",
+    "--gpus-per-node",
+    "2",
+    "--tokens",
+    "16",
+    "--hidden",
+    "16",
+    "--experts",
+    "8",
+    "--topk",
+    "3",
+    "--warmups",
+    "1",
+    "--samples",
+    "3",
+    "--timeout",
+    "300",
+]
+VARIANT_KEYS = {
+    "median_ms",
+    "p95_ms",
+    "mean_ms",
+    "min_ms",
+    "samples_ms",
+    "phases_ms",
+    "max_abs_err",
+    "over_alltoall",
+}
+BYTES_KEYS = {
+    "inter_node_bytes",
+    "inter_node_payload_bytes",
+    "rail_send_bytes_NG",
+    "rail_bytes_R",
+    "rail_imbalance",
+    "node_rail_imbalance",
+    "node_local_bytes",
+}
 
 
-@pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="megatron-core is not installed")
+@pytest.mark.skipif(
+    importlib.util.find_spec("megatron") is None, reason="megatron-core is not installed"
+)
 def test_bench_exchange_tiny_run_writes_all_variants(tmp_path, capsys):
     out = tmp_path / "bench.json"
     assert main(TINY + ["--json", str(out)]) == 0
     data = json.loads(out.read_text())
     assert data["schema"] == "railwave.bench_exchange/2"
-    assert {"config", "topology", "variants", "bytes", "summary", "alltoall_skipped", "profile"} <= set(data)
+    assert {
+        "config",
+        "topology",
+        "variants",
+        "bytes",
+        "summary",
+        "alltoall_skipped",
+        "profile",
+    } <= set(data)
     assert data["alltoall_skipped"] is None
     assert list(data["variants"]) == ["native", "rail", "perm", "joint", "alltoall"]
     for name, v in data["variants"].items():
@@ -49,14 +97,22 @@ def test_bench_exchange_tiny_run_writes_all_variants(tmp_path, capsys):
         assert BYTES_KEYS | {"inter_node_records", "relayed_records", "delivered_copies"} <= set(b)
         assert len(b["rail_send_bytes_NG"]) == 2 and len(b["rail_send_bytes_NG"][0]) == 2  # [N][G]
         assert sum(b["rail_bytes_R"]) == b["inter_node_bytes"]
-    assert BYTES_KEYS | {"inter_node_entries", "node_local_entries"} <= set(data["bytes"]["alltoall"])
+    assert BYTES_KEYS | {"inter_node_entries", "node_local_entries"} <= set(
+        data["bytes"]["alltoall"]
+    )
     summary = data["summary"]
     # K = 3 of 8 experts, 4 per node: some tokens send two experts to one remote node.
     assert summary["inter_node_records_ratio"] > 1.0
     assert summary["native_over_alltoall"] == data["variants"]["native"]["over_alltoall"]
-    assert summary["native_goal"] is None and summary["native_within_goal"] is None  # no goal at this size
+    assert (
+        summary["native_goal"] is None and summary["native_within_goal"] is None
+    )  # no goal at this size
     printed = capsys.readouterr().out
-    assert "NATIVE / alltoall median" in printed and "no goal stated at this size" in printed and "inter-node rows alltoall/railwave" in printed
+    assert (
+        "NATIVE / alltoall median" in printed
+        and "no goal stated at this size" in printed
+        and "inter-node rows alltoall/railwave" in printed
+    )
 
 
 def test_bench_exchange_no_alltoall_skips_baseline(tmp_path, capsys):
@@ -81,7 +137,9 @@ def test_wire_bytes_dedup_worked_by_hand():
     maps = [torch.zeros(1 if w == 0 else 0, 4, dtype=torch.bool) for w in range(4)]
     maps[0][0, 2:] = True
     demand = DemandCounts.from_routing_maps(maps, topo)
-    wire = RecordWireFormat(hidden=4, payload_dtype=torch.bfloat16, probs_dtype=torch.float32, experts_per_node=2)
+    wire = RecordWireFormat(
+        hidden=4, payload_dtype=torch.bfloat16, probs_dtype=torch.float32, experts_per_node=2
+    )
     rec = railwave_record_bytes(wire)
     # payload 4 x 2 B; probs 2 x 4 B; metadata 4 B x (2 columns + 1 routing word) = 28 B, padded
     # with one zero word to a 16-byte row (schedule.wire: 16-byte row copies)
@@ -90,7 +148,9 @@ def test_wire_bytes_dedup_worked_by_hand():
     assert rw["inter_node_records"] == 1 and rw["inter_node_bytes"] == 32 + 8
     assert rw["rail_send_bytes_NG"] == [[40, 0], [0, 0]] and rw["rail_bytes_R"] == [40, 0]
     assert rw["node_rail_imbalance"] == 2.0  # node 0: loads [1, 0], max / mean = 2
-    assert rw["relayed_records"] == 0 and rw["delivered_copies"] == 1 and rw["node_local_bytes"] == 40
+    assert (
+        rw["relayed_records"] == 0 and rw["delivered_copies"] == 1 and rw["node_local_bytes"] == 40
+    )
     a2a_rec = alltoall_entry_bytes(hidden=4, elem_bytes=2)
     a2a = alltoall_bytes(maps, topo, a2a_rec)
     assert a2a["inter_node_entries"] == 2 and a2a["inter_node_bytes"] == 2 * (12 + 8)
@@ -108,7 +168,9 @@ def test_native_goal_is_the_issue_bound_per_size():
     assert native_goal(spec(128, 64)) is None
 
 
-@pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="megatron-core is not installed")
+@pytest.mark.skipif(
+    importlib.util.find_spec("megatron") is None, reason="megatron-core is not installed"
+)
 def test_bench_exchange_shared_expert_tiny_run(tmp_path, capsys):
     """--shared-expert: every variant's overlapped output equals exchange + shared expert, and the
     hidden share is (exchange + shared - overlapped) / shared of the reported medians."""
@@ -120,7 +182,9 @@ def test_bench_exchange_shared_expert_tiny_run(tmp_path, capsys):
     assert list(data["variants"]) == ["native", "rail", "perm", "joint", "alltoall"]
     for name, v in data["variants"].items():
         assert v["max_abs_err"] < 1e-5, f"{name}: overlapped output != exchange + shared expert"
-        assert v["hidden_ms"] == pytest.approx(v["exchange_ms"] + data["shared_ms"] - v["overlapped_ms"])
+        assert v["hidden_ms"] == pytest.approx(
+            v["exchange_ms"] + data["shared_ms"] - v["overlapped_ms"]
+        )
         assert v["hidden_share"] == pytest.approx(v["hidden_ms"] / data["shared_ms"])
     assert "hidden share" in capsys.readouterr().out
 

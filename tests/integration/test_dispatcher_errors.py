@@ -14,9 +14,9 @@ records, per rank, what each case raised; the tests below check those records:
 * path 'auto' with a missing anchors file: one logger warning in the whole job (global rank 0),
   however many MoE layers are built;
 * placement from facts: a launcher that numbers ranks cyclically (EP rank e on host e % 2 as local
-  GPU 1 - e // 2) gives the same outputs and gradients, bitwise, as node-by-node numbering; an uneven
-  layout (3 + 1 ranks per host) and a rank with another ``failed_rails`` / ``path`` raise one clear
-  error on every rank, naming the layout or the ranks and fields;
+  GPU 1 - e // 2) gives the same outputs and gradients, bitwise, as node-by-node numbering; an
+  uneven layout (3 + 1 ranks per host) and a rank with another ``failed_rails`` / ``path`` raise one
+  clear error on every rank, naming the layout or the ranks and fields;
 * statistics on demand: a fixed path without a sink computes no descriptors and no statistics; a
   sink gets the layer's global tokens-per-expert min / max / std and overload factor;
 * path 'auto' with the path model: the count exchange carries the copies per destination GPU and
@@ -38,11 +38,12 @@ if str(_REPO_ROOT) not in sys.path:  # spawned ranks inherit sys.path and import
     sys.path.insert(0, str(_REPO_ROOT))
 
 from megatron_railwave.config import RailWaveConfig  # noqa: E402
+from megatron_railwave.names import ROUTES  # noqa: E402
 from tests.helpers.dist import run_distributed  # noqa: E402
-from megatron_railwave.names import ROUTES
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("megatron") is None,
-                                reason="megatron-core is not installed")
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("megatron") is None, reason="megatron-core is not installed"
+)
 
 WORLD = 4
 EXPERTS = 8  # 2 per rank; rank r owns experts 2r, 2r + 1
@@ -72,7 +73,7 @@ def _inputs(rank: int, tokens: int, *, avoid_rank: int | None = None, seed: int 
     scores = torch.rand(tokens, EXPERTS, generator=gen)
     if avoid_rank is not None:  # nobody routes to this rank's experts: it receives nothing
         per = EXPERTS // WORLD
-        scores[:, avoid_rank * per:(avoid_rank + 1) * per] = -1.0
+        scores[:, avoid_rank * per : (avoid_rank + 1) * per] = -1.0
     routing = torch.zeros(tokens, EXPERTS, dtype=torch.bool)
     routing.scatter_(1, scores.topk(TOPK, dim=1).indices, True)
     probs = torch.rand(tokens, EXPERTS, generator=gen) * routing
@@ -81,7 +82,8 @@ def _inputs(rank: int, tokens: int, *, avoid_rank: int | None = None, seed: int 
 
 
 def _run_hooks(dispatcher: Any, hidden, probs, routing):
-    """The six hooks with identity experts (y = x * prob). Returns (out [S, 1, H], tokens_per_expert)."""
+    """The six hooks with identity experts (y = x * prob). Returns (out [S, 1, H],
+    tokens_per_expert)."""
     x, p = dispatcher.dispatch_preprocess(hidden.unsqueeze(1), routing, probs)
     x, p = dispatcher.token_dispatch(x, p)
     x, tokens_per_expert, p = dispatcher.dispatch_postprocess(x, p)
@@ -109,38 +111,58 @@ def dispatcher_errors_worker(rank: int, world: int) -> dict[str, Any]:
 
     from megatron_railwave.dispatcher import RailWaveTokenDispatcher
 
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, expert_model_parallel_size=world)
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=1, expert_model_parallel_size=world
+    )
     pgs = ProcessGroupCollection.use_mpu_process_groups()
     per = EXPERTS // world
     local = list(range(rank * per, (rank + 1) * per))
 
     def config(**changes: Any) -> TransformerConfig:
-        cfg = TransformerConfig(num_layers=1, hidden_size=HIDDEN, num_attention_heads=2, ffn_hidden_size=HIDDEN,
-                                num_moe_experts=EXPERTS, moe_router_topk=TOPK,
-                                moe_token_dispatcher_type="alltoall",
-                                expert_model_parallel_size=world, use_cpu_initialization=True,
-                                add_bias_linear=False, moe_grouped_gemm=False, bias_activation_fusion=False,
-                                gradient_accumulation_fusion=False)
+        cfg = TransformerConfig(
+            num_layers=1,
+            hidden_size=HIDDEN,
+            num_attention_heads=2,
+            ffn_hidden_size=HIDDEN,
+            num_moe_experts=EXPERTS,
+            moe_router_topk=TOPK,
+            moe_token_dispatcher_type="alltoall",
+            expert_model_parallel_size=world,
+            use_cpu_initialization=True,
+            add_bias_linear=False,
+            moe_grouped_gemm=False,
+            bias_activation_fusion=False,
+            gradient_accumulation_fusion=False,
+        )
         cfg.moe_token_dispatcher_type = "railwave"
         for key, value in changes.items():  # set after __post_init__: Megatron's own checks aside
             setattr(cfg, key, value)
         return cfg
 
     def make(path: str = "native", **changes: Any) -> RailWaveTokenDispatcher:
-        return RailWaveTokenDispatcher(per, local, config(**changes), pgs,
-                                       railwave=RailWaveConfig(gpus_per_node=2, path=path))
+        return RailWaveTokenDispatcher(
+            per, local, config(**changes), pgs, railwave=RailWaveConfig(gpus_per_node=2, path=path)
+        )
 
     out: dict[str, Any] = {}
     # Construction errors: raised locally, before any collective, so no rank can hang.
-    out["topology"] = _error_text(lambda: RailWaveTokenDispatcher(
-        per, local, config(), pgs, railwave=RailWaveConfig(gpus_per_node=3, path="native")))
-    out["unsupported"] = {key: _error_text(lambda k=key, v=value: make(**{k: v}))
-                          for key, value in UNSUPPORTED.items()}
+    out["topology"] = _error_text(
+        lambda: RailWaveTokenDispatcher(
+            per, local, config(), pgs, railwave=RailWaveConfig(gpus_per_node=3, path="native")
+        )
+    )
+    out["unsupported"] = {
+        key: _error_text(lambda k=key, v=value: make(**{k: v}))
+        for key, value in UNSUPPORTED.items()
+    }
     out["tensor_parallel"] = _error_text(lambda: make(expert_tensor_parallel_size=2))
-    out["overlap_accepted"] = {key: _error_text(lambda k=key, v=value: make(**{k: v}))
-                               for key, value in OVERLAP_OPTIONS.items()}
-    out["attention_tp_accepted"] = _error_text(lambda: make(tensor_model_parallel_size=2, sequence_parallel=True,
-                                                            moe_permute_fusion=True))
+    out["overlap_accepted"] = {
+        key: _error_text(lambda k=key, v=value: make(**{k: v}))
+        for key, value in OVERLAP_OPTIONS.items()
+    }
+    out["attention_tp_accepted"] = _error_text(
+        lambda: make(tensor_model_parallel_size=2, sequence_parallel=True, moe_permute_fusion=True)
+    )
 
     # Placement from facts: hosts and local ranks as a cyclic launcher would give them.
     import os
@@ -163,25 +185,38 @@ def dispatcher_errors_worker(rank: int, world: int) -> dict[str, Any]:
     out["placement"] = {}
     for name, env in (("node_by_node", {}), ("cyclic", cyclic)):
         d = with_env(env, lambda: make("joint"))
-        out["placement"][name] = {"railwave_rank_of_ep": list(d.placement.railwave_rank_of_ep),
-                                  "hosts": list(d.placement.node_hosts)}
+        out["placement"][name] = {
+            "railwave_rank_of_ep": list(d.placement.railwave_rank_of_ep),
+            "hosts": list(d.placement.node_hosts),
+        }
         hidden, probs, routing = _inputs(rank, 5, seed=3)
         hidden.requires_grad_(True)
         probs.requires_grad_(True)
         result, tokens_per_expert = _run_hooks(d, hidden, probs, routing)
         (result * torch.linspace(-1, 1, result.numel()).view_as(result)).sum().backward()
-        out["placement"][name].update(out=result.detach().numpy(), dx=hidden.grad.numpy(), dp=probs.grad.numpy(),
-                                      tokens_per_expert=tokens_per_expert.tolist())
+        out["placement"][name].update(
+            out=result.detach().numpy(),
+            dx=hidden.grad.numpy(),
+            dp=probs.grad.numpy(),
+            tokens_per_expert=tokens_per_expert.tolist(),
+        )
     uneven = {"RAILWAVE_HOST": "hostA" if rank < 3 else "hostB"}
     out["uneven"] = with_env(uneven, lambda: _error_text(lambda: make("joint")))
-    out["mismatch_failed_rail"] = _error_text(lambda: RailWaveTokenDispatcher(
-        per, local, config(), pgs, railwave=RailWaveConfig(gpus_per_node=2, path="native",
-                                                           failed_rails=[[1, 0]] if rank == 3 else [])))
+    out["mismatch_failed_rail"] = _error_text(
+        lambda: RailWaveTokenDispatcher(
+            per,
+            local,
+            config(),
+            pgs,
+            railwave=RailWaveConfig(
+                gpus_per_node=2, path="native", failed_rails=[[1, 0]] if rank == 3 else []
+            ),
+        )
+    )
     out["mismatch_path"] = _error_text(lambda: make("rail" if rank in (0, 2) else "perm"))
 
     # Statistics on demand: count the descriptor and statistics calls of one layer call each.
     import megatron_railwave.dispatcher as dispatcher_module
-
     from megatron_railwave.exchange.torch_dist import TorchDistExchange
 
     calls = {"demand_stats": 0, "layer_comm_stats": 0}
@@ -194,6 +229,7 @@ def dispatcher_errors_worker(rank: int, world: int) -> dict[str, Any]:
             calls[name] += 1
             order.append(name)
             return original(*args, **kwargs)
+
         return original, wrapper
 
     originals = {}
@@ -211,20 +247,29 @@ def dispatcher_errors_worker(rank: int, world: int) -> dict[str, Any]:
     out["stats_order"] = {}
     seen: list[Any] = []
     try:
+
         class Selector:  # a calibrated selector reads the descriptors
             def select(self, stats):
                 assert stats is not None
                 return "rail"
 
-        for case, kwargs in (("fixed_no_sink", dict(path="native")),
-                             ("selector_no_sink", dict(path="auto", selector=Selector())),
-                             ("selector_with_sink", dict(path="auto", selector=Selector(), stats_sink=[].append)),
-                             ("fixed_with_sink", dict(path="native", stats_sink=seen.append))):
+        for case, kwargs in (
+            ("fixed_no_sink", dict(path="native")),
+            ("selector_no_sink", dict(path="auto", selector=Selector())),
+            ("selector_with_sink", dict(path="auto", selector=Selector(), stats_sink=[].append)),
+            ("fixed_with_sink", dict(path="native", stats_sink=seen.append)),
+        ):
             calls.update(demand_stats=0, layer_comm_stats=0)
             order.clear()
-            d = RailWaveTokenDispatcher(per, local, config(), pgs,
-                                        railwave=RailWaveConfig(gpus_per_node=2, path=kwargs["path"]),
-                                        selector=kwargs.get("selector"), stats_sink=kwargs.get("stats_sink"))
+            d = RailWaveTokenDispatcher(
+                per,
+                local,
+                config(),
+                pgs,
+                railwave=RailWaveConfig(gpus_per_node=2, path=kwargs["path"]),
+                selector=kwargs.get("selector"),
+                stats_sink=kwargs.get("stats_sink"),
+            )
             _run_hooks(d, *_inputs(rank, 6, seed=4))
             out["stats_calls"][case] = dict(calls)
             out["stats_order"][case] = list(order)
@@ -235,14 +280,25 @@ def dispatcher_errors_worker(rank: int, world: int) -> dict[str, Any]:
     _, _, routing = _inputs(rank, 6, seed=4)
     load = routing.sum(0).to(torch.int64)
     dist.all_reduce(load)
-    out["expert_load"] = {"expected": load.tolist(), "logged": {k: getattr(seen[0], k) for k in (
-        "tokens_per_expert_min", "tokens_per_expert_max", "tokens_per_expert_std", "overload_factor")},
-        "pass_kind": seen[0].pass_kind, "rail_bytes": seen[0].rail_bytes}
+    out["expert_load"] = {
+        "expected": load.tolist(),
+        "logged": {
+            k: getattr(seen[0], k)
+            for k in (
+                "tokens_per_expert_min",
+                "tokens_per_expert_max",
+                "tokens_per_expert_std",
+                "overload_factor",
+            )
+        },
+        "pass_kind": seen[0].pass_kind,
+        "rail_bytes": seen[0].rail_bytes,
+    }
 
     # path 'auto' with the path model: the count exchange carries every rank's copies per
     # destination GPU, every rank computes the same features and path, and the layer is right.
-    from megatron_railwave.selector.path_model import FEATURE_NAMES, RailJointModel, path_features
     from megatron_railwave.selector import ModelSelector
+    from megatron_railwave.selector.path_model import FEATURE_NAMES, RailJointModel, path_features
     from megatron_railwave.topology import RailTopology
 
     class RecordingModel(ModelSelector):
@@ -250,20 +306,35 @@ def dispatcher_errors_worker(rank: int, world: int) -> dict[str, Any]:
 
         def select_layer(self, stats, demand, *, record_bytes, windows=None):
             path = super().select_layer(stats, demand, record_bytes=record_bytes, windows=windows)
-            features = path_features(demand, self.topo, record_bytes=record_bytes, costs=self.model.costs)
-            self.decisions.append((demand.delivery_WNKG is not None, stats is None, str(path), features.tolist()))
+            features = path_features(
+                demand, self.topo, record_bytes=record_bytes, costs=self.model.costs
+            )
+            self.decisions.append(
+                (demand.delivery_WNKG is not None, stats is None, str(path), features.tolist())
+            )
             return path
 
     coef = [0.0] * len(FEATURE_NAMES)
     coef[FEATURE_NAMES.index("log_estimate_v4")] = 1.0  # RAIL where its estimate is below JOINT's
-    selector = RecordingModel(RailJointModel(all_pairs=tuple(coef)), RailTopology(num_nodes=2, gpus_per_node=2))
-    model_d = RailWaveTokenDispatcher(per, local, config(), pgs, railwave=RailWaveConfig(gpus_per_node=2, path="auto"),
-                                      selector=selector)
+    selector = RecordingModel(
+        RailJointModel(all_pairs=tuple(coef)), RailTopology(num_nodes=2, gpus_per_node=2)
+    )
+    model_d = RailWaveTokenDispatcher(
+        per,
+        local,
+        config(),
+        pgs,
+        railwave=RailWaveConfig(gpus_per_node=2, path="auto"),
+        selector=selector,
+    )
     hidden, probs, routing = _inputs(rank, 9, seed=7)
     result, _ = _run_hooks(model_d, hidden, probs, routing)
-    out["model_selector"] = {"decisions": RecordingModel.decisions,
-                             "right": bool(torch.allclose(result.squeeze(1), hidden * probs.sum(1, keepdim=True),
-                                                          atol=1e-6))}
+    out["model_selector"] = {
+        "decisions": RecordingModel.decisions,
+        "right": bool(
+            torch.allclose(result.squeeze(1), hidden * probs.sum(1, keepdim=True), atol=1e-6)
+        ),
+    }
 
     # path 'auto' without its anchors file: three MoE layers, one warning on global rank 0 only.
     import logging
@@ -289,11 +360,14 @@ def dispatcher_errors_worker(rank: int, world: int) -> dict[str, Any]:
         hidden, probs, routing = _inputs(rank, 6)
         if rank == bad_rank:
             hidden, probs, routing = spoil(hidden, probs, routing)
-        out[name] = _error_text(lambda: _run_hooks(dispatcher, hidden, probs, routing))
+        out[name] = _error_text(
+            lambda h=hidden, p=probs, r=routing: _run_hooks(dispatcher, h, p, r)
+        )
     hidden, probs, routing = _inputs(rank, 6)
     after, _ = _run_hooks(dispatcher, hidden, probs, routing)
-    out["good_after_errors"] = bool(torch.allclose(after.squeeze(1), hidden * probs.sum(1, keepdim=True),
-                                                   atol=1e-6))
+    out["good_after_errors"] = bool(
+        torch.allclose(after.squeeze(1), hidden * probs.sum(1, keepdim=True), atol=1e-6)
+    )
 
     # Rank 1 has no tokens; nobody routes to rank 3's experts.
     tokens = [5, 0, 7, 3]
@@ -310,12 +384,20 @@ def dispatcher_errors_worker(rank: int, world: int) -> dict[str, Any]:
         out["zero_tokens"][path] = {
             "shape": list(result.shape),
             "tokens_per_expert": tokens_per_expert.tolist(),
-            "out_err": float((result.detach().squeeze(1) - expected).abs().max()) if result.numel() else 0.0,
+            "out_err": float((result.detach().squeeze(1) - expected).abs().max())
+            if result.numel()
+            else 0.0,
             # d/dx sum(x * s) = s; d/dp[t, e] = sum_h x[t, h] on the routed entries.
-            "dx_err": float((hidden.grad - probs.detach().sum(1, keepdim=True).expand_as(hidden)).abs().max())
-            if hidden.numel() else 0.0,
-            "dp_err": float((probs.grad - hidden.detach().sum(1, keepdim=True) * routing).abs().max())
-            if probs.numel() else 0.0,
+            "dx_err": float(
+                (hidden.grad - probs.detach().sum(1, keepdim=True).expand_as(hidden)).abs().max()
+            )
+            if hidden.numel()
+            else 0.0,
+            "dp_err": float(
+                (probs.grad - hidden.detach().sum(1, keepdim=True) * routing).abs().max()
+            )
+            if probs.numel()
+            else 0.0,
         }
     dist.barrier()
     parallel_state.destroy_model_parallel()
@@ -328,18 +410,22 @@ def ranks() -> list[dict[str, Any]]:
     return run_distributed(dispatcher_errors_worker, WORLD, timeout_s=300)
 
 
-@pytest.mark.parametrize("case,bad_rank,detail", [
-    ("float_routing_map", 1, "routing_map has dtype torch.float32, expected torch.bool"),
-    ("routing_map_shape", 2, r"routing_map has shape \(6, 9\), expected \[T, 8\]"),
-    ("probs_shape", 3, r"probs has shape \(6, 7\), expected routing_map's \(6, 8\)"),
-])
+@pytest.mark.parametrize(
+    "case,bad_rank,detail",
+    [
+        ("float_routing_map", 1, "routing_map has dtype torch.float32, expected torch.bool"),
+        ("routing_map_shape", 2, r"routing_map has shape \(6, 9\), expected \[T, 8\]"),
+        ("probs_shape", 3, r"probs has shape \(6, 7\), expected routing_map's \(6, 8\)"),
+    ],
+)
 def test_dispatcher_bad_input_on_one_rank_raises_on_every_rank(ranks, case, bad_rank, detail):
     import re
 
     for rank, res in enumerate(ranks):
         text = res[case]
-        assert text.startswith("InputError: malformed dispatcher input on EP rank(s) "
-                               f"[{bad_rank}]"), f"rank {rank}: {text}"
+        assert text.startswith(
+            f"InputError: malformed dispatcher input on EP rank(s) [{bad_rank}]"
+        ), f"rank {rank}: {text}"
         assert ("this rank: " in text) == (rank == bad_rank), f"rank {rank}: {text}"
         if rank == bad_rank:
             assert re.search(detail, text), text
@@ -351,13 +437,17 @@ def test_dispatcher_recovers_after_bad_input(ranks):
 
 def test_dispatcher_topology_mismatch_raises_at_construction(ranks):
     for res in ranks:
-        assert res["topology"].startswith("ValueError: EP size 4 is not a multiple of gpus_per_node=3"), \
-            res["topology"]
+        assert res["topology"].startswith(
+            "ValueError: EP size 4 is not a multiple of gpus_per_node=3"
+        ), res["topology"]
 
 
 def test_dispatcher_missing_anchors_warns_once_on_rank_zero(ranks):
     assert len(ranks[0]["missing_anchors_warnings"]) == 1
-    assert "anchors file '/nonexistent/anchors.yaml' does not exist" in ranks[0]["missing_anchors_warnings"][0]
+    assert (
+        "anchors file '/nonexistent/anchors.yaml' does not exist"
+        in ranks[0]["missing_anchors_warnings"][0]
+    )
     assert all(res["missing_anchors_warnings"] == [] for res in ranks[1:])
 
 
@@ -366,13 +456,17 @@ def test_dispatcher_unsupported_option_raises_naming_it(ranks, option):
     name = "expert_tensor_parallel_size" if option == "tensor_parallel" else option
     for res in ranks:
         text = res[option] if option == "tensor_parallel" else res["unsupported"][option]
-        assert text.startswith("ValueError: moe_token_dispatcher_type='railwave' does not support"), text
+        assert text.startswith(
+            "ValueError: moe_token_dispatcher_type='railwave' does not support"
+        ), text
         assert name in text and "'alltoall' dispatcher" in text, text
 
 
 def test_dispatcher_accepts_megatron_overlap_options(ranks):
     for res in ranks:
-        assert res["overlap_accepted"] == {key: "no error" for key in OVERLAP_OPTIONS}, res["overlap_accepted"]
+        assert res["overlap_accepted"] == {key: "no error" for key in OVERLAP_OPTIONS}, res[
+            "overlap_accepted"
+        ]
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -383,26 +477,38 @@ def test_dispatcher_rank_with_zero_tokens_and_rank_receiving_nothing(ranks, path
         assert got["shape"] == [tokens[rank], 1, HIDDEN]
         assert max(got["out_err"], got["dx_err"], got["dp_err"]) < 1e-5, (rank, got)
     assert ranks[3]["zero_tokens"][path]["tokens_per_expert"] == [0, 0]  # receives nothing
-    assert sum(sum(r["zero_tokens"][path]["tokens_per_expert"]) for r in ranks) == TOPK * sum(tokens)
+    assert sum(sum(r["zero_tokens"][path]["tokens_per_expert"]) for r in ranks) == TOPK * sum(
+        tokens
+    )
 
 
 def test_unknown_path_name_is_rejected_with_the_allowed_names():
-    with pytest.raises(ValueError, match=r"unknown path 'fastest'; choose one of native, rail, perm, joint"):
+    with pytest.raises(
+        ValueError, match=r"unknown path 'fastest'; choose one of native, rail, perm, joint"
+    ):
         RailWaveConfig(path="fastest")
 
 
 def test_topology_mismatch_names_sizes_and_fix():
-    with pytest.raises(ValueError, match=r"EP size 4 is not a multiple of gpus_per_node=3; an EP group must "
-                                         r"span whole nodes"):
+    with pytest.raises(
+        ValueError,
+        match=r"EP size 4 is not a multiple of gpus_per_node=3; an EP group must "
+        r"span whole nodes",
+    ):
         RailWaveConfig(gpus_per_node=3).topology(4)
     with pytest.raises(ValueError):
-        RailWaveConfig(cluster=str(_REPO_ROOT / "configs" / "clusters" / "h800_4x8.yaml")).topology(4)
+        RailWaveConfig(cluster=str(_REPO_ROOT / "configs" / "clusters" / "h800_4x8.yaml")).topology(
+            4
+        )
 
 
 def test_dispatcher_accepts_attention_tensor_parallel_and_permute_fusion(ranks):
-    # Attention TP is folded out of the expert grid: with expert-TP 1 nothing changes for the exchange.
-    # --moe-permute-fusion selects Megatron's fused permute kernels, which railwave does not call.
-    assert all(res["attention_tp_accepted"] == "no error" for res in ranks), [r["attention_tp_accepted"] for r in ranks]
+    # Attention TP is folded out of the expert grid: with expert-TP 1 nothing changes for the
+    # exchange. --moe-permute-fusion selects Megatron's fused permute kernels, which railwave does
+    # not call.
+    assert all(res["attention_tp_accepted"] == "no error" for res in ranks), [
+        r["attention_tp_accepted"] for r in ranks
+    ]
 
 
 def test_placement_follows_hosts_and_local_ranks_not_rank_numbers(ranks):
@@ -414,7 +520,9 @@ def test_placement_follows_hosts_and_local_ranks_not_rank_numbers(ranks):
     for rank, res in enumerate(ranks):
         a, b = res["placement"]["node_by_node"], res["placement"]["cyclic"]
         for key in ("out", "dx", "dp"):
-            assert np.array_equal(a[key], b[key]), f"rank {rank}: {key} differs under the cyclic placement"
+            assert np.array_equal(a[key], b[key]), (
+                f"rank {rank}: {key} differs under the cyclic placement"
+            )
         assert a["tokens_per_expert"] == b["tokens_per_expert"]
         # And the identity experts' closed form (hidden * sum of probs) holds.
         assert np.abs(a["out"]).sum() > 0
@@ -423,21 +531,28 @@ def test_placement_follows_hosts_and_local_ranks_not_rank_numbers(ranks):
 def test_uneven_layout_raises_one_clear_error_on_every_rank(ranks):
     for res in ranks:
         text = res["uneven"]
-        assert text.startswith("PlacementError: RailWave cannot serve this EP layout: 4 EP ranks over 2 node(s) "
-                               "(hostA: EP ranks [0, 1, 2]; hostB: EP ranks [3])"), text
+        assert text.startswith(
+            "PlacementError: RailWave cannot serve this EP layout: 4 EP ranks over 2 node(s) "
+            "(hostA: EP ranks [0, 1, 2]; hostB: EP ranks [3])"
+        ), text
         assert "every node must hold the same number of EP ranks" in text and "Fix:" in text
 
 
-@pytest.mark.parametrize("case,field,groups", [
-    ("mismatch_failed_rail", "failed_rails", "EP ranks [0, 1, 2] vs EP ranks [3]"),
-    ("mismatch_path", "path", "EP ranks [0, 2] vs EP ranks [1, 3]"),
-])
+@pytest.mark.parametrize(
+    "case,field,groups",
+    [
+        ("mismatch_failed_rail", "failed_rails", "EP ranks [0, 1, 2] vs EP ranks [3]"),
+        ("mismatch_path", "path", "EP ranks [0, 2] vs EP ranks [1, 3]"),
+    ],
+)
 def test_config_mismatch_is_one_error_on_every_rank(ranks, case, field, groups):
     texts = {res[case].split(" (this rank:")[0] for res in ranks}
     assert len(texts) == 1, texts  # the same message everywhere (only the own values differ)
     text = ranks[0][case]
-    assert text.startswith("ConfigMismatchError: RailWave configuration differs between ranks of one EP group: "
-                           f"'{field}' differs ({groups})"), text
+    assert text.startswith(
+        "ConfigMismatchError: RailWave configuration differs between ranks of one EP group: "
+        f"'{field}' differs ({groups})"
+    ), text
 
 
 def test_statistics_only_when_a_selector_or_sink_needs_them(ranks):
@@ -448,9 +563,17 @@ def test_statistics_only_when_a_selector_or_sink_needs_them(ranks):
         # The descriptors a decision reads come before the dispatch; the statistics only after it
         # is posted (host work no transfer waits for).
         assert res["stats_order"]["selector_no_sink"] == ["demand_stats", "dispatch"]
-        assert res["stats_order"]["fixed_with_sink"] == ["dispatch", "demand_stats", "layer_comm_stats"]
+        assert res["stats_order"]["fixed_with_sink"] == [
+            "dispatch",
+            "demand_stats",
+            "layer_comm_stats",
+        ]
         # A decision's descriptors serve the statistics too: computed once, before the dispatch.
-        assert res["stats_order"]["selector_with_sink"] == ["demand_stats", "dispatch", "layer_comm_stats"]
+        assert res["stats_order"]["selector_with_sink"] == [
+            "demand_stats",
+            "dispatch",
+            "layer_comm_stats",
+        ]
 
 
 def test_stats_carry_the_global_expert_load(ranks):
@@ -458,11 +581,17 @@ def test_stats_carry_the_global_expert_load(ranks):
     for res in ranks:
         logged = res["expert_load"]["logged"]
         assert res["expert_load"]["expected"] == list(load.astype(int))
-        assert logged["tokens_per_expert_min"] == load.min() and logged["tokens_per_expert_max"] == load.max()
+        assert (
+            logged["tokens_per_expert_min"] == load.min()
+            and logged["tokens_per_expert_max"] == load.max()
+        )
         assert logged["tokens_per_expert_std"] == pytest.approx(load.std())
         assert logged["overload_factor"] == pytest.approx(load.max() / load.mean())
         assert res["expert_load"]["pass_kind"] == "train"
-        assert len(res["expert_load"]["rail_bytes"]) == 2 and sum(map(sum, res["expert_load"]["rail_bytes"])) > 0
+        assert (
+            len(res["expert_load"]["rail_bytes"]) == 2
+            and sum(map(sum, res["expert_load"]["rail_bytes"])) > 0
+        )
 
 
 def test_path_model_selector_gets_delivery_counts_and_ranks_agree(ranks):

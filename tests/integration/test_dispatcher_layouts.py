@@ -23,8 +23,9 @@ import pytest
 from tests.helpers.dist import run_distributed
 from tests.helpers.moe_layouts import PATHS, run_layouts_worker
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("megatron") is None,
-                                reason="megatron-core is not installed")
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("megatron") is None, reason="megatron-core is not installed"
+)
 
 KEYS = ["output", "input_grad", "fc1_grad", "fc2_grad", "router_grad"]
 
@@ -38,12 +39,21 @@ def ranks():
 def test_folded_layout_matches_alltoall_and_paths_are_bitwise_equal(ranks, layout):
     for rank, res in enumerate(ranks):
         got = res[layout]
-        assert got["ep_group"] == list(range(4 * (rank // 4), 4 * (rank // 4) + 4))  # contiguous EP blocks
+        assert got["ep_group"] == list(
+            range(4 * (rank // 4), 4 * (rank // 4) + 4)
+        )  # contiguous EP blocks
         for path in PATHS:
             for key in KEYS:
-                np.testing.assert_allclose(got[path][key], got["alltoall"][key], rtol=1e-5, atol=1e-6,
-                                           err_msg=f"{layout} rank {rank} {path} {key}")
-                assert np.array_equal(got[path][key], got["native"][key]), f"{layout} rank {rank}: {path} {key}"
+                np.testing.assert_allclose(
+                    got[path][key],
+                    got["alltoall"][key],
+                    rtol=1e-5,
+                    atol=1e-6,
+                    err_msg=f"{layout} rank {rank} {path} {key}",
+                )
+                assert np.array_equal(got[path][key], got["native"][key]), (
+                    f"{layout} rank {rank}: {path} {key}"
+                )
 
 
 @pytest.mark.parametrize("mode", ["selective", "full"])
@@ -52,8 +62,13 @@ def test_recompute_forward_only_and_variable_tokens_match_alltoall(ranks, mode):
         rail, ref = res["passes"][f"{mode}/railwave"], res["passes"][f"{mode}/alltoall"]
         for mb in range(2):
             for key in KEYS:
-                np.testing.assert_allclose(rail["steps"][mb][key], ref["steps"][mb][key], rtol=1e-5, atol=1e-6,
-                                           err_msg=f"{mode} rank {rank} micro-batch {mb} {key}")
+                np.testing.assert_allclose(
+                    rail["steps"][mb][key],
+                    ref["steps"][mb][key],
+                    rtol=1e-5,
+                    atol=1e-6,
+                    err_msg=f"{mode} rank {rank} micro-batch {mb} {key}",
+                )
         np.testing.assert_allclose(rail["forward_only"], ref["forward_only"], rtol=1e-5, atol=1e-6)
         for key in KEYS:
             np.testing.assert_allclose(rail["after"][key], ref["after"][key], rtol=1e-5, atol=1e-6)
@@ -67,13 +82,23 @@ def test_recompute_replays_its_forward_plan_and_steps_follow_the_iteration(ranks
         # step 10: mb0 forward, its recompute, mb1 forward, its recompute; step 11: the eval pass
         # (phase not advanced), a training forward and its recompute.
         assert [(p["kind"], p["phase"]) for p in plans] == [
-            ("train", 0), ("recompute", 0), ("train", 1), ("recompute", 1), ("train", 2), ("train", 2),
-            ("recompute", 2)], (rank, [(p["kind"], p["phase"]) for p in plans])
+            ("train", 0),
+            ("recompute", 0),
+            ("train", 1),
+            ("recompute", 1),
+            ("train", 2),
+            ("train", 2),
+            ("recompute", 2),
+        ], (rank, [(p["kind"], p["phase"]) for p in plans])
         for first, again in ((0, 1), (2, 3), (5, 6)):
             assert plans[again] == {**plans[first], "kind": "recompute"}, (rank, first)
         # Logged once per forward (not for recomputes), by Megatron's step and micro-batch.
-        assert [s[:3] for s in rail["stats"]] == [(10, 0, "train"), (10, 1, "train"), (11, 0, "forward_only"),
-                                                 (11, 0, "train")]
+        assert [s[:3] for s in rail["stats"]] == [
+            (10, 0, "train"),
+            (10, 1, "train"),
+            (11, 0, "forward_only"),
+            (11, 0, "train"),
+        ]
         # EP rank 3 receives nothing; the others share every token's top-3.
         own = [p["own_experts"] for p in plans if p["kind"] == "train"]
         if rank % 4 == 3:

@@ -10,9 +10,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from megatron_railwave.names import ROUTES
 from tests.helpers.dist import run_distributed
 from tests.helpers.moe_worker import run_layer_all_dispatchers
-from megatron_railwave.names import ROUTES
 
 PATHS = list(map(str, ROUTES))
 KEYS = ["output", "input_grad", "fc1_grad", "fc2_grad", "router_grad"]
@@ -22,29 +22,42 @@ KEYS = ["output", "input_grad", "fc1_grad", "fc2_grad", "router_grad"]
     "world,railwave",
     [
         (4, dict(gpus_per_node=2)),  # EP 4 = 2 nodes x 2 GPUs
-        # EP 8 = 4 nodes x 2 GPUs (~2 min here): behind `slow`; the failed-rail case keeps 4 x 2 in CI.
+        # EP 8 = 4 nodes x 2 GPUs (~2 min here): behind `slow`; the failed-rail case keeps 4 x 2 in
+        # CI.
         pytest.param(8, dict(gpus_per_node=2), marks=pytest.mark.slow),
         (8, dict(gpus_per_node=2, failed_rails=[[2, 1]])),
     ],
     ids=["ep4-2x2", "ep8-4x2", "ep8-4x2-failed-rail"],
 )
 def test_moe_layer_railwave_matches_alltoall(world, railwave):
-    kw = dict(num_experts=2 * world, topk=3, hidden=16, ffn_hidden=8, seq_len=6, micro_batch=2, seed=5)
+    kw = dict(
+        num_experts=2 * world, topk=3, hidden=16, ffn_hidden=8, seq_len=6, micro_batch=2, seed=5
+    )
     results = run_distributed(run_layer_all_dispatchers, world, railwave, PATHS, kw, timeout_s=400)
     for rank, res in enumerate(results):
         ref = res["alltoall"]
         for path in PATHS:
             for key in KEYS:
-                np.testing.assert_allclose(res[path][key], ref[key], rtol=1e-5, atol=1e-6,
-                                           err_msg=f"rank {rank} path {path} {key}")
+                np.testing.assert_allclose(
+                    res[path][key],
+                    ref[key],
+                    rtol=1e-5,
+                    atol=1e-6,
+                    err_msg=f"rank {rank} path {path} {key}",
+                )
                 assert np.array_equal(res[path][key], res["native"][key]), (
-                    f"rank {rank}: {path} {key} not bitwise equal to native")
+                    f"rank {rank}: {path} {key} not bitwise equal to native"
+                )
 
 
 def test_moe_layer_railwave_captures_replayable_trace(tmp_path):
     """--railwave-capture-dir: the trace read back holds, for every rank, exactly the routing the
     layer dispatched (token by token), under the layer's number, with the layer's demand."""
-    from megatron_railwave.telemetry.capture import merge_captures, read_trace, routing_map_from_topk_ids
+    from megatron_railwave.telemetry.capture import (
+        merge_captures,
+        read_trace,
+        routing_map_from_topk_ids,
+    )
     from megatron_railwave.topology import RailTopology
     from megatron_railwave.traffic import DemandCounts
     from tests.helpers.moe_worker import run_layer_with_capture
@@ -66,7 +79,9 @@ def test_moe_layer_railwave_captures_replayable_trace(tmp_path):
     recorded_maps = trace.routing_maps(1)
     for rank, routing_TE in enumerate(used):
         assert routing_TE.shape == (12, 8) and (routing_TE.sum(axis=1) == 3).all()
-        np.testing.assert_array_equal(recorded_maps[rank].numpy(), routing_TE, err_msg=f"rank {rank}")
+        np.testing.assert_array_equal(
+            recorded_maps[rank].numpy(), routing_TE, err_msg=f"rank {rank}"
+        )
         # The same through the stored top-k ids, slot by slot.
         ids_TK = trace.layer(1).topk_ids_WTK[rank]
         np.testing.assert_array_equal(routing_map_from_topk_ids(ids_TK, 8).numpy(), routing_TE)
@@ -76,7 +91,9 @@ def test_moe_layer_railwave_captures_replayable_trace(tmp_path):
     topo = RailTopology(num_nodes=2, gpus_per_node=2)
     real = DemandCounts.from_routing_maps([torch.from_numpy(m) for m in used], topo)
     replayed = trace.demand(1)
-    assert torch.equal(replayed.records_WNM, real.records_WNM) and torch.equal(replayed.experts_WE, real.experts_WE)
+    assert torch.equal(replayed.records_WNM, real.records_WNM) and torch.equal(
+        replayed.experts_WE, real.experts_WE
+    )
 
 
 @pytest.mark.slow
@@ -89,31 +106,43 @@ def test_moe_layer_railwave_fixed_capacity_matches_alltoall():
     fixed = run_distributed(run_layer_all_dispatchers, 4, railwave, ["joint"], kw, timeout_s=600)
     for rank, res in enumerate(fixed):
         for key in KEYS:
-            np.testing.assert_allclose(res["joint"][key], res["alltoall"][key], rtol=1e-5, atol=1e-6,
-                                       err_msg=f"rank {rank} fixed capacity {key}")
+            np.testing.assert_allclose(
+                res["joint"][key],
+                res["alltoall"][key],
+                rtol=1e-5,
+                atol=1e-6,
+                err_msg=f"rank {rank} fixed capacity {key}",
+            )
 
 
 def test_moe_layer_flex_with_railwave_backend_is_railwave():
     """--moe-token-dispatcher-type flex --moe-flex-dispatcher-backend railwave builds RailWave's
-    dispatcher (Megatron's flex dispatcher would reject the backend): bitwise the 'railwave' layer."""
+    dispatcher (Megatron's flex dispatcher would reject the backend): bitwise the 'railwave'
+    layer."""
     from tests.helpers.moe_worker import run_layer_flex_railwave_backend
 
     kw = dict(num_experts=8, topk=3, hidden=16, ffn_hidden=8, seq_len=6, micro_batch=2, seed=5)
-    results = run_distributed(run_layer_flex_railwave_backend, 4, dict(gpus_per_node=2, path="joint"), kw,
-                              timeout_s=300)
+    results = run_distributed(
+        run_layer_flex_railwave_backend, 4, dict(gpus_per_node=2, path="joint"), kw, timeout_s=300
+    )
     for rank, res in enumerate(results):
         for key in KEYS:
             assert np.array_equal(res["flex"][key], res["railwave"][key]), f"rank {rank} {key}"
 
 
 def _assert_online_outputs(results: list[dict], steps: int) -> None:
-    """Every rank's online outputs and gradients: within 1e-5 of alltoall, bitwise the fixed path's."""
+    """Every rank's online outputs and gradients: within 1e-5 of alltoall, bitwise the fixed
+    path's."""
     for rank, res in enumerate(results):
         for step in range(steps + 1):
             for key, ref in res["alltoall"][step].items():
                 got = res["online"][step][key]
-                np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6, err_msg=f"rank {rank} step {step} {key}")
-                assert np.array_equal(got, res["fixed"][step][key]), f"rank {rank} step {step} {key}: not bitwise"
+                np.testing.assert_allclose(
+                    got, ref, rtol=1e-5, atol=1e-6, err_msg=f"rank {rank} step {step} {key}"
+                )
+                assert np.array_equal(got, res["fixed"][step][key]), (
+                    f"rank {rank} step {step} {key}: not bitwise"
+                )
 
 
 def _logged_decisions(log_dir) -> tuple[list[dict], list[list[tuple]]]:
@@ -125,8 +154,16 @@ def _logged_decisions(log_dir) -> tuple[list[dict], list[list[tuple]]]:
     by_rank: dict[int, list[tuple]] = {}
     for rec in records:
         by_rank.setdefault(rec["rank"], []).append(
-            (rec["step"], rec["pass_kind"], rec["path"], rec["selector_mode"], rec["selector_neighbourhood"],
-             rec["last_exchange_ms"] is None, tuple(sorted((k, v is None) for k, v in rec["measured_ms"].items()))))
+            (
+                rec["step"],
+                rec["pass_kind"],
+                rec["path"],
+                rec["selector_mode"],
+                rec["selector_neighbourhood"],
+                rec["last_exchange_ms"] is None,
+                tuple(sorted((k, v is None) for k, v in rec["measured_ms"].items())),
+            )
+        )
     assert sorted(by_rank) == [0, 1, 2, 3]
     decisions = [sorted(v) for _, v in sorted(by_rank.items())]
     assert all(d == decisions[0] for d in decisions[1:])
@@ -134,7 +171,8 @@ def _logged_decisions(log_dir) -> tuple[list[dict], list[list[tuple]]]:
 
 
 def _assert_slowest_times_shared(records: list[dict]) -> None:
-    """The times the selector used are the slowest rank's: the same number in every rank's record."""
+    """The times the selector used are the slowest rank's: the same number in every rank's
+    record."""
     slow = {}
     for rec in records:
         if rec["last_exchange_ms"] is not None:
@@ -150,7 +188,9 @@ def _logged_bad_run(log_dir) -> list[tuple]:
     bad = {}
     for rec in read_logs(log_dir):
         if rec["pass_kind"] == "train":
-            bad.setdefault(rec["rank"], []).append((rec["step"], rec["path"], rec["selector_mode"], rec["bad_timings"]))
+            bad.setdefault(rec["rank"], []).append(
+                (rec["step"], rec["path"], rec["selector_mode"], rec["bad_timings"])
+            )
     runs = [sorted(v) for _, v in sorted(bad.items())]
     assert len(runs) == 4 and all(r == runs[0] for r in runs[1:])
     return runs[0]
@@ -160,7 +200,9 @@ def _assert_bad_outputs_bitwise(results: list[dict], steps: int) -> None:
     """The run with a NaN clock still gives the fixed path's outputs, bitwise."""
     for rank, res in enumerate(results):
         for step in range(steps + 1):
-            assert np.array_equal(res["bad"][step]["output"], res["fixed"][step]["output"]), f"rank {rank} step {step}"
+            assert np.array_equal(res["bad"][step]["output"], res["fixed"][step]["output"]), (
+                f"rank {rank} step {step}"
+            )
 
 
 def test_moe_layer_online_selector_matches_alltoall_and_ranks_agree(tmp_path):
@@ -172,7 +214,9 @@ def test_moe_layer_online_selector_matches_alltoall_and_ranks_agree(tmp_path):
 
     steps = 10
     kw = dict(num_experts=8, topk=3, hidden=16, ffn_hidden=8, seq_len=6, micro_batch=2, seed=5)
-    results = run_distributed(run_layer_online, 4, kw, steps, str(tmp_path), "native", timeout_s=600)
+    results = run_distributed(
+        run_layer_online, 4, kw, steps, str(tmp_path), "native", timeout_s=600
+    )
     _assert_online_outputs(results, steps)
     records, decisions = _logged_decisions(tmp_path)
     train = [d for d in decisions[0] if d[1] == "train"]
@@ -180,7 +224,12 @@ def test_moe_layer_online_selector_matches_alltoall_and_ranks_agree(tmp_path):
     modes = [d[3] for d in train]
     # probes=1: each of the four paths once, then the fastest measured; every 2nd exploit call
     # may re-probe (reprobe_budget 1.0 pays for any path within 2x).
-    assert modes[:4] == ["probe"] * 4 and sorted(d[2] for d in train[:4]) == ["joint", "native", "perm", "rail"]
+    assert modes[:4] == ["probe"] * 4 and sorted(d[2] for d in train[:4]) == [
+        "joint",
+        "native",
+        "perm",
+        "rail",
+    ]
     assert "exploit" in modes[4:]
     assert [d[1] for d in decisions[0]].count("forward_only") == 1
     _assert_slowest_times_shared(records)
@@ -209,18 +258,28 @@ def test_moe_layer_online_selector_in_fixed_capacity_mode_ranks_agree(tmp_path):
 
     steps = 10
     kw = dict(num_experts=8, topk=3, hidden=16, ffn_hidden=8, seq_len=6, micro_batch=2, seed=5)
-    worker = functools.partial(run_layer_online, mode={"max_tokens_per_rank": 16},  # T = 12 per rank
-                               online={"probes": 1, "reprobe_every": 2, "reprobe_budget": 1.0,
-                                       "capacity_sync_every": 2},
-                               bad_online={"capacity_sync_every": 2, "max_bad": 2}, bad_after=0)
+    worker = functools.partial(
+        run_layer_online,
+        mode={"max_tokens_per_rank": 16},  # T = 12 per rank
+        online={"probes": 1, "reprobe_every": 2, "reprobe_budget": 1.0, "capacity_sync_every": 2},
+        bad_online={"capacity_sync_every": 2, "max_bad": 2},
+        bad_after=0,
+    )
     results = run_distributed(worker, 4, kw, steps, str(tmp_path), "native", timeout_s=600)
     _assert_online_outputs(results, steps)
     records, decisions = _logged_decisions(tmp_path)
     train = [d for d in decisions[0] if d[1] == "train"]
     assert len(train) == steps
     paths, modes = [d[2] for d in train], [d[3] for d in train]
-    assert all(paths[k] == paths[k + 1] and modes[k] == modes[k + 1] for k in range(0, steps, 2))  # one per epoch
-    assert modes[:8] == ["probe"] * 8 and sorted(paths[0:8:2]) == ["joint", "native", "perm", "rail"]
+    assert all(
+        paths[k] == paths[k + 1] and modes[k] == modes[k + 1] for k in range(0, steps, 2)
+    )  # one per epoch
+    assert modes[:8] == ["probe"] * 8 and sorted(paths[0:8:2]) == [
+        "joint",
+        "native",
+        "perm",
+        "rail",
+    ]
     assert modes[8:] == ["exploit"] * 2
     # The first epoch's time is filed at the second epoch's first call (step 2), not before.
     assert [d[5] for d in train[:3]] == [True, True, False]

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.helpers.dist import DistributedRankError, run_distributed
-from tests.helpers.exchange_worker import run_exchange, run_bad_input
 from megatron_railwave.names import ROUTES
+from tests.helpers.dist import DistributedRankError, run_distributed
+from tests.helpers.exchange_worker import run_bad_input, run_exchange
 
 PATHS = list(map(str, ROUTES))
 
@@ -22,34 +22,60 @@ def _check(results, rtol=1e-5):
         base = [torch.from_numpy(a) for a in res["paths"]["native"]]
         for path, arrays in res["paths"].items():
             out, gx, gp = map(torch.from_numpy, arrays)
-            torch.testing.assert_close(out, ref_out, rtol=rtol, atol=1e-6, msg=f"rank {rank} {path} out")
-            torch.testing.assert_close(gx, ref_gx, rtol=rtol, atol=1e-6, msg=f"rank {rank} {path} dx")
-            torch.testing.assert_close(gp, ref_gp, rtol=rtol, atol=1e-5, msg=f"rank {rank} {path} dp")
-            assert torch.equal(out, base[0]) and torch.equal(gx, base[1]) and torch.equal(gp, base[2]), (
-                f"rank {rank}: path {path} is not bitwise equal to native")
+            torch.testing.assert_close(
+                out, ref_out, rtol=rtol, atol=1e-6, msg=f"rank {rank} {path} out"
+            )
+            torch.testing.assert_close(
+                gx, ref_gx, rtol=rtol, atol=1e-6, msg=f"rank {rank} {path} dx"
+            )
+            torch.testing.assert_close(
+                gp, ref_gp, rtol=rtol, atol=1e-5, msg=f"rank {rank} {path} dp"
+            )
+            assert (
+                torch.equal(out, base[0]) and torch.equal(gx, base[1]) and torch.equal(gp, base[2])
+            ), f"rank {rank}: path {path} is not bitwise equal to native"
 
 
 @pytest.mark.parametrize(
     "topo,kw",
     [
-        (dict(num_nodes=2, gpus_per_node=2), dict(tokens=[24] * 4, experts=8, topk=3, hidden=8, seed=1)),
+        (
+            dict(num_nodes=2, gpus_per_node=2),
+            dict(tokens=[24] * 4, experts=8, topk=3, hidden=8, seed=1),
+        ),
         # 4 nodes x 2 GPUs, uneven token counts, a rank with zero tokens, ranks skipping nodes.
         # Also with point-to-point phases only (no flat all-to-alls on gloo): bitwise the same.
-        (dict(num_nodes=4, gpus_per_node=2),
-         dict(tokens=[20, 0, 33, 7, 16, 25, 1, 12], experts=16, topk=4, hidden=8, seed=2,
-              skip_nodes={2: [1, 3], 5: [0], 7: [2, 3, 1]}, point_to_point_too=True)),
+        (
+            dict(num_nodes=4, gpus_per_node=2),
+            dict(
+                tokens=[20, 0, 33, 7, 16, 25, 1, 12],
+                experts=16,
+                topk=4,
+                hidden=8,
+                seed=2,
+                skip_nodes={2: [1, 3], 5: [0], 7: [2, 3, 1]},
+                point_to_point_too=True,
+            ),
+        ),
         # A failed rail: node 1 rail 0 down; everything leaves node 1 (and enters it) on rail 1.
-        (dict(num_nodes=4, gpus_per_node=2, failed_rails=frozenset({(1, 0)})),
-         dict(tokens=[18] * 8, experts=16, topk=4, hidden=8, seed=3)),
+        (
+            dict(num_nodes=4, gpus_per_node=2, failed_rails=frozenset({(1, 0)})),
+            dict(tokens=[18] * 8, experts=16, topk=4, hidden=8, seed=3),
+        ),
         # Rail chunks: PERM / JOINT send each wave in 3 parts (9 rail phases), with the failed rail.
-        (dict(num_nodes=4, gpus_per_node=2, failed_rails=frozenset({(1, 0)})),
-         dict(tokens=[18, 5, 30, 0, 11, 18, 27, 9], experts=16, topk=4, hidden=8, seed=4, chunks=3)),
+        (
+            dict(num_nodes=4, gpus_per_node=2, failed_rails=frozenset({(1, 0)})),
+            dict(
+                tokens=[18, 5, 30, 0, 11, 18, 27, 9], experts=16, topk=4, hidden=8, seed=4, chunks=3
+            ),
+        ),
     ],
     ids=["2x2", "4x2-uneven", "4x2-failed-rail", "4x2-failed-rail-chunks3"],
 )
 def test_exchange_paths_match_reference_and_each_other(topo, kw):
-    results = run_distributed(run_exchange, topo["num_nodes"] * topo["gpus_per_node"], topo, PATHS, kw,
-                              timeout_s=240)
+    results = run_distributed(
+        run_exchange, topo["num_nodes"] * topo["gpus_per_node"], topo, PATHS, kw, timeout_s=240
+    )
     _check(results)
     if kw.get("point_to_point_too"):
         assert {f"{p}/p2p" for p in PATHS} <= set(results[0]["paths"])
@@ -58,14 +84,20 @@ def test_exchange_paths_match_reference_and_each_other(topo, kw):
             # two delivery rounds (independent in the schedule, so joined) ran as one all-to-all
             # each (2 x 4), plus the count exchange; with the flat collectives off only the count
             # exchange is an all-to-all.
-            assert res["all_to_all_calls"]["native"] == 9 and res["all_to_all_calls"]["native/p2p"] == 1
+            assert (
+                res["all_to_all_calls"]["native"] == 9
+                and res["all_to_all_calls"]["native/p2p"] == 1
+            )
     if topo.get("failed_rails") and not kw.get("chunks"):
         for rank, res in enumerate(results):
             # Rail 0 failed on node 1: the rail-0 group's phase stays point-to-point (an all-to-all
             # would reach the member whose NIC is down); NATIVE's 4 x 2 delivery rounds and the
             # count exchange remain all-to-alls there (each direction's two joined into one),
             # rail 1 also moves its rail phase as one.
-            assert res["all_to_all_calls"]["native"] == (5 if rank % 2 == 0 else 9), (rank, res["all_to_all_calls"])
+            assert res["all_to_all_calls"]["native"] == (5 if rank % 2 == 0 else 9), (
+                rank,
+                res["all_to_all_calls"],
+            )
 
 
 def test_exchange_bad_routing_map_raises_on_every_rank():
@@ -79,8 +111,9 @@ def test_fixed_capacity_on_gloo_equals_normal_mode_without_host_sync():
     from tests.helpers.exchange_worker import run_fixed_capacity
 
     kw = dict(tokens=[20, 0, 13, 7], experts=8, topk=3, hidden=8, seed=5)
-    results = run_distributed(run_fixed_capacity, 4, dict(num_nodes=2, gpus_per_node=2), "joint", 24, kw,
-                              timeout_s=240)
+    results = run_distributed(
+        run_fixed_capacity, 4, dict(num_nodes=2, gpus_per_node=2), "joint", 24, kw, timeout_s=240
+    )
     for rank, res in enumerate(results):
         normal, fixed = res["normal"], res["fixed"]
         assert fixed["syncs"] == 0 and normal["syncs"] == 1, (rank, fixed["syncs"], normal["syncs"])
@@ -97,13 +130,16 @@ def test_fixed_capacity_overflow_named_on_every_rank():
     from tests.helpers.exchange_worker import run_capacity_overflow
 
     timeout_s = 3.0
-    results = run_distributed(run_capacity_overflow, 4, dict(num_nodes=2, gpus_per_node=2), timeout_s,
-                              timeout_s=180)
+    results = run_distributed(
+        run_capacity_overflow, 4, dict(num_nodes=2, gpus_per_node=2), timeout_s, timeout_s=180
+    )
     assert results[1]["error"] == "CapacityOverflowError", results[1]
     assert "13 tokens in this layer call exceed max_tokens_per_rank=12" in results[1]["message"]
     for rank in (0, 2, 3):
         res = results[rank]
         assert res["error"] in ("ExchangeTimeoutError", "ExchangeError"), (rank, res)
         assert res["after_s"] <= timeout_s + 4.0, (rank, res)
-        assert ("EP rank 1 raised before communicating: CapacityOverflowError: EP rank 1: 13 tokens"
-                in res["message"]), (rank, res["message"])
+        assert (
+            "EP rank 1 raised before communicating: CapacityOverflowError: EP rank 1: 13 tokens"
+            in res["message"]
+        ), (rank, res["message"])

@@ -19,7 +19,7 @@ TOPO = dict(num_nodes=2, gpus_per_node=2)  # rank 1 = node 0 GPU 1: node peer 0,
     "stage,mode,named_by",
     [
         ("count exchange", "stall", {0, 2, 3}),  # everyone waits in the count all-to-all
-        ("dispatch.rail[0]", "stall", {0, 3}),   # its rail peer and its node peer wait on it
+        ("dispatch.rail[0]", "stall", {0, 3}),  # its rail peer and its node peer wait on it
         ("count exchange", "leave", {0, 2, 3}),  # the rank dies on its first call
     ],
     ids=["stall-before-counts", "stall-before-rail-send", "leave-first-call"],

@@ -27,9 +27,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 _WORLD_SIZE = 4
-_SIZES = dict(
-    num_experts=8, topk=2, hidden=32, ffn_hidden=16, seq_len=8, micro_batch=2, seed=1234
-)
+_SIZES = dict(num_experts=8, topk=2, hidden=32, ffn_hidden=16, seq_len=8, micro_batch=2, seed=1234)
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +44,10 @@ def test_megatron_alltoall_ep4_output_matches_dense_reference(alltoall_and_refer
     ranks, ref = alltoall_and_reference
     for rank, result in enumerate(ranks):
         np.testing.assert_allclose(
-            result["output"], ref["output"][rank], rtol=1e-5, atol=1e-5,
+            result["output"],
+            ref["output"][rank],
+            rtol=1e-5,
+            atol=1e-5,
             err_msg=f"output of rank {rank}",
         )
 
@@ -55,7 +56,10 @@ def test_megatron_alltoall_ep4_input_grad_matches_dense_reference(alltoall_and_r
     ranks, ref = alltoall_and_reference
     for rank, result in enumerate(ranks):
         np.testing.assert_allclose(
-            result["input_grad"], ref["input_grad"][rank], rtol=1e-5, atol=1e-5,
+            result["input_grad"],
+            ref["input_grad"][rank],
+            rtol=1e-5,
+            atol=1e-5,
             err_msg=f"input grad of rank {rank}",
         )
 

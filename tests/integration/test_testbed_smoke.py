@@ -48,8 +48,10 @@ def test_testbed_alltoall_in_rail_and_node_groups_uses_expected_nics(testbed_2x2
     t0 = time.perf_counter()
     before = nic_counters(spec)
     results = run_workers(
-        spec, "megatron_railwave.lab.testbed.probes:alltoall_check",
-        {"rail_numel": rail_numel, "node_numel": node_numel}, timeout_s=60,
+        spec,
+        "megatron_railwave.lab.testbed.probes:alltoall_check",
+        {"rail_numel": rail_numel, "node_numel": node_numel},
+        timeout_s=60,
     )
     after = nic_counters(spec)
     print(f"\n2x2 smoke run (rendezvous + groups + all_to_all): {time.perf_counter() - t0:.2f} s")
@@ -76,13 +78,18 @@ def test_testbed_worker_failure_raises_with_stderr_tail(testbed_2x2):
 def test_testbed_hard_timeout_kills_workers(testbed_2x2):
     t0 = time.perf_counter()
     with pytest.raises(TimeoutError, match=r"timeout_s=3.*ranks still running: \[0, 1, 2, 3\]"):
-        run_workers(testbed_2x2, "megatron_railwave.lab.testbed.probes:sleep_probe",
-                    {"seconds": 120}, timeout_s=3)
+        run_workers(
+            testbed_2x2,
+            "megatron_railwave.lab.testbed.probes:sleep_probe",
+            {"seconds": 120},
+            timeout_s=3,
+        )
     assert time.perf_counter() - t0 < 20
     # No worker survives inside the namespaces.
     for node in range(testbed_2x2.nodes):
-        pids = subprocess.run(["ip", "netns", "pids", testbed_2x2.node_ns(node)],
-                              capture_output=True, text=True).stdout.split()
+        pids = subprocess.run(
+            ["ip", "netns", "pids", testbed_2x2.node_ns(node)], capture_output=True, text=True
+        ).stdout.split()
         assert pids == []
 
 
@@ -90,22 +97,30 @@ def test_testbed_fail_and_restore_rail(testbed_2x2):
     spec = testbed_2x2
 
     def operstate(node: int, rail: int) -> str:
-        out = subprocess.run(["ip", "-n", spec.node_ns(node), "-j", "link", "show",
-                              spec.rail_ifname(rail)], capture_output=True, text=True).stdout
+        out = subprocess.run(
+            ["ip", "-n", spec.node_ns(node), "-j", "link", "show", spec.rail_ifname(rail)],
+            capture_output=True,
+            text=True,
+        ).stdout
         return json.loads(out)[0]["operstate"]
 
     fail_rail(spec, 1, 1)
     assert operstate(1, 1) == "DOWN"
     restore_rail(spec, 1, 1)
     assert operstate(1, 1) == "UP"
-    results = run_workers(spec, "megatron_railwave.lab.testbed.probes:alltoall_check",
-                          {"rail_numel": 256, "node_numel": 256}, timeout_s=60)
+    results = run_workers(
+        spec,
+        "megatron_railwave.lab.testbed.probes:alltoall_check",
+        {"rail_numel": 256, "node_numel": 256},
+        timeout_s=60,
+    )
     assert all(r["rail_bad"] == 0 and r["node_bad"] == 0 for r in results), results
     with pytest.raises(ValueError, match=r"\(node, rail\) = \(2, 0\) is outside"):
         fail_rail(spec, 2, 0)
 
 
-@pytest.mark.slow  # prints goodputs only (~55 s on a loaded 2-core host); `testbed run --incast` measures them
+# prints goodputs only (~55 s on a loaded 2-core host); `testbed run --incast` measures them
+@pytest.mark.slow
 def test_testbed_shaped_rail_and_incast_throughput_printed():
     spec = up(TestbedSpec(nodes=4, gpus_per_node=1, prefix="rwt"))
     try:
@@ -114,7 +129,8 @@ def test_testbed_shaped_rail_and_incast_throughput_printed():
             print(
                 f"\n{fan_in}-to-1 into one {spec.rail_mbit:.0f} Mbit/s port "
                 f"(buffer {spec.port_buffer_bytes} B): goodput {r['goodput_mbit']:.1f} Mbit/s "
-                f"= {r['goodput_over_rate']:.2f} x rate, times {[round(t, 3) for t in r['times_s']]}"
+                f"= {r['goodput_over_rate']:.2f} x rate, times "
+                f"{[round(t, 3) for t in r['times_s']]}"
             )
             assert r["goodput_mbit"] > 0
     finally:
@@ -135,7 +151,9 @@ def test_testbed_down_by_prefix_removes_leftovers_after_crash():
     prefix, run_id = "rwc", f"{int(time.time() * 1000) % 0xFFFF:x}"
     proc = subprocess.run(
         [sys.executable, "-c", _CRASH_SCRIPT, prefix, run_id],
-        capture_output=True, text=True, timeout=60,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert proc.returncode == 3 and "UP" in proc.stdout, proc.stderr
     name = prefix + run_id
@@ -149,7 +167,9 @@ def test_testbed_sigterm_cleans_up():
     prefix, run_id = "rwc", f"{(int(time.time() * 1000) + 7) % 0xFFFF:x}"
     script = _CRASH_SCRIPT.replace("os._exit(3)", "import time; time.sleep(60)")
     proc = subprocess.Popen(
-        [sys.executable, "-c", script, prefix, run_id], stdout=subprocess.PIPE, text=True,
+        [sys.executable, "-c", script, prefix, run_id],
+        stdout=subprocess.PIPE,
+        text=True,
     )
     try:
         assert proc.stdout.readline().strip() == "UP"

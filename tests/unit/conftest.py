@@ -18,7 +18,8 @@ from megatron_railwave.traffic import DemandCounts
 
 
 def demand_from_masks(masks_by_rank: list[torch.Tensor], topo: RailTopology) -> DemandCounts:
-    """DemandCounts from every rank's [T, N] target masks (experts_WE unused by the planner: zeros)."""
+    """DemandCounts from every rank's [T, N] target masks (experts_WE unused by the planner:
+    zeros)."""
     n, m = topo.num_nodes, 1 << topo.gpus_per_node
     rows = []
     for masks_TN in masks_by_rank:
@@ -26,7 +27,9 @@ def demand_from_masks(masks_by_rank: list[torch.Tensor], topo: RailTopology) -> 
         rec = torch.bincount(keys, minlength=n * m).view(n, m)
         rec[:, 0] = 0
         rows.append(rec)
-    return DemandCounts(records_WNM=torch.stack(rows), experts_WE=torch.zeros(topo.world_size, 1, dtype=torch.int64))
+    return DemandCounts(
+        records_WNM=torch.stack(rows), experts_WE=torch.zeros(topo.world_size, 1, dtype=torch.int64)
+    )
 
 
 @dataclass
@@ -55,8 +58,13 @@ def simulate(plan: PathPlan, masks_by_rank: list[torch.Tensor]) -> Simulation:
     for rank, masks_TN in enumerate(masks_by_rank):
         s, own = topo.node_of(rank), topo.local_of(rank)
         r = route_records(plan, rank, masks_TN)
-        for tok, d, mask, egress, wave in zip(r.token_R.tolist(), r.node_R.tolist(), r.mask_R.tolist(),
-                                              r.egress_R.tolist(), r.wave_R.tolist()):
+        for tok, d, mask, egress, wave in zip(
+            r.token_R.tolist(),
+            r.node_R.tolist(),
+            r.mask_R.tolist(),
+            r.egress_R.tolist(),
+            r.wave_R.tolist(),
+        ):
             assert mask == int(masks_TN[tok, d]) and mask != 0
             sim.records[(rank, tok, d)] += 1
             if d == s:

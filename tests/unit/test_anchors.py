@@ -7,6 +7,7 @@ import copy
 import pytest
 import yaml
 
+from megatron_railwave.names import Route
 from megatron_railwave.selector.anchors import (
     ANCHORS_VERSION,
     Anchor,
@@ -17,7 +18,6 @@ from megatron_railwave.selector.anchors import (
     load_anchors,
     save_anchors,
 )
-from megatron_railwave.names import Route
 from megatron_railwave.topology import RailTopology
 
 TOPO = RailTopology(num_nodes=4, gpus_per_node=8, name="h800_4x8")
@@ -29,12 +29,30 @@ def _lat(ms: float, spread: float = 1.05) -> PathLatency:
 
 def make_set(topo: RailTopology = TOPO, anchors: tuple[Anchor, ...] | None = None) -> AnchorSet:
     if anchors is None:
-        anchors = (Anchor(name="req-1", coords=(0.5, 0.1, 0.9), B_mean_bytes=79_000_000.0, rho_g=1.7,
-                          kappa=2.8, path=Route.RAIL,
-                          latency_s={Route.NATIVE: _lat(9.0), Route.RAIL: _lat(4.0), Route.PERM: _lat(6.0),
-                                     Route.JOINT: _lat(5.0)}),)
-    ctx = CalibrationContext(topology=topo.to_dict(), hidden_size=4096, dtype="bf16", backend="fake",
-                             date="2026-01-01T00:00:00+00:00", settings={"repeats": 10})
+        anchors = (
+            Anchor(
+                name="req-1",
+                coords=(0.5, 0.1, 0.9),
+                B_mean_bytes=79_000_000.0,
+                rho_g=1.7,
+                kappa=2.8,
+                path=Route.RAIL,
+                latency_s={
+                    Route.NATIVE: _lat(9.0),
+                    Route.RAIL: _lat(4.0),
+                    Route.PERM: _lat(6.0),
+                    Route.JOINT: _lat(5.0),
+                },
+            ),
+        )
+    ctx = CalibrationContext(
+        topology=topo.to_dict(),
+        hidden_size=4096,
+        dtype="bf16",
+        backend="fake",
+        date="2026-01-01T00:00:00+00:00",
+        settings={"repeats": 10},
+    )
     return AnchorSet(anchors=anchors, scales=AnchorSet.scales_for(topo), context=ctx)
 
 
@@ -45,20 +63,40 @@ def test_anchors_round_trip_keeps_every_field(tmp_path):
     assert text.startswith("format: railwave-anchors\nversion: 1\n")
     back = load_anchors(path, TOPO)
     assert back == aset
-    assert back.anchors[0].latency_s[Route.RAIL].spread == pytest.approx(1.05 ** 2)
+    assert back.anchors[0].latency_s[Route.RAIL].spread == pytest.approx(1.05**2)
 
 
 def test_anchors_round_trip_keeps_input_windows_and_settings(tmp_path):
     # What calibrate writes: an anchor of an arranged input (3 windows) next to an all-pairs one,
     # and the provenance of the requests (validate rebuilds held-out requests from it).
     base = make_set().anchors[0]
-    arranged = Anchor(name="req-2", coords=(-5.0, 0.2, 0.9), B_mean_bytes=1_700_000.0, rho_g=2.4, kappa=2.8,
-                      path=Route.PERM, latency_s=base.latency_s, input_windows=3)
-    settings = {"repeats": 1, "requests": {"workload": "glm", "seed": 0, "layers": [1, 3], "tokens": [128, 4096],
-                                           "payload_scales": [1.0], "arrangements": ["none", "extreme"]}}
+    arranged = Anchor(
+        name="req-2",
+        coords=(-5.0, 0.2, 0.9),
+        B_mean_bytes=1_700_000.0,
+        rho_g=2.4,
+        kappa=2.8,
+        path=Route.PERM,
+        latency_s=base.latency_s,
+        input_windows=3,
+    )
+    settings = {
+        "repeats": 1,
+        "requests": {
+            "workload": "glm",
+            "seed": 0,
+            "layers": [1, 3],
+            "tokens": [128, 4096],
+            "payload_scales": [1.0],
+            "arrangements": ["none", "extreme"],
+        },
+    }
     aset = make_set(anchors=(base, arranged))
-    aset = AnchorSet(anchors=aset.anchors, scales=aset.scales,
-                     context=CalibrationContext(**{**aset.context.to_dict(), "settings": settings}))
+    aset = AnchorSet(
+        anchors=aset.anchors,
+        scales=aset.scales,
+        context=CalibrationContext(**{**aset.context.to_dict(), "settings": settings}),
+    )
     back = load_anchors(save_anchors(aset, tmp_path / "a.yaml"), TOPO)
     assert back == aset
     assert [a.input_windows for a in back.anchors] == [1, 3]
@@ -94,37 +132,78 @@ def _mutate(data: dict, dotted: str, value) -> dict:
     return data
 
 
-@pytest.mark.parametrize(("field", "value", "message"), [
-    ("format", "something-else", r"field 'format' must be 'railwave-anchors'"),
-    ("version", 99, r"field 'version' must be 1"),
-    ("context", KeyError, r"field 'context' must be a mapping"),
-    ("context.hidden_size", "4096", r"field 'context.hidden_size' must be a positive integer"),
-    ("context.backend", None, r"field 'context.backend' must be a string"),
-    ("scales.rho_scale", 0, r"field 'scales.rho_scale' must be > 0"),
-    ("anchors", {"a": 1}, r"field 'anchors' must be a list"),
-    ("anchors.0.coords", [1.0, 2.0], r"field 'anchors\[0\].coords' must be a list of 3 finite numbers"),
-    ("anchors.0.path", "fastest", r"field 'anchors\[0\].path' must be one of native, rail, perm, joint"),
-    ("anchors.0.path", KeyError, r"field 'anchors\[0\].path' is missing"),
-    ("anchors.0.rho_g", "high", r"field 'anchors\[0\].rho_g' must be a number"),
-    ("anchors.0.B_mean_bytes", -1.0, r"field 'anchors\[0\].B_mean_bytes' must be > 0"),
-    ("anchors.0.latency_s.perm", KeyError, r"field 'anchors\[0\].latency_s' lacks the path\(s\) \['perm'\]"),
-    ("anchors.0.latency_s.rail.p90", "x", r"field 'anchors\[0\].latency_s.rail.p90' must be a number"),
-    ("anchors.0.latency_s.rail.p10", 1.0, r"field 'anchors\[0\].latency_s.rail' need 0 <= p10 <= median"),
-    ("anchors.0.latency_s.rail.samples", 0, r"field 'anchors\[0\].latency_s.rail.samples' must be a positive"),
-    ("anchors.0.input_windows", 0, r"field 'anchors\[0\].input_windows' must be an integer >= 1, got 0"),
-    ("anchors.0.input_windows", "3", r"field 'anchors\[0\].input_windows' must be an integer >= 1"),
-])
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("format", "something-else", r"field 'format' must be 'railwave-anchors'"),
+        ("version", 99, r"field 'version' must be 1"),
+        ("context", KeyError, r"field 'context' must be a mapping"),
+        ("context.hidden_size", "4096", r"field 'context.hidden_size' must be a positive integer"),
+        ("context.backend", None, r"field 'context.backend' must be a string"),
+        ("scales.rho_scale", 0, r"field 'scales.rho_scale' must be > 0"),
+        ("anchors", {"a": 1}, r"field 'anchors' must be a list"),
+        (
+            "anchors.0.coords",
+            [1.0, 2.0],
+            r"field 'anchors\[0\].coords' must be a list of 3 finite numbers",
+        ),
+        (
+            "anchors.0.path",
+            "fastest",
+            r"field 'anchors\[0\].path' must be one of native, rail, perm, joint",
+        ),
+        ("anchors.0.path", KeyError, r"field 'anchors\[0\].path' is missing"),
+        ("anchors.0.rho_g", "high", r"field 'anchors\[0\].rho_g' must be a number"),
+        ("anchors.0.B_mean_bytes", -1.0, r"field 'anchors\[0\].B_mean_bytes' must be > 0"),
+        (
+            "anchors.0.latency_s.perm",
+            KeyError,
+            r"field 'anchors\[0\].latency_s' lacks the path\(s\) \['perm'\]",
+        ),
+        (
+            "anchors.0.latency_s.rail.p90",
+            "x",
+            r"field 'anchors\[0\].latency_s.rail.p90' must be a number",
+        ),
+        (
+            "anchors.0.latency_s.rail.p10",
+            1.0,
+            r"field 'anchors\[0\].latency_s.rail' need 0 <= p10 <= median",
+        ),
+        (
+            "anchors.0.latency_s.rail.samples",
+            0,
+            r"field 'anchors\[0\].latency_s.rail.samples' must be a positive",
+        ),
+        (
+            "anchors.0.input_windows",
+            0,
+            r"field 'anchors\[0\].input_windows' must be an integer >= 1, got 0",
+        ),
+        (
+            "anchors.0.input_windows",
+            "3",
+            r"field 'anchors\[0\].input_windows' must be an integer >= 1",
+        ),
+    ],
+)
 def test_anchors_malformed_field_is_named(field, value, message):
     data = _mutate(make_set().to_dict(), field, value)
     with pytest.raises(ValueError, match=message):
         anchors_from_dict(data, source="'x.yaml'", topo=TOPO)
 
 
-@pytest.mark.parametrize(("other", "field"), [
-    (RailTopology(num_nodes=2, gpus_per_node=8), "num_nodes"),
-    (RailTopology(num_nodes=4, gpus_per_node=8, rail_gbps=200.0), "rail_gbps"),
-    (RailTopology(num_nodes=4, gpus_per_node=8, failed_rails=frozenset({(1, 3)})), "failed_rails"),
-])
+@pytest.mark.parametrize(
+    ("other", "field"),
+    [
+        (RailTopology(num_nodes=2, gpus_per_node=8), "num_nodes"),
+        (RailTopology(num_nodes=4, gpus_per_node=8, rail_gbps=200.0), "rail_gbps"),
+        (
+            RailTopology(num_nodes=4, gpus_per_node=8, failed_rails=frozenset({(1, 3)})),
+            "failed_rails",
+        ),
+    ],
+)
 def test_anchors_for_another_topology_are_rejected(tmp_path, other, field):
     path = save_anchors(make_set(), tmp_path / "a.yaml")
     with pytest.raises(ValueError, match=rf"another topology: field 'context.topology.{field}'"):
@@ -167,14 +246,21 @@ def test_shipped_anchors_files_load_for_their_cluster_and_chunks(name):
     topo = load_topology(name.removesuffix("_c2"))
     aset = load_anchors(path, topo)
     assert aset.chunks == (2 if name.endswith("_c2") else 1)
-    sel = selector_from_config(RailWaveConfig(path="auto", anchors=str(path), chunks=aset.chunks), topo)
-    assert isinstance(sel, ModelSelector) and sel.model == aset.path_model and sel.model.windowed is not None
+    sel = selector_from_config(
+        RailWaveConfig(path="auto", anchors=str(path), chunks=aset.chunks), topo
+    )
+    assert (
+        isinstance(sel, ModelSelector)
+        and sel.model == aset.path_model
+        and sel.model.windowed is not None
+    )
     assert sel.model.costs.chunks == aset.chunks
     # The anchor rule's anchors stay in the file for `validate --rule anchors`; the H800 whole-wave
     # tuning kept none (no anchor setting beat always-JOINT leaving seeds out).
     assert bool(aset.anchors) == (name != "h800_4x8")
     assert sorted(p.name.removesuffix(".yaml") for p in path.parent.glob("*.yaml")) == sorted(
-        ["h800_4x8", "h20_4x8", "h800_4x8_c2", "h20_4x8_c2"])
+        ["h800_4x8", "h20_4x8", "h800_4x8_c2", "h20_4x8_c2"]
+    )
 
 
 @pytest.mark.parametrize("name", ["h800_4x8", "h20_4x8", "h800_4x8_c2", "h20_4x8_c2"])
@@ -198,9 +284,12 @@ def test_shipped_files_coefficients_come_from_their_kept_rows(name):
     model = load_anchors(anchors / f"{name}.yaml", None).path_model
     with gzip.open(anchors / "rows" / f"{name}.jsonl.gz", "rt") as f:
         rows = [json.loads(line) for line in f]
-    refit = fit_rail_joint(np.array([r["features"] for r in rows]), np.array([r["windows"] for r in rows]),
-                           np.log(np.array([r["rail_s"] for r in rows]) / np.array([r["joint_s"] for r in rows])),
-                           costs=model.costs)
+    refit = fit_rail_joint(
+        np.array([r["features"] for r in rows]),
+        np.array([r["windows"] for r in rows]),
+        np.log(np.array([r["rail_s"] for r in rows]) / np.array([r["joint_s"] for r in rows])),
+        costs=model.costs,
+    )
     assert np.allclose(refit.all_pairs, model.all_pairs, rtol=1e-9, atol=1e-12)
     assert np.allclose(refit.windowed, model.windowed, rtol=1e-9, atol=1e-12)
     aset = load_anchors(anchors / f"{name}.yaml", None)
@@ -210,10 +299,22 @@ def test_shipped_files_coefficients_come_from_their_kept_rows(name):
     assert small[0]["windows"] == 1 and small[-1]["windows"] > 1
     for row in (small[0], small[-1]):  # all pairs at once, then an arrangement's windows
         arrangement = row["name"].split("-")[4]
-        (request,) = calibration.glm_requests(topo, layers=[row["layer"]], step=0, seed=row["seed"],
-                                              payload_scales=[1.0], record_bytes=record_bytes, tokens=[row["T"]],
-                                              arrangements=[arrangement])
+        (request,) = calibration.glm_requests(
+            topo,
+            layers=[row["layer"]],
+            step=0,
+            seed=row["seed"],
+            payload_scales=[1.0],
+            record_bytes=record_bytes,
+            tokens=[row["T"]],
+            arrangements=[arrangement],
+        )
         assert request.name == row["name"]
-        got = path_features(request.demand, topo, record_bytes=request.record_bytes, windows=request.windows,
-                            costs=model.costs)
+        got = path_features(
+            request.demand,
+            topo,
+            record_bytes=request.record_bytes,
+            windows=request.windows,
+            costs=model.costs,
+        )
         assert np.allclose(got, row["features"], rtol=1e-12, atol=0), row["name"]

@@ -45,12 +45,20 @@ def offending_literals(source: str) -> list[tuple[int, str]]:
 
 
 def test_package_never_loads_files_from_examples_or_tests():
-    found = [f"{path.relative_to(PACKAGE)}:{line}: {text!r}"
-             for path in _sources() for line, text in offending_literals(path.read_text())]
+    found = [
+        f"{path.relative_to(PACKAGE)}:{line}: {text!r}"
+        for path in _sources()
+        for line, text in offending_literals(path.read_text())
+    ]
     assert found == [], "package code points into examples/ or tests/:\n" + "\n".join(found)
 
 
 def test_the_check_catches_a_path_into_examples():
-    bad = 'X = Path(__file__).parents[2] / "examples" / "cpu_shims.py"\nimportlib.util.spec_from_file_location("m", X)\n'
+    bad = (
+        'X = Path(__file__).parents[2] / "examples" / '
+        '"cpu_shims.py"\nimportlib.util.spec_from_file_location("m", X)\n'
+    )
     assert sorted(line for line, _ in offending_literals(bad)) == [1, 2]
-    assert offending_literals('"""Docs may mention examples/demo.py."""\nY = "tests_dir_name"\n') == []
+    assert (
+        offending_literals('"""Docs may mention examples/demo.py."""\nY = "tests_dir_name"\n') == []
+    )

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 import torch
 
+from megatron_railwave.names import Route
 from megatron_railwave.selector.arrivals import arrival_copies_NNCGG, prefix_copies
 from megatron_railwave.selector.path_model import class_copies_NGNKG
-from megatron_railwave.names import Route
 from megatron_railwave.topology import RailTopology
 from megatron_railwave.traffic import DemandCounts, mask_classes
 from tests.helpers.delivery_cases import dispatch_deliveries, subset_demand
@@ -30,12 +30,16 @@ def test_prefix_copies_walks_the_low_bits_inside_a_class():
     class_copies = np.zeros((1, 4, 4))
     class_copies[0, 0] = [4, 2, 0, 0]
     class_copies[0, 2] = [0, 3, 0, 6]
-    got = prefix_copies(np.array([10.0]), class_copies, np.array([[2.0, 3.0, 4.0, 5.0, 8.0, 10.0]]))[0]
+    got = prefix_copies(
+        np.array([10.0]), class_copies, np.array([[2.0, 3.0, 4.0, 5.0, 8.0, 10.0]])
+    )[0]
     want = [[2, 0, 0, 0], [3, 1, 0, 0], [4, 2, 0, 0], [4, 2, 0, 1], [4, 3, 0, 4], [4, 5, 0, 6]]
     assert got == pytest.approx(np.array(want, dtype=float), abs=1e-9)
 
 
-def _random_class_copies(rng: np.random.Generator, lists: int, g: int) -> tuple[np.ndarray, np.ndarray]:
+def _random_class_copies(
+    rng: np.random.Generator, lists: int, g: int
+) -> tuple[np.ndarray, np.ndarray]:
     """(records [I], class copies [I, K, G]) that some routing could give: a class's top bits on
     each of its records, its low bits' copies at most its records, every class-0 record with a
     low bit (at least one low target gets all of them)."""
@@ -91,21 +95,35 @@ def _mask_per_class_demand(topo: RailTopology, seed: int) -> DemandCounts:
     wnm = torch.zeros(w, n, 1 << g, dtype=torch.int64)
     for c in range(k):
         patterns = torch.randint(1 if c == 0 else 0, 1 << low, (w, n), generator=gen)
-        wnm.scatter_add_(2, ((c << low) + patterns)[:, :, None], torch.randint(0, 30, (w, n, 1), generator=gen))
+        wnm.scatter_add_(
+            2, ((c << low) + patterns)[:, :, None], torch.randint(0, 30, (w, n, 1), generator=gen)
+        )
     return DemandCounts(records_WNM=wnm)
 
 
-@pytest.mark.parametrize("make_demand", [_one_mask_demand, _subset_demand, _mask_per_class_demand],
-                         ids=["one-mask", "subsets", "mask-per-class"])
+@pytest.mark.parametrize(
+    "make_demand",
+    [_one_mask_demand, _subset_demand, _mask_per_class_demand],
+    ids=["one-mask", "subsets", "mask-per-class"],
+)
 @pytest.mark.parametrize("chunks", [1, 2, 3])
-@pytest.mark.parametrize("topo", [RailTopology(num_nodes=3, gpus_per_node=4),
-                                  RailTopology(num_nodes=4, gpus_per_node=3, failed_rails=frozenset({(2, 1)}))],
-                         ids=["3x4", "4x3-failed-rail"])
-def test_arrivals_match_the_compiled_schedule_where_target_bits_are_independent(topo, chunks, make_demand):
+@pytest.mark.parametrize(
+    "topo",
+    [
+        RailTopology(num_nodes=3, gpus_per_node=4),
+        RailTopology(num_nodes=4, gpus_per_node=3, failed_rails=frozenset({(2, 1)})),
+    ],
+    ids=["3x4", "4x3-failed-rail"],
+)
+def test_arrivals_match_the_compiled_schedule_where_target_bits_are_independent(
+    topo, chunks, make_demand
+):
     n, g = topo.num_nodes, topo.gpus_per_node
     for seed in range(4):
         demand = make_demand(topo, seed)
-        got = arrival_copies_NNCGG(demand.records_NGN().double().numpy(), class_copies_NGNKG(demand), topo, chunks)
+        got = arrival_copies_NNCGG(
+            demand.records_NGN().double().numpy(), class_copies_NGNKG(demand), topo, chunks
+        )
         plan, rounds = dispatch_deliveries(demand, topo, Route.JOINT, chunks)
         for step, src, dst, rows in rounds:
             if step == 0:
@@ -113,7 +131,12 @@ def test_arrivals_match_the_compiled_schedule_where_target_bits_are_independent(
             want = np.zeros((n, g, g))  # [d, arrival, target]
             np.add.at(want, (dst // g, src % g, dst % g), rows)
             wave, chunk = divmod(step - 1, chunks)
-            senders = [(d, s) for d in range(n) for s in range(n) if s != d and plan.pair_wave_NN[s, d] == wave]
+            senders = [
+                (d, s)
+                for d in range(n)
+                for s in range(n)
+                if s != d and plan.pair_wave_NN[s, d] == wave
+            ]
             model = np.zeros((n, g, g))
             for d, s in senders:
                 model[d] += got[s, d, chunk]

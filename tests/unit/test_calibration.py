@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
+from megatron_railwave.cli import main
 from megatron_railwave.lab import calibration
-from megatron_railwave.selector.anchors import PathLatency, load_anchors
 from megatron_railwave.lab.calibration import (
     ALL_PATHS,
     ReplayRequest,
@@ -24,15 +24,21 @@ from megatron_railwave.lab.calibration import (
     validate,
     validation_requests,
 )
-from megatron_railwave.cli import main
 from megatron_railwave.names import Route
 from megatron_railwave.planner import PlanOptions
 from megatron_railwave.selector import AnchorSelector
+from megatron_railwave.selector.anchors import PathLatency, load_anchors
 from megatron_railwave.topology import RailTopology
 
 TOPO = RailTopology(num_nodes=4, gpus_per_node=2, name="tiny_4x2")
-SETTINGS = {"workload": "synthetic", "families": [0, 1, 2, 3], "payload_scales": [1.0, 4.0], "tokens": 96,
-            "num_experts": 16, "topk": 4}
+SETTINGS = {
+    "workload": "synthetic",
+    "families": [0, 1, 2, 3],
+    "payload_scales": [1.0, 4.0],
+    "tokens": 96,
+    "num_experts": 16,
+    "topk": 4,
+}
 RECORD_BYTES = 4096 * 2
 
 
@@ -47,8 +53,15 @@ class FakeBackend:
 
     name = "fake"
 
-    def __init__(self, topo: RailTopology, *, alpha: float = 0.5, wave_s: float = 2e-4, noise: float = 0.0,
-                 seed: int = 0) -> None:
+    def __init__(
+        self,
+        topo: RailTopology,
+        *,
+        alpha: float = 0.5,
+        wave_s: float = 2e-4,
+        noise: float = 0.0,
+        seed: int = 0,
+    ) -> None:
         self.topo, self.alpha, self.wave_s, self.noise = topo, alpha, wave_s, noise
         self.rng = np.random.default_rng(seed)
         self.calls: list[tuple[str, str, int]] = []
@@ -64,13 +77,20 @@ class FakeBackend:
             senders = (lw > 0).sum(0).to(torch.float64)
             rx = (lw.sum(0) * (1 + self.alpha * (senders - 1).clamp(min=0))).max().item()
             total += max(lw.sum(-1).max().item(), rx) / self.topo.rail_bytes_per_s + self.wave_s
-        relay = plan.relayed_records() * request.record_bytes / self.topo.world_size / self.topo.nvlink_bytes_per_s
+        relay = (
+            plan.relayed_records()
+            * request.record_bytes
+            / self.topo.world_size
+            / self.topo.nvlink_bytes_per_s
+        )
         return total + relay
 
     def measure(self, request: ReplayRequest, path: Route, repeats: int) -> list[float]:
         self.calls.append((request.name, str(path), repeats))
         base = self.latency(request, path)
-        return [base * (1 + self.noise * abs(float(self.rng.standard_normal()))) for _ in range(repeats)]
+        return [
+            base * (1 + self.noise * abs(float(self.rng.standard_normal()))) for _ in range(repeats)
+        ]
 
 
 @pytest.fixture(scope="module")
@@ -80,18 +100,43 @@ def requests() -> list[ReplayRequest]:
 
 @pytest.fixture(scope="module")
 def calibrated(requests):
-    return calibrate(FakeBackend(TOPO), requests, TOPO, hidden_size=4096, dtype="bf16", warmups=1, repeats=3,
-                     settings={"requests": SETTINGS}, progress=False)
+    return calibrate(
+        FakeBackend(TOPO),
+        requests,
+        TOPO,
+        hidden_size=4096,
+        dtype="bf16",
+        warmups=1,
+        repeats=3,
+        settings={"requests": SETTINGS},
+        progress=False,
+    )
 
 
 def test_profile_request_warms_up_then_interleaves_rotating_rounds(requests):
     backend = FakeBackend(TOPO)
     samples = profile_request(backend, requests[0], warmups=2, repeats=3)
     order = [(p, r) for _, p, r in backend.calls]
-    assert order[:4] == [("native", 2), ("rail", 2), ("perm", 2), ("joint", 2)]  # warm-ups, discarded
-    assert [p for p, _ in order[4:]] == ["native", "rail", "perm", "joint",
-                                         "rail", "perm", "joint", "native",
-                                         "perm", "joint", "native", "rail"]
+    assert order[:4] == [
+        ("native", 2),
+        ("rail", 2),
+        ("perm", 2),
+        ("joint", 2),
+    ]  # warm-ups, discarded
+    assert [p for p, _ in order[4:]] == [
+        "native",
+        "rail",
+        "perm",
+        "joint",
+        "rail",
+        "perm",
+        "joint",
+        "native",
+        "perm",
+        "joint",
+        "native",
+        "rail",
+    ]
     assert {p: len(v) for p, v in samples.items()} == {p: 3 for p in ALL_PATHS}
 
 
@@ -105,13 +150,26 @@ def _lat(med: float, lo: float, hi: float) -> PathLatency:
     return PathLatency(median=med, p10=lo, p90=hi, samples=10)
 
 
-@pytest.mark.parametrize(("rail", "joint", "kept", "reason"), [
-    (_lat(9.0, 8.9, 9.1), _lat(10.0, 9.9, 10.1), True, "kept"),         # 1 - 9.1 / 9.9 = 8.1%
-    (_lat(9.0, 9.0, 9.41), _lat(10.0, 9.9, 10.1), False, "gain"),       # 1 - 9.41 / 9.9 = 4.9%
-    (_lat(5.0, 4.0, 8.0), _lat(10.0, 9.9, 10.1), False, "not repeatable"),  # RAIL's p90/p10 = 2.0
-    (_lat(5.0, 4.9, 5.1), _lat(10.0, 6.0, 12.0), False, "not repeatable"),  # JOINT's p90/p10 = 2.0
-    (_lat(11.0, 10.9, 11.1), _lat(10.0, 9.9, 10.1), False, "JOINT is fastest"),
-])
+@pytest.mark.parametrize(
+    ("rail", "joint", "kept", "reason"),
+    [
+        (_lat(9.0, 8.9, 9.1), _lat(10.0, 9.9, 10.1), True, "kept"),  # 1 - 9.1 / 9.9 = 8.1%
+        (_lat(9.0, 9.0, 9.41), _lat(10.0, 9.9, 10.1), False, "gain"),  # 1 - 9.41 / 9.9 = 4.9%
+        (
+            _lat(5.0, 4.0, 8.0),
+            _lat(10.0, 9.9, 10.1),
+            False,
+            "not repeatable",
+        ),  # RAIL's p90/p10 = 2.0
+        (
+            _lat(5.0, 4.9, 5.1),
+            _lat(10.0, 6.0, 12.0),
+            False,
+            "not repeatable",
+        ),  # JOINT's p90/p10 = 2.0
+        (_lat(11.0, 10.9, 11.1), _lat(10.0, 9.9, 10.1), False, "JOINT is fastest"),
+    ],
+)
 def test_keep_anchor_rule(rail, joint, kept, reason):
     slow = _lat(20.0, 19.9, 20.1)
     latency = {Route.NATIVE: slow, Route.RAIL: rail, Route.PERM: slow, Route.JOINT: joint}
@@ -157,8 +215,16 @@ def test_calibrate_keeps_only_winners_over_joint(calibrated, requests):
 
 def test_calibrate_drops_unrepeatable_measurements(requests):
     noisy = FakeBackend(TOPO, noise=1.0, seed=1)
-    result = calibrate(noisy, requests[:4], TOPO, hidden_size=4096, dtype="bf16", warmups=0, repeats=6,
-                       progress=False)
+    result = calibrate(
+        noisy,
+        requests[:4],
+        TOPO,
+        hidden_size=4096,
+        dtype="bf16",
+        warmups=0,
+        repeats=6,
+        progress=False,
+    )
     assert result.anchor_set.anchors == ()
     assert any("not repeatable" in r.reason for r in result.rows)
 
@@ -186,27 +252,42 @@ def test_validation_requests_are_held_out_families(requests):
     assert all(torch.equal(a.records_NGN, b.records_NGN) for a, b in zip(unseen, again))
     # Families are ordered as consecutive layers of one sequence per (T, arrangement, scale).
     assert [(r.meta["sequence"], r.meta["position"]) for r in unseen] == sorted(
-        (r.meta["sequence"], r.meta["position"]) for r in unseen)
+        (r.meta["sequence"], r.meta["position"]) for r in unseen
+    )
     with pytest.raises(ValueError, match=r"held-out routing families \[2, 3\] were calibrated"):
         validation_requests(TOPO, SETTINGS, count=3, seed=2, record_bytes=RECORD_BYTES)
 
 
-GLM_SETTINGS = {"workload": "glm", "seed": 0, "layers": [1, 3, 5], "payload_scales": [1.0], "tokens": [32, 64],
-                "arrangements": ["none", "ring"]}
+GLM_SETTINGS = {
+    "workload": "glm",
+    "seed": 0,
+    "layers": [1, 3, 5],
+    "payload_scales": [1.0],
+    "tokens": [32, 64],
+    "arrangements": ["none", "ring"],
+}
 
 
 def test_held_out_glm_settings_use_another_seed_and_other_layers():
     held = calibration.held_out_settings(GLM_SETTINGS, seed=7)
-    assert held["seed"] == 7 and held["tokens"] == [32, 64] and held["arrangements"] == ["none", "ring"]
+    assert (
+        held["seed"] == 7
+        and held["tokens"] == [32, 64]
+        and held["arrangements"] == ["none", "ring"]
+    )
     assert held["layers"] == [2, 4] + list(range(6, 46))  # every layer calibration did not use
     assert calibration.held_out_settings(GLM_SETTINGS, seed=7, count=2)["layers"] == [2, 4]
     with pytest.raises(ValueError, match=r"another GLM seed than calibration's \[0\]"):
         calibration.held_out_settings(GLM_SETTINGS, seed=0)
     with pytest.raises(ValueError, match=r"held-out layers \[3\] were calibrated"):
         calibration.held_out_settings(GLM_SETTINGS, seed=7, layers=[2, 3])
-    with pytest.raises(ValueError, match=r"another GLM seed than calibration's \[0, 7\] \(shared: \[7\]\)"):
+    with pytest.raises(
+        ValueError, match=r"another GLM seed than calibration's \[0, 7\] \(shared: \[7\]\)"
+    ):
         calibration.held_out_settings({**GLM_SETTINGS, "extra_seeds": [7]}, seed=7)
-    assert "extra_seeds" not in calibration.held_out_settings({**GLM_SETTINGS, "extra_seeds": [3]}, seed=7)
+    assert "extra_seeds" not in calibration.held_out_settings(
+        {**GLM_SETTINGS, "extra_seeds": [3]}, seed=7
+    )
     with pytest.raises(ValueError, match="calibration used every GLM-4.5-Air MoE layer"):
         calibration.held_out_settings({**GLM_SETTINGS, "layers": None}, seed=7)
 
@@ -215,7 +296,9 @@ def test_glm_validation_requests_share_no_seed_or_layer_with_calibration():
     cal = calibration_requests(TOPO, GLM_SETTINGS, record_bytes=RECORD_BYTES)
     val = validation_requests(TOPO, GLM_SETTINGS, seed=9, layers=[2, 4], record_bytes=RECORD_BYTES)
     assert len(cal) == 3 * 2 * 2 and len(val) == 2 * 2 * 2
-    assert {(r.meta["seed"], r.meta["layer"]) for r in cal}.isdisjoint({(r.meta["seed"], r.meta["layer"]) for r in val})
+    assert {(r.meta["seed"], r.meta["layer"]) for r in cal}.isdisjoint(
+        {(r.meta["seed"], r.meta["layer"]) for r in val}
+    )
     assert {r.meta["tokens"] for r in val} == {32, 64}
     # One sequence per (T, arrangement), layers in order inside it.
     seqs = {}
@@ -227,12 +310,22 @@ def test_glm_validation_requests_share_no_seed_or_layer_with_calibration():
 def _row(name: str, selected: Route, times: dict[Route, float], *, seq: str = "s", pos: int = 0):
     median = {p: times.get(p, 1.0) for p in ALL_PATHS}
     best = min(ALL_PATHS, key=lambda p: (median[p], p != Route.JOINT))
-    return calibration.ValidationRow(request=name, coords=(0.0, 0.0, 0.0), selected=selected, anchor=None,
-                                     median_s=median, best=best, sequence=seq, position=pos)
+    return calibration.ValidationRow(
+        request=name,
+        coords=(0.0, 0.0, 0.0),
+        selected=selected,
+        anchor=None,
+        median_s=median,
+        best=best,
+        sequence=seq,
+        position=pos,
+    )
 
 
 def test_validation_goal_one_allows_exactly_three_percent():
-    at_limit = _row("a", Route.JOINT, {Route.JOINT: 0.103, Route.RAIL: 0.1})       # 1.03x the best: within
+    at_limit = _row(
+        "a", Route.JOINT, {Route.JOINT: 0.103, Route.RAIL: 0.1}
+    )  # 1.03x the best: within
     # 0.003843 x 1.03 / 0.003843 rounds to 1.0300000000000002: still exactly 3%, still within.
     rounded = _row("r", Route.JOINT, {Route.JOINT: 0.003843 * 1.03, Route.RAIL: 0.003843}, pos=5)
     result = calibration.ValidationResult(rows=(at_limit, rounded))
@@ -254,17 +347,22 @@ def test_validation_goal_two_needs_a_total_strictly_below_always_joint():
     s = calibration.ValidationResult(rows=(same, faster, slower)).summary()
     assert s["total_selected_s"] == pytest.approx(0.1 + 0.09 + 0.102)
     assert s["total_fixed_s"]["joint"] == pytest.approx(0.3)
-    assert s["goals"] == {"within_tolerance_of_best_on_every_request": True, "total_beats_always_joint": True,
-                          "all_met": True}
+    assert s["goals"] == {
+        "within_tolerance_of_best_on_every_request": True,
+        "total_beats_always_joint": True,
+        "all_met": True,
+    }
     assert s["selected_vs_joint_policy"] == pytest.approx(0.292 / 0.3)
 
 
 def test_decision_cost_is_charged_per_layer_against_always_joint():
     # JOINT 0.3 s in all; the selection saves 8 ms (b) and loses 2 ms (c); the best per request
     # saves 10 ms (b: RAIL, c: JOINT) -> at most 10 / 3 ms per layer for any decision.
-    rows = (_row("a", Route.JOINT, {Route.JOINT: 0.1}),
-            _row("b", Route.RAIL, {Route.JOINT: 0.1, Route.RAIL: 0.09}, pos=1),
-            _row("c", Route.NATIVE, {Route.JOINT: 0.1, Route.NATIVE: 0.102}, pos=2))
+    rows = (
+        _row("a", Route.JOINT, {Route.JOINT: 0.1}),
+        _row("b", Route.RAIL, {Route.JOINT: 0.1, Route.RAIL: 0.09}, pos=1),
+        _row("c", Route.NATIVE, {Route.JOINT: 0.1, Route.NATIVE: 0.102}, pos=2),
+    )
     result = calibration.ValidationResult(rows=rows)
     cheap = result.with_decision_cost(1e-3)
     assert cheap["selected_gain_s_per_layer"] == pytest.approx(0.008 / 3)
@@ -272,7 +370,8 @@ def test_decision_cost_is_charged_per_layer_against_always_joint():
     assert cheap["total_selected_with_decisions_s"] == pytest.approx(0.292 + 0.003)
     assert cheap["selected_with_decisions_vs_joint_policy"] == pytest.approx(0.295 / 0.3)
     assert cheap["total_with_decisions_beats_always_joint"] and cheap["a_decision_could_pay"]
-    # 3 ms per layer: more than the selection saves (beats nothing) and than the best could (0.0033 s: could pay).
+    # 3 ms per layer: more than the selection saves (beats nothing) and than the best could (0.0033
+    # s: could pay).
     costly = result.with_decision_cost(3e-3)
     assert not costly["total_with_decisions_beats_always_joint"] and costly["a_decision_could_pay"]
     assert not result.with_decision_cost(4e-3)["a_decision_could_pay"]
@@ -288,11 +387,17 @@ def test_decision_cost_is_charged_per_layer_against_always_joint():
     assert training["total_with_decisions_beats_always_joint"] and training["a_decision_could_pay"]
     assert result.with_decision_cost(4e-3, exchanges_per_decision=2)["a_decision_could_pay"]
     by_pass = result.decision_cost_by_pass(3e-3)
-    assert {name: p["exchanges_per_decision"] for name, p in by_pass.items()} == calibration.PASS_EXCHANGES
-    assert by_pass["forward only"] == costly and by_pass["training"] == training  # every row all pairs
+    assert {
+        name: p["exchanges_per_decision"] for name, p in by_pass.items()
+    } == calibration.PASS_EXCHANGES
+    assert (
+        by_pass["forward only"] == costly and by_pass["training"] == training
+    )  # every row all pairs
     # Only the requests sent all node pairs at once count per pass: with b in windows, the
     # selection saves nothing on a and loses 2 ms on c.
-    windowed = calibration.ValidationResult(rows=(rows[0], dataclasses.replace(rows[1], windows=3), rows[2]))
+    windowed = calibration.ValidationResult(
+        rows=(rows[0], dataclasses.replace(rows[1], windows=3), rows[2])
+    )
     assert windowed.all_pairs().rows == (rows[0], rows[2])
     by_pass = windowed.decision_cost_by_pass(0.0)
     assert by_pass["training"]["num_requests"] == 2
@@ -306,16 +411,25 @@ def test_decision_cost_is_charged_per_layer_against_always_joint():
 def test_path_changes_count_consecutive_layers_per_sequence():
     # Sequence x: layers 1..4 select rail, joint, joint, rail -> 2 changes (given out of order);
     # sequence y: one layer -> 0. A change across sequences does not count.
-    rows = (_row("x3", Route.JOINT, {}, seq="x", pos=3), _row("x1", Route.RAIL, {}, seq="x", pos=1),
-            _row("x2", Route.JOINT, {}, seq="x", pos=2), _row("x4", Route.RAIL, {}, seq="x", pos=4),
-            _row("y1", Route.NATIVE, {}, seq="y", pos=1))
+    rows = (
+        _row("x3", Route.JOINT, {}, seq="x", pos=3),
+        _row("x1", Route.RAIL, {}, seq="x", pos=1),
+        _row("x2", Route.JOINT, {}, seq="x", pos=2),
+        _row("x4", Route.RAIL, {}, seq="x", pos=4),
+        _row("y1", Route.NATIVE, {}, seq="y", pos=1),
+    )
     assert calibration.count_path_changes(rows) == {"x": 2, "y": 0}
     s = calibration.ValidationResult(rows=rows).summary()
     assert s["num_path_changes"] == 2 and s["num_sequences"] == 2
 
 
 def test_requests_under_arrangements_carry_their_windows():
-    settings = {**SETTINGS, "families": [0], "payload_scales": [1.0], "arrangements": ["none", "ring", "extreme"]}
+    settings = {
+        **SETTINGS,
+        "families": [0],
+        "payload_scales": [1.0],
+        "arrangements": ["none", "ring", "extreme"],
+    }
     none, ring, extreme = calibration_requests(TOPO, settings, record_bytes=RECORD_BYTES)
     assert [r.meta["arrangement"] for r in (none, ring, extreme)] == ["none", "ring", "extreme"]
     assert none.windows is None and ring.windows.num_waves == extreme.windows.num_waves == 3
@@ -340,8 +454,11 @@ def test_make_backend_netmodel_times_each_path_with_the_flow_model(requests):
     request = requests[0]
     times = {}
     for path in ALL_PATHS:
-        expected = simulate_plan(request_plan(request, TOPO, path), record_bytes=request.record_bytes,
-                                 demand=request.demand)
+        expected = simulate_plan(
+            request_plan(request, TOPO, path),
+            record_bytes=request.record_bytes,
+            demand=request.demand,
+        )
         got = backend.measure(request, path, 3)
         assert got == [pytest.approx(expected, rel=1e-12)] * 3, path
         times[path] = got[0]
@@ -349,7 +466,9 @@ def test_make_backend_netmodel_times_each_path_with_the_flow_model(requests):
 
 
 def test_make_backend_unknown_name_lists_the_backends():
-    with pytest.raises(ValueError, match=r"--backend 'testbed' is unknown; choose one of \['netmodel'\]"):
+    with pytest.raises(
+        ValueError, match=r"--backend 'testbed' is unknown; choose one of \['netmodel'\]"
+    ):
         make_backend("testbed", TOPO)
 
 
@@ -368,52 +487,165 @@ def test_calibrate_and_validate_cli_with_fake_backend(tmp_path, monkeypatch, cap
     cluster = tmp_path / "tiny.yaml"
     cluster.write_text("name: tiny_4x2\nnum_nodes: 4\ngpus_per_node: 2\n")
     out, cal_json = tmp_path / "anchors.yaml", tmp_path / "cal.json"
-    assert main(["calibrate", "--backend", "netmodel", "--cluster", str(cluster), "--out", str(out),
-                 "--families", "3", "--arrangements", "none,extreme", "--payload-scales", "1,4", "--tokens", "96",
-                 "--warmups", "1", "--repeats", "2", "--no-progress", "--json", str(cal_json)]) == 0
+    assert (
+        main(
+            [
+                "calibrate",
+                "--backend",
+                "netmodel",
+                "--cluster",
+                str(cluster),
+                "--out",
+                str(out),
+                "--families",
+                "3",
+                "--arrangements",
+                "none,extreme",
+                "--payload-scales",
+                "1,4",
+                "--tokens",
+                "96",
+                "--warmups",
+                "1",
+                "--repeats",
+                "2",
+                "--no-progress",
+                "--json",
+                str(cal_json),
+            ]
+        )
+        == 0
+    )
     aset = load_anchors(out, RailTopology(num_nodes=4, gpus_per_node=2))
     cal = json.loads(cal_json.read_text())
     assert len(cal["requests"]) == 12 and len(cal["anchors"]["anchors"]) == len(aset.anchors)
     assert "kept" in capsys.readouterr().out
 
     val_json = tmp_path / "val.json"
-    assert main(["validate", "--anchors", str(out), "--backend", "netmodel", "--requests", "2", "--seed", "30",
-                 "--warmups", "0", "--repeats", "1", "--no-progress", "--bench", "--json", str(val_json)]) == 0
+    assert (
+        main(
+            [
+                "validate",
+                "--anchors",
+                str(out),
+                "--backend",
+                "netmodel",
+                "--requests",
+                "2",
+                "--seed",
+                "30",
+                "--warmups",
+                "0",
+                "--repeats",
+                "1",
+                "--no-progress",
+                "--bench",
+                "--json",
+                str(val_json),
+            ]
+        )
+        == 0
+    )
     data = json.loads(val_json.read_text())
     # 2 held-out families x 2 arrangements x 2 scales, never a calibrated family.
     assert data["held_out"]["families"] == [30, 31]
     assert data["summary"]["num_requests"] == 8 and len(data["requests"]) == 8
-    assert {"selected", "selected_s", "joint_s", "best_path", "best_s", "ratio_to_best",
-            "within_goal"} <= set(data["requests"][0])
-    assert set(data["summary"]["goals"]) == {"within_tolerance_of_best_on_every_request",
-                                             "total_beats_always_joint", "all_met"}
+    assert {
+        "selected",
+        "selected_s",
+        "joint_s",
+        "best_path",
+        "best_s",
+        "ratio_to_best",
+        "within_goal",
+    } <= set(data["requests"][0])
+    assert set(data["summary"]["goals"]) == {
+        "within_tolerance_of_best_on_every_request",
+        "total_beats_always_joint",
+        "all_met",
+    }
     assert data["bench"]["us_per_decision"] > 0 and data["bench"]["descriptors_in_decision"]
     paid = data["decision_cost"]
     assert paid["decision_s_per_layer"] == pytest.approx(data["bench"]["us_per_decision"] * 1e-6)
     assert paid["total_selected_with_decisions_s"] > data["summary"]["total_selected_s"]
     by_pass = data["decision_cost_by_pass"]
     all_pairs = [r for r in data["requests"] if r["windows"] == 1]
-    assert 0 < len(all_pairs) < len(data["requests"])  # arrangements in windows are not the dispatcher's input
+    assert (
+        0 < len(all_pairs) < len(data["requests"])
+    )  # arrangements in windows are not the dispatcher's input
     assert by_pass["forward only"]["num_requests"] == len(all_pairs)
     assert by_pass["training"]["exchanges_per_decision"] == 2
     assert by_pass["training"]["selected_gain_s_per_layer"] == pytest.approx(
-        2 * sum(r["joint_s"] - r["selected_s"] for r in all_pairs) / len(all_pairs))
+        2 * sum(r["joint_s"] - r["selected_s"] for r in all_pairs) / len(all_pairs)
+    )
     printed = capsys.readouterr().out
     assert "selector decision cost" in printed and "goal 1" in printed and "goal 2" in printed
     assert "with the decision cost" in printed
     met = data["summary"]["goals"]["all_met"]
-    status = main(["validate", "--anchors", str(out), "--backend", "netmodel", "--requests", "2", "--seed", "30",
-                   "--warmups", "0", "--repeats", "1", "--no-progress", "--require-goals"])
+    status = main(
+        [
+            "validate",
+            "--anchors",
+            str(out),
+            "--backend",
+            "netmodel",
+            "--requests",
+            "2",
+            "--seed",
+            "30",
+            "--warmups",
+            "0",
+            "--repeats",
+            "1",
+            "--no-progress",
+            "--require-goals",
+        ]
+    )
     assert status == (0 if met else 1)
     with pytest.raises(SystemExit) as exc:  # held-out families must not be calibrated ones
-        main(["validate", "--anchors", str(out), "--backend", "netmodel", "--seed", "1", "--no-progress"])
+        main(
+            [
+                "validate",
+                "--anchors",
+                str(out),
+                "--backend",
+                "netmodel",
+                "--seed",
+                "1",
+                "--no-progress",
+            ]
+        )
     assert exc.value.code == 2
     capsys.readouterr()
-    other = tmp_path / "other_fabric.yaml"  # the file's model with another alpha: a what-if, said so
+    other = (
+        tmp_path / "other_fabric.yaml"
+    )  # the file's model with another alpha: a what-if, said so
     other.write_text("model:\n  alpha: 3.5\n")
-    main(["validate", "--anchors", str(out), "--backend", "netmodel", "--requests", "1", "--seed", "30",
-          "--warmups", "0", "--repeats", "1", "--no-progress", "--model", str(other)])
-    note = [line for line in capsys.readouterr().out.splitlines() if line.startswith("note: --model differs")]
+    main(
+        [
+            "validate",
+            "--anchors",
+            str(out),
+            "--backend",
+            "netmodel",
+            "--requests",
+            "1",
+            "--seed",
+            "30",
+            "--warmups",
+            "0",
+            "--repeats",
+            "1",
+            "--no-progress",
+            "--model",
+            str(other),
+        ]
+    )
+    note = [
+        line
+        for line in capsys.readouterr().out.splitlines()
+        if line.startswith("note: --model differs")
+    ]
     assert len(note) == 1 and "alpha 0.0 -> 3.5" in note[0]  # NetModelConfig() is max-min (alpha 0)
 
 
@@ -421,8 +653,20 @@ def test_validate_cli_errors(tmp_path):
     with pytest.raises(SystemExit) as exc:
         main(["validate", "--anchors", str(tmp_path / "nope.yaml"), "--bench"])
     assert exc.value.code != 0
-    with pytest.raises(SystemExit) as exc:  # argparse: not a choice (the placeholder backends are gone)
-        main(["calibrate", "--backend", "testbed", "--cluster", "h800_4x8", "--out", str(tmp_path / "a.yaml")])
+    with pytest.raises(
+        SystemExit
+    ) as exc:  # argparse: not a choice (the placeholder backends are gone)
+        main(
+            [
+                "calibrate",
+                "--backend",
+                "testbed",
+                "--cluster",
+                "h800_4x8",
+                "--out",
+                str(tmp_path / "a.yaml"),
+            ]
+        )
     assert exc.value.code == 2
 
 
@@ -440,23 +684,62 @@ def test_tune_selector_leaves_each_routing_out_and_picks_the_smallest_safe_thres
     lat[Route.RAIL] = _lat(0.9, 0.9, 0.9)
     rows, anchors = [], []
     for group, y in (("g1", 0.10), ("g2", 0.30), ("g3", 0.20)):
-        st = TrafficStats(B_mean_bytes=ref, B_max_bytes=ref, rho_g=1 + rho_s * y, kappa=1 + kappa_s * 0.5,
-                          coords=(0.0, y, 0.5), records_total=1, remote_records=1)
-        rows.append(calibration.CalibrationRow(request=group, stats=st, coords=st.coords, latency=lat,
-                                               best=Route.RAIL, kept=True, gain=0.1, reason="kept", group=group))
-        anchors.append(Anchor(name=group, coords=st.coords, B_mean_bytes=ref, rho_g=st.rho_g, kappa=st.kappa,
-                              path=Route.RAIL, latency_s=lat))
-    ctx = CalibrationContext(topology=TOPO.to_dict(), hidden_size=1, dtype="bf16", backend="fake", date="x")
-    result = calibration.CalibrationResult(anchor_set=AnchorSet(anchors=tuple(anchors), scales=(ref, rho_s, kappa_s),
-                                                                context=ctx), rows=tuple(rows))
-    tuned = calibration.tune_selector(result, grid={"payload_ratio": (1.25,), "shape_distance": (0.02, 0.05, 0.1, 0.2)},
-                                      split_fallback=False)
+        st = TrafficStats(
+            B_mean_bytes=ref,
+            B_max_bytes=ref,
+            rho_g=1 + rho_s * y,
+            kappa=1 + kappa_s * 0.5,
+            coords=(0.0, y, 0.5),
+            records_total=1,
+            remote_records=1,
+        )
+        rows.append(
+            calibration.CalibrationRow(
+                request=group,
+                stats=st,
+                coords=st.coords,
+                latency=lat,
+                best=Route.RAIL,
+                kept=True,
+                gain=0.1,
+                reason="kept",
+                group=group,
+            )
+        )
+        anchors.append(
+            Anchor(
+                name=group,
+                coords=st.coords,
+                B_mean_bytes=ref,
+                rho_g=st.rho_g,
+                kappa=st.kappa,
+                path=Route.RAIL,
+                latency_s=lat,
+            )
+        )
+    ctx = CalibrationContext(
+        topology=TOPO.to_dict(), hidden_size=1, dtype="bf16", backend="fake", date="x"
+    )
+    result = calibration.CalibrationResult(
+        anchor_set=AnchorSet(anchors=tuple(anchors), scales=(ref, rho_s, kappa_s), context=ctx),
+        rows=tuple(rows),
+    )
+    tuned = calibration.tune_selector(
+        result,
+        grid={"payload_ratio": (1.25,), "shape_distance": (0.02, 0.05, 0.1, 0.2)},
+        split_fallback=False,
+    )
     no_anchors, *scores = tuned["scores"]
     scores = [sc for sc in scores if sc["hold_rule"]]
-    assert no_anchors["shape_distance"] is None and no_anchors["over_tolerance"] == 3  # JOINT 1.11x the best
+    assert (
+        no_anchors["shape_distance"] is None and no_anchors["over_tolerance"] == 3
+    )  # JOINT 1.11x the best
     over = {sc["shape_distance"]: sc["over_tolerance"] for sc in scores}
     assert over == {0.02: 3, 0.05: 3, 0.1: 0, 0.2: 0}
-    assert (tuned["payload_ratio"], tuned["shape_distance"]) == (1.25, 0.1)  # 0.2 ties: the smaller wins
+    assert (tuned["payload_ratio"], tuned["shape_distance"]) == (
+        1.25,
+        0.1,
+    )  # 0.2 ties: the smaller wins
     assert tuned["use_anchors"] is True
 
 
@@ -473,16 +756,47 @@ def _twin_layer_result(seeds: dict[str, float]):
     for seed, y in seeds.items():
         for layer in (1, 3):
             name = f"{seed}-l{layer}"
-            st = TrafficStats(B_mean_bytes=ref, B_max_bytes=ref, rho_g=1 + rho_s * y, kappa=1 + kappa_s * 0.5,
-                              coords=(0.0, y, 0.5), records_total=1, remote_records=1)
-            rows.append(calibration.CalibrationRow(request=name, stats=st, coords=st.coords, latency=lat,
-                                                   best=Route.RAIL, kept=True, gain=0.1, reason="kept",
-                                                   group=name, seed=seed))
-            anchors.append(Anchor(name=name, coords=st.coords, B_mean_bytes=ref, rho_g=st.rho_g, kappa=st.kappa,
-                                  path=Route.RAIL, latency_s=lat))
-    ctx = CalibrationContext(topology=TOPO.to_dict(), hidden_size=1, dtype="bf16", backend="fake", date="x")
-    return calibration.CalibrationResult(anchor_set=AnchorSet(anchors=tuple(anchors), scales=(ref, rho_s, kappa_s),
-                                                              context=ctx), rows=tuple(rows))
+            st = TrafficStats(
+                B_mean_bytes=ref,
+                B_max_bytes=ref,
+                rho_g=1 + rho_s * y,
+                kappa=1 + kappa_s * 0.5,
+                coords=(0.0, y, 0.5),
+                records_total=1,
+                remote_records=1,
+            )
+            rows.append(
+                calibration.CalibrationRow(
+                    request=name,
+                    stats=st,
+                    coords=st.coords,
+                    latency=lat,
+                    best=Route.RAIL,
+                    kept=True,
+                    gain=0.1,
+                    reason="kept",
+                    group=name,
+                    seed=seed,
+                )
+            )
+            anchors.append(
+                Anchor(
+                    name=name,
+                    coords=st.coords,
+                    B_mean_bytes=ref,
+                    rho_g=st.rho_g,
+                    kappa=st.kappa,
+                    path=Route.RAIL,
+                    latency_s=lat,
+                )
+            )
+    ctx = CalibrationContext(
+        topology=TOPO.to_dict(), hidden_size=1, dtype="bf16", backend="fake", date="x"
+    )
+    return calibration.CalibrationResult(
+        anchor_set=AnchorSet(anchors=tuple(anchors), scales=(ref, rho_s, kappa_s), context=ctx),
+        rows=tuple(rows),
+    )
 
 
 def test_tune_selector_leaves_out_whole_seeds_when_calibration_spans_several():
@@ -492,18 +806,29 @@ def test_tune_selector_leaves_out_whole_seeds_when_calibration_spans_several():
     # sees only the other seed's anchors 0.1 away: 0.02 and 0.05 fall back to JOINT (4 requests
     # over 1.03x), 0.1 serves all.
     grid = {"payload_ratio": (1.25,), "shape_distance": (0.02, 0.05, 0.1, 0.2)}
-    tuned = calibration.tune_selector(_twin_layer_result({"glm1": 0.10, "glm2": 0.20}), grid=grid, split_fallback=False)
+    tuned = calibration.tune_selector(
+        _twin_layer_result({"glm1": 0.10, "glm2": 0.20}), grid=grid, split_fallback=False
+    )
     assert tuned["left_out"] == "seed"
-    assert tuned["method"] == "leave-one-seed-out on the calibration requests, anchors that hold across seeds"
-    assert {sc["shape_distance"]: sc["over_tolerance"] for sc in tuned["scores"][1:] if sc["hold_rule"]} == {0.02: 4, 0.05: 4,
-                                                                                                          0.1: 0,
-                                                                                           0.2: 0}
+    assert (
+        tuned["method"]
+        == "leave-one-seed-out on the calibration requests, anchors that hold across seeds"
+    )
+    assert {
+        sc["shape_distance"]: sc["over_tolerance"] for sc in tuned["scores"][1:] if sc["hold_rule"]
+    } == {0.02: 4, 0.05: 4, 0.1: 0, 0.2: 0}
     assert tuned["shape_distance"] == 0.1 and tuned["use_anchors"] is True
     # One seed only: leaving it out would leave no anchor, so routings are left out instead.
-    one = calibration.tune_selector(_twin_layer_result({"glm1": 0.10}), grid=grid, split_fallback=False)
+    one = calibration.tune_selector(
+        _twin_layer_result({"glm1": 0.10}), grid=grid, split_fallback=False
+    )
     assert one["left_out"] == "routing" and one["shape_distance"] == 0.02
-    assert {sc["over_tolerance"] for sc in one["scores"][1:]} == {0}  # with and without the hold rule
-    assert one["scores"][0]["over_tolerance"] == 2 and one["use_anchors"] is True  # always-JOINT misses both
+    assert {sc["over_tolerance"] for sc in one["scores"][1:]} == {
+        0
+    }  # with and without the hold rule
+    assert (
+        one["scores"][0]["over_tolerance"] == 2 and one["use_anchors"] is True
+    )  # always-JOINT misses both
 
 
 def test_tune_selector_keeps_no_anchors_when_none_beat_always_joint():
@@ -525,21 +850,34 @@ def test_tune_selector_keeps_no_anchors_when_none_beat_always_joint():
     assert "no anchors are kept" in tuned["method"]
     # Equal scores also keep none: anchors must be strictly better than always-JOINT.
     flat = {p: _lat(1.0, 1.0, 1.0) for p in ALL_PATHS}
-    tie = calibration.CalibrationResult(anchor_set=res.anchor_set,
-                                        rows=tuple(dataclasses.replace(r, latency=flat) for r in res.rows))
+    tie = calibration.CalibrationResult(
+        anchor_set=res.anchor_set,
+        rows=tuple(dataclasses.replace(r, latency=flat) for r in res.rows),
+    )
     assert calibration.tune_selector(tie, grid=grid, split_fallback=False)["use_anchors"] is False
     # An empty anchor set never "uses" anchors.
-    empty = calibration.CalibrationResult(anchor_set=AnchorSet(anchors=(), scales=res.anchor_set.scales,
-                                                               context=res.anchor_set.context), rows=res.rows)
+    empty = calibration.CalibrationResult(
+        anchor_set=AnchorSet(
+            anchors=(), scales=res.anchor_set.scales, context=res.anchor_set.context
+        ),
+        rows=res.rows,
+    )
     assert calibration.tune_selector(empty, grid=grid, split_fallback=False)["use_anchors"] is False
 
 
 def test_calibration_rows_name_their_generator_seed():
-    glm = calibration_requests(TOPO, {**GLM_SETTINGS, "extra_seeds": [5]}, record_bytes=RECORD_BYTES)
+    glm = calibration_requests(
+        TOPO, {**GLM_SETTINGS, "extra_seeds": [5]}, record_bytes=RECORD_BYTES
+    )
     assert {calibration.request_seed(r) for r in glm} == {"glm0", "glm5"}
     assert len({calibration.request_group(r) for r in glm}) == 2 * len(GLM_SETTINGS["layers"])
     syn = calibration_requests(TOPO, SETTINGS, record_bytes=RECORD_BYTES)
-    assert {calibration.request_seed(r) for r in syn} == {"synthetic-f0", "synthetic-f1", "synthetic-f2", "synthetic-f3"}
+    assert {calibration.request_seed(r) for r in syn} == {
+        "synthetic-f0",
+        "synthetic-f1",
+        "synthetic-f2",
+        "synthetic-f3",
+    }
 
 
 def test_netmodel_backend_runs_rail_chunks_only_with_the_request_masks(requests):
@@ -548,8 +886,11 @@ def test_netmodel_backend_runs_rail_chunks_only_with_the_request_masks(requests)
     assert request.demand is not None  # the workloads' requests carry their target masks
     assert backend.measure(request, Route("joint"), 1)[0] > 0
     bare = dataclasses.replace(request, name="bare", demand=None)
-    with pytest.raises(ValueError, match=r"request 'bare': a plan with 2 rail chunks per wave needs the request's "
-                                         r"target masks"):
+    with pytest.raises(
+        ValueError,
+        match=r"request 'bare': a plan with 2 rail chunks per wave needs the request's "
+        r"target masks",
+    ):
         backend.measure(bare, Route("joint"), 1)
 
 
@@ -563,9 +904,31 @@ def test_calibrate_with_rail_chunks_times_the_chunked_joint_and_validate_reuses_
     topo = RailTopology(num_nodes=4, gpus_per_node=2)
     out, cal_json, val_json = tmp_path / "a.yaml", tmp_path / "cal.json", tmp_path / "val.json"
     common = ["--backend", "netmodel", "--warmups", "0", "--repeats", "1", "--no-progress"]
-    assert main(["calibrate", *common, "--cluster", str(cluster), "--out", str(out), "--families", "2",
-                 "--arrangements", "none", "--tokens", "64", "--hidden", "64", "--chunks", "2",
-                 "--json", str(cal_json)]) == 0
+    assert (
+        main(
+            [
+                "calibrate",
+                *common,
+                "--cluster",
+                str(cluster),
+                "--out",
+                str(out),
+                "--families",
+                "2",
+                "--arrangements",
+                "none",
+                "--tokens",
+                "64",
+                "--hidden",
+                "64",
+                "--chunks",
+                "2",
+                "--json",
+                str(cal_json),
+            ]
+        )
+        == 0
+    )
     aset = load_anchors(out, topo)
     assert aset.chunks == 2
     settings = aset.context.settings["requests"]
@@ -578,55 +941,133 @@ def test_calibrate_with_rail_chunks_times_the_chunked_joint_and_validate_reuses_
 
     for req in reqs:
         got = rows[req.name]["latency_s"]["joint"]["median"]
-        assert got == pytest.approx(joint_s(req, 2), rel=1e-12) and got != pytest.approx(joint_s(req, 1), rel=1e-6)
-    assert main(["validate", "--anchors", str(out), *common, "--requests", "1", "--seed", "40",
-                 "--json", str(val_json)]) == 0
+        assert got == pytest.approx(joint_s(req, 2), rel=1e-12) and got != pytest.approx(
+            joint_s(req, 1), rel=1e-6
+        )
+    assert (
+        main(
+            [
+                "validate",
+                "--anchors",
+                str(out),
+                *common,
+                "--requests",
+                "1",
+                "--seed",
+                "40",
+                "--json",
+                str(val_json),
+            ]
+        )
+        == 0
+    )
     val = json.loads(val_json.read_text())["requests"]
     held = calibration.validation_requests(topo, settings, seed=40, count=1, record_bytes=64 * 2)
     assert [r["request"] for r in val] == [r.name for r in held]
     for row, req in zip(val, held):
         assert row["joint_s"] == pytest.approx(joint_s(req, 2), rel=1e-12)
     with pytest.raises(SystemExit) as exc:  # outside 1..64: a clear error before any work
-        main(["calibrate", *common, "--cluster", str(cluster), "--out", str(tmp_path / "b.yaml"), "--chunks", "0"])
+        main(
+            [
+                "calibrate",
+                *common,
+                "--cluster",
+                str(cluster),
+                "--out",
+                str(tmp_path / "b.yaml"),
+                "--chunks",
+                "0",
+            ]
+        )
     assert exc.value.code == 2
 
 
-def test_calibrate_retune_rebuilds_the_same_file_from_the_json_without_measuring(tmp_path, monkeypatch):
+def test_calibrate_retune_rebuilds_the_same_file_from_the_json_without_measuring(
+    tmp_path, monkeypatch
+):
     cluster = tmp_path / "tiny.yaml"
     cluster.write_text("name: tiny_4x2\nnum_nodes: 4\ngpus_per_node: 2\n")
     topo = RailTopology(num_nodes=4, gpus_per_node=2)
     out, cal_json = tmp_path / "a.yaml", tmp_path / "cal.json"
-    assert main(["calibrate", "--backend", "netmodel", "--cluster", str(cluster), "--out", str(out),
-                 "--families", "3", "--arrangements", "none", "--tokens", "32,64", "--hidden", "64", "--warmups", "0",
-                 "--repeats", "1", "--no-progress", "--json", str(cal_json)]) == 0
+    assert (
+        main(
+            [
+                "calibrate",
+                "--backend",
+                "netmodel",
+                "--cluster",
+                str(cluster),
+                "--out",
+                str(out),
+                "--families",
+                "3",
+                "--arrangements",
+                "none",
+                "--tokens",
+                "32,64",
+                "--hidden",
+                "64",
+                "--warmups",
+                "0",
+                "--repeats",
+                "1",
+                "--no-progress",
+                "--json",
+                str(cal_json),
+            ]
+        )
+        == 0
+    )
 
     def no_backend(*args, **kwargs):
         raise AssertionError("--retune must not measure")
 
     monkeypatch.setattr(calibration, "make_backend", no_backend)
     again, again_json = tmp_path / "b.yaml", tmp_path / "b.json"
-    assert main(["calibrate", "--retune", str(cal_json), "--cluster", str(cluster), "--out", str(again),
-                 "--json", str(again_json)]) == 0
+    assert (
+        main(
+            [
+                "calibrate",
+                "--retune",
+                str(cal_json),
+                "--cluster",
+                str(cluster),
+                "--out",
+                str(again),
+                "--json",
+                str(again_json),
+            ]
+        )
+        == 0
+    )
     first, second = load_anchors(out, topo), load_anchors(again, topo)
     assert second.anchors == first.anchors and second.scales == first.scales
     assert second.context.settings == first.context.settings
-    assert json.loads(again_json.read_text())["requests"] == json.loads(cal_json.read_text())["requests"]
+    assert (
+        json.loads(again_json.read_text())["requests"]
+        == json.loads(cal_json.read_text())["requests"]
+    )
     # A file of other path-model features (another version's): its rows' features and its model
     # are dropped, not refused, and with_features computes this version's again, bitwise.
     stale = json.loads(cal_json.read_text())
     stale["features"] = ["const", "x"]
     for row in stale["requests"]:
         row["features"] = [1.0, 0.0]
-    stale["anchors"]["context"]["settings"].setdefault("selector", {})["model"] = {"features": ["const", "x"]}
+    stale["anchors"]["context"]["settings"].setdefault("selector", {})["model"] = {
+        "features": ["const", "x"]
+    }
     dropped = calibration.result_from_json(stale, topo=topo)
     assert all(r.features is None for r in dropped.rows)
-    assert [list(r.features) for r in calibration.with_features(dropped, topo, progress=False).rows] == \
-        [r["features"] for r in json.loads(cal_json.read_text())["requests"]]
+    assert [
+        list(r.features) for r in calibration.with_features(dropped, topo, progress=False).rows
+    ] == [r["features"] for r in json.loads(cal_json.read_text())["requests"]]
     # The rows' keep decisions rebuild the anchors even where a file dropped them.
     data = json.loads(cal_json.read_text())
     data["anchors"]["anchors"] = []
     result = calibration.result_from_json(data, topo=topo)
-    assert [a.name for a in result.anchor_set.anchors] == [r["request"] for r in data["requests"] if r["kept"]]
+    assert [a.name for a in result.anchor_set.anchors] == [
+        r["request"] for r in data["requests"] if r["kept"]
+    ]
     with pytest.raises(ValueError, match=r"field 'requests\[0\]' is malformed"):
         calibration.result_from_json({**data, "requests": [{"request": "x"}]})
     with pytest.raises(ValueError, match=r"expected the JSON of `railwave calibrate --json`"):
@@ -650,11 +1091,29 @@ def test_tune_selector_drops_anchors_that_do_not_hold_on_other_seeds():
     slow_rail[Route.RAIL] = _lat(1.1, 1.1, 1.1)
     extra = []
     for layer in (1, 3):
-        st = TrafficStats(B_mean_bytes=ref, B_max_bytes=ref, rho_g=1 + rho_s * 0.15, kappa=1 + kappa_s * 0.5,
-                          coords=(0.0, 0.15, 0.5), records_total=1, remote_records=1)
-        extra.append(calibration.CalibrationRow(request=f"glm3-l{layer}", stats=st, coords=st.coords,
-                                                latency=slow_rail, best=Route.JOINT, kept=False, gain=0.0,
-                                                reason="JOINT is fastest", group=f"glm3-l{layer}", seed="glm3"))
+        st = TrafficStats(
+            B_mean_bytes=ref,
+            B_max_bytes=ref,
+            rho_g=1 + rho_s * 0.15,
+            kappa=1 + kappa_s * 0.5,
+            coords=(0.0, 0.15, 0.5),
+            records_total=1,
+            remote_records=1,
+        )
+        extra.append(
+            calibration.CalibrationRow(
+                request=f"glm3-l{layer}",
+                stats=st,
+                coords=st.coords,
+                latency=slow_rail,
+                best=Route.JOINT,
+                kept=False,
+                gain=0.0,
+                reason="JOINT is fastest",
+                group=f"glm3-l{layer}",
+                seed="glm3",
+            )
+        )
     mixed = calibration.CalibrationResult(anchor_set=res.anchor_set, rows=res.rows + tuple(extra))
     grid = {"payload_ratio": (1.25,), "shape_distance": (0.02, 0.1)}
     tuned = calibration.tune_selector(mixed, grid=grid, split_fallback=False)
@@ -666,17 +1125,29 @@ def test_tune_selector_drops_anchors_that_do_not_hold_on_other_seeds():
     # Without the rule, 0.1 lets glm1 and glm2 serve each other and sends glm3 to RAIL: 2 over,
     # fewer than always-JOINT's 4, so the tuning keeps every anchor there (the rule is scored,
     # not imposed).
-    assert tuned["use_anchors"] is True and tuned["hold_rule"] is False and tuned["shape_distance"] == 0.1
+    assert (
+        tuned["use_anchors"] is True
+        and tuned["hold_rule"] is False
+        and tuned["shape_distance"] == 0.1
+    )
     assert len(tuned["held"]) == 4
     # With four glm3 layers, keeping the anchors loses as much as it gains (4 over either way, the
     # same total): anchors must be strictly better, so none is kept.
-    more = calibration.CalibrationResult(anchor_set=res.anchor_set, rows=res.rows + tuple(extra) + tuple(
-        dataclasses.replace(r, request=r.request + "b", group=r.group + "b") for r in extra))
+    more = calibration.CalibrationResult(
+        anchor_set=res.anchor_set,
+        rows=res.rows
+        + tuple(extra)
+        + tuple(
+            dataclasses.replace(r, request=r.request + "b", group=r.group + "b") for r in extra
+        ),
+    )
     worse = calibration.tune_selector(more, grid=grid, split_fallback=False)
     assert worse["use_anchors"] is False and worse["held"] == []
     # Without glm3, the anchors hold at 0.1 and serve each other's seed: all kept.
     plain = calibration.tune_selector(res, grid=grid, split_fallback=False)
-    assert plain["use_anchors"] is True and plain["shape_distance"] == 0.1 and len(plain["held"]) == 4
+    assert (
+        plain["use_anchors"] is True and plain["shape_distance"] == 0.1 and len(plain["held"]) == 4
+    )
 
 
 def test_calibrate_retune_merges_runs_at_other_token_counts(tmp_path):
@@ -687,23 +1158,82 @@ def test_calibrate_retune_merges_runs_at_other_token_counts(tmp_path):
     topo = RailTopology(num_nodes=4, gpus_per_node=2)
 
     def run(name, tokens, chunks="2"):
-        assert main(["calibrate", "--backend", "netmodel", "--cluster", str(cluster), "--families", "3",
-                     "--arrangements", "none,extreme", "--tokens", tokens, "--hidden", "64", "--chunks", chunks,
-                     "--warmups", "0", "--repeats", "1", "--no-progress", "--out", str(tmp_path / f"{name}.yaml"),
-                     "--json", str(tmp_path / f"{name}.json")]) == 0
+        assert (
+            main(
+                [
+                    "calibrate",
+                    "--backend",
+                    "netmodel",
+                    "--cluster",
+                    str(cluster),
+                    "--families",
+                    "3",
+                    "--arrangements",
+                    "none,extreme",
+                    "--tokens",
+                    tokens,
+                    "--hidden",
+                    "64",
+                    "--chunks",
+                    chunks,
+                    "--warmups",
+                    "0",
+                    "--repeats",
+                    "1",
+                    "--no-progress",
+                    "--out",
+                    str(tmp_path / f"{name}.yaml"),
+                    "--json",
+                    str(tmp_path / f"{name}.json"),
+                ]
+            )
+            == 0
+        )
         return str(tmp_path / f"{name}.json")
 
-    both, low, high, other = run("both", "32,64"), run("low", "32"), run("high", "64"), run("other", "64", "1")
+    both, low, high, other = (
+        run("both", "32,64"),
+        run("low", "32"),
+        run("high", "64"),
+        run("other", "64", "1"),
+    )
     merged = tmp_path / "merged.yaml"
-    assert main(["calibrate", "--retune", f"{low},{high}", "--cluster", str(cluster), "--out", str(merged),
-                 "--json", str(tmp_path / "merged.json")]) == 0
+    assert (
+        main(
+            [
+                "calibrate",
+                "--retune",
+                f"{low},{high}",
+                "--cluster",
+                str(cluster),
+                "--out",
+                str(merged),
+                "--json",
+                str(tmp_path / "merged.json"),
+            ]
+        )
+        == 0
+    )
     got, want = load_anchors(merged, topo), load_anchors(tmp_path / "both.yaml", topo)
     assert got.anchors == want.anchors
     assert got.context.settings["requests"] == want.context.settings["requests"]
     assert got.context.settings["selector"] == want.context.settings["selector"]
-    assert json.loads((tmp_path / "merged.json").read_text())["requests"] == json.loads(open(both).read())["requests"]
+    assert (
+        json.loads((tmp_path / "merged.json").read_text())["requests"]
+        == json.loads(open(both).read())["requests"]
+    )
     with pytest.raises(SystemExit) as exc:
-        main(["calibrate", "--retune", f"{low},{other}", "--cluster", str(cluster), "--out", str(merged)])
+        main(
+            [
+                "calibrate",
+                "--retune",
+                f"{low},{other}",
+                "--cluster",
+                str(cluster),
+                "--out",
+                str(merged),
+            ]
+        )
     assert exc.value.code == 2
     results = [calibration.result_from_json(json.loads(open(f).read())) for f in (low, other)]
     with pytest.raises(ValueError, match=r"field 'context.settings.chunks' is 1 there and 2 here"):
@@ -725,17 +1255,41 @@ def test_tune_selector_splits_the_fallback_at_the_payload_where_rail_stops_winni
         for x, rail in ((-3.0, 0.9), (-1.0, 1.1)):
             lat = {p: _lat(1.0, 1.0, 1.0) for p in ALL_PATHS}
             lat[Route.RAIL] = _lat(rail, rail, rail)
-            b = ref * 2 ** x
-            st = TrafficStats(B_mean_bytes=b, B_max_bytes=b, rho_g=1 + rho_s * y, kappa=1.0, coords=(x, y, 0.0),
-                              records_total=1, remote_records=1)
-            rows.append(calibration.CalibrationRow(request=f"{seed}-x{x}", stats=st, coords=st.coords, latency=lat,
-                                                   best=Route.RAIL if rail < 1 else Route.JOINT, kept=False, gain=0.0,
-                                                   reason="-", group=f"{seed}-x{x}", seed=seed))
-    ctx = CalibrationContext(topology=TOPO.to_dict(), hidden_size=1, dtype="bf16", backend="fake", date="x")
-    result = calibration.CalibrationResult(anchor_set=AnchorSet(anchors=(), scales=(ref, rho_s, kappa_s), context=ctx),
-                                           rows=tuple(rows))
+            b = ref * 2**x
+            st = TrafficStats(
+                B_mean_bytes=b,
+                B_max_bytes=b,
+                rho_g=1 + rho_s * y,
+                kappa=1.0,
+                coords=(x, y, 0.0),
+                records_total=1,
+                remote_records=1,
+            )
+            rows.append(
+                calibration.CalibrationRow(
+                    request=f"{seed}-x{x}",
+                    stats=st,
+                    coords=st.coords,
+                    latency=lat,
+                    best=Route.RAIL if rail < 1 else Route.JOINT,
+                    kept=False,
+                    gain=0.0,
+                    reason="-",
+                    group=f"{seed}-x{x}",
+                    seed=seed,
+                )
+            )
+    ctx = CalibrationContext(
+        topology=TOPO.to_dict(), hidden_size=1, dtype="bf16", backend="fake", date="x"
+    )
+    result = calibration.CalibrationResult(
+        anchor_set=AnchorSet(anchors=(), scales=(ref, rho_s, kappa_s), context=ctx),
+        rows=tuple(rows),
+    )
     grid = {"payload_ratio": (1.25,), "shape_distance": (0.1,)}
-    assert calibration.tune_selector(result, grid=grid, split_fallback=False)["fallback_below"] is None
+    assert (
+        calibration.tune_selector(result, grid=grid, split_fallback=False)["fallback_below"] is None
+    )
     tuned = calibration.tune_selector(result, grid=grid)
     below = tuned["fallback_below"]
     assert tuned["use_anchors"] is False and below["path"] == "rail"

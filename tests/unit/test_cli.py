@@ -1,4 +1,5 @@
-"""The railwave CLI: frozen subcommand and flag set, JSON of `plan` and `plan-bench`, clear errors."""
+"""The railwave CLI: frozen subcommand and flag set, JSON of `plan` and `plan-bench`, clear
+errors."""
 
 from __future__ import annotations
 
@@ -18,59 +19,231 @@ H800 = str(Path(__file__).resolve().parents[2] / "configs" / "clusters" / "h800_
 # Adding a command or a flag is a deliberate interface change: update this table with it.
 EXPECTED_FLAGS = {
     "plan": [
-        "--cluster", "--nodes", "--failed-rail", "--tokens", "--experts", "--topk", "--hidden", "--dtype",
-        "--seed", "--path", "--policy", "--rail-mask", "--fanin", "--chunks", "--phase", "--repeats", "--json",
+        "--cluster",
+        "--nodes",
+        "--failed-rail",
+        "--tokens",
+        "--experts",
+        "--topk",
+        "--hidden",
+        "--dtype",
+        "--seed",
+        "--path",
+        "--policy",
+        "--rail-mask",
+        "--fanin",
+        "--chunks",
+        "--phase",
+        "--repeats",
+        "--json",
     ],
     "plan-bench": [
-        "--configs", "--tokens", "--experts", "--topk", "--path", "--fanin", "--seed", "--warmup", "--repeats",
-        "--full-routing-max-ranks", "--json",
+        "--configs",
+        "--tokens",
+        "--experts",
+        "--topk",
+        "--path",
+        "--fanin",
+        "--seed",
+        "--warmup",
+        "--repeats",
+        "--full-routing-max-ranks",
+        "--json",
     ],
     "demo": ["--seed", "--tokens", "--json"],
     "bench-exchange": [
-        "--nodes", "--gpus-per-node", "--failed-rail", "--tokens", "--hidden", "--experts", "--topk", "--dtype",
-        "--seed", "--path", "--warmups", "--samples", "--backward", "--no-alltoall", "--timeout", "--profile",
-        "--profile-out", "--shared-expert", "--shared-ffn", "--json",
+        "--nodes",
+        "--gpus-per-node",
+        "--failed-rail",
+        "--tokens",
+        "--hidden",
+        "--experts",
+        "--topk",
+        "--dtype",
+        "--seed",
+        "--path",
+        "--warmups",
+        "--samples",
+        "--backward",
+        "--no-alltoall",
+        "--timeout",
+        "--profile",
+        "--profile-out",
+        "--shared-expert",
+        "--shared-ffn",
+        "--json",
     ],
     "calibrate": [
-        "--cluster", "--nodes", "--failed-rail", "--backend", "--model", "--warmups", "--repeats", "--no-progress", "--out", "--retune",
-        "--workload", "--families", "--layers", "--seed", "--extra-seeds", "--arrangements", "--payload-scales", "--tokens",
-        "--hidden", "--dtype", "--chunks", "--max-spread", "--min-gain", "--json",
+        "--cluster",
+        "--nodes",
+        "--failed-rail",
+        "--backend",
+        "--model",
+        "--warmups",
+        "--repeats",
+        "--no-progress",
+        "--out",
+        "--retune",
+        "--workload",
+        "--families",
+        "--layers",
+        "--seed",
+        "--extra-seeds",
+        "--arrangements",
+        "--payload-scales",
+        "--tokens",
+        "--hidden",
+        "--dtype",
+        "--chunks",
+        "--max-spread",
+        "--min-gain",
+        "--json",
     ],
     "validate": [
-        "--anchors", "--cluster", "--backend", "--model", "--warmups", "--repeats", "--no-progress", "--requests", "--layers",
-        "--seed", "--require-goals", "--payload-ratio", "--shape-distance", "--bench", "--rule", "--json",
+        "--anchors",
+        "--cluster",
+        "--backend",
+        "--model",
+        "--warmups",
+        "--repeats",
+        "--no-progress",
+        "--requests",
+        "--layers",
+        "--seed",
+        "--require-goals",
+        "--payload-ratio",
+        "--shape-distance",
+        "--bench",
+        "--rule",
+        "--json",
     ],
     "online-sim": [
-        "--cluster", "--nodes", "--failed-rail", "--model", "--workload", "--tokens", "--layers", "--workload-seed",
-        "--steps", "--routing-every", "--seed", "--noise", "--chunks", "--anchors", "--prior", "--learned",
-        "--base-from", "--decision-cost", "--json",
+        "--cluster",
+        "--nodes",
+        "--failed-rail",
+        "--model",
+        "--workload",
+        "--tokens",
+        "--layers",
+        "--workload-seed",
+        "--steps",
+        "--routing-every",
+        "--seed",
+        "--noise",
+        "--chunks",
+        "--anchors",
+        "--prior",
+        "--learned",
+        "--base-from",
+        "--decision-cost",
+        "--json",
     ],
     "call-costs": [
-        "--nodes", "--gpus-per-node", "--tokens", "--hidden", "--experts", "--topk", "--seed", "--warmups",
-        "--samples", "--no-virtual", "--timeout", "--json",
+        "--nodes",
+        "--gpus-per-node",
+        "--tokens",
+        "--hidden",
+        "--experts",
+        "--topk",
+        "--seed",
+        "--warmups",
+        "--samples",
+        "--no-virtual",
+        "--timeout",
+        "--json",
     ],
-    "probe-incast": ["--torchrun", "--local", "--gpus-per-node", "--nbytes", "--max-senders", "--port-gbps",
-                     "--repeats", "--warmups", "--timeout",
-                     "--json", "--write-model", "--base-model"],
+    "probe-incast": [
+        "--torchrun",
+        "--local",
+        "--gpus-per-node",
+        "--nbytes",
+        "--max-senders",
+        "--port-gbps",
+        "--repeats",
+        "--warmups",
+        "--timeout",
+        "--json",
+        "--write-model",
+        "--base-model",
+    ],
     "report": ["--out", "--no-plots", "--json", "--run"],
-    "ops-bench": ["--device", "--quick", "--tokens", "--hidden", "--experts", "--topk", "--nodes", "--gpus-per-node",
-                  "--repeats", "--seed", "--json"],
+    "ops-bench": [
+        "--device",
+        "--quick",
+        "--tokens",
+        "--hidden",
+        "--experts",
+        "--topk",
+        "--nodes",
+        "--gpus-per-node",
+        "--repeats",
+        "--seed",
+        "--json",
+    ],
     "testbed": [],
     "netmodel": [],
     "workloads": [],
     "simulate-exchange": [
-        "--cluster", "--nodes", "--failed-rail", "--tokens", "--hidden", "--experts", "--topk", "--dtype",
-        "--device", "--seed", "--max-tokens-per-rank", "--chunks", "--max-error", "--max-memory-gib", "--json",
+        "--cluster",
+        "--nodes",
+        "--failed-rail",
+        "--tokens",
+        "--hidden",
+        "--experts",
+        "--topk",
+        "--dtype",
+        "--device",
+        "--seed",
+        "--max-tokens-per-rank",
+        "--chunks",
+        "--max-error",
+        "--max-memory-gib",
+        "--json",
     ],
     "doctor": ["--config", "--no-self-test", "--json"],
     "bench": [
-        "--cluster", "--nodes", "--failed-rail", "--backend", "--model", "--alpha", "--workload", "--pattern", "--layers",
-        "--steps", "--tokens", "--payload-scale", "--seed", "--paths", "--fanin", "--chunks", "--peers", "--path-delivery",
-        "--plan-repeats", "--json", "--plot", "--no-progress",
+        "--cluster",
+        "--nodes",
+        "--failed-rail",
+        "--backend",
+        "--model",
+        "--alpha",
+        "--workload",
+        "--pattern",
+        "--layers",
+        "--steps",
+        "--tokens",
+        "--payload-scale",
+        "--seed",
+        "--paths",
+        "--fanin",
+        "--chunks",
+        "--peers",
+        "--path-delivery",
+        "--plan-repeats",
+        "--json",
+        "--plot",
+        "--no-progress",
     ],
     "sensitivity": [
-        "--cluster", "--nodes", "--failed-rail", "--model", "--alpha", "--skews", "--pattern", "--seeds", "--layers",
-        "--tokens", "--payload-scale", "--path-delivery", "--peers", "--incast-layers", "--no-incast-prediction", "--json", "--plot", "--no-progress",
+        "--cluster",
+        "--nodes",
+        "--failed-rail",
+        "--model",
+        "--alpha",
+        "--skews",
+        "--pattern",
+        "--seeds",
+        "--layers",
+        "--tokens",
+        "--payload-scale",
+        "--path-delivery",
+        "--peers",
+        "--incast-layers",
+        "--no-incast-prediction",
+        "--json",
+        "--plot",
+        "--no-progress",
     ],
 }
 
@@ -78,7 +251,9 @@ EXPECTED_FLAGS = {
 def _flag_table(parser: argparse.ArgumentParser) -> dict[str, list[str]]:
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     return {
-        name: [s for a in p._actions for s in a.option_strings if s.startswith("--") and s != "--help"]
+        name: [
+            s for a in p._actions for s in a.option_strings if s.startswith("--") and s != "--help"
+        ]
         for name, p in sub.choices.items()
     }
 
@@ -86,16 +261,40 @@ def _flag_table(parser: argparse.ArgumentParser) -> dict[str, list[str]]:
 def test_cli_subcommands_and_flags_snapshot():
     table = _flag_table(build_parser())
     assert sorted(table) == sorted(EXPECTED_FLAGS), (
-        f"subcommands changed: {sorted(table)}; update EXPECTED_FLAGS in {__file__} with the new command's flags"
+        f"subcommands changed: {sorted(table)}; update EXPECTED_FLAGS in {__file__} with the new "
+        f"command's flags"
     )
     for name, flags in EXPECTED_FLAGS.items():
-        assert sorted(table[name]) == sorted(flags), f"flags of {name!r} changed: update EXPECTED_FLAGS in {__file__}"
+        assert sorted(table[name]) == sorted(flags), (
+            f"flags of {name!r} changed: update EXPECTED_FLAGS in {__file__}"
+        )
 
 
 def test_plan_writes_json_with_required_keys(tmp_path, capsys):
     out = tmp_path / "plan.json"
-    status = main(["plan", "--cluster", H800, "--tokens", "64", "--experts", "32", "--topk", "4", "--seed", "1",
-                   "--path", "joint", "--failed-rail", "2:5", "--repeats", "1", "--json", str(out)])
+    status = main(
+        [
+            "plan",
+            "--cluster",
+            H800,
+            "--tokens",
+            "64",
+            "--experts",
+            "32",
+            "--topk",
+            "4",
+            "--seed",
+            "1",
+            "--path",
+            "joint",
+            "--failed-rail",
+            "2:5",
+            "--repeats",
+            "1",
+            "--json",
+            str(out),
+        ]
+    )
     assert status == 0
     data = json.loads(out.read_text())
     assert {"rail_load", "waves", "records_total", "stats", "plan_ms"} <= set(data)
@@ -113,8 +312,26 @@ def test_plan_writes_json_with_required_keys(tmp_path, capsys):
 
 def test_plan_all_paths_native_is_skewed(tmp_path):
     out = tmp_path / "all.json"
-    assert main(["plan", "--cluster", "h800_4x8", "--tokens", "256", "--experts", "32", "--path", "all",
-                 "--repeats", "1", "--json", str(out)]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "--cluster",
+                "h800_4x8",
+                "--tokens",
+                "256",
+                "--experts",
+                "32",
+                "--path",
+                "all",
+                "--repeats",
+                "1",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     plans = {p["path"]: p for p in json.loads(out.read_text())["plans"]}
     assert list(plans) == list(map(str, ROUTES))
     assert plans["native"]["stats"]["rho_g"] > 1.2  # skewed source rails under NATIVE
@@ -126,8 +343,14 @@ def test_plan_all_paths_native_is_skewed(tmp_path):
 @pytest.mark.parametrize(
     ("argv", "match"),
     [
-        (["--path", "ring"], r"argument --path: unknown path 'ring'; choose one of native, rail, perm, joint, all"),
-        (["--failed-rail", "0:9"], r"--failed-rail: failed rail \(0, 9\): rail 9 is out of range 0\.\.7"),
+        (
+            ["--path", "ring"],
+            r"argument --path: unknown path 'ring'; choose one of native, rail, perm, joint, all",
+        ),
+        (
+            ["--failed-rail", "0:9"],
+            r"--failed-rail: failed rail \(0, 9\): rail 9 is out of range 0\.\.7",
+        ),
         (["--failed-rail", "7:0"], r"node 7 is out of range 0\.\.3"),
         (["--failed-rail", "0-3"], r"argument --failed-rail: expected NODE:RAIL with two integers"),
         (["--policy", "mask"], r"--policy mask needs --rail-mask GPUS"),
@@ -147,14 +370,39 @@ def test_plan_missing_cluster_file(capsys, tmp_path):
     with pytest.raises(SystemExit) as exc:
         main(["plan", "--cluster", str(tmp_path / "none.yaml")])
     assert exc.value.code == 2
-    assert "none.yaml' does not exist and is not a preset name (presets: h20_4x8, h800_4x8" in capsys.readouterr().err
+    assert (
+        "none.yaml' does not exist and is not a preset name (presets: h20_4x8, h800_4x8"
+        in capsys.readouterr().err
+    )
 
 
 def test_plan_bench_writes_configs(tmp_path):
     out = tmp_path / "bench.json"
     # 2x2 with routing for every rank; 4x2 with prototype counts (W = 8 > 4) and experts raised to 8
-    assert main(["plan-bench", "--configs", "2x2,4x2", "--tokens", "32", "--experts", "4", "--topk", "2",
-                 "--warmup", "0", "--repeats", "2", "--full-routing-max-ranks", "4", "--json", str(out)]) == 0
+    assert (
+        main(
+            [
+                "plan-bench",
+                "--configs",
+                "2x2,4x2",
+                "--tokens",
+                "32",
+                "--experts",
+                "4",
+                "--topk",
+                "2",
+                "--warmup",
+                "0",
+                "--repeats",
+                "2",
+                "--full-routing-max-ranks",
+                "4",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     rows = json.loads(out.read_text())["configs"]
     assert [(r["nodes"], r["gpus_per_node"], r["experts"]) for r in rows] == [(2, 2, 4), (4, 2, 8)]
     assert all(r["ms_per_layer"] > 0 and r["path"] == "joint" for r in rows)
@@ -175,8 +423,12 @@ def test_demo_prints_every_path(capsys):
 
 
 def test_module_entry_point_runs():
-    proc = subprocess.run([sys.executable, "-m", "megatron_railwave.cli", "--help"],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "megatron_railwave.cli", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0
     for name in EXPECTED_FLAGS:
         assert name in proc.stdout
@@ -199,11 +451,16 @@ def test_every_output_flag_is_checked_up_front():
     # so railwave checks it before the handler runs.
     missing = []
     for name, parser in _all_parsers(build_parser()):
-        declared = set(parser.get_default("output_files") or ()) | set(parser.get_default("output_dirs") or ())
+        declared = set(parser.get_default("output_files") or ()) | set(
+            parser.get_default("output_dirs") or ()
+        )
         for action in parser._actions:
             if _OUTPUT_FLAGS & set(action.option_strings) and action.dest not in declared:
-                if name in ("railwave testbed run", "railwave testbed online", "railwave testbed down") \
-                        and action.dest == "state_dir":
+                if (
+                    name
+                    in ("railwave testbed run", "railwave testbed online", "railwave testbed down")
+                    and action.dest == "state_dir"
+                ):
                     continue  # only `up` writes the state directory
                 missing.append(f"{name} {action.option_strings[0]}")
     assert missing == []
@@ -239,7 +496,10 @@ def test_output_path_that_is_a_directory_fails_before_any_work(tmp_path, capsys,
     captured = capsys.readouterr()
     assert captured.out == "", f"work was done before the check: {captured.out[:300]}"
     lines = captured.err.strip().splitlines()
-    assert len(lines) == 1 and f"{str(tmp_path)!r} is a directory; give a file name inside it" in lines[0], lines
+    assert (
+        len(lines) == 1
+        and f"{str(tmp_path)!r} is a directory; give a file name inside it" in lines[0]
+    ), lines
 
 
 @pytest.mark.parametrize("case", [0, 6, 7, 13])
@@ -270,7 +530,10 @@ def test_report_missing_directory_says_it_does_not_exist(tmp_path, capsys):
         main(["report", str(tmp_path / "nope")])
     assert exc.value.code == 2
     err = capsys.readouterr().err
-    assert f"log directory {str(tmp_path / 'nope')!r} does not exist; give the directory set as --railwave-log-dir" in err
+    assert (
+        f"log directory {str(tmp_path / 'nope')!r} does not exist; give the directory set as "
+        f"--railwave-log-dir" in err
+    )
     assert "no railwave" not in err
 
 
@@ -292,8 +555,24 @@ def _strict_json(path: Path):
 
 def test_plan_single_node_writes_valid_json(tmp_path):
     out = tmp_path / "one.json"
-    assert main(["plan", "--cluster", H800, "--nodes", "1", "--tokens", "32", "--repeats", "1",
-                 "--json", str(out)]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "--cluster",
+                H800,
+                "--nodes",
+                "1",
+                "--tokens",
+                "32",
+                "--repeats",
+                "1",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     data = _strict_json(out)
     assert data["stats"]["remote_records"] == 0 and data["waves"] == []
     assert data["stats"]["coords"][0] is None  # log2 of zero remote bytes: undefined, not -Infinity
@@ -301,20 +580,46 @@ def test_plan_single_node_writes_valid_json(tmp_path):
 
 def test_bench_single_node_runs_and_has_no_rail_speedup(tmp_path):
     out = tmp_path / "one.json"
-    assert main(["bench", "--cluster", H800, "--nodes", "1", "--layers", "1", "--tokens", "64",
-                 "--pattern", "none,ring", "--plan-repeats", "0", "--no-progress", "--json", str(out)]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "--cluster",
+                H800,
+                "--nodes",
+                "1",
+                "--layers",
+                "1",
+                "--tokens",
+                "64",
+                "--pattern",
+                "none,ring",
+                "--plan-repeats",
+                "0",
+                "--no-progress",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     data = _strict_json(out)
     for pattern in ("none", "ring"):
         joint = data["summary"][pattern]["variants"]["joint"]
         assert joint["rail_p50_ms"] == 0.0 and joint["rail_speedup_p50"] is None
-        assert joint["comm_p50_ms"] > 0 and joint["speedup_p50"] == pytest.approx(1.0)  # NVLink only
+        assert joint["comm_p50_ms"] > 0 and joint["speedup_p50"] == pytest.approx(
+            1.0
+        )  # NVLink only
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--nodes", "1"], "the online run needs at least 2 nodes (got 1)"),
-    (["--paths", "joint,rail"], "--paths must include native"),
-    (["--steps", "0"], "--steps must be >= 1 (got 0)"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--nodes", "1"], "the online run needs at least 2 nodes (got 1)"),
+        (["--paths", "joint,rail"], "--paths must include native"),
+        (["--steps", "0"], "--steps must be >= 1 (got 0)"),
+    ],
+)
 def test_testbed_online_refuses_bad_flags_up_front(capsys, argv, message):
     with pytest.raises(SystemExit) as exc:
         main(["testbed", "online", *argv])
@@ -327,7 +632,10 @@ def test_testbed_run_refuses_one_node_up_front(capsys):
     assert exc.value.code == 2
     captured = capsys.readouterr()
     assert captured.out == ""
-    assert "the testbed study needs at least 2 nodes (got 1)" in captured.err and "--nodes 2 or more" in captured.err
+    assert (
+        "the testbed study needs at least 2 nodes (got 1)" in captured.err
+        and "--nodes 2 or more" in captured.err
+    )
 
 
 def test_simulate_exchange_fixed_capacity_reports_zero_syncs_and_equality(tmp_path, capsys):
@@ -337,8 +645,28 @@ def test_simulate_exchange_fixed_capacity_reports_zero_syncs_and_equality(tmp_pa
     out = tmp_path / "sim.json"
     cluster = tmp_path / "c2x2.yaml"
     cluster.write_text("name: c2x2\nnum_nodes: 2\ngpus_per_node: 2\n")
-    assert main(["simulate-exchange", "--cluster", str(cluster), "--tokens", "12", "--hidden", "8",
-                 "--experts", "8", "--topk", "3", "--max-tokens-per-rank", "16", "--json", str(out)]) == 0
+    assert (
+        main(
+            [
+                "simulate-exchange",
+                "--cluster",
+                str(cluster),
+                "--tokens",
+                "12",
+                "--hidden",
+                "8",
+                "--experts",
+                "8",
+                "--topk",
+                "3",
+                "--max-tokens-per-rank",
+                "16",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     report = json.loads(out.read_text())
     assert report["max_tokens_per_rank"] == 16 and report["all_bitwise_equal"]
     assert all(report["bitwise_equal_to_normal_mode"].values())
@@ -346,8 +674,19 @@ def test_simulate_exchange_fixed_capacity_reports_zero_syncs_and_equality(tmp_pa
     assert set(report["normal_mode"]["host_syncs_per_layer"].values()) == {1.0}
     assert "fixed capacity C=16" in capsys.readouterr().out
     with pytest.raises(SystemExit) as exc:
-        main(["simulate-exchange", "--cluster", str(cluster), "--tokens", "12", "--experts", "8",
-              "--max-tokens-per-rank", "8"])
+        main(
+            [
+                "simulate-exchange",
+                "--cluster",
+                str(cluster),
+                "--tokens",
+                "12",
+                "--experts",
+                "8",
+                "--max-tokens-per-rank",
+                "8",
+            ]
+        )
     assert exc.value.code == 2
     assert "--tokens 12 exceeds --max-tokens-per-rank 8" in capsys.readouterr().err
 
@@ -356,9 +695,30 @@ def test_online_sim_small_run_json_learned_file_and_validate(tmp_path, capsys):
     """online-sim on 2 x 8 nodes, one layer, 30 steps: the totals obey their definitions, the
     per-layer path record adds up, and the learned anchors file is read by railwave validate."""
     out, learned = tmp_path / "os.json", tmp_path / "learned.yaml"
-    argv = ["online-sim", "--cluster", H800, "--nodes", "2", "--model", "configs/netmodel/h800_4x8.yaml",
-            "--layers", "5", "--tokens", "512", "--steps", "30", "--routing-every", "15", "--seed", "0,1",
-            "--json", str(out), "--learned", str(learned), "--decision-cost"]
+    argv = [
+        "online-sim",
+        "--cluster",
+        H800,
+        "--nodes",
+        "2",
+        "--model",
+        "configs/netmodel/h800_4x8.yaml",
+        "--layers",
+        "5",
+        "--tokens",
+        "512",
+        "--steps",
+        "30",
+        "--routing-every",
+        "15",
+        "--seed",
+        "0,1",
+        "--json",
+        str(out),
+        "--learned",
+        str(learned),
+        "--decision-cost",
+    ]
     assert main(argv) == 0
     data = json.loads(out.read_text())
     runs = data["models"]["configs/netmodel/h800_4x8.yaml"]["runs"]
@@ -372,13 +732,18 @@ def test_online_sim_small_run_json_learned_file_and_validate(tmp_path, capsys):
         assert sum(layer["chosen"].values()) == 30 and len(layer["path_per_step"]) == 30
         assert layer["mode_per_step"][0] == "probe" and "exploit" in layer["mode_per_step"]
         cost = run["summary"]["cost"]
-        assert cost["extra_bytes_per_peer_message"] == 0 == cost["extra_bytes_per_rank_per_layer_call"]
+        assert (
+            cost["extra_bytes_per_peer_message"] == 0 == cost["extra_bytes_per_rank_per_layer_call"]
+        )
         parts = cost["cpu_us_per_call"]
-        assert parts["total"]["mean"] == pytest.approx(sum(parts[k]["mean"]
-                                                           for k in ("words", "observe", "descriptors", "decide")))
+        assert parts["total"]["mean"] == pytest.approx(
+            sum(parts[k]["mean"] for k in ("words", "observe", "descriptors", "decide"))
+        )
         assert all(parts[k]["p50"] <= parts[k]["p99"] <= parts[k]["max"] for k in parts)
     printed = capsys.readouterr().out
     assert "goals:" in printed and "demand_stats (reference)" in printed
     # Held-out layer 6 with another routing seed: validate reads the learned file.
-    status = main(["validate", "--anchors", str(learned), "--bench", "--seed", "1000", "--layers", "6"])
+    status = main(
+        ["validate", "--anchors", str(learned), "--bench", "--seed", "1000", "--layers", "6"]
+    )
     assert status == 0 and "selector decision cost" in capsys.readouterr().out

@@ -8,21 +8,41 @@ import json
 import pytest
 
 from megatron_railwave.cli import main
-from megatron_railwave.telemetry.commlog import FanoutSink, JsonlStatsSink, read_logs
-from megatron_railwave.telemetry.megatron_logging import MegatronMetricsSink, report_railwave_metrics
-from megatron_railwave.telemetry.stats import LayerCommStats
 from megatron_railwave.names import ROUTES
+from megatron_railwave.telemetry.commlog import FanoutSink, JsonlStatsSink, read_logs
+from megatron_railwave.telemetry.megatron_logging import (
+    MegatronMetricsSink,
+    report_railwave_metrics,
+)
+from megatron_railwave.telemetry.stats import LayerCommStats
 
 PATHS = tuple(map(str, ROUTES))
 
 
-def make_stats(layer: int, step: int, path: str = "joint", *, ms: float = 1.0, shares=None) -> LayerCommStats:
+def make_stats(
+    layer: int, step: int, path: str = "joint", *, ms: float = 1.0, shares=None
+) -> LayerCommStats:
     return LayerCommStats(
-        layer=layer, step=step, path=path, B_mean_bytes=float(2 << 20) * layer, B_max_bytes=float(3 << 20) * layer,
-        rho_g=1.5, kappa=2.0, coords=[0.0, 0.1, 0.5], rho_g_exec=1.0, kappa_exec=1.0,
-        rail_shares=shares or [[0.5, 0.5], [0.75, 0.25]], records_total=100, remote_records=80,
-        relayed_records=7, num_waves=3 if path in ("perm", "joint") else 1, peak_fanin=1, plan_ms=0.2,
-        dispatch_ms=ms, combine_ms=ms / 2)
+        layer=layer,
+        step=step,
+        path=path,
+        B_mean_bytes=float(2 << 20) * layer,
+        B_max_bytes=float(3 << 20) * layer,
+        rho_g=1.5,
+        kappa=2.0,
+        coords=[0.0, 0.1, 0.5],
+        rho_g_exec=1.0,
+        kappa_exec=1.0,
+        rail_shares=shares or [[0.5, 0.5], [0.75, 0.25]],
+        records_total=100,
+        remote_records=80,
+        relayed_records=7,
+        num_waves=3 if path in ("perm", "joint") else 1,
+        peak_fanin=1,
+        plan_ms=0.2,
+        dispatch_ms=ms,
+        combine_ms=ms / 2,
+    )
 
 
 class FakeTimer:
@@ -49,10 +69,18 @@ def test_jsonl_per_rank_files_and_interval(tmp_path):
                     sink(make_stats(layer, step))
     for sink in sinks:
         sink.close()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["railwave_r1_rank0.jsonl", "railwave_r1_rank1.jsonl"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "railwave_r1_rank0.jsonl",
+        "railwave_r1_rank1.jsonl",
+    ]
     lines = (tmp_path / "railwave_r1_rank1.jsonl").read_text().splitlines()
     records = [json.loads(line) for line in lines]
-    assert [(r["layer"], r["step"]) for r in records] == [(1, 0), (2, 0), (1, 2), (2, 2)]  # steps 0 and 2
+    assert [(r["layer"], r["step"]) for r in records] == [
+        (1, 0),
+        (2, 0),
+        (1, 2),
+        (2, 2),
+    ]  # steps 0 and 2
     assert records[0]["rank"] == 1 and records[0]["rail_shares"] == [[0.5, 0.5], [0.75, 0.25]]
     assert records[0]["run"] == "r1" and "timers" not in records[0]
     assert [sinks[0].wants(s) for s in range(4)] == [True, False, True, False]
@@ -65,40 +93,67 @@ def test_jsonl_per_job_only_rank0_writes(tmp_path):
         sink.close()
     assert [p.name for p in tmp_path.iterdir()] == ["railwave_r1.jsonl"]
     assert len(read_logs(tmp_path)) == 1
-    assert all(sink.wants(0) for sink in sinks)  # every rank answers alike: the count exchange's width
+    assert all(
+        sink.wants(0) for sink in sinks
+    )  # every rank answers alike: the count exchange's width
     with pytest.raises(ValueError, match="log mode must be 'rank' or 'job'"):
         JsonlStatsSink(tmp_path, mode="node")
 
 
 def test_second_run_gets_its_own_files_and_report_keeps_runs_apart(tmp_path, capsys):
     """A second run into the same directory writes new files; report summarises each run alone."""
-    from megatron_railwave.telemetry.commlog import split_runs
     from megatron_railwave.commands.report import summarize_logs
+    from megatron_railwave.telemetry.commlog import split_runs
 
     for run, (steps, ms) in {"20250101-000000-1": (3, 1.0), "20250102-000000-2": (5, 7.0)}.items():
         sink = JsonlStatsSink(tmp_path, rank=0, run_id=run)
         for step in range(steps):
             sink(make_stats(1, step, "rail", ms=ms))
         sink.close()
-    (tmp_path / "railwave_rank0.jsonl").write_text(json.dumps(make_stats(1, 0).to_dict()) + "\n")  # an old file
+    (tmp_path / "railwave_rank0.jsonl").write_text(
+        json.dumps(make_stats(1, 0).to_dict()) + "\n"
+    )  # an old file
     runs = split_runs(read_logs(tmp_path))
-    assert {run: len(records) for run, records in runs.items()} == {"-": 1, "20250101-000000-1": 3,
-                                                                     "20250102-000000-2": 5}
+    assert {run: len(records) for run, records in runs.items()} == {
+        "-": 1,
+        "20250101-000000-1": 3,
+        "20250102-000000-2": 5,
+    }
     second = summarize_logs(runs["20250102-000000-2"])
     assert second["run"] == "20250102-000000-2" and second["layers"][0]["calls"] == 5
-    assert second["layers"][0]["p50_ms"] == pytest.approx(10.5)  # 7 + 3.5, none of the first run's times
+    assert second["layers"][0]["p50_ms"] == pytest.approx(
+        10.5
+    )  # 7 + 3.5, none of the first run's times
     with pytest.raises(ValueError, match="log records of 3 runs"):
         summarize_logs(read_logs(tmp_path))
     out_json = tmp_path / "one.json"
-    assert main(["report", str(tmp_path), "--no-plots", "--run", "20250101-000000-1", "--json", str(out_json)]) == 0
+    assert (
+        main(
+            [
+                "report",
+                str(tmp_path),
+                "--no-plots",
+                "--run",
+                "20250101-000000-1",
+                "--json",
+                str(out_json),
+            ]
+        )
+        == 0
+    )
     assert json.loads(out_json.read_text())["num_calls"] == 3
     assert main(["report", str(tmp_path), "--no-plots", "--json", str(out_json)]) == 0
-    assert sorted(json.loads(out_json.read_text())["runs"]) == ["-", "20250101-000000-1", "20250102-000000-2"]
+    assert sorted(json.loads(out_json.read_text())["runs"]) == [
+        "-",
+        "20250101-000000-1",
+        "20250102-000000-2",
+    ]
     assert capsys.readouterr().out.count(" run ") >= 4  # one table per run (plus the --run one)
 
 
 def test_job_run_id_is_agreed_through_the_store(monkeypatch):
     from megatron_railwave.telemetry import commlog
+
     monkeypatch.setattr(commlog, "_RUN_ID", [])
     monkeypatch.setenv(commlog.RUN_ENV, "bad id/..")
     with pytest.raises(ValueError, match="RAILWAVE_RUN_ID='bad id/..' must use only"):
@@ -216,7 +271,9 @@ def test_megatron_report_respects_log_interval_and_clears(sink):
     writer2 = FakeWriter()
     sink(make_stats(1, 2, ms=5.0))
     report_railwave_metrics(writer2, None, 6, True, log_interval=2, sink=sink)
-    assert writer2.scalars["moe/railwave_dispatch_ms_layer_0"] == pytest.approx(5.0)  # cleared after report
+    assert writer2.scalars["moe/railwave_dispatch_ms_layer_0"] == pytest.approx(
+        5.0
+    )  # cleared after report
 
 
 def test_megatron_sink_defers_cuda_times_to_report(sink):
@@ -241,18 +298,31 @@ def test_megatron_sink_ignores_unnumbered_layers(sink):
 def test_megatron_report_hook_appends_railwave_scalars(sink, monkeypatch):
     from megatron.core.transformer.moe import moe_logging
 
-    from megatron_railwave.telemetry.megatron_logging import attach_to_megatron_report, detach_from_megatron_report
+    from megatron_railwave.telemetry.megatron_logging import (
+        attach_to_megatron_report,
+        detach_from_megatron_report,
+    )
 
     monkeypatch.setattr(moe_logging, "_MOE_METRICS_TRACKER", moe_logging.MoEMetricsTracker())
     tracker = moe_logging.get_moe_metrics_tracker()
-    monkeypatch.setattr(tracker, "_sync_metrics", lambda names, pg=None: None)  # no parallel state here
+    monkeypatch.setattr(
+        tracker, "_sync_metrics", lambda names, pg=None: None
+    )  # no parallel state here
     assert attach_to_megatron_report(sink=sink, log_interval=2)
     assert not attach_to_megatron_report(sink=sink)  # once only
     sink(make_stats(1, 0, "rail"))
     writer = FakeWriter()
     # What Megatron-LM's training_log does every iteration (its own metrics: none recorded here).
-    kwargs = dict(loss_scale=1.0, writer=writer, wandb_writer=None, per_layer_logging=True,
-                  force_initialize=False, track_names=[], num_layers=2, moe_layer_freq=None)
+    kwargs = dict(
+        loss_scale=1.0,
+        writer=writer,
+        wandb_writer=None,
+        per_layer_logging=True,
+        force_initialize=False,
+        track_names=[],
+        num_layers=2,
+        moe_layer_freq=None,
+    )
     assert tracker.report(iteration=1, **kwargs) == ""  # not a log step for railwave (interval 2)
     text = tracker.report(iteration=2, **kwargs)
     assert "railwave_path_rail: 0.50" in text  # 1 of 2 layers; num_layers from Megatron's call
@@ -268,7 +338,11 @@ def _synthetic_log(log_dir, *, ranks=2, layers=4, steps=6):
         for step in range(steps):
             for layer in range(1, layers + 1):
                 path = PATHS[(layer + step // 3) % 4]
-                shares = [[0.5, 0.5], [0.5, 0.5]] if path in ("rail", "joint") else [[0.8, 0.2], [0.6, 0.4]]
+                shares = (
+                    [[0.5, 0.5], [0.5, 0.5]]
+                    if path in ("rail", "joint")
+                    else [[0.8, 0.2], [0.6, 0.4]]
+                )
                 sink(make_stats(layer, step, path, ms=1.0 + rank + 0.1 * layer, shares=shares))
         sink.close()
 
@@ -289,7 +363,10 @@ def test_report_table_json_and_plots(tmp_path, capsys):
     assert summary["paths"]["perm"]["nic_shares"] == pytest.approx([0.7, 0.3])
 
     out_json = tmp_path / "report.json"
-    assert main(["report", str(log_dir), "--out", str(tmp_path / "plots"), "--json", str(out_json)]) == 0
+    assert (
+        main(["report", str(log_dir), "--out", str(tmp_path / "plots"), "--json", str(out_json)])
+        == 0
+    )
     pngs = sorted(p.name for p in (tmp_path / "plots").iterdir())
     assert pngs == ["latency.png", "nic_shares.png", "path_choice.png"]
     assert all((tmp_path / "plots" / p).read_bytes()[:4] == b"\x89PNG" for p in pngs)
@@ -312,10 +389,20 @@ def test_report_online_selector_state(tmp_path, capsys):
     order = ["joint", "rail", "perm", "native", "joint", "joint", "rail", "joint"]
     for step, path in enumerate(order):
         s = make_stats(1, step, path)
-        s.set_online({"mode": "probe" if step < 4 or step == 6 else "exploit", "neighbourhood": 0,
-                      "measured_ms": {"native": 4.0 if step > 3 else None, "rail": 2.2 if step > 1 else None,
-                                      "perm": 3.0 if step > 2 else None, "joint": 2.0 if step > 0 else None},
-                      "last_ms": 2.0 if step else None, "bad_timings": 0})
+        s.set_online(
+            {
+                "mode": "probe" if step < 4 or step == 6 else "exploit",
+                "neighbourhood": 0,
+                "measured_ms": {
+                    "native": 4.0 if step > 3 else None,
+                    "rail": 2.2 if step > 1 else None,
+                    "perm": 3.0 if step > 2 else None,
+                    "joint": 2.0 if step > 0 else None,
+                },
+                "last_ms": 2.0 if step else None,
+                "bad_timings": 0,
+            }
+        )
         sink(s)
     sink.close()
     records = read_logs(log_dir)

@@ -23,14 +23,29 @@ REPO = Path(__file__).resolve().parents[2]
         ({"gpus_per_node": True}, r"gpus_per_node=True must be an integer"),
         ({"failed_rails": [[1]]}, r"failed_rails=\[\[1\]\] must be a list of \[node, rail\] pairs"),
         ({"failed_rails": [1, 2]}, r"failed_rails=\[1, 2\] must be a list of \[node, rail\] pairs"),
-        ({"failed_rails": [[0, -1]]}, r"failed_rails=\[\[0, -1\]\] must be a list of \[node, rail\] pairs"),
-        ({"timeout_s": -1}, r"timeout_s=-1 must be a finite number > 0 \(seconds; null = the process group"),
+        (
+            {"failed_rails": [[0, -1]]},
+            r"failed_rails=\[\[0, -1\]\] must be a list of \[node, rail\] pairs",
+        ),
+        (
+            {"timeout_s": -1},
+            r"timeout_s=-1 must be a finite number > 0 \(seconds; null = the process group",
+        ),
         ({"timeout_s": 0}, r"timeout_s=0 must be a finite number > 0"),
         ({"timeout_s": "soon"}, r"timeout_s='soon' must be a finite number > 0"),
         ({"timeout_s": float("nan")}, r"timeout_s=nan must be a finite number > 0"),
-        ({"policy": "mask"}, r"policy 'mask' needs rail_mask: \[N\]\[G\] of 0/1, e.g. \[\[1, 1, 0, 0\]"),
-        ({"rail_mask": [[1, 0]]}, r"rail_mask is set but policy is 'all', which ignores it; set policy: mask"),
-        ({"policy": "mask", "rail_mask": [[1, 2]]}, r"rail_mask=\[\[1, 2\]\] must be \[N\]\[G\] of 0/1"),
+        (
+            {"policy": "mask"},
+            r"policy 'mask' needs rail_mask: \[N\]\[G\] of 0/1, e.g. \[\[1, 1, 0, 0\]",
+        ),
+        (
+            {"rail_mask": [[1, 0]]},
+            r"rail_mask is set but policy is 'all', which ignores it; set policy: mask",
+        ),
+        (
+            {"policy": "mask", "rail_mask": [[1, 2]]},
+            r"rail_mask=\[\[1, 2\]\] must be \[N\]\[G\] of 0/1",
+        ),
         ({"policy": "mask", "rail_mask": [[1, 0], [1]]}, r"rows of equal length"),
         ({"policy": "sideways"}, r"policy='sideways' is not one of \['all', 'active', 'mask'\]"),
         ({"path": "fastest"}, r"unknown path 'fastest'; choose one of native, rail, perm, joint"),
@@ -40,25 +55,42 @@ REPO = Path(__file__).resolve().parents[2]
         ({"chunks": 0}, r"chunks=0 must be an integer in 1..64 \(rail chunks per wave"),
         ({"chunks": 65}, r"chunks=65 must be an integer in 1..64"),
         ({"chunks": True}, r"chunks=True must be an integer in 1..64"),
-        ({"chunks": 2, "backend": "deepep"}, r"chunks=2 \(rail chunks per wave\) runs on the torch backend only"),
+        (
+            {"chunks": 2, "backend": "deepep"},
+            r"chunks=2 \(rail chunks per wave\) runs on the torch backend only",
+        ),
         ({"rail_gbps": 0}, r"rail_gbps=0 must be a finite number > 0"),
         ({"rail_of_gpu": [0, "a"]}, r"rail_of_gpu=\[0, 'a'\] must be a list of rail indices >= 0"),
-        ({"gpus_per_node": 2, "rail_of_gpu": [0]}, r"rail_of_gpu has 1 entries but gpus_per_node is 2"),
+        (
+            {"gpus_per_node": 2, "rail_of_gpu": [0]},
+            r"rail_of_gpu has 1 entries but gpus_per_node is 2",
+        ),
         ({"payload_ratio": 0.5}, r"payload_ratio=0.5 must be a finite number >= 1"),
         ({"shape_distance": -0.1}, r"shape_distance=-0.1 must be a finite number >= 0"),
         ({"log_mode": "node"}, r"log_mode='node' must be 'rank' \(one file per rank\) or 'job'"),
         ({"log_interval": 0}, r"log_interval=0 must be an integer >= 1 \(steps\)"),
         ({"capture_interval": "10"}, r"capture_interval='10' must be an integer >= 1"),
-        ({"cluster": "h900_64x8"}, r"cluster file 'h900_64x8' does not exist and is not a preset name "
-                                   r"\(presets: h20_4x8, h800_4x8\)"),
-        ({"cluster": "h800_4x8", "gpus_per_node": 4}, r"gpus_per_node=4 differs from the cluster file's 8"),
+        (
+            {"cluster": "h900_64x8"},
+            r"cluster file 'h900_64x8' does not exist and is not a preset name "
+            r"\(presets: h20_4x8, h800_4x8\)",
+        ),
+        (
+            {"cluster": "h800_4x8", "gpus_per_node": 4},
+            r"gpus_per_node=4 differs from the cluster file's 8",
+        ),
         ({"cluster": "h800_4x8", "failed_rails": [[0, 8]]}, r"rail 8 is out of range 0\.\.7"),
         ({"anchors": 5}, r"anchors=5 must be the path of an anchors YAML file"),
         ({"log_dir": 5}, r"log_dir=5 must be a directory path or null"),
-        ({"max_tokens_per_rank": 0}, r"max_tokens_per_rank=0 must be an integer >= 1 .*or null for the normal mode"),
+        (
+            {"max_tokens_per_rank": 0},
+            r"max_tokens_per_rank=0 must be an integer >= 1 .*or null for the normal mode",
+        ),
         ({"max_tokens_per_rank": 4.5}, r"max_tokens_per_rank=4.5 must be an integer >= 1"),
-        ({"max_tokens_per_rank": 512, "backend": "deepep"},
-         r"max_tokens_per_rank=512 \(fixed-capacity mode\) runs on the torch backend only"),
+        (
+            {"max_tokens_per_rank": 512, "backend": "deepep"},
+            r"max_tokens_per_rank=512 \(fixed-capacity mode\) runs on the torch backend only",
+        ),
     ],
 )
 def test_config_rejects_bad_field_naming_it(fields, match):
@@ -77,8 +109,11 @@ def test_config_output_directories_must_be_writable(tmp_path):
     a_file.write_text("x")
     with pytest.raises(ValueError, match=r"log_dir '.*file\.txt' is a file; give a directory"):
         RailWaveConfig(log_dir=str(a_file))
-    with pytest.raises(ValueError, match=r"capture_dir '.*file\.txt/traces': cannot create this directory: "
-                                         r"'.*file\.txt' is a file, not a directory"):
+    with pytest.raises(
+        ValueError,
+        match=r"capture_dir '.*file\.txt/traces': cannot create this directory: "
+        r"'.*file\.txt' is a file, not a directory",
+    ):
         RailWaveConfig(capture_dir=str(a_file / "traces"))
     # A directory that does not exist yet but can be created is fine (nothing is created here).
     cfg = RailWaveConfig(log_dir=str(tmp_path / "new" / "logs"), capture_dir=str(tmp_path))
@@ -86,7 +121,9 @@ def test_config_output_directories_must_be_writable(tmp_path):
 
 
 def test_config_anchors_directory_is_refused_missing_file_is_allowed(tmp_path):
-    with pytest.raises(ValueError, match=r"anchors '.*' is a directory; give the anchors YAML file"):
+    with pytest.raises(
+        ValueError, match=r"anchors '.*' is a directory; give the anchors YAML file"
+    ):
         RailWaveConfig(anchors=str(tmp_path))
     # A missing file is not an error here: path 'auto' then runs JOINT with one logged warning.
     assert RailWaveConfig(anchors=str(tmp_path / "later.yaml")).anchors.endswith("later.yaml")
@@ -101,7 +138,9 @@ def test_config_accepts_a_cluster_preset_name_like_the_cli():
 def test_config_mask_policy_checks_the_mask_against_the_topology():
     cfg = RailWaveConfig(gpus_per_node=2, policy="mask", rail_mask=[[1, 0], [1, 1]])
     assert cfg.plan_options(cfg.topology(4)).rail_mask_NG.tolist() == [[True, False], [True, True]]
-    with pytest.raises(ValueError, match=r"rail_mask is \[2, 2\] but the topology is 4 nodes x 2 GPUs"):
+    with pytest.raises(
+        ValueError, match=r"rail_mask is \[2, 2\] but the topology is 4 nodes x 2 GPUs"
+    ):
         cfg.plan_options(cfg.topology(8))
 
 
@@ -113,18 +152,26 @@ def test_config_yaml_nulls_mean_empty_lists(tmp_path):
 
 
 def test_config_file_missing_or_not_yaml_names_the_file(tmp_path):
-    with pytest.raises(ValueError, match=re.escape(f"railwave config file {str(tmp_path / 'no.yaml')!r} does not exist")):
+    with pytest.raises(
+        ValueError,
+        match=re.escape(f"railwave config file {str(tmp_path / 'no.yaml')!r} does not exist"),
+    ):
         load_config(tmp_path / "no.yaml")
     bad = tmp_path / "bad.yaml"
     bad.write_text("gpus_per_node: [2\n")
-    with pytest.raises(ValueError, match=re.escape(f"railwave config file {str(bad)!r} is not valid YAML")):
+    with pytest.raises(
+        ValueError, match=re.escape(f"railwave config file {str(bad)!r} is not valid YAML")
+    ):
         load_config(bad)
 
 
 @pytest.mark.parametrize(
     ("config", "match"),
     [
-        ([1, 2], r"railwave config: got list \[1, 2\]; give a RailWaveConfig, a dict of its fields"),
+        (
+            [1, 2],
+            r"railwave config: got list \[1, 2\]; give a RailWaveConfig, a dict of its fields",
+        ),
         (42, r"railwave config: got int 42; give a RailWaveConfig"),
     ],
 )
@@ -135,8 +182,10 @@ def test_install_rejects_what_is_not_a_config(config, match):
 
 
 def test_install_rejects_a_directory(tmp_path):
-    with pytest.raises(ValueError, match=re.escape(f"railwave config {str(tmp_path)!r} is a directory; give the YAML "
-                                                   "file")):
+    with pytest.raises(
+        ValueError,
+        match=re.escape(f"railwave config {str(tmp_path)!r} is a directory; give the YAML file"),
+    ):
         megatron_railwave.install(str(tmp_path))
 
 

@@ -16,8 +16,20 @@ def test_nics_from_a_sysfs_tree(tmp_path):
     (port / "link_layer").write_text("InfiniBand\n")
     (tmp_path / "mlx5_0" / "device").mkdir()
     (tmp_path / "mlx5_0" / "device" / "numa_node").write_text("1\n")
-    assert environment.read_nics(str(tmp_path)) == [{"device": "mlx5_0", "numa_node": "1", "ports": [
-        {"port": "1", "state": "4: ACTIVE", "rate": "400 Gb/sec (4X NDR)", "link_layer": "InfiniBand"}]}]
+    assert environment.read_nics(str(tmp_path)) == [
+        {
+            "device": "mlx5_0",
+            "numa_node": "1",
+            "ports": [
+                {
+                    "port": "1",
+                    "state": "4: ACTIVE",
+                    "rate": "400 Gb/sec (4X NDR)",
+                    "link_layer": "InfiniBand",
+                }
+            ],
+        }
+    ]
     assert environment.read_nics(str(tmp_path / "absent")) == []
 
 

@@ -22,10 +22,22 @@ SCRIPT = ROOT / "scripts" / "gpu_check.sh"
 def _run(tmp_path: Path, **env: str) -> tuple[subprocess.CompletedProcess, dict]:
     out = tmp_path / "out"
     # A generous preflight limit: on this shared 2-core machine importing torch can take 30 s.
-    full_env = {**os.environ, "OUT": str(out), "PY": sys.executable, "GPU_CHECK_PREFLIGHT_S": "300",
-                "GPU_CHECK_LIMIT_SCALE": "10", **env}
-    done = subprocess.run(["bash", str(SCRIPT)], capture_output=True, text=True, env=full_env, timeout=240,
-                          check=False)
+    full_env = {
+        **os.environ,
+        "OUT": str(out),
+        "PY": sys.executable,
+        "GPU_CHECK_PREFLIGHT_S": "300",
+        "GPU_CHECK_LIMIT_SCALE": "10",
+        **env,
+    }
+    done = subprocess.run(
+        ["bash", str(SCRIPT)],
+        capture_output=True,
+        text=True,
+        env=full_env,
+        timeout=240,
+        check=False,
+    )
     summary = json.loads((out / "summary.json").read_text())
     return done, summary
 
@@ -36,13 +48,21 @@ def test_without_cuda_exits_2_with_a_clear_line(tmp_path):
     assert done.returncode == 2, done.stdout + done.stderr
     assert "no CUDA device" in done.stdout
     assert summary["exit_status"] == 2
-    assert summary["steps"] == [{"step": "preflight", "result": "FAIL", "seconds": summary["steps"][0]["seconds"],
-                                 "limit_s": 300, "note": "no CUDA device"}]
+    assert summary["steps"] == [
+        {
+            "step": "preflight",
+            "result": "FAIL",
+            "seconds": summary["steps"][0]["seconds"],
+            "limit_s": 300,
+            "note": "no CUDA device",
+        }
+    ]
 
 
 def test_a_failing_step_makes_the_exit_status_1(tmp_path):
-    done, summary = _run(tmp_path, GPU_CHECK_REQUIRE_CUDA="0", GPU_CHECK_ONLY="doctor",
-                         GPU_CHECK_FAIL_STEP="doctor")
+    done, summary = _run(
+        tmp_path, GPU_CHECK_REQUIRE_CUDA="0", GPU_CHECK_ONLY="doctor", GPU_CHECK_FAIL_STEP="doctor"
+    )
     assert done.returncode == 1, done.stdout + done.stderr
     by_step = {s["step"]: s for s in summary["steps"]}
     assert by_step["doctor"]["result"] == "FAIL" and "exit status 3" in by_step["doctor"]["note"]
@@ -64,7 +84,9 @@ def test_step_limits_add_up_to_less_than_8_minutes_with_the_build_first():
     text = SCRIPT.read_text()
     steps = re.findall(r"^step (\w+) (\d+) ", text, flags=re.M)
     assert [name for name, _ in steps[:2]] == ["doctor", "build"]
-    preflight = int(re.search(r"^PREFLIGHT_S=\$\{GPU_CHECK_PREFLIGHT_S:-(\d+)\}", text, flags=re.M).group(1))
+    preflight = int(
+        re.search(r"^PREFLIGHT_S=\$\{GPU_CHECK_PREFLIGHT_S:-(\d+)\}", text, flags=re.M).group(1)
+    )
     assert 'timeout "$PREFLIGHT_S" "$PY" - > "$OUT/preflight.log"' in text
     total = preflight + sum(int(limit) for _, limit in steps)
     assert total < 480, total
@@ -82,20 +104,38 @@ def test_every_virtual_step_fits_its_stated_memory_budget():
     from megatron_railwave.topology import load_topology
 
     text = SCRIPT.read_text()
-    base = re.search(r'VIRTUAL=\("\$PY" -m megatron_railwave.cli (simulate-exchange[^)]*)\)', text).group(1)
+    base = re.search(
+        r'VIRTUAL=\("\$PY" -m megatron_railwave.cli (simulate-exchange[^)]*)\)', text
+    ).group(1)
     base = base.replace("\n", " ").split()
     assert base[base.index("--max-memory-gib") + 1] == "110"
-    calls = re.findall(r'^step (virtual_\w+) \d+ "\$\{VIRTUAL\[@\]\}" (.*?)--json', text, flags=re.M | re.S)
+    calls = re.findall(
+        r'^step (virtual_\w+) \d+ "\$\{VIRTUAL\[@\]\}" (.*?)--json', text, flags=re.M | re.S
+    )
     assert len(calls) == 4
     parser = build_parser()
     topo = load_topology(ROOT / "configs/clusters/h800_4x8.yaml")
     for name, extra in calls:
         args = parser.parse_args(base + extra.replace("\\", " ").split())
-        spec = VirtualSpec(topology=topo, tokens=args.tokens, hidden=args.hidden, experts=args.experts,
-                           topk=args.topk, dtype=args.dtype, max_tokens_per_rank=args.max_tokens_per_rank)
+        spec = VirtualSpec(
+            topology=topo,
+            tokens=args.tokens,
+            hidden=args.hidden,
+            experts=args.experts,
+            topk=args.topk,
+            dtype=args.dtype,
+            max_tokens_per_rank=args.max_tokens_per_rank,
+        )
         assert estimate_peak_bytes(spec) / 2**30 < 110, name
-    old = VirtualSpec(topology=topo, tokens=1024, hidden=4096, experts=128, topk=8, dtype="bf16",
-                      max_tokens_per_rank=1024)
+    old = VirtualSpec(
+        topology=topo,
+        tokens=1024,
+        hidden=4096,
+        experts=128,
+        topk=8,
+        dtype="bf16",
+        max_tokens_per_rank=1024,
+    )
     assert estimate_peak_bytes(old) / 2**30 > 139
 
 
@@ -103,7 +143,18 @@ def test_simulate_exchange_refuses_a_run_over_its_memory_limit(capsys):
     from megatron_railwave.cli import main
 
     with pytest.raises(SystemExit) as exc:
-        main(["simulate-exchange", "--cluster", str(ROOT / "configs/clusters/h800_4x8.yaml"), "--tokens", "8",
-              "--hidden", "8", "--max-memory-gib", "0.0001"])
+        main(
+            [
+                "simulate-exchange",
+                "--cluster",
+                str(ROOT / "configs/clusters/h800_4x8.yaml"),
+                "--tokens",
+                "8",
+                "--hidden",
+                "8",
+                "--max-memory-gib",
+                "0.0001",
+            ]
+        )
     assert exc.value.code == 2
     assert "estimated peak memory" in capsys.readouterr().err

@@ -14,10 +14,15 @@ from megatron_railwave.config import OnlineSettings, RailWaveConfig
 from megatron_railwave.names import Route
 from megatron_railwave.selector import OnlineSelector, selector_from_config
 from megatron_railwave.selector.capacity_epochs import CapacityEpochs
-from megatron_railwave.selector.online import (TIMING_MISSING, TIMING_NAN, TIMING_NONE, TIMING_STALLED,
-                                               SharedNeighbourhoods, encode_timing, slowest_reduced_timing,
-                                               slowest_timing)
-
+from megatron_railwave.selector.online import (
+    TIMING_MISSING,
+    TIMING_NAN,
+    TIMING_NONE,
+    TIMING_STALLED,
+    SharedNeighbourhoods,
+    slowest_reduced_timing,
+    slowest_timing,
+)
 from tests.helpers.online_cases import SCALES, TOPO, TRUE_S, stats
 
 
@@ -36,8 +41,10 @@ def test_reduced_pair_cases_worked_by_hand():
     assert "no timing where the others did" in slowest_reduced_timing(5000, TIMING_NONE)[1]
 
 
-word = st.one_of(st.integers(1, 1 << 40), st.sampled_from([TIMING_NONE, TIMING_MISSING, TIMING_NAN, -3,
-                                                            TIMING_STALLED]))
+word = st.one_of(
+    st.integers(1, 1 << 40),
+    st.sampled_from([TIMING_NONE, TIMING_MISSING, TIMING_NAN, -3, TIMING_STALLED]),
+)
 
 
 @settings(max_examples=200, deadline=None)
@@ -58,12 +65,21 @@ def test_observe_files_under_the_given_decision_not_the_last_one():
     train = sel.decide("train", stats(64))  # probe JOINT (train table)
     evalp = sel.decide("forward_only", stats(64))  # probe JOINT (forward-only table); now _last
     assert (train.path, train.mode, evalp.mode) == (Route.JOINT, "probe", "probe")
-    assert shared.pending[("train", Route.JOINT)] == 1 and shared.pending[("forward_only", Route.JOINT)] == 1
+    assert (
+        shared.pending[("train", Route.JOINT)] == 1
+        and shared.pending[("forward_only", Route.JOINT)] == 1
+    )
     assert sel.observe_reduced(7000, 5000, decision=train) is None
     (nb,) = sel._tables["train"]
     (nb_eval,) = sel._tables["forward_only"]
-    assert list(nb.times[Route.JOINT].recent) == [7000 * 1e-9] and not nb_eval.times[Route.JOINT].recent
-    assert shared.pending[("train", Route.JOINT)] == 0 and shared.pending[("forward_only", Route.JOINT)] == 1
+    assert (
+        list(nb.times[Route.JOINT].recent) == [7000 * 1e-9]
+        and not nb_eval.times[Route.JOINT].recent
+    )
+    assert (
+        shared.pending[("train", Route.JOINT)] == 0
+        and shared.pending[("forward_only", Route.JOINT)] == 1
+    )
     assert sel.expects_timing()  # the forward-only decision is still the previous call's
     # The words form with an explicit decision files there too (and leaves _last alone).
     assert sel.observe([4000, 9000], decision=evalp) is None
@@ -71,7 +87,10 @@ def test_observe_files_under_the_given_decision_not_the_last_one():
     assert shared.pending[("forward_only", Route.JOINT)] == 0
     # Without a decision: the previous call's, as before.
     sel.observe([1000])
-    assert list(nb_eval.times[Route.JOINT].recent) == [9000 * 1e-9, 1000 * 1e-9] and not sel.expects_timing()
+    assert (
+        list(nb_eval.times[Route.JOINT].recent) == [9000 * 1e-9, 1000 * 1e-9]
+        and not sel.expects_timing()
+    )
 
 
 def test_observe_reduced_counts_bad_pairs_and_falls_back():
@@ -124,12 +143,22 @@ class _Reduce:
         return post
 
 
-def drive(kinds: list[str], *, ranks: int = 4, every: int = 2, skew=None, clock=None, max_bad: int = 3):
+def drive(
+    kinds: list[str], *, ranks: int = 4, every: int = 2, skew=None, clock=None, max_bad: int = 3
+):
     """Run ``kinds[c]`` at call c on every rank (lockstep, like a collective); rank r's timer reads
     ``clock(r, call, path)`` ms (default: the true time x ``skew[r]``). Returns per rank the list of
     (kind, path, mode) and the positions of posts."""
-    sels = [OnlineSelector(OnlineSettings(probes=1, reprobe_every=1000, capacity_sync_every=every,
-                                          max_bad=max_bad), scales=SCALES, layer=3) for _ in range(ranks)]
+    sels = [
+        OnlineSelector(
+            OnlineSettings(
+                probes=1, reprobe_every=1000, capacity_sync_every=every, max_bad=max_bad
+            ),
+            scales=SCALES,
+            layer=3,
+        )
+        for _ in range(ranks)
+    ]
     epochs = [CapacityEpochs(sel, stats(64)) for sel in sels]
     reduce, seen = _Reduce(ranks), [0] * ranks
     out: list[list[tuple[str, Route, str]]] = [[] for _ in range(ranks)]
@@ -144,8 +173,11 @@ def drive(kinds: list[str], *, ranks: int = 4, every: int = 2, skew=None, clock=
             if message:
                 messages[r].append(message)
             if timers is not None:
-                ms = (clock(r, call, decision.path) if clock
-                      else TRUE_S[decision.path] * 1e3 * (skew[r] if skew else 1.0))
+                ms = (
+                    clock(r, call, decision.path)
+                    if clock
+                    else TRUE_S[decision.path] * 1e3 * (skew[r] if skew else 1.0)
+                )
                 timers.append(_Timer(ms * 0.25))  # the dispatch half
                 timers.append(_Timer(ms * 0.75))  # the combine half
             out[r].append((kind, decision.path, decision.mode))
@@ -159,7 +191,14 @@ def test_epochs_probe_each_path_for_one_epoch_then_exploit_and_ranks_agree():
     out, posts, messages, sels = drive(["train"] * 12, skew=[1.0, 1.7, 0.6, 2.4])
     assert all(o == out[0] for o in out)
     paths = [p for _, p, _ in out[0]]
-    assert paths == [Route.JOINT] * 2 + [Route.RAIL] * 2 + [Route.PERM] * 2 + [Route.NATIVE] * 2 + [Route.JOINT] * 4
+    assert (
+        paths
+        == [Route.JOINT] * 2
+        + [Route.RAIL] * 2
+        + [Route.PERM] * 2
+        + [Route.NATIVE] * 2
+        + [Route.JOINT] * 4
+    )
     assert [m for _, _, m in out[0]] == ["probe"] * 8 + ["exploit"] * 4
     assert all(p == [1, 3, 5, 7, 9, 11] for p in posts)
     assert not any(messages)
@@ -173,8 +212,17 @@ def test_epochs_probe_each_path_for_one_epoch_then_exploit_and_ranks_agree():
 def test_epochs_of_each_pass_kind_count_their_own_calls():
     """Forward-only calls between training calls open their own epochs and file their own times:
     the training epochs see only training calls."""
-    kinds = ["train", "forward_only", "train", "train", "forward_only", "train", "forward_only",
-             "forward_only", "train"]
+    kinds = [
+        "train",
+        "forward_only",
+        "train",
+        "train",
+        "forward_only",
+        "train",
+        "forward_only",
+        "forward_only",
+        "train",
+    ]
     out, posts, _, sels = drive(kinds, every=2)
     train = [p for k, p, _ in out[0] if k == "train"]
     evalp = [p for k, p, _ in out[0] if k == "forward_only"]
@@ -182,9 +230,13 @@ def test_epochs_of_each_pass_kind_count_their_own_calls():
     assert evalp == [Route.JOINT, Route.JOINT, Route.RAIL, Route.RAIL]
     # posts: at the second call of each kind's epochs (train calls 2 and 5; forward-only 4 and 7)
     assert posts[0] == [2, 4, 5, 7]
-    times = {k: {p: list(t.recent) for p, t in sels[0]._tables[k][0].times.items() if t.recent}
-             for k in ("train", "forward_only")}
-    assert set(times["train"]) == {Route.JOINT, Route.RAIL} and set(times["forward_only"]) == {Route.JOINT}
+    times = {
+        k: {p: list(t.recent) for p, t in sels[0]._tables[k][0].times.items() if t.recent}
+        for k in ("train", "forward_only")
+    }
+    assert set(times["train"]) == {Route.JOINT, Route.RAIL} and set(times["forward_only"]) == {
+        Route.JOINT
+    }
 
 
 def test_one_rank_nan_clock_sends_every_rank_to_joint_at_the_same_call():
@@ -240,13 +292,16 @@ def test_idle_layers_post_nothing():
 # ---------------------------------------------------------------------- config
 @pytest.mark.parametrize("value", [1, 0, 2.5, True, "4"])
 def test_config_capacity_sync_every_must_be_an_integer_of_at_least_2(value):
-    with pytest.raises(ValueError, match=rf"online.capacity_sync_every={value!r} must be an integer >= 2"):
+    with pytest.raises(
+        ValueError, match=rf"online.capacity_sync_every={value!r} must be an integer >= 2"
+    ):
         RailWaveConfig.from_dict({"online": {"capacity_sync_every": value}})
 
 
 def test_config_online_in_fixed_capacity_mode_is_accepted_and_asked_for_by_name():
-    config = RailWaveConfig.from_dict({"selector": "online", "max_tokens_per_rank": 64,
-                                       "online": {"capacity_sync_every": 3}})
+    config = RailWaveConfig.from_dict(
+        {"selector": "online", "max_tokens_per_rank": 64, "online": {"capacity_sync_every": 3}}
+    )
     assert config.selector_kind() == "online" and config.online.capacity_sync_every == 3
     assert config.to_dict()["online"]["capacity_sync_every"] == 3
     assert "'capacity_sync_every': 3" in config.fingerprint()["selector"]  # ranks must agree on it

@@ -3,36 +3,53 @@ its descriptors against ``demand_stats``, the learned anchors file, the config w
 
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from megatron_railwave import ops
 from megatron_railwave.config import OnlineSettings, RailWaveConfig
 from megatron_railwave.lab.workloads import synthetic_routing_maps
 from megatron_railwave.names import Route
-from megatron_railwave import ops
 from megatron_railwave.selector import AnchorSelector, OnlineSelector, selector_from_config
 from megatron_railwave.selector.anchors import load_anchors, save_anchors
-from megatron_railwave.selector.online import (TIMING_MISSING, TIMING_NONE, TIMING_STALLED, encode_timing,
-                                               fast_descriptors, learned_anchor_set, slowest_timing)
+from megatron_railwave.selector.online import (
+    TIMING_MISSING,
+    TIMING_NONE,
+    TIMING_STALLED,
+    encode_timing,
+    fast_descriptors,
+    learned_anchor_set,
+    slowest_timing,
+)
 from megatron_railwave.telemetry.stats import demand_stats
 from megatron_railwave.topology import RailTopology
 from megatron_railwave.traffic import DemandCounts, TrafficStats
-
 from tests.helpers.online_cases import SCALES, TOPO, TRUE_S, stats
 
 
-def run(sel: OnlineSelector, times: dict[Route, float], calls: int, descr: TrafficStats, *, ranks: int = 1,
-        skew=None) -> list[tuple[Route, str]]:
+def run(
+    sel: OnlineSelector,
+    times: dict[Route, float],
+    calls: int,
+    descr: TrafficStats,
+    *,
+    ranks: int = 1,
+    skew=None,
+) -> list[tuple[Route, str]]:
     """Drive ``sel`` like the dispatcher: each call's words carry the previous call's time from
     every rank (``skew[r]``: rank r's clock factor, default 1)."""
     out, prev = [], None
     for _ in range(calls):
-        words = [encode_timing(None if prev is None else times[prev] * (skew[r] if skew else 1.0),
-                               expected=sel.expects_timing()) for r in range(ranks)]
+        words = [
+            encode_timing(
+                None if prev is None else times[prev] * (skew[r] if skew else 1.0),
+                expected=sel.expects_timing(),
+            )
+            for r in range(ranks)
+        ]
         sel.observe(words)
         d = sel.decide("train", descr)
         out.append((d.path, d.mode))
@@ -46,8 +63,16 @@ def test_probes_each_candidate_then_exploits_the_fastest():
     probes = [p for p, mode in seq if mode == "probe"]
     # Round 1 probes all four (JOINT first); NATIVE (2x JOINT's time) is dropped after one probe,
     # the others get their second probe; then JOINT, the fastest, runs.
-    assert probes == [Route.JOINT, Route.RAIL, Route.PERM, Route.NATIVE, Route.JOINT, Route.RAIL, Route.PERM]
-    assert all(p == Route.JOINT and mode == "exploit" for p, mode in seq[len(probes):])
+    assert probes == [
+        Route.JOINT,
+        Route.RAIL,
+        Route.PERM,
+        Route.NATIVE,
+        Route.JOINT,
+        Route.RAIL,
+        Route.PERM,
+    ]
+    assert all(p == Route.JOINT and mode == "exploit" for p, mode in seq[len(probes) :])
 
 
 def test_native_wins_where_it_is_fastest_and_reprobes_pay_for_themselves():
@@ -62,7 +87,9 @@ def test_native_wins_where_it_is_fastest_and_reprobes_pay_for_themselves():
     assert reprobes.count(Route.RAIL) >= 8
     assert 1 <= reprobes.count(Route.JOINT) <= 3 and 1 <= reprobes.count(Route.PERM) <= 3
     cheap = OnlineSelector(OnlineSettings(reprobe_every=5, reprobe_budget=0.01), scales=SCALES)
-    assert Route.JOINT not in [p for p, mode in run(cheap, times, 80, stats(8)) if mode == "reprobe"]
+    assert Route.JOINT not in [
+        p for p, mode in run(cheap, times, 80, stats(8)) if mode == "reprobe"
+    ]
 
 
 def test_layers_share_what_they_measured():
@@ -79,7 +106,9 @@ def test_layers_share_what_they_measured():
 
 
 def test_switches_when_the_fabric_changes():
-    sel = OnlineSelector(OnlineSettings(reprobe_every=4, window=4, reprobe_budget=0.5), scales=SCALES)
+    sel = OnlineSelector(
+        OnlineSettings(reprobe_every=4, window=4, reprobe_budget=0.5), scales=SCALES
+    )
     run(sel, TRUE_S, 30, stats(64))
     changed = dict(TRUE_S, **{Route.RAIL: 1e-3})  # RAIL becomes the fastest
     seq = run(sel, changed, 60, stats(64))
@@ -101,7 +130,9 @@ def test_new_neighbourhood_when_descriptors_leave_and_seeded_from_the_nearest():
     # ratio (2x JOINT's) and named as such in the file.
     learned = {nb.index: (lat, est) for nb, lat, est in sel.learned()}
     lat, est = learned[1]
-    assert est == [Route.NATIVE] and lat[Route.NATIVE].median == pytest.approx(2 * lat[Route.JOINT].median)
+    assert est == [Route.NATIVE] and lat[Route.NATIVE].median == pytest.approx(
+        2 * lat[Route.JOINT].median
+    )
     assert learned[0][1] == []
     file = learned_anchor_set([sel], TOPO, hidden_size=64, dtype="fp32")
     assert file.context.settings["online"]["estimated"] == {"online-lNone-train-n1": ["native"]}
@@ -148,8 +179,13 @@ def test_bad_timings_fall_back_to_joint_on_every_rank(bad):
     decisions = [[] for _ in sels]
     for call in range(12):
         # Rank 2's clock goes bad from call 4 on; every rank receives the same words.
-        words = [encode_timing(None if call == 0 else (bad if (r == 2 and call >= 4) else 1e-3 * (r + 1)),
-                               expected=call > 0) for r in range(4)]
+        words = [
+            encode_timing(
+                None if call == 0 else (bad if (r == 2 and call >= 4) else 1e-3 * (r + 1)),
+                expected=call > 0,
+            )
+            for r in range(4)
+        ]
         for k, sel in enumerate(sels):
             msg = sel.observe(words)
             if msg:
@@ -170,8 +206,13 @@ def test_ranks_whose_clocks_differ_decide_the_same(skews, seed):
     sels = [OnlineSelector(OnlineSettings(reprobe_every=3), scales=SCALES) for _ in range(4)]
     prev = None
     for call in range(40):
-        words = [encode_timing(None if prev is None else TRUE_S[prev] * skews[r] * rng.uniform(0.9, 1.1),
-                               expected=prev is not None) for r in range(4)]
+        words = [
+            encode_timing(
+                None if prev is None else TRUE_S[prev] * skews[r] * rng.uniform(0.9, 1.1),
+                expected=prev is not None,
+            )
+            for r in range(4)
+        ]
         descr = stats(64 if call < 20 else 300)
         ds = []
         for sel in sels:
@@ -200,7 +241,9 @@ def test_fast_descriptors_match_demand_stats(seed):
 
 
 def test_fast_descriptors_with_shared_rails_and_a_failed_rail():
-    topo = RailTopology(num_nodes=2, gpus_per_node=4, rail_of_gpu=(0, 0, 1, 1), failed_rails=((1, 1),))
+    topo = RailTopology(
+        num_nodes=2, gpus_per_node=4, rail_of_gpu=(0, 0, 1, 1), failed_rails=((1, 1),)
+    )
     maps = synthetic_routing_maps(topo, num_tokens=256, num_experts=16, topk=2, seed=1)
     demand = DemandCounts.from_routing_maps(maps, topo)
     ref = demand_stats(demand, topo, record_bytes=64)
@@ -209,7 +252,9 @@ def test_fast_descriptors_with_shared_rails_and_a_failed_rail():
 
 
 def test_learned_anchors_file_round_trips_and_feeds_the_anchor_rule(tmp_path):
-    sel = OnlineSelector(OnlineSettings(drop_ratio=10.0, reprobe_every=1000), scales=SCALES, layer=3)
+    sel = OnlineSelector(
+        OnlineSettings(drop_ratio=10.0, reprobe_every=1000), scales=SCALES, layer=3
+    )
     run(sel, TRUE_S, 12, stats(64))
     run(sel, TRUE_S, 4, stats(2))  # a second neighbourhood, not every path measured: not written
     anchor_set = learned_anchor_set([sel], TOPO, hidden_size=4096, dtype="bf16")
@@ -231,10 +276,14 @@ def test_config_wiring(tmp_path):
     assert RailWaveConfig(max_tokens_per_rank=64).selector_kind() == "anchors"
     assert RailWaveConfig(path="rail", selector=None).selector_kind() == "fixed"
     with pytest.raises(ValueError, match="does not exist"):
-        selector_from_config(RailWaveConfig(selector="online", anchors=str(tmp_path / "none.yaml")), TOPO)
+        selector_from_config(
+            RailWaveConfig(selector="online", anchors=str(tmp_path / "none.yaml")), TOPO
+        )
     learned = OnlineSelector(OnlineSettings(drop_ratio=10.0), scales=SCALES, layer=1)
     run(learned, TRUE_S, 12, stats(64))
-    path = save_anchors(learned_anchor_set([learned], TOPO, hidden_size=64, dtype="fp32"), tmp_path / "l.yaml")
+    path = save_anchors(
+        learned_anchor_set([learned], TOPO, hidden_size=64, dtype="fp32"), tmp_path / "l.yaml"
+    )
     seeded = selector_from_config(RailWaveConfig(selector="online", anchors=str(path)), TOPO)
     assert isinstance(seeded, OnlineSelector) and seeded.prior is not None
     d = seeded.decide("train", stats(64))
@@ -254,12 +303,22 @@ def test_layers_wait_for_an_in_flight_probe_instead_of_repeating_it():
 
     def native_probes(share: bool) -> tuple[int, list[str]]:
         shared = SharedNeighbourhoods()
-        sels = [OnlineSelector(OnlineSettings(share=share), scales=SCALES, shared=shared, layer=i) for i in range(6)]
+        sels = [
+            OnlineSelector(OnlineSettings(share=share), scales=SCALES, shared=shared, layer=i)
+            for i in range(6)
+        ]
         prev: list = [None] * 6
         count, first_modes = 0, []
         for step in range(12):
             for i, sel in enumerate(sels):
-                sel.observe([encode_timing(None if prev[i] is None else TRUE_S[prev[i]], expected=sel.expects_timing())])
+                sel.observe(
+                    [
+                        encode_timing(
+                            None if prev[i] is None else TRUE_S[prev[i]],
+                            expected=sel.expects_timing(),
+                        )
+                    ]
+                )
                 d = sel.decide("train", stats(64))
                 count += d.path == Route.NATIVE and d.mode in ("probe", "reprobe")
                 if step == 0:
@@ -305,8 +364,12 @@ def test_shared_ratio_index_matches_a_full_scan_through_evictions():
 
     shared = SharedNeighbourhoods()
     rng = np.random.default_rng(5)
-    sels = [OnlineSelector(OnlineSettings(max_neighbourhoods=2, probes=1), scales=SCALES, shared=shared, layer=i)
-            for i in range(4)]
+    sels = [
+        OnlineSelector(
+            OnlineSettings(max_neighbourhoods=2, probes=1), scales=SCALES, shared=shared, layer=i
+        )
+        for i in range(4)
+    ]
     payloads = [8, 64, 512, 4096]
     prev: list[float | None] = [None] * len(sels)
     for step in range(60):
@@ -317,20 +380,28 @@ def test_shared_ratio_index_matches_a_full_scan_through_evictions():
         probe = stats(float(rng.choice([8, 30, 64, 200, 512, 4096])))
         for path in Route:
             exclude = sels[0]._tables["train"][0]
-            assert shared.ratio("train", probe.coords, path, exclude) == \
-                _ratio_by_full_scan(shared, "train", probe.coords, path, exclude)
+            assert shared.ratio("train", probe.coords, path, exclude) == _ratio_by_full_scan(
+                shared, "train", probe.coords, path, exclude
+            )
     assert all(len(sel._tables["train"]) <= 2 and sel.fallback_reason is None for sel in sels)
     assert shared._created > 8  # neighbourhoods were forgotten
     listed = {id(e[4]) for entries in shared.timed.values() for e in entries}
     assert listed <= {id(nb) for nb in shared.tables["train"]}
 
 
-@pytest.mark.parametrize("topo", [RailTopology(num_nodes=4, gpus_per_node=8, failed_rails=((1, 3), (2, 0))),
-                                  RailTopology(num_nodes=1, gpus_per_node=4),
-                                  RailTopology(num_nodes=3, gpus_per_node=2)])
+@pytest.mark.parametrize(
+    "topo",
+    [
+        RailTopology(num_nodes=4, gpus_per_node=8, failed_rails=((1, 3), (2, 0))),
+        RailTopology(num_nodes=1, gpus_per_node=4),
+        RailTopology(num_nodes=3, gpus_per_node=2),
+    ],
+)
 def test_fast_descriptors_match_demand_stats_on_more_topologies(topo):
     for seed in range(3):
-        maps = synthetic_routing_maps(topo, num_tokens=128, num_experts=4 * topo.world_size, topk=4, seed=seed)
+        maps = synthetic_routing_maps(
+            topo, num_tokens=128, num_experts=4 * topo.world_size, topk=4, seed=seed
+        )
         demand = DemandCounts.from_routing_maps(maps, topo)
         ref = demand_stats(demand, topo, record_bytes=64)
         got = fast_descriptors(demand.records_WN.numpy(), topo, record_bytes=64)
@@ -343,36 +414,53 @@ _COMPILED = ops.load_error() is None and ops.compiled_for(torch.device("cpu"))
 
 
 @pytest.mark.skipif(not _COMPILED, reason="the compiled ops did not load (make ext)")
-@pytest.mark.parametrize("topo", [RailTopology(num_nodes=4, gpus_per_node=8),
-                                  RailTopology(num_nodes=4, gpus_per_node=8, failed_rails=((1, 3), (2, 0))),
-                                  RailTopology(num_nodes=2, gpus_per_node=4, rail_of_gpu=(0, 0, 1, 1),
-                                               failed_rails=((1, 1),)),
-                                  RailTopology(num_nodes=3, gpus_per_node=4, rail_of_gpu=(3, 2, 1, 0)),
-                                  RailTopology(num_nodes=1, gpus_per_node=4),
-                                  RailTopology(num_nodes=8, gpus_per_node=1),
-                                  RailTopology(num_nodes=16, gpus_per_node=8)])
+@pytest.mark.parametrize(
+    "topo",
+    [
+        RailTopology(num_nodes=4, gpus_per_node=8),
+        RailTopology(num_nodes=4, gpus_per_node=8, failed_rails=((1, 3), (2, 0))),
+        RailTopology(
+            num_nodes=2, gpus_per_node=4, rail_of_gpu=(0, 0, 1, 1), failed_rails=((1, 1),)
+        ),
+        RailTopology(num_nodes=3, gpus_per_node=4, rail_of_gpu=(3, 2, 1, 0)),
+        RailTopology(num_nodes=1, gpus_per_node=4),
+        RailTopology(num_nodes=8, gpus_per_node=1),
+        RailTopology(num_nodes=16, gpus_per_node=8),
+    ],
+)
 def test_fast_descriptors_compiled_and_numpy_agree_bitwise(topo):
     """``ops.layer_descriptors`` against the numpy reference on random counts (zeros, a single hot
     cell, large counts): every field equal, not approximately."""
     rng = np.random.default_rng(topo.world_size)
     shape = (topo.world_size, topo.num_nodes)
     cases = [np.zeros(shape, dtype=np.int64), np.eye(*shape, k=1, dtype=np.int64) * 7]
-    cases += [rng.integers(0, high, size=shape) * (rng.random(shape) < keep)
-              for high in (3, 5000, 1 << 24) for keep in (1.0, 0.3)]
+    cases += [
+        rng.integers(0, high, size=shape) * (rng.random(shape) < keep)
+        for high in (3, 5000, 1 << 24)
+        for keep in (1.0, 0.3)
+    ]
     for records in cases:
         records = np.ascontiguousarray(records, dtype=np.int64)
         ref = fast_descriptors(records, topo, record_bytes=8336, compiled=False)
-        wide = torch.zeros(records.shape[0], records.shape[1] + 3, dtype=torch.int64)  # a strided view, as
-        wide[:, :records.shape[1]] = torch.from_numpy(records)                       # the count message's
-        for given in (records, torch.from_numpy(records), wide[:, :records.shape[1]]):
-            got = fast_descriptors(given, topo, record_bytes=8336)
+        # a strided view, as the count message's
+        wide = torch.zeros(records.shape[0], records.shape[1] + 3, dtype=torch.int64)
+        wide[:, : records.shape[1]] = torch.from_numpy(records)
+        for counts in (records, torch.from_numpy(records), wide[:, : records.shape[1]]):
+            got = fast_descriptors(counts, topo, record_bytes=8336)
             assert got == ref, (records, got, ref)
 
 
 @pytest.mark.skipif(not _COMPILED, reason="the compiled ops did not load (make ext)")
 def test_layer_descriptors_refuses_bad_arguments():
     geometry = np.array([2, 4, 4, 0, 1, 2, 3] + [1] * 8, dtype=np.int64)
-    assert ops.layer_descriptors(np.zeros((8, 2), dtype=np.int64), geometry) == (0.0, 0.0, 0.0, 0.0, 1.0, 0.0)
+    assert ops.layer_descriptors(np.zeros((8, 2), dtype=np.int64), geometry) == (
+        0.0,
+        0.0,
+        0.0,
+        0.0,
+        1.0,
+        0.0,
+    )
     with pytest.raises(ValueError, match="records must be"):
         ops.layer_descriptors(np.zeros((8, 3), dtype=np.int64), geometry)
     with pytest.raises(ValueError, match="records must be a 2-D int64"):
@@ -385,8 +473,17 @@ def test_layer_descriptors_refuses_bad_arguments():
         ops.layer_descriptors(np.zeros((8, 2), dtype=np.int64), bad_rail)
 
 
-@pytest.mark.parametrize("words", [[5, 9, 7], [0, 0, 0], [0, 4, 4], [3, TIMING_MISSING, 2], [TIMING_STALLED, 8, 1],
-                                   [1 << 40, 1, 2]])
+@pytest.mark.parametrize(
+    "words",
+    [
+        [5, 9, 7],
+        [0, 0, 0],
+        [0, 4, 4],
+        [3, TIMING_MISSING, 2],
+        [TIMING_STALLED, 8, 1],
+        [1 << 40, 1, 2],
+    ],
+)
 def test_slowest_timing_reads_the_count_exchange_words_as_a_list(words):
     """``TimingWords`` (min / max of the packed status words) gives what the plain list gives."""
     from megatron_railwave.exchange.layer import TimingWords, pack_status

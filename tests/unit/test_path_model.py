@@ -12,17 +12,40 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_railwave.lab import calibration
-from megatron_railwave.selector.anchors import AnchorSet, CalibrationContext, PathLatency, load_anchors, save_anchors
-from megatron_railwave.lab.bench.virtual_exchange import VirtualSpec, make_virtual_inputs
 from megatron_railwave.config import RailWaveConfig
-from megatron_railwave.exchange import RankContext, VirtualCluster, gather_demand, virtual_rank_groups
-from megatron_railwave.selector.path_model import (FEATURE_NAMES, PathCosts, RailJointModel, fit_rail_joint, path_estimates,
-                                          path_features)
+from megatron_railwave.exchange import (
+    RankContext,
+    VirtualCluster,
+    gather_demand,
+    virtual_rank_groups,
+)
+from megatron_railwave.lab import calibration
+from megatron_railwave.lab.bench.virtual_exchange import VirtualSpec, make_virtual_inputs
 from megatron_railwave.names import Route
 from megatron_railwave.planner import PlanOptions
-from megatron_railwave.selector import (FixedSelector, ModelSelector, needs_delivery, needs_descriptors, select_for_layer,
-                                       selector_from_config)
+from megatron_railwave.selector import (
+    FixedSelector,
+    ModelSelector,
+    needs_delivery,
+    needs_descriptors,
+    select_for_layer,
+    selector_from_config,
+)
+from megatron_railwave.selector.anchors import (
+    AnchorSet,
+    CalibrationContext,
+    PathLatency,
+    load_anchors,
+    save_anchors,
+)
+from megatron_railwave.selector.path_model import (
+    FEATURE_NAMES,
+    PathCosts,
+    RailJointModel,
+    fit_rail_joint,
+    path_estimates,
+    path_features,
+)
 from megatron_railwave.telemetry.stats import demand_stats
 from megatron_railwave.topology import RailTopology
 from megatron_railwave.traffic import DemandCounts, TrafficStats
@@ -33,19 +56,42 @@ F = len(FEATURE_NAMES)
 def _gathered(spec: VirtualSpec):
     inputs = make_virtual_inputs(spec)
     topo, w = spec.topology, spec.topology.world_size
-    ctxs = [RankContext(topo=topo, groups=virtual_rank_groups(topo, r), num_experts=spec.experts,
-                        options=PlanOptions()) for r in range(w)]
-    layers = VirtualCluster(world_size=w).run([
-        gather_demand(ctxs[r], inputs["hidden"][r], inputs["probs"][r], inputs["routing"][r], delivery_counts=True)
-        for r in range(w)])
+    ctxs = [
+        RankContext(
+            topo=topo,
+            groups=virtual_rank_groups(topo, r),
+            num_experts=spec.experts,
+            options=PlanOptions(),
+        )
+        for r in range(w)
+    ]
+    layers = VirtualCluster(world_size=w).run(
+        [
+            gather_demand(
+                ctxs[r],
+                inputs["hidden"][r],
+                inputs["probs"][r],
+                inputs["routing"][r],
+                delivery_counts=True,
+            )
+            for r in range(w)
+        ]
+    )
     return layers, DemandCounts.from_routing_maps(inputs["routing"], topo)
 
 
-@pytest.mark.parametrize("topo", [RailTopology(num_nodes=4, gpus_per_node=2),
-                                  RailTopology(num_nodes=3, gpus_per_node=3, failed_rails=frozenset({(1, 2)}))],
-                         ids=["4x2", "3x3-failed-rail"])
+@pytest.mark.parametrize(
+    "topo",
+    [
+        RailTopology(num_nodes=4, gpus_per_node=2),
+        RailTopology(num_nodes=3, gpus_per_node=3, failed_rails=frozenset({(1, 2)})),
+    ],
+    ids=["4x2", "3x3-failed-rail"],
+)
 def test_features_from_the_count_exchange_equal_the_full_demand_s_on_every_rank(topo):
-    spec = VirtualSpec(topology=topo, tokens=40, hidden=8, experts=2 * topo.world_size, topk=3, seed=11)
+    spec = VirtualSpec(
+        topology=topo, tokens=40, hidden=8, experts=2 * topo.world_size, topk=3, seed=11
+    )
     layers, full = _gathered(spec)
     costs = PathCosts(chunks=2)
     want = path_features(full, topo, record_bytes=16, costs=costs)
@@ -57,13 +103,28 @@ def test_features_from_the_count_exchange_equal_the_full_demand_s_on_every_rank(
 
 
 def test_node_view_without_delivery_counts_names_the_fix():
-    spec = VirtualSpec(topology=RailTopology(num_nodes=2, gpus_per_node=2), tokens=8, hidden=8, experts=8, topk=2, seed=1)
+    spec = VirtualSpec(
+        topology=RailTopology(num_nodes=2, gpus_per_node=2),
+        tokens=8,
+        hidden=8,
+        experts=8,
+        topk=2,
+        seed=1,
+    )
     inputs = make_virtual_inputs(spec)
     topo = spec.topology
-    ctxs = [RankContext(topo=topo, groups=virtual_rank_groups(topo, r), num_experts=8, options=PlanOptions())
-            for r in range(4)]
-    layers = VirtualCluster(world_size=4).run([gather_demand(ctxs[r], inputs["hidden"][r], inputs["probs"][r],
-                                                             inputs["routing"][r]) for r in range(4)])
+    ctxs = [
+        RankContext(
+            topo=topo, groups=virtual_rank_groups(topo, r), num_experts=8, options=PlanOptions()
+        )
+        for r in range(4)
+    ]
+    layers = VirtualCluster(world_size=4).run(
+        [
+            gather_demand(ctxs[r], inputs["hidden"][r], inputs["probs"][r], inputs["routing"][r])
+            for r in range(4)
+        ]
+    )
     assert layers[0].demand.delivery_WNKG is None
     with pytest.raises(ValueError, match="delivery_counts=True"):
         path_features(layers[0].demand, topo, record_bytes=16)
@@ -104,14 +165,18 @@ def test_estimate_hand_worked_delivery_stretch(chunks):
         return d
 
     for name, rail_round in (("one", 20), ("split", 10)):
-        est_rail, est_joint = path_estimates(_three_node_demand(name), topo, record_bytes=b, costs=costs)
+        est_rail, est_joint = path_estimates(
+            _three_node_demand(name), topo, record_bytes=b, costs=costs
+        )
         want_rail = 35e-6 + 2 * pipeline([(20 * rail, rail_round * nvl)])
         want_joint = 35e-6 + 2 * pipeline([(10 * rail / chunks, 10 * nvl / chunks)] * (2 * chunks))
         assert est_rail == pytest.approx(want_rail, rel=1e-12)
         assert est_joint == pytest.approx(want_joint, rel=1e-12)
         f = path_features(_three_node_demand(name), topo, record_bytes=b, costs=costs)
         assert f[0] == 1.0
-        assert f[FEATURE_NAMES.index("log_estimate_v4")] == pytest.approx(np.log(want_rail / want_joint))
+        assert f[FEATURE_NAMES.index("log_estimate_v4")] == pytest.approx(
+            np.log(want_rail / want_joint)
+        )
 
 
 def test_estimate_charges_the_relay_and_the_local_round_before_the_first_rail_phase():
@@ -128,7 +193,9 @@ def test_estimate_charges_the_relay_and_the_local_round_before_the_first_rail_ph
     costs = PathCosts(rail_phase_s=0.0, layer_s=0.0, chunks=1)
     b = 8
     nvl = b / topo.nvlink_bytes_per_s
-    est_rail, est_joint = path_estimates(DemandCounts(records_WNM=wnm), topo, record_bytes=b, costs=costs)
+    est_rail, est_joint = path_estimates(
+        DemandCounts(records_WNM=wnm), topo, record_bytes=b, costs=costs
+    )
     # One pair, one wave: RAIL and JOINT are the same here; rail 10 per rail, delivery 10.
     bandwidth = 2 * (10 * b / topo.rail_bytes_per_s + 10 * nvl)
     assert est_rail == est_joint == pytest.approx(20 * nvl + 10 * nvl + bandwidth, rel=1e-12)
@@ -151,12 +218,20 @@ def test_estimate_charges_combine_s_local_round_on_the_delivery_round_s_gpu_port
     b = 8
     nvl, rail = b / topo.nvlink_bytes_per_s, b / topo.rail_bytes_per_s
     local = local_records
-    est_rail, est_joint = path_estimates(DemandCounts(records_WNM=wnm), topo, record_bytes=b,
-                                         costs=PathCosts(rail_phase_s=0.0, layer_s=0.0, chunks=1))
+    est_rail, est_joint = path_estimates(
+        DemandCounts(records_WNM=wnm),
+        topo,
+        record_bytes=b,
+        costs=PathCosts(rail_phase_s=0.0, layer_s=0.0, chunks=1),
+    )
     round_back = 10 + 0.75 * min(10, local)
     left = local - 0.75 * min(10, local)
     combine = max(round_back * nvl + 10 * rail, (round_back + left) * nvl)
-    assert est_rail == est_joint == pytest.approx(local * nvl + 10 * rail + 10 * nvl + combine, rel=1e-12)
+    assert (
+        est_rail
+        == est_joint
+        == pytest.approx(local * nvl + 10 * rail + 10 * nvl + combine, rel=1e-12)
+    )
     if local_records == 100:  # the local round back outlasts the rail back
         assert combine == pytest.approx(110 * nvl)
 
@@ -171,7 +246,7 @@ def test_fit_recovers_linear_coefficients_per_input_kind():
     assert np.allclose(model.all_pairs, beta_one) and np.allclose(model.windowed, beta_many)
     assert model.log_ratio(x[0], input_windows=1) == pytest.approx(y[0])
     # Too few windowed requests: no windowed coefficients (those inputs run the fallback).
-    few = fit_rail_joint(x[:120 + F - 1], windows[:120 + F - 1], y[:120 + F - 1])
+    few = fit_rail_joint(x[: 120 + F - 1], windows[: 120 + F - 1], y[: 120 + F - 1])
     assert few.windowed is None and few.log_ratio(x[0], input_windows=3) is None
     assert fit_rail_joint(x[120:], windows[120:], y[120:]) is None  # no all-pairs requests
 
@@ -187,35 +262,57 @@ def test_estimate_spreads_over_healthy_rails_only(owner):
     wnm[owner, 1, 0b01] = 20
     b = 8
     nvl = b / topo.nvlink_bytes_per_s
-    est_rail, est_joint = path_estimates(DemandCounts(records_WNM=wnm), topo, record_bytes=b,
-                                         costs=PathCosts(rail_phase_s=0.0, layer_s=0.0, chunks=1))
+    est_rail, est_joint = path_estimates(
+        DemandCounts(records_WNM=wnm),
+        topo,
+        record_bytes=b,
+        costs=PathCosts(rail_phase_s=0.0, layer_s=0.0, chunks=1),
+    )
     relay = 20 * nvl if owner == 1 else 0.0
-    assert est_rail == est_joint == pytest.approx(2 * relay + 2 * 20 * b / topo.rail_bytes_per_s, rel=1e-12)
+    assert (
+        est_rail
+        == est_joint
+        == pytest.approx(2 * relay + 2 * 20 * b / topo.rail_bytes_per_s, rel=1e-12)
+    )
 
 
 def test_model_dict_round_trip_and_errors_name_the_field():
-    model = RailJointModel(all_pairs=tuple(float(i) for i in range(F)), windowed=None,
-                           costs=PathCosts(rail_phase_s=1e-5, layer_s=2e-5, chunks=3))
+    model = RailJointModel(
+        all_pairs=tuple(float(i) for i in range(F)),
+        windowed=None,
+        costs=PathCosts(rail_phase_s=1e-5, layer_s=2e-5, chunks=3),
+    )
     assert RailJointModel.from_dict(model.to_dict()) == model
     with pytest.raises(ValueError, match="field 'costs'"):
         RailJointModel.from_dict({k: v for k, v in model.to_dict().items() if k != "costs"})
     with pytest.raises(ValueError, match=r"field 'costs'.*chunks"):
-        RailJointModel.from_dict({**model.to_dict(), "costs": {"rail_phase_s": 0.0, "layer_s": 0.0, "chunks": 0}})
+        RailJointModel.from_dict(
+            {**model.to_dict(), "costs": {"rail_phase_s": 0.0, "layer_s": 0.0, "chunks": 0}}
+        )
     with pytest.raises(ValueError, match="field 'features'"):
         RailJointModel.from_dict({**model.to_dict(), "features": ["x"]})
     with pytest.raises(ValueError, match="field 'all_pairs'"):
         RailJointModel.from_dict({**model.to_dict(), "all_pairs": [1.0] * (F - 1)})
     with pytest.raises(ValueError, match="field 'windowed'"):
         RailJointModel.from_dict({**model.to_dict(), "windowed": ["a"] * F})
-    # The payload gates: optional (older files have none), numbers of bytes >= 0, one per input kind.
+    # The payload gates: optional (older files have none), numbers of bytes >= 0, one per input
+    # kind.
     gated = dataclasses.replace(model, max_payload_bytes=12.5 * 2**20)
-    assert RailJointModel.from_dict(gated.to_dict()) == gated and "max_payload_bytes" not in model.to_dict()
-    assert gated.decides(12.5 * 2**20, input_windows=1) and not gated.decides(13 * 2**20, input_windows=1)
+    assert (
+        RailJointModel.from_dict(gated.to_dict()) == gated
+        and "max_payload_bytes" not in model.to_dict()
+    )
+    assert gated.decides(12.5 * 2**20, input_windows=1) and not gated.decides(
+        13 * 2**20, input_windows=1
+    )
     assert gated.decides(1e12, input_windows=3)
     per_kind = dataclasses.replace(gated, max_payload_bytes_windowed=3.0 * 2**20)
     assert RailJointModel.from_dict(per_kind.to_dict()) == per_kind
-    assert not per_kind.decides(4 * 2**20, input_windows=3) and per_kind.decides(4 * 2**20, input_windows=1)
-    # A file from before the gates per kind (max_payload_bytes alone) gates every input kind with it.
+    assert not per_kind.decides(4 * 2**20, input_windows=3) and per_kind.decides(
+        4 * 2**20, input_windows=1
+    )
+    # A file from before the gates per kind (max_payload_bytes alone) gates every input kind with
+    # it.
     old_file = {k: v for k, v in gated.to_dict().items() if k != "max_payload_bytes_windowed"}
     assert RailJointModel.from_dict(old_file).max_payload_bytes_windowed == 12.5 * 2**20
     for field in ("max_payload_bytes", "max_payload_bytes_windowed"):
@@ -225,7 +322,9 @@ def test_model_dict_round_trip_and_errors_name_the_field():
         with pytest.raises(ValueError, match=rf"RailJointModel\.{field} must"):
             dataclasses.replace(model, **{field: -2.0})
     # An older file with a bad gate: the error names its own field, not the one it would fill.
-    with pytest.raises(ValueError, match=r"field 'max_payload_bytes': RailJointModel\.max_payload_bytes must"):
+    with pytest.raises(
+        ValueError, match=r"field 'max_payload_bytes': RailJointModel\.max_payload_bytes must"
+    ):
         RailJointModel.from_dict({**old_file, "max_payload_bytes": -1.0})
 
 
@@ -239,9 +338,13 @@ def test_the_payload_gate_runs_joint_above_it_without_an_estimate(monkeypatch):
     remote = int(records_NGN.sum() - torch.diagonal(records_NGN, dim1=0, dim2=2).sum())
     payload = remote * 16 / topo.world_size  # B_mean at 16 bytes per record
     assert demand_stats(full, topo, record_bytes=16).B_mean_bytes == pytest.approx(payload)
-    rail_model = _sign_model(1.0 if path_features(full, topo, record_bytes=16)[1] < 0 else -1.0)  # predicts RAIL
+    rail_model = _sign_model(
+        1.0 if path_features(full, topo, record_bytes=16)[1] < 0 else -1.0
+    )  # predicts RAIL
     inside = ModelSelector(dataclasses.replace(rail_model, max_payload_bytes=payload), topo)
-    assert select_for_layer(inside, None, full, record_bytes=16) == Route.RAIL  # at the gate: decided
+    assert (
+        select_for_layer(inside, None, full, record_bytes=16) == Route.RAIL
+    )  # at the gate: decided
     above = ModelSelector(dataclasses.replace(rail_model, max_payload_bytes=payload * 0.999), topo)
 
     def no_estimate(*args, **kwargs):
@@ -249,21 +352,39 @@ def test_the_payload_gate_runs_joint_above_it_without_an_estimate(monkeypatch):
 
     monkeypatch.setattr(selector_module, "path_features", no_estimate)
     assert select_for_layer(above, None, full, record_bytes=16) == Route.JOINT
-    assert above.explain_layer(demand_stats(full, topo, record_bytes=16), full, record_bytes=16).anchor == "gate"
+    assert (
+        above.explain_layer(demand_stats(full, topo, record_bytes=16), full, record_bytes=16).anchor
+        == "gate"
+    )
     # The gate of the input's kind: windowed inputs take max_payload_bytes_windowed.
     from megatron_railwave.planner import cyclic_schedule
 
-    per_kind = ModelSelector(dataclasses.replace(rail_model, windowed=rail_model.all_pairs, max_payload_bytes=payload,
-                                                 max_payload_bytes_windowed=payload * 0.999), topo)
+    per_kind = ModelSelector(
+        dataclasses.replace(
+            rail_model,
+            windowed=rail_model.all_pairs,
+            max_payload_bytes=payload,
+            max_payload_bytes_windowed=payload * 0.999,
+        ),
+        topo,
+    )
     stats = demand_stats(full, topo, record_bytes=16)
-    assert per_kind.explain_layer(stats, full, record_bytes=16, windows=cyclic_schedule(4)).anchor == "gate"
-    assert select_for_layer(per_kind, None, full, record_bytes=16, windows=cyclic_schedule(4)) == Route.JOINT
+    assert (
+        per_kind.explain_layer(stats, full, record_bytes=16, windows=cyclic_schedule(4)).anchor
+        == "gate"
+    )
+    assert (
+        select_for_layer(per_kind, None, full, record_bytes=16, windows=cyclic_schedule(4))
+        == Route.JOINT
+    )
 
 
 def test_payload_gate_is_a_margin_over_the_largest_payload_where_joint_misses():
     payload = np.array([1.0, 5.0, 3.0, 9.0, 2.0])
     slow = np.array([True, False, True, False, False])
-    assert calibration.payload_gate(payload, slow) == pytest.approx(calibration.PAYLOAD_GATE_MARGIN * 3.0)
+    assert calibration.payload_gate(payload, slow) == pytest.approx(
+        calibration.PAYLOAD_GATE_MARGIN * 3.0
+    )
     assert calibration.payload_gate(payload, slow, margin=1.0) == 3.0
     assert calibration.payload_gate(payload, np.zeros(5, dtype=bool)) == 0.0  # JOINT everywhere
 
@@ -292,10 +413,14 @@ def test_model_selector_follows_the_prediction_and_is_pure():
     from megatron_railwave.planner import cyclic_schedule
 
     sel = ModelSelector(_sign_model(1.0), topo)
-    assert sel.explain_layer(st, full, record_bytes=16, windows=cyclic_schedule(4)).path == Route.JOINT
+    assert (
+        sel.explain_layer(st, full, record_bytes=16, windows=cyclic_schedule(4)).path == Route.JOINT
+    )
     # The model reads the counts, not the descriptors: none are needed (the dispatcher skips them).
     assert not needs_descriptors(sel) and not needs_descriptors(FixedSelector(Route.RAIL))
-    assert select_for_layer(sel, None, full, record_bytes=16) == sel.select_layer(st, full, record_bytes=16)
+    assert select_for_layer(sel, None, full, record_bytes=16) == sel.select_layer(
+        st, full, record_bytes=16
+    )
     assert select_for_layer(FixedSelector(Route.RAIL), None, full, record_bytes=16) == Route.RAIL
     # Only local records (every node keeps its own): no remote payload, no prediction.
     node_of_rank = torch.arange(topo.world_size) // topo.gpus_per_node
@@ -318,18 +443,45 @@ def _model_rows(seeds: int = 4, per_seed: int = 30):
             f = rng.normal(size=F)
             f[0] = 1.0
             ratio = float(np.exp(0.5 * f[1] - 0.2))
-            lat = {p: PathLatency(median=1.0, p10=1.0, p90=1.0, samples=1) for p in calibration.ALL_PATHS}
+            lat = {
+                p: PathLatency(median=1.0, p10=1.0, p90=1.0, samples=1)
+                for p in calibration.ALL_PATHS
+            }
             lat[Route.RAIL] = PathLatency(median=ratio, p10=ratio, p90=ratio, samples=1)
-            lat[Route.NATIVE] = lat[Route.PERM] = PathLatency(median=9.0, p10=9.0, p90=9.0, samples=1)
-            st = TrafficStats(B_mean_bytes=ref, B_max_bytes=ref, rho_g=1.0, kappa=1.0, coords=(0.0, 0.0, 0.0),
-                              records_total=1, remote_records=1)
-            rows.append(calibration.CalibrationRow(
-                request=f"glm{s}-l{i}", stats=st, coords=st.coords, latency=lat,
-                best=Route.RAIL if ratio < 1 else Route.JOINT, kept=False, gain=0.0, reason="joint wins",
-                group=f"glm{s}-l{i}", seed=f"glm{s}", features=tuple(float(v) for v in f)))
-    ctx = CalibrationContext(topology=topo.to_dict(), hidden_size=1, dtype="bf16", backend="fake", date="x")
-    return calibration.CalibrationResult(anchor_set=AnchorSet(anchors=(), scales=(ref, rho_s, kappa_s), context=ctx),
-                                         rows=tuple(rows)), topo
+            lat[Route.NATIVE] = lat[Route.PERM] = PathLatency(
+                median=9.0, p10=9.0, p90=9.0, samples=1
+            )
+            st = TrafficStats(
+                B_mean_bytes=ref,
+                B_max_bytes=ref,
+                rho_g=1.0,
+                kappa=1.0,
+                coords=(0.0, 0.0, 0.0),
+                records_total=1,
+                remote_records=1,
+            )
+            rows.append(
+                calibration.CalibrationRow(
+                    request=f"glm{s}-l{i}",
+                    stats=st,
+                    coords=st.coords,
+                    latency=lat,
+                    best=Route.RAIL if ratio < 1 else Route.JOINT,
+                    kept=False,
+                    gain=0.0,
+                    reason="joint wins",
+                    group=f"glm{s}-l{i}",
+                    seed=f"glm{s}",
+                    features=tuple(float(v) for v in f),
+                )
+            )
+    ctx = CalibrationContext(
+        topology=topo.to_dict(), hidden_size=1, dtype="bf16", backend="fake", date="x"
+    )
+    return calibration.CalibrationResult(
+        anchor_set=AnchorSet(anchors=(), scales=(ref, rho_s, kappa_s), context=ctx),
+        rows=tuple(rows),
+    ), topo
 
 
 def test_tune_selector_records_the_model_when_it_beats_the_anchors(tmp_path):
@@ -340,11 +492,15 @@ def test_tune_selector_records_the_model_when_it_beats_the_anchors(tmp_path):
     assert tuned["scores"][0]["over_tolerance"] > 0  # always-JOINT misses the RAIL rows
     assert tuned["model"] is not None and "path model" in tuned["method"]
     coef = tuned["model"]["all_pairs"]
-    assert coef[FEATURE_NAMES.index("log_estimate_v4")] == pytest.approx(0.5) and coef[0] == pytest.approx(-0.2)
+    assert coef[FEATURE_NAMES.index("log_estimate_v4")] == pytest.approx(0.5) and coef[
+        0
+    ] == pytest.approx(-0.2)
     # Every row has the same payload and some miss with JOINT: a gate would let the model decide
     # them all, so it gains nothing and none is recorded (the first of tied gatings).
     assert tuned["model_score"]["gate"] == "none" and "max_payload_bytes" not in tuned["model"]
-    assert [sc["gate"] for sc in tuned["scores"] if sc.get("model")] == list(calibration.PAYLOAD_GATINGS)
+    assert [sc["gate"] for sc in tuned["scores"] if sc.get("model")] == list(
+        calibration.PAYLOAD_GATINGS
+    )
     # Written to the file, loaded back, and the runtime decides with it.
     from megatron_railwave.commands.calibrate import with_selector_settings
 
@@ -356,13 +512,25 @@ def test_tune_selector_records_the_model_when_it_beats_the_anchors(tmp_path):
     assert isinstance(sel, ModelSelector)
     # Not recorded when fit_model is off, nor without features on every row.
     assert calibration.tune_selector(result, split_fallback=False, fit_model=False)["model"] is None
-    bare = calibration.CalibrationResult(anchor_set=result.anchor_set,
-                                         rows=(dataclasses.replace(result.rows[0], features=None), *result.rows[1:]))
-    assert not any(sc.get("model") for sc in calibration.tune_selector(bare, split_fallback=False)["scores"])
+    bare = calibration.CalibrationResult(
+        anchor_set=result.anchor_set,
+        rows=(dataclasses.replace(result.rows[0], features=None), *result.rows[1:]),
+    )
+    assert not any(
+        sc.get("model") for sc in calibration.tune_selector(bare, split_fallback=False)["scores"]
+    )
 
 
-def _with_big_rows(result, *, payload: float, rail_s: float, windows: int = 1, seeds: int = 4, per_seed: int = 10,
-                   prefix: str = "big"):
+def _with_big_rows(
+    result,
+    *,
+    payload: float,
+    rail_s: float,
+    windows: int = 1,
+    seeds: int = 4,
+    per_seed: int = 10,
+    prefix: str = "big",
+):
     """``result`` plus rows at ``payload`` whose RAIL takes ``rail_s`` against JOINT's 1.0, with the
     features the rows' law gives that ratio (the model predicts them right)."""
     rows = list(result.rows)
@@ -372,11 +540,19 @@ def _with_big_rows(result, *, payload: float, rail_s: float, windows: int = 1, s
     features = (1.0, 2 * (math.log(rail_s) + 0.2)) + (0.0,) * (F - 2)
     for s in range(seeds):
         for i in range(per_seed):
-            rows.append(dataclasses.replace(rows[0], request=f"{prefix}{s}-{i}", group=f"{prefix}{s}-{i}",
-                                            seed=f"glm{s}", input_windows=windows,
-                                            stats=dataclasses.replace(rows[0].stats, B_mean_bytes=payload),
-                                            latency=lat, best=Route.RAIL if rail_s < 1 else Route.JOINT,
-                                            features=features))
+            rows.append(
+                dataclasses.replace(
+                    rows[0],
+                    request=f"{prefix}{s}-{i}",
+                    group=f"{prefix}{s}-{i}",
+                    seed=f"glm{s}",
+                    input_windows=windows,
+                    stats=dataclasses.replace(rows[0].stats, B_mean_bytes=payload),
+                    latency=lat,
+                    best=Route.RAIL if rail_s < 1 else Route.JOINT,
+                    features=features,
+                )
+            )
     return dataclasses.replace(result, rows=tuple(rows))
 
 
@@ -388,15 +564,22 @@ def test_tune_selector_keeps_a_payload_gate_only_where_it_loses_nothing_leaving_
     # (JOINT misses only at ref) runs them as JOINT without a decision, at the same score.
     joint_wins = tune(_with_big_rows(result, payload=4 * ref, rail_s=1.02))
     gate = joint_wins["model"]["max_payload_bytes"]
-    assert joint_wins["model_score"]["gate"] == "one" and gate == pytest.approx(calibration.PAYLOAD_GATE_MARGIN * ref)
-    assert joint_wins["model"]["max_payload_bytes_windowed"] == gate and "JOINT above" in joint_wins["method"]
+    assert joint_wins["model_score"]["gate"] == "one" and gate == pytest.approx(
+        calibration.PAYLOAD_GATE_MARGIN * ref
+    )
+    assert (
+        joint_wins["model"]["max_payload_bytes_windowed"] == gate
+        and "JOINT above" in joint_wins["method"]
+    )
     by_gate = {sc["gate"]: sc for sc in joint_wins["scores"] if sc.get("model")}
     assert by_gate["none"]["total_s"] == pytest.approx(by_gate["one"]["total_s"])
     assert by_gate["one"]["decided"] == by_gate["none"]["decided"] - 40
     # Large layers where RAIL is 1% faster (JOINT within tolerance): the gate would cost 40 x 0.01,
     # so no gate.
     rail_wins = tune(_with_big_rows(result, payload=4 * ref, rail_s=0.99))
-    assert rail_wins["model_score"]["gate"] == "none" and "max_payload_bytes" not in rail_wins["model"]
+    assert (
+        rail_wins["model_score"]["gate"] == "none" and "max_payload_bytes" not in rail_wins["model"]
+    )
     by_gate = {sc["gate"]: sc for sc in rail_wins["scores"] if sc.get("model")}
     assert by_gate["one"]["total_s"] == pytest.approx(by_gate["none"]["total_s"] + 40 * 0.01)
 
@@ -404,14 +587,20 @@ def test_tune_selector_keeps_a_payload_gate_only_where_it_loses_nothing_leaving_
 def test_tune_selector_fits_a_gate_per_input_kind_where_that_saves_decisions():
     result, _ = _model_rows()
     ref = result.anchor_set.scales[0]
-    # Windowed inputs where JOINT misses at 3 x ref (RAIL 10% faster) and all-pairs inputs at 2 x ref
-    # where JOINT wins: one gate (4.5 x ref) decides the latter, a gate per kind (1.5 x ref for all
-    # pairs) runs them as JOINT at the same score.
+    # Windowed inputs where JOINT misses at 3 x ref (RAIL 10% faster) and all-pairs inputs at 2 x
+    # ref where JOINT wins: one gate (4.5 x ref) decides the latter, a gate per kind (1.5 x ref for
+    # all pairs) runs them as JOINT at the same score.
     rows = _with_big_rows(result, payload=3 * ref, rail_s=0.9, windows=3, prefix="win")
-    tuned = calibration.tune_selector(_with_big_rows(rows, payload=2 * ref, rail_s=1.02), split_fallback=False)
+    tuned = calibration.tune_selector(
+        _with_big_rows(rows, payload=2 * ref, rail_s=1.02), split_fallback=False
+    )
     assert tuned["model_score"]["gate"] == "per_kind"
-    assert tuned["model"]["max_payload_bytes"] == pytest.approx(calibration.PAYLOAD_GATE_MARGIN * ref)
-    assert tuned["model"]["max_payload_bytes_windowed"] == pytest.approx(calibration.PAYLOAD_GATE_MARGIN * 3 * ref)
+    assert tuned["model"]["max_payload_bytes"] == pytest.approx(
+        calibration.PAYLOAD_GATE_MARGIN * ref
+    )
+    assert tuned["model"]["max_payload_bytes_windowed"] == pytest.approx(
+        calibration.PAYLOAD_GATE_MARGIN * 3 * ref
+    )
     assert "gates per input kind" in tuned["method"]
     model = RailJointModel.from_dict(tuned["model"])
     assert model.decides(1.5 * ref, input_windows=1) and not model.decides(2 * ref, input_windows=1)
@@ -427,12 +616,25 @@ def test_the_model_is_scored_with_the_gate_it_would_have_without_the_left_out_se
     lat = dict(rows[0].latency)
     lat[Route.JOINT] = PathLatency(median=1.0, p10=1.0, p90=1.0, samples=1)
     lat[Route.RAIL] = PathLatency(median=0.9, p10=0.9, p90=0.9, samples=1)
-    features = (1.0, 2 * (math.log(0.9) + 0.2)) + (0.0,) * (F - 2)  # on the rows' own law: RAIL 10% faster
+    features = (1.0, 2 * (math.log(0.9) + 0.2)) + (0.0,) * (
+        F - 2
+    )  # on the rows' own law: RAIL 10% faster
     for i in range(6):
-        rows.append(dataclasses.replace(rows[0], request=f"big-{i}", group=f"big-{i}", seed="glm0", latency=lat,
-                                        best=Route.RAIL, features=features,
-                                        stats=dataclasses.replace(rows[0].stats, B_mean_bytes=4 * ref)))
-    tuned = calibration.tune_selector(dataclasses.replace(result, rows=tuple(rows)), split_fallback=False)
+        rows.append(
+            dataclasses.replace(
+                rows[0],
+                request=f"big-{i}",
+                group=f"big-{i}",
+                seed="glm0",
+                latency=lat,
+                best=Route.RAIL,
+                features=features,
+                stats=dataclasses.replace(rows[0].stats, B_mean_bytes=4 * ref),
+            )
+        )
+    tuned = calibration.tune_selector(
+        dataclasses.replace(result, rows=tuple(rows)), split_fallback=False
+    )
     by_gate = {sc["gate"]: sc for sc in tuned["scores"] if sc.get("model")}
     assert by_gate["one"]["over_tolerance"] == 6 and by_gate["none"]["over_tolerance"] == 0
     # So the gate is not kept: without it the model decides the large layers right.
@@ -455,9 +657,14 @@ def test_a_malformed_model_in_the_anchors_file_is_rejected_naming_the_field(tmp_
     with pytest.raises(ValueError, match=r"context\.settings\.selector\.model.*field 'all_pairs'"):
         load_anchors(path, topo)
     # Costs computed for other rail chunks than the file's JOINT: the estimate would be another one.
-    data["context"]["settings"]["selector"]["model"] = {**good, "costs": {**good["costs"], "chunks": 2}}
+    data["context"]["settings"]["selector"]["model"] = {
+        **good,
+        "costs": {**good["costs"], "chunks": 2},
+    }
     path.write_text(yaml.safe_dump(data))
-    with pytest.raises(ValueError, match=r"context\.settings\.selector\.model\.costs\.chunks.*chunks=1"):
+    with pytest.raises(
+        ValueError, match=r"context\.settings\.selector\.model\.costs\.chunks.*chunks=1"
+    ):
         load_anchors(path, topo)
 
 
@@ -468,24 +675,39 @@ def test_validate_decides_with_the_model_and_rescore_compares_the_anchor_rule_on
     requests = calibration.calibration_requests(TOPO, SETTINGS, record_bytes=RECORD_BYTES)[:6]
     backend = FakeBackend(TOPO)
     model_sel = ModelSelector(_sign_model(1.0), TOPO)
-    result = calibration.validate(backend, model_sel, requests, TOPO, warmups=0, repeats=1, progress=False)
+    result = calibration.validate(
+        backend, model_sel, requests, TOPO, warmups=0, repeats=1, progress=False
+    )
     for req, row in zip(requests, result.rows):
-        assert row.selected == model_sel.select_layer(calibration.request_stats(req, TOPO), req.demand,
-                                                      record_bytes=req.record_bytes, windows=req.windows)
+        assert row.selected == model_sel.select_layer(
+            calibration.request_stats(req, TOPO),
+            req.demand,
+            record_bytes=req.record_bytes,
+            windows=req.windows,
+        )
         assert row.anchor in ("model", None)
     calls = len(backend.calls)
-    empty = AnchorSet(anchors=(), scales=AnchorSet.scales_for(TOPO),
-                      context=CalibrationContext(topology=TOPO.to_dict(), hidden_size=1, dtype="bf16", backend="fake",
-                                                 date="x"))
+    empty = AnchorSet(
+        anchors=(),
+        scales=AnchorSet.scales_for(TOPO),
+        context=CalibrationContext(
+            topology=TOPO.to_dict(), hidden_size=1, dtype="bf16", backend="fake", date="x"
+        ),
+    )
     other = calibration.rescore(result, AnchorSelector(empty), requests, TOPO, scales=empty.scales)
     assert len(backend.calls) == calls  # nothing measured again
     assert [r.median_s for r in other.rows] == [r.median_s for r in result.rows]
     assert {r.selected for r in other.rows} == {Route.JOINT}  # no anchors: the fallback everywhere
 
 
-@pytest.mark.parametrize("topo", [RailTopology(num_nodes=4, gpus_per_node=4),
-                                  RailTopology(num_nodes=5, gpus_per_node=3, failed_rails=frozenset({(1, 2), (3, 0)}))],
-                         ids=["4x4", "5x3-failed-rails"])
+@pytest.mark.parametrize(
+    "topo",
+    [
+        RailTopology(num_nodes=4, gpus_per_node=4),
+        RailTopology(num_nodes=5, gpus_per_node=3, failed_rails=frozenset({(1, 2), (3, 0)})),
+    ],
+    ids=["4x4", "5x3-failed-rails"],
+)
 def test_rail_windows_equal_to_the_cyclic_waves_give_a_zero_log_estimate(topo):
     # RAIL's phases come from the window masks, JOINT's from the cyclic fast path: on an input
     # whose windows ARE the cyclic waves both must see the same loads, bitwise.
@@ -493,8 +715,11 @@ def test_rail_windows_equal_to_the_cyclic_waves_give_a_zero_log_estimate(topo):
 
     gen = torch.Generator().manual_seed(7)
     for _ in range(5):
-        demand = DemandCounts(records_WNM=torch.randint(0, 30, (topo.world_size, topo.num_nodes,
-                                                                1 << topo.gpus_per_node), generator=gen))
+        demand = DemandCounts(
+            records_WNM=torch.randint(
+                0, 30, (topo.world_size, topo.num_nodes, 1 << topo.gpus_per_node), generator=gen
+            )
+        )
         windows = cyclic_schedule(topo.num_nodes)
         f = path_features(demand, topo, record_bytes=64, windows=windows, costs=PathCosts(chunks=1))
         assert f[FEATURE_NAMES.index("log_estimate_v4")] == 0.0
@@ -519,11 +744,23 @@ def test_combine_rounds_share_ports_with_the_local_round_until_it_is_done(local,
 
     loaded, idle = np.array([[[2.0, 6.0]], [[2.0, 0.0]]]), np.zeros((2, 1, 2))
     local_NG, none_NG = np.array([[local, 0.0]]), np.zeros((1, 2))
-    if port == "out of the expert GPU":  # dispatch's in-port of the target: round into it, local into it
-        rounds = _Rounds(rail_P=np.array([1.0, 1.0]), into_PNG=loaded, out_PNG=idle, busiest_P=np.array([6.0, 2.0]))
+    if (
+        port == "out of the expert GPU"
+    ):  # dispatch's in-port of the target: round into it, local into it
+        rounds = _Rounds(
+            rail_P=np.array([1.0, 1.0]),
+            into_PNG=loaded,
+            out_PNG=idle,
+            busiest_P=np.array([6.0, 2.0]),
+        )
         got = _combine_seconds(rounds, none_NG, local_NG, 0.0, 0.0)
     else:  # dispatch's out-port of the arrival / source GPU
-        rounds = _Rounds(rail_P=np.array([1.0, 1.0]), into_PNG=idle, out_PNG=loaded, busiest_P=np.array([6.0, 2.0]))
+        rounds = _Rounds(
+            rail_P=np.array([1.0, 1.0]),
+            into_PNG=idle,
+            out_PNG=loaded,
+            busiest_P=np.array([6.0, 2.0]),
+        )
         got = _combine_seconds(rounds, local_NG, none_NG, 0.0, 0.0)
     assert got == pytest.approx(want, rel=1e-12)
 
@@ -537,8 +774,12 @@ def test_estimate_charges_a_source_gpu_s_local_copies_on_its_own_port():
     wnm[0, 0, 0b1110] = 10
     b = 8
     nvl = b / topo.nvlink_bytes_per_s
-    est_rail, est_joint = path_estimates(DemandCounts(records_WNM=wnm), topo, record_bytes=b,
-                                         costs=PathCosts(rail_phase_s=0.0, layer_s=0.0, chunks=2))
+    est_rail, est_joint = path_estimates(
+        DemandCounts(records_WNM=wnm),
+        topo,
+        record_bytes=b,
+        costs=PathCosts(rail_phase_s=0.0, layer_s=0.0, chunks=2),
+    )
     assert est_rail == est_joint == pytest.approx(60 * nvl, rel=1e-12)
 
 
@@ -547,20 +788,27 @@ def test_a_single_node_has_no_rail_phases():
     wnm = torch.zeros(4, 1, 16, dtype=torch.int64)
     wnm[0, 0, 0b0110] = 5
     nvl = 8 / topo.nvlink_bytes_per_s
-    est = path_estimates(DemandCounts(records_WNM=wnm), topo, record_bytes=8, costs=PathCosts(layer_s=1e-6, chunks=2))
+    est = path_estimates(
+        DemandCounts(records_WNM=wnm), topo, record_bytes=8, costs=PathCosts(layer_s=1e-6, chunks=2)
+    )
     assert est == pytest.approx((1e-6 + 20 * nvl, 1e-6 + 20 * nvl), rel=1e-12)
 
 
 @pytest.mark.parametrize("chunks", [1, 2])
-@pytest.mark.parametrize("topo", [RailTopology(num_nodes=3, gpus_per_node=4),
-                                  RailTopology(num_nodes=4, gpus_per_node=3, failed_rails=frozenset({(2, 1)}))],
-                         ids=["3x4", "4x3-failed-rail"])
+@pytest.mark.parametrize(
+    "topo",
+    [
+        RailTopology(num_nodes=3, gpus_per_node=4),
+        RailTopology(num_nodes=4, gpus_per_node=3, failed_rails=frozenset({(2, 1)})),
+    ],
+    ids=["3x4", "4x3-failed-rail"],
+)
 def test_rounds_and_local_round_match_the_compiled_schedule_s_ports(topo, chunks):
     # Equal counts on every non-empty subset of each owner's target set (independent bits, the
     # arrival model exact): each round's wire copies into every target and out of every arrival
     # GPU, its busiest port, and the local round's ports equal the compiled schedule's transfers.
-    from megatron_railwave.selector.path_model import _Loads, class_copies_NGNKG
     from megatron_railwave.names import Route
+    from megatron_railwave.selector.path_model import _Loads, class_copies_NGNKG
     from tests.helpers.delivery_cases import dispatch_deliveries, subset_demand
 
     n, g, b = topo.num_nodes, topo.gpus_per_node, 8
@@ -568,16 +816,26 @@ def test_rounds_and_local_round_match_the_compiled_schedule_s_ports(topo, chunks
     rng = np.random.default_rng(5)
     for _ in range(3):
         demand = subset_demand(topo, rng)
-        loads = _Loads.of(demand.records_NGN().double().numpy(), class_copies_NGNKG(demand), record_bytes=b, topo=topo,
-                          chunks=chunks)
+        loads = _Loads.of(
+            demand.records_NGN().double().numpy(),
+            class_copies_NGNKG(demand),
+            record_bytes=b,
+            topo=topo,
+            chunks=chunks,
+        )
         local_out, local_in = loads.local_round()
-        for path, rounds in ((Route.RAIL, loads.windows((1.0 - np.eye(n))[None])), (Route.JOINT, loads.cyclic())):
+        for path, rounds in (
+            (Route.RAIL, loads.windows((1.0 - np.eye(n))[None])),
+            (Route.JOINT, loads.cyclic()),
+        ):
             for step, src, dst, rows in dispatch_deliveries(demand, topo, path, chunks)[1]:
                 moves = src != dst
                 into = np.bincount(dst[moves], rows[moves], n * g).reshape(n, g) * nvl
                 out = np.bincount(src[moves], rows[moves], n * g).reshape(n, g) * nvl
                 if step == 0:
-                    assert local_in == pytest.approx(into, abs=1e-15) and local_out == pytest.approx(out, abs=1e-15)
+                    assert local_in == pytest.approx(
+                        into, abs=1e-15
+                    ) and local_out == pytest.approx(out, abs=1e-15)
                     continue
                 v = step - 1
                 assert rounds.into_PNG[v] == pytest.approx(into, abs=1e-15), (path, step)
@@ -595,28 +853,74 @@ def test_score_path_model_fits_without_the_left_out_seed_and_gates_like_the_runt
     joint, rail = np.ones(120), np.exp(target)
     limit = calibration.MAX_RATIO_TO_BEST * np.minimum(rail, joint)
     windows, payload = np.ones(120, dtype=int), np.full(120, 1e6)
-    score = calibration.score_path_model(features, windows, target, payload, units, rail, joint, limit,
-                                         costs=PathCosts(), gating="none")
-    assert score == {"over_tolerance": 120, "total_s": pytest.approx(100.0 + 20 * math.exp(0.1)), "decided": 120}
+    score = calibration.score_path_model(
+        features,
+        windows,
+        target,
+        payload,
+        units,
+        rail,
+        joint,
+        limit,
+        costs=PathCosts(),
+        gating="none",
+    )
+    assert score == {
+        "over_tolerance": 120,
+        "total_s": pytest.approx(100.0 + 20 * math.exp(0.1)),
+        "decided": 120,
+    }
     # A gate from the other seeds' misses: s1 / s2 left out see s0's misses (JOINT 40% slower at
     # 1 MB) and decide; s0 left out sees none (gate 0) and runs JOINT without a decision.
-    gated = calibration.score_path_model(features, windows, target, payload, units, rail, joint, limit,
-                                         costs=PathCosts(), gating="one")
+    gated = calibration.score_path_model(
+        features,
+        windows,
+        target,
+        payload,
+        units,
+        rail,
+        joint,
+        limit,
+        costs=PathCosts(),
+        gating="one",
+    )
     assert gated["decided"] == 20 and gated["over_tolerance"] == 120
     # A row without a finite target teaches nothing but is still decided and scored.
     target_nan = target.copy()
     target_nan[0] = np.nan
-    assert calibration.score_path_model(features, windows, target_nan, payload, units, rail, joint, limit,
-                                        costs=PathCosts(), gating="none")["decided"] == 120
+    assert (
+        calibration.score_path_model(
+            features,
+            windows,
+            target_nan,
+            payload,
+            units,
+            rail,
+            joint,
+            limit,
+            costs=PathCosts(),
+            gating="none",
+        )["decided"]
+        == 120
+    )
     with pytest.raises(ValueError, match="gating must be one of"):
         calibration.payload_gates(payload, joint > limit, windows == 1, gating="two")
     # The choice: fewest over, then least total, then fewest decided, then PAYLOAD_GATINGS' order.
-    scores = {"none": {"over_tolerance": 1, "total_s": 1.0, "decided": 9},
-              "one": {"over_tolerance": 1, "total_s": 1.0, "decided": 5},
-              "per_kind": {"over_tolerance": 1, "total_s": 1.0, "decided": 5}}
+    scores = {
+        "none": {"over_tolerance": 1, "total_s": 1.0, "decided": 9},
+        "one": {"over_tolerance": 1, "total_s": 1.0, "decided": 5},
+        "per_kind": {"over_tolerance": 1, "total_s": 1.0, "decided": 5},
+    }
     assert calibration.choose_gating(scores) == "one"
-    assert calibration.choose_gating({**scores, "none": {**scores["none"], "total_s": 0.5}}) == "none"
-    assert calibration.choose_gating({**scores, "per_kind": {**scores["per_kind"], "over_tolerance": 0}}) == "per_kind"
+    assert (
+        calibration.choose_gating({**scores, "none": {**scores["none"], "total_s": 0.5}}) == "none"
+    )
+    assert (
+        calibration.choose_gating(
+            {**scores, "per_kind": {**scores["per_kind"], "over_tolerance": 0}}
+        )
+        == "per_kind"
+    )
 
 
 def test_validate_names_the_payload_gates_per_input_kind():
@@ -625,9 +929,19 @@ def test_validate_names_the_payload_gates_per_input_kind():
     model = RailJointModel(all_pairs=(0.0,) * F)
     mib = 2**20
     assert _describe_gates(model) == ""
-    assert _describe_gates(dataclasses.replace(model, max_payload_bytes=mib, max_payload_bytes_windowed=mib)) == \
-        ", payload gate 1.00 MiB"
-    assert _describe_gates(dataclasses.replace(model, max_payload_bytes=mib, max_payload_bytes_windowed=3 * mib)) == \
-        ", payload gates all pairs 1.00 MiB, windowed 3.00 MiB"
-    assert _describe_gates(dataclasses.replace(model, max_payload_bytes_windowed=3 * mib)) == \
-        ", payload gates all pairs none, windowed 3.00 MiB"
+    assert (
+        _describe_gates(
+            dataclasses.replace(model, max_payload_bytes=mib, max_payload_bytes_windowed=mib)
+        )
+        == ", payload gate 1.00 MiB"
+    )
+    assert (
+        _describe_gates(
+            dataclasses.replace(model, max_payload_bytes=mib, max_payload_bytes_windowed=3 * mib)
+        )
+        == ", payload gates all pairs 1.00 MiB, windowed 3.00 MiB"
+    )
+    assert (
+        _describe_gates(dataclasses.replace(model, max_payload_bytes_windowed=3 * mib))
+        == ", payload gates all pairs none, windowed 3.00 MiB"
+    )

@@ -29,27 +29,47 @@ LAUNCHER = REPO / "examples" / "launch_glm45_air.sh"
 def _megatron_like_parser() -> argparse.ArgumentParser:
     """A parser with Megatron's dispatcher flag as ArgumentGroupFactory builds it (choices)."""
     parser = argparse.ArgumentParser(allow_abbrev=False)
-    parser.add_argument("--moe-token-dispatcher-type", default="allgather",
-                        choices=["allgather", "alltoall", "flex"])
+    parser.add_argument(
+        "--moe-token-dispatcher-type",
+        default="allgather",
+        choices=["allgather", "alltoall", "flex"],
+    )
     return parser
 
 
 def _run_python(code: str, *, env: dict[str, str] | None = None, timeout: float = 240) -> dict:
     """Run ``code`` in a fresh interpreter at the repo root; it prints one JSON line last."""
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=REPO, capture_output=True,
-                          text=True, timeout=timeout, env={**os.environ, **(env or {})})
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )
     assert proc.returncode == 0, f"subprocess failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def test_add_railwave_args_extends_megatron_dispatcher_choices():
     parser = add_railwave_args(_megatron_like_parser())
-    args = parser.parse_args(["--moe-token-dispatcher-type", "railwave", "--railwave-config", str(GLM_CONFIG),
-                              "--railwave-path", "perm"])
+    args = parser.parse_args(
+        [
+            "--moe-token-dispatcher-type",
+            "railwave",
+            "--railwave-config",
+            str(GLM_CONFIG),
+            "--railwave-path",
+            "perm",
+        ]
+    )
     assert args.moe_token_dispatcher_type == "railwave"
     assert args.railwave_config == str(GLM_CONFIG) and args.railwave_path == "perm"
     # The other dispatchers still parse; calling it twice does not duplicate 'railwave'.
-    assert parser.parse_args(["--moe-token-dispatcher-type", "alltoall"]).moe_token_dispatcher_type == "alltoall"
+    assert (
+        parser.parse_args(["--moe-token-dispatcher-type", "alltoall"]).moe_token_dispatcher_type
+        == "alltoall"
+    )
     action = next(a for a in parser._actions if "--moe-token-dispatcher-type" in a.option_strings)
     assert list(action.choices).count("railwave") == 1
 
@@ -63,13 +83,24 @@ def test_add_railwave_args_rejects_unknown_path(capsys):
 
 def test_add_railwave_args_adds_dispatcher_flag_when_missing():
     parser = add_railwave_args(argparse.ArgumentParser())
-    assert parser.parse_args(["--moe-token-dispatcher-type", "railwave"]).moe_token_dispatcher_type == "railwave"
+    assert (
+        parser.parse_args(["--moe-token-dispatcher-type", "railwave"]).moe_token_dispatcher_type
+        == "railwave"
+    )
 
 
 def test_config_from_args_reads_yaml_then_applies_flags():
     parser = add_railwave_args(_megatron_like_parser())
-    args = parser.parse_args(["--railwave-config", str(GLM_CONFIG), "--railwave-path", "native",
-                              "--railwave-log-dir", "/tmp/rw-logs"])
+    args = parser.parse_args(
+        [
+            "--railwave-config",
+            str(GLM_CONFIG),
+            "--railwave-path",
+            "native",
+            "--railwave-log-dir",
+            "/tmp/rw-logs",
+        ]
+    )
     cfg = config_from_args(args)
     assert cfg.path == "native"  # the flag overrides the file's 'joint'
     assert cfg.log_dir == "/tmp/rw-logs"
@@ -94,10 +125,12 @@ def test_railwave_args_parse_with_megatron_lm_parser():
         from megatron.training import arguments
         from megatron_railwave.plugin import add_railwave_args, config_from_args
         sys.argv = ["pretrain_gpt_railwave.py", "--moe-token-dispatcher-type", "railwave",
-                    "--railwave-config", "configs/railwave/glm45_air_h800.yaml", "--railwave-path", "rail"]
+                    "--railwave-config", "configs/railwave/glm45_air_h800.yaml",
+                    "--railwave-path", "rail"]
         args = arguments.parse_args(extra_args_provider=add_railwave_args)
         cfg = config_from_args(args)
-        print(json.dumps({"type": args.moe_token_dispatcher_type, "path": cfg.path, "cluster": cfg.cluster}))
+        print(json.dumps({"type": args.moe_token_dispatcher_type, "path": cfg.path,
+                          "cluster": cfg.cluster}))
     """)
     assert out == {"type": "railwave", "path": "rail", "cluster": "configs/clusters/h800_4x8.yaml"}
 
@@ -106,10 +139,12 @@ def test_glm45_air_launcher_flags_validate_with_megatron_lm():
     """Every flag of examples/launch_glm45_air.sh parses and validates (Megatron-LM's
     validate_args, world size 32) and gives a TransformerConfig RailWave supports."""
     env = {**os.environ, "RAILWAVE_PRINT_ARGS": "1"}
-    flags = subprocess.run(["bash", str(LAUNCHER)], env=env, capture_output=True, text=True, check=True,
-                           timeout=30).stdout.splitlines()
+    flags = subprocess.run(
+        ["bash", str(LAUNCHER)], env=env, capture_output=True, text=True, check=True, timeout=30
+    ).stdout.splitlines()
     assert flags[flags.index("--moe-token-dispatcher-type") + 1] == "railwave"
-    out = _run_python(f"""
+    out = _run_python(
+        f"""
         import json, sys, torch
         from megatron_railwave.lab.bench.megatron_cpu import apply_megatron_cpu_shims
         apply_megatron_cpu_shims()
@@ -134,10 +169,23 @@ def test_glm45_air_launcher_flags_validate_with_megatron_lm():
                           "shared": tc.moe_shared_expert_intermediate_size,
                           "dispatcher": tc.moe_token_dispatcher_type,
                           "topo": [topo.num_nodes, topo.gpus_per_node]}}))
-    """, env={"WORLD_SIZE": "32", "RANK": "0", "LOCAL_WORLD_SIZE": "8"})
-    assert out == {"ep": 32, "layers": 46, "moe_layers": 45, "experts": 128, "topk": 8, "hidden": 4096,
-                   "moe_ffn": 1408, "score": "sigmoid", "bias": True, "shared": 1408,
-                   "dispatcher": "railwave", "topo": [4, 8]}
+    """,
+        env={"WORLD_SIZE": "32", "RANK": "0", "LOCAL_WORLD_SIZE": "8"},
+    )
+    assert out == {
+        "ep": 32,
+        "layers": 46,
+        "moe_layers": 45,
+        "experts": 128,
+        "topk": 8,
+        "hidden": 4096,
+        "moe_ffn": 1408,
+        "score": "sigmoid",
+        "bias": True,
+        "shared": 1408,
+        "dispatcher": "railwave",
+        "topo": [4, 8],
+    }
 
 
 def test_install_is_idempotent_replaces_config_and_uninstall_restores():
@@ -160,10 +208,12 @@ def test_install_is_idempotent_replaces_config_and_uninstall_restores():
         pgs = ProcessGroupCollection.use_mpu_process_groups()
 
         def build():
-            cfg = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2, ffn_hidden_size=8,
-                                    num_moe_experts=2, moe_router_topk=2, moe_token_dispatcher_type="railwave",
-                                    use_cpu_initialization=True, add_bias_linear=False, moe_grouped_gemm=False,
-                                    bias_activation_fusion=False, gradient_accumulation_fusion=False)
+            cfg = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2,
+                                    ffn_hidden_size=8, num_moe_experts=2, moe_router_topk=2,
+                                    moe_token_dispatcher_type="railwave",
+                                    use_cpu_initialization=True, add_bias_linear=False,
+                                    moe_grouped_gemm=False, bias_activation_fusion=False,
+                                    gradient_accumulation_fusion=False)
             spec = get_moe_module_spec(use_te=False, num_experts=2, moe_grouped_gemm=False)
             return spec(config=cfg, layer_number=1, pg_collection=pgs), cfg
 
@@ -199,7 +249,8 @@ def test_install_is_idempotent_replaces_config_and_uninstall_restores():
 
 
 def test_railwave_type_without_install_says_to_call_install():
-    # Megatron-LM parses its arguments (with add_railwave_args) but the script never calls install().
+    # Megatron-LM parses its arguments (with add_railwave_args) but the script never calls
+    # install().
     out = _run_python("""
         import argparse, json
         import torch.distributed as dist
@@ -213,15 +264,18 @@ def test_railwave_type_without_install_says_to_call_install():
 
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
         parallel_state.initialize_model_parallel(1, expert_model_parallel_size=1)
-        args = add_railwave_args(argparse.ArgumentParser()).parse_args(["--moe-token-dispatcher-type", "railwave"])
-        cfg = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2, ffn_hidden_size=8,
-                                num_moe_experts=2, moe_router_topk=2,
+        args = add_railwave_args(argparse.ArgumentParser()).parse_args(
+            ["--moe-token-dispatcher-type", "railwave"])
+        cfg = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2,
+                                ffn_hidden_size=8, num_moe_experts=2, moe_router_topk=2,
                                 moe_token_dispatcher_type=args.moe_token_dispatcher_type,
-                                use_cpu_initialization=True, add_bias_linear=False, moe_grouped_gemm=False,
-                                bias_activation_fusion=False, gradient_accumulation_fusion=False)
+                                use_cpu_initialization=True, add_bias_linear=False,
+                                moe_grouped_gemm=False, bias_activation_fusion=False,
+                                gradient_accumulation_fusion=False)
         spec = get_moe_module_spec(use_te=False, num_experts=2, moe_grouped_gemm=False)
         try:
-            spec(config=cfg, layer_number=1, pg_collection=ProcessGroupCollection.use_mpu_process_groups())
+            spec(config=cfg, layer_number=1,
+                 pg_collection=ProcessGroupCollection.use_mpu_process_groups())
             error = "built"
         except ValueError as exc:
             error = str(exc)
@@ -229,20 +283,24 @@ def test_railwave_type_without_install_says_to_call_install():
         dist.destroy_process_group()
         print(json.dumps({"error": error}))
     """)
-    assert out["error"].startswith("moe_token_dispatcher_type='railwave' needs megatron_railwave.install() "
-                                   "before the model is built"), out["error"]
+    assert out["error"].startswith(
+        "moe_token_dispatcher_type='railwave' needs megatron_railwave.install() "
+        "before the model is built"
+    ), out["error"]
     assert "docs/usage.md" in out["error"]
 
 
 def test_pretrain_example_installs_and_builds_megatron_inputs_on_cpu():
     """examples/pretrain_gpt_railwave.py up to Megatron-LM's pretrain (which needs CUDA): parse,
     install, config container, mock GPT data through the built-in glue, one forward_step."""
-    out = _run_python("""
+    out = _run_python(
+        """
         import importlib.util, inspect, json, sys, torch
         from megatron_railwave.lab.bench.megatron_cpu import apply_megatron_cpu_shims
         apply_megatron_cpu_shims()
         import megatron.training as mt
-        spec = importlib.util.spec_from_file_location("example", "examples/pretrain_gpt_railwave.py")
+        spec = importlib.util.spec_from_file_location("example",
+                                                      "examples/pretrain_gpt_railwave.py")
         example = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(example)
         seen = {}
@@ -251,7 +309,8 @@ def test_pretrain_example_installs_and_builds_megatron_inputs_on_cpu():
         fake_pretrain.__signature__ = inspect.signature(mt.pretrain)
         mt.pretrain = fake_pretrain
         sys.argv = ["pretrain_gpt_railwave.py", "--num-layers", "2", "--hidden-size", "64",
-                    "--num-attention-heads", "4", "--seq-length", "16", "--max-position-embeddings", "16",
+                    "--num-attention-heads", "4", "--seq-length", "16",
+                    "--max-position-embeddings", "16",
                     "--micro-batch-size", "1", "--global-batch-size", "1", "--num-experts", "4",
                     "--moe-router-topk", "2", "--moe-token-dispatcher-type", "railwave",
                     "--railwave-path", "perm", "--train-iters", "1", "--lr", "1e-4", "--mock-data",
@@ -268,7 +327,9 @@ def test_pretrain_example_installs_and_builds_megatron_inputs_on_cpu():
                           "dispatcher": seen["cfg"].model.transformer.moe_token_dispatcher_type,
                           "tokens": list(batch["tokens"].shape), "loss": float(loss),
                           "num_tokens": int(num_tokens)}))
-    """, env={"WORLD_SIZE": "1", "RANK": "0", "LOCAL_WORLD_SIZE": "1"})
+    """,
+        env={"WORLD_SIZE": "1", "RANK": "0", "LOCAL_WORLD_SIZE": "1"},
+    )
     assert out["path"] == "perm" and out["container"] == "PretrainConfigContainer"
     assert out["dispatcher"] == "railwave"
     assert out["tokens"] == [1, 16] and out["loss"] == out["num_tokens"] > 0
@@ -288,9 +349,10 @@ def test_install_lets_megatron_config_check_accept_overlap_flags_for_railwave():
         from megatron_railwave.plugin import add_railwave_args, uninstall
 
         def build(**extra):
-            kw = dict(num_layers=1, hidden_size=8, num_attention_heads=2, ffn_hidden_size=8, num_moe_experts=4,
-                      moe_router_topk=2, moe_token_dispatcher_type="railwave", moe_shared_expert_intermediate_size=8,
-                      moe_shared_expert_overlap=True, expert_model_parallel_size=2, use_cpu_initialization=True,
+            kw = dict(num_layers=1, hidden_size=8, num_attention_heads=2, ffn_hidden_size=8,
+                      num_moe_experts=4, moe_router_topk=2, moe_token_dispatcher_type="railwave",
+                      moe_shared_expert_intermediate_size=8, moe_shared_expert_overlap=True,
+                      expert_model_parallel_size=2, use_cpu_initialization=True,
                       add_bias_linear=False)
             try:
                 cfg = TransformerConfig(**{**kw, **extra})
@@ -305,11 +367,14 @@ def test_install_lets_megatron_config_check_accept_overlap_flags_for_railwave():
         res["uninstalled"] = build()
         megatron_railwave.install({"gpus_per_node": 1})
         res["installed"] = build()
-        res["ep_overlap"] = build(overlap_moe_expert_parallel_comm=True, bf16=True, moe_shared_expert_overlap=False)
+        res["ep_overlap"] = build(overlap_moe_expert_parallel_comm=True, bf16=True,
+                                  moe_shared_expert_overlap=False)
         res["still_checked"] = build(moe_shared_expert_intermediate_size=-1)
         print(json.dumps(res))
     """)
-    refusal = "ValueError: moe_shared_expert_overlap only works with alltoall or flex token dispatcher."
+    refusal = (
+        "ValueError: moe_shared_expert_overlap only works with alltoall or flex token dispatcher."
+    )
     assert out["before"] == refusal and out["uninstalled"] == refusal
     assert out["flag"] == out["installed"] == out["ep_overlap"] == "railwave"
     assert "moe_shared_expert_intermediate_size must be" in out["still_checked"]
@@ -319,9 +384,14 @@ def test_add_railwave_args_adds_railwave_flex_backend_and_wants_railwave():
     from megatron_railwave.plugin import wants_railwave
 
     parser = _megatron_like_parser()
-    parser.add_argument("--moe-flex-dispatcher-backend", default="deepep", choices=["deepep", "hybridep", "ncclep"])
-    args = add_railwave_args(parser).parse_args(["--moe-token-dispatcher-type", "flex",
-                                                 "--moe-flex-dispatcher-backend", "railwave"])
+    parser.add_argument(
+        "--moe-flex-dispatcher-backend", default="deepep", choices=["deepep", "hybridep", "ncclep"]
+    )
+    args = add_railwave_args(parser).parse_args(
+        ["--moe-token-dispatcher-type", "flex", "--moe-flex-dispatcher-backend", "railwave"]
+    )
     assert wants_railwave(args)
-    assert not wants_railwave(argparse.Namespace(moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="deepep"))
+    assert not wants_railwave(
+        argparse.Namespace(moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="deepep")
+    )
     assert wants_railwave(argparse.Namespace(moe_token_dispatcher_type="railwave"))

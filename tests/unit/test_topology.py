@@ -33,7 +33,9 @@ def test_topology_failed_rail_blocks_pair_at_either_end():
 def test_topology_check_world_size_mismatch_raises():
     topo = RailTopology(num_nodes=4, gpus_per_node=8, name="h800")
     topo.check_world_size(32)
-    with pytest.raises(ValueError, match=r"4 nodes x 8 GPUs = 32 ranks, but the expert-parallel group has 16"):
+    with pytest.raises(
+        ValueError, match=r"4 nodes x 8 GPUs = 32 ranks, but the expert-parallel group has 16"
+    ):
         topo.check_world_size(16)
 
 
@@ -65,14 +67,26 @@ def test_topology_pair_without_common_healthy_rail_raises():
     ("kwargs", "match"),
     [
         ({"num_nodes": 0, "gpus_per_node": 8}, r"num_nodes must be a positive integer, got 0"),
-        ({"num_nodes": 2, "gpus_per_node": 9}, r"gpus_per_node must be an integer in 1\.\.8, got 9"),
-        ({"num_nodes": 2, "gpus_per_node": 2, "rail_of_gpu": (0,)},
-         r"rail_of_gpu has 1 entries but gpus_per_node is 2"),
-        ({"num_nodes": 2, "gpus_per_node": 2, "rail_of_gpu": (0, 3), "num_rails": 2},
-         r"rail_of_gpu\[1\] = 3 is out of range: rails are 0\.\.1"),
-        ({"num_nodes": 2, "gpus_per_node": 2, "adapter_of_rail": (0,)},
-         r"adapter_of_rail has 1 entries, expected one per rail \(2\)"),
-        ({"num_nodes": 2, "gpus_per_node": 2, "rail_gbps": 0.0}, r"bandwidths must be positive: rail_gbps=0\.0"),
+        (
+            {"num_nodes": 2, "gpus_per_node": 9},
+            r"gpus_per_node must be an integer in 1\.\.8, got 9",
+        ),
+        (
+            {"num_nodes": 2, "gpus_per_node": 2, "rail_of_gpu": (0,)},
+            r"rail_of_gpu has 1 entries but gpus_per_node is 2",
+        ),
+        (
+            {"num_nodes": 2, "gpus_per_node": 2, "rail_of_gpu": (0, 3), "num_rails": 2},
+            r"rail_of_gpu\[1\] = 3 is out of range: rails are 0\.\.1",
+        ),
+        (
+            {"num_nodes": 2, "gpus_per_node": 2, "adapter_of_rail": (0,)},
+            r"adapter_of_rail has 1 entries, expected one per rail \(2\)",
+        ),
+        (
+            {"num_nodes": 2, "gpus_per_node": 2, "rail_gbps": 0.0},
+            r"bandwidths must be positive: rail_gbps=0\.0",
+        ),
     ],
 )
 def test_topology_invalid_fields_raise(kwargs, match):
@@ -90,8 +104,15 @@ def test_topology_with_failed_rails_and_with_nodes():
 
 
 def test_topology_dict_round_trip():
-    topo = RailTopology(num_nodes=3, gpus_per_node=4, rail_gbps=200.0, adapter_of_rail=(0, 0, 1, 1),
-                        adapter_gbps=400.0, failed_rails=frozenset({(2, 1)}), name="x")
+    topo = RailTopology(
+        num_nodes=3,
+        gpus_per_node=4,
+        rail_gbps=200.0,
+        adapter_of_rail=(0, 0, 1, 1),
+        adapter_gbps=400.0,
+        failed_rails=frozenset({(2, 1)}),
+        name="x",
+    )
     assert RailTopology.from_dict(topo.to_dict()) == topo
 
 
@@ -117,11 +138,19 @@ def test_load_topology_nested_topology_key(tmp_path):
         ("num_nodes: 2\n", r"missing required key 'gpus_per_node'"),
         ("num_nodes: two\ngpus_per_node: 4\n", r"key 'num_nodes' must be an integer, got 'two'"),
         ("num_nodes: 2\ngpus_per_node: 4\nnum_gpus: 4\n", r"unknown key\(s\) \['num_gpus'\]"),
-        ("num_nodes: 2\ngpus_per_node: 4\nrail_of_gpu: 3\n", r"key 'rail_of_gpu' must be a list of integers, got 3"),
+        (
+            "num_nodes: 2\ngpus_per_node: 4\nrail_of_gpu: 3\n",
+            r"key 'rail_of_gpu' must be a list of integers, got 3",
+        ),
         ("num_nodes: 2\ngpus_per_node: 4\nrail_gbps: fast\n", r"key 'rail_gbps' must be a number"),
-        ("num_nodes: 2\ngpus_per_node: 4\nfailed_rails: [[0, 1, 2]]\n",
-         r"key 'failed_rails' must be a list of \[node, rail\] pairs"),
-        ("num_nodes: 2\ngpus_per_node: 4\nfailed_rails: [[0, 7]]\n", r"c\.yaml'.*rail 7 is out of range 0\.\.3"),
+        (
+            "num_nodes: 2\ngpus_per_node: 4\nfailed_rails: [[0, 1, 2]]\n",
+            r"key 'failed_rails' must be a list of \[node, rail\] pairs",
+        ),
+        (
+            "num_nodes: 2\ngpus_per_node: 4\nfailed_rails: [[0, 7]]\n",
+            r"c\.yaml'.*rail 7 is out of range 0\.\.3",
+        ),
         ("- 1\n- 2\n", r"expected a mapping of topology keys, got list"),
     ],
 )

@@ -9,8 +9,8 @@ import torch
 
 from megatron_railwave.topology import RailTopology
 from megatron_railwave.traffic import (
-    MiB,
     DemandCounts,
+    MiB,
     SelectorScales,
     dtype_bytes,
     local_demand,
@@ -30,14 +30,19 @@ def _routing(num_tokens: int, num_experts: int, rows: list[list[int]]) -> torch.
 
 
 # 2 nodes x 2 GPUs, 8 experts: 2 per rank, rank r owns experts 2r and 2r+1.
-#   rank 0 = GPU (0,0): e0 e1 | rank 1 = (0,1): e2 e3 | rank 2 = (1,0): e4 e5 | rank 3 = (1,1): e6 e7
+#   rank 0 = GPU (0,0): e0 e1 | rank 1 = (0,1): e2 e3 | rank 2 = (1,0): e4 e5 | rank 3 = (1,1): e6
+# e7
 TOPO_2x2 = RailTopology(num_nodes=2, gpus_per_node=2)
-ROUTING = _routing(4, 8, [
-    [0, 3],  # node 0: GPUs 0 and 1 -> mask 0b11 = 3; node 1: none
-    [4, 5],  # node 1: GPU 0 (both experts on rank 2) -> mask 1; one record, not two
-    [7, 1],  # node 0: GPU 0 -> mask 1; node 1: GPU 1 -> mask 2
-    [],      # no expert: no record
-])
+ROUTING = _routing(
+    4,
+    8,
+    [
+        [0, 3],  # node 0: GPUs 0 and 1 -> mask 0b11 = 3; node 1: none
+        [4, 5],  # node 1: GPU 0 (both experts on rank 2) -> mask 1; one record, not two
+        [7, 1],  # node 0: GPU 0 -> mask 1; node 1: GPU 1 -> mask 2
+        [],  # no expert: no record
+    ],
+)
 
 
 def test_target_masks_dedup_per_node():
@@ -63,12 +68,16 @@ def test_demand_counts_records_ngn_and_copies():
 
 
 def test_target_masks_experts_not_divisible_raises():
-    with pytest.raises(ValueError, match=r"num_experts=6 is not divisible by the expert-parallel size 4"):
+    with pytest.raises(
+        ValueError, match=r"num_experts=6 is not divisible by the expert-parallel size 4"
+    ):
         target_masks(torch.zeros(2, 6, dtype=torch.bool), TOPO_2x2)
 
 
 def test_demand_counts_world_size_mismatch_raises():
-    with pytest.raises(ValueError, match=r"2 nodes x 2 GPUs = 4 ranks, but the expert-parallel group has 3"):
+    with pytest.raises(
+        ValueError, match=r"2 nodes x 2 GPUs = 4 ranks, but the expert-parallel group has 3"
+    ):
         DemandCounts.from_routing_maps([ROUTING] * 3, TOPO_2x2)
 
 
@@ -98,7 +107,11 @@ def _load(entries: dict[tuple[int, int, int], int], n: int, r: int) -> torch.Ten
 def test_rail_imbalance_max_over_mean_ignores_local():
     # 2 nodes x 2 rails; remote egress per (node, rail) = [[6, 2], [4, 4]], mean 4, max 6.
     # The local entries (0, 0, 0) = 100 and (1, 1, 1) = 50 need no rail and are ignored.
-    load = _load({(0, 0, 1): 6, (0, 1, 1): 2, (1, 0, 0): 4, (1, 1, 0): 4, (0, 0, 0): 100, (1, 1, 1): 50}, 2, 2)
+    load = _load(
+        {(0, 0, 1): 6, (0, 1, 1): 2, (1, 0, 0): 4, (1, 1, 0): 4, (0, 0, 0): 100, (1, 1, 1): 50},
+        2,
+        2,
+    )
     assert rail_imbalance(load, RailTopology(num_nodes=2, gpus_per_node=2)) == pytest.approx(1.5)
 
 
@@ -110,7 +123,12 @@ def test_rail_imbalance_mean_over_healthy_rails_only():
 
 
 def test_rail_imbalance_no_traffic_is_one():
-    assert rail_imbalance(torch.zeros(2, 2, 2, dtype=torch.int64), RailTopology(num_nodes=2, gpus_per_node=2)) == 1.0
+    assert (
+        rail_imbalance(
+            torch.zeros(2, 2, 2, dtype=torch.int64), RailTopology(num_nodes=2, gpus_per_node=2)
+        )
+        == 1.0
+    )
 
 
 def test_receiver_concentration_equal_and_dominant_senders():
@@ -140,11 +158,24 @@ def test_traffic_stats_b_rho_kappa_and_coords():
     assert st.records_total == 24 and st.remote_records == 8
     # default scales: 56 MiB, R - 1 = 1, max(N - 2, 1) = 1
     assert st.coords == pytest.approx((math.log2(2048 / (56 * MiB)), 1.0, 0.0))
-    assert set(st.to_dict()) == {"B_mean_bytes", "B_max_bytes", "rho_g", "kappa", "coords",
-                                 "records_total", "remote_records"}
+    assert set(st.to_dict()) == {
+        "B_mean_bytes",
+        "B_max_bytes",
+        "rho_g",
+        "kappa",
+        "coords",
+        "records_total",
+        "remote_records",
+    }
 
 
 def test_selector_scales_defaults_follow_topology():
     # The paper's 4 nodes x 8 rails: (rho_g - 1) / 7 and (kappa - 1) / 2.
-    assert SelectorScales().resolve(RailTopology(num_nodes=4, gpus_per_node=8)) == (56 * MiB, 7.0, 2.0)
-    assert SelectorScales(payload_ref_bytes=1.0, rho_scale=3.0, kappa_scale=5.0).resolve(TOPO_2x2) == (1.0, 3.0, 5.0)
+    assert SelectorScales().resolve(RailTopology(num_nodes=4, gpus_per_node=8)) == (
+        56 * MiB,
+        7.0,
+        2.0,
+    )
+    assert SelectorScales(payload_ref_bytes=1.0, rho_scale=3.0, kappa_scale=5.0).resolve(
+        TOPO_2x2
+    ) == (1.0, 3.0, 5.0)

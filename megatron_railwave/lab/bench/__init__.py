@@ -8,11 +8,41 @@ Letters: N nodes, G GPUs per node, W = N * G ranks.
 * ``summary``: runs the ranks and reduces their samples into the JSON result.
 """
 
-from megatron_railwave.lab.bench.exchange_bench import ALLTOALL, RAILWAVE_PATHS, BenchSpec, bench_worker
+from megatron_railwave.lab.bench.exchange_bench import (
+    ALLTOALL,
+    RAILWAVE_PATHS,
+    BenchSpec,
+    bench_worker,
+)
 from megatron_railwave.lab.bench.launch import RankFailedError, run_gloo_processes
-from megatron_railwave.lab.bench.summary import NATIVE_GOALS, SCHEMA, native_goal, run_bench_exchange, wire_bytes_of
-from megatron_railwave.lab.bench.wire_bytes import alltoall_bytes, alltoall_entry_bytes, railwave_bytes, railwave_record_bytes
+from megatron_railwave.lab.bench.summary import (
+    NATIVE_GOALS,
+    SCHEMA,
+    native_goal,
+    run_bench_exchange,
+    wire_bytes_of,
+)
+from megatron_railwave.lab.bench.wire_bytes import (
+    alltoall_bytes,
+    alltoall_entry_bytes,
+    railwave_bytes,
+    railwave_record_bytes,
+)
 
-__all__ = ["ALLTOALL", "RAILWAVE_PATHS", "BenchSpec", "bench_worker", "RankFailedError", "run_gloo_processes",
-           "NATIVE_GOALS", "native_goal", "SCHEMA", "run_bench_exchange", "wire_bytes_of", "alltoall_bytes",
-           "alltoall_entry_bytes", "railwave_bytes", "railwave_record_bytes"]
+__all__ = [
+    "ALLTOALL",
+    "RAILWAVE_PATHS",
+    "BenchSpec",
+    "bench_worker",
+    "RankFailedError",
+    "run_gloo_processes",
+    "NATIVE_GOALS",
+    "native_goal",
+    "SCHEMA",
+    "run_bench_exchange",
+    "wire_bytes_of",
+    "alltoall_bytes",
+    "alltoall_entry_bytes",
+    "railwave_bytes",
+    "railwave_record_bytes",
+]

@@ -48,16 +48,33 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron_railwave.exchange import (RankContext, TorchDistExchange, TorchDistTransport, VirtualCluster, build_rail_groups,
-                        combine_forward, dispatch_forward, gather_demand, prepare_layer, virtual_rank_groups)
+from megatron_railwave.exchange import (
+    RankContext,
+    TorchDistExchange,
+    TorchDistTransport,
+    VirtualCluster,
+    build_rail_groups,
+    combine_forward,
+    dispatch_forward,
+    gather_demand,
+    prepare_layer,
+    virtual_rank_groups,
+)
 from megatron_railwave.exchange.transport import Post
-from megatron_railwave.planner import PlanOptions, build_plan
-from megatron_railwave.topology import RailTopology
 from megatron_railwave.lab.workloads import synthetic_routing_maps
 from megatron_railwave.names import ROUTES
+from megatron_railwave.planner import PlanOptions, build_plan
+from megatron_railwave.topology import RailTopology
 
-__all__ = ["CallCostSpec", "call_cost_worker", "reduce_call_costs", "fit_per_phase", "virtual_call_costs",
-           "measure_call_costs", "SCHEMA"]
+__all__ = [
+    "CallCostSpec",
+    "call_cost_worker",
+    "reduce_call_costs",
+    "fit_per_phase",
+    "virtual_call_costs",
+    "measure_call_costs",
+    "SCHEMA",
+]
 
 SCHEMA = "railwave.call_costs/1"
 _PATHS = tuple(map(str, ROUTES))
@@ -80,26 +97,48 @@ class CallCostSpec:
     samples: int = 30
 
     def __post_init__(self) -> None:
-        for name in ("num_nodes", "gpus_per_node", "tokens", "hidden", "experts", "topk", "samples"):
+        for name in (
+            "num_nodes",
+            "gpus_per_node",
+            "tokens",
+            "hidden",
+            "experts",
+            "topk",
+            "samples",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"CallCostSpec.{name} must be >= 1, got {getattr(self, name)}")
         if self.num_nodes < 2:
-            raise ValueError(f"CallCostSpec.num_nodes must be >= 2 (rail phases need two nodes), got {self.num_nodes}")
+            raise ValueError(
+                f"CallCostSpec.num_nodes must be >= 2 (rail phases need two nodes), got "
+                f"{self.num_nodes}"
+            )
         if self.warmups < 0:
             raise ValueError(f"CallCostSpec.warmups must be >= 0, got {self.warmups}")
         if self.experts % (self.num_nodes * self.gpus_per_node):
-            raise ValueError(f"--experts {self.experts} is not a multiple of W = {self.num_nodes * self.gpus_per_node}")
+            raise ValueError(
+                f"--experts {self.experts} is not a multiple of W = "
+                f"{self.num_nodes * self.gpus_per_node}"
+            )
         if self.topk > self.experts:
             raise ValueError(f"--topk {self.topk} exceeds --experts {self.experts}")
 
     def topology(self) -> RailTopology:
-        return RailTopology(num_nodes=self.num_nodes, gpus_per_node=self.gpus_per_node,
-                            name=f"{self.num_nodes}x{self.gpus_per_node}")
+        return RailTopology(
+            num_nodes=self.num_nodes,
+            gpus_per_node=self.gpus_per_node,
+            name=f"{self.num_nodes}x{self.gpus_per_node}",
+        )
 
     def routing_maps(self) -> list[np.ndarray]:
         """W seeded routing maps [T, E] bool (the same on every rank)."""
-        maps = synthetic_routing_maps(self.topology(), num_tokens=self.tokens, num_experts=self.experts,
-                                      topk=self.topk, seed=self.seed)
+        maps = synthetic_routing_maps(
+            self.topology(),
+            num_tokens=self.tokens,
+            num_experts=self.experts,
+            topk=self.topk,
+            seed=self.seed,
+        )
         return [m.numpy() for m in maps]
 
     def to_dict(self) -> dict[str, Any]:
@@ -117,7 +156,9 @@ class _PhaseCountingTransport(TorchDistTransport):
         return super().post(req)
 
 
-def _inputs(spec: CallCostSpec, rank: int, routing: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _inputs(
+    spec: CallCostSpec, rank: int, routing: np.ndarray
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(spec.seed * 7919 + rank)
     routing_TE = torch.from_numpy(routing)
     hidden_TH = torch.randn(spec.tokens, spec.hidden, generator=gen)
@@ -139,7 +180,9 @@ def _timed(fn, samples: int, warmups: int) -> list[float]:
     return out
 
 
-def call_cost_worker(rank: int, world: int, spec: CallCostSpec, routing_maps: list[np.ndarray]) -> dict[str, Any]:
+def call_cost_worker(
+    rank: int, world: int, spec: CallCostSpec, routing_maps: list[np.ndarray]
+) -> dict[str, Any]:
     """One rank of the gloo measurement (module docstring). Returns per-sample microseconds
     (``samples_us``: name -> list) and the phases posted per path call (``phases``)."""
     topo = spec.topology()
@@ -150,8 +193,9 @@ def call_cost_worker(rank: int, world: int, spec: CallCostSpec, routing_maps: li
     hidden, probs, routing = _inputs(spec, rank, routing_maps[rank])
     samples: dict[str, list[float]] = {}
 
-    samples["count_exchange"] = _timed(lambda: exchange.gather_demand(hidden, probs, routing),
-                                       spec.samples, spec.warmups)
+    samples["count_exchange"] = _timed(
+        lambda: exchange.gather_demand(hidden, probs, routing), spec.samples, spec.warmups
+    )
 
     for kind, group in (("rail", groups.rail), ("node", groups.node)):
         size = len(group.ranks)
@@ -163,13 +207,22 @@ def call_cost_worker(rank: int, world: int, spec: CallCostSpec, routing_maps: li
         sends[(me + 1) % size], recvs[(me - 1) % size] = send, recv
 
         def phase(group=group, sends=sends, recvs=recvs) -> None:
-            transport.wait(transport.post(Post(tag=7, stage="empty phase", group=group, sends=sends, recvs=recvs)))
+            transport.wait(
+                transport.post(
+                    Post(tag=7, stage="empty phase", group=group, sends=sends, recvs=recvs)
+                )
+            )
 
         samples[f"empty_phase_{kind}"] = _timed(phase, spec.samples, spec.warmups)
-    samples["node_barrier"] = _timed(lambda: dist.barrier(group=groups.node.handle), spec.samples, spec.warmups)
+    samples["node_barrier"] = _timed(
+        lambda: dist.barrier(group=groups.node.handle), spec.samples, spec.warmups
+    )
     posted: list[Any] = []
-    samples["timing_reduce_post"] = _timed(lambda: posted.append(exchange.post_timing(rank + 1, hidden.device)),
-                                           spec.samples, spec.warmups)
+    samples["timing_reduce_post"] = _timed(
+        lambda: posted.append(exchange.post_timing(rank + 1, hidden.device)),
+        spec.samples,
+        spec.warmups,
+    )
     reads = iter(posted)  # each read after a barrier, one sample after its post
     samples["timing_reduce_read"] = _timed(lambda: next(reads).result(), spec.samples, spec.warmups)
 
@@ -217,25 +270,36 @@ def fit_per_phase(phases: dict[str, int], move_us: dict[str, float]) -> dict[str
     slope, intercept = np.polyfit(x, y, 1)
     resid = y - (intercept + slope * x)
     total = float(((y - y.mean()) ** 2).sum())
-    r2 = 1.0 - float((resid ** 2).sum()) / total if total > 0 else 1.0
+    r2 = 1.0 - float((resid**2).sum()) / total if total > 0 else 1.0
     return {"per_phase_us": float(slope), "fixed_us": float(intercept), "r2": r2}
 
 
 def _summary(values: list[float]) -> dict[str, float]:
     arr = np.asarray(values, dtype=np.float64)
     p10, med, p90 = np.percentile(arr, [10, 50, 90])
-    return {"median_us": float(med), "p10_us": float(p10), "p90_us": float(p90), "samples": int(arr.size)}
+    return {
+        "median_us": float(med),
+        "p10_us": float(p10),
+        "p90_us": float(p90),
+        "samples": int(arr.size),
+    }
 
 
 def reduce_call_costs(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
     """Per sample the slowest rank, then median / p10 / p90 per name; the phase fit; RailBalance's
     planning cost (RAIL - NATIVE and JOINT - PERM plan times)."""
     names = per_rank[0]["samples_us"].keys()
-    slowest = {n: [max(vals) for vals in zip(*(r["samples_us"][n] for r in per_rank))] for n in names}
+    slowest = {
+        n: [max(vals) for vals in zip(*(r["samples_us"][n] for r in per_rank))] for n in names
+    }
     summary = {n: _summary(v) for n, v in slowest.items()}
     phase_counts = {p: max(r["phases"][p] for r in per_rank) for p in _PATHS}
-    move = {p: statistics.median(d + c for d, c in zip(slowest[f"{p}.dispatch"], slowest[f"{p}.combine"]))
-            for p in _PATHS}
+    move = {
+        p: statistics.median(
+            d + c for d, c in zip(slowest[f"{p}.dispatch"], slowest[f"{p}.combine"])
+        )
+        for p in _PATHS
+    }
     med = {n: s["median_us"] for n, s in summary.items()}
     return {
         "steps": summary,
@@ -257,8 +321,15 @@ def virtual_call_costs(spec: CallCostSpec) -> dict[str, Any]:
     w = topo.world_size
     maps = spec.routing_maps()
     inputs = [_inputs(spec, r, maps[r]) for r in range(w)]
-    ctxs = [RankContext(topo=topo, groups=virtual_rank_groups(topo, r), num_experts=spec.experts,
-                        options=PlanOptions()) for r in range(w)]
+    ctxs = [
+        RankContext(
+            topo=topo,
+            groups=virtual_rank_groups(topo, r),
+            num_experts=spec.experts,
+            options=PlanOptions(),
+        )
+        for r in range(w)
+    ]
     counts: list[float] = []
     layers = None
     for i in range(spec.warmups + spec.samples):
@@ -272,40 +343,70 @@ def virtual_call_costs(spec: CallCostSpec) -> dict[str, Any]:
     for path in _PATHS:
         move: list[float] = []
         plan_us: list[float] = []
-        for i in range(spec.warmups + spec.samples):  # one rank's plan: every rank computes the same
+        for i in range(
+            spec.warmups + spec.samples
+        ):  # one rank's plan: every rank computes the same
             t0 = time.perf_counter()
             build_plan(layers[0].demand, topo, path, phase=i)
             if i >= spec.warmups:
                 plan_us.append((time.perf_counter() - t0) * 1e6)
         posts = 0
         for i in range(spec.warmups + spec.samples):
-            handles = [prepare_layer(ctxs[r], layers[r], build_plan(layers[r].demand, topo, path, phase=i),
-                                     hidden_dtype=inputs[r][0].dtype, probs_dtype=inputs[r][1].dtype,
-                                     hidden_size=spec.hidden) for r in range(w)]
+            handles = [
+                prepare_layer(
+                    ctxs[r],
+                    layers[r],
+                    build_plan(layers[r].demand, topo, path, phase=i),
+                    hidden_dtype=inputs[r][0].dtype,
+                    probs_dtype=inputs[r][1].dtype,
+                    hidden_size=spec.hidden,
+                )
+                for r in range(w)
+            ]
             cluster = VirtualCluster(world_size=w)
             t0 = time.perf_counter()
             out = cluster.run([dispatch_forward(ctxs[r], handles[r], *inputs[r]) for r in range(w)])
-            cluster.run([combine_forward(ctxs[r], handles[r], out[r][2], out[r][0] * out[r][1].unsqueeze(1))
-                         for r in range(w)])
+            cluster.run(
+                [
+                    combine_forward(
+                        ctxs[r], handles[r], out[r][2], out[r][0] * out[r][1].unsqueeze(1)
+                    )
+                    for r in range(w)
+                ]
+            )
             if i >= spec.warmups:
                 move.append((time.perf_counter() - t0) * 1e6 / w)
             posts = sum(e.event == "post" for e in cluster.events)
-        per_path[path] = {"move_us_per_rank": statistics.median(move), "phases_per_rank": posts / w,
-                          "plan_us": statistics.median(plan_us)}
-    return {"count_exchange_us_per_rank": statistics.median(counts), "paths": per_path,
-            "quota_rail_minus_native_us": per_path["rail"]["plan_us"] - per_path["native"]["plan_us"],
-            "quota_joint_minus_perm_us": per_path["joint"]["plan_us"] - per_path["perm"]["plan_us"]}
+        per_path[path] = {
+            "move_us_per_rank": statistics.median(move),
+            "phases_per_rank": posts / w,
+            "plan_us": statistics.median(plan_us),
+        }
+    return {
+        "count_exchange_us_per_rank": statistics.median(counts),
+        "paths": per_path,
+        "quota_rail_minus_native_us": per_path["rail"]["plan_us"] - per_path["native"]["plan_us"],
+        "quota_joint_minus_perm_us": per_path["joint"]["plan_us"] - per_path["perm"]["plan_us"],
+    }
 
 
-def measure_call_costs(spec: CallCostSpec, *, timeout_s: float = 600.0, virtual: bool = True) -> dict[str, Any]:
+def measure_call_costs(
+    spec: CallCostSpec, *, timeout_s: float = 600.0, virtual: bool = True
+) -> dict[str, Any]:
     """The gloo measurement on W spawned processes, reduced, plus the virtual one; JSON-ready."""
     from megatron_railwave.lab.bench.launch import run_gloo_processes
 
     topo = spec.topology()
-    per_rank = run_gloo_processes(call_cost_worker, topo.world_size, spec, spec.routing_maps(), timeout_s=timeout_s)
-    result: dict[str, Any] = {"schema": SCHEMA, "spec": spec.to_dict(), "topology": topo.to_dict(),
-                              "transport": "gloo on loopback (CPU), one process per rank",
-                              "gloo": reduce_call_costs(per_rank)}
+    per_rank = run_gloo_processes(
+        call_cost_worker, topo.world_size, spec, spec.routing_maps(), timeout_s=timeout_s
+    )
+    result: dict[str, Any] = {
+        "schema": SCHEMA,
+        "spec": spec.to_dict(),
+        "topology": topo.to_dict(),
+        "transport": "gloo on loopback (CPU), one process per rank",
+        "gloo": reduce_call_costs(per_rank),
+    }
     if virtual:
         result["virtual"] = virtual_call_costs(spec)
     return result

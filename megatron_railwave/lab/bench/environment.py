@@ -70,7 +70,10 @@ def _compiled_ops() -> dict[str, Any]:
 
     from megatron_railwave import ops
 
-    out: dict[str, Any] = {"cpu": ops.compiled_for(torch.device("cpu")), "load_error": ops.load_error()}
+    out: dict[str, Any] = {
+        "cpu": ops.compiled_for(torch.device("cpu")),
+        "load_error": ops.load_error(),
+    }
     out["cuda"] = ops.compiled_for(torch.device("cuda")) if torch.cuda.is_available() else None
     out["torch_cuda_arch_list"] = torch.cuda.get_arch_list() if torch.version.cuda else []
     out["TORCH_CUDA_ARCH_LIST"] = os.environ.get("TORCH_CUDA_ARCH_LIST")
@@ -85,8 +88,15 @@ def _gpus() -> list[dict[str, Any]]:
     gpus = []
     for i in range(torch.cuda.device_count()):
         p = torch.cuda.get_device_properties(i)
-        gpus.append({"index": i, "name": p.name, "memory_gib": round(p.total_memory / 2**30, 1),
-                     "sm": f"{p.major}.{p.minor}", "multiprocessors": p.multi_processor_count})
+        gpus.append(
+            {
+                "index": i,
+                "name": p.name,
+                "memory_gib": round(p.total_memory / 2**30, 1),
+                "sm": f"{p.major}.{p.minor}",
+                "multiprocessors": p.multi_processor_count,
+            }
+        )
     return gpus
 
 
@@ -108,11 +118,21 @@ def read_nics(root: str = "/sys/class/infiniband") -> list[dict[str, Any]]:
         ports = []
         for port in sorted(os.listdir(ports_dir)) if os.path.isdir(ports_dir) else []:
             base = os.path.join(ports_dir, port)
-            ports.append({"port": port, "state": _read(os.path.join(base, "state")),
-                          "rate": _read(os.path.join(base, "rate")),
-                          "link_layer": _read(os.path.join(base, "link_layer"))})
-        nics.append({"device": dev, "numa_node": _read(os.path.join(root, dev, "device", "numa_node")),
-                     "ports": ports})
+            ports.append(
+                {
+                    "port": port,
+                    "state": _read(os.path.join(base, "state")),
+                    "rate": _read(os.path.join(base, "rate")),
+                    "link_layer": _read(os.path.join(base, "link_layer")),
+                }
+            )
+        nics.append(
+            {
+                "device": dev,
+                "numa_node": _read(os.path.join(root, dev, "device", "numa_node")),
+                "ports": ports,
+            }
+        )
     return nics
 
 
@@ -134,20 +154,36 @@ def self_test() -> dict[str, Any]:
 
     import torch
 
-    from megatron_railwave.lab.bench.virtual_exchange import (VirtualSpec, dense_reference, make_virtual_inputs,
-                                                              run_virtual_layer)
+    from megatron_railwave.lab.bench.virtual_exchange import (
+        VirtualSpec,
+        dense_reference,
+        make_virtual_inputs,
+        run_virtual_layer,
+    )
     from megatron_railwave.topology import RailTopology
 
     start = time.perf_counter()
-    spec = VirtualSpec(topology=RailTopology(name="doctor-2x2", num_nodes=2, gpus_per_node=2), tokens=16,
-                       hidden=8, experts=8, topk=2, dtype="fp32", device="cpu")
+    spec = VirtualSpec(
+        topology=RailTopology(name="doctor-2x2", num_nodes=2, gpus_per_node=2),
+        tokens=16,
+        hidden=8,
+        experts=8,
+        topk=2,
+        dtype="fp32",
+        device="cpu",
+    )
     keys = ("out", "grad_hidden", "grad_probs")
     try:
         inputs = make_virtual_inputs(spec)
         results = {path: run_virtual_layer(spec, inputs, path) for path in spec.paths}
         w = spec.topology.world_size
         base = results[spec.paths[0]]
-        equal = all(torch.equal(res[k][r], base[k][r]) for res in results.values() for k in keys for r in range(w))
+        equal = all(
+            torch.equal(res[k][r], base[k][r])
+            for res in results.values()
+            for k in keys
+            for r in range(w)
+        )
         worst = 0.0
         for r in range(w):
             ref = dense_reference(spec, inputs, r)
@@ -155,9 +191,18 @@ def self_test() -> dict[str, Any]:
                 scale = float(ref[k].abs().max()) or 1.0
                 worst = max(worst, float((base[k][r].double() - ref[k]).abs().max()) / scale)
     except Exception as exc:  # noqa: BLE001 - the report names any failure
-        return {"ok": False, "error": f"{type(exc).__name__}: {exc}", "seconds": round(time.perf_counter() - start, 2)}
-    return {"ok": bool(equal and worst <= 1e-5), "all_bitwise_equal": equal, "max_rel_error": worst,
-            "paths": list(spec.paths), "seconds": round(time.perf_counter() - start, 2)}
+        return {
+            "ok": False,
+            "error": f"{type(exc).__name__}: {exc}",
+            "seconds": round(time.perf_counter() - start, 2),
+        }
+    return {
+        "ok": bool(equal and worst <= 1e-5),
+        "all_bitwise_equal": equal,
+        "max_rel_error": worst,
+        "paths": list(spec.paths),
+        "seconds": round(time.perf_counter() - start, 2),
+    }
 
 
 def collect_environment(*, config: str | None = None, run_self_test: bool = True) -> dict[str, Any]:
@@ -170,8 +215,17 @@ def collect_environment(*, config: str | None = None, run_self_test: bool = True
         "gpus": _gpus(),
         "nics": read_nics(),
         "nvidia_smi_topo": topo,
-        "launcher": {k: os.environ.get(k) for k in ("RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
-                                                      "WORLD_SIZE", "MASTER_ADDR")},
+        "launcher": {
+            k: os.environ.get(k)
+            for k in (
+                "RANK",
+                "LOCAL_RANK",
+                "LOCAL_WORLD_SIZE",
+                "GROUP_RANK",
+                "WORLD_SIZE",
+                "MASTER_ADDR",
+            )
+        },
         "railwave_config": _config(config),
     }
     if run_self_test:

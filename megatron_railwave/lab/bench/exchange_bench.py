@@ -39,10 +39,10 @@ import torch
 import torch.distributed as dist
 
 from megatron_railwave.exchange import TorchDistExchange, build_rail_groups
-from megatron_railwave.planner import PlanOptions
-from megatron_railwave.topology import RailTopology
 from megatron_railwave.lab.bench.megatron_cpu import apply_megatron_cpu_shims
 from megatron_railwave.names import ROUTES
+from megatron_railwave.planner import PlanOptions
+from megatron_railwave.topology import RailTopology
 
 __all__ = ["BenchSpec", "bench_worker", "make_rank_inputs", "RAILWAVE_PATHS", "ALLTOALL"]
 
@@ -77,9 +77,12 @@ class BenchSpec:
     failed_rails: tuple[tuple[int, int], ...] = field(default_factory=tuple)
 
     def topology(self) -> RailTopology:
-        return RailTopology(num_nodes=self.num_nodes, gpus_per_node=self.gpus_per_node,
-                            failed_rails=frozenset(self.failed_rails),
-                            name=f"{self.num_nodes}x{self.gpus_per_node}")
+        return RailTopology(
+            num_nodes=self.num_nodes,
+            gpus_per_node=self.gpus_per_node,
+            failed_rails=frozenset(self.failed_rails),
+            name=f"{self.num_nodes}x{self.gpus_per_node}",
+        )
 
     def torch_dtype(self) -> torch.dtype:
         return _DTYPES[self.dtype]
@@ -89,7 +92,8 @@ class BenchSpec:
 
 
 def make_rank_inputs(spec: BenchSpec, rank: int, routing_maps: list[torch.Tensor]):
-    """(hidden [T, H] dtype, probs [T, E] float32, routing_map [T, E] bool, grad [T, H]) of ``rank``."""
+    """(hidden [T, H] dtype, probs [T, E] float32, routing_map [T, E] bool, grad [T, H]) of
+    ``rank``."""
     gen = torch.Generator().manual_seed(spec.seed * 7919 + rank)
     routing = routing_maps[rank]
     hidden = torch.randn(spec.tokens, spec.hidden, generator=gen).to(spec.torch_dtype())
@@ -145,20 +149,35 @@ def _alltoall_variant(spec: BenchSpec, world: int) -> Variant:
     from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, expert_model_parallel_size=world)
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=1, expert_model_parallel_size=world
+    )
     config = TransformerConfig(
-        num_layers=1, hidden_size=spec.hidden, num_attention_heads=1, ffn_hidden_size=spec.hidden,
-        num_moe_experts=spec.experts, moe_router_topk=spec.topk, moe_token_dispatcher_type=ALLTOALL,
-        expert_model_parallel_size=world, tensor_model_parallel_size=1, use_cpu_initialization=True,
-        params_dtype=spec.torch_dtype(), moe_permute_fusion=False, moe_grouped_gemm=False,
-        bias_activation_fusion=False, gradient_accumulation_fusion=False,
-        add_bias_linear=False, moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
+        num_layers=1,
+        hidden_size=spec.hidden,
+        num_attention_heads=1,
+        ffn_hidden_size=spec.hidden,
+        num_moe_experts=spec.experts,
+        moe_router_topk=spec.topk,
+        moe_token_dispatcher_type=ALLTOALL,
+        expert_model_parallel_size=world,
+        tensor_model_parallel_size=1,
+        use_cpu_initialization=True,
+        params_dtype=spec.torch_dtype(),
+        moe_permute_fusion=False,
+        moe_grouped_gemm=False,
+        bias_activation_fusion=False,
+        gradient_accumulation_fusion=False,
+        add_bias_linear=False,
+        moe_router_load_balancing_type="none",
+        moe_aux_loss_coeff=0.0,
     )
     pgs = ProcessGroupCollection.use_mpu_process_groups()
     e_loc = spec.experts // world
     rank = dist.get_rank()
-    dispatcher = MoEAlltoAllTokenDispatcher(e_loc, list(range(rank * e_loc, (rank + 1) * e_loc)),
-                                            config=config, pg_collection=pgs)
+    dispatcher = MoEAlltoAllTokenDispatcher(
+        e_loc, list(range(rank * e_loc, (rank + 1) * e_loc)), config=config, pg_collection=pgs
+    )
 
     def run(hidden, probs, routing, ph: _Phases) -> torch.Tensor:
         x, p = dispatcher.dispatch_preprocess(hidden, routing, probs)
@@ -190,7 +209,9 @@ def _run_once(fn: Variant, inputs, backward: bool) -> tuple[torch.Tensor, dict[s
     return out, ph.ms
 
 
-def bench_worker(rank: int, world: int, spec: BenchSpec, routing_maps: list[np.ndarray]) -> dict[str, Any]:
+def bench_worker(
+    rank: int, world: int, spec: BenchSpec, routing_maps: list[np.ndarray]
+) -> dict[str, Any]:
     """One rank of the benchmark (inside a gloo process group of W ranks).
 
     Args:
@@ -220,7 +241,9 @@ def bench_worker(rank: int, world: int, spec: BenchSpec, routing_maps: list[np.n
         for name in names:
             dist.barrier()
             out, _ = _run_once(variants[name], inputs, spec.backward)
-            errors[name] = float((out.detach().float() - expected).abs().max()) if out.numel() else 0.0
+            errors[name] = (
+                float((out.detach().float() - expected).abs().max()) if out.numel() else 0.0
+            )
 
     times: dict[str, list[float]] = {n: [] for n in names}
     phases: dict[str, dict[str, list[float]]] = {n: {} for n in names}
@@ -251,5 +274,10 @@ def bench_worker(rank: int, world: int, spec: BenchSpec, routing_maps: list[np.n
         from megatron.core import parallel_state
 
         parallel_state.destroy_model_parallel()
-    return {"times_ms": times, "phases_ms": phases, "max_abs_err": errors, "profile": profile_text,
-            "order": names}
+    return {
+        "times_ms": times,
+        "phases_ms": phases,
+        "max_abs_err": errors,
+        "profile": profile_text,
+        "order": names,
+    }

@@ -38,8 +38,15 @@ from megatron_railwave.lab.netmodel.incast import alpha_from_slowdowns
 __all__ = ["IncastProbeRow", "incast_probe_worker", "summarize_incast_probe"]
 
 
-def incast_probe_worker(rank: int, world: int, gpus_per_node: int, nbytes: int, repeats: int,
-                        warmups: int = 1, max_senders: int | None = None) -> dict[int, list[float]]:
+def incast_probe_worker(
+    rank: int,
+    world: int,
+    gpus_per_node: int,
+    nbytes: int,
+    repeats: int,
+    warmups: int = 1,
+    max_senders: int | None = None,
+) -> dict[int, list[float]]:
     """Run the probe on this rank (every rank of the default group must call it).
 
     Args:
@@ -57,9 +64,13 @@ def incast_probe_worker(rank: int, world: int, gpus_per_node: int, nbytes: int, 
         RuntimeError: on every rank, when a receiver did not get its senders' bytes.
     """
     if world % gpus_per_node or world // gpus_per_node < 2:
-        raise ValueError(f"the probe needs W = N x G ranks with N >= 2, got W={world}, G={gpus_per_node}")
+        raise ValueError(
+            f"the probe needs W = N x G ranks with N >= 2, got W={world}, G={gpus_per_node}"
+        )
     if nbytes < 1 or repeats < 1 or warmups < 0:
-        raise ValueError(f"need nbytes >= 1, repeats >= 1, warmups >= 0, got {nbytes}, {repeats}, {warmups}")
+        raise ValueError(
+            f"need nbytes >= 1, repeats >= 1, warmups >= 0, got {nbytes}, {repeats}, {warmups}"
+        )
     on_gpu = dist.get_backend() == "nccl"
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
     nodes = world // gpus_per_node
@@ -67,7 +78,11 @@ def incast_probe_worker(rank: int, world: int, gpus_per_node: int, nbytes: int, 
     node, local = divmod(rank, gpus_per_node)
     # Each sender's bytes carry its node number, so a receive from the wrong peer shows.
     send = torch.full((nbytes,), node % 256, dtype=torch.uint8, device=device)
-    recv = [torch.empty(nbytes, dtype=torch.uint8, device=device) for _ in range(top)] if node == 0 else []
+    recv = (
+        [torch.empty(nbytes, dtype=torch.uint8, device=device) for _ in range(top)]
+        if node == 0
+        else []
+    )
     elapsed = torch.zeros(1, dtype=torch.float64, device=device)
     times: dict[int, list[float]] = {}
     for k in range(1, top + 1):
@@ -75,12 +90,15 @@ def incast_probe_worker(rank: int, world: int, gpus_per_node: int, nbytes: int, 
         if 1 <= node <= k:
             ops.append(dist.P2POp(dist.isend, send, local))  # to GPU (0, local)
         if node == 0:
-            ops += [dist.P2POp(dist.irecv, recv[s - 1], s * gpus_per_node + local) for s in range(1, k + 1)]
+            ops += [
+                dist.P2POp(dist.irecv, recv[s - 1], s * gpus_per_node + local)
+                for s in range(1, k + 1)
+            ]
         samples = []
         for sample in range(warmups + repeats):
             dist.barrier()
             start = time.perf_counter()
-            for work in (dist.batch_isend_irecv(ops) if ops else []):
+            for work in dist.batch_isend_irecv(ops) if ops else []:
                 work.wait()
             if on_gpu:
                 torch.cuda.synchronize(device)
@@ -94,8 +112,11 @@ def incast_probe_worker(rank: int, world: int, gpus_per_node: int, nbytes: int, 
         bad.fill_(float(sum(not bool((r == s % 256).all()) for s, r in enumerate(recv, start=1))))
     dist.all_reduce(bad, op=dist.ReduceOp.SUM)
     if bad.item():
-        raise RuntimeError(f"incast probe: {int(bad.item())} receive buffer(s) on node 0 do not hold their sender's "
-                           "bytes; check that rank r is GPU r % G of node r // G (torchrun: --nproc-per-node G)")
+        raise RuntimeError(
+            f"incast probe: {int(bad.item())} receive buffer(s) on node 0 do not hold their "
+            f"sender's "
+            "bytes; check that rank r is GPU r % G of node r // G (torchrun: --nproc-per-node G)"
+        )
     return times
 
 
@@ -112,8 +133,9 @@ class IncastProbeRow:
     """median_s / (k x median_s at k = 1): 1 under max-min sharing."""
 
 
-def summarize_incast_probe(times: dict[int, list[float]], nbytes: int, *, k_sat: int = 2,
-                           port_gbps: float | None = None) -> dict[str, Any]:
+def summarize_incast_probe(
+    times: dict[int, list[float]], nbytes: int, *, k_sat: int = 2, port_gbps: float | None = None
+) -> dict[str, Any]:
     """Per-k rows and the fitted alpha (``k_free`` 1, the flow model's saturating law).
 
     The max-min time of k senders is k x t(1) when one sender fills the port. When the port's
@@ -139,11 +161,26 @@ def summarize_incast_probe(times: dict[int, list[float]], nbytes: int, *, k_sat:
     for k in sorted(times):
         median = statistics.median(times[k])
         reference = k * one if port_gbps is None else max(one, k * nbytes * 8 / (port_gbps * 1e9))
-        rows.append(IncastProbeRow(senders=k, median_s=median, port_goodput_gbps=k * nbytes * 8 / median / 1e9,
-                                   slowdown=median / reference))
+        rows.append(
+            IncastProbeRow(
+                senders=k,
+                median_s=median,
+                port_goodput_gbps=k * nbytes * 8 / median / 1e9,
+                slowdown=median / reference,
+            )
+        )
     fit = [r for r in rows if 1 < r.senders <= 1 + k_sat]
-    alpha = alpha_from_slowdowns([r.senders for r in fit], [r.slowdown for r in fit], k_free=1, k_sat=k_sat)
+    alpha = alpha_from_slowdowns(
+        [r.senders for r in fit], [r.slowdown for r in fit], k_free=1, k_sat=k_sat
+    )
     sender_limited = port_gbps is not None and rows[0].port_goodput_gbps < 0.8 * port_gbps
-    return {"nbytes": nbytes, "k_sat": k_sat, "port_gbps": port_gbps, "alpha": alpha,
-            "goodput_at_3_senders": 1.0 / (1.0 + min(2, k_sat) * alpha), "fitted_senders": [r.senders for r in fit],
-            "sender_limited": sender_limited, "rows": [asdict(r) for r in rows]}
+    return {
+        "nbytes": nbytes,
+        "k_sat": k_sat,
+        "port_gbps": port_gbps,
+        "alpha": alpha,
+        "goodput_at_3_senders": 1.0 / (1.0 + min(2, k_sat) * alpha),
+        "fitted_senders": [r.senders for r in fit],
+        "sender_limited": sender_limited,
+        "rows": [asdict(r) for r in rows],
+    }

@@ -93,7 +93,9 @@ def _shim_paged_stash_ops() -> None:
 
     def _unavailable(*args: object, **kwargs: object) -> None:
         del args, kwargs
-        raise RuntimeError("paged stash needs triton and CUDA; stubbed by megatron_railwave.lab.bench.megatron_cpu")
+        raise RuntimeError(
+            "paged stash needs triton and CUDA; stubbed by megatron_railwave.lab.bench.megatron_cpu"
+        )
 
     stub = types.ModuleType(_PAGED_STASH_OPS)
     stub.GLOBAL_BLOCK_SIZE = 1024
@@ -134,10 +136,17 @@ def _shim_gloo_all_to_all_split_sizes() -> None:
             return [int(v) for v in split_sizes.tolist()]
         return [int(v) for v in split_sizes]  # numpy array, tuple
 
-    def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None,
-                          group=None, async_op=False):
-        return original(output, input, _as_list(output_split_sizes),
-                        _as_list(input_split_sizes), group=group, async_op=async_op)
+    def all_to_all_single(
+        output, input, output_split_sizes=None, input_split_sizes=None, group=None, async_op=False
+    ):
+        return original(
+            output,
+            input,
+            _as_list(output_split_sizes),
+            _as_list(input_split_sizes),
+            group=group,
+            async_op=async_op,
+        )
 
     all_to_all_single._railwave_cpu_shim = True  # type: ignore[attr-defined]
     dist.all_to_all_single = all_to_all_single
@@ -197,11 +206,11 @@ def seed_megatron_cpu_rng(seed: int) -> None:
     from megatron.core.tensor_parallel import random as mcore_random
 
     if not torch.cuda.is_available():
-        mcore_random._get_cuda_rng_state = (
-            lambda device="cuda", clone=False, graph_safe=False: torch.get_rng_state()
+        mcore_random._get_cuda_rng_state = lambda device="cuda", clone=False, graph_safe=False: (
+            torch.get_rng_state()
         )
-        mcore_random._set_cuda_rng_state = (
-            lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(new_state)
+        mcore_random._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: (
+            torch.set_rng_state(new_state)
         )
         torch.cuda.get_rng_state = lambda device="cuda": torch.get_rng_state()  # type: ignore
         torch.cuda.manual_seed = torch.manual_seed  # type: ignore[assignment]

@@ -18,11 +18,11 @@ with the runtime's rule on the same counts).
 Cost: the host work of the online selector per layer call, as the dispatcher does it after the
 count exchange, part by part on this machine's clock (thread CPU time; per call, then summarised):
 the timing words (this rank's ``encode_timing`` and ``exchange.layer.pack_status``, and the W
-received words' ``TimingWords``, as ``gather_demand`` reads them), ``observe`` (every rank's timing word, W of them), the descriptors from the gathered [W, N]
-counts (``fast_descriptors``) and ``decide``; next to it, on the same counts, the descriptors of
-the statistics and of the anchor rule (``stats.demand_stats``, torch); the bytes the selector adds
-to the count message (``exchange.layer.count_row_words`` with and without the timing word: 0,
-it shares the status word).
+received words' ``TimingWords``, as ``gather_demand`` reads them), ``observe`` (every rank's timing
+word, W of them), the descriptors from the gathered [W, N] counts (``fast_descriptors``) and
+``decide``; next to it, on the same counts, the descriptors of the statistics and of the anchor rule
+(``stats.demand_stats``, torch); the bytes the selector adds to the count message
+(``exchange.layer.count_row_words`` with and without the timing word: 0, it shares the status word).
 """
 
 from __future__ import annotations
@@ -35,18 +35,31 @@ from typing import Any
 import numpy as np
 import torch
 
-from megatron_railwave.names import Route
-from megatron_railwave.planner import PlanOptions, build_plan
-from megatron_railwave.exchange.layer import TimingWords, count_row_words, pack_status
-from megatron_railwave.selector.online import (OnlineSelector, SharedNeighbourhoods, encode_timing,
-                                               fast_descriptors, learned_anchor_set)
 from megatron_railwave.config import OnlineSettings
+from megatron_railwave.exchange.layer import TimingWords, count_row_words, pack_status
+from megatron_railwave.names import ROUTES, Route
+from megatron_railwave.planner import PlanOptions, build_plan
+from megatron_railwave.selector.online import (
+    OnlineSelector,
+    SharedNeighbourhoods,
+    encode_timing,
+    fast_descriptors,
+    learned_anchor_set,
+)
 from megatron_railwave.topology import RailTopology
 from megatron_railwave.traffic import DemandCounts, SelectorScales
 
-__all__ = ["BaseTimes", "base_times", "base_from_json", "offline_paths", "simulate_online", "learned_file", "PATHS"]
+__all__ = [
+    "BaseTimes",
+    "base_times",
+    "base_from_json",
+    "offline_paths",
+    "simulate_online",
+    "learned_file",
+    "PATHS",
+]
 
-PATHS: tuple[Route, ...] = (Route.NATIVE, Route.RAIL, Route.PERM, Route.JOINT)
+PATHS: tuple[Route, ...] = ROUTES
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -69,9 +82,18 @@ class BaseTimes:
     wall_s: float
 
 
-def base_times(topo: RailTopology, models: list[Any], *, epochs: int, tokens: int, workload_seed: int,
-               layers: tuple[int, ...] | None, record_bytes: int, options: PlanOptions | None = None,
-               progress: bool = False) -> list[BaseTimes]:
+def base_times(
+    topo: RailTopology,
+    models: list[Any],
+    *,
+    epochs: int,
+    tokens: int,
+    workload_seed: int,
+    layers: tuple[int, ...] | None,
+    record_bytes: int,
+    options: PlanOptions | None = None,
+    progress: bool = False,
+) -> list[BaseTimes]:
     """Every path's flow-model time per (routing epoch, layer) under each of ``models`` (one
     ``BaseTimes`` each; the routing is generated once); epoch e is the workload's step e."""
     from megatron_railwave.lab.netmodel import simulate_plan
@@ -87,23 +109,40 @@ def base_times(topo: RailTopology, models: list[Any], *, epochs: int, tokens: in
         numbers = tuple(per_layer)
         rows: list[list[list[float]]] = [[] for _ in models]
         recs, dems = [], []
-        for layer, demand in per_layer.items():
+        for demand in per_layer.values():
             plans = [build_plan(demand, topo, p, options=options) for p in PATHS]
             for k, model in enumerate(models):
-                rows[k].append([simulate_plan(plan, record_bytes=record_bytes, model=model, demand=demand)
-                                for plan in plans])
+                rows[k].append(
+                    [
+                        simulate_plan(plan, record_bytes=record_bytes, model=model, demand=demand)
+                        for plan in plans
+                    ]
+                )
             recs.append(demand.records_WN.numpy().copy())
             dems.append(demand)
         if progress:
-            print(f"  routing epoch {e + 1}/{epochs}: {len(per_layer)} layers x 4 paths x {len(models)} model(s) "
-                  f"simulated ({time.perf_counter() - t0:.0f} s)", flush=True)
+            print(
+                f"  routing epoch {e + 1}/{epochs}: {len(per_layer)} layers x 4 paths x "
+                f"{len(models)} model(s) "
+                f"simulated ({time.perf_counter() - t0:.0f} s)",
+                flush=True,
+            )
         for k in range(len(models)):
             seconds[k].append(rows[k])
         records.append(recs)
         demands.append(dems)
     wall = time.perf_counter() - t0
-    return [BaseTimes(layers=numbers, seconds_XLP=np.asarray(sec, dtype=np.float64), records_XL=records,
-                      demands_XL=demands, record_bytes=record_bytes, wall_s=wall) for sec in seconds]
+    return [
+        BaseTimes(
+            layers=numbers,
+            seconds_XLP=np.asarray(sec, dtype=np.float64),
+            records_XL=records,
+            demands_XL=demands,
+            record_bytes=record_bytes,
+            wall_s=wall,
+        )
+        for sec in seconds
+    ]
 
 
 def offline_paths(base: BaseTimes, topo: RailTopology, selector: Any) -> np.ndarray:
@@ -116,23 +155,46 @@ def offline_paths(base: BaseTimes, topo: RailTopology, selector: Any) -> np.ndar
     out = np.zeros((x, num_layers), dtype=np.int64)
     for e in range(x):
         for li, demand in enumerate(base.demands_XL[e]):
-            gathered = DemandCounts(records_WN=demand.records_WN, delivery_WNKG=demand.class_copies_WNKG())
-            descr = demand_stats(gathered, topo, record_bytes=base.record_bytes) if needs_descriptors(selector) else None
-            out[e, li] = PATHS.index(select_for_layer(selector, descr, gathered, record_bytes=base.record_bytes))
+            gathered = DemandCounts(
+                records_WN=demand.records_WN, delivery_WNKG=demand.class_copies_WNKG()
+            )
+            descr = (
+                demand_stats(gathered, topo, record_bytes=base.record_bytes)
+                if needs_descriptors(selector)
+                else None
+            )
+            out[e, li] = PATHS.index(
+                select_for_layer(selector, descr, gathered, record_bytes=base.record_bytes)
+            )
     return out
 
 
 def base_from_json(data: dict[str, Any], record_bytes: int) -> BaseTimes:
     """A ``BaseTimes`` from an earlier run's JSON ``models[...]['base']`` (no demands: the offline
     selector's paths come from that JSON too)."""
-    return BaseTimes(layers=tuple(data["layers"]), seconds_XLP=np.asarray(data["seconds_XLP"], dtype=np.float64),
-                     records_XL=[[np.asarray(r, dtype=np.int64) for r in row] for row in data["records_XLWN"]],
-                     demands_XL=[], record_bytes=record_bytes, wall_s=0.0)
+    return BaseTimes(
+        layers=tuple(data["layers"]),
+        seconds_XLP=np.asarray(data["seconds_XLP"], dtype=np.float64),
+        records_XL=[[np.asarray(r, dtype=np.int64) for r in row] for row in data["records_XLWN"]],
+        demands_XL=[],
+        record_bytes=record_bytes,
+        wall_s=0.0,
+    )
 
 
-def simulate_online(base: BaseTimes, topo: RailTopology, *, steps: int, routing_every: int, seed: int, noise: float,
-                    settings: OnlineSettings | None = None, offline: Any = None, prior: Any = None,
-                    scales: tuple[float, float, float] | None = None) -> dict[str, Any]:
+def simulate_online(
+    base: BaseTimes,
+    topo: RailTopology,
+    *,
+    steps: int,
+    routing_every: int,
+    seed: int,
+    noise: float,
+    settings: OnlineSettings | None = None,
+    offline: Any = None,
+    prior: Any = None,
+    scales: tuple[float, float, float] | None = None,
+) -> dict[str, Any]:
     """One run of ``steps`` steps (module docstring). Returns the JSON-ready result, plus the
     selectors under ``"_selectors"`` (for the learned anchors file).
 
@@ -143,19 +205,27 @@ def simulate_online(base: BaseTimes, topo: RailTopology, *, steps: int, routing_
     if steps < 1 or routing_every < 1:
         raise ValueError(f"steps ({steps}) and routing_every ({routing_every}) must be >= 1")
     if not (noise >= 0 and math.isfinite(noise)):
-        raise ValueError(f"noise must be a finite number >= 0 (log-normal sigma per call), got {noise}")
+        raise ValueError(
+            f"noise must be a finite number >= 0 (log-normal sigma per call), got {noise}"
+        )
     x, num_layers, _ = base.seconds_XLP.shape
     epoch_S = np.minimum(np.arange(steps) // routing_every, x - 1)
     rng = np.random.default_rng([seed, 0x0511])
-    t_SLP = base.seconds_XLP[epoch_S] * np.exp(noise * rng.standard_normal((steps, num_layers, len(PATHS))))
+    t_SLP = base.seconds_XLP[epoch_S] * np.exp(
+        noise * rng.standard_normal((steps, num_layers, len(PATHS)))
+    )
     scales = scales or SelectorScales().resolve(topo)
     settings = settings or OnlineSettings()
     shared = SharedNeighbourhoods()  # one process's layers, as in the dispatcher
-    selectors = [OnlineSelector(settings, scales=scales, prior=prior, layer=layer, shared=shared)
-                 for layer in base.layers]
+    selectors = [
+        OnlineSelector(settings, scales=scales, prior=prior, layer=layer, shared=shared)
+        for layer in base.layers
+    ]
     chosen_SL = np.zeros((steps, num_layers), dtype=np.int64)
     modes: list[list[str]] = [[] for _ in base.layers]
-    cpu_ns_SL4 = np.zeros((steps, num_layers, 4), dtype=np.int64)  # words, observe, descriptors, decide
+    cpu_ns_SL4 = np.zeros(
+        (steps, num_layers, 4), dtype=np.int64
+    )  # words, observe, descriptors, decide
     wall_ns = 0
     world = topo.world_size
     prev: list[float | None] = [None] * num_layers
@@ -165,12 +235,16 @@ def simulate_online(base: BaseTimes, topo: RailTopology, *, steps: int, routing_
         e = int(epoch_S[s])
         for li, sel in enumerate(selectors):
             t0, cw = time.perf_counter_ns(), time.thread_time_ns()
-            status = [pack_status(0, encode_timing(prev[li], expected=sel.expects_timing()))] * world  # every rank's
+            status = [
+                pack_status(0, encode_timing(prev[li], expected=sel.expects_timing()))
+            ] * world  # every rank's
             words = TimingWords(status, max(status))  # as gather_demand reads them
             c0 = time.thread_time_ns()
             sel.observe(words)
             c1 = time.thread_time_ns()
-            descr = fast_descriptors(base.records_XL[e][li], topo, record_bytes=base.record_bytes, scales=scales)
+            descr = fast_descriptors(
+                base.records_XL[e][li], topo, record_bytes=base.record_bytes, scales=scales
+            )
             c2 = time.thread_time_ns()
             d = sel.decide("train", descr)
             c3 = time.thread_time_ns()
@@ -216,11 +290,15 @@ def simulate_online(base: BaseTimes, topo: RailTopology, *, steps: int, routing_
             "mode_per_step": modes[li],
         }
         if offline_rows is not None:
-            row["offline_s"] = float(np.take_along_axis(t_SLP[:, li], offline_rows[:, li, None], axis=1).sum())
+            row["offline_s"] = float(
+                np.take_along_axis(t_SLP[:, li], offline_rows[:, li, None], axis=1).sum()
+            )
         layers_out.append(row)
     cost = decision_cost(cpu_ns_SL4, wall_ns, base, topo, scales)
     experts = topo.world_size  # any multiple of W: the timing word's share does not depend on it
-    extra_words = (count_row_words(topo, experts, timing=True) - count_row_words(topo, experts, timing=False))
+    extra_words = count_row_words(topo, experts, timing=True) - count_row_words(
+        topo, experts, timing=False
+    )
     summary = {
         "totals_s": totals,
         "ratio_to_oracle": {k: v / oracle for k, v in totals.items()},
@@ -243,23 +321,35 @@ def simulate_online(base: BaseTimes, topo: RailTopology, *, steps: int, routing_
     return {"summary": summary, "layers": layers_out, "_selectors": selectors}
 
 
-def decision_cost(cpu_ns_SL4: np.ndarray, wall_ns: int, base: BaseTimes, topo: RailTopology,
-                  scales: tuple[float, float, float]) -> dict[str, Any]:
+def decision_cost(
+    cpu_ns_SL4: np.ndarray,
+    wall_ns: int,
+    base: BaseTimes,
+    topo: RailTopology,
+    scales: tuple[float, float, float],
+) -> dict[str, Any]:
     """The online selector's host cost per layer call from the per-call thread CPU times of
-    ``simulate_online`` ([S, L, 4]: words, observe, descriptors, decide): mean / p50 / p90 / p99 / max
-    microseconds of each part and of their sum, the mean wall time of the sum, and the reference
+    ``simulate_online`` ([S, L, 4]: words, observe, descriptors, decide): mean / p50 / p90 / p99 /
+    max microseconds of each part and of their sum, the mean wall time of the sum, and the reference
     descriptors (``stats.demand_stats``, torch) timed on the same counts."""
     from megatron_railwave.telemetry.stats import demand_stats
 
     def summary(ns: np.ndarray) -> dict[str, float]:
         us = ns.reshape(-1) / 1e3
         p50, p90, p99 = np.percentile(us, [50, 90, 99])
-        return {"mean": float(us.mean()), "p50": float(p50), "p90": float(p90), "p99": float(p99),
-                "max": float(us.max())}
+        return {
+            "mean": float(us.mean()),
+            "p50": float(p50),
+            "p90": float(p90),
+            "p99": float(p99),
+            "max": float(us.max()),
+        }
 
     records = [r for row in base.records_XL for r in row]
     reps = max(50, len(records))
-    demands = [DemandCounts(records_WN=torch.from_numpy(records[i % len(records)])) for i in range(reps)]
+    demands = [
+        DemandCounts(records_WN=torch.from_numpy(records[i % len(records)])) for i in range(reps)
+    ]
     c0 = time.thread_time_ns()
     for demand in demands:
         demand_stats(demand, topo, record_bytes=base.record_bytes)
@@ -270,24 +360,45 @@ def decision_cost(cpu_ns_SL4: np.ndarray, wall_ns: int, base: BaseTimes, topo: R
         reads.append(time.thread_time_ns() - c0)
     calls = cpu_ns_SL4.shape[0] * cpu_ns_SL4.shape[1]
     return {
-        "cpu_us_per_call": {"words": summary(cpu_ns_SL4[..., 0]), "observe": summary(cpu_ns_SL4[..., 1]),
-                            "descriptors": summary(cpu_ns_SL4[..., 2]), "decide": summary(cpu_ns_SL4[..., 3]),
-                            "total": summary(cpu_ns_SL4.sum(axis=2))},
+        "cpu_us_per_call": {
+            "words": summary(cpu_ns_SL4[..., 0]),
+            "observe": summary(cpu_ns_SL4[..., 1]),
+            "descriptors": summary(cpu_ns_SL4[..., 2]),
+            "decide": summary(cpu_ns_SL4[..., 3]),
+            "total": summary(cpu_ns_SL4.sum(axis=2)),
+        },
         "wall_us_per_call_total_mean": wall_ns / calls / 1e3,
         "reference_descriptors_cpu_us_per_call": reference_us,
         "clock_read_us": float(np.median(reads)) / 1e3,
-        # means of words + observe + decide and of the descriptors (the split the earlier runs reported)
+        # means of words + observe + decide and of the descriptors (the split the earlier runs
+        # reported)
         "decision_cpu_us_per_call": float((cpu_ns_SL4[..., [0, 1, 3]].sum(axis=2)).mean() / 1e3),
         "descriptors_cpu_us_per_call": float(cpu_ns_SL4[..., 2].mean() / 1e3),
-        "note": "thread CPU time of this process on the machine that ran this, per call; each part includes "
-                "about one clock read (clock_read_us), the total about four; max includes Python's garbage "
-                "collector when it runs inside a call; wall is inflated on a loaded machine",
+        "note": "thread CPU time of this process on the machine that ran this, per call; each "
+        "part includes "
+        "about one clock read (clock_read_us), the total about four; max includes Python's garbage "
+        "collector when it runs inside a call; wall is inflated on a loaded machine",
     }
 
 
-def learned_file(result: dict[str, Any], topo: RailTopology, *, hidden_size: int, dtype: str, chunks: int,
-                 requests: dict[str, Any], model: dict[str, Any]) -> Any:
+def learned_file(
+    result: dict[str, Any],
+    topo: RailTopology,
+    *,
+    hidden_size: int,
+    dtype: str,
+    chunks: int,
+    requests: dict[str, Any],
+    model: dict[str, Any],
+) -> Any:
     """The learned anchors of a ``simulate_online`` run (``learned_anchor_set``), with the request
     generator and the flow model recorded so ``railwave validate`` can replay held-out layers."""
-    return learned_anchor_set(result["_selectors"], topo, hidden_size=hidden_size, dtype=dtype, chunks=chunks,
-                              backend="netmodel", settings={"requests": requests, "model": model})
+    return learned_anchor_set(
+        result["_selectors"],
+        topo,
+        hidden_size=hidden_size,
+        dtype=dtype,
+        chunks=chunks,
+        backend="netmodel",
+        settings={"requests": requests, "model": model},
+    )

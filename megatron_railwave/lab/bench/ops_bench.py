@@ -19,8 +19,9 @@ built from the gathered counts, and rank 0's inputs are:
 
 Timing: warm-up calls, then the median of ``repeats`` calls (CUDA: events around each call; CPU:
 wall clock, one thread); the op, its reference and the copy are called in turn, so that on a
-shared machine all three see the same background load. Bandwidth = bytes read + written by the op / time; the copy baseline
-copies a buffer of the op's read bytes (CUDA: into a preallocated buffer, ``copy_``; CPU:
+shared machine all three see the same background load. Bandwidth = bytes read + written by the op /
+time; the copy baseline copies a buffer of the op's read bytes (CUDA: into a preallocated buffer,
+``copy_``; CPU:
 ``clone``, which allocates like the ops do) and its bandwidth counts read + write too.
 """
 
@@ -47,7 +48,12 @@ SCHEMA = "railwave.ops_bench/1"
 
 CPU_SPEEDUP_GOAL = 3.0
 """CPU goal: each compiled op at least this many times faster than its reference (one thread)."""
-CUDA_COPY_FRACTION_GOALS = {"pack_rows": 0.8, "unpack_rows": 0.8, "unpack_rows_scatter": 0.8, "segment_sum": 0.6}
+CUDA_COPY_FRACTION_GOALS = {
+    "pack_rows": 0.8,
+    "unpack_rows": 0.8,
+    "unpack_rows_scatter": 0.8,
+    "segment_sum": 0.6,
+}
 """CUDA goals: bandwidth of the op as a fraction of the measured device-to-device copy."""
 CUDA_RECORDS_ASSIGN_US_GOAL = 50.0
 """CUDA goal: records_from_routing + assign_egress per layer, microseconds."""
@@ -77,7 +83,15 @@ class OpsBenchSpec:
     """Routing and data seed."""
 
     def __post_init__(self) -> None:
-        for name in ("num_tokens", "hidden", "num_experts", "topk", "num_nodes", "gpus_per_node", "repeats"):
+        for name in (
+            "num_tokens",
+            "hidden",
+            "num_experts",
+            "topk",
+            "num_nodes",
+            "gpus_per_node",
+            "repeats",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"ops-bench: {name} must be >= 1, got {getattr(self, name)}")
         if self.warmup < 0:
@@ -85,7 +99,8 @@ class OpsBenchSpec:
         if self.num_experts % (self.num_nodes * self.gpus_per_node):
             raise ValueError(
                 f"ops-bench: E={self.num_experts} experts do not split over {self.num_nodes} x "
-                f"{self.gpus_per_node} GPUs; pass --experts as a multiple of {self.num_nodes * self.gpus_per_node}"
+                f"{self.gpus_per_node} GPUs; pass --experts as a multiple of "
+                f"{self.num_nodes * self.gpus_per_node}"
             )
         if self.topk > self.num_experts:
             raise ValueError(f"ops-bench: topk={self.topk} exceeds E={self.num_experts}")
@@ -110,8 +125,14 @@ def _routing_maps(spec: OpsBenchSpec, gen: torch.Generator) -> list[torch.Tensor
     world = spec.num_nodes * spec.gpus_per_node
     maps = []
     for _ in range(world):
-        ids = torch.rand(spec.num_tokens, spec.num_experts, generator=gen).topk(spec.topk, dim=1).indices
-        maps.append(torch.zeros(spec.num_tokens, spec.num_experts, dtype=torch.bool).scatter_(1, ids, True))
+        ids = (
+            torch.rand(spec.num_tokens, spec.num_experts, generator=gen)
+            .topk(spec.topk, dim=1)
+            .indices
+        )
+        maps.append(
+            torch.zeros(spec.num_tokens, spec.num_experts, dtype=torch.bool).scatter_(1, ids, True)
+        )
     return maps
 
 
@@ -122,11 +143,18 @@ def _cases(spec: OpsBenchSpec, device: torch.device) -> tuple[list[_Case], dict[
     plan = build_plan(DemandCounts.from_routing_maps(maps, topo), topo, "joint")
     n_nodes, g = spec.num_nodes, spec.gpus_per_node
     routing = maps[0].to(device)
-    token_C, node_C, mask_C, counts_NM = (t.to(device) for t in reference.records_from_routing(maps[0], n_nodes, g))
+    token_C, node_C, mask_C, counts_NM = (
+        t.to(device) for t in reference.records_from_routing(maps[0], n_nodes, g)
+    )
     keep, s_lo, _, _, d_hi = surplus_deficit_bounds(plan.records_NNG[0], plan.quota_NNG[0])
-    egress_args = dict(owner_gpu=0, counts_N=plan.records_NNG[0, :, 0].to(device), keep_N=keep[:, 0].to(device),
-                       surplus_lo_N=s_lo[:, 0].to(device), deficit_hi_NG=d_hi.to(device),
-                       wave_N=plan.pair_wave_NN[0].to(device))
+    egress_args = dict(
+        owner_gpu=0,
+        counts_N=plan.records_NNG[0, :, 0].to(device),
+        keep_N=keep[:, 0].to(device),
+        surplus_lo_N=s_lo[:, 0].to(device),
+        deficit_hi_NG=d_hi.to(device),
+        wave_N=plan.pair_wave_NN[0].to(device),
+    )
     egress_C, _ = reference.assign_egress(node_C, **egress_args)
     rail_of_gpu = torch.tensor(topo.rail_of_gpu, device=device)
     num_records = int(counts_NM.sum())  # host sync: setup only
@@ -147,38 +175,78 @@ def _cases(spec: OpsBenchSpec, device: torch.device) -> tuple[list[_Case], dict[
     num_copies = int(segment_R.numel())
     copies = torch.randn(num_copies, spec.hidden, generator=gen).to(torch.bfloat16).to(device)
     segment_R = segment_R.to(device)
-    longest = int(torch.bincount(segment_R.cpu()).max()) if num_copies else 0  # the reference's bound off CPU
+    longest = (
+        int(torch.bincount(segment_R.cpu()).max()) if num_copies else 0
+    )  # the reference's bound off CPU
 
     c, e, t = n_nodes * spec.num_tokens, spec.num_experts, spec.num_tokens
     m, h, i64 = 1 << g, spec.hidden, 8
     cases = [
-        _Case(name="records_from_routing", run=lambda: ops.records_from_routing(routing, n_nodes, g),
-              run_reference=lambda: reference.records_from_routing(routing, n_nodes, g),
-              bytes_read=t * e, bytes_written=3 * c * i64 + n_nodes * m * i64),
-        _Case(name="assign_egress", run=lambda: ops.assign_egress(node_C, **egress_args),
-              run_reference=lambda: reference.assign_egress(node_C, **egress_args),
-              bytes_read=c * i64, bytes_written=2 * c * i64),
-        _Case(name="records_per_node_rail",
-              run=lambda: ops.records_per_node_rail(node_C, egress_C, rail_of_gpu, n_nodes, topo.num_rails),
-              run_reference=lambda: reference.records_per_node_rail(node_C, egress_C, rail_of_gpu, n_nodes,
-                                                                    topo.num_rails),
-              bytes_read=2 * c * i64, bytes_written=n_nodes * topo.num_rails * i64),
-        _Case(name="pack_rows", run=lambda: ops.pack_rows(tensors, index),
-              run_reference=lambda: reference.pack_rows(tensors, index),
-              bytes_read=num_records * row_bytes, bytes_written=num_records * row_bytes),
-        _Case(name="unpack_rows", run=lambda: ops.unpack_rows(packed, specs),
-              run_reference=lambda: reference.unpack_rows(packed, specs),
-              bytes_read=num_records * row_bytes, bytes_written=num_records * row_bytes),
-        _Case(name="unpack_rows_scatter",
-              run=lambda: ops.unpack_rows(packed, specs, row_index=scatter, num_rows=num_records),
-              run_reference=lambda: reference.unpack_rows(packed, specs, row_index=scatter, num_rows=num_records),
-              bytes_read=num_records * row_bytes, bytes_written=num_records * row_bytes),
-        _Case(name="segment_sum", run=lambda: ops.segment_sum(copies, segment_R, num_records),
-              run_reference=lambda: reference.segment_sum(copies, segment_R, num_records, max_segment_len=longest),
-              bytes_read=num_copies * (h * 2 + i64), bytes_written=num_records * h * 2),
+        _Case(
+            name="records_from_routing",
+            run=lambda: ops.records_from_routing(routing, n_nodes, g),
+            run_reference=lambda: reference.records_from_routing(routing, n_nodes, g),
+            bytes_read=t * e,
+            bytes_written=3 * c * i64 + n_nodes * m * i64,
+        ),
+        _Case(
+            name="assign_egress",
+            run=lambda: ops.assign_egress(node_C, **egress_args),
+            run_reference=lambda: reference.assign_egress(node_C, **egress_args),
+            bytes_read=c * i64,
+            bytes_written=2 * c * i64,
+        ),
+        _Case(
+            name="records_per_node_rail",
+            run=lambda: ops.records_per_node_rail(
+                node_C, egress_C, rail_of_gpu, n_nodes, topo.num_rails
+            ),
+            run_reference=lambda: reference.records_per_node_rail(
+                node_C, egress_C, rail_of_gpu, n_nodes, topo.num_rails
+            ),
+            bytes_read=2 * c * i64,
+            bytes_written=n_nodes * topo.num_rails * i64,
+        ),
+        _Case(
+            name="pack_rows",
+            run=lambda: ops.pack_rows(tensors, index),
+            run_reference=lambda: reference.pack_rows(tensors, index),
+            bytes_read=num_records * row_bytes,
+            bytes_written=num_records * row_bytes,
+        ),
+        _Case(
+            name="unpack_rows",
+            run=lambda: ops.unpack_rows(packed, specs),
+            run_reference=lambda: reference.unpack_rows(packed, specs),
+            bytes_read=num_records * row_bytes,
+            bytes_written=num_records * row_bytes,
+        ),
+        _Case(
+            name="unpack_rows_scatter",
+            run=lambda: ops.unpack_rows(packed, specs, row_index=scatter, num_rows=num_records),
+            run_reference=lambda: reference.unpack_rows(
+                packed, specs, row_index=scatter, num_rows=num_records
+            ),
+            bytes_read=num_records * row_bytes,
+            bytes_written=num_records * row_bytes,
+        ),
+        _Case(
+            name="segment_sum",
+            run=lambda: ops.segment_sum(copies, segment_R, num_records),
+            run_reference=lambda: reference.segment_sum(
+                copies, segment_R, num_records, max_segment_len=longest
+            ),
+            bytes_read=num_copies * (h * 2 + i64),
+            bytes_written=num_records * h * 2,
+        ),
     ]
-    sizes = dict(records=num_records, capacity=c, copies=num_copies, row_bytes=row_bytes,
-                 longest_segment=longest)
+    sizes = dict(
+        records=num_records,
+        capacity=c,
+        copies=num_copies,
+        row_bytes=row_bytes,
+        longest_segment=longest,
+    )
     return cases, sizes
 
 
@@ -200,8 +268,9 @@ def _call_seconds(fn: Callable[[], Any], device: torch.device) -> float:
     return time.perf_counter() - begin
 
 
-def _median_seconds(fns: list[Callable[[], Any]], device: torch.device, *, warmup: int,
-                    repeats: int) -> list[float]:
+def _median_seconds(
+    fns: list[Callable[[], Any]], device: torch.device, *, warmup: int, repeats: int
+) -> list[float]:
     """Median time of each function. Calls are interleaved (f0, f1, ..., f0, f1, ...) so that all
     of them see the same background load on a shared machine."""
     for _ in range(warmup):
@@ -216,7 +285,8 @@ def _median_seconds(fns: list[Callable[[], Any]], device: torch.device, *, warmu
 
 
 def _copy_fn(num_bytes: int, device: torch.device) -> Callable[[], Any]:
-    """A plain copy of ``num_bytes``: CUDA copy_ into a preallocated buffer; CPU clone (allocates)."""
+    """A plain copy of ``num_bytes``: CUDA copy_ into a preallocated buffer; CPU clone
+    (allocates)."""
     src = torch.empty(max(num_bytes, 1), dtype=torch.uint8, device=device).fill_(1)
     if device.type == "cuda":
         dst = torch.empty_like(src)
@@ -226,11 +296,16 @@ def _copy_fn(num_bytes: int, device: torch.device) -> Callable[[], Any]:
 
 def _goal(device: torch.device, name: str, row: dict[str, Any]) -> dict[str, Any] | None:
     if device.type == "cpu":
-        return {"what": f"speedup vs reference >= {CPU_SPEEDUP_GOAL:g}",
-                "met": row["speedup_vs_reference"] >= CPU_SPEEDUP_GOAL}
+        return {
+            "what": f"speedup vs reference >= {CPU_SPEEDUP_GOAL:g}",
+            "met": row["speedup_vs_reference"] >= CPU_SPEEDUP_GOAL,
+        }
     if name in CUDA_COPY_FRACTION_GOALS:
         goal = CUDA_COPY_FRACTION_GOALS[name]
-        return {"what": f"bandwidth >= {goal:g} of the copy", "met": row["fraction_of_copy"] >= goal}
+        return {
+            "what": f"bandwidth >= {goal:g} of the copy",
+            "met": row["fraction_of_copy"] >= goal,
+        }
     return None
 
 
@@ -251,8 +326,12 @@ def run_ops_bench(spec: OpsBenchSpec, device: torch.device | str) -> dict[str, A
         cases, sizes = _cases(spec, device)
         rows = []
         for case in cases:
-            op_s, ref_s, copy_s = _median_seconds([case.run, case.run_reference, _copy_fn(case.bytes_read, device)],
-                                                  device, warmup=spec.warmup, repeats=spec.repeats)
+            op_s, ref_s, copy_s = _median_seconds(
+                [case.run, case.run_reference, _copy_fn(case.bytes_read, device)],
+                device,
+                warmup=spec.warmup,
+                repeats=spec.repeats,
+            )
             moved = case.bytes_read + case.bytes_written
             row = {
                 "op": case.name,
@@ -270,7 +349,9 @@ def run_ops_bench(spec: OpsBenchSpec, device: torch.device | str) -> dict[str, A
     finally:
         torch.set_num_threads(threads)
     by_name = {r["op"]: r for r in rows}
-    records_assign_us = (by_name["records_from_routing"]["ms"] + by_name["assign_egress"]["ms"]) * 1e3
+    records_assign_us = (
+        by_name["records_from_routing"]["ms"] + by_name["assign_egress"]["ms"]
+    ) * 1e3
     result = {
         "schema": SCHEMA,
         "device": str(device),
@@ -285,6 +366,8 @@ def run_ops_bench(spec: OpsBenchSpec, device: torch.device | str) -> dict[str, A
         "records_plus_assign_us": records_assign_us,
     }
     if device.type == "cuda":
-        result["records_plus_assign_goal"] = {"what": f"<= {CUDA_RECORDS_ASSIGN_US_GOAL:g} us",
-                                              "met": records_assign_us <= CUDA_RECORDS_ASSIGN_US_GOAL}
+        result["records_plus_assign_goal"] = {
+            "what": f"<= {CUDA_RECORDS_ASSIGN_US_GOAL:g} us",
+            "met": records_assign_us <= CUDA_RECORDS_ASSIGN_US_GOAL,
+        }
     return result

@@ -66,7 +66,9 @@ class RankTiming:
 
 def node_view(demand: DemandCounts, node: int) -> DemandCounts:
     """What a rank of ``node`` gathers: every rank's per-node totals and the masks into ``node``."""
-    return DemandCounts(records_WN=demand.records_WN, view_node=node, view_masks_WM=demand.masks_into(node))
+    return DemandCounts(
+        records_WN=demand.records_WN, view_node=node, view_masks_WM=demand.masks_into(node)
+    )
 
 
 def time_rank_planning(
@@ -97,22 +99,34 @@ def time_rank_planning(
     node = topo.node_of(rank)
     records_NGN = demand.records_NGN()
     num_records = int(records_NGN[node, topo.local_of(rank)].sum())
-    wire = RecordWireFormat(hidden=hidden, payload_dtype=dtype, probs_dtype=torch.float32,
-                            experts_per_node=routing_TE.shape[1] // topo.num_nodes)
+    wire = RecordWireFormat(
+        hidden=hidden,
+        payload_dtype=dtype,
+        probs_dtype=torch.float32,
+        experts_per_node=routing_TE.shape[1] // topo.num_nodes,
+    )
     samples: list[list[float]] = []
     cpu: list[float] = []
     plan = None
     for i in range(warmup + repeats):
         c0 = time.thread_time()
         t = [time.perf_counter()]
-        token_C, node_C, mask_C, _ = ops.records_from_routing(routing_TE, topo.num_nodes, topo.gpus_per_node)
+        token_C, node_C, mask_C, _ = ops.records_from_routing(
+            routing_TE, topo.num_nodes, topo.gpus_per_node
+        )
         t.append(time.perf_counter())
         plan = build_plan(records_NGN, topo, path, options=options, phase=phase)
         t.append(time.perf_counter())
         compiled = compile_for_rank(plan, wire, demand=demand, node=node, rank=rank)
         t.append(time.perf_counter())
-        build_layout(plan, compiled.view, token_R=token_C[:num_records], node_R=node_C[:num_records],
-                     mask_R=mask_C[:num_records], counts=compiled.layout_counts)
+        build_layout(
+            plan,
+            compiled.view,
+            token_R=token_C[:num_records],
+            node_R=node_C[:num_records],
+            mask_R=mask_C[:num_records],
+            counts=compiled.layout_counts,
+        )
         t.append(time.perf_counter())
         c1 = time.thread_time()
         if i >= warmup:
@@ -121,6 +135,13 @@ def time_rank_planning(
     assert plan is not None and samples
     med = [statistics.median(s[k] for s in samples) * 1e3 for k in range(len(_STEPS))]
     totals = [sum(s) for s in samples]
-    return plan, RankTiming(records_ms=med[0], build_plan_ms=med[1], schedule_ms=med[2], layout_ms=med[3],
-                            total_ms=statistics.median(totals) * 1e3, cpu_ms=statistics.median(cpu) * 1e3,
-                            min_ms=min(totals) * 1e3, repeats=repeats)
+    return plan, RankTiming(
+        records_ms=med[0],
+        build_plan_ms=med[1],
+        schedule_ms=med[2],
+        layout_ms=med[3],
+        total_ms=statistics.median(totals) * 1e3,
+        cpu_ms=statistics.median(cpu) * 1e3,
+        min_ms=min(totals) * 1e3,
+        repeats=repeats,
+    )

@@ -57,15 +57,32 @@ def _config(spec: BenchSpec, world: int, dispatcher: str, *, shared_ffn: int | N
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     cfg = TransformerConfig(
-        num_layers=1, hidden_size=spec.hidden, num_attention_heads=1, ffn_hidden_size=spec.hidden,
-        num_moe_experts=spec.experts, moe_router_topk=spec.topk, moe_token_dispatcher_type=ALLTOALL,
-        expert_model_parallel_size=world, tensor_model_parallel_size=1, use_cpu_initialization=True,
-        params_dtype=spec.torch_dtype(), moe_permute_fusion=False, moe_grouped_gemm=False,
-        bias_activation_fusion=False, gradient_accumulation_fusion=False, add_bias_linear=False,
-        gated_linear_unit=True, activation_func=torch.nn.functional.silu,
-        moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
-        moe_shared_expert_intermediate_size=shared_ffn, moe_shared_expert_overlap=shared_ffn is not None)
-    cfg.moe_token_dispatcher_type = dispatcher  # after Megatron's checks, which ran as for 'alltoall'
+        num_layers=1,
+        hidden_size=spec.hidden,
+        num_attention_heads=1,
+        ffn_hidden_size=spec.hidden,
+        num_moe_experts=spec.experts,
+        moe_router_topk=spec.topk,
+        moe_token_dispatcher_type=ALLTOALL,
+        expert_model_parallel_size=world,
+        tensor_model_parallel_size=1,
+        use_cpu_initialization=True,
+        params_dtype=spec.torch_dtype(),
+        moe_permute_fusion=False,
+        moe_grouped_gemm=False,
+        bias_activation_fusion=False,
+        gradient_accumulation_fusion=False,
+        add_bias_linear=False,
+        gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu,
+        moe_router_load_balancing_type="none",
+        moe_aux_loss_coeff=0.0,
+        moe_shared_expert_intermediate_size=shared_ffn,
+        moe_shared_expert_overlap=shared_ffn is not None,
+    )
+    cfg.moe_token_dispatcher_type = (
+        dispatcher  # after Megatron's checks, which ran as for 'alltoall'
+    )
     return cfg
 
 
@@ -78,15 +95,29 @@ def _dispatcher(spec: BenchSpec, world: int, name: str, pgs: Any, *, shared_ffn:
     e_loc, rank = spec.experts // world, dist.get_rank()
     local = list(range(rank * e_loc, (rank + 1) * e_loc))
     if name == ALLTOALL:
-        return MoEAlltoAllTokenDispatcher(e_loc, local, config=_config(spec, world, ALLTOALL, shared_ffn=shared_ffn),
-                                          pg_collection=pgs)
+        return MoEAlltoAllTokenDispatcher(
+            e_loc,
+            local,
+            config=_config(spec, world, ALLTOALL, shared_ffn=shared_ffn),
+            pg_collection=pgs,
+        )
     cfg = _config(spec, world, "railwave", shared_ffn=shared_ffn)
-    return RailWaveTokenDispatcher(e_loc, local, cfg, pgs,
-                                   railwave=RailWaveConfig(gpus_per_node=spec.gpus_per_node, path=name,
-                                                           failed_rails=[list(f) for f in spec.failed_rails]))
+    return RailWaveTokenDispatcher(
+        e_loc,
+        local,
+        cfg,
+        pgs,
+        railwave=RailWaveConfig(
+            gpus_per_node=spec.gpus_per_node,
+            path=name,
+            failed_rails=[list(f) for f in spec.failed_rails],
+        ),
+    )
 
 
-def _hooks(dispatcher: Any, hidden_SBH: torch.Tensor, probs: torch.Tensor, routing: torch.Tensor) -> torch.Tensor:
+def _hooks(
+    dispatcher: Any, hidden_SBH: torch.Tensor, probs: torch.Tensor, routing: torch.Tensor
+) -> torch.Tensor:
     x, p = dispatcher.dispatch_preprocess(hidden_SBH, routing, probs)
     x, p = dispatcher.token_dispatch(x, p)
     x, _, p = dispatcher.dispatch_postprocess(x, p)
@@ -94,8 +125,9 @@ def _hooks(dispatcher: Any, hidden_SBH: torch.Tensor, probs: torch.Tensor, routi
     return dispatcher.combine_postprocess(dispatcher.token_combine(y))
 
 
-def shared_overlap_worker(rank: int, world: int, spec: SharedOverlapSpec, routing_maps: list[np.ndarray]
-                          ) -> dict[str, Any]:
+def shared_overlap_worker(
+    rank: int, world: int, spec: SharedOverlapSpec, routing_maps: list[np.ndarray]
+) -> dict[str, Any]:
     """One rank: returns ``times_ms`` {slot: [samples]} (slots '<variant>/exchange',
     '<variant>/overlapped', 'shared'), ``max_abs_err`` {variant: float} and ``order``."""
     warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
@@ -108,19 +140,28 @@ def shared_overlap_worker(rank: int, world: int, spec: SharedOverlapSpec, routin
     from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
 
     bench = spec.bench
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, expert_model_parallel_size=world)
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=1, expert_model_parallel_size=world
+    )
     try:
         pgs = ProcessGroupCollection.use_mpu_process_groups()
         torch.manual_seed(bench.seed)
-        shared = SharedExpertMLP(_config(bench, world, ALLTOALL, shared_ffn=spec.shared_ffn),
-                                 MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
-                                 gate=False, pg_collection=pgs)
+        shared = SharedExpertMLP(
+            _config(bench, world, ALLTOALL, shared_ffn=spec.shared_ffn),
+            MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
+            gate=False,
+            pg_collection=pgs,
+        )
         variants = list(bench.paths) + ([ALLTOALL] if bench.alltoall else [])
         plain = {v: _dispatcher(bench, world, v, pgs, shared_ffn=None) for v in variants}
-        overlapped = {v: _dispatcher(bench, world, v, pgs, shared_ffn=spec.shared_ffn) for v in variants}
+        overlapped = {
+            v: _dispatcher(bench, world, v, pgs, shared_ffn=spec.shared_ffn) for v in variants
+        }
         for d in overlapped.values():
             d.set_shared_experts(shared)
-        hidden, probs, routing, _ = make_rank_inputs(bench, rank, [torch.from_numpy(m) for m in routing_maps])
+        hidden, probs, routing, _ = make_rank_inputs(
+            bench, rank, [torch.from_numpy(m) for m in routing_maps]
+        )
         hidden_SBH = hidden.unsqueeze(1)
 
         slots: dict[str, Any] = {"shared": lambda: shared(hidden_SBH)}
@@ -136,7 +177,9 @@ def shared_overlap_worker(rank: int, world: int, spec: SharedOverlapSpec, routin
                 outs[name] = slots[name]().detach()
             for v in variants:
                 want = outs[f"{v}/exchange"] + outs["shared"]
-                errors[v] = float((outs[f"{v}/overlapped"] - want).abs().max()) if want.numel() else 0.0
+                errors[v] = (
+                    float((outs[f"{v}/overlapped"] - want).abs().max()) if want.numel() else 0.0
+                )
         times: dict[str, list[float]] = {n: [] for n in names}
         for i in range(bench.samples):
             for k in range(len(names)):
@@ -151,8 +194,9 @@ def shared_overlap_worker(rank: int, world: int, spec: SharedOverlapSpec, routin
     return {"times_ms": times, "max_abs_err": errors, "order": names, "variants": variants}
 
 
-def run_shared_overlap(spec: SharedOverlapSpec, *, timeout_s: float = 900.0,
-                       alltoall_skipped: str | None = None) -> dict[str, Any]:
+def run_shared_overlap(
+    spec: SharedOverlapSpec, *, timeout_s: float = 900.0, alltoall_skipped: str | None = None
+) -> dict[str, Any]:
     """Run the ranks and reduce (see the module docstring). Returns the JSON-ready result:
     ``schema``, ``config``, ``shared_ms``, ``variants`` {name: exchange_ms, overlapped_ms,
     hidden_ms, hidden_share, max_abs_err}, ``alltoall_skipped``."""
@@ -163,9 +207,12 @@ def run_shared_overlap(spec: SharedOverlapSpec, *, timeout_s: float = 900.0,
         raise ValueError(f"--experts {bench.experts} must be a multiple of the world size {world}")
     if spec.shared_ffn < 1:
         raise ValueError(f"--shared-ffn must be >= 1, got {spec.shared_ffn}")
-    maps = synthetic_routing_maps(topo, num_tokens=bench.tokens, num_experts=bench.experts, topk=bench.topk,
-                                  seed=bench.seed)
-    ranks = run_gloo_processes(shared_overlap_worker, world, spec, [m.numpy() for m in maps], timeout_s=timeout_s)
+    maps = synthetic_routing_maps(
+        topo, num_tokens=bench.tokens, num_experts=bench.experts, topk=bench.topk, seed=bench.seed
+    )
+    ranks = run_gloo_processes(
+        shared_overlap_worker, world, spec, [m.numpy() for m in maps], timeout_s=timeout_s
+    )
 
     def median(slot: str) -> float:  # per sample the slowest rank, then the median over samples
         return float(np.median(np.max([r["times_ms"][slot] for r in ranks], axis=0)))
@@ -175,9 +222,20 @@ def run_shared_overlap(spec: SharedOverlapSpec, *, timeout_s: float = 900.0,
     for v in ranks[0]["variants"]:
         ex, ov = median(f"{v}/exchange"), median(f"{v}/overlapped")
         hidden_ms = ex + shared_ms - ov
-        variants[v] = {"exchange_ms": ex, "overlapped_ms": ov, "hidden_ms": hidden_ms,
-                       "hidden_share": hidden_ms / shared_ms if shared_ms > 0 else None,
-                       "max_abs_err": max(r["max_abs_err"][v] for r in ranks)}
-    return {"schema": SHARED_SCHEMA, "config": spec.to_dict(), "world_size": world, "shared_ms": shared_ms,
-            "variants": variants, "alltoall_skipped": alltoall_skipped if not bench.alltoall else None,
-            "measured": "CPU gloo over loopback on this machine; forward only; medians of the slowest rank"}
+        variants[v] = {
+            "exchange_ms": ex,
+            "overlapped_ms": ov,
+            "hidden_ms": hidden_ms,
+            "hidden_share": hidden_ms / shared_ms if shared_ms > 0 else None,
+            "max_abs_err": max(r["max_abs_err"][v] for r in ranks),
+        }
+    return {
+        "schema": SHARED_SCHEMA,
+        "config": spec.to_dict(),
+        "world_size": world,
+        "shared_ms": shared_ms,
+        "variants": variants,
+        "alltoall_skipped": alltoall_skipped if not bench.alltoall else None,
+        "measured": "CPU gloo over loopback on this machine; forward only; medians of the slowest "
+        "rank",
+    }

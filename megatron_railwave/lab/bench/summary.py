@@ -27,14 +27,19 @@ from typing import Any
 import numpy as np
 import torch
 
-from megatron_railwave.ops import compiled_for, load_error
-from megatron_railwave.planner import PlanOptions, build_plan
-from megatron_railwave.lab.workloads import synthetic_routing_maps
-from megatron_railwave.schedule import RecordWireFormat, compile_schedule
-from megatron_railwave.traffic import DemandCounts
 from megatron_railwave.lab.bench.exchange_bench import ALLTOALL, BenchSpec, bench_worker
 from megatron_railwave.lab.bench.launch import run_gloo_processes
-from megatron_railwave.lab.bench.wire_bytes import alltoall_bytes, alltoall_entry_bytes, railwave_bytes, railwave_record_bytes
+from megatron_railwave.lab.bench.wire_bytes import (
+    alltoall_bytes,
+    alltoall_entry_bytes,
+    railwave_bytes,
+    railwave_record_bytes,
+)
+from megatron_railwave.lab.workloads import synthetic_routing_maps
+from megatron_railwave.ops import compiled_for, load_error
+from megatron_railwave.planner import PlanOptions, build_plan
+from megatron_railwave.schedule import RecordWireFormat, compile_schedule
+from megatron_railwave.traffic import DemandCounts
 
 __all__ = ["SCHEMA", "run_bench_exchange", "wire_bytes_of", "NATIVE_GOALS", "native_goal"]
 
@@ -53,27 +58,44 @@ def wire_bytes_of(spec: BenchSpec, routing_maps: list[torch.Tensor]) -> dict[str
     """Per-path and alltoall bytes of one forward dispatch + combine (no communication)."""
     topo = spec.topology()
     elem = torch.empty((), dtype=spec.torch_dtype()).element_size()
-    wire = RecordWireFormat(hidden=spec.hidden, payload_dtype=spec.torch_dtype(), probs_dtype=torch.float32,
-                            experts_per_node=spec.experts // topo.num_nodes)
+    wire = RecordWireFormat(
+        hidden=spec.hidden,
+        payload_dtype=spec.torch_dtype(),
+        probs_dtype=torch.float32,
+        experts_per_node=spec.experts // topo.num_nodes,
+    )
     rw_rec = railwave_record_bytes(wire)
     a2a_rec = alltoall_entry_bytes(hidden=spec.hidden, elem_bytes=elem)
     demand = DemandCounts.from_routing_maps(routing_maps, topo)
-    per_path = {p: railwave_bytes(compile_schedule(build_plan(demand, topo, p, options=PlanOptions()), wire,
-                                                   demand=demand))
-                for p in spec.paths}
-    return {"record_bytes": {"railwave": rw_rec, "alltoall": a2a_rec}, "railwave": per_path,
-            "alltoall": alltoall_bytes(routing_maps, topo, a2a_rec)}
+    per_path = {
+        p: railwave_bytes(
+            compile_schedule(
+                build_plan(demand, topo, p, options=PlanOptions()), wire, demand=demand
+            )
+        )
+        for p in spec.paths
+    }
+    return {
+        "record_bytes": {"railwave": rw_rec, "alltoall": a2a_rec},
+        "railwave": per_path,
+        "alltoall": alltoall_bytes(routing_maps, topo, a2a_rec),
+    }
 
 
 def _reduce_times(per_rank: list[list[float]]) -> dict[str, Any]:
     slowest_S = np.asarray(per_rank, dtype=np.float64).max(axis=0)  # [W, S] -> [S]
-    return {"median_ms": float(np.median(slowest_S)), "p95_ms": float(np.percentile(slowest_S, 95)),
-            "mean_ms": float(slowest_S.mean()), "min_ms": float(slowest_S.min()),
-            "samples_ms": [round(float(v), 4) for v in slowest_S]}
+    return {
+        "median_ms": float(np.median(slowest_S)),
+        "p95_ms": float(np.percentile(slowest_S, 95)),
+        "mean_ms": float(slowest_S.mean()),
+        "min_ms": float(slowest_S.min()),
+        "samples_ms": [round(float(v), 4) for v in slowest_S],
+    }
 
 
-def run_bench_exchange(spec: BenchSpec, *, timeout_s: float = 900.0,
-                       alltoall_skipped: str | None = None) -> dict[str, Any]:
+def run_bench_exchange(
+    spec: BenchSpec, *, timeout_s: float = 900.0, alltoall_skipped: str | None = None
+) -> dict[str, Any]:
     """Run the benchmark and return the result dict (see the module docstring).
 
     Args:
@@ -84,24 +106,33 @@ def run_bench_exchange(spec: BenchSpec, *, timeout_s: float = 900.0,
     topo = spec.topology()
     world = topo.world_size
     if spec.experts % world:
-        raise ValueError(f"--experts {spec.experts} must be a multiple of the world size {world} "
-                         f"({topo.num_nodes} nodes x {topo.gpus_per_node} GPUs)")
+        raise ValueError(
+            f"--experts {spec.experts} must be a multiple of the world size {world} "
+            f"({topo.num_nodes} nodes x {topo.gpus_per_node} GPUs)"
+        )
     if not 1 <= spec.topk <= spec.experts:
         raise ValueError(f"--topk {spec.topk} must be in 1..{spec.experts}")
     if spec.samples < 1 or spec.warmups < 0:
-        raise ValueError(f"need --samples >= 1 and --warmups >= 0, got {spec.samples}, {spec.warmups}")
-    maps = synthetic_routing_maps(topo, num_tokens=spec.tokens, num_experts=spec.experts, topk=spec.topk,
-                                  seed=spec.seed)
+        raise ValueError(
+            f"need --samples >= 1 and --warmups >= 0, got {spec.samples}, {spec.warmups}"
+        )
+    maps = synthetic_routing_maps(
+        topo, num_tokens=spec.tokens, num_experts=spec.experts, topk=spec.topk, seed=spec.seed
+    )
     wire = wire_bytes_of(spec, maps)
-    ranks = run_gloo_processes(bench_worker, world, spec, [m.numpy() for m in maps], timeout_s=timeout_s)
+    ranks = run_gloo_processes(
+        bench_worker, world, spec, [m.numpy() for m in maps], timeout_s=timeout_s
+    )
 
     names = ranks[0]["order"]
     variants: dict[str, Any] = {}
     for name in names:
         entry = _reduce_times([r["times_ms"][name] for r in ranks])
         phase_names = ranks[0]["phases_ms"][name].keys()
-        entry["phases_ms"] = {ph: float(np.median(np.max([r["phases_ms"][name][ph] for r in ranks], axis=0)))
-                              for ph in phase_names}
+        entry["phases_ms"] = {
+            ph: float(np.median(np.max([r["phases_ms"][name][ph] for r in ranks], axis=0)))
+            for ph in phase_names
+        }
         entry["max_abs_err"] = max(r["max_abs_err"].get(name, 0.0) for r in ranks)
         variants[name] = entry
     base = variants.get(ALLTOALL)
@@ -118,12 +149,19 @@ def run_bench_exchange(spec: BenchSpec, *, timeout_s: float = 900.0,
     summary = {
         "native_over_alltoall": native["over_alltoall"] if native and base else None,
         "native_goal": goal,
-        "native_within_goal": (native["over_alltoall"] <= goal) if native and base and goal else None,
+        "native_within_goal": (native["over_alltoall"] <= goal)
+        if native and base and goal
+        else None,
         "best_path": min(rw_paths, key=lambda p: variants[p]["median_ms"]) if rw_paths else None,
-        "inter_node_records_ratio": _ratio(a2a_bytes["inter_node_entries"], rw_native["inter_node_records"]),
-        "inter_node_payload_ratio": _ratio(a2a_bytes["inter_node_payload_bytes"],
-                                           rw_native["inter_node_payload_bytes"]),
-        "inter_node_wire_ratio": _ratio(a2a_bytes["inter_node_bytes"], rw_native["inter_node_bytes"]),
+        "inter_node_records_ratio": _ratio(
+            a2a_bytes["inter_node_entries"], rw_native["inter_node_records"]
+        ),
+        "inter_node_payload_ratio": _ratio(
+            a2a_bytes["inter_node_payload_bytes"], rw_native["inter_node_payload_bytes"]
+        ),
+        "inter_node_wire_ratio": _ratio(
+            a2a_bytes["inter_node_bytes"], rw_native["inter_node_bytes"]
+        ),
     }
     return {
         "schema": SCHEMA,

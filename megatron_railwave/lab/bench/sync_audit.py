@@ -29,10 +29,30 @@ from torch.overrides import TorchFunctionMode
 __all__ = ["SyncAudit", "SyncEvent"]
 
 _T = torch.Tensor
-_ALWAYS = {_T.item, _T.tolist, _T.numpy, _T.cpu, _T.__bool__, _T.__int__, _T.__float__, _T.__index__,
-           torch.nonzero, _T.nonzero, torch.argwhere, _T.argwhere, torch.masked_select, _T.masked_select,
-           torch.unique, _T.unique, torch.unique_consecutive, _T.unique_consecutive, torch.bincount, _T.bincount,
-           torch.equal, _T.equal}
+_ALWAYS = {
+    _T.item,
+    _T.tolist,
+    _T.numpy,
+    _T.cpu,
+    _T.__bool__,
+    _T.__int__,
+    _T.__float__,
+    _T.__index__,
+    torch.nonzero,
+    _T.nonzero,
+    torch.argwhere,
+    _T.argwhere,
+    torch.masked_select,
+    _T.masked_select,
+    torch.unique,
+    _T.unique,
+    torch.unique_consecutive,
+    _T.unique_consecutive,
+    torch.bincount,
+    _T.bincount,
+    torch.equal,
+    _T.equal,
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,13 +103,17 @@ class SyncAudit(TorchFunctionMode):
         if func in _ALWAYS:
             return tainted
         if func in (_T.to,):
-            dev = kwargs.get("device", next((a for a in args[1:] if isinstance(a, (str, torch.device))), None))
+            dev = kwargs.get(
+                "device", next((a for a in args[1:] if isinstance(a, (str, torch.device))), None)
+            )
             return tainted and dev is not None and torch.device(dev).type == "cpu"
         if func in (torch.where, _T.where) and len(args) + len(kwargs) == 1:
             return tainted
         if func in (torch.repeat_interleave, _T.repeat_interleave):
             repeats = args[1] if len(args) > 1 else kwargs.get("repeats")
-            return tainted and isinstance(repeats, torch.Tensor) and kwargs.get("output_size") is None
+            return (
+                tainted and isinstance(repeats, torch.Tensor) and kwargs.get("output_size") is None
+            )
         if func in (_T.__getitem__, _T.__setitem__):
             key = args[1] if len(args) > 1 else None
             keys = key if isinstance(key, tuple) else (key,)
@@ -102,10 +126,20 @@ class SyncAudit(TorchFunctionMode):
         inputs = list(_tensors(args)) + list(_tensors(kwargs))
         tainted = any(self._tainted(t) for t in inputs)
         if self._is_sync(func, args, kwargs, tainted):
-            frame = next((f for f in reversed(traceback.extract_stack()[:-1])
-                          if "/torch/" not in f.filename), traceback.extract_stack()[0])
-            self.events.append(SyncEvent(name=getattr(func, "__name__", str(func)),
-                                         where=f"{frame.filename}:{frame.lineno}"))
+            frame = next(
+                (
+                    f
+                    for f in reversed(traceback.extract_stack()[:-1])
+                    if "/torch/" not in f.filename
+                ),
+                traceback.extract_stack()[0],
+            )
+            self.events.append(
+                SyncEvent(
+                    name=getattr(func, "__name__", str(func)),
+                    where=f"{frame.filename}:{frame.lineno}",
+                )
+            )
             out = func(*args, **kwargs)
             for t in _tensors(out):  # host data now (on the CPU .cpu() may return its input itself)
                 self._refs.pop(id(t), None)

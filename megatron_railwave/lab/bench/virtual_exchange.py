@@ -41,16 +41,34 @@ from typing import Any
 
 import torch
 
-from megatron_railwave.exchange import (RankContext, VirtualCluster, check_capacity, combine_backward, combine_forward,
-                        dispatch_backward, dispatch_forward, gather_demand, prepare_capacity_layer, prepare_layer,
-                        virtual_rank_groups)
+from megatron_railwave.exchange import (
+    RankContext,
+    VirtualCluster,
+    check_capacity,
+    combine_backward,
+    combine_forward,
+    dispatch_backward,
+    dispatch_forward,
+    gather_demand,
+    prepare_capacity_layer,
+    prepare_layer,
+    virtual_rank_groups,
+)
+from megatron_railwave.lab.bench.sync_audit import SyncAudit
 from megatron_railwave.names import ROUTES, Route
 from megatron_railwave.planner import PlanOptions, build_plan
 from megatron_railwave.topology import RailTopology
-from megatron_railwave.lab.bench.sync_audit import SyncAudit
 
-__all__ = ["VirtualSpec", "make_virtual_inputs", "run_virtual_layer", "simulate_exchange", "dense_reference",
-           "EXPERT_BLOCK_ROWS", "EXPERT_CHUNK_BLOCKS", "estimate_peak_bytes"]
+__all__ = [
+    "VirtualSpec",
+    "make_virtual_inputs",
+    "run_virtual_layer",
+    "simulate_exchange",
+    "dense_reference",
+    "EXPERT_BLOCK_ROWS",
+    "EXPERT_CHUNK_BLOCKS",
+    "estimate_peak_bytes",
+]
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 EXPERT_BLOCK_ROWS = 32
@@ -83,19 +101,26 @@ class VirtualSpec:
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype {self.dtype!r} is not one of {sorted(_DTYPES)}")
         if self.experts % self.topology.world_size:
-            raise ValueError(f"--experts {self.experts} is not divisible by the {self.topology.world_size} ranks of "
-                             f"{self.topology.name!r}; pick a multiple of the world size")
+            raise ValueError(
+                f"--experts {self.experts} is not divisible by the {self.topology.world_size} "
+                f"ranks of "
+                f"{self.topology.name!r}; pick a multiple of the world size"
+            )
         if not 1 <= self.topk <= self.experts:
             raise ValueError(f"--topk {self.topk} must be in 1..{self.experts}")
         if self.tokens < 0 or self.hidden < 1:
-            raise ValueError(f"need --tokens >= 0 and --hidden >= 1, got {self.tokens}, {self.hidden}")
+            raise ValueError(
+                f"need --tokens >= 0 and --hidden >= 1, got {self.tokens}, {self.hidden}"
+            )
         try:
             check_capacity(self.max_tokens_per_rank)
         except ValueError as exc:
             raise ValueError(f"--max-tokens-per-rank: {exc}") from None
         if self.max_tokens_per_rank is not None and self.tokens > self.max_tokens_per_rank:
-            raise ValueError(f"--tokens {self.tokens} exceeds --max-tokens-per-rank {self.max_tokens_per_rank}; "
-                             "give a capacity of at least the tokens per rank")
+            raise ValueError(
+                f"--tokens {self.tokens} exceeds --max-tokens-per-rank {self.max_tokens_per_rank}; "
+                "give a capacity of at least the tokens per rank"
+            )
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("--device cuda: this torch has no CUDA device; use --device cpu")
 
@@ -124,11 +149,21 @@ def make_virtual_inputs(spec: VirtualSpec) -> dict[str, Any]:
         probs.append(p.to(dev))
         routing.append(rm.to(dev))
         grad_out.append(torch.randn(spec.tokens, spec.hidden, generator=gen).to(dev, dt))
-    maps = (torch.randn(spec.experts, spec.hidden, spec.hidden, generator=gen) / spec.hidden ** 0.5).to(dev, dt)
-    return {"hidden": hidden, "probs": probs, "routing": routing, "grad_out": grad_out, "maps_EHH": maps}
+    maps = (
+        torch.randn(spec.experts, spec.hidden, spec.hidden, generator=gen) / spec.hidden**0.5
+    ).to(dev, dt)
+    return {
+        "hidden": hidden,
+        "probs": probs,
+        "routing": routing,
+        "grad_out": grad_out,
+        "maps_EHH": maps,
+    }
 
 
-def _block_rows(spans: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _block_rows(
+    spans: list[tuple[int, int]],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Host index maps of the expert blocks: (rows [n_blk * B] (a valid row or 0), valid [n_blk * B]
     bool, expert of each block [n_blk], positions of the valid rows [n]) for ``spans``."""
     b = EXPERT_BLOCK_ROWS
@@ -140,12 +175,21 @@ def _block_rows(spans: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tenso
             valid += [True] * r + [False] * (b - r)
             experts.append(e)
     valid_t = torch.tensor(valid, dtype=torch.bool)
-    return (torch.tensor(rows, dtype=torch.int64), valid_t, torch.tensor(experts, dtype=torch.int64),
-            torch.arange(valid_t.numel())[valid_t])
+    return (
+        torch.tensor(rows, dtype=torch.int64),
+        valid_t,
+        torch.tensor(experts, dtype=torch.int64),
+        torch.arange(valid_t.numel())[valid_t],
+    )
 
 
-def _experts(tokens: torch.Tensor, probs: torch.Tensor, spans: list[tuple[int, int]], maps: torch.Tensor,
-             g_y: torch.Tensor | None):
+def _experts(
+    tokens: torch.Tensor,
+    probs: torch.Tensor,
+    spans: list[tuple[int, int]],
+    maps: torch.Tensor,
+    g_y: torch.Tensor | None,
+):
     """Local expert e = per-expert linear map on rows [start_e, start_e + rows_e) of ``tokens``
     (``spans``, host ints), weighted by the entry's prob; returns y [rows, H] and, when g_y is
     given, (g_tokens, g_probs). Rows outside the spans stay zero.
@@ -162,7 +206,9 @@ def _experts(tokens: torch.Tensor, probs: torch.Tensor, spans: list[tuple[int, i
         return torch.where(keep.view((-1,) + (1,) * (picked.dim() - 1)), picked, 0)
 
     def scatter(out: torch.Tensor, blocked: torch.Tensor) -> torch.Tensor:
-        return out.index_copy_(0, rows.index_select(0, positions), blocked.index_select(0, positions))
+        return out.index_copy_(
+            0, rows.index_select(0, positions), blocked.index_select(0, positions)
+        )
 
     x, p = blocks(tokens).view(-1, b, h), blocks(probs).view(-1, b)
     xa = _expert_bmm(x, experts, maps, transpose=False)
@@ -170,13 +216,19 @@ def _experts(tokens: torch.Tensor, probs: torch.Tensor, spans: list[tuple[int, i
     if g_y is None:
         return y, None, None
     gy = blocks(g_y).view(-1, b, h)
-    g_tok = scatter(torch.zeros_like(tokens),
-                    _expert_bmm(gy * p.to(gy.dtype).unsqueeze(2), experts, maps, transpose=True).view(-1, h))
-    g_p = scatter(torch.zeros_like(probs), (gy.float() * xa.float()).sum(dim=2).to(probs.dtype).view(-1))
+    g_tok = scatter(
+        torch.zeros_like(tokens),
+        _expert_bmm(gy * p.to(gy.dtype).unsqueeze(2), experts, maps, transpose=True).view(-1, h),
+    )
+    g_p = scatter(
+        torch.zeros_like(probs), (gy.float() * xa.float()).sum(dim=2).to(probs.dtype).view(-1)
+    )
     return y, g_tok, g_p
 
 
-def _expert_bmm(x_blk: torch.Tensor, experts: torch.Tensor, maps: torch.Tensor, *, transpose: bool) -> torch.Tensor:
+def _expert_bmm(
+    x_blk: torch.Tensor, experts: torch.Tensor, maps: torch.Tensor, *, transpose: bool
+) -> torch.Tensor:
     """[n_blk, B, H] blocks times their expert's map (transposed for the backward), in chunks of
     ``EXPERT_CHUNK_BLOCKS`` blocks: one [CH, B, H] x [CH, H, H] batched GEMM per chunk."""
     ch, n_blk = EXPERT_CHUNK_BLOCKS, x_blk.shape[0]
@@ -186,15 +238,20 @@ def _expert_bmm(x_blk: torch.Tensor, experts: torch.Tensor, maps: torch.Tensor, 
         experts = torch.cat([experts, experts.new_zeros(pad)])
     out = torch.empty_like(x_blk)
     for i in range(0, x_blk.shape[0], ch):
-        a = maps.index_select(0, experts[i:i + ch])
-        torch.bmm(x_blk[i:i + ch], a.transpose(1, 2) if transpose else a, out=out[i:i + ch])
+        a = maps.index_select(0, experts[i : i + ch])
+        torch.bmm(x_blk[i : i + ch], a.transpose(1, 2) if transpose else a, out=out[i : i + ch])
     return out[:n_blk]
 
 
-def run_virtual_layer(spec: VirtualSpec, inputs: dict[str, Any], path: str | Route, *,
-                      cluster: VirtualCluster | None = None, phase: int = 0,
-                      harness: Callable[[], AbstractContextManager] = contextlib.nullcontext,
-                      ) -> dict[str, list[torch.Tensor]]:
+def run_virtual_layer(
+    spec: VirtualSpec,
+    inputs: dict[str, Any],
+    path: str | Route,
+    *,
+    cluster: VirtualCluster | None = None,
+    phase: int = 0,
+    harness: Callable[[], AbstractContextManager] = contextlib.nullcontext,
+) -> dict[str, list[torch.Tensor]]:
     """One layer forward + backward on every rank, through the rank programs
     (fixed-capacity mode when ``spec.max_tokens_per_rank`` is set). The harness's own work (the
     experts, their index maps and host spans) runs inside ``harness()``: the sync count runs the
@@ -208,8 +265,15 @@ def run_virtual_layer(spec: VirtualSpec, inputs: dict[str, Any], path: str | Rou
     topo = spec.topology
     w, e_loc = topo.world_size, spec.experts // topo.world_size
     cluster = cluster or VirtualCluster(world_size=w)
-    ctxs = [RankContext(topo=topo, groups=virtual_rank_groups(topo, r), num_experts=spec.experts,
-                        options=spec.options) for r in range(w)]
+    ctxs = [
+        RankContext(
+            topo=topo,
+            groups=virtual_rank_groups(topo, r),
+            num_experts=spec.experts,
+            options=spec.options,
+        )
+        for r in range(w)
+    ]
     h, p, rm = inputs["hidden"], inputs["probs"], inputs["routing"]
     capacity = spec.max_tokens_per_rank
     if capacity is None:
@@ -217,28 +281,62 @@ def run_virtual_layer(spec: VirtualSpec, inputs: dict[str, Any], path: str | Rou
         handles = []
         for r in range(w):
             plan = build_plan(layers[r].demand, topo, path, options=spec.options, phase=phase)
-            handles.append(prepare_layer(ctxs[r], layers[r], plan, hidden_dtype=h[r].dtype, probs_dtype=p[r].dtype,
-                                         hidden_size=spec.hidden))
+            handles.append(
+                prepare_layer(
+                    ctxs[r],
+                    layers[r],
+                    plan,
+                    hidden_dtype=h[r].dtype,
+                    probs_dtype=p[r].dtype,
+                    hidden_size=spec.hidden,
+                )
+            )
     else:
-        handles = [prepare_capacity_layer(ctxs[r], h[r], p[r], rm[r], path=path, capacity=capacity)
-                   for r in range(w)]
-    dispatched = cluster.run([dispatch_forward(ctxs[r], handles[r], h[r], p[r], rm[r]) for r in range(w)])
+        handles = [
+            prepare_capacity_layer(ctxs[r], h[r], p[r], rm[r], path=path, capacity=capacity)
+            for r in range(w)
+        ]
+    dispatched = cluster.run(
+        [dispatch_forward(ctxs[r], handles[r], h[r], p[r], rm[r]) for r in range(w)]
+    )
     maps = inputs["maps_EHH"]
-    local_maps = [maps[r * e_loc:(r + 1) * e_loc] for r in range(w)]
+    local_maps = [maps[r * e_loc : (r + 1) * e_loc] for r in range(w)]
     with harness():
-        spans, tokens_per_expert, ys = _expert_forward(dispatched, handles, local_maps, w, e_loc, capacity)
-    outs = cluster.run([combine_forward(ctxs[r], handles[r], dispatched[r][2], ys[r]) for r in range(w)])
-    g_ys = cluster.run([combine_backward(ctxs[r], handles[r], dispatched[r][2], inputs["grad_out"][r])
-                        for r in range(w)])
+        spans, tokens_per_expert, ys = _expert_forward(
+            dispatched, handles, local_maps, w, e_loc, capacity
+        )
+    outs = cluster.run(
+        [combine_forward(ctxs[r], handles[r], dispatched[r][2], ys[r]) for r in range(w)]
+    )
+    g_ys = cluster.run(
+        [
+            combine_backward(ctxs[r], handles[r], dispatched[r][2], inputs["grad_out"][r])
+            for r in range(w)
+        ]
+    )
     with harness():
-        grads = [_experts(dispatched[r][0], dispatched[r][1], spans[r], local_maps[r], g_ys[r]) for r in range(w)]
-    back = cluster.run([dispatch_backward(ctxs[r], handles[r], dispatched[r][2], grads[r][1], grads[r][2])
-                        for r in range(w)])
-    return {"out": outs, "grad_hidden": [b[0] for b in back], "grad_probs": [b[1] for b in back],
-            "handles": handles, "tokens_per_expert": tokens_per_expert}
+        grads = [
+            _experts(dispatched[r][0], dispatched[r][1], spans[r], local_maps[r], g_ys[r])
+            for r in range(w)
+        ]
+    back = cluster.run(
+        [
+            dispatch_backward(ctxs[r], handles[r], dispatched[r][2], grads[r][1], grads[r][2])
+            for r in range(w)
+        ]
+    )
+    return {
+        "out": outs,
+        "grad_hidden": [b[0] for b in back],
+        "grad_probs": [b[1] for b in back],
+        "handles": handles,
+        "tokens_per_expert": tokens_per_expert,
+    }
 
 
-def _expert_forward(dispatched: list, handles: list, local_maps: list, w: int, e_loc: int, capacity: int | None):
+def _expert_forward(
+    dispatched: list, handles: list, local_maps: list, w: int, e_loc: int, capacity: int | None
+):
     """The experts' forward on every rank: (spans, tokens_per_expert, outputs), all by rank."""
     if capacity is None:  # host counts: expert e's rows follow expert e - 1's
         tokens_per_expert = [handles[r].tokens_per_expert for r in range(w)]
@@ -250,11 +348,16 @@ def _expert_forward(dispatched: list, handles: list, local_maps: list, w: int, e
     else:  # padded layout: expert e owns rows [e * W * C, (e + 1) * W * C), the padding is zero
         tokens_per_expert = [dispatched[r][2].tokens_per_expert for r in range(w)]
         spans = [[(e * w * capacity, w * capacity) for e in range(e_loc)]] * w
-    ys = [_experts(dispatched[r][0], dispatched[r][1], spans[r], local_maps[r], None)[0] for r in range(w)]
+    ys = [
+        _experts(dispatched[r][0], dispatched[r][1], spans[r], local_maps[r], None)[0]
+        for r in range(w)
+    ]
     return spans, tokens_per_expert, ys
 
 
-def dense_reference(spec: VirtualSpec, inputs: dict[str, Any], rank: int) -> dict[str, torch.Tensor]:
+def dense_reference(
+    spec: VirtualSpec, inputs: dict[str, Any], rank: int
+) -> dict[str, torch.Tensor]:
     """The layer in closed form, float64, on one rank's tokens."""
     x = inputs["hidden"][rank].double()
     pr = inputs["probs"][rank].double() * inputs["routing"][rank]
@@ -265,11 +368,13 @@ def dense_reference(spec: VirtualSpec, inputs: dict[str, Any], rank: int) -> dic
     g_p = torch.zeros_like(pr)
     routing = inputs["routing"][rank]
     for e in range(spec.experts):
-        rows = torch.nonzero(routing[:, e]).flatten()  # the reference is host-side work: syncs are fine
+        rows = torch.nonzero(
+            routing[:, e]
+        ).flatten()  # the reference is host-side work: syncs are fine
         if rows.numel() == 0:
             continue
         xa = x.index_select(0, rows) @ maps[e]
-        p_e = pr.index_select(0, rows)[:, e:e + 1]
+        p_e = pr.index_select(0, rows)[:, e : e + 1]
         g_e = g.index_select(0, rows)
         out.index_add_(0, rows, xa * p_e)
         g_x.index_add_(0, rows, (g_e * p_e) @ maps[e].t())
@@ -290,6 +395,7 @@ def _count_cuda_syncs(spec: VirtualSpec, inputs: dict[str, Any], path: str) -> f
     """Host syncs of the exchange in one layer (fwd + bwd) on CUDA, per rank: CUDA's sync debug
     mode warns at every synchronising call of the exchange; the harness (experts, their
     host-to-device index maps) runs with the mode off, so its own copies are not counted."""
+
     @contextlib.contextmanager
     def harness():
         torch.cuda.set_sync_debug_mode(0)
@@ -315,12 +421,20 @@ def _count_syncs(spec: VirtualSpec, inputs: dict[str, Any], path: str) -> float:
     if spec.device == "cuda":
         return _count_cuda_syncs(spec, inputs, path)
     with SyncAudit() as audit:
-        audit.mark(*inputs["hidden"], *inputs["probs"], *inputs["routing"], *inputs["grad_out"], inputs["maps_EHH"])
+        audit.mark(
+            *inputs["hidden"],
+            *inputs["probs"],
+            *inputs["routing"],
+            *inputs["grad_out"],
+            inputs["maps_EHH"],
+        )
         run_virtual_layer(spec, inputs, path)
     return audit.count / w
 
 
-def _run_paths(spec: VirtualSpec, inputs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, float]]:
+def _run_paths(
+    spec: VirtualSpec, inputs: dict[str, Any]
+) -> tuple[dict[str, Any], dict[str, float]]:
     """Every path once for warm-up (allocator, kernels, the capacity plan's cache), once timed."""
     results, times = {}, {}
     for path in spec.paths:
@@ -349,7 +463,11 @@ def _wire_bytes(result: dict[str, Any]) -> dict[str, int]:
 
 
 def _equal(a: dict[str, Any], b: dict[str, Any], w: int) -> bool:
-    return all(torch.equal(a[k][r], b[k][r]) for k in ("out", "grad_hidden", "grad_probs") for r in range(w))
+    return all(
+        torch.equal(a[k][r], b[k][r])
+        for k in ("out", "grad_hidden", "grad_probs")
+        for r in range(w)
+    )
 
 
 def estimate_peak_bytes(spec: VirtualSpec) -> int:
@@ -367,7 +485,9 @@ def estimate_peak_bytes(spec: VirtualSpec) -> int:
     if spec.max_tokens_per_rank is not None:
         rows = max(rows, (e // w) * w * spec.max_tokens_per_rank)
     layer = 6 * w * rows * h * elt
-    results = len(spec.paths) * w * t * (2 * h * elt + e * 4) * (2 if spec.max_tokens_per_rank else 1)
+    results = (
+        len(spec.paths) * w * t * (2 * h * elt + e * 4) * (2 if spec.max_tokens_per_rank else 1)
+    )
     gemm = 2 * EXPERT_CHUNK_BLOCKS * h * h * elt
     return int(1.25 * (inputs + layer + results + gemm))
 
@@ -392,8 +512,13 @@ def simulate_exchange(spec: VirtualSpec) -> dict[str, Any]:
     report = {
         "schema": "railwave.simulate_exchange/1",
         "topology": topo.to_dict(),
-        "tokens": spec.tokens, "hidden": spec.hidden, "experts": spec.experts, "topk": spec.topk,
-        "dtype": spec.dtype, "device": spec.device, "seed": spec.seed,
+        "tokens": spec.tokens,
+        "hidden": spec.hidden,
+        "experts": spec.experts,
+        "topk": spec.topk,
+        "dtype": spec.dtype,
+        "device": spec.device,
+        "seed": spec.seed,
         "max_tokens_per_rank": spec.max_tokens_per_rank,
         "bitwise_equal_to": base,
         "bitwise_equal": bitwise,
@@ -407,10 +532,16 @@ def simulate_exchange(spec: VirtualSpec) -> dict[str, Any]:
     if spec.max_tokens_per_rank is not None:
         normal_spec = dataclasses.replace(spec, max_tokens_per_rank=None)
         normal, normal_times = _run_paths(normal_spec, inputs)
-        report["bitwise_equal_to_normal_mode"] = {path: _equal(results[path], normal[path], w) for path in spec.paths}
-        report["all_bitwise_equal"] = report["all_bitwise_equal"] and all(report["bitwise_equal_to_normal_mode"].values())
+        report["bitwise_equal_to_normal_mode"] = {
+            path: _equal(results[path], normal[path], w) for path in spec.paths
+        }
+        report["all_bitwise_equal"] = report["all_bitwise_equal"] and all(
+            report["bitwise_equal_to_normal_mode"].values()
+        )
         report["normal_mode"] = {
-            "host_syncs_per_layer": {path: _count_syncs(normal_spec, inputs, path) for path in spec.paths},
+            "host_syncs_per_layer": {
+                path: _count_syncs(normal_spec, inputs, path) for path in spec.paths
+            },
             "time_ms": normal_times,
             "wire_bytes": {path: _wire_bytes(normal[path]) for path in spec.paths},
         }

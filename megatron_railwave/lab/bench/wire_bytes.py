@@ -24,7 +24,13 @@ import torch
 from megatron_railwave.schedule import Direction, ExecutionSchedule, PhaseKind, RecordWireFormat
 from megatron_railwave.topology import RailTopology
 
-__all__ = ["RecordBytes", "railwave_record_bytes", "alltoall_entry_bytes", "railwave_bytes", "alltoall_bytes"]
+__all__ = [
+    "RecordBytes",
+    "railwave_record_bytes",
+    "alltoall_entry_bytes",
+    "railwave_bytes",
+    "alltoall_bytes",
+]
 
 
 RecordBytes = dict[str, int]
@@ -34,7 +40,11 @@ RecordBytes = dict[str, int]
 
 def railwave_record_bytes(wire: RecordWireFormat) -> RecordBytes:
     """Bytes of one RailWave row in each direction (from the schedule's wire format)."""
-    return {"payload": wire.payload_bytes, "dispatch": wire.dispatch_bytes, "combine": wire.combine_bytes}
+    return {
+        "payload": wire.payload_bytes,
+        "dispatch": wire.dispatch_bytes,
+        "combine": wire.combine_bytes,
+    }
 
 
 def alltoall_entry_bytes(*, hidden: int, elem_bytes: int) -> RecordBytes:
@@ -45,7 +55,9 @@ def alltoall_entry_bytes(*, hidden: int, elem_bytes: int) -> RecordBytes:
 
 def _per_rail(send_NG: torch.Tensor, topo: RailTopology) -> list[int]:
     rails = torch.tensor(topo.rail_of_gpu, dtype=torch.int64)
-    return torch.zeros(topo.num_rails, dtype=torch.int64).index_add_(0, rails, send_NG.sum(0)).tolist()
+    return (
+        torch.zeros(topo.num_rails, dtype=torch.int64).index_add_(0, rails, send_NG.sum(0)).tolist()
+    )
 
 
 def _imbalance(send_NG: torch.Tensor) -> float:
@@ -79,7 +91,9 @@ def railwave_bytes(schedule: ExecutionSchedule) -> dict[str, Any]:
     topo = schedule.plan.topology
     n, g = topo.num_nodes, topo.gpus_per_node
     if len(schedule.delivery_nodes) != n:
-        raise ValueError("railwave_bytes needs a schedule compiled with every node's deliveries (full demand)")
+        raise ValueError(
+            "railwave_bytes needs a schedule compiled with every node's deliveries (full demand)"
+        )
     wire = schedule.wire
     both = wire.dispatch_bytes + wire.combine_bytes
     send_NG = torch.zeros(n * g, dtype=torch.int64)
@@ -111,7 +125,9 @@ def railwave_bytes(schedule: ExecutionSchedule) -> dict[str, Any]:
     }
 
 
-def alltoall_bytes(routing_maps: list[torch.Tensor], topo: RailTopology, rec: RecordBytes) -> dict[str, Any]:
+def alltoall_bytes(
+    routing_maps: list[torch.Tensor], topo: RailTopology, rec: RecordBytes
+) -> dict[str, Any]:
     """The same quantities for Megatron's alltoall (one entry per (token, expert)).
 
     Args:
@@ -129,7 +145,9 @@ def alltoall_bytes(routing_maps: list[torch.Tensor], topo: RailTopology, rec: Re
     node_local = 0
     for rank, routing in enumerate(routing_maps):
         s, l = divmod(rank, g)
-        per_gpu = routing.reshape(routing.shape[0], n, g, routing.shape[1] // (n * g)).sum(dim=(0, 3))  # [d, j]
+        per_gpu = routing.reshape(routing.shape[0], n, g, routing.shape[1] // (n * g)).sum(
+            dim=(0, 3)
+        )  # [d, j]
         remote = int(per_gpu.sum() - per_gpu[s].sum())
         send_NG[s, l] = remote
         node_local += int(per_gpu[s].sum() - per_gpu[s, l])

@@ -11,7 +11,8 @@ Modules, each importing only those above it:
 - ``backend``: ``MeasureBackend``, ``NetmodelBackend``, ``make_backend``, ``path_costs``.
 - ``profiling``: profiling on the four paths, the keep rule (its docstring), ``CalibrationRow`` /
   ``CalibrationResult``, ``calibrate``, ``merge_results``, ``result_from_json``, ``with_features``.
-- ``tuning``: ``tune_selector`` (anchor thresholds, split fallback, path model) and its payload gates.
+- ``tuning``: ``tune_selector`` (anchor thresholds, split fallback, path model) and its payload
+gates.
 - ``validation``: ``ValidationRow`` / ``ValidationResult``, ``validate``, ``rescore``.
 
 Every public name is re-exported here (``from megatron_railwave.lab import calibration;

@@ -35,19 +35,27 @@ def path_costs(settings: dict[str, Any], num_ranks: int) -> PathCosts:
     from megatron_railwave.lab.netmodel import NetModelConfig
 
     raw = settings.get("model")
-    model = NetModelConfig.from_dict(raw, source="context.settings.model") if isinstance(raw, dict) else NetModelConfig()
-    return PathCosts(rail_phase_s=model.wave_cost_s(num_ranks),
-                     layer_s=model.count_exchange_s + model.railbalance_barrier_s + model.railbalance_quota_s,
-                     chunks=int(settings.get("chunks", 1)))
+    model = (
+        NetModelConfig.from_dict(raw, source="context.settings.model")
+        if isinstance(raw, dict)
+        else NetModelConfig()
+    )
+    return PathCosts(
+        rail_phase_s=model.wave_cost_s(num_ranks),
+        layer_s=model.count_exchange_s + model.railbalance_barrier_s + model.railbalance_quota_s,
+        chunks=int(settings.get("chunks", 1)),
+    )
 
 
 class NetmodelBackend:
-    """Latencies from the flow-level network model (``netmodel.simulate_plan`` with ``model``, default
-    ``NetModelConfig()``): deterministic, one simulation per (request, path)."""
+    """Latencies from the flow-level network model (``netmodel.simulate_plan`` with ``model``,
+    default ``NetModelConfig()``): deterministic, one simulation per (request, path)."""
 
     name = "netmodel"
 
-    def __init__(self, topo: RailTopology, options: PlanOptions | None = None, model: Any = None) -> None:
+    def __init__(
+        self, topo: RailTopology, options: PlanOptions | None = None, model: Any = None
+    ) -> None:
         from megatron_railwave.lab.netmodel import simulate_plan
 
         self._simulate: Callable[..., float] = simulate_plan
@@ -61,16 +69,23 @@ class NetmodelBackend:
         if key not in self._cache:
             plan = request_plan(request, self.topo, path, self.options)
             if plan.chunks != 1 and request.demand is None:
-                raise ValueError(f"request {request.name!r}: a plan with {plan.chunks} rail chunks per wave needs the "
-                                 "request's target masks (ReplayRequest.demand); build the requests with "
-                                 "glm_requests / synthetic_requests, or calibrate with chunks=1")
-            self._cache[key] = float(self._simulate(plan, record_bytes=request.record_bytes, model=self.model,
-                                                    demand=request.demand))
+                raise ValueError(
+                    f"request {request.name!r}: a plan with {plan.chunks} rail chunks per wave "
+                    f"needs the "
+                    "request's target masks (ReplayRequest.demand); build the requests with "
+                    "glm_requests / synthetic_requests, or calibrate with chunks=1"
+                )
+            self._cache[key] = float(
+                self._simulate(
+                    plan, record_bytes=request.record_bytes, model=self.model, demand=request.demand
+                )
+            )
         return [self._cache[key]] * repeats
 
 
-def make_backend(name: str, topo: RailTopology, *, options: PlanOptions | None = None,
-                 model: Any = None) -> MeasureBackend:
+def make_backend(
+    name: str, topo: RailTopology, *, options: PlanOptions | None = None, model: Any = None
+) -> MeasureBackend:
     """The backend called ``name`` (``--backend``); ``model``: the netmodel's ``NetModelConfig``
     (None: its defaults)."""
     if name == "netmodel":

@@ -22,15 +22,23 @@ from megatron_railwave.selector.anchors import AnchorSet
 from megatron_railwave.selector.path_model import PathCosts, fit_rail_joint
 from megatron_railwave.traffic import MiB
 
-SELECTOR_GRID: dict[str, tuple[float, ...]] = {"payload_ratio": (1.25, 1.5, 2.0),
-                                               "shape_distance": (0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 1.0)}
+SELECTOR_GRID: dict[str, tuple[float, ...]] = {
+    "payload_ratio": (1.25, 1.5, 2.0),
+    "shape_distance": (0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 1.0),
+}
 """Thresholds ``tune_selector`` tries, smallest first (the paper's 1.25 and 0.02 first). The
 shape distances reach 1.0: on the H800 4 x 8 calibration (16 seeds) leaving a seed out still
 missed 14 requests at 0.2, the old edge of the grid, and none from 0.3 on (docs/selector.md)."""
 
 
-def tune_selector(result: CalibrationResult, *, grid: dict[str, Sequence[float]] | None = None,
-                  tolerance: float = 0.03, split_fallback: bool = True, fit_model: bool = True) -> dict[str, Any]:
+def tune_selector(
+    result: CalibrationResult,
+    *,
+    grid: dict[str, Sequence[float]] | None = None,
+    tolerance: float = 0.03,
+    split_fallback: bool = True,
+    fit_model: bool = True,
+) -> dict[str, Any]:
     """Pick the selector thresholds and the anchors that hold, by leaving calibration data out, on
     the calibration requests alone.
 
@@ -54,8 +62,8 @@ def tune_selector(result: CalibrationResult, *, grid: dict[str, Sequence[float]]
     the fewest such requests, then the least total, then the smallest thresholds (the grid's order)
     wins; every setting is also scored without the rule that anchors hold (``hold_rule`` False:
     it can drop anchors that fail on one request of another unit but serve several well), and the
-    rule wins ties. "No anchors" (always JOINT) is scored the same way and wins unless some setting is
-    strictly better (fewer requests over, or as many and a smaller total); then ``use_anchors``
+    rule wins ties. "No anchors" (always JOINT) is scored the same way and wins unless some setting
+    is strictly better (fewer requests over, or as many and a smaller total); then ``use_anchors``
     is False and ``railwave calibrate`` writes a file without anchors (every row stays in its
     JSON). Held-out requests play no part.
 
@@ -110,13 +118,18 @@ def tune_selector(result: CalibrationResult, *, grid: dict[str, Sequence[float]]
     # payload level of the rows (0.01 apart), ascending.
     below_ok_R = fewer_phases(windows_R, fallback_phases_of(aset, Route.JOINT))
     x_R = coords_R3[:, 0]
-    levels = np.unique(np.round(x_R[np.isfinite(x_R)], 2)) + 0.005 if split_fallback else np.zeros(0)
+    levels = (
+        np.unique(np.round(x_R[np.isfinite(x_R)], 2)) + 0.005 if split_fallback else np.zeros(0)
+    )
     cuts = np.concatenate([[-math.inf], levels])
     lat_rail_R, lat_joint_R = lat_PR[Route.RAIL], lat_PR[Route.JOINT]
     slow_rail_R, slow_joint_R = slow_PR[Route.RAIL], slow_PR[Route.JOINT]
 
-    def score(anchored_R: np.ndarray, anchored_lat_R: np.ndarray, anchored_slow_R: np.ndarray) -> tuple[int, float, float]:
-        """(over, total, cut) of the best cut for these anchor decisions (first minimal cut wins)."""
+    def score(
+        anchored_R: np.ndarray, anchored_lat_R: np.ndarray, anchored_slow_R: np.ndarray
+    ) -> tuple[int, float, float]:
+        """(over, total, cut) of the best cut for these anchor decisions (first minimal cut
+        wins)."""
         base_over = int(anchored_slow_R[anchored_R].sum())
         base_total = float(anchored_lat_R[anchored_R].sum())
         free = ~anchored_R
@@ -127,32 +140,58 @@ def tune_selector(result: CalibrationResult, *, grid: dict[str, Sequence[float]]
         best = min(range(cuts.size), key=lambda c: (int(over_C[c]), round(float(total_C[c]), 12)))
         return int(over_C[best]), float(total_C[best]), float(cuts[best])
 
-    def entry(ratio: float | None, dist: float | None, result: tuple[int, float, float], held: int) -> dict[str, Any]:
+    def entry(
+        ratio: float | None, dist: float | None, result: tuple[int, float, float], held: int
+    ) -> dict[str, Any]:
         over, total, cut = result
-        return {"payload_ratio": ratio, "shape_distance": dist, "over_tolerance": over, "total_s": total,
-                "vs_joint": total / joint_total if joint_total > 0 else 1.0, "anchors_held": held,
-                "fallback_below_bytes": aset.scales[0] * 2.0 ** cut if math.isfinite(cut) else None}
+        return {
+            "payload_ratio": ratio,
+            "shape_distance": dist,
+            "over_tolerance": over,
+            "total_s": total,
+            "vs_joint": total / joint_total if joint_total > 0 else 1.0,
+            "anchors_held": held,
+            "fallback_below_bytes": aset.scales[0] * 2.0**cut if math.isfinite(cut) else None,
+        }
 
     none_R = np.zeros(len(rows), dtype=bool)
     no_anchors = entry(None, None, score(none_R, lat_joint_R, slow_joint_R), 0)
     scores, held_of = [], {}
     for ratio in grid["payload_ratio"]:
         for dist in grid["shape_distance"]:
-            reach_AR = AnchorSelector(aset, payload_ratio=ratio, shape_distance=dist).reach_AR(coords_R3, windows_R)
+            reach_AR = AnchorSelector(aset, payload_ratio=ratio, shape_distance=dist).reach_AR(
+                coords_R3, windows_R
+            )
             # The units where each anchor's path is more than the tolerance off the best.
-            fails = [set(units_R[reach_AR[i] & slow_PR[a.path] & (units_R != unit)])
-                     for i, (a, unit) in enumerate(zip(aset.anchors, anchor_units))]
-            for hold in (True, False):  # with the rule that anchors hold, then without it (it may score better)
+            fails = [
+                set(units_R[reach_AR[i] & slow_PR[a.path] & (units_R != unit)])
+                for i, (a, unit) in enumerate(zip(aset.anchors, anchor_units))
+            ]
+            for hold in (
+                True,
+                False,
+            ):  # with the rule that anchors hold, then without it (it may score better)
                 if not hold:
                     fails = [set() for _ in fails]
-                held_of[(ratio, dist, hold)] = tuple(a.name for a, f in zip(aset.anchors, fails) if not f)
+                held_of[(ratio, dist, hold)] = tuple(
+                    a.name for a, f in zip(aset.anchors, fails) if not f
+                )
                 anchored_R = np.zeros(len(rows), dtype=bool)
-                anchored_lat_R, anchored_slow_R = np.zeros(len(rows)), np.zeros(len(rows), dtype=bool)
+                anchored_lat_R, anchored_slow_R = (
+                    np.zeros(len(rows)),
+                    np.zeros(len(rows), dtype=bool),
+                )
                 for unit, idx in rows_of_unit.items():
-                    others = tuple(a for a, u, f in zip(aset.anchors, anchor_units, fails)
-                                   if u != unit and f <= {unit})
-                    sel = AnchorSelector(AnchorSet(anchors=others, scales=aset.scales, context=aset.context),
-                                         payload_ratio=ratio, shape_distance=dist)
+                    others = tuple(
+                        a
+                        for a, u, f in zip(aset.anchors, anchor_units, fails)
+                        if u != unit and f <= {unit}
+                    )
+                    sel = AnchorSelector(
+                        AnchorSet(anchors=others, scales=aset.scales, context=aset.context),
+                        payload_ratio=ratio,
+                        shape_distance=dist,
+                    )
                     for i in idx:
                         r = rows[i]
                         choice = sel.explain(r.stats, input_windows=r.input_windows)
@@ -160,8 +199,17 @@ def tune_selector(result: CalibrationResult, *, grid: dict[str, Sequence[float]]
                             anchored_R[i] = True
                             anchored_lat_R[i] = r.latency[choice.path].median
                             anchored_slow_R[i] = anchored_lat_R[i] > limit_R[i]
-                scores.append({**entry(ratio, dist, score(anchored_R, anchored_lat_R, anchored_slow_R),
-                                       len(held_of[(ratio, dist, hold)])), "hold_rule": hold})
+                scores.append(
+                    {
+                        **entry(
+                            ratio,
+                            dist,
+                            score(anchored_R, anchored_lat_R, anchored_slow_R),
+                            len(held_of[(ratio, dist, hold)]),
+                        ),
+                        "hold_rule": hold,
+                    }
+                )
 
     def rank(sc: dict[str, Any]) -> tuple[int, float]:
         return sc["over_tolerance"], round(sc["total_s"], 12)
@@ -171,48 +219,92 @@ def tune_selector(result: CalibrationResult, *, grid: dict[str, Sequence[float]]
     use_anchors = bool(held_of[choice]) and rank(best_score) < rank(no_anchors)
     chosen = best_score if use_anchors else no_anchors
     left_out = "seed" if by_seed else "routing"
-    method = (f"leave-one-{left_out}-out on the calibration requests, "
-              + (f"anchors that hold across {left_out}s" if choice[2] else "every anchor (the hold rule scored worse)"))
+    method = f"leave-one-{left_out}-out on the calibration requests, " + (
+        f"anchors that hold across {left_out}s"
+        if choice[2]
+        else "every anchor (the hold rule scored worse)"
+    )
     if not use_anchors and aset.anchors:
         method += "; no setting beats always-JOINT, so no anchors are kept"
     # The path model, scored with the same leave-out: fitted without the unit, deciding its rows.
     model, model_scores, model_score = None, [], None
     if fit_model and rows and all(r.features is not None for r in rows):
         topo_dict = aset.context.topology
-        costs = path_costs(aset.context.settings, int(topo_dict["num_nodes"]) * int(topo_dict["gpus_per_node"]))
+        costs = path_costs(
+            aset.context.settings, int(topo_dict["num_nodes"]) * int(topo_dict["gpus_per_node"])
+        )
         features_RF = np.array([r.features for r in rows], dtype=np.float64)
         with np.errstate(divide="ignore", invalid="ignore"):
             target_R = np.log(lat_rail_R / lat_joint_R)
         fits_R = np.isfinite(target_R)  # a request without time on either path teaches nothing
         payload_R = np.array([r.stats.B_mean_bytes for r in rows], dtype=np.float64)
         for gating in PAYLOAD_GATINGS:
-            sc = score_path_model(features_RF, windows_R, target_R, payload_R, units_R, lat_rail_R, lat_joint_R,
-                                  limit_R, costs=costs, gating=gating)
-            model_scores.append({**entry(None, None, (sc["over_tolerance"], sc["total_s"], -math.inf), 0),
-                                 "model": True, "gate": gating, "decided": sc["decided"]})
+            sc = score_path_model(
+                features_RF,
+                windows_R,
+                target_R,
+                payload_R,
+                units_R,
+                lat_rail_R,
+                lat_joint_R,
+                limit_R,
+                costs=costs,
+                gating=gating,
+            )
+            model_scores.append(
+                {
+                    **entry(None, None, (sc["over_tolerance"], sc["total_s"], -math.inf), 0),
+                    "model": True,
+                    "gate": gating,
+                    "decided": sc["decided"],
+                }
+            )
         by_gating = {sc["gate"]: sc for sc in model_scores}
         model_score = by_gating[choose_gating(by_gating)]
         if rank(model_score) < rank(chosen):
-            model = fit_rail_joint(features_RF[fits_R], windows_R[fits_R], target_R[fits_R], costs=costs)
+            model = fit_rail_joint(
+                features_RF[fits_R], windows_R[fits_R], target_R[fits_R], costs=costs
+            )
         if model is not None:
             gating = model_score["gate"]
-            gate_all, gate_windowed = payload_gates(payload_R, slow_joint_R, windows_R == 1, gating=gating)
-            model = dataclasses.replace(model, max_payload_bytes=gate_all, max_payload_bytes_windowed=gate_windowed)
+            gate_all, gate_windowed = payload_gates(
+                payload_R, slow_joint_R, windows_R == 1, gating=gating
+            )
+            model = dataclasses.replace(
+                model, max_payload_bytes=gate_all, max_payload_bytes_windowed=gate_windowed
+            )
             over = model_score["over_tolerance"]
-            method += (f"; the RAIL / JOINT path model (leave-one-{left_out}-out: {over} requests over) scored "
-                       "better than the anchors and decides "
-                       + ("every layer (no payload gate: none scored better)" if gating == "none" else
-                          f"layers up to {gate_all / MiB:.2f} MiB per GPU, JOINT above" if gating == "one" else
-                          f"layers up to {gate_all / MiB:.2f} MiB per GPU sent all pairs at once and "
-                          f"{gate_windowed / MiB:.2f} MiB in windows (gates per input kind), JOINT above"))
+            method += (
+                f"; the RAIL / JOINT path model (leave-one-{left_out}-out: {over} requests over) "
+                f"scored "
+                "better than the anchors and decides "
+                + (
+                    "every layer (no payload gate: none scored better)"
+                    if gating == "none"
+                    else f"layers up to {gate_all / MiB:.2f} MiB per GPU, JOINT above"
+                    if gating == "one"
+                    else f"layers up to {gate_all / MiB:.2f} MiB per GPU sent all pairs at once "
+                    f"and "
+                    f"{gate_windowed / MiB:.2f} MiB in windows (gates per input kind), JOINT above"
+                )
+            )
     below = chosen["fallback_below_bytes"]
-    return {"use_anchors": use_anchors, "payload_ratio": choice[0], "shape_distance": choice[1], "hold_rule": choice[2],
-            "held": list(held_of[choice]) if use_anchors else [],
-            "fallback_below": {"payload_bytes": below, "path": str(Route.RAIL)} if below is not None else None,
-            "model": model.to_dict() if model is not None else None,
-            "method": method, "left_out": left_out, "tolerance": tolerance,
-            "scores": [no_anchors, *scores, *model_scores],
-            "model_score": model_score}
+    return {
+        "use_anchors": use_anchors,
+        "payload_ratio": choice[0],
+        "shape_distance": choice[1],
+        "hold_rule": choice[2],
+        "held": list(held_of[choice]) if use_anchors else [],
+        "fallback_below": {"payload_bytes": below, "path": str(Route.RAIL)}
+        if below is not None
+        else None,
+        "model": model.to_dict() if model is not None else None,
+        "method": method,
+        "left_out": left_out,
+        "tolerance": tolerance,
+        "scores": [no_anchors, *scores, *model_scores],
+        "model_score": model_score,
+    }
 
 
 PAYLOAD_GATE_MARGIN = 1.5
@@ -221,7 +313,9 @@ layer's payload at one T varies by ~10% between generator seeds (8.3-9.1 MiB per
 on the 4 x 8 GLM workload), and the calibrated T grid steps by 1.33-2x."""
 
 
-def payload_gate(payload_R: np.ndarray, joint_slow_R: np.ndarray, *, margin: float = PAYLOAD_GATE_MARGIN) -> float:
+def payload_gate(
+    payload_R: np.ndarray, joint_slow_R: np.ndarray, *, margin: float = PAYLOAD_GATE_MARGIN
+) -> float:
     """The path model's payload gate (``RailJointModel.max_payload_bytes``): ``margin`` x the
     largest mean remote payload per GPU among the requests on which JOINT is more than the
     tolerance slower than the best fixed path (``joint_slow_R``); 0 when JOINT is within it on
@@ -244,8 +338,9 @@ PAYLOAD_GATINGS = ("none", "one", "per_kind")
 gate for both input kinds, a gate per input kind (all node pairs at once / several windows)."""
 
 
-def payload_gates(payload_R: np.ndarray, joint_slow_R: np.ndarray, all_pairs_R: np.ndarray, *,
-                  gating: str) -> tuple[float | None, float | None]:
+def payload_gates(
+    payload_R: np.ndarray, joint_slow_R: np.ndarray, all_pairs_R: np.ndarray, *, gating: str
+) -> tuple[float | None, float | None]:
     """(all pairs at once, several windows) payload gates of ``gating`` (``PAYLOAD_GATINGS``), each
     ``payload_gate`` over the requests it covers; None: no gate.
 
@@ -261,8 +356,10 @@ def payload_gates(payload_R: np.ndarray, joint_slow_R: np.ndarray, all_pairs_R: 
     if gating == "per_kind":
         all_pairs_R = np.asarray(all_pairs_R, dtype=bool)
         payload_R, joint_slow_R = np.asarray(payload_R), np.asarray(joint_slow_R, dtype=bool)
-        return (payload_gate(payload_R[all_pairs_R], joint_slow_R[all_pairs_R]),
-                payload_gate(payload_R[~all_pairs_R], joint_slow_R[~all_pairs_R]))
+        return (
+            payload_gate(payload_R[all_pairs_R], joint_slow_R[all_pairs_R]),
+            payload_gate(payload_R[~all_pairs_R], joint_slow_R[~all_pairs_R]),
+        )
     raise ValueError(f"gating must be one of {PAYLOAD_GATINGS}, got {gating!r}")
 
 
@@ -271,13 +368,29 @@ def choose_gating(scores: dict[str, dict[str, Any]]) -> str:
     fewest requests over the tolerance, then the least total time, then the fewest decided
     requests (a decision is host time), then ``PAYLOAD_GATINGS``' order."""
     order = [g for g in PAYLOAD_GATINGS if g in scores]
-    return min(order, key=lambda g: (scores[g]["over_tolerance"], round(scores[g]["total_s"], 12),
-                                     scores[g]["decided"]))
+    return min(
+        order,
+        key=lambda g: (
+            scores[g]["over_tolerance"],
+            round(scores[g]["total_s"], 12),
+            scores[g]["decided"],
+        ),
+    )
 
 
-def score_path_model(features_RF: np.ndarray, windows_R: np.ndarray, log_ratio_R: np.ndarray, payload_R: np.ndarray,
-                     units_R: np.ndarray, rail_s_R: np.ndarray, joint_s_R: np.ndarray, limit_s_R: np.ndarray, *,
-                     costs: PathCosts, gating: str) -> dict[str, Any]:
+def score_path_model(
+    features_RF: np.ndarray,
+    windows_R: np.ndarray,
+    log_ratio_R: np.ndarray,
+    payload_R: np.ndarray,
+    units_R: np.ndarray,
+    rail_s_R: np.ndarray,
+    joint_s_R: np.ndarray,
+    limit_s_R: np.ndarray,
+    *,
+    costs: PathCosts,
+    gating: str,
+) -> dict[str, Any]:
     """The path model's leave-one-unit-out score under a payload gating (``tune_selector``): for
     each unit, the model fitted on the other units' rows (``fit_rail_joint``, rows with a finite
     target) and their gates (``payload_gates``) decide the unit's rows, RAIL where it predicts
@@ -296,7 +409,10 @@ def score_path_model(features_RF: np.ndarray, windows_R: np.ndarray, log_ratio_R
         ``total_s`` (the decided paths' seconds), ``decided`` (rows the model decided).
     """
     features_RF, windows_R = np.asarray(features_RF, dtype=np.float64), np.asarray(windows_R)
-    log_ratio_R, payload_R = np.asarray(log_ratio_R, dtype=np.float64), np.asarray(payload_R, dtype=np.float64)
+    log_ratio_R, payload_R = (
+        np.asarray(log_ratio_R, dtype=np.float64),
+        np.asarray(payload_R, dtype=np.float64),
+    )
     units_R = np.asarray(units_R, dtype=object)
     fits_R, all_pairs_R = np.isfinite(log_ratio_R), windows_R == 1
     joint_slow_R = np.asarray(joint_s_R) > np.asarray(limit_s_R)
@@ -304,18 +420,30 @@ def score_path_model(features_RF: np.ndarray, windows_R: np.ndarray, log_ratio_R
     decided_R = np.zeros(len(units_R), dtype=bool)
     for unit in dict.fromkeys(units_R.tolist()):
         train, idx = (units_R != unit), np.flatnonzero(units_R == unit)
-        fitted = fit_rail_joint(features_RF[train & fits_R], windows_R[train & fits_R], log_ratio_R[train & fits_R],
-                                costs=costs)
+        fitted = fit_rail_joint(
+            features_RF[train & fits_R],
+            windows_R[train & fits_R],
+            log_ratio_R[train & fits_R],
+            costs=costs,
+        )
         if fitted is None:
             continue  # no model for this unit: its rows run JOINT
-        gate_all, gate_windowed = payload_gates(payload_R[train], joint_slow_R[train], all_pairs_R[train],
-                                                gating=gating)
-        fitted = dataclasses.replace(fitted, max_payload_bytes=gate_all, max_payload_bytes_windowed=gate_windowed)
+        gate_all, gate_windowed = payload_gates(
+            payload_R[train], joint_slow_R[train], all_pairs_R[train], gating=gating
+        )
+        fitted = dataclasses.replace(
+            fitted, max_payload_bytes=gate_all, max_payload_bytes_windowed=gate_windowed
+        )
         for i in idx:  # the runtime's rule (ModelSelector): the gate, then the prediction
             windows = int(windows_R[i])
             decided_R[i] = fitted.decides(payload_R[i], input_windows=windows)
-            predicted = fitted.log_ratio(features_RF[i], input_windows=windows) if decided_R[i] else None
+            predicted = (
+                fitted.log_ratio(features_RF[i], input_windows=windows) if decided_R[i] else None
+            )
             rail_R[i] = predicted is not None and predicted < 0
     chosen_s_R = np.where(rail_R, rail_s_R, joint_s_R)
-    return {"over_tolerance": int((chosen_s_R > np.asarray(limit_s_R)).sum()), "total_s": float(chosen_s_R.sum()),
-            "decided": int(decided_R.sum())}
+    return {
+        "over_tolerance": int((chosen_s_R > np.asarray(limit_s_R)).sum()),
+        "total_s": float(chosen_s_R.sum()),
+        "decided": int(decided_R.sum()),
+    }

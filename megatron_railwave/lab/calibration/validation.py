@@ -11,7 +11,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from megatron_railwave.lab.calibration.backend import MeasureBackend
-from megatron_railwave.lab.calibration.profiling import _RULE_RTOL, ALL_PATHS, _progress, profile_request, summarize
+from megatron_railwave.lab.calibration.profiling import (
+    _RULE_RTOL,
+    ALL_PATHS,
+    _progress,
+    profile_request,
+    summarize,
+)
 from megatron_railwave.lab.calibration.requests import ReplayRequest, request_stats, request_windows
 from megatron_railwave.names import Route
 from megatron_railwave.selector import AnchorSelector, ModelSelector, Selection
@@ -65,13 +71,23 @@ class ValidationRow:
         return 1.0 - self.selected_s / self.joint_s if self.joint_s > 0 else 0.0
 
     def to_dict(self) -> dict[str, Any]:
-        return {"request": self.request, "sequence": self.sequence, "position": self.position,
-                "windows": self.windows, "coords": list(self.coords), "selected": str(self.selected),
-                "anchor": self.anchor, "selected_s": self.selected_s, "joint_s": self.joint_s,
-                "best_path": str(self.best), "best_s": self.best_s, "ratio_to_best": self.ratio_to_best,
-                "within_goal": self.ratio_to_best <= MAX_RATIO_TO_BEST * (1.0 + _RULE_RTOL),
-                "gain_vs_joint": self.gain_vs_joint,
-                "median_s": {str(p): v for p, v in self.median_s.items()}}
+        return {
+            "request": self.request,
+            "sequence": self.sequence,
+            "position": self.position,
+            "windows": self.windows,
+            "coords": list(self.coords),
+            "selected": str(self.selected),
+            "anchor": self.anchor,
+            "selected_s": self.selected_s,
+            "joint_s": self.joint_s,
+            "best_path": str(self.best),
+            "best_s": self.best_s,
+            "ratio_to_best": self.ratio_to_best,
+            "within_goal": self.ratio_to_best <= MAX_RATIO_TO_BEST * (1.0 + _RULE_RTOL),
+            "gain_vs_joint": self.gain_vs_joint,
+            "median_s": {str(p): v for p, v in self.median_s.items()},
+        }
 
 
 def count_path_changes(rows: Sequence[ValidationRow]) -> dict[str, int]:
@@ -132,8 +148,12 @@ class ValidationResult:
             "total_best_per_request_s": oracle_total,
             "total_fixed_s": totals,
             "best_fixed_policy": policy,
-            "selected_vs_best_policy": selected_total / totals[policy] if self.rows and totals[policy] > 0 else 1.0,
-            "selected_vs_joint_policy": selected_total / joint_total if self.rows and joint_total > 0 else 1.0,
+            "selected_vs_best_policy": selected_total / totals[policy]
+            if self.rows and totals[policy] > 0
+            else 1.0,
+            "selected_vs_joint_policy": selected_total / joint_total
+            if self.rows and joint_total > 0
+            else 1.0,
             "goals": {
                 "within_tolerance_of_best_on_every_request": goal_best,
                 "total_beats_always_joint": goal_joint,
@@ -141,7 +161,9 @@ class ValidationResult:
             },
         }
 
-    def with_decision_cost(self, decision_s: float, *, exchanges_per_decision: int = 1) -> dict[str, Any]:
+    def with_decision_cost(
+        self, decision_s: float, *, exchanges_per_decision: int = 1
+    ) -> dict[str, Any]:
         """The selection against always-JOINT once each layer's decision is paid for: JOINT needs
         none (its plan is built on every path), the selector ``decision_s`` host seconds per layer
         call (measured by the caller, ``railwave validate``: on the critical path, between the count
@@ -169,13 +191,18 @@ class ValidationResult:
             ValueError: ``decision_s`` negative or not finite; ``exchanges_per_decision`` < 1.
         """
         if not (math.isfinite(decision_s) and decision_s >= 0):
-            raise ValueError(f"decision_s must be a finite number of seconds >= 0, got {decision_s!r}")
+            raise ValueError(
+                f"decision_s must be a finite number of seconds >= 0, got {decision_s!r}"
+            )
         uses = exchanges_per_decision
         if isinstance(uses, bool) or not isinstance(uses, int) or uses < 1:
             raise ValueError(f"exchanges_per_decision must be an integer >= 1, got {uses!r}")
         totals = self.summary()
         n = totals["num_requests"]
-        joint, selected = uses * totals["total_fixed_s"][str(Route.JOINT)], uses * totals["total_selected_s"]
+        joint, selected = (
+            uses * totals["total_fixed_s"][str(Route.JOINT)],
+            uses * totals["total_selected_s"],
+        )
         best = uses * totals["total_best_per_request_s"]
         with_decisions = selected + n * decision_s
         return {
@@ -185,7 +212,9 @@ class ValidationResult:
             "selected_gain_s_per_layer": (joint - selected) / n if n else 0.0,
             "best_gain_s_per_layer": (joint - best) / n if n else 0.0,
             "total_selected_with_decisions_s": with_decisions,
-            "selected_with_decisions_vs_joint_policy": with_decisions / joint if n and joint > 0 else 1.0,
+            "selected_with_decisions_vs_joint_policy": with_decisions / joint
+            if n and joint > 0
+            else 1.0,
             "total_with_decisions_beats_always_joint": bool(n) and with_decisions < joint,
             "a_decision_could_pay": bool(n) and decision_s < (joint - best) / n,
         }
@@ -199,16 +228,26 @@ class ValidationResult:
         """``with_decision_cost`` on the all-pairs requests (``all_pairs``: the dispatcher's input)
         for each kind of layer call in ``PASS_EXCHANGES``."""
         dispatched = self.all_pairs()
-        return {name: dispatched.with_decision_cost(decision_s, exchanges_per_decision=uses)
-                for name, uses in PASS_EXCHANGES.items()}
+        return {
+            name: dispatched.with_decision_cost(decision_s, exchanges_per_decision=uses)
+            for name, uses in PASS_EXCHANGES.items()
+        }
 
     def to_dict(self) -> dict[str, Any]:
         return {"summary": self.summary(), "requests": [r.to_dict() for r in self.rows]}
 
 
-def validate(backend: MeasureBackend, selector: AnchorSelector | ModelSelector, requests: Sequence[ReplayRequest],
-             topo: RailTopology, *, scales: tuple[float, float, float] | None = None, warmups: int = 5,
-             repeats: int = 10, progress: bool = True) -> ValidationResult:
+def validate(
+    backend: MeasureBackend,
+    selector: AnchorSelector | ModelSelector,
+    requests: Sequence[ReplayRequest],
+    topo: RailTopology,
+    *,
+    scales: tuple[float, float, float] | None = None,
+    warmups: int = 5,
+    repeats: int = 10,
+    progress: bool = True,
+) -> ValidationResult:
     """Select a path for every request and time it against all four fixed paths.
 
     Args:
@@ -216,26 +255,45 @@ def validate(backend: MeasureBackend, selector: AnchorSelector | ModelSelector, 
             else the package defaults for ``topo``).
     """
     if scales is None:
-        scales = (selector.anchor_set.scales if isinstance(selector, AnchorSelector)
-                  else AnchorSet.scales_for(topo, None))
+        scales = (
+            selector.anchor_set.scales
+            if isinstance(selector, AnchorSelector)
+            else AnchorSet.scales_for(topo, None)
+        )
     rows = []
     per_request = len(ALL_PATHS) * (repeats + (1 if warmups else 0))
     with _progress(per_request * len(requests), "validate", progress) as bar:
         for req in requests:
             choice = _decide(selector, req, topo, scales)
-            samples = profile_request(backend, req, warmups=warmups, repeats=repeats,
-                                      on_measure=lambda: bar.update(1))
+            samples = profile_request(
+                backend, req, warmups=warmups, repeats=repeats, on_measure=lambda: bar.update(1)
+            )
             medians = {p: summarize(v).median for p, v in samples.items()}
             best = min(ALL_PATHS, key=lambda p: (medians[p], p != Route.JOINT))
-            rows.append(ValidationRow(request=req.name, coords=choice.coords, selected=choice.path,
-                                      anchor=choice.anchor, median_s=medians, best=best,
-                                      sequence=str(req.meta.get("sequence", "")),
-                                      position=int(req.meta.get("position", 0)), windows=request_windows(req)))
+            rows.append(
+                ValidationRow(
+                    request=req.name,
+                    coords=choice.coords,
+                    selected=choice.path,
+                    anchor=choice.anchor,
+                    median_s=medians,
+                    best=best,
+                    sequence=str(req.meta.get("sequence", "")),
+                    position=int(req.meta.get("position", 0)),
+                    windows=request_windows(req),
+                )
+            )
     return ValidationResult(rows=tuple(rows))
 
 
-def rescore(result: ValidationResult, selector: AnchorSelector | ModelSelector, requests: Sequence[ReplayRequest],
-            topo: RailTopology, *, scales: tuple[float, float, float]) -> ValidationResult:
+def rescore(
+    result: ValidationResult,
+    selector: AnchorSelector | ModelSelector,
+    requests: Sequence[ReplayRequest],
+    topo: RailTopology,
+    *,
+    scales: tuple[float, float, float],
+) -> ValidationResult:
     """``result``'s requests decided by another selector, over the same measured medians (nothing
     is measured again): two rules compared side by side in one run."""
     by_name = {r.request: r for r in result.rows}
@@ -243,17 +301,32 @@ def rescore(result: ValidationResult, selector: AnchorSelector | ModelSelector, 
     for req in requests:
         row = by_name[req.name]
         choice = _decide(selector, req, topo, scales)
-        rows.append(dataclasses.replace(row, coords=choice.coords, selected=choice.path, anchor=choice.anchor))
+        rows.append(
+            dataclasses.replace(
+                row, coords=choice.coords, selected=choice.path, anchor=choice.anchor
+            )
+        )
     return ValidationResult(rows=tuple(rows))
 
 
-def _decide(selector: AnchorSelector | ModelSelector, req: ReplayRequest, topo: RailTopology,
-            scales: tuple[float, float, float]) -> Selection:
-    st = request_stats(req, topo, SelectorScales(payload_ref_bytes=scales[0], rho_scale=scales[1],
-                                                 kappa_scale=scales[2]))
+def _decide(
+    selector: AnchorSelector | ModelSelector,
+    req: ReplayRequest,
+    topo: RailTopology,
+    scales: tuple[float, float, float],
+) -> Selection:
+    st = request_stats(
+        req,
+        topo,
+        SelectorScales(payload_ref_bytes=scales[0], rho_scale=scales[1], kappa_scale=scales[2]),
+    )
     if isinstance(selector, ModelSelector):
         if req.demand is None:
-            raise ValueError(f"request {req.name!r}: the path model needs the request's target masks "
-                             "(ReplayRequest.demand); build the requests with glm_requests / synthetic_requests")
-        return selector.explain_layer(st, req.demand, record_bytes=req.record_bytes, windows=req.windows)
+            raise ValueError(
+                f"request {req.name!r}: the path model needs the request's target masks "
+                "(ReplayRequest.demand); build the requests with glm_requests / synthetic_requests"
+            )
+        return selector.explain_layer(
+            st, req.demand, record_bytes=req.record_bytes, windows=req.windows
+        )
     return selector.explain(st, input_windows=request_windows(req))

@@ -27,7 +27,11 @@ from megatron_railwave.lab.netmodel.execute import (
     load_netmodel_config,
     simulate_plan,
 )
-from megatron_railwave.lab.netmodel.incast import IncastModel, alpha_from_slowdowns, fit_incast_alpha
+from megatron_railwave.lab.netmodel.incast import (
+    IncastModel,
+    alpha_from_slowdowns,
+    fit_incast_alpha,
+)
 from megatron_railwave.lab.netmodel.maxmin import simulate
 from megatron_railwave.lab.netmodel.problem import (
     FlowSet,

@@ -70,8 +70,14 @@ def rail_all_to_all(
     return network, flows, phases
 
 
-def time_engine(nodes: Sequence[int], gpus_per_node: int, *, sizes: Sequence[str] = ("uniform", "random"),
-                rel_tols: Sequence[float] = (1e-3, 1e-2), alpha: float = 0.0) -> Iterator[dict[str, Any]]:
+def time_engine(
+    nodes: Sequence[int],
+    gpus_per_node: int,
+    *,
+    sizes: Sequence[str] = ("uniform", "random"),
+    rel_tols: Sequence[float] = (1e-3, 1e-2),
+    alpha: float = 0.0,
+) -> Iterator[dict[str, Any]]:
     """Time ``simulate`` on every case; yields one row per case as soon as it is done.
 
     Args:
@@ -94,7 +100,9 @@ def time_engine(nodes: Sequence[int], gpus_per_node: int, *, sizes: Sequence[str
     for n in nodes:
         for size_name in sizes:
             for waves in (False, True):
-                network, flows, phases = rail_all_to_all(n, gpus_per_node, waves=waves, sizes=size_name)
+                network, flows, phases = rail_all_to_all(
+                    n, gpus_per_node, waves=waves, sizes=size_name
+                )
                 for rel_tol in rel_tols:
                     t0, c0 = time.perf_counter(), time.process_time()
                     res = simulate(network, flows, phases, incast=incast, rel_tol=rel_tol)

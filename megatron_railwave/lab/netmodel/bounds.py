@@ -56,15 +56,21 @@ class IdealBound:
     bound_s: float
     """Dispatch + combine: their sum ('global'), or the joint per-resource form ('rank')."""
     resource: str
-    """The binding resource, e.g. 'node NIC in 2 (aggregate of 8 ports)', 'GPU in (1, 3) (NVLink + NIC)'."""
+    """The binding resource, e.g. 'node NIC in 2 (aggregate of 8 ports)', 'GPU in (1, 3) (NVLink +
+    NIC)'."""
 
     def to_dict(self) -> dict[str, Any]:
-        return {"dispatch_s": self.dispatch_s, "combine_s": self.combine_s, "bound_s": self.bound_s,
-                "resource": self.resource}
+        return {
+            "dispatch_s": self.dispatch_s,
+            "combine_s": self.combine_s,
+            "bound_s": self.bound_s,
+            "resource": self.resource,
+        }
 
 
 def _capacities(topo: RailTopology) -> tuple[np.ndarray, np.ndarray]:
-    """([G] bytes/s each GPU reaches through NVLink + its own NIC port, scalar node NIC aggregate)."""
+    """([G] bytes/s each GPU reaches through NVLink + its own NIC port, scalar node NIC
+    aggregate)."""
     g = topo.gpus_per_node
     rail_of_gpu = np.asarray(topo.rail_of_gpu, dtype=np.int64)
     adapter_of_rail = np.asarray(topo.adapter_of_rail, dtype=np.int64)
@@ -78,7 +84,9 @@ def _capacities(topo: RailTopology) -> tuple[np.ndarray, np.ndarray]:
     return gpu, node_nic
 
 
-def ideal_bound(demand: Any, topo: RailTopology, *, payload_bytes: int, phase_sync: str = "global") -> IdealBound:
+def ideal_bound(
+    demand: Any, topo: RailTopology, *, payload_bytes: int, phase_sync: str = "global"
+) -> IdealBound:
     """The path-independent lower bound of one layer (see the module docstring).
 
     Args:
@@ -111,7 +119,7 @@ def ideal_bound(demand: Any, topo: RailTopology, *, payload_bytes: int, phase_sy
         copies_WG = masks_WM @ bits_MG  # [W, G] copies into GPU (d, j)
         own = np.flatnonzero(~remote)
         copies_WG[own, own % g] = 0.0  # a GPU does not send to itself
-        gpu_in[d * g:(d + 1) * g] = copies_WG.sum(axis=0)
+        gpu_in[d * g : (d + 1) * g] = copies_WG.sum(axis=0)
         leaving = rec_W.copy()
         leaving[own] -= masks_WM[own, self_only_M[own]]
         gpu_out += leaving
@@ -128,20 +136,31 @@ def ideal_bound(demand: Any, topo: RailTopology, *, payload_bytes: int, phase_sy
     times = {k: np.nan_to_num(v, nan=0.0, posinf=np.inf) for k, v in times.items()}
 
     def name(kind: str, idx: int) -> str:
-        return f"{kind} node {idx}" if kind.startswith("node") else f"{kind} ({idx // g}, {idx % g})"
+        return (
+            f"{kind} node {idx}" if kind.startswith("node") else f"{kind} ({idx // g}, {idx % g})"
+        )
 
     best_kind = max(times, key=lambda k: float(times[k].max()) if times[k].size else 0.0)
     best_idx = int(np.argmax(times[best_kind]))
     one_way = float(times[best_kind][best_idx])
     if phase_sync == "global":
         # Combine: the same rows backwards on links whose up and down capacities are equal.
-        return IdealBound(dispatch_s=one_way, combine_s=one_way, bound_s=2 * one_way,
-                          resource=name(best_kind, best_idx))
+        return IdealBound(
+            dispatch_s=one_way,
+            combine_s=one_way,
+            bound_s=2 * one_way,
+            resource=name(best_kind, best_idx),
+        )
     # Per-rank phases: a resource's dispatch and combine rows together (node in: remote records
     # in during dispatch + the same node's remote records out again during combine, and so on).
-    joint = {"node NIC (dispatch in + combine in)": times["node NIC in"] + times["node NIC out"],
-             "GPU (dispatch in + combine in)": times["GPU in (NVLink + NIC)"] + times["GPU out (NVLink + NIC)"]}
+    joint = {
+        "node NIC (dispatch in + combine in)": times["node NIC in"] + times["node NIC out"],
+        "GPU (dispatch in + combine in)": times["GPU in (NVLink + NIC)"]
+        + times["GPU out (NVLink + NIC)"],
+    }
     kind = max(joint, key=lambda k: float(joint[k].max()))
     idx = int(np.argmax(joint[kind]))
     total = max(one_way, float(joint[kind][idx]))
-    return IdealBound(dispatch_s=one_way, combine_s=total - one_way, bound_s=total, resource=name(kind, idx))
+    return IdealBound(
+        dispatch_s=one_way, combine_s=total - one_way, bound_s=total, resource=name(kind, idx)
+    )

@@ -24,7 +24,8 @@ faster than NATIVE. Under max-min the two take about the same time (the destinat
 the same bytes either way), so that speedup is a second, independent reading of the same penalty;
 ``ultraep_check`` replays it on a fitted model.
 
-    railwave netmodel fit-incast --cluster h800_4x8 --max-alpha 8 --out configs/netmodel/h800_4x8_paper_incast.yaml
+    railwave netmodel fit-incast --cluster h800_4x8 --max-alpha 8 --out
+    configs/netmodel/h800_4x8_paper_incast.yaml
 """
 
 from __future__ import annotations
@@ -36,22 +37,51 @@ from typing import Any
 
 import yaml
 
+from megatron_railwave.lab.netmodel.execute import NetModelConfig, execute_plan
+from megatron_railwave.lab.workloads import (
+    demand_from_topk_ids,
+    one_destination_topk_ids,
+    scaled_demand,
+)
 from megatron_railwave.names import Route
 from megatron_railwave.planner import PlanOptions, WaveSchedule, build_plan
 from megatron_railwave.topology import RailTopology
 from megatron_railwave.traffic import DemandCounts
-from megatron_railwave.lab.workloads import demand_from_topk_ids, one_destination_topk_ids, scaled_demand
-from megatron_railwave.lab.netmodel.execute import NetModelConfig, execute_plan
 
-__all__ = ["PAPER_INCAST", "PAPER_ULTRAEP", "IncastCalibration", "ConcentrationCheck", "arranged_layers",
-           "pattern_sum_s", "calibrate_incast", "is_ultraep_cluster", "ultraep_check", "write_config"]
+__all__ = [
+    "PAPER_INCAST",
+    "PAPER_ULTRAEP",
+    "IncastCalibration",
+    "ConcentrationCheck",
+    "arranged_layers",
+    "pattern_sum_s",
+    "calibrate_incast",
+    "is_ultraep_cluster",
+    "ultraep_check",
+    "write_config",
+]
 
-PAPER_INCAST = {"low_s": 1.801, "high_s": 3.009, "low": "ring", "high": "extreme", "layers": 45,
-                "cluster": "H800 4x8", "path": "native"}
+PAPER_INCAST = {
+    "low_s": 1.801,
+    "high_s": 3.009,
+    "low": "ring",
+    "high": "extreme",
+    "layers": 45,
+    "cluster": "H800 4x8",
+    "path": "native",
+}
 """The paper's incast experiment: sums of per-layer P50 dispatch + combine, NATIVE."""
 
-PAPER_ULTRAEP = {"mib_per_gpu": (28, 42), "perm_over_native": (9.694, 8.670), "hidden": 7168,
-                 "cluster": "H800 4x8", "nodes": 4, "gpus_per_node": 8, "sources": 3, "source_rails": "balanced"}
+PAPER_ULTRAEP = {
+    "mib_per_gpu": (28, 42),
+    "perm_over_native": (9.694, 8.670),
+    "hidden": 7168,
+    "cluster": "H800 4x8",
+    "nodes": 4,
+    "gpus_per_node": 8,
+    "sources": 3,
+    "source_rails": "balanced",
+}
 """The paper's UltraEP case (appendix A.2, Table 2, source-node skew with locally balanced rails):
 PERM's speedup over NATIVE per all-to-all at about 28 and 42 MiB per GPU, BF16, hidden 7168."""
 
@@ -81,25 +111,52 @@ class IncastCalibration:
     seconds: float
 
     def to_dict(self) -> dict[str, Any]:
-        return {"model": self.model.to_dict(), "target_ratio": self.target_ratio,
-                "ratio_at_zero": self.ratio_at_zero, "fitted_ratio": self.fitted_ratio,
-                "low_s": self.low_s, "high_s": self.high_s, "payload_scale": self.payload_scale,
-                "tokens": self.tokens, "implied_tokens": self.implied_tokens, "layers": list(self.layers),
-                "curve": [list(c) for c in self.curve], "seconds": self.seconds}
+        return {
+            "model": self.model.to_dict(),
+            "target_ratio": self.target_ratio,
+            "ratio_at_zero": self.ratio_at_zero,
+            "fitted_ratio": self.fitted_ratio,
+            "low_s": self.low_s,
+            "high_s": self.high_s,
+            "payload_scale": self.payload_scale,
+            "tokens": self.tokens,
+            "implied_tokens": self.implied_tokens,
+            "layers": list(self.layers),
+            "curve": [list(c) for c in self.curve],
+            "seconds": self.seconds,
+        }
 
 
-def arranged_layers(topo: RailTopology, pattern: str, *, tokens: int, seed: int = 0, step: int = 0,
-                    layers: Sequence[int] | None = None) -> dict[int, tuple[DemandCounts, WaveSchedule]]:
+def arranged_layers(
+    topo: RailTopology,
+    pattern: str,
+    *,
+    tokens: int,
+    seed: int = 0,
+    step: int = 0,
+    layers: Sequence[int] | None = None,
+) -> dict[int, tuple[DemandCounts, WaveSchedule]]:
     """The synthetic GLM-4.5-Air layers arranged into ``pattern``'s windows."""
     from megatron_railwave.lab.workloads import GlmAirWorkload, arrange, glm_air_demands
 
-    work = GlmAirWorkload(num_tokens=tokens, seed=seed, step=step, layers=tuple(layers) if layers else None)
-    return {layer: arrange(demand, pattern, topo) for layer, demand in glm_air_demands(topo, work).items()}
+    work = GlmAirWorkload(
+        num_tokens=tokens, seed=seed, step=step, layers=tuple(layers) if layers else None
+    )
+    return {
+        layer: arrange(demand, pattern, topo)
+        for layer, demand in glm_air_demands(topo, work).items()
+    }
 
 
-def pattern_sum_s(arranged: dict[int, tuple[DemandCounts, WaveSchedule]], topo: RailTopology,
-                  model: NetModelConfig, *, record_bytes: int, path: Route | str = Route.NATIVE,
-                  scale: float = 1.0) -> float:
+def pattern_sum_s(
+    arranged: dict[int, tuple[DemandCounts, WaveSchedule]],
+    topo: RailTopology,
+    model: NetModelConfig,
+    *,
+    record_bytes: int,
+    path: Route | str = Route.NATIVE,
+    scale: float = 1.0,
+) -> float:
     """Sum over layers of the modelled dispatch + combine seconds of ``path``."""
     total = 0.0
     for demand, windows in arranged.values():
@@ -109,10 +166,18 @@ def pattern_sum_s(arranged: dict[int, tuple[DemandCounts, WaveSchedule]], topo: 
     return total
 
 
-def calibrate_incast(topo: RailTopology, *, base: NetModelConfig | None = None, tokens: int = 2048,
-                     seed: int = 0, layers: Sequence[int] | None = None, record_bytes: int = 4096 * 2,
-                     bounds: tuple[float, float] = (0.0, 8.0), tol: float = 1e-3,
-                     log: Callable[[str], None] | None = print) -> IncastCalibration:
+def calibrate_incast(
+    topo: RailTopology,
+    *,
+    base: NetModelConfig | None = None,
+    tokens: int = 2048,
+    seed: int = 0,
+    layers: Sequence[int] | None = None,
+    record_bytes: int = 4096 * 2,
+    bounds: tuple[float, float] = (0.0, 8.0),
+    tol: float = 1e-3,
+    log: Callable[[str], None] | None = print,
+) -> IncastCalibration:
     """Fit ``alpha`` to the paper's incast experiment (see the module docstring).
 
     Args:
@@ -129,14 +194,19 @@ def calibrate_incast(topo: RailTopology, *, base: NetModelConfig | None = None, 
     high = arranged_layers(topo, PAPER_INCAST["high"], tokens=tokens, seed=seed, layers=layers)
     zero = replace(base, alpha=0.0)
     # Fixed cost of a RING layer: 3 windows x (dispatch + combine) rail phases, one count exchange.
-    fixed = sum(2 * w.num_waves * base.wave_cost_s(topo.world_size) + base.count_exchange_s for _, w in low.values())
+    fixed = sum(
+        2 * w.num_waves * base.wave_cost_s(topo.world_size) + base.count_exchange_s
+        for _, w in low.values()
+    )
     ring_s = pattern_sum_s(low, topo, zero, record_bytes=record_bytes)
     scale = (PAPER_INCAST["low_s"] - fixed) / (ring_s - fixed)
     # Not exactly linear (the fixed costs sit on some critical paths only): one secant step.
     ring_scaled = pattern_sum_s(low, topo, zero, record_bytes=record_bytes, scale=scale)
     scale *= (PAPER_INCAST["low_s"] - fixed) / (ring_scaled - fixed)
-    say(f"RING sum at {tokens} tokens/GPU: {ring_s:.4f} s; payload scale {scale:.3f} "
-        f"(~{tokens * scale:.0f} tokens/GPU) for {PAPER_INCAST['low_s']} s")
+    say(
+        f"RING sum at {tokens} tokens/GPU: {ring_s:.4f} s; payload scale {scale:.3f} "
+        f"(~{tokens * scale:.0f} tokens/GPU) for {PAPER_INCAST['low_s']} s"
+    )
 
     def ratio(alpha: float) -> float:
         model = replace(base, alpha=alpha)
@@ -184,10 +254,20 @@ def calibrate_incast(topo: RailTopology, *, base: NetModelConfig | None = None, 
     lo_s = pattern_sum_s(low, topo, model, record_bytes=record_bytes, scale=scale)
     hi_s = pattern_sum_s(high, topo, model, record_bytes=record_bytes, scale=scale)
     curve = tuple(sorted(seen.items()))
-    return IncastCalibration(model=model, target_ratio=target, ratio_at_zero=at_zero, fitted_ratio=hi_s / lo_s,
-                             low_s=lo_s, high_s=hi_s, payload_scale=scale, tokens=tokens,
-                             implied_tokens=tokens * scale, layers=tuple(low), curve=curve,
-                             seconds=time.perf_counter() - t0)
+    return IncastCalibration(
+        model=model,
+        target_ratio=target,
+        ratio_at_zero=at_zero,
+        fitted_ratio=hi_s / lo_s,
+        low_s=lo_s,
+        high_s=hi_s,
+        payload_scale=scale,
+        tokens=tokens,
+        implied_tokens=tokens * scale,
+        layers=tuple(low),
+        curve=curve,
+        seconds=time.perf_counter() - t0,
+    )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -216,21 +296,35 @@ class ConcentrationCheck:
         return self.native_total_s / self.perm_total_s
 
     def to_dict(self) -> dict[str, Any]:
-        return {"mib_per_gpu": self.mib_per_gpu, "records_per_gpu": self.records_per_gpu,
-                "native_dispatch_s": self.native_dispatch_s, "native_total_s": self.native_total_s,
-                "perm_dispatch_s": self.perm_dispatch_s, "perm_total_s": self.perm_total_s,
-                "dispatch_speedup": self.dispatch_speedup, "total_speedup": self.total_speedup,
-                "paper_speedup": self.paper_speedup}
+        return {
+            "mib_per_gpu": self.mib_per_gpu,
+            "records_per_gpu": self.records_per_gpu,
+            "native_dispatch_s": self.native_dispatch_s,
+            "native_total_s": self.native_total_s,
+            "perm_dispatch_s": self.perm_dispatch_s,
+            "perm_total_s": self.perm_total_s,
+            "dispatch_speedup": self.dispatch_speedup,
+            "total_speedup": self.total_speedup,
+            "paper_speedup": self.paper_speedup,
+        }
 
 
 def is_ultraep_cluster(topo: RailTopology) -> bool:
     """Whether ``topo`` has the shape of the paper's UltraEP runs (4 nodes x 8 GPUs)."""
-    return (topo.num_nodes, topo.gpus_per_node) == (PAPER_ULTRAEP["nodes"], PAPER_ULTRAEP["gpus_per_node"])
+    return (topo.num_nodes, topo.gpus_per_node) == (
+        PAPER_ULTRAEP["nodes"],
+        PAPER_ULTRAEP["gpus_per_node"],
+    )
 
 
-def ultraep_check(topo: RailTopology, model: NetModelConfig, *, record_bytes: int = PAPER_ULTRAEP["hidden"] * 2,
-                  mib_per_gpu: Sequence[float] = PAPER_ULTRAEP["mib_per_gpu"],
-                  source_weights: Sequence[float] | None = None) -> list[ConcentrationCheck]:
+def ultraep_check(
+    topo: RailTopology,
+    model: NetModelConfig,
+    *,
+    record_bytes: int = PAPER_ULTRAEP["hidden"] * 2,
+    mib_per_gpu: Sequence[float] = PAPER_ULTRAEP["mib_per_gpu"],
+    source_weights: Sequence[float] | None = None,
+) -> list[ConcentrationCheck]:
     """Replay the paper's UltraEP case on ``model``: every node but node 0 sends to node 0
     (`workloads.one_destination_topk_ids`), NATIVE with all sources at once against PERM's
     one-to-one waves, at each payload of ``mib_per_gpu`` (MiB each source GPU sends).
@@ -243,39 +337,71 @@ def ultraep_check(topo: RailTopology, model: NetModelConfig, *, record_bytes: in
             size); default equal sources, where the destination's ports see every sender for
             the whole dispatch.
     """
-    same_case = is_ultraep_cluster(topo) and (source_weights is None or len(set(source_weights)) == 1)
-    paper = dict(zip(PAPER_ULTRAEP["mib_per_gpu"], PAPER_ULTRAEP["perm_over_native"])) if same_case else {}
+    same_case = is_ultraep_cluster(topo) and (
+        source_weights is None or len(set(source_weights)) == 1
+    )
+    paper = (
+        dict(zip(PAPER_ULTRAEP["mib_per_gpu"], PAPER_ULTRAEP["perm_over_native"]))
+        if same_case
+        else {}
+    )
     rows = []
     for mib in mib_per_gpu:
         records = int(round(mib * 2**20 / record_bytes))
-        ids = one_destination_topk_ids(topo, records_per_gpu=records,
-                                       source_weights=None if source_weights is None else tuple(source_weights))
+        ids = one_destination_topk_ids(
+            topo,
+            records_per_gpu=records,
+            source_weights=None if source_weights is None else tuple(source_weights),
+        )
         demand = demand_from_topk_ids(ids, topo, topo.world_size)
-        native, perm = (execute_plan(build_plan(demand, topo, path), record_bytes=record_bytes, model=model,
-                                     demand=demand) for path in (Route.NATIVE, Route.PERM))
-        rows.append(ConcentrationCheck(mib_per_gpu=float(mib), records_per_gpu=records,
-                                       native_dispatch_s=native.dispatch_s, native_total_s=native.total_s,
-                                       perm_dispatch_s=perm.dispatch_s, perm_total_s=perm.total_s,
-                                       paper_speedup=paper.get(mib)))
+        native, perm = (
+            execute_plan(
+                build_plan(demand, topo, path),
+                record_bytes=record_bytes,
+                model=model,
+                demand=demand,
+            )
+            for path in (Route.NATIVE, Route.PERM)
+        )
+        rows.append(
+            ConcentrationCheck(
+                mib_per_gpu=float(mib),
+                records_per_gpu=records,
+                native_dispatch_s=native.dispatch_s,
+                native_total_s=native.total_s,
+                perm_dispatch_s=perm.dispatch_s,
+                perm_total_s=perm.total_s,
+                paper_speedup=paper.get(mib),
+            )
+        )
     return rows
 
 
-def write_config(path: str, calib: IncastCalibration, *, cluster: str,
-                 cross_check: Sequence[ConcentrationCheck] = ()) -> None:
+def write_config(
+    path: str,
+    calib: IncastCalibration,
+    *,
+    cluster: str,
+    cross_check: Sequence[ConcentrationCheck] = (),
+) -> None:
     """``configs/netmodel/<cluster>.yaml``: the model and how it was fitted."""
     data = {
         "model": calib.model.to_dict(),
         "calibration": {
             "experiment": dict(PAPER_INCAST),
             "cluster_file": cluster,
-            "workload": f"synthetic GLM-4.5-Air (workloads.glm_air_demands), seed 0, {calib.tokens} tokens/GPU "
-                        f"x payload scale {calib.payload_scale:.3f}",
+            "workload": f"synthetic GLM-4.5-Air (workloads.glm_air_demands), seed 0, "
+            f"{calib.tokens} tokens/GPU "
+            f"x payload scale {calib.payload_scale:.3f}",
             **{k: v for k, v in calib.to_dict().items() if k not in ("model", "layers")},
         },
     }
     if cross_check:
         data["calibration"]["ultraep_check"] = [row.to_dict() for row in cross_check]
     with open(path, "w", encoding="utf-8") as f:
-        f.write("# Network model parameters (NetModelConfig, megatron_railwave/lab/netmodel/execute.py).\n"
-                "# Written by: railwave netmodel fit-incast; see docs/netmodel.md.\n")
+        f.write(
+            "# Network model parameters (NetModelConfig, "
+            "megatron_railwave/lab/netmodel/execute.py).\n"
+            "# Written by: railwave netmodel fit-incast; see docs/netmodel.md.\n"
+        )
         yaml.safe_dump(data, f, sort_keys=False)

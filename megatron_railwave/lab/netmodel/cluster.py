@@ -11,8 +11,9 @@ Links (all directed, capacities in bytes/s):
 | NVLink into GPU (n, g) | ``N*G + n*G + g`` | ``nvlink_gBps`` |
 | NIC port up (n, r): node -> leaf | ``nic_up_NR[n, r]`` | ``rail_gbps / 8`` |
 | NIC port down (n, r): leaf -> node (receiver port) | ``nic_down_NR[n, r]`` | ``rail_gbps / 8`` |
-| adapter up / down (n, a), if ``adapter_gbps > 0`` | ``adapter_up_NA``, ``adapter_down_NA`` | ``adapter_gbps / 8`` |
-| leaf <-> spine of rail r, leaf group q, if Q > 1 | ``leaf_up_RQ``, ``leaf_down_RQ`` | see below |
+| adapter up / down (n, a), if ``adapter_gbps > 0`` | ``adapter_up_NA``, ``adapter_down_NA`` |
+``adapter_gbps / 8`` | | leaf <-> spine of rail r, leaf group q, if Q > 1 | ``leaf_up_RQ``,
+``leaf_down_RQ`` | see below |
 
 A leaf uplink (or downlink) carries ``nodes_per_leaf * rail_gbps / 8 / spine_oversubscription``.
 
@@ -34,8 +35,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from megatron_railwave.topology import RailTopology
 from megatron_railwave.lab.netmodel.problem import Network
+from megatron_railwave.topology import RailTopology
 
 __all__ = ["Fabric", "build_fabric"]
 
@@ -64,13 +65,17 @@ class Fabric:
     def num_links(self) -> int:
         return self.network.num_links
 
-    def nvlink_links_FH(self, node_F: np.ndarray, src_gpu_F: np.ndarray, dst_gpu_F: np.ndarray) -> np.ndarray:
+    def nvlink_links_FH(
+        self, node_F: np.ndarray, src_gpu_F: np.ndarray, dst_gpu_F: np.ndarray
+    ) -> np.ndarray:
         """[F, 2] NVLink links of intra-node transfers GPU (n, g) -> GPU (n, j), g != j."""
         n, g = self.topology.num_nodes, self.topology.gpus_per_node
         node_F = np.asarray(node_F, dtype=np.int64)
         return np.stack([node_F * g + src_gpu_F, n * g + node_F * g + dst_gpu_F], axis=1)
 
-    def rail_links_FH(self, src_node_F: np.ndarray, dst_node_F: np.ndarray, gpu_F: np.ndarray) -> np.ndarray:
+    def rail_links_FH(
+        self, src_node_F: np.ndarray, dst_node_F: np.ndarray, gpu_F: np.ndarray
+    ) -> np.ndarray:
         """[F, H] links of rail transfers GPU (s, l) -> GPU (d, l), s != d; -1 pads.
 
         Hops: NIC up at s, [adapter up at s], [leaf up, leaf down when the leaf groups differ],
@@ -87,11 +92,16 @@ class Fabric:
         if self.leaf_up_RQ is not None:
             qs, qd = self.leaf_group_N[src], self.leaf_group_N[dst]
             cross = qs != qd
-            cols += [np.where(cross, self.leaf_up_RQ[rail, qs], -1), np.where(cross, self.leaf_down_RQ[rail, qd], -1)]
+            cols += [
+                np.where(cross, self.leaf_up_RQ[rail, qs], -1),
+                np.where(cross, self.leaf_down_RQ[rail, qd], -1),
+            ]
         return np.stack(cols, axis=1)
 
 
-def build_fabric(topo: RailTopology, *, nodes_per_leaf: int = 32, spine_oversubscription: float = 1.0) -> Fabric:
+def build_fabric(
+    topo: RailTopology, *, nodes_per_leaf: int = 32, spine_oversubscription: float = 1.0
+) -> Fabric:
     """The links of ``topo`` (see the module docstring).
 
     Args:
@@ -103,11 +113,18 @@ def build_fabric(topo: RailTopology, *, nodes_per_leaf: int = 32, spine_oversubs
     Raises:
         ValueError: ``nodes_per_leaf`` < 0, or ``spine_oversubscription`` < 1 or not finite.
     """
-    if isinstance(nodes_per_leaf, bool) or not isinstance(nodes_per_leaf, int) or nodes_per_leaf < 0:
-        raise ValueError(f"nodes_per_leaf must be an int >= 0 (0 = one leaf per rail), got {nodes_per_leaf!r}")
+    if (
+        isinstance(nodes_per_leaf, bool)
+        or not isinstance(nodes_per_leaf, int)
+        or nodes_per_leaf < 0
+    ):
+        raise ValueError(
+            f"nodes_per_leaf must be an int >= 0 (0 = one leaf per rail), got {nodes_per_leaf!r}"
+        )
     if not (np.isfinite(spine_oversubscription) and spine_oversubscription >= 1.0):
         raise ValueError(
-            f"spine_oversubscription must be a finite number >= 1 (1 = non-blocking), got {spine_oversubscription!r}"
+            f"spine_oversubscription must be a finite number >= 1 (1 = non-blocking), got "
+            f"{spine_oversubscription!r}"
         )
     n, g, r = topo.num_nodes, topo.gpus_per_node, topo.num_rails
     rail_bps = topo.rail_bytes_per_s

@@ -53,16 +53,39 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from megatron_railwave.names import Route
-from megatron_railwave.planner import PathPlan
-from megatron_railwave.schedule import Direction, ExecutionSchedule, MaskSource, PhaseKind, RecordWireFormat, compile_schedule
-from megatron_railwave.topology import RailTopology, read_yaml
 from megatron_railwave.lab.netmodel.cluster import Fabric, build_fabric
 from megatron_railwave.lab.netmodel.incast import IncastModel
-from megatron_railwave.lab.netmodel.program import LinkProgram, ProgramBuilder, phase_times, rank_synced, run_program
+from megatron_railwave.lab.netmodel.program import (
+    LinkProgram,
+    ProgramBuilder,
+    phase_times,
+    rank_synced,
+    run_program,
+)
+from megatron_railwave.names import Route
+from megatron_railwave.planner import PathPlan
+from megatron_railwave.schedule import (
+    Direction,
+    ExecutionSchedule,
+    MaskSource,
+    PhaseKind,
+    RecordWireFormat,
+    compile_schedule,
+)
+from megatron_railwave.topology import RailTopology, read_yaml
 
-__all__ = ["MaskSource", "NetModelConfig", "PlanTiming", "execute_plan", "execute_schedule", "load_netmodel_config",
-           "model_wire", "schedule_program", "simulate_plan", "synced_program"]
+__all__ = [
+    "MaskSource",
+    "NetModelConfig",
+    "PlanTiming",
+    "execute_plan",
+    "execute_schedule",
+    "load_netmodel_config",
+    "model_wire",
+    "schedule_program",
+    "simulate_plan",
+    "synced_program",
+]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -79,7 +102,8 @@ class NetModelConfig:
     """Incast: concurrent senders a receiver port absorbs without loss."""
     k_sat: int | None = 2
     """Incast: the loss stops growing after ``k_sat`` senders beyond ``k_free`` (saturating law,
-    `incast.IncastModel`); 2 = flat beyond the 3 senders of the paper's experiment. None = linear."""
+    `incast.IncastModel`); 2 = flat beyond the 3 senders of the paper's experiment. None =
+    linear."""
     wave_latency_s: float = 30e-6
     """Fixed cost of one rail phase (one wave or window, dispatch or combine): kernel launch,
     notify and host wait of one exchange call. Stated: DeepEP's normal-mode notify plus the CPU
@@ -135,27 +159,62 @@ class NetModelConfig:
 
     def __post_init__(self) -> None:
         self.incast()  # validates alpha, k_free, k_sat
-        for name in ("wave_latency_s", "wave_jitter_s", "count_exchange_s", "railbalance_barrier_s",
-                     "railbalance_quota_s", "delivery_fanout"):
+        for name in (
+            "wave_latency_s",
+            "wave_jitter_s",
+            "count_exchange_s",
+            "railbalance_barrier_s",
+            "railbalance_quota_s",
+            "delivery_fanout",
+        ):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (np.isfinite(value) and value >= 0):
-                raise ValueError(f"NetModelConfig.{name} must be a finite number >= 0, got {value!r}")
-        if isinstance(self.num_experts, bool) or not isinstance(self.num_experts, int) or self.num_experts < 1:
-            raise ValueError(f"NetModelConfig.num_experts must be an int >= 1, got {self.num_experts!r}")
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, (int, float))
+                or not (np.isfinite(value) and value >= 0)
+            ):
+                raise ValueError(
+                    f"NetModelConfig.{name} must be a finite number >= 0, got {value!r}"
+                )
+        if (
+            isinstance(self.num_experts, bool)
+            or not isinstance(self.num_experts, int)
+            or self.num_experts < 1
+        ):
+            raise ValueError(
+                f"NetModelConfig.num_experts must be an int >= 1, got {self.num_experts!r}"
+            )
         if self.delivery not in ("after_rail", "streamed"):
-            raise ValueError(f"NetModelConfig.delivery must be 'after_rail' or 'streamed', got {self.delivery!r}")
+            raise ValueError(
+                f"NetModelConfig.delivery must be 'after_rail' or 'streamed', got {self.delivery!r}"
+            )
         if self.nvlink not in ("maxmin", "ports"):
-            raise ValueError(f"NetModelConfig.nvlink must be 'maxmin' or 'ports', got {self.nvlink!r}")
+            raise ValueError(
+                f"NetModelConfig.nvlink must be 'maxmin' or 'ports', got {self.nvlink!r}"
+            )
         if self.phase_sync not in ("global", "rank"):
-            raise ValueError(f"NetModelConfig.phase_sync must be 'global' or 'rank', got {self.phase_sync!r}")
-        if (isinstance(self.rank_sync_max_ranks, bool) or not isinstance(self.rank_sync_max_ranks, int)
-                or self.rank_sync_max_ranks < 1):
-            raise ValueError(f"NetModelConfig.rank_sync_max_ranks must be an int >= 1, got {self.rank_sync_max_ranks!r}")
+            raise ValueError(
+                f"NetModelConfig.phase_sync must be 'global' or 'rank', got {self.phase_sync!r}"
+            )
+        if (
+            isinstance(self.rank_sync_max_ranks, bool)
+            or not isinstance(self.rank_sync_max_ranks, int)
+            or self.rank_sync_max_ranks < 1
+        ):
+            raise ValueError(
+                f"NetModelConfig.rank_sync_max_ranks must be an int >= 1, got "
+                f"{self.rank_sync_max_ranks!r}"
+            )
         for name in ("rel_tol", "large_rel_tol"):
             if not 0.0 <= getattr(self, name) <= 0.1:
-                raise ValueError(f"NetModelConfig.{name} must be in [0, 0.1], got {getattr(self, name)!r}")
-        build_fabric(RailTopology(num_nodes=1, gpus_per_node=1), nodes_per_leaf=self.nodes_per_leaf,
-                     spine_oversubscription=self.spine_oversubscription)  # validates the fabric knobs
+                raise ValueError(
+                    f"NetModelConfig.{name} must be in [0, 0.1], got {getattr(self, name)!r}"
+                )
+        build_fabric(
+            RailTopology(num_nodes=1, gpus_per_node=1),
+            nodes_per_leaf=self.nodes_per_leaf,
+            spine_oversubscription=self.spine_oversubscription,
+        )  # validates the fabric knobs
 
     def incast(self) -> IncastModel:
         """The receiver-port model (fixed costs are phase latencies, not here)."""
@@ -173,12 +232,16 @@ class NetModelConfig:
     def from_dict(cls, data: dict[str, Any], *, source: str = "netmodel config") -> NetModelConfig:
         known = {f.name for f in fields(cls)}
         if "combine_overlap" in data:
-            raise ValueError(f"{source}: 'combine_overlap' was removed: the schedule the exchange runs overlaps "
-                             "combine's local round with its rail waves (combine.deliver[1] does not wait for "
-                             "combine.deliver[0]) and the model simulates that schedule; delete the key")
+            raise ValueError(
+                f"{source}: 'combine_overlap' was removed: the schedule the exchange runs overlaps "
+                "combine's local round with its rail waves (combine.deliver[1] does not wait for "
+                "combine.deliver[0]) and the model simulates that schedule; delete the key"
+            )
         unknown = sorted(set(data) - known)
         if unknown:
-            raise ValueError(f"{source}: unknown key(s) {unknown}; allowed keys are {sorted(known)}")
+            raise ValueError(
+                f"{source}: unknown key(s) {unknown}; allowed keys are {sorted(known)}"
+            )
         try:
             return cls(**data)
         except (TypeError, ValueError) as exc:
@@ -194,13 +257,17 @@ def load_netmodel_config(path: str | Path) -> NetModelConfig:
     if isinstance(data, dict) and "model" in data:
         data = data["model"]
     if not isinstance(data, dict):
-        raise ValueError(f"netmodel config {str(path)!r}: expected a mapping under 'model', got {type(data).__name__}")
+        raise ValueError(
+            f"netmodel config {str(path)!r}: expected a mapping under 'model', got "
+            f"{type(data).__name__}"
+        )
     return NetModelConfig.from_dict(data, source=f"netmodel config {str(path)!r}")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class PlanTiming:
-    """Modelled times of one dispatch + combine (seconds), its bandwidth bound and where bytes go."""
+    """Modelled times of one dispatch + combine (seconds), its bandwidth bound and where bytes
+    go."""
 
     dispatch_s: float
     """From the start (count exchange included) to the end of dispatch's last phase."""
@@ -222,7 +289,8 @@ class PlanTiming:
     """Bandwidth lower bound of dispatch + combine: the sum of the two ('global': combine
     starts after dispatch); 'rank': `program.rank_bandwidth_bound`."""
     bound_link: str
-    """The link that sets the larger of the two bounds, e.g. 'nvlink-in (0, 3)', 'nic-down (2, 5)'."""
+    """The link that sets the larger of the two bounds, e.g. 'nvlink-in (0, 3)', 'nic-down (2,
+    5)'."""
     nic_egress_bytes_NR: np.ndarray
     """[N, R] float64, dispatch's rail bytes each NIC port sends (combine sends the mirror)."""
     nic_ingress_bytes_NR: np.ndarray
@@ -249,12 +317,22 @@ class PlanTiming:
         return -np.sort(-shares[sent], axis=1).mean(axis=0)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"dispatch_s": self.dispatch_s, "combine_s": self.combine_s, "total_s": self.total_s,
-                "bound_s": self.bound_s, "bound_dispatch_s": self.bound_dispatch_s,
-                "bound_combine_s": self.bound_combine_s, "bound_link": self.bound_link,
-                "relay_s": self.relay_s, "rail_s_V": list(self.rail_s_V), "delivery_s_V": list(self.delivery_s_V),
-                "nic_shares": self.nic_shares().tolist(), "num_flows": self.num_flows,
-                "num_events": self.num_events, "wall_s": self.wall_s}
+        return {
+            "dispatch_s": self.dispatch_s,
+            "combine_s": self.combine_s,
+            "total_s": self.total_s,
+            "bound_s": self.bound_s,
+            "bound_dispatch_s": self.bound_dispatch_s,
+            "bound_combine_s": self.bound_combine_s,
+            "bound_link": self.bound_link,
+            "relay_s": self.relay_s,
+            "rail_s_V": list(self.rail_s_V),
+            "delivery_s_V": list(self.delivery_s_V),
+            "nic_shares": self.nic_shares().tolist(),
+            "num_flows": self.num_flows,
+            "num_events": self.num_events,
+            "wall_s": self.wall_s,
+        }
 
 
 @functools.lru_cache(maxsize=16)
@@ -272,9 +350,14 @@ def link_name(fabric: Fabric, link: int) -> str:
     if link < 2 * n * g:
         side, rank = ("out", link) if link < n * g else ("in", link - n * g)
         return f"nvlink-{side} ({rank // g}, {rank % g})"
-    for label, table in (("nic-up", fabric.nic_up_NR), ("nic-down", fabric.nic_down_NR),
-                         ("adapter-up", fabric.adapter_up_NA), ("adapter-down", fabric.adapter_down_NA),
-                         ("leaf-up", fabric.leaf_up_RQ), ("leaf-down", fabric.leaf_down_RQ)):
+    for label, table in (
+        ("nic-up", fabric.nic_up_NR),
+        ("nic-down", fabric.nic_down_NR),
+        ("adapter-up", fabric.adapter_up_NA),
+        ("adapter-down", fabric.adapter_down_NA),
+        ("leaf-up", fabric.leaf_up_RQ),
+        ("leaf-down", fabric.leaf_down_RQ),
+    ):
         if table is not None and (hit := np.argwhere(table == link)).size:
             return f"{label} {tuple(int(x) for x in hit[0])}"
     return f"link {link}"
@@ -287,8 +370,13 @@ def model_wire(topo: RailTopology, record_bytes: int, model: NetModelConfig) -> 
         raise ValueError(f"record_bytes must be an int >= 0, got {record_bytes!r}")
     # Unaligned rows: the presets were fitted on them (the exchange's 16-byte padding adds at most
     # 12 B to a row, 4 B of 8336 at GLM size).
-    return RecordWireFormat(hidden=record_bytes, payload_dtype=torch.uint8, probs_dtype=torch.float32,
-                            experts_per_node=max(1, model.num_experts // topo.num_nodes), align_rows=False)
+    return RecordWireFormat(
+        hidden=record_bytes,
+        payload_dtype=torch.uint8,
+        probs_dtype=torch.float32,
+        experts_per_node=max(1, model.num_experts // topo.num_nodes),
+        align_rows=False,
+    )
 
 
 def _synthetic_delivery_RNGG(plan: PathPlan, fanout: float) -> np.ndarray:
@@ -308,8 +396,9 @@ def _synthetic_delivery_RNGG(plan: PathPlan, fanout: float) -> np.ndarray:
     return out
 
 
-def synced_program(program: LinkProgram, model: NetModelConfig, num_ranks: int,
-                   post_order: tuple[int, ...] = ()) -> LinkProgram:
+def synced_program(
+    program: LinkProgram, model: NetModelConfig, num_ranks: int, post_order: tuple[int, ...] = ()
+) -> LinkProgram:
     """``program`` as ``model.phase_sync`` says: unchanged ('global') or split per rank ('rank';
     the 'counts' phase, a collective, stays global; ``post_order``: the ranks' program order).
 
@@ -320,15 +409,19 @@ def synced_program(program: LinkProgram, model: NetModelConfig, num_ranks: int,
         return program
     if num_ranks > model.rank_sync_max_ranks:
         raise ValueError(
-            f"NetModelConfig.phase_sync='rank' splits every phase per rank and per transfer; {num_ranks} ranks is "
-            f"above rank_sync_max_ranks={model.rank_sync_max_ranks} (docs/netmodel.md, 'Per-rank phases', for "
-            "its cost); use phase_sync='global' at this size or raise rank_sync_max_ranks")
+            f"NetModelConfig.phase_sync='rank' splits every phase per rank and per transfer; "
+            f"{num_ranks} ranks is "
+            f"above rank_sync_max_ranks={model.rank_sync_max_ranks} (docs/netmodel.md, 'Per-rank "
+            f"phases', for "
+            "its cost); use phase_sync='global' at this size or raise rank_sync_max_ranks"
+        )
     counts = tuple(q for q, name in enumerate(program.names) if name == "counts")
     return rank_synced(program, num_ranks=num_ranks, post_order=post_order, global_phases=counts)
 
 
-def schedule_program(schedule: ExecutionSchedule, model: NetModelConfig,
-                     fabric: Fabric | None = None) -> tuple[LinkProgram, dict[str, int]]:
+def schedule_program(
+    schedule: ExecutionSchedule, model: NetModelConfig, fabric: Fabric | None = None
+) -> tuple[LinkProgram, dict[str, int]]:
     """The `LinkProgram` of ``schedule`` under ``model`` (see the module docstring).
 
     Returns:
@@ -367,7 +460,9 @@ def schedule_program(schedule: ExecutionSchedule, model: NetModelConfig,
         pairs += [(f"combine.deliver[{v + 1}]", f"combine.rail[{v}]") for v in range(V)]
         for producer, consumer in pairs:
             prod, cons = ids[producer], ids[consumer]
-            b.deps[cons] = tuple(dict.fromkeys([d for d in b.deps[cons] if d != prod] + list(b.deps[prod])))
+            b.deps[cons] = tuple(
+                dict.fromkeys([d for d in b.deps[cons] if d != prod] + list(b.deps[prod]))
+            )
             join = b.phase(f"{consumer}.done", "sync", b.directions[cons], (cons, prod))
             for q in range(len(b.deps)):
                 if q not in (join, cons) and cons in b.deps[q]:
@@ -383,12 +478,14 @@ def schedule_program(schedule: ExecutionSchedule, model: NetModelConfig,
             b.rail(ids[p.name], src, dst, size)
     if not schedule.delivery_nodes:
         if plan.chunks != 1:
-            raise ValueError(f"a plan with {plan.chunks} rail chunks per wave needs the demand's target masks "
-                             "(pass demand=...): the synthetic delivery fan-out has no chunk rounds")
+            raise ValueError(
+                f"a plan with {plan.chunks} rail chunks per wave needs the demand's target masks "
+                "(pass demand=...): the synthetic delivery fan-out has no chunk rounds"
+            )
         g = topo.gpus_per_node
         copies = _synthetic_delivery_RNGG(plan, model.delivery_fanout)
         for r in range(schedule.num_rounds):
-            rr, d, l, j = np.nonzero(copies[r:r + 1])
+            rr, d, l, j = np.nonzero(copies[r : r + 1])
             src, dst, cnt = d * g + l, d * g + j, copies[r, d, l, j]
             b.nvlink(ids[f"dispatch.deliver[{r}]"], src, dst, cnt * schedule.wire.dispatch_bytes)
             b.nvlink(ids[f"combine.deliver[{r}]"], dst, src, cnt * schedule.wire.combine_bytes)
@@ -398,7 +495,9 @@ def schedule_program(schedule: ExecutionSchedule, model: NetModelConfig,
     return synced_program(b.build(), model, topo.world_size, order), ids
 
 
-def execute_schedule(schedule: ExecutionSchedule, *, model: NetModelConfig | None = None) -> PlanTiming:
+def execute_schedule(
+    schedule: ExecutionSchedule, *, model: NetModelConfig | None = None
+) -> PlanTiming:
     """Model one dispatch + combine of a compiled schedule (deterministic). Host sync: no."""
     t0 = time.perf_counter()
     model = model or NetModelConfig()
@@ -419,8 +518,10 @@ def execute_schedule(schedule: ExecutionSchedule, *, model: NetModelConfig | Non
     relay = ids["dispatch.relay"]
     relay_s = float(finish[relay] - start[relay])
     rail_s = tuple(span(f"dispatch.rail[{v}]") for v in range(schedule.num_waves))
-    delivery_s = tuple(float(finish[ids[f"dispatch.deliver[{r}]"]] - start[ids[f"dispatch.deliver[{r}]"]])
-                       for r in range(schedule.num_rounds))
+    delivery_s = tuple(
+        float(finish[ids[f"dispatch.deliver[{r}]"]] - start[ids[f"dispatch.deliver[{r}]"]])
+        for r in range(schedule.num_rounds)
+    )
 
     # NIC bytes of dispatch's rail phases.
     g = topo.gpus_per_node
@@ -438,16 +539,32 @@ def execute_schedule(schedule: ExecutionSchedule, *, model: NetModelConfig | Non
     adapter = np.zeros((n, int(adapters.max()) + 1))
     np.add.at(adapter, (slice(None), adapters), egress)
     return PlanTiming(
-        dispatch_s=run.dispatch_s, combine_s=run.combine_s, relay_s=relay_s, rail_s_V=rail_s,
-        delivery_s_V=delivery_s, bound_dispatch_s=run.bound_dispatch_s, bound_combine_s=run.bound_combine_s,
+        dispatch_s=run.dispatch_s,
+        combine_s=run.combine_s,
+        relay_s=relay_s,
+        rail_s_V=rail_s,
+        delivery_s_V=delivery_s,
+        bound_dispatch_s=run.bound_dispatch_s,
+        bound_combine_s=run.bound_combine_s,
         bound_s=run.bound_s,
-        bound_link=link_name(fabric, run.bound_link), nic_egress_bytes_NR=egress, nic_ingress_bytes_NR=ingress,
-        adapter_egress_bytes_NA=adapter, num_flows=run.num_flows, num_events=int(run.result.num_events),
-        wall_s=time.perf_counter() - t0)
+        bound_link=link_name(fabric, run.bound_link),
+        nic_egress_bytes_NR=egress,
+        nic_ingress_bytes_NR=ingress,
+        adapter_egress_bytes_NA=adapter,
+        num_flows=run.num_flows,
+        num_events=int(run.result.num_events),
+        wall_s=time.perf_counter() - t0,
+    )
 
 
-def execute_plan(plan: PathPlan, *, record_bytes: int | None = None, model: NetModelConfig | None = None,
-                 demand: MaskSource | None = None, wire: RecordWireFormat | None = None) -> PlanTiming:
+def execute_plan(
+    plan: PathPlan,
+    *,
+    record_bytes: int | None = None,
+    model: NetModelConfig | None = None,
+    demand: MaskSource | None = None,
+    wire: RecordWireFormat | None = None,
+) -> PlanTiming:
     """Model one dispatch + combine of ``plan``: its compiled `ExecutionSchedule` on the links.
 
     Args:
@@ -465,7 +582,10 @@ def execute_plan(plan: PathPlan, *, record_bytes: int | None = None, model: NetM
     model = model or NetModelConfig()
     if wire is None:
         if record_bytes is None:
-            raise ValueError("execute_plan needs record_bytes (payload bytes per record) or wire (a RecordWireFormat)")
+            raise ValueError(
+                "execute_plan needs record_bytes (payload bytes per record) or wire (a "
+                "RecordWireFormat)"
+            )
         wire = model_wire(plan.topology, record_bytes, model)
     # Any MaskSource (DemandCounts, a sparse demand, a test double) answers masks_into for every
     # node; a node view (view_node set) knows one node only and compiles that one.
@@ -476,10 +596,18 @@ def execute_plan(plan: PathPlan, *, record_bytes: int | None = None, model: NetM
     return execute_schedule(schedule, model=model)
 
 
-def simulate_plan(plan: PathPlan, *, record_bytes: int | None = None, model: NetModelConfig | None = None,
-                  demand: MaskSource | None = None, wire: RecordWireFormat | None = None) -> float:
+def simulate_plan(
+    plan: PathPlan,
+    *,
+    record_bytes: int | None = None,
+    model: NetModelConfig | None = None,
+    demand: MaskSource | None = None,
+    wire: RecordWireFormat | None = None,
+) -> float:
     """Seconds of one dispatch + combine of ``plan`` on the flow model (deterministic).
 
     The function `calibration.NetmodelBackend` calls; see `execute_plan` for the arguments.
     """
-    return execute_plan(plan, record_bytes=record_bytes, model=model, demand=demand, wire=wire).total_s
+    return execute_plan(
+        plan, record_bytes=record_bytes, model=model, demand=demand, wire=wire
+    ).total_s

@@ -31,7 +31,9 @@ SHARE_TOL = 1e-9
 """Shares within this relative distance count as equal in the local-minimum test."""
 
 
-def max_min_rates(links_HA: np.ndarray, weight_A: np.ndarray, capacity_L1: np.ndarray) -> np.ndarray:
+def max_min_rates(
+    links_HA: np.ndarray, weight_A: np.ndarray, capacity_L1: np.ndarray
+) -> np.ndarray:
     """Max-min fair per-flow rates of weighted classes, testing every link each round.
 
     Args:
@@ -47,7 +49,9 @@ def max_min_rates(links_HA: np.ndarray, weight_A: np.ndarray, capacity_L1: np.nd
     num_links1 = capacity_L1.size
     num_hops = links_HA.shape[0]
     links, weight = links_HA, weight_A
-    load_L1 = np.bincount(links.ravel(), weights=np.concatenate((weight,) * num_hops), minlength=num_links1)
+    load_L1 = np.bincount(
+        links.ravel(), weights=np.concatenate((weight,) * num_hops), minlength=num_links1
+    )
     remaining_L1 = capacity_L1.copy()
     rate_A = np.empty(weight_A.size)
     idx = np.arange(weight_A.size)
@@ -193,11 +197,19 @@ def _shares(remaining_L1: np.ndarray, load_L1: np.ndarray) -> np.ndarray:
 
 
 def _consume(
-    remaining_L1: np.ndarray, load_L1: np.ndarray, links_HF: np.ndarray, weight_F: np.ndarray, rate_F: np.ndarray
+    remaining_L1: np.ndarray,
+    load_L1: np.ndarray,
+    links_HF: np.ndarray,
+    weight_F: np.ndarray,
+    rate_F: np.ndarray,
 ) -> None:
     """Take frozen classes (links [H, F], weights, rates) out of the links' capacity and load."""
     num_hops = links_HF.shape[0]
     flat = links_HF.ravel()
-    remaining_L1 -= np.bincount(flat, weights=np.concatenate((weight_F * rate_F,) * num_hops), minlength=remaining_L1.size)
-    load_L1 -= np.bincount(flat, weights=np.concatenate((weight_F,) * num_hops), minlength=load_L1.size)
+    remaining_L1 -= np.bincount(
+        flat, weights=np.concatenate((weight_F * rate_F,) * num_hops), minlength=remaining_L1.size
+    )
+    load_L1 -= np.bincount(
+        flat, weights=np.concatenate((weight_F,) * num_hops), minlength=load_L1.size
+    )
     np.maximum(remaining_L1, 0.0, out=remaining_L1)

@@ -85,9 +85,12 @@ class IncastModel:
             raise ValueError(f"IncastModel.alpha must be a finite number >= 0, got {self.alpha!r}")
         if isinstance(self.k_free, bool) or not isinstance(self.k_free, int) or self.k_free < 1:
             raise ValueError(f"IncastModel.k_free must be an int >= 1, got {self.k_free!r}")
-        if self.k_sat is not None and (isinstance(self.k_sat, bool) or not isinstance(self.k_sat, int)
-                                       or self.k_sat < 1):
-            raise ValueError(f"IncastModel.k_sat must be an int >= 1 or None (no saturation), got {self.k_sat!r}")
+        if self.k_sat is not None and (
+            isinstance(self.k_sat, bool) or not isinstance(self.k_sat, int) or self.k_sat < 1
+        ):
+            raise ValueError(
+                f"IncastModel.k_sat must be an int >= 1 or None (no saturation), got {self.k_sat!r}"
+            )
         if not (math.isfinite(self.per_phase_latency_s) and self.per_phase_latency_s >= 0.0):
             raise ValueError(
                 "IncastModel.per_phase_latency_s must be a finite number >= 0, "
@@ -119,7 +122,8 @@ class IncastModel:
         return 1.0 / (1.0 + self.alpha * excess)
 
     def slowdown(self, num_senders: np.ndarray | float) -> np.ndarray:
-        """Time factor of a port hit by k senders: ``1 + alpha * min(max(0, k - k_free), k_sat)``."""
+        """Time factor of a port hit by k senders: ``1 + alpha * min(max(0, k - k_free),
+        k_sat)``."""
         return 1.0 / self.capacity_factor(num_senders)
 
 

@@ -60,13 +60,20 @@ import numpy as np
 
 from megatron_railwave.lab.netmodel.fill import LinkIndex, max_min_rates, max_min_rates_indexed
 from megatron_railwave.lab.netmodel.incast import IncastModel
-from megatron_railwave.lab.netmodel.problem import FlowSet, Network, PhaseGraph, SimResult, TraceSegment
+from megatron_railwave.lab.netmodel.problem import (
+    FlowSet,
+    Network,
+    PhaseGraph,
+    SimResult,
+    TraceSegment,
+)
 
 __all__ = ["simulate"]
 
 # Below this many active (class, hop) entries the plain water-filling is faster: its rounds
 # make fewer numpy calls, and per-call overhead dominates small arrays.
 _INDEXED_MIN_ENTRIES = 1 << 16
+
 
 def _group_flows(flows: FlowSet, phase_F: np.ndarray, sender_F: np.ndarray | None):
     """Merge identical flows. Returns (class_of_F, rep_C, weight_C), classes sorted by phase."""
@@ -93,7 +100,9 @@ def _group_flows(flows: FlowSet, phase_F: np.ndarray, sender_F: np.ndarray | Non
 class _ReceiverPorts:
     """Counts the distinct senders with an active flow into each receiver port."""
 
-    def __init__(self, network: Network, links_CH: np.ndarray, sender_F: np.ndarray | None, rep_C: np.ndarray):
+    def __init__(
+        self, network: Network, links_CH: np.ndarray, sender_F: np.ndarray | None, rep_C: np.ndarray
+    ):
         self.num_links1 = network.num_links + 1
         self.rx_L1 = np.append(network.receiver_port_L, False)
         self.pair_CH = self.pair_link_P = None
@@ -108,19 +117,28 @@ class _ReceiverPorts:
             self.pair_CH[is_rx] = inv
             self.pair_link_P = uniq // radix
 
-    def num_senders(self, act_cls: np.ndarray, act_links_HA: np.ndarray, act_w: np.ndarray) -> np.ndarray:
+    def num_senders(
+        self, act_cls: np.ndarray, act_links_HA: np.ndarray, act_w: np.ndarray
+    ) -> np.ndarray:
         """[number of receiver ports] float64, k of each port given the active classes."""
         if self.pair_CH is None:  # every flow is its own sender: k = active flows (weights)
             k_L1 = np.zeros(self.num_links1)
             for col in act_links_HA:
                 ent = self.rx_L1[col]
                 k_L1 += np.bincount(
-                    np.compress(ent, col), weights=np.compress(ent, act_w), minlength=self.num_links1
+                    np.compress(ent, col),
+                    weights=np.compress(ent, act_w),
+                    minlength=self.num_links1,
                 )
         else:
             act_pair = self.pair_CH[act_cls].ravel()
-            live_P = np.bincount(np.compress(act_pair >= 0, act_pair), minlength=self.pair_link_P.size) > 0
-            k_L1 = np.bincount(self.pair_link_P[live_P], minlength=self.num_links1).astype(np.float64)
+            live_P = (
+                np.bincount(np.compress(act_pair >= 0, act_pair), minlength=self.pair_link_P.size)
+                > 0
+            )
+            k_L1 = np.bincount(self.pair_link_P[live_P], minlength=self.num_links1).astype(
+                np.float64
+            )
         return k_L1[self.rx_L1]
 
 
@@ -164,7 +182,8 @@ def simulate(
     num_flows = flows.num_flows
     if flows.links_FH.size and flows.links_FH.max() >= num_links:
         raise ValueError(
-            f"FlowSet.links_FH has link id {flows.links_FH.max()} but the network has {num_links} links"
+            f"FlowSet.links_FH has link id {flows.links_FH.max()} but the network has {num_links} "
+            f"links"
         )
     phase_F = np.zeros(num_flows, dtype=np.int64) if flows.phase_F is None else flows.phase_F
     if num_flows and phase_F.max() >= num_phases:
@@ -175,7 +194,9 @@ def simulate(
     use_incast = incast.penalizes and rx_L is not None and bool(rx_L.any()) and num_flows > 0
 
     # ---- grouping: classes sorted by phase --------------------------------------------
-    class_of_F, rep_C, weight_C = _group_flows(flows, phase_F, flows.sender_F if use_incast else None)
+    class_of_F, rep_C, weight_C = _group_flows(
+        flows, phase_F, flows.sender_F if use_incast else None
+    )
     num_classes = rep_C.size
     size_C = flows.size_bytes_F[rep_C]
     phase_C = phase_F[rep_C]
@@ -249,7 +270,9 @@ def simulate(
             cap = capacity_L1
             if ports is not None:
                 cap = capacity_L1.copy()
-                cap[ports.rx_L1] *= incast.capacity_factor(ports.num_senders(act_cls, act_links_HA, act_w))
+                cap[ports.rx_L1] *= incast.capacity_factor(
+                    ports.num_senders(act_cls, act_links_HA, act_w)
+                )
             if act_links_HA.size < _INDEXED_MIN_ENTRIES:
                 rate = max_min_rates(act_links_HA, act_w, cap)
             else:
@@ -280,7 +303,11 @@ def simulate(
                 rate_C = np.zeros(num_classes)
                 rate_C[act_cls] = rate
                 rate_F[:] = rate_C[class_of_F]
-                trace.append(TraceSegment(start_s=t, end_s=t_new, rate_Bps_F=rate_F, capacity_Bps_L=cap[:-1].copy()))
+                trace.append(
+                    TraceSegment(
+                        start_s=t, end_s=t_new, rate_Bps_F=rate_F, capacity_Bps_L=cap[:-1].copy()
+                    )
+                )
             act_rem = act_rem - rate * (t_new - t)
             if done is not None:
                 finish_classes(act_cls[done], t_fin[done])

@@ -51,17 +51,31 @@ from __future__ import annotations
 
 import numpy as np
 
+from megatron_railwave.lab.netmodel.execute import (
+    NetModelConfig,
+    fabric_for,
+    model_wire,
+    synced_program,
+)
+from megatron_railwave.lab.netmodel.program import LinkProgram, ProgramBuilder, run_program
 from megatron_railwave.planner import PathPlan
 from megatron_railwave.schedule import PhaseKind, compile_schedule
 from megatron_railwave.topology import RailTopology
-from megatron_railwave.lab.netmodel.execute import NetModelConfig, fabric_for, model_wire, synced_program
-from megatron_railwave.lab.netmodel.program import LinkProgram, ProgramBuilder, run_program
 
-__all__ = ["PEERS", "bvn_waves", "copies_WW", "deepep_direct_program", "fast_program", "gpu_copies_WW",
-           "megatron_program", "model_peer"]
+__all__ = [
+    "PEERS",
+    "bvn_waves",
+    "copies_WW",
+    "deepep_direct_program",
+    "fast_program",
+    "gpu_copies_WW",
+    "megatron_program",
+    "model_peer",
+]
 
 PEERS = ("megatron", "megatron-flat", "deepep-direct", "fast")
-"""Peer programs `model_peer` knows (the DeepEP baseline itself is NATIVE with streamed delivery)."""
+"""Peer programs `model_peer` knows (the DeepEP baseline itself is NATIVE with streamed
+delivery)."""
 
 
 def copies_WW(demand, topo: RailTopology) -> np.ndarray:
@@ -72,17 +86,28 @@ def copies_WW(demand, topo: RailTopology) -> np.ndarray:
     """
     experts = getattr(demand, "experts_WE", None)
     if experts is None:
-        raise ValueError("the Megatron peer needs the demand's experts_WE ((token, expert) pairs per rank and "
-                         "expert); a sparse demand has none: run the peers at a size with a dense demand")
+        raise ValueError(
+            "the Megatron peer needs the demand's experts_WE ((token, expert) pairs per rank and "
+            "expert); a sparse demand has none: run the peers at a size with a dense demand"
+        )
     e = np.asarray(experts, dtype=np.int64)
     world = topo.world_size
     if e.shape[0] != world or e.shape[1] % world:
-        raise ValueError(f"experts_WE has shape {tuple(e.shape)}; need [W={world}, E] with E a multiple of W")
+        raise ValueError(
+            f"experts_WE has shape {tuple(e.shape)}; need [W={world}, E] with E a multiple of W"
+        )
     return e.reshape(world, world, e.shape[1] // world).sum(axis=-1)
 
 
-def _pxn_program(copies_WW: np.ndarray, topo: RailTopology, *, dispatch_row: int, combine_row: int,
-                 model: NetModelConfig, rounds: str) -> LinkProgram:
+def _pxn_program(
+    copies_WW: np.ndarray,
+    topo: RailTopology,
+    *,
+    dispatch_row: int,
+    combine_row: int,
+    model: NetModelConfig,
+    rounds: str,
+) -> LinkProgram:
     """One all-to-all per direction of ``copies_WW`` rows, PXN on the rails (module docstring).
 
     ``rounds``: 'flat' (every pair at once) or 'rotating' (NCCL's p2p node schedule: round k,
@@ -100,14 +125,25 @@ def _pxn_program(copies_WW: np.ndarray, topo: RailTopology, *, dispatch_row: int
     if rounds == "flat":
         delta = np.zeros_like(delta)
     phases = {}
-    for direction, name, row, (a, z) in ((0, "dispatch", dispatch_row, (src, dst)),
-                                         (1, "combine", combine_row, (dst, src))):
-        before = (counts,) if direction == 0 else (b.phase("experts", "sync", -1, tuple(phases[0])),)
+    for direction, name, row, (a, z) in (
+        (0, "dispatch", dispatch_row, (src, dst)),
+        (1, "combine", combine_row, (dst, src)),
+    ):
+        before = (
+            (counts,) if direction == 0 else (b.phase("experts", "sync", -1, tuple(phases[0])),)
+        )
         chain: list[int] = []
         for k in range(num_rounds):
             label = f"{name}.alltoall" + (f"[{k}]" if num_rounds > 1 else "")
-            chain.append(b.phase(label, "alltoall", direction, (chain[-1],) if chain else before,
-                                 wave if not chain else 0.0))
+            chain.append(
+                b.phase(
+                    label,
+                    "alltoall",
+                    direction,
+                    (chain[-1],) if chain else before,
+                    wave if not chain else 0.0,
+                )
+            )
             sel = delta == k
             local = sel & (a // g == z // g)
             remote = sel & (a // g != z // g)
@@ -118,12 +154,25 @@ def _pxn_program(copies_WW: np.ndarray, topo: RailTopology, *, dispatch_row: int
     return b.build()
 
 
-def megatron_program(demand, topo: RailTopology, *, record_bytes: int, model: NetModelConfig,
-                     rounds: str = "rotating") -> LinkProgram:
+def megatron_program(
+    demand,
+    topo: RailTopology,
+    *,
+    record_bytes: int,
+    model: NetModelConfig,
+    rounds: str = "rotating",
+) -> LinkProgram:
     """Megatron's ``alltoall`` dispatcher on ``demand`` (module docstring) as a `LinkProgram`:
-    every (token, expert) copy, NCCL's rotating node rounds (``rounds='flat'``: all pairs at once)."""
-    return _pxn_program(copies_WW(demand, topo), topo, dispatch_row=record_bytes + 4, combine_row=record_bytes,
-                        model=model, rounds=rounds)
+    every (token, expert) copy, NCCL's rotating node rounds (``rounds='flat'``: all pairs at
+    once)."""
+    return _pxn_program(
+        copies_WW(demand, topo),
+        topo,
+        dispatch_row=record_bytes + 4,
+        combine_row=record_bytes,
+        model=model,
+        rounds=rounds,
+    )
 
 
 def gpu_copies_WW(demand, topo: RailTopology) -> np.ndarray:
@@ -131,26 +180,39 @@ def gpu_copies_WW(demand, topo: RailTopology) -> np.ndarray:
     experts on (``demand.copies_WNG``; needs the full demand)."""
     copies = getattr(demand, "copies_WNG", None)
     if copies is None or getattr(demand, "records_WNM", None) is None:
-        raise ValueError("the DeepEP direct peer needs the full demand (records_WNM: target masks per node); "
-                         "a sparse demand or a node view has none: run the peers at a size with a dense demand")
+        raise ValueError(
+            "the DeepEP direct peer needs the full demand (records_WNM: target masks per node); "
+            "a sparse demand or a node view has none: run the peers at a size with a dense demand"
+        )
     c = np.asarray(copies(), dtype=np.int64)  # [W, N, G]
     return c.reshape(c.shape[0], -1)
 
 
-def deepep_direct_program(demand, topo: RailTopology, *, record_bytes: int, model: NetModelConfig) -> LinkProgram:
+def deepep_direct_program(
+    demand, topo: RailTopology, *, record_bytes: int, model: NetModelConfig
+) -> LinkProgram:
     """A PXN-like "direct" DeepEP on ``demand``: one copy per (token, target GPU), straight to
     the target GPU, across the rail of the target's local index after an NVLink hop at the
     source (streamed: one flow over both), all pairs at once, one call per direction. Dispatch
     rows carry the hidden row and the fp32 probs of the target GPU's E / W experts."""
     experts_per_gpu = max(1, model.num_experts // topo.world_size)
-    return _pxn_program(gpu_copies_WW(demand, topo), topo, dispatch_row=record_bytes + 4 * experts_per_gpu,
-                        combine_row=record_bytes, model=model, rounds="flat")
+    return _pxn_program(
+        gpu_copies_WW(demand, topo),
+        topo,
+        dispatch_row=record_bytes + 4 * experts_per_gpu,
+        combine_row=record_bytes,
+        model=model,
+        rounds="flat",
+    )
 
 
 def _perfect_matching(support_NN: np.ndarray, weight_NN: np.ndarray) -> np.ndarray:
     """[N] column matched to each row on ``support`` (Kuhn's augmenting paths, heaviest first)."""
     n = support_NN.shape[0]
-    order = [np.flatnonzero(support_NN[i])[np.argsort(-weight_NN[i, support_NN[i]], kind="stable")] for i in range(n)]
+    order = [
+        np.flatnonzero(support_NN[i])[np.argsort(-weight_NN[i, support_NN[i]], kind="stable")]
+        for i in range(n)
+    ]
     match_col = np.full(n, -1, dtype=np.int64)
 
     def augment(i: int, seen: np.ndarray) -> bool:
@@ -164,7 +226,9 @@ def _perfect_matching(support_NN: np.ndarray, weight_NN: np.ndarray) -> np.ndarr
 
     for i in range(n):
         if not augment(i, np.zeros(n, dtype=bool)):
-            raise AssertionError("no perfect matching on the support of a matrix with equal line sums")
+            raise AssertionError(
+                "no perfect matching on the support of a matrix with equal line sums"
+            )
     row = np.empty(n, dtype=np.int64)
     row[match_col] = np.arange(n)
     return row
@@ -215,8 +279,14 @@ def bvn_waves(records_NN: np.ndarray) -> list[np.ndarray]:
     return waves
 
 
-def fast_program(rail_plan: PathPlan, demand, waves: list[np.ndarray], *, record_bytes: int,
-                 model: NetModelConfig) -> LinkProgram:
+def fast_program(
+    rail_plan: PathPlan,
+    demand,
+    waves: list[np.ndarray],
+    *,
+    record_bytes: int,
+    model: NetModelConfig,
+) -> LinkProgram:
     """The FAST-style execution of ``rail_plan`` (a RAIL plan) in the BvN ``waves``."""
     topo = rail_plan.topology
     n, g = topo.num_nodes, topo.gpus_per_node
@@ -230,12 +300,24 @@ def fast_program(rail_plan: PathPlan, demand, waves: list[np.ndarray], *, record
 
     relay = table(PhaseKind.RELAY, 0)
     local = table(PhaseKind.DELIVER, 0)
-    remote_deliv = table(PhaseKind.DELIVER, 1) if rail_plan.num_waves else (np.zeros(0, np.int64),) * 2 + (np.zeros(0),)
-    rail = table(PhaseKind.RAIL, 0) if rail_plan.num_waves else (np.zeros(0, np.int64),) * 2 + (np.zeros(0),)
+    remote_deliv = (
+        table(PhaseKind.DELIVER, 1)
+        if rail_plan.num_waves
+        else (np.zeros(0, np.int64),) * 2 + (np.zeros(0),)
+    )
+    rail = (
+        table(PhaseKind.RAIL, 0)
+        if rail_plan.num_waves
+        else (np.zeros(0, np.int64),) * 2 + (np.zeros(0),)
+    )
     pair = rail_plan.records_NNG.sum(dim=-1).numpy().astype(np.float64)  # [s, d] records
     incoming = pair.sum(axis=0) - np.diag(pair)
-    share_rail = [np.divide(w, pair, out=np.zeros_like(pair), where=pair > 0) for w in waves]  # [s, d]
-    share_deliv = [np.divide(w.sum(axis=0), incoming, out=np.zeros(n), where=incoming > 0) for w in waves]  # [d]
+    share_rail = [
+        np.divide(w, pair, out=np.zeros_like(pair), where=pair > 0) for w in waves
+    ]  # [s, d]
+    share_deliv = [
+        np.divide(w.sum(axis=0), incoming, out=np.zeros(n), where=incoming > 0) for w in waves
+    ]  # [d]
 
     b = ProgramBuilder(fabric=fabric)
     counts = b.phase("counts", "sync", -1, (), model.count_exchange_s)
@@ -248,7 +330,9 @@ def fast_program(rail_plan: PathPlan, demand, waves: list[np.ndarray], *, record
     d_deliv = [b.phase("dispatch.deliver[0]", "deliver", 0, (counts,))]
     d_rail = []
     for k in range(num):
-        d_rail.append(b.phase(f"dispatch.rail[{k}]", "rail", 0, (d_rail[-1] if k else d_relay,), wave_cost))
+        d_rail.append(
+            b.phase(f"dispatch.rail[{k}]", "rail", 0, (d_rail[-1] if k else d_relay,), wave_cost)
+        )
         d_deliv.append(b.phase(f"dispatch.deliver[{k + 1}]", "deliver", 0, (d_rail[k], d_deliv[k])))
     experts = b.phase("experts", "sync", -1, tuple([d_relay] + d_deliv + d_rail))
     # Combine: cdeliver[k+1] -> crail[k] in order, crelay after the last; the local round
@@ -257,15 +341,27 @@ def fast_program(rail_plan: PathPlan, demand, waves: list[np.ndarray], *, record
     c_deliv = [b.phase("combine.deliver[0]", "deliver", 1, (experts,))]
     c_rail: list[int] = []
     for k in range(num):
-        c_deliv.append(b.phase(f"combine.deliver[{k + 1}]", "deliver", 1, (c_deliv[k] if k else experts,)))
-        c_rail.append(b.phase(f"combine.rail[{k}]", "rail", 1, (c_deliv[k + 1],) + ((c_rail[-1],) if k else ()),
-                              wave_cost))
+        c_deliv.append(
+            b.phase(f"combine.deliver[{k + 1}]", "deliver", 1, (c_deliv[k] if k else experts,))
+        )
+        c_rail.append(
+            b.phase(
+                f"combine.rail[{k}]",
+                "rail",
+                1,
+                (c_deliv[k + 1],) + ((c_rail[-1],) if k else ()),
+                wave_cost,
+            )
+        )
     c_relay = b.phase("combine.relay", "relay", 1, (c_rail[-1],) if c_rail else (c_deliv[-1],))
 
-    for direction, ph_relay, ph_deliv, ph_rail in ((0, d_relay, d_deliv, d_rail), (1, c_relay, c_deliv, c_rail)):
+    for direction, ph_relay, ph_deliv, ph_rail in (
+        (0, d_relay, d_deliv, d_rail),
+        (1, c_relay, c_deliv, c_rail),
+    ):
         row = bytes_of["dispatch" if direction == 0 else "combine"]
 
-        def put(kind: str, phase: int, src, dst, amount) -> None:
+        def put(kind: str, phase: int, src, dst, amount, direction=direction, row=row) -> None:
             a, z = (src, dst) if direction == 0 else (dst, src)
             (b.nvlink if kind == "node" else b.rail)(phase, a, z, amount * row)
 
@@ -279,8 +375,15 @@ def fast_program(rail_plan: PathPlan, demand, waves: list[np.ndarray], *, record
     return b.build()
 
 
-def model_peer(name: str, demand, topo: RailTopology, *, record_bytes: int, model: NetModelConfig,
-               repeats: int = 1) -> dict:
+def model_peer(
+    name: str,
+    demand,
+    topo: RailTopology,
+    *,
+    record_bytes: int,
+    model: NetModelConfig,
+    repeats: int = 1,
+) -> dict:
     """Model one peer on one layer: {'comm_s', 'dispatch_s', 'combine_s', 'bound_s', 'plan_s',
     'bvn_s', 'waves'}. ``plan_s``: FAST's per-layer planning (its RAIL plan + `bvn_waves`, median
     of ``repeats`` timed runs after one warm-up; 0 when ``repeats`` is 0), ``bvn_s`` the
@@ -293,8 +396,13 @@ def model_peer(name: str, demand, topo: RailTopology, *, record_bytes: int, mode
     fabric = fabric_for(topo, model.nodes_per_leaf, float(model.spine_oversubscription))
     plan_s, bvn_s, waves = 0.0, 0.0, 1
     if name in ("megatron", "megatron-flat"):
-        program = megatron_program(demand, topo, record_bytes=record_bytes, model=model,
-                                   rounds="rotating" if name == "megatron" else "flat")
+        program = megatron_program(
+            demand,
+            topo,
+            record_bytes=record_bytes,
+            model=model,
+            rounds="rotating" if name == "megatron" else "flat",
+        )
     elif name == "deepep-direct":
         program = deepep_direct_program(demand, topo, record_bytes=record_bytes, model=model)
     elif name == "fast":
@@ -316,5 +424,12 @@ def model_peer(name: str, demand, topo: RailTopology, *, record_bytes: int, mode
     program = synced_program(program, model, topo.world_size)
     rel_tol = model.large_rel_tol if program.flows.num_flows > model.large_flows else model.rel_tol
     run = run_program(fabric, program, incast=model.incast(), rel_tol=rel_tol, nvlink=model.nvlink)
-    return {"comm_s": run.total_s, "dispatch_s": run.dispatch_s, "combine_s": run.combine_s,
-            "bound_s": run.bound_s, "plan_s": plan_s, "bvn_s": bvn_s, "waves": waves}
+    return {
+        "comm_s": run.total_s,
+        "dispatch_s": run.dispatch_s,
+        "combine_s": run.combine_s,
+        "bound_s": run.bound_s,
+        "plan_s": plan_s,
+        "bvn_s": bvn_s,
+        "waves": waves,
+    }

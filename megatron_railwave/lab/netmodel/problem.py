@@ -34,7 +34,9 @@ class Network:
     def __post_init__(self) -> None:
         cap = np.ascontiguousarray(self.capacity_Bps_L, dtype=np.float64)
         if cap.ndim != 1 or cap.size == 0:
-            raise ValueError(f"Network.capacity_Bps_L must be 1-D and non-empty, got shape {cap.shape}")
+            raise ValueError(
+                f"Network.capacity_Bps_L must be 1-D and non-empty, got shape {cap.shape}"
+            )
         if not np.all(np.isfinite(cap) & (cap > 0)):
             bad = np.flatnonzero(~(np.isfinite(cap) & (cap > 0)))[:5]
             raise ValueError(
@@ -93,7 +95,9 @@ class FlowSet:
             raise TypeError(f"FlowSet.links_FH must be an integer array, got dtype {links.dtype}")
         links = np.ascontiguousarray(links, dtype=np.int64)
         if np.any(links < -1):
-            raise ValueError(f"FlowSet.links_FH entries must be >= -1 (-1 = padding), min is {links.min()}")
+            raise ValueError(
+                f"FlowSet.links_FH entries must be >= -1 (-1 = padding), min is {links.min()}"
+            )
         empty = np.flatnonzero(np.all(links < 0, axis=1))
         if empty.size:
             raise ValueError(
@@ -138,7 +142,13 @@ def links_from_csr(link_ptr_F1: np.ndarray, link_idx: np.ndarray) -> np.ndarray:
     """
     ptr = np.asarray(link_ptr_F1, dtype=np.int64)
     idx = np.asarray(link_idx, dtype=np.int64)
-    if ptr.ndim != 1 or ptr.size == 0 or ptr[0] != 0 or np.any(np.diff(ptr) < 0) or ptr[-1] != idx.size:
+    if (
+        ptr.ndim != 1
+        or ptr.size == 0
+        or ptr[0] != 0
+        or np.any(np.diff(ptr) < 0)
+        or ptr[-1] != idx.size
+    ):
         raise ValueError(
             "link_ptr_F1 must be non-decreasing, start at 0 and end at len(link_idx)="
             f"{idx.size}; got ptr[0]={ptr[:1].tolist()}, ptr[-1]={ptr[-1:].tolist()}"
@@ -170,7 +180,8 @@ class PhaseGraph:
             bad = [p for p in d if not 0 <= p < num_phases or p == q]
             if bad:
                 raise ValueError(
-                    f"PhaseGraph.depends_on[{q}] has invalid phases {bad}; allowed: 0..{num_phases - 1}, not {q}"
+                    f"PhaseGraph.depends_on[{q}] has invalid phases {bad}; allowed: "
+                    f"0..{num_phases - 1}, not {q}"
                 )
         _frozen_set(self, "depends_on", deps)
         if self.latency_s_Q is not None:

@@ -37,8 +37,16 @@ from megatron_railwave.lab.netmodel.incast import IncastModel
 from megatron_railwave.lab.netmodel.maxmin import simulate
 from megatron_railwave.lab.netmodel.problem import FlowSet, PhaseGraph, SimResult
 
-__all__ = ["LinkProgram", "ProgramBuilder", "ProgramRun", "bandwidth_bound", "phase_times", "rank_bandwidth_bound",
-           "rank_synced", "run_program"]
+__all__ = [
+    "LinkProgram",
+    "ProgramBuilder",
+    "ProgramRun",
+    "bandwidth_bound",
+    "phase_times",
+    "rank_bandwidth_bound",
+    "rank_synced",
+    "run_program",
+]
 
 DIRECTIONS = ("dispatch", "combine")
 
@@ -49,7 +57,8 @@ class LinkProgram:
 
     Attributes:
         names: [Q] phase names ('dispatch.rail[0]', 'counts', ...).
-        kinds: [Q] 'relay', 'rail', 'deliver', 'alltoall', 'sync' (flowless: a fixed cost or a join).
+        kinds: [Q] 'relay', 'rail', 'deliver', 'alltoall', 'sync' (flowless: a fixed cost or a
+        join).
         direction_Q: [Q] int64, 0 dispatch, 1 combine, -1 neither (start, expert compute).
         depends_on: per phase, the phases that must be complete before it starts.
         latency_s_Q: [Q] float64, fixed cost paid between its dependencies and its flows.
@@ -105,10 +114,18 @@ class ProgramBuilder:
     directions: list[int] = field(default_factory=list)
     deps: list[tuple[int, ...]] = field(default_factory=list)
     latency: list[float] = field(default_factory=list)
-    _parts: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, bool, np.ndarray]] = field(default_factory=list)
+    _parts: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, bool, np.ndarray]] = field(
+        default_factory=list
+    )
 
-    def phase(self, name: str, kind: str, direction: int, depends_on: tuple[int, ...] = (),
-              latency_s: float = 0.0) -> int:
+    def phase(
+        self,
+        name: str,
+        kind: str,
+        direction: int,
+        depends_on: tuple[int, ...] = (),
+        latency_s: float = 0.0,
+    ) -> int:
         self.names.append(name)
         self.kinds.append(kind)
         self.directions.append(direction)
@@ -116,15 +133,31 @@ class ProgramBuilder:
         self.latency.append(float(latency_s))
         return len(self.names) - 1
 
-    def _add(self, phase: int, links_FH: np.ndarray, size_F: np.ndarray, sender_F: np.ndarray, nvlink: bool,
-             ends_F2: np.ndarray) -> None:
+    def _add(
+        self,
+        phase: int,
+        links_FH: np.ndarray,
+        size_F: np.ndarray,
+        sender_F: np.ndarray,
+        nvlink: bool,
+        ends_F2: np.ndarray,
+    ) -> None:
         keep = size_F > 0
         if keep.any():
-            self._parts.append((np.full(int(keep.sum()), phase, dtype=np.int64), links_FH[keep],
-                                size_F[keep].astype(np.float64), sender_F[keep].astype(np.int64), nvlink,
-                                ends_F2[keep].astype(np.int64)))
+            self._parts.append(
+                (
+                    np.full(int(keep.sum()), phase, dtype=np.int64),
+                    links_FH[keep],
+                    size_F[keep].astype(np.float64),
+                    sender_F[keep].astype(np.int64),
+                    nvlink,
+                    ends_F2[keep].astype(np.int64),
+                )
+            )
 
-    def nvlink(self, phase: int, src_rank_F: np.ndarray, dst_rank_F: np.ndarray, bytes_F: np.ndarray) -> None:
+    def nvlink(
+        self, phase: int, src_rank_F: np.ndarray, dst_rank_F: np.ndarray, bytes_F: np.ndarray
+    ) -> None:
         """GPU -> GPU transfers inside a node (same node required; src == dst moves nothing)."""
         g = self.fabric.topology.gpus_per_node
         src, dst = np.asarray(src_rank_F, dtype=np.int64), np.asarray(dst_rank_F, dtype=np.int64)
@@ -134,8 +167,15 @@ class ProgramBuilder:
         links = self.fabric.nvlink_links_FH(src // g, src % g, dst % g)
         self._add(phase, links, size, src, True, np.stack([src, dst], axis=1))
 
-    def rail(self, phase: int, src_rank_F: np.ndarray, dst_rank_F: np.ndarray, bytes_F: np.ndarray,
-             *, via_gpu_F: np.ndarray | None = None) -> None:
+    def rail(
+        self,
+        phase: int,
+        src_rank_F: np.ndarray,
+        dst_rank_F: np.ndarray,
+        bytes_F: np.ndarray,
+        *,
+        via_gpu_F: np.ndarray | None = None,
+    ) -> None:
         """Transfers between nodes on the rail of GPU ``via`` (default the source GPU, which must
         then share the destination GPU's rail). With ``via`` != the source GPU the flow first
         crosses NVLink to GPU (s, via) (PXN) and the rail of ``via``, streamed (one flow)."""
@@ -156,25 +196,46 @@ class ProgramBuilder:
     def build(self) -> LinkProgram:
         if self._parts:
             width = max(p[1].shape[1] for p in self._parts)
-            pad = [np.pad(p[1], ((0, 0), (0, width - p[1].shape[1])), constant_values=-1) for p in self._parts]
-            flows = FlowSet(size_bytes_F=np.concatenate([p[2] for p in self._parts]), links_FH=np.concatenate(pad),
-                            phase_F=np.concatenate([p[0] for p in self._parts]),
-                            sender_F=np.concatenate([p[3] for p in self._parts]))
+            pad = [
+                np.pad(p[1], ((0, 0), (0, width - p[1].shape[1])), constant_values=-1)
+                for p in self._parts
+            ]
+            flows = FlowSet(
+                size_bytes_F=np.concatenate([p[2] for p in self._parts]),
+                links_FH=np.concatenate(pad),
+                phase_F=np.concatenate([p[0] for p in self._parts]),
+                sender_F=np.concatenate([p[3] for p in self._parts]),
+            )
             nvlink_F = np.concatenate([np.full(p[0].size, p[4]) for p in self._parts])
             ends = np.concatenate([p[5] for p in self._parts])
         else:
-            flows = FlowSet(size_bytes_F=np.zeros(0), links_FH=np.zeros((0, 1), dtype=np.int64),
-                            phase_F=np.zeros(0, dtype=np.int64), sender_F=np.zeros(0, dtype=np.int64))
+            flows = FlowSet(
+                size_bytes_F=np.zeros(0),
+                links_FH=np.zeros((0, 1), dtype=np.int64),
+                phase_F=np.zeros(0, dtype=np.int64),
+                sender_F=np.zeros(0, dtype=np.int64),
+            )
             nvlink_F = np.zeros(0, dtype=bool)
             ends = np.zeros((0, 2), dtype=np.int64)
-        return LinkProgram(names=tuple(self.names), kinds=tuple(self.kinds),
-                           direction_Q=np.asarray(self.directions, dtype=np.int64), depends_on=tuple(self.deps),
-                           latency_s_Q=np.asarray(self.latency, dtype=np.float64), flows=flows, nvlink_F=nvlink_F,
-                           ends_F2=ends)
+        return LinkProgram(
+            names=tuple(self.names),
+            kinds=tuple(self.kinds),
+            direction_Q=np.asarray(self.directions, dtype=np.int64),
+            depends_on=tuple(self.deps),
+            latency_s_Q=np.asarray(self.latency, dtype=np.float64),
+            flows=flows,
+            nvlink_F=nvlink_F,
+            ends_F2=ends,
+        )
 
 
-def rank_synced(program: LinkProgram, *, num_ranks: int, post_order: Sequence[int] = (),
-                global_phases: Sequence[int] = ()) -> LinkProgram:
+def rank_synced(
+    program: LinkProgram,
+    *,
+    num_ranks: int,
+    post_order: Sequence[int] = (),
+    global_phases: Sequence[int] = (),
+) -> LinkProgram:
     """``program`` with per-rank phase dependencies (module docstring, "Phase synchronisation").
 
     Each phase q of ``program`` (not in ``global_phases``) becomes, for every rank r of W:
@@ -201,14 +262,18 @@ def rank_synced(program: LinkProgram, *, num_ranks: int, post_order: Sequence[in
     q0_count, w = program.num_phases, int(num_ranks)
     ends = program.ends_F2
     if w < 1 or (ends.size and (ends.min() < 0 or ends.max() >= w)):
-        raise ValueError(f"rank_synced: num_ranks={num_ranks} does not cover the flows' ranks "
-                         f"{int(ends.min(initial=0))}..{int(ends.max(initial=-1))}")
+        raise ValueError(
+            f"rank_synced: num_ranks={num_ranks} does not cover the flows' ranks "
+            f"{int(ends.min(initial=0))}..{int(ends.max(initial=-1))}"
+        )
     phase_F = program.flows.phase_F
     glob = set(int(q) for q in global_phases)
     carrying = sorted(glob & set(np.unique(phase_F).tolist()))
     if carrying:
-        raise ValueError(f"rank_synced: global phases {[program.names[q] for q in carrying]} carry flows; "
-                         "only flowless phases (a collective's fixed cost) can stay global")
+        raise ValueError(
+            f"rank_synced: global phases {[program.names[q] for q in carrying]} carry flows; "
+            "only flowless phases (a collective's fixed cost) can stay global"
+        )
     prev_of = {int(b): int(a) for a, b in zip(post_order[:-1], post_order[1:])}
     names: list[str] = []
     kinds: list[str] = []
@@ -239,8 +304,10 @@ def rank_synced(program: LinkProgram, *, num_ranks: int, post_order: Sequence[in
             continue
         for r in range(w):
             post_QW[q, r] = new(q, f"{name}.post@{r}", "sync")
-            start_QW[q, r] = new(q, f"{name}@{r}", "sync") if program.latency_s_Q[q] > 0 else post_QW[q, r]
-        flows = order_F[ptr[q]:ptr[q + 1]]
+            start_QW[q, r] = (
+                new(q, f"{name}@{r}", "sync") if program.latency_s_Q[q] > 0 else post_QW[q, r]
+            )
+        flows = order_F[ptr[q] : ptr[q + 1]]
         keys, inv = np.unique(key_F[flows], return_inverse=True)
         ids = np.empty(keys.size, dtype=np.int64)
         for k, key in enumerate(keys.tolist()):
@@ -251,19 +318,25 @@ def rank_synced(program: LinkProgram, *, num_ranks: int, post_order: Sequence[in
             touching.setdefault((q, dst), []).append(int(ids[k]))
         new_phase_F[flows] = ids[inv]
         for r in range(w):
-            done_QW[q, r] = new(q, f"{name}.done@{r}", "sync") if (q, r) in touching else start_QW[q, r]
+            done_QW[q, r] = (
+                new(q, f"{name}.done@{r}", "sync") if (q, r) in touching else start_QW[q, r]
+            )
     # Pass 2: dependencies and latencies.
     deps: list[tuple[int, ...]] = [()] * len(names)
     lat = np.zeros(len(names))
     for q in range(q0_count):
         src_deps = program.depends_on[q]
         if q in glob:
-            deps[post_QW[q, 0]] = tuple(dict.fromkeys(int(done_QW[p, r]) for p in src_deps for r in range(w)))
+            deps[post_QW[q, 0]] = tuple(
+                dict.fromkeys(int(done_QW[p, r]) for p in src_deps for r in range(w))
+            )
             lat[post_QW[q, 0]] = program.latency_s_Q[q]
             continue
         for r in range(w):
             chain = (int(post_QW[prev_of[q], r]),) if q in prev_of else ()
-            deps[post_QW[q, r]] = tuple(dict.fromkeys([int(done_QW[p, r]) for p in src_deps] + list(chain)))
+            deps[post_QW[q, r]] = tuple(
+                dict.fromkeys([int(done_QW[p, r]) for p in src_deps] + list(chain))
+            )
             if start_QW[q, r] != post_QW[q, r]:
                 deps[start_QW[q, r]] = (int(post_QW[q, r]),)
             lat[start_QW[q, r]] = program.latency_s_Q[q]
@@ -272,11 +345,25 @@ def rank_synced(program: LinkProgram, *, num_ranks: int, post_order: Sequence[in
     for pid, q, src, dst in pairs:
         deps[pid] = tuple(dict.fromkeys((int(start_QW[q, src]), int(start_QW[q, dst]))))
     flows = program.flows
-    split = FlowSet(size_bytes_F=flows.size_bytes_F, links_FH=flows.links_FH, phase_F=new_phase_F,
-                    sender_F=flows.sender_F)
-    return LinkProgram(names=tuple(names), kinds=tuple(kinds), direction_Q=np.asarray(dirs, dtype=np.int64),
-                       depends_on=tuple(deps), latency_s_Q=lat, flows=split, nvlink_F=program.nvlink_F,
-                       ends_F2=ends, source=program, origin_Q=np.asarray(origin, dtype=np.int64), num_ranks=w)
+    split = FlowSet(
+        size_bytes_F=flows.size_bytes_F,
+        links_FH=flows.links_FH,
+        phase_F=new_phase_F,
+        sender_F=flows.sender_F,
+    )
+    return LinkProgram(
+        names=tuple(names),
+        kinds=tuple(kinds),
+        direction_Q=np.asarray(dirs, dtype=np.int64),
+        depends_on=tuple(deps),
+        latency_s_Q=lat,
+        flows=split,
+        nvlink_F=program.nvlink_F,
+        ends_F2=ends,
+        source=program,
+        origin_Q=np.asarray(origin, dtype=np.int64),
+        num_ranks=w,
+    )
 
 
 def phase_times(program: LinkProgram, result: SimResult) -> tuple[np.ndarray, np.ndarray]:
@@ -308,7 +395,8 @@ class ProgramRun:
     bound_combine_s: float
     """``combine_s`` is never below it (`bandwidth_bound`; rank-synced: `rank_bandwidth_bound`)."""
     bound_s: float
-    """``total_s`` is never below it: the sum of the two (global), `rank_bandwidth_bound`'s (rank-synced)."""
+    """``total_s`` is never below it: the sum of the two (global), `rank_bandwidth_bound`'s
+    (rank-synced)."""
     bound_link: int
     """The link that sets the larger of the two direction bounds."""
     num_flows: int
@@ -347,12 +435,16 @@ def rank_bandwidth_bound(fabric: Fabric, program: LinkProgram) -> tuple[float, f
         for hop in flows.links_FH[keep].T:
             ok = hop >= 0
             key = (direction_F[keep][ok] * w + rank[ok]) * num_links + hop[ok]
-            per += np.bincount(key, weights=flows.size_bytes_F[keep][ok], minlength=2 * w * num_links).reshape(per.shape)
+            per += np.bincount(
+                key, weights=flows.size_bytes_F[keep][ok], minlength=2 * w * num_links
+            ).reshape(per.shape)
     per_rank = (per / cap_L).max(axis=2, initial=0.0)  # [2, W]
     bound_dispatch, _, _ = bandwidth_bound(fabric, program)
     combine = float(per_rank[1].min()) if w else 0.0
     both_links = float((program.link_bytes_DL(num_links).sum(axis=0) / cap_L).max(initial=0.0))
-    total = max(float((per_rank[0] + per_rank[1]).max(initial=0.0)), both_links, bound_dispatch + combine)
+    total = max(
+        float((per_rank[0] + per_rank[1]).max(initial=0.0)), both_links, bound_dispatch + combine
+    )
     return combine, total
 
 
@@ -370,14 +462,22 @@ def _aggregate_ports(program: LinkProgram) -> FlowSet:
     width = flows.links_FH.shape[1]
     port_links = np.full((key.size, width), -1, dtype=np.int64)
     port_links[:, 0] = key % radix
-    return FlowSet(size_bytes_F=np.concatenate([flows.size_bytes_F[~nvl], agg]),
-                   links_FH=np.concatenate([flows.links_FH[~nvl], port_links]),
-                   phase_F=np.concatenate([flows.phase_F[~nvl], key // radix]),
-                   sender_F=np.concatenate([flows.sender_F[~nvl], np.zeros(key.size, dtype=np.int64)]))
+    return FlowSet(
+        size_bytes_F=np.concatenate([flows.size_bytes_F[~nvl], agg]),
+        links_FH=np.concatenate([flows.links_FH[~nvl], port_links]),
+        phase_F=np.concatenate([flows.phase_F[~nvl], key // radix]),
+        sender_F=np.concatenate([flows.sender_F[~nvl], np.zeros(key.size, dtype=np.int64)]),
+    )
 
 
-def run_program(fabric: Fabric, program: LinkProgram, *, incast: IncastModel, rel_tol: float,
-                nvlink: str = "maxmin") -> ProgramRun:
+def run_program(
+    fabric: Fabric,
+    program: LinkProgram,
+    *,
+    incast: IncastModel,
+    rel_tol: float,
+    nvlink: str = "maxmin",
+) -> ProgramRun:
     """Simulate ``program`` on ``fabric`` (one engine run; overlapping phases share ports).
 
     Args:
@@ -394,5 +494,13 @@ def run_program(fabric: Fabric, program: LinkProgram, *, incast: IncastModel, re
     bound = bd + bc
     if program.source is not None:
         bc, bound = rank_bandwidth_bound(fabric, program)
-    return ProgramRun(result=res, dispatch_s=dispatch_end, combine_s=end - dispatch_end, bound_dispatch_s=bd,
-                      bound_combine_s=bc, bound_s=bound, bound_link=link, num_flows=program.flows.num_flows)
+    return ProgramRun(
+        result=res,
+        dispatch_s=dispatch_end,
+        combine_s=end - dispatch_end,
+        bound_dispatch_s=bd,
+        bound_combine_s=bc,
+        bound_s=bound,
+        bound_link=link,
+        num_flows=program.flows.num_flows,
+    )

@@ -29,14 +29,20 @@ from typing import Any
 
 import numpy as np
 
-from megatron_railwave.names import Route
-from megatron_railwave.planner import PlanOptions, build_plan
-from megatron_railwave.topology import RailTopology
 from megatron_railwave.lab.netmodel.bounds import ideal_bound
 from megatron_railwave.lab.netmodel.calibrate import PAPER_INCAST, PAPER_ULTRAEP, ultraep_check
 from megatron_railwave.lab.netmodel.execute import NetModelConfig, execute_plan
+from megatron_railwave.names import Route
+from megatron_railwave.planner import PlanOptions, build_plan
+from megatron_railwave.topology import RailTopology
 
-__all__ = ["UltraepFit", "fit_alpha_ultraep", "layer_cell", "predict_incast_slowdown", "summarize_grid"]
+__all__ = [
+    "UltraepFit",
+    "fit_alpha_ultraep",
+    "layer_cell",
+    "predict_incast_slowdown",
+    "summarize_grid",
+]
 
 SKEWS = (0.0, 0.5, 1.0, 1.46)
 """Token skews of the grid: equal counts, two intermediate, the generator's default."""
@@ -56,17 +62,22 @@ class UltraepFit:
     delivery: str
 
     def to_dict(self) -> dict[str, Any]:
-        return {"alpha": self.alpha, "alpha_per_payload": {str(k): v for k, v in self.alpha_per_payload.items()},
-                "speedup_at_fit": {str(k): v for k, v in self.speedup_at_fit.items()},
-                "paper_perm_over_native": {str(k): v for k, v in self.paper.items()}, "delivery": self.delivery}
+        return {
+            "alpha": self.alpha,
+            "alpha_per_payload": {str(k): v for k, v in self.alpha_per_payload.items()},
+            "speedup_at_fit": {str(k): v for k, v in self.speedup_at_fit.items()},
+            "paper_perm_over_native": {str(k): v for k, v in self.paper.items()},
+            "delivery": self.delivery,
+        }
 
 
 def _ultraep_speedup(topo: RailTopology, model: NetModelConfig, mib: float) -> float:
     return ultraep_check(topo, model, mib_per_gpu=(mib,))[0].dispatch_speedup
 
 
-def fit_alpha_ultraep(topo: RailTopology, base: NetModelConfig, *, max_alpha: float = 16.0,
-                      tol: float = 1e-3) -> UltraepFit:
+def fit_alpha_ultraep(
+    topo: RailTopology, base: NetModelConfig, *, max_alpha: float = 16.0, tol: float = 1e-3
+) -> UltraepFit:
     """Fit alpha on the paper's UltraEP case alone (no workload generator): per payload (28, 42
     MiB per GPU) the alpha at which the modelled PERM / NATIVE dispatch speedup equals the
     paper's (9.694x, 8.670x), by bisection (the speedup grows with alpha); the preset takes their
@@ -79,16 +90,23 @@ def fit_alpha_ultraep(topo: RailTopology, base: NetModelConfig, *, max_alpha: fl
     Raises:
         ValueError: ``topo`` is not 4 x 8, or the paper's speedup is not reached at ``max_alpha``.
     """
-    if (topo.num_nodes, topo.gpus_per_node) != (PAPER_ULTRAEP["nodes"], PAPER_ULTRAEP["gpus_per_node"]):
-        raise ValueError(f"the UltraEP fit needs the paper's 4 x 8 cluster, got {topo.num_nodes} x "
-                         f"{topo.gpus_per_node}; pass --alpha to set the fabric's alpha by hand")
+    if (topo.num_nodes, topo.gpus_per_node) != (
+        PAPER_ULTRAEP["nodes"],
+        PAPER_ULTRAEP["gpus_per_node"],
+    ):
+        raise ValueError(
+            f"the UltraEP fit needs the paper's 4 x 8 cluster, got {topo.num_nodes} x "
+            f"{topo.gpus_per_node}; pass --alpha to set the fabric's alpha by hand"
+        )
     paper = dict(zip(PAPER_ULTRAEP["mib_per_gpu"], PAPER_ULTRAEP["perm_over_native"]))
     per: dict[float, float] = {}
     for mib, target in paper.items():
         lo, hi = 0.0, max_alpha
         if _ultraep_speedup(topo, replace(base, alpha=hi), mib) < target:
-            raise ValueError(f"UltraEP at {mib} MiB: PERM / NATIVE stays below the paper's {target}x up to "
-                             f"alpha {max_alpha}; raise max_alpha")
+            raise ValueError(
+                f"UltraEP at {mib} MiB: PERM / NATIVE stays below the paper's {target}x up to "
+                f"alpha {max_alpha}; raise max_alpha"
+            )
         while hi - lo > tol:
             mid = 0.5 * (lo + hi)
             if _ultraep_speedup(topo, replace(base, alpha=mid), mib) < target:
@@ -98,13 +116,27 @@ def fit_alpha_ultraep(topo: RailTopology, base: NetModelConfig, *, max_alpha: fl
         per[float(mib)] = round(0.5 * (lo + hi), 4)
     alpha = round(math.exp(float(np.mean(np.log(list(per.values()))))), 4)
     at_fit = {float(m): _ultraep_speedup(topo, replace(base, alpha=alpha), m) for m in paper}
-    return UltraepFit(alpha=alpha, alpha_per_payload=per, speedup_at_fit=at_fit,
-                      paper={float(k): v for k, v in paper.items()}, delivery=base.delivery)
+    return UltraepFit(
+        alpha=alpha,
+        alpha_per_payload=per,
+        speedup_at_fit=at_fit,
+        paper={float(k): v for k, v in paper.items()},
+        delivery=base.delivery,
+    )
 
 
-def layer_cell(demand: Any, windows: Any, topo: RailTopology, *, baseline: NetModelConfig, paths_model: NetModelConfig,
-               record_bytes: int, paths: Sequence[str] = ("rail", "joint"), peers: Sequence[str] = (),
-               balanced: tuple[Any, Any] | None = None) -> dict[str, float]:
+def layer_cell(
+    demand: Any,
+    windows: Any,
+    topo: RailTopology,
+    *,
+    baseline: NetModelConfig,
+    paths_model: NetModelConfig,
+    record_bytes: int,
+    paths: Sequence[str] = ("rail", "joint"),
+    peers: Sequence[str] = (),
+    balanced: tuple[Any, Any] | None = None,
+) -> dict[str, float]:
     """One layer of one grid cell: seconds of the baseline (NATIVE under ``baseline``, e.g.
     streamed), of each of ``paths`` (under ``paths_model``), of each of ``peers``
     (`peers.model_peer` under ``baseline``'s fabric; 'deepep-balanced': the baseline on
@@ -112,26 +144,44 @@ def layer_cell(demand: Any, windows: Any, topo: RailTopology, *, baseline: NetMo
     path-independent bound of ``demand``."""
     from megatron_railwave.lab.netmodel.peers import model_peer
 
-    out = {"ideal_bound_s": ideal_bound(demand, topo, payload_bytes=record_bytes,
-                                        phase_sync=baseline.phase_sync).bound_s}
-    for name, path, model in [("baseline", "native", baseline)] + [(p, p, paths_model) for p in paths]:
+    out = {
+        "ideal_bound_s": ideal_bound(
+            demand, topo, payload_bytes=record_bytes, phase_sync=baseline.phase_sync
+        ).bound_s
+    }
+    for name, path, model in [("baseline", "native", baseline)] + [
+        (p, p, paths_model) for p in paths
+    ]:
         plan = build_plan(demand, topo, path, options=PlanOptions(windows=windows))
-        out[f"{name}_s"] = execute_plan(plan, record_bytes=record_bytes, model=model, demand=demand).total_s
+        out[f"{name}_s"] = execute_plan(
+            plan, record_bytes=record_bytes, model=model, demand=demand
+        ).total_s
     for peer in peers:
         key = f"{peer.replace('-', '_')}_s"
         if peer == "deepep-balanced":
             if balanced is None:
-                raise ValueError("the deepep-balanced peer needs the token-balanced (demand, windows)")
+                raise ValueError(
+                    "the deepep-balanced peer needs the token-balanced (demand, windows)"
+                )
             plan = build_plan(balanced[0], topo, "native", options=PlanOptions(windows=balanced[1]))
-            out[key] = execute_plan(plan, record_bytes=record_bytes, model=baseline, demand=balanced[0]).total_s
+            out[key] = execute_plan(
+                plan, record_bytes=record_bytes, model=baseline, demand=balanced[0]
+            ).total_s
         else:
-            out[key] = model_peer(peer, demand, topo, record_bytes=record_bytes, model=baseline, repeats=0)["comm_s"]
+            out[key] = model_peer(
+                peer, demand, topo, record_bytes=record_bytes, model=baseline, repeats=0
+            )["comm_s"]
     return out
 
 
-def predict_incast_slowdown(topo: RailTopology, model: NetModelConfig, *, seeds: Sequence[int],
-                            layer_sets: Callable[[int], Sequence[tuple[Any, Any, Any, Any]]],
-                            record_bytes: int) -> dict[str, Any]:
+def predict_incast_slowdown(
+    topo: RailTopology,
+    model: NetModelConfig,
+    *,
+    seeds: Sequence[int],
+    layer_sets: Callable[[int], Sequence[tuple[Any, Any, Any, Any]]],
+    record_bytes: int,
+) -> dict[str, Any]:
     """The paper's incast experiment as a prediction: per seed, NATIVE's sum over layers of
     EXTREME / RING under ``model``; ``layer_sets(seed)`` yields (ring demand, ring windows,
     extreme demand, extreme windows) per layer."""
@@ -141,16 +191,24 @@ def predict_incast_slowdown(topo: RailTopology, model: NetModelConfig, *, seeds:
         for ring_d, ring_w, ext_d, ext_w in layer_sets(seed):
             for demand, windows, acc in ((ring_d, ring_w, "ring"), (ext_d, ext_w, "extreme")):
                 plan = build_plan(demand, topo, Route.NATIVE, options=PlanOptions(windows=windows))
-                t = execute_plan(plan, record_bytes=record_bytes, model=model, demand=demand).total_s
+                t = execute_plan(
+                    plan, record_bytes=record_bytes, model=model, demand=demand
+                ).total_s
                 if acc == "ring":
                     ring += t
                 else:
                     extreme += t
         ratios.append(extreme / ring)
     target = PAPER_INCAST["high_s"] / PAPER_INCAST["low_s"]
-    return {"paper": target, "per_seed": dict(zip((int(s) for s in seeds), ratios)),
-            "median": float(np.median(ratios)), "p10": float(np.percentile(ratios, 10)),
-            "p90": float(np.percentile(ratios, 90)), "min": float(min(ratios)), "max": float(max(ratios))}
+    return {
+        "paper": target,
+        "per_seed": dict(zip((int(s) for s in seeds), ratios)),
+        "median": float(np.median(ratios)),
+        "p10": float(np.percentile(ratios, 10)),
+        "p90": float(np.percentile(ratios, 90)),
+        "min": float(min(ratios)),
+        "max": float(max(ratios)),
+    }
 
 
 def summarize_grid(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -166,16 +224,31 @@ def summarize_grid(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             for k, v in r.items():
                 if k.endswith("_s"):
                     acc[k] = acc.get(k, 0.0) + v
-        entry: dict[str, Any] = {"skew": skew, "fabric": fabric, "pattern": pattern, "seeds": len(per_seed),
-                                 "layers_per_seed": len(sel) // max(1, len(per_seed))}
-        names = [k[:-2] for k in next(iter(per_seed.values())) if k.endswith("_s") and k not in ("baseline_s",)]
+        entry: dict[str, Any] = {
+            "skew": skew,
+            "fabric": fabric,
+            "pattern": pattern,
+            "seeds": len(per_seed),
+            "layers_per_seed": len(sel) // max(1, len(per_seed)),
+        }
+        names = [
+            k[:-2]
+            for k in next(iter(per_seed.values()))
+            if k.endswith("_s") and k not in ("baseline_s",)
+        ]
         for name in names:
-            ratio = [acc["baseline_s"] / acc[f"{name}_s"] for acc in per_seed.values() if acc[f"{name}_s"] > 0]
+            ratio = [
+                acc["baseline_s"] / acc[f"{name}_s"]
+                for acc in per_seed.values()
+                if acc[f"{name}_s"] > 0
+            ]
             label = "ideal" if name == "ideal_bound" else name
-            entry[f"{label}_over_baseline"] = {"median": float(np.median(ratio)),
-                                               "p10": float(np.percentile(ratio, 10)),
-                                               "p90": float(np.percentile(ratio, 90)),
-                                               "per_seed": [float(x) for x in ratio]}
+            entry[f"{label}_over_baseline"] = {
+                "median": float(np.median(ratio)),
+                "p10": float(np.percentile(ratio, 10)),
+                "p90": float(np.percentile(ratio, 90)),
+                "per_seed": [float(x) for x in ratio],
+            }
         # Fraction of the ideal speedup JOINT reaches: bound / JOINT, per seed (the token-balanced
         # peer runs another input, so its ratio is to the baseline, not to this bound).
         if "joint_s" in next(iter(per_seed.values())):

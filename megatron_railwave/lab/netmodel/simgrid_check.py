@@ -54,7 +54,13 @@ def simgrid_available(python: str = SYSTEM_PYTHON) -> bool:
 
 
 def simulate_in_simgrid(
-    capacity_Bps_L, size_bytes_F, links_FH, *, start_s_F=None, python: str = SYSTEM_PYTHON, timeout_s: float = 600.0
+    capacity_Bps_L,
+    size_bytes_F,
+    links_FH,
+    *,
+    start_s_F=None,
+    python: str = SYSTEM_PYTHON,
+    timeout_s: float = 600.0,
 ):
     """Completion times of the flows in SimGrid (CM02, zero latency; see the module docstring).
 
@@ -86,10 +92,16 @@ def simulate_in_simgrid(
         src, dst = os.path.join(tmp, "in.json"), os.path.join(tmp, "out.json")
         with open(src, "w", encoding="utf-8") as f:
             json.dump(spec, f)
-        proc = subprocess.run([python, os.path.abspath(__file__), src, dst], capture_output=True, text=True,
-                              timeout=timeout_s)
+        proc = subprocess.run(
+            [python, os.path.abspath(__file__), src, dst],
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+        )
         if proc.returncode != 0:
-            raise RuntimeError(f"SimGrid run failed (exit {proc.returncode}) with {python}: {proc.stderr[-2000:]}")
+            raise RuntimeError(
+                f"SimGrid run failed (exit {proc.returncode}) with {python}: {proc.stderr[-2000:]}"
+            )
         with open(dst, encoding="utf-8") as f:
             return np.asarray(json.load(f)["finish_s"], dtype=np.float64)
 

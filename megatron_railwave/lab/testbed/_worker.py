@@ -1,4 +1,5 @@
-"""Worker entry point: ``python -m megatron_railwave.lab.testbed._worker RUN_DIR RANK`` (started by run_workers)."""
+"""Worker entry point: ``python -m megatron_railwave.lab.testbed._worker RUN_DIR RANK`` (started by
+run_workers)."""
 
 import sys
 

@@ -15,14 +15,13 @@ Process groups inside a worker (see :func:`make_groups`):
                    barriers and small control collectives that must survive a failed rail NIC.
 torch 2.13 reads ``GLOO_SOCKET_IFNAME`` each time it builds a gloo backend, and ``new_group``
 ignores ``pg_options`` for gloo (so ``ProcessGroupGloo._Options._devices`` cannot be passed through
-it); :func:`make_groups` therefore sets the variable around each ``new_group`` call. Node-local pairs
-use ``lo`` either way: the kernel routes between a namespace's own addresses over loopback.
+it); :func:`make_groups` therefore sets the variable around each ``new_group`` call. Node-local
+pairs use ``lo`` either way: the kernel routes between a namespace's own addresses over loopback.
 """
 
 from __future__ import annotations
 
 import importlib
-import json
 import os
 import pickle
 import random
@@ -32,16 +31,23 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from megatron_railwave.lab.testbed.netns import TestbedSpec
 
-__all__ = ["RailGroups", "WorkerContext", "current_context", "make_control_group", "make_groups",
-           "run_workers"]
+__all__ = [
+    "RailGroups",
+    "WorkerContext",
+    "current_context",
+    "make_control_group",
+    "make_groups",
+    "run_workers",
+]
 
 _STDERR_TAIL = 3000
 _REPO_ROOT = str(Path(__file__).resolve().parents[3])
@@ -106,7 +112,8 @@ def _gloo_ifname(ifname: str) -> Iterator[None]:
 
 
 def make_groups(ctx: WorkerContext | None = None) -> RailGroups:
-    """Create the N node groups (loopback) and G rail groups (rail NICs), in the same order on all ranks.
+    """Create the N node groups (loopback) and G rail groups (rail NICs), in the same order on all
+    ranks.
 
     Collective: yes (default group; every rank must call it).
     """
@@ -122,7 +129,9 @@ def make_groups(ctx: WorkerContext | None = None) -> RailGroups:
     # Only members build a backend, and every member of rail group l owns NIC l.
     with _gloo_ifname(ctx.rail_ifname):
         for rail in range(gpus):
-            rail_groups.append(dist.new_group([n * gpus + rail for n in range(nodes)], backend="gloo"))
+            rail_groups.append(
+                dist.new_group([n * gpus + rail for n in range(nodes)], backend="gloo")
+            )
     return RailGroups(
         node=node_groups[ctx.node],
         rail=rail_groups[ctx.local],
@@ -197,15 +206,20 @@ def run_workers(
     run_dir = Path(tempfile.mkdtemp(prefix=f"{spec.name}-run-"))
     port = random.randint(20000, 40000)  # namespaces are private: any port is free
     (run_dir / "config.pkl").write_bytes(
-        pickle.dumps({"spec": asdict(spec), "target": target, "args": args or {},
-                      "timeout_s": timeout_s})
+        pickle.dumps(
+            {"spec": asdict(spec), "target": target, "args": args or {}, "timeout_s": timeout_s}
+        )
     )
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(
         p for p in (_REPO_ROOT, os.getcwd(), env.get("PYTHONPATH", "")) if p
     )
-    env.update(MASTER_ADDR=spec.master_addr, MASTER_PORT=str(port), OMP_NUM_THREADS="1",
-               PYTHONUNBUFFERED="1")
+    env.update(
+        MASTER_ADDR=spec.master_addr,
+        MASTER_PORT=str(port),
+        OMP_NUM_THREADS="1",
+        PYTHONUNBUFFERED="1",
+    )
     procs: list[subprocess.Popen[bytes]] = []
     logs: list[Path] = []
     try:
@@ -215,12 +229,26 @@ def run_workers(
             logs.append(log)
             rank_env = dict(env, GLOO_SOCKET_IFNAME=spec.rail_ifname(local))
             with open(log, "wb") as fh:
-                procs.append(subprocess.Popen(
-                    ["ip", "netns", "exec", spec.node_ns(node), sys.executable, "-m",
-                     "megatron_railwave.lab.testbed._worker", str(run_dir), str(rank)],
-                    stdin=subprocess.DEVNULL, stdout=fh, stderr=subprocess.STDOUT, env=rank_env,
-                    start_new_session=True,
-                ))
+                procs.append(
+                    subprocess.Popen(
+                        [
+                            "ip",
+                            "netns",
+                            "exec",
+                            spec.node_ns(node),
+                            sys.executable,
+                            "-m",
+                            "megatron_railwave.lab.testbed._worker",
+                            str(run_dir),
+                            str(rank),
+                        ],
+                        stdin=subprocess.DEVNULL,
+                        stdout=fh,
+                        stderr=subprocess.STDOUT,
+                        env=rank_env,
+                        start_new_session=True,
+                    )
+                )
         deadline = time.monotonic() + timeout_s
         while True:
             codes = [p.poll() for p in procs]

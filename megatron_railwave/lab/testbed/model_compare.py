@@ -1,4 +1,5 @@
-"""Flow model (``netmodel.simulate_plan``, public API only) configured for a testbed, against the testbed's P50s.
+"""Flow model (``netmodel.simulate_plan``, public API only) configured for a testbed, against the
+testbed's P50s.
 
 Letters: N nodes, G GPUs per node (= rails), V windows / waves.
 
@@ -23,22 +24,35 @@ from typing import Any
 
 import numpy as np
 
-from megatron_railwave.planner import PlanOptions, build_plan, schedule_from_windows
-from megatron_railwave.lab.testbed.experiment import StudyConfig, build_workloads, wire_efficiency, wire_format
-from megatron_railwave.topology import RailTopology
+from megatron_railwave.lab.testbed.experiment import (
+    StudyConfig,
+    build_workloads,
+    wire_efficiency,
+    wire_format,
+)
 from megatron_railwave.lab.workloads import GLM45_AIR, demand_from_topk_ids
+from megatron_railwave.planner import PlanOptions, build_plan, schedule_from_windows
+from megatron_railwave.topology import RailTopology
 
 __all__ = ["compare_with_netmodel"]
 
 
-def _study_workloads(study: dict[str, Any], topo: RailTopology, cfg: StudyConfig) -> dict[str, dict[str, Any]]:
+def _study_workloads(
+    study: dict[str, Any], topo: RailTopology, cfg: StudyConfig
+) -> dict[str, dict[str, Any]]:
     """The measured workloads: the routing and windows the study recorded (``topk_ids_WTK``), or,
     for results that lack them, the same config rebuilt by the current generator."""
     recorded = study["workloads"]
     if all("topk_ids_WTK" in wl for wl in recorded.values()):
-        return {name: {"demand": demand_from_topk_ids(np.asarray(wl["topk_ids_WTK"], dtype=np.int64), topo,
-                                                      GLM45_AIR.num_experts),
-                       "windows": wl["windows"]} for name, wl in recorded.items()}
+        return {
+            name: {
+                "demand": demand_from_topk_ids(
+                    np.asarray(wl["topk_ids_WTK"], dtype=np.int64), topo, GLM45_AIR.num_experts
+                ),
+                "windows": wl["windows"],
+            }
+            for name, wl in recorded.items()
+        }
     return {w["name"]: w for w in build_workloads(topo, cfg)}
 
 
@@ -52,14 +66,23 @@ def _alpha(incast: list[dict[str, Any]] | None) -> float | None:
     if base is None or not rows:
         return None
     # Max-min time of k senders = k x the one-sender time.
-    return alpha_from_slowdowns([r["fan_in"] for r in rows], [r["median_s"] / (r["fan_in"] * base) for r in rows])
+    return alpha_from_slowdowns(
+        [r["fan_in"] for r in rows], [r["median_s"] / (r["fan_in"] * base) for r in rows]
+    )
 
 
-def compare_with_netmodel(study: dict[str, Any], *, incast: list[dict[str, Any]] | None = None,
-                          loopback_gBps: float = 1.0, wave_latency_s: float = 2e-3,
-                          fit_on: tuple[str, str] | None = ("ring-balanced", "native"),
-                          fit_param: str = "wave_latency", phase_sync: str = "rank") -> dict[str, Any]:
-    """Model every (workload, path) of a ``run_study`` result; relative errors against the measurement.
+def compare_with_netmodel(
+    study: dict[str, Any],
+    *,
+    incast: list[dict[str, Any]] | None = None,
+    loopback_gBps: float = 1.0,
+    wave_latency_s: float = 2e-3,
+    fit_on: tuple[str, str] | None = ("ring-balanced", "native"),
+    fit_param: str = "wave_latency",
+    phase_sync: str = "rank",
+) -> dict[str, Any]:
+    """Model every (workload, path) of a ``run_study`` result; relative errors against the
+    measurement.
 
     Args:
         study: the ``run_study`` result (its config and testbed rebuild the same workloads).
@@ -87,9 +110,13 @@ def compare_with_netmodel(study: dict[str, Any], *, incast: list[dict[str, Any]]
         raise ValueError(f"fit_param must be 'wave_latency' or 'rail_rate', got {fit_param!r}")
 
     def testbed_topo(rate_scale: float) -> RailTopology:
-        return RailTopology(num_nodes=tb["nodes"], gpus_per_node=tb["gpus_per_node"],
-                            rail_gbps=tb["rail_mbit"] / 1000 * eff * rate_scale, nvlink_gBps=loopback_gBps,
-                            name="testbed")
+        return RailTopology(
+            num_nodes=tb["nodes"],
+            gpus_per_node=tb["gpus_per_node"],
+            rail_gbps=tb["rail_mbit"] / 1000 * eff * rate_scale,
+            nvlink_gBps=loopback_gBps,
+            name="testbed",
+        )
 
     topo = testbed_topo(1.0)
     wire = wire_format(topo, cfg)
@@ -100,16 +127,27 @@ def compare_with_netmodel(study: dict[str, Any], *, incast: list[dict[str, Any]]
     def model(latency: float) -> NetModelConfig:
         # The probe's alpha is a linear fit over its own k (no saturation); the count all-gather is
         # outside the measured dispatch + combine, RailBalance's steps are host-side here.
-        return NetModelConfig(alpha=alpha or 0.0, k_sat=None, wave_latency_s=latency, count_exchange_s=0.0,
-                              railbalance_barrier_s=0.0, railbalance_quota_s=0.0,
-                              nodes_per_leaf=max(topo.num_nodes, 1), phase_sync=phase_sync)
+        return NetModelConfig(
+            alpha=alpha or 0.0,
+            k_sat=None,
+            wave_latency_s=latency,
+            count_exchange_s=0.0,
+            railbalance_barrier_s=0.0,
+            railbalance_quota_s=0.0,
+            nodes_per_leaf=max(topo.num_nodes, 1),
+            phase_sync=phase_sync,
+        )
 
     def predict(key: tuple[str, str], value: float) -> float:
         """Model seconds with the fitted parameter at ``value``."""
         latency, scale = (value, 1.0) if fit_param == "wave_latency" else (wave_latency_s, value)
         wl = workloads[key[0]]
-        plan = build_plan(wl["demand"], testbed_topo(scale), key[1],
-                          options=PlanOptions(windows=schedule_from_windows(topo.num_nodes, wl["windows"])))
+        plan = build_plan(
+            wl["demand"],
+            testbed_topo(scale),
+            key[1],
+            options=PlanOptions(windows=schedule_from_windows(topo.num_nodes, wl["windows"])),
+        )
         return simulate_plan(plan, wire=wire, model=model(latency), demand=wl["demand"])
 
     def measured_comm(name: str, path: str) -> float:
@@ -133,22 +171,39 @@ def compare_with_netmodel(study: dict[str, Any], *, incast: list[dict[str, Any]]
             fitted = 0.5 * (lo + hi)
     value = fitted if fitted is not None else stated
     rows = []
-    for (name, path) in keys:
+    for name, path in keys:
         pred = predict((name, path), value)
         pred_stated = predict((name, path), stated)
         comm = measured_comm(name, path)
         total = study["workloads"][name]["paths"][path]["slowest_s"]["p50"]
-        rows.append({"workload": name, "path": path, "model_s": pred, "model_unfitted_s": pred_stated,
-                     "measured_comm_p50_s": comm, "measured_total_p50_s": total,
-                     "rel_error_comm": pred / comm - 1.0, "rel_error_total": pred / total - 1.0,
-                     "rel_error_comm_unfitted": pred_stated / comm - 1.0})
+        rows.append(
+            {
+                "workload": name,
+                "path": path,
+                "model_s": pred,
+                "model_unfitted_s": pred_stated,
+                "measured_comm_p50_s": comm,
+                "measured_total_p50_s": total,
+                "rel_error_comm": pred / comm - 1.0,
+                "rel_error_total": pred / total - 1.0,
+                "rel_error_comm_unfitted": pred_stated / comm - 1.0,
+            }
+        )
     errs = np.abs([r["rel_error_comm"] for r in rows])
     return {
-        "model": {"alpha": alpha, "rail_gbps_shaped_x_tcp_efficiency": topo.rail_gbps,
-                  "loopback_gBps": loopback_gBps, "wire": wire.to_dict(), "fit_param": fit_param,
-                  "fitted_value": fitted, "fitted_on": list(fit_on) if fitted is not None else None,
-                  "stated_wave_latency_s": wave_latency_s, "phase_sync": phase_sync},
+        "model": {
+            "alpha": alpha,
+            "rail_gbps_shaped_x_tcp_efficiency": topo.rail_gbps,
+            "loopback_gBps": loopback_gBps,
+            "wire": wire.to_dict(),
+            "fit_param": fit_param,
+            "fitted_value": fitted,
+            "fitted_on": list(fit_on) if fitted is not None else None,
+            "stated_wave_latency_s": wave_latency_s,
+            "phase_sync": phase_sync,
+        },
         "rows": rows,
-        "within_25pct_comm": int((errs <= 0.25).sum()), "cases": len(rows),
+        "within_25pct_comm": int((errs <= 0.25).sum()),
+        "cases": len(rows),
         "max_abs_rel_error_comm": float(errs.max()) if len(errs) else None,
     }

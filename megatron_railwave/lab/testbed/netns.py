@@ -20,10 +20,11 @@ nothing is forwarded between it and the rails.
 Shaping (``tc``, both directions of every NIC):
     node -> switch   HTB at ``rail_mbit`` on the node-side veth (egress); the sender's own queue.
     switch -> node   HTB at ``rail_mbit`` on the switch-side veth (egress) with a ``bfifo`` of
-                     ``port_buffer_bytes``: the receiver-facing switch port. Several senders into one
-                     port overflow it, packets drop and TCP loses goodput (incast), mostly through
-                     retransmission timeouts (``rto_min_ms``, kernel default 200 ms).
-GSO is limited to one segment per packet on every veth: queues hold MTU-sized packets, as on a switch.
+                     ``port_buffer_bytes``: the receiver-facing switch port. Several senders into
+                     one port overflow it, packets drop and TCP loses goodput (incast), mostly
+                     through retransmission timeouts (``rto_min_ms``, kernel default 200 ms).
+GSO is limited to one segment per packet on every veth: queues hold MTU-sized packets, as on a
+switch.
 ``mtu`` sets the packet size of the rails (1500 by default; RoCE fabrics run 4096).
 
 Routing: same-rail traffic crosses one bridge. A socket bound to GPU (n, l)'s address always leaves
@@ -64,7 +65,8 @@ _TABLE_BASE = 100
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class TestbedSpec:
-    """Size, shaping and names of one testbed; the same spec brings it up, runs on it, takes it down."""
+    """Size, shaping and names of one testbed; the same spec brings it up, runs on it, takes it
+    down."""
 
     __test__ = False  # not a pytest test class despite the name
 
@@ -191,7 +193,8 @@ class TestbedSpec:
 
     @property
     def master_addr(self) -> str:
-        """Rendezvous (TCPStore) address: node 0 on the management network (survives rail faults)."""
+        """Rendezvous (TCPStore) address: node 0 on the management network (survives rail
+        faults)."""
         return self.mgmt_ip(0)
 
 
@@ -279,7 +282,9 @@ def _build(spec: TestbedSpec) -> None:
     _sysctl(fab, "net.ipv4.ip_forward", "1")
     if spec.sender_queue_bytes is not None:
         for n in range(spec.nodes):
-            _sysctl(spec.node_ns(n), "net.ipv4.tcp_limit_output_bytes", str(spec.sender_queue_bytes))
+            _sysctl(
+                spec.node_ns(n), "net.ipv4.tcp_limit_output_bytes", str(spec.sender_queue_bytes)
+            )
     for rail in range(spec.gpus_per_node):
         br = spec.bridge_name(rail)
         _run("ip", "-n", fab, "link", "add", br, "type", "bridge")
@@ -290,23 +295,73 @@ def _build(spec: TestbedSpec) -> None:
     for n in range(spec.nodes):
         node_ns = spec.node_ns(n)
         sw, nic = spec.mgmt_switch_ifname(n), spec.mgmt_ifname
-        _run("ip", "-n", fab, "link", "add", sw, "type", "veth", "peer", "name", nic, "netns", node_ns)
+        _run(
+            "ip",
+            "-n",
+            fab,
+            "link",
+            "add",
+            sw,
+            "type",
+            "veth",
+            "peer",
+            "name",
+            nic,
+            "netns",
+            node_ns,
+        )
         _run("ip", "-n", fab, "link", "set", sw, "master", spec.mgmt_bridge_name, "up")
         _run("ip", "-n", node_ns, "addr", "add", f"{spec.mgmt_ip(n)}/24", "dev", nic)
         _run("ip", "-n", node_ns, "link", "set", nic, "up")
         for rail in range(spec.gpus_per_node):
             sw, nic = spec.switch_ifname(n, rail), spec.rail_ifname(rail)
-            _run("ip", "-n", fab, "link", "add", sw, "type", "veth",
-                 "peer", "name", nic, "netns", node_ns)
+            _run(
+                "ip",
+                "-n",
+                fab,
+                "link",
+                "add",
+                sw,
+                "type",
+                "veth",
+                "peer",
+                "name",
+                nic,
+                "netns",
+                node_ns,
+            )
             # One MTU-sized segment per packet: queues count real packets, not 64 KB GSO blobs.
-            _run("ip", "-n", fab, "link", "set", sw, "gso_max_segs", "1", "mtu", str(spec.mtu),
-                 "master", spec.bridge_name(rail))
+            _run(
+                "ip",
+                "-n",
+                fab,
+                "link",
+                "set",
+                sw,
+                "gso_max_segs",
+                "1",
+                "mtu",
+                str(spec.mtu),
+                "master",
+                spec.bridge_name(rail),
+            )
             _run("ip", "-n", node_ns, "link", "set", nic, "gso_max_segs", "1", "mtu", str(spec.mtu))
             _run("ip", "-n", node_ns, "addr", "add", f"{spec.rail_ip(n, rail)}/24", "dev", nic)
             _run("ip", "-n", fab, "link", "set", sw, "up")
             _run("ip", "-n", node_ns, "link", "set", nic, "up")
-            _run("ip", "-n", node_ns, "rule", "add", "from", spec.rail_ip(n, rail),
-                 "table", str(_TABLE_BASE + rail), "pref", str(1000 + rail))
+            _run(
+                "ip",
+                "-n",
+                node_ns,
+                "rule",
+                "add",
+                "from",
+                spec.rail_ip(n, rail),
+                "table",
+                str(_TABLE_BASE + rail),
+                "pref",
+                str(1000 + rail),
+            )
             _add_rail_routes(spec, n, rail)
             _shape(fab, sw, spec.rail_mbit, spec.port_buffer_bytes, spec.mtu)
             _shape(node_ns, nic, spec.rail_mbit, None, spec.mtu)
@@ -318,22 +373,103 @@ def _add_rail_routes(spec: TestbedSpec, node: int, rail: int) -> None:
     ns, nic, table = spec.node_ns(node), spec.rail_ifname(rail), str(_TABLE_BASE + rail)
     src, subnet = spec.rail_ip(node, rail), f"{_SUBNET}.{rail}.0/24"
     rto = [] if spec.rto_min_ms is None else ["rto_min", f"{spec.rto_min_ms}ms"]
-    _run("ip", "-n", ns, "route", "replace", subnet, "dev", nic, "proto", "kernel",
-         "scope", "link", "src", src, *rto)
+    _run(
+        "ip",
+        "-n",
+        ns,
+        "route",
+        "replace",
+        subnet,
+        "dev",
+        nic,
+        "proto",
+        "kernel",
+        "scope",
+        "link",
+        "src",
+        src,
+        *rto,
+    )
     _run("ip", "-n", ns, "route", "replace", subnet, "dev", nic, "src", src, "table", table, *rto)
-    _run("ip", "-n", ns, "route", "replace", "default", "via", spec.router_ip(rail), "dev", nic,
-         "src", src, "table", table, *rto)
+    _run(
+        "ip",
+        "-n",
+        ns,
+        "route",
+        "replace",
+        "default",
+        "via",
+        spec.router_ip(rail),
+        "dev",
+        nic,
+        "src",
+        src,
+        "table",
+        table,
+        *rto,
+    )
 
 
 def _shape(ns: str, dev: str, mbit: float, queue_bytes: int | None, mtu: int = 1500) -> None:
     rate = f"{int(mbit * 1000)}kbit"
-    _run("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "handle", "1:",
-         "htb", "default", "1")
-    _run("ip", "netns", "exec", ns, "tc", "class", "add", "dev", dev, "parent", "1:",
-         "classid", "1:1", "htb", "rate", rate, "ceil", rate, "quantum", str(mtu + 14))
+    _run(
+        "ip",
+        "netns",
+        "exec",
+        ns,
+        "tc",
+        "qdisc",
+        "add",
+        "dev",
+        dev,
+        "root",
+        "handle",
+        "1:",
+        "htb",
+        "default",
+        "1",
+    )
+    _run(
+        "ip",
+        "netns",
+        "exec",
+        ns,
+        "tc",
+        "class",
+        "add",
+        "dev",
+        dev,
+        "parent",
+        "1:",
+        "classid",
+        "1:1",
+        "htb",
+        "rate",
+        rate,
+        "ceil",
+        rate,
+        "quantum",
+        str(mtu + 14),
+    )
     if queue_bytes is not None:
-        _run("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "parent", "1:1",
-             "handle", "10:", "bfifo", "limit", str(queue_bytes))
+        _run(
+            "ip",
+            "netns",
+            "exec",
+            ns,
+            "tc",
+            "qdisc",
+            "add",
+            "dev",
+            dev,
+            "parent",
+            "1:1",
+            "handle",
+            "10:",
+            "bfifo",
+            "limit",
+            str(queue_bytes),
+        )
 
 
 def _list_netns() -> list[str]:
@@ -343,7 +479,9 @@ def _list_netns() -> list[str]:
 
 def list_leftovers(spec_or_prefix: TestbedSpec | str) -> list[str]:
     """Namespaces and caller-namespace interfaces whose names start with the spec's name/prefix."""
-    prefix = spec_or_prefix.name + "-" if isinstance(spec_or_prefix, TestbedSpec) else spec_or_prefix
+    prefix = (
+        spec_or_prefix.name + "-" if isinstance(spec_or_prefix, TestbedSpec) else spec_or_prefix
+    )
     ifprefix = prefix.rstrip("-")
     found = [ns for ns in _list_netns() if ns.startswith(prefix)]
     links = json.loads(_run("ip", "-j", "link", "show", check=False).stdout or "[]")

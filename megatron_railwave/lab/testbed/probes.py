@@ -25,7 +25,9 @@ def _alltoall(group: Any, my_index: int, size: int, numel: int, tag: float) -> i
     send_PS += tag + 1000.0 * my_index
     recv_PS = torch.empty_like(send_PS)
     dist.all_to_all_single(recv_PS, send_PS, group=group)
-    want_PS = tag + 1000.0 * torch.arange(size, dtype=torch.float32).repeat_interleave(numel) + my_index
+    want_PS = (
+        tag + 1000.0 * torch.arange(size, dtype=torch.float32).repeat_interleave(numel) + my_index
+    )
     return int((recv_PS != want_PS).sum())
 
 
@@ -83,21 +85,30 @@ def incast_probe(
 
 
 def incast_goodput(
-    spec: TestbedSpec, fan_in: int, nbytes: int = 4 << 20, repeats: int = 3, timeout_s: float = 120.0
+    spec: TestbedSpec,
+    fan_in: int,
+    nbytes: int = 4 << 20,
+    repeats: int = 3,
+    timeout_s: float = 120.0,
 ) -> dict[str, Any]:
-    """Goodput into one receiver port when ``fan_in`` nodes send ``nbytes`` each to node 0 on rail 0.
+    """Goodput into one receiver port when ``fan_in`` nodes send ``nbytes`` each to node 0 on rail
+    0.
 
     Needs ``spec.nodes >= fan_in + 1``. Returns the median receiver time, the port goodput in Mbit/s
     (all senders' bytes / time), its ratio to ``spec.rail_mbit``, and the bytes the receiver NIC
     took in (goodput + retransmissions + headers + control).
     """
     if not 1 <= fan_in < spec.nodes:
-        raise ValueError(f"fan_in must be in 1..{spec.nodes - 1} for {spec.nodes} nodes, got {fan_in}")
+        raise ValueError(
+            f"fan_in must be in 1..{spec.nodes - 1} for {spec.nodes} nodes, got {fan_in}"
+        )
     senders = list(range(1, fan_in + 1))
     before = nic_counters(spec)
     results = run_workers(
-        spec, "megatron_railwave.lab.testbed.probes:incast_probe",
-        {"senders": senders, "receiver": 0, "nbytes": nbytes, "repeats": repeats}, timeout_s,
+        spec,
+        "megatron_railwave.lab.testbed.probes:incast_probe",
+        {"senders": senders, "receiver": 0, "nbytes": nbytes, "repeats": repeats},
+        timeout_s,
     )
     after = nic_counters(spec)
     median_s = statistics.median(results[0]["times"])

@@ -5,9 +5,9 @@ E_loc = E / W local experts, K top-k, H hidden size.
 
 Every rank builds its groups with :func:`~megatron_railwave.lab.testbed.launch.make_groups` (node
 groups on loopback, rail groups on the rail NICs) and a control group on the management network
-(:func:`~megatron_railwave.lab.testbed.launch.make_control_group`). The exchange's ``RailGroups`` are
-assembled from them: ``ep_group`` = the control group (the count all-gather must survive a failed
-rail, see docs/testbed.md), ``node_group`` = loopback, ``rail_group`` = the rank's rail.
+(:func:`~megatron_railwave.lab.testbed.launch.make_control_group`). The exchange's ``RailGroups``
+are assembled from them: ``ep_group`` = the control group (the count all-gather must survive a
+failed rail, see docs/testbed.md), ``node_group`` = loopback, ``rail_group`` = the rank's rail.
 
 Receives first (``receives_first``): gloo's TCP pair announces a posted receive to its peer with a
 small notice that travels in the same FIFO as its outgoing payloads, and a peer sends a payload
@@ -41,10 +41,10 @@ import torch
 import torch.distributed as dist
 
 from megatron_railwave.exchange import ExchangeTimeoutError, TorchDistExchange, rank_groups
-from megatron_railwave.planner import PlanOptions, schedule_from_windows
-from megatron_railwave.telemetry.capture import routing_map_from_topk_ids
 from megatron_railwave.lab.testbed.launch import WorkerContext, make_control_group, make_groups
 from megatron_railwave.lab.testbed.netns import fail_rail
+from megatron_railwave.planner import PlanOptions, schedule_from_windows
+from megatron_railwave.telemetry.capture import routing_map_from_topk_ids
 from megatron_railwave.topology import RailTopology
 
 __all__ = ["fault_worker", "online_worker", "receives_first", "study_worker"]
@@ -92,8 +92,9 @@ def expert_scales(num_experts: int) -> torch.Tensor:
     return 1.0 + (torch.arange(num_experts, dtype=torch.float32) % 8) / 8.0
 
 
-def make_inputs(rank: int, ids_WTK: np.ndarray, *, num_experts: int, hidden: int, dtype: str,
-                seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def make_inputs(
+    rank: int, ids_WTK: np.ndarray, *, num_experts: int, hidden: int, dtype: str, seed: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(hidden [T, H] dtype, probs [T, E] float32, routing_map [T, E] bool) of ``rank``; seeded."""
     gen = torch.Generator().manual_seed(seed * 7919 + rank)
     routing = routing_map_from_topk_ids(ids_WTK[rank], num_experts)
@@ -104,7 +105,8 @@ def make_inputs(rank: int, ids_WTK: np.ndarray, *, num_experts: int, hidden: int
 
 
 def dense_reference(x: torch.Tensor, probs: torch.Tensor, routing: torch.Tensor) -> torch.Tensor:
-    """[T, H] float32: x[t] * sum_e p[t, e] * scale_E[e] (what dispatch + experts + combine give)."""
+    """[T, H] float32: x[t] * sum_e p[t, e] * scale_E[e] (what dispatch + experts + combine
+    give)."""
     coef_T = (probs * routing * expert_scales(probs.shape[1])).sum(dim=1)
     return x.float() * coef_T.unsqueeze(1)
 
@@ -123,27 +125,49 @@ class _Rank:
         self.ctx = ctx
         self.num_experts = num_experts
         self.scale_E = expert_scales(num_experts)
-        self.topo = RailTopology(num_nodes=ctx.spec.nodes, gpus_per_node=ctx.spec.gpus_per_node,
-                                 rail_gbps=ctx.spec.rail_mbit / 1000.0, name=ctx.spec.name)
-        self.groups = rank_groups(self.topo, ctx.rank, ep_handle=self.ctl, node_handle=groups.node,
-                                  rail_handle=groups.rail)
+        self.topo = RailTopology(
+            num_nodes=ctx.spec.nodes,
+            gpus_per_node=ctx.spec.gpus_per_node,
+            rail_gbps=ctx.spec.rail_mbit / 1000.0,
+            name=ctx.spec.name,
+        )
+        self.groups = rank_groups(
+            self.topo,
+            ctx.rank,
+            ep_handle=self.ctl,
+            node_handle=groups.node,
+            rail_handle=groups.rail,
+        )
 
-    def exchange(self, windows: list[list[list[int]]] | None, *, topo: RailTopology | None = None,
-                 timeout_s: float | None = None) -> TorchDistExchange:
+    def exchange(
+        self,
+        windows: list[list[list[int]]] | None,
+        *,
+        topo: RailTopology | None = None,
+        timeout_s: float | None = None,
+    ) -> TorchDistExchange:
         topo = topo or self.topo
-        options = PlanOptions(windows=schedule_from_windows(topo.num_nodes, windows) if windows else None)
-        return TorchDistExchange(topo, self.groups, num_experts=self.num_experts, options=options,
-                                 timeout_s=timeout_s)
+        options = PlanOptions(
+            windows=schedule_from_windows(topo.num_nodes, windows) if windows else None
+        )
+        return TorchDistExchange(
+            topo, self.groups, num_experts=self.num_experts, options=options, timeout_s=timeout_s
+        )
 
-    def expert_step(self, tokens: torch.Tensor, tokens_per_expert: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+    def expert_step(
+        self, tokens: torch.Tensor, tokens_per_expert: torch.Tensor, probs: torch.Tensor
+    ) -> torch.Tensor:
         first = self.ctx.rank * (self.num_experts // self.ctx.spec.world_size)
-        expert_N = torch.repeat_interleave(torch.arange(tokens_per_expert.numel()), tokens_per_expert)
+        expert_N = torch.repeat_interleave(
+            torch.arange(tokens_per_expert.numel()), tokens_per_expert
+        )
         coef = probs * self.scale_E[first + expert_N]
         return (tokens.float() * coef.unsqueeze(1)).to(tokens.dtype)
 
 
-def _timed_exchange(rk: _Rank, ex: TorchDistExchange, inputs: tuple, path: str, *, phase: int
-                    ) -> tuple[dict[str, Any], torch.Tensor]:
+def _timed_exchange(
+    rk: _Rank, ex: TorchDistExchange, inputs: tuple, path: str, *, phase: int
+) -> tuple[dict[str, Any], torch.Tensor]:
     """One gather -> plan -> dispatch -> (expert) -> combine between two control barriers."""
     x, probs, routing = inputs
     ifname = rk.ctx.rail_ifname
@@ -166,10 +190,16 @@ def _timed_exchange(rk: _Rank, ex: TorchDistExchange, inputs: tuple, path: str, 
     tx1, rx1 = nic_bytes(ifname)
     wall = (t5 - t0) - (t4 - t3)
     rec = {
-        "total_s": wall, "gather_s": t1 - t0, "plan_s": t2 - t1, "dispatch_s": t3 - t2,
-        "combine_s": t5 - t4, "user_s": ru1.ru_utime - ru0.ru_utime,
-        "sys_s": ru1.ru_stime - ru0.ru_stime, "cpu_s": ru1.ru_utime - ru0.ru_utime + ru1.ru_stime - ru0.ru_stime,
-        "tx": tx1 - tx0, "rx": rx1 - rx0,
+        "total_s": wall,
+        "gather_s": t1 - t0,
+        "plan_s": t2 - t1,
+        "dispatch_s": t3 - t2,
+        "combine_s": t5 - t4,
+        "user_s": ru1.ru_utime - ru0.ru_utime,
+        "sys_s": ru1.ru_stime - ru0.ru_stime,
+        "cpu_s": ru1.ru_utime - ru0.ru_utime + ru1.ru_stime - ru0.ru_stime,
+        "tx": tx1 - tx0,
+        "rx": rx1 - rx0,
     }
     return rec, out
 
@@ -180,9 +210,19 @@ def _check(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out.float() - ref).abs().max()) / scale
 
 
-def study_worker(ctx: WorkerContext, *, workloads: list[dict[str, Any]], paths: list[str],
-                 warmup: int, samples: int, hidden: int, dtype: str, seed: int, num_experts: int,
-                 recv_first: bool = True) -> dict[str, Any]:
+def study_worker(
+    ctx: WorkerContext,
+    *,
+    workloads: list[dict[str, Any]],
+    paths: list[str],
+    warmup: int,
+    samples: int,
+    hidden: int,
+    dtype: str,
+    seed: int,
+    num_experts: int,
+    recv_first: bool = True,
+) -> dict[str, Any]:
     """Warm-ups, then ``samples`` rounds, each running every path once (round-robin, the start
     rotating per round); for every workload in turn.
 
@@ -200,8 +240,14 @@ def study_worker(ctx: WorkerContext, *, workloads: list[dict[str, Any]], paths: 
     with torch.no_grad(), receives_first(recv_first):
         for wl in workloads:
             ex = rk.exchange(wl["windows"])
-            inputs = make_inputs(ctx.rank, wl["ids_WTK"], num_experts=num_experts, hidden=hidden,
-                                 dtype=dtype, seed=seed)
+            inputs = make_inputs(
+                ctx.rank,
+                wl["ids_WTK"],
+                num_experts=num_experts,
+                hidden=hidden,
+                dtype=dtype,
+                seed=seed,
+            )
             ref = dense_reference(*inputs)
             name = wl["name"]
             digests[name] = {p: [] for p in paths}
@@ -210,9 +256,13 @@ def study_worker(ctx: WorkerContext, *, workloads: list[dict[str, Any]], paths: 
                 for path in paths[shift:] + paths[:shift]:
                     rec, out = _timed_exchange(rk, ex, inputs, path, phase=0)
                     digests[name][path].append(digest(out))
-                    errors[f"{name}/{path}"] = max(errors.get(f"{name}/{path}", 0.0), _check(out, ref))
+                    errors[f"{name}/{path}"] = max(
+                        errors.get(f"{name}/{path}", 0.0), _check(out, ref)
+                    )
                     if it >= warmup:
-                        records.append({"workload": name, "path": path, "sample": it - warmup, **rec})
+                        records.append(
+                            {"workload": name, "path": path, "sample": it - warmup, **rec}
+                        )
     return {"rank": ctx.rank, "records": records, "digests": digests, "errors": errors}
 
 
@@ -222,10 +272,22 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
-def fault_worker(ctx: WorkerContext, *, workload: dict[str, Any], paths: list[str], fail: list[int],
-                 samples: int, exchange_timeout_s: float, unaware_path: str, state_dir: str,
-                 hidden: int, dtype: str, seed: int, num_experts: int, recv_first: bool = True
-                 ) -> dict[str, Any]:
+def fault_worker(
+    ctx: WorkerContext,
+    *,
+    workload: dict[str, Any],
+    paths: list[str],
+    fail: list[int],
+    samples: int,
+    exchange_timeout_s: float,
+    unaware_path: str,
+    state_dir: str,
+    hidden: int,
+    dtype: str,
+    seed: int,
+    num_experts: int,
+    recv_first: bool = True,
+) -> dict[str, Any]:
     """Healthy exchanges, then NIC ``fail = [node, rail]`` goes down mid-run, then:
 
     1. aware: the topology lists the failed rail; ``samples`` rounds over ``paths``; every result
@@ -240,8 +302,14 @@ def fault_worker(ctx: WorkerContext, *, workload: dict[str, Any], paths: list[st
     torch.set_num_threads(1)
     rk = _Rank(ctx, num_experts=num_experts)
     state = Path(state_dir)
-    inputs = make_inputs(ctx.rank, workload["ids_WTK"], num_experts=num_experts, hidden=hidden,
-                         dtype=dtype, seed=seed)
+    inputs = make_inputs(
+        ctx.rank,
+        workload["ids_WTK"],
+        num_experts=num_experts,
+        hidden=hidden,
+        dtype=dtype,
+        seed=seed,
+    )
     ref = dense_reference(*inputs)
     out_state: dict[str, Any] = {"rank": ctx.rank, "healthy": {}, "aware": [], "errors": {}}
     with torch.no_grad(), receives_first(recv_first):
@@ -262,9 +330,16 @@ def fault_worker(ctx: WorkerContext, *, workload: dict[str, Any], paths: list[st
             shift = it % len(paths)
             for path in paths[shift:] + paths[:shift]:
                 rec, out = _timed_exchange(rk, ex_aware, inputs, path, phase=0)
-                out_state["aware"].append({
-                    "path": path, "sample": it, "digest": digest(out), "error": _check(out, ref),
-                    "equal_to_healthy_native": digest(out) == reference_digest, **rec})
+                out_state["aware"].append(
+                    {
+                        "path": path,
+                        "sample": it,
+                        "digest": digest(out),
+                        "error": _check(out, ref),
+                        "equal_to_healthy_native": digest(out) == reference_digest,
+                        **rec,
+                    }
+                )
         _write_json(state / f"rank{ctx.rank}.json", out_state)
         dist.barrier(group=rk.ctl)
         ex_unaware = rk.exchange(workload["windows"], timeout_s=exchange_timeout_s)
@@ -272,17 +347,27 @@ def fault_worker(ctx: WorkerContext, *, workload: dict[str, Any], paths: list[st
         try:
             _timed_exchange(rk, ex_unaware, inputs, unaware_path, phase=0)
         except BaseException as exc:
-            _write_json(state / f"error{ctx.rank}.json", {
-                "rank": ctx.rank, "node": ctx.node, "local": ctx.local, "type": type(exc).__name__,
-                "is_exchange_timeout": isinstance(exc, ExchangeTimeoutError),
-                "message": str(exc), "after_s": time.time() - t0, "since_fault_s": time.time() - fault_t})
+            _write_json(
+                state / f"error{ctx.rank}.json",
+                {
+                    "rank": ctx.rank,
+                    "node": ctx.node,
+                    "local": ctx.local,
+                    "type": type(exc).__name__,
+                    "is_exchange_timeout": isinstance(exc, ExchangeTimeoutError),
+                    "message": str(exc),
+                    "after_s": time.time() - t0,
+                    "since_fault_s": time.time() - fault_t,
+                },
+            )
             raise
     out_state["unaware"] = "completed without error"
     return out_state
 
 
-def _timed_online(rk: _Rank, ex: TorchDistExchange, inputs: tuple, selector: Any, state: dict[str, Any]
-                  ) -> tuple[dict[str, Any], torch.Tensor]:
+def _timed_online(
+    rk: _Rank, ex: TorchDistExchange, inputs: tuple, selector: Any, state: dict[str, Any]
+) -> tuple[dict[str, Any], torch.Tensor]:
     """One layer call under the online selector, as the dispatcher makes it, between the same two
     control barriers as ``_timed_exchange``: the previous call's exchange time (this rank's clock)
     rides on the count exchange, then observe -> descriptors -> decide -> plan -> dispatch ->
@@ -298,8 +383,12 @@ def _timed_online(rk: _Rank, ex: TorchDistExchange, inputs: tuple, selector: Any
     t1 = time.perf_counter()
     selector.observe(layer.timing_W)
     rec_bytes = x.shape[-1] * x.element_size()
-    decision = selector.decide("train", fast_descriptors(layer.demand.records_WN, ex.topo,
-                                                         record_bytes=rec_bytes, scales=selector.scales))
+    decision = selector.decide(
+        "train",
+        fast_descriptors(
+            layer.demand.records_WN, ex.topo, record_bytes=rec_bytes, scales=selector.scales
+        ),
+    )
     t2 = time.perf_counter()
     plan = ex.plan(layer, str(decision.path), phase=0)
     handle = ex.prepare(layer, plan, x, probs)
@@ -311,15 +400,32 @@ def _timed_online(rk: _Rank, ex: TorchDistExchange, inputs: tuple, selector: Any
     t5 = time.perf_counter()
     dist.barrier(group=rk.ctl)
     state["last_s"] = (t3 - t2) + (t5 - t4)
-    rec = {"total_s": (t5 - t0) - (t4 - t3), "gather_s": t1 - t0, "decision_s": t2 - t1,
-           "timed_s": state["last_s"], "path": str(decision.path), "mode": decision.mode,
-           "neighbourhood": decision.neighbourhood}
+    rec = {
+        "total_s": (t5 - t0) - (t4 - t3),
+        "gather_s": t1 - t0,
+        "decision_s": t2 - t1,
+        "timed_s": state["last_s"],
+        "path": str(decision.path),
+        "mode": decision.mode,
+        "neighbourhood": decision.neighbourhood,
+    }
     return rec, out
 
 
-def online_worker(ctx: WorkerContext, *, workloads: list[dict[str, Any]], paths: list[str], steps: int,
-                  warmup: int, hidden: int, dtype: str, seed: int, num_experts: int, recv_first: bool = True,
-                  settings: dict[str, Any] | None = None) -> dict[str, Any]:
+def online_worker(
+    ctx: WorkerContext,
+    *,
+    workloads: list[dict[str, Any]],
+    paths: list[str],
+    steps: int,
+    warmup: int,
+    hidden: int,
+    dtype: str,
+    seed: int,
+    num_experts: int,
+    recv_first: bool = True,
+    settings: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """``steps`` training steps over the workloads as MoE layers (one ``OnlineSelector`` per
     workload, sharing what they learn as the dispatcher's do); in every step and layer the online
     call and one call of each fixed path in ``paths``, in an order rotating per (step, layer), each
@@ -348,11 +454,25 @@ def online_worker(ctx: WorkerContext, *, workloads: list[dict[str, Any]], paths:
     with torch.no_grad(), receives_first(recv_first):
         layers = []
         for li, wl in enumerate(workloads):
-            inputs = make_inputs(ctx.rank, wl["ids_WTK"], num_experts=num_experts, hidden=hidden, dtype=dtype,
-                                 seed=seed)
-            layers.append({"name": wl["name"], "ex": rk.exchange(wl["windows"]), "inputs": inputs,
-                           "ref": dense_reference(*inputs), "state": {}, "digest": None,
-                           "selector": OnlineSelector(online, scales=scales, layer=li, shared=shared)})
+            inputs = make_inputs(
+                ctx.rank,
+                wl["ids_WTK"],
+                num_experts=num_experts,
+                hidden=hidden,
+                dtype=dtype,
+                seed=seed,
+            )
+            layers.append(
+                {
+                    "name": wl["name"],
+                    "ex": rk.exchange(wl["windows"]),
+                    "inputs": inputs,
+                    "ref": dense_reference(*inputs),
+                    "state": {},
+                    "digest": None,
+                    "selector": OnlineSelector(online, scales=scales, layer=li, shared=shared),
+                }
+            )
         for _ in range(warmup):
             for lay in layers:
                 for path in paths:
@@ -363,10 +483,16 @@ def online_worker(ctx: WorkerContext, *, workloads: list[dict[str, Any]], paths:
                 shift = (step + li) % len(policies)
                 for policy in policies[shift:] + policies[:shift]:
                     if policy == "online":
-                        rec, out = _timed_online(rk, lay["ex"], lay["inputs"], lay["selector"], lay["state"])
+                        rec, out = _timed_online(
+                            rk, lay["ex"], lay["inputs"], lay["selector"], lay["state"]
+                        )
                     else:
                         rec, out = _timed_exchange(rk, lay["ex"], lay["inputs"], policy, phase=0)
-                        rec = {"total_s": rec["total_s"], "gather_s": rec["gather_s"], "path": policy}
+                        rec = {
+                            "total_s": rec["total_s"],
+                            "gather_s": rec["gather_s"],
+                            "path": policy,
+                        }
                     d = digest(out)
                     digests_equal = digests_equal and (lay["digest"] is None or d == lay["digest"])
                     lay["digest"] = lay["digest"] or d

@@ -47,9 +47,9 @@ import numpy as np
 import torch
 
 from megatron_railwave.planner.waves import WaveSchedule
+from megatron_railwave.telemetry.capture import LayerTrace, Trace
 from megatron_railwave.topology import RailTopology
 from megatron_railwave.traffic import DemandCounts
-from megatron_railwave.telemetry.capture import LayerTrace, Trace
 
 __all__ = [
     "Pattern",
@@ -107,8 +107,9 @@ def arrangement_schedule(pattern: Pattern | str, num_nodes: int) -> WaveSchedule
     pattern = _parse_pattern(pattern)
     build = {Pattern.RING: _ring_NV, Pattern.MODERATE: _moderate_NV, Pattern.EXTREME: _extreme_NV}
     dest_NV = build[pattern](num_nodes)
-    waves = tuple(tuple((s, int(dest_NV[s, v])) for s in range(num_nodes))
-                  for v in range(dest_NV.shape[1]))
+    waves = tuple(
+        tuple((s, int(dest_NV[s, v])) for s in range(num_nodes)) for v in range(dest_NV.shape[1])
+    )
     return WaveSchedule(num_nodes=num_nodes, waves=waves, kind=f"arrangement:{pattern}")
 
 
@@ -140,16 +141,24 @@ def _dest_NV(schedule: WaveSchedule) -> np.ndarray:
     if schedule.num_waves != n - 1 or (dest < 0).any():
         raise ValueError(
             f"schedule {schedule.kind!r} is not a sending arrangement: it needs N - 1 = {n - 1} "
-            f"windows with exactly one destination per source node, got {schedule.num_waves} windows"
+            f"windows with exactly one destination per source node, got {schedule.num_waves} "
+            f"windows"
         )
     return dest
 
 
-def _resolve(pattern: Pattern | str | WaveSchedule, topo: RailTopology) -> tuple[WaveSchedule, np.ndarray]:
-    schedule = pattern if isinstance(pattern, WaveSchedule) else arrangement_schedule(pattern, topo.num_nodes)
+def _resolve(
+    pattern: Pattern | str | WaveSchedule, topo: RailTopology
+) -> tuple[WaveSchedule, np.ndarray]:
+    schedule = (
+        pattern
+        if isinstance(pattern, WaveSchedule)
+        else arrangement_schedule(pattern, topo.num_nodes)
+    )
     if schedule.num_nodes != topo.num_nodes:
         raise ValueError(
-            f"arrangement is for {schedule.num_nodes} nodes but topology {topo.name!r} has {topo.num_nodes}"
+            f"arrangement is for {schedule.num_nodes} nodes but topology {topo.name!r} has "
+            f"{topo.num_nodes}"
         )
     return schedule, _dest_NV(schedule)
 
@@ -218,7 +227,9 @@ def arrange(
         remote = ~local.unsqueeze(-1)
         out_records[idx_W, dest_WV] = _even_split((records_WNM * remote).sum(dim=1), n - 1)
         out_experts[idx_W, dest_WV] = _even_split((experts_WNX * remote).sum(dim=1), n - 1)
-    arranged = DemandCounts(records_WNM=out_records, experts_WE=out_experts.reshape(world, num_experts))
+    arranged = DemandCounts(
+        records_WNM=out_records, experts_WE=out_experts.reshape(world, num_experts)
+    )
     return arranged, schedule
 
 
@@ -269,8 +280,9 @@ def _token_rotation(remote_WTK: np.ndarray, window_WTK: np.ndarray, parts: int) 
     occupied_WTV = np.zeros((world, num_tokens, parts), dtype=bool)
     w_idx, t_idx, k_idx = np.nonzero(remote_WTK)
     occupied_WTV[w_idx, t_idx, window_WTK[w_idx, t_idx, k_idx]] = True
-    rows = np.concatenate([np.repeat(np.arange(world), num_tokens)[:, None],
-                           occupied_WTV.reshape(-1, parts)], axis=1)
+    rows = np.concatenate(
+        [np.repeat(np.arange(world), num_tokens)[:, None], occupied_WTV.reshape(-1, parts)], axis=1
+    )
     _, group = np.unique(rows, axis=0, return_inverse=True)
     group = group.ravel()
     order = np.argsort(group, kind="stable")
@@ -289,11 +301,17 @@ def arrange_trace(
     meta, topo = trace.meta, trace.meta.topology
     layers, schedule = [], None
     for lt in trace.layers:
-        ids, schedule = arrange_topk_ids(lt.topk_ids_WTK, pattern, topo,
-                                         num_experts=meta.num_experts, mode=mode)
+        ids, schedule = arrange_topk_ids(
+            lt.topk_ids_WTK, pattern, topo, num_experts=meta.num_experts, mode=mode
+        )
         layers.append(LayerTrace(layer=lt.layer, topk_ids_WTK=ids))
     if schedule is None:
         schedule, _ = _resolve(pattern, topo)
     label = schedule.kind if isinstance(pattern, WaveSchedule) else str(_parse_pattern(pattern))
-    extra = {**meta.extra, "arrangement": label, "arrange_mode": mode, "windows": schedule.to_list()}
+    extra = {
+        **meta.extra,
+        "arrangement": label,
+        "arrange_mode": mode,
+        "windows": schedule.to_list(),
+    }
     return Trace(meta=replace(meta, extra=extra), layers=tuple(layers)), schedule

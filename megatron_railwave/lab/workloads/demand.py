@@ -31,15 +31,25 @@ class SparseDemand:
         records_NGN_: [N_src, G, N_dst] int64, records owned by GPU (s, g) for node d.
     """
 
-    def __init__(self, world: int, num_nodes: int, num_masks: int, node_D: np.ndarray, rank_D: np.ndarray,
-                 mask_D: np.ndarray, count_D: np.ndarray) -> None:
+    def __init__(
+        self,
+        world: int,
+        num_nodes: int,
+        num_masks: int,
+        node_D: np.ndarray,
+        rank_D: np.ndarray,
+        mask_D: np.ndarray,
+        count_D: np.ndarray,
+    ) -> None:
         order = np.argsort(node_D, kind="stable")
         self.world, self.num_nodes, self.num_masks = world, num_nodes, num_masks
         self._ptr = np.searchsorted(node_D[order], np.arange(num_nodes + 1))
         self._rank, self._mask, self._count = rank_D[order], mask_D[order], count_D[order]
         records = np.zeros((world, num_nodes), dtype=np.int64)
         np.add.at(records, (rank_D, node_D), count_D)
-        self.records_NGN_ = torch.from_numpy(records.reshape(num_nodes, world // num_nodes, num_nodes))
+        self.records_NGN_ = torch.from_numpy(
+            records.reshape(num_nodes, world // num_nodes, num_nodes)
+        )
 
     def records_NGN(self) -> torch.Tensor:
         return self.records_NGN_
@@ -54,7 +64,9 @@ class SparseDemand:
     def with_counts(self, count_D: np.ndarray) -> SparseDemand:
         """The same cells with other counts ([D] int64, in this demand's cell order)."""
         nodes = np.repeat(np.arange(self.num_nodes), np.diff(self._ptr))
-        return SparseDemand(self.world, self.num_nodes, self.num_masks, nodes, self._rank, self._mask, count_D)
+        return SparseDemand(
+            self.world, self.num_nodes, self.num_masks, nodes, self._rank, self._mask, count_D
+        )
 
     @property
     def counts_D(self) -> np.ndarray:
@@ -62,8 +74,11 @@ class SparseDemand:
         return self._count
 
 
-def sparse_demand_from_topk_ids(ids_WTK: np.ndarray, topo: Any, num_experts: int, *, chunk: int = 64) -> SparseDemand:
-    """The counts of `capture.demand_from_topk_ids`, built ``chunk`` ranks at a time (no dense masks).
+def sparse_demand_from_topk_ids(
+    ids_WTK: np.ndarray, topo: Any, num_experts: int, *, chunk: int = 64
+) -> SparseDemand:
+    """The counts of `capture.demand_from_topk_ids`, built ``chunk`` ranks at a time (no dense
+    masks).
 
     Args:
         ids_WTK: [W, T, K] expert ids, -1 = empty slot; global.
@@ -73,7 +88,7 @@ def sparse_demand_from_topk_ids(ids_WTK: np.ndarray, topo: Any, num_experts: int
     per_rank = num_experts // world
     parts = []
     for lo in range(0, world, chunk):
-        ids = np.sort(np.asarray(ids_WTK[lo:lo + chunk]).astype(np.int64), axis=-1)
+        ids = np.sort(np.asarray(ids_WTK[lo : lo + chunk]).astype(np.int64), axis=-1)
         valid = ids >= 0
         owner = np.where(valid, ids // per_rank, -1)
         first = valid.copy()
@@ -85,7 +100,9 @@ def sparse_demand_from_topk_ids(ids_WTK: np.ndarray, topo: Any, num_experts: int
         mask = np.bincount(inv, weights=(1 << (own % g)).astype(np.float64)).astype(np.int64)
         rank, node = key // n // num_tokens, key % n
         cell, count = np.unique((node * world + rank) * (1 << g) + mask, return_counts=True)
-        parts.append((cell // (1 << g) // world, (cell // (1 << g)) % world, cell % (1 << g), count))
+        parts.append(
+            (cell // (1 << g) // world, (cell // (1 << g)) % world, cell % (1 << g), count)
+        )
     node_D, rank_D, mask_D, count_D = (np.concatenate(x) for x in zip(*parts))
     return SparseDemand(world, n, 1 << g, node_D, rank_D, mask_D, count_D)
 
@@ -120,9 +137,14 @@ def scaled_demand(demand: _Demand, scale: float) -> _Demand:
         if demand.records_WNM is None:
             raise ValueError("scaled_demand needs the full demand (records_WNM), not a node view")
         experts = None if demand.experts_WE is None else scaled_counts(demand.experts_WE, scale)
-        return DemandCounts(records_WNM=scaled_counts(demand.records_WNM, scale), experts_WE=experts)
+        return DemandCounts(
+            records_WNM=scaled_counts(demand.records_WNM, scale), experts_WE=experts
+        )
     if isinstance(demand, SparseDemand):
         return demand.with_counts(scaled_counts(demand.counts_D, scale))
     if isinstance(demand, torch.Tensor):
         return scaled_counts(demand, scale)
-    raise TypeError(f"scaled_demand: expected DemandCounts, SparseDemand or a tensor, got {type(demand).__name__}")
+    raise TypeError(
+        f"scaled_demand: expected DemandCounts, SparseDemand or a tensor, got "
+        f"{type(demand).__name__}"
+    )

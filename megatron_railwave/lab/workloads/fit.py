@@ -34,13 +34,34 @@ from typing import Any
 
 import numpy as np
 
+from megatron_railwave.lab.workloads.glm import (
+    GlmAirWorkload,
+    glm_air_layer_ids,
+    inclusion_WE,
+    layer_model,
+)
 from megatron_railwave.telemetry.capture import demand_from_topk_ids
 from megatron_railwave.topology import RailTopology
-from megatron_railwave.lab.workloads.glm import GlmAirWorkload, glm_air_layer_ids, inclusion_WE, layer_model
 
-__all__ = ["golden_section_min", "PUBLISHED", "FIT_KNOBS", "Published", "LayerSample", "WorkloadFit", "expected_sample", "sampled_sample",
-           "collect_samples", "workload_statistics", "fit_statistics", "compare_to_published", "workload_report",
-           "fit_workload", "FIT_LAYERS", "NIC_STEPS", "NIC_LAYERS"]
+__all__ = [
+    "golden_section_min",
+    "PUBLISHED",
+    "FIT_KNOBS",
+    "Published",
+    "LayerSample",
+    "WorkloadFit",
+    "expected_sample",
+    "sampled_sample",
+    "collect_samples",
+    "workload_statistics",
+    "fit_statistics",
+    "compare_to_published",
+    "workload_report",
+    "fit_workload",
+    "FIT_LAYERS",
+    "NIC_STEPS",
+    "NIC_LAYERS",
+]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -56,21 +77,36 @@ class Published:
 
 
 PUBLISHED: dict[str, Published] = {
-    **{f"nic_share_{i + 1}": Published(value=v, source="Fig. 8 / sec. 4.3: NATIVE, H20, MODERATE, four NIC positions")
-       for i, v in enumerate((0.5412, 0.2433, 0.1485, 0.0669))},
+    **{
+        f"nic_share_{i + 1}": Published(
+            value=v, source="Fig. 8 / sec. 4.3: NATIVE, H20, MODERATE, four NIC positions"
+        )
+        for i, v in enumerate((0.5412, 0.2433, 0.1485, 0.0669))
+    },
     "expert_max_mean_p50": Published(
-        value=8.3, source="sec. 2.3: six cases with expert max/mean 8.2-8.4 (we take the midpoint as the median)"),
+        value=8.3,
+        source="sec. 2.3: six cases with expert max/mean 8.2-8.4 (we take the midpoint as the "
+        "median)",
+    ),
     "dst_rail_share_p10": Published(
-        value=0.155, source="sec. 2.3: busiest destination-rail shares 15.5%-24.1% in those six cases; ours: "
-                            "P10..P90 over all samples (the expected range of six draws spans about P10..P90; "
-                            "the six cases were chosen at similar expert max/mean, which we do not condition on)"),
+        value=0.155,
+        source="sec. 2.3: busiest destination-rail shares 15.5%-24.1% in those six cases; ours: "
+        "P10..P90 over all samples (the expected range of six draws spans about P10..P90; "
+        "the six cases were chosen at similar expert max/mean, which we do not condition on)",
+    ),
     "dst_rail_share_p90": Published(value=0.241, source="as dst_rail_share_p10"),
-    "r2_dst": Published(value=0.296, source="sec. 2.3: R^2 of destination-rail imbalance on expert-load "
-                                            "imbalance, 900 step-layer pairs"),
-    "r2_src": Published(value=0.019, fitted=False,
-                        source="sec. 2.3: R^2 of source-rail imbalance on expert-load imbalance, 900 step-layer "
-                               "pairs (not fitted: any generator whose rail skew does not come from hot experts "
-                               "gives ~0; sampling error at 900 pairs ~0.009)"),
+    "r2_dst": Published(
+        value=0.296,
+        source="sec. 2.3: R^2 of destination-rail imbalance on expert-load "
+        "imbalance, 900 step-layer pairs",
+    ),
+    "r2_src": Published(
+        value=0.019,
+        fitted=False,
+        source="sec. 2.3: R^2 of source-rail imbalance on expert-load imbalance, 900 step-layer "
+        "pairs (not fitted: any generator whose rail skew does not come from hot experts "
+        "gives ~0; sampling error at 900 pairs ~0.009)",
+    ),
 }
 """The paper's published workload statistics (arXiv 2610.03415; /work/shared/seeds)."""
 
@@ -127,11 +163,16 @@ def expected_sample(topo: RailTopology, layer: int, work: GlmAirWorkload) -> Lay
 
 def sampled_sample(topo: RailTopology, layer: int, work: GlmAirWorkload) -> LayerSample:
     """Counts of one layer from drawn tokens (``glm_air_layer_ids``)."""
-    demand = demand_from_topk_ids(glm_air_layer_ids(topo, layer, work), topo, work.model.num_experts)
+    demand = demand_from_topk_ids(
+        glm_air_layer_ids(topo, layer, work), topo, work.model.num_experts
+    )
     records_WN = demand.records_WN.numpy().astype(np.float64)
     world = topo.world_size
     records_WN[np.arange(world), np.arange(world) // topo.gpus_per_node] = 0.0
-    return LayerSample(egress_W=records_WN.sum(axis=1), load_E=demand.experts_WE.sum(dim=0).numpy().astype(np.float64))
+    return LayerSample(
+        egress_W=records_WN.sum(axis=1),
+        load_E=demand.experts_WE.sum(dim=0).numpy().astype(np.float64),
+    )
 
 
 def _r2(x: np.ndarray, y: np.ndarray) -> float:
@@ -165,43 +206,70 @@ def workload_statistics(samples: Sequence[LayerSample], topo: RailTopology) -> d
     rho_a, ratio_a, dst_a = np.asarray(rho), np.asarray(ratio), np.asarray(dst)
 
     out = {f"nic_share_{i + 1}": float(v) for i, v in enumerate(np.mean(shares, axis=0))}
-    out.update({
-        "expert_max_mean_p50": float(np.median(ratio_a)),
-        "dst_rail_share_p10": float(np.percentile(dst_a, 10)),
-        "dst_rail_share_p90": float(np.percentile(dst_a, 90)),
-        "r2_dst": _r2(ratio_a, dst_a),
-        "r2_src": _r2(ratio_a, rho_a),
-        "rho_g_p50": float(np.median(rho_a)),
-        "rho_g_p90": float(np.percentile(rho_a, 90)),
-        "samples": float(len(rho_a)),
-    })
+    out.update(
+        {
+            "expert_max_mean_p50": float(np.median(ratio_a)),
+            "dst_rail_share_p10": float(np.percentile(dst_a, 10)),
+            "dst_rail_share_p90": float(np.percentile(dst_a, 90)),
+            "r2_dst": _r2(ratio_a, dst_a),
+            "r2_src": _r2(ratio_a, rho_a),
+            "rho_g_p50": float(np.median(rho_a)),
+            "rho_g_p90": float(np.percentile(rho_a, 90)),
+            "samples": float(len(rho_a)),
+        }
+    )
     return out
 
 
-def collect_samples(topo: RailTopology, work: GlmAirWorkload, *, steps: Sequence[int],
-                    sample: Callable[[RailTopology, int, GlmAirWorkload], LayerSample] = expected_sample,
-                    ) -> list[LayerSample]:
+def collect_samples(
+    topo: RailTopology,
+    work: GlmAirWorkload,
+    *,
+    steps: Sequence[int],
+    sample: Callable[[RailTopology, int, GlmAirWorkload], LayerSample] = expected_sample,
+) -> list[LayerSample]:
     """One sample per (step, layer) of ``work.layer_numbers``."""
-    return [sample(topo, layer, replace(work, step=step)) for step in steps for layer in work.layer_numbers]
+    return [
+        sample(topo, layer, replace(work, step=step))
+        for step in steps
+        for layer in work.layer_numbers
+    ]
 
 
 def _loss(stats: dict[str, float], *, nic: bool | None = None) -> float:
     """Sum of squared relative errors of the fitted statistics (NIC shares only / none of them)."""
-    return sum(((stats[k] - p.value) / p.value) ** 2 for k, p in PUBLISHED.items()
-               if p.fitted and k in stats and (nic is None or _is_nic(k) == nic))
+    return sum(
+        ((stats[k] - p.value) / p.value) ** 2
+        for k, p in PUBLISHED.items()
+        if p.fitted and k in stats and (nic is None or _is_nic(k) == nic)
+    )
 
 
-def fit_statistics(topo: RailTopology, work: GlmAirWorkload, *, steps: Sequence[int],
-                   nic_steps: Sequence[int] = NIC_STEPS, parts: tuple[str, ...] = ("layers", "nic"),
-                   ) -> dict[str, float]:
+def fit_statistics(
+    topo: RailTopology,
+    work: GlmAirWorkload,
+    *,
+    steps: Sequence[int],
+    nic_steps: Sequence[int] = NIC_STEPS,
+    parts: tuple[str, ...] = ("layers", "nic"),
+) -> dict[str, float]:
     """Expected-count statistics as the fit sees them: the layer statistics over ``steps`` x
     ``work.layer_numbers``, the NIC shares over ``nic_steps`` x ``NIC_LAYERS``."""
     out: dict[str, float] = {}
     if "layers" in parts:
-        out.update({k: v for k, v in workload_statistics(collect_samples(topo, work, steps=steps), topo).items()
-                    if not _is_nic(k)})
+        out.update(
+            {
+                k: v
+                for k, v in workload_statistics(
+                    collect_samples(topo, work, steps=steps), topo
+                ).items()
+                if not _is_nic(k)
+            }
+        )
     if "nic" in parts:
-        nic = workload_statistics(collect_samples(topo, replace(work, layers=NIC_LAYERS), steps=nic_steps), topo)
+        nic = workload_statistics(
+            collect_samples(topo, replace(work, layers=NIC_LAYERS), steps=nic_steps), topo
+        )
         out.update({k: v for k, v in nic.items() if _is_nic(k)})
     return out
 
@@ -227,8 +295,9 @@ class WorkloadFit:
         return asdict(self)
 
 
-def golden_section_min(f: Callable[[float], float], lo: float, hi: float, *, tol: float,
-                       include_ends: bool = False) -> tuple[float, float]:
+def golden_section_min(
+    f: Callable[[float], float], lo: float, hi: float, *, tol: float, include_ends: bool = False
+) -> tuple[float, float]:
     """(x, f(x)) at the minimum of ``f`` on [lo, hi] by golden-section search (f unimodal there).
 
     Args:
@@ -256,11 +325,18 @@ def golden_section_min(f: Callable[[float], float], lo: float, hi: float, *, tol
     return x, fx
 
 
-def fit_workload(topo: RailTopology, *, start: GlmAirWorkload | None = None, steps: Sequence[int] = range(20),
-                 layers: Sequence[int] | None = FIT_LAYERS, nic_steps: Sequence[int] = NIC_STEPS,
-                 knobs: Sequence[str] = tuple(FIT_KNOBS),
-                 sweeps: int = 2, tol: float = 0.02,
-                 log: Callable[[str], None] | None = None) -> WorkloadFit:
+def fit_workload(
+    topo: RailTopology,
+    *,
+    start: GlmAirWorkload | None = None,
+    steps: Sequence[int] = range(20),
+    layers: Sequence[int] | None = FIT_LAYERS,
+    nic_steps: Sequence[int] = NIC_STEPS,
+    knobs: Sequence[str] = tuple(FIT_KNOBS),
+    sweeps: int = 2,
+    tol: float = 0.02,
+    log: Callable[[str], None] | None = None,
+) -> WorkloadFit:
     """Fit ``FIT_KNOBS`` of ``start`` to the fitted statistics of ``PUBLISHED``.
 
     Args:
@@ -288,7 +364,9 @@ def fit_workload(topo: RailTopology, *, start: GlmAirWorkload | None = None, ste
     def group_loss(w: GlmAirWorkload, nic: bool) -> float:
         nonlocal calls
         calls += 1
-        stats = fit_statistics(topo, w, steps=steps, nic_steps=nic_steps, parts=("nic",) if nic else ("layers",))
+        stats = fit_statistics(
+            topo, w, steps=steps, nic_steps=nic_steps, parts=("nic",) if nic else ("layers",)
+        )
         return _loss(stats, nic=nic)
 
     start_loss = _loss(fit_statistics(topo, work, steps=steps, nic_steps=nic_steps))
@@ -298,34 +376,75 @@ def fit_workload(topo: RailTopology, *, start: GlmAirWorkload | None = None, ste
             lo, hi = FIT_KNOBS[knob]
             nic = knob == "token_skew"
             best = group_loss(work, nic)
-            value, loss = golden_section_min(lambda v: group_loss(replace(work, **{knob: v}), nic), lo, hi, tol=tol * (hi - lo))
+            value, loss = golden_section_min(
+                lambda v, work=work, knob=knob, nic=nic: group_loss(
+                    replace(work, **{knob: v}), nic
+                ),
+                lo,
+                hi,
+                tol=tol * (hi - lo),
+            )
             if loss < best:
                 work, best = replace(work, **{knob: value}), loss
-            history.append({"sweep": sweep, "knob": knob, "value": getattr(work, knob),
-                            "group": "nic" if nic else "layers", "group_loss": best})
+            history.append(
+                {
+                    "sweep": sweep,
+                    "knob": knob,
+                    "value": getattr(work, knob),
+                    "group": "nic" if nic else "layers",
+                    "group_loss": best,
+                }
+            )
             if log:
-                log(f"sweep {sweep} {knob} = {getattr(work, knob):.4g}  {'NIC' if nic else 'layer'} loss {best:.4g}")
+                log(
+                    f"sweep {sweep} {knob} = {getattr(work, knob):.4g}  "
+                    f"{'NIC' if nic else 'layer'} loss {best:.4g}"
+                )
     stats = fit_statistics(topo, work, steps=steps, nic_steps=nic_steps)
     loss = _loss(stats)
-    return WorkloadFit(knobs={k: float(getattr(work, k)) for k in knobs}, expected=stats, loss=loss, start_loss=start_loss,
-                       evaluations=calls, seconds=time.perf_counter() - t0, steps=steps, history=history)
+    return WorkloadFit(
+        knobs={k: float(getattr(work, k)) for k in knobs},
+        expected=stats,
+        loss=loss,
+        start_loss=start_loss,
+        evaluations=calls,
+        seconds=time.perf_counter() - t0,
+        steps=steps,
+        history=history,
+    )
 
 
 def compare_to_published(stats: dict[str, float]) -> list[dict[str, Any]]:
-    """One row per published statistic: ours next to the paper's, relative error, within tolerance."""
+    """One row per published statistic: ours next to the paper's, relative error, within
+    tolerance."""
     rows = []
     for name, pub in PUBLISHED.items():
         ours = stats[name]
         rel = (ours - pub.value) / pub.value
-        rows.append({"statistic": name, "published": pub.value, "ours": ours, "rel_err": rel,
-                     "within": abs(rel) <= pub.tolerance, "tolerance": pub.tolerance, "fitted": pub.fitted,
-                     "source": pub.source})
+        rows.append(
+            {
+                "statistic": name,
+                "published": pub.value,
+                "ours": ours,
+                "rel_err": rel,
+                "within": abs(rel) <= pub.tolerance,
+                "tolerance": pub.tolerance,
+                "fitted": pub.fitted,
+                "source": pub.source,
+            }
+        )
     return rows
 
 
-def workload_report(topo: RailTopology, work: GlmAirWorkload, *, steps: Sequence[int],
-                    nic_steps: Sequence[int] = NIC_STEPS, sampled_steps: Sequence[int] = (),
-                    sampled_tokens: int = 1024) -> dict[str, Any]:
+def workload_report(
+    topo: RailTopology,
+    work: GlmAirWorkload,
+    *,
+    steps: Sequence[int],
+    nic_steps: Sequence[int] = NIC_STEPS,
+    sampled_steps: Sequence[int] = (),
+    sampled_tokens: int = 1024,
+) -> dict[str, Any]:
     """The statistics of ``work`` next to the published ones: on expected counts over ``steps``
     (NIC shares: ``nic_steps`` x ``NIC_LAYERS``) and, where ``sampled_steps`` is given, on drawn
     tokens (``sampled_tokens`` mean per GPU; every layer; NIC shares over those few steps only)."""
@@ -333,14 +452,23 @@ def workload_report(topo: RailTopology, work: GlmAirWorkload, *, steps: Sequence
     expected = fit_statistics(topo, work, steps=steps, nic_steps=nic_steps)
     out: dict[str, Any] = {
         "knobs": {k: v for k, v in asdict(work).items() if k not in ("model", "layers")},
-        "cluster": topo.name, "steps": list(steps), "layers": list(work.layer_numbers),
-        "nic_steps": list(nic_steps), "nic_layers": list(NIC_LAYERS),
+        "cluster": topo.name,
+        "steps": list(steps),
+        "layers": list(work.layer_numbers),
+        "nic_steps": list(nic_steps),
+        "nic_layers": list(NIC_LAYERS),
         "expected": {"statistics": expected, "rows": compare_to_published(expected)},
     }
     if sampled_steps:
         drawn = replace(work, num_tokens=sampled_tokens)
-        sampled = workload_statistics(collect_samples(topo, drawn, steps=sampled_steps, sample=sampled_sample), topo)
-        out["sampled"] = {"statistics": sampled, "rows": compare_to_published(sampled),
-                          "steps": list(sampled_steps), "tokens": sampled_tokens}
+        sampled = workload_statistics(
+            collect_samples(topo, drawn, steps=sampled_steps, sample=sampled_sample), topo
+        )
+        out["sampled"] = {
+            "statistics": sampled,
+            "rows": compare_to_published(sampled),
+            "steps": list(sampled_steps),
+            "tokens": sampled_tokens,
+        }
     out["seconds"] = time.perf_counter() - t0
     return out

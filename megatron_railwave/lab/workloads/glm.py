@@ -39,10 +39,10 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from megatron_railwave.lab.workloads.synthetic import sample_topk_ids
 from megatron_railwave.telemetry.capture import LayerTrace, Trace, TraceMeta, demand_from_topk_ids
 from megatron_railwave.topology import RailTopology
 from megatron_railwave.traffic import DemandCounts
-from megatron_railwave.lab.workloads.synthetic import sample_topk_ids
 
 __all__ = [
     "ModelSpec",
@@ -73,8 +73,15 @@ class ModelSpec:
         return tuple(range(self.first_moe_layer, self.first_moe_layer + self.num_moe_layers))
 
 
-GLM45_AIR = ModelSpec(name="GLM-4.5-Air", first_moe_layer=1, num_moe_layers=45, num_experts=128,
-                      topk=8, hidden_size=4096, dtype="bf16")
+GLM45_AIR = ModelSpec(
+    name="GLM-4.5-Air",
+    first_moe_layer=1,
+    num_moe_layers=45,
+    num_experts=128,
+    topk=8,
+    hidden_size=4096,
+    dtype="bf16",
+)
 
 
 PAPER_PAYLOAD_SCALE = 1.895
@@ -99,7 +106,8 @@ class GlmAirWorkload:
     """T, mean tokens per GPU per layer (ranks differ by ``token_skew``; ids are padded to the
     largest rank's count with -1 rows)."""
     seed: int = 0
-    """Fixes the layers' levels and, with the step, everything else; same seed and step, same trace."""
+    """Fixes the layers' levels and, with the step, everything else; same seed and step, same
+    trace."""
     step: int = 0
     """Training step stand-in: token counts, popularity, preferences and tokens change with it."""
     layers: tuple[int, ...] | None = None
@@ -144,7 +152,8 @@ class GlmAirWorkload:
             raise ValueError(f"dest_rail_balance must be in [0, 1], got {self.dest_rail_balance}")
         if not 0 <= self.pref_set_size <= self.model.num_experts:
             raise ValueError(
-                f"pref_set_size must be in [0, {self.model.num_experts}] (experts of {self.model.name}), "
+                f"pref_set_size must be in [0, {self.model.num_experts}] (experts of "
+                f"{self.model.name}), "
                 f"got {self.pref_set_size}"
             )
         known = self.model.layer_numbers
@@ -162,7 +171,9 @@ class GlmAirWorkload:
         """Level in [0, 1] of every MoE layer: how strongly its ranks prefer their expert sets
         (``linspace(0, 1, layers)`` in a seeded order; depends on the seed only)."""
         numbers = self.model.layer_numbers
-        levels = np.random.default_rng([self.seed, 0x5EED]).permutation(np.linspace(0.0, 1.0, len(numbers)))
+        levels = np.random.default_rng([self.seed, 0x5EED]).permutation(
+            np.linspace(0.0, 1.0, len(numbers))
+        )
         return {layer: float(level) for layer, level in zip(numbers, levels)}
 
     def hot_ratio_of_layer(self, layer: int) -> float:
@@ -174,7 +185,9 @@ class GlmAirWorkload:
         """[W] int64 tokens of every rank at this step (at least 1; mean about ``num_tokens``)."""
         z = np.random.default_rng([self.seed, self.step, 0x70C]).standard_normal(world)
         s = self.token_skew
-        return np.maximum(1, np.rint(self.num_tokens * np.exp(s * z - 0.5 * s * s))).astype(np.int64)
+        return np.maximum(1, np.rint(self.num_tokens * np.exp(s * z - 0.5 * s * s))).astype(
+            np.int64
+        )
 
 
 def inclusion_WE(log_w_WE: np.ndarray, topk: int) -> np.ndarray:
@@ -199,9 +212,12 @@ _MAX_SCALE = 6.0
 """Upper end of the popularity-scale search; where even it misses the target, it is taken."""
 
 
-def _popularity_scale(z_E: np.ndarray, bonus_WE: np.ndarray, tokens_W: np.ndarray, topk: int,
-                      target: float) -> float:
-    """Scale a with expected max/mean expert load of exp(a z + bonus), tokens-weighted, = ``target``."""
+def _popularity_scale(
+    z_E: np.ndarray, bonus_WE: np.ndarray, tokens_W: np.ndarray, topk: int, target: float
+) -> float:
+    """Scale a with expected max/mean expert load of exp(a z + bonus), tokens-weighted, =
+    ``target``."""
+
     def gap(a: float) -> float:
         load_E = tokens_W @ inclusion_WE(a * z_E[None, :] + bonus_WE, topk)
         return float(load_E.max() / load_E.mean()) - target
@@ -225,7 +241,9 @@ def _popularity_scale(z_E: np.ndarray, bonus_WE: np.ndarray, tokens_W: np.ndarra
     return a
 
 
-def layer_model(topo: RailTopology, layer: int, work: GlmAirWorkload) -> tuple[np.ndarray, np.ndarray]:
+def layer_model(
+    topo: RailTopology, layer: int, work: GlmAirWorkload
+) -> tuple[np.ndarray, np.ndarray]:
     """The routing distribution of one layer at ``work.step``.
 
     Returns:
@@ -241,28 +259,36 @@ def layer_model(topo: RailTopology, layer: int, work: GlmAirWorkload) -> tuple[n
     per_gpu = num_experts // world
     pop = np.random.default_rng([work.seed, work.step, layer, 1])
     c = work.dest_gpu_skew
-    z_E = np.sqrt(1.0 - c) * pop.standard_normal(num_experts) + np.sqrt(c) * np.repeat(pop.standard_normal(world), per_gpu)
+    z_E = np.sqrt(1.0 - c) * pop.standard_normal(num_experts) + np.sqrt(c) * np.repeat(
+        pop.standard_normal(world), per_gpu
+    )
     if work.dest_rail_balance:
         rail_E = np.asarray(topo.rail_of_gpu)[np.arange(world) % topo.gpus_per_node].repeat(per_gpu)
         rail_mean_R = np.bincount(rail_E, weights=z_E, minlength=topo.num_rails) / np.maximum(
-            np.bincount(rail_E, minlength=topo.num_rails), 1)
+            np.bincount(rail_E, minlength=topo.num_rails), 1
+        )
         z_E = z_E - work.dest_rail_balance * rail_mean_R[rail_E]
     tokens_W = work.tokens_per_rank(world)
     pref = np.random.default_rng([work.seed, work.step, layer, 3])
     bonus_WE = np.zeros((world, num_experts))
     if work.pref_set_size and work.pref_strength:
         chosen_WS = np.argsort(pref.random((world, num_experts)), axis=1)[:, : work.pref_set_size]
-        np.put_along_axis(bonus_WE, chosen_WS, work.pref_strength * work.skew_of_layer()[layer], axis=1)
+        np.put_along_axis(
+            bonus_WE, chosen_WS, work.pref_strength * work.skew_of_layer()[layer], axis=1
+        )
     if work.own_node_bias:
         node_of_expert_E = np.arange(num_experts) // (per_gpu * topo.gpus_per_node)
         node_of_rank_W = np.arange(world) // topo.gpus_per_node
         bonus_WE += work.own_node_bias * (node_of_expert_E[None, :] == node_of_rank_W[:, None])
-    scale = _popularity_scale(z_E, bonus_WE, tokens_W.astype(np.float64), model.topk,
-                              work.hot_ratio_of_layer(layer))
+    scale = _popularity_scale(
+        z_E, bonus_WE, tokens_W.astype(np.float64), model.topk, work.hot_ratio_of_layer(layer)
+    )
     return scale * z_E[None, :] + bonus_WE, tokens_W
 
 
-def glm_air_layer_ids(topo: RailTopology, layer: int, work: GlmAirWorkload | None = None) -> np.ndarray:
+def glm_air_layer_ids(
+    topo: RailTopology, layer: int, work: GlmAirWorkload | None = None
+) -> np.ndarray:
     """[W, T_max, K] int16 top-k ids of one layer, rows ascending, -1 rows past a rank's tokens;
     global. Deterministic."""
     work = work or GlmAirWorkload()
@@ -275,18 +301,33 @@ def glm_air_layer_ids(topo: RailTopology, layer: int, work: GlmAirWorkload | Non
 def glm_air_trace(topo: RailTopology, work: GlmAirWorkload | None = None) -> Trace:
     """A ``Trace`` of the synthetic routing (ids, so routing maps can be built for the exchange)."""
     work = work or GlmAirWorkload()
-    layers = tuple(LayerTrace(layer=layer, topk_ids_WTK=glm_air_layer_ids(topo, layer, work))
-                   for layer in work.layer_numbers)
+    layers = tuple(
+        LayerTrace(layer=layer, topk_ids_WTK=glm_air_layer_ids(topo, layer, work))
+        for layer in work.layer_numbers
+    )
     model = work.model
     knobs = {k: v for k, v in asdict(work).items() if k not in ("model", "layers")}
-    meta = TraceMeta(model=model.name, topology=topo, num_experts=model.num_experts, topk=model.topk,
-                     hidden_size=model.hidden_size, dtype=model.dtype, step=work.step,
-                     extra={"generator": "glm_air", **knobs})
+    meta = TraceMeta(
+        model=model.name,
+        topology=topo,
+        num_experts=model.num_experts,
+        topk=model.topk,
+        hidden_size=model.hidden_size,
+        dtype=model.dtype,
+        step=work.step,
+        extra={"generator": "glm_air", **knobs},
+    )
     return Trace(meta=meta, layers=layers)
 
 
-def glm_air_demands(topo: RailTopology, work: GlmAirWorkload | None = None) -> dict[int, DemandCounts]:
+def glm_air_demands(
+    topo: RailTopology, work: GlmAirWorkload | None = None
+) -> dict[int, DemandCounts]:
     """Demand counts per layer number, without building [T, E] maps (same routing as the trace)."""
     work = work or GlmAirWorkload()
-    return {layer: demand_from_topk_ids(glm_air_layer_ids(topo, layer, work), topo, work.model.num_experts)
-            for layer in work.layer_numbers}
+    return {
+        layer: demand_from_topk_ids(
+            glm_air_layer_ids(topo, layer, work), topo, work.model.num_experts
+        )
+        for layer in work.layer_numbers
+    }

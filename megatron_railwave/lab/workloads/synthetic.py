@@ -26,13 +26,19 @@ import math
 import numpy as np
 import torch
 
-from megatron_railwave.topology import RailTopology
 from megatron_railwave.telemetry.capture import NO_EXPERT, routing_map_from_topk_ids
+from megatron_railwave.topology import RailTopology
 
-__all__ = ["sample_topk_ids", "synthetic_topk_ids", "synthetic_routing_maps", "one_destination_topk_ids"]
+__all__ = [
+    "sample_topk_ids",
+    "synthetic_topk_ids",
+    "synthetic_routing_maps",
+    "one_destination_topk_ids",
+]
 
 _MAX_ROUNDS = 4
 """Rounds of K extra draws for unfinished tokens before the exact Gumbel completion."""
+
 
 def sample_topk_ids(
     weights_WE: np.ndarray, *, num_tokens: int | np.ndarray, topk: int, rng: np.random.Generator
@@ -148,8 +154,11 @@ def synthetic_topk_ids(
     per_rank = _check_divisible(num_experts, world)
     rng = np.random.default_rng(int(seed))
     # Log-normal popularity; sigma chosen so that the max of E draws is ~hot_ratio x the mean.
-    sigma = (math.sqrt(2 * math.log(max(hot_ratio, 1.0001)))
-             / max(math.sqrt(2 * math.log(num_experts)), 1.0) * 1.6)
+    sigma = (
+        math.sqrt(2 * math.log(max(hot_ratio, 1.0001)))
+        / max(math.sqrt(2 * math.log(num_experts)), 1.0)
+        * 1.6
+    )
     log_pop_E = rng.standard_normal(num_experts) * sigma
     node_of_expert_E = np.arange(num_experts) // (per_rank * topo.gpus_per_node)
     node_of_rank_W = np.arange(world) // topo.gpus_per_node
@@ -183,14 +192,24 @@ def synthetic_routing_maps(
             draws its bonus uniformly in [0, locality], so 0 disables rail skew from locality.
     """
     ids_WTK = synthetic_topk_ids(
-        topo, num_tokens=num_tokens, num_experts=num_experts, topk=topk, seed=seed,
-        hot_ratio=hot_ratio, locality=locality,
+        topo,
+        num_tokens=num_tokens,
+        num_experts=num_experts,
+        topk=topk,
+        seed=seed,
+        hot_ratio=hot_ratio,
+        locality=locality,
     )
     return [routing_map_from_topk_ids(ids_TK, num_experts) for ids_TK in ids_WTK]
 
 
-def one_destination_topk_ids(topo: RailTopology, *, records_per_gpu: int, destination: int = 0,
-                             source_weights: tuple[float, ...] | None = None) -> np.ndarray:
+def one_destination_topk_ids(
+    topo: RailTopology,
+    *,
+    records_per_gpu: int,
+    destination: int = 0,
+    source_weights: tuple[float, ...] | None = None,
+) -> np.ndarray:
     """[W, T, 1] int64 top-1 ids of the paper's UltraEP traffic: every other node sends to one node.
 
     The paper's appendix A.2 ("three source nodes send to one destination", routing about uniform
@@ -211,12 +230,19 @@ def one_destination_topk_ids(topo: RailTopology, *, records_per_gpu: int, destin
         raise ValueError(f"one-destination traffic needs at least 2 nodes, the cluster has {n}")
     if not 0 <= destination < n:
         raise ValueError(f"destination must be a node in [0, {n}), got {destination}")
-    if isinstance(records_per_gpu, bool) or not isinstance(records_per_gpu, (int, np.integer)) or records_per_gpu < 0:
+    if (
+        isinstance(records_per_gpu, bool)
+        or not isinstance(records_per_gpu, (int, np.integer))
+        or records_per_gpu < 0
+    ):
         raise ValueError(f"records_per_gpu must be an int >= 0, got {records_per_gpu!r}")
     sources = [node for node in range(n) if node != destination]
     weights = tuple(source_weights) if source_weights is not None else (1.0,) * len(sources)
     if len(weights) != len(sources) or any(not (math.isfinite(w) and w >= 0) for w in weights):
-        raise ValueError(f"need {len(sources)} finite source weights >= 0 (one per source node), got {source_weights}")
+        raise ValueError(
+            f"need {len(sources)} finite source weights >= 0 (one per source node), got "
+            f"{source_weights}"
+        )
     counts = [int(round(records_per_gpu * w)) for w in weights]
     ids = np.full((world, max(counts, default=0), 1), NO_EXPERT, dtype=np.int64)
     for node, count in zip(sources, counts):

@@ -1,4 +1,5 @@
-"""Token skew of captured routing: how unequal the ranks' token counts were, in the generator's units.
+"""Token skew of captured routing: how unequal the ranks' token counts were, in the generator's
+units.
 
 Letters: W ranks, T tokens of one rank, K top-k, S captured steps (dispatcher calls).
 
@@ -33,15 +34,20 @@ def trace_tokens_per_rank(trace: Trace) -> np.ndarray:
     """
     if not trace.layers:
         raise ValueError("the trace has no layers: nothing was captured for this step")
-    counts = [(lt.layer, (lt.topk_ids_WTK != NO_EXPERT).any(axis=2).sum(axis=1).astype(np.int64))
-              for lt in trace.layers]
+    counts = [
+        (lt.layer, (lt.topk_ids_WTK != NO_EXPERT).any(axis=2).sum(axis=1).astype(np.int64))
+        for lt in trace.layers
+    ]
     first_layer, first = counts[0]
     for layer, c in counts[1:]:
         if not np.array_equal(c, first):
             raise ValueError(
-                f"layers {first_layer} and {layer} of the trace (step {trace.meta.step}) routed different "
-                f"per-rank token counts ({first.tolist()} vs {c.tolist()}); one capture step must be one "
-                "micro-batch: capture the first micro-batch only (the dispatcher does) or one call per step"
+                f"layers {first_layer} and {layer} of the trace (step {trace.meta.step}) routed "
+                f"different "
+                f"per-rank token counts ({first.tolist()} vs {c.tolist()}); one capture step must "
+                f"be one "
+                "micro-batch: capture the first micro-batch only (the dispatcher does) or one "
+                "call per step"
             )
     return first
 
@@ -51,10 +57,13 @@ def token_skew(tokens_W: np.ndarray | list[int]) -> float:
     the standard deviation (ddof 1) of ``log T_w`` over the W ranks."""
     t = np.asarray(tokens_W, dtype=np.float64)
     if t.ndim != 1 or t.size < 2:
-        raise ValueError(f"token_skew needs the token counts of >= 2 ranks, got shape {list(t.shape)}")
+        raise ValueError(
+            f"token_skew needs the token counts of >= 2 ranks, got shape {list(t.shape)}"
+        )
     if (t <= 0).any():
         raise ValueError(
-            f"token_skew needs every rank to route >= 1 token (log of 0), got counts {t.astype(int).tolist()}; "
+            f"token_skew needs every rank to route >= 1 token (log of 0), got counts "
+            f"{t.astype(int).tolist()}; "
             "a rank with no tokens at all is outside the lognormal law the generator uses"
         )
     return float(np.std(np.log(t), ddof=1))
@@ -70,7 +79,9 @@ def token_skew_report(tokens_SW: np.ndarray | list[list[int]]) -> dict[str, Any]
     """
     t = np.asarray(tokens_SW, dtype=np.float64)
     if t.ndim != 2 or t.shape[0] < 1:
-        raise ValueError(f"token_skew_report needs [S >= 1, W] token counts, got shape {list(t.shape)}")
+        raise ValueError(
+            f"token_skew_report needs [S >= 1, W] token counts, got shape {list(t.shape)}"
+        )
     per_step = [token_skew(row) for row in t]
     mean = t.mean(axis=1)
     return {
@@ -92,7 +103,8 @@ def read_capture_steps(capture_dir: str | Path) -> list[Trace]:
     steps = sorted(p for p in capture_dir.glob("step*") if p.is_dir() and any(p.glob("rank*.npz")))
     if not steps:
         raise ValueError(
-            f"capture directory {str(capture_dir)!r} holds no step*/rank*.npz parts; was the run started "
+            f"capture directory {str(capture_dir)!r} holds no step*/rank*.npz parts; was the run "
+            f"started "
             "with --railwave-capture-dir (config capture_dir) and the railwave dispatcher?"
         )
     return [read_trace(p) for p in steps]

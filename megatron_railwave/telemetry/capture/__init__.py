@@ -9,7 +9,12 @@ tools (``megatron_railwave.lab.workloads``) read traces through this package.
 """
 
 from megatron_railwave.telemetry.capture.recorder import TraceRecorder, merge_captures, step_dir
-from megatron_railwave.telemetry.capture.routing import NO_EXPERT, demand_from_topk_ids, routing_map_from_topk_ids, topk_ids_from_routing_map
+from megatron_railwave.telemetry.capture.routing import (
+    NO_EXPERT,
+    demand_from_topk_ids,
+    routing_map_from_topk_ids,
+    topk_ids_from_routing_map,
+)
 from megatron_railwave.telemetry.capture.trace import (
     TRACE_FORMAT,
     TRACE_VERSION,

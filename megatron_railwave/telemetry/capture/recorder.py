@@ -14,7 +14,8 @@ afterwards, on any machine that sees the directory.
 
 Only the first call per (step, layer, rank) is kept: later micro-batches of the same step and
 activation recomputation repeat the layer and are ignored. A (step, rank) part is written when
-all ``layers_per_step`` layers are in, when the rank records a later step, or on ``flush``/``close``.
+all ``layers_per_step`` layers are in, when the rank records a later step, or on
+``flush``/``close``.
 
 ``record`` does not wait for the device: a CUDA routing map is copied into pinned host memory
 with ``non_blocking=True`` behind a CUDA event, and converted when its part is written (the next
@@ -31,9 +32,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from megatron_railwave.topology import RailTopology
 from megatron_railwave.telemetry.capture.routing import topk_ids_from_routing_map
-from megatron_railwave.telemetry.capture.trace import TraceMeta, _read_archive, assemble_rank_parts, check_topology, write_rank_part, write_trace
+from megatron_railwave.telemetry.capture.trace import (
+    TraceMeta,
+    _read_archive,
+    assemble_rank_parts,
+    check_topology,
+    write_rank_part,
+    write_trace,
+)
+from megatron_railwave.topology import RailTopology
 
 __all__ = ["TraceRecorder", "merge_captures", "step_dir"]
 
@@ -95,9 +103,7 @@ class TraceRecorder:
         """Whether ``step`` is a capture step (cheap; call it before building anything)."""
         return step >= self.start_step and (step - self.start_step) % self.interval_steps == 0
 
-    def record(
-        self, step: int, layer: int, rank: int, routing: torch.Tensor | np.ndarray
-    ) -> bool:
+    def record(self, step: int, layer: int, rank: int, routing: torch.Tensor | np.ndarray) -> bool:
         """Keep one layer's routing of one rank.
 
         Args:
@@ -116,7 +122,9 @@ class TraceRecorder:
             return False
         world = self.meta.topology.world_size
         if not 0 <= rank < world:
-            raise ValueError(f"rank {rank} is out of range 0..{world - 1} of the recorder's topology")
+            raise ValueError(
+                f"rank {rank} is out of range 0..{world - 1} of the recorder's topology"
+            )
         key = (int(step), int(rank))
         if key in self._written or layer in self._pending.get(key, {}):
             return False
@@ -152,10 +160,15 @@ class TraceRecorder:
         if routing.dtype == bool:
             if routing.ndim != 2 or routing.shape[1] != e:
                 raise ValueError(
-                    f"layer {layer}: routing map has shape {list(routing.shape)}, expected [T, E={e}]"
+                    f"layer {layer}: routing map has shape {list(routing.shape)}, expected [T, "
+                    f"E={e}]"
                 )
             return topk_ids_from_routing_map(routing, k)
-        if routing.ndim != 2 or routing.shape[1] != k or not np.issubdtype(routing.dtype, np.integer):
+        if (
+            routing.ndim != 2
+            or routing.shape[1] != k
+            or not np.issubdtype(routing.dtype, np.integer)
+        ):
             raise ValueError(
                 f"layer {layer}: top-k ids must be a [T, K={k}] integer array, got shape "
                 f"{list(routing.shape)} dtype {routing.dtype}"

@@ -31,7 +31,8 @@ def topk_ids_from_routing_map(routing_map_TE: torch.Tensor | np.ndarray, topk: i
     """Top-k expert ids of a boolean routing map.
 
     Args:
-        routing_map_TE: [T, E] bool, rank-local, CPU or GPU; True where the token goes to the expert.
+        routing_map_TE: [T, E] bool, rank-local, CPU or GPU; True where the token goes to the
+        expert.
         topk: K, slots per token; a row may have fewer True entries (the rest become -1).
 
     Returns:
@@ -63,7 +64,9 @@ def topk_ids_from_routing_map(routing_map_TE: torch.Tensor | np.ndarray, topk: i
     return ids_TK
 
 
-def routing_map_from_topk_ids(topk_ids_TK: np.ndarray | torch.Tensor, num_experts: int) -> torch.Tensor:
+def routing_map_from_topk_ids(
+    topk_ids_TK: np.ndarray | torch.Tensor, num_experts: int
+) -> torch.Tensor:
     """[T, E] bool CPU routing map of one rank's top-k ids (-1 slots select nothing)."""
     ids_TK = np.asarray(topk_ids_TK).astype(np.int64)
     num_tokens = ids_TK.shape[0]

@@ -28,9 +28,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from megatron_railwave.telemetry.capture.routing import (
+    NO_EXPERT,
+    demand_from_topk_ids,
+    routing_map_from_topk_ids,
+)
 from megatron_railwave.topology import RailTopology
 from megatron_railwave.traffic import DemandCounts, dtype_bytes
-from megatron_railwave.telemetry.capture.routing import NO_EXPERT, demand_from_topk_ids, routing_map_from_topk_ids
 
 __all__ = [
     "TRACE_FORMAT",
@@ -93,9 +97,16 @@ class TraceMeta:
         return self.hidden_size * dtype_bytes(self.dtype)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"model": self.model, "topology": self.topology.to_dict(), "num_experts": self.num_experts,
-                "topk": self.topk, "hidden_size": self.hidden_size, "dtype": self.dtype, "step": self.step,
-                "extra": self.extra}
+        return {
+            "model": self.model,
+            "topology": self.topology.to_dict(),
+            "num_experts": self.num_experts,
+            "topk": self.topk,
+            "hidden_size": self.hidden_size,
+            "dtype": self.dtype,
+            "step": self.step,
+            "extra": self.extra,
+        }
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TraceMeta:
@@ -168,17 +179,22 @@ class Trace:
         for lt in self.layers:
             if lt.layer == layer:
                 return lt
-        raise ValueError(f"layer {layer} is not in the trace; recorded layers: {list(self.layer_ids)}")
+        raise ValueError(
+            f"layer {layer} is not in the trace; recorded layers: {list(self.layer_ids)}"
+        )
 
     def demand(self, layer: int) -> DemandCounts:
         """Global ``DemandCounts`` of one layer (by layer number)."""
-        return demand_from_topk_ids(self.layer(layer).topk_ids_WTK, self.meta.topology,
-                                    self.meta.num_experts)
+        return demand_from_topk_ids(
+            self.layer(layer).topk_ids_WTK, self.meta.topology, self.meta.num_experts
+        )
 
     def routing_maps(self, layer: int) -> list[torch.Tensor]:
         """One [T, E] bool CPU routing map per rank (for the exchange)."""
-        return [routing_map_from_topk_ids(ids_TK, self.meta.num_experts)
-                for ids_TK in self.layer(layer).topk_ids_WTK]
+        return [
+            routing_map_from_topk_ids(ids_TK, self.meta.num_experts)
+            for ids_TK in self.layer(layer).topk_ids_WTK
+        ]
 
 
 # ---------------------------------------------------------------------------------- encoding
@@ -205,11 +221,14 @@ def _decode(encoding: str, data: np.ndarray, source: str) -> np.ndarray:
         if data.dtype == np.uint8:
             ids[data == 255] = NO_EXPERT
         return ids
-    raise TraceFormatError(f"{source}: unknown layer encoding {encoding!r}; expected 'delta' or 'raw'")
+    raise TraceFormatError(
+        f"{source}: unknown layer encoding {encoding!r}; expected 'delta' or 'raw'"
+    )
 
 
-def _write_archive(path: Path, header: dict[str, Any], arrays: dict[str, np.ndarray],
-                   num_experts: int) -> None:
+def _write_archive(
+    path: Path, header: dict[str, Any], arrays: dict[str, np.ndarray], num_experts: int
+) -> None:
     entries, encoding = {}, {}
     for name, ids in arrays.items():
         encoding[name], entries[name] = _encode(ids, num_experts)
@@ -235,7 +254,9 @@ def _read_archive(path: Path) -> tuple[dict[str, Any], TraceMeta, dict[int, np.n
         with np.load(path, allow_pickle=False) as data:
             entries = {name: data[name] for name in data.files}
     except Exception as exc:  # np.load raises several types for non-archives
-        raise TraceFormatError(f"{source} is not a railwave trace (not an .npz archive: {exc})") from None
+        raise TraceFormatError(
+            f"{source} is not a railwave trace (not an .npz archive: {exc})"
+        ) from None
     if "header" not in entries:
         raise TraceFormatError(f"{source} has no 'header' entry: not a railwave trace")
     try:
@@ -245,30 +266,38 @@ def _read_archive(path: Path) -> tuple[dict[str, Any], TraceMeta, dict[int, np.n
     if not isinstance(header, dict):
         raise TraceFormatError(f"{source}: the header is not a JSON object (file damaged?)")
     if header.get("format") != TRACE_FORMAT:
-        raise TraceFormatError(f"{source}: format is {header.get('format')!r}, expected {TRACE_FORMAT!r}")
+        raise TraceFormatError(
+            f"{source}: format is {header.get('format')!r}, expected {TRACE_FORMAT!r}"
+        )
     if header.get("version") != TRACE_VERSION:
         raise TraceFormatError(
             f"{source}: trace format version {header.get('version')!r}, but this megatron_railwave "
-            f"reads version {TRACE_VERSION}; re-record the trace or use the package version that wrote it"
+            f"reads version {TRACE_VERSION}; re-record the trace or use the package version that "
+            f"wrote it"
         )
     try:
         meta = TraceMeta.from_dict(header["meta"])
         layer_ids = [int(v) for v in header["layers"]]
         encodings = dict(header["encoding"])
     except (KeyError, TypeError, ValueError) as exc:
-        raise TraceFormatError(f"{source}: malformed header ({type(exc).__name__}: {exc})") from None
+        raise TraceFormatError(
+            f"{source}: malformed header ({type(exc).__name__}: {exc})"
+        ) from None
     layers: dict[int, np.ndarray] = {}
     for layer in layer_ids:
         name = f"layer_{layer}"
         if name not in entries or name not in encodings:
-            raise TraceFormatError(f"{source}: header lists layer {layer} but entry {name!r} is missing")
+            raise TraceFormatError(
+                f"{source}: header lists layer {layer} but entry {name!r} is missing"
+            )
         layers[layer] = _decode(encodings[name], entries[name], source)
     return header, meta, layers
 
 
 # ---------------------------------------------------------------------------------- public I/O
-def check_topology(recorded: RailTopology, expected: RailTopology, *, source: str,
-                   strict: bool = False) -> None:
+def check_topology(
+    recorded: RailTopology, expected: RailTopology, *, source: str, strict: bool = False
+) -> None:
     """Raise ``ValueError`` naming both topologies when a trace does not fit ``expected``.
 
     Routing depends only on the layout (nodes x GPUs, hence expert placement), so by default
@@ -281,7 +310,8 @@ def check_topology(recorded: RailTopology, expected: RailTopology, *, source: st
         raise ValueError(
             f"{source} was recorded on topology {a['name']!r} ({a['num_nodes']} nodes x "
             f"{a['gpus_per_node']} GPUs, {a}) but the expected topology is {b['name']!r} "
-            f"({b['num_nodes']} nodes x {b['gpus_per_node']} GPUs, {b}); differing: {'; '.join(diff)}. "
+            f"({b['num_nodes']} nodes x {b['gpus_per_node']} GPUs, {b}); differing: "
+            f"{'; '.join(diff)}. "
             "Replay it on a cluster of the recorded shape or record a new trace"
         )
 
@@ -296,20 +326,30 @@ def write_trace(path: str | Path, layers: list[LayerTrace], meta: TraceMeta) -> 
     """
     trace = Trace(meta=meta, layers=tuple(layers))  # validates shapes and ids
     path = Path(path)
-    _write_archive(path, {"kind": "trace", "meta": meta.to_dict(), "layers": list(trace.layer_ids)},
-                   {f"layer_{lt.layer}": lt.topk_ids_WTK for lt in trace.layers}, meta.num_experts)
+    _write_archive(
+        path,
+        {"kind": "trace", "meta": meta.to_dict(), "layers": list(trace.layer_ids)},
+        {f"layer_{lt.layer}": lt.topk_ids_WTK for lt in trace.layers},
+        meta.num_experts,
+    )
     return path
 
 
-def write_rank_part(path: str | Path, rank: int, layers: dict[int, np.ndarray], meta: TraceMeta) -> None:
+def write_rank_part(
+    path: str | Path, rank: int, layers: dict[int, np.ndarray], meta: TraceMeta
+) -> None:
     """Write one rank's capture of one step: ``layers`` maps layer number -> [T, K] int16 ids."""
-    _write_archive(Path(path), {"kind": "rank-part", "rank": int(rank), "meta": meta.to_dict(),
-                                  "layers": sorted(layers)},
-                   {f"layer_{k}": v for k, v in layers.items()}, meta.num_experts)
+    _write_archive(
+        Path(path),
+        {"kind": "rank-part", "rank": int(rank), "meta": meta.to_dict(), "layers": sorted(layers)},
+        {f"layer_{k}": v for k, v in layers.items()},
+        meta.num_experts,
+    )
 
 
-def read_trace(path: str | Path, expect_topology: RailTopology | None = None, *,
-               strict_topology: bool = False) -> Trace:
+def read_trace(
+    path: str | Path, expect_topology: RailTopology | None = None, *, strict_topology: bool = False
+) -> Trace:
     """Read a trace file, or assemble a capture step directory of rank parts.
 
     Args:
@@ -332,10 +372,16 @@ def read_trace(path: str | Path, expect_topology: RailTopology | None = None, *,
                 f"trace file {str(path)!r} is a {header.get('kind')!r} file, not a trace; read its "
                 "directory with read_trace or assemble it with merge_captures"
             )
-        trace = Trace(meta=meta, layers=tuple(LayerTrace(layer=k, topk_ids_WTK=v) for k, v in layers.items()))
+        trace = Trace(
+            meta=meta, layers=tuple(LayerTrace(layer=k, topk_ids_WTK=v) for k, v in layers.items())
+        )
     if expect_topology is not None:
-        check_topology(trace.meta.topology, expect_topology, source=f"trace {str(path)!r}",
-                       strict=strict_topology)
+        check_topology(
+            trace.meta.topology,
+            expect_topology,
+            source=f"trace {str(path)!r}",
+            strict=strict_topology,
+        )
     return trace
 
 
@@ -358,14 +404,17 @@ def assemble_rank_parts(parts: list[Path]) -> Trace:
     for part in parts:
         header, meta, layers = _read_archive(Path(part))
         if header.get("kind") != "rank-part":
-            raise TraceFormatError(f"{str(part)!r} is a {header.get('kind')!r} file, not a rank part")
+            raise TraceFormatError(
+                f"{str(part)!r} is a {header.get('kind')!r} file, not a rank part"
+            )
         rank = int(header["rank"])
         if rank in by_rank:
             raise ValueError(f"rank {rank} has two capture parts in {str(Path(part).parent)!r}")
         for layer, ids in layers.items():
             if ids.ndim != 2 or ids.shape[1] != meta.topk:
                 raise TraceFormatError(
-                    f"{str(part)!r}: layer {layer} has shape {list(ids.shape)}, expected [T, K={meta.topk}]"
+                    f"{str(part)!r}: layer {layer} has shape {list(ids.shape)}, expected [T, "
+                    f"K={meta.topk}]"
                 )
         metas.append(meta.to_dict())
         by_rank[rank] = layers
@@ -373,12 +422,15 @@ def assemble_rank_parts(parts: list[Path]) -> Trace:
     where = str(Path(parts[0]).parent)
     for other in metas[1:]:
         if other != metas[0]:
-            raise ValueError(f"capture parts in {where!r} disagree on metadata: {metas[0]} vs {other}")
+            raise ValueError(
+                f"capture parts in {where!r} disagree on metadata: {metas[0]} vs {other}"
+            )
     world = meta.topology.world_size
     missing = sorted(set(range(world)) - set(by_rank))
     if missing:
         raise ValueError(
-            f"capture {where!r} lacks the parts of ranks {missing} (have {len(by_rank)} of {world}); "
+            f"capture {where!r} lacks the parts of ranks {missing} (have {len(by_rank)} of "
+            f"{world}); "
             "wait for every rank to flush, or skip incomplete steps"
         )
     layer_ids = sorted(by_rank[0])

@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from megatron_railwave.lab.bench.incast_probe import summarize_incast_probe
 from megatron_railwave.cli import main
+from megatron_railwave.lab.bench.incast_probe import summarize_incast_probe
 from megatron_railwave.lab.netmodel import IncastModel, load_netmodel_config
 
 
@@ -24,7 +24,9 @@ def test_summary_recovers_the_alpha_of_the_law(alpha):
     assert [r["senders"] for r in out["rows"]] == [1, 2, 3, 4]
     assert out["rows"][0]["slowdown"] == 1.0
     # one receiver port's goodput: k x bytes over the time
-    assert out["rows"][1]["port_goodput_gbps"] == pytest.approx(2 * (1 << 20) * 8 / out["rows"][1]["median_s"] / 1e9)
+    assert out["rows"][1]["port_goodput_gbps"] == pytest.approx(
+        2 * (1 << 20) * 8 / out["rows"][1]["median_s"] / 1e9
+    )
 
 
 def test_summary_with_the_line_rate_reads_a_sender_that_cannot_fill_the_port():
@@ -47,25 +49,71 @@ def test_summary_needs_a_second_sender_count():
 
 def test_probe_incast_command_on_local_gloo_processes(tmp_path, capsys):
     out, model = tmp_path / "probe.json", tmp_path / "fabric.yaml"
-    assert main(["probe-incast", "--local", "3,1", "--nbytes", "65536", "--repeats", "2", "--warmups", "0",
-                 "--json", str(out), "--write-model", str(model)]) == 0
+    assert (
+        main(
+            [
+                "probe-incast",
+                "--local",
+                "3,1",
+                "--nbytes",
+                "65536",
+                "--repeats",
+                "2",
+                "--warmups",
+                "0",
+                "--json",
+                str(out),
+                "--write-model",
+                str(model),
+            ]
+        )
+        == 0
+    )
     data = json.loads(out.read_text())
-    assert data["schema"] == "railwave.incast_probe/1" and (data["nodes"], data["gpus_per_node"]) == (3, 1)
-    assert [r["senders"] for r in data["rows"]] == [1, 2] and all(len(v) == 2 for v in data["samples_s"].values())
+    assert data["schema"] == "railwave.incast_probe/1" and (
+        data["nodes"],
+        data["gpus_per_node"],
+    ) == (3, 1)
+    assert [r["senders"] for r in data["rows"]] == [1, 2] and all(
+        len(v) == 2 for v in data["samples_s"].values()
+    )
     assert data["alpha"] >= 0
     written = load_netmodel_config(model)
     assert written.alpha == round(data["alpha"], 4) and written.k_sat == 2
     assert "mechanics only" in capsys.readouterr().out
     # --max-senders bounds k (and node 0's receive buffers)
-    assert main(["probe-incast", "--local", "4,1", "--nbytes", "4096", "--repeats", "1", "--warmups", "0",
-                 "--max-senders", "2", "--json", str(out)]) == 0
+    assert (
+        main(
+            [
+                "probe-incast",
+                "--local",
+                "4,1",
+                "--nbytes",
+                "4096",
+                "--repeats",
+                "1",
+                "--warmups",
+                "0",
+                "--max-senders",
+                "2",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     assert [r["senders"] for r in json.loads(out.read_text())["rows"]] == [1, 2]
 
 
 def test_probe_incast_torchrun_refuses_a_rank_layout_it_cannot_map(monkeypatch, capsys):
     # rank 1 on its machine's second GPU while G = 1 says every GPU is its own node: refused
     # before any process group is set up
-    for key, value in {"WORLD_SIZE": "3", "LOCAL_WORLD_SIZE": "3", "RANK": "1", "LOCAL_RANK": "1"}.items():
+    for key, value in {
+        "WORLD_SIZE": "3",
+        "LOCAL_WORLD_SIZE": "3",
+        "RANK": "1",
+        "LOCAL_RANK": "1",
+    }.items():
         monkeypatch.setenv(key, value)
     with pytest.raises(SystemExit) as exc:
         main(["probe-incast", "--torchrun", "--gpus-per-node", "1"])

@@ -1,4 +1,5 @@
-"""TraceRecorder: capture interval, first call per (step, layer, rank) wins, per-rank parts merge."""
+"""TraceRecorder: capture interval, first call per (step, layer, rank) wins, per-rank parts
+merge."""
 
 import numpy as np
 import pytest
@@ -50,14 +51,18 @@ def test_recorder_merge_roundtrip_maps_and_ids(tmp_path):
                 if rank == 1:
                     ids = ids[:, ::-1].copy()
                     ids[0, 0] = -1
-                routing = routing_map_from_topk_ids(ids, E) if rank % 2 == 0 else torch.from_numpy(ids)
+                routing = (
+                    routing_map_from_topk_ids(ids, E) if rank % 2 == 0 else torch.from_numpy(ids)
+                )
                 recorded = rec.record(step, layer, rank, routing)
                 assert recorded == (step % 2 == 0)
                 expect[step, layer, rank] = ids
     # A second micro-batch (or a recomputation) of the same layer is ignored.
     assert rec.record(2, 1, 0, routing_map_from_topk_ids(_ids(999), E)) is False
     rec.close()
-    assert sorted(p.name for p in step_dir(tmp_path, 0).iterdir()) == [f"rank{r:05d}.npz" for r in range(4)]
+    assert sorted(p.name for p in step_dir(tmp_path, 0).iterdir()) == [
+        f"rank{r:05d}.npz" for r in range(4)
+    ]
     paths = merge_captures(tmp_path)
     assert [p.name for p in paths] == ["trace_step000000000.npz", "trace_step000000002.npz"]
     for path, step in zip(paths, (0, 2)):
@@ -68,11 +73,13 @@ def test_recorder_merge_roundtrip_maps_and_ids(tmp_path):
             ids_WTK = trace.layer(layer).topk_ids_WTK
             assert ids_WTK.shape == (4, 6, K)
             for rank in range(4):
-                want = np.sort(np.where(expect[step, layer, rank] < 0, E, expect[step, layer, rank]), axis=1)
+                want = np.sort(
+                    np.where(expect[step, layer, rank] < 0, E, expect[step, layer, rank]), axis=1
+                )
                 want = np.where(want == E, -1, want)
                 got = ids_WTK[rank]
                 assert np.array_equal(got[: want.shape[0]], want)
-                assert (got[want.shape[0]:] == -1).all()
+                assert (got[want.shape[0] :] == -1).all()
     # read_trace assembles a step directory directly.
     direct = read_trace(step_dir(tmp_path, 2))
     assert np.array_equal(direct.layer(2).topk_ids_WTK, read_trace(paths[1]).layer(2).topk_ids_WTK)
@@ -135,7 +142,8 @@ def test_record_reads_no_device_data_back_on_the_dispatch_path(tmp_path):
         audit.mark(routing)
         assert rec.record(0, 1, 2, routing) is True
     assert audit.count == 0, [(e.name, e.where) for e in audit.events]
-    routing.zero_()  # the recorder copied it: a later change of the caller's tensor does not leak in
+    # the recorder copied it: a later change of the caller's tensor does not leak in
+    routing.zero_()
     rec.close()
     from megatron_railwave.telemetry.capture.trace import _read_archive
 

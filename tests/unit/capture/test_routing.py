@@ -36,8 +36,12 @@ def test_demand_from_topk_ids_matches_routing_maps(nodes, gpus):
     topo = RailTopology(num_nodes=nodes, gpus_per_node=gpus)
     world, num_experts, k = topo.world_size, 4 * topo.world_size, 3
     rng = np.random.default_rng(nodes * 10 + gpus)
-    ids = np.stack([np.stack([rng.choice(num_experts, k, replace=False) for _ in range(20)])
-                    for _ in range(world)]).astype(np.int16)
+    ids = np.stack(
+        [
+            np.stack([rng.choice(num_experts, k, replace=False) for _ in range(20)])
+            for _ in range(world)
+        ]
+    ).astype(np.int16)
     ids[0, 3, 1:] = -1  # a token with one expert
     ids[1, 4, :] = -1  # a padding token
     maps = [routing_map_from_topk_ids(ids_TK, num_experts) for ids_TK in ids]

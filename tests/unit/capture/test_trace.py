@@ -22,14 +22,26 @@ TOPO = RailTopology(num_nodes=2, gpus_per_node=2, name="two-by-two")
 
 
 def _meta(num_experts=8, topk=3, topo=TOPO):
-    return TraceMeta(model="tiny", topology=topo, num_experts=num_experts, topk=topk,
-                     hidden_size=64, dtype="bf16", step=12, extra={"note": "test"})
+    return TraceMeta(
+        model="tiny",
+        topology=topo,
+        num_experts=num_experts,
+        topk=topk,
+        hidden_size=64,
+        dtype="bf16",
+        step=12,
+        extra={"note": "test"},
+    )
 
 
 def _ids(seed, num_experts=8, topk=3, tokens=10, sort=True):
     rng = np.random.default_rng(seed)
-    ids = np.stack([np.stack([rng.choice(num_experts, topk, replace=False) for _ in range(tokens)])
-                    for _ in range(TOPO.world_size)])
+    ids = np.stack(
+        [
+            np.stack([rng.choice(num_experts, topk, replace=False) for _ in range(tokens)])
+            for _ in range(TOPO.world_size)
+        ]
+    )
     return np.sort(ids, axis=-1) if sort else ids
 
 
@@ -43,8 +55,10 @@ def test_trace_roundtrip_bit_exact_sorted_and_unsorted(tmp_path):
     sorted_ids[1, 2, 1:] = -1  # fewer experts than K: -1 slots last (delta encoding)
     unsorted = _ids(1, sort=False)
     unsorted[0, 0, 0] = -1  # -1 first: raw encoding
-    layers = [LayerTrace(layer=3, topk_ids_WTK=sorted_ids),
-              LayerTrace(layer=7, topk_ids_WTK=torch.tensor(unsorted))]
+    layers = [
+        LayerTrace(layer=3, topk_ids_WTK=sorted_ids),
+        LayerTrace(layer=7, topk_ids_WTK=torch.tensor(unsorted)),
+    ]
     back = _roundtrip(tmp_path, layers, _meta())
     assert back.layer_ids == (3, 7)
     for a, b in zip(layers, back.layers):
@@ -58,7 +72,9 @@ def test_trace_roundtrip_bit_exact_sorted_and_unsorted(tmp_path):
 
 def test_trace_roundtrip_many_experts_uses_int16(tmp_path):
     ids = _ids(2, num_experts=300, topk=4)
-    back = _roundtrip(tmp_path, [LayerTrace(layer=1, topk_ids_WTK=ids)], _meta(num_experts=300, topk=4))
+    back = _roundtrip(
+        tmp_path, [LayerTrace(layer=1, topk_ids_WTK=ids)], _meta(num_experts=300, topk=4)
+    )
     assert np.array_equal(back.layers[0].topk_ids_WTK, ids)
 
 
@@ -66,14 +82,18 @@ def test_trace_demand_matches_routing_maps():
     trace = Trace(meta=_meta(), layers=(LayerTrace(layer=5, topk_ids_WTK=_ids(3)),))
     ref = DemandCounts.from_routing_maps(trace.routing_maps(5), TOPO)
     got = trace.demand(5)
-    assert torch.equal(got.records_WNM, ref.records_WNM) and torch.equal(got.experts_WE, ref.experts_WE)
+    assert torch.equal(got.records_WNM, ref.records_WNM) and torch.equal(
+        got.experts_WE, ref.experts_WE
+    )
     with pytest.raises(ValueError, match=r"layer 6 is not in the trace; recorded layers: \[5\]"):
         trace.demand(6)
 
 
 def test_trace_rejects_wrong_shape_and_ids():
     with pytest.raises(ValueError, match=r"expected \[W=4, T, K=3\]"):
-        Trace(meta=_meta(), layers=(LayerTrace(layer=1, topk_ids_WTK=np.zeros((2, 5, 3), np.int16)),))
+        Trace(
+            meta=_meta(), layers=(LayerTrace(layer=1, topk_ids_WTK=np.zeros((2, 5, 3), np.int16)),)
+        )
     with pytest.raises(ValueError, match=r"expert id 8 >= num_experts=8"):
         Trace(meta=_meta(), layers=(LayerTrace(layer=1, topk_ids_WTK=np.full((4, 5, 3), 8)),))
 

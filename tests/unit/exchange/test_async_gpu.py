@@ -23,15 +23,24 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_railwave.exchange import (RankContext, VirtualCluster, combine_forward, dispatch_forward, gather_demand,
-                                        prepare_layer, virtual_rank_groups)
+from megatron_railwave.exchange import (
+    RankContext,
+    VirtualCluster,
+    combine_forward,
+    dispatch_forward,
+    gather_demand,
+    prepare_layer,
+    virtual_rank_groups,
+)
 from megatron_railwave.exchange.pending import comm_stream_for, finish, run_on_comm_stream
+from megatron_railwave.names import ROUTES
 from megatron_railwave.planner import PlanOptions, build_plan
 from megatron_railwave.topology import RailTopology
-from megatron_railwave.names import ROUTES
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
 
 PATHS = list(map(str, ROUTES))
 _SPIN_CYCLES = 100_000_000  # ~50 ms at 2 GHz: far longer than the host needs to enqueue a layer
@@ -58,33 +67,56 @@ def _delayed(x: torch.Tensor) -> torch.Tensor:
 
 def _virtual_layer(topo: RailTopology, inputs, path: str, *, asynchronous: bool):
     w, e = topo.world_size, inputs[0][1].shape[1]
-    ctxs = [RankContext(topo=topo, groups=virtual_rank_groups(topo, r), num_experts=e, options=PlanOptions())
-            for r in range(w)]
+    ctxs = [
+        RankContext(
+            topo=topo, groups=virtual_rank_groups(topo, r), num_experts=e, options=PlanOptions()
+        )
+        for r in range(w)
+    ]
     cluster = VirtualCluster(world_size=w)
     layers = cluster.run([gather_demand(ctxs[r], *inputs[r]) for r in range(w)])
-    handles = [prepare_layer(ctxs[r], layers[r], build_plan(layers[r].demand, topo, path), hidden_dtype=torch.float32,
-                             probs_dtype=torch.float32, hidden_size=inputs[r][0].shape[1]) for r in range(w)]
+    handles = [
+        prepare_layer(
+            ctxs[r],
+            layers[r],
+            build_plan(layers[r].demand, topo, path),
+            hidden_dtype=torch.float32,
+            probs_dtype=torch.float32,
+            hidden_size=inputs[r][0].shape[1],
+        )
+        for r in range(w)
+    ]
     hidden = [_delayed(inputs[r][0]) if asynchronous else inputs[r][0] for r in range(w)]
 
     def dispatch():
         if asynchronous:
             torch.cuda._sleep(_SPIN_CYCLES)  # the consumer must wait for this stream's event
-        return cluster.run([dispatch_forward(ctxs[r], handles[r], hidden[r], inputs[r][1], inputs[r][2])
-                            for r in range(w)])
+        return cluster.run(
+            [
+                dispatch_forward(ctxs[r], handles[r], hidden[r], inputs[r][1], inputs[r][2])
+                for r in range(w)
+            ]
+        )
 
     if asynchronous:
         stream = comm_stream_for(hidden[0].device)
         dispatched = finish(run_on_comm_stream(dispatch, stream, inputs=tuple(hidden)))
     else:
         dispatched = dispatch()
-    ys = [(d[0] * d[1].unsqueeze(1)) * 0.5 + 1.0 for d in dispatched]  # consumed on the current stream
+    ys = [
+        (d[0] * d[1].unsqueeze(1)) * 0.5 + 1.0 for d in dispatched
+    ]  # consumed on the current stream
 
     def combine():
         if asynchronous:
             torch.cuda._sleep(_SPIN_CYCLES)
-        return cluster.run([combine_forward(ctxs[r], handles[r], dispatched[r][2], ys[r]) for r in range(w)])
+        return cluster.run(
+            [combine_forward(ctxs[r], handles[r], dispatched[r][2], ys[r]) for r in range(w)]
+        )
 
-    outs = finish(run_on_comm_stream(combine, stream, inputs=tuple(ys))) if asynchronous else combine()
+    outs = (
+        finish(run_on_comm_stream(combine, stream, inputs=tuple(ys))) if asynchronous else combine()
+    )
     outs = [o.clone() for o in outs]  # read on the current stream right after finish
     torch.cuda.synchronize()
     return [d[0].cpu() for d in dispatched], [o.cpu() for o in outs]
@@ -108,11 +140,13 @@ def test_torch_dist_start_finish_on_one_rank_nccl(tmp_path):
 
     if not dist.is_nccl_available():
         pytest.skip("this torch has no NCCL")
-    dist.init_process_group("nccl", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    dist.init_process_group(
+        "nccl", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
+    )
     try:
         topo = RailTopology(num_nodes=1, gpus_per_node=1)
         ex = TorchDistExchange(topo, build_rail_groups(None, topo), num_experts=4, timeout_s=60.0)
-        (x, probs, routing), = _inputs(1, t=256, h=512, e=4, k=2, seed=1)
+        ((x, probs, routing),) = _inputs(1, t=256, h=512, e=4, k=2, seed=1)
         layer = ex.gather_demand(x, probs, routing)
         handle = ex.prepare(layer, ex.plan(layer, "joint"), x, probs)
         ref = ex.dispatch(x, probs, routing, handle)
@@ -139,7 +173,9 @@ def test_timing_reduce_on_one_rank_nccl_does_not_wait_on_the_host(tmp_path):
 
     if not dist.is_nccl_available():
         pytest.skip("this torch has no NCCL")
-    dist.init_process_group("nccl", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    dist.init_process_group(
+        "nccl", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
+    )
     try:
         topo = RailTopology(num_nodes=1, gpus_per_node=1)
         # timeout_s 61: a key of its own in build_rail_groups' cache (the groups another test

@@ -1,5 +1,6 @@
 """The DeepEP backend without processes: DeepEP's limits, the import error, the Buffer size, the
-backend selection fields and flag, and the fake's Config (the real wheel: test_deepep_conformance)."""
+backend selection fields and flag, and the fake's Config (the real wheel:
+test_deepep_conformance)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,13 @@ import torch
 
 from megatron_railwave.config import RailWaveConfig
 from megatron_railwave.exchange import TorchDistExchange, build_exchange, virtual_rank_groups
-from megatron_railwave.exchange.deepep_api import (REAL_LIMITS, deepep_buffer_bytes, deepep_layout_problems,
-                                                   dispatch_row_bytes, load_deep_ep)
+from megatron_railwave.exchange.deepep_api import (
+    REAL_LIMITS,
+    deepep_buffer_bytes,
+    deepep_layout_problems,
+    dispatch_row_bytes,
+    load_deep_ep,
+)
 from megatron_railwave.exchange.deepep_fake import fake_deep_ep
 from megatron_railwave.plugin import add_railwave_args, config_from_args
 from megatron_railwave.topology import RailTopology
@@ -20,8 +26,9 @@ GLM = dict(hidden_size=4096, hidden_dtype=torch.bfloat16, topk=8, num_experts=12
 
 
 def _problems(nodes: int, gpus: int, **overrides) -> list[str]:
-    return deepep_layout_problems(RailTopology(num_nodes=nodes, gpus_per_node=gpus), REAL_LIMITS,
-                                  **{**GLM, **overrides})
+    return deepep_layout_problems(
+        RailTopology(num_nodes=nodes, gpus_per_node=gpus), REAL_LIMITS, **{**GLM, **overrides}
+    )
 
 
 def test_deepep_limits_glm45_air_on_4x8_has_no_problem():
@@ -33,20 +40,41 @@ def test_deepep_limits_glm45_air_on_4x8_has_no_problem():
     [
         (4, 4, {}, "4 GPUs per node (DeepEP's internode kernels need exactly 8)"),
         (1, 8, {}, "an EP group of 8 ranks inside one node"),
-        (5, 8, {"num_experts": 160},
-         "5 nodes (DeepEP's internode kernels are built for [2, 3, 4, 6, 8, 12, 16, 18, 20]"),
+        (
+            5,
+            8,
+            {"num_experts": 160},
+            "5 nodes (DeepEP's internode kernels are built for [2, 3, 4, 6, 8, 12, 16, 18, 20]",
+        ),
         (24, 8, {"num_experts": 192}, "24 nodes"),
-        (4, 8, {"hidden_dtype": torch.float32, "hidden_size": 2048},
-         "hidden dtype torch.float32 (DeepEP's combine reduces [torch.bfloat16]"),
+        (
+            4,
+            8,
+            {"hidden_dtype": torch.float32, "hidden_size": 2048},
+            "hidden dtype torch.float32 (DeepEP's combine reduces [torch.bfloat16]",
+        ),
         (4, 8, {"hidden_size": 4000}, "hidden size 4000 (8000 bytes per row"),
         # 64 experts per node, top-40: 40 top-k slots per record row.
-        (4, 8, {"num_experts": 256, "topk": 40},
-         "top-k 40 with 64 experts per node (40 slots per record; DeepEP: <= 32)"),
-        # 8192 x 2 B payload + 16 B meta + 8 B source meta + 8 x (4 + 4) B top-k = 16472 -> 16480 (16-aligned)
-        # > 16376 B of one warp's TMA buffer (16384 - 8).
+        (
+            4,
+            8,
+            {"num_experts": 256, "topk": 40},
+            "top-k 40 with 64 experts per node (40 slots per record; DeepEP: <= 32)",
+        ),
+        # 8192 x 2 B payload + 16 B meta + 8 B source meta + 8 x (4 + 4) B top-k = 16472 -> 16480
+        # (16-aligned) > 16376 B of one warp's TMA buffer (16384 - 8).
         (4, 8, {"hidden_size": 8192}, "16480 bytes per dispatched row"),
     ],
-    ids=["4-gpus", "one-node", "5-nodes", "24-nodes", "fp32", "hidden-4000", "topk-40", "hidden-8192"],
+    ids=[
+        "4-gpus",
+        "one-node",
+        "5-nodes",
+        "24-nodes",
+        "fp32",
+        "hidden-4000",
+        "topk-40",
+        "hidden-8192",
+    ],
 )
 def test_deepep_limits_name_the_problem(nodes, gpus, overrides, expected):
     problems = _problems(nodes, gpus, **overrides)
@@ -55,17 +83,24 @@ def test_deepep_limits_name_the_problem(nodes, gpus, overrides, expected):
 
 def test_deepep_buffer_sized_from_config_hints_glm45_air_4x8():
     """Hand-computed from DeepEP's Config hints (csrc/legacy/config.hpp) for W = 32, rows of
-    4096 x 2 + 16 = 8208 bytes, recommended configs Config(20, 32, 288, 8, 128) / Config(20, 1, 288, 8, 128):
-    NVL:  10 ch x 8 x (2 x 4 + 3) x 4 B + 10 x 8 x 288 x (8208 + 8 + 128 x 8 + 128 x 4 + 128 x 4) = 236486080
+    4096 x 2 + 16 = 8208 bytes, recommended configs Config(20, 32, 288, 8, 128) / Config(20, 1, 288,
+    8, 128):
+    NVL:  10 ch x 8 x (2 x 4 + 3) x 4 B + 10 x 8 x 288 x (8208 + 8 + 128 x 8 + 128 x 4 + 128 x 4) =
+    236486080
           -> 236486144 (128-aligned; 225.5 MiB);
-    RDMA: 10 x 4 x 18 x 2 x 4 B + 10 x 4 x 128 x (8208 + 8 + 1024 + 512 + 512 + 16) x 2 = 105272960 (100.4 MiB).
+    RDMA: 10 x 4 x 18 x 2 x 4 B + 10 x 4 x 128 x (8208 + 8 + 1024 + 512 + 512 + 16) x 2 = 105272960
+    (100.4 MiB).
     """
     api = fake_deep_ep(8)
     api.Buffer.set_num_sms(20)
     row = dispatch_row_bytes(4096, torch.bfloat16)
     assert row == 8208
-    nvl, rdma = deepep_buffer_bytes(api.Buffer.get_dispatch_config(32), api.Buffer.get_combine_config(32),
-                                    num_ranks=32, row_bytes=row)
+    nvl, rdma = deepep_buffer_bytes(
+        api.Buffer.get_dispatch_config(32),
+        api.Buffer.get_combine_config(32),
+        num_ranks=32,
+        row_bytes=row,
+    )
     assert (nvl, rdma) == (236486144, 105272960)
 
 
@@ -78,8 +113,12 @@ def test_fake_config_checks_like_deepep():
 
 
 def test_fake_with_2_gpus_per_node_uses_the_configs_of_the_same_node_count():
-    """Fake 4 x 2 (8 ranks) sizes like DeepEP's 4 x 8 (32 ranks): same chunk sizes, per-node peers 2."""
-    small, real_like = fake_deep_ep(2).Buffer.get_dispatch_config(8), fake_deep_ep(8).Buffer.get_dispatch_config(32)
+    """Fake 4 x 2 (8 ranks) sizes like DeepEP's 4 x 8 (32 ranks): same chunk sizes, per-node peers
+    2."""
+    small, real_like = (
+        fake_deep_ep(2).Buffer.get_dispatch_config(8),
+        fake_deep_ep(8).Buffer.get_dispatch_config(32),
+    )
     assert small.num_max_nvl_chunked_recv_tokens == real_like.num_max_nvl_chunked_recv_tokens == 288
 
 
@@ -90,32 +129,57 @@ def test_load_real_deep_ep_names_the_wheel_and_the_fallback():
         pass
     else:
         pytest.skip("deep_ep imports here")
-    with pytest.raises(ImportError, match=r"needs DeepEP 2.1 .*Install the `tokenspeed-deepep` wheel.*backend: torch"):
+    with pytest.raises(
+        ImportError,
+        match=r"needs DeepEP 2.1 .*Install the `tokenspeed-deepep` wheel.*backend: torch",
+    ):
         load_deep_ep("real", gpus_per_node=8)
 
 
 def test_build_exchange_auto_on_a_cpu_job_is_torch():
     topo = RailTopology(num_nodes=2, gpus_per_node=2)
-    ex = build_exchange(topo, virtual_rank_groups(topo, 0), backend="auto", num_experts=8, topk=2, **{
-        "hidden_size": 256, "hidden_dtype": torch.bfloat16})
+    ex = build_exchange(
+        topo,
+        virtual_rank_groups(topo, 0),
+        backend="auto",
+        num_experts=8,
+        topk=2,
+        **{"hidden_size": 256, "hidden_dtype": torch.bfloat16},
+    )
     assert type(ex) is TorchDistExchange
 
 
 def test_build_exchange_deepep_bad_layout_raises_before_communication():
     """One node: no process group exists here, so any communication would fail differently."""
     topo = RailTopology(num_nodes=1, gpus_per_node=2)
-    with pytest.raises(ValueError, match=r"cannot run 1 nodes x 2 GPUs with the fake DeepEP .*inside one node"):
-        build_exchange(topo, virtual_rank_groups(topo, 0), backend="deepep", deepep_buffer="fake", num_experts=8,
-                       topk=2, hidden_size=256, hidden_dtype=torch.float32)
+    with pytest.raises(
+        ValueError, match=r"cannot run 1 nodes x 2 GPUs with the fake DeepEP .*inside one node"
+    ):
+        build_exchange(
+            topo,
+            virtual_rank_groups(topo, 0),
+            backend="deepep",
+            deepep_buffer="fake",
+            num_experts=8,
+            topk=2,
+            hidden_size=256,
+            hidden_dtype=torch.float32,
+        )
 
 
 @pytest.mark.parametrize(
     "fields,expected",
     [
         ({"backend": "nccl"}, r"backend='nccl' must be 'torch', 'deepep' or 'auto'"),
-        ({"backend": "auto", "deepep_buffer": "fake"}, r"deepep_buffer 'fake' needs backend: deepep"),
+        (
+            {"backend": "auto", "deepep_buffer": "fake"},
+            r"deepep_buffer 'fake' needs backend: deepep",
+        ),
         ({"backend": "deepep", "deepep_buffer": "cpu"}, r"deepep_buffer='cpu' must be 'real'"),
-        ({"backend": "deepep", "deepep_num_sms": 21}, r"deepep_num_sms=21 must be an even integer >= 2"),
+        (
+            {"backend": "deepep", "deepep_num_sms": 21},
+            r"deepep_num_sms=21 must be an even integer >= 2",
+        ),
     ],
 )
 def test_config_backend_fields_rejected(fields, expected):
@@ -133,21 +197,44 @@ def test_config_backend_defaults_to_torch_and_flag_overrides():
 
 
 def test_deepep_refuses_a_placement_whose_group_order_is_not_railwave_order():
-    # SLURM cyclic over 2 hosts x 2 GPUs: EP [0, 2] on host a, [1, 3] on host b, global rank = EP rank.
-    # Railwave rank -> global rank (0, 2, 1, 3); torch orders the EP group by global rank, so
+    # SLURM cyclic over 2 hosts x 2 GPUs: EP [0, 2] on host a, [1, 3] on host b, global rank = EP
+    # rank. Railwave rank -> global rank (0, 2, 1, 3); torch orders the EP group by global rank, so
     # DeepEP's rank 1 would be global rank 1 (host b) where the exchange means railwave rank 1
     # (global 2, host a): tokens would reach the wrong ranks. Old code built the exchange anyway.
     from megatron_railwave.exchange.groups import rank_groups
     from megatron_railwave.exchange.placement import RankFacts, place_ranks
 
     layout = [("a", 0), ("b", 0), ("a", 1), ("b", 1)]
-    facts = [RankFacts(ep_rank=e, global_rank=e, host=h, host_id=hash(h) % 2**62, local_rank=g, gpu=g,
-                       fingerprint=()) for e, (h, g) in enumerate(layout)]
+    facts = [
+        RankFacts(
+            ep_rank=e,
+            global_rank=e,
+            host=h,
+            host_id=hash(h) % 2**62,
+            local_rank=g,
+            gpu=g,
+            fingerprint=(),
+        )
+        for e, (h, g) in enumerate(layout)
+    ]
     placement = place_ranks(facts, gpus_per_node=2)
     topo = RailTopology(num_nodes=2, gpus_per_node=2)
-    torch_order = tuple(sorted(placement.global_rank_of_railwave).index(r) for r in placement.global_rank_of_railwave)
+    torch_order = tuple(
+        sorted(placement.global_rank_of_railwave).index(r)
+        for r in placement.global_rank_of_railwave
+    )
     assert torch_order == (0, 2, 1, 3)
     groups = rank_groups(topo, 0, placement=placement, group_ranks=(torch_order, None, None))
-    with pytest.raises(ValueError, match=r"backend 'deepep': the EP group's rank order is not node by node"):
-        build_exchange(topo, groups, backend="deepep", deepep_buffer="fake", num_experts=8, topk=2,
-                       hidden_size=256, hidden_dtype=torch.bfloat16)
+    with pytest.raises(
+        ValueError, match=r"backend 'deepep': the EP group's rank order is not node by node"
+    ):
+        build_exchange(
+            topo,
+            groups,
+            backend="deepep",
+            deepep_buffer="fake",
+            num_experts=8,
+            topk=2,
+            hidden_size=256,
+            hidden_dtype=torch.bfloat16,
+        )

@@ -48,8 +48,9 @@ def exchange():
 def _inputs():
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(16, 8, generator=gen, requires_grad=True)
-    routing = torch.zeros(16, 4, dtype=torch.bool).scatter_(1, torch.rand(16, 4, generator=gen).topk(2, dim=1).indices,
-                                                           True)
+    routing = torch.zeros(16, 4, dtype=torch.bool).scatter_(
+        1, torch.rand(16, 4, generator=gen).topk(2, dim=1).indices, True
+    )
     probs = (torch.rand(16, 4, generator=gen) * routing).requires_grad_(True)
     return x, probs, routing
 
@@ -91,7 +92,9 @@ def test_start_finish_equals_dispatch_combine_bitwise(exchange, monkeypatch, cud
 
         monkeypatch.setattr(exchange.transport, "wait", wait)
         monkeypatch.setattr(torch_dist, "start", start)
-        monkeypatch.setattr(torch_dist, "comm_stream_for", lambda device: streams.append(_Stream()) or streams[-1])
+        monkeypatch.setattr(
+            torch_dist, "comm_stream_for", lambda device: streams.append(_Stream()) or streams[-1]
+        )
         monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current)
         monkeypatch.setattr(torch.cuda, "stream", lambda stream=None: contextlib.nullcontext())
     got = _layer(exchange, asynchronous=True)
@@ -111,7 +114,9 @@ def test_start_finish_equals_dispatch_combine_bitwise(exchange, monkeypatch, cud
 def test_finish_twice_raises(exchange):
     x, probs, routing = _inputs()
     layer = exchange.gather_demand(x, probs, routing)
-    pending = exchange.start_dispatch(x, probs, routing, exchange.prepare(layer, exchange.plan(layer, "joint"), x, probs))
+    pending = exchange.start_dispatch(
+        x, probs, routing, exchange.prepare(layer, exchange.plan(layer, "joint"), x, probs)
+    )
     finish(pending.program)
     with pytest.raises(RuntimeError, match="finished twice"):
         finish(pending.program)

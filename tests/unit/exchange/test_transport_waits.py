@@ -17,7 +17,14 @@ import torch
 import torch.distributed as dist
 
 from megatron_railwave.exchange import groups as groups_module
-from megatron_railwave.exchange.transport import (Collective, GroupRef, Post, TorchDistTransport, Wait, drive)
+from megatron_railwave.exchange.transport import (
+    Collective,
+    GroupRef,
+    Post,
+    TorchDistTransport,
+    Wait,
+    drive,
+)
 
 
 class FakeWork:
@@ -41,21 +48,36 @@ def fake_dist(monkeypatch):
         return [FakeWork(state.waits) for _ in ops]
 
     monkeypatch.setattr(dist, "get_backend", lambda group=None: state.backend)
-    monkeypatch.setattr(dist, "P2POp", lambda op, tensor, group=None, group_peer=None, tag=0: (op, tensor))
+    monkeypatch.setattr(
+        dist, "P2POp", lambda op, tensor, group=None, group_peer=None, tag=0: (op, tensor)
+    )
     monkeypatch.setattr(dist, "batch_isend_irecv", batch_isend_irecv)
-    monkeypatch.setattr(dist, "all_gather_into_tensor",
-                        lambda recv, send, group=None, async_op=False: FakeWork(state.waits))
+    monkeypatch.setattr(
+        dist,
+        "all_gather_into_tensor",
+        lambda recv, send, group=None, async_op=False: FakeWork(state.waits),
+    )
     return state
 
 
 def _program(group: GroupRef, phases: int):
     """A rank program: one count all-gather, then ``phases`` point-to-point phases, each waited."""
     counts = torch.zeros(2, dtype=torch.int64)
-    yield Collective(kind="all_gather", stage="counts", group=group, send=torch.zeros(1, dtype=torch.int64),
-                     recv=counts)
+    yield Collective(
+        kind="all_gather",
+        stage="counts",
+        group=group,
+        send=torch.zeros(1, dtype=torch.int64),
+        recv=counts,
+    )
     for k in range(phases):
-        ticket = yield Post(tag=k, stage=f"phase {k}", group=group, sends=[None, torch.ones(3)],
-                            recvs=[None, torch.empty(3)])
+        ticket = yield Post(
+            tag=k,
+            stage=f"phase {k}",
+            group=group,
+            sends=[None, torch.ones(3)],
+            recvs=[None, torch.empty(3)],
+        )
         yield Wait(ticket=ticket)
     return "done"
 
@@ -89,9 +111,13 @@ def test_gloo_wait_that_runs_out_reports_the_stage(fake_dist, monkeypatch):
             return False
 
     monkeypatch.setattr(dist, "batch_isend_irecv", lambda ops: [Late(fake_dist.waits) for _ in ops])
-    monkeypatch.setattr(dist, "all_gather_into_tensor", lambda recv, send, group=None, async_op=False: FakeWork([]))
+    monkeypatch.setattr(
+        dist, "all_gather_into_tensor", lambda recv, send, group=None, async_op=False: FakeWork([])
+    )
     transport = TorchDistTransport(rank=0, timeout_s=0.01, flat_collectives=False)
-    with pytest.raises(Exception, match="stage 'phase 0' on rail 0 .* did not complete within 0.01 s"):
+    with pytest.raises(
+        Exception, match="stage 'phase 0' on rail 0 .* did not complete within 0.01 s"
+    ):
         drive(_program(_group(), phases=1), transport)
 
 
@@ -109,7 +135,9 @@ def test_group_creation_lifts_a_bound_default_group_so_no_world_split_is_needed(
 
     monkeypatch.setattr(dist.distributed_c10d, "_get_default_group", lambda: default)
     monkeypatch.setattr(dist, "new_group", new_group)
-    monkeypatch.setattr(dist, "get_process_group_ranks", lambda g: list(g.ranks) if g is not None else [0, 1, 2, 3])
+    monkeypatch.setattr(
+        dist, "get_process_group_ranks", lambda g: list(g.ranks) if g is not None else [0, 1, 2, 3]
+    )
     monkeypatch.setattr(dist, "get_rank", lambda: 3)
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 4)
     monkeypatch.setattr(dist, "get_backend", lambda g=None: "gloo")
@@ -123,6 +151,8 @@ def test_group_creation_lifts_a_bound_default_group_so_no_world_split_is_needed(
     assert [s[0] for s in seen] == [(0, 1, 2, 3), (2, 3), (1, 3)]  # EP, node 1, rail 1 of rank 3
     assert all(bound is None for _, bound, _, _ in seen)  # no split of the world communicator
     assert all(local for _, _, local, _ in seen)  # only members take part
-    assert all(t == datetime.timedelta(seconds=42.0) for *_, t in seen)  # the groups carry timeout_s
+    assert all(
+        t == datetime.timedelta(seconds=42.0) for *_, t in seen
+    )  # the groups carry timeout_s
     assert default.bound_device_id == torch.device("cuda", 0)  # restored
     assert built.railwave_rank == 3

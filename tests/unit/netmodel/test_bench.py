@@ -8,16 +8,45 @@ import torch
 
 from megatron_railwave.cli import main
 from megatron_railwave.commands.bench import layer_demands, summarize_samples
-from megatron_railwave.lab.workloads import (GlmAirWorkload, demand_from_topk_ids, glm_air_layer_ids, scaled_demand,
-                                         sparse_demand_from_topk_ids)
+from megatron_railwave.lab.workloads import (
+    GlmAirWorkload,
+    demand_from_topk_ids,
+    glm_air_layer_ids,
+    scaled_demand,
+    sparse_demand_from_topk_ids,
+)
 from megatron_railwave.topology import RailTopology
 
 
 def test_bench_writes_percentiles_speedups_and_plot(tmp_path, capsys):
     out, png = tmp_path / "b.json", tmp_path / "b.png"
-    assert main(["bench", "--backend", "netmodel", "--cluster", "h800_4x8", "--workload", "glm45-air",
-                 "--pattern", "ring,extreme", "--layers", "2", "--tokens", "128", "--plan-repeats", "1",
-                 "--json", str(out), "--plot", str(png), "--no-progress"]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "--backend",
+                "netmodel",
+                "--cluster",
+                "h800_4x8",
+                "--workload",
+                "glm45-air",
+                "--pattern",
+                "ring,extreme",
+                "--layers",
+                "2",
+                "--tokens",
+                "128",
+                "--plan-repeats",
+                "1",
+                "--json",
+                str(out),
+                "--plot",
+                str(png),
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     data = json.loads(out.read_text())
     assert png.stat().st_size > 0 and data["config"]["layers"] == [1, 2]
     # the DeepEP-like baseline + 4 paths + the default peers
@@ -25,12 +54,25 @@ def test_bench_writes_percentiles_speedups_and_plot(tmp_path, capsys):
     ring, extreme = data["summary"]["ring"], data["summary"]["extreme"]
     v = ring["variants"]
     assert ring["baseline"] == "deepep"
-    assert set(v) == {"deepep", "native", "rail", "perm", "joint", "deepep-balanced", "deepep-direct", "megatron",
-                      "fast"}
+    assert set(v) == {
+        "deepep",
+        "native",
+        "rail",
+        "perm",
+        "joint",
+        "deepep-balanced",
+        "deepep-direct",
+        "megatron",
+        "fast",
+    }
     # The path-independent bound: one per input, the same for every variant on it (the token-
     # balanced baseline runs another input), and no modelled time below it.
     for summary in (ring, extreme):
-        same = {name: e["ideal_bound_p50_ms"] for name, e in summary["variants"].items() if name != "deepep-balanced"}
+        same = {
+            name: e["ideal_bound_p50_ms"]
+            for name, e in summary["variants"].items()
+            if name != "deepep-balanced"
+        }
         assert len(set(same.values())) == 1
         for name, entry in summary["variants"].items():
             assert entry["comm_over_ideal_min"] >= 1 - 1e-3, name
@@ -42,13 +84,30 @@ def test_bench_writes_percentiles_speedups_and_plot(tmp_path, capsys):
         for name, entry in summary["variants"].items():
             assert entry["bound_p50_ms"] > 0 and entry["comm_over_bound_min"] >= 1 - 1e-3, name
     assert all(s["bound_s"] > 0 for s in data["samples"])
-    for key in ("megatron_over_joint_p50", "fast_over_joint_p50", "fast_plan_over_joint_plan_p50",
-                "deepep_over_joint_p50", "deepep-balanced_over_joint_p50", "deepep-direct_over_joint_p50",
-                "joint_over_best_single_p95", "joint_over_best_single_p99"):
+    for key in (
+        "megatron_over_joint_p50",
+        "fast_over_joint_p50",
+        "fast_plan_over_joint_plan_p50",
+        "deepep_over_joint_p50",
+        "deepep-balanced_over_joint_p50",
+        "deepep-direct_over_joint_p50",
+        "joint_over_best_single_p95",
+        "joint_over_best_single_p99",
+    ):
         assert key in extreme, key
     assert all(s["plan_s"] > 0 for s in data["samples"] if s["variant"] == "fast")
-    for key in ("comm_p50_ms", "comm_p95_ms", "comm_p99_ms", "plan_p50_ms", "total_p50_ms", "speedup_p50",
-                "speedup_min", "speedup_max", "nic_shares", "rail_speedup_p50"):
+    for key in (
+        "comm_p50_ms",
+        "comm_p95_ms",
+        "comm_p99_ms",
+        "plan_p50_ms",
+        "total_p50_ms",
+        "speedup_p50",
+        "speedup_min",
+        "speedup_max",
+        "nic_shares",
+        "rail_speedup_p50",
+    ):
         assert key in v["joint"], key
     assert v["deepep"]["speedup_p50"] == 1.0
     # Streamed forwarding is never slower than store and forward on the same plan.
@@ -58,7 +117,9 @@ def test_bench_writes_percentiles_speedups_and_plot(tmp_path, capsys):
     assert v["joint"]["comm_p50_ms"] == pytest.approx(v["rail"]["comm_p50_ms"])
     assert v["joint"]["total_p50_ms"] > v["joint"]["comm_p50_ms"]  # planning is added
     # JOINT does not depend on the arrangement (same demand, its own waves); NATIVE does.
-    assert extreme["variants"]["joint"]["comm_p50_ms"] == pytest.approx(v["joint"]["comm_p50_ms"], rel=1e-3)
+    assert extreme["variants"]["joint"]["comm_p50_ms"] == pytest.approx(
+        v["joint"]["comm_p50_ms"], rel=1e-3
+    )
     assert extreme["variants"]["native"]["comm_p50_ms"] > v["native"]["comm_p50_ms"]
     assert sum(v["rail"]["nic_shares"]) == pytest.approx(1.0)
     assert "joint_over_best_single" in extreme
@@ -67,13 +128,43 @@ def test_bench_writes_percentiles_speedups_and_plot(tmp_path, capsys):
 
 def test_bench_fanin_variants_on_more_nodes(tmp_path):
     out = tmp_path / "s.json"
-    assert main(["bench", "--cluster", "h800_4x8", "--nodes", "8", "--pattern", "none", "--paths", "rail,joint",
-                 "--fanin", "1,3", "--layers", "1", "--tokens", "64", "--plan-repeats", "0", "--peers", "none",
-                 "--json", str(out),
-                 "--no-progress"]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "--cluster",
+                "h800_4x8",
+                "--nodes",
+                "8",
+                "--pattern",
+                "none",
+                "--paths",
+                "rail,joint",
+                "--fanin",
+                "1,3",
+                "--layers",
+                "1",
+                "--tokens",
+                "64",
+                "--plan-repeats",
+                "0",
+                "--peers",
+                "none",
+                "--json",
+                str(out),
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     rows = json.loads(out.read_text())["samples"]
-    assert [(r["variant"], r["waves"]) for r in rows] == [("deepep", 1), ("native", 1), ("rail", 1), ("joint", 7),
-                                                          ("joint/f3", 3)]
+    assert [(r["variant"], r["waves"]) for r in rows] == [
+        ("deepep", 1),
+        ("native", 1),
+        ("rail", 1),
+        ("joint", 7),
+        ("joint/f3", 3),
+    ]
     assert all(r["plan_s"] == 0.0 for r in rows)
 
 
@@ -100,10 +191,22 @@ def test_summarize_samples_percentiles_by_hand():
     rows = []
     for i, (nat, joint) in enumerate([(4.0, 2.0), (6.0, 2.0), (8.0, 4.0)]):
         for variant, c in (("native", nat), ("joint", joint)):
-            rows.append({"pattern": "ring", "layer": i, "step": 0, "variant": variant, "comm_s": c * 1e-3,
-                         "plan_s": 1e-3, "rail_s": c * 1e-3, "nic_shares": [0.5, 0.5]})
+            rows.append(
+                {
+                    "pattern": "ring",
+                    "layer": i,
+                    "step": 0,
+                    "variant": variant,
+                    "comm_s": c * 1e-3,
+                    "plan_s": 1e-3,
+                    "rail_s": c * 1e-3,
+                    "nic_shares": [0.5, 0.5],
+                }
+            )
     s = summarize_samples(rows)["ring"]["variants"]
-    assert s["native"]["comm_p50_ms"] == pytest.approx(6.0) and s["joint"]["comm_p50_ms"] == pytest.approx(2.0)
+    assert s["native"]["comm_p50_ms"] == pytest.approx(6.0) and s["joint"][
+        "comm_p50_ms"
+    ] == pytest.approx(2.0)
     assert s["joint"]["speedup_p50"] == pytest.approx(3.0)
     assert (s["joint"]["speedup_min"], s["joint"]["speedup_max"]) == pytest.approx((2.0, 3.0))
     assert s["joint"]["total_p50_ms"] == pytest.approx(3.0)
@@ -113,13 +216,25 @@ def test_summarize_samples_percentiles_by_hand():
 @pytest.mark.parametrize(
     ("argv", "match"),
     [
-        (["--pattern", "zigzag"], r"argument --pattern: expected some of none,ring,moderate,extreme"),
+        (
+            ["--pattern", "zigzag"],
+            r"argument --pattern: expected some of none,ring,moderate,extreme",
+        ),
         (["--layers", "0"], r"argument --layers: expected positive integers"),
-        (["--layers", "46,47"], r"--layers: \[46, 47\] are not MoE layers of GLM-4.5-Air \(1..45\)"),
+        (
+            ["--layers", "46,47"],
+            r"--layers: \[46, 47\] are not MoE layers of GLM-4.5-Air \(1..45\)",
+        ),
         (["--nodes", "256", "--pattern", "ring"], r"--pattern ring needs the dense demand"),
         (["--steps", "0"], r"need --steps >= 1"),
-        (["--payload-scale", "-1"], r"argument --payload-scale: expected a positive number or 'paper', got '-1'"),
-        (["--payload-scale", "papers"], r"argument --payload-scale: expected a positive number or 'paper'"),
+        (
+            ["--payload-scale", "-1"],
+            r"argument --payload-scale: expected a positive number or 'paper', got '-1'",
+        ),
+        (
+            ["--payload-scale", "papers"],
+            r"argument --payload-scale: expected a positive number or 'paper'",
+        ),
     ],
 )
 def test_bench_bad_input_gives_clear_error(capsys, argv, match):

@@ -12,13 +12,12 @@ from hypothesis import strategies as st
 from megatron_railwave.lab.netmodel import NetModelConfig, execute_plan
 from megatron_railwave.lab.netmodel.execute import fabric_for, synced_program
 from megatron_railwave.lab.netmodel.program import run_program
+from megatron_railwave.lab.workloads import arrange
+from megatron_railwave.names import ROUTES
 from megatron_railwave.planner import PlanOptions, build_plan
 from megatron_railwave.topology import RailTopology
 from megatron_railwave.traffic import DemandCounts
-
 from tests.helpers.netmodel_cases import MODELS, random_demand
-from megatron_railwave.lab.workloads import arrange
-from megatron_railwave.names import ROUTES
 
 _demand = random_demand
 
@@ -31,12 +30,21 @@ def _check(t):
 
 
 @settings(max_examples=24, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(seed=st.integers(0, 10_000), n=st.sampled_from([2, 3, 4]), g=st.sampled_from([2, 4]),
-       density=st.floats(0.05, 0.6), skew=st.integers(1, 6),
-       pattern=st.sampled_from(["none", "ring", "moderate", "extreme"]),
-       path=st.sampled_from(list(map(str, ROUTES))), variant=st.sampled_from(sorted(MODELS)),
-       alpha=st.sampled_from([0.0, 0.3]), nvlink=st.sampled_from([4.0, 40.0]))
-def test_no_modelled_time_below_the_bandwidth_bound(seed, n, g, density, skew, pattern, path, variant, alpha, nvlink):
+@given(
+    seed=st.integers(0, 10_000),
+    n=st.sampled_from([2, 3, 4]),
+    g=st.sampled_from([2, 4]),
+    density=st.floats(0.05, 0.6),
+    skew=st.integers(1, 6),
+    pattern=st.sampled_from(["none", "ring", "moderate", "extreme"]),
+    path=st.sampled_from(list(map(str, ROUTES))),
+    variant=st.sampled_from(sorted(MODELS)),
+    alpha=st.sampled_from([0.0, 0.3]),
+    nvlink=st.sampled_from([4.0, 40.0]),
+)
+def test_no_modelled_time_below_the_bandwidth_bound(
+    seed, n, g, density, skew, pattern, path, variant, alpha, nvlink
+):
     # NVLink (4 GB/s) slower than a rail (12.5 GB/s): both kinds of port set bounds.
     topo = RailTopology(num_nodes=n, gpus_per_node=g, rail_gbps=100.0, nvlink_gBps=nvlink)
     demand = _demand(n, g, seed, density, skew)
@@ -46,7 +54,11 @@ def test_no_modelled_time_below_the_bandwidth_bound(seed, n, g, density, skew, p
     if pattern != "none" and n >= 3:
         demand, windows = arrange(demand, pattern, topo)
     plan = build_plan(demand, topo, path, options=PlanOptions(windows=windows))
-    _check(execute_plan(plan, record_bytes=4096, model=replace(MODELS[variant], alpha=alpha), demand=demand))
+    _check(
+        execute_plan(
+            plan, record_bytes=4096, model=replace(MODELS[variant], alpha=alpha), demand=demand
+        )
+    )
 
 
 def test_bound_is_the_busiest_ports_bytes_by_hand():
@@ -57,7 +69,9 @@ def test_bound_is_the_busiest_ports_bytes_by_hand():
     rec[0, 1, 0b10] = 3
     demand = DemandCounts(records_WNM=rec, experts_WE=torch.zeros(4, 4, dtype=torch.int64))
     plan = build_plan(demand, topo, "native")
-    t = execute_plan(plan, record_bytes=1_000_000, model=NetModelConfig(num_experts=2), demand=demand)
+    t = execute_plan(
+        plan, record_bytes=1_000_000, model=NetModelConfig(num_experts=2), demand=demand
+    )
     assert t.bound_dispatch_s == pytest.approx(3 * (1e6 + 16) / 1e9)
     assert t.bound_combine_s == pytest.approx(3e-3)
     assert t.bound_link in ("nic-up (0, 0)", "nic-down (1, 0)")

@@ -1,15 +1,22 @@
 """Incast calibration: scaling, the fit on a small GLM replay, and the written config."""
 
+from dataclasses import replace
+
 import pytest
 import yaml
 
 from megatron_railwave.lab.netmodel import NetModelConfig, load_netmodel_config
-from dataclasses import replace
-
-from megatron_railwave.lab.netmodel.calibrate import PAPER_INCAST, calibrate_incast, ultraep_check, write_config
+from megatron_railwave.lab.netmodel.calibrate import (
+    PAPER_INCAST,
+    calibrate_incast,
+    ultraep_check,
+    write_config,
+)
 from megatron_railwave.topology import RailTopology
 
-H800 = RailTopology(num_nodes=4, gpus_per_node=8, rail_gbps=400.0, nvlink_gBps=155.0, name="h800_4x8")
+H800 = RailTopology(
+    num_nodes=4, gpus_per_node=8, rail_gbps=400.0, nvlink_gBps=155.0, name="h800_4x8"
+)
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +44,9 @@ def test_write_config_round_trips(small_fit, tmp_path):
     assert load_netmodel_config(out) == small_fit.model
     data = yaml.safe_load(out.read_text())
     assert data["calibration"]["experiment"]["high_s"] == 3.009
-    assert {"payload_scale", "implied_tokens", "ratio_at_zero", "fitted_ratio"} <= set(data["calibration"])
+    assert {"payload_scale", "implied_tokens", "ratio_at_zero", "fitted_ratio"} <= set(
+        data["calibration"]
+    )
 
 
 def test_default_preset_is_max_min_without_a_stale_calibration_block():
@@ -55,28 +64,31 @@ def test_ultraep_check_reads_the_penalty_at_three_senders():
     the destination's ports (about equal times); with the penalty NATIVE's dispatch slows by up to
     1 + min(k - k_free, k_sat) * alpha = 1 + 2 alpha, PERM's one-to-one waves not at all."""
     base = NetModelConfig()
-    flat, = ultraep_check(H800, replace(base, alpha=0.0), mib_per_gpu=(4,))
+    (flat,) = ultraep_check(H800, replace(base, alpha=0.0), mib_per_gpu=(4,))
     assert flat.paper_speedup is None and flat.records_per_gpu == 293  # 4 MiB of 14 KiB rows
     assert 0.8 < flat.dispatch_speedup < 1.3
-    penalised, = ultraep_check(H800, replace(base, alpha=2.0), mib_per_gpu=(4,))
+    (penalised,) = ultraep_check(H800, replace(base, alpha=2.0), mib_per_gpu=(4,))
     assert penalised.perm_dispatch_s == pytest.approx(flat.perm_dispatch_s)
     assert 0.6 * 5 < penalised.dispatch_speedup < 5
     # combine sends back from one node (one sender per receiver port): no penalty there
     assert penalised.native_total_s - penalised.native_dispatch_s == pytest.approx(
-        flat.native_total_s - flat.native_dispatch_s, rel=1e-6)
+        flat.native_total_s - flat.native_dispatch_s, rel=1e-6
+    )
 
 
 def test_paper_incast_preset_is_the_ultraep_fit():
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[3] / "configs" / "netmodel" / "h800_4x8_paper_incast.yaml"
+    path = (
+        Path(__file__).resolve().parents[3] / "configs" / "netmodel" / "h800_4x8_paper_incast.yaml"
+    )
     assert set(yaml.safe_load(path.read_text())) == {"model"}  # no stale calibration block
     model = load_netmodel_config(path)
     assert model.alpha == 4.3165
     # The comment's per-payload fit at 28 MiB: streamed NATIVE vs PERM gives the paper's 9.694x.
     fitted = replace(model, alpha=4.645, delivery="streamed")
-    row28, = ultraep_check(H800, fitted, mib_per_gpu=(28,))
+    (row28,) = ultraep_check(H800, fitted, mib_per_gpu=(28,))
     assert row28.paper_speedup == 9.694 and row28.dispatch_speedup == pytest.approx(9.694, rel=5e-3)
     # A replay that is not the paper's case carries no paper figure.
-    skewed, = ultraep_check(H800, fitted, mib_per_gpu=(28,), source_weights=(1.5, 1.0, 0.5))
+    (skewed,) = ultraep_check(H800, fitted, mib_per_gpu=(28,), source_weights=(1.5, 1.0, 0.5))
     assert skewed.paper_speedup is None and skewed.dispatch_speedup < row28.dispatch_speedup

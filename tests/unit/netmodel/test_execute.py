@@ -12,27 +12,32 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_railwave.lab.netmodel.execute import model_wire
 from megatron_railwave.lab.netmodel import (
-    FlowSet,
     NetModelConfig,
-    PhaseGraph,
     build_fabric,
     execute_plan,
     load_netmodel_config,
-    simulate,
     simulate_plan,
 )
-from megatron_railwave.schedule import RecordWireFormat
+from megatron_railwave.lab.netmodel.execute import model_wire
 from megatron_railwave.planner import PlanOptions, build_plan
+from megatron_railwave.schedule import RecordWireFormat
 from megatron_railwave.topology import RailTopology
 from megatron_railwave.traffic import DemandCounts
 
 CONFIGS = Path(__file__).resolve().parents[3] / "configs"
 MB = 1e6
 # 1 GB/s rails (8 Gbit/s), 2 GB/s NVLink; 1 MB payload per record; no fixed costs, no incast.
-PLAIN = NetModelConfig(alpha=0.0, k_sat=None, wave_latency_s=0.0, count_exchange_s=0.0, railbalance_barrier_s=0.0,
-                       railbalance_quota_s=0.0, num_experts=1, rel_tol=0.0)
+PLAIN = NetModelConfig(
+    alpha=0.0,
+    k_sat=None,
+    wave_latency_s=0.0,
+    count_exchange_s=0.0,
+    railbalance_barrier_s=0.0,
+    railbalance_quota_s=0.0,
+    num_experts=1,
+    rel_tol=0.0,
+)
 
 
 def approx(value, rel=1e-4):
@@ -98,13 +103,19 @@ def test_execute_waves_avoid_the_incast_penalty():
     # Without a penalty max-min shares the port: 2 ms either way.
     topo, demand = _three_to_one()
     model = replace(PLAIN, alpha=1.0)
-    native = execute_plan(build_plan(demand, topo, "native"), record_bytes=int(MB), model=model, demand=demand)
-    perm = execute_plan(build_plan(demand, topo, "perm"), record_bytes=int(MB), model=model, demand=demand)
+    native = execute_plan(
+        build_plan(demand, topo, "native"), record_bytes=int(MB), model=model, demand=demand
+    )
+    perm = execute_plan(
+        build_plan(demand, topo, "perm"), record_bytes=int(MB), model=model, demand=demand
+    )
     assert native.dispatch_s == approx(4e-3)
     assert perm.dispatch_s == approx(2e-3)
     assert perm.rail_s_V == approx((1e-3, 1e-3))
     for path in ("native", "perm"):
-        plain = execute_plan(build_plan(demand, topo, path), record_bytes=int(MB), model=PLAIN, demand=demand)
+        plain = execute_plan(
+            build_plan(demand, topo, path), record_bytes=int(MB), model=PLAIN, demand=demand
+        )
         assert plain.dispatch_s == approx(2e-3)
 
 
@@ -112,7 +123,9 @@ def test_execute_wave_latency_paid_per_rail_phase():
     # PERM on 3 nodes: 2 waves, each paid in dispatch and in combine: 4 x 10 us on top of 4 ms.
     topo, demand = _three_to_one()
     model = replace(PLAIN, wave_latency_s=1e-5)
-    t = execute_plan(build_plan(demand, topo, "perm"), record_bytes=int(MB), model=model, demand=demand)
+    t = execute_plan(
+        build_plan(demand, topo, "perm"), record_bytes=int(MB), model=model, demand=demand
+    )
     assert t.total_s == approx(4e-3 + 4e-5)
 
 
@@ -120,8 +133,9 @@ def test_execute_rows_carry_the_wire_formats_bytes():
     # Dispatch rows: 1 MB payload (500,000 bf16) + 1 fp32 prob + 3 int32 metadata words = 1e6 + 16
     # bytes; combine rows: the payload only. PERM, 2 waves of one record each way.
     topo, demand = _three_to_one()
-    wire = RecordWireFormat(hidden=500_000, payload_dtype=torch.bfloat16, probs_dtype=torch.float32,
-                            experts_per_node=1)
+    wire = RecordWireFormat(
+        hidden=500_000, payload_dtype=torch.bfloat16, probs_dtype=torch.float32, experts_per_node=1
+    )
     t = execute_plan(build_plan(demand, topo, "perm"), wire=wire, model=PLAIN, demand=demand)
     assert t.dispatch_s == pytest.approx(2 * (1e6 + 16) / 1e9, rel=1e-12)
     assert t.combine_s == pytest.approx(2e-3, rel=1e-12)
@@ -134,8 +148,12 @@ def test_execute_streamed_delivery_runs_during_the_rails():
     # mirrors it (partial sums leave on the rail while the targets return them).
     topo = _topo(2, 2)
     demand = _demand(2, 2, {(0, 1, 0b10): 3})
-    t = execute_plan(build_plan(demand, topo, "native"), record_bytes=int(MB),
-                     model=replace(PLAIN, delivery="streamed"), demand=demand)
+    t = execute_plan(
+        build_plan(demand, topo, "native"),
+        record_bytes=int(MB),
+        model=replace(PLAIN, delivery="streamed"),
+        demand=demand,
+    )
     assert t.dispatch_s == approx(3e-3) and t.combine_s == approx(3e-3)
 
 
@@ -177,8 +195,13 @@ def test_execute_per_call_costs_add_up_on_the_critical_path():
     demand = _demand(2, 2, {(0, 1, 0b10): 3})
     plan = build_plan(demand, topo, "rail")
     base = execute_plan(plan, record_bytes=int(MB), model=PLAIN, demand=demand).total_s
-    costs = replace(PLAIN, count_exchange_s=7e-6, railbalance_barrier_s=3e-6, railbalance_quota_s=2e-6,
-                    wave_latency_s=11e-6)
+    costs = replace(
+        PLAIN,
+        count_exchange_s=7e-6,
+        railbalance_barrier_s=3e-6,
+        railbalance_quota_s=2e-6,
+        wave_latency_s=11e-6,
+    )
     got = execute_plan(plan, record_bytes=int(MB), model=costs, demand=demand).total_s
     assert got - base == pytest.approx(7e-6 + 5e-6 + 2 * 11e-6, rel=1e-6)
     # NATIVE pays no RailBalance steps.
@@ -193,7 +216,9 @@ def test_execute_wave_jitter_is_the_expected_max_over_ranks():
     topo, demand = _three_to_one()
     plan = build_plan(demand, topo, "perm")
     base = execute_plan(plan, record_bytes=int(MB), model=PLAIN, demand=demand).total_s
-    got = execute_plan(plan, record_bytes=int(MB), model=replace(PLAIN, wave_jitter_s=6e-6), demand=demand).total_s
+    got = execute_plan(
+        plan, record_bytes=int(MB), model=replace(PLAIN, wave_jitter_s=6e-6), demand=demand
+    ).total_s
     assert got - base == pytest.approx(4 * 6e-6 * (11 / 6), rel=1e-6)
 
 
@@ -212,7 +237,9 @@ def test_execute_without_masks_spreads_copies_evenly():
 def _random_demand(topo, seed):
     rng = np.random.default_rng(seed)
     n, g = topo.num_nodes, topo.gpus_per_node
-    rec = torch.from_numpy(rng.poisson(3.0, size=(n * g, n, 1 << g)) * (rng.random((n * g, n, 1 << g)) < 0.2))
+    rec = torch.from_numpy(
+        rng.poisson(3.0, size=(n * g, n, 1 << g)) * (rng.random((n * g, n, 1 << g)) < 0.2)
+    )
     rec[:, :, 0] = 0
     return DemandCounts(records_WNM=rec, experts_WE=torch.zeros(n * g, n * g, dtype=torch.int64))
 
@@ -225,7 +252,9 @@ def test_execute_is_deterministic_and_bound_is_below_maxmin():
     b = execute_plan(plan, record_bytes=8192, demand=demand)
     assert a.total_s == b.total_s and a.delivery_s_V == b.delivery_s_V
     # 'ports' merges each phase's NVLink flows per port: a relaxation, between the bound and maxmin.
-    ports = execute_plan(plan, record_bytes=8192, demand=demand, model=NetModelConfig(nvlink="ports"))
+    ports = execute_plan(
+        plan, record_bytes=8192, demand=demand, model=NetModelConfig(nvlink="ports")
+    )
     assert a.bound_s * (1 - 1e-3) <= ports.total_s <= a.total_s * (1 + 2e-3)
 
 
@@ -236,16 +265,27 @@ def test_execute_windows_run_in_order_like_waves():
     topo = _topo(3, 1)
     demand = _demand(3, 1, {(0, 1, 1): 2, (1, 2, 1): 1, (2, 0, 1): 3, (0, 2, 1): 1})
     windows = cyclic_schedule(3)
-    native = execute_plan(build_plan(demand, topo, "native", options=PlanOptions(windows=windows)),
-                          record_bytes=int(MB), model=PLAIN, demand=demand)
-    perm = execute_plan(build_plan(demand, topo, "perm"), record_bytes=int(MB), model=PLAIN, demand=demand)
+    native = execute_plan(
+        build_plan(demand, topo, "native", options=PlanOptions(windows=windows)),
+        record_bytes=int(MB),
+        model=PLAIN,
+        demand=demand,
+    )
+    perm = execute_plan(
+        build_plan(demand, topo, "perm"), record_bytes=int(MB), model=PLAIN, demand=demand
+    )
     assert native.total_s == approx(perm.total_s)
     assert len(native.rail_s_V) == 2 and native.rail_s_V == approx((3e-3, 1e-3))
 
 
 def test_fabric_h20_adapters_and_leaf_groups():
-    topo = RailTopology(num_nodes=4, gpus_per_node=8, rail_gbps=200.0, adapter_of_rail=(0, 0, 1, 1, 2, 2, 3, 3),
-                        adapter_gbps=400.0)
+    topo = RailTopology(
+        num_nodes=4,
+        gpus_per_node=8,
+        rail_gbps=200.0,
+        adapter_of_rail=(0, 0, 1, 1, 2, 2, 3, 3),
+        adapter_gbps=400.0,
+    )
     fab = build_fabric(topo, nodes_per_leaf=2, spine_oversubscription=2.0)
     # links: 64 NVLink + 2 x 32 NIC + 2 x 16 adapter + 2 x (8 rails x 2 leaf groups)
     assert fab.num_links == 64 + 64 + 32 + 32
@@ -263,8 +303,12 @@ def test_spine_oversubscription_slows_cross_leaf_traffic():
     topo, demand = _topo(2, 2), _demand(2, 2, {(0, 1, 0b01): 2})
     plan = build_plan(demand, topo, "native")
     flat = execute_plan(plan, record_bytes=int(MB), model=PLAIN, demand=demand)
-    spine = execute_plan(plan, record_bytes=int(MB), model=replace(PLAIN, nodes_per_leaf=1, spine_oversubscription=2.0),
-                         demand=demand)
+    spine = execute_plan(
+        plan,
+        record_bytes=int(MB),
+        model=replace(PLAIN, nodes_per_leaf=1, spine_oversubscription=2.0),
+        demand=demand,
+    )
     assert flat.rail_s_V == approx((2e-3,)) and spine.rail_s_V == approx((4e-3,))
 
 
@@ -272,8 +316,14 @@ def test_spine_oversubscription_slows_cross_leaf_traffic():
     ("kwargs", "match"),
     [
         ({"alpha": -1.0}, r"IncastModel.alpha must be a finite number >= 0"),
-        ({"wave_latency_s": float("nan")}, r"NetModelConfig.wave_latency_s must be a finite number >= 0"),
-        ({"count_exchange_s": -1e-6}, r"NetModelConfig.count_exchange_s must be a finite number >= 0"),
+        (
+            {"wave_latency_s": float("nan")},
+            r"NetModelConfig.wave_latency_s must be a finite number >= 0",
+        ),
+        (
+            {"count_exchange_s": -1e-6},
+            r"NetModelConfig.count_exchange_s must be a finite number >= 0",
+        ),
         ({"num_experts": 0}, r"NetModelConfig.num_experts must be an int >= 1"),
         ({"k_sat": 0}, r"IncastModel.k_sat must be an int >= 1 or None"),
         ({"nvlink": "fast"}, r"NetModelConfig.nvlink must be 'maxmin' or 'ports', got 'fast'"),
@@ -307,7 +357,9 @@ def test_netmodel_configs_load_and_match_the_defaults(tmp_path):
 def test_execute_single_node_has_only_local_delivery():
     topo = _topo(1, 2)
     demand = _demand(1, 2, {(0, 0, 0b10): 4})
-    t = execute_plan(build_plan(demand, topo, "joint"), record_bytes=int(MB), model=PLAIN, demand=demand)
+    t = execute_plan(
+        build_plan(demand, topo, "joint"), record_bytes=int(MB), model=PLAIN, demand=demand
+    )
     assert t.rail_s_V == () and t.dispatch_s == approx(2e-3) and t.combine_s == approx(2e-3)
 
 
@@ -324,13 +376,18 @@ class _RailAlignedAllToAll:
         self.n, self.g = n, g
 
     def records_NGN(self) -> torch.Tensor:
-        return (1 - torch.eye(self.n, dtype=torch.int64)).view(self.n, 1, self.n).expand(self.n, self.g, self.n).clone()
+        return (
+            (1 - torch.eye(self.n, dtype=torch.int64))
+            .view(self.n, 1, self.n)
+            .expand(self.n, self.g, self.n)
+            .clone()
+        )
 
     def masks_into(self, node: int) -> torch.Tensor:
         out = torch.zeros(self.n * self.g, 1 << self.g, dtype=torch.int64)
         ranks = torch.arange(self.n * self.g)
         out[ranks, 1 << (ranks % self.g)] = 1
-        out[node * self.g:(node + 1) * self.g] = 0
+        out[node * self.g : (node + 1) * self.g] = 0
         return out
 
 
@@ -340,12 +397,15 @@ def _hand_worked_rail_ms(senders_per_port: list[int], alpha: float) -> float:
 
 
 @pytest.mark.parametrize("alpha", [0.0, 0.5])
-@pytest.mark.parametrize(("path", "fanin", "senders_per_port"), [
-    ("native", 1, [15]),               # all 15 remote nodes at once
-    ("joint", 1, [1] * 15),            # cyclic: one sender per port, 15 waves
-    ("joint", 4, [4, 4, 4, 3]),        # bounded fan-in 4: shifts 1-4, 5-8, 9-12, 13-15
-    ("perm", 16, [15]),                # fan-in >= N - 1: one wave with every pair
-])
+@pytest.mark.parametrize(
+    ("path", "fanin", "senders_per_port"),
+    [
+        ("native", 1, [15]),  # all 15 remote nodes at once
+        ("joint", 1, [1] * 15),  # cyclic: one sender per port, 15 waves
+        ("joint", 4, [4, 4, 4, 3]),  # bounded fan-in 4: shifts 1-4, 5-8, 9-12, 13-15
+        ("perm", 16, [15]),  # fan-in >= N - 1: one wave with every pair
+    ],
+)
 def test_execute_rail_aligned_all_to_all_hand_worked(alpha, path, fanin, senders_per_port):
     # 16 nodes x 2 GPUs: e.g. NATIVE with alpha 0.5: 15 MB into every port at 1 / (1 + 0.5 x 14)
     # GB/s = 120 ms each way, 240 ms; JOINT cyclic: 15 waves of 1 ms each way = 30 ms at any alpha.
@@ -353,8 +413,12 @@ def test_execute_rail_aligned_all_to_all_hand_worked(alpha, path, fanin, senders
     demand = _RailAlignedAllToAll(16, 2)
     plan = build_plan(demand.records_NGN(), topo, path, options=PlanOptions(fanin=fanin))
     assert plan.relayed_records() == 0
-    t = execute_plan(plan, record_bytes=int(MB), model=replace(PLAIN, alpha=alpha, nodes_per_leaf=0),
-                     demand=demand)
+    t = execute_plan(
+        plan,
+        record_bytes=int(MB),
+        model=replace(PLAIN, alpha=alpha, nodes_per_leaf=0),
+        demand=demand,
+    )
     assert len(t.rail_s_V) == len(senders_per_port)
     assert t.rail_s_V == approx(tuple(k * (1 + alpha * (k - 1)) * 1e-3 for k in senders_per_port))
     assert t.relay_s == 0.0 and all(d == 0.0 for d in t.delivery_s_V)
@@ -365,8 +429,8 @@ def test_execute_rail_aligned_all_to_all_hand_worked(alpha, path, fanin, senders
 def test_execute_256x8_layer_timing(capsys):
     # 256 x 8 = 2048 GPUs. (1) The rail-aligned all-to-all, worked by hand (see
     # _RailAlignedAllToAll): cyclic 255 waves of 1 ms each way = 510 ms at any alpha; fan-in 16:
-    # 15 waves of 16 senders and one of 15, each way: 2 x (15 x 16 x (1 + 15 a) + 15 x (1 + 14 a)) ms.
-    # (2) One synthetic GLM-4.5-Air-shaped layer: no better than its busiest NIC allows, and the
+    # 15 waves of 16 senders and one of 15, each way: 2 x (15 x 16 x (1 + 15 a) + 15 x (1 + 14 a))
+    # ms. (2) One synthetic GLM-4.5-Air-shaped layer: no better than its busiest NIC allows, and the
     # model's CPU time printed (docs/netmodel.md "Speed").
     import time
 
@@ -378,10 +442,17 @@ def test_execute_256x8_layer_timing(capsys):
     for fanin, senders in ((1, [1] * 255), (16, [16] * 15 + [15])):
         plan = build_plan(uniform.records_NGN(), topo, "joint", options=PlanOptions(fanin=fanin))
         c0 = time.process_time()
-        t = execute_plan(plan, record_bytes=int(MB), model=replace(PLAIN, alpha=alpha, nodes_per_leaf=0),
-                         demand=uniform)
-        print(f"256x8 rail-aligned all-to-all, joint fanin {fanin}: {t.total_s * 1e3:.1f} ms modelled, "
-              f"{time.process_time() - c0:.1f} s CPU")
+        t = execute_plan(
+            plan,
+            record_bytes=int(MB),
+            model=replace(PLAIN, alpha=alpha, nodes_per_leaf=0),
+            demand=uniform,
+        )
+        print(
+            f"256x8 rail-aligned all-to-all, joint fanin {fanin}: {t.total_s * 1e3:.1f} ms "
+            f"modelled, "
+            f"{time.process_time() - c0:.1f} s CPU"
+        )
         # Dispatch rows carry probs and metadata beyond the 1 MB payload; combine rows do not.
         wire = model_wire(topo, int(MB), PLAIN)
         per_direction_ms = _hand_worked_rail_ms(senders, alpha) / 2
@@ -397,7 +468,10 @@ def test_execute_256x8_layer_timing(capsys):
         plan = build_plan(demand.records_NGN(), topo, "joint", options=PlanOptions(fanin=fanin))
         c0 = time.process_time()
         t = execute_plan(plan, record_bytes=8192, demand=demand, model=model)
-        print(f"256x8 joint fanin {fanin}: {t.total_s * 1e3:.2f} ms modelled, {time.process_time() - c0:.1f} s CPU")
+        print(
+            f"256x8 joint fanin {fanin}: {t.total_s * 1e3:.2f} ms modelled, "
+            f"{time.process_time() - c0:.1f} s CPU"
+        )
         # Each way, the busiest NIC must push its bytes at the line rate at best.
         busiest = max(float(t.nic_egress_bytes_NR.max()), float(t.nic_ingress_bytes_NR.max()))
         assert t.total_s >= 2 * busiest / topo.rail_bytes_per_s

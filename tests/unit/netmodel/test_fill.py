@@ -17,7 +17,9 @@ def test_max_min_rates_hand_worked_chain():
     expect = [10.0, 100.0 / 3, 100.0 / 3]
     np.testing.assert_allclose(max_min_rates(links_HA, weight_A, capacity_L1), expect)
     index = LinkIndex(links_HA, 4)
-    np.testing.assert_allclose(max_min_rates_indexed(links_HA, weight_A, capacity_L1, index), expect)
+    np.testing.assert_allclose(
+        max_min_rates_indexed(links_HA, weight_A, capacity_L1, index), expect
+    )
 
 
 def test_link_index_entries_and_compact():
@@ -40,10 +42,17 @@ def _problems(draw):
     links = np.full((num_hops, num_classes), num_links, dtype=np.intp)
     for a in range(num_classes):
         path = draw(
-            st.lists(st.integers(0, num_links - 1), min_size=1, max_size=min(num_hops, num_links), unique=True)
+            st.lists(
+                st.integers(0, num_links - 1),
+                min_size=1,
+                max_size=min(num_hops, num_links),
+                unique=True,
+            )
         )
         links[: len(path), a] = path
-    weight = np.array(draw(st.lists(st.integers(1, 3), min_size=num_classes, max_size=num_classes)), float)
+    weight = np.array(
+        draw(st.lists(st.integers(1, 3), min_size=num_classes, max_size=num_classes)), float
+    )
     caps = draw(st.lists(st.integers(1, 30), min_size=num_links, max_size=num_links))
     return links, weight, np.append(np.array(caps, float), np.inf)
 
@@ -53,9 +62,14 @@ def _problems(draw):
 def test_indexed_water_filling_matches_plain(problem):
     links_HA, weight_A, capacity_L1 = problem
     plain = max_min_rates(links_HA, weight_A, capacity_L1)
-    indexed = max_min_rates_indexed(links_HA, weight_A, capacity_L1, LinkIndex(links_HA, capacity_L1.size))
+    indexed = max_min_rates_indexed(
+        links_HA, weight_A, capacity_L1, LinkIndex(links_HA, capacity_L1.size)
+    )
     np.testing.assert_allclose(indexed, plain, rtol=1e-9)
     # Feasible: no link over capacity.
-    load = np.bincount(links_HA.ravel(), weights=np.tile(weight_A * plain, links_HA.shape[0]),
-                       minlength=capacity_L1.size)
+    load = np.bincount(
+        links_HA.ravel(),
+        weights=np.tile(weight_A * plain, links_HA.shape[0]),
+        minlength=capacity_L1.size,
+    )
     assert np.all(load[:-1] <= capacity_L1[:-1] * (1 + 1e-9))

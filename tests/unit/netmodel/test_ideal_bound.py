@@ -17,7 +17,6 @@ from megatron_railwave.lab.workloads import arrange
 from megatron_railwave.planner import PlanOptions, build_plan
 from megatron_railwave.topology import RailTopology
 from megatron_railwave.traffic import DemandCounts
-
 from tests.helpers.netmodel_cases import MODELS, random_demand
 
 _demand = partial(random_demand, consistent_experts=True)
@@ -38,7 +37,9 @@ def test_ideal_bound_by_hand_two_nodes():
     assert got.resource == "node NIC in node 1"
     # Per-rank phases: node 1's NIC aggregate carries 3 rows in (dispatch) and 0 in (combine
     # returns to node 0): still 1.5 ms; node 0 likewise: the joint form is 1.5 ms.
-    assert ideal_bound(demand, topo, payload_bytes=1_000_000, phase_sync="rank").bound_s == pytest.approx(1.5e-3)
+    assert ideal_bound(
+        demand, topo, payload_bytes=1_000_000, phase_sync="rank"
+    ).bound_s == pytest.approx(1.5e-3)
 
 
 def test_ideal_bound_self_only_records_do_not_leave():
@@ -57,16 +58,26 @@ def test_ideal_bound_rejects_unknown_phase_sync():
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(seed=st.integers(0, 10_000), n=st.sampled_from([2, 3, 4]), g=st.sampled_from([2, 4]),
-       density=st.floats(0.05, 0.6), skew=st.integers(1, 6),
-       pattern=st.sampled_from(["none", "ring", "moderate", "extreme"]),
-       who=st.sampled_from(["native", "rail", "perm", "joint", *PEERS]), variant=st.sampled_from(sorted(MODELS)),
-       alpha=st.sampled_from([0.0, 0.3]), nvlink=st.sampled_from([4.0, 40.0]),
-       adapters=st.booleans())
-def test_no_modelled_time_below_the_ideal_bound(seed, n, g, density, skew, pattern, who, variant, alpha, nvlink,
-                                                adapters):
+@given(
+    seed=st.integers(0, 10_000),
+    n=st.sampled_from([2, 3, 4]),
+    g=st.sampled_from([2, 4]),
+    density=st.floats(0.05, 0.6),
+    skew=st.integers(1, 6),
+    pattern=st.sampled_from(["none", "ring", "moderate", "extreme"]),
+    who=st.sampled_from(["native", "rail", "perm", "joint", *PEERS]),
+    variant=st.sampled_from(sorted(MODELS)),
+    alpha=st.sampled_from([0.0, 0.3]),
+    nvlink=st.sampled_from([4.0, 40.0]),
+    adapters=st.booleans(),
+)
+def test_no_modelled_time_below_the_ideal_bound(
+    seed, n, g, density, skew, pattern, who, variant, alpha, nvlink, adapters
+):
     # NVLink (4 GB/s) slower than a rail (12.5 GB/s) and faster; H20-like shared adapters.
-    extra = {"adapter_of_rail": [r // 2 for r in range(g)], "adapter_gbps": 150.0} if adapters else {}
+    extra = (
+        {"adapter_of_rail": [r // 2 for r in range(g)], "adapter_gbps": 150.0} if adapters else {}
+    )
     topo = RailTopology(num_nodes=n, gpus_per_node=g, rail_gbps=100.0, nvlink_gBps=nvlink, **extra)
     demand = _demand(n, g, seed, density, skew)
     if not int(demand.records_WN.sum()):

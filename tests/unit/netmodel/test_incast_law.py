@@ -9,8 +9,9 @@ from megatron_railwave.lab.netmodel import IncastModel, alpha_from_slowdowns
 def test_saturating_law_levels_off_after_k_sat_excess_senders():
     # alpha 0.5, k_free 1, k_sat 2: k = 1 -> 1; k = 2 -> 1 / 1.5; k = 3 and beyond -> 1 / 2.
     law = IncastModel(alpha=0.5, k_free=1, k_sat=2)
-    np.testing.assert_allclose(law.capacity_factor(np.array([0, 1, 2, 3, 4, 255])),
-                               [1, 1, 1 / 1.5, 0.5, 0.5, 0.5])
+    np.testing.assert_allclose(
+        law.capacity_factor(np.array([0, 1, 2, 3, 4, 255])), [1, 1, 1 / 1.5, 0.5, 0.5, 0.5]
+    )
     linear = IncastModel(alpha=0.5, k_free=1)
     assert linear.capacity_factor(255) == pytest.approx(1 / (1 + 0.5 * 254))
 

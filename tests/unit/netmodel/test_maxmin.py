@@ -5,7 +5,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_railwave.lab.netmodel import maxmin
 from megatron_railwave.lab.netmodel import (
     FlowSet,
     IncastModel,
@@ -14,6 +13,7 @@ from megatron_railwave.lab.netmodel import (
     alpha_from_slowdowns,
     fit_incast_alpha,
     links_from_csr,
+    maxmin,
     simulate,
 )
 
@@ -52,7 +52,9 @@ def test_simulate_bottleneck_chain_three_levels():
     # Links 0 (10), 1 (100), 2 (100). f0: [0,1]; f1: [1,2]; f2: [2].
     # Level 1: link 0 saturates at 10 -> f0 = 10. Link 1 has 90 left for f1 alone,
     # link 2 offers 50 to f1 and f2 -> f1 = f2 = 50. Sizes chosen to end at t=1.
-    res = simulate(_net(10.0, 100.0, 100.0), _flows([10, 50, 50], [[0, 1], [1, 2], [2]]), rel_tol=0.0)
+    res = simulate(
+        _net(10.0, 100.0, 100.0), _flows([10, 50, 50], [[0, 1], [1, 2], [2]]), rel_tol=0.0
+    )
     np.testing.assert_allclose(res.finish_s_F, [1.0, 1.0, 1.0])
 
 
@@ -76,7 +78,10 @@ def test_simulate_join_waits_for_all_dependencies():
     # Phases 0 and 1 start at once (1 s and 2 s on separate links); phase 2 waits for both.
     phases = PhaseGraph(depends_on=((), (), (0, 1)))
     res = simulate(
-        _net(100.0, 100.0), _flows([100, 200, 100], [[0], [1], [0]], phase=[0, 1, 2]), phases, rel_tol=0.0
+        _net(100.0, 100.0),
+        _flows([100, 200, 100], [[0], [1], [0]], phase=[0, 1, 2]),
+        phases,
+        rel_tol=0.0,
     )
     np.testing.assert_allclose(res.phase_start_s_Q, [0.0, 0.0, 2.0])
     np.testing.assert_allclose(res.finish_s_F, [1.0, 2.0, 3.0])
@@ -118,8 +123,10 @@ def test_simulate_incast_tracks_k_as_senders_leave():
     # Then k=1: full 100 B/s -> flow 1 ends at 3 s.
     rx = np.array([False, False, True])
     res = simulate(
-        _net(100.0, 100.0, 100.0, rx=rx), _flows([50, 150], [[0, 2], [1, 2]]),
-        incast=IncastModel(alpha=1.0), rel_tol=0.0,
+        _net(100.0, 100.0, 100.0, rx=rx),
+        _flows([50, 150], [[0, 2], [1, 2]]),
+        incast=IncastModel(alpha=1.0),
+        rel_tol=0.0,
     )
     np.testing.assert_allclose(res.finish_s_F, [2.0, 3.0])
 
@@ -145,7 +152,9 @@ def test_simulate_incast_counts_grouped_identical_flows():
     res = simulate(net, _flows([100] * 4, [[0, 1]] * 4), incast=model, rel_tol=0.0)
     assert res.num_classes == 1
     np.testing.assert_allclose(res.finish_s_F, [7.0] * 4)
-    res = simulate(net, _flows([100] * 4, [[0, 1]] * 4, sender=[0, 1, 2, 3]), incast=model, rel_tol=0.0)
+    res = simulate(
+        net, _flows([100] * 4, [[0, 1]] * 4, sender=[0, 1, 2, 3]), incast=model, rel_tol=0.0
+    )
     np.testing.assert_allclose(res.finish_s_F, [7.0] * 4)
     res = simulate(net, _flows([100] * 4, [[0, 1]] * 4, sender=[5] * 4), incast=model, rel_tol=0.0)
     np.testing.assert_allclose(res.finish_s_F, [4.0] * 4)
@@ -176,7 +185,9 @@ def test_simulate_rejects_bad_inputs():
         _flows([1], [[-1]])
     with pytest.raises(ValueError, match=r"flows \[0\] repeat a link"):
         _flows([1], [[0, 0]])
-    with pytest.raises(ValueError, match=r"capacity_Bps_L must be finite and > 0; links \[1\] have \[0.0\]"):
+    with pytest.raises(
+        ValueError, match=r"capacity_Bps_L must be finite and > 0; links \[1\] have \[0.0\]"
+    ):
         _net(1.0, 0.0)
     with pytest.raises(ValueError, match=r"IncastModel.alpha must be a finite number >= 0, got -1"):
         IncastModel(alpha=-1)
@@ -188,7 +199,9 @@ def test_incast_model_off_is_pure_max_min():
     off = IncastModel.off()
     assert not off.penalizes and off.per_phase_latency_s == 0.0
     np.testing.assert_allclose(off.capacity_factor(np.array([1, 5, 100])), [1.0, 1.0, 1.0])
-    np.testing.assert_allclose(IncastModel(alpha=0.5).slowdown(np.array([0, 1, 3])), [1.0, 1.0, 2.0])
+    np.testing.assert_allclose(
+        IncastModel(alpha=0.5).slowdown(np.array([0, 1, 3])), [1.0, 1.0, 2.0]
+    )
 
 
 def test_alpha_from_slowdowns_recovers_linear_model():
@@ -243,11 +256,15 @@ def test_simulate_invariants_hold_on_random_flow_sets(problem):
         monkeypatch = pytest.MonkeyPatch()
         monkeypatch.setattr(maxmin, "_INDEXED_MIN_ENTRIES", 0)
         try:
-            _check_invariants(caps, sizes, links, phase, num_phases, chained, rx, alpha, latency, rel_tol)
+            _check_invariants(
+                caps, sizes, links, phase, num_phases, chained, rx, alpha, latency, rel_tol
+            )
         finally:
             monkeypatch.undo()
     else:
-        _check_invariants(caps, sizes, links, phase, num_phases, chained, rx, alpha, latency, rel_tol)
+        _check_invariants(
+            caps, sizes, links, phase, num_phases, chained, rx, alpha, latency, rel_tol
+        )
 
 
 def _check_invariants(caps, sizes, links, phase, num_phases, chained, rx, alpha, latency, rel_tol):
@@ -293,7 +310,8 @@ def _check_invariants(caps, sizes, links, phase, num_phases, chained, rx, alpha,
             if r == 0:
                 continue
             assert any(
-                saturated[l] and all(seg.rate_Bps_F[g] <= r * (1 + 1e-9) for g, p in enumerate(links) if l in p)
+                saturated[l]
+                and all(seg.rate_Bps_F[g] <= r * (1 + 1e-9) for g, p in enumerate(links) if l in p)
                 for l in path
             ), f"flow {f} has no bottleneck link"
     # Total bytes conserved: what each flow was sent over time equals its size.

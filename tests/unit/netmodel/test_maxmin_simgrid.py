@@ -8,13 +8,18 @@ import numpy as np
 import pytest
 
 from megatron_railwave.lab.netmodel import FlowSet, Network, simulate
-from megatron_railwave.lab.netmodel.simgrid_check import SYSTEM_PYTHON, simgrid_available, simulate_in_simgrid
+from megatron_railwave.lab.netmodel.simgrid_check import (
+    SYSTEM_PYTHON,
+    simgrid_available,
+    simulate_in_simgrid,
+)
 
 pytestmark = [
     pytest.mark.simgrid,
     pytest.mark.skipif(
         not simgrid_available(),
-        reason=f"{SYSTEM_PYTHON} cannot import simgrid (install with: apt-get install -y python3-simgrid)",
+        reason=f"{SYSTEM_PYTHON} cannot import simgrid (install with: apt-get install -y "
+        f"python3-simgrid)",
     ),
 ]
 
@@ -36,7 +41,9 @@ def _random_flow_set(seed: int):
 def test_maxmin_matches_simgrid_on_random_flow_sets(seed):
     capacity_L, size_F, links_FH = _random_flow_set(seed)
     ours = simulate(
-        Network(capacity_Bps_L=capacity_L), FlowSet(size_bytes_F=size_F, links_FH=links_FH), rel_tol=0.0
+        Network(capacity_Bps_L=capacity_L),
+        FlowSet(size_bytes_F=size_F, links_FH=links_FH),
+        rel_tol=0.0,
     ).finish_s_F
     theirs = simulate_in_simgrid(capacity_L, size_F, links_FH)
     np.testing.assert_allclose(ours, theirs, rtol=0.01)
@@ -64,7 +71,9 @@ def test_maxmin_matches_simgrid_on_rail_all_to_all(rel_tol):
     size_F = rng.integers(1_000_000, 50_000_000, size=src.size).astype(np.float64)
     capacity_L = np.full(2 * world, 50e9)
     ours = simulate(
-        Network(capacity_Bps_L=capacity_L), FlowSet(size_bytes_F=size_F, links_FH=links_FH), rel_tol=rel_tol
+        Network(capacity_Bps_L=capacity_L),
+        FlowSet(size_bytes_F=size_F, links_FH=links_FH),
+        rel_tol=rel_tol,
     ).finish_s_F
     theirs = simulate_in_simgrid(capacity_L, size_F, links_FH)
     np.testing.assert_allclose(ours, theirs, rtol=0.01)

@@ -10,15 +10,29 @@ from hypothesis import strategies as st
 
 from megatron_railwave.lab.netmodel import NetModelConfig
 from megatron_railwave.lab.netmodel.execute import fabric_for
-from megatron_railwave.lab.netmodel.peers import (bvn_waves, copies_WW, deepep_direct_program, fast_program,
-                                                  gpu_copies_WW, megatron_program)
+from megatron_railwave.lab.netmodel.peers import (
+    bvn_waves,
+    copies_WW,
+    deepep_direct_program,
+    fast_program,
+    gpu_copies_WW,
+    megatron_program,
+)
 from megatron_railwave.lab.netmodel.program import run_program
 from megatron_railwave.planner import build_plan
 from megatron_railwave.topology import RailTopology
 from megatron_railwave.traffic import DemandCounts
 
-FREE = NetModelConfig(alpha=0.0, k_sat=None, wave_latency_s=0.0, count_exchange_s=0.0, railbalance_barrier_s=0.0,
-                      railbalance_quota_s=0.0, num_experts=1, rel_tol=0.0)
+FREE = NetModelConfig(
+    alpha=0.0,
+    k_sat=None,
+    wave_latency_s=0.0,
+    count_exchange_s=0.0,
+    railbalance_barrier_s=0.0,
+    railbalance_quota_s=0.0,
+    num_experts=1,
+    rel_tol=0.0,
+)
 
 
 @settings(max_examples=40, deadline=None)
@@ -64,7 +78,9 @@ def test_megatron_sends_every_copy_through_pxn_by_hand():
     program = megatron_program(demand, topo, record_bytes=1_000_000, model=FREE, rounds="flat")
     fabric = fabric_for(topo, 32, 1.0)
     run = run_program(fabric, program, incast=FREE.incast(), rel_tol=0.0)
-    assert run.dispatch_s == pytest.approx(3 * (1e6 + 4) / 1e9) and run.combine_s == pytest.approx(3e-3)
+    assert run.dispatch_s == pytest.approx(3 * (1e6 + 4) / 1e9) and run.combine_s == pytest.approx(
+        3e-3
+    )
     link_bytes = program.link_bytes_DL(fabric.num_links)
     nvl_out_00, nic_up_01 = 0, int(fabric.nic_up_NR[0, 1])
     assert link_bytes[0, nvl_out_00] == pytest.approx(3 * (1e6 + 4))  # the PXN hop
@@ -82,19 +98,28 @@ def test_megatron_rotating_rounds_send_one_node_shift_at_a_time_by_hand():
     experts = 2 * (1 - torch.eye(3, dtype=torch.int64))
     demand = DemandCounts(records_WNM=torch.zeros(3, 3, 2, dtype=torch.int64), experts_WE=experts)
     fabric = fabric_for(topo, 32, 1.0)
-    lossy = NetModelConfig(alpha=1.0, k_sat=None, wave_latency_s=0.0, count_exchange_s=0.0, num_experts=1,
-                           rel_tol=0.0)
+    lossy = NetModelConfig(
+        alpha=1.0, k_sat=None, wave_latency_s=0.0, count_exchange_s=0.0, num_experts=1, rel_tol=0.0
+    )
     times = {}
     for rounds in ("flat", "rotating"):
         for name, model in (("free", FREE), ("lossy", lossy)):
-            program = megatron_program(demand, topo, record_bytes=1_000_000, model=model, rounds=rounds)
-            times[rounds, name] = run_program(fabric, program, incast=model.incast(), rel_tol=0.0).dispatch_s
+            program = megatron_program(
+                demand, topo, record_bytes=1_000_000, model=model, rounds=rounds
+            )
+            times[rounds, name] = run_program(
+                fabric, program, incast=model.incast(), rel_tol=0.0
+            ).dispatch_s
     rotating = megatron_program(demand, topo, record_bytes=1_000_000, model=FREE)
-    assert sum(n.startswith("dispatch.alltoall[") for n in rotating.names) == 3  # rounds 0 (local), 1, 2
+    assert (
+        sum(n.startswith("dispatch.alltoall[") for n in rotating.names) == 3
+    )  # rounds 0 (local), 1, 2
     assert times["flat", "free"] == pytest.approx(4e-3 * (1 + 4 / 1e6))
     assert times["rotating", "free"] == pytest.approx(4e-3 * (1 + 4 / 1e6))
     assert times["rotating", "lossy"] == pytest.approx(times["rotating", "free"])
-    assert times["flat", "lossy"] > 1.5 * times["flat", "free"]  # 2 senders per port: half the goodput
+    assert (
+        times["flat", "lossy"] > 1.5 * times["flat", "free"]
+    )  # 2 senders per port: half the goodput
 
 
 def test_deepep_direct_sends_one_copy_per_target_gpu_by_hand():
@@ -104,12 +129,18 @@ def test_deepep_direct_sends_one_copy_per_target_gpu_by_hand():
     topo = RailTopology(num_nodes=2, gpus_per_node=2, rail_gbps=8.0, nvlink_gBps=2.0)
     demand = _one_token_demand()
     assert gpu_copies_WW(demand, topo)[0, 3] == 2 and gpu_copies_WW(demand, topo).sum() == 2
-    model = NetModelConfig(alpha=0.0, wave_latency_s=0.0, count_exchange_s=0.0, num_experts=8, rel_tol=0.0)
+    model = NetModelConfig(
+        alpha=0.0, wave_latency_s=0.0, count_exchange_s=0.0, num_experts=8, rel_tol=0.0
+    )
     program = deepep_direct_program(demand, topo, record_bytes=1_000_000, model=model)
     fabric = fabric_for(topo, 32, 1.0)
     run = run_program(fabric, program, incast=model.incast(), rel_tol=0.0)
-    assert run.dispatch_s == pytest.approx(2 * (1e6 + 8) / 1e9) and run.combine_s == pytest.approx(2e-3)
-    assert program.link_bytes_DL(fabric.num_links)[0, int(fabric.nic_up_NR[0, 1])] == pytest.approx(2 * (1e6 + 8))
+    assert run.dispatch_s == pytest.approx(2 * (1e6 + 8) / 1e9) and run.combine_s == pytest.approx(
+        2e-3
+    )
+    assert program.link_bytes_DL(fabric.num_links)[0, int(fabric.nic_up_NR[0, 1])] == pytest.approx(
+        2 * (1e6 + 8)
+    )
 
 
 def _random_fast_program(seed: int):
@@ -133,7 +164,9 @@ def test_fast_program_moves_the_rail_plans_bytes_in_bvn_waves():
     assert len(rail_phases) == len(waves)
     nvl = program.flows.nvlink_F if hasattr(program.flows, "nvlink_F") else program.nvlink_F
     sel = np.isin(program.flows.phase_F, rail_phases) & ~nvl
-    remote = plan.quota_NNG.sum().item() - torch.diagonal(plan.quota_NNG, dim1=0, dim2=1).sum().item()
+    remote = (
+        plan.quota_NNG.sum().item() - torch.diagonal(plan.quota_NNG, dim1=0, dim2=1).sum().item()
+    )
     assert program.flows.size_bytes_F[sel].sum() == pytest.approx(remote * (1000 + 4 + 12))
     run = run_program(fabric, program, incast=FREE.incast(), rel_tol=0.0)
     assert run.total_s >= run.bound_s

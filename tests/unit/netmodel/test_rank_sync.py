@@ -14,14 +14,27 @@ import torch
 
 from megatron_railwave.lab.netmodel import NetModelConfig, execute_plan
 from megatron_railwave.lab.netmodel.execute import fabric_for
-from megatron_railwave.lab.netmodel.program import ProgramBuilder, phase_times, rank_synced, run_program
+from megatron_railwave.lab.netmodel.program import (
+    ProgramBuilder,
+    phase_times,
+    rank_synced,
+    run_program,
+)
 from megatron_railwave.planner import PlanOptions, build_plan, schedule_from_windows
 from megatron_railwave.topology import RailTopology
 from megatron_railwave.traffic import DemandCounts
 
 MB = 1e6
-PLAIN = NetModelConfig(alpha=0.0, k_sat=None, wave_latency_s=0.0, count_exchange_s=0.0, railbalance_barrier_s=0.0,
-                       railbalance_quota_s=0.0, num_experts=1, rel_tol=0.0)
+PLAIN = NetModelConfig(
+    alpha=0.0,
+    k_sat=None,
+    wave_latency_s=0.0,
+    count_exchange_s=0.0,
+    railbalance_barrier_s=0.0,
+    railbalance_quota_s=0.0,
+    num_experts=1,
+    rel_tol=0.0,
+)
 RANK = replace(PLAIN, phase_sync="rank")
 
 
@@ -35,13 +48,17 @@ def _windowed(pairs_MB: dict[tuple[int, int], int], windows: list[list[tuple[int
     to the last window: a schedule lists every pair)."""
     topo = RailTopology(num_nodes=4, gpus_per_node=1, rail_gbps=8.0, nvlink_gBps=2.0)
     listed = {p for win in windows for p in win}
-    windows = windows[:-1] + [windows[-1] + [(s, d) for s in range(4) for d in range(4)
-                                             if s != d and (s, d) not in listed]]
+    windows = windows[:-1] + [
+        windows[-1]
+        + [(s, d) for s in range(4) for d in range(4) if s != d and (s, d) not in listed]
+    ]
     rec = torch.zeros(4, 4, 2, dtype=torch.int64)
     for (s, d), c in pairs_MB.items():
         rec[s, d, 1] = c
     demand = DemandCounts(records_WNM=rec, experts_WE=torch.zeros(4, 4, dtype=torch.int64))
-    plan = build_plan(demand, topo, "native", options=PlanOptions(windows=schedule_from_windows(4, windows)))
+    plan = build_plan(
+        demand, topo, "native", options=PlanOptions(windows=schedule_from_windows(4, windows))
+    )
     return plan, demand
 
 
@@ -61,7 +78,9 @@ def test_a_rank_starts_its_next_window_while_others_are_in_the_current_one():
     # 2 at 5 ms: 5..6); crail[1] is 2->3 3 MB (both done with crail[0] at 6 ms: 6..9) and 1->2
     # 2 MB (rank 1 done with crail[0] at 8 ms: 8..10). Total 10 ms, combine 5 ms.
     # Global combine: 3 ms + 3 ms after dispatch's 6 ms: 12 ms.
-    plan, demand = _windowed({(0, 1): 3, (2, 3): 1, (3, 2): 3, (2, 1): 2}, [[(0, 1), (2, 3)], [(3, 2), (2, 1)]])
+    plan, demand = _windowed(
+        {(0, 1): 3, (2, 3): 1, (3, 2): 3, (2, 1): 2}, [[(0, 1), (2, 3)], [(3, 2), (2, 1)]]
+    )
     glob = _run(plan, demand, PLAIN)
     assert glob.dispatch_s == approx(6e-3, rel=1e-4) and glob.total_s == approx(12e-3, rel=1e-4)
     rank = _run(plan, demand, RANK)
@@ -76,7 +95,9 @@ def test_exact_times_with_exact_bytes():
     # The same case, to the byte: dispatch rows are 1e6 + 16 bytes (payload, fp32 prob, 3 int32
     # metadata words), combine rows 1e6 (1 GB/s rails). Dispatch ends at 5 dispatch rows' time
     # (window 0's 3 then 2->1's 2), combine at 5 combine rows after that.
-    plan, demand = _windowed({(0, 1): 3, (2, 3): 1, (3, 2): 3, (2, 1): 2}, [[(0, 1), (2, 3)], [(3, 2), (2, 1)]])
+    plan, demand = _windowed(
+        {(0, 1): 3, (2, 3): 1, (3, 2): 3, (2, 1): 2}, [[(0, 1), (2, 3)], [(3, 2), (2, 1)]]
+    )
     rank = _run(plan, demand, RANK)
     row_d, row_c = (MB + 16) / 1e9, MB / 1e9
     assert rank.dispatch_s == approx(5 * row_d)
@@ -101,8 +122,10 @@ def test_rank_equals_global_when_every_rank_is_ready_at_once():
     demand = DemandCounts(records_WNM=rec, experts_WE=torch.zeros(8, 8, dtype=torch.int64))
     for path in ("native", "joint"):
         plan = build_plan(demand, topo, path)
-        glob, rank = _run(plan, demand, replace(PLAIN, wave_latency_s=1e-5)), _run(plan, demand,
-                                                                                  replace(RANK, wave_latency_s=1e-5))
+        glob, rank = (
+            _run(plan, demand, replace(PLAIN, wave_latency_s=1e-5)),
+            _run(plan, demand, replace(RANK, wave_latency_s=1e-5)),
+        )
         assert rank.dispatch_s == approx(glob.dispatch_s) and rank.total_s == approx(glob.total_s)
         assert rank.rail_s_V == approx(glob.rail_s_V)
 
@@ -127,23 +150,33 @@ def test_program_order_holds_back_a_later_phase():
         split = rank_synced(program, num_ranks=4, post_order=order)
         run = run_program(fabric, split, incast=PLAIN.incast(), rel_tol=0.0)
         at = {name: q for q, name in enumerate(split.names)}
-        times[label] = {name: (run.result.phase_start_s_Q[at[name]], run.result.phase_finish_s_Q[at[name]])
-                        for name in ("A[0->1]", "B[0->2]", "C[0->3]")}
+        times[label] = {
+            name: (run.result.phase_start_s_Q[at[name]], run.result.phase_finish_s_Q[at[name]])
+            for name in ("A[0->1]", "B[0->2]", "C[0->3]")
+        }
         assert run.total_s == approx(5e-3)
         # Phases of the program outside the split: its own phases' times (earliest rank, last part).
         start, finish = phase_times(split, run.result)
         assert finish[bb] == approx(times[label]["B[0->2]"][1]) and start[bb] == 0.0
-    assert times["ordered"] == {"A[0->1]": approx((0.0, 3e-3)), "B[0->2]": approx((3e-3, 5e-3)),
-                                "C[0->3]": approx((3e-3, 5e-3))}
-    assert times["free"] == {"A[0->1]": approx((0.0, 4e-3)), "B[0->2]": approx((0.0, 2e-3)),
-                             "C[0->3]": approx((4e-3, 5e-3))}
+    assert times["ordered"] == {
+        "A[0->1]": approx((0.0, 3e-3)),
+        "B[0->2]": approx((3e-3, 5e-3)),
+        "C[0->3]": approx((3e-3, 5e-3)),
+    }
+    assert times["free"] == {
+        "A[0->1]": approx((0.0, 4e-3)),
+        "B[0->2]": approx((0.0, 2e-3)),
+        "C[0->3]": approx((4e-3, 5e-3)),
+    }
 
 
 def test_rank_sync_refuses_large_clusters_and_bad_values():
     plan, demand = _windowed({(0, 1): 1}, [[(0, 1)]])
     with pytest.raises(ValueError, match=r"4 ranks is above rank_sync_max_ranks=2"):
         _run(plan, demand, replace(RANK, rank_sync_max_ranks=2))
-    with pytest.raises(ValueError, match=r"NetModelConfig.phase_sync must be 'global' or 'rank', got 'node'"):
+    with pytest.raises(
+        ValueError, match=r"NetModelConfig.phase_sync must be 'global' or 'rank', got 'node'"
+    ):
         NetModelConfig(phase_sync="node")
     with pytest.raises(ValueError, match=r"rank_sync_max_ranks must be an int >= 1, got 0"):
         NetModelConfig(rank_sync_max_ranks=0)

@@ -18,8 +18,19 @@ def test_summarize_grid_takes_ratios_of_layer_sums_then_seed_percentiles():
     rows = []
     for seed, layers in ((0, [(4.0, 2.0), (2.0, 2.0)]), (1, [(3.0, 1.0), (3.0, 1.0)])):
         for i, (b, j) in enumerate(layers):
-            rows.append({"skew": 1.0, "fabric": "max-min", "pattern": "ring", "seed": seed, "layer": i,
-                         "baseline_s": b, "joint_s": j, "rail_s": b, "ideal_bound_s": 1.0})
+            rows.append(
+                {
+                    "skew": 1.0,
+                    "fabric": "max-min",
+                    "pattern": "ring",
+                    "seed": seed,
+                    "layer": i,
+                    "baseline_s": b,
+                    "joint_s": j,
+                    "rail_s": b,
+                    "ideal_bound_s": 1.0,
+                }
+            )
     (entry,) = summarize_grid(rows)
     assert entry["seeds"] == 2 and entry["layers_per_seed"] == 2
     assert entry["joint_over_baseline"]["median"] == pytest.approx(2.25)
@@ -35,7 +46,9 @@ def test_ultraep_fit_reproduces_the_papers_speedup_per_payload():
     fit = fit_alpha_ultraep(topo, base)
     assert min(fit.alpha_per_payload.values()) <= fit.alpha <= max(fit.alpha_per_payload.values())
     for mib, alpha in fit.alpha_per_payload.items():
-        (row,) = ultraep_check(topo, NetModelConfig(alpha=alpha, delivery="streamed"), mib_per_gpu=(mib,))
+        (row,) = ultraep_check(
+            topo, NetModelConfig(alpha=alpha, delivery="streamed"), mib_per_gpu=(mib,)
+        )
         assert row.dispatch_speedup == pytest.approx(fit.paper[mib], rel=5e-3)
     # Max-min: PERM gains nothing on UltraEP (the destination's ports carry the same bytes).
     assert ultraep_check(topo, base, mib_per_gpu=(28,))[0].dispatch_speedup < 1.05
@@ -48,17 +61,57 @@ def test_ultraep_fit_needs_four_by_eight():
 
 def test_sensitivity_smoke_writes_grid_bound_and_heatmap(tmp_path, capsys):
     out, png = tmp_path / "s.json", tmp_path / "s.png"
-    assert main(["sensitivity", "--cluster", "h800_4x8", "--nodes", "3", "--alpha", "1.0", "--skews", "0,1.46",
-                 "--pattern", "none", "--seeds", "1", "--layers", "8", "--tokens", "32", "--incast-layers", "1",
-                 "--json", str(out), "--plot", str(png), "--no-progress"]) == 0
+    assert (
+        main(
+            [
+                "sensitivity",
+                "--cluster",
+                "h800_4x8",
+                "--nodes",
+                "3",
+                "--alpha",
+                "1.0",
+                "--skews",
+                "0,1.46",
+                "--pattern",
+                "none",
+                "--seeds",
+                "1",
+                "--layers",
+                "8",
+                "--tokens",
+                "32",
+                "--incast-layers",
+                "1",
+                "--json",
+                str(out),
+                "--plot",
+                str(png),
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     data = json.loads(out.read_text())
-    assert png.stat().st_size > 0 and data["ultraep_fit"] is None and data["config"]["fabrics"]["ultraep"] == 1.0
+    assert (
+        png.stat().st_size > 0
+        and data["ultraep_fit"] is None
+        and data["config"]["fabrics"]["ultraep"] == 1.0
+    )
     assert len(data["rows"]) == 2 * 1 * 1 * 2  # skews x seeds x layers x fabrics
-    assert {(e["skew"], e["fabric"]) for e in data["summary"]} == {(s, f) for s in (0.0, 1.46)
-                                                                   for f in ("max-min", "ultraep")}
-    for row in data["rows"]:  # no modelled time below the path-independent bound (the balanced peer: another input)
-        assert min(row["baseline_s"], row["rail_s"], row["joint_s"], row["deepep_direct_s"],
-                   row["megatron_s"]) >= row["ideal_bound_s"] * (1 - 1e-3)
+    assert {(e["skew"], e["fabric"]) for e in data["summary"]} == {
+        (s, f) for s in (0.0, 1.46) for f in ("max-min", "ultraep")
+    }
+    for row in data[
+        "rows"
+    ]:  # no modelled time below the path-independent bound (the balanced peer: another input)
+        assert min(
+            row["baseline_s"],
+            row["rail_s"],
+            row["joint_s"],
+            row["deepep_direct_s"],
+            row["megatron_s"],
+        ) >= row["ideal_bound_s"] * (1 - 1e-3)
         assert row["deepep_balanced_s"] > 0
     # With skew 0 the token-balanced input is the input itself: the same time as the baseline.
     (even,) = [e for e in data["summary"] if e["skew"] == 0.0 and e["fabric"] == "max-min"]
@@ -66,13 +119,28 @@ def test_sensitivity_smoke_writes_grid_bound_and_heatmap(tmp_path, capsys):
     # The incast prediction (its own layers: RING / EXTREME, skew 1.46) per fabric and seed.
     pred = data["incast_prediction"]
     assert set(pred) == {"max-min", "ultraep"} and pred["ultraep"]["layers"] == 1
-    assert len(pred["max-min"]["per_seed"]) == 1 and pred["max-min"]["paper"] == pytest.approx(3.009 / 1.801)
-    assert pred["ultraep"]["median"] >= pred["max-min"]["median"] * (1 - 1e-3)  # the penalty only slows NATIVE
+    assert len(pred["max-min"]["per_seed"]) == 1 and pred["max-min"]["paper"] == pytest.approx(
+        3.009 / 1.801
+    )
+    assert pred["ultraep"]["median"] >= pred["max-min"]["median"] * (
+        1 - 1e-3
+    )  # the penalty only slows NATIVE
     assert "speedup over DeepEP-like NATIVE" in capsys.readouterr().out
 
 
 def test_sensitivity_rejects_unknown_layers(capsys):
     with pytest.raises(SystemExit) as exc:
-        main(["sensitivity", "--cluster", "h800_4x8", "--layers", "99", "--alpha", "1", "--no-progress"])
+        main(
+            [
+                "sensitivity",
+                "--cluster",
+                "h800_4x8",
+                "--layers",
+                "99",
+                "--alpha",
+                "1",
+                "--no-progress",
+            ]
+        )
     assert exc.value.code == 2
     assert "--layers: [99] are not MoE layers of GLM-4.5-Air" in capsys.readouterr().err

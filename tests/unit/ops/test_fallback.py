@@ -13,7 +13,6 @@ import torch
 
 from megatron_railwave import ops
 from megatron_railwave.ops import _compiled, reference
-
 from tests.helpers.ops_cases import same_bits
 
 
@@ -29,7 +28,9 @@ def test_missing_module_falls_back_with_one_warning(monkeypatch, caplog):
     monkeypatch.setattr(_compiled, "_forced_reference", False)
     monkeypatch.setattr(_compiled, "_loaded", True)
     monkeypatch.setattr(_compiled, "_module", None)
-    monkeypatch.setattr(_compiled, "_load_error", "the compiled ops megatron_railwave._C did not load (test)")
+    monkeypatch.setattr(
+        _compiled, "_load_error", "the compiled ops megatron_railwave._C did not load (test)"
+    )
     monkeypatch.setattr(_compiled, "_warned", set())
     values = torch.randn(5, 3)
     ids = torch.tensor([0, 1, 0, 2, 1])
@@ -50,7 +51,9 @@ def test_fallback_warning_is_rank_zeros_other_ranks_log_it_at_info(monkeypatch, 
     monkeypatch.setattr(_compiled, "_forced_reference", False)
     monkeypatch.setattr(_compiled, "_loaded", True)
     monkeypatch.setattr(_compiled, "_module", None)
-    monkeypatch.setattr(_compiled, "_load_error", "the compiled ops megatron_railwave._C did not load (test)")
+    monkeypatch.setattr(
+        _compiled, "_load_error", "the compiled ops megatron_railwave._C did not load (test)"
+    )
     levels = {}
     for rank in ("0", "3"):
         monkeypatch.setenv("RANK", rank)
@@ -100,8 +103,13 @@ print(out.tolist())
 
 
 def test_missing_module_in_a_fresh_process_logs_once():
-    proc = subprocess.run([sys.executable, "-c", _SUBPROCESS], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "RAILWAVE_OPS": "auto"})
+    proc = subprocess.run(
+        [sys.executable, "-c", _SUBPROCESS],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "RAILWAVE_OPS": "auto"},
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "[[2.0, 2.0], [1.0, 1.0]]"
     lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("megatron_railwave.ops|")]

@@ -11,20 +11,22 @@ import torch
 
 from megatron_railwave import ops
 from megatron_railwave.ops import reference
-
 from megatron_railwave.planner import build_plan
 from megatron_railwave.topology import RailTopology
 from megatron_railwave.traffic import DemandCounts
-
 from tests.helpers.ops_cases import egress_inputs, random_routing_map, same_bits
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
 
 FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
 def _twice_on_cuda(fn, *cpu_args):
     """fn on CPU, and twice on CUDA (all outputs back on CPU); asserts the two CUDA runs agree."""
+
     def to(x, device):
         if isinstance(x, torch.Tensor):
             return x.to(device)
@@ -44,10 +46,20 @@ def _twice_on_cuda(fn, *cpu_args):
     return cpu, first
 
 
-@pytest.mark.parametrize("num_nodes,gpus_per_node,num_tokens,experts,topk",
-                         [(4, 8, 4096, 128, 8), (1, 1, 5, 3, 2), (3, 5, 777, 30, 4), (2, 8, 1000, 64, 6),
-                          (8, 2, 333, 32, 9), (2, 3, 0, 12, 2)])
-def test_records_and_egress_cuda_equal_cpu(cuda_ops, num_nodes, gpus_per_node, num_tokens, experts, topk):
+@pytest.mark.parametrize(
+    "num_nodes,gpus_per_node,num_tokens,experts,topk",
+    [
+        (4, 8, 4096, 128, 8),
+        (1, 1, 5, 3, 2),
+        (3, 5, 777, 30, 4),
+        (2, 8, 1000, 64, 6),
+        (8, 2, 333, 32, 9),
+        (2, 3, 0, 12, 2),
+    ],
+)
+def test_records_and_egress_cuda_equal_cpu(
+    cuda_ops, num_nodes, gpus_per_node, num_tokens, experts, topk
+):
     # RailBalance bounds from a real plan of every rank's routing (as the exchange and ops-bench
     # pass them): random bounds need not agree with each other, and then the egress is not a GPU.
     topo = RailTopology(num_nodes=num_nodes, gpus_per_node=gpus_per_node)
@@ -60,20 +72,32 @@ def test_records_and_egress_cuda_equal_cpu(cuda_ops, num_nodes, gpus_per_node, n
             assert same_bits(a, b)
         node = cpu[1]
         bounds = egress_inputs(plan, rank)
-        args = (node, bounds["owner_gpu"], bounds["counts_N"], bounds["keep_N"], bounds["surplus_lo_N"],
-                bounds["deficit_hi_NG"], bounds["wave_N"])
+        args = (
+            node,
+            bounds["owner_gpu"],
+            bounds["counts_N"],
+            bounds["keep_N"],
+            bounds["surplus_lo_N"],
+            bounds["deficit_hi_NG"],
+            bounds["wave_N"],
+        )
 
         def egress(n, g, c, k, lo, hi, w):
-            return ops.assign_egress(n, owner_gpu=g, counts_N=c, keep_N=k, surplus_lo_N=lo, deficit_hi_NG=hi,
-                                     wave_N=w)
+            return ops.assign_egress(
+                n, owner_gpu=g, counts_N=c, keep_N=k, surplus_lo_N=lo, deficit_hi_NG=hi, wave_N=w
+            )
 
         cpu_e, gpu_e = _twice_on_cuda(egress, *args)
         for a, b in zip(cpu_e, gpu_e, strict=True):
             assert same_bits(a, b)
         valid = node >= 0
-        assert bool(((cpu_e[0] >= 0) & (cpu_e[0] < gpus_per_node))[valid].all())  # a real plan: real GPUs
+        assert bool(
+            ((cpu_e[0] >= 0) & (cpu_e[0] < gpus_per_node))[valid].all()
+        )  # a real plan: real GPUs
         rails = torch.randperm(gpus_per_node, generator=gen)
-        cpu_l, gpu_l = _twice_on_cuda(ops.records_per_node_rail, node, cpu_e[0], rails, num_nodes, gpus_per_node)
+        cpu_l, gpu_l = _twice_on_cuda(
+            ops.records_per_node_rail, node, cpu_e[0], rails, num_nodes, gpus_per_node
+        )
         assert same_bits(cpu_l[0], gpu_l[0])
         assert int(cpu_l[0].sum()) == int(valid.sum())
 
@@ -94,17 +118,33 @@ def _random_bytes(rows, width, gen):
 @pytest.mark.parametrize("case", ["glm", "odd_widths", "many_parts", "empty"])
 def test_pack_unpack_cuda_equal_cpu(cuda_ops, case):
     gen = torch.Generator().manual_seed(7)
-    if case == "glm":  # payload bf16 [T, H] and probs fp32 [T, K] gathered by token, int64 metadata per record
+    if (
+        case == "glm"
+    ):  # payload bf16 [T, H] and probs fp32 [T, K] gathered by token, int64 metadata per record
         n = 14000
-        tensors = [torch.randn(4096, 4096, generator=gen).to(torch.bfloat16), torch.rand(4096, 8, generator=gen),
-                   torch.randint(0, 99, (n, 3), generator=gen)]
+        tensors = [
+            torch.randn(4096, 4096, generator=gen).to(torch.bfloat16),
+            torch.rand(4096, 8, generator=gen),
+            torch.randint(0, 99, (n, 3), generator=gen),
+        ]
         token = torch.randint(0, 4096, (n,), generator=gen)
         index = [token, token, None]
-    elif case == "odd_widths":  # 3-, 6-, 1-, 10-byte parts: vector widths 1, 2, 4, 8 and unaligned offsets
+    elif (
+        case == "odd_widths"
+    ):  # 3-, 6-, 1-, 10-byte parts: vector widths 1, 2, 4, 8 and unaligned offsets
         n = 1001
-        tensors = [_random_bytes(n, 3, gen), torch.randn(50, 3, generator=gen).to(torch.float16),
-                   torch.rand(n, generator=gen) < 0.5, _random_bytes(70, 10, gen)]
-        index = [None, torch.randint(0, 50, (n,), generator=gen), None, torch.randint(0, 70, (n,), generator=gen)]
+        tensors = [
+            _random_bytes(n, 3, gen),
+            torch.randn(50, 3, generator=gen).to(torch.float16),
+            torch.rand(n, generator=gen) < 0.5,
+            _random_bytes(70, 10, gen),
+        ]
+        index = [
+            None,
+            torch.randint(0, 50, (n,), generator=gen),
+            None,
+            torch.randint(0, 70, (n,), generator=gen),
+        ]
     elif case == "many_parts":  # > 8 parts: several launches
         n = 513
         tensors = [torch.randn(n, k + 1, generator=gen) for k in range(11)]
@@ -118,9 +158,11 @@ def test_pack_unpack_cuda_equal_cpu(cuda_ops, case):
     specs = [(t.dtype, tuple(t.shape[1:])) for t in tensors]
     scatter = torch.randperm(n + 17, generator=gen)[:n]
     for kwargs in ({}, {"row_index": scatter, "num_rows": n + 17}):
-        def unpack(packed, idx=kwargs.get("row_index")):
+
+        def unpack(packed, idx=None, kwargs=kwargs):
             extra = {} if idx is None else {"row_index": idx, "num_rows": kwargs["num_rows"]}
             return ops.unpack_rows(packed, specs, **extra)
+
         cpu_u, gpu_u = _twice_on_cuda(unpack, cpu[0], kwargs.get("row_index"))
         for a, b in zip(cpu_u, gpu_u, strict=True):
             assert same_bits(a, b)
@@ -130,11 +172,20 @@ def test_pack_unpack_cuda_equal_cpu(cuda_ops, case):
 @pytest.mark.parametrize("out_dtype", FLOATS)
 def test_segment_sum_cuda_equal_cpu_every_dtype(cuda_ops, dtype, out_dtype):
     gen = torch.Generator().manual_seed(11)
-    for n, segments, shape in ((3000, 1200, (64,)), (257, 31, (3,)), (100, 7, (2, 5)), (0, 4, (8,))):
+    for n, segments, shape in (
+        (3000, 1200, (64,)),
+        (257, 31, (3,)),
+        (100, 7, (2, 5)),
+        (0, 4, (8,)),
+    ):
         scale = torch.exp2(torch.randint(-10, 10, (n, *shape), generator=gen).double())
         values = (torch.randn((n, *shape), generator=gen, dtype=torch.float64) * scale).to(dtype)
         ids = torch.randint(0, segments, (n,), generator=gen)
-        cpu, gpu = _twice_on_cuda(lambda v, i: ops.segment_sum(v, i, segments, out_dtype=out_dtype), values, ids)
+        cpu, gpu = _twice_on_cuda(
+            lambda v, i, segments=segments: ops.segment_sum(v, i, segments, out_dtype=out_dtype),
+            values,
+            ids,
+        )
         assert same_bits(cpu[0], gpu[0]), (n, segments, shape)
 
 
@@ -146,8 +197,12 @@ def test_segment_sum_cuda_glm_size_equals_cpu_and_reference_on_cuda(cuda_ops):
     cpu, gpu = _twice_on_cuda(lambda v, i: ops.segment_sum(v, i, segments), values, ids)
     assert same_bits(cpu[0], gpu[0])
     longest = int(torch.bincount(ids, minlength=segments).max())
-    ref = reference.segment_sum(values[:4000].cuda(), ids[:4000].cuda(), segments, max_segment_len=longest)
-    assert same_bits(ops.segment_sum(values[:4000].cuda(), ids[:4000].cuda(), segments).cpu(), ref.cpu())
+    ref = reference.segment_sum(
+        values[:4000].cuda(), ids[:4000].cuda(), segments, max_segment_len=longest
+    )
+    assert same_bits(
+        ops.segment_sum(values[:4000].cuda(), ids[:4000].cuda(), segments).cpu(), ref.cpu()
+    )
 
 
 def test_segment_sum_cuda_leaves_out_of_range_ids_out(cuda_ops):
@@ -162,7 +217,9 @@ def test_segment_sum_cuda_backward_of_left_out_rows_is_zero_like_cpu(cuda_ops):
     grads = []
     for device in ("cpu", "cuda"):
         v = torch.tensor([[1.0], [5.0], [7.0], [2.0]], device=device, requires_grad=True)
-        ops.segment_sum(v, ids.to(device), 3).backward(torch.tensor([[10.0], [20.0], [30.0]], device=device))
+        ops.segment_sum(v, ids.to(device), 3).backward(
+            torch.tensor([[10.0], [20.0], [30.0]], device=device)
+        )
         grads.append(v.grad.cpu())
     assert same_bits(grads[0], grads[1]) and grads[0].flatten().tolist() == [10.0, 0.0, 0.0, 20.0]
 

@@ -7,11 +7,18 @@ import json
 import pytest
 import torch
 
-from megatron_railwave.lab.bench.ops_bench import SCHEMA, OpsBenchSpec
 from megatron_railwave.cli import main
+from megatron_railwave.lab.bench.ops_bench import SCHEMA, OpsBenchSpec
 
-OPS = ["records_from_routing", "assign_egress", "records_per_node_rail", "pack_rows", "unpack_rows",
-       "unpack_rows_scatter", "segment_sum"]
+OPS = [
+    "records_from_routing",
+    "assign_egress",
+    "records_per_node_rail",
+    "pack_rows",
+    "unpack_rows",
+    "unpack_rows_scatter",
+    "segment_sum",
+]
 
 
 def test_ops_bench_quick_writes_every_op(tmp_path, capsys):
@@ -23,7 +30,9 @@ def test_ops_bench_quick_writes_every_op(tmp_path, capsys):
     for row in result["ops"]:
         assert row["ms"] > 0 and row["reference_ms"] > 0 and row["copy_ms"] > 0 and row["bytes"] > 0
         assert row["goal"]["what"] == "speedup vs reference >= 3"
-    assert result["sizes"]["records"] > 0 and result["sizes"]["copies"] >= result["sizes"]["records"]
+    assert (
+        result["sizes"]["records"] > 0 and result["sizes"]["copies"] >= result["sizes"]["records"]
+    )
     assert "ops-bench on cpu" in capsys.readouterr().out
     assert torch.get_num_threads() >= 1  # restored
 

@@ -1,9 +1,11 @@
-"""records_from_routing: the compiled op equals the reference bitwise, and both give the hand case."""
+"""records_from_routing: the compiled op equals the reference bitwise, and both give the hand
+case."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+
 pytest.importorskip("hypothesis")  # the device machine may lack it: skip, not a collection error
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
@@ -12,7 +14,6 @@ from megatron_railwave import ops
 from megatron_railwave.ops import reference
 from megatron_railwave.topology import RailTopology
 from megatron_railwave.traffic import target_masks
-
 from tests.helpers.ops_cases import random_routing_map
 
 # Hand case: N = 2 nodes x G = 2 GPUs, 2 experts per GPU (E = 8): expert e is on node e // 4,
@@ -54,8 +55,9 @@ def test_records_from_routing_hand_case(impl, request):
     topk=st.integers(0, 10),
     seed=st.integers(0, 2**16),
 )
-def test_records_from_routing_compiled_equals_reference(compiled, num_tokens, num_nodes, gpus_per_node,
-                                                        experts_per_gpu, topk, seed):
+def test_records_from_routing_compiled_equals_reference(
+    compiled, num_tokens, num_nodes, gpus_per_node, experts_per_gpu, topk, seed
+):
     num_experts = num_nodes * gpus_per_node * experts_per_gpu
     routing = random_routing_map(num_tokens, num_experts, topk, torch.Generator().manual_seed(seed))
     got = ops.records_from_routing(routing, num_nodes, gpus_per_node)
@@ -75,7 +77,9 @@ def test_records_from_routing_compiled_equals_reference(compiled, num_tokens, nu
 def test_records_from_routing_accepts_a_transposed_view(compiled):
     routing = random_routing_map(16, 32, 4, torch.Generator().manual_seed(3))
     strided = routing.t().contiguous().t()  # same values, column-major strides
-    for g, w in zip(ops.records_from_routing(strided, 2, 4), reference.records_from_routing(routing, 2, 4)):
+    for g, w in zip(
+        ops.records_from_routing(strided, 2, 4), reference.records_from_routing(routing, 2, 4)
+    ):
         assert torch.equal(g, w)
 
 

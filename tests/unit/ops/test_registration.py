@@ -7,7 +7,6 @@ import torch
 
 from megatron_railwave import ops
 from megatron_railwave.ops import reference
-
 from tests.helpers.ops_cases import random_routing_map, same_bits
 
 
@@ -21,24 +20,64 @@ def _samples(compiled):
     deficit = torch.tensor([[0, 2, 2, 5], [1, 1, 4, 4]])
     return [
         (compiled.records_from_routing.default, (routing, 2, 4)),
-        (compiled.assign_egress.default, (node, 1, counts.sum(1), torch.tensor([3, 1]), torch.tensor([0, 2]), deficit,
-                                          torch.tensor([-1, 0]))),
-        (compiled.records_per_node_rail.default, (node, node.clamp(min=0), torch.tensor([0, 1, 2, 3]), 2, 4)),
+        (
+            compiled.assign_egress.default,
+            (
+                node,
+                1,
+                counts.sum(1),
+                torch.tensor([3, 1]),
+                torch.tensor([0, 2]),
+                deficit,
+                torch.tensor([-1, 0]),
+            ),
+        ),
+        (
+            compiled.records_per_node_rail.default,
+            (node, node.clamp(min=0), torch.tensor([0, 1, 2, 3]), 2, 4),
+        ),
         (compiled.pack_rows.default, ([payload, probs], [token.clamp(min=0), token.clamp(min=0)])),
         (compiled.unpack_rows.default, (packed, [16, 12], None, -1)),
-        (compiled.unpack_rows.default, (packed, [16, 12], torch.randperm(40, generator=gen)[:32], 40)),
-        (compiled.rail_plan.default, (torch.tensor([[[2, 1], [3, 0]], [[1, 1], [0, 4]]]),
-                                      torch.tensor([[[True, True], [True, True]], [[True, False], [True, True]]]),
-                                      True, 1)),
-        (compiled.rank_schedule.default, (torch.tensor([[[2, 1], [3, 0]], [[1, 1], [0, 4]]]),
-                                          torch.tensor([[[2, 1], [2, 1]], [[1, 1], [2, 2]]]),
-                                          torch.tensor([[[[2, 0], [0, 1]], [[2, 1], [0, 0]]],
-                                                        [[[1, 0], [0, 1]], [[0, 0], [0, 4]]]]),
-                                          torch.tensor([[-1, 0], [0, -1]]), torch.tensor([[0, 1, 1, 0], [0, 1, 0, 0],
-                                                                                          [0, 0, 1, 0], [0, 0, 0, 1]]),
-                                          1, 1, 8, 0, [2], [1, 3])),
-        (compiled.segment_sum.default, (torch.randn(10, 4, generator=gen, requires_grad=True),
-                                        torch.randint(0, 3, (10,), generator=gen), 3, torch.bfloat16)),
+        (
+            compiled.unpack_rows.default,
+            (packed, [16, 12], torch.randperm(40, generator=gen)[:32], 40),
+        ),
+        (
+            compiled.rail_plan.default,
+            (
+                torch.tensor([[[2, 1], [3, 0]], [[1, 1], [0, 4]]]),
+                torch.tensor([[[True, True], [True, True]], [[True, False], [True, True]]]),
+                True,
+                1,
+            ),
+        ),
+        (
+            compiled.rank_schedule.default,
+            (
+                torch.tensor([[[2, 1], [3, 0]], [[1, 1], [0, 4]]]),
+                torch.tensor([[[2, 1], [2, 1]], [[1, 1], [2, 2]]]),
+                torch.tensor(
+                    [[[[2, 0], [0, 1]], [[2, 1], [0, 0]]], [[[1, 0], [0, 1]], [[0, 0], [0, 4]]]]
+                ),
+                torch.tensor([[-1, 0], [0, -1]]),
+                torch.tensor([[0, 1, 1, 0], [0, 1, 0, 0], [0, 0, 1, 0], [0, 0, 0, 1]]),
+                1,
+                1,
+                8,
+                0,
+                [2],
+                [1, 3],
+            ),
+        ),
+        (
+            compiled.segment_sum.default,
+            (
+                torch.randn(10, 4, generator=gen, requires_grad=True),
+                torch.randint(0, 3, (10,), generator=gen),
+                3,
+                torch.bfloat16,
+            ),
+        ),
     ]
 
 
@@ -70,5 +109,7 @@ def test_torch_compile_traces_through_the_ops(compiled):
         assert same_bits(a, b)
     # and the eager result is the reference's
     token, node, mask, _ = reference.records_from_routing(routing, 4, 4)
-    want = reference.segment_sum(payload[token.clamp(min=0)], node.clamp(min=0), 4, out_dtype=torch.float32)
+    want = reference.segment_sum(
+        payload[token.clamp(min=0)], node.clamp(min=0), 4, out_dtype=torch.float32
+    )
     assert same_bits(eager[0], want)

@@ -4,20 +4,30 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 pytest.importorskip("hypothesis")  # the device machine may lack it: skip, not a collection error
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from megatron_railwave import ops
 from megatron_railwave.ops import reference
-
 from tests.helpers.ops_cases import same_bits
 
-DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.uint8,
-          torch.bool)
+DTYPES = (
+    torch.float32,
+    torch.bfloat16,
+    torch.float16,
+    torch.float64,
+    torch.int64,
+    torch.int32,
+    torch.uint8,
+    torch.bool,
+)
 
 
-def _random_tensor(rows: int, shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+def _random_tensor(
+    rows: int, shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator
+) -> torch.Tensor:
     # Random bytes: every bit pattern (NaNs, negative zeros) must survive the copies.
     raw = torch.randint(0, 256, (rows, *shape, dtype.itemsize), dtype=torch.uint8, generator=gen)
     if dtype == torch.bool:
@@ -26,8 +36,8 @@ def _random_tensor(rows: int, shape: tuple[int, ...], dtype: torch.dtype, gen: t
 
 
 def test_pack_rows_hand_layout(compiled):
-    # Row i = [payload bf16 x2 of token idx[i]] [prob fp32 of token idx[i]] [meta int16 of record i]:
-    # 4 + 4 + 2 = 10 bytes per row.
+    # Row i = [payload bf16 x2 of token idx[i]] [prob fp32 of token idx[i]] [meta int16 of record
+    # i]: 4 + 4 + 2 = 10 bytes per row.
     payload = torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]], dtype=torch.bfloat16)
     prob = torch.tensor([0.5, 0.25, 0.125])
     meta = torch.tensor([7, 8], dtype=torch.int16)
@@ -46,8 +56,16 @@ def test_pack_rows_hand_layout(compiled):
 @settings(max_examples=80, deadline=None)
 @given(
     num_rows=st.integers(0, 12),
-    parts=st.lists(st.tuples(st.sampled_from(DTYPES), st.lists(st.integers(0, 5), max_size=2),
-                             st.booleans(), st.integers(1, 6)), min_size=1, max_size=11),
+    parts=st.lists(
+        st.tuples(
+            st.sampled_from(DTYPES),
+            st.lists(st.integers(0, 5), max_size=2),
+            st.booleans(),
+            st.integers(1, 6),
+        ),
+        min_size=1,
+        max_size=11,
+    ),
     seed=st.integers(0, 2**16),
 )
 def test_pack_unpack_compiled_equal_reference(compiled, num_rows, parts, seed):
@@ -57,7 +75,9 @@ def test_pack_unpack_compiled_equal_reference(compiled, num_rows, parts, seed):
         shape = tuple(shape)
         if gathered:
             tensors.append(_random_tensor(source_rows, shape, dtype, gen))
-            index.append(torch.randint(0, source_rows, (num_rows,), generator=gen))  # repeats allowed
+            index.append(
+                torch.randint(0, source_rows, (num_rows,), generator=gen)
+            )  # repeats allowed
         else:
             tensors.append(_random_tensor(num_rows, shape, dtype, gen))
             index.append(None)
@@ -66,7 +86,9 @@ def test_pack_unpack_compiled_equal_reference(compiled, num_rows, parts, seed):
     assert same_bits(packed, reference.pack_rows(tensors, index))
     assert packed.shape == (num_rows, ops.row_bytes(specs))
 
-    for got, want in zip(ops.unpack_rows(packed, specs), reference.unpack_rows(packed, specs), strict=True):
+    for got, want in zip(
+        ops.unpack_rows(packed, specs), reference.unpack_rows(packed, specs), strict=True
+    ):
         assert same_bits(got, want)
     out_rows = num_rows + int(torch.randint(0, 4, (1,), generator=gen))
     scatter = torch.randperm(out_rows, generator=gen)[:num_rows]
@@ -91,7 +113,9 @@ def test_pack_rows_mismatched_rows_raise(compiled):
 
 
 def test_pack_rows_index_out_of_range_raises(compiled):
-    with pytest.raises(ValueError, match=r"row_index\[0\]\[1\] = 4 is out of range for a tensor of 3 rows"):
+    with pytest.raises(
+        ValueError, match=r"row_index\[0\]\[1\] = 4 is out of range for a tensor of 3 rows"
+    ):
         ops.pack_rows([torch.zeros(3, 2)], [torch.tensor([0, 4])])
 
 
@@ -118,5 +142,7 @@ def test_reference_round_trip_with_unaligned_and_empty_parts(num_rows):
     assert packed.shape == (num_rows, 9)
     for original, back in zip(tensors, reference.unpack_rows(packed, specs), strict=True):
         assert same_bits(original, back)
-    scattered = reference.unpack_rows(packed, specs, row_index=torch.arange(num_rows), num_rows=num_rows + 1)
+    scattered = reference.unpack_rows(
+        packed, specs, row_index=torch.arange(num_rows), num_rows=num_rows + 1
+    )
     assert scattered[1].shape == (num_rows + 1, 1) and scattered[1][num_rows].item() == 0

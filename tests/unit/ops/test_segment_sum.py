@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 pytest.importorskip("hypothesis")  # the device machine may lack it: skip, not a collection error
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from megatron_railwave import ops
 from megatron_railwave.ops import reference
-
 from tests.helpers.ops_cases import same_bits
 
 FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -34,7 +34,9 @@ def test_segment_sum_accumulates_in_fp32_and_casts_once(compiled):
     assert out.dtype == torch.bfloat16 and out.item() == 258.0
 
 
-def _values(n: int, shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+def _values(
+    n: int, shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator
+) -> torch.Tensor:
     # Magnitudes spread over many binades, so a different order or a fused add changes the bits.
     mantissa = torch.randn((n, *shape), generator=gen, dtype=torch.float64)
     scale = torch.exp2(torch.randint(-12, 12, (n, *shape), generator=gen).to(torch.float64))
@@ -50,7 +52,9 @@ def _values(n: int, shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Gener
     out_dtype=st.sampled_from(FLOATS),
     seed=st.integers(0, 2**16),
 )
-def test_segment_sum_compiled_equals_reference(compiled, num_rows, num_segments, shape, dtype, out_dtype, seed):
+def test_segment_sum_compiled_equals_reference(
+    compiled, num_rows, num_segments, shape, dtype, out_dtype, seed
+):
     gen = torch.Generator().manual_seed(seed)
     values = _values(num_rows, tuple(shape), dtype, gen)
     ids = torch.randint(0, num_segments, (num_rows,), generator=gen)
@@ -61,17 +65,28 @@ def test_segment_sum_compiled_equals_reference(compiled, num_rows, num_segments,
 
 def test_segment_sum_special_values_match_reference(compiled):
     # inf, -inf, subnormals, overflow to inf in fp16, values that round to even in bf16/fp16.
-    values = torch.tensor([[float("inf"), 1e-40, 65504.0, 1.0 + 2**-8],
-                           [1.0, 1e-40, 16.0, 2**-9],
-                           [-float("inf"), -3e-45, 1.0, 0.0]])
+    values = torch.tensor(
+        [
+            [float("inf"), 1e-40, 65504.0, 1.0 + 2**-8],
+            [1.0, 1e-40, 16.0, 2**-9],
+            [-float("inf"), -3e-45, 1.0, 0.0],
+        ]
+    )
     ids = torch.tensor([0, 1, 1])
     for out_dtype in FLOATS:
         got = ops.segment_sum(values, ids, 2, out_dtype=out_dtype)
         assert same_bits(got, reference.segment_sum(values, ids, 2, out_dtype=out_dtype)), out_dtype
 
 
-@pytest.mark.parametrize("dtype,out_dtype", [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16),
-                                             (torch.float16, torch.float32), (torch.float64, torch.float64)])
+@pytest.mark.parametrize(
+    "dtype,out_dtype",
+    [
+        (torch.bfloat16, torch.bfloat16),
+        (torch.float32, torch.bfloat16),
+        (torch.float16, torch.float32),
+        (torch.float64, torch.float64),
+    ],
+)
 def test_segment_sum_backward_equals_reference(compiled, dtype, out_dtype):
     gen = torch.Generator().manual_seed(0)
     values = _values(12, (3,), dtype, gen)
@@ -107,5 +122,7 @@ def test_segment_sum_backward_gives_left_out_rows_zero_gradient(compiled, impl):
 def test_segment_sum_other_dtypes_take_the_reference(compiled):
     values = torch.randn(4, 2).to(torch.float8_e4m3fn)
     ids = torch.tensor([0, 1, 0, 1])
-    assert same_bits(ops.segment_sum(values, ids, 2, out_dtype=torch.float32),
-                     reference.segment_sum(values, ids, 2, out_dtype=torch.float32))
+    assert same_bits(
+        ops.segment_sum(values, ids, 2, out_dtype=torch.float32),
+        reference.segment_sum(values, ids, 2, out_dtype=torch.float32),
+    )

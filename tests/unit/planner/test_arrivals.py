@@ -7,7 +7,12 @@ import pytest
 import torch
 
 from megatron_railwave.names import Route
-from megatron_railwave.planner import arrival_mask_counts_NGM, build_plan, delivery_copies_NGG, route_records
+from megatron_railwave.planner import (
+    arrival_mask_counts_NGM,
+    build_plan,
+    delivery_copies_NGG,
+    route_records,
+)
 from megatron_railwave.topology import RailTopology
 from megatron_railwave.traffic import mask_bits
 

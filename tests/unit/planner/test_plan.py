@@ -6,7 +6,13 @@ import pytest
 import torch
 
 from megatron_railwave.names import Route, parse_route
-from megatron_railwave.planner import EligiblePolicy, PlanOptions, build_plan, cyclic_schedule, schedule_from_windows
+from megatron_railwave.planner import (
+    EligiblePolicy,
+    PlanOptions,
+    build_plan,
+    cyclic_schedule,
+    schedule_from_windows,
+)
 from megatron_railwave.topology import RailTopology
 
 TOPO = RailTopology(num_nodes=3, gpus_per_node=2)
@@ -61,13 +67,23 @@ def test_unwaved_paths_keep_replay_windows():
     plan = build_plan(RECORDS_NGN, TOPO, "rail", options=PlanOptions(windows=windows))
     assert plan.schedule is windows and plan.num_waves == 2
     # waved paths ignore the windows
-    assert build_plan(RECORDS_NGN, TOPO, "joint", options=PlanOptions(windows=windows)).schedule.kind == "cyclic"
+    assert (
+        build_plan(RECORDS_NGN, TOPO, "joint", options=PlanOptions(windows=windows)).schedule.kind
+        == "cyclic"
+    )
     with pytest.raises(ValueError, match=r"windows are for 2 nodes, topology has 3"):
-        build_plan(RECORDS_NGN, TOPO, "native", options=PlanOptions(windows=schedule_from_windows(2, [[(0, 1), (1, 0)]])))
+        build_plan(
+            RECORDS_NGN,
+            TOPO,
+            "native",
+            options=PlanOptions(windows=schedule_from_windows(2, [[(0, 1), (1, 0)]])),
+        )
 
 
 def test_build_plan_wrong_demand_shape_raises():
-    with pytest.raises(ValueError, match=r"demand has shape \(3, 2, 2\), expected \[N, G, N\] = \[3, 2, 3\]"):
+    with pytest.raises(
+        ValueError, match=r"demand has shape \(3, 2, 2\), expected \[N, G, N\] = \[3, 2, 3\]"
+    ):
         build_plan(torch.zeros(3, 2, 2, dtype=torch.int64), TOPO, "native")
 
 
@@ -81,15 +97,24 @@ def test_plan_options_validation_and_policy_names():
 
 @pytest.mark.parametrize(
     ("name", "path"),
-    [("native", Route.NATIVE), ("RAIL-ONLY", Route.RAIL), ("rail_only", Route.RAIL), ("Permutation-Only", Route.PERM),
-     ("perm", Route.PERM), (" joint ", Route.JOINT), (Route.JOINT, Route.JOINT)],
+    [
+        ("native", Route.NATIVE),
+        ("RAIL-ONLY", Route.RAIL),
+        ("rail_only", Route.RAIL),
+        ("Permutation-Only", Route.PERM),
+        ("perm", Route.PERM),
+        (" joint ", Route.JOINT),
+        (Route.JOINT, Route.JOINT),
+    ],
 )
 def test_parse_path_aliases(name, path):
     assert parse_route(name) is path
 
 
 def test_parse_path_unknown_raises():
-    with pytest.raises(ValueError, match=r"unknown path 'ring'; choose one of native, rail, perm, joint"):
+    with pytest.raises(
+        ValueError, match=r"unknown path 'ring'; choose one of native, rail, perm, joint"
+    ):
         parse_route("ring")
 
 
@@ -114,6 +139,14 @@ def test_stats_and_json():
     assert s_native.B_mean_bytes == s_joint.B_mean_bytes
     assert s_joint.rho_g < s_native.rho_g and s_joint.kappa == 1.0
     data = joint.to_json(record_bytes=8)
-    assert {"path", "waves", "rail_load", "records_total", "relayed_records", "stats", "topology"} <= set(data)
+    assert {
+        "path",
+        "waves",
+        "rail_load",
+        "records_total",
+        "relayed_records",
+        "stats",
+        "topology",
+    } <= set(data)
     assert data["records_total"] == int(RECORDS_NGN.sum()) and data["path"] == "joint"
     assert data["waves"] == cyclic_schedule(3).to_list()

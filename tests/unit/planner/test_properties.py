@@ -16,7 +16,17 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from megatron_railwave.names import Route
-from megatron_railwave.planner import EligiblePolicy, PlanOptions, all_at_once, bounded_fanin_schedule, build_plan, delivery_copies_NGG, eligible_NNG, rank_splits, route_records
+from megatron_railwave.planner import (
+    EligiblePolicy,
+    PlanOptions,
+    all_at_once,
+    bounded_fanin_schedule,
+    build_plan,
+    delivery_copies_NGG,
+    eligible_NNG,
+    rank_splits,
+    route_records,
+)
 from megatron_railwave.topology import RailTopology
 from megatron_railwave.traffic import DemandCounts, mask_bits
 
@@ -27,15 +37,24 @@ SETTINGS = settings(max_examples=40, deadline=None, derandomize=True)
 def topologies(draw, max_nodes: int = 16) -> RailTopology:
     n = draw(st.integers(2, max_nodes))
     g = draw(st.integers(1, 8))
-    # One rail stays healthy on every node, so every node pair keeps a path; any other rail may fail.
+    # One rail stays healthy on every node, so every node pair keeps a path; any other rail may
+    # fail.
     spine = draw(st.integers(0, g - 1))
     candidates = [(node, rail) for node in range(n) for rail in range(g) if rail != spine]
     failed = draw(st.sets(st.sampled_from(candidates), max_size=8)) if candidates else set()
     return RailTopology(num_nodes=n, gpus_per_node=g, failed_rails=frozenset(failed))
 
 
-def make_case(topo: RailTopology, *, num_tokens: int, density: float, seed: int, policy: EligiblePolicy,
-              fanin: int, phase: int):
+def make_case(
+    topo: RailTopology,
+    *,
+    num_tokens: int,
+    density: float,
+    seed: int,
+    policy: EligiblePolicy,
+    fanin: int,
+    phase: int,
+):
     """(topology, per-rank [T, N] target masks, demand, plan options, phase) from a seed."""
     gen = torch.Generator().manual_seed(seed)
     n, g = topo.num_nodes, topo.gpus_per_node
@@ -69,14 +88,42 @@ def workloads(draw, max_nodes: int = 16):
 # Always-run corners: the largest topology with failed rails, one GPU per node, two nodes.
 _FAILED_16x8 = frozenset({(0, 1), (3, 0), (3, 7), (7, 2), (15, 6), (15, 5)})
 CORNERS = [
-    make_case(RailTopology(num_nodes=16, gpus_per_node=8, failed_rails=_FAILED_16x8), num_tokens=8, density=0.6,
-              seed=1, policy=EligiblePolicy.ALL, fanin=1, phase=3),
-    make_case(RailTopology(num_nodes=16, gpus_per_node=8, failed_rails=_FAILED_16x8), num_tokens=4, density=1.0,
-              seed=2, policy=EligiblePolicy.ACTIVE, fanin=4, phase=0),
-    make_case(RailTopology(num_nodes=5, gpus_per_node=1), num_tokens=3, density=0.6, seed=3,
-              policy=EligiblePolicy.ALL, fanin=2, phase=1),
-    make_case(RailTopology(num_nodes=2, gpus_per_node=8, failed_rails=frozenset({(1, 3)})), num_tokens=6,
-              density=0.2, seed=4, policy=EligiblePolicy.MASK, fanin=1, phase=7),
+    make_case(
+        RailTopology(num_nodes=16, gpus_per_node=8, failed_rails=_FAILED_16x8),
+        num_tokens=8,
+        density=0.6,
+        seed=1,
+        policy=EligiblePolicy.ALL,
+        fanin=1,
+        phase=3,
+    ),
+    make_case(
+        RailTopology(num_nodes=16, gpus_per_node=8, failed_rails=_FAILED_16x8),
+        num_tokens=4,
+        density=1.0,
+        seed=2,
+        policy=EligiblePolicy.ACTIVE,
+        fanin=4,
+        phase=0,
+    ),
+    make_case(
+        RailTopology(num_nodes=5, gpus_per_node=1),
+        num_tokens=3,
+        density=0.6,
+        seed=3,
+        policy=EligiblePolicy.ALL,
+        fanin=2,
+        phase=1,
+    ),
+    make_case(
+        RailTopology(num_nodes=2, gpus_per_node=8, failed_rails=frozenset({(1, 3)})),
+        num_tokens=6,
+        density=0.2,
+        seed=4,
+        policy=EligiblePolicy.MASK,
+        fanin=1,
+        phase=7,
+    ),
 ]
 
 
@@ -109,7 +156,8 @@ def test_every_record_delivered_once_on_healthy_rails(case):
         counts = torch.tensor([r.token_R.numel() for r in routes])
         rank_R = torch.repeat_interleave(torch.arange(w), counts)
         token_R, node_R, mask_R, egress_R, wave_R = (
-            torch.cat([getattr(r, k) for r in routes]) for k in ("token_R", "node_R", "mask_R", "egress_R", "wave_R")
+            torch.cat([getattr(r, k) for r in routes])
+            for k in ("token_R", "node_R", "mask_R", "egress_R", "wave_R")
         )
         src_R, own_R = rank_R // g, rank_R % g
         # exactly the records of the routing, each once, with its own mask
@@ -117,18 +165,26 @@ def test_every_record_delivered_once_on_healthy_rails(case):
         assert torch.equal(torch.sort(ids).values, torch.sort(expected).values)
         assert torch.equal(mask_R, torch.stack(masks)[rank_R, token_R, node_R])
         remote = node_R != src_R
-        assert bool(healthy_NNG[src_R[remote], node_R[remote], egress_R[remote]].all()), "failed rail used"
-        assert bool((egress_R[~remote] == own_R[~remote]).all()) and bool((wave_R[~remote] == -1).all())
+        assert bool(healthy_NNG[src_R[remote], node_R[remote], egress_R[remote]].all()), (
+            "failed rail used"
+        )
+        assert bool((egress_R[~remote] == own_R[~remote]).all()) and bool(
+            (wave_R[~remote] == -1).all()
+        )
         assert torch.equal(wave_R[remote], plan.pair_wave_NN[src_R[remote], node_R[remote]])
         ones = torch.ones_like(rank_R)
-        sent_NNG = torch.zeros(n, n, g, dtype=torch.int64).index_put_((src_R, node_R, egress_R), ones, accumulate=True)
+        sent_NNG = torch.zeros(n, n, g, dtype=torch.int64).index_put_(
+            (src_R, node_R, egress_R), ones, accumulate=True
+        )
         relay_NNGG = torch.zeros(n, n, g, g, dtype=torch.int64).index_put_(
-            (src_R, node_R, own_R, egress_R), ones, accumulate=True)
+            (src_R, node_R, own_R, egress_R), ones, accumulate=True
+        )
         assert torch.equal(sent_NNG, plan.quota_NNG)
         assert torch.equal(relay_NNGG, plan.relay_NNGG)
         # stage 3: copies into node d by (source node, arriving GPU, target GPU)
         copies_DNGG = torch.zeros(n, n, g, g, dtype=torch.int64).index_put_(
-            (node_R, src_R, egress_R), bits[mask_R], accumulate=True)
+            (node_R, src_R, egress_R), bits[mask_R], accumulate=True
+        )
         for d in range(n):
             assert torch.equal(delivery_copies_NGG(plan, demand, d), copies_DNGG[d])
 
@@ -188,7 +244,9 @@ def test_every_ordered_remote_pair_exactly_once(n, f):
 @given(workloads(max_nodes=8))
 def test_same_inputs_same_plan(case):
     topo, masks, demand, options, phase = case
-    twin = DemandCounts(records_WNM=demand.records_WNM.clone(), experts_WE=demand.experts_WE.clone())
+    twin = DemandCounts(
+        records_WNM=demand.records_WNM.clone(), experts_WE=demand.experts_WE.clone()
+    )
     for path in Route:
         a = build_plan(demand, topo, path, options=options, phase=phase)
         b = build_plan(twin, topo, path, options=options, phase=phase)

@@ -5,7 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_railwave.planner import EligiblePolicy, eligible_NNG, healthy_gpus_NG, rail_quota_NNG, relay_NNGG
+from megatron_railwave.planner import (
+    EligiblePolicy,
+    eligible_NNG,
+    healthy_gpus_NG,
+    rail_quota_NNG,
+    relay_NNGG,
+)
 from megatron_railwave.topology import RailTopology
 
 
@@ -24,8 +30,8 @@ def _quota(topo, records, *, balanced=True, phase=0, policy=EligiblePolicy.ALL, 
 
 def test_rail_quota_remainder_rotates_with_destination():
     # 3 nodes x 4 GPUs; node 0 sends 6 records to node 1 and 6 to node 2, all owned by GPU 0.
-    # base 1, remainder 2 goes to eligible positions p with (p - rot) mod 4 < 2, rot = (s + d) mod 4:
-    #   (0 -> 1): rot 1 -> GPUs 1, 2 get the extra: [1, 2, 2, 1]
+    # base 1, remainder 2 goes to eligible positions p with (p - rot) mod 4 < 2, rot = (s + d) mod
+    # 4: (0 -> 1): rot 1 -> GPUs 1, 2 get the extra: [1, 2, 2, 1]
     #   (0 -> 2): rot 2 -> GPUs 2, 3:               [1, 1, 2, 2]
     topo = RailTopology(num_nodes=3, gpus_per_node=4)
     records = _records(3, 4, {(0, 1): [6, 0, 0, 0], (0, 2): [6, 0, 0, 0]})
@@ -85,8 +91,11 @@ def test_failed_rail_never_carries_traffic_balanced():
 
 
 def test_healthy_gpus_follow_rail_of_gpu():
-    # Two GPUs per rail (rail_of_gpu = [0, 0, 1, 1]); rail 1 of node 1 failed -> GPUs 2, 3 of node 1.
-    topo = RailTopology(num_nodes=2, gpus_per_node=4, rail_of_gpu=(0, 0, 1, 1), failed_rails=frozenset({(1, 1)}))
+    # Two GPUs per rail (rail_of_gpu = [0, 0, 1, 1]); rail 1 of node 1 failed -> GPUs 2, 3 of node
+    # 1.
+    topo = RailTopology(
+        num_nodes=2, gpus_per_node=4, rail_of_gpu=(0, 0, 1, 1), failed_rails=frozenset({(1, 1)})
+    )
     assert healthy_gpus_NG(topo).tolist() == [[True, True, True, True], [True, True, False, False]]
 
 
@@ -118,7 +127,12 @@ def test_mask_policy_narrows_to_mask_and_falls_back_when_empty():
     # node 1: mask & healthy is empty -> all healthy GPUs 0, 1, 3 of pair (1 -> 0)
     assert eligible[1, 0].tolist() == [True, True, False, True]
     # 7 over GPUs 0, 1: base 3, remainder 1 at rot = 1 mod 2 -> GPU 1: [3, 4, 0, 0]
-    assert _quota(topo, records, policy=EligiblePolicy.MASK, mask=mask)[0, 1].tolist() == [3, 4, 0, 0]
+    assert _quota(topo, records, policy=EligiblePolicy.MASK, mask=mask)[0, 1].tolist() == [
+        3,
+        4,
+        0,
+        0,
+    ]
 
 
 def test_mask_policy_errors():
@@ -126,14 +140,16 @@ def test_mask_policy_errors():
     records = torch.zeros(2, 2, 4, dtype=torch.int64)
     with pytest.raises(ValueError, match=r"eligible policy 'mask' needs a rail mask \[N, G\]"):
         eligible_NNG(topo, records, EligiblePolicy.MASK)
-    with pytest.raises(ValueError, match=r"rail mask has shape \(4,\), expected \[N, G\] = \[2, 4\]"):
+    with pytest.raises(
+        ValueError, match=r"rail mask has shape \(4,\), expected \[N, G\] = \[2, 4\]"
+    ):
         eligible_NNG(topo, records, EligiblePolicy.MASK, torch.ones(4, dtype=torch.bool))
 
 
 def test_relay_greedy_fill_hand_case():
     # One pair, 4 GPUs: records [5, 0, 3, 0], quota [2, 2, 2, 2].
-    #   keep    [2, 0, 2, 0]; surplus [3, 0, 1, 0] laid end to end: owner 0 -> [0, 3), owner 2 -> [3, 4)
-    #   deficit [0, 2, 0, 2] laid end to end: GPU 1 -> [0, 2), GPU 3 -> [2, 4)
+    #   keep    [2, 0, 2, 0]; surplus [3, 0, 1, 0] laid end to end: owner 0 -> [0, 3), owner 2 ->
+    # [3, 4) deficit [0, 2, 0, 2] laid end to end: GPU 1 -> [0, 2), GPU 3 -> [2, 4)
     #   owner 0: 2 records to GPU 1, 1 to GPU 3; owner 2: 1 record to GPU 3.
     records = torch.tensor([[[5, 0, 3, 0]]])
     quota = torch.tensor([[[2, 2, 2, 2]]])

@@ -8,10 +8,16 @@ import itertools
 import pytest
 import torch
 
-from megatron_railwave.planner import PlanOptions, build_plan, delivery_copies_NGG, rank_splits, route_records
+from megatron_railwave.names import ROUTES
+from megatron_railwave.planner import (
+    PlanOptions,
+    build_plan,
+    delivery_copies_NGG,
+    rank_splits,
+    route_records,
+)
 from megatron_railwave.topology import RailTopology
 from megatron_railwave.traffic import target_masks
-from megatron_railwave.names import ROUTES
 
 PATHS = tuple(map(str, ROUTES))
 
@@ -20,8 +26,12 @@ PATHS = tuple(map(str, ROUTES))
 #   node 1 mask 2   mask 1   mask 3   -        mask 2
 #   node 0 -        -        -        mask 2   -
 HAND_TOPO = RailTopology(num_nodes=2, gpus_per_node=2)
-HAND_MASKS = [torch.tensor([[0, 2], [0, 1], [0, 3], [2, 0], [0, 2]]), torch.zeros(5, 2, dtype=torch.int64),
-              torch.zeros(5, 2, dtype=torch.int64), torch.zeros(5, 2, dtype=torch.int64)]
+HAND_MASKS = [
+    torch.tensor([[0, 2], [0, 1], [0, 3], [2, 0], [0, 2]]),
+    torch.zeros(5, 2, dtype=torch.int64),
+    torch.zeros(5, 2, dtype=torch.int64),
+    torch.zeros(5, 2, dtype=torch.int64),
+]
 
 
 def test_route_records_canonical_order_and_proxy_hand_case(sim_tools):
@@ -49,7 +59,8 @@ def test_delivery_copies_hand_case(sim_tools):
     assert delivery_copies_NGG(plan, demand, 1)[0].tolist() == [[1, 1], [1, 2]]
     # Into node 0 (local): owner GPU 0 holds t3 with mask 2 -> one copy to GPU 1.
     assert delivery_copies_NGG(plan, demand, 0)[0].tolist() == [[0, 1], [0, 0]]
-    # NATIVE: no proxy, GPU (1, 0) receives all four records: copies to GPU 0: t1, t2; to GPU 1: t0, t2, t4.
+    # NATIVE: no proxy, GPU (1, 0) receives all four records: copies to GPU 0: t1, t2; to GPU 1: t0,
+    # t2, t4.
     native = build_plan(demand, HAND_TOPO, "native")
     assert delivery_copies_NGG(native, demand, 1)[0].tolist() == [[2, 3], [0, 0]]
 
@@ -87,7 +98,9 @@ CASES = [
 
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize(("n", "g", "failed", "fanin", "phase"), CASES)
-def test_three_stages_match_plan_splits_and_delivery_counts(sim_tools, path, n, g, failed, fanin, phase):
+def test_three_stages_match_plan_splits_and_delivery_counts(
+    sim_tools, path, n, g, failed, fanin, phase
+):
     demand_from_masks, simulate = sim_tools
     topo = RailTopology(num_nodes=n, gpus_per_node=g, failed_rails=frozenset(failed))
     masks = _random_masks(topo, num_tokens=10, seed=n * 10 + g)
@@ -98,7 +111,9 @@ def test_three_stages_match_plan_splits_and_delivery_counts(sim_tools, path, n, 
     # Every record routed once, and every target GPU in its mask gets exactly one copy.
     expected = {(w, t, d) for w, m in enumerate(masks) for t, d in torch.nonzero(m).tolist()}
     assert set(sim.records) == expected and set(sim.records.values()) <= {1}
-    want = {(w, t, d, j) for (w, t, d) in expected for j in range(g) if int(masks[w][t, d]) >> j & 1}
+    want = {
+        (w, t, d, j) for (w, t, d) in expected for j in range(g) if int(masks[w][t, d]) >> j & 1
+    }
     assert set(sim.delivered) == want and set(sim.delivered.values()) == ({1} if want else set())
 
     # Stage 1 and 2 counts are the plan's relay and quota.
@@ -107,7 +122,9 @@ def test_three_stages_match_plan_splits_and_delivery_counts(sim_tools, path, n, 
             assert sim.relay[(s, d, o, l)] == int(plan.relay_NNGG[s, d, o, l])
     for s, d, l in itertools.product(range(n), range(n), range(g)):
         if s != d:
-            assert sum(sim.rail[(s, l, d, v)] for v in range(plan.num_waves)) == int(plan.quota_NNG[s, d, l])
+            assert sum(sim.rail[(s, l, d, v)] for v in range(plan.num_waves)) == int(
+                plan.quota_NNG[s, d, l]
+            )
 
     # Stage 3 counts follow from the mask histogram alone.
     for d in range(n):
@@ -123,16 +140,31 @@ def test_three_stages_match_plan_splits_and_delivery_counts(sim_tools, path, n, 
     for w, sp in enumerate(splits):
         s, me = topo.node_of(w), topo.local_of(w)
         assert sp.num_rounds == rounds
-        assert sp.relay_send_G == [0 if l == me else sum(sim.relay[(s, d, me, l)] for d in range(n)) for l in range(g)]
-        assert sp.relay_recv_G == [0 if o == me else sum(sim.relay[(s, d, o, me)] for d in range(n)) for o in range(g)]
-        assert sp.rail_send_VN == [[sim.rail[(s, me, d, v)] for d in range(n)] for v in range(plan.num_waves)]
-        assert sp.rail_recv_VN == [[sim.rail[(x, me, s, v)] for x in range(n)] for v in range(plan.num_waves)]
-        assert sp.deliver_send_VG == [[sum(sim.deliver[(s, me, j, x, v)] for x in range(n)) for j in range(g)]
-                                      for v in range(rounds)]
-        assert sp.deliver_recv_VG == [[sum(sim.deliver[(s, l, me, x, v)] for x in range(n)) for l in range(g)]
-                                      for v in range(rounds)]
+        assert sp.relay_send_G == [
+            0 if l == me else sum(sim.relay[(s, d, me, l)] for d in range(n)) for l in range(g)
+        ]
+        assert sp.relay_recv_G == [
+            0 if o == me else sum(sim.relay[(s, d, o, me)] for d in range(n)) for o in range(g)
+        ]
+        assert sp.rail_send_VN == [
+            [sim.rail[(s, me, d, v)] for d in range(n)] for v in range(plan.num_waves)
+        ]
+        assert sp.rail_recv_VN == [
+            [sim.rail[(x, me, s, v)] for x in range(n)] for v in range(plan.num_waves)
+        ]
+        assert sp.deliver_send_VG == [
+            [sum(sim.deliver[(s, me, j, x, v)] for x in range(n)) for j in range(g)]
+            for v in range(rounds)
+        ]
+        assert sp.deliver_recv_VG == [
+            [sum(sim.deliver[(s, l, me, x, v)] for x in range(n)) for l in range(g)]
+            for v in range(rounds)
+        ]
     for a, b in itertools.product(range(topo.world_size), repeat=2):
-        (sa, la), (sb, lb) = (topo.node_of(a), topo.local_of(a)), (topo.node_of(b), topo.local_of(b))
+        (sa, la), (sb, lb) = (
+            (topo.node_of(a), topo.local_of(a)),
+            (topo.node_of(b), topo.local_of(b)),
+        )
         if sa == sb and a != b:
             assert splits[a].relay_send_G[lb] == splits[b].relay_recv_G[la]
             for v in range(rounds):

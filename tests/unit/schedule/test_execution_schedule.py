@@ -7,17 +7,27 @@ import numpy as np
 import pytest
 import torch
 
+from megatron_railwave.names import ROUTES
 from megatron_railwave.planner import PlanOptions, build_plan, chunk_arrival_counts, chunk_sizes
-from megatron_railwave.schedule import Direction, PhaseKind, RecordWireFormat, compile_schedule, rank_view
+from megatron_railwave.schedule import (
+    Direction,
+    PhaseKind,
+    RecordWireFormat,
+    compile_schedule,
+    rank_view,
+)
 from megatron_railwave.topology import RailTopology
 from megatron_railwave.traffic import DemandCounts
-from megatron_railwave.names import ROUTES
 
 PATHS = tuple(map(str, ROUTES))
-WIRE = RecordWireFormat(hidden=8, payload_dtype=torch.bfloat16, probs_dtype=torch.float32, experts_per_node=40)
+WIRE = RecordWireFormat(
+    hidden=8, payload_dtype=torch.bfloat16, probs_dtype=torch.float32, experts_per_node=40
+)
 
 
-def _random_demand(topo: RailTopology, seed: int, tokens: int = 30, experts: int = 0, topk: int = 3) -> DemandCounts:
+def _random_demand(
+    topo: RailTopology, seed: int, tokens: int = 30, experts: int = 0, topk: int = 3
+) -> DemandCounts:
     gen = torch.Generator().manual_seed(seed)
     experts = experts or 2 * topo.world_size
     maps = []
@@ -42,10 +52,23 @@ def test_phase_order_and_dependencies_three_waves():
     sched = compile_schedule(plan, WIRE)
     names = [p.name for p in sched.phases]
     assert names == [
-        "dispatch.relay", "dispatch.deliver[0]", "dispatch.rail[0]", "dispatch.rail[1]", "dispatch.deliver[1]",
-        "dispatch.rail[2]", "dispatch.deliver[2]", "dispatch.deliver[3]",
-        "combine.deliver[0]", "combine.deliver[1]", "combine.rail[0]", "combine.deliver[2]", "combine.rail[1]",
-        "combine.deliver[3]", "combine.rail[2]", "combine.relay"]
+        "dispatch.relay",
+        "dispatch.deliver[0]",
+        "dispatch.rail[0]",
+        "dispatch.rail[1]",
+        "dispatch.deliver[1]",
+        "dispatch.rail[2]",
+        "dispatch.deliver[2]",
+        "dispatch.deliver[3]",
+        "combine.deliver[0]",
+        "combine.deliver[1]",
+        "combine.rail[0]",
+        "combine.deliver[2]",
+        "combine.rail[1]",
+        "combine.deliver[3]",
+        "combine.rail[2]",
+        "combine.relay",
+    ]
     deps = {p.name: sorted(sched.phases[d].name for d in p.depends_on) for p in sched.phases}
     assert deps["dispatch.rail[0]"] == ["dispatch.relay"]
     assert deps["dispatch.rail[2]"] == ["dispatch.rail[1]"]
@@ -56,7 +79,9 @@ def test_phase_order_and_dependencies_three_waves():
     assert deps["combine.deliver[0]"] == [] and deps["combine.deliver[1]"] == []
     assert deps["combine.deliver[2]"] == ["combine.deliver[1]"]
     assert deps["combine.relay"] == ["combine.rail[2]"]
-    for p in sched.phases:  # every dependency is posted earlier: the posting order is a topological order
+    for p in (
+        sched.phases
+    ):  # every dependency is posted earlier: the posting order is a topological order
         assert all(d < p.index for d in p.depends_on)
         assert (p.mirror_of is None) == (p.direction == Direction.DISPATCH)
         assert p.group == ("rail" if p.kind == PhaseKind.RAIL else "node")
@@ -129,10 +154,16 @@ def test_rank_bytes_sum_and_self_copies_excluded():
     rows = sched.wire_rows_P().tolist()
     for p in sched.phases:
         sent = sum(b["sent"][p.index] for b in per_rank)
-        assert sent == sum(b["received"][p.index] for b in per_rank) == rows[p.index] * sched.row_bytes(p)
+        assert (
+            sent
+            == sum(b["received"][p.index] for b in per_rank)
+            == rows[p.index] * sched.row_bytes(p)
+        )
     deliver = sched.phase("dispatch", "deliver", 1)
     src, dst, r = sched.transfers(deliver)
-    assert rows[deliver.index] == int(r[src != dst].sum()) < int(r.sum())  # some copies stay on their GPU
+    assert (
+        rows[deliver.index] == int(r[src != dst].sum()) < int(r.sum())
+    )  # some copies stay on their GPU
 
 
 def test_rank_view_needs_its_node_deliveries():
@@ -160,24 +191,37 @@ def test_rail_chunks_split_every_wave_and_its_delivery(path, chunks):
     whole = compile_schedule(build_plan(demand, topo, path), WIRE, demand=demand)
     plan = build_plan(demand, topo, path, options=PlanOptions(chunks=chunks))
     sched = compile_schedule(plan, WIRE, demand=demand)
-    assert plan.chunks == chunks and sched.num_waves == plan.num_waves * chunks == whole.num_waves * chunks
+    assert (
+        plan.chunks == chunks
+        and sched.num_waves == plan.num_waves * chunks == whole.num_waves * chunks
+    )
     assert sched.wire_rows_P().sum() == whole.wire_rows_P().sum()
     g = topo.gpus_per_node
     for v in range(plan.num_waves):
         want = _pair_rows(whole, whole.phase("dispatch", "rail", v))
-        parts = [_pair_rows(sched, sched.phase("dispatch", "rail", v * chunks + k)) for k in range(chunks)]
+        parts = [
+            _pair_rows(sched, sched.phase("dispatch", "rail", v * chunks + k))
+            for k in range(chunks)
+        ]
         for (s, d), rows in want.items():
-            assert [p.get((s, d), 0) for p in parts] == chunk_sizes(rows, chunks).tolist(), (v, s, d)
+            assert [p.get((s, d), 0) for p in parts] == chunk_sizes(rows, chunks).tolist(), (
+                v,
+                s,
+                d,
+            )
             assert s % g == d % g  # on one rail
         assert set().union(*parts) <= set(want)
         delivered = _pair_rows(whole, whole.phase("dispatch", "deliver", v + 1))
         got: dict = {}
         for k in range(chunks):
-            for key, rows in _pair_rows(sched, sched.phase("dispatch", "deliver", v * chunks + k + 1)).items():
+            for key, rows in _pair_rows(
+                sched, sched.phase("dispatch", "deliver", v * chunks + k + 1)
+            ).items():
                 got[key] = got.get(key, 0) + rows
         assert got == delivered, v
-    assert _pair_rows(sched, sched.phase("dispatch", "deliver", 0)) == _pair_rows(whole, whole.phase("dispatch",
-                                                                                                   "deliver", 0))
+    assert _pair_rows(sched, sched.phase("dispatch", "deliver", 0)) == _pair_rows(
+        whole, whole.phase("dispatch", "deliver", 0)
+    )
 
 
 def test_rail_chunks_leave_native_and_rail_whole():
@@ -186,8 +230,12 @@ def test_rail_chunks_leave_native_and_rail_whole():
     for path in ("native", "rail"):
         assert build_plan(demand, topo, path, options=PlanOptions(chunks=4)).chunks == 1
     one_node = RailTopology(num_nodes=1, gpus_per_node=2)
-    assert build_plan(_random_demand(one_node, 2), one_node, "joint",
-                      options=PlanOptions(chunks=4)).chunks == 1  # one node: no waves
+    assert (
+        build_plan(
+            _random_demand(one_node, 2), one_node, "joint", options=PlanOptions(chunks=4)
+        ).chunks
+        == 1
+    )  # one node: no waves
     with pytest.raises(ValueError, match=r"chunks must be an integer in 1..64"):
         PlanOptions(chunks=0)
 
@@ -198,8 +246,10 @@ def test_chunk_arrival_counts_cut_each_block_in_order():
     for chunks in (1, 2, 3, 7):
         cut = chunk_arrival_counts(arrival, chunks)  # [N, c, G, M]
         assert (cut.sum(axis=1) == arrival).all()
-        assert (cut.reshape(5, chunks, -1).sum(axis=2) == chunk_sizes(arrival.reshape(5, -1).sum(axis=1),
-                                                                      chunks)).all()
+        assert (
+            cut.reshape(5, chunks, -1).sum(axis=2)
+            == chunk_sizes(arrival.reshape(5, -1).sum(axis=1), chunks)
+        ).all()
         # Chunk k takes a contiguous run of the (owner, mask) order: once a later chunk holds a
         # cell's records, no earlier chunk holds any of a later cell.
         flat = cut.reshape(5, chunks, -1)
@@ -212,19 +262,35 @@ def test_chunk_arrival_counts_cut_each_block_in_order():
                     last = cells[-1]
 
 
-@pytest.mark.parametrize("payload,probs,want", [(torch.bfloat16, torch.float32, 8336), (torch.bfloat16, torch.bfloat16, 8272),
-                                                (torch.float32, torch.float32, 16528)])
+@pytest.mark.parametrize(
+    "payload,probs,want",
+    [
+        (torch.bfloat16, torch.float32, 8336),
+        (torch.bfloat16, torch.bfloat16, 8272),
+        (torch.float32, torch.float32, 16528),
+    ],
+)
 def test_dispatch_rows_are_16_byte_multiples_at_glm_size(payload, probs, want):
     # GLM-4.5-Air on 4 x 8: H = 4096, E_node = 32. Unpadded rows were 8192 + 128 + 12 = 8332 and
-    # 8192 + 64 + 12 = 8268 bytes: not 16-byte multiples, so row copies fell back to 4-byte accesses.
-    wire = RecordWireFormat(hidden=4096, payload_dtype=payload, probs_dtype=probs, experts_per_node=32)
+    # 8192 + 64 + 12 = 8268 bytes: not 16-byte multiples, so row copies fell back to 4-byte
+    # accesses.
+    wire = RecordWireFormat(
+        hidden=4096, payload_dtype=payload, probs_dtype=probs, experts_per_node=32
+    )
     assert wire.dispatch_bytes == want and want % 16 == 0
     assert wire.dispatch_grad_bytes % 16 == 0 and wire.combine_bytes % 16 == 0
 
 
 def test_dispatch_row_not_padded_where_int32_words_cannot_align_it():
-    # 2 + 2 B before the meta: 3 words make 16 B, no pad. 2 + 4 = 6 B: no number of int32 words aligns it.
-    wire = RecordWireFormat(hidden=1, payload_dtype=torch.float16, probs_dtype=torch.float16, experts_per_node=1)
+    # 2 + 2 B before the meta: 3 words make 16 B, no pad. 2 + 4 = 6 B: no number of int32 words
+    # aligns it.
+    wire = RecordWireFormat(
+        hidden=1, payload_dtype=torch.float16, probs_dtype=torch.float16, experts_per_node=1
+    )
     assert wire.meta_words == 3 and wire.dispatch_bytes == 2 + 2 + 12 == 16
-    odd = RecordWireFormat(hidden=1, payload_dtype=torch.float16, probs_dtype=torch.float32, experts_per_node=1)
-    assert odd.meta_words == 3 and odd.dispatch_bytes == 2 + 4 + 12  # 6 B before the meta: left unpadded
+    odd = RecordWireFormat(
+        hidden=1, payload_dtype=torch.float16, probs_dtype=torch.float32, experts_per_node=1
+    )
+    assert (
+        odd.meta_words == 3 and odd.dispatch_bytes == 2 + 4 + 12
+    )  # 6 B before the meta: left unpadded

@@ -13,32 +13,44 @@ from hypothesis import strategies as st
 
 from megatron_railwave import ops
 from megatron_railwave.exchange.layout import layout_counts
+from megatron_railwave.names import ROUTES
 from megatron_railwave.planner import EligiblePolicy, PlanOptions, build_plan
 from megatron_railwave.planner.waves import schedule_from_windows
-from megatron_railwave.schedule import RecordWireFormat, compile_for_rank, compile_schedule, rank_view
+from megatron_railwave.schedule import (
+    RecordWireFormat,
+    compile_for_rank,
+    compile_schedule,
+    rank_view,
+)
 from megatron_railwave.topology import RailTopology
-
-from tests.helpers.ops_cases import random_failed_topology
 from megatron_railwave.traffic import DemandCounts
-from megatron_railwave.names import ROUTES
+from tests.helpers.ops_cases import random_failed_topology
 
-pytestmark = pytest.mark.skipif(ops.load_error() is not None or not ops.compiled_for(torch.device("cpu")),
-                                reason="the compiled ops did not load (make ext)")
+pytestmark = pytest.mark.skipif(
+    ops.load_error() is not None or not ops.compiled_for(torch.device("cpu")),
+    reason="the compiled ops did not load (make ext)",
+)
 
 PATHS = tuple(map(str, ROUTES))
-WIRE = RecordWireFormat(hidden=16, payload_dtype=torch.float32, probs_dtype=torch.float32, experts_per_node=8)
+WIRE = RecordWireFormat(
+    hidden=16, payload_dtype=torch.float32, probs_dtype=torch.float32, experts_per_node=8
+)
 
 
 def _node_view(full: DemandCounts, node: int) -> DemandCounts:
-    return DemandCounts(records_WN=full.records_WN, view_node=node, view_masks_WM=full.masks_into(node))
+    return DemandCounts(
+        records_WN=full.records_WN, view_node=node, view_masks_WM=full.masks_into(node)
+    )
 
 
 def _random_demand(rng: np.random.Generator, topo: RailTopology, sparsity: float) -> DemandCounts:
     w, n, m = topo.world_size, topo.num_nodes, 1 << topo.gpus_per_node
     records = rng.integers(0, 6, size=(w, n, m)) * (rng.random((w, n, m)) > sparsity)
     records[:, :, 0] = 0  # mask 0 is "no record"
-    return DemandCounts(records_WNM=torch.from_numpy(records.astype(np.int64)),
-                        experts_WE=torch.zeros(w, 1, dtype=torch.int64))
+    return DemandCounts(
+        records_WNM=torch.from_numpy(records.astype(np.int64)),
+        experts_WE=torch.zeros(w, 1, dtype=torch.int64),
+    )
 
 
 def _assert_same(plan, demand: DemandCounts, rank: int) -> None:
@@ -74,15 +86,20 @@ def _assert_same(plan, demand: DemandCounts, rank: int) -> None:
     sparsity=st.sampled_from([0.0, 0.5, 0.95]),
     seed=st.integers(0, 2**16),
 )
-def test_rank_schedule_matches_the_python_pipeline(num_nodes, gpus, path, policy, fanin, chunks, phase, failed,
-                                                  sparsity, seed):
+def test_rank_schedule_matches_the_python_pipeline(
+    num_nodes, gpus, path, policy, fanin, chunks, phase, failed, sparsity, seed
+):
     rng = np.random.default_rng(seed)
     topo = random_failed_topology(rng, num_nodes, gpus, failed)
     assume(topo is not None)  # two nodes without a common healthy rail
     demand = _random_demand(rng, topo, sparsity)
     mask_NG = torch.from_numpy(rng.random((num_nodes, gpus)) > 0.5)
-    options = PlanOptions(policy=policy, fanin=fanin, chunks=chunks,
-                          rail_mask_NG=mask_NG if policy == EligiblePolicy.MASK else None)
+    options = PlanOptions(
+        policy=policy,
+        fanin=fanin,
+        chunks=chunks,
+        rail_mask_NG=mask_NG if policy == EligiblePolicy.MASK else None,
+    )
     plan = build_plan(demand, topo, path, options=options, phase=phase)
     for rank in range(topo.world_size):
         _assert_same(plan, demand, rank)
@@ -90,8 +107,14 @@ def test_rank_schedule_matches_the_python_pipeline(num_nodes, gpus, path, policy
 
 def test_rank_schedule_with_replay_windows():
     topo = RailTopology(num_nodes=4, gpus_per_node=2)
-    windows = schedule_from_windows(4, [[(0, 1), (1, 2), (2, 3), (3, 0)], [(0, 2), (2, 0)],
-                                        [(0, 3), (1, 0), (2, 1), (3, 2), (1, 3), (3, 1)]])
+    windows = schedule_from_windows(
+        4,
+        [
+            [(0, 1), (1, 2), (2, 3), (3, 0)],
+            [(0, 2), (2, 0)],
+            [(0, 3), (1, 0), (2, 1), (3, 2), (1, 3), (3, 1)],
+        ],
+    )
     demand = _random_demand(np.random.default_rng(5), topo, 0.3)
     for path in ("native", "rail"):
         plan = build_plan(demand, topo, path, options=PlanOptions(windows=windows))
@@ -109,7 +132,10 @@ def test_forced_reference_takes_the_python_pipeline():
     finally:
         ops.set_forced_reference(old)
     assert got.layout_counts is None
-    assert got.view.phases == rank_view(compile_schedule(plan, WIRE, demand=_node_view(demand, 1)), 3).phases
+    assert (
+        got.view.phases
+        == rank_view(compile_schedule(plan, WIRE, demand=_node_view(demand, 1)), 3).phases
+    )
 
 
 def test_rank_schedule_rejects_bad_input_naming_it():
@@ -117,10 +143,28 @@ def test_rank_schedule_rejects_bad_input_naming_it():
     demand = _random_demand(np.random.default_rng(2), topo, 0.0)
     plan = build_plan(demand, topo, "joint")
     with pytest.raises(ValueError, match="masks_WM has shape"):
-        ops.rank_schedule(plan.records_NNG, plan.quota_NNG, plan.relay_NNGG, plan.pair_wave_NN,
-                          torch.zeros(3, 4, dtype=torch.int64), rank=0, num_phases=8, relay_phase=0,
-                          rail_phase_V=[2], deliver_phase_R=[1, 3])
+        ops.rank_schedule(
+            plan.records_NNG,
+            plan.quota_NNG,
+            plan.relay_NNGG,
+            plan.pair_wave_NN,
+            torch.zeros(3, 4, dtype=torch.int64),
+            rank=0,
+            num_phases=8,
+            relay_phase=0,
+            rail_phase_V=[2],
+            deliver_phase_R=[1, 3],
+        )
     with pytest.raises(ValueError, match="rank 4 is not in 0..3"):
-        ops.rank_schedule(plan.records_NNG, plan.quota_NNG, plan.relay_NNGG, plan.pair_wave_NN,
-                          demand.masks_into(0).contiguous(), rank=4, num_phases=8, relay_phase=0,
-                          rail_phase_V=[2], deliver_phase_R=[1, 3])
+        ops.rank_schedule(
+            plan.records_NNG,
+            plan.quota_NNG,
+            plan.relay_NNGG,
+            plan.pair_wave_NN,
+            demand.masks_into(0).contiguous(),
+            rank=4,
+            num_phases=8,
+            relay_phase=0,
+            rail_phase_V=[2],
+            deliver_phase_R=[1, 3],
+        )

@@ -1,4 +1,5 @@
-"""The testbed's strict port bound (``testbed.experiment.port_bound``) on layouts worked out by hand.
+"""The testbed's strict port bound (``testbed.experiment.port_bound``) on layouts worked out by
+hand.
 
 Letters: N nodes, G GPUs per node, W = N * G ranks, T tokens per rank, K top-k, E experts.
 """
@@ -9,14 +10,16 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_railwave.telemetry.capture import demand_from_topk_ids
+from megatron_railwave.lab.testbed.experiment import port_bound
 from megatron_railwave.names import parse_route
 from megatron_railwave.planner import build_plan
 from megatron_railwave.schedule import RecordWireFormat, compile_schedule
-from megatron_railwave.lab.testbed.experiment import port_bound
+from megatron_railwave.telemetry.capture import demand_from_topk_ids
 from megatron_railwave.topology import RailTopology
 
-_WIRE = RecordWireFormat(hidden=64, payload_dtype=torch.bfloat16, probs_dtype=torch.float32, experts_per_node=2)
+_WIRE = RecordWireFormat(
+    hidden=64, payload_dtype=torch.bfloat16, probs_dtype=torch.float32, experts_per_node=2
+)
 
 
 def _ids(rows: list[list[int]]) -> np.ndarray:
@@ -44,8 +47,10 @@ def test_port_bound_rail_balance_halves_a_one_rail_layer():
     topo = RailTopology(num_nodes=2, gpus_per_node=2)
     ids = _ids([[4] * 8, [0] * 8, [0] * 8, [4] * 8])
     demand = demand_from_topk_ids(ids, topo, 8)
-    bounds = {path: port_bound(compile_schedule(build_plan(demand, topo, parse_route(path)), _WIRE), 1e6)
-              for path in ("native", "rail")}
+    bounds = {
+        path: port_bound(compile_schedule(build_plan(demand, topo, parse_route(path)), _WIRE), 1e6)
+        for path in ("native", "rail")
+    }
     assert bounds["rail"]["port_bound_s"] == pytest.approx(bounds["native"]["port_bound_s"] / 2)
     # NATIVE: rail 0 carries everything on both nodes; RAIL: both rails equal.
     assert [row[1] for row in bounds["native"]["nic_bytes_NR"]] == [0, 0]

@@ -6,7 +6,6 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_railwave.planner import PlanOptions, build_plan
 from megatron_railwave.lab.workloads import (
     GlmAirWorkload,
     Pattern,
@@ -18,6 +17,7 @@ from megatron_railwave.lab.workloads import (
     glm_air_trace,
     window_peaks,
 )
+from megatron_railwave.planner import PlanOptions, build_plan
 from megatron_railwave.topology import RailTopology
 from megatron_railwave.traffic import DemandCounts, mask_bits
 
@@ -44,7 +44,11 @@ def test_arrangement_each_source_one_destination_per_window(nodes, pattern):
     for wave in sched.waves:
         assert sorted(s for s, _ in wave) == list(range(nodes))
     peaks = window_peaks(sched)
-    expected_max = {Pattern.RING: 1, Pattern.MODERATE: min(2, nodes - 1), Pattern.EXTREME: nodes - 1}
+    expected_max = {
+        Pattern.RING: 1,
+        Pattern.MODERATE: min(2, nodes - 1),
+        Pattern.EXTREME: nodes - 1,
+    }
     assert max(peaks) == expected_max[pattern]
     if pattern == Pattern.EXTREME and nodes >= 3:
         assert peaks == [nodes - 1] * (nodes - 2) + [1 + (nodes - 1) // 2]
@@ -60,8 +64,13 @@ def _random_demand(topo, seed, num_experts_per_rank=2):
 
 
 @settings(max_examples=25, deadline=None)
-@given(nodes=st.integers(2, 5), gpus=st.integers(1, 3), seed=st.integers(0, 10_000),
-       pattern=st.sampled_from(list(Pattern)), mode=st.sampled_from(["even", "relabel"]))
+@given(
+    nodes=st.integers(2, 5),
+    gpus=st.integers(1, 3),
+    seed=st.integers(0, 10_000),
+    pattern=st.sampled_from(list(Pattern)),
+    mode=st.sampled_from(["even", "relabel"]),
+)
 def test_arrange_keeps_source_totals_and_histograms(nodes, gpus, seed, pattern, mode):
     topo = RailTopology(num_nodes=nodes, gpus_per_node=gpus)
     demand = _random_demand(topo, seed)
@@ -101,11 +110,15 @@ def _trace(topo, tokens=128, layers=(2, 30)):
 def test_arrange_topk_ids_relabel_equals_count_level(pattern):
     topo = RailTopology(num_nodes=4, gpus_per_node=8)
     trace = _trace(topo, layers=(5,))
-    ids, sched = arrange_topk_ids(trace.layer(5).topk_ids_WTK, pattern, topo, num_experts=128, mode="relabel")
+    ids, sched = arrange_topk_ids(
+        trace.layer(5).topk_ids_WTK, pattern, topo, num_experts=128, mode="relabel"
+    )
     counts, sched2 = arrange(trace.demand(5), pattern, topo, mode="relabel")
     got = demand_from_topk_ids(ids, topo, 128)
     assert sched == sched2
-    assert torch.equal(got.records_WNM, counts.records_WNM) and torch.equal(got.experts_WE, counts.experts_WE)
+    assert torch.equal(got.records_WNM, counts.records_WNM) and torch.equal(
+        got.experts_WE, counts.experts_WE
+    )
 
 
 def test_arrange_trace_even_keeps_invariants_and_balances_windows():
@@ -117,7 +130,9 @@ def test_arrange_trace_even_keeps_invariants_and_balances_windows():
     before, after = trace.demand(9), arranged.demand(9)
     src = torch.arange(16) // 4
     remote = ~torch.nn.functional.one_hot(src, 4).bool().unsqueeze(-1)
-    assert torch.equal((after.records_WNM * remote).sum(dim=1), (before.records_WNM * remote).sum(dim=1))
+    assert torch.equal(
+        (after.records_WNM * remote).sum(dim=1), (before.records_WNM * remote).sum(dim=1)
+    )
     assert torch.equal(after.records_WNM * ~remote, before.records_WNM * ~remote)
     # Per-token rotation: the 3 windows of a rank differ by at most one record per class of
     # tokens (2**3 sets of occupied windows).
@@ -152,10 +167,15 @@ def test_arrange_errors():
     choices = r"choose one of \['ring', 'moderate', 'extreme'\]"
     with pytest.raises(ValueError, match=r"unknown arrangement pattern 'spiral'; " + choices):
         arrange(demand, "spiral", topo)
-    with pytest.raises(ValueError, match=r"arrangement is for 3 nodes but topology 'cluster' has 4"):
+    with pytest.raises(
+        ValueError, match=r"arrangement is for 3 nodes but topology 'cluster' has 4"
+    ):
         arrange(demand, arrangement_schedule("ring", 3), topo)
-    from megatron_railwave.planner import cyclic_schedule, all_at_once
-    assert arrange(demand, cyclic_schedule(4), topo)[1] == cyclic_schedule(4)  # one-to-one waves qualify
+    from megatron_railwave.planner import all_at_once, cyclic_schedule
+
+    assert arrange(demand, cyclic_schedule(4), topo)[1] == cyclic_schedule(
+        4
+    )  # one-to-one waves qualify
     with pytest.raises(ValueError, match=r"not a sending arrangement"):
         arrange(demand, all_at_once(4), topo)
     with pytest.raises(ValueError, match=r"unknown arrange mode 'shuffle'"):

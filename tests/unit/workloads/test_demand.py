@@ -4,8 +4,6 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_railwave.topology import RailTopology
-from megatron_railwave.traffic import DemandCounts
 from megatron_railwave.lab.workloads import (
     GlmAirWorkload,
     demand_from_topk_ids,
@@ -14,13 +12,17 @@ from megatron_railwave.lab.workloads import (
     scaled_demand,
     sparse_demand_from_topk_ids,
 )
+from megatron_railwave.topology import RailTopology
+from megatron_railwave.traffic import DemandCounts
 
 
 def test_scaled_demand_rounds_every_count_half_to_even():
     rec = torch.tensor([[[0, 3, 1, 2]]])
     demand = DemandCounts(records_WNM=rec, experts_WE=torch.tensor([[5, 3]]))
     assert scaled_demand(demand, 1.5).records_WNM.tolist() == [[[0, 4, 2, 3]]]  # 4.5 -> 4, 1.5 -> 2
-    assert scaled_demand(demand, 1.5).experts_WE.tolist() == [[8, 4]]  # (token, expert) pairs scale too
+    assert scaled_demand(demand, 1.5).experts_WE.tolist() == [
+        [8, 4]
+    ]  # (token, expert) pairs scale too
     assert scaled_demand(demand, 1.0) is demand
     assert scaled_demand(rec, 1.5).tolist() == [[[0, 4, 2, 3]]]  # a request's record counts
     assert scaled_counts(np.array([1, 3]), 0.5).tolist() == [0, 2]  # 0.5 -> 0, 1.5 -> 2

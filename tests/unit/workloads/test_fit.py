@@ -1,5 +1,6 @@
 """Fit of the synthetic workload to the paper's published statistics: the defaults reproduce them,
-the statistics mean what the bench prints, expected counts match drawn tokens, the fit moves knobs."""
+the statistics mean what the bench prints, expected counts match drawn tokens, the fit moves
+knobs."""
 
 import json
 
@@ -8,8 +9,6 @@ import pytest
 
 from megatron_railwave.cli import main
 from megatron_railwave.lab.netmodel import execute_plan
-from megatron_railwave.planner import PlanOptions, build_plan
-from megatron_railwave.topology import load_topology
 from megatron_railwave.lab.workloads import (
     PUBLISHED,
     GlmAirWorkload,
@@ -24,6 +23,8 @@ from megatron_railwave.lab.workloads import (
     sampled_sample,
     workload_statistics,
 )
+from megatron_railwave.planner import PlanOptions, build_plan
+from megatron_railwave.topology import load_topology
 
 H20 = load_topology("h20_4x8")
 
@@ -80,8 +81,16 @@ def test_expected_counts_match_drawn_tokens():
 
 def test_fit_moves_a_knob_towards_the_published_shares():
     start = GlmAirWorkload(token_skew=0.4)
-    fit = fit_workload(H20, start=start, steps=range(2), layers=(1, 20), nic_steps=range(8), knobs=("token_skew",),
-                       sweeps=1, tol=0.05)
+    fit = fit_workload(
+        H20,
+        start=start,
+        steps=range(2),
+        layers=(1, 20),
+        nic_steps=range(8),
+        knobs=("token_skew",),
+        sweeps=1,
+        tol=0.05,
+    )
     assert fit.knobs["token_skew"] > 1.0
     assert fit.loss < 0.8 * fit.start_loss
     assert set(fit.to_dict()) >= {"knobs", "expected", "loss", "evaluations", "history"}
@@ -91,7 +100,23 @@ def test_fit_moves_a_knob_towards_the_published_shares():
 
 def test_workloads_fit_command_writes_json(tmp_path, capsys):
     out = tmp_path / "fit.json"
-    assert main(["workloads", "fit", "--steps", "1", "--nic-steps", "2", "--sampled-steps", "0", "--json", str(out)]) == 0
+    assert (
+        main(
+            [
+                "workloads",
+                "fit",
+                "--steps",
+                "1",
+                "--nic-steps",
+                "2",
+                "--sampled-steps",
+                "0",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     data = json.loads(out.read_text())
     rows = data["report"]["expected"]["rows"]
     assert {r["statistic"] for r in rows} == set(PUBLISHED)

@@ -3,8 +3,6 @@
 import numpy as np
 import pytest
 
-from megatron_railwave.planner import build_plan
-from megatron_railwave.topology import RailTopology
 from megatron_railwave.lab.workloads import (
     GLM45_AIR,
     GlmAirWorkload,
@@ -15,6 +13,8 @@ from megatron_railwave.lab.workloads import (
     sampled_sample,
     workload_statistics,
 )
+from megatron_railwave.planner import build_plan
+from megatron_railwave.topology import RailTopology
 
 TOPO = RailTopology(num_nodes=4, gpus_per_node=8)
 
@@ -29,8 +29,13 @@ def test_glm_air_trace_shape_and_meta():
     # Rank w has tokens_W[w] tokens; the rows after them are empty (-1), the others hold 8 experts.
     assert np.array_equal((ids >= 0).all(axis=-1).sum(axis=1), tokens_W)
     assert np.array_equal((ids < 0).all(axis=-1).sum(axis=1), tokens_W.max() - tokens_W)
-    assert (trace.meta.model, trace.meta.num_experts, trace.meta.topk, trace.meta.hidden_size,
-            trace.meta.dtype) == ("GLM-4.5-Air", 128, 8, 4096, "bf16")
+    assert (
+        trace.meta.model,
+        trace.meta.num_experts,
+        trace.meta.topk,
+        trace.meta.hidden_size,
+        trace.meta.dtype,
+    ) == ("GLM-4.5-Air", 128, 8, 4096, "bf16")
     assert trace.meta.record_bytes == 8192
     assert trace.meta.extra["token_skew"] == work.token_skew
     assert GLM45_AIR.layer_numbers == tuple(range(1, 46))
@@ -40,7 +45,10 @@ def test_glm_air_is_deterministic_per_seed_and_step():
     work = GlmAirWorkload(num_tokens=64, layers=(7,))
     a = glm_air_layer_ids(TOPO, 7, work)
     assert np.array_equal(a, glm_air_layer_ids(TOPO, 7, work))
-    for other in (GlmAirWorkload(num_tokens=64, layers=(7,), step=1), GlmAirWorkload(num_tokens=64, layers=(7,), seed=1)):
+    for other in (
+        GlmAirWorkload(num_tokens=64, layers=(7,), step=1),
+        GlmAirWorkload(num_tokens=64, layers=(7,), seed=1),
+    ):
         b = glm_air_layer_ids(TOPO, 7, other)
         assert a.shape != b.shape or not np.array_equal(a, b)
     # The demand path uses the same routing as the trace path.
@@ -55,8 +63,12 @@ def test_token_counts_per_rank():
     assert skewed.min() >= 1 and abs(skewed.mean() / 300 - 1) < 0.1  # mean T (s = 1.x: a 10% band)
     assert np.std(np.log(skewed)) == pytest.approx(GlmAirWorkload().token_skew, rel=0.1)
     # Per step, the same for every layer (one micro-batch passes all layers).
-    assert np.array_equal(GlmAirWorkload(step=3).tokens_per_rank(32), GlmAirWorkload(step=3).tokens_per_rank(32))
-    assert not np.array_equal(GlmAirWorkload(step=3).tokens_per_rank(32), GlmAirWorkload(step=4).tokens_per_rank(32))
+    assert np.array_equal(
+        GlmAirWorkload(step=3).tokens_per_rank(32), GlmAirWorkload(step=3).tokens_per_rank(32)
+    )
+    assert not np.array_equal(
+        GlmAirWorkload(step=3).tokens_per_rank(32), GlmAirWorkload(step=4).tokens_per_rank(32)
+    )
 
 
 def _local_share(work: GlmAirWorkload) -> float:
@@ -81,9 +93,17 @@ def test_varying_token_counts_raise_rho_g():
     layers = tuple(range(1, 46, 5))
 
     def rho(skew: float) -> float:
-        demands = glm_air_demands(TOPO, GlmAirWorkload(num_tokens=128, layers=layers, token_skew=skew))
-        return float(np.median([build_plan(d, TOPO, "native").stats(record_bytes=8192).rho_g
-                                for d in demands.values()]))
+        demands = glm_air_demands(
+            TOPO, GlmAirWorkload(num_tokens=128, layers=layers, token_skew=skew)
+        )
+        return float(
+            np.median(
+                [
+                    build_plan(d, TOPO, "native").stats(record_bytes=8192).rho_g
+                    for d in demands.values()
+                ]
+            )
+        )
 
     even, skewed = rho(0.0), rho(GlmAirWorkload().token_skew)
     assert even < 1.5 and skewed > 3.0, (even, skewed)
@@ -133,15 +153,23 @@ def test_hot_ratio_sets_expert_load_imbalance():
 
 def test_sampled_statistics_on_h20_adapters():
     # H20: GPU pairs share an adapter, so there are 4 NIC shares per node, summing to 1.
-    h20 = RailTopology(num_nodes=4, gpus_per_node=8, adapter_of_rail=(0, 0, 1, 1, 2, 2, 3, 3), name="h20")
-    stats = workload_statistics(collect_samples(h20, GlmAirWorkload(num_tokens=64, layers=(2, 9)), steps=(0,),
-                                                sample=sampled_sample), h20)
+    h20 = RailTopology(
+        num_nodes=4, gpus_per_node=8, adapter_of_rail=(0, 0, 1, 1, 2, 2, 3, 3), name="h20"
+    )
+    stats = workload_statistics(
+        collect_samples(
+            h20, GlmAirWorkload(num_tokens=64, layers=(2, 9)), steps=(0,), sample=sampled_sample
+        ),
+        h20,
+    )
     shares = [stats[f"nic_share_{i}"] for i in range(1, 5)]
     assert sum(shares) == pytest.approx(1.0) and shares == sorted(shares, reverse=True)
 
 
 def test_glm_air_workload_validation():
-    with pytest.raises(ValueError, match=r"layers \[0, 46\] are not MoE layers of GLM-4.5-Air \(1..45\)"):
+    with pytest.raises(
+        ValueError, match=r"layers \[0, 46\] are not MoE layers of GLM-4.5-Air \(1..45\)"
+    ):
         GlmAirWorkload(layers=(0, 3, 46))
     with pytest.raises(ValueError, match=r"dest_gpu_skew must be in \[0, 1\), got 1.0"):
         GlmAirWorkload(dest_gpu_skew=1.0)

@@ -1,11 +1,15 @@
 """The successive-sampling top-k sampler and the simple synthetic workload."""
 
 import numpy as np
+import pytest
 import torch
 
-import pytest
-
-from megatron_railwave.lab.workloads import demand_from_topk_ids, one_destination_topk_ids, sample_topk_ids, synthetic_routing_maps
+from megatron_railwave.lab.workloads import (
+    demand_from_topk_ids,
+    one_destination_topk_ids,
+    sample_topk_ids,
+    synthetic_routing_maps,
+)
 from megatron_railwave.topology import RailTopology
 
 
@@ -48,16 +52,20 @@ def test_synthetic_routing_maps_keeps_signature():
 
 def test_one_destination_topk_ids_sends_every_source_node_to_one_node():
     topo = RailTopology(num_nodes=4, gpus_per_node=8)
-    ids = one_destination_topk_ids(topo, records_per_gpu=20, destination=1, source_weights=(1.0, 0.5, 2.0))
+    ids = one_destination_topk_ids(
+        topo, records_per_gpu=20, destination=1, source_weights=(1.0, 0.5, 2.0)
+    )
     demand = demand_from_topk_ids(ids, topo, topo.world_size)
     records_WN = demand.records_WN.numpy()
     expected = np.zeros((32, 4), dtype=np.int64)
     for node, count in zip((0, 2, 3), (20, 10, 40)):
-        expected[node * 8:(node + 1) * 8, 1] = count
+        expected[node * 8 : (node + 1) * 8, 1] = count
     assert (records_WN == expected).all()  # node 1 sends nothing, every source rail the same count
     assert ids.dtype == np.int64 and ids.shape == (32, 40, 1)
     per_gpu = np.bincount(ids[ids >= 0].ravel() - 8, minlength=8)
-    assert per_gpu.min() == per_gpu.max() == (20 + 10 + 40) * 8 // 8  # uniform over the destination GPUs
+    assert (
+        per_gpu.min() == per_gpu.max() == (20 + 10 + 40) * 8 // 8
+    )  # uniform over the destination GPUs
     with pytest.raises(ValueError, match="source weights"):
         one_destination_topk_ids(topo, records_per_gpu=20, source_weights=(1.0, 1.0))
     with pytest.raises(ValueError, match="source weights"):
