@@ -7,18 +7,15 @@ Workflow of one MoE layer (Megatron calls the hooks in this order):
   1. ``dispatch_preprocess(tokens [S, B, H], routing_map [T, E], probs [T, E])``: flatten; keep
      the routing map; classify the pass (training forward, recompute, forward-only) and its step.
      No communication.
-  2. ``token_dispatch``: gather the global counts (the layer's one host sync), select the path
-     from global descriptors (same on every rank), plan, compile the schedule and run its
-     dispatch phases. Returns the received entries [n_ent, H] and their probs [n_ent].
-  3. ``dispatch_postprocess``: hand the experts ``tokens_per_expert`` (CPU int64). No comm.
-     Fixed-capacity mode (``max_tokens_per_rank`` = C): step 2 has no count exchange and no host
-     sync (``TorchDistExchange.prepare_capacity``; the path for 'auto' is selected once, from the
-     capacity demand, or with ``selector: online`` once per epoch of calls, below), the entries
-     come in the padded layout [E_loc * W * C, H], and the experts get C * W rows per expert as
-     a constant CPU tensor: Megatron's experts call
-     ``tokens_per_expert.tolist()``, which on the exchange's device counts would be a host sync;
-     on the constant it is not, and the padding rows (zero tokens, zero probs) cost expert
-     compute instead. The true counts stay on the device (``dispatched.tokens_per_expert``).
+  2. ``token_dispatch``: the layer's mode (``dispatch_modes``, chosen once at construction)
+     chooses the path and prepares the layer: gather the global counts (the layer's one host
+     sync), select the path from global data (same on every rank), plan and compile the
+     schedule; then the shared tail (``_move``) runs the dispatch phases. Returns the received
+     entries [n_ent, H] and their probs [n_ent].
+  3. ``dispatch_postprocess``: hand the experts ``tokens_per_expert`` (CPU int64; the mode's).
+     No comm. Fixed-capacity mode (``max_tokens_per_rank`` = C): step 2 has no count exchange
+     and no host sync, the entries come in the padded layout [E_loc * W * C, H], and the experts
+     get W * C rows per expert as a constant CPU tensor (``dispatch_modes.capacity``).
   4. ``combine_preprocess``: nothing to do (the experts applied the probs). No comm.
   5. ``token_combine``: the combine phases, reducing in a canonical order.
   6. ``combine_postprocess``: back to [S, B, H]; release the layer's state.
@@ -42,27 +39,22 @@ forward's phase and path and is neither logged nor captured again; a forward-onl
 uses the current phase without advancing it. Descriptors and statistics are computed only when
 the selector ('auto') or a stats sink needs them.
 
-Online selection (``selector: online``, the default for 'auto' without an anchors file): each
-layer call is timed (plan + dispatch, and combine: CUDA events read at the layer's next call with
-``query()``, never a wait; the CPU clock on CPU); that time rides on the next call's count exchange
-in the status word of every row (no extra bytes), so every rank files the slowest rank's time and
-decides the same (``selector.online``). Recomputes replay their forward's path and are timed as
-recomputes.
-Fixed-capacity mode has no count exchange: one path per epoch of ``online.capacity_sync_every``
-calls, the time on a small asynchronous all-reduce read an epoch later (its one host wait;
-``selector.capacity_epochs``, ``exchange.timing_reduce``); recomputes replay their path untimed.
+The modes (``dispatch_modes``): ``CountedMode`` (the count exchange, then a fixed path or a
+calibrated selector), ``OnlineMode`` (``selector: online``, the default for 'auto' without an
+anchors file: each call's time rides on the next call's count exchange), ``CapacityMode`` (fixed
+capacity: the path selected once) and ``OnlineCapacityMode`` (fixed capacity, online: one path
+per epoch of calls, timed on a small asynchronous all-reduce). Each owns what its calls share;
+the dispatcher keeps the per-call state, the pass bookkeeping and the shared tail (replay
+memory, capture, the dispatch with the shared expert's overlap, statistics).
 """
 
 from __future__ import annotations
 
 import atexit
 import enum
-import logging
-import time
 import weakref
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -70,35 +62,24 @@ import torch.distributed as dist
 from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 
 from megatron_railwave.config import RailWaveConfig
+from megatron_railwave.dispatch_modes import (
+    DispatchInputs,
+    DispatchMode,
+    LayerCall,
+    LayerState,
+    choose_dispatch_mode,
+)
 from megatron_railwave.exchange import (
-    DispatchOutput,
     LayerHandle,
     TorchDistExchange,
     build_exchange,
     build_rail_groups,
-    capacity_demand,
     check_fingerprints,
     gather_rank_facts,
     place_ranks,
 )
 from megatron_railwave.names import Route
-from megatron_railwave.process import global_rank
-from megatron_railwave.selector import (
-    FixedSelector,
-    OnlineSelector,
-    PathSelector,
-    needs_delivery,
-    needs_descriptors,
-    select_for_layer,
-    selector_from_config,
-)
-from megatron_railwave.selector.capacity_epochs import CapacityEpochs
-from megatron_railwave.selector.online import (
-    OnlineDecision,
-    encode_timing,
-    fast_descriptors,
-    save_learned_anchors_at_exit,
-)
+from megatron_railwave.selector import OnlineSelector, PathSelector
 from megatron_railwave.steps import PassKind, current_step, pass_kind
 from megatron_railwave.telemetry.capture import TraceMeta, TraceRecorder
 from megatron_railwave.telemetry.stats import (
@@ -112,7 +93,6 @@ from megatron_railwave.traffic import DemandCounts, TrafficStats, dtype_bytes
 __all__ = ["RailWaveTokenDispatcher", "check_supported", "flush_captures"]
 
 StatsSink = Callable[[LayerCommStats], None]
-_LOG = logging.getLogger(__name__)
 
 
 # One trace recorder per capture directory in this process, shared by the MoE layers.
@@ -207,33 +187,6 @@ def _hidden_dtype(config: Any) -> torch.dtype:
     return getattr(config, "params_dtype", None) or torch.float32
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class _Call:
-    """What one layer call is: its pass, step, micro-batch, plan phase and (recompute) path."""
-
-    kind: PassKind
-    step: int
-    microbatch: int
-    phase: int
-    path: Route | None = None
-    """The first forward's path, replayed by its recompute; None: select."""
-
-
-@dataclass(kw_only=True, slots=True)
-class _LayerState:
-    """Per-call state between the six hooks (cleared in combine_postprocess)."""
-
-    hidden_shape: torch.Size
-    routing_map: torch.Tensor
-    call: _Call
-    wants_stats: bool
-    dispatched: DispatchOutput | None = None
-    stats: LayerCommStats | None = None
-    timers: dict[str, Stopwatch] = field(default_factory=dict)
-    exchange_timers: list[Stopwatch] = field(default_factory=list)
-    """Online selector: this call's exchange (plan + dispatch, combine); read at the next call."""
-
-
 _REPLAY_LIMIT = 4096
 """Training forwards remembered for their recompute (per layer; cleared at each new step)."""
 
@@ -295,27 +248,17 @@ class RailWaveTokenDispatcher(MoETokenDispatcher):
             ranks_per_node=self.placement.gpus_per_node,
             rail_of_local=self.placement.rail_of_local,
         )
-        if self.railwave.path == "auto":
-            if selector is None:
-                # The missing-anchors warning: once per job (global rank 0), not once per rank.
-                selector = selector_from_config(
-                    self.railwave, self.topology, warn=global_rank() == 0
-                )
-            self.selector: PathSelector | OnlineSelector = selector
-            if (
-                isinstance(selector, OnlineSelector)
-                and self.railwave.online_out
-                and global_rank() == 0
-            ):
-                save_learned_anchors_at_exit(
-                    self.railwave.online_out,
-                    self.topology,
-                    hidden_size=int(config.hidden_size),
-                    dtype=str(_hidden_dtype(config)).removeprefix("torch."),
-                    chunks=self.railwave.chunks,
-                )
-        else:
-            self.selector = FixedSelector(self.railwave.path)
+        self._mode: DispatchMode = choose_dispatch_mode(
+            self.railwave,
+            self.topology,
+            selector=selector,
+            num_local_experts=num_local_experts,
+            hidden_size=int(config.hidden_size),
+            hidden_dtype=str(_hidden_dtype(config)).removeprefix("torch."),
+        )
+        """How this layer's calls choose their path and prepare the exchange (``dispatch_modes``):
+        the count exchange with a fixed path or a calibrated selector, the online selector, or
+        fixed capacity with either."""
         self.stats_sink = stats_sink
         self.layer_number: int | None = None
         self.moe_layer: Callable[[], Any] | None = None
@@ -342,20 +285,18 @@ class RailWaveTokenDispatcher(MoETokenDispatcher):
             timeout_s=self.railwave.timeout_s,
             max_tokens_per_rank=self.railwave.max_tokens_per_rank,
         )
-        self._capacity_path: Route | None = None
-        self._capacity_descr: Any = None
-        self._capacity_rows: torch.Tensor | None = None
-        self._capacity_epochs: CapacityEpochs | None = None
-        """Online selector in fixed-capacity mode: the layer's epochs (made at its first call)."""
         self._columns: dict[torch.device, torch.Tensor] = {}
         self._train_forwards = 0
         self._step: int | None = None
         self._microbatch = 0
         self._forward_only_calls = 0
-        self._replay: deque[_Call] = deque(maxlen=_REPLAY_LIMIT)
-        self._state: _LayerState | None = None
-        self._online_timers: list[Stopwatch] = []
-        """The online selector's stopwatches of this layer's previous call (its timing word)."""
+        self._replay: deque[LayerCall] = deque(maxlen=_REPLAY_LIMIT)
+        self._state: LayerState | None = None
+
+    @property
+    def selector(self) -> PathSelector | OnlineSelector:
+        """The layer's path selector (a ``FixedSelector`` for a fixed path); its mode's."""
+        return self._mode.selector
 
     def set_moe_layer(self, layer: Any) -> None:
         """Remember the owning MoELayer (weakly), whose ``training`` flag tells eval passes
@@ -370,7 +311,7 @@ class RailWaveTokenDispatcher(MoETokenDispatcher):
         layer = self.moe_layer() if self.moe_layer is not None else None
         return bool(layer.training) if layer is not None else torch.is_grad_enabled()
 
-    def _begin_call(self) -> _Call:
+    def _begin_call(self) -> LayerCall:
         """Classify this call and give it its step, micro-batch and phase (host only)."""
         kind = pass_kind(self._training())
         if kind == PassKind.RECOMPUTE:
@@ -378,7 +319,7 @@ class RailWaveTokenDispatcher(MoETokenDispatcher):
                 return self._replay.popleft()
             # No remembered forward (a checkpoint whose first forward did not come through here):
             # the last training forward's phase; any phase gives the same numbers.
-            return _Call(
+            return LayerCall(
                 kind=kind,
                 step=self._step or 0,
                 microbatch=self._microbatch,
@@ -389,7 +330,7 @@ class RailWaveTokenDispatcher(MoETokenDispatcher):
             step = clock if clock is not None else (self._step or 0)
             if step != self._step:
                 self._step, self._microbatch, self._forward_only_calls = step, -1, 0
-            call = _Call(
+            call = LayerCall(
                 kind=kind,
                 step=step,
                 microbatch=self._forward_only_calls,
@@ -404,7 +345,9 @@ class RailWaveTokenDispatcher(MoETokenDispatcher):
                 self._replay.clear()  # recomputes of earlier steps are done
         else:
             self._microbatch += 1
-        call = _Call(kind=kind, step=step, microbatch=self._microbatch, phase=self._train_forwards)
+        call = LayerCall(
+            kind=kind, step=step, microbatch=self._microbatch, phase=self._train_forwards
+        )
         self._train_forwards += 1
         return call
 
@@ -463,7 +406,7 @@ class RailWaveTokenDispatcher(MoETokenDispatcher):
         hidden_shape = tokens.shape
         call = self._begin_call()
         wants = call.kind != PassKind.RECOMPUTE and self._sink_wants(call.step)
-        self._state = _LayerState(
+        self._state = LayerState(
             hidden_shape=hidden_shape, routing_map=routing_map, call=call, wants_stats=wants
         )
         if wants:
@@ -471,220 +414,40 @@ class RailWaveTokenDispatcher(MoETokenDispatcher):
         return self._schedule_owned(tokens.reshape(-1, hidden_shape[-1])), probs
 
     def token_dispatch(self, hidden_states: torch.Tensor, probs: torch.Tensor):
-        """Gather counts, select, plan, move. Returns (entries [n_ent, H], probs [n_ent])."""
+        """Gather counts, select, plan, move (the mode's way; ``dispatch_modes``). Returns
+        (entries [n_ent, H], probs [n_ent])."""
         state = self._require_state("token_dispatch")
-        call = state.call
-        exchange = self._get_exchange()
         routing_map, probs = self._to_railwave(state.routing_map, probs)
-        if self.railwave.max_tokens_per_rank is not None:
-            return self._token_dispatch_fixed(state, exchange, hidden_states, probs, routing_map)
-        if isinstance(self.selector, OnlineSelector):
-            return self._token_dispatch_online(state, exchange, hidden_states, probs, routing_map)
-        selecting = call.path is None and not isinstance(self.selector, FixedSelector)
-        layer = exchange.gather_demand(
-            hidden_states,
-            probs,
-            routing_map,
-            expert_loads=state.wants_stats,
-            delivery_counts=selecting and needs_delivery(self.selector),
+        inputs = DispatchInputs(
+            state=state,
+            exchange=self._get_exchange(),
+            hidden_states=hidden_states,
+            probs=probs,
+            routing_map=routing_map,
+            record_bytes=hidden_states.shape[-1] * dtype_bytes(hidden_states.dtype),
+            layer_number=self.layer_number,
         )
-        t0 = time.perf_counter()
-        record_bytes = hidden_states.shape[-1] * dtype_bytes(hidden_states.dtype)
-        # Only the descriptors the decision reads are computed here, on the critical path; those of
-        # the statistics wait until the dispatch is posted (_move).
-        descr = None
-        if selecting and needs_descriptors(self.selector):
-            descr = demand_stats(layer.demand, self.topology, record_bytes=record_bytes)
-        path: Route = (
-            call.path
-            if call.path is not None
-            else select_for_layer(self.selector, descr, layer.demand, record_bytes=record_bytes)
-        )
-        plan = exchange.plan(layer, path, phase=call.phase)
-        handle = exchange.prepare(layer, plan, hidden_states, probs)
-        return self._move(
-            state,
-            exchange,
-            hidden_states,
-            probs,
-            routing_map,
-            path=path,
-            handle=handle,
-            descr=descr if descr is not None else layer.demand,
-            record_bytes=record_bytes,
-            plan_ms=(time.perf_counter() - t0) * 1e3,
-            expert_loads=layer.expert_load_E,
-        )
-
-    def _token_dispatch_online(
-        self,
-        state: _LayerState,
-        exchange: TorchDistExchange,
-        hidden_states: torch.Tensor,
-        probs: torch.Tensor,
-        routing_map: torch.Tensor,
-    ):
-        """``token_dispatch`` with the online selector: the previous call's time rides on the count
-        exchange (in each row's status word), then the path follows from the gathered times and
-        descriptors, the same on every rank (``selector.online``)."""
-        selector: OnlineSelector = self.selector  # type: ignore[assignment]
-        if selector.layer is None:
-            selector.layer = self.layer_number
-        seconds = None
-        if self._online_timers and all(
-            t.ready() for t in self._online_timers
-        ):  # no wait: query() only
-            seconds = sum(t.elapsed_ms() for t in self._online_timers) * 1e-3
-        word = encode_timing(seconds, expected=selector.expects_timing())
-        self._online_timers = []
-        layer = exchange.gather_demand(
-            hidden_states, probs, routing_map, expert_loads=state.wants_stats, timing_word=word
-        )
-        t0 = time.perf_counter()
-        record_bytes = hidden_states.shape[-1] * dtype_bytes(hidden_states.dtype)
-        message = selector.observe(layer.timing_W)
-        if message is not None and global_rank() == 0:
-            _LOG.warning(message)
-        call = state.call
-        if call.path is not None:  # a recompute: its forward's path, no descriptors needed
-            decision = selector.replay(call.path)
-        else:
-            descr = fast_descriptors(
-                layer.demand.records_WN,
-                self.topology,
-                record_bytes=record_bytes,
-                scales=selector.scales,
-            )
-            decision = selector.decide(str(call.kind), descr)
-        state.exchange_timers.append(Stopwatch(hidden_states.device))
-        plan = exchange.plan(layer, decision.path, phase=call.phase)
-        handle = exchange.prepare(layer, plan, hidden_states, probs)
-        out = self._move(
-            state,
-            exchange,
-            hidden_states,
-            probs,
-            routing_map,
-            path=decision.path,
-            handle=handle,
-            descr=layer.demand,
-            record_bytes=record_bytes,
-            plan_ms=(time.perf_counter() - t0) * 1e3,
-            expert_loads=layer.expert_load_E,
-        )
-        if state.stats is not None:
-            state.stats.set_online(selector.snapshot(decision))
-        return out
-
-    def _token_dispatch_fixed(
-        self,
-        state: _LayerState,
-        exchange: TorchDistExchange,
-        hidden_states: torch.Tensor,
-        probs: torch.Tensor,
-        routing_map: torch.Tensor,
-    ):
-        """``token_dispatch`` in fixed-capacity mode: no count exchange, no host sync (with the
-        online selector: one host wait every ``online.capacity_sync_every`` calls, on a reduce
-        posted that many - 1 calls earlier; ``selector.capacity_epochs``)."""
-        call = state.call
-        t0 = time.perf_counter()
-        record_bytes = hidden_states.shape[-1] * dtype_bytes(hidden_states.dtype)
-        online = isinstance(self.selector, OnlineSelector)
-        if self._capacity_descr is None and (
-            state.wants_stats or not isinstance(self.selector, FixedSelector)
-        ):
-            # The descriptors of the capacity demand: the same every layer call, computed once.
-            demand = capacity_demand(self.topology, self.railwave.max_tokens_per_rank)
-            self._capacity_descr = demand_stats(demand, self.topology, record_bytes=record_bytes)
-            if online:
-                self._capacity_epochs = CapacityEpochs(
-                    self.selector,
-                    fast_descriptors(
-                        demand.records_WN.numpy(),
-                        self.topology,
-                        record_bytes=record_bytes,
-                        scales=self.selector.scales,
-                    ),
-                )
-            elif not isinstance(self.selector, FixedSelector):
-                self._capacity_path = select_for_layer(
-                    self.selector, self._capacity_descr, demand, record_bytes=record_bytes
-                )
-        decision, timers = None, None
-        if online:
-            decision, timers = self._capacity_online_decision(state, exchange, hidden_states.device)
-            path = decision.path
-        else:
-            if self._capacity_path is None:
-                self._capacity_path = self.selector.select(self._capacity_descr)
-            path = call.path if call.path is not None else self._capacity_path
-        handle = exchange.prepare_capacity(hidden_states, probs, routing_map, path)
-        if timers is not None:
-            # An epoch's first call: its dispatch and combine fill ``timers``, timed from here. A
-            # path's first call builds its capacity schedule (cached for every later call): a
-            # one-time cost that would count against every path the selector probes.
-            state.exchange_timers = timers
-            timers.append(Stopwatch(hidden_states.device))
-        # The statistics describe the capacity plan (the bytes that move); expert loads are not
-        # gathered.
-        out = self._move(
-            state,
-            exchange,
-            hidden_states,
-            probs,
-            routing_map,
-            path=path,
-            handle=handle,
-            descr=self._capacity_descr,
-            record_bytes=record_bytes,
-            plan_ms=(time.perf_counter() - t0) * 1e3,
-            expert_loads=None,
-        )
-        if decision is not None and state.stats is not None:
-            state.stats.set_online(self.selector.snapshot(decision))
-        return out
-
-    def _capacity_online_decision(
-        self, state: _LayerState, exchange: TorchDistExchange, device: torch.device
-    ) -> tuple[OnlineDecision, list[Stopwatch] | None]:
-        """The online selector's path in fixed-capacity mode (``selector.capacity_epochs``) and,
-        at an epoch's first call, the list its exchange's stopwatches go into (else None)."""
-        selector: OnlineSelector = self.selector  # type: ignore[assignment]
-        if selector.layer is None:
-            selector.layer = self.layer_number
-        call = state.call
-        if call.path is not None:
-            return selector.replay(call.path), None
-        decision, timers, message = self._capacity_epochs.begin_call(
-            str(call.kind), lambda word: exchange.post_timing(word, device)
-        )
-        if message is not None and global_rank() == 0:
-            _LOG.warning(message)
-        return decision, timers
+        return self._mode.token_dispatch(inputs, self._move)
 
     def _move(
         self,
-        state: _LayerState,
-        exchange: TorchDistExchange,
-        hidden_states: torch.Tensor,
-        probs: torch.Tensor,
-        routing_map: torch.Tensor,
+        inputs: DispatchInputs,
         *,
         path: Route,
         handle: LayerHandle,
         descr: TrafficStats | DemandCounts | None,
-        record_bytes: int,
         plan_ms: float,
         expert_loads: torch.Tensor | None,
-    ):
-        """The common tail of both modes: remember the path for recompute, capture, the dispatch
-        itself, then the statistics (``descr``: the descriptors, or the counts they are computed
-        from). Returns (entries [n_ent, H], probs [n_ent])."""
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The common tail of every mode (``dispatch_modes.MoveTail``): remember the path for
+        recompute, capture, the dispatch itself, then the statistics (``descr``: the descriptors,
+        or the counts they are computed from). Returns (entries [n_ent, H], probs [n_ent])."""
+        state, exchange, record_bytes = inputs.state, inputs.exchange, inputs.record_bytes
+        hidden_states, probs, routing_map = inputs.hidden_states, inputs.probs, inputs.routing_map
         call = state.call
         if call.kind == PassKind.TRAIN:
             self._replay.append(
-                _Call(
+                LayerCall(
                     kind=PassKind.RECOMPUTE,
                     step=call.step,
                     microbatch=call.microbatch,
@@ -732,15 +495,7 @@ class RailWaveTokenDispatcher(MoETokenDispatcher):
         Fixed-capacity mode: the padded layout's W * C rows per expert (a constant; no sync)."""
         state = self._require_state("dispatch_postprocess")
         hidden_states = self._schedule_owned(hidden_states)
-        capacity = self.railwave.max_tokens_per_rank
-        if capacity is not None:
-            if self._capacity_rows is None:
-                with torch.inference_mode(False):  # a cache (see _to_railwave)
-                    self._capacity_rows = torch.full(
-                        (self.num_local_experts,), self.ep_size * capacity, dtype=torch.int64
-                    )
-            return hidden_states, self._capacity_rows, probs
-        return hidden_states, state.dispatched.tokens_per_expert, probs
+        return hidden_states, self._mode.tokens_per_expert(state.dispatched), probs
 
     def combine_preprocess(self, hidden_states: torch.Tensor):
         """Expert outputs are already weighted by the probs. No communication."""
@@ -766,7 +521,7 @@ class RailWaveTokenDispatcher(MoETokenDispatcher):
             state.timers["combine"].stop()
         if state.exchange_timers:
             state.exchange_timers[-1].stop()
-            self._online_timers = state.exchange_timers
+            self._mode.combine_done(state)
         return out
 
     def combine_postprocess(self, hidden_states: torch.Tensor):
@@ -786,7 +541,9 @@ class RailWaveTokenDispatcher(MoETokenDispatcher):
             output = output + self.shared_experts.get_output()
         return output
 
-    def _capture(self, hidden_states: torch.Tensor, routing_map: torch.Tensor, call: _Call) -> None:
+    def _capture(
+        self, hidden_states: torch.Tensor, routing_map: torch.Tensor, call: LayerCall
+    ) -> None:
         """Record this rank's routing (railwave rank and expert order: what the network carries)
         for replay: the first micro-batch of every ``capture_interval``-th step (no comm)."""
         capture_dir = self.railwave.capture_dir
@@ -814,7 +571,7 @@ class RailWaveTokenDispatcher(MoETokenDispatcher):
                 call.step, self.layer_number or 0, self._exchange.groups.railwave_rank, routing_map
             )  # an asynchronous copy: no host sync on the dispatch path
 
-    def _require_state(self, hook: str) -> _LayerState:
+    def _require_state(self, hook: str) -> LayerState:
         if self._state is None:
             raise RuntimeError(
                 f"RailWaveTokenDispatcher.{hook} called without dispatch_preprocess: the six hooks "

@@ -216,6 +216,8 @@ def dispatcher_errors_worker(rank: int, world: int) -> dict[str, Any]:
     out["mismatch_path"] = _error_text(lambda: make("rail" if rank in (0, 2) else "perm"))
 
     # Statistics on demand: count the descriptor and statistics calls of one layer call each.
+    # The counted mode computes a decision's descriptors, the dispatcher's tail the statistics.
+    import megatron_railwave.dispatch_modes.counted as counted_module
     import megatron_railwave.dispatcher as dispatcher_module
     from megatron_railwave.exchange.torch_dist import TorchDistExchange
 
@@ -235,7 +237,9 @@ def dispatcher_errors_worker(rank: int, world: int) -> dict[str, Any]:
     originals = {}
     for name in calls:
         originals[name], wrapper = counting(name)
-        setattr(dispatcher_module, name, wrapper)
+        for module in (dispatcher_module, counted_module):
+            if hasattr(module, name):
+                setattr(module, name, wrapper)
     original_dispatch = TorchDistExchange.dispatch
 
     def dispatch(self, *args, **kwargs):
@@ -275,7 +279,9 @@ def dispatcher_errors_worker(rank: int, world: int) -> dict[str, Any]:
             out["stats_order"][case] = list(order)
     finally:
         for name, original in originals.items():
-            setattr(dispatcher_module, name, original)
+            for module in (dispatcher_module, counted_module):
+                if hasattr(module, name):
+                    setattr(module, name, original)
         TorchDistExchange.dispatch = original_dispatch
     _, _, routing = _inputs(rank, 6, seed=4)
     load = routing.sum(0).to(torch.int64)
