@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -26,6 +26,7 @@ from megatron_railwave.telemetry.stats import LayerCommStats, Stopwatch
 
 if TYPE_CHECKING:
     from megatron_railwave.exchange import DispatchOutput, LayerHandle, TorchDistExchange
+    from megatron_railwave.selector import OnlineSelector, PathSelector
     from megatron_railwave.traffic import DemandCounts, TrafficStats
 
 __all__ = [
@@ -127,7 +128,7 @@ class DispatchMode(ABC):
         selector: the layer's path selector (a ``FixedSelector`` for a fixed path).
     """
 
-    def __init__(self, selector: Any) -> None:
+    def __init__(self, selector: PathSelector | OnlineSelector) -> None:
         self.selector = selector
 
     @abstractmethod

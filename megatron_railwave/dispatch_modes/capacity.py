@@ -18,7 +18,6 @@ Recomputes replay their forward's path, untimed.
 from __future__ import annotations
 
 import time
-from typing import Any
 
 import torch
 
@@ -30,7 +29,12 @@ from megatron_railwave.dispatch_modes.base import (
 )
 from megatron_railwave.exchange import DispatchOutput, capacity_demand
 from megatron_railwave.names import Route
-from megatron_railwave.selector import FixedSelector, OnlineSelector, select_for_layer
+from megatron_railwave.selector import (
+    FixedSelector,
+    OnlineSelector,
+    PathSelector,
+    select_for_layer,
+)
 from megatron_railwave.selector.capacity_epochs import CapacityEpochs
 from megatron_railwave.selector.online import fast_descriptors
 from megatron_railwave.telemetry.stats import Stopwatch, demand_stats
@@ -52,7 +56,12 @@ class _FixedCapacity(DispatchMode):
     """
 
     def __init__(
-        self, selector: Any, topology: RailTopology, *, capacity: int, num_local_experts: int
+        self,
+        selector: PathSelector | OnlineSelector,
+        topology: RailTopology,
+        *,
+        capacity: int,
+        num_local_experts: int,
     ) -> None:
         super().__init__(selector)
         self.topology = topology
@@ -81,7 +90,12 @@ class CapacityMode(_FixedCapacity):
     """Fixed capacity with a fixed path or a calibrated selector: the path is selected once."""
 
     def __init__(
-        self, selector: Any, topology: RailTopology, *, capacity: int, num_local_experts: int
+        self,
+        selector: PathSelector,
+        topology: RailTopology,
+        *,
+        capacity: int,
+        num_local_experts: int,
     ) -> None:
         super().__init__(selector, topology, capacity=capacity, num_local_experts=num_local_experts)
         self._path: Route | None = None

@@ -17,6 +17,7 @@ from megatron_railwave.dispatch_modes.base import DispatchInputs, DispatchMode, 
 from megatron_railwave.names import Route
 from megatron_railwave.selector import (
     FixedSelector,
+    PathSelector,
     needs_delivery,
     needs_descriptors,
     select_for_layer,
@@ -35,7 +36,7 @@ class CountedMode(DispatchMode):
         topology: the EP group's rail topology.
     """
 
-    def __init__(self, selector, topology: RailTopology) -> None:
+    def __init__(self, selector: PathSelector, topology: RailTopology) -> None:
         super().__init__(selector)
         self.topology = topology
 

@@ -18,8 +18,9 @@ descriptors, is the same at every call. So a layer's calls of one pass kind ('tr
 
 A time reaches the selector E calls after the call it measures (in the normal mode: one call);
 an epoch that falls back to JOINT (``max_bad``) or runs idle (no remote payload) posts nothing.
-Recomputes replay their forward's path (``OnlineSelector.replay``, in the dispatcher) and are not
-timed here. Pure host logic apart from ``post``'s collective and ``result``'s wait.
+Recomputes replay their forward's path (``OnlineSelector.replay``, in the dispatcher's mode,
+``dispatch_modes.capacity``) and are not timed here. Pure host logic apart from ``post``'s
+collective and ``result``'s wait.
 """
 
 from __future__ import annotations
@@ -56,7 +57,8 @@ class _Epoch:
     """Calls of this pass kind so far (the position in the epoch is calls mod E)."""
     decision: OnlineDecision | None = None
     timers: list[Timer] = field(default_factory=list)
-    """The epoch's first call's stopwatches (the dispatcher fills the list), until posted."""
+    """The epoch's first call's stopwatches (the dispatcher's mode fills the list), until
+    posted."""
     posted: PostedPair | None = None
     """The reduce of this epoch's time, read at the next epoch's first call."""
 

@@ -440,7 +440,7 @@ _WARNED: set[str] = set()
 def _warn_once(key: str, message: str, *, warn: bool) -> None:
     # Every MoE layer builds its own dispatcher (and selector): one line per process and cause,
     # through logging (not warnings.warn, which PYTHONWARNINGS=ignore would hide), and only where
-    # the caller says so (the dispatcher: global rank 0), so a job prints it once.
+    # the caller says so (the dispatcher's mode choice: global rank 0), so a job prints it once.
     if warn and key not in _WARNED:
         _WARNED.add(key)
         _LOG.warning(message)
@@ -461,10 +461,10 @@ def selector_from_config(
     calibrated anchors, or JOINT when there are none.
 
     A missing anchors file means "always JOINT": one warning through the ``megatron_railwave``
-    logger per process, when ``warn`` (the dispatcher passes True on global rank 0 only). A
-    malformed file, one calibrated for another topology or with other rail chunks than the
-    config's raises ``ValueError`` naming the field (on every rank, at construction, before any
-    collective).
+    logger per process, when ``warn`` (``dispatch_modes.choose_dispatch_mode`` passes True on
+    global rank 0 only). A malformed file, one calibrated for another topology or with other rail
+    chunks than the config's raises ``ValueError`` naming the field (on every rank, at
+    construction, before any collective).
     """
     if config.selector_kind() == "online":
         return _online_selector(config, topo)
