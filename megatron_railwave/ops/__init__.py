@@ -31,8 +31,10 @@ from collections.abc import Sequence
 
 import torch
 
-from megatron_railwave.ops import _library  # noqa: F401  (defines torch.ops.railwave)
-from megatron_railwave.ops import reference
+from megatron_railwave.ops import (
+    _library,  # noqa: F401  (its import defines torch.ops.railwave)
+    reference,
+)
 from megatron_railwave.ops._compiled import (
     compiled_for,
     host_function,
@@ -245,7 +247,9 @@ def rank_schedule(
         sync: no (host tensors only).
     """
     op = host_op("rank_schedule")
-    return None if op is None else op(
+    if op is None:
+        return None
+    return op(
         records_NNG.contiguous(),
         quota_NNG.contiguous(),
         relay_NNGG.contiguous(),
@@ -277,9 +281,9 @@ def rail_plan(
         quota_NNG [N, N, G] and relay_NNGG [N, N, G, G], int64 on the CPU. Host sync: no.
     """
     op = host_op("rail_plan")
-    return None if op is None else op(
-        records_NNG.contiguous(), eligible_NNG.contiguous(), balanced, phase
-    )
+    if op is None:
+        return None
+    return op(records_NNG.contiguous(), eligible_NNG.contiguous(), balanced, phase)
 
 
 def arrival_copies(
@@ -307,7 +311,9 @@ def arrival_copies(
         chunk k for GPU (d, j). Host sync: no (host tensors).
     """
     op = host_op("arrival_copies")
-    return None if op is None else op(
+    if op is None:
+        return None
+    return op(
         records_NGN.contiguous(), class_copies_NGNKG.contiguous(), relay_NNGG.contiguous(), chunks
     )
 
@@ -351,7 +357,9 @@ def path_estimates(
         [2] float64 on the CPU: (RAIL, JOINT) seconds. Host sync: no (host tensors).
     """
     op = host_op("path_estimates")
-    return None if op is None else op(
+    if op is None:
+        return None
+    return op(
         records_WN.contiguous(),
         copies_WNKG.contiguous(),
         eligible_NNG.contiguous(),

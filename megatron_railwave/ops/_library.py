@@ -41,8 +41,8 @@ SCHEMAS = (
     "int? max_segment_len=None) -> Tensor",
     # Host planning: CPU kernels only (its inputs are the gathered counts, always on the host).
     "rail_plan(Tensor records, Tensor eligible, bool balanced, int phase) -> (Tensor, Tensor)",
-    "rank_schedule(Tensor records, Tensor quota, Tensor relay, Tensor wave, Tensor masks, int rank, "
-    "int chunks, int num_phases, int relay_phase, int[] rail_phase, int[] deliver_phase) "
+    "rank_schedule(Tensor records, Tensor quota, Tensor relay, Tensor wave, Tensor masks, "
+    "int rank, int chunks, int num_phases, int relay_phase, int[] rail_phase, int[] deliver_phase) "
     "-> (Tensor, Tensor, Tensor, Tensor, Tensor)",
     "arrival_copies(Tensor records, Tensor copies, Tensor relay, int chunks) -> Tensor",
     "path_estimates(Tensor records, Tensor copies, Tensor eligible, Tensor window, "
