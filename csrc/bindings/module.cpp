@@ -1,13 +1,17 @@
-// megatron_railwave._C: the Python module whose import loads this library, which runs the
-// TORCH_LIBRARY registrations (bindings/ops.cpp). `with_cuda` says whether CUDA kernels were built.
-// One plain function besides: layer_descriptors (csrc/cpu/descriptors.cpp), host only and called on
-// every MoE layer call, where a torch op's dispatch would cost more than the work.
+// megatron_railwave._C: the Python module of this library. Importing it registers nothing;
+// register_kernels() registers the railwave ops' compiled kernels (bindings/ops.cpp) and returns the
+// handle that keeps them registered (a capsule: dropping it takes them out of the dispatcher again).
+// `with_cuda` says whether CUDA kernels were built. One plain function besides: layer_descriptors
+// (csrc/cpu/descriptors.cpp), host only and called on every MoE layer call, where a torch op's
+// dispatch would cost more than the work.
 
 #include <Python.h>
 
 #include <cstdint>
+#include <string>
 
 #include "../cpu/descriptors.h"
+#include "kernels.h"
 
 namespace {
 
@@ -68,7 +72,27 @@ PyObject* layer_descriptors(PyObject* /*self*/, PyObject* const* args, Py_ssize_
   return Py_BuildValue("(dddddd)", out[0], out[1], out[2], out[3], out[4], out[5]);
 }
 
+constexpr const char* kKernelsCapsule = "megatron_railwave._C.kernels";
+
+void release_kernels_capsule(PyObject* capsule) {
+  railwave::release_kernels(PyCapsule_GetPointer(capsule, kKernelsCapsule));
+}
+
+PyObject* register_kernels(PyObject* /*self*/, PyObject* /*unused*/) {
+  std::string error;
+  void* handle = railwave::register_kernels(error);
+  if (handle == nullptr) {
+    PyErr_Format(PyExc_RuntimeError, "register_kernels: %s", error.c_str());
+    return nullptr;
+  }
+  PyObject* capsule = PyCapsule_New(handle, kKernelsCapsule, release_kernels_capsule);
+  if (capsule == nullptr) railwave::release_kernels(handle);
+  return capsule;
+}
+
 PyMethodDef methods[] = {
+    {"register_kernels", register_kernels, METH_NOARGS,
+     "Register the compiled kernels of torch.ops.railwave; returns the handle that keeps them registered."},
     {"layer_descriptors", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(layer_descriptors)),
      METH_FASTCALL, "The online selector's per-layer sums (csrc/cpu/descriptors.cpp)."},
     {nullptr, nullptr, 0, nullptr}};

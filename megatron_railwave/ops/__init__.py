@@ -5,11 +5,24 @@ fixed-order segment sum; and host-planning ops (compiled only: ``rail_plan``, ``
 Letters: T tokens of one rank, E experts, N nodes, G GPUs per node, M = 2**G target masks,
 C = T * N record capacity, n rows, S segments, R rails.
 
-``megatron_railwave.ops.<name>`` is the public API. ``ops.reference`` defines the meaning in pure
-torch; the compiled ops (csrc/, ``torch.ops.railwave.*``, built into ``megatron_railwave._C``)
-give bitwise-identical results on CPU and CUDA and are used whenever they load for the tensors'
-device. Otherwise the reference runs, and one warning per reason is logged (``ops._compiled``).
-No op synchronises with the host. This package imports nothing else from megatron_railwave.
+``megatron_railwave.ops.<name>`` is the public API; each data op is one call of
+``torch.ops.railwave.<name>`` (``ops._library`` defines the library), and torch's dispatcher picks
+its kernel: the compiled one (csrc/, built into ``megatron_railwave._C``; bitwise-identical results
+on CPU and CUDA) where it is registered for the tensors' device, else the op's pure-torch reference
+kernel (``ops.reference``, the definition of the meaning), which logs one warning per reason
+(``ops._compiled``). ``RAILWAVE_OPS=reference`` / ``set_forced_reference`` take the compiled kernels
+out. One exception chooses in Python: segment_sum of dtypes its kernels do not take (e.g. float8)
+calls the reference directly.
+
+The host-planning ops have CPU kernels only, and their references sit above this package, so they
+return None where the compiled ops are not used (the caller runs the reference): ``rail_plan``,
+``rank_schedule``, ``arrival_copies`` and ``path_estimates`` are torch ops
+(``_compiled.host_op``); ``layer_descriptors`` is a plain CPython function of the extension
+(``_compiled.host_function``), called on every MoE layer, where a torch op's dispatch (~3 us) would
+cost more than the work.
+
+No op synchronises with the host. This package imports nothing else from megatron_railwave but
+``process``.
 """
 
 from __future__ import annotations
@@ -18,10 +31,14 @@ from collections.abc import Sequence
 
 import torch
 
-from megatron_railwave.ops import reference
+from megatron_railwave.ops import (
+    _library,  # noqa: F401  (its import defines torch.ops.railwave)
+    reference,
+)
 from megatron_railwave.ops._compiled import (
     compiled_for,
     host_function,
+    host_op,
     load_error,
     set_forced_reference,
 )
@@ -46,7 +63,7 @@ __all__ = [
     "set_forced_reference",
 ]
 
-# Dtypes the compiled segment_sum handles; others (e.g. float8 values) take the reference.
+# Dtypes segment_sum's compiled kernels take; others (e.g. float8 values) go to the reference.
 _SEGMENT_SUM_DTYPES = frozenset({torch.float32, torch.float64, torch.bfloat16, torch.float16})
 
 
@@ -65,9 +82,7 @@ def records_from_routing(
         token_C, node_C, mask_C: [C] int64 (-1, -1, 0 past the last record); counts_NM: [N, M]
         int64. Host sync: no.
     """
-    if compiled_for(routing_map_TE.device):
-        return torch.ops.railwave.records_from_routing(routing_map_TE, num_nodes, gpus_per_node)
-    return reference.records_from_routing(routing_map_TE, num_nodes, gpus_per_node)
+    return torch.ops.railwave.records_from_routing(routing_map_TE, num_nodes, gpus_per_node)
 
 
 def assign_egress(
@@ -90,18 +105,8 @@ def assign_egress(
     Returns:
         egress_R, wave_R: [n] int64 (-1 for padding). Host sync: no.
     """
-    if compiled_for(node_R.device):
-        return torch.ops.railwave.assign_egress(
-            node_R, owner_gpu, counts_N, keep_N, surplus_lo_N, deficit_hi_NG, wave_N
-        )
-    return reference.assign_egress(
-        node_R,
-        owner_gpu=owner_gpu,
-        counts_N=counts_N,
-        keep_N=keep_N,
-        surplus_lo_N=surplus_lo_N,
-        deficit_hi_NG=deficit_hi_NG,
-        wave_N=wave_N,
+    return torch.ops.railwave.assign_egress(
+        node_R, owner_gpu, counts_N, keep_N, surplus_lo_N, deficit_hi_NG, wave_N
     )
 
 
@@ -116,9 +121,7 @@ def pack_rows(
         row_index: per tensor, [n] int64 rows to take, or None (all rows, rows_k == n). Indices are
             range-checked on CPU only (a check on CUDA would need a host sync).
     """
-    if compiled_for(tensors[0].device):
-        return torch.ops.railwave.pack_rows(list(tensors), list(row_index))
-    return reference.pack_rows(tensors, row_index)
+    return torch.ops.railwave.pack_rows(list(tensors), list(row_index))
 
 
 def unpack_rows(
@@ -139,8 +142,6 @@ def unpack_rows(
     """
     if row_index is not None and num_rows is None:
         raise ValueError("unpack_rows: num_rows is required with row_index")
-    if not compiled_for(packed.device):
-        return reference.unpack_rows(packed, specs, row_index=row_index, num_rows=num_rows)
     widths = [row_bytes([spec]) for spec in specs]
     parts = torch.ops.railwave.unpack_rows(
         packed, widths, row_index, -1 if num_rows is None else num_rows
@@ -173,20 +174,20 @@ def segment_sum(
             reference alike; their gradient is zero): fixed-capacity padding uses that.
         num_segments: S.
         out_dtype: result dtype (default: ``values.dtype``).
-        max_segment_len: only the reference's non-CPU path uses it (see there).
+        max_segment_len: only the reference kernel's non-CPU path uses it (see there).
 
     Returns:
         [S, *shape] of ``out_dtype``. Host sync: no.
     """
     out_dtype = out_dtype or values.dtype
-    if (
-        values.dtype in _SEGMENT_SUM_DTYPES
-        and out_dtype in _SEGMENT_SUM_DTYPES
-        and compiled_for(values.device)
-    ):
-        return torch.ops.railwave.segment_sum(values, segment_ids, num_segments, out_dtype)
-    return reference.segment_sum(
-        values, segment_ids, num_segments, out_dtype=out_dtype, max_segment_len=max_segment_len
+    if values.dtype not in _SEGMENT_SUM_DTYPES or out_dtype not in _SEGMENT_SUM_DTYPES:
+        # The one choice made here, by dtype: the compiled kernels reject these (an error, not a
+        # dispatch key), the reference sums any floating dtype.
+        return reference.segment_sum(
+            values, segment_ids, num_segments, out_dtype=out_dtype, max_segment_len=max_segment_len
+        )
+    return torch.ops.railwave.segment_sum(
+        values, segment_ids, num_segments, out_dtype, max_segment_len
     )
 
 
@@ -201,11 +202,9 @@ def records_per_node_rail(
     A record with an out-of-range node, egress or rail is not counted either, on CPU and CUDA
     alike (the CUDA kernel cannot raise without a host sync): the counts then sum to fewer than
     the records. See ``reference.records_per_node_rail``. Host sync: no."""
-    if compiled_for(node_R.device):
-        return torch.ops.railwave.records_per_node_rail(
-            node_R, egress_R, rail_of_gpu_G, num_nodes, num_rails
-        )
-    return reference.records_per_node_rail(node_R, egress_R, rail_of_gpu_G, num_nodes, num_rails)
+    return torch.ops.railwave.records_per_node_rail(
+        node_R, egress_R, rail_of_gpu_G, num_nodes, num_rails
+    )
 
 
 def rank_schedule(
@@ -247,9 +246,10 @@ def rank_schedule(
         layout (``exchange.layout``'s host counts, in its order); all int64 on the CPU. Host
         sync: no (host tensors only).
     """
-    if not compiled_for(torch.device("cpu")):
+    op = host_op("rank_schedule")
+    if op is None:
         return None
-    return torch.ops.railwave.rank_schedule(
+    return op(
         records_NNG.contiguous(),
         quota_NNG.contiguous(),
         relay_NNGG.contiguous(),
@@ -280,11 +280,10 @@ def rail_plan(
     Returns:
         quota_NNG [N, N, G] and relay_NNGG [N, N, G, G], int64 on the CPU. Host sync: no.
     """
-    if not compiled_for(torch.device("cpu")):
+    op = host_op("rail_plan")
+    if op is None:
         return None
-    return torch.ops.railwave.rail_plan(
-        records_NNG.contiguous(), eligible_NNG.contiguous(), balanced, phase
-    )
+    return op(records_NNG.contiguous(), eligible_NNG.contiguous(), balanced, phase)
 
 
 def arrival_copies(
@@ -311,9 +310,10 @@ def arrival_copies(
         [N, N, chunks, G, G] float64 on the CPU: copies from node s arriving on GPU (d, l) in
         chunk k for GPU (d, j). Host sync: no (host tensors).
     """
-    if not compiled_for(torch.device("cpu")):
+    op = host_op("arrival_copies")
+    if op is None:
         return None
-    return torch.ops.railwave.arrival_copies(
+    return op(
         records_NGN.contiguous(), class_copies_NGNKG.contiguous(), relay_NNGG.contiguous(), chunks
     )
 
@@ -356,9 +356,10 @@ def path_estimates(
     Returns:
         [2] float64 on the CPU: (RAIL, JOINT) seconds. Host sync: no (host tensors).
     """
-    if not compiled_for(torch.device("cpu")):
+    op = host_op("path_estimates")
+    if op is None:
         return None
-    return torch.ops.railwave.path_estimates(
+    return op(
         records_WN.contiguous(),
         copies_WNKG.contiguous(),
         eligible_NNG.contiguous(),

@@ -1,16 +1,19 @@
-"""Loading of the compiled ops (``megatron_railwave._C``, exposing ``torch.ops.railwave.*``).
+"""The compiled kernels of ``torch.ops.railwave`` (``megatron_railwave._C``): loading them,
+registering them with torch's dispatcher, and the switch to the reference.
 
-The library is imported lazily, on the first op call, never at package import. When it is
-missing, or was built without CUDA and a CUDA tensor comes in, the public ops fall back to the
-pure-torch reference and log ONE warning per reason for the whole job, naming it: on global
-rank 0 (``torch.distributed``'s rank, else the ``RANK`` variable, else 0), as the dispatcher's
-other notices; the other ranks log the same line at INFO (a rank whose reason differs is seen
-with ``logging`` at INFO), so eight processes do not print it eight times.
+The extension is imported with this package; importing it registers nothing (about 1 ms).
+``sync_kernels`` registers its CPU kernels (and CUDA kernels, where it was built with CUDA) for
+the ops ``ops._library`` defines, unless the reference is forced (``RAILWAVE_OPS=reference`` at
+start, ``set_forced_reference``), and takes them out of the dispatcher again when it is. Where
+no compiled kernel serves a call (the extension missing, a CUDA tensor with a CPU-only build, the
+reference forced) the dispatcher runs the op's reference kernel, which calls ``note_reference``:
+that logs ONE warning per reason for the whole job, naming it (nothing when the reference is
+forced): on global rank 0 (``torch.distributed``'s rank, else the ``RANK`` variable, else 0), as
+the dispatcher's other notices; the other ranks log the same line at INFO (a rank whose reason
+differs is seen with ``logging`` at INFO), so eight processes do not print it eight times.
 
-On load this module also registers, for every op, the fake implementation (output shapes and
-dtypes only, so ``torch.compile`` traces through the ops) and the autograd of ``segment_sum``.
-
-Set ``RAILWAVE_OPS=reference`` to use the reference even where the compiled ops load.
+The host-planning ops have CPU kernels only and their references sit above this package:
+``host_op`` and ``host_function`` give them or None.
 """
 
 from __future__ import annotations
@@ -23,7 +26,15 @@ import torch
 
 from megatron_railwave.process import global_rank
 
-__all__ = ["compiled_for", "host_function", "load_error", "set_forced_reference"]
+__all__ = [
+    "compiled_for",
+    "host_function",
+    "host_op",
+    "load_error",
+    "note_reference",
+    "set_forced_reference",
+    "sync_kernels",
+]
 
 _LOG = logging.getLogger("megatron_railwave.ops")
 _MODULE = "megatron_railwave._C"
@@ -34,7 +45,7 @@ _FIX = (
 
 _module = None  # the imported extension, once loaded
 _load_error: str | None = None
-_loaded = False  # load attempted
+_kernels = None  # register_kernels()'s handle: the compiled kernels stay registered while it lives
 _warned: set[str] = set()
 _forced_reference = os.environ.get("RAILWAVE_OPS", "auto").strip().lower() == "reference"
 
@@ -47,70 +58,96 @@ def _warn_once(reason: str) -> None:
 
 
 def _load() -> None:
-    global _module, _load_error, _loaded
-    _loaded = True
+    global _module, _load_error
     try:
-        module = importlib.import_module(_MODULE)
+        _module = importlib.import_module(_MODULE)
     except (ImportError, OSError) as exc:
         _load_error = (
             f"the compiled ops {_MODULE} did not load ({type(exc).__name__}: {exc}); {_FIX}"
         )
-        return
-    _register_python_parts()
-    _module = module
+
+
+def sync_kernels() -> None:
+    """Registers the compiled kernels where they are to serve (the extension loaded, the reference
+    not forced) and takes them out of the dispatcher otherwise. Not safe while another thread calls
+    the ops."""
+    global _module, _load_error, _kernels
+    if _module is None or _forced_reference:
+        _kernels = None  # the capsule's destructor deregisters them
+    elif _kernels is None:
+        try:
+            _kernels = _module.register_kernels()
+        except (AttributeError, RuntimeError) as exc:  # AttributeError: built from older sources
+            _module = None
+            _load_error = f"{_MODULE} did not register its kernels ({exc}); {_FIX}"
 
 
 def load_error() -> str | None:
-    """Why the compiled ops are not used (None when they loaded or were not tried yet)."""
+    """Why the compiled ops are not used (None when they loaded)."""
     if _forced_reference:
         return "RAILWAVE_OPS=reference"
     return _load_error
 
 
 def set_forced_reference(forced: bool) -> bool:
-    """Use the reference ops (True) or the compiled ones where available (False); returns the old
-    value."""
+    """Use the reference kernels (True: the compiled ones leave the dispatcher) or the compiled
+    ones where available (False); returns the old value. Not safe while another thread calls the
+    ops."""
     global _forced_reference
     old, _forced_reference = _forced_reference, bool(forced)
+    sync_kernels()
     return old
 
 
-def compiled_for(device: torch.device) -> bool:
-    """True when ``torch.ops.railwave`` has kernels for tensors on ``device``; otherwise the caller
-    uses the reference (and the reason has been logged once)."""
-    if _forced_reference:
-        return False
-    if not _loaded:
-        _load()
+def _reason(device: torch.device) -> str | None:
+    """Why the compiled kernels do not serve tensors on ``device`` (None when they do)."""
     if _module is None:
-        _warn_once(_load_error or "unknown")
-        return False
+        return _load_error or "unknown"
     kind = device.type
     if kind in ("cpu", "meta"):
-        return True
+        return None
     if kind == "cuda":
         if _module.with_cuda:
-            return True
-        _warn_once(
+            return None
+        return (
             f"{_MODULE} was built without CUDA kernels (CPU torch or no nvcc at build time); "
-            f"rebuild it "
-            "on the GPU machine (TORCH_CUDA_ARCH_LIST=9.0 python setup.py build_ext --inplace)"
+            "rebuild it on the GPU machine (TORCH_CUDA_ARCH_LIST=9.0 python setup.py build_ext "
+            "--inplace)"
         )
+    return f"no compiled railwave kernels for device type {kind!r}"
+
+
+def compiled_for(device: torch.device) -> bool:
+    """True when compiled kernels serve ``torch.ops.railwave`` for tensors on ``device``; otherwise
+    its reference kernels do (and the reason has been logged once)."""
+    if _forced_reference:
         return False
-    _warn_once(f"no compiled railwave kernels for device type {kind!r}")
-    return False
+    reason = _reason(device)
+    if reason is not None:
+        _warn_once(reason)
+        return False
+    return True
+
+
+def note_reference(device: torch.device) -> None:
+    """Called by every reference kernel (``ops._library``): logs once why no compiled kernel took
+    the call on ``device``; nothing when the reference is forced."""
+    if not _forced_reference:
+        _warn_once(_reason(device) or f"no compiled railwave kernel for {device.type} tensors")
+
+
+def host_op(name: str):
+    """``torch.ops.railwave.<name>`` for a host-planning op (CPU kernels only, no reference in
+    this package), or None where the compiled kernels do not serve CPU tensors (the reason logged
+    once); the caller then runs its Python reference."""
+    return getattr(torch.ops.railwave, name) if compiled_for(torch.device("cpu")) else None
 
 
 def host_function(name: str):
     """The library's plain CPython function ``name`` (host-only helpers bound without a torch op:
     csrc/bindings/module.cpp), or None where the compiled ops are not used (the reason logged
     once)."""
-    if _forced_reference:
-        return None
-    if not _loaded:
-        _load()
-    if _module is None:
-        _warn_once(_load_error or "unknown")
+    if not compiled_for(torch.device("cpu")):
         return None
     fn = getattr(_module, name, None)
     if fn is None:
@@ -118,122 +155,4 @@ def host_function(name: str):
     return fn
 
 
-def _register_python_parts() -> None:
-    """Fake implementations of every op and the autograd of segment_sum."""
-    lib = "railwave::"
-
-    @torch.library.register_fake(lib + "records_from_routing")
-    def _records_fake(routing_map, num_nodes, gpus_per_node):
-        capacity = routing_map.shape[0] * num_nodes
-        new = routing_map.new_empty
-        return (
-            new(capacity, dtype=torch.int64),
-            new(capacity, dtype=torch.int64),
-            new(capacity, dtype=torch.int64),
-            new((num_nodes, 1 << gpus_per_node), dtype=torch.int64),
-        )
-
-    @torch.library.register_fake(lib + "assign_egress")
-    def _assign_fake(node, owner_gpu, counts, keep, surplus_lo, deficit_hi, wave):
-        return torch.empty_like(node), torch.empty_like(node)
-
-    @torch.library.register_fake(lib + "records_per_node_rail")
-    def _node_rail_fake(node, egress, rail_of_gpu, num_nodes, num_rails):
-        return node.new_empty((num_nodes, num_rails))
-
-    @torch.library.register_fake(lib + "pack_rows")
-    def _pack_fake(tensors, row_index):
-        rows = row_index[0].shape[0] if row_index[0] is not None else tensors[0].shape[0]
-        row_bytes = 0
-        for t in tensors:
-            width = t.dtype.itemsize
-            for size in t.shape[1:]:
-                width *= size
-            row_bytes += width
-        return tensors[0].new_empty((rows, row_bytes), dtype=torch.uint8)
-
-    @torch.library.register_fake(lib + "unpack_rows")
-    def _unpack_fake(packed, widths, row_index, num_rows):
-        rows = num_rows if row_index is not None else packed.shape[0]
-        return [packed.new_empty((rows, w)) for w in widths]
-
-    @torch.library.register_fake(lib + "segment_sum")
-    def _segment_sum_fake(values, segment_ids, num_segments, out_dtype):
-        return values.new_empty((num_segments, *values.shape[1:]), dtype=out_dtype)
-
-    @torch.library.register_fake(lib + "rail_plan")
-    def _rail_plan_fake(records, eligible, balanced, phase):
-        n, g = records.shape[0], records.shape[2]
-        return records.new_empty((n, n, g)), records.new_empty((n, n, g, g))
-
-    @torch.library.register_fake(lib + "arrival_copies")
-    def _arrival_copies_fake(records, copies, relay, chunks):
-        n, g = records.shape[0], records.shape[1]
-        return records.new_empty((n, n, chunks, g, g))
-
-    @torch.library.register_fake(lib + "path_estimates")
-    def _path_estimates_fake(
-        records,
-        copies,
-        eligible,
-        window,
-        num_windows,
-        chunks,
-        record_bytes,
-        nvlink_bytes_per_s,
-        rail_bytes_per_s,
-        rail_phase_s,
-        layer_s,
-        combine_share,
-    ):
-        return records.new_empty((2,))
-
-    @torch.library.register_fake(lib + "rank_schedule")
-    def _rank_schedule_fake(
-        records,
-        quota,
-        relay,
-        wave,
-        masks,
-        rank,
-        chunks,
-        num_phases,
-        relay_phase,
-        rail_phase,
-        deliver_phase,
-    ):
-        n, g = records.shape[0], records.shape[2]
-        m, width = 1 << g, max(n, g)
-        new = records.new_empty
-        transfers = torch.library.get_ctx().new_dynamic_size()
-        return (
-            new((4, transfers)),
-            new((num_phases, width)),
-            new((num_phases, width)),
-            new((g + 1 + 3 * n + n * g + n * g * m + 1,)),
-            new((4 * n + n * g + 2 * g * n + (n - 1) * g * m * chunks,)),
-        )
-
-    def _segment_sum_setup(ctx, inputs, output):
-        values, segment_ids, _, _ = inputs
-        ctx.save_for_backward(segment_ids)
-        ctx.values_dtype = values.dtype
-
-    def _segment_sum_backward(ctx, grad_S):
-        # d out[s] / d values[i] = 1 where segment_ids[i] == s: a gather of the gradient, through
-        # the accumulation dtype, as autograd gives for the reference (to(acc) -> index_add_ ->
-        # to(out)). Rows the forward left out (id outside [0, S): fixed-capacity padding) get a zero
-        # gradient from an appended zero row: index_select on such an id is a device assert on CUDA.
-        (segment_ids,) = ctx.saved_tensors
-        acc = torch.float64 if ctx.values_dtype == torch.float64 else torch.float32
-        num_segments = grad_S.shape[0]
-        grad_ext = torch.cat([grad_S.to(acc), grad_S.new_zeros((1, *grad_S.shape[1:]), dtype=acc)])
-        ids = torch.where(
-            (segment_ids >= 0) & (segment_ids < num_segments), segment_ids, num_segments
-        )
-        grad_values = grad_ext.index_select(0, ids).to(ctx.values_dtype)
-        return grad_values, None, None, None
-
-    torch.library.register_autograd(
-        lib + "segment_sum", _segment_sum_backward, setup_context=_segment_sum_setup
-    )
+_load()

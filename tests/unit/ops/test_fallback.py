@@ -1,5 +1,6 @@
-"""The fallback: without the compiled module the public ops run the reference and log ONE warning
-naming the reason; RAILWAVE_OPS=reference / set_forced_reference force the reference."""
+"""The fallback: without the compiled module the public ops run the reference (the ops' reference
+kernels) and log ONE warning naming the reason; RAILWAVE_OPS=reference / set_forced_reference force
+the reference."""
 
 from __future__ import annotations
 
@@ -24,14 +25,23 @@ def test_compiled_ops_load_when_built():
     assert ops.load_error() is None
 
 
-def test_missing_module_falls_back_with_one_warning(monkeypatch, caplog):
+@pytest.fixture
+def without_module(monkeypatch):
+    """As if megatron_railwave._C had not loaded: its kernels leave the dispatcher, and come back
+    after the test."""
     monkeypatch.setattr(_compiled, "_forced_reference", False)
-    monkeypatch.setattr(_compiled, "_loaded", True)
     monkeypatch.setattr(_compiled, "_module", None)
     monkeypatch.setattr(
         _compiled, "_load_error", "the compiled ops megatron_railwave._C did not load (test)"
     )
     monkeypatch.setattr(_compiled, "_warned", set())
+    _compiled.sync_kernels()
+    yield monkeypatch
+    monkeypatch.undo()
+    _compiled.sync_kernels()
+
+
+def test_missing_module_falls_back_with_one_warning(without_module, caplog):
     values = torch.randn(5, 3)
     ids = torch.tensor([0, 1, 0, 2, 1])
     with caplog.at_level(logging.WARNING, logger="megatron_railwave.ops"):
@@ -45,15 +55,10 @@ def test_missing_module_falls_back_with_one_warning(monkeypatch, caplog):
     assert "reference" in warnings[0].getMessage()
 
 
-def test_fallback_warning_is_rank_zeros_other_ranks_log_it_at_info(monkeypatch, caplog):
+def test_fallback_warning_is_rank_zeros_other_ranks_log_it_at_info(without_module, caplog):
     # Eight processes of one job would print the same line eight times: rank 0 warns, the others
     # (RANK from the launcher here: no process group) log it at INFO.
-    monkeypatch.setattr(_compiled, "_forced_reference", False)
-    monkeypatch.setattr(_compiled, "_loaded", True)
-    monkeypatch.setattr(_compiled, "_module", None)
-    monkeypatch.setattr(
-        _compiled, "_load_error", "the compiled ops megatron_railwave._C did not load (test)"
-    )
+    monkeypatch = without_module
     levels = {}
     for rank in ("0", "3"):
         monkeypatch.setenv("RANK", rank)
@@ -71,7 +76,6 @@ def test_cuda_tensors_with_a_cpu_only_build_warn_once(monkeypatch, caplog):
         with_cuda = 0
 
     monkeypatch.setattr(_compiled, "_forced_reference", False)
-    monkeypatch.setattr(_compiled, "_loaded", True)
     monkeypatch.setattr(_compiled, "_module", CpuOnly())
     monkeypatch.setattr(_compiled, "_warned", set())
     with caplog.at_level(logging.WARNING, logger="megatron_railwave.ops"):

@@ -113,3 +113,116 @@ def test_torch_compile_traces_through_the_ops(compiled):
         payload[token.clamp(min=0)], node.clamp(min=0), 4, out_dtype=torch.float32
     )
     assert same_bits(eager[0], want)
+
+
+_DATA_OPS = (
+    "records_from_routing",
+    "assign_egress",
+    "records_per_node_rail",
+    "pack_rows",
+    "unpack_rows",
+    "segment_sum",
+)
+_HOST_OPS = ("rail_plan", "rank_schedule", "arrival_copies", "path_estimates")
+
+
+def _has_kernel(op: str, key: str) -> bool:
+    return torch._C._dispatch_has_kernel_for_dispatch_key(f"railwave::{op}", key)
+
+
+def test_forcing_the_reference_takes_the_compiled_kernels_out_of_the_dispatcher(compiled):
+    # The reference is every data op's CompositeExplicitAutograd kernel: the dispatcher runs it
+    # wherever no compiled kernel is registered for the tensors' key. Forcing the reference drops
+    # the compiled kernels; unforcing registers them again.
+    for op in _DATA_OPS:
+        assert _has_kernel(op, "CompositeExplicitAutograd"), op
+    for op in _HOST_OPS:
+        assert not _has_kernel(op, "CompositeExplicitAutograd"), op
+    assert all(_has_kernel(op, "CPU") for op in _DATA_OPS + _HOST_OPS)
+    old = ops.set_forced_reference(True)
+    try:
+        assert not any(_has_kernel(op, "CPU") for op in _DATA_OPS + _HOST_OPS)
+        assert not ops.compiled_for(torch.device("cpu"))
+        assert (
+            ops.rail_plan(
+                torch.zeros(1, 1, 1, dtype=torch.int64),
+                torch.ones(1, 1, 1, dtype=torch.bool),
+                balanced=True,
+                phase=0,
+            )
+            is None
+        )
+    finally:
+        ops.set_forced_reference(old)
+    assert all(_has_kernel(op, "CPU") for op in _DATA_OPS + _HOST_OPS)
+    assert ops.compiled_for(torch.device("cpu"))
+
+
+def test_the_reference_kernels_give_the_references_bits(compiled):
+    # Through torch.ops.railwave with the compiled kernels out: the public ops (unpack_rows' byte
+    # parts viewed as their dtypes, segment_sum's registered autograd) equal ops.reference.
+    gen = torch.Generator().manual_seed(2)
+    routing = random_routing_map(24, 16, 3, gen)
+    payload = torch.randn(24, 5, generator=gen).to(torch.bfloat16)
+    probs = torch.rand(24, 3, generator=gen)
+    specs = [(torch.bfloat16, (5,)), (torch.float32, (3,)), (torch.int64, ())]
+    values = torch.randn(24, 4, generator=gen, requires_grad=True)
+    ids = torch.randint(-1, 7, (24,), generator=gen)
+    bounds = dict(
+        owner_gpu=1,
+        keep_N=torch.tensor([3, 1]),
+        surplus_lo_N=torch.tensor([0, 2]),
+        deficit_hi_NG=torch.tensor([[0, 2, 2, 5], [1, 1, 4, 4]]),
+        wave_N=torch.tensor([-1, 0]),
+    )
+
+    def run(impl):
+        token, node, mask, counts = impl.records_from_routing(routing, 2, 4)
+        egress, wave = impl.assign_egress(node, counts_N=counts.sum(1), **bounds)
+        per_rail = impl.records_per_node_rail(node, egress, torch.tensor([0, 1, 2, 3]), 2, 4)
+        index = token.clamp(min=0)
+        packed = impl.pack_rows([payload, probs, mask], [index, index, None])
+        parts = impl.unpack_rows(packed, specs)
+        scattered = impl.unpack_rows(
+            packed,
+            specs,
+            row_index=torch.randperm(60, generator=gen.manual_seed(3))[:48],
+            num_rows=60,
+        )
+        summed = impl.segment_sum(values, ids, 7, out_dtype=torch.bfloat16, max_segment_len=24)
+        (grad,) = torch.autograd.grad(summed.float().square().sum(), values)
+        return [
+            token,
+            node,
+            mask,
+            counts,
+            egress,
+            wave,
+            per_rail,
+            packed,
+            *parts,
+            *scattered,
+            summed,
+            grad,
+        ]
+
+    old = ops.set_forced_reference(True)
+    try:
+        got = run(ops)
+    finally:
+        ops.set_forced_reference(old)
+    want = run(reference)
+    assert len(got) == len(want)
+    for a, b in zip(got, want, strict=True):
+        assert same_bits(a.detach(), b.detach())
+
+
+def test_opcheck_the_reference_kernels(compiled):
+    samples = [(op, args) for op, args in _samples(compiled) if op.__name__[:-8] in _DATA_OPS]
+    assert {op.__name__[:-8] for op, _ in samples} == set(_DATA_OPS)
+    old = ops.set_forced_reference(True)
+    try:
+        for op, args in samples:
+            torch.library.opcheck(op, args, test_utils=_CHECKS)
+    finally:
+        ops.set_forced_reference(old)
