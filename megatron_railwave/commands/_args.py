@@ -190,7 +190,11 @@ _FLAGS: dict[str, dict[str, Any]] = {
     "--hidden": {"type": int, "metavar": "H", "help": "hidden size"},
     "--dtype": {"help": "payload element type"},
     "--seed": {"type": int, "help": "routing seed"},
-    "--layers": {"metavar": "L,L", "help": "MoE layer numbers"},
+    "--layers": {
+        "type": comma_ints("layer numbers", allow_empty=True),
+        "metavar": "L,L",
+        "help": "MoE layer numbers",
+    },
     "--pattern": {
         "type": comma_choices(ARRANGEMENTS),
         "metavar": "P,P",

@@ -18,6 +18,7 @@ import torch
 from megatron_railwave.commands import _args, _common, _render
 from megatron_railwave.lab.bench.netmodel_bench import (
     PEERS,
+    RECORD_BYTES,
     bench_samples,
     is_sparse,
     model_spec,
@@ -123,8 +124,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from megatron_railwave.lab.workloads import GLM45_AIR
-
     topo = _common.cluster_from_args(args)
     model = _common.load_model(args.model)
     if args.alpha is not None:
@@ -142,7 +141,7 @@ def run(args: argparse.Namespace) -> int:
         )
     if any(c < 1 for c in args.chunks):
         raise ValueError(f"--chunks must be >= 1, got {args.chunks}")
-    record_bytes = GLM45_AIR.hidden_size * 2
+    record_bytes = RECORD_BYTES
     torch.set_num_threads(1)
     samples = bench_samples(
         topo,

@@ -64,11 +64,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     group.add_argument(
         "--families", type=int, default=8, help="synthetic routing families (default 8)"
     )
-    layer_list = _args.comma_ints("layer numbers", allow_empty=True)
     _args.add_flag(
         group,
         "--layers",
-        type=layer_list,
         help="glm: MoE layer numbers",
         default_text="the odd ones, 1,3,...,45; validation holds out the rest",
     )
@@ -77,7 +75,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         group,
         "--extra-seeds",
         [],
-        type=layer_list,
+        type=_args.comma_ints("seeds", allow_empty=True),
         metavar="S,S",
         help="glm: more workload seeds of the same layers (more skew levels covered)",
         default_text="none",

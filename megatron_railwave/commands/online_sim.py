@@ -50,7 +50,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     _args.add_flag(
         parser,
         "--layers",
-        type=_args.comma_ints("layer numbers", allow_empty=True),
         help="MoE layers",
         default_text="all 45",
     )

@@ -106,9 +106,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from megatron_railwave.lab.bench.netmodel_bench import RECORD_BYTES
     from megatron_railwave.lab.bench.sensitivity_grid import sensitivity_grid
     from megatron_railwave.lab.netmodel.sensitivity import fit_alpha_ultraep
-    from megatron_railwave.lab.workloads import GLM45_AIR
 
     topo = _common.cluster_from_args(args)
     if args.seeds < 1 or args.tokens < 1:
@@ -135,7 +135,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         alpha = args.alpha
     fabrics = {"max-min": 0.0, "ultraep": alpha}
-    record_bytes = GLM45_AIR.hidden_size * 2
+    record_bytes = RECORD_BYTES
     seeds = list(range(args.seeds))
     scale = args.payload_scale
     rows, summary, incast = sensitivity_grid(

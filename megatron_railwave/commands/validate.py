@@ -74,7 +74,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     _args.add_flag(
         parser,
         "--layers",
-        type=_args.comma_ints("layer numbers", allow_empty=True),
         help="glm: held-out layer numbers",
         default_text="every layer calibration did not use",
     )

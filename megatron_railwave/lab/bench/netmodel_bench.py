@@ -36,9 +36,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from megatron_railwave.lab.workloads import GLM45_AIR
+
 __all__ = [
     "BASELINE",
     "PEERS",
+    "RECORD_BYTES",
     "bench_samples",
     "bench_variants",
     "is_sparse",
@@ -51,6 +54,9 @@ PEERS = ("deepep-balanced", "deepep-direct", "megatron", "megatron-flat", "fast"
 """Peers beside the paths (`netmodel.peers`): deepep-balanced is the baseline on the token-balanced
 input (`layer_demands(balanced_tokens=True)`)."""
 _DENSE_MAX = 1 << 24
+
+RECORD_BYTES = GLM45_AIR.hidden_size * 2
+"""Bytes of one record (token row) of the GLM-4.5-Air layers: hidden 4096, bf16."""
 
 
 def model_spec(topo: Any) -> Any:
@@ -303,7 +309,7 @@ def bench_samples(
     from megatron_railwave.lab.netmodel import execute_plan
     from megatron_railwave.lab.netmodel.bounds import ideal_bound
     from megatron_railwave.lab.netmodel.peers import model_peer
-    from megatron_railwave.lab.workloads import GLM45_AIR, arrange, scaled_demand
+    from megatron_railwave.lab.workloads import arrange, scaled_demand
     from megatron_railwave.planner import PlanOptions
 
     if is_sparse(topo, tokens):
@@ -318,7 +324,7 @@ def bench_samples(
     )  # the speedup baseline: DeepEP-like streamed NATIVE
     path_model = replace(model, delivery=path_delivery)
     base_model = replace(model, delivery="streamed")
-    record_bytes = GLM45_AIR.hidden_size * 2
+    record_bytes = RECORD_BYTES
     samples: list[dict[str, Any]] = []
     total = len(layers) * steps * len(patterns) * (len(variants) + len(peers))
     with tqdm(total=total, desc="bench", unit="plan", disable=not progress, leave=False) as bar:

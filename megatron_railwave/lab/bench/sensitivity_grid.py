@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from megatron_railwave.lab.bench.netmodel_bench import layer_demands
+from megatron_railwave.lab.bench.netmodel_bench import RECORD_BYTES, layer_demands
 
 __all__ = ["sensitivity_grid"]
 
@@ -53,9 +53,9 @@ def sensitivity_grid(
         predict_incast_slowdown,
         summarize_grid,
     )
-    from megatron_railwave.lab.workloads import GLM45_AIR, arrange, scaled_demand
+    from megatron_railwave.lab.workloads import arrange, scaled_demand
 
-    record_bytes = GLM45_AIR.hidden_size * 2
+    record_bytes = RECORD_BYTES
     rows: list[dict[str, Any]] = []
     total = len(skews) * len(seeds) * len(layers) * len(patterns) * len(fabrics)
     arranged: dict[

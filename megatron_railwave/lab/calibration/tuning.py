@@ -18,7 +18,7 @@ from megatron_railwave.lab.calibration.backend import path_costs
 from megatron_railwave.lab.calibration.profiling import _RULE_RTOL, ALL_PATHS, CalibrationResult
 from megatron_railwave.names import Route
 from megatron_railwave.selector import AnchorSelector, fallback_phases_of, fewer_phases
-from megatron_railwave.selector.anchors import AnchorSet, CalibrationContext
+from megatron_railwave.selector.anchors import AnchorSet
 from megatron_railwave.selector.path_model import PathCosts, fit_rail_joint
 from megatron_railwave.traffic import MiB
 
@@ -467,16 +467,8 @@ def with_selector_settings(anchor_set, tuned: dict[str, Any]):
         selector["fallback_below"] = dict(tuned["fallback_below"])
     if tuned.get("model"):
         selector["model"] = dict(tuned["model"])
-    settings = {**ctx.settings, "selector": selector}
     return AnchorSet(
         anchors=anchors,
         scales=anchor_set.scales,
-        context=CalibrationContext(
-            topology=ctx.topology,
-            hidden_size=ctx.hidden_size,
-            dtype=ctx.dtype,
-            backend=ctx.backend,
-            date=ctx.date,
-            settings=settings,
-        ),
+        context=dataclasses.replace(ctx, settings={**ctx.settings, "selector": selector}),
     )
