@@ -38,6 +38,7 @@ __all__ = [
     "add_output_file",
     "add_plan_args",
     "add_progress_arg",
+    "add_renamed_flag",
     "add_replay_measure_args",
     "add_shape_args",
     "add_workload_args",
@@ -225,7 +226,12 @@ _FLAGS: dict[str, dict[str, Any]] = {
         "runs) or streamed (as DeepEP's forwarders)",
     },
     "--peers": {"metavar": "P,P", "help": "peers on the same demand and model"},
+    "--workload": {"choices": ("glm45-air",), "help": "routing generator"},
+    "--steps": {"type": int, "help": "training steps"},
+    # flow model
+    "--alpha": {"type": float, "help": "incast alpha"},
     # measurement
+    "--backend": {"choices": ("netmodel",), "help": "what times the paths"},
     "--warmups": {"type": int, "help": "untimed calls"},
     "--repeats": {"type": int, "help": "timed repeats"},
     "--samples": {"type": int, "help": "timed rounds"},
@@ -390,13 +396,23 @@ def add_plan_args(container: Container, *, default_path: str = "joint") -> None:
 
 
 def add_measure_args(
-    container: Container, *, warmups: int, repeats: int, warmups_help: str, repeats_help: str
+    container: Container,
+    *,
+    warmups: int,
+    repeats: int | None,
+    warmups_help: str,
+    repeats_help: str = "",
+    renamed_warmup: bool = False,
 ) -> Container:
-    """``--warmups`` and ``--repeats`` in a "measurement" group (returned, for the command's own
-    measurement flags)."""
+    """``--warmups`` and ``--repeats`` (None: left out) in a "measurement" group (returned, for
+    the command's own measurement flags). ``renamed_warmup``: the command spelled ``--warmups``
+    ``--warmup`` before (``add_renamed_flag``)."""
     group = _group(container, "measurement")
-    add_flag(group, "--warmups", warmups, help=warmups_help)
-    add_flag(group, "--repeats", repeats, help=repeats_help)
+    action = add_flag(group, "--warmups", warmups, help=warmups_help)
+    if renamed_warmup:
+        add_renamed_flag(group, "--warmup", action, reason="one spelling in every railwave command")
+    if repeats is not None:
+        add_flag(group, "--repeats", repeats, help=repeats_help)
     return group
 
 
@@ -407,10 +423,9 @@ def add_replay_measure_args(
     ``--model``, ``--warmups``, ``--repeats`` and ``--no-progress``
     (``_common.check_replay_measure_args``)."""
     group = _group(container, "measurement")
-    group.add_argument(
+    add_flag(
+        group,
         "--backend",
-        choices=["netmodel"],
-        default=None,
         help="what times the paths: netmodel (the flow model; the only backend so far)",
     )
     add_flag(group, "--model", help=model_help, default_text=model_default_text)
@@ -464,35 +479,48 @@ def add_output_file(
 ) -> None:
     """A flag naming a file the command writes, declared with ``_outputs``.
 
-    ``renamed_from``: the flag's old spelling, still accepted for one release: it stores into the
-    same argument and prints a deprecation warning naming the new flag; the two exclude each other
-    (and with ``required`` one of them is required).
+    ``renamed_from``: the flag's old spelling, ``--out`` (which names a directory now), still
+    accepted for one release (``add_renamed_flag``); the two exclude each other, and with
+    ``required`` one of them is required.
     """
-    dest = flag.lstrip("-").replace("-", "_")
     target: Container = container
     if renamed_from is not None:
         target = container.add_mutually_exclusive_group(required=required)
         required = False
-    target.add_argument(flag, default=None, metavar=metavar, help=help, required=required)
+    action = target.add_argument(flag, default=None, metavar=metavar, help=help, required=required)
     if renamed_from is not None:
-        target.add_argument(
-            renamed_from,
-            dest=dest,
-            metavar=metavar,
-            default=argparse.SUPPRESS,
-            action=_RenamedFlag,
-            new_flag=flag,
-            help=argparse.SUPPRESS,
+        add_renamed_flag(
+            target, renamed_from, action, reason="--out names a directory in every railwave command"
         )
-    _outputs.declare_outputs(container, files=(dest,))
+    _outputs.declare_outputs(container, files=(action.dest,))
+
+
+def add_renamed_flag(container: Container, old: str, new: argparse.Action, *, reason: str) -> None:
+    """``old``, the former spelling of the flag ``new``, accepted for one release: left out of
+    the help, it stores into ``new``'s argument (with ``new``'s type) and prints a warning that
+    names ``new`` and the ``reason`` for the change."""
+    container.add_argument(
+        old,
+        dest=new.dest,
+        type=new.type,
+        metavar=new.metavar,
+        default=argparse.SUPPRESS,
+        action=_RenamedFlag,
+        new_flag=new.option_strings[0],
+        reason=reason,
+        help=argparse.SUPPRESS,
+    )
 
 
 class _RenamedFlag(argparse.Action):
     """The old spelling of a renamed flag: stores into the new flag's argument and warns."""
 
-    def __init__(self, option_strings: list[str], dest: str, *, new_flag: str, **kwargs: Any):
+    def __init__(
+        self, option_strings: list[str], dest: str, *, new_flag: str, reason: str, **kwargs: Any
+    ):
         super().__init__(option_strings, dest, **kwargs)
         self.new_flag = new_flag
+        self.reason = reason
 
     def __call__(
         self,
@@ -503,8 +531,7 @@ class _RenamedFlag(argparse.Action):
     ) -> None:
         print(
             f"{parser.prog}: warning: {option_string} {values} is deprecated and will be removed "
-            f"in the next release: use {self.new_flag} {values} (--out names a directory in "
-            "every railwave command)",
+            f"in the next release: use {self.new_flag} {values} ({self.reason})",
             file=sys.stderr,
         )
         setattr(namespace, self.dest, values)

@@ -42,22 +42,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     # The flags' order is the order of the JSON's "config" (every parsed flag): keep it.
     _args.add_cluster_args(parser)
-    parser.add_argument(
-        "--backend", choices=["netmodel"], default="netmodel", help="what times the paths"
-    )
+    _args.add_flag(parser, "--backend", "netmodel")
     _args.add_flag(
         parser,
         "--model",
         help="netmodel parameters (configs/netmodel/*.yaml; default: the built-in NetModelConfig, "
         "max-min: alpha 0)",
     )
-    parser.add_argument(
-        "--alpha", type=float, default=None, help="override the incast alpha of --model"
-    )
+    _args.add_flag(parser, "--alpha", help="override the incast alpha of --model")
     group = parser.add_argument_group("workload")
-    group.add_argument(
-        "--workload", choices=["glm45-air"], default="glm45-air", help="routing generator"
-    )
+    _args.add_flag(group, "--workload", "glm45-air")
     _args.add_flag(group, "--pattern", ["ring", "moderate", "extreme"])
     _args.add_flag(
         group,
@@ -67,7 +61,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         metavar="K|L,L",
         help="one number K: the first K MoE layers; a list: those layer numbers",
     )
-    group.add_argument("--steps", type=int, default=1, help="training steps per layer (default 1)")
+    _args.add_flag(group, "--steps", 1, help="training steps per layer")
     _args.add_flag(group, "--tokens", 2048)
     _args.add_flag(group, "--payload-scale", 1.0, default_text="1")
     _args.add_flag(group, "--seed", 0)

@@ -55,11 +55,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "other T values, merged) and write --write-anchors (and --json)",
     )
     group = parser.add_argument_group("requests")
-    group.add_argument(
-        "--workload",
-        choices=["synthetic", "glm"],
-        default="synthetic",
-        help="request generator (default synthetic)",
+    _args.add_flag(
+        group, "--workload", "synthetic", choices=["synthetic", "glm"], help="request generator"
     )
     group.add_argument(
         "--families", type=int, default=8, help="synthetic routing families (default 8)"

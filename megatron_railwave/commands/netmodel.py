@@ -85,9 +85,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=[1e-3, 1e-2],
         help="event batching tolerances (default 1e-3 1e-2)",
     )
-    bench.add_argument(
-        "--alpha", type=float, default=0.0, help="incast alpha (default 0: pure max-min)"
-    )
+    _args.add_flag(bench, "--alpha", 0.0, default_text="0: pure max-min")
     _args.add_output_args(bench, json="the rows")
     bench.set_defaults(handler=_bench_engine)
 

@@ -43,9 +43,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         metavar="YAML[,YAML]",
         help="flow-model parameters; several (comma-separated) share one routing",
     )
-    parser.add_argument(
-        "--workload", choices=["glm45-air"], default="glm45-air", help="routing (glm45-air)"
-    )
+    _args.add_flag(parser, "--workload", "glm45-air")
     _args.add_flag(parser, "--tokens", 4096)
     _args.add_flag(
         parser,
@@ -54,7 +52,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default_text="all 45",
     )
     parser.add_argument("--workload-seed", type=int, default=0, help="routing seed (default 0)")
-    parser.add_argument("--steps", type=int, default=200, help="training steps (default 200)")
+    _args.add_flag(parser, "--steps", 200)
     parser.add_argument(
         "--routing-every",
         type=int,

@@ -41,9 +41,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     group = parser.add_argument_group("planner")
     _args.add_flag(group, "--path", "joint")
     _args.add_flag(group, "--fanin", 1, help="wave fan-in for perm/joint")
-    group = parser.add_argument_group("measurement")
-    group.add_argument("--warmup", type=int, default=3, help="untimed runs per config (default 3)")
-    _args.add_flag(group, "--repeats", 20, help="timed runs per config")
+    group = _args.add_measure_args(
+        parser,
+        warmups=3,
+        repeats=20,
+        warmups_help="untimed runs per config",
+        repeats_help="timed runs per config",
+        renamed_warmup=True,
+    )
     group.add_argument(
         "--full-routing-max-ranks",
         type=int,
@@ -68,9 +73,9 @@ def _parse_configs(text: str) -> list[tuple[int, int]]:
 def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(1)
     configs = _parse_configs(args.configs)
-    if args.warmup < 0 or args.repeats < 1:
+    if args.warmups < 0 or args.repeats < 1:
         raise ValueError(
-            f"--warmup must be >= 0 and --repeats >= 1, got {args.warmup}, {args.repeats}"
+            f"--warmups must be >= 0 and --repeats >= 1, got {args.warmups}, {args.repeats}"
         )
     if args.tokens < 1:
         raise ValueError(f"--tokens must be >= 1, got {args.tokens}")
@@ -85,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
             paths=_common.paths_from_choice(args.path),
             fanin=args.fanin,
             seed=args.seed,
-            warmup=args.warmup,
+            warmup=args.warmups,
             repeats=args.repeats,
             full_routing_max_ranks=args.full_routing_max_ranks,
         )

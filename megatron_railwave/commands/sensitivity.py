@@ -40,11 +40,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="base netmodel parameters (configs/netmodel/*.yaml; its alpha is ignored: the fabrics "
         "set it); default the built-in NetModelConfig",
     )
-    parser.add_argument(
+    _args.add_flag(
+        parser,
         "--alpha",
-        type=float,
-        default=None,
-        help="alpha of the incast fabric (default: fitted on the paper's UltraEP case, 4 x 8 only)",
+        help="alpha of the incast fabric",
+        default_text="fitted on the paper's UltraEP case, 4 x 8 only",
     )
     _args.add_flag(
         parser,

@@ -49,21 +49,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     run = sub.add_parser(
         "run", help="measure NATIVE/RAIL/PERM/JOINT on replay workloads, plus the rail fault"
     )
-    run.add_argument(
-        "--name", default=None, help="run on this testbed (from `up`); default: a temporary one"
-    )
-    _add_state_dir(run)
-    _add_spec_args(run)
-    run.add_argument(
-        "--patterns",
-        default="ring,moderate,extreme",
-        help="sending arrangements (default all three)",
-    )
-    run.add_argument(
-        "--rails", default="balanced,skewed", help="replayed layer: balanced and/or skewed rails"
-    )
-    run.add_argument(
-        "--paths", default=",".join(map(str, ROUTES)), help="paths to measure (default all)"
+    _add_study_args(
+        run,
+        patterns="ring,moderate,extreme",
+        patterns_help="sending arrangements (default all three)",
+        rails_help="replayed layer: balanced and/or skewed rails",
+        paths_help="paths to measure (default all)",
     )
     _add_workload_args(run, hidden=4096)
     run.add_argument(
@@ -84,12 +75,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         choices=["even", "relabel"],
         help="how workloads.arrange_topk_ids moves records onto the windows (default even)",
     )
-    run.add_argument(
-        "--warmup", type=int, default=2, help="untimed rounds per workload (default 2)"
+    group = _args.add_measure_args(
+        run,
+        warmups=2,
+        repeats=None,
+        warmups_help="untimed rounds per workload",
+        renamed_warmup=True,
     )
-    run.add_argument(
-        "--samples", type=int, default=10, help="timed rounds per workload (default 10)"
-    )
+    _args.add_flag(group, "--samples", 10, help="timed rounds per workload")
     run.add_argument(
         "--no-recv-first",
         action="store_true",
@@ -127,37 +120,44 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="the online path selector over training steps against each fixed path "
         "(issue 33, goal 2)",
     )
-    online.add_argument(
-        "--name", default=None, help="run on this testbed (from `up`); default: a temporary one"
+    _add_study_args(
+        online,
+        patterns="extreme",
+        patterns_help="sending arrangements of the layers (default extreme)",
+        rails_help="layers: balanced and/or skewed rails (default both)",
+        paths_help="fixed paths run next to the online selector (default all four)",
     )
-    _add_state_dir(online)
-    _add_spec_args(online)
-    online.add_argument(
-        "--patterns", default="extreme", help="sending arrangements of the layers (default extreme)"
-    )
-    online.add_argument(
-        "--rails",
-        default="balanced,skewed",
-        help="layers: balanced and/or skewed rails (default both)",
-    )
-    online.add_argument(
-        "--paths",
-        default=",".join(map(str, ROUTES)),
-        help="fixed paths run next to the online selector (default all four)",
-    )
-    online.add_argument("--steps", type=int, default=40, help="training steps (default 40)")
+    _args.add_flag(online, "--steps", 40)
     _add_workload_args(online, hidden=1024)
-    online.add_argument(
-        "--warmup", type=int, default=2, help="untimed rounds of every fixed path first (default 2)"
+    group = _args.add_measure_args(
+        online,
+        warmups=2,
+        repeats=None,
+        warmups_help="untimed rounds of every fixed path first",
+        renamed_warmup=True,
     )
-    online.add_argument(
-        "--timeout",
-        type=float,
-        default=1800.0,
-        help="limit of the worker run in seconds (default 1800)",
-    )
+    _args.add_flag(group, "--timeout", 1800.0, help="limit of the worker run in seconds")
     _args.add_output_args(online, json="all results")
     online.set_defaults(handler=_online)
+
+
+def _add_study_args(
+    parser: argparse.ArgumentParser,
+    *,
+    patterns: str,
+    patterns_help: str,
+    rails_help: str,
+    paths_help: str,
+) -> None:
+    """The testbed to run on and what ``run`` / ``online`` replay on it."""
+    parser.add_argument(
+        "--name", default=None, help="run on this testbed (from `up`); default: a temporary one"
+    )
+    _add_state_dir(parser)
+    _add_spec_args(parser)
+    parser.add_argument("--patterns", default=patterns, help=patterns_help)
+    parser.add_argument("--rails", default="balanced,skewed", help=rails_help)
+    parser.add_argument("--paths", default=",".join(map(str, ROUTES)), help=paths_help)
 
 
 def _add_state_dir(parser: argparse.ArgumentParser, *, written: bool = False) -> None:
@@ -301,7 +301,7 @@ def _run(args: argparse.Namespace) -> int:
         tokens=args.tokens,
         hidden=args.hidden,
         dtype=args.dtype,
-        warmup=args.warmup,
+        warmup=args.warmups,
         samples=args.samples,
         seed=args.seed,
         balanced_layer=args.balanced_layer,
@@ -378,7 +378,7 @@ def _online(args: argparse.Namespace) -> int:
         hidden=args.hidden,
         dtype=args.dtype,
         seed=args.seed,
-        warmup=args.warmup,
+        warmup=args.warmups,
         timeout_s=args.timeout,
     )
     if "native" not in cfg.paths or args.steps < 1:

@@ -45,7 +45,7 @@ EXPECTED_FLAGS = {
         "--path",
         "--fanin",
         "--seed",
-        "--warmup",
+        "--warmups",
         "--repeats",
         "--full-routing-max-ranks",
         "--json",
@@ -279,7 +279,7 @@ EXPECTED_FLAGS = {
         "--balanced-layer",
         "--skewed-layer",
         "--arrange-mode",
-        "--warmup",
+        "--warmups",
         "--samples",
         "--no-recv-first",
         "--fault",
@@ -307,7 +307,7 @@ EXPECTED_FLAGS = {
         "--hidden",
         "--dtype",
         "--seed",
-        "--warmup",
+        "--warmups",
         "--timeout",
         "--json",
     ],
@@ -347,6 +347,9 @@ EXPECTED_FLAGS = {
 DEPRECATED_FLAGS = {
     "calibrate": {"--out": "--write-anchors"},
     "netmodel fit-incast": {"--out": "--write-model"},
+    "plan-bench": {"--warmup": "--warmups"},
+    "testbed run": {"--warmup": "--warmups"},
+    "testbed online": {"--warmup": "--warmups"},
 }
 """Old spellings still accepted for one release (hidden from the help): old -> new flag."""
 
@@ -434,17 +437,28 @@ def test_json_is_a_file_and_out_a_directory_in_every_command():
 
 
 @pytest.mark.parametrize(
-    ("argv", "new", "dest"),
+    ("argv", "new", "dest", "value"),
     [
-        (["calibrate", "--cluster", H800, "--out", "a.yaml"], "--write-anchors", "write_anchors"),
-        (["netmodel", "fit-incast", "--out", "m.yaml"], "--write-model", "write_model"),
+        (
+            ["calibrate", "--cluster", H800, "--out", "a.yaml"],
+            "--write-anchors",
+            "write_anchors",
+            "a.yaml",
+        ),
+        (["netmodel", "fit-incast", "--out", "m.yaml"], "--write-model", "write_model", "m.yaml"),
+        (["plan-bench", "--warmup", "0"], "--warmups", "warmups", 0),
+        (["testbed", "run", "--warmup", "1"], "--warmups", "warmups", 1),
+        (["testbed", "online", "--warmup", "1"], "--warmups", "warmups", 1),
     ],
 )
-def test_out_as_a_file_still_works_for_one_release_and_names_the_new_flag(capsys, argv, new, dest):
+def test_a_renamed_flag_still_works_for_one_release_and_names_the_new_one(
+    capsys, argv, new, dest, value
+):
     args = build_parser().parse_args(argv)
-    assert getattr(args, dest) == argv[-1] and not hasattr(args, "out")
+    old = argv[-2]
+    assert getattr(args, dest) == value and not hasattr(args, old.lstrip("-"))
     err = capsys.readouterr().err
-    assert f"--out {argv[-1]} is deprecated" in err and f"use {new} {argv[-1]}" in err
+    assert f"{old} {argv[-1]} is deprecated" in err and f"use {new} {argv[-1]}" in err
 
 
 def test_calibrate_needs_the_anchors_file(capsys):
@@ -584,7 +598,7 @@ def test_plan_bench_writes_configs(tmp_path):
                 "4",
                 "--topk",
                 "2",
-                "--warmup",
+                "--warmups",
                 "0",
                 "--repeats",
                 "2",
