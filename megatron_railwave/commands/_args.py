@@ -185,6 +185,8 @@ _FLAGS: dict[str, dict[str, Any]] = {
         "help": "mark rail RAIL of node NODE failed (repeatable)",
     },
     # workload
+    "--workload": {"choices": ("glm45-air",), "help": "routing generator"},
+    "--steps": {"type": int, "help": "training steps"},
     "--tokens": {"type": int, "metavar": "T", "help": "tokens per GPU"},
     "--experts": {"type": int, "metavar": "E", "help": "routed experts"},
     "--topk": {"type": int, "metavar": "K", "help": "experts per token"},
@@ -226,9 +228,6 @@ _FLAGS: dict[str, dict[str, Any]] = {
         "runs) or streamed (as DeepEP's forwarders)",
     },
     "--peers": {"metavar": "P,P", "help": "peers on the same demand and model"},
-    "--workload": {"choices": ("glm45-air",), "help": "routing generator"},
-    "--steps": {"type": int, "help": "training steps"},
-    # flow model
     "--alpha": {"type": float, "help": "incast alpha"},
     # measurement
     "--backend": {"choices": ("netmodel",), "help": "what times the paths"},
