@@ -75,7 +75,8 @@ def main() -> int:
 def _print_layer_table(log_dir: Path, run: str) -> dict:
     """What railwave did per MoE layer, from this run's own communication log (slowest rank);
     returns ``railwave report``'s summary of the run."""
-    from megatron_railwave.commands.report import layer_table, summarize_logs
+    from megatron_railwave.commands.report import layer_table
+    from megatron_railwave.lab.log_summary import summarize_logs
     from megatron_railwave.telemetry.commlog import read_logs, split_runs
 
     summary = summarize_logs(split_runs(read_logs(log_dir))[run])

@@ -321,12 +321,12 @@ class RailWaveConfig:
             if not isinstance(self.anchors, (str, os.PathLike)):
                 raise ValueError(
                     f"anchors={self.anchors!r} must be the path of an anchors YAML file "
-                    "(railwave calibrate --out) or null"
+                    "(railwave calibrate --write-anchors) or null"
                 )
             if Path(self.anchors).expanduser().is_dir():
                 raise ValueError(
                     f"anchors {str(self.anchors)!r} is a directory; give the anchors YAML file "
-                    "written by `railwave calibrate --out`"
+                    "written by `railwave calibrate --write-anchors`"
                 )
         if self.selector not in (None, "online", "anchors"):
             raise ValueError(

@@ -1,4 +1,5 @@
-"""Argument groups and helpers shared by the CLI commands.
+"""What the CLI commands share after parsing: the package's objects from the parsed flags
+(``_args`` defines the flags), checks of their values, and the JSON writer.
 
 Letters: N nodes, G GPUs per node, T tokens per rank, E experts, K top-k, H hidden size.
 """
@@ -13,156 +14,28 @@ from typing import Any
 
 import torch
 
-from megatron_railwave.names import ROUTES, Route, parse_route, route_list
+from megatron_railwave.names import ROUTES, Route, parse_route
 from megatron_railwave.planner import EligiblePolicy, PlanOptions
 from megatron_railwave.topology import RailTopology, load_topology
 from megatron_railwave.traffic import dtype_bytes
 
 __all__ = [
-    "add_cluster_args",
-    "add_workload_args",
-    "add_plan_args",
+    "check_replay_measure_args",
     "check_workload_args",
     "cluster_from_args",
+    "glm_layers",
+    "load_model",
     "options_from_args",
-    "parse_failed_rail",
-    "parse_path_choice",
     "paths_from_choice",
     "record_bytes_from_args",
     "json_ready",
     "write_json",
 ]
 
-ALL_PATHS = ROUTES
-
-
-def parse_failed_rail(text: str) -> tuple[int, int]:
-    """argparse type of ``--failed-rail NODE:RAIL`` (range is checked by the topology)."""
-    parts = text.split(":")
-    if len(parts) != 2 or not all(p.strip().lstrip("-").isdigit() for p in parts):
-        raise argparse.ArgumentTypeError(
-            f"expected NODE:RAIL with two integers (e.g. 0:3), got {text!r}"
-        )
-    return int(parts[0]), int(parts[1])
-
-
-def parse_path_choice(text: str) -> str:
-    """argparse type of ``--path``: a path name (paper aliases accepted) or 'all'."""
-    if text.strip().lower() == "all":
-        return "all"
-    try:
-        return str(parse_route(text))
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"unknown path {text!r}; choose one of {route_list(extra=('all',))}"
-        ) from None
-
 
 def paths_from_choice(choice: str) -> list[Route]:
-    return list(ALL_PATHS) if choice == "all" else [parse_route(choice)]
-
-
-def _rail_mask_gpus(text: str) -> list[int]:
-    try:
-        return [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected a comma-separated list of local GPU indices (e.g. 0,1,2,3), got {text!r}"
-        ) from None
-
-
-def add_cluster_args(parser: argparse.ArgumentParser, *, default: str | None = None) -> None:
-    group = parser.add_argument_group("cluster")
-    group.add_argument(
-        "--cluster",
-        default=default,
-        required=default is None,
-        metavar="YAML",
-        help="cluster YAML file, or the name of a preset in configs/clusters (e.g. h800_4x8)"
-        + (f" (default {default})" if default else ""),
-    )
-    group.add_argument(
-        "--nodes",
-        type=int,
-        default=None,
-        metavar="N",
-        help="override the node count of the cluster file",
-    )
-    group.add_argument(
-        "--failed-rail",
-        type=parse_failed_rail,
-        action="append",
-        default=[],
-        metavar="NODE:RAIL",
-        help="mark rail RAIL of node NODE failed (repeatable)",
-    )
-
-
-def add_workload_args(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group(
-        "workload (seeded synthetic routing, workloads.synthetic_routing_maps)"
-    )
-    group.add_argument(
-        "--tokens", type=int, default=4096, metavar="T", help="tokens per GPU (default 4096)"
-    )
-    group.add_argument(
-        "--experts",
-        type=int,
-        default=128,
-        metavar="E",
-        help="routed experts, divisible by the world size (default 128)",
-    )
-    group.add_argument(
-        "--topk", type=int, default=8, metavar="K", help="experts per token (default 8)"
-    )
-    group.add_argument(
-        "--hidden", type=int, default=4096, metavar="H", help="hidden size (default 4096)"
-    )
-    group.add_argument(
-        "--dtype", default="bf16", help="payload element type: bf16, fp16, fp32, fp8 (default bf16)"
-    )
-    group.add_argument("--seed", type=int, default=0, help="routing seed (default 0)")
-
-
-def add_plan_args(parser: argparse.ArgumentParser, *, default_path: str = "joint") -> None:
-    group = parser.add_argument_group("planner")
-    group.add_argument(
-        "--path",
-        type=parse_path_choice,
-        default=default_path,
-        metavar="PATH",
-        help=f"{route_list(extra=('all',))} (default {default_path})",
-    )
-    group.add_argument(
-        "--policy",
-        choices=[str(p) for p in EligiblePolicy],
-        default="all",
-        help="RailBalance eligible rails: all healthy, active senders, or --rail-mask",
-    )
-    group.add_argument(
-        "--rail-mask",
-        type=_rail_mask_gpus,
-        default=None,
-        metavar="GPUS",
-        help="local GPUs (rails) allowed under --policy mask on every node, e.g. 0,1,2,3",
-    )
-    group.add_argument(
-        "--fanin",
-        type=int,
-        default=1,
-        metavar="F",
-        help="remote senders per receiver per wave for perm/joint (default 1: cyclic)",
-    )
-    group.add_argument(
-        "--chunks",
-        type=int,
-        default=1,
-        metavar="C",
-        help="rail chunks per wave for perm/joint (default 1: whole waves)",
-    )
-    group.add_argument(
-        "--phase", type=int, default=0, help="remainder-rotation counter (default 0)"
-    )
+    """The routes of a ``--path`` choice (``_args.parse_path_choice``): one, or all for 'all'."""
+    return list(ROUTES) if choice == "all" else [parse_route(choice)]
 
 
 def cluster_from_args(args: argparse.Namespace) -> RailTopology:
@@ -171,11 +44,13 @@ def cluster_from_args(args: argparse.Namespace) -> RailTopology:
         topo = load_topology(args.cluster)
     except ValueError as exc:
         raise ValueError(f"--cluster: {exc}") from None
-    if args.nodes is not None:
+    # Commands whose cluster group has no --nodes / --failed-rail (``add_cluster_args(overrides=
+    # False)``) take the file as it is.
+    if getattr(args, "nodes", None) is not None:
         if args.nodes < 1:
             raise ValueError(f"--nodes must be >= 1, got {args.nodes}")
         topo = topo.with_nodes(args.nodes)
-    if args.failed_rail:
+    if getattr(args, "failed_rail", None):
         try:
             topo = topo.with_failed_rails(set(args.failed_rail))
         except ValueError as exc:
@@ -203,6 +78,14 @@ def check_workload_args(args: argparse.Namespace, topo: RailTopology) -> None:
         )
 
 
+def check_replay_measure_args(args: argparse.Namespace) -> None:
+    """The values of ``_args.add_replay_measure_args``' flags."""
+    if args.repeats < 1 or args.warmups < 0:
+        raise ValueError(
+            f"need --repeats >= 1 and --warmups >= 0, got {args.repeats} and {args.warmups}"
+        )
+
+
 def options_from_args(args: argparse.Namespace, topo: RailTopology) -> PlanOptions:
     """``PlanOptions`` from ``--policy``, ``--rail-mask``, ``--fanin`` and ``--chunks``."""
     if args.fanin < 1:
@@ -224,6 +107,30 @@ def options_from_args(args: argparse.Namespace, topo: RailTopology) -> PlanOptio
         fanin=args.fanin,
         chunks=getattr(args, "chunks", 1),
     )
+
+
+def glm_layers(selection: list[int] | None, flag: str, *, default: list[int]) -> list[int]:
+    """The GLM-4.5-Air MoE layer numbers of ``--layers K|L,L`` (``_args.layer_count_or_list``:
+    ``[-K]`` = the first K layers; None: ``default``), each checked to be one."""
+    from megatron_railwave.lab.workloads import GLM45_AIR
+
+    known = GLM45_AIR.layer_numbers
+    if selection is None:
+        return list(default)
+    layers = list(known[: -selection[0]]) if selection[0] < 0 else list(selection)
+    bad = [v for v in layers if v not in known]
+    if bad:
+        raise ValueError(
+            f"{flag}: {bad} are not MoE layers of GLM-4.5-Air ({known[0]}..{known[-1]})"
+        )
+    return layers
+
+
+def load_model(path: str | None) -> Any:
+    """The ``NetModelConfig`` of a ``--model`` file (None: the built-in defaults)."""
+    from megatron_railwave.lab.netmodel import NetModelConfig, load_netmodel_config
+
+    return load_netmodel_config(path) if path else NetModelConfig()
 
 
 def json_ready(value: Any) -> Any:

@@ -16,10 +16,17 @@ __all__ = ["declare_outputs", "check_outputs"]
 
 
 def declare_outputs(
-    parser: argparse.ArgumentParser, *, files: tuple[str, ...] = (), dirs: tuple[str, ...] = ()
+    container: argparse.ArgumentParser | argparse._ArgumentGroup,
+    *,
+    files: tuple[str, ...] = (),
+    dirs: tuple[str, ...] = (),
 ) -> None:
-    """Record which argument dests of ``parser`` name output files and output directories."""
-    parser.set_defaults(output_files=files, output_dirs=dirs)
+    """Add argument dests of ``container`` (a parser, or one of its groups: they share the
+    parser's defaults) to those that name output files and output directories."""
+    container.set_defaults(
+        output_files=tuple(container.get_default("output_files") or ()) + files,
+        output_dirs=tuple(container.get_default("output_dirs") or ()) + dirs,
+    )
 
 
 def check_outputs(args: argparse.Namespace) -> None:

@@ -24,14 +24,12 @@ inter-node byte ratios), ``alltoall_skipped``, ``profile``.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 from pathlib import Path
 from typing import Any
 
-from megatron_railwave.commands import _common, _outputs, _render
-from megatron_railwave.names import route_list
+from megatron_railwave.commands import _args, _common, _render
 
-__all__ = ["register", "run", "alltoall_skip_reason"]
+__all__ = ["register", "run"]
 
 _MiB = float(1 << 20)
 _VARIANTS = ("native", "rail", "perm", "joint", "alltoall")
@@ -46,54 +44,29 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "perm and joint next to Megatron's alltoall dispatcher, W local gloo processes, "
         "same seeded routing; also the bytes each path puts on every rail.",
     )
-    group = parser.add_argument_group("cluster and workload")
-    group.add_argument("--nodes", type=int, default=4, metavar="N", help="nodes (default 4)")
-    group.add_argument(
-        "--gpus-per-node",
-        type=int,
-        default=2,
-        metavar="G",
-        help="GPUs (processes) per node (default 2; W = N * G processes)",
+    _args.add_shape_args(
+        parser,
+        nodes=4,
+        gpus_per_node=2,
+        gpus_help="GPUs (processes) per node (W = N * G processes)",
+        failed_rail=True,
     )
-    group.add_argument(
-        "--failed-rail",
-        type=_common.parse_failed_rail,
-        action="append",
-        default=[],
-        metavar="NODE:RAIL",
-        help="mark a rail failed (repeatable)",
+    _args.add_workload_args(
+        parser,
+        tokens=256,
+        experts=32,
+        topk=8,
+        hidden=512,
+        dtype="fp32",
+        per="rank",
+        experts_help="experts, a multiple of W",
+        dtypes=("fp32", "bf16", "fp16"),
+        seed_help="routing and input seed",
     )
-    group.add_argument(
-        "--tokens", type=int, default=256, metavar="T", help="tokens per rank (default 256)"
-    )
-    group.add_argument(
-        "--hidden", type=int, default=512, metavar="H", help="hidden size (default 512)"
-    )
-    group.add_argument(
-        "--experts", type=int, default=32, metavar="E", help="experts, a multiple of W (default 32)"
-    )
-    group.add_argument(
-        "--topk", type=int, default=8, metavar="K", help="experts per token (default 8)"
-    )
-    group.add_argument(
-        "--dtype",
-        choices=["fp32", "bf16", "fp16"],
-        default="fp32",
-        help="hidden dtype (default fp32)",
-    )
-    group.add_argument("--seed", type=int, default=0, help="routing and input seed (default 0)")
     group = parser.add_argument_group("measurement")
-    group.add_argument(
-        "--path",
-        type=_common.parse_path_choice,
-        default="all",
-        metavar="PATH",
-        help=f"{route_list(extra=('all',))} (default all)",
-    )
-    group.add_argument(
-        "--warmups", type=int, default=3, help="untimed rounds of every variant (default 3)"
-    )
-    group.add_argument("--samples", type=int, default=20, help="timed rounds (default 20)")
+    _args.add_flag(group, "--path", "all")
+    _args.add_flag(group, "--warmups", 3, help="untimed rounds of every variant")
+    _args.add_flag(group, "--samples", 20, help="timed rounds")
     group.add_argument(
         "--backward",
         action="store_true",
@@ -104,12 +77,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         action="store_true",
         help="skip Megatron's alltoall baseline (default: time it when megatron-core is installed)",
     )
-    group.add_argument(
-        "--timeout",
-        type=float,
-        default=900.0,
-        metavar="S",
-        help="limit for the whole multi-process run in seconds (default 900)",
+    _args.add_flag(
+        group, "--timeout", 900.0, help="limit for the whole multi-process run in seconds"
     )
     group.add_argument(
         "--profile",
@@ -117,12 +86,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         metavar="VARIANT",
         help="cProfile this variant's timed samples on rank 0 (native, ..., alltoall)",
-    )
-    group.add_argument(
-        "--profile-out",
-        default=None,
-        metavar="FILE",
-        help="write the profile text here (default: print the top entries)",
     )
     group.add_argument(
         "--shared-expert",
@@ -137,22 +100,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         metavar="F",
         help="--shared-expert: the shared expert's FFN size (default 4 x hidden)",
     )
-    parser.add_argument("--json", default=None, metavar="FILE", help="write the result as JSON")
+    output = _args.add_output_args(parser, json="the result")
+    _args.add_output_file(
+        output,
+        "--profile-out",
+        metavar="FILE",
+        help="write the --profile text here (default: print the top entries)",
+    )
     parser.set_defaults(handler=run)
-    _outputs.declare_outputs(parser, files=("json", "profile_out"))
-
-
-def alltoall_skip_reason(no_alltoall: bool) -> str | None:
-    """Why the alltoall baseline cannot run, or None when it can."""
-    if no_alltoall:
-        return "--no-alltoall"
-    try:
-        have_mcore = importlib.util.find_spec("megatron.core") is not None
-    except ModuleNotFoundError:
-        have_mcore = False
-    if not have_mcore:
-        return "megatron-core is not installed (pip install megatron-core)"
-    return None
 
 
 def _check(args: argparse.Namespace) -> None:
@@ -235,7 +190,13 @@ def _run_shared_expert(args: argparse.Namespace, spec: Any, skipped: str | None)
 
 def run(args: argparse.Namespace) -> int:
     _check(args)
-    from megatron_railwave.lab.bench import ALLTOALL, NATIVE_GOALS, BenchSpec, run_bench_exchange
+    from megatron_railwave.lab.bench import (
+        ALLTOALL,
+        NATIVE_GOALS,
+        BenchSpec,
+        alltoall_skip_reason,
+        run_bench_exchange,
+    )
 
     skipped = alltoall_skip_reason(args.no_alltoall)
     if skipped:

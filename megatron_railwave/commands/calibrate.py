@@ -12,8 +12,10 @@ An anchor is kept when the fastest path is not JOINT, it and JOINT are repeatabl
 (p90/p10 <= ``--max-spread``) and it beats JOINT by at least ``--min-gain`` (5%) conservatively:
 p90(best) <= (1 - ``--min-gain``) x p10(JOINT).
 
-JSON written by ``--json``: ``anchors`` (the file's content) and ``requests`` (one row per request:
-coords, B_mean_bytes, rho_g, kappa, best, kept, gain, reason, latency_s per path).
+The anchors file goes to ``--write-anchors`` (``--out`` before: deprecated, it still works for
+one release). JSON written by ``--json``: ``anchors`` (the file's content) and ``requests`` (one
+row per request: coords, B_mean_bytes, rho_g, kappa, best, kept, gain, reason, latency_s per
+path).
 """
 
 from __future__ import annotations
@@ -22,79 +24,10 @@ import argparse
 from collections import Counter
 from typing import Any
 
-from megatron_railwave.commands import _common, _outputs, _render
+from megatron_railwave.commands import _args, _common, _render
 from megatron_railwave.names import ROUTES
 
-__all__ = ["register", "run", "parse_floats", "load_model", "model_dict"]
-
-
-def parse_floats(text: str) -> list[float]:
-    """argparse type of a comma-separated list of positive numbers."""
-    try:
-        values = [float(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        values = []
-    if not values or any(not v > 0 for v in values):
-        raise argparse.ArgumentTypeError(
-            f"expected positive numbers separated by commas (e.g. 1,2,4), got {text!r}"
-        )
-    return values
-
-
-def _token_list(text: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        values = []
-    if not values or any(v < 1 for v in values):
-        raise argparse.ArgumentTypeError(
-            f"expected tokens per GPU >= 1 separated by commas (e.g. 128,4096), got {text!r}"
-        )
-    return values
-
-
-def _layers(text: str) -> list[int]:
-    try:
-        return [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected layer numbers separated by commas, got {text!r}"
-        ) from None
-
-
-def _arrangements(text: str) -> list[str]:
-    allowed = ("none", "ring", "moderate", "extreme")
-    values = [v.strip().lower() for v in text.split(",") if v.strip()]
-    if not values or any(v not in allowed for v in values):
-        raise argparse.ArgumentTypeError(
-            f"expected some of {','.join(allowed)} separated by commas, got {text!r}"
-        )
-    return values
-
-
-def add_measure_args(parser: argparse.ArgumentParser, *, backend_required: bool = True) -> None:
-    group = parser.add_argument_group("measurement")
-    group.add_argument(
-        "--backend",
-        choices=["netmodel"],
-        required=backend_required,
-        default=None,
-        help="what times the paths: netmodel (the flow model; the only backend so far)",
-    )
-    group.add_argument(
-        "--model",
-        default=None,
-        metavar="YAML",
-        help="netmodel parameters (configs/netmodel/*.yaml; default: calibrate: the built-in "
-        "NetModelConfig; validate: the model recorded in the anchors file)",
-    )
-    group.add_argument(
-        "--warmups", type=int, default=5, help="discarded calls per path (default 5)"
-    )
-    group.add_argument(
-        "--repeats", type=int, default=10, help="interleaved rounds per request (default 10)"
-    )
-    group.add_argument("--no-progress", action="store_true", help="no progress bar")
+__all__ = ["register", "run"]
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -106,9 +39,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "rounds, medians) and keep an anchor where a path beats JOINT repeatably and "
         "conservatively.",
     )
-    _common.add_cluster_args(parser)
-    add_measure_args(parser, backend_required=False)
-    parser.add_argument("--out", required=True, metavar="YAML", help="anchors file to write")
+    _args.add_cluster_args(parser)
+    _args.add_replay_measure_args(
+        parser,
+        model_help="netmodel parameters (configs/netmodel/*.yaml)",
+        model_default_text="the built-in NetModelConfig",
+    )
     parser.add_argument(
         "--retune",
         default=None,
@@ -116,71 +52,67 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="measure nothing: re-tune the selector over the rows of earlier `calibrate --json` "
         "files "
         "of this --cluster (their context and keep decisions; several: the same calibration at "
-        "other T values, merged) and write --out (and --json)",
+        "other T values, merged) and write --write-anchors (and --json)",
     )
     group = parser.add_argument_group("requests")
-    group.add_argument(
-        "--workload",
-        choices=["synthetic", "glm"],
-        default="synthetic",
-        help="request generator (default synthetic)",
+    _args.add_flag(
+        group, "--workload", "synthetic", choices=["synthetic", "glm"], help="request generator"
     )
     group.add_argument(
         "--families", type=int, default=8, help="synthetic routing families (default 8)"
     )
-    group.add_argument(
+    _args.add_flag(
+        group,
         "--layers",
-        type=_layers,
-        default=None,
-        metavar="L,L",
-        help="glm: MoE layer numbers (default the odd ones, 1,3,...,45; validation holds out the "
-        "rest)",
+        help="glm: MoE layer numbers",
+        default_text="the odd ones, 1,3,...,45; validation holds out the rest",
     )
-    group.add_argument(
-        "--seed", type=int, default=0, help="first family seed / glm seed (default 0)"
-    )
-    group.add_argument(
+    _args.add_flag(group, "--seed", 0, help="first family seed / glm seed")
+    _args.add_flag(
+        group,
         "--extra-seeds",
-        type=_layers,
-        default=[],
+        [],
+        type=_args.comma_ints("seeds", allow_empty=True),
         metavar="S,S",
-        help="glm: more workload seeds of the same layers (more skew levels covered; default none)",
+        help="glm: more workload seeds of the same layers (more skew levels covered)",
+        default_text="none",
     )
-    group.add_argument(
+    _args.add_flag(
+        group,
         "--arrangements",
-        type=_arrangements,
-        default=["none", "ring", "moderate", "extreme"],
+        list(_args.ARRANGEMENTS),
+        type=_args.comma_choices(_args.ARRANGEMENTS),
         metavar="A,A",
         help="sending arrangements: none (all pairs at once, as in training), "
-        "ring, moderate, extreme (default all four)",
+        "ring, moderate, extreme",
+        default_text="all four",
     )
-    group.add_argument(
+    _args.add_flag(
+        group,
         "--payload-scales",
-        type=parse_floats,
-        default=[1.0],
+        [1.0],
+        type=_args.comma_floats("positive numbers (e.g. 1,2,4)", minimum=0.0, inclusive=False),
         metavar="X,X",
-        help="payload factors applied to every routing, on top of --tokens (default 1)",
+        help="payload factors applied to every routing, on top of --tokens",
+        default_text="1",
     )
-    group.add_argument(
+    _args.add_flag(
+        group,
         "--tokens",
-        type=_token_list,
-        default=[128, 512, 2048, 4096],
+        [128, 512, 2048, 4096],
+        type=_args.comma_ints("tokens per GPU >= 1 (e.g. 128,4096)", minimum=1),
         metavar="T,T",
-        help="tokens per GPU, one request set per value (default 128,512,2048,4096)",
+        help="tokens per GPU, one request set per value",
     )
-    group.add_argument(
-        "--hidden", type=int, default=4096, metavar="H", help="hidden size (default 4096)"
-    )
-    group.add_argument(
+    _args.add_workload_args(group, hidden=4096, dtype="bf16", seed=None)
+    _args.add_flag(
+        group,
         "--chunks",
-        type=int,
-        default=1,
-        metavar="C",
+        1,
         help="rail chunks per wave of the PERM / JOINT plans (PlanOptions.chunks, recorded as "
-        "context.settings.chunks; a RailWave config using the file must set the same chunks; "
-        "default 1, whole waves)",
+        "context.settings.chunks; a RailWave config using the file must set the same chunks)",
+        default_text="1, whole waves",
     )
-    group.add_argument("--dtype", default="bf16", help="payload element type (default bf16)")
     rule = parser.add_argument_group("keep rule")
     rule.add_argument("--max-spread", type=float, default=1.2, help="max p90/p10 (default 1.2)")
     rule.add_argument(
@@ -189,65 +121,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=0.05,
         help="min conservative gain over JOINT, p90 vs p10 (default 0.05)",
     )
-    parser.add_argument(
-        "--json", default=None, metavar="FILE", help="also write every request's numbers"
+    output = _args.add_output_args(parser, json="every request's numbers")
+    _args.add_output_file(
+        output,
+        "--write-anchors",
+        metavar="YAML",
+        help="the anchors file to write (required)",
+        required=True,
+        renamed_from="--out",
     )
     parser.set_defaults(handler=run)
-    _outputs.declare_outputs(parser, files=("out", "json"))
-
-
-def load_model(path: str | None):
-    """The ``NetModelConfig`` of ``--model`` (None: the built-in defaults)."""
-    from megatron_railwave.lab.netmodel import NetModelConfig, load_netmodel_config
-
-    return load_netmodel_config(path) if path else NetModelConfig()
-
-
-def model_dict(model) -> dict[str, Any]:
-    """The model's parameters as recorded in the anchors file (provenance; validate reuses them)."""
-    return model.to_dict()
-
-
-def with_selector_settings(anchor_set, tuned: dict[str, Any]):
-    """``anchor_set`` with the tuned thresholds in ``context.settings.selector`` (scores stay in the
-    JSON), keeping only the anchors that hold across seeds under them (``tuned['held']``; none when
-    no setting beats always-JOINT): ``anchors_dropped`` records how many passed the keep rule but
-    not that check."""
-    from megatron_railwave.selector.anchors import AnchorSet, CalibrationContext
-
-    ctx = anchor_set.context
-    held = set(tuned.get("held", [a.name for a in anchor_set.anchors]))
-    anchors = tuple(a for a in anchor_set.anchors if a.name in held)
-    selector = {
-        k: tuned[k] for k in ("payload_ratio", "shape_distance", "method", "left_out", "tolerance")
-    }
-    if "hold_rule" in tuned:
-        selector["hold_rule"] = bool(tuned["hold_rule"])
-    selector["anchors_dropped"] = len(anchor_set.anchors) - len(anchors)
-    if tuned.get("fallback_below"):
-        selector["fallback_below"] = dict(tuned["fallback_below"])
-    if tuned.get("model"):
-        selector["model"] = dict(tuned["model"])
-    settings = {**ctx.settings, "selector": selector}
-    return AnchorSet(
-        anchors=anchors,
-        scales=anchor_set.scales,
-        context=CalibrationContext(
-            topology=ctx.topology,
-            hidden_size=ctx.hidden_size,
-            dtype=ctx.dtype,
-            backend=ctx.backend,
-            date=ctx.date,
-            settings=settings,
-        ),
-    )
-
-
-def check_measure_args(args: argparse.Namespace) -> None:
-    if args.repeats < 1 or args.warmups < 0:
-        raise ValueError(
-            f"need --repeats >= 1 and --warmups >= 0, got {args.repeats} and {args.warmups}"
-        )
 
 
 def print_latencies(title: str, rows: list[dict[str, Any]]) -> None:
@@ -290,7 +173,7 @@ def run(args: argparse.Namespace) -> int:
     from megatron_railwave.traffic import dtype_bytes
 
     topo = _common.cluster_from_args(args)
-    check_measure_args(args)
+    _common.check_replay_measure_args(args)
     if args.hidden < 1 or args.families < 1:
         raise ValueError(
             f"--hidden and --families must be >= 1, got {args.hidden}, {args.families}"
@@ -323,7 +206,7 @@ def run(args: argparse.Namespace) -> int:
         ]
     else:
         settings["families"] = list(range(args.seed, args.seed + args.families))
-    model = load_model(args.model)
+    model = _common.load_model(args.model)
     backend = calibration.make_backend(args.backend, topo, options=options, model=model)
     requests = calibration.calibration_requests(topo, settings, record_bytes=record_bytes)
     result = calibration.calibrate(
@@ -339,7 +222,7 @@ def run(args: argparse.Namespace) -> int:
         settings={
             "requests": settings,
             "model_file": args.model,
-            "model": model_dict(model),
+            "model": model.to_dict(),
             "chunks": args.chunks,
         },
         progress=not args.no_progress,
@@ -390,8 +273,8 @@ def _tune_and_write(args: argparse.Namespace, result) -> int:
     from megatron_railwave.selector.anchors import save_anchors
 
     tuned = calibration.tune_selector(result)
-    anchor_set = with_selector_settings(result.anchor_set, tuned)
-    save_anchors(anchor_set, args.out)
+    anchor_set = calibration.with_selector_settings(result.anchor_set, tuned)
+    save_anchors(anchor_set, args.write_anchors)
     rows = [r.to_dict() for r in result.rows]
     kept = anchor_set.anchors
     passed = len(result.anchor_set.anchors)
@@ -404,7 +287,7 @@ def _tune_and_write(args: argparse.Namespace, result) -> int:
     _render.print_text(
         f"kept {len(kept)} of {len(rows)} requests as anchors ({paths or 'none: always JOINT'}; "
         f"{passed} passed the keep rule, {passed - len(kept)} of them do not hold across "
-        f"{tuned['left_out']}s); wrote {args.out}"
+        f"{tuned['left_out']}s); wrote {args.write_anchors}"
     )
     below = tuned.get("fallback_below")
     _render.print_text(

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import argparse
 
-from megatron_railwave.commands import _common, _outputs, _render
+from megatron_railwave.commands import _args, _common, _render
 
 __all__ = ["register", "run"]
 
@@ -32,44 +32,25 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "barrier and every path's plan / prepare / dispatch / combine at a small payload on "
         "W gloo processes (loopback), fit a per-phase cost, and repeat on the virtual cluster.",
     )
-    group = parser.add_argument_group("cluster and workload")
-    group.add_argument("--nodes", type=int, default=4, metavar="N", help="nodes (default 4)")
-    group.add_argument(
-        "--gpus-per-node",
-        type=int,
-        default=2,
-        metavar="G",
-        help="GPUs (processes) per node (default 2)",
+    _args.add_shape_args(parser, nodes=4, gpus_per_node=2, gpus_help="GPUs (processes) per node")
+    _args.add_workload_args(
+        parser,
+        tokens=128,
+        experts=32,
+        topk=8,
+        hidden=64,
+        per="rank",
+        experts_help="experts, a multiple of W",
     )
-    group.add_argument(
-        "--tokens", type=int, default=128, metavar="T", help="tokens per rank (default 128)"
-    )
-    group.add_argument(
-        "--hidden", type=int, default=64, metavar="H", help="hidden size (default 64)"
-    )
-    group.add_argument(
-        "--experts", type=int, default=32, metavar="E", help="experts, a multiple of W (default 32)"
-    )
-    group.add_argument(
-        "--topk", type=int, default=8, metavar="K", help="experts per token (default 8)"
-    )
-    group.add_argument("--seed", type=int, default=0, help="routing seed (default 0)")
     group = parser.add_argument_group("measurement")
-    group.add_argument("--warmups", type=int, default=5, help="untimed calls per step (default 5)")
-    group.add_argument("--samples", type=int, default=30, help="timed calls per step (default 30)")
+    _args.add_flag(group, "--warmups", 5, help="untimed calls per step")
+    _args.add_flag(group, "--samples", 30, help="timed calls per step")
     group.add_argument(
         "--no-virtual", action="store_true", help="skip the virtual-cluster measurement"
     )
-    group.add_argument(
-        "--timeout",
-        type=float,
-        default=600.0,
-        metavar="S",
-        help="limit for the multi-process run in seconds (default 600)",
-    )
-    parser.add_argument("--json", default=None, metavar="FILE", help="write the result as JSON")
+    _args.add_flag(group, "--timeout", 600.0, help="limit for the multi-process run in seconds")
+    _args.add_output_args(parser, json="the result")
     parser.set_defaults(handler=run)
-    _outputs.declare_outputs(parser, files=("json",))
 
 
 def run(args: argparse.Namespace) -> int:

@@ -11,8 +11,9 @@ import argparse
 
 import torch
 
-from megatron_railwave.commands import _common, _outputs, _render
-from megatron_railwave.commands.plan import plan_layer
+from megatron_railwave.commands import _args, _common, _render
+from megatron_railwave.commands.plan import print_planned_layer
+from megatron_railwave.lab.bench.plan_bench import plan_layer
 from megatron_railwave.planner import PlanOptions
 from megatron_railwave.topology import RailTopology
 
@@ -29,15 +30,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "4096 tokens per GPU) on the H800 4x8 preset and print each path's rails, "
         "waves and descriptors.",
     )
-    parser.add_argument("--seed", type=int, default=0, help="routing seed (default 0)")
-    parser.add_argument(
-        "--tokens", type=int, default=4096, metavar="T", help="tokens per GPU (default 4096)"
-    )
-    parser.add_argument(
-        "--json", default=None, metavar="FILE", help="also write every plan as JSON"
-    )
+    _args.add_workload_args(parser, tokens=4096)
+    _args.add_output_args(parser, json="every plan")
     parser.set_defaults(handler=run)
-    _outputs.declare_outputs(parser, files=("json",))
 
 
 def _preset() -> RailTopology:
@@ -62,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
         f"{topo.name} ({topo.num_nodes} nodes x {topo.gpus_per_node} GPUs, {topo.rail_gbps:g} "
         f"Gb/s rails)"
     )
-    result = plan_layer(
+    layer = plan_layer(
         topo,
         paths=_common.paths_from_choice("all"),
         num_tokens=args.tokens,
@@ -72,7 +67,8 @@ def run(args: argparse.Namespace) -> int:
         record_bytes=4096 * 2,
         options=PlanOptions(),
     )
+    print_planned_layer(layer)
     if args.json:
-        _common.write_json(args.json, result)
+        _common.write_json(args.json, layer.to_json())
         _render.print_text(f"wrote {args.json}")
     return 0

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import argparse
 
-from megatron_railwave.commands import _outputs, _render
+from megatron_railwave.commands import _args, _render
 
 __all__ = ["register", "run"]
 
@@ -28,8 +28,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--no-self-test", action="store_true", help="skip the virtual-cluster self-test"
     )
-    parser.add_argument("--json", default=None, metavar="FILE", help="write the report as JSON")
-    _outputs.declare_outputs(parser, files=("json",))
+    _args.add_output_args(parser, json="the report")
     parser.set_defaults(handler=run)
 
 

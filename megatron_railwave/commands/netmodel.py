@@ -2,7 +2,8 @@
 
 * ``fit-incast``: fit the incast alpha to the paper's incast experiment
   (``netmodel.calibrate.calibrate_incast``), replay the paper's UltraEP case on the fitted model
-  as a cross-check (4-node clusters) and write the model YAML (``configs/netmodel/``).
+  as a cross-check (4-node clusters) and write the model YAML (``--write-model``, the
+  ``configs/netmodel/`` files; ``--out`` before, deprecated).
 * ``bench-engine``: time the max-min engine on rail all-to-all flow sets
   (``netmodel.bench_engine.time_engine``); JSON: one row per case.
 """
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 import argparse
 
-from megatron_railwave.commands import _common, _outputs, _render
+from megatron_railwave.commands import _args, _common, _render
 
 __all__ = ["register"]
 
@@ -30,19 +31,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Replay the paper's incast experiment (GLM-4.5-Air, RING vs EXTREME "
         "windows, NATIVE) on the flow model and fit alpha to its slowdown.",
     )
-    fit.add_argument(
-        "--cluster",
-        default="h800_4x8",
-        metavar="YAML",
-        help="cluster file or preset (default h800_4x8)",
-    )
-    fit.add_argument(
-        "--tokens", type=int, default=2048, help="tokens per GPU before scaling (default 2048)"
-    )
-    fit.add_argument("--seed", type=int, default=0, help="routing seed (default 0)")
+    _args.add_cluster_args(fit, default="h800_4x8", overrides=False)
+    _args.add_workload_args(fit, tokens=2048)
     fit.add_argument(
         "--delivery",
-        choices=["after_rail", "streamed"],
+        choices=_args.DELIVERIES,
         default="after_rail",
         help="NVLink delivery model (default after_rail, as the exchange runs it)",
     )
@@ -58,9 +51,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=8.0,
         help="upper end of the alpha search (default 8: a port with 3 senders at 6%% goodput)",
     )
-    fit.add_argument("--out", default=None, metavar="YAML", help="write the fitted model here")
+    output = _args.add_output_args(fit)
+    _args.add_output_file(
+        output,
+        "--write-model",
+        metavar="YAML",
+        help="write the fitted model here (configs/netmodel/*.yaml)",
+        renamed_from="--out",
+    )
     fit.set_defaults(handler=_fit_incast)
-    _outputs.declare_outputs(fit, files=("out",))
 
     bench = sub.add_parser(
         "bench-engine",
@@ -86,12 +85,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=[1e-3, 1e-2],
         help="event batching tolerances (default 1e-3 1e-2)",
     )
-    bench.add_argument(
-        "--alpha", type=float, default=0.0, help="incast alpha (default 0: pure max-min)"
-    )
-    bench.add_argument("--json", default=None, metavar="FILE", help="write the rows as JSON")
+    _args.add_flag(bench, "--alpha", 0.0, default_text="0: pure max-min")
+    _args.add_output_args(bench, json="the rows")
     bench.set_defaults(handler=_bench_engine)
-    _outputs.declare_outputs(bench, files=("json",))
 
 
 def _fit_incast(args: argparse.Namespace) -> int:
@@ -105,7 +101,6 @@ def _fit_incast(args: argparse.Namespace) -> int:
 
     if args.tokens < 1:
         raise ValueError(f"--tokens must be >= 1, got {args.tokens}")
-    args.nodes, args.failed_rail = None, []
     topo = _common.cluster_from_args(args)
     if args.k_sat < 1 or not args.max_alpha > 0:
         raise ValueError(
@@ -137,9 +132,9 @@ def _fit_incast(args: argparse.Namespace) -> int:
             f"{row.total_speedup:.2f}x dispatch + "
             f"combine (paper, H800: {row.paper_speedup}x per all-to-all)"
         )
-    if args.out:
-        write_config(args.out, calib, cluster=args.cluster, cross_check=check)
-        _render.print_text(f"wrote {args.out}")
+    if args.write_model:
+        write_config(args.write_model, calib, cluster=args.cluster, cross_check=check)
+        _render.print_text(f"wrote {args.write_model}")
     return 0
 
 

@@ -21,23 +21,9 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from megatron_railwave.commands import _common, _outputs, _render
-from megatron_railwave.commands.calibrate import _layers, load_model
-from megatron_railwave.names import ROUTES
+from megatron_railwave.commands import _args, _common, _render
 
 __all__ = ["register", "run"]
-
-
-def _seeds(text: str) -> list[int]:
-    try:
-        seeds = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected a seed or a comma-separated list (e.g. 0,1,2), got {text!r}"
-        ) from None
-    if not seeds:
-        raise argparse.ArgumentTypeError("expected at least one seed")
-    return seeds
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -49,25 +35,24 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "per-call noise, the flow model as the clock, and compare it with the per-layer oracle, "
         "always-NATIVE, always-JOINT and (--anchors) the offline selector on the same draws.",
     )
-    _common.add_cluster_args(parser, default="h800_4x8")
-    parser.add_argument(
+    _args.add_cluster_args(parser, default="h800_4x8")
+    _args.add_flag(
+        parser,
         "--model",
-        default="configs/netmodel/h800_4x8.yaml",
+        "configs/netmodel/h800_4x8.yaml",
         metavar="YAML[,YAML]",
-        help="flow-model parameters; several (comma-separated) share one routing (default "
-        "configs/netmodel/h800_4x8.yaml)",
+        help="flow-model parameters; several (comma-separated) share one routing",
     )
-    parser.add_argument(
-        "--workload", choices=["glm45-air"], default="glm45-air", help="routing (glm45-air)"
-    )
-    parser.add_argument(
-        "--tokens", type=int, default=4096, metavar="T", help="tokens per GPU (default 4096)"
-    )
-    parser.add_argument(
-        "--layers", type=_layers, default=None, metavar="L,L", help="MoE layers (default all 45)"
+    _args.add_flag(parser, "--workload", "glm45-air")
+    _args.add_flag(parser, "--tokens", 4096)
+    _args.add_flag(
+        parser,
+        "--layers",
+        help="MoE layers",
+        default_text="all 45",
     )
     parser.add_argument("--workload-seed", type=int, default=0, help="routing seed (default 0)")
-    parser.add_argument("--steps", type=int, default=200, help="training steps (default 200)")
+    _args.add_flag(parser, "--steps", 200)
     parser.add_argument(
         "--routing-every",
         type=int,
@@ -76,8 +61,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="steps per routing epoch: the routing moves to the workload's next step every K "
         "steps (default 50)",
     )
-    parser.add_argument(
-        "--seed", type=_seeds, default=[0], metavar="S[,S]", help="noise seed(s) (default 0)"
+    _args.add_flag(
+        parser,
+        "--seed",
+        [0],
+        type=_args.comma_ints("seeds (e.g. 0,1,2)"),
+        metavar="S[,S]",
+        help="noise seed(s)",
     )
     parser.add_argument(
         "--noise",
@@ -86,13 +76,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         metavar="F",
         help="log-normal sigma of each call's time (default 0.05)",
     )
-    parser.add_argument(
-        "--chunks", type=int, default=1, help="rail chunks per wave of PERM / JOINT (default 1)"
-    )
-    parser.add_argument(
+    _args.add_flag(parser, "--chunks", 1, help="rail chunks per wave of PERM / JOINT")
+    _args.add_flag(
+        parser,
         "--anchors",
-        default=None,
-        metavar="YAML",
         help="offline anchors file to compare on the same draws (the runtime's rule)",
     )
     parser.add_argument(
@@ -100,12 +87,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         metavar="YAML",
         help="seed the online selector with this anchors file (e.g. an earlier --learned file)",
-    )
-    parser.add_argument(
-        "--learned",
-        default=None,
-        metavar="YAML",
-        help="write what the online selector learned (last seed) as an anchors file",
     )
     parser.add_argument(
         "--base-from",
@@ -121,9 +102,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "observe, descriptors, decide: mean and percentiles over every call of the run) next to "
         "demand_stats on the same counts",
     )
-    parser.add_argument("--json", default=None, metavar="FILE", help="write the per-layer results")
+    output = _args.add_output_args(parser, json="the per-layer results")
+    _args.add_output_file(
+        output,
+        "--learned",
+        metavar="YAML",
+        help="write what the online selector learned (last seed) as an anchors file",
+    )
     parser.set_defaults(handler=run)
-    _outputs.declare_outputs(parser, files=("json", "learned"))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -131,6 +117,7 @@ def run(args: argparse.Namespace) -> int:
     from megatron_railwave.lab.bench.online_sim import (
         base_from_json,
         base_times,
+        base_to_json,
         learned_file,
         offline_paths,
         simulate_online,
@@ -144,7 +131,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--tokens, --steps and --routing-every must be >= 1")
     topo = _common.cluster_from_args(args)
     model_files = [m for m in args.model.split(",") if m.strip()]
-    models = [load_model(m) for m in model_files]
+    models = [_common.load_model(m) for m in model_files]
     cfg = RailWaveConfig(path="auto", anchors=args.anchors, chunks=args.chunks, selector="anchors")
     offline = selector_from_config(cfg, topo) if args.anchors else None
     prior, scales = None, SelectorScales().resolve(topo)
@@ -216,17 +203,7 @@ def run(args: argparse.Namespace) -> int:
             )
             _print_run(model_file, seed, result["summary"], topo.world_size, args.decision_cost)
             runs[str(seed)] = {k: v for k, v in result.items() if not k.startswith("_")}
-        out_models[model_file] = {
-            "base": {
-                "layers": list(base.layers),
-                "seconds_XLP": base.seconds_XLP.tolist(),
-                "paths": list(map(str, ROUTES)),
-                "records_XLWN": [[r.tolist() for r in row] for row in base.records_XL],
-                "offline_XL": off,
-                "offline_anchors": args.anchors if off else None,
-            },
-            "runs": runs,
-        }
+        out_models[model_file] = {"base": base_to_json(base, off, args.anchors), "runs": runs}
         if args.learned:
             requests = {
                 "workload": "glm",

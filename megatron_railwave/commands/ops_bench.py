@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from megatron_railwave.commands import _outputs, _render
+from megatron_railwave.commands import _args, _render
 
 __all__ = ["register", "run"]
 
@@ -21,34 +21,25 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "bytes "
         "(CPU: one thread).",
     )
-    parser.add_argument(
-        "--device", choices=("cpu", "cuda"), default="cpu", help="where to run (default cpu)"
-    )
+    _args.add_flag(parser, "--device", "cpu")
     parser.add_argument(
         "--quick", action="store_true", help="small sizes for a smoke test (T=256, H=256, E=64)"
     )
-    parser.add_argument(
-        "--tokens", type=int, default=None, metavar="T", help="tokens per rank (default 4096)"
+    # Unset flags keep the spec's value (OpsBenchSpec, or QUICK with --quick).
+    _args.add_workload_args(
+        parser,
+        tokens=4096,
+        experts=128,
+        topk=8,
+        hidden=4096,
+        per="rank",
+        experts_help="experts",
+        seed_help="routing and data seed",
+        unset_default=True,
     )
-    parser.add_argument(
-        "--hidden", type=int, default=None, metavar="H", help="hidden size, bf16 (default 4096)"
-    )
-    parser.add_argument(
-        "--experts", type=int, default=None, metavar="E", help="experts (default 128)"
-    )
-    parser.add_argument(
-        "--topk", type=int, default=None, metavar="K", help="experts per token (default 8)"
-    )
-    parser.add_argument("--nodes", type=int, default=None, metavar="N", help="nodes (default 4)")
-    parser.add_argument(
-        "--gpus-per-node", type=int, default=None, metavar="G", help="GPUs per node (default 8)"
-    )
-    parser.add_argument(
-        "--repeats", type=int, default=None, help="timed calls per op, median (default 5)"
-    )
-    parser.add_argument("--seed", type=int, default=0, help="routing and data seed (default 0)")
-    parser.add_argument("--json", default=None, metavar="FILE", help="write the results as JSON")
-    _outputs.declare_outputs(parser, files=("json",))
+    _args.add_shape_args(parser, nodes=4, gpus_per_node=8, unset_default=True)
+    _args.add_flag(parser, "--repeats", None, help="timed calls per op, median", default_text="5")
+    _args.add_output_args(parser, json="the results")
     parser.set_defaults(handler=run)
 
 

@@ -20,10 +20,9 @@ alpha (k_free 1, k_sat 2) on top of ``--base-model``.
 from __future__ import annotations
 
 import argparse
-import os
 from typing import Any
 
-from megatron_railwave.commands import _common, _outputs, _render
+from megatron_railwave.commands import _args, _common, _render
 
 __all__ = ["register", "run"]
 
@@ -78,15 +77,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="a receiver port's line rate in Gb/s (e.g. 400): the max-min reference when one "
         "sender cannot fill the port alone; warns when it does not",
     )
-    parser.add_argument("--repeats", type=int, default=5, help="timed samples per k (default 5)")
-    parser.add_argument("--warmups", type=int, default=1, help="untimed samples per k (default 1)")
-    parser.add_argument(
-        "--timeout", type=float, default=600.0, metavar="S", help="--local run limit (default 600)"
+    group = _args.add_measure_args(
+        parser,
+        warmups=1,
+        repeats=5,
+        warmups_help="untimed samples per k",
+        repeats_help="timed samples per k",
     )
-    parser.add_argument("--json", default=None, metavar="FILE", help="write the result as JSON")
-    parser.add_argument(
+    _args.add_flag(group, "--timeout", 600.0, help="--local run limit")
+    output = _args.add_output_args(parser, json="the result")
+    _args.add_output_file(
+        output,
         "--write-model",
-        default=None,
         metavar="YAML",
         help="write a netmodel config with the measured alpha (on top of --base-model)",
     )
@@ -98,7 +100,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "configs/netmodel/h20_4x8.yaml; default the built-in NetModelConfig, the H800 values)",
     )
     parser.set_defaults(handler=run)
-    _outputs.declare_outputs(parser, files=("json", "write_model"))
 
 
 def _local_shape(text: str) -> tuple[int, int]:
@@ -110,7 +111,12 @@ def _local_shape(text: str) -> tuple[int, int]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from megatron_railwave.lab.bench.incast_probe import incast_probe_worker, summarize_incast_probe
+    from megatron_railwave.lab.bench.incast_probe import (
+        probe_local,
+        probe_torchrun,
+        summarize_incast_probe,
+        write_incast_model,
+    )
 
     if args.repeats < 1 or args.warmups < 0 or (args.nbytes is not None and args.nbytes < 1):
         raise ValueError(
@@ -133,76 +139,33 @@ def run(args: argparse.Namespace) -> int:
         )
     base = None
     if args.write_model:  # fail before any measurement on a bad base
-        from megatron_railwave.lab.netmodel import NetModelConfig, load_netmodel_config
-
-        if args.base_model is None:
-            base = NetModelConfig()
-        else:
-            try:
-                base = load_netmodel_config(args.base_model)
-            except (OSError, ValueError) as exc:
-                raise ValueError(f"--base-model: {exc}") from None
-    if args.local is not None:
-        from megatron_railwave.lab.bench.launch import run_gloo_processes
-
-        nodes, gpus = _local_shape(args.local)
-        if nodes < 3 or gpus < 1:
-            raise ValueError(
-                f"--local needs N >= 3 nodes (k = 2 senders at least) and G >= 1, got {args.local}"
-            )
-        nbytes = args.nbytes or (1 << 20)
-        times = run_gloo_processes(
-            incast_probe_worker,
-            nodes * gpus,
-            gpus,
-            nbytes,
-            args.repeats,
-            args.warmups,
-            args.max_senders,
-            timeout_s=args.timeout,
-        )[0]
-        backend = "gloo (local)"
-    else:
-        import torch
-        import torch.distributed as dist
-
-        world = int(os.environ.get("WORLD_SIZE", "0"))
-        local_world = os.environ.get("LOCAL_WORLD_SIZE")
-        gpus = args.gpus_per_node or int(local_world or "0")
-        if world < 1 or gpus < 1 or world % gpus or world // gpus < 3:
-            raise ValueError(
-                f"--torchrun needs WORLD_SIZE = N x G with N >= 3 (torchrun sets WORLD_SIZE and "
-                f"LOCAL_WORLD_SIZE; or pass --gpus-per-node), got WORLD_SIZE={world}, G={gpus}"
-            )
-        rank_env, local_rank = (
-            int(os.environ.get("RANK", "0")),
-            int(os.environ.get("LOCAL_RANK", "0")),
-        )
-        if local_rank != rank_env % gpus:
-            # The probe's node of a rank is rank // G: it must be the machine the rank runs on.
-            raise ValueError(
-                f"rank {rank_env} has LOCAL_RANK {local_rank}, not rank % G = {rank_env % gpus}: "
-                f"launch "
-                f"one process per GPU with torchrun --nproc-per-node G so that rank r is GPU r % "
-                f"G of "
-                f"node r // G (G = "
-                f"{gpus}{'' if local_world is None else ', LOCAL_WORLD_SIZE ' + local_world})"
-            )
-        nodes = world // gpus
-        if torch.cuda.is_available():
-            torch.cuda.set_device(local_rank)
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
         try:
-            nbytes = args.nbytes or (64 << 20)
-            times = incast_probe_worker(
-                dist.get_rank(), world, gpus, nbytes, args.repeats, args.warmups, args.max_senders
-            )
-            backend = dist.get_backend()
-            rank = dist.get_rank()
-        finally:
-            dist.destroy_process_group()
-        if rank != 0:
+            base = _common.load_model(args.base_model)
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"--base-model: {exc}") from None
+    if args.local is not None:
+        nodes, gpus = _local_shape(args.local)
+        probe = probe_local(
+            nodes,
+            gpus,
+            nbytes=args.nbytes or (1 << 20),
+            repeats=args.repeats,
+            warmups=args.warmups,
+            max_senders=args.max_senders,
+            timeout_s=args.timeout,
+        )
+    else:
+        probe = probe_torchrun(
+            gpus_per_node=args.gpus_per_node,
+            nbytes=args.nbytes or (64 << 20),
+            repeats=args.repeats,
+            warmups=args.warmups,
+            max_senders=args.max_senders,
+        )
+        if probe.rank != 0:
             return 0
+    times, nodes, gpus = probe.times, probe.nodes, probe.gpus_per_node
+    nbytes, backend = probe.nbytes, probe.backend
     summary = summarize_incast_probe(times, nbytes, port_gbps=args.port_gbps)
     _render.print_table(
         f"k-to-1 incast into node 0, {nodes} x {gpus} ({backend}), {nbytes} bytes per sending GPU, "
@@ -251,32 +214,6 @@ def run(args: argparse.Namespace) -> int:
         _common.write_json(args.json, out)
         _render.print_text(f"wrote {args.json}")
     if args.write_model:
-        _write_model(args.write_model, base, summary, args.base_model)
+        write_incast_model(args.write_model, base, summary, args.base_model)
         _render.print_text(f"wrote {args.write_model}")
     return 0
-
-
-def _write_model(path: str, base: Any, summary: dict[str, Any], base_path: str) -> None:
-    import dataclasses
-
-    import yaml
-
-    model = dataclasses.replace(
-        base, alpha=round(summary["alpha"], 4), k_free=1, k_sat=summary["k_sat"]
-    )
-    data = {
-        "model": model.to_dict(),
-        "calibration": {
-            "method": "railwave probe-incast (k-to-1 slowdown beyond max-min, least squares)",
-            "base_model": base_path or "built-in NetModelConfig",
-            "nbytes": summary["nbytes"],
-            "port_gbps": summary["port_gbps"],
-            "fitted_senders": summary["fitted_senders"],
-            "rows": summary["rows"],
-        },
-    }
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(
-            "# Network model parameters with the incast alpha measured by railwave probe-incast.\n"
-        )
-        yaml.safe_dump(data, f, sort_keys=False)

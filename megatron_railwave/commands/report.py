@@ -5,10 +5,10 @@ its ``run`` id): ``report`` summarises each run on its own, or the one named wit
 never mixes runs.
 
 Per-rank logs repeat each layer call on every rank: the path and the descriptors are global, the
-times rank-local, so a call (layer, step, micro-batch, pass) counts once and its time is the
-slowest rank's dispatch + combine. Table per layer: calls, path mix, P50/P95 of dispatch +
-combine, mean B, rho_g, kappa, relayed records, waves, bytes per rail, overload factor and the
-rail shares (mean over nodes of the busiest and idlest rail's share of remote egress).
+times rank-local, so a call (layer, step, micro-batch, pass) counts once and its time is the slowest
+rank's dispatch + combine (``lab.log_summary``). Table per layer: calls, path mix, P50/P95 of
+dispatch + combine, mean B, rho_g, kappa, relayed records, waves, bytes per rail, overload factor
+and the rail shares (mean over nodes of the busiest and idlest rail's share of remote egress).
 
 Plots (matplotlib, Agg) in ``--out`` (default ``LOG_DIR/report``; one subdirectory per run when
 several are reported):
@@ -28,18 +28,15 @@ JSON written by ``--json``: one run: its summary (``run``, ``layers``, ``paths``
 from __future__ import annotations
 
 import argparse
-from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from megatron_railwave.commands import _common, _outputs, _render
-from megatron_railwave.names import ROUTES
+from megatron_railwave.commands import _args, _common, _render
+from megatron_railwave.lab.log_summary import PATHS, layer_calls, summarize_logs
 
-__all__ = ["register", "run", "summarize_logs", "write_plots", "layer_table"]
-
-PATHS = tuple(map(str, ROUTES))
+__all__ = ["register", "run", "write_plots", "layer_table"]
 COLORS = {"native": "#7f7f7f", "rail": "#1f77b4", "perm": "#ff7f0e", "joint": "#2ca02c"}
 
 
@@ -52,142 +49,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "directory, with plots of path choice, NIC shares per path and latencies.",
     )
     parser.add_argument("log_dir", metavar="LOG_DIR", help="directory of railwave*.jsonl files")
-    parser.add_argument(
-        "--out", default=None, metavar="DIR", help="plot directory (default LOG_DIR/report)"
-    )
     parser.add_argument("--no-plots", action="store_true", help="table (and JSON) only")
-    parser.add_argument("--json", default=None, metavar="FILE", help="write the summary as JSON")
     parser.add_argument(
         "--run",
         default=None,
         metavar="ID",
         help="summarise only this run (default: each run of LOG_DIR on its own)",
     )
+    _args.add_output_args(
+        parser, json="the summary", out="directory of the plots (default LOG_DIR/report)"
+    )
     parser.set_defaults(handler=run)
-    _outputs.declare_outputs(parser, files=("json",), dirs=("out",))
-
-
-def _calls(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One entry per layer call (layer, step, micro-batch, pass): the first record's globals, the
-    slowest rank's time."""
-    runs = {rec.get("run") for rec in records}
-    if len(runs) > 1:
-        raise ValueError(
-            f"log records of {len(runs)} runs ({sorted(map(str, runs))}); summarise each run on "
-            f"its "
-            "own (commlog.split_runs)"
-        )
-    by_key: dict[tuple[int, int, int, str], dict[str, Any]] = {}
-    for rec in records:
-        for key in ("layer", "step", "path"):
-            if key not in rec:
-                raise ValueError(
-                    f"log record without {key!r}: {sorted(rec)[:8]}...; not a RailWave log"
-                )
-        ms = float(rec.get("dispatch_ms", 0.0)) + float(rec.get("combine_ms", 0.0))
-        key = (
-            int(rec["layer"]),
-            int(rec["step"]),
-            int(rec.get("microbatch", 0)),
-            str(rec.get("pass_kind", "train")),
-        )
-        if key not in by_key:
-            by_key[key] = {**rec, "comm_ms": ms}
-        else:
-            by_key[key]["comm_ms"] = max(by_key[key]["comm_ms"], ms)
-    return [by_key[k] for k in sorted(by_key)]
-
-
-def _mean(calls: list[dict[str, Any]], key: str, default: float = 0.0) -> float:
-    return float(np.mean([c.get(key, default) for c in calls]))
-
-
-def _rail_bytes(calls: list[dict[str, Any]]) -> list[float]:
-    """[R] mean over calls of the bytes each rail carries, summed over nodes (dispatch rows)."""
-    rows = [
-        np.asarray(c["rail_bytes"], dtype=np.float64).sum(axis=0)
-        for c in calls
-        if c.get("rail_bytes")
-    ]
-    return np.mean(rows, axis=0).tolist() if rows else []
-
-
-def _sorted_shares(rec: dict[str, Any]) -> np.ndarray:
-    """[R] mean over nodes of the rail shares sorted descending (nodes with no egress skipped)."""
-    shares = np.asarray(rec.get("rail_shares") or [[0.0]], dtype=np.float64)
-    active = shares[shares.sum(axis=1) > 0]
-    if active.size == 0:
-        return np.zeros(shares.shape[1])
-    return np.sort(active, axis=1)[:, ::-1].mean(axis=0)
-
-
-def summarize_logs(records: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per-layer and per-path summary of log records (see the module docstring)."""
-    calls = _calls(records)
-    layers: dict[int, list[dict[str, Any]]] = defaultdict(list)
-    paths: dict[str, list[dict[str, Any]]] = defaultdict(list)
-    for c in calls:
-        layers[int(c["layer"])].append(c)
-        paths[str(c["path"])].append(c)
-    rows = []
-    for layer in sorted(layers):
-        cs = layers[layer]
-        ms = np.array([c["comm_ms"] for c in cs])
-        shares = np.array([_sorted_shares(c) for c in cs])
-        rows.append(
-            {
-                "layer": layer,
-                "calls": len(cs),
-                "path_mix": {p: sum(c["path"] == p for c in cs) / len(cs) for p in PATHS},
-                "p50_ms": float(np.percentile(ms, 50)),
-                "p95_ms": float(np.percentile(ms, 95)),
-                "dispatch_ms": _mean(cs, "dispatch_ms"),
-                "combine_ms": _mean(cs, "combine_ms"),
-                "B_mean_MiB": _mean(cs, "B_mean_bytes") / (1 << 20),
-                "rho_g": _mean(cs, "rho_g", 1.0),
-                "kappa": _mean(cs, "kappa", 1.0),
-                "relayed_records": _mean(cs, "relayed_records"),
-                "num_waves": _mean(cs, "num_waves"),
-                "rail_bytes": _rail_bytes(cs),
-                "tokens_per_expert_min": _mean(cs, "tokens_per_expert_min"),
-                "tokens_per_expert_max": _mean(cs, "tokens_per_expert_max"),
-                "tokens_per_expert_std": _mean(cs, "tokens_per_expert_std"),
-                "overload_factor": _mean(cs, "overload_factor"),
-                "rail_share_max": float(shares[:, 0].mean()),
-                "rail_share_min": float(shares[:, -1].mean()),
-                **_online_row(cs),
-            }
-        )
-    per_path = {}
-    for p, cs in sorted(paths.items()):
-        ms = np.array([c["comm_ms"] for c in cs])
-        per_path[p] = {
-            "calls": len(cs),
-            "p50_ms": float(np.percentile(ms, 50)),
-            "p95_ms": float(np.percentile(ms, 95)),
-            "nic_shares": np.mean([_sorted_shares(c) for c in cs], axis=0).tolist(),
-        }
-    run = str(records[0].get("run", "")) if records else ""
-    passes = sorted({str(c.get("pass_kind", "train")) for c in calls})
-    return {
-        "run": run,
-        "layers": rows,
-        "paths": per_path,
-        "num_calls": len(calls),
-        "num_records": len(records),
-        "passes": passes,
-    }
-
-
-def _online_row(calls: list[dict[str, Any]]) -> dict[str, Any]:
-    """The online selector's share of probing calls and fallbacks of one layer ({} without it)."""
-    modes = [c.get("selector_mode") or "" for c in calls]
-    if not any(modes):
-        return {}
-    return {
-        "online_probe_share": sum(m in ("probe", "reprobe") for m in modes) / len(modes),
-        "online_fallback_calls": sum(m == "fallback" for m in modes),
-    }
 
 
 def _kib(values: list[float]) -> str:
@@ -247,7 +119,7 @@ def write_plots(
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    calls = _calls(records)
+    calls = layer_calls(records)
     layers = sorted({int(c["layer"]) for c in calls})
     steps = sorted({int(c["step"]) for c in calls})
     grid = np.full((len(layers), len(steps)), np.nan)

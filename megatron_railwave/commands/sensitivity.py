@@ -5,7 +5,8 @@ Baseline: DeepEP-like NATIVE (streamed forwarding). Fabrics: ``max-min`` (alpha 
 lost to incast) and ``ultraep`` (the saturating incast law with alpha fitted on the paper's UltraEP
 case alone, `sensitivity.fit_alpha_ultraep`, or ``--alpha``). With the UltraEP alpha the paper's
 incast experiment (NATIVE, RING -> EXTREME, +67.1%) is predicted per seed on the same layers.
-Per seed a ratio is of the sums over its layers; over seeds: median, P10, P90.
+Per seed a ratio is of the sums over its layers; over seeds: median, P10, P90. The grid is
+``lab.bench.sensitivity_grid``'s.
 """
 
 from __future__ import annotations
@@ -14,14 +15,14 @@ import argparse
 from dataclasses import replace
 from typing import Any
 
-from megatron_railwave.commands import _common, _outputs, _render
+from megatron_railwave.commands import _args, _common, _render
 
 __all__ = ["register", "run"]
 
-_PATTERNS = ("none", "ring", "moderate", "extreme")
-
 
 def register(subparsers: argparse._SubParsersAction) -> None:
+    from megatron_railwave.lab.bench.netmodel_bench import PEERS
+
     parser = subparsers.add_parser(
         "sensitivity",
         help="JOINT/RAIL over the DeepEP-like baseline across token skew, fabric, pattern and "
@@ -31,164 +32,93 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "token skew x fabric {max-min, UltraEP-fitted incast} x pattern x seed; median and P10-P90 "
         "over seeds, the path-independent bound, the predicted incast slowdown.",
     )
-    _common.add_cluster_args(parser, default="h800_4x8")
-    parser.add_argument(
+    # The flags' order is the order of the JSON's "config" (every parsed flag): keep it.
+    _args.add_cluster_args(parser, default="h800_4x8")
+    _args.add_flag(
+        parser,
         "--model",
-        default=None,
-        metavar="YAML",
         help="base netmodel parameters (configs/netmodel/*.yaml; its alpha is ignored: the fabrics "
         "set it); default the built-in NetModelConfig",
     )
-    parser.add_argument(
+    _args.add_flag(
+        parser,
         "--alpha",
-        type=float,
-        default=None,
-        help="alpha of the incast fabric (default: fitted on the paper's UltraEP case, 4 x 8 only)",
+        help="alpha of the incast fabric",
+        default_text="fitted on the paper's UltraEP case, 4 x 8 only",
     )
-    parser.add_argument(
+    _args.add_flag(
+        parser,
         "--skews",
-        type=_floats,
-        default=[0.0, 0.5, 1.0, 1.46],
+        [0.0, 0.5, 1.0, 1.46],
+        type=_args.comma_floats("numbers >= 0", minimum=0.0, inclusive=True),
         metavar="S,S",
-        help="token skews (std of log tokens per rank; default 0,0.5,1,1.46)",
+        help="token skews (std of log tokens per rank)",
+        default_text="0,0.5,1,1.46",
     )
-    parser.add_argument(
-        "--pattern",
-        type=_patterns,
-        default=list(_PATTERNS),
-        metavar="P,P",
-        help="arrangements: none (all pairs at once), ring, moderate, extreme (default all)",
-    )
+    _args.add_flag(parser, "--pattern", list(_args.ARRANGEMENTS), default_text="all")
     parser.add_argument("--seeds", type=int, default=5, help="routing seeds 0..S-1 (default 5)")
-    parser.add_argument(
+    _args.add_flag(
+        parser,
         "--layers",
-        type=_layers,
-        default=[8, 36],
-        metavar="L,L",
-        help="MoE layers per seed (default 8,36: fewer than the 45 to keep the grid's run time "
-        "manageable)",
+        [8, 36],
+        type=_args.comma_ints("MoE layer numbers"),
+        help="MoE layers per seed",
+        default_text="8,36: fewer than the 45 to keep the grid's run time manageable",
     )
-    parser.add_argument(
-        "--tokens", type=int, default=2048, help="mean tokens per GPU (default 2048)"
-    )
-    parser.add_argument(
-        "--payload-scale",
-        default="paper",
-        metavar="X|paper",
-        help="multiply every record count (default paper: workloads.PAPER_PAYLOAD_SCALE)",
-    )
-    parser.add_argument(
+    _args.add_flag(parser, "--tokens", 2048, help="mean tokens per GPU")
+    _args.add_flag(parser, "--payload-scale", "paper")
+    _args.add_flag(
+        parser,
         "--path-delivery",
-        choices=["after_rail", "streamed"],
-        default="after_rail",
-        help="stage 3 of RAIL / JOINT: after_rail (as the exchange runs; default) or streamed",
+        "after_rail",
+        help="stage 3 of RAIL / JOINT: after_rail (as the exchange runs) or streamed",
     )
-    parser.add_argument(
+    _args.add_flag(
+        parser,
         "--peers",
-        default="deepep-balanced,deepep-direct,megatron",
-        metavar="P,P",
+        ["deepep-balanced", "deepep-direct", "megatron"],
+        type=_args.comma_choices(PEERS + ("none",)),
         help="peers per cell (netmodel.peers; deepep-balanced = the baseline on the same tokens "
-        "split "
-        "equally over the ranks); 'none' to skip (default deepep-balanced,deepep-direct,megatron)",
+        "split equally over the ranks); 'none' to skip",
     )
-    parser.add_argument(
+    _args.add_flag(
+        parser,
         "--incast-layers",
-        type=_layer_count,
-        default=None,
+        None,
+        type=_args.layer_count_or_list,
         metavar="K|L,L",
-        help="layers of the incast prediction: K = the first K MoE layers, or a list (default: "
-        "the grid's --layers); token skew 1.46, every seed",
+        help="layers of the incast prediction: K = the first K MoE layers, or a list; token skew "
+        "1.46, every seed",
+        default_text="the grid's --layers",
     )
     parser.add_argument(
         "--no-incast-prediction",
         action="store_true",
         help="skip the prediction of the paper's +67.1%% (NATIVE RING -> EXTREME)",
     )
-    parser.add_argument(
-        "--json", default=None, metavar="FILE", help="write the grid, its summary and the fit"
+    _args.add_output_args(
+        parser,
+        json="the grid, its summary and the fit",
+        plot="heatmap: median (P10-P90) per cell",
     )
-    parser.add_argument(
-        "--plot", default=None, metavar="PNG", help="heatmap: median (P10-P90) per cell"
-    )
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _args.add_progress_arg(parser)
     parser.set_defaults(handler=run)
-    _outputs.declare_outputs(parser, files=("json", "plot"))
-
-
-def _floats(text: str) -> list[float]:
-    try:
-        values = [float(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        values = []
-    if not values or min(values) < 0:
-        raise argparse.ArgumentTypeError(f"expected numbers >= 0 separated by commas, got {text!r}")
-    return values
-
-
-def _patterns(text: str) -> list[str]:
-    values = [v.strip().lower() for v in text.split(",") if v.strip()]
-    if not values or any(v not in _PATTERNS for v in values):
-        raise argparse.ArgumentTypeError(
-            f"expected some of {','.join(_PATTERNS)} separated by commas, got {text!r}"
-        )
-    return values
-
-
-def _layers(text: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        values = []
-    if not values:
-        raise argparse.ArgumentTypeError(
-            f"expected MoE layer numbers separated by commas, got {text!r}"
-        )
-    return values
-
-
-def _layer_count(text: str) -> list[int]:
-    values = _layers(text)
-    return values if "," in text else [-values[0]]  # negative: "the first K layers"
 
 
 def run(args: argparse.Namespace) -> int:
-    from tqdm.auto import tqdm
-
-    from megatron_railwave.commands.bench import _payload_scale, layer_demands
-    from megatron_railwave.lab.netmodel import NetModelConfig, load_netmodel_config
-    from megatron_railwave.lab.netmodel.sensitivity import (
-        fit_alpha_ultraep,
-        layer_cell,
-        predict_incast_slowdown,
-        summarize_grid,
-    )
-    from megatron_railwave.lab.workloads import GLM45_AIR, arrange, scaled_demand
+    from megatron_railwave.lab.bench.netmodel_bench import RECORD_BYTES
+    from megatron_railwave.lab.bench.sensitivity_grid import sensitivity_grid
+    from megatron_railwave.lab.netmodel.sensitivity import fit_alpha_ultraep
 
     topo = _common.cluster_from_args(args)
     if args.seeds < 1 or args.tokens < 1:
         raise ValueError(f"need --seeds >= 1 and --tokens >= 1, got {args.seeds} and {args.tokens}")
-    bad = [v for v in args.layers if v not in GLM45_AIR.layer_numbers]
-    if bad:
-        raise ValueError(
-            f"--layers: {bad} are not MoE layers of GLM-4.5-Air ({GLM45_AIR.layer_numbers[0]}.."
-            f"{GLM45_AIR.layer_numbers[-1]})"
-        )
-    bad = [v for v in (args.incast_layers or []) if v > 0 and v not in GLM45_AIR.layer_numbers]
-    if bad:
-        raise ValueError(
-            f"--incast-layers: {bad} are not MoE layers of GLM-4.5-Air; give K (the first K) or a "
-            f"list"
-        )
+    _common.glm_layers(args.layers, "--layers", default=[])
+    incast_layers = _common.glm_layers(args.incast_layers, "--incast-layers", default=args.layers)
     if args.alpha is not None and args.alpha < 0:
         raise ValueError(f"--alpha must be >= 0, got {args.alpha}")
-    from megatron_railwave.commands.bench import PEERS
-
-    peers = [p.strip() for p in args.peers.split(",") if p.strip() and p.strip() != "none"]
-    bad = [p for p in peers if p not in PEERS]
-    if bad:
-        raise ValueError(f"--peers: {bad} are unknown; choose from {', '.join(PEERS)} or none")
-    scale = _payload_scale(args.payload_scale)
-    base = load_netmodel_config(args.model) if args.model else NetModelConfig()
+    peers = [p for p in args.peers if p != "none"]
+    base = _common.load_model(args.model)
     baseline = replace(base, alpha=0.0, delivery="streamed")
     fit = None
     if args.alpha is None:
@@ -205,116 +135,32 @@ def run(args: argparse.Namespace) -> int:
     else:
         alpha = args.alpha
     fabrics = {"max-min": 0.0, "ultraep": alpha}
-    record_bytes = GLM45_AIR.hidden_size * 2
+    record_bytes = RECORD_BYTES
     seeds = list(range(args.seeds))
-    rows: list[dict[str, Any]] = []
-    total = len(args.skews) * len(seeds) * len(args.layers) * len(args.pattern) * len(fabrics)
-    arranged: dict[
-        tuple[int, int], dict[str, tuple[Any, Any]]
-    ] = {}  # (seed, layer): skew 1.46 RING / EXTREME
-    with tqdm(total=total, desc="sensitivity", disable=args.no_progress, leave=False) as bar:
-        for skew in args.skews:
-            for seed in seeds:
-                for layer in args.layers:
-                    demand0 = layer_demands(
-                        topo, layer=layer, step=0, tokens=args.tokens, seed=seed, token_skew=skew
-                    )
-                    even0 = (
-                        layer_demands(
-                            topo,
-                            layer=layer,
-                            step=0,
-                            tokens=args.tokens,
-                            seed=seed,
-                            token_skew=skew,
-                            balanced_tokens=True,
-                        )
-                        if "deepep-balanced" in peers
-                        else None
-                    )
-                    for pattern in args.pattern:
-                        demand, windows = (
-                            (demand0, None)
-                            if pattern == "none"
-                            else arrange(demand0, pattern, topo)
-                        )
-                        demand = scaled_demand(demand, scale)
-                        balanced = None
-                        if even0 is not None:
-                            even, even_w = (
-                                (even0, None)
-                                if pattern == "none"
-                                else arrange(even0, pattern, topo)
-                            )
-                            balanced = (scaled_demand(even, scale), even_w)
-                        if skew == 1.46 and pattern in ("ring", "extreme"):
-                            arranged.setdefault((seed, layer), {})[pattern] = (demand, windows)
-                        for fabric, a in fabrics.items():
-                            cell = layer_cell(
-                                demand,
-                                windows,
-                                topo,
-                                baseline=replace(baseline, alpha=a),
-                                paths_model=replace(base, alpha=a, delivery=args.path_delivery),
-                                record_bytes=record_bytes,
-                                peers=peers,
-                                balanced=balanced,
-                            )
-                            rows.append(
-                                {
-                                    "skew": skew,
-                                    "fabric": fabric,
-                                    "pattern": pattern,
-                                    "seed": seed,
-                                    "layer": layer,
-                                    **cell,
-                                }
-                            )
-                            bar.update(1)
-    summary = summarize_grid(rows)
-    incast = None
-    incast_layers = args.layers
-    if args.incast_layers is not None:
-        incast_layers = (
-            list(GLM45_AIR.layer_numbers[: -args.incast_layers[0]])
-            if args.incast_layers[0] < 0
-            else args.incast_layers
-        )
-    if not args.no_incast_prediction:
-
-        def layer_sets(seed: int):
-            out = []
-            for layer in incast_layers:
-                if set(arranged.get((seed, layer), ())) != {"ring", "extreme"}:
-                    demand0 = layer_demands(
-                        topo, layer=layer, step=0, tokens=args.tokens, seed=seed
-                    )
-                    arranged[(seed, layer)] = {
-                        p: (scaled_demand(d, scale), w)
-                        for p in ("ring", "extreme")
-                        for d, w in [arrange(demand0, p, topo)]
-                    }
-                v = arranged[(seed, layer)]
-                out.append((v["ring"][0], v["ring"][1], v["extreme"][0], v["extreme"][1]))
-            return out
-
-        incast = {
-            fabric: {
-                **predict_incast_slowdown(
-                    topo,
-                    replace(baseline, alpha=a),
-                    seeds=seeds,
-                    layer_sets=layer_sets,
-                    record_bytes=record_bytes,
-                ),
-                "layers": len(incast_layers),
-            }
-            for fabric, a in fabrics.items()
-        }
+    scale = args.payload_scale
+    rows, summary, incast = sensitivity_grid(
+        topo,
+        base,
+        baseline,
+        fabrics=fabrics,
+        skews=args.skews,
+        seeds=seeds,
+        layers=args.layers,
+        patterns=args.pattern,
+        tokens=args.tokens,
+        payload_scale=scale,
+        path_delivery=args.path_delivery,
+        peers=peers,
+        incast_layers=None if args.no_incast_prediction else incast_layers,
+        progress=not args.no_progress,
+    )
     _print(summary, incast, args)
     if args.json:
         config = {k: v for k, v in vars(args).items() if k != "handler"}
         config.update(
+            # As before the flags shared a type with bench: --peers as written, --payload-scale
+            # as the number it stands for.
+            peers=",".join(args.peers),
             topology=topo.to_dict(),
             payload_scale=scale,
             record_bytes=record_bytes,

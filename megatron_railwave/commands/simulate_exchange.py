@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import argparse
 
-from megatron_railwave.commands import _common, _outputs, _render
+from megatron_railwave.commands import _args, _common, _render
 
 __all__ = ["register", "run"]
 
@@ -30,26 +30,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "a "
         "cluster in one process on one device, with seeded routing and linear experts.",
     )
-    _common.add_cluster_args(parser)
-    parser.add_argument(
-        "--tokens", type=int, default=512, metavar="T", help="tokens per rank (default 512)"
+    _args.add_cluster_args(parser)
+    _args.add_workload_args(
+        parser,
+        tokens=512,
+        experts=128,
+        topk=8,
+        hidden=256,
+        dtype="fp32",
+        per="rank",
+        dtypes=("fp32", "bf16"),
+        seed_help="routing and data seed",
     )
-    parser.add_argument(
-        "--hidden", type=int, default=256, metavar="H", help="hidden size (default 256)"
-    )
-    parser.add_argument(
-        "--experts", type=int, default=128, metavar="E", help="routed experts (default 128)"
-    )
-    parser.add_argument(
-        "--topk", type=int, default=8, metavar="K", help="experts per token (default 8)"
-    )
-    parser.add_argument(
-        "--dtype", choices=["fp32", "bf16"], default="fp32", help="hidden dtype (default fp32)"
-    )
-    parser.add_argument(
-        "--device", choices=["cpu", "cuda"], default="cpu", help="device (default cpu)"
-    )
-    parser.add_argument("--seed", type=int, default=0, help="routing and data seed (default 0)")
+    _args.add_flag(parser, "--device", "cpu")
     parser.add_argument(
         "--max-tokens-per-rank",
         type=int,
@@ -58,13 +51,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="fixed-capacity mode: buffers sized for C tokens per rank, no host sync "
         "(C >= --tokens; default: the normal mode)",
     )
-    parser.add_argument(
-        "--chunks",
-        type=int,
-        default=1,
-        metavar="C",
-        help="rail chunks per wave for perm / joint (default 1: whole waves)",
-    )
+    _args.add_flag(parser, "--chunks", 1, default_text="1: whole waves")
     parser.add_argument(
         "--max-error",
         type=float,
@@ -79,9 +66,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="refuse to start when the estimated peak device memory of this run "
         "(lab.bench.virtual_exchange.estimate_peak_bytes) exceeds GIB (default: no limit)",
     )
-    parser.add_argument("--json", default=None, metavar="FILE", help="write the report as JSON")
+    _args.add_output_args(parser, json="the report")
     parser.set_defaults(handler=run)
-    _outputs.declare_outputs(parser, files=("json",))
 
 
 def _megabytes(wire: dict[str, int]) -> str:

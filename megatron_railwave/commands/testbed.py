@@ -15,11 +15,9 @@ import argparse
 import json
 import os
 import time
-from dataclasses import asdict
-from pathlib import Path
 from typing import Any
 
-from megatron_railwave.commands import _common, _outputs, _render
+from megatron_railwave.commands import _args, _common, _outputs, _render
 from megatron_railwave.names import ROUTES
 
 __all__ = ["register"]
@@ -40,50 +38,25 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     up = sub.add_parser("up", help="bring up a testbed that stays up (saved under --state-dir)")
     _add_spec_args(up)
-    up.add_argument(
-        "--state-dir",
-        default=_DEFAULT_STATE_DIR,
-        help=f"where specs are saved (default {_DEFAULT_STATE_DIR})",
-    )
+    _add_state_dir(up, written=True)
     up.set_defaults(handler=_up)
-    _outputs.declare_outputs(up, dirs=("state_dir",))
 
     down = sub.add_parser("down", help="remove testbeds by full name (as printed by up)")
     down.add_argument("names", nargs="+", metavar="NAME", help="full testbed name, e.g. rwb3f2a")
-    down.add_argument("--state-dir", default=_DEFAULT_STATE_DIR)
+    _add_state_dir(down)
     down.set_defaults(handler=_down)
 
     run = sub.add_parser(
         "run", help="measure NATIVE/RAIL/PERM/JOINT on replay workloads, plus the rail fault"
     )
-    run.add_argument(
-        "--name", default=None, help="run on this testbed (from `up`); default: a temporary one"
+    _add_study_args(
+        run,
+        patterns="ring,moderate,extreme",
+        patterns_help="sending arrangements (default all three)",
+        rails_help="replayed layer: balanced and/or skewed rails",
+        paths_help="paths to measure (default all)",
     )
-    run.add_argument("--state-dir", default=_DEFAULT_STATE_DIR)
-    _add_spec_args(run)
-    run.add_argument(
-        "--patterns",
-        default="ring,moderate,extreme",
-        help="sending arrangements (default all three)",
-    )
-    run.add_argument(
-        "--rails", default="balanced,skewed", help="replayed layer: balanced and/or skewed rails"
-    )
-    run.add_argument(
-        "--paths", default=",".join(map(str, ROUTES)), help="paths to measure (default all)"
-    )
-    run.add_argument(
-        "--tokens", type=int, default=64, metavar="T", help="tokens per rank (default 64)"
-    )
-    run.add_argument(
-        "--hidden",
-        type=int,
-        default=4096,
-        metavar="H",
-        help="hidden size (default 4096, GLM-4.5-Air)",
-    )
-    run.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
-    run.add_argument("--seed", type=int, default=0, help="GLM-4.5-Air routing seed (default 0)")
+    _add_workload_args(run, hidden=4096)
     run.add_argument(
         "--balanced-layer",
         type=int,
@@ -102,12 +75,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         choices=["even", "relabel"],
         help="how workloads.arrange_topk_ids moves records onto the windows (default even)",
     )
-    run.add_argument(
-        "--warmup", type=int, default=2, help="untimed rounds per workload (default 2)"
+    group = _args.add_measure_args(
+        run,
+        warmups=2,
+        repeats=None,
+        warmups_help="untimed rounds per workload",
+        renamed_warmup=True,
     )
-    run.add_argument(
-        "--samples", type=int, default=10, help="timed rounds per workload (default 10)"
-    )
+    _args.add_flag(group, "--samples", 10, help="timed rounds per workload")
     run.add_argument(
         "--no-recv-first",
         action="store_true",
@@ -121,7 +96,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     run.add_argument(
         "--fail-rail",
-        type=_common.parse_failed_rail,
+        type=_args.parse_failed_rail,
         default=(1, 1),
         metavar="NODE:RAIL",
         help="NIC taken down by the fault experiment (default 1:1)",
@@ -137,61 +112,82 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         action="store_true",
         help="also measure k-to-1 goodput into one port (k = 1..N-1)",
     )
-    run.add_argument("--json", default=None, metavar="FILE", help="write all results as JSON")
+    _args.add_output_args(run, json="all results")
     run.set_defaults(handler=_run)
-    _outputs.declare_outputs(run, files=("json",))
 
     online = sub.add_parser(
         "online",
         help="the online path selector over training steps against each fixed path "
         "(issue 33, goal 2)",
     )
-    online.add_argument(
+    _add_study_args(
+        online,
+        patterns="extreme",
+        patterns_help="sending arrangements of the layers (default extreme)",
+        rails_help="layers: balanced and/or skewed rails (default both)",
+        paths_help="fixed paths run next to the online selector (default all four)",
+    )
+    _args.add_flag(online, "--steps", 40)
+    _add_workload_args(online, hidden=1024)
+    group = _args.add_measure_args(
+        online,
+        warmups=2,
+        repeats=None,
+        warmups_help="untimed rounds of every fixed path first",
+        renamed_warmup=True,
+    )
+    _args.add_flag(group, "--timeout", 1800.0, help="limit of the worker run in seconds")
+    _args.add_output_args(online, json="all results")
+    online.set_defaults(handler=_online)
+
+
+def _add_study_args(
+    parser: argparse.ArgumentParser,
+    *,
+    patterns: str,
+    patterns_help: str,
+    rails_help: str,
+    paths_help: str,
+) -> None:
+    """The testbed to run on and what ``run`` / ``online`` replay on it."""
+    parser.add_argument(
         "--name", default=None, help="run on this testbed (from `up`); default: a temporary one"
     )
-    online.add_argument("--state-dir", default=_DEFAULT_STATE_DIR)
-    _add_spec_args(online)
-    online.add_argument(
-        "--patterns", default="extreme", help="sending arrangements of the layers (default extreme)"
+    _add_state_dir(parser)
+    _add_spec_args(parser)
+    parser.add_argument("--patterns", default=patterns, help=patterns_help)
+    parser.add_argument("--rails", default="balanced,skewed", help=rails_help)
+    parser.add_argument("--paths", default=",".join(map(str, ROUTES)), help=paths_help)
+
+
+def _add_state_dir(parser: argparse.ArgumentParser, *, written: bool = False) -> None:
+    """``--state-dir``: where ``up`` saves the specs (``written``: this command writes it)."""
+    parser.add_argument(
+        "--state-dir",
+        default=_DEFAULT_STATE_DIR,
+        metavar="DIR",
+        help=f"where testbed specs are saved (default {_DEFAULT_STATE_DIR})",
     )
-    online.add_argument(
-        "--rails",
-        default="balanced,skewed",
-        help="layers: balanced and/or skewed rails (default both)",
+    if written:
+        _outputs.declare_outputs(parser, dirs=("state_dir",))
+
+
+def _add_workload_args(parser: argparse.ArgumentParser, *, hidden: int) -> None:
+    """The replayed GLM-4.5-Air layers' size, the same flags for ``run`` and ``online``."""
+    _args.add_workload_args(
+        parser,
+        tokens=64,
+        hidden=hidden,
+        dtype="bf16",
+        per="rank",
+        dtypes=("bf16", "fp16", "fp32"),
+        seed_help="GLM-4.5-Air routing seed",
     )
-    online.add_argument(
-        "--paths",
-        default=",".join(map(str, ROUTES)),
-        help="fixed paths run next to the online selector (default all four)",
-    )
-    online.add_argument("--steps", type=int, default=40, help="training steps (default 40)")
-    online.add_argument(
-        "--tokens", type=int, default=64, metavar="T", help="tokens per rank (default 64)"
-    )
-    online.add_argument(
-        "--hidden", type=int, default=1024, metavar="H", help="hidden size (default 1024)"
-    )
-    online.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
-    online.add_argument("--seed", type=int, default=0, help="GLM-4.5-Air routing seed (default 0)")
-    online.add_argument(
-        "--warmup", type=int, default=2, help="untimed rounds of every fixed path first (default 2)"
-    )
-    online.add_argument(
-        "--timeout",
-        type=float,
-        default=1800.0,
-        help="limit of the worker run in seconds (default 1800)",
-    )
-    online.add_argument("--json", default=None, metavar="FILE", help="write all results as JSON")
-    online.set_defaults(handler=_online)
-    _outputs.declare_outputs(online, files=("json",))
 
 
 def _add_spec_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--nodes", type=int, default=4, help="N (default 4)")
-    parser.add_argument(
-        "--gpus-per-node", type=int, default=4, help="G = rails per node (default 4)"
-    )
+    """The emulated cluster: its shape, NICs, switch ports and TCP settings."""
+    _args.add_shape_args(parser, nodes=4, gpus_per_node=4, gpus_help="G = rails per node")
     parser.add_argument(
         "--rail-mbit",
         type=float,
@@ -237,20 +233,14 @@ def _spec_from_args(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     )
 
 
-def _state_path(state_dir: str, name: str) -> Path:
-    return Path(state_dir) / f"{name}.json"
-
-
 def _up(args: argparse.Namespace) -> int:
-    from megatron_railwave.lab.testbed import check_prerequisites, up
+    from megatron_railwave.lab.testbed import check_prerequisites, save_spec, up
 
     reason = check_prerequisites()
     if reason is not None:
         raise ValueError(reason)
     spec = up(_spec_from_args(args), keep=True)
-    path = _state_path(args.state_dir, spec.name)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(asdict(spec)))
+    save_spec(spec, args.state_dir)
     _render.print_text(
         f"testbed {spec.name} is up ({spec.nodes} nodes x {spec.gpus_per_node} rails, "
         f"{spec.rail_mbit:g} Mbit/s); run: railwave testbed run --name {spec.name}; "
@@ -260,11 +250,11 @@ def _up(args: argparse.Namespace) -> int:
 
 
 def _down(args: argparse.Namespace) -> int:
-    from megatron_railwave.lab.testbed import down
+    from megatron_railwave.lab.testbed import down, forget_spec
 
     for name in args.names:
         removed = down(name + "-")  # the trailing dash keeps other testbeds sharing the prefix
-        _state_path(args.state_dir, name).unlink(missing_ok=True)
+        forget_spec(name, args.state_dir)
         _render.print_text(
             f"{name}: removed {len(removed)} namespace(s)"
             if removed
@@ -274,15 +264,9 @@ def _down(args: argparse.Namespace) -> int:
 
 
 def _load_spec(args: argparse.Namespace):  # type: ignore[no-untyped-def]
-    from megatron_railwave.lab.testbed import TestbedSpec
+    from megatron_railwave.lab.testbed import load_spec
 
-    path = _state_path(args.state_dir, args.name)
-    if not path.exists():
-        raise ValueError(
-            f"--name {args.name!r}: no saved testbed at {path}; bring one up with `railwave "
-            f"testbed up`"
-        )
-    return TestbedSpec(**json.loads(path.read_text()))
+    return load_spec(args.name, args.state_dir)
 
 
 def _split(text: str) -> tuple[str, ...]:
@@ -317,7 +301,7 @@ def _run(args: argparse.Namespace) -> int:
         tokens=args.tokens,
         hidden=args.hidden,
         dtype=args.dtype,
-        warmup=args.warmup,
+        warmup=args.warmups,
         samples=args.samples,
         seed=args.seed,
         balanced_layer=args.balanced_layer,
@@ -394,7 +378,7 @@ def _online(args: argparse.Namespace) -> int:
         hidden=args.hidden,
         dtype=args.dtype,
         seed=args.seed,
-        warmup=args.warmup,
+        warmup=args.warmups,
         timeout_s=args.timeout,
     )
     if "native" not in cfg.paths or args.steps < 1:

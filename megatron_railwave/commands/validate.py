@@ -13,9 +13,9 @@ request, and the total over all requests beats always-JOINT. Also: path changes 
 consecutive layers (per sequence of layers with one seed, T, arrangement and scale), totals of
 every always-X policy. ``--require-goals`` exits 1 when a goal is missed.
 
-The selector's host decision cost per layer (``bench_selector``: as the dispatcher pays it, from
-the counts in the count exchange's form) is measured on every run; with a backend it is set
-against the gain: the selection's and the best path per request's saving per layer against
+The selector's host decision cost per layer (``calibration.bench_selector``: as the dispatcher
+pays it, from the counts in the count exchange's form) is measured on every run; with a backend
+it is set against the gain: the selection's and the best path per request's saving per layer against
 always-JOINT, and the totals with the decisions paid (``ValidationResult.with_decision_cost``;
 a host timing of this machine, reported, not a goal), for a forward-only call and for training,
 where one decision's path also runs the backward (and the recompute). ``--bench`` alone needs no
@@ -36,19 +36,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
-import time
 from typing import Any
 
-from megatron_railwave.commands import _common, _outputs, _render
-from megatron_railwave.commands.calibrate import (
-    _layers,
-    add_measure_args,
-    check_measure_args,
-    load_model,
-)
+from megatron_railwave.commands import _args, _common, _render
 
-__all__ = ["register", "run", "bench_selector"]
+__all__ = ["register", "run"]
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -59,16 +51,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "all "
         "four paths and report the selected path against JOINT and the best fixed path.",
     )
-    parser.add_argument(
-        "--anchors", required=True, metavar="YAML", help="anchors file (railwave calibrate)"
-    )
-    parser.add_argument(
+    _args.add_flag(parser, "--anchors", required=True)
+    _args.add_flag(
+        parser,
         "--cluster",
-        default=None,
-        metavar="YAML",
-        help="cluster file or preset (default: the anchors file's topology)",
+        help="cluster file or preset",
+        default_text="the anchors file's topology",
     )
-    add_measure_args(parser, backend_required=False)
+    _args.add_replay_measure_args(
+        parser,
+        model_help="netmodel parameters (configs/netmodel/*.yaml)",
+        model_default_text="the model recorded in the anchors file",
+    )
     parser.add_argument(
         "--requests",
         type=int,
@@ -77,19 +71,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="glm: keep the first K held-out layers; synthetic: K held-out families "
         "(default: all held-out layers / as many families as calibration)",
     )
-    parser.add_argument(
+    _args.add_flag(
+        parser,
         "--layers",
-        type=_layers,
-        default=None,
-        metavar="L,L",
-        help="glm: held-out layer numbers (default: every layer calibration did not use)",
+        help="glm: held-out layer numbers",
+        default_text="every layer calibration did not use",
     )
-    parser.add_argument(
+    _args.add_flag(
+        parser,
         "--seed",
-        type=int,
-        default=1000,
+        1000,
         help="glm workload seed / first synthetic family of the held-out requests; must "
-        "differ from calibration's (default 1000)",
+        "differ from calibration's",
     )
     parser.add_argument(
         "--require-goals", action="store_true", help="exit 1 when a validation goal is missed"
@@ -120,11 +113,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="decide with the nearest-anchor rule or the file's path model (default: what the "
         "runtime uses: the model when the file records one, else the anchors)",
     )
-    parser.add_argument(
-        "--json", default=None, metavar="FILE", help="write the per-request table and summary"
-    )
+    _args.add_output_args(parser, json="the per-request table and summary")
     parser.set_defaults(handler=run)
-    _outputs.declare_outputs(parser, files=("json",))
 
 
 def _describe_gates(model: Any) -> str:
@@ -143,63 +133,6 @@ def _describe_gates(model: Any) -> str:
     return ", payload gates " + ", ".join(f"{kind} {text}" for kind, text in mib.items())
 
 
-def bench_selector(
-    selector: Any, requests: list[Any], topo: Any, *, repeats: int = 200, num_anchors: int = 0
-) -> dict[str, Any]:
-    """Median host cost in microseconds of one layer's decision as the dispatcher pays it, and of
-    the descriptors alone.
-
-    The decision: the descriptors (``stats.demand_stats``) where the selector reads them
-    (``selector.needs_descriptors``), then ``selector.select_for_layer``; from the counts in the
-    count exchange's form (records per rank and node, and copies per destination GPU and mask
-    class, which the exchange gathers for the path model), all node pairs at once (a training
-    step). Runs on one thread; median of 5 rounds, each over every request at least once
-    (``repeats`` calls at least), so that layers the path model's payload gate skips count in
-    their share.
-    """
-    from megatron_railwave.selector import needs_descriptors, select_for_layer
-    from megatron_railwave.telemetry.stats import demand_stats
-    from megatron_railwave.traffic import DemandCounts
-
-    gathered = [
-        (
-            DemandCounts(records_WN=r.demand.records_WN, delivery_WNKG=r.demand.class_copies_WNKG())
-            if r.demand is not None
-            else DemandCounts(records_WN=r.records_NGN.reshape(-1, r.records_NGN.shape[0])),
-            r.record_bytes,
-        )
-        for r in requests
-    ]
-    reads_descriptors = needs_descriptors(selector)
-
-    def decide(item: tuple[Any, int]) -> Any:
-        demand, record_bytes = item
-        descr = demand_stats(demand, topo, record_bytes=record_bytes) if reads_descriptors else None
-        return select_for_layer(selector, descr, demand, record_bytes=record_bytes)
-
-    def per_call(fn, items, n):
-        samples = []
-        for _ in range(5):
-            t0 = time.perf_counter()
-            for i in range(n):
-                fn(items[i % len(items)])
-            samples.append((time.perf_counter() - t0) / n * 1e6)
-        return statistics.median(samples)
-
-    calls = max(repeats, len(gathered))
-    decision_us = per_call(decide, gathered, calls)
-    descr_us = per_call(
-        lambda item: demand_stats(item[0], topo, record_bytes=item[1]), gathered, calls
-    )
-    return {
-        "us_per_decision": decision_us,
-        "us_per_descriptors": descr_us,
-        "descriptors_in_decision": reads_descriptors,
-        "num_anchors": num_anchors,
-        "repeats": calls,
-    }
-
-
 def run(args: argparse.Namespace) -> int:
     import torch
 
@@ -208,7 +141,7 @@ def run(args: argparse.Namespace) -> int:
     from megatron_railwave.selector.anchors import load_anchors
     from megatron_railwave.topology import RailTopology
 
-    check_measure_args(args)
+    _common.check_replay_measure_args(args)
     if args.requests is not None and args.requests < 1:
         raise ValueError(f"--requests must be >= 1, got {args.requests}")
     if args.backend is None and not args.bench:
@@ -216,14 +149,13 @@ def run(args: argparse.Namespace) -> int:
     if os.path.isdir(args.anchors):
         raise ValueError(
             f"--anchors {args.anchors!r} is a directory; give the anchors YAML file written by "
-            "`railwave calibrate --out`"
+            "`railwave calibrate --write-anchors`"
         )
     if not os.path.isfile(args.anchors):
         raise ValueError(
             f"--anchors: file {args.anchors!r} does not exist (write it with `railwave calibrate`)"
         )
     if args.cluster is not None:
-        args.nodes, args.failed_rail = None, []
         topo = _common.cluster_from_args(args)
         anchor_set = load_anchors(args.anchors, topo)  # rejects another topology
     else:
@@ -282,7 +214,9 @@ def run(args: argparse.Namespace) -> int:
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
         try:
-            bench = bench_selector(selector, requests, topo, num_anchors=len(anchor_set.anchors))
+            bench = calibration.bench_selector(
+                selector, requests, topo, num_anchors=len(anchor_set.anchors)
+            )
         finally:
             torch.set_num_threads(threads)
         out["bench"] = bench
@@ -307,7 +241,7 @@ def run(args: argparse.Namespace) -> int:
             args.backend,
             topo,
             options=PlanOptions(chunks=anchor_set.chunks),
-            model=_model(args, anchor_set),
+            model=_validation_model(args, anchor_set),
         )
         result = calibration.validate(
             backend,
@@ -438,34 +372,14 @@ def run(args: argparse.Namespace) -> int:
     return status
 
 
-def _model(args: argparse.Namespace, anchor_set: Any):
-    """``--model``, else the model recorded in the anchors file, else the built-in defaults."""
-    from megatron_railwave.lab.netmodel import NetModelConfig
+def _validation_model(args: argparse.Namespace, anchor_set: Any) -> Any:
+    """``calibration.validation_model`` of ``--model``, with a note when it differs from the
+    model the anchors file was calibrated on."""
+    from megatron_railwave.lab import calibration
 
-    recorded = anchor_set.context.settings.get("model")
-    source = f"anchors file {args.anchors!r}: context.settings.model"
-    if not args.model:
-        return (
-            NetModelConfig.from_dict(recorded, source=source)
-            if isinstance(recorded, dict)
-            else NetModelConfig()
-        )
-    model = load_model(args.model)
-    try:
-        calibrated = (
-            NetModelConfig.from_dict(recorded, source=source)
-            if isinstance(recorded, dict)
-            else None
-        )
-    except ValueError:  # an older file's model with a retired field: --model replaces it anyway
-        calibrated = None
-    if calibrated is not None and model != calibrated:
-        # A what-if, not a validation of the file: its anchors and path model were fitted on
-        # another fabric (e.g. the about max-min presets against the paper-incast ones).
-        before = calibrated.to_dict()
-        changed = ", ".join(
-            f"{k} {before.get(k)} -> {v}" for k, v in model.to_dict().items() if before.get(k) != v
-        )
+    given = _common.load_model(args.model) if args.model else None
+    model, changed = calibration.validation_model(anchor_set, given, anchors_path=args.anchors)
+    if changed is not None:
         _render.print_text(
             f"note: --model differs from the model the anchors file was calibrated on ({changed}); "
             "the goals below test the file on another network model"

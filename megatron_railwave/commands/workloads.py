@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import replace
 
-from megatron_railwave.commands import _common, _outputs, _render
+from megatron_railwave.commands import _args, _common, _render
 
 __all__ = ["register"]
 
@@ -34,13 +34,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "expert-load and destination-rail skew, R^2) next to the paper's published "
         "values; --refit reruns the fit of the knobs to them.",
     )
-    fit.add_argument(
+    group = fit.add_argument_group("cluster")
+    _args.add_flag(
+        group,
         "--cluster",
-        default="h20_4x8",
-        metavar="YAML",
-        help="cluster whose NIC adapters define the shares (default h20_4x8, the paper's)",
+        "h20_4x8",
+        help="cluster whose NIC adapters define the shares",
+        default_text="h20_4x8, the paper's",
     )
-    fit.add_argument("--seed", type=int, default=0, help="routing seed (default 0)")
+    _args.add_flag(fit, "--seed", 0)
     fit.add_argument(
         "--steps",
         type=int,
@@ -60,12 +62,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=2,
         help="steps of drawn tokens, to check the expected counts (default 2; 0 = skip)",
     )
-    fit.add_argument(
-        "--tokens",
-        type=int,
-        default=1024,
-        help="mean tokens per GPU of the drawn steps (default 1024)",
-    )
+    _args.add_flag(fit, "--tokens", 1024, help="mean tokens per GPU of the drawn steps")
     fit.add_argument("--refit", action="store_true", help="rerun the fit first (minutes)")
     fit.add_argument(
         "--fit-steps",
@@ -76,11 +73,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     fit.add_argument(
         "--sweeps", type=int, default=1, help="coordinate-descent sweeps of the fit (default 1)"
     )
-    fit.add_argument(
-        "--json", default=None, metavar="FILE", help="write the report (and fit) as JSON"
-    )
+    _args.add_output_args(fit, json="the report (and fit)")
     fit.set_defaults(handler=_fit)
-    _outputs.declare_outputs(fit, files=("json",))
     skew = sub.add_parser(
         "token-skew",
         help="token skew (the generator's token_skew) of captured routing",
@@ -94,9 +88,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         metavar="CAPTURE_DIR",
         help="recorder directories (step*/rank*.npz), e.g. from --railwave-capture-dir",
     )
-    skew.add_argument("--json", default=None, metavar="FILE", help="write the reports as JSON")
+    _args.add_output_args(skew, json="the reports")
     skew.set_defaults(handler=_token_skew)
-    _outputs.declare_outputs(skew, files=("json",))
 
 
 def _fit(args: argparse.Namespace) -> int:
@@ -113,7 +106,6 @@ def _fit(args: argparse.Namespace) -> int:
             f"{args.sweeps}, "
             f"{args.sampled_steps}, {args.seed}"
         )
-    args.nodes, args.failed_rail = None, []
     topo = _common.cluster_from_args(args)
     work = GlmAirWorkload(seed=args.seed)
     out = {}
@@ -178,21 +170,11 @@ def _fit(args: argparse.Namespace) -> int:
 def _token_skew(args: argparse.Namespace) -> int:
     import numpy as np
 
-    from megatron_railwave.lab.workloads import (
-        read_capture_steps,
-        token_skew_report,
-        trace_tokens_per_rank,
-    )
+    from megatron_railwave.lab.workloads import capture_token_skew
 
     reports, rows = {}, []
     for capture_dir in args.capture_dirs:
-        traces = read_capture_steps(capture_dir)
-        tokens = [trace_tokens_per_rank(t).tolist() for t in traces]
-        report = {
-            **token_skew_report(tokens),
-            "tokens_per_rank": tokens,
-            "capture_steps": [t.meta.step for t in traces],
-        }
+        report = capture_token_skew(capture_dir)
         reports[capture_dir] = report
         per_step = report["token_skew_per_step"]
         rows.append(

@@ -483,7 +483,7 @@ def selector_from_config(
         _warn_once(
             str(path),
             f"railwave anchors file {str(path)!r} does not exist: every layer "
-            "runs JOINT (run `railwave calibrate --out` to create it)",
+            "runs JOINT (run `railwave calibrate --write-anchors` to create it)",
             warn=warn,
         )
         return FixedSelector(Route.JOINT)
@@ -523,7 +523,7 @@ def _online_selector(config: RailWaveConfig, topo: RailTopology) -> OnlineSelect
         raise ValueError(
             f"anchors file {str(path)!r} (the online selector's prior) does not exist; write it "
             f"with "
-            "`railwave calibrate --out` or an earlier run's online_out, or drop 'anchors'"
+            "`railwave calibrate --write-anchors` or an earlier run's online_out, or drop 'anchors'"
         )
     anchor_set = _cached_anchors(str(path), os.stat(path).st_mtime_ns, topo)
     if anchor_set.chunks != config.chunks:

@@ -495,7 +495,7 @@ def test_calibrate_and_validate_cli_with_fake_backend(tmp_path, monkeypatch, cap
                 "netmodel",
                 "--cluster",
                 str(cluster),
-                "--out",
+                "--write-anchors",
                 str(out),
                 "--families",
                 "3",
@@ -663,7 +663,7 @@ def test_validate_cli_errors(tmp_path):
                 "testbed",
                 "--cluster",
                 "h800_4x8",
-                "--out",
+                "--write-anchors",
                 str(tmp_path / "a.yaml"),
             ]
         )
@@ -911,7 +911,7 @@ def test_calibrate_with_rail_chunks_times_the_chunked_joint_and_validate_reuses_
                 *common,
                 "--cluster",
                 str(cluster),
-                "--out",
+                "--write-anchors",
                 str(out),
                 "--families",
                 "2",
@@ -973,7 +973,7 @@ def test_calibrate_with_rail_chunks_times_the_chunked_joint_and_validate_reuses_
                 *common,
                 "--cluster",
                 str(cluster),
-                "--out",
+                "--write-anchors",
                 str(tmp_path / "b.yaml"),
                 "--chunks",
                 "0",
@@ -997,7 +997,7 @@ def test_calibrate_retune_rebuilds_the_same_file_from_the_json_without_measuring
                 "netmodel",
                 "--cluster",
                 str(cluster),
-                "--out",
+                "--write-anchors",
                 str(out),
                 "--families",
                 "3",
@@ -1032,7 +1032,7 @@ def test_calibrate_retune_rebuilds_the_same_file_from_the_json_without_measuring
                 str(cal_json),
                 "--cluster",
                 str(cluster),
-                "--out",
+                "--write-anchors",
                 str(again),
                 "--json",
                 str(again_json),
@@ -1181,7 +1181,7 @@ def test_calibrate_retune_merges_runs_at_other_token_counts(tmp_path):
                     "--repeats",
                     "1",
                     "--no-progress",
-                    "--out",
+                    "--write-anchors",
                     str(tmp_path / f"{name}.yaml"),
                     "--json",
                     str(tmp_path / f"{name}.json"),
@@ -1206,7 +1206,7 @@ def test_calibrate_retune_merges_runs_at_other_token_counts(tmp_path):
                 f"{low},{high}",
                 "--cluster",
                 str(cluster),
-                "--out",
+                "--write-anchors",
                 str(merged),
                 "--json",
                 str(tmp_path / "merged.json"),
@@ -1230,7 +1230,7 @@ def test_calibrate_retune_merges_runs_at_other_token_counts(tmp_path):
                 f"{low},{other}",
                 "--cluster",
                 str(cluster),
-                "--out",
+                "--write-anchors",
                 str(merged),
             ]
         )
@@ -1297,7 +1297,7 @@ def test_tune_selector_splits_the_fallback_at_the_payload_where_rail_stops_winni
     assert tuned["scores"][0]["over_tolerance"] == 0  # always-JOINT would miss the two at -3
     # The file records it, the runtime selector applies it: RAIL below the cut (all pairs), JOINT
     # above it, and JOINT on an input with as many windows as JOINT has waves (no fewer phases).
-    from megatron_railwave.commands.calibrate import with_selector_settings
+    from megatron_railwave.lab.calibration import with_selector_settings
 
     path = save_anchors(with_selector_settings(result.anchor_set, tuned), tmp_path / "a.yaml")
     aset = load_anchors(path, TOPO)

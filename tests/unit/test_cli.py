@@ -45,7 +45,7 @@ EXPECTED_FLAGS = {
         "--path",
         "--fanin",
         "--seed",
-        "--warmup",
+        "--warmups",
         "--repeats",
         "--full-routing-max-ranks",
         "--json",
@@ -82,7 +82,6 @@ EXPECTED_FLAGS = {
         "--warmups",
         "--repeats",
         "--no-progress",
-        "--out",
         "--retune",
         "--workload",
         "--families",
@@ -98,6 +97,7 @@ EXPECTED_FLAGS = {
         "--max-spread",
         "--min-gain",
         "--json",
+        "--write-anchors",
     ],
     "validate": [
         "--anchors",
@@ -245,16 +245,134 @@ EXPECTED_FLAGS = {
         "--plot",
         "--no-progress",
     ],
+    # The actions of the commands with actions.
+    "testbed up": [
+        "--nodes",
+        "--gpus-per-node",
+        "--rail-mbit",
+        "--mtu",
+        "--port-buffer-bytes",
+        "--rto-min-ms",
+        "--sender-queue-bytes",
+        "--prefix",
+        "--state-dir",
+    ],
+    "testbed down": ["--state-dir"],
+    "testbed run": [
+        "--name",
+        "--state-dir",
+        "--nodes",
+        "--gpus-per-node",
+        "--rail-mbit",
+        "--mtu",
+        "--port-buffer-bytes",
+        "--rto-min-ms",
+        "--sender-queue-bytes",
+        "--prefix",
+        "--patterns",
+        "--rails",
+        "--paths",
+        "--tokens",
+        "--hidden",
+        "--dtype",
+        "--seed",
+        "--balanced-layer",
+        "--skewed-layer",
+        "--arrange-mode",
+        "--warmups",
+        "--samples",
+        "--no-recv-first",
+        "--fault",
+        "--fail-rail",
+        "--exchange-timeout-s",
+        "--incast",
+        "--json",
+    ],
+    "testbed online": [
+        "--name",
+        "--state-dir",
+        "--nodes",
+        "--gpus-per-node",
+        "--rail-mbit",
+        "--mtu",
+        "--port-buffer-bytes",
+        "--rto-min-ms",
+        "--sender-queue-bytes",
+        "--prefix",
+        "--patterns",
+        "--rails",
+        "--paths",
+        "--steps",
+        "--tokens",
+        "--hidden",
+        "--dtype",
+        "--seed",
+        "--warmups",
+        "--timeout",
+        "--json",
+    ],
+    "netmodel fit-incast": [
+        "--cluster",
+        "--tokens",
+        "--seed",
+        "--delivery",
+        "--k-sat",
+        "--max-alpha",
+        "--write-model",
+    ],
+    "netmodel bench-engine": [
+        "--nodes",
+        "--gpus-per-node",
+        "--sizes",
+        "--rel-tol",
+        "--alpha",
+        "--json",
+    ],
+    "workloads fit": [
+        "--cluster",
+        "--seed",
+        "--steps",
+        "--nic-steps",
+        "--sampled-steps",
+        "--tokens",
+        "--refit",
+        "--fit-steps",
+        "--sweeps",
+        "--json",
+    ],
+    "workloads token-skew": ["--json"],
 }
 
 
-def _flag_table(parser: argparse.ArgumentParser) -> dict[str, list[str]]:
-    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+DEPRECATED_FLAGS = {
+    "calibrate": {"--out": "--write-anchors"},
+    "netmodel fit-incast": {"--out": "--write-model"},
+    "plan-bench": {"--warmup": "--warmups"},
+    "testbed run": {"--warmup": "--warmups"},
+    "testbed online": {"--warmup": "--warmups"},
+}
+"""Old spellings still accepted for one release (hidden from the help): old -> new flag."""
+
+
+def _subcommands(parser: argparse.ArgumentParser, prefix: str = ""):
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield f"{prefix}{name}", sub
+                yield from _subcommands(sub, f"{prefix}{name} ")
+
+
+def _flag_table(parser: argparse.ArgumentParser, *, hidden: bool = False) -> dict[str, list[str]]:
+    """Per (sub)command its flags shown in the help (``hidden``: those left out of it)."""
     return {
         name: [
-            s for a in p._actions for s in a.option_strings if s.startswith("--") and s != "--help"
+            s
+            for a in p._actions
+            if (a.help == argparse.SUPPRESS) == hidden
+            for s in a.option_strings
+            if s.startswith("--") and s != "--help"
         ]
-        for name, p in sub.choices.items()
+        for name, p in _subcommands(parser)
     }
 
 
@@ -268,6 +386,95 @@ def test_cli_subcommands_and_flags_snapshot():
         assert sorted(table[name]) == sorted(flags), (
             f"flags of {name!r} changed: update EXPECTED_FLAGS in {__file__}"
         )
+    hidden = {
+        name: flags for name, flags in _flag_table(build_parser(), hidden=True).items() if flags
+    }
+    assert hidden == {name: list(old) for name, old in DEPRECATED_FLAGS.items()}
+
+
+def test_version_prints_the_package_version(capsys):
+    from megatron_railwave import __version__
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--version"])
+    assert exc.value.code == 0
+    assert capsys.readouterr().out == f"railwave {__version__}\n"
+
+
+def test_help_lists_user_commands_first_and_lab_commands_under_their_own_heading(capsys):
+    from megatron_railwave.cli import LAB_COMMANDS, USER_COMMANDS
+
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    user_at, lab_at = out.index("\nuser commands:\n"), out.index("\nlab commands:\n")
+    assert user_at < lab_at
+    listed = [
+        line.split()[0] for line in out.splitlines() if line.startswith("  ") and line[2] != " "
+    ]
+    names = [m.rsplit(".", 1)[1].replace("_", "-") for m in USER_COMMANDS + LAB_COMMANDS]
+    listed = [n for n in listed if n in names]
+    assert listed == names  # every command once, in its section's order
+    for module in USER_COMMANDS:
+        assert out.index(f"\n  {module.rsplit('.', 1)[1].replace('_', '-')} ") < lab_at
+    for module in LAB_COMMANDS:
+        assert out.index(f"\n  {module.rsplit('.', 1)[1].replace('_', '-')} ") > lab_at
+    assert {"doctor", "report", "plan"} <= {m.rsplit(".", 1)[1] for m in USER_COMMANDS}
+    assert "--version" in out and "COMMAND" in out.splitlines()[0]
+
+
+def test_json_is_a_file_and_out_a_directory_in_every_command():
+    # --json FILE names a file (declared as an output file) and --out DIR a directory (declared
+    # as an output directory), wherever a command has them.
+    for name, parser in _all_parsers(build_parser()):
+        files = set(parser.get_default("output_files") or ())
+        dirs = set(parser.get_default("output_dirs") or ())
+        for action in parser._actions:
+            if "--json" in action.option_strings:
+                assert action.dest in files and action.metavar == "FILE", name
+            if "--out" in action.option_strings and action.help != argparse.SUPPRESS:
+                assert action.dest in dirs and action.metavar == "DIR", name
+
+
+@pytest.mark.parametrize(
+    ("argv", "new", "dest", "value"),
+    [
+        (
+            ["calibrate", "--cluster", H800, "--out", "a.yaml"],
+            "--write-anchors",
+            "write_anchors",
+            "a.yaml",
+        ),
+        (["netmodel", "fit-incast", "--out", "m.yaml"], "--write-model", "write_model", "m.yaml"),
+        (["plan-bench", "--warmup", "0"], "--warmups", "warmups", 0),
+        (["testbed", "run", "--warmup", "1"], "--warmups", "warmups", 1),
+        (["testbed", "online", "--warmup", "1"], "--warmups", "warmups", 1),
+    ],
+)
+def test_a_renamed_flag_still_works_for_one_release_and_names_the_new_one(
+    capsys, argv, new, dest, value
+):
+    args = build_parser().parse_args(argv)
+    old = argv[-2]
+    assert getattr(args, dest) == value and not hasattr(args, old.lstrip("-"))
+    err = capsys.readouterr().err
+    assert f"{old} {argv[-1]} is deprecated" in err and f"use {new} {argv[-1]}" in err
+
+
+def test_calibrate_needs_the_anchors_file(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["calibrate", "--cluster", H800, "--backend", "netmodel"])
+    assert exc.value.code == 2 and "--write-anchors" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        main(["calibrate", "--cluster", H800, "--out", "a.yaml", "--write-anchors", "b.yaml"])
+    assert exc.value.code == 2 and "not allowed with" in capsys.readouterr().err
+
+
+def test_arrangements_are_the_workload_patterns():
+    from megatron_railwave.commands._args import ARRANGEMENTS
+    from megatron_railwave.lab.workloads import Pattern
+
+    assert ARRANGEMENTS == ("none", "ring", "moderate", "extreme") == ("none", *map(str, Pattern))
 
 
 def test_plan_writes_json_with_required_keys(tmp_path, capsys):
@@ -391,7 +598,7 @@ def test_plan_bench_writes_configs(tmp_path):
                 "4",
                 "--topk",
                 "2",
-                "--warmup",
+                "--warmups",
                 "0",
                 "--repeats",
                 "2",
@@ -431,11 +638,20 @@ def test_module_entry_point_runs():
     )
     assert proc.returncode == 0
     for name in EXPECTED_FLAGS:
-        assert name in proc.stdout
+        assert name.split()[0] in proc.stdout
 
 
 # ---------------------------------------------------------------------- bad output paths, up front
-_OUTPUT_FLAGS = {"--json", "--out", "--plot", "--profile-out", "--state-dir"}
+_OUTPUT_FLAGS = {
+    "--json",
+    "--out",
+    "--plot",
+    "--profile-out",
+    "--state-dir",
+    "--write-anchors",
+    "--write-model",
+    "--learned",
+}
 
 
 def _all_parsers(parser: argparse.ArgumentParser, name: str = "railwave"):
@@ -475,12 +691,22 @@ def _commands_writing_to(path: str, log_dir: str, anchors: str) -> list[list[str
         ["bench-exchange", "--profile", "native", "--profile-out", path],
         ["bench", "--cluster", H800, "--json", path],
         ["bench", "--cluster", H800, "--plot", path],
-        ["calibrate", "--backend", "netmodel", "--cluster", H800, "--out", path],
-        ["calibrate", "--backend", "netmodel", "--cluster", H800, "--out", anchors, "--json", path],
+        ["calibrate", "--backend", "netmodel", "--cluster", H800, "--write-anchors", path],
+        [
+            "calibrate",
+            "--backend",
+            "netmodel",
+            "--cluster",
+            H800,
+            "--write-anchors",
+            anchors,
+            "--json",
+            path,
+        ],
         ["validate", "--anchors", anchors, "--bench", "--json", path],
         ["report", log_dir, "--json", path],
         ["testbed", "run", "--json", path],
-        ["netmodel", "fit-incast", "--out", path],
+        ["netmodel", "fit-incast", "--write-model", path],
         ["netmodel", "bench-engine", "--nodes", "2", "--json", path],
         ["simulate-exchange", "--cluster", H800, "--json", path],
         ["workloads", "fit", "--json", path],

@@ -102,7 +102,7 @@ def test_jsonl_per_job_only_rank0_writes(tmp_path):
 
 def test_second_run_gets_its_own_files_and_report_keeps_runs_apart(tmp_path, capsys):
     """A second run into the same directory writes new files; report summarises each run alone."""
-    from megatron_railwave.commands.report import summarize_logs
+    from megatron_railwave.lab.log_summary import summarize_logs
     from megatron_railwave.telemetry.commlog import split_runs
 
     for run, (steps, ms) in {"20250101-000000-1": (3, 1.0), "20250102-000000-2": (5, 7.0)}.items():
@@ -348,7 +348,7 @@ def _synthetic_log(log_dir, *, ranks=2, layers=4, steps=6):
 
 
 def test_report_table_json_and_plots(tmp_path, capsys):
-    from megatron_railwave.commands.report import summarize_logs
+    from megatron_railwave.lab.log_summary import summarize_logs
 
     log_dir = tmp_path / "logs"
     _synthetic_log(log_dir)
@@ -382,7 +382,7 @@ def test_report_missing_logs_is_a_clear_error(tmp_path):
 
 def test_report_online_selector_state(tmp_path, capsys):
     """Records with the online selector's state: the per-layer probe share and online.png."""
-    from megatron_railwave.commands.report import summarize_logs
+    from megatron_railwave.lab.log_summary import summarize_logs
 
     log_dir = tmp_path / "logs"
     sink = JsonlStatsSink(log_dir, rank=0)

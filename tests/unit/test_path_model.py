@@ -502,7 +502,7 @@ def test_tune_selector_records_the_model_when_it_beats_the_anchors(tmp_path):
         calibration.PAYLOAD_GATINGS
     )
     # Written to the file, loaded back, and the runtime decides with it.
-    from megatron_railwave.commands.calibrate import with_selector_settings
+    from megatron_railwave.lab.calibration import with_selector_settings
 
     path = tmp_path / "a.yaml"
     save_anchors(with_selector_settings(result.anchor_set, tuned), path)
@@ -645,7 +645,7 @@ def test_a_malformed_model_in_the_anchors_file_is_rejected_naming_the_field(tmp_
     import yaml
 
     result, topo = _model_rows(seeds=2, per_seed=20)
-    from megatron_railwave.commands.calibrate import with_selector_settings
+    from megatron_railwave.lab.calibration import with_selector_settings
 
     tuned = calibration.tune_selector(result, split_fallback=False)
     path = tmp_path / "a.yaml"

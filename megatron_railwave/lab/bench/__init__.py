@@ -18,6 +18,7 @@ from megatron_railwave.lab.bench.launch import RankFailedError, run_gloo_process
 from megatron_railwave.lab.bench.summary import (
     NATIVE_GOALS,
     SCHEMA,
+    alltoall_skip_reason,
     native_goal,
     run_bench_exchange,
     wire_bytes_of,
@@ -37,6 +38,7 @@ __all__ = [
     "RankFailedError",
     "run_gloo_processes",
     "NATIVE_GOALS",
+    "alltoall_skip_reason",
     "native_goal",
     "SCHEMA",
     "run_bench_exchange",

@@ -25,6 +25,7 @@ no rails, so only the mechanics are tested there). Not yet run on hardware.
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -35,7 +36,15 @@ import torch.distributed as dist
 
 from megatron_railwave.lab.netmodel.incast import alpha_from_slowdowns
 
-__all__ = ["IncastProbeRow", "incast_probe_worker", "summarize_incast_probe"]
+__all__ = [
+    "IncastProbeRow",
+    "ProbeRun",
+    "incast_probe_worker",
+    "probe_local",
+    "probe_torchrun",
+    "summarize_incast_probe",
+    "write_incast_model",
+]
 
 
 def incast_probe_worker(
@@ -184,3 +193,142 @@ def summarize_incast_probe(
         "sender_limited": sender_limited,
         "rows": [asdict(r) for r in rows],
     }
+
+
+@dataclass(frozen=True, slots=True)
+class ProbeRun:
+    """What one probe measured (``probe_local``, ``probe_torchrun``)."""
+
+    times: dict[int, list[float]]
+    """Per k, the seconds of every timed sample (``incast_probe_worker``)."""
+    nodes: int
+    gpus_per_node: int
+    nbytes: int
+    backend: str
+    rank: int
+    """This process's rank: only rank 0 reports."""
+
+
+def probe_local(
+    nodes: int,
+    gpus_per_node: int,
+    *,
+    nbytes: int,
+    repeats: int,
+    warmups: int,
+    max_senders: int,
+    timeout_s: float,
+) -> ProbeRun:
+    """The probe on ``nodes x gpus_per_node`` spawned gloo processes of this machine (loopback:
+    a mechanics check)."""
+    from megatron_railwave.lab.bench.launch import run_gloo_processes
+
+    if nodes < 3 or gpus_per_node < 1:
+        raise ValueError(
+            f"--local needs N >= 3 nodes (k = 2 senders at least) and G >= 1, got "
+            f"{nodes},{gpus_per_node}"
+        )
+    times = run_gloo_processes(
+        incast_probe_worker,
+        nodes * gpus_per_node,
+        gpus_per_node,
+        nbytes,
+        repeats,
+        warmups,
+        max_senders,
+        timeout_s=timeout_s,
+    )[0]
+    return ProbeRun(
+        times=times,
+        nodes=nodes,
+        gpus_per_node=gpus_per_node,
+        nbytes=nbytes,
+        backend="gloo (local)",
+        rank=0,
+    )
+
+
+def probe_torchrun(
+    *, gpus_per_node: int | None, nbytes: int, repeats: int, warmups: int, max_senders: int
+) -> ProbeRun:
+    """The probe in the process group torchrun set up (one process per GPU; NCCL when CUDA is
+    there, else gloo); ``gpus_per_node`` None: ``LOCAL_WORLD_SIZE``.
+
+    Collective: every rank of ``WORLD_SIZE`` takes part; the layout is checked on every rank
+    before the process group starts.
+    """
+    import torch
+    import torch.distributed as dist
+
+    world = int(os.environ.get("WORLD_SIZE", "0"))
+    local_world = os.environ.get("LOCAL_WORLD_SIZE")
+    gpus = gpus_per_node or int(local_world or "0")
+    if world < 1 or gpus < 1 or world % gpus or world // gpus < 3:
+        raise ValueError(
+            f"--torchrun needs WORLD_SIZE = N x G with N >= 3 (torchrun sets WORLD_SIZE and "
+            f"LOCAL_WORLD_SIZE; or pass --gpus-per-node), got WORLD_SIZE={world}, G={gpus}"
+        )
+    rank_env, local_rank = (
+        int(os.environ.get("RANK", "0")),
+        int(os.environ.get("LOCAL_RANK", "0")),
+    )
+    if local_rank != rank_env % gpus:
+        # The probe's node of a rank is rank // G: it must be the machine the rank runs on.
+        raise ValueError(
+            f"rank {rank_env} has LOCAL_RANK {local_rank}, not rank % G = {rank_env % gpus}: "
+            f"launch "
+            f"one process per GPU with torchrun --nproc-per-node G so that rank r is GPU r % "
+            f"G of "
+            f"node r // G (G = "
+            f"{gpus}{'' if local_world is None else ', LOCAL_WORLD_SIZE ' + local_world})"
+        )
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    try:
+        times = incast_probe_worker(
+            dist.get_rank(), world, gpus, nbytes, repeats, warmups, max_senders
+        )
+        backend = dist.get_backend()
+        rank = dist.get_rank()
+    finally:
+        dist.destroy_process_group()
+    return ProbeRun(
+        times=times,
+        nodes=world // gpus,
+        gpus_per_node=gpus,
+        nbytes=nbytes,
+        backend=backend,
+        rank=rank,
+    )
+
+
+def write_incast_model(
+    path: str, base: Any, summary: dict[str, Any], base_path: str | None
+) -> None:
+    """Write the netmodel YAML of ``railwave probe-incast --write-model``: ``base`` (a
+    ``NetModelConfig``, from ``base_path`` or built in) with the measured alpha, ``k_free`` 1 and
+    the probe's ``k_sat``, and the measurement under ``calibration``."""
+    import dataclasses
+
+    import yaml
+
+    model = dataclasses.replace(
+        base, alpha=round(summary["alpha"], 4), k_free=1, k_sat=summary["k_sat"]
+    )
+    data = {
+        "model": model.to_dict(),
+        "calibration": {
+            "method": "railwave probe-incast (k-to-1 slowdown beyond max-min, least squares)",
+            "base_model": base_path or "built-in NetModelConfig",
+            "nbytes": summary["nbytes"],
+            "port_gbps": summary["port_gbps"],
+            "fitted_senders": summary["fitted_senders"],
+            "rows": summary["rows"],
+        },
+    }
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(
+            "# Network model parameters with the incast alpha measured by railwave probe-incast.\n"
+        )
+        yaml.safe_dump(data, f, sort_keys=False)

@@ -52,6 +52,7 @@ from megatron_railwave.traffic import DemandCounts, SelectorScales
 __all__ = [
     "BaseTimes",
     "base_times",
+    "base_to_json",
     "base_from_json",
     "offline_paths",
     "simulate_online",
@@ -167,6 +168,22 @@ def offline_paths(base: BaseTimes, topo: RailTopology, selector: Any) -> np.ndar
                 select_for_layer(selector, descr, gathered, record_bytes=base.record_bytes)
             )
     return out
+
+
+def base_to_json(
+    base: BaseTimes, offline_XL: list[list[int]] | None, offline_anchors: str | None
+) -> dict[str, Any]:
+    """The JSON ``models[...]['base']`` of ``railwave online-sim`` (``base_from_json`` reads it):
+    the layers, the flow model's seconds per epoch, layer and path, the counts and the offline
+    selector's paths (from the anchors file ``offline_anchors``; None: not run)."""
+    return {
+        "layers": list(base.layers),
+        "seconds_XLP": base.seconds_XLP.tolist(),
+        "paths": list(map(str, PATHS)),
+        "records_XLWN": [[r.tolist() for r in row] for row in base.records_XL],
+        "offline_XL": offline_XL,
+        "offline_anchors": offline_anchors if offline_XL else None,
+    }
 
 
 def base_from_json(data: dict[str, Any], record_bytes: int) -> BaseTimes:

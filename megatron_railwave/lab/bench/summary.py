@@ -22,6 +22,7 @@ Result keys (``SCHEMA``)::
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Any
 
 import numpy as np
@@ -41,12 +42,33 @@ from megatron_railwave.planner import PlanOptions, build_plan
 from megatron_railwave.schedule import RecordWireFormat, compile_schedule
 from megatron_railwave.traffic import DemandCounts
 
-__all__ = ["SCHEMA", "run_bench_exchange", "wire_bytes_of", "NATIVE_GOALS", "native_goal"]
+__all__ = [
+    "SCHEMA",
+    "run_bench_exchange",
+    "wire_bytes_of",
+    "NATIVE_GOALS",
+    "native_goal",
+    "alltoall_skip_reason",
+]
 
 SCHEMA = "railwave.bench_exchange/2"
 NATIVE_GOALS = {(256, 512): 1.1, (32, 64): 1.3}
 """Goals: RailWave NATIVE's median within this factor of Megatron alltoall's, per (T, H): the
 default size and the small size where fixed per-layer costs dominate (issue 10)."""
+
+
+def alltoall_skip_reason(no_alltoall: bool) -> str | None:
+    """Why the alltoall baseline cannot run (``no_alltoall``: the user skipped it), or None when
+    it can."""
+    if no_alltoall:
+        return "--no-alltoall"
+    try:
+        have_mcore = importlib.util.find_spec("megatron.core") is not None
+    except ModuleNotFoundError:
+        have_mcore = False
+    if not have_mcore:
+        return "megatron-core is not installed (pip install megatron-core)"
+    return None
 
 
 def native_goal(spec: BenchSpec) -> float | None:

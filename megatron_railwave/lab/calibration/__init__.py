@@ -12,8 +12,9 @@ Modules, each importing only those above it:
 - ``profiling``: profiling on the four paths, the keep rule (its docstring), ``CalibrationRow`` /
   ``CalibrationResult``, ``calibrate``, ``merge_results``, ``result_from_json``, ``with_features``.
 - ``tuning``: ``tune_selector`` (anchor thresholds, split fallback, path model) and its payload
-gates.
-- ``validation``: ``ValidationRow`` / ``ValidationResult``, ``validate``, ``rescore``.
+gates; ``with_selector_settings`` (the tuned anchors file).
+- ``validation``: ``ValidationRow`` / ``ValidationResult``, ``validate``, ``rescore``,
+  ``bench_selector`` (a decision's host cost), ``validation_model``.
 
 Every public name is re-exported here (``from megatron_railwave.lab import calibration;
 calibration.calibrate(...)``); a test that replaces a name an internal caller uses patches the
@@ -66,15 +67,18 @@ from megatron_railwave.lab.calibration.tuning import (
     payload_gates,
     score_path_model,
     tune_selector,
+    with_selector_settings,
 )
 from megatron_railwave.lab.calibration.validation import (
     MAX_RATIO_TO_BEST,
     PASS_EXCHANGES,
     ValidationResult,
     ValidationRow,
+    bench_selector,
     count_path_changes,
     rescore,
     validate,
+    validation_model,
 )
 
 __all__ = [
@@ -93,6 +97,7 @@ __all__ = [
     "SELECTOR_GRID",
     "ValidationResult",
     "ValidationRow",
+    "bench_selector",
     "calibrate",
     "calibration_requests",
     "check_held_out",
@@ -122,6 +127,8 @@ __all__ = [
     "token_counts",
     "tune_selector",
     "validate",
+    "validation_model",
     "validation_requests",
     "with_features",
+    "with_selector_settings",
 ]

@@ -463,14 +463,7 @@ def merge_results(
         "num_requests": len(rows),
         "requests": {**ctx.settings.get("requests", {}), "tokens": tokens},
     }
-    context = CalibrationContext(
-        topology=ctx.topology,
-        hidden_size=ctx.hidden_size,
-        dtype=ctx.dtype,
-        backend=ctx.backend,
-        date=ctx.date,
-        settings=settings,
-    )
+    context = dataclasses.replace(ctx, settings=settings)
     anchors = tuple(a for res in results for a in res.anchor_set.anchors)
     return CalibrationResult(
         anchor_set=AnchorSet(anchors=anchors, scales=first.anchor_set.scales, context=context),

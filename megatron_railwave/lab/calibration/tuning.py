@@ -447,3 +447,28 @@ def score_path_model(
         "total_s": float(chosen_s_R.sum()),
         "decided": int(decided_R.sum()),
     }
+
+
+def with_selector_settings(anchor_set, tuned: dict[str, Any]):
+    """``anchor_set`` with the tuned thresholds in ``context.settings.selector`` (scores stay in the
+    JSON), keeping only the anchors that hold across seeds under them (``tuned['held']``; none when
+    no setting beats always-JOINT): ``anchors_dropped`` records how many passed the keep rule but
+    not that check."""
+    ctx = anchor_set.context
+    held = set(tuned.get("held", [a.name for a in anchor_set.anchors]))
+    anchors = tuple(a for a in anchor_set.anchors if a.name in held)
+    selector = {
+        k: tuned[k] for k in ("payload_ratio", "shape_distance", "method", "left_out", "tolerance")
+    }
+    if "hold_rule" in tuned:
+        selector["hold_rule"] = bool(tuned["hold_rule"])
+    selector["anchors_dropped"] = len(anchor_set.anchors) - len(anchors)
+    if tuned.get("fallback_below"):
+        selector["fallback_below"] = dict(tuned["fallback_below"])
+    if tuned.get("model"):
+        selector["model"] = dict(tuned["model"])
+    return AnchorSet(
+        anchors=anchors,
+        scales=anchor_set.scales,
+        context=dataclasses.replace(ctx, settings={**ctx.settings, "selector": selector}),
+    )

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import statistics
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -20,10 +22,17 @@ from megatron_railwave.lab.calibration.profiling import (
 )
 from megatron_railwave.lab.calibration.requests import ReplayRequest, request_stats, request_windows
 from megatron_railwave.names import Route
-from megatron_railwave.selector import AnchorSelector, ModelSelector, Selection
+from megatron_railwave.selector import (
+    AnchorSelector,
+    ModelSelector,
+    Selection,
+    needs_descriptors,
+    select_for_layer,
+)
 from megatron_railwave.selector.anchors import AnchorSet
+from megatron_railwave.telemetry.stats import demand_stats
 from megatron_railwave.topology import RailTopology
-from megatron_railwave.traffic import SelectorScales
+from megatron_railwave.traffic import DemandCounts, SelectorScales
 
 MAX_RATIO_TO_BEST = 1.03
 """Goal: the selected path is never more than 3% slower than the best fixed path of a request."""
@@ -330,3 +339,94 @@ def _decide(
             st, req.demand, record_bytes=req.record_bytes, windows=req.windows
         )
     return selector.explain(st, input_windows=request_windows(req))
+
+
+def bench_selector(
+    selector: Any, requests: list[Any], topo: Any, *, repeats: int = 200, num_anchors: int = 0
+) -> dict[str, Any]:
+    """Median host cost in microseconds of one layer's decision as the dispatcher pays it, and of
+    the descriptors alone (``railwave validate``'s ``bench``).
+
+    The decision: the descriptors (``stats.demand_stats``) where the selector reads them
+    (``selector.needs_descriptors``), then ``selector.select_for_layer``; from the counts in the
+    count exchange's form (records per rank and node, and copies per destination GPU and mask
+    class, which the exchange gathers for the path model), all node pairs at once (a training
+    step). Runs on one thread; median of 5 rounds, each over every request at least once
+    (``repeats`` calls at least), so that layers the path model's payload gate skips count in
+    their share.
+    """
+    gathered = [
+        (
+            DemandCounts(records_WN=r.demand.records_WN, delivery_WNKG=r.demand.class_copies_WNKG())
+            if r.demand is not None
+            else DemandCounts(records_WN=r.records_NGN.reshape(-1, r.records_NGN.shape[0])),
+            r.record_bytes,
+        )
+        for r in requests
+    ]
+    reads_descriptors = needs_descriptors(selector)
+
+    def decide(item: tuple[Any, int]) -> Any:
+        demand, record_bytes = item
+        descr = demand_stats(demand, topo, record_bytes=record_bytes) if reads_descriptors else None
+        return select_for_layer(selector, descr, demand, record_bytes=record_bytes)
+
+    def per_call(fn, items, n):
+        samples = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            for i in range(n):
+                fn(items[i % len(items)])
+            samples.append((time.perf_counter() - t0) / n * 1e6)
+        return statistics.median(samples)
+
+    calls = max(repeats, len(gathered))
+    decision_us = per_call(decide, gathered, calls)
+    descr_us = per_call(
+        lambda item: demand_stats(item[0], topo, record_bytes=item[1]), gathered, calls
+    )
+    return {
+        "us_per_decision": decision_us,
+        "us_per_descriptors": descr_us,
+        "descriptors_in_decision": reads_descriptors,
+        "num_anchors": num_anchors,
+        "repeats": calls,
+    }
+
+
+def validation_model(
+    anchor_set: AnchorSet, model: Any | None, *, anchors_path: str
+) -> tuple[Any, str | None]:
+    """The flow model to validate ``anchor_set`` on: ``model`` (``--model``), else the model
+    recorded in the anchors file (``context.settings.model``), else the built-in defaults.
+
+    Returns:
+        (the model, None or, when ``model`` differs from the recorded one, the differing
+        parameters as "name before -> after, ...": a what-if, not a validation of the file, whose
+        anchors and path model were fitted on another fabric).
+    """
+    from megatron_railwave.lab.netmodel import NetModelConfig
+
+    recorded = anchor_set.context.settings.get("model")
+    source = f"anchors file {anchors_path!r}: context.settings.model"
+    if model is None:
+        return (
+            NetModelConfig.from_dict(recorded, source=source)
+            if isinstance(recorded, dict)
+            else NetModelConfig()
+        ), None
+    try:
+        calibrated = (
+            NetModelConfig.from_dict(recorded, source=source)
+            if isinstance(recorded, dict)
+            else None
+        )
+    except ValueError:  # an older file's model with a retired field: --model replaces it anyway
+        calibrated = None
+    if calibrated is None or model == calibrated:
+        return model, None
+    before = calibrated.to_dict()
+    changed = ", ".join(
+        f"{k} {before.get(k)} -> {v}" for k, v in model.to_dict().items() if before.get(k) != v
+    )
+    return model, changed

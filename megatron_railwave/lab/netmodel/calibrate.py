@@ -24,7 +24,7 @@ faster than NATIVE. Under max-min the two take about the same time (the destinat
 the same bytes either way), so that speedup is a second, independent reading of the same penalty;
 ``ultraep_check`` replays it on a fitted model.
 
-    railwave netmodel fit-incast --cluster h800_4x8 --max-alpha 8 --out
+    railwave netmodel fit-incast --cluster h800_4x8 --max-alpha 8 --write-model
     configs/netmodel/h800_4x8_paper_incast.yaml
 """
 

@@ -23,9 +23,12 @@ from megatron_railwave.lab.testbed.netns import (
     check_prerequisites,
     down,
     fail_rail,
+    forget_spec,
     list_leftovers,
+    load_spec,
     nic_counters,
     restore_rail,
+    save_spec,
     up,
 )
 from megatron_railwave.lab.testbed.probes import incast_goodput
@@ -38,12 +41,15 @@ __all__ = [
     "current_context",
     "down",
     "fail_rail",
+    "forget_spec",
     "incast_goodput",
     "list_leftovers",
+    "load_spec",
     "make_control_group",
     "make_groups",
     "nic_counters",
     "restore_rail",
     "run_workers",
+    "save_spec",
     "up",
 ]

@@ -44,16 +44,20 @@ import shutil
 import signal
 import subprocess
 import threading
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 __all__ = [
     "TestbedSpec",
     "check_prerequisites",
     "down",
     "fail_rail",
+    "forget_spec",
     "list_leftovers",
+    "load_spec",
     "nic_counters",
     "restore_rail",
+    "save_spec",
     "up",
 ]
 
@@ -593,3 +597,31 @@ def restore_rail(spec: TestbedSpec, node: int, rail: int) -> None:
     _check_port(spec, node, rail)
     _run("ip", "-n", spec.node_ns(node), "link", "set", spec.rail_ifname(rail), "up")
     _add_rail_routes(spec, node, rail)
+
+
+# ---------------------------------------------------------------------------- saved specs
+def _spec_path(state_dir: str | Path, name: str) -> Path:
+    return Path(state_dir) / f"{name}.json"
+
+
+def save_spec(spec: TestbedSpec, state_dir: str | Path) -> Path:
+    """Save the spec of a testbed that stays up (``up(keep=True)``) as ``STATE_DIR/NAME.json``."""
+    path = _spec_path(state_dir, spec.name)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(asdict(spec)))
+    return path
+
+
+def load_spec(name: str, state_dir: str | Path) -> TestbedSpec:
+    """The saved spec of the testbed ``name`` (``save_spec``)."""
+    path = _spec_path(state_dir, name)
+    if not path.exists():
+        raise ValueError(
+            f"--name {name!r}: no saved testbed at {path}; bring one up with `railwave testbed up`"
+        )
+    return TestbedSpec(**json.loads(path.read_text()))
+
+
+def forget_spec(name: str, state_dir: str | Path) -> None:
+    """Remove the saved spec of the testbed ``name``, if there is one."""
+    _spec_path(state_dir, name).unlink(missing_ok=True)

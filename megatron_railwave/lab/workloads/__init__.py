@@ -58,6 +58,7 @@ from megatron_railwave.lab.workloads.synthetic import (
     synthetic_topk_ids,
 )
 from megatron_railwave.lab.workloads.token_skew import (
+    capture_token_skew,
     read_capture_steps,
     token_skew,
     token_skew_report,
@@ -105,6 +106,7 @@ __all__ = [
     "one_destination_topk_ids",
     "synthetic_routing_maps",
     "synthetic_topk_ids",
+    "capture_token_skew",
     "read_capture_steps",
     "token_skew",
     "token_skew_report",

@@ -23,7 +23,13 @@ import numpy as np
 
 from megatron_railwave.telemetry.capture import NO_EXPERT, Trace, read_trace
 
-__all__ = ["trace_tokens_per_rank", "token_skew", "token_skew_report", "read_capture_steps"]
+__all__ = [
+    "trace_tokens_per_rank",
+    "token_skew",
+    "token_skew_report",
+    "read_capture_steps",
+    "capture_token_skew",
+]
 
 
 def trace_tokens_per_rank(trace: Trace) -> np.ndarray:
@@ -108,3 +114,15 @@ def read_capture_steps(capture_dir: str | Path) -> list[Trace]:
             "with --railwave-capture-dir (config capture_dir) and the railwave dispatcher?"
         )
     return [read_trace(p) for p in steps]
+
+
+def capture_token_skew(capture_dir: str | Path) -> dict[str, Any]:
+    """The token skew of one capture directory (``railwave workloads token-skew``): its
+    ``token_skew_report``, the tokens per rank of every captured step and the step numbers."""
+    traces = read_capture_steps(capture_dir)
+    tokens = [trace_tokens_per_rank(t).tolist() for t in traces]
+    return {
+        **token_skew_report(tokens),
+        "tokens_per_rank": tokens,
+        "capture_steps": [t.meta.step for t in traces],
+    }

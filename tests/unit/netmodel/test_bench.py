@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from megatron_railwave.cli import main
-from megatron_railwave.commands.bench import layer_demands, summarize_samples
+from megatron_railwave.lab.bench.netmodel_bench import layer_demands, summarize_samples
 from megatron_railwave.lab.workloads import (
     GlmAirWorkload,
     demand_from_topk_ids,
@@ -245,7 +245,7 @@ def test_bench_bad_input_gives_clear_error(capsys, argv, match):
 
 
 def test_bench_payload_scale_paper_is_the_workloads_constant():
-    from megatron_railwave.commands.bench import _payload_scale
+    from megatron_railwave.commands._args import parse_payload_scale as _payload_scale
     from megatron_railwave.lab.workloads import PAPER_PAYLOAD_SCALE
 
     assert _payload_scale("paper") == _payload_scale("Paper") == PAPER_PAYLOAD_SCALE == 1.895

@@ -434,7 +434,7 @@ def test_execute_256x8_layer_timing(capsys):
     # model's CPU time printed (docs/netmodel.md "Speed").
     import time
 
-    from megatron_railwave.commands.bench import layer_demands
+    from megatron_railwave.lab.bench.netmodel_bench import layer_demands
 
     alpha = 0.1
     topo = _topo(256, 8)
