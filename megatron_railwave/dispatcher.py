@@ -336,7 +336,6 @@ class RailWaveTokenDispatcher(MoETokenDispatcher):
             topk=int(config.moe_router_topk),
             hidden_size=int(config.hidden_size),
             hidden_dtype=_hidden_dtype(config),
-            deepep_buffer=self.railwave.deepep_buffer,
             deepep_num_sms=self.railwave.deepep_num_sms,
             options=options,
             timeout_s=self.railwave.timeout_s,

@@ -3,7 +3,8 @@ torch.distributed (``TorchDistExchange``) or in one process (``VirtualCluster``)
 
 Two backends: the torch.distributed one (``TorchDistExchange``; run on gloo, CPU, only) and
 DeepEP's internode dispatch / combine (``DeepEPExchange``; run only against the CPU fake of
-``deepep_fake``, not yet on hardware). ``build_exchange`` picks one (backend torch | deepep | auto).
+``testing.deepep_fake``, not yet on hardware). ``build_exchange`` picks one (backend torch |
+deepep | auto).
 """
 
 from megatron_railwave.exchange.backend import build_exchange

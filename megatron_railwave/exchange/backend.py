@@ -4,9 +4,11 @@ point.
 ``build_exchange`` is what the dispatcher calls. ``backend``:
 
 * 'torch': ``TorchDistExchange`` (point-to-point phases of the ``ExecutionSchedule``; any layout).
-* 'deepep': ``DeepEPExchange`` over ``deep_ep.Buffer`` (``deepep_buffer`` 'real') or the CPU fake
-  ('fake'); a layout DeepEP cannot run raises ``ValueError`` on every rank before any
-  communication, a rank where DeepEP does not import makes every rank raise ``ImportError``.
+* 'deepep': ``DeepEPExchange`` over ``deep_ep.Buffer`` (the wheel; tests pass another
+  implementation as ``deepep_api``, or set one for the process with
+  ``deepep_api.set_deep_ep_stand_in``);
+  a layout DeepEP cannot run raises ``ValueError`` on every rank before any communication, a rank
+  where DeepEP does not import makes every rank raise ``ImportError``.
 * 'auto': 'deepep' when the job runs on GPUs (NCCL), ``deep_ep`` imports on every EP rank and the
   layout meets DeepEP's limits; else 'torch'. With ``max_tokens_per_rank`` (fixed-capacity mode,
   which only the torch backend runs) 'auto' is 'torch' and 'deepep' raises ``ValueError``. The
@@ -16,7 +18,6 @@ point.
 from __future__ import annotations
 
 import logging
-from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -24,7 +25,9 @@ import torch.distributed as dist
 from megatron_railwave.exchange.capacity import check_capacity, check_padding
 from megatron_railwave.exchange.deepep_api import (
     REAL_LIMITS,
+    DeepEPApi,
     check_deepep_layout,
+    deep_ep_for_backend,
     deep_ep_importable,
     deepep_layout_problems,
     load_deep_ep,
@@ -87,13 +90,17 @@ def build_exchange(
     topk: int,
     hidden_size: int,
     hidden_dtype: torch.dtype,
-    deepep_buffer: Literal["real", "fake"] = "real",
+    deepep_api: DeepEPApi | None = None,
     deepep_num_sms: int = 20,
     options: PlanOptions | None = None,
     timeout_s: float | None = None,
     max_tokens_per_rank: int | None = None,
 ) -> TorchDistExchange:
     """The exchange of one MoE layer's EP group (see module docstring).
+
+    ``deepep_api``: for backend 'deepep', the ``deep_ep`` implementation to run on (a testing
+    hook: ``testing.deepep_fake.fake_deepep_api``); None = ``deepep_api.deep_ep_for_backend``
+    (the wheel, or the process's stand-in). 'auto' ignores it.
 
     Collective: yes (the EP group: the backend agreement for 'deepep' / 'auto', DeepEP's Buffer).
 
@@ -144,7 +151,7 @@ def build_exchange(
     if backend == "deepep":
         api = error = None
         try:
-            api = load_deep_ep(deepep_buffer, gpus_per_node=topo.gpus_per_node)
+            api = deepep_api if deepep_api is not None else deep_ep_for_backend(topo.gpus_per_node)
         except ImportError as exc:
             error = exc
         if api is not None:  # limits are the same on every rank: raise before any communication
@@ -198,7 +205,7 @@ def build_exchange(
         topk=topk,
         hidden_size=hidden_size,
         hidden_dtype=hidden_dtype,
-        api=load_deep_ep("real", gpus_per_node=REAL_LIMITS.nvl_peers),
+        api=load_deep_ep(),
         num_sms=deepep_num_sms,
         **common,
     )
