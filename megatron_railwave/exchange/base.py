@@ -26,7 +26,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from megatron_railwave.exchange.layer import LayerDemand, RankContext
+from megatron_railwave.exchange.layer import LayerDemand, LayerHandle, RankContext, prepare_layer
 from megatron_railwave.exchange.transport import Program
 from megatron_railwave.planner import PathPlan
 
@@ -61,6 +61,20 @@ class ExchangeBackend(ABC):
         Raises:
             ValueError: the inputs or the plan are outside what the backend runs.
         """
+
+    def prepare_schedule(
+        self, layer: LayerDemand, plan: PathPlan, hidden: torch.Tensor, probs: torch.Tensor
+    ) -> LayerHandle:
+        """What every backend's ``prepare`` starts from: the plan compiled into the schedule,
+        this rank's view of it and its index maps (``exchange.layer.prepare_layer``)."""
+        return prepare_layer(
+            self.ctx,
+            layer,
+            plan,
+            hidden_dtype=hidden.dtype,
+            probs_dtype=probs.dtype,
+            hidden_size=hidden.shape[-1],
+        )
 
     @abstractmethod
     def dispatch_forward(

@@ -58,7 +58,6 @@ from megatron_railwave.exchange.layer import (
     LayerDemand,
     LayerHandle,
     RankContext,
-    prepare_layer,
 )
 from megatron_railwave.exchange.layout import HostCounts, select_positions
 from megatron_railwave.exchange.moves import relay_backward, relay_forward
@@ -240,14 +239,7 @@ class DeepEPBackend(ExchangeBackend):
                 f"dispatches "
                 "whole waves. Set chunks: 1 in the RailWave config, or use backend 'torch'"
             )
-        handle = prepare_layer(
-            self.ctx,
-            layer,
-            plan,
-            hidden_dtype=hidden.dtype,
-            probs_dtype=probs.dtype,
-            hidden_size=hidden.shape[-1],
-        )
+        handle = self.prepare_schedule(layer, plan, hidden, probs)
         view, layout = handle.view, handle.layout
         g, s = self.topo.gpus_per_node, view.node
         num_local = view.owner_category_counts[g]
@@ -513,19 +505,14 @@ class DeepEPExchange(Exchange):
     a ``DeepEPBackend``.
 
     Args:
-        topo, groups, num_experts, topk, hidden_size, hidden_dtype, api, num_sms, options: as
-            ``DeepEPBackend``.
+        topo, groups, backend_args: ``DeepEPBackend``'s (``num_experts``, ``topk``,
+            ``hidden_size``, ``hidden_dtype``, ``api``, ``num_sms``, ``options``).
         timeout_s: bound of every wait of the relay and the count exchange (DeepEP's own calls
             have DeepEP's timeouts, the fake's the EP group's).
 
     ``dispatch`` / ``combine`` give the torch backend's outputs (same entry order); unlike it,
     ``dispatch`` has one host sync per wave (DeepEP's CPU wait on the received counts). No
-    fixed-capacity mode.
-
-    Raises:
-        ValueError: the layout breaks a DeepEP limit (every rank, before any communication).
-
-    Collective: yes (the EP group, at construction: DeepEP's Buffer).
+    fixed-capacity mode. Raises and communicates at construction as ``DeepEPBackend``.
     """
 
     def __init__(
@@ -533,26 +520,7 @@ class DeepEPExchange(Exchange):
         topo: RailTopology,
         groups: RankGroups,
         *,
-        num_experts: int,
-        topk: int,
-        hidden_size: int,
-        hidden_dtype: torch.dtype,
-        api: DeepEPApi,
-        num_sms: int = 20,
-        options: PlanOptions | None = None,
         timeout_s: float | None = None,
+        **backend_args: Any,
     ) -> None:
-        super().__init__(
-            DeepEPBackend(
-                topo,
-                groups,
-                num_experts=num_experts,
-                topk=topk,
-                hidden_size=hidden_size,
-                hidden_dtype=hidden_dtype,
-                api=api,
-                num_sms=num_sms,
-                options=options,
-            ),
-            timeout_s=timeout_s,
-        )
+        super().__init__(DeepEPBackend(topo, groups, **backend_args), timeout_s=timeout_s)

@@ -13,6 +13,7 @@ which owns the count exchange, planning, the autograd functions and the asynchro
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -29,7 +30,6 @@ from megatron_railwave.exchange.layer import (
     combine_forward,
     dispatch_backward,
     dispatch_forward,
-    prepare_layer,
 )
 from megatron_railwave.exchange.transport import Program
 from megatron_railwave.planner import PathPlan, PlanOptions
@@ -89,15 +89,8 @@ class TorchDistBackend(ExchangeBackend):
     def prepare(
         self, layer: LayerDemand, plan: PathPlan, hidden: torch.Tensor, probs: torch.Tensor
     ) -> LayerHandle:
-        """The schedule and this rank's index maps (``exchange.layer.prepare_layer``)."""
-        return prepare_layer(
-            self.ctx,
-            layer,
-            plan,
-            hidden_dtype=hidden.dtype,
-            probs_dtype=probs.dtype,
-            hidden_size=hidden.shape[-1],
-        )
+        """The schedule and this rank's index maps (``prepare_schedule``), nothing more."""
+        return self.prepare_schedule(layer, plan, hidden, probs)
 
     def dispatch_forward(
         self,
@@ -134,10 +127,7 @@ class TorchDistExchange(Exchange):
     ``Exchange`` driving a ``TorchDistBackend``.
 
     Args:
-        topo: the cluster (W must equal the EP size).
-        groups: this rank's groups (``build_rail_groups``, created at construction).
-        num_experts: E (global), divisible by W.
-        options: planner options (eligible policy, fan-in, replay windows).
+        topo, groups, backend_args: ``TorchDistBackend``'s (``num_experts``, ``options``).
         timeout_s: bound of every wait of a layer (None: the process groups' own timeouts).
         max_tokens_per_rank: C, the fixed-capacity mode (None: the normal mode); see
             ``Exchange.prepare_capacity``.
@@ -148,13 +138,12 @@ class TorchDistExchange(Exchange):
         topo: RailTopology,
         groups: RankGroups,
         *,
-        num_experts: int,
-        options: PlanOptions | None = None,
         timeout_s: float | None = None,
         max_tokens_per_rank: int | None = None,
+        **backend_args: Any,
     ) -> None:
         super().__init__(
-            TorchDistBackend(topo, groups, num_experts=num_experts, options=options),
+            TorchDistBackend(topo, groups, **backend_args),
             timeout_s=timeout_s,
             max_tokens_per_rank=max_tokens_per_rank,
         )
