@@ -19,7 +19,7 @@ from megatron_railwave.exchange.deepep_api import (
     load_deep_ep,
 )
 from megatron_railwave.plugin import add_railwave_args, config_from_args
-from megatron_railwave.testing.deepep_fake import fake_deep_ep, fake_deepep_api
+from megatron_railwave.testing.deepep_fake import fake_deep_ep, fake_deepep_api, use_fake_deepep
 from megatron_railwave.topology import RailTopology
 
 GLM = dict(hidden_size=4096, hidden_dtype=torch.bfloat16, topk=8, num_experts=128)
@@ -165,6 +165,26 @@ def test_build_exchange_deepep_bad_layout_raises_before_communication():
             hidden_size=256,
             hidden_dtype=torch.float32,
         )
+
+
+def test_use_fake_deepep_is_the_process_hook_and_auto_ignores_it():
+    """Inside ``use_fake_deepep`` backend 'deepep' builds on the fake (its limits name it), 'auto'
+    still never picks it; after the block the wheel is what 'deepep' loads again."""
+    topo = RailTopology(num_nodes=1, gpus_per_node=2)
+    kwargs = dict(num_experts=8, topk=2, hidden_size=256, hidden_dtype=torch.bfloat16)
+    groups = virtual_rank_groups(topo, 0)
+    with use_fake_deepep():
+        with pytest.raises(ValueError, match=r"with the fake DeepEP \(2 GPUs per node\)"):
+            build_exchange(topo, groups, backend="deepep", **kwargs)
+        assert type(build_exchange(topo, groups, backend="auto", **kwargs)) is TorchDistExchange
+    try:
+        import deep_ep  # noqa: F401
+    except Exception:  # noqa: BLE001
+        with pytest.raises(ImportError, match=r"needs DeepEP 2.1"):
+            build_exchange(topo, groups, backend="deepep", **kwargs)
+    else:
+        with pytest.raises(ValueError, match=r"cannot run 1 nodes x 2 GPUs with DeepEP:"):
+            build_exchange(topo, groups, backend="deepep", **kwargs)
 
 
 @pytest.mark.parametrize(
