@@ -2,8 +2,8 @@
 
 ``DeepEPBackend`` is the backend (``exchange.base.ExchangeBackend``, a sibling of the torch
 backend's ``TorchDistBackend``); ``DeepEPExchange`` is the exchange that drives it
-(``exchange.driver.Exchange``: the count exchange, planning, the autograd functions and the
-asynchronous form are the torch backend's, shared).
+(``exchange.driver.Exchange``, whose count exchange, planning, autograd functions and
+asynchronous form every backend shares).
 
 Letters: N nodes, G GPUs per node, W = N * G ranks, T tokens of this rank, E experts,
 E_node = E / N, E_loc = E / W, H hidden, K = min(top-k, E_node) slots of a record row, V waves,
@@ -201,7 +201,6 @@ class DeepEPBackend(ExchangeBackend):
         self.ctx = RankContext(
             topo=topo, groups=groups, num_experts=num_experts, options=options or PlanOptions()
         )
-        self.topo, self.groups, self.num_experts = topo, groups, num_experts
         self.api = api
         self.hidden_size, self.hidden_dtype = hidden_size, hidden_dtype
         self.topk_slots = min(topk, self.ctx.experts_per_node)
@@ -241,7 +240,7 @@ class DeepEPBackend(ExchangeBackend):
             )
         handle = self.prepare_schedule(layer, plan, hidden, probs)
         view, layout = handle.view, handle.layout
-        g, s = self.topo.gpus_per_node, view.node
+        g, s = self.ctx.topo.gpus_per_node, view.node
         num_local = view.owner_category_counts[g]
         wave_N = plan.pair_wave_NN[s].numpy()
         egress_N = np.asarray(view.egress_N, dtype=np.int64)
@@ -281,7 +280,7 @@ class DeepEPBackend(ExchangeBackend):
         self, routing_map: torch.Tensor, token_R: torch.Tensor, node_R: torch.Tensor
     ) -> torch.Tensor:
         """[n_rec, K] int64: each record's experts on its node, ascending, -1 padded."""
-        e_node, n = self.ctx.experts_per_node, self.topo.num_nodes
+        e_node, n = self.ctx.experts_per_node, self.ctx.topo.num_nodes
         bits = routing_map.reshape(-1, e_node).index_select(0, token_R * n + node_R)
         col = torch.arange(e_node, dtype=torch.int64, device=bits.device)
         first = torch.where(bits, col, col + e_node).sort(dim=1).values[:, : self.topk_slots]
@@ -292,7 +291,7 @@ class DeepEPBackend(ExchangeBackend):
         first)."""
         layer = dl.layer
         pool = yield from relay_forward(
-            rows_o, layout=layer.layout, schedule=layer.schedule, groups=self.groups
+            rows_o, layout=layer.layout, schedule=layer.schedule, groups=self.ctx.groups
         )
         local = rows_o[rows_o.shape[0] - dl.num_local :]
         return ops.pack_rows([torch.cat([local, pool])], [dl.order])
@@ -309,7 +308,7 @@ class DeepEPBackend(ExchangeBackend):
             out,
             layout=layer.layout,
             schedule=layer.schedule,
-            groups=self.groups,
+            groups=self.ctx.groups,
         )
         return out
 
@@ -352,7 +351,7 @@ class DeepEPBackend(ExchangeBackend):
         )
         for part in self._wave_slices(dl.wave_rows):
             per_rank, per_rdma, per_exp, in_rank, _ = self.buffer.get_dispatch_layout(
-                topk_idx[part], self.num_experts
+                topk_idx[part], self.ctx.num_experts
             )
             rx, ridx, rw, counts, handle, _ = self.buffer.dispatch(
                 x[part],
@@ -384,7 +383,7 @@ class DeepEPBackend(ExchangeBackend):
         copy, expert = flat // self.topk_slots, ridx.reshape(-1).index_select(0, flat)
         owner = meta[:, 0].to(torch.int64).index_select(0, copy)
         token = meta[:, 1].to(torch.int64).index_select(0, copy)
-        key = (expert * self.topo.world_size + owner) * max(layer.max_tokens, 1) + token
+        key = (expert * self.ctx.topo.world_size + owner) * max(layer.max_tokens, 1) + token
         perm = torch.sort(key).indices
         copy_of_entry, slot_of_entry = copy.index_select(0, perm), flat.index_select(0, perm)
         tokens = rx[:, :h].index_select(0, copy_of_entry)
@@ -439,7 +438,7 @@ class DeepEPBackend(ExchangeBackend):
             num_rows=layer.view.num_records,
         )
         return ops.segment_sum(
-            y_R, layer.layout.token_R, layer.num_tokens, max_segment_len=self.topo.num_nodes
+            y_R, layer.layout.token_R, layer.num_tokens, max_segment_len=self.ctx.topo.num_nodes
         )
 
     def combine_backward(self, handle: DeepEPHandle, g_out: torch.Tensor) -> Program:
@@ -485,13 +484,13 @@ class DeepEPBackend(ExchangeBackend):
             row_index=layer.layout.owner_order,
             num_rows=layer.view.num_records,
         )
-        t, e = layer.num_tokens, self.num_experts
+        t, e = layer.num_tokens, self.ctx.num_experts
         g_hidden = ops.segment_sum(
             g_x_R,
             layer.layout.token_R,
             t,
             out_dtype=self.hidden_dtype,
-            max_segment_len=self.topo.num_nodes,
+            max_segment_len=self.ctx.topo.num_nodes,
         )
         idx_R = handle.topk_idx_R
         target = torch.where(idx_R >= 0, layer.layout.token_R.unsqueeze(1) * e + idx_R, t * e)
