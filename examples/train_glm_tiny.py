@@ -51,8 +51,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from megatron_railwave.lab.bench.megatron_cpu import apply_megatron_cpu_shims, seed_megatron_cpu_rng
 from megatron_railwave.names import ROUTE_CHOICES
+from megatron_railwave.testing.megatron_cpu import apply_megatron_cpu_shims, seed_megatron_cpu_rng
 
 _LOOPBACK = "127.0.0.1"
 _DISPATCHERS = ("alltoall", "railwave")

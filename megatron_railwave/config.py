@@ -24,6 +24,16 @@ from megatron_railwave.topology import RailTopology, load_topology, read_yaml, r
 
 __all__ = ["RailWaveConfig", "OnlineSettings", "load_config"]
 
+_REMOVED_KEYS = {
+    "deepep_buffer": (
+        "backend 'deepep' always runs the deep_ep wheel; the CPU fake DeepEP is a testing hook, "
+        "not a user option (megatron_railwave.testing.deepep_fake: use_fake_deepep(), or "
+        "build_exchange(..., deepep_api=fake_deepep_api(G))). Delete the key"
+    ),
+}
+"""Keys a config file may still carry from an older release -> why they are gone, what replaced
+them (``RailWaveConfig.from_dict`` raises with it)."""
+
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
@@ -236,9 +246,6 @@ class RailWaveConfig:
     (DeepEP's internode dispatch / combine: 8 GPUs per node, 2..20 nodes, bf16; not yet run on
     hardware, docs/deepep.md) or 'auto' (deepep when it imports on every rank, the job runs on
     NCCL and the layout meets DeepEP's limits; else torch)."""
-    deepep_buffer: Literal["real", "fake"] = "real"
-    """'real': the deep_ep wheel (tokenspeed-deepep); 'fake': its CPU stand-in on gloo (tests;
-    only with backend 'deepep')."""
     deepep_num_sms: int = 20
     """SMs of DeepEP's normal kernels (an even number; DeepEP's default 20)."""
     max_tokens_per_rank: int | None = None
@@ -396,17 +403,6 @@ class RailWaveConfig:
     def _check_backend(self) -> None:
         if self.backend not in BACKEND_NAMES:
             raise ValueError(f"backend={self.backend!r} must be 'torch', 'deepep' or 'auto'")
-        if self.deepep_buffer not in ("real", "fake"):
-            raise ValueError(
-                f"deepep_buffer={self.deepep_buffer!r} must be 'real' (the deep_ep wheel) or "
-                f"'fake' "
-                "(its CPU stand-in for gloo tests)"
-            )
-        if self.deepep_buffer == "fake" and self.backend != "deepep":
-            raise ValueError(
-                f"deepep_buffer 'fake' needs backend: deepep (got backend {self.backend!r}); "
-                "'auto' only ever picks the real DeepEP"
-            )
         if self.max_tokens_per_rank is not None:
             if not _is_int(self.max_tokens_per_rank) or self.max_tokens_per_rank < 1:
                 raise ValueError(
@@ -607,6 +603,10 @@ class RailWaveConfig:
         if not isinstance(data, dict):
             raise ValueError(f"{source}: expected a mapping, got {type(data).__name__}")
         known = {f.name for f in dataclasses.fields(cls)}
+        removed = sorted(set(data) & set(_REMOVED_KEYS))
+        if removed:
+            key = removed[0]
+            raise ValueError(f"{source}: {key}={data[key]!r} was removed: {_REMOVED_KEYS[key]}")
         unknown = sorted(set(data) - known)
         if unknown:
             raise ValueError(f"{source}: unknown key(s) {unknown}; allowed: {sorted(known)}")

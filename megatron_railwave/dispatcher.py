@@ -20,7 +20,7 @@ Workflow of one MoE layer (Megatron calls the hooks in this order):
   5. ``token_combine``: the combine phases, reducing in a canonical order.
   6. ``combine_postprocess``: back to [S, B, H]; release the layer's state.
 With ``moe_shared_expert_overlap`` MoELayer hands the dispatcher its shared expert
-(``set_shared_experts``); step 2 posts the dispatch (``TorchDistExchange.start_dispatch``), runs
+(``set_shared_experts``); step 2 posts the dispatch (``Exchange.start_dispatch``), runs
 the shared expert's fc1 while the phases travel, then completes it; step 5 does the same with
 fc2 and the combine; step 6 adds the shared expert's output (``exchange.pending``).
 Megatron's six calls force per-layer state onto the dispatcher: it is kept in exactly one
@@ -71,7 +71,7 @@ from megatron_railwave.dispatch_modes import (
 )
 from megatron_railwave.exchange import (
     LayerHandle,
-    TorchDistExchange,
+    Exchange,
     build_exchange,
     build_rail_groups,
     check_fingerprints,
@@ -279,7 +279,6 @@ class RailWaveTokenDispatcher(MoETokenDispatcher):
             topk=int(config.moe_router_topk),
             hidden_size=int(config.hidden_size),
             hidden_dtype=_hidden_dtype(config),
-            deepep_buffer=self.railwave.deepep_buffer,
             deepep_num_sms=self.railwave.deepep_num_sms,
             options=options,
             timeout_s=self.railwave.timeout_s,
@@ -304,7 +303,7 @@ class RailWaveTokenDispatcher(MoETokenDispatcher):
         self.moe_layer = weakref.ref(layer)
 
     # ------------------------------------------------------------------ helpers
-    def _get_exchange(self) -> TorchDistExchange:
+    def _get_exchange(self) -> Exchange:
         return self._exchange
 
     def _training(self) -> bool:

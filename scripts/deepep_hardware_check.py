@@ -15,8 +15,9 @@ every node) launch it on every node with ``scripts/deepep_hardware_check.sh``. P
    slowest rank), next to Megatron's ``alltoall`` dispatcher when megatron-core imports;
 5. writes ``$OUT/deepep_hardware.json`` on rank 0 and exits 1 if any equality fails.
 
-``--device cpu --deepep-buffer fake`` runs the same script on gloo with the fake Buffer (a smoke
-test of the script itself: ``torchrun --nproc-per-node 4 scripts/deepep_hardware_check.py --device
+``--device cpu --deepep-buffer fake`` runs the same script on gloo with the fake Buffer of
+``megatron_railwave.testing`` (passed as ``build_exchange(..., deepep_api=...)``; a smoke test of
+the script itself: ``torchrun --nproc-per-node 4 scripts/deepep_hardware_check.py --device
 cpu --deepep-buffer fake --gpus-per-node 2 --tokens 64 --hidden 256 --experts 8 --topk 2``).
 """
 
@@ -47,7 +48,12 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default=os.environ.get("OUT", "out/deepep_hw"))
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
-    p.add_argument("--deepep-buffer", choices=["real", "fake"], default="real")
+    p.add_argument(
+        "--deepep-buffer",
+        choices=["real", "fake"],
+        default="real",
+        help="real: the deep_ep wheel; fake: the CPU fake of megatron_railwave.testing (gloo)",
+    )
     p.add_argument("--gpus-per-node", type=int, default=int(os.environ.get("LOCAL_WORLD_SIZE", 8)))
     p.add_argument("--tokens", type=int, default=4096)
     p.add_argument("--hidden", type=int, default=4096)
@@ -90,7 +96,7 @@ def railwave_variant(exchange, path: str):
 
 def alltoall_variant(args, world: int):
     if args.device == "cpu":  # the CPU smoke run: Megatron-Core needs the package's CPU shims
-        from megatron_railwave.lab.bench.megatron_cpu import apply_megatron_cpu_shims
+        from megatron_railwave.testing.megatron_cpu import apply_megatron_cpu_shims
 
         apply_megatron_cpu_shims()
     from megatron.core import parallel_state
@@ -165,13 +171,18 @@ def main() -> int:
         hidden_size=args.hidden,
         hidden_dtype=DTYPES[args.dtype],
     )
+    deepep_api = None  # the wheel
+    if args.deepep_buffer == "fake":
+        from megatron_railwave.testing.deepep_fake import fake_deepep_api
+
+        deepep_api = fake_deepep_api(topo.gpus_per_node)
     exchanges = {
         "torch": build_exchange(topo, groups, backend="torch", **common),
         "deepep": build_exchange(
             topo,
             groups,
             backend="deepep",
-            deepep_buffer=args.deepep_buffer,
+            deepep_api=deepep_api,
             deepep_num_sms=args.num_sms,
             **common,
         ),

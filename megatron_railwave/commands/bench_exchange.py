@@ -11,7 +11,7 @@ Loopback has no rails, so times measure software overhead (planning, index build
 count, copies) rather than incast or rail imbalance; the bytes come from the plan.
 
 The ``alltoall`` baseline drives ``MoEAlltoAllTokenDispatcher`` through its six hooks, with the
-CPU shims of ``bench.megatron_cpu`` on a CPU-only torch. ``--no-alltoall`` skips it; without
+CPU shims of ``testing.megatron_cpu`` on a CPU-only torch. ``--no-alltoall`` skips it; without
 ``megatron-core`` it is skipped with a message. The JSON says why in ``alltoall_skipped``.
 
 JSON written by ``--json``: see ``megatron_railwave.lab.bench.summary`` (schema

@@ -25,7 +25,7 @@ from megatron_railwave.steps import PassKind
 from megatron_railwave.telemetry.stats import LayerCommStats, Stopwatch
 
 if TYPE_CHECKING:
-    from megatron_railwave.exchange import DispatchOutput, LayerHandle, TorchDistExchange
+    from megatron_railwave.exchange import DispatchOutput, Exchange, LayerHandle
     from megatron_railwave.selector import OnlineSelector, PathSelector
     from megatron_railwave.traffic import DemandCounts, TrafficStats
 
@@ -94,7 +94,7 @@ class DispatchInputs:
     """
 
     state: LayerState
-    exchange: TorchDistExchange
+    exchange: Exchange
     hidden_states: torch.Tensor
     probs: torch.Tensor
     routing_map: torch.Tensor

@@ -1,6 +1,6 @@
 """The fixed-capacity modes (``max_tokens_per_rank`` = C): no count exchange, no host sync.
 
-Every call prepares the capacity layout (``TorchDistExchange.prepare_capacity``): the entries
+Every call prepares the capacity layout (``Exchange.prepare_capacity``): the entries
 come in the padded layout [E_loc * W * C, H], and the experts get W * C rows per expert as a
 constant CPU tensor. Megatron's experts call ``tokens_per_expert.tolist()``, which on the
 exchange's device counts would be a host sync; on the constant it is not, and the padding rows

@@ -1,12 +1,16 @@
 """Execution of path plans: rank programs that follow the ``ExecutionSchedule``, driven over
-torch.distributed (``TorchDistExchange``) or in one process (``VirtualCluster``).
+torch.distributed (``Exchange``) or in one process (``VirtualCluster``).
 
-Two backends: the torch.distributed one (``TorchDistExchange``; run on gloo, CPU, only) and
-DeepEP's internode dispatch / combine (``DeepEPExchange``; run only against the CPU fake of
-``deepep_fake``, not yet on hardware). ``build_exchange`` picks one (backend torch | deepep | auto).
+``Exchange`` (``driver``) owns what every backend shares (count exchange, planning, autograd,
+asynchronous form, timing reduce) and drives one ``ExchangeBackend`` (``base``). Two sibling
+backends: the torch.distributed one (``TorchDistBackend`` / ``TorchDistExchange``; run on gloo,
+CPU, only) and DeepEP's internode dispatch / combine (``DeepEPBackend`` / ``DeepEPExchange``; run
+only against the CPU fake of ``testing.deepep_fake``, not yet on hardware). ``build_exchange``
+picks one (backend torch | deepep | auto).
 """
 
 from megatron_railwave.exchange.backend import build_exchange
+from megatron_railwave.exchange.base import ExchangeBackend
 from megatron_railwave.exchange.capacity import (
     PaddedEntries,
     capacity_demand,
@@ -14,7 +18,8 @@ from megatron_railwave.exchange.capacity import (
     capacity_plan,
     check_capacity,
 )
-from megatron_railwave.exchange.deepep import DeepEPExchange
+from megatron_railwave.exchange.deepep import DeepEPBackend, DeepEPExchange
+from megatron_railwave.exchange.driver import DispatchOutput, Exchange
 from megatron_railwave.exchange.groups import (
     RankGroups,
     build_rail_groups,
@@ -52,7 +57,11 @@ from megatron_railwave.exchange.timing_reduce import (
     PostedTimingReduce,
     post_timing_reduce,
 )
-from megatron_railwave.exchange.torch_dist import DispatchOutput, ExchangeHandle, TorchDistExchange
+from megatron_railwave.exchange.torch_dist import (
+    ExchangeHandle,
+    TorchDistBackend,
+    TorchDistExchange,
+)
 from megatron_railwave.exchange.transport import (
     ExchangeError,
     ExchangeTimeoutError,
@@ -63,6 +72,9 @@ from megatron_railwave.exchange.virtual import PhaseEvent, VirtualCluster
 
 __all__ = [
     "build_exchange",
+    "Exchange",
+    "ExchangeBackend",
+    "DeepEPBackend",
     "DeepEPExchange",
     "RankGroups",
     "build_rail_groups",
@@ -100,6 +112,7 @@ __all__ = [
     "post_timing_reduce",
     "DispatchOutput",
     "ExchangeHandle",
+    "TorchDistBackend",
     "TorchDistExchange",
     "ExchangeError",
     "ExchangeTimeoutError",

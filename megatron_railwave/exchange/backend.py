@@ -4,9 +4,12 @@ point.
 ``build_exchange`` is what the dispatcher calls. ``backend``:
 
 * 'torch': ``TorchDistExchange`` (point-to-point phases of the ``ExecutionSchedule``; any layout).
-* 'deepep': ``DeepEPExchange`` over ``deep_ep.Buffer`` (``deepep_buffer`` 'real') or the CPU fake
-  ('fake'); a layout DeepEP cannot run raises ``ValueError`` on every rank before any
-  communication, a rank where DeepEP does not import makes every rank raise ``ImportError``.
+* 'deepep': ``DeepEPExchange`` over ``deep_ep.Buffer`` (the wheel; tests pass another
+  implementation as ``deepep_api``, or set one for the process with
+  ``deepep_api.set_deep_ep_stand_in``). A mode only the torch backend runs (fixed capacity, rail
+  chunks), a placement DeepEP cannot serve and a layout DeepEP cannot run raise ``ValueError`` on
+  every rank before any communication; a rank where DeepEP does not import makes every rank raise
+  ``ImportError``.
 * 'auto': 'deepep' when the job runs on GPUs (NCCL), ``deep_ep`` imports on every EP rank and the
   layout meets DeepEP's limits; else 'torch'. With ``max_tokens_per_rank`` (fixed-capacity mode,
   which only the torch backend runs) 'auto' is 'torch' and 'deepep' raises ``ValueError``. The
@@ -16,19 +19,22 @@ point.
 from __future__ import annotations
 
 import logging
-from typing import Literal
 
 import torch
 import torch.distributed as dist
 
 from megatron_railwave.exchange.capacity import check_capacity, check_padding
+from megatron_railwave.exchange.deepep import DeepEPExchange
 from megatron_railwave.exchange.deepep_api import (
     REAL_LIMITS,
+    DeepEPApi,
     check_deepep_layout,
+    deep_ep_for_backend,
     deep_ep_importable,
     deepep_layout_problems,
     load_deep_ep,
 )
+from megatron_railwave.exchange.driver import Exchange
 from megatron_railwave.exchange.groups import RankGroups
 from megatron_railwave.exchange.torch_dist import TorchDistExchange
 from megatron_railwave.names import BackendName
@@ -38,9 +44,8 @@ from megatron_railwave.topology import RailTopology
 __all__ = ["build_exchange", "deepep_rank_order_problem"]
 
 _LOG = logging.getLogger("megatron_railwave.exchange")
-_LOGGED: set[str] = (
-    set()
-)  # 'auto' decisions already logged in this process (one per layer otherwise)
+_LOGGED: set[str] = set()
+"""'auto' decisions already logged in this process (one per layer otherwise)."""
 
 
 def _ranks_failing(groups: RankGroups, ok: bool) -> list[int]:
@@ -87,23 +92,27 @@ def build_exchange(
     topk: int,
     hidden_size: int,
     hidden_dtype: torch.dtype,
-    deepep_buffer: Literal["real", "fake"] = "real",
+    deepep_api: DeepEPApi | None = None,
     deepep_num_sms: int = 20,
     options: PlanOptions | None = None,
     timeout_s: float | None = None,
     max_tokens_per_rank: int | None = None,
-) -> TorchDistExchange:
+) -> Exchange:
     """The exchange of one MoE layer's EP group (see module docstring).
+
+    ``deepep_api``: for backend 'deepep', the ``deep_ep`` implementation to run on (a testing
+    hook: ``testing.deepep_fake.fake_deepep_api``); None = ``deepep_api.deep_ep_for_backend``
+    (the wheel, or the process's stand-in). 'auto' ignores it.
 
     Collective: yes (the EP group: the backend agreement for 'deepep' / 'auto', DeepEP's Buffer).
 
     Raises:
-        ValueError: 'deepep' and the layout breaks a DeepEP limit, or with fixed capacity or rail
-            chunks (every rank, no communication).
+        ValueError: 'deepep' with fixed capacity or rail chunks, or a placement or layout DeepEP
+            cannot run; an unknown backend; a bad ``max_tokens_per_rank`` (every rank, no
+            communication). Fixed capacity that pads far beyond a full batch warns once
+            (``capacity.check_padding``).
         ImportError: 'deepep' and ``deep_ep`` does not import on some rank (every rank raises).
     """
-    common = dict(num_experts=num_experts, options=options, timeout_s=timeout_s)
-    chunked = options is not None and options.chunks != 1
     if max_tokens_per_rank is not None:
         check_padding(
             capacity=check_capacity(max_tokens_per_rank),
@@ -113,84 +122,22 @@ def build_exchange(
             hidden_size=hidden_size,
             element_bytes=torch.empty(0, dtype=hidden_dtype).element_size(),
         )
-    if backend == "torch" or (backend == "auto" and (max_tokens_per_rank is not None or chunked)):
+    common = dict(num_experts=num_experts, options=options, timeout_s=timeout_s)
+    torch_only = _torch_only_mode(options, max_tokens_per_rank)
+    if backend == "torch" or (backend == "auto" and torch_only):
         return TorchDistExchange(topo, groups, max_tokens_per_rank=max_tokens_per_rank, **common)
-    if backend == "deepep" and max_tokens_per_rank is not None:
-        raise ValueError(
-            f"max_tokens_per_rank={max_tokens_per_rank} (fixed-capacity mode) runs on the torch "
-            f"backend "
-            "only; set backend: torch (or auto), or max_tokens_per_rank: null for DeepEP"
-        )
-    if backend == "deepep" and chunked:
-        raise ValueError(
-            f"chunks={options.chunks} (rail chunks per wave) runs on the torch backend only; "
-            f"DeepEP "
-            "dispatches whole waves. Set backend: torch (or auto), or chunks: 1 for DeepEP"
-        )
-    if backend not in ("deepep", "auto"):
-        raise ValueError(f"backend={backend!r} must be 'torch', 'deepep' or 'auto'")
-    order_problem = deepep_rank_order_problem(groups)
-    if backend == "deepep" and order_problem:
-        raise ValueError(
-            f"backend 'deepep': {order_problem}; launch ranks node by node (torchrun's order), or "
-            f"set "
-            "backend: torch (or auto), which serves any placement"
-        )
-    from megatron_railwave.exchange.deepep import DeepEPExchange
-
-    limits = dict(
+    shape = dict(
         hidden_size=hidden_size, hidden_dtype=hidden_dtype, topk=topk, num_experts=num_experts
     )
     if backend == "deepep":
-        api = error = None
-        try:
-            api = load_deep_ep(deepep_buffer, gpus_per_node=topo.gpus_per_node)
-        except ImportError as exc:
-            error = exc
-        if api is not None:  # limits are the same on every rank: raise before any communication
-            check_deepep_layout(topo, api, **limits)
-        failing = _ranks_failing(groups, api is not None)
-        if error is not None:
-            raise error
-        if failing:
-            raise ImportError(
-                f"backend 'deepep': DeepEP does not import on EP rank(s) {failing} (see their "
-                f"errors); "
-                "install it on every node, or set backend: torch"
-            )
-        return DeepEPExchange(
-            topo,
-            groups,
-            topk=topk,
-            hidden_size=hidden_size,
-            hidden_dtype=hidden_dtype,
-            api=api,
-            num_sms=deepep_num_sms,
-            **common,
-        )
-    # auto: real DeepEP only (the fake is for tests and is never picked by itself).
-    reason = ""
-    on_gpu = groups.ep.handle is not None and dist.get_backend(groups.ep.handle) == "nccl"
-    if not on_gpu:
-        reason = "the EP group is not on NCCL (CPU job)"
-    elif order_problem:
-        reason = order_problem
+        if torch_only:
+            raise ValueError(torch_only)
+        api = _deepep_on_every_rank(topo, groups, deepep_api, shape)
+    elif backend == "auto":
+        api = _deepep_if_auto_agrees(topo, groups, shape)
     else:
-        importable, why = deep_ep_importable()
-        if not importable:
-            reason = f"deep_ep does not import ({why})"
-        else:
-            problems = deepep_layout_problems(topo, REAL_LIMITS, **limits)
-            reason = "; ".join(problems)
-    failing = _ranks_failing(groups, not reason) if on_gpu else [groups.ep_rank]
-    if failing and not reason:
-        reason = f"DeepEP is not usable on EP rank(s) {failing}"
-    chosen = "torch" if reason else "deepep"
-    message = f"railwave backend 'auto' -> {chosen}" + (f" ({reason})" if reason else "")
-    if groups.ep_rank == 0 and message not in _LOGGED:
-        _LOGGED.add(message)
-        _LOG.info(message)
-    if reason:
+        raise ValueError(f"backend={backend!r} must be 'torch', 'deepep' or 'auto'")
+    if api is None:
         return TorchDistExchange(topo, groups, **common)
     return DeepEPExchange(
         topo,
@@ -198,7 +145,92 @@ def build_exchange(
         topk=topk,
         hidden_size=hidden_size,
         hidden_dtype=hidden_dtype,
-        api=load_deep_ep("real", gpus_per_node=REAL_LIMITS.nvl_peers),
+        api=api,
         num_sms=deepep_num_sms,
         **common,
     )
+
+
+def _torch_only_mode(options: PlanOptions | None, max_tokens_per_rank: int | None) -> str:
+    """Why this layer's mode runs on the torch backend only ('' when DeepEP could run it), as the
+    error of backend 'deepep'; 'auto' takes the torch backend for it without asking DeepEP."""
+    if max_tokens_per_rank is not None:
+        return (
+            f"max_tokens_per_rank={max_tokens_per_rank} (fixed-capacity mode) runs on the torch "
+            "backend only; set backend: torch (or auto), or max_tokens_per_rank: null for DeepEP"
+        )
+    if options is not None and options.chunks != 1:
+        return (
+            f"chunks={options.chunks} (rail chunks per wave) runs on the torch backend only; "
+            "DeepEP dispatches whole waves. Set backend: torch (or auto), or chunks: 1 for DeepEP"
+        )
+    return ""
+
+
+def _deepep_on_every_rank(
+    topo: RailTopology, groups: RankGroups, deepep_api: DeepEPApi | None, shape: dict
+) -> DeepEPApi:
+    """Backend 'deepep': the ``deep_ep`` to run on, once every EP rank has loaded it.
+
+    Collective: yes (the EP group; one all-gather, after the host-local checks).
+
+    Raises:
+        ValueError: the placement or the layout is not DeepEP's (every rank, no communication).
+        ImportError: ``deep_ep`` does not import on some rank (every rank raises).
+    """
+    order_problem = deepep_rank_order_problem(groups)
+    if order_problem:
+        raise ValueError(
+            f"backend 'deepep': {order_problem}; launch ranks node by node (torchrun's order), or "
+            "set backend: torch (or auto), which serves any placement"
+        )
+    api = error = None
+    try:
+        api = deepep_api if deepep_api is not None else deep_ep_for_backend(topo.gpus_per_node)
+    except ImportError as exc:
+        error = exc
+    if api is not None:  # limits are the same on every rank: raise before any communication
+        check_deepep_layout(topo, api, **shape)
+    failing = _ranks_failing(groups, api is not None)
+    if error is not None:
+        raise error
+    if failing:
+        raise ImportError(
+            f"backend 'deepep': DeepEP does not import on EP rank(s) {failing} (see their "
+            "errors); install it on every node, or set backend: torch"
+        )
+    return api
+
+
+def _deepep_if_auto_agrees(topo: RailTopology, groups: RankGroups, shape: dict) -> DeepEPApi | None:
+    """Backend 'auto': the real ``deep_ep`` when every EP rank can run it, else None (torch).
+    Logs the choice and its reason once per process (EP rank 0). The fake is for tests and is
+    never picked by itself.
+
+    Collective: yes on NCCL (the EP group; one all-gather), none on a CPU job.
+    """
+    on_nccl = groups.ep.handle is not None and dist.get_backend(groups.ep.handle) == "nccl"
+    reason = _why_not_deepep(topo, groups, on_nccl, shape)
+    failing = _ranks_failing(groups, not reason) if on_nccl else [groups.ep_rank]
+    if failing and not reason:
+        reason = f"DeepEP is not usable on EP rank(s) {failing}"
+    chosen = "torch" if reason else "deepep"
+    message = f"railwave backend 'auto' -> {chosen}" + (f" ({reason})" if reason else "")
+    if groups.ep_rank == 0 and message not in _LOGGED:
+        _LOGGED.add(message)
+        _LOG.info(message)
+    return None if reason else load_deep_ep()
+
+
+def _why_not_deepep(topo: RailTopology, groups: RankGroups, on_nccl: bool, shape: dict) -> str:
+    """Why this rank cannot run the real DeepEP ('' when it can), checked in this order: the EP
+    group's process-group backend, the placement, the import, the layout. Host-local."""
+    if not on_nccl:
+        return "the EP group is not on NCCL (CPU job)"
+    order_problem = deepep_rank_order_problem(groups)
+    if order_problem:
+        return order_problem
+    importable, why = deep_ep_importable()
+    if not importable:
+        return f"deep_ep does not import ({why})"
+    return "; ".join(deepep_layout_problems(topo, REAL_LIMITS, **shape))

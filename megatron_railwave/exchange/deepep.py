@@ -1,4 +1,9 @@
-"""``DeepEPExchange``: the four paths over a stock ``deep_ep.Buffer`` (internode normal mode).
+"""The DeepEP backend: the four paths over a stock ``deep_ep.Buffer`` (internode normal mode).
+
+``DeepEPBackend`` is the backend (``exchange.base.ExchangeBackend``, a sibling of the torch
+backend's ``TorchDistBackend``); ``DeepEPExchange`` is the exchange that drives it
+(``exchange.driver.Exchange``, whose count exchange, planning, autograd functions and
+asynchronous form every backend shares).
 
 Letters: N nodes, G GPUs per node, W = N * G ranks, T tokens of this rank, E experts,
 E_node = E / N, E_loc = E / W, H hidden, K = min(top-k, E_node) slots of a record row, V waves,
@@ -38,6 +43,7 @@ import numpy as np
 import torch
 
 from megatron_railwave import ops
+from megatron_railwave.exchange.base import ExchangeBackend
 from megatron_railwave.exchange.deepep_api import (
     DeepEPApi,
     check_deepep_layout,
@@ -45,16 +51,21 @@ from megatron_railwave.exchange.deepep_api import (
     dispatch_row_bytes,
     record_meta_bytes,
 )
+from megatron_railwave.exchange.driver import Exchange
 from megatron_railwave.exchange.groups import RankGroups
-from megatron_railwave.exchange.layer import InputError, LayerDemand, LayerHandle
+from megatron_railwave.exchange.layer import (
+    InputError,
+    LayerDemand,
+    LayerHandle,
+    RankContext,
+)
 from megatron_railwave.exchange.layout import HostCounts, select_positions
 from megatron_railwave.exchange.moves import relay_backward, relay_forward
-from megatron_railwave.exchange.torch_dist import TorchDistExchange
 from megatron_railwave.exchange.transport import Program
 from megatron_railwave.planner import PathPlan, PlanOptions
 from megatron_railwave.topology import RailTopology
 
-__all__ = ["DeepEPExchange", "DeepEPLayer", "DeepEPHandle"]
+__all__ = ["DeepEPBackend", "DeepEPExchange", "DeepEPLayer", "DeepEPHandle"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -114,6 +125,10 @@ class DeepEPHandle:
     def plan(self) -> PathPlan:
         return self.layer.plan
 
+    @property
+    def tokens_per_expert(self) -> torch.Tensor:
+        return self.layer.tokens_per_expert
+
 
 _BUFFERS: dict[tuple, tuple[Any, Any]] = {}
 
@@ -136,8 +151,8 @@ def _shared_buffer(
     return _BUFFERS[key][0]
 
 
-class DeepEPExchange(TorchDistExchange):
-    """Executes path plans with DeepEP's internode dispatch / combine (see module docstring).
+class DeepEPBackend(ExchangeBackend):
+    """The four paths with DeepEP's internode dispatch / combine (see module docstring).
 
     Args:
         topo: the cluster (W = EP size).
@@ -146,13 +161,10 @@ class DeepEPExchange(TorchDistExchange):
         topk: the router's top-k (K = min(topk, E_node) slots per record row).
         hidden_size, hidden_dtype: H and the dtype of the hidden states (the Buffer is sized for
             them; DeepEP's combine needs bfloat16).
-        api: ``deepep_api.load_deep_ep(...)``: the real DeepEP or the fake.
+        api: ``deepep_api.load_deep_ep()`` (the wheel), or another implementation of its API
+            (tests: ``testing.deepep_fake.fake_deepep_api``).
         num_sms: SMs of DeepEP's normal kernels (even; DeepEP's default 20).
-        options, timeout_s: as ``TorchDistExchange`` (the relay and the count exchange; DeepEP's
-            own calls have DeepEP's timeouts, the fake's the EP group's).
-
-    ``dispatch`` / ``combine`` are ``TorchDistExchange``'s (same outputs, same entry order); unlike
-    it, ``dispatch`` has one host sync per wave (DeepEP's CPU wait on the received counts).
+        options: planner options (the relay and the count exchange).
 
     Raises:
         ValueError: the layout breaks a DeepEP limit (every rank, before any communication).
@@ -172,7 +184,6 @@ class DeepEPExchange(TorchDistExchange):
         api: DeepEPApi,
         num_sms: int = 20,
         options: PlanOptions | None = None,
-        timeout_s: float | None = None,
     ) -> None:
         check_deepep_layout(
             topo,
@@ -187,8 +198,8 @@ class DeepEPExchange(TorchDistExchange):
                 f"deepep_num_sms={num_sms!r} must be an even integer >= 2 (DeepEP runs two SMs per "
                 "channel; its default is 20)"
             )
-        super().__init__(
-            topo, groups, num_experts=num_experts, options=options, timeout_s=timeout_s
+        self.ctx = RankContext(
+            topo=topo, groups=groups, num_experts=num_experts, options=options or PlanOptions()
         )
         self.api = api
         self.hidden_size, self.hidden_dtype = hidden_size, hidden_dtype
@@ -227,9 +238,9 @@ class DeepEPExchange(TorchDistExchange):
                 f"dispatches "
                 "whole waves. Set chunks: 1 in the RailWave config, or use backend 'torch'"
             )
-        handle = super().prepare(layer, plan, hidden, probs)
+        handle = self.prepare_schedule(layer, plan, hidden, probs)
         view, layout = handle.view, handle.layout
-        g, s = self.topo.gpus_per_node, view.node
+        g, s = self.ctx.topo.gpus_per_node, view.node
         num_local = view.owner_category_counts[g]
         wave_N = plan.pair_wave_NN[s].numpy()
         egress_N = np.asarray(view.egress_N, dtype=np.int64)
@@ -269,7 +280,7 @@ class DeepEPExchange(TorchDistExchange):
         self, routing_map: torch.Tensor, token_R: torch.Tensor, node_R: torch.Tensor
     ) -> torch.Tensor:
         """[n_rec, K] int64: each record's experts on its node, ascending, -1 padded."""
-        e_node, n = self.ctx.experts_per_node, self.topo.num_nodes
+        e_node, n = self.ctx.experts_per_node, self.ctx.topo.num_nodes
         bits = routing_map.reshape(-1, e_node).index_select(0, token_R * n + node_R)
         col = torch.arange(e_node, dtype=torch.int64, device=bits.device)
         first = torch.where(bits, col, col + e_node).sort(dim=1).values[:, : self.topk_slots]
@@ -280,7 +291,7 @@ class DeepEPExchange(TorchDistExchange):
         first)."""
         layer = dl.layer
         pool = yield from relay_forward(
-            rows_o, layout=layer.layout, schedule=layer.schedule, groups=self.groups
+            rows_o, layout=layer.layout, schedule=layer.schedule, groups=self.ctx.groups
         )
         local = rows_o[rows_o.shape[0] - dl.num_local :]
         return ops.pack_rows([torch.cat([local, pool])], [dl.order])
@@ -297,7 +308,7 @@ class DeepEPExchange(TorchDistExchange):
             out,
             layout=layer.layout,
             schedule=layer.schedule,
-            groups=self.groups,
+            groups=self.ctx.groups,
         )
         return out
 
@@ -305,7 +316,7 @@ class DeepEPExchange(TorchDistExchange):
         bounds = np.concatenate([[0], np.cumsum(rows)]).tolist()
         return [slice(bounds[v], bounds[v + 1]) for v in range(len(rows))]
 
-    def _dispatch_forward(
+    def dispatch_forward(
         self, dl: DeepEPLayer, hidden: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor
     ) -> Program:
         """Returns (tokens [n_ent, H], entry probs [n_ent], ``DeepEPHandle``)."""
@@ -340,7 +351,7 @@ class DeepEPExchange(TorchDistExchange):
         )
         for part in self._wave_slices(dl.wave_rows):
             per_rank, per_rdma, per_exp, in_rank, _ = self.buffer.get_dispatch_layout(
-                topk_idx[part], self.num_experts
+                topk_idx[part], self.ctx.num_experts
             )
             rx, ridx, rw, counts, handle, _ = self.buffer.dispatch(
                 x[part],
@@ -372,7 +383,7 @@ class DeepEPExchange(TorchDistExchange):
         copy, expert = flat // self.topk_slots, ridx.reshape(-1).index_select(0, flat)
         owner = meta[:, 0].to(torch.int64).index_select(0, copy)
         token = meta[:, 1].to(torch.int64).index_select(0, copy)
-        key = (expert * self.topo.world_size + owner) * max(layer.max_tokens, 1) + token
+        key = (expert * self.ctx.topo.world_size + owner) * max(layer.max_tokens, 1) + token
         perm = torch.sort(key).indices
         copy_of_entry, slot_of_entry = copy.index_select(0, perm), flat.index_select(0, perm)
         tokens = rx[:, :h].index_select(0, copy_of_entry)
@@ -403,7 +414,7 @@ class DeepEPExchange(TorchDistExchange):
             )
         return torch.cat(out_x), (None if w_C is None else torch.cat(out_w))
 
-    def _combine_forward(self, handle: DeepEPHandle, expert_out: torch.Tensor) -> Program:
+    def combine_forward(self, handle: DeepEPHandle, expert_out: torch.Tensor) -> Program:
         """Returns [T, H]: expert outputs summed per received row, combined, summed per token."""
         layer = handle.layer.layer
         if expert_out.dtype != self.hidden_dtype:
@@ -427,10 +438,10 @@ class DeepEPExchange(TorchDistExchange):
             num_rows=layer.view.num_records,
         )
         return ops.segment_sum(
-            y_R, layer.layout.token_R, layer.num_tokens, max_segment_len=self.topo.num_nodes
+            y_R, layer.layout.token_R, layer.num_tokens, max_segment_len=self.ctx.topo.num_nodes
         )
 
-    def _combine_backward(self, handle: DeepEPHandle, g_out: torch.Tensor) -> Program:
+    def combine_backward(self, handle: DeepEPHandle, g_out: torch.Tensor) -> Program:
         """Returns g_expert_out [n_ent, H]: g_out rows dispatched again with the cached handles."""
         layer = handle.layer.layer
         token_o = layer.layout.token_R.index_select(0, layer.layout.owner_order)
@@ -446,7 +457,7 @@ class DeepEPExchange(TorchDistExchange):
         ]
         return torch.cat(recv).index_select(0, handle.copy_of_entry)
 
-    def _dispatch_backward(
+    def dispatch_backward(
         self,
         handle: DeepEPHandle,
         g_tokens: torch.Tensor,
@@ -473,16 +484,42 @@ class DeepEPExchange(TorchDistExchange):
             row_index=layer.layout.owner_order,
             num_rows=layer.view.num_records,
         )
-        t, e = layer.num_tokens, self.num_experts
+        t, e = layer.num_tokens, self.ctx.num_experts
         g_hidden = ops.segment_sum(
             g_x_R,
             layer.layout.token_R,
             t,
             out_dtype=self.hidden_dtype,
-            max_segment_len=self.topo.num_nodes,
+            max_segment_len=self.ctx.topo.num_nodes,
         )
         idx_R = handle.topk_idx_R
         target = torch.where(idx_R >= 0, layer.layout.token_R.unsqueeze(1) * e + idx_R, t * e)
         g_probs_TE = torch.zeros(t * e + 1, dtype=probs_dtype, device=g_tokens.device)
         g_probs_TE.scatter_(0, target.reshape(-1), g_w_R.reshape(-1).to(probs_dtype))
         return g_hidden, g_probs_TE[: t * e].view(t, e)
+
+
+class DeepEPExchange(Exchange):
+    """Executes path plans with DeepEP's internode dispatch / combine: the ``Exchange`` driving
+    a ``DeepEPBackend``.
+
+    Args:
+        topo, groups, backend_args: ``DeepEPBackend``'s (``num_experts``, ``topk``,
+            ``hidden_size``, ``hidden_dtype``, ``api``, ``num_sms``, ``options``).
+        timeout_s: bound of every wait of the relay and the count exchange (DeepEP's own calls
+            have DeepEP's timeouts, the fake's the EP group's).
+
+    ``dispatch`` / ``combine`` give the torch backend's outputs (same entry order); unlike it,
+    ``dispatch`` has one host sync per wave (DeepEP's CPU wait on the received counts). No
+    fixed-capacity mode. Raises and communicates at construction as ``DeepEPBackend``.
+    """
+
+    def __init__(
+        self,
+        topo: RailTopology,
+        groups: RankGroups,
+        *,
+        timeout_s: float | None = None,
+        **backend_args: Any,
+    ) -> None:
+        super().__init__(DeepEPBackend(topo, groups, **backend_args), timeout_s=timeout_s)

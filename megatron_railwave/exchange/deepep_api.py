@@ -1,5 +1,10 @@
 """The DeepEP backend's view of ``deep_ep``: where it comes from, what it supports, how big its
-Buffer is. The only module that imports ``deep_ep`` (lazily, on ``load_deep_ep('real')``).
+Buffer is. The only module that imports ``deep_ep`` (lazily, in ``load_deep_ep``).
+
+Another implementation of the same API (the CPU fake of ``megatron_railwave.testing``, for tests
+on gloo) reaches the backend only through code: ``build_exchange(..., deepep_api=...)``, or
+``set_deep_ep_stand_in`` for a whole process (what ``testing.use_fake_deepep`` does). No user
+config selects it, and backend 'auto' only ever loads the wheel.
 
 Letters: P GPUs per node (DeepEP's NVLink peers: 8), N nodes, W = N * P ranks, H hidden,
 K top-k slots of a record row, E experts, E_node = E / N, E_loc = E / W.
@@ -20,12 +25,12 @@ on every rank before the Buffer (the first communication) is created:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 
-from megatron_railwave.exchange.deepep_fake import fake_deep_ep
 from megatron_railwave.topology import RailTopology
 
 __all__ = [
@@ -33,6 +38,8 @@ __all__ = [
     "DeepEPLimits",
     "REAL_LIMITS",
     "load_deep_ep",
+    "set_deep_ep_stand_in",
+    "deep_ep_for_backend",
     "deep_ep_importable",
     "check_deepep_layout",
     "deepep_layout_problems",
@@ -75,7 +82,7 @@ class DeepEPApi:
     """The pieces of ``deep_ep`` the backend uses, and the limits of that implementation.
 
     Attributes:
-        kind: 'real' (the wheel) or 'fake' (``exchange.deepep_fake`` on gloo).
+        kind: 'real' (the wheel) or 'fake' (``testing.deepep_fake`` on gloo).
         Buffer, Config, EventOverlap: ``deep_ep``'s classes (or the fake's).
         limits: what it supports.
     """
@@ -87,32 +94,12 @@ class DeepEPApi:
     limits: DeepEPLimits
 
 
-def load_deep_ep(kind: Literal["real", "fake"], *, gpus_per_node: int) -> DeepEPApi:
-    """``deep_ep`` (kind 'real', imported here from the package top level) or the fake.
-
-    Args:
-        kind: 'real' or 'fake'.
-        gpus_per_node: G of the job (the fake's NVLink peers; ignored for 'real').
+def load_deep_ep() -> DeepEPApi:
+    """``deep_ep`` 2.1, imported here from the package top level.
 
     Raises:
-        ImportError: 'real' and ``deep_ep`` does not import; names the wheel and the fallback.
+        ImportError: ``deep_ep`` does not import; names the wheel and the fallback.
     """
-    if kind == "fake":
-        ns = fake_deep_ep(gpus_per_node)
-        limits = DeepEPLimits(
-            nvl_peers=gpus_per_node,
-            node_counts=ns.known_node_counts,
-            combine_dtypes=ns.combine_dtypes,
-        )
-        return DeepEPApi(
-            kind="fake",
-            Buffer=ns.Buffer,
-            Config=ns.Config,
-            EventOverlap=ns.EventOverlap,
-            limits=limits,
-        )
-    if kind != "real":
-        raise ValueError(f"deepep_buffer={kind!r} must be 'real' or 'fake'")
     try:
         from deep_ep import Buffer, Config, EventOverlap
     except Exception as exc:  # noqa: BLE001 - deep_ep's import also runs NCCL / JIT checks (asserts)
@@ -128,11 +115,38 @@ def load_deep_ep(kind: Literal["real", "fake"], *, gpus_per_node: int) -> DeepEP
     )
 
 
+DeepEPStandIn = Callable[[int], DeepEPApi]
+"""Makes another implementation of ``deep_ep``'s API for a job of G GPUs per node."""
+
+_STAND_IN: DeepEPStandIn | None = None
+
+
+def set_deep_ep_stand_in(stand_in: DeepEPStandIn | None) -> DeepEPStandIn | None:
+    """Make backend 'deepep' use ``stand_in(G)`` instead of the wheel in this process (None: the
+    wheel again); returns the previous stand-in. A testing hook (``testing.use_fake_deepep``), not
+    a user option: backend 'auto' never uses it."""
+    global _STAND_IN
+    previous, _STAND_IN = _STAND_IN, stand_in
+    return previous
+
+
+def deep_ep_for_backend(gpus_per_node: int) -> DeepEPApi:
+    """What backend 'deepep' runs on: the process's stand-in (``set_deep_ep_stand_in``) for G =
+    ``gpus_per_node``, else the wheel (``load_deep_ep``).
+
+    Raises:
+        ImportError: no stand-in and ``deep_ep`` does not import.
+    """
+    if _STAND_IN is not None:
+        return _STAND_IN(gpus_per_node)
+    return load_deep_ep()
+
+
 def deep_ep_importable() -> tuple[bool, str]:
     """(whether ``deep_ep`` imports, why not). Imports it when it can (its import has side effects:
     NCCL checks and the JIT runtime)."""
     try:
-        load_deep_ep("real", gpus_per_node=REAL_LIMITS.nvl_peers)
+        load_deep_ep()
     except ImportError as exc:
         return False, str(exc.__cause__ or exc)
     return True, ""

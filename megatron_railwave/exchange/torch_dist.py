@@ -1,15 +1,13 @@
-"""``TorchDistExchange``: the rank programs of ``exchange.layer`` over torch.distributed.
+"""The torch.distributed backend: the rank programs of ``exchange.layer``, every move a
+point-to-point phase of the ``ExecutionSchedule`` over torch.distributed (any layout; also the
+fixed-capacity mode).
 
 Letters: T tokens of this rank, E experts, E_loc local experts, H hidden, n_ent received
 (token, local expert) entries.
 
-Per layer: ``gather_demand`` (one all-to-all on the EP group, then the layer's one host
-sync), ``plan`` (pure, host), ``dispatch`` and ``combine`` (autograd functions whose backward
-is the other's data movement). In fixed-capacity mode (``max_tokens_per_rank``),
-``prepare_capacity`` replaces the first three: no communication and no host sync before
-``dispatch``, and none in the whole layer. Every tensor the exchange makes lives on the input's
-device; the phases follow the ``ExecutionSchedule``; every wait is bounded by ``timeout_s`` and a
-failure names the stage, the group and the unresponsive peers.
+``TorchDistBackend`` is the backend (``exchange.base.ExchangeBackend``: preparation and the four
+programs); ``TorchDistExchange`` is the exchange that drives it (``exchange.driver.Exchange``,
+which owns the count exchange, planning, the autograd functions and the asynchronous form).
 """
 
 from __future__ import annotations
@@ -19,16 +17,12 @@ from typing import Any
 
 import torch
 
-from megatron_railwave.exchange.capacity import PaddedEntries, check_capacity
-from megatron_railwave.exchange.groups import (
-    RankGroups,
-    report_failure,
-    reported_failures,
-    survey_unresponsive,
-)
+from megatron_railwave.exchange.base import ExchangeBackend
+from megatron_railwave.exchange.capacity import PaddedEntries
+from megatron_railwave.exchange.driver import Exchange
+from megatron_railwave.exchange.groups import RankGroups
 from megatron_railwave.exchange.layer import (
     EntryIndex,
-    InputError,
     LayerDemand,
     LayerHandle,
     RankContext,
@@ -36,26 +30,12 @@ from megatron_railwave.exchange.layer import (
     combine_forward,
     dispatch_backward,
     dispatch_forward,
-    gather_demand,
-    prepare_capacity_layer,
-    prepare_layer,
 )
-from megatron_railwave.exchange.pending import PendingProgram, comm_stream_for, finish, start
-from megatron_railwave.exchange.timing_reduce import PostedTimingReduce, post_timing_reduce
-from megatron_railwave.exchange.transport import GroupRef, Program, TorchDistTransport, drive
-from megatron_railwave.names import Route
-from megatron_railwave.planner import PathPlan, PlanOptions, build_plan
+from megatron_railwave.exchange.transport import Program
+from megatron_railwave.planner import PathPlan, PlanOptions
 from megatron_railwave.topology import RailTopology
-from megatron_railwave.traffic import DemandCounts
 
-__all__ = [
-    "ExchangeHandle",
-    "DispatchOutput",
-    "PendingDispatch",
-    "PendingCombine",
-    "TorchDistExchange",
-    "InputError",
-]
+__all__ = ["ExchangeHandle", "TorchDistBackend", "TorchDistExchange"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -74,121 +54,25 @@ class ExchangeHandle:
     def plan(self) -> PathPlan:
         return self.layer.plan
 
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class DispatchOutput:
-    """Attributes:
-    tokens: [n_ent, H], hidden dtype, rows contiguous per local expert (ascending).
-        Fixed-capacity mode: [E_loc * W * C, H], the padded layout (expert e's entries are
-        rows e * W * C + k, k < tokens_per_expert[e]; the other rows are zero).
-    tokens_per_expert: [E_loc] int64 on CPU (fixed-capacity mode: on the input's device).
-    probs: [n_ent], probs dtype, routing probability of each entry (padding rows: 0).
-    handle: pass back to ``combine`` (the backend's own handle: ``ExchangeHandle`` for the
-        torch backend, ``exchange.deepep.DeepEPHandle`` for DeepEP).
-    """
-
-    tokens: torch.Tensor
-    tokens_per_expert: torch.Tensor
-    probs: torch.Tensor
-    handle: Any
+    @property
+    def tokens_per_expert(self) -> torch.Tensor:
+        """[E_loc] int64: the host counts (CPU), or in fixed-capacity mode the counts dispatch
+        made on the input's device."""
+        counts = self.layer.tokens_per_expert
+        return self.entries.tokens_per_expert if counts is None else counts
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class PendingDispatch:
-    """A dispatch whose phases are posted (``TorchDistExchange.start_dispatch``); pass it to
-    ``finish_dispatch`` with the same hidden / probs."""
-
-    program: PendingProgram
-    handle: Any
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class PendingCombine:
-    """A combine whose phases are posted (``TorchDistExchange.start_combine``); pass it to
-    ``finish_combine`` with the same expert output."""
-
-    program: PendingProgram
-    handle: Any
-
-
-class _Box:
-    """Carries the dispatch handle out of the autograd function (not a tensor)."""
-
-    __slots__ = ("handle",)
-
-    def __init__(self) -> None:
-        self.handle: Any = None
-
-
-# The autograd functions of every backend: each direction's backward runs the other direction's
-# program. A backend supplies the four programs (``_dispatch_forward`` ... ``_combine_backward``).
-class _DispatchFn(torch.autograd.Function):
-    @staticmethod
-    def forward(
-        ctx,
-        hidden,
-        probs,
-        routing_map,
-        exchange: TorchDistExchange,
-        layer: Any,
-        box: _Box,  # type: ignore[override]
-        pending: PendingProgram | None = None,
-    ):
-        if (
-            pending is not None
-        ):  # started by start_dispatch: its forward is only the rest of the program
-            tokens, entry_probs, handle = finish(pending)
-        else:
-            tokens, entry_probs, handle = exchange._run(
-                exchange._dispatch_forward(layer, hidden, probs, routing_map)
-            )
-        box.handle = handle
-        ctx.exchange, ctx.handle, ctx.probs_dtype = exchange, handle, probs.dtype
-        return tokens, entry_probs
-
-    @staticmethod
-    def backward(ctx, g_tokens, g_probs):  # type: ignore[override]
-        ex: TorchDistExchange = ctx.exchange
-        g_hidden, g_probs_TE = ex._run(
-            ex._dispatch_backward(
-                ctx.handle, g_tokens.contiguous(), g_probs.contiguous(), ctx.probs_dtype
-            )
-        )
-        return g_hidden, g_probs_TE, None, None, None, None, None
-
-
-class _CombineFn(torch.autograd.Function):
-    @staticmethod
-    def forward(
-        ctx,
-        expert_out,
-        exchange: TorchDistExchange,
-        handle: Any,  # type: ignore[override]
-        pending: PendingProgram | None = None,
-    ):
-        ctx.exchange, ctx.handle = exchange, handle
-        if pending is not None:  # started by start_combine
-            return finish(pending)
-        return exchange._run(exchange._combine_forward(handle, expert_out))
-
-    @staticmethod
-    def backward(ctx, g_out):  # type: ignore[override]
-        ex: TorchDistExchange = ctx.exchange
-        return ex._run(ex._combine_backward(ctx.handle, g_out.contiguous())), None, None, None
-
-
-class TorchDistExchange:
-    """Executes path plans for one expert-parallel group.
+class TorchDistBackend(ExchangeBackend):
+    """The schedule's point-to-point programs (``exchange.layer``) as an exchange backend.
 
     Args:
         topo: the cluster (W must equal the EP size).
-        groups: this rank's groups (``build_rail_groups``, created at construction).
+        groups: this rank's groups (``build_rail_groups``).
         num_experts: E (global), divisible by W.
         options: planner options (eligible policy, fan-in, replay windows).
-        timeout_s: bound of every wait of a layer (None: the process groups' own timeouts).
-        max_tokens_per_rank: C, the fixed-capacity mode (None: the normal mode); see
-            ``prepare_capacity``.
     """
+
+    runs_fixed_capacity = True
 
     def __init__(
         self,
@@ -197,251 +81,30 @@ class TorchDistExchange:
         *,
         num_experts: int,
         options: PlanOptions | None = None,
-        timeout_s: float | None = None,
-        max_tokens_per_rank: int | None = None,
     ) -> None:
-        self.topo = topo
-        self.groups = groups
         self.ctx = RankContext(
             topo=topo, groups=groups, num_experts=num_experts, options=options or PlanOptions()
         )
-        self.num_experts = num_experts
-        self.options = self.ctx.options
-        self.timeout_s = timeout_s
-        self.max_tokens_per_rank = check_capacity(max_tokens_per_rank)
-        self._calls = 0
-        placement = groups.placement
-        self.transport = TorchDistTransport(
-            rank=groups.railwave_rank,
-            timeout_s=timeout_s,
-            survey=self._survey,
-            explain=self._explain,
-            ep_rank_of=None if placement.identity else placement.ep_rank_of_railwave,
-        )
-
-    @property
-    def experts_per_rank(self) -> int:
-        return self.ctx.experts_per_rank
-
-    def _survey(self, stage: str, group: GroupRef) -> list[int]:
-        return survey_unresponsive(
-            self.groups, self._calls, stage, group, grace_s=min(2.0, (self.timeout_s or 8.0) / 4)
-        )
-
-    def _explain(self) -> str:
-        reports = reported_failures(self.groups, self._calls)
-        return "; ".join(
-            f"EP rank {self.groups.ep_ranks([r])[0]} raised before communicating: {message}"
-            for r, message in sorted(reports.items())
-        )
-
-    def _run(self, program):
-        return drive(program, self.transport)
-
-    # ------------------------------------------------------------------ step 1: counts
-    def gather_demand(
-        self,
-        hidden: torch.Tensor,
-        probs: torch.Tensor,
-        routing_map: torch.Tensor,
-        *,
-        expert_loads: bool = False,
-        delivery_counts: bool = False,
-        timing_word: int | None = None,
-    ) -> LayerDemand:
-        """The count exchange (``exchange.layer.gather_demand``); ``expert_loads`` adds the
-        global tokens per expert, ``delivery_counts`` every rank's copies per destination GPU and
-        mask class (the path model's input); both the same on every rank. ``timing_word``: this
-        rank's timing word for the online selector, returned from every rank in ``timing_W``.
-
-        Collective: yes (EP group). Host sync: yes (one, the counts).
-
-        Raises:
-            InputError: on every rank, when any rank's input is malformed (names the ranks).
-        """
-        self._calls += 1
-        return self._run(
-            gather_demand(
-                self.ctx,
-                hidden,
-                probs,
-                routing_map,
-                expert_loads=expert_loads,
-                delivery_counts=delivery_counts,
-                timing_word=timing_word,
-            )
-        )
-
-    # ------------------------------------------------------------------ step 2: plan
-    def plan(self, demand: LayerDemand | DemandCounts, path: str, *, phase: int = 0) -> PathPlan:
-        """The global plan (pure; identical on every rank). Host sync: no."""
-        counts = demand.demand if isinstance(demand, LayerDemand) else demand
-        return build_plan(counts, self.topo, path, options=self.options, phase=phase)
 
     def prepare(
         self, layer: LayerDemand, plan: PathPlan, hidden: torch.Tensor, probs: torch.Tensor
     ) -> LayerHandle:
-        """Compile ``plan`` into the schedule and build this rank's index maps (part of the
-        planning cost). No communication; host sync: no."""
-        return prepare_layer(
-            self.ctx,
-            layer,
-            plan,
-            hidden_dtype=hidden.dtype,
-            probs_dtype=probs.dtype,
-            hidden_size=hidden.shape[-1],
-        )
+        """The schedule and this rank's index maps (``prepare_schedule``), nothing more."""
+        return self.prepare_schedule(layer, plan, hidden, probs)
 
-    # ------------------------------------------------------------------ fixed capacity
-    def prepare_capacity(
+    def dispatch_forward(
         self,
-        hidden: torch.Tensor,
-        probs: torch.Tensor,
-        routing_map: torch.Tensor,
-        path: Route | str,
-    ) -> LayerHandle:
-        """Fixed-capacity mode: this layer's handle for ``dispatch`` without any communication or
-        host sync (replaces ``gather_demand``, ``plan`` and ``prepare``; ``exchange.capacity``).
-
-        Its checks are host-local and raise here, on this rank only; the message is left in the
-        job's store first, so the peers (which time out waiting for this rank, within
-        ``timeout_s``) name it and quote it in their ``ExchangeTimeoutError``.
-
-        Raises:
-            InputError / CapacityOverflowError: malformed input, or T > ``max_tokens_per_rank``.
-            RuntimeError: the exchange was built without ``max_tokens_per_rank``.
-        """
-        if self.max_tokens_per_rank is None:
-            raise RuntimeError(
-                "prepare_capacity: this exchange runs the normal mode (max_tokens_per_rank=None); "
-                "use gather_demand / plan / prepare, or build it with max_tokens_per_rank"
-            )
-        self._calls += 1
-        try:
-            return prepare_capacity_layer(
-                self.ctx, hidden, probs, routing_map, path=path, capacity=self.max_tokens_per_rank
-            )
-        except InputError as exc:
-            report_failure(self.groups, self._calls, f"{type(exc).__name__}: {exc}")
-            raise
-
-    def post_timing(self, word: int, device: torch.device) -> PostedTimingReduce:
-        """Fixed-capacity mode, ``selector: online``: post the all-reduce of this rank's timing
-        word over the EP count group (``exchange.timing_reduce``; 16 bytes per rank); read it
-        with ``result()`` an epoch later.
-
-        Collective: yes (EP group, asynchronous). Host sync: no.
-        """
-        return post_timing_reduce(word, self.groups.ep, device=device, timeout_s=self.timeout_s)
-
-    # ------------------------------------------------------------------ step 3: move
-    def dispatch(
-        self,
-        hidden: torch.Tensor,
-        probs: torch.Tensor,
-        routing_map: torch.Tensor,
-        handle: LayerHandle,
-    ) -> DispatchOutput:
-        """Move tokens to the experts (differentiable in hidden and probs).
-
-        Args:
-            hidden: [T, H] rank-local tokens (floating point).
-            probs: [T, E] routing probabilities.
-            routing_map: [T, E] bool, top-k True per row.
-            handle: ``self.prepare(layer, plan, hidden, probs)`` for the same routing map.
-
-        Host sync: no.
-        """
-        box = _Box()
-        tokens, entry_probs = _DispatchFn.apply(hidden, probs, routing_map, self, handle, box)
-        tokens_per_expert = handle.tokens_per_expert
-        if tokens_per_expert is None:  # fixed capacity: counted on the device by dispatch
-            tokens_per_expert = box.handle.entries.tokens_per_expert
-        return DispatchOutput(
-            tokens=tokens, tokens_per_expert=tokens_per_expert, probs=entry_probs, handle=box.handle
-        )
-
-    def combine(self, expert_out: torch.Tensor, handle: ExchangeHandle) -> torch.Tensor:
-        """Expert outputs [n_ent, H] (rows as ``DispatchOutput.tokens``) -> [T, H], summed over a
-        token's experts in the canonical order. Host sync: no."""
-        return _CombineFn.apply(expert_out, self, handle)
-
-    # ------------------------------------------------------------------ asynchronous form
-    # ``dispatch`` = ``finish_dispatch(start_dispatch(...))`` and likewise for combine, with the
-    # same numbers bit for bit: the programs are the same, only where the caller's own work falls
-    # between their requests differs (``exchange.pending``). The backward directions stay
-    # synchronous (autograd runs them).
-    def start_dispatch(
-        self,
-        hidden: torch.Tensor,
-        probs: torch.Tensor,
-        routing_map: torch.Tensor,
-        handle: LayerHandle,
-    ) -> PendingDispatch:
-        """Post the dispatch and return before it completes (gloo: at its first wait on a phase
-        in flight; CUDA: once every phase is enqueued on the communication stream).
-
-        Host sync: no. Collective: the dispatch's phases (node / rail groups).
-        """
-        hidden_d, probs_d = hidden.detach(), probs.detach()
-        program = start(
-            self._dispatch_forward(handle, hidden_d, probs_d, routing_map),
-            self.transport,
-            comm_stream=comm_stream_for(hidden.device),
-            inputs=(hidden_d, probs_d, routing_map),
-        )
-        return PendingDispatch(program=program, handle=handle)
-
-    def finish_dispatch(
-        self,
-        hidden: torch.Tensor,
-        probs: torch.Tensor,
-        routing_map: torch.Tensor,
-        pending: PendingDispatch,
-    ) -> DispatchOutput:
-        """Complete ``start_dispatch`` (same arguments): ``dispatch``'s output, differentiable in
-        hidden and probs. Host sync: no (gloo: blocks until the phases completed)."""
-        box = _Box()
-        tokens, entry_probs = _DispatchFn.apply(
-            hidden, probs, routing_map, self, pending.handle, box, pending.program
-        )
-        tokens_per_expert = pending.handle.tokens_per_expert
-        if tokens_per_expert is None:
-            tokens_per_expert = box.handle.entries.tokens_per_expert
-        return DispatchOutput(
-            tokens=tokens, tokens_per_expert=tokens_per_expert, probs=entry_probs, handle=box.handle
-        )
-
-    def start_combine(self, expert_out: torch.Tensor, handle: Any) -> PendingCombine:
-        """Post the combine and return before it completes (as ``start_dispatch``). Host sync:
-        no."""
-        out_d = expert_out.detach()
-        program = start(
-            self._combine_forward(handle, out_d),
-            self.transport,
-            comm_stream=comm_stream_for(expert_out.device),
-            inputs=(out_d,),
-        )
-        return PendingCombine(program=program, handle=handle)
-
-    def finish_combine(self, expert_out: torch.Tensor, pending: PendingCombine) -> torch.Tensor:
-        """Complete ``start_combine`` (same expert output): ``combine``'s [T, H], differentiable."""
-        return _CombineFn.apply(expert_out, self, pending.handle, pending.program)
-
-    # ------------------------------------------------------------------ the four programs
-    def _dispatch_forward(
-        self,
-        layer: LayerHandle,
+        prepared: LayerHandle,
         hidden: torch.Tensor,
         probs: torch.Tensor,
         routing_map: torch.Tensor,
     ) -> Program:
         tokens, entry_probs, entries = yield from dispatch_forward(
-            self.ctx, layer, hidden, probs, routing_map
+            self.ctx, prepared, hidden, probs, routing_map
         )
-        return tokens, entry_probs, ExchangeHandle(layer=layer, entries=entries)
+        return tokens, entry_probs, ExchangeHandle(layer=prepared, entries=entries)
 
-    def _dispatch_backward(
+    def dispatch_backward(
         self,
         handle: ExchangeHandle,
         g_tokens: torch.Tensor,
@@ -452,8 +115,35 @@ class TorchDistExchange:
             yield from dispatch_backward(self.ctx, handle.layer, handle.entries, g_tokens, g_probs)
         )
 
-    def _combine_forward(self, handle: ExchangeHandle, expert_out: torch.Tensor) -> Program:
+    def combine_forward(self, handle: ExchangeHandle, expert_out: torch.Tensor) -> Program:
         return (yield from combine_forward(self.ctx, handle.layer, handle.entries, expert_out))
 
-    def _combine_backward(self, handle: ExchangeHandle, g_out: torch.Tensor) -> Program:
+    def combine_backward(self, handle: ExchangeHandle, g_out: torch.Tensor) -> Program:
         return (yield from combine_backward(self.ctx, handle.layer, handle.entries, g_out))
+
+
+class TorchDistExchange(Exchange):
+    """Executes path plans for one expert-parallel group over torch.distributed: the
+    ``Exchange`` driving a ``TorchDistBackend``.
+
+    Args:
+        topo, groups, backend_args: ``TorchDistBackend``'s (``num_experts``, ``options``).
+        timeout_s: bound of every wait of a layer (None: the process groups' own timeouts).
+        max_tokens_per_rank: C, the fixed-capacity mode (None: the normal mode); see
+            ``Exchange.prepare_capacity``.
+    """
+
+    def __init__(
+        self,
+        topo: RailTopology,
+        groups: RankGroups,
+        *,
+        timeout_s: float | None = None,
+        max_tokens_per_rank: int | None = None,
+        **backend_args: Any,
+    ) -> None:
+        super().__init__(
+            TorchDistBackend(topo, groups, **backend_args),
+            timeout_s=timeout_s,
+            max_tokens_per_rank=max_tokens_per_rank,
+        )

@@ -9,8 +9,8 @@ import torch.distributed as dist
 
 from megatron_railwave.exchange import InputError, TorchDistExchange, build_rail_groups
 from megatron_railwave.exchange.deepep import DeepEPExchange
-from megatron_railwave.exchange.deepep_api import load_deep_ep
 from megatron_railwave.planner import PlanOptions
+from megatron_railwave.testing.deepep_fake import fake_deepep_api, use_fake_deepep
 from megatron_railwave.topology import RailTopology
 from tests.helpers.exchange_worker import expert_weights, make_inputs
 
@@ -43,7 +43,7 @@ def run_backends(
             topk=kw["topk"],
             hidden_size=kw["hidden"],
             hidden_dtype=hidden_dtype,
-            api=load_deep_ep("fake", gpus_per_node=topo.gpus_per_node),
+            api=fake_deepep_api(topo.gpus_per_node),
             options=PlanOptions(),
         ),
     }
@@ -89,7 +89,7 @@ def run_moe_layer_backends(
 ) -> dict[str, Any]:
     """A real Megatron MoELayer (forward + backward): 'alltoall', railwave on the torch backend
     (native), then railwave on the DeepEP backend with the fake Buffer, once per path."""
-    from megatron_railwave.lab.bench.megatron_cpu import apply_megatron_cpu_shims
+    from megatron_railwave.testing.megatron_cpu import apply_megatron_cpu_shims
 
     apply_megatron_cpu_shims()
     import megatron_railwave
@@ -98,11 +98,10 @@ def run_moe_layer_backends(
     out = {"alltoall": build_and_run_moe_layer(rank, world, "alltoall", **kw)}
     megatron_railwave.install({**railwave, "path": "native", "backend": "torch"})
     out["torch/native"] = build_and_run_moe_layer(rank, world, "railwave", **kw)
-    for path in paths:
-        megatron_railwave.install(
-            {**railwave, "path": path, "backend": "deepep", "deepep_buffer": "fake"}
-        )
-        out[f"deepep/{path}"] = build_and_run_moe_layer(rank, world, "railwave", **kw)
+    with use_fake_deepep():  # backend 'deepep' on the fake Buffer: a testing hook, not config
+        for path in paths:
+            megatron_railwave.install({**railwave, "path": path, "backend": "deepep"})
+            out[f"deepep/{path}"] = build_and_run_moe_layer(rank, world, "railwave", **kw)
     return out
 
 
@@ -114,10 +113,11 @@ def run_unsupported_layouts(rank: int, world: int) -> dict[str, str]:
     topo = RailTopology(num_nodes=2, gpus_per_node=world // 2)
     groups = build_rail_groups(None, topo)
     common = dict(backend="deepep", num_experts=2 * world, topk=2, options=PlanOptions())
+    fake = fake_deepep_api(topo.gpus_per_node)
     errors = {}
     for name, kwargs in (
-        ("hidden", dict(hidden_size=100, hidden_dtype=torch.float32, deepep_buffer="fake")),
-        ("real", dict(hidden_size=256, hidden_dtype=torch.bfloat16, deepep_buffer="real")),
+        ("hidden", dict(hidden_size=100, hidden_dtype=torch.float32, deepep_api=fake)),
+        ("real", dict(hidden_size=256, hidden_dtype=torch.bfloat16)),
     ):
         try:
             build_exchange(topo, groups, **kwargs, **common)
@@ -131,7 +131,7 @@ def run_unsupported_layouts(rank: int, world: int) -> dict[str, str]:
         groups,
         hidden_size=256,
         hidden_dtype=torch.float32,
-        deepep_buffer="fake",
+        deepep_api=fake,
         **{**common, "topk": 1},
     )
     x, probs, routing = make_inputs(

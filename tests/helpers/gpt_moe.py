@@ -334,7 +334,7 @@ def train_ep_overlap(
 def gpt_runs_worker(rank: int, world: int, runs: list[dict[str, Any]]) -> dict[str, Any]:
     """Run each of ``runs`` in this process (``{"name", "loop": "hand" | "ep_overlap",
     "dispatcher", "railwave": {...} | None, **loop kwargs}``); returns {name: result}."""
-    from megatron_railwave.lab.bench.megatron_cpu import (
+    from megatron_railwave.testing.megatron_cpu import (
         apply_megatron_cpu_shims,
         seed_megatron_cpu_rng,
     )

@@ -157,7 +157,7 @@ def build_and_run_moe_layer(
         ``fc1_grad`` [L, 2F, H], ``fc2_grad`` [L, H, F], ``router_grad`` [E, H] (this rank's
         contribution only: no reduction over ranks), and ``local_expert_indices`` (list[int]).
     """
-    from megatron_railwave.lab.bench.megatron_cpu import apply_megatron_cpu_shims
+    from megatron_railwave.testing.megatron_cpu import apply_megatron_cpu_shims
 
     apply_megatron_cpu_shims()
     from megatron.core import parallel_state

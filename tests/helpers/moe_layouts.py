@@ -227,7 +227,7 @@ def _passes(rank: int) -> dict[str, Any]:
 
 def run_layouts_worker(rank: int, world: int) -> dict[str, Any]:
     """Every layout and pass case on this rank (8 ranks)."""
-    from megatron_railwave.lab.bench.megatron_cpu import (
+    from megatron_railwave.testing.megatron_cpu import (
         apply_megatron_cpu_shims,
         seed_megatron_cpu_rng,
     )

@@ -11,7 +11,7 @@ def run_layer_all_dispatchers(
     rank: int, world: int, railwave: dict, paths: list[str], kw: dict
 ) -> dict[str, Any]:
     """alltoall once, then railwave once per path; returns each run's arrays."""
-    from megatron_railwave.lab.bench.megatron_cpu import apply_megatron_cpu_shims
+    from megatron_railwave.testing.megatron_cpu import apply_megatron_cpu_shims
 
     apply_megatron_cpu_shims()
     import megatron_railwave
@@ -29,7 +29,7 @@ def run_layer_with_capture(rank: int, world: int, capture_dir: str, kw: dict) ->
     Returns the routing the layer really dispatched: every routing map the dispatcher received in
     ``dispatch_preprocess`` ([T, E] bool, numpy), with its layer number and EP rank.
     """
-    from megatron_railwave.lab.bench.megatron_cpu import apply_megatron_cpu_shims
+    from megatron_railwave.testing.megatron_cpu import apply_megatron_cpu_shims
 
     apply_megatron_cpu_shims()
     import megatron_railwave
@@ -64,7 +64,7 @@ def run_layer_flex_railwave_backend(
     rank: int, world: int, railwave: dict, kw: dict
 ) -> dict[str, Any]:
     """The same layer built as type 'railwave' and as type 'flex' with backend 'railwave'."""
-    from megatron_railwave.lab.bench.megatron_cpu import apply_megatron_cpu_shims
+    from megatron_railwave.testing.megatron_cpu import apply_megatron_cpu_shims
 
     apply_megatron_cpu_shims()
     import megatron_railwave

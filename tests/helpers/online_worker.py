@@ -98,7 +98,7 @@ def run_layer_online(
     fixed path and the online runs then share the fixed-capacity mode); ``online`` / ``bad_online``:
     the online knobs of the skewed-clock run and of the NaN run; ``bad_after``: rank 2's clock
     reads NaN after this many readings."""
-    from megatron_railwave.lab.bench.megatron_cpu import apply_megatron_cpu_shims
+    from megatron_railwave.testing.megatron_cpu import apply_megatron_cpu_shims
 
     apply_megatron_cpu_shims()
     import megatron_railwave

@@ -100,7 +100,7 @@ def _error_text(fn) -> str:
 
 
 def dispatcher_errors_worker(rank: int, world: int) -> dict[str, Any]:
-    from megatron_railwave.lab.bench.megatron_cpu import apply_megatron_cpu_shims
+    from megatron_railwave.testing.megatron_cpu import apply_megatron_cpu_shims
 
     apply_megatron_cpu_shims()
     import torch

@@ -27,7 +27,7 @@ pytestmark = pytest.mark.skipif(
 
 SCRIPT = """
 import json, sys, torch
-from megatron_railwave.lab.bench.megatron_cpu import apply_megatron_cpu_shims
+from megatron_railwave.testing.megatron_cpu import apply_megatron_cpu_shims
 apply_megatron_cpu_shims()
 torch.cuda.get_device_capability = lambda device=None: (9, 0)  # validate_args asks the GPU
 import torch.distributed as dist

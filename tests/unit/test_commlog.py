@@ -222,7 +222,7 @@ class FakeWandb:
 
 @pytest.fixture
 def sink():
-    from megatron_railwave.lab.bench.megatron_cpu import apply_megatron_cpu_shims
+    from megatron_railwave.testing.megatron_cpu import apply_megatron_cpu_shims
 
     apply_megatron_cpu_shims()  # CPU torch: Megatron's MoE package imports Triton kernels
     from megatron_railwave.telemetry.megatron_logging import _make_tracker

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megatron_railwave.lab.bench.megatron_cpu import apply_megatron_cpu_shims  # noqa: E402
+from megatron_railwave.testing.megatron_cpu import apply_megatron_cpu_shims  # noqa: E402
 
 apply_megatron_cpu_shims()  # CPU torch: Megatron's MoE package imports Triton kernels
 pytest.importorskip("megatron.core")

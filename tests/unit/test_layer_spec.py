@@ -16,7 +16,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 SCRIPT = """
 import json, torch
-from megatron_railwave.lab.bench.megatron_cpu import apply_megatron_cpu_shims, seed_megatron_cpu_rng
+from megatron_railwave.testing.megatron_cpu import apply_megatron_cpu_shims, seed_megatron_cpu_rng
 apply_megatron_cpu_shims()
 torch._dynamo.config.disable = True
 import torch.distributed as dist

@@ -2,7 +2,7 @@
 GLM-4.5-Air launcher's flags through Megatron-LM's real argument parser.
 
 Tests that import Megatron-Core run in a subprocess: Megatron needs the CPU shims
-(megatron_railwave.lab.bench.megatron_cpu)
+(megatron_railwave.testing.megatron_cpu)
 before its first import and keeps process-wide globals (parsed args, patched MoELayer).
 """
 
@@ -120,7 +120,7 @@ def test_glm45_air_config_describes_ep32_on_h800(monkeypatch):
 def test_railwave_args_parse_with_megatron_lm_parser():
     out = _run_python("""
         import json, sys
-        from megatron_railwave.lab.bench.megatron_cpu import apply_megatron_cpu_shims
+        from megatron_railwave.testing.megatron_cpu import apply_megatron_cpu_shims
         apply_megatron_cpu_shims()
         from megatron.training import arguments
         from megatron_railwave.plugin import add_railwave_args, config_from_args
@@ -146,7 +146,7 @@ def test_glm45_air_launcher_flags_validate_with_megatron_lm():
     out = _run_python(
         f"""
         import json, sys, torch
-        from megatron_railwave.lab.bench.megatron_cpu import apply_megatron_cpu_shims
+        from megatron_railwave.testing.megatron_cpu import apply_megatron_cpu_shims
         apply_megatron_cpu_shims()
         # CPU stand-ins for checks validate_args and TransformerConfig make against the GPU: an
         # H800 is sm_90, and RoPE fusion needs Transformer Engine.
@@ -192,7 +192,7 @@ def test_install_is_idempotent_replaces_config_and_uninstall_restores():
     out = _run_python("""
         import datetime, json, os
         import torch, torch.distributed as dist
-        from megatron_railwave.lab.bench.megatron_cpu import apply_megatron_cpu_shims
+        from megatron_railwave.testing.megatron_cpu import apply_megatron_cpu_shims
         apply_megatron_cpu_shims()
         from megatron.core import parallel_state
         from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
@@ -254,7 +254,7 @@ def test_railwave_type_without_install_says_to_call_install():
     out = _run_python("""
         import argparse, json
         import torch.distributed as dist
-        from megatron_railwave.lab.bench.megatron_cpu import apply_megatron_cpu_shims
+        from megatron_railwave.testing.megatron_cpu import apply_megatron_cpu_shims
         apply_megatron_cpu_shims()
         from megatron.core import parallel_state
         from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
@@ -296,7 +296,7 @@ def test_pretrain_example_installs_and_builds_megatron_inputs_on_cpu():
     out = _run_python(
         """
         import importlib.util, inspect, json, sys, torch
-        from megatron_railwave.lab.bench.megatron_cpu import apply_megatron_cpu_shims
+        from megatron_railwave.testing.megatron_cpu import apply_megatron_cpu_shims
         apply_megatron_cpu_shims()
         import megatron.training as mt
         spec = importlib.util.spec_from_file_location("example",
@@ -342,7 +342,7 @@ def test_install_lets_megatron_config_check_accept_overlap_flags_for_railwave():
     'railwave'; uninstall() restores Megatron's refusal; other checks still run."""
     out = _run_python("""
         import argparse, json
-        from megatron_railwave.lab.bench.megatron_cpu import apply_megatron_cpu_shims
+        from megatron_railwave.testing.megatron_cpu import apply_megatron_cpu_shims
         apply_megatron_cpu_shims()
         from megatron.core.transformer.transformer_config import TransformerConfig
         import megatron_railwave

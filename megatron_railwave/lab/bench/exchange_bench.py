@@ -13,7 +13,7 @@ all ranks agree). The "experts" are the identity weighted by the entry's prob
 * RailWave variants drive ``TorchDistExchange`` directly: ``gather_demand`` (the one host sync)
   -> ``plan`` -> ``dispatch`` -> experts -> ``combine``.
 * ``alltoall`` drives ``MoEAlltoAllTokenDispatcher`` through its six hooks. On a CPU-only torch
-  Megatron-Core needs the CPU shims of ``bench.megatron_cpu``, applied before ``megatron.core``
+  Megatron-Core needs the CPU shims of ``testing.megatron_cpu``, applied before ``megatron.core``
   is imported.
 
 Timing: ``warmups`` rounds of every variant, then ``samples`` rounds; in round i the variants run
@@ -39,9 +39,9 @@ import torch
 import torch.distributed as dist
 
 from megatron_railwave.exchange import TorchDistExchange, build_rail_groups
-from megatron_railwave.lab.bench.megatron_cpu import apply_megatron_cpu_shims
 from megatron_railwave.names import ROUTES
 from megatron_railwave.planner import PlanOptions
+from megatron_railwave.testing.megatron_cpu import apply_megatron_cpu_shims
 from megatron_railwave.topology import RailTopology
 
 __all__ = ["BenchSpec", "bench_worker", "make_rank_inputs", "RAILWAVE_PATHS", "ALLTOALL"]
@@ -70,7 +70,7 @@ class BenchSpec:
     paths: tuple[str, ...] = RAILWAVE_PATHS
     alltoall: bool = False
     """Also time Megatron's alltoall dispatcher (needs megatron-core; the CPU shims of
-    ``bench.megatron_cpu`` are applied in every rank)."""
+    ``testing.megatron_cpu`` are applied in every rank)."""
     profile_variant: str | None = None
     """Profile this variant's timed samples with cProfile on rank 0 (None: no profile)."""
     profile_top: int = 25

@@ -34,8 +34,8 @@ import torch.distributed as dist
 
 from megatron_railwave.lab.bench.exchange_bench import ALLTOALL, BenchSpec, make_rank_inputs
 from megatron_railwave.lab.bench.launch import run_gloo_processes
-from megatron_railwave.lab.bench.megatron_cpu import apply_megatron_cpu_shims
 from megatron_railwave.lab.workloads import synthetic_routing_maps
+from megatron_railwave.testing.megatron_cpu import apply_megatron_cpu_shims
 
 __all__ = ["SharedOverlapSpec", "shared_overlap_worker", "run_shared_overlap", "SHARED_SCHEMA"]
 

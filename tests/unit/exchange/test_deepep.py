@@ -18,8 +18,8 @@ from megatron_railwave.exchange.deepep_api import (
     dispatch_row_bytes,
     load_deep_ep,
 )
-from megatron_railwave.exchange.deepep_fake import fake_deep_ep
 from megatron_railwave.plugin import add_railwave_args, config_from_args
+from megatron_railwave.testing.deepep_fake import fake_deep_ep, fake_deepep_api, use_fake_deepep
 from megatron_railwave.topology import RailTopology
 
 GLM = dict(hidden_size=4096, hidden_dtype=torch.bfloat16, topk=8, num_experts=128)
@@ -133,7 +133,7 @@ def test_load_real_deep_ep_names_the_wheel_and_the_fallback():
         ImportError,
         match=r"needs DeepEP 2.1 .*Install the `tokenspeed-deepep` wheel.*backend: torch",
     ):
-        load_deep_ep("real", gpus_per_node=8)
+        load_deep_ep()
 
 
 def test_build_exchange_auto_on_a_cpu_job_is_torch():
@@ -159,7 +159,7 @@ def test_build_exchange_deepep_bad_layout_raises_before_communication():
             topo,
             virtual_rank_groups(topo, 0),
             backend="deepep",
-            deepep_buffer="fake",
+            deepep_api=fake_deepep_api(topo.gpus_per_node),
             num_experts=8,
             topk=2,
             hidden_size=256,
@@ -167,15 +167,36 @@ def test_build_exchange_deepep_bad_layout_raises_before_communication():
         )
 
 
+def test_use_fake_deepep_is_the_process_hook_and_auto_ignores_it():
+    """Inside ``use_fake_deepep`` backend 'deepep' builds on the fake (its limits name it), 'auto'
+    still never picks it; after the block the wheel is what 'deepep' loads again."""
+    topo = RailTopology(num_nodes=1, gpus_per_node=2)
+    kwargs = dict(num_experts=8, topk=2, hidden_size=256, hidden_dtype=torch.bfloat16)
+    groups = virtual_rank_groups(topo, 0)
+    with use_fake_deepep():
+        with pytest.raises(ValueError, match=r"with the fake DeepEP \(2 GPUs per node\)"):
+            build_exchange(topo, groups, backend="deepep", **kwargs)
+        assert type(build_exchange(topo, groups, backend="auto", **kwargs)) is TorchDistExchange
+    try:
+        import deep_ep  # noqa: F401
+    except Exception:  # noqa: BLE001
+        with pytest.raises(ImportError, match=r"needs DeepEP 2.1"):
+            build_exchange(topo, groups, backend="deepep", **kwargs)
+    else:
+        with pytest.raises(ValueError, match=r"cannot run 1 nodes x 2 GPUs with DeepEP:"):
+            build_exchange(topo, groups, backend="deepep", **kwargs)
+
+
 @pytest.mark.parametrize(
     "fields,expected",
     [
         ({"backend": "nccl"}, r"backend='nccl' must be 'torch', 'deepep' or 'auto'"),
+        # The fake is a testing hook, not a user option: the removed key says what replaced it.
         (
-            {"backend": "auto", "deepep_buffer": "fake"},
-            r"deepep_buffer 'fake' needs backend: deepep",
+            {"backend": "deepep", "deepep_buffer": "fake"},
+            r"deepep_buffer='fake' was removed: .*testing hook, not a user option "
+            r"\(megatron_railwave.testing.deepep_fake: use_fake_deepep\(\)",
         ),
-        ({"backend": "deepep", "deepep_buffer": "cpu"}, r"deepep_buffer='cpu' must be 'real'"),
         (
             {"backend": "deepep", "deepep_num_sms": 21},
             r"deepep_num_sms=21 must be an even integer >= 2",
@@ -191,7 +212,7 @@ def test_config_backend_defaults_to_torch_and_flag_overrides():
     assert RailWaveConfig().backend == "torch"
     parser = add_railwave_args(argparse.ArgumentParser())
     cfg = config_from_args(parser.parse_args(["--railwave-backend", "deepep"]))
-    assert cfg.backend == "deepep" and cfg.deepep_buffer == "real"
+    assert cfg.backend == "deepep" and not hasattr(cfg, "deepep_buffer")
     with pytest.raises(SystemExit):
         parser.parse_args(["--railwave-backend", "nccl"])
 
@@ -232,7 +253,7 @@ def test_deepep_refuses_a_placement_whose_group_order_is_not_railwave_order():
             topo,
             groups,
             backend="deepep",
-            deepep_buffer="fake",
+            deepep_api=fake_deepep_api(topo.gpus_per_node),
             num_experts=8,
             topk=2,
             hidden_size=256,

@@ -1,5 +1,5 @@
 """Conformance with the real DeepEP wheel (``tokenspeed-deepep`` 2.1): every signature, default,
-return arity and handle field that ``exchange.deepep`` and the fake (``exchange.deepep_fake``) rely
+return arity and handle field that ``exchange.deepep`` and the fake (``testing.deepep_fake``) rely
 on, and the Config buffer-size hints, read from the installed ``deep_ep`` without a GPU.
 
 Needs a CUDA torch and the wheel; ``make deepep-conformance`` (scripts/deepep_conformance.sh)
@@ -74,7 +74,7 @@ def test_top_level_names_the_backend_imports():
     deep_ep = _import_deep_ep()
     from megatron_railwave.exchange.deepep_api import load_deep_ep
 
-    api = load_deep_ep("real", gpus_per_node=8)
+    api = load_deep_ep()
     assert (api.Buffer, api.Config, api.EventOverlap) == (
         deep_ep.Buffer,
         deep_ep.Config,
@@ -87,14 +87,14 @@ def test_top_level_names_the_backend_imports():
 @pytest.mark.parametrize("name", BUFFER_METHODS)
 def test_fake_buffer_signature_equals_deepep(name):
     deep_ep = _import_deep_ep()
-    from megatron_railwave.exchange.deepep_fake import fake_deep_ep
+    from megatron_railwave.testing.deepep_fake import fake_deep_ep
 
     assert _params(getattr(fake_deep_ep(8).Buffer, name)) == _params(getattr(deep_ep.Buffer, name))
 
 
 def test_fake_event_overlap_signature_equals_deepep():
     deep_ep = _import_deep_ep()
-    from megatron_railwave.exchange.deepep_fake import FakeEventOverlap
+    from megatron_railwave.testing.deepep_fake import FakeEventOverlap
 
     assert _params(FakeEventOverlap.__init__) == _params(deep_ep.EventOverlap.__init__)
     assert _params(FakeEventOverlap.current_stream_wait) == _params(
@@ -105,7 +105,7 @@ def test_fake_event_overlap_signature_equals_deepep():
 @pytest.mark.parametrize("name", sorted(RETURN_ARITY))
 def test_return_arities_of_deepep_and_the_fake(name):
     deep_ep = _import_deep_ep()
-    from megatron_railwave.exchange.deepep_fake import fake_deep_ep
+    from megatron_railwave.testing.deepep_fake import fake_deep_ep
 
     real = _return_arities(_method_ast(deep_ep.Buffer, name))
     fake = _return_arities(_method_ast(fake_deep_ep(8).Buffer, name))
@@ -124,7 +124,7 @@ def test_internode_handle_layout_equals_deepep():
     """The handle tuple DeepEP builds in internode_dispatch, the names its cached dispatch unpacks,
     and the positions its combine reads: the fake's INTERNODE_HANDLE_FIELDS in the same order."""
     deep_ep = _import_deep_ep()
-    from megatron_railwave.exchange.deepep_fake import INTERNODE_HANDLE_FIELDS
+    from megatron_railwave.testing.deepep_fake import INTERNODE_HANDLE_FIELDS
 
     fn = _method_ast(deep_ep.Buffer, "internode_dispatch")
     built = [
@@ -157,7 +157,7 @@ def test_internode_handle_layout_equals_deepep():
 
 def test_config_constructor_and_hints_equal_deepep():
     deep_ep = _import_deep_ep()
-    from megatron_railwave.exchange.deepep_fake import fake_deep_ep
+    from megatron_railwave.testing.deepep_fake import fake_deep_ep
 
     fake = fake_deep_ep(8)
     kwargs = dict(

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import megatron_railwave.exchange.torch_dist as torch_dist
+import megatron_railwave.exchange.driver as driver
 from megatron_railwave.exchange import TorchDistExchange, build_rail_groups
 from megatron_railwave.exchange.pending import finish
 from megatron_railwave.topology import RailTopology
@@ -77,7 +77,7 @@ def test_start_finish_equals_dispatch_combine_bitwise(exchange, monkeypatch, cud
     current = _Stream()
     waits_seen: list[bool] = []
     if cuda_branch:
-        original_wait, original_start, in_start = exchange.transport.wait, torch_dist.start, [False]
+        original_wait, original_start, in_start = exchange.transport.wait, driver.start, [False]
 
         def wait(ticket):  # (inside start, stream wait) of every phase wait
             waits_seen.append((in_start[0], exchange.transport.device_waits))
@@ -91,9 +91,9 @@ def test_start_finish_equals_dispatch_combine_bitwise(exchange, monkeypatch, cud
                 in_start[0] = False
 
         monkeypatch.setattr(exchange.transport, "wait", wait)
-        monkeypatch.setattr(torch_dist, "start", start)
+        monkeypatch.setattr(driver, "start", start)
         monkeypatch.setattr(
-            torch_dist, "comm_stream_for", lambda device: streams.append(_Stream()) or streams[-1]
+            driver, "comm_stream_for", lambda device: streams.append(_Stream()) or streams[-1]
         )
         monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current)
         monkeypatch.setattr(torch.cuda, "stream", lambda stream=None: contextlib.nullcontext())

@@ -3,8 +3,9 @@
 What it is for: running Megatron's own code (its ``alltoall`` dispatcher, MoELayer, GPTModel)
 without GPUs, as ``railwave bench-exchange`` does for its Megatron baseline; the CPU examples
 (``examples/train_glm_tiny.py``) and the test suite use this same module. It is a tool, not part
-of the runtime: nothing in the dispatcher or the exchange imports it, and on a CUDA build of
-torch the stream and device shims do nothing.
+of the runtime: it lives in ``megatron_railwave.testing``, which no runtime module imports (an
+import contract in pyproject.toml), and on a CUDA build of torch the stream and device shims do
+nothing.
 
 Call :func:`apply_megatron_cpu_shims` before the first ``import megatron.core``; after
 ``parallel_state.initialize_model_parallel`` call :func:`seed_megatron_cpu_rng`. Nothing here
@@ -94,7 +95,7 @@ def _shim_paged_stash_ops() -> None:
     def _unavailable(*args: object, **kwargs: object) -> None:
         del args, kwargs
         raise RuntimeError(
-            "paged stash needs triton and CUDA; stubbed by megatron_railwave.lab.bench.megatron_cpu"
+            "paged stash needs triton and CUDA; stubbed by megatron_railwave.testing.megatron_cpu"
         )
 
     stub = types.ModuleType(_PAGED_STASH_OPS)

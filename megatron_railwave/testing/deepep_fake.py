@@ -4,7 +4,10 @@ Letters: P GPUs per node (DeepEP's NVLink peers), N = W / P nodes (RDMA ranks), 
 T rows of one rank, K top-k slots, E experts, E_loc = E / W, H hidden, C = num_sms / 2 channels.
 
 ``fake_deep_ep(P)`` returns a module-like namespace with ``Buffer``, ``Config`` and
-``EventOverlap``, for the DeepEP backend's tests without GPUs (``deepep_buffer: fake``).
+``EventOverlap``, for the DeepEP backend's tests without GPUs. The backend reaches it only through
+the testing hooks: ``fake_deepep_api(P)`` for ``build_exchange(..., deepep_api=...)`` /
+``DeepEPExchange(api=...)``, and ``use_fake_deepep()`` for a whole process (a dispatcher built
+with ``backend: deepep`` then runs on the fake). No user config can select it.
 
 Faithful to DeepEP 2.1 (``deep_ep/buffers/legacy.py``, ``csrc/legacy/*.hpp``; the names, defaults,
 return arities and handle fields are compared with the real wheel by the ``deepep``-marked
@@ -35,7 +38,9 @@ only ``is_token_in_rank``, ``recv_gbl_rank_prefix_sum`` and ``recv_src_meta``.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
 
@@ -43,8 +48,15 @@ import torch
 import torch.distributed as dist
 
 from megatron_railwave import ops
+from megatron_railwave.exchange.deepep_api import DeepEPApi, DeepEPLimits, set_deep_ep_stand_in
 
-__all__ = ["fake_deep_ep", "INTERNODE_HANDLE_FIELDS", "FakeEventOverlap"]
+__all__ = [
+    "fake_deep_ep",
+    "fake_deepep_api",
+    "use_fake_deepep",
+    "INTERNODE_HANDLE_FIELDS",
+    "FakeEventOverlap",
+]
 
 INTERNODE_HANDLE_FIELDS = (
     "is_token_in_rank",
@@ -678,3 +690,34 @@ def fake_deep_ep(gpus_per_node: int) -> SimpleNamespace:
         combine_dtypes=_COMBINE_DTYPES,
         known_node_counts=_KNOWN_NODE_COUNTS,
     )
+
+
+def fake_deepep_api(gpus_per_node: int) -> DeepEPApi:
+    """The fake as the DeepEP backend's ``DeepEPApi`` (kind 'fake'), with ``gpus_per_node``
+    NVLink peers and the fake's limits: pass it as ``build_exchange(..., deepep_api=...)`` or
+    ``DeepEPExchange(..., api=...)``."""
+    ns = fake_deep_ep(gpus_per_node)
+    limits = DeepEPLimits(
+        nvl_peers=gpus_per_node,
+        node_counts=ns.known_node_counts,
+        combine_dtypes=ns.combine_dtypes,
+    )
+    return DeepEPApi(
+        kind="fake",
+        Buffer=ns.Buffer,
+        Config=ns.Config,
+        EventOverlap=ns.EventOverlap,
+        limits=limits,
+    )
+
+
+@contextlib.contextmanager
+def use_fake_deepep() -> Iterator[None]:
+    """Inside the block, backend 'deepep' runs on the fake in this process (every exchange built
+    without an explicit ``deepep_api``, e.g. by the dispatcher); the previous stand-in comes back
+    after it. Backend 'auto' still only ever picks the real DeepEP."""
+    previous = set_deep_ep_stand_in(fake_deepep_api)
+    try:
+        yield
+    finally:
+        set_deep_ep_stand_in(previous)
