@@ -70,8 +70,8 @@ from megatron_railwave.dispatch_modes import (
     choose_dispatch_mode,
 )
 from megatron_railwave.exchange import (
-    LayerHandle,
     Exchange,
+    LayerHandle,
     build_exchange,
     build_rail_groups,
     check_fingerprints,
