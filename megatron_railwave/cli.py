@@ -18,6 +18,7 @@ import importlib
 import sys
 from collections.abc import Sequence
 
+from megatron_railwave import __version__
 from megatron_railwave.commands._outputs import check_outputs
 
 __all__ = ["COMMAND_MODULES", "build_parser", "main"]
@@ -51,6 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="railwave",
         description="Rail-balanced, incast-bounded expert-parallel communication for "
         "Megatron-Core MoE.",
+    )
+    parser.add_argument(
+        "--version", action="version", version=f"%(prog)s {__version__}", help="print the version"
     )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in COMMAND_MODULES:

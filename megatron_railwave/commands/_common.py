@@ -78,7 +78,7 @@ def add_cluster_args(parser: argparse.ArgumentParser, *, default: str | None = N
         default=default,
         required=default is None,
         metavar="YAML",
-        help="cluster YAML file, or the name of a preset in configs/clusters (e.g. h800_4x8)"
+        help="cluster YAML file, or the name of a packaged preset (e.g. h800_4x8)"
         + (f" (default {default})" if default else ""),
     )
     group.add_argument(

@@ -273,8 +273,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--model",
         default=None,
         metavar="YAML",
-        help="netmodel parameters (configs/netmodel/*.yaml; default: the built-in NetModelConfig, "
-        "max-min: alpha 0)",
+        help="netmodel parameters (a YAML file or a packaged name, e.g. h800_4x8; default: the "
+        "built-in NetModelConfig, max-min: alpha 0)",
     )
     parser.add_argument(
         "--alpha", type=float, default=None, help="override the incast alpha of --model"

@@ -85,8 +85,8 @@ def add_measure_args(parser: argparse.ArgumentParser, *, backend_required: bool 
         "--model",
         default=None,
         metavar="YAML",
-        help="netmodel parameters (configs/netmodel/*.yaml; default: calibrate: the built-in "
-        "NetModelConfig; validate: the model recorded in the anchors file)",
+        help="netmodel parameters (a YAML file or a packaged name, e.g. h800_4x8; default: "
+        "calibrate: the built-in NetModelConfig; validate: the model recorded in the anchors file)",
     )
     group.add_argument(
         "--warmups", type=int, default=5, help="discarded calls per path (default 5)"

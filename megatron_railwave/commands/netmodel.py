@@ -2,7 +2,8 @@
 
 * ``fit-incast``: fit the incast alpha to the paper's incast experiment
   (``netmodel.calibrate.calibrate_incast``), replay the paper's UltraEP case on the fitted model
-  as a cross-check (4-node clusters) and write the model YAML (``configs/netmodel/``).
+  as a cross-check (4-node clusters) and write the model YAML (as the packaged ones in
+  megatron_railwave/configs/netmodel/).
 * ``bench-engine``: time the max-min engine on rail all-to-all flow sets
   (``netmodel.bench_engine.time_engine``); JSON: one row per case.
 """

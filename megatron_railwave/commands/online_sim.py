@@ -52,10 +52,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     _common.add_cluster_args(parser, default="h800_4x8")
     parser.add_argument(
         "--model",
-        default="configs/netmodel/h800_4x8.yaml",
+        default="h800_4x8",
         metavar="YAML[,YAML]",
         help="flow-model parameters; several (comma-separated) share one routing (default "
-        "configs/netmodel/h800_4x8.yaml)",
+        "h800_4x8)",
     )
     parser.add_argument(
         "--workload", choices=["glm45-air"], default="glm45-air", help="routing (glm45-air)"

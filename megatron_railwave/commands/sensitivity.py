@@ -36,8 +36,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--model",
         default=None,
         metavar="YAML",
-        help="base netmodel parameters (configs/netmodel/*.yaml; its alpha is ignored: the fabrics "
-        "set it); default the built-in NetModelConfig",
+        help="base netmodel parameters (a YAML file or a packaged name, e.g. h800_4x8; its alpha "
+        "is ignored: the fabrics set it); default the built-in NetModelConfig",
     )
     parser.add_argument(
         "--alpha",

@@ -23,6 +23,7 @@ from megatron_railwave.ops._compiled import (
     compiled_for,
     host_function,
     load_error,
+    reference_forced,
     set_forced_reference,
 )
 from megatron_railwave.ops.reference import RowSpec, row_bytes
@@ -43,6 +44,7 @@ __all__ = [
     "layer_descriptors",
     "compiled_for",
     "load_error",
+    "reference_forced",
     "set_forced_reference",
 ]
 

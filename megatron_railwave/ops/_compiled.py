@@ -23,13 +23,19 @@ import torch
 
 from megatron_railwave.process import global_rank
 
-__all__ = ["compiled_for", "host_function", "load_error", "set_forced_reference"]
+__all__ = [
+    "compiled_for",
+    "host_function",
+    "load_error",
+    "reference_forced",
+    "set_forced_reference",
+]
 
 _LOG = logging.getLogger("megatron_railwave.ops")
 _MODULE = "megatron_railwave._C"
 _FIX = (
-    "build it with `make ext` (or `pip install -e .` with torch installed; "
-    "RAILWAVE_BUILD_EXT=0 skips it)"
+    "build it with `make ext` in a checkout, or reinstall with `pip install --no-build-isolation` "
+    "in this environment (README, Install)"
 )
 
 _module = None  # the imported extension, once loaded
@@ -65,6 +71,12 @@ def load_error() -> str | None:
     if _forced_reference:
         return "RAILWAVE_OPS=reference"
     return _load_error
+
+
+def reference_forced() -> bool:
+    """Whether the reference ops are used on purpose (``RAILWAVE_OPS=reference`` or
+    ``set_forced_reference(True)``)."""
+    return _forced_reference
 
 
 def set_forced_reference(forced: bool) -> bool:
