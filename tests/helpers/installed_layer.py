@@ -1,11 +1,13 @@
-"""A 2-rank CPU MoE layer run from an INSTALLED megatron-railwave (tests/integration/test_install.py).
+"""A 2-rank CPU MoE layer run from an INSTALLED megatron-railwave (tests/integration/
+test_install.py).
 
 Run as a script by the python of a venv that has the wheel, from a folder outside the
 repository: ``python installed_layer.py CLUSTER OUT.json``. It imports nothing from the checkout
-(the test copies this file into an empty folder first); the CPU shims and the launcher are the installed
-package's own. Two gloo processes build a real Megatron-Core MoELayer (EP 2, SequentialMLP)
-with ``moe_token_dispatcher_type='railwave'`` after ``install({"cluster": CLUSTER})``, then the
-same layer with Megatron's ``alltoall`` and the same weights, one forward and backward each.
+(the test copies this file into an empty folder first); the CPU shims and the launcher are the
+installed package's own. Two gloo processes build a real Megatron-Core MoELayer (EP 2,
+SequentialMLP) with ``moe_token_dispatcher_type='railwave'`` after
+``install({"cluster": CLUSTER})``, then the same layer with Megatron's ``alltoall`` and the same
+weights, one forward and backward each.
 
 OUT.json: per rank, the installed package's file, the dispatcher's topology (name, N, G),
 whether the compiled CPU ops served the layer, the output's largest magnitude and the largest

@@ -116,9 +116,7 @@ def fresh_venv(path: Path) -> Path:
         [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
         cwd=path.parent,
     ).stdout.strip()
-    (Path(purelib) / "_railwave_test_base.pth").write_text(
-        "\n".join(site.getsitepackages()) + "\n"
-    )
+    (Path(purelib) / "_railwave_test_base.pth").write_text("\n".join(site.getsitepackages()) + "\n")
     return python
 
 
