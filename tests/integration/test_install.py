@@ -58,15 +58,16 @@ def test_wheel_with_compiled_ops_installs_and_runs_a_layer_from_another_director
     assert doctor["compiled_ops"]["load_error"] is None
     assert doctor["self_test"]["ok"] is True, doctor["self_test"]
 
-    worker = elsewhere / "installed_layer.py"  # an empty folder: nothing of the checkout
+    worker = elsewhere / "installed_layer.py"  # with the layer harness, nothing of the checkout
     shutil.copy(REPO / "tests" / "helpers" / "installed_layer.py", worker)
+    shutil.copy(REPO / "tests" / "helpers" / "moe_layer.py", elsewhere / "moe_layer.py")
     out = elsewhere / "layer.json"
     run([python, worker, "cpu_2x1", out], cwd=elsewhere, timeout_s=400)
     ranks = json.loads(out.read_text())
     assert len(ranks) == 2
     for rank in ranks:
         assert rank["package_file"].startswith(site), rank
-        assert rank["topology"] == ["cpu_2x1", 2, 1]
+        assert rank["topology"] == [["cpu_2x1", 2, 1]]  # the one dispatcher built
         assert rank["compiled_cpu_ops"] is True
         assert rank["output_abs_max"] > 0
         assert rank["max_output_diff"] <= 1e-5 and rank["max_input_grad_diff"] <= 1e-5, rank
