@@ -12,11 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
@@ -24,23 +21,14 @@ import torch
 from megatron_railwave import ops
 from megatron_railwave.config import RailWaveConfig
 from megatron_railwave.plugin import check_compiled_ops
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.helpers.user_install import REPO, run
 
 
 def _run_python(code: str) -> dict:
-    """Run ``code`` in a fresh interpreter; it prints one JSON line last."""
-    env = {k: v for k, v in os.environ.items() if k != "RAILWAVE_OPS"}
-    proc = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=240,
-        env=env,
-    )
-    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    """Run ``code`` in a fresh interpreter at the repository root (no RAILWAVE_* variables); it
+    prints one JSON line last."""
+    done = run([sys.executable, "-c", textwrap.dedent(code)], cwd=REPO, timeout_s=240)
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 @pytest.fixture
