@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -124,6 +125,15 @@ def test_a_wheel_without_compiled_ops_stands_alone(sdist, tmp_path):
     assert _packaged_files() <= names, sorted(_packaged_files() - names)
     assert "megatron_railwave_autoinstall.pth" in names  # at the root of site-packages
     assert not [n for n in names if "/anchors/rows" in n or n.endswith(".so")]
+    with zipfile.ZipFile(wheel) as zf:
+        metadata = zf.read(f"megatron_railwave-{__version__}.dist-info/METADATA").decode()
+    requires = [
+        ln.split(": ", 1)[1] for ln in metadata.splitlines() if ln.startswith("Requires-Dist: ")
+    ]
+    # By default only what a training job imports (torch is the environment's own).
+    assert [r for r in requires if "extra ==" not in r] == ["numpy", "pyyaml", "packaging>=24.2"]
+    assert 'tokenspeed-deepep<2.2,>=2.1; extra == "deepep"' in requires
+    assert 'matplotlib; extra == "lab"' in requires
 
     python = fresh_venv(tmp_path / "venv")
     install_wheel(python, wheel)
