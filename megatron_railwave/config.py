@@ -734,8 +734,8 @@ _INPUT_FILES = ("cluster", "anchors")
 def _relative_to_file(data: dict[str, Any], folder: Path) -> dict[str, Any]:
     """``data`` with its relative input paths (``_INPUT_FILES``) joined to ``folder``.
 
-    A bare name (``presets.is_bare_name``) stays as written unless ``folder`` holds a file of that
-    name: it is then a preset name, looked up by the field's own check.
+    A bare name (``presets.is_bare_name``) with no file of that name in ``folder`` stays as
+    written: a preset name, looked up by the field's own check.
     """
     out = dict(data)
     for key in _INPUT_FILES:

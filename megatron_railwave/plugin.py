@@ -17,7 +17,13 @@ and ``overlap_moe_expert_parallel_comm`` only for its 'alltoall' and 'flex' disp
 hook that gives the flag its meaning (``install``, and ``add_railwave_args`` where Megatron-Core is
 already imported) runs that check for type 'railwave' as for 'alltoall' (Megatron's dispatcher-type
 checks; the rest is unchanged) and puts 'railwave' back; what RailWave itself does not support is
-refused by ``dispatcher.check_supported`` when the layer is built, with the reason.
+refused by ``dispatcher.check_supported`` when the layer is built, with the reason. The same
+hook refuses ``moe_enable_deepep`` with RailWave selected: Megatron would turn the flex backend
+'railwave' into its own DeepEP (RailWave's exchange on DeepEP is ``backend: deepep``).
+
+``install`` (and the layer-spec route) also refuses a CUDA machine whose compiled ops have no
+CUDA kernels, unless ``RAILWAVE_OPS=reference`` asks for the pure-torch reference ops
+(``check_compiled_ops``): a GPU job never runs them quietly.
 """
 
 from __future__ import annotations
