@@ -130,7 +130,7 @@ plan-bench: $(STAMP)
 # The flow model: every path on 45 GLM-4.5-Air layers under RING / MODERATE / EXTREME (~20 s).
 bench: $(STAMP)
 	@mkdir -p out
-	$(VPY) -m megatron_railwave.cli bench --backend netmodel --cluster configs/clusters/h800_4x8.yaml \
+	$(VPY) -m megatron_railwave.cli bench --backend netmodel --cluster h800_4x8 \
 		--workload glm45-air --json out/bench.json --plot out/bench.png
 
 # The synthetic GLM-4.5-Air workload next to the paper's published statistics (docs/workloads.md);
@@ -182,16 +182,16 @@ gpu-check:
 BENCH_PAPER_MODEL ?= _paper_incast
 bench-paper: $(STAMP) $(EXT_STAMP)
 	@mkdir -p out
-	$(VPY) -m megatron_railwave.cli bench --cluster configs/clusters/h800_4x8.yaml --model configs/netmodel/h800_4x8$(BENCH_PAPER_MODEL).yaml \
+	$(VPY) -m megatron_railwave.cli bench --cluster h800_4x8 --model h800_4x8$(BENCH_PAPER_MODEL) \
 		--payload-scale paper --chunks 1,3 --plan-repeats 1 --no-progress --json out/bench_paper_h800$(BENCH_PAPER_MODEL).json --plot out/bench_paper_h800$(BENCH_PAPER_MODEL).png
-	$(VPY) -m megatron_railwave.cli bench --cluster configs/clusters/h20_4x8.yaml --model configs/netmodel/h20_4x8$(BENCH_PAPER_MODEL).yaml \
+	$(VPY) -m megatron_railwave.cli bench --cluster h20_4x8 --model h20_4x8$(BENCH_PAPER_MODEL) \
 		--payload-scale paper --chunks 1,3 --plan-repeats 1 --no-progress --json out/bench_paper_h20$(BENCH_PAPER_MODEL).json --plot out/bench_paper_h20$(BENCH_PAPER_MODEL).png
 
 # The 256-node study of docs/results.md ("Scale study"), saturating incast on the incast what-if
-# preset (alpha fitted on UltraEP alone; SCALE_MODEL=configs/netmodel/h800_4x8.yaml for the max-min
+# preset (alpha fitted on UltraEP alone; SCALE_MODEL=h800_4x8 for the max-min
 # default). Slow: 11-20 min wall (paper-incast / default), up to ~7 GB memory.
-SCALE_MODEL ?= configs/netmodel/h800_4x8_paper_incast.yaml
+SCALE_MODEL ?= h800_4x8_paper_incast
 scale-study: $(STAMP)
 	@mkdir -p out
-	$(VPY) -m megatron_railwave.cli bench --cluster configs/clusters/h800_4x8.yaml --model $(SCALE_MODEL) --nodes 256 --pattern none \
+	$(VPY) -m megatron_railwave.cli bench --cluster h800_4x8 --model $(SCALE_MODEL) --nodes 256 --pattern none \
 		--layers 8,17,36 --tokens 2048 --fanin 1,4,16 --plan-repeats 1 --no-progress --json out/scale_256_$(notdir $(basename $(SCALE_MODEL))).json

@@ -26,23 +26,24 @@
 #   DATA_PATH     Megatron-LM indexed dataset prefix; unset: --mock-data
 #   TOKENIZER     HuggingFace tokenizer name or path (zai-org/GLM-4.5-Air); with mock data and no
 #                 TOKENIZER a NullTokenizer with the GLM vocab size is used
-#   RAILWAVE_CONFIG (configs/railwave/glm45_air_h800.yaml), RAILWAVE_PATH (overrides its 'path':
-#                 native | rail | perm | joint | auto)
+#   RAILWAVE_CONFIG (glm45_air_h800: the packaged example, by name; or a YAML path)
+#   RAILWAVE_PATH (overrides its 'path': native | rail | perm | joint | auto)
 #   MEGATRON_LM_DIR  optional Megatron-LM checkout; its pretrain_gpt data glue is then used
 #   SAVE_DIR      checkpoints and TensorBoard logs (unset: no checkpoints)
 #   RAILWAVE_PRINT_ARGS=1  print the training script's arguments, one per line, and exit
 #   DISPATCHER    railwave (default) or alltoall: the same run with Megatron's alltoall dispatcher
 set -euo pipefail
 
+# megatron-railwave must be installed in this environment (README, Install); the config and its
+# cluster preset are package data, so the working directory is the caller's.
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-cd "${REPO_ROOT}"  # the railwave config names its cluster file relative to the repository root
 
 NNODES="${NNODES:-4}"
 GPUS_PER_NODE="${GPUS_PER_NODE:-8}"
 NODE_RANK="${NODE_RANK:-0}"
 MASTER_ADDR="${MASTER_ADDR:-127.0.0.1}"
 MASTER_PORT="${MASTER_PORT:-29500}"
-RAILWAVE_CONFIG="${RAILWAVE_CONFIG:-configs/railwave/glm45_air_h800.yaml}"
+RAILWAVE_CONFIG="${RAILWAVE_CONFIG:-glm45_air_h800}"
 DISPATCHER="${DISPATCHER:-railwave}"
 EP=$((NNODES * GPUS_PER_NODE))
 
@@ -146,8 +147,7 @@ if [[ "${RAILWAVE_PRINT_ARGS:-0}" == "1" ]]; then
 fi
 
 export CUDA_DEVICE_MAX_CONNECTIONS=1
-export PYTHONPATH="${REPO_ROOT}${PYTHONPATH:+:${PYTHONPATH}}"
 exec torchrun \
   --nproc-per-node "${GPUS_PER_NODE}" --nnodes "${NNODES}" --node-rank "${NODE_RANK}" \
   --master-addr "${MASTER_ADDR}" --master-port "${MASTER_PORT}" \
-  examples/pretrain_gpt_railwave.py "${ARGS[@]}"
+  "${REPO_ROOT}/examples/pretrain_gpt_railwave.py" "${ARGS[@]}"

@@ -27,7 +27,7 @@ Usage (see examples/launch_glm45_air.sh)::
 
     torchrun --nproc-per-node 8 --nnodes 4 ... examples/pretrain_gpt_railwave.py \\
         <Megatron-LM GPT flags> --moe-token-dispatcher-type railwave \\
-        --railwave-config configs/railwave/glm45_air_h800.yaml
+        --railwave-config glm45_air_h800
 """
 
 from __future__ import annotations

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from megatron_railwave import presets
 from megatron_railwave.names import (
     BACKEND_NAMES,
     BackendName,
@@ -46,6 +47,23 @@ def _is_seq(value: Any) -> bool:
 def _plain(value: Any) -> Any:
     """Tuples as lists, so errors show the value as the user wrote it in YAML."""
     return [_plain(v) for v in value] if _is_seq(value) else value
+
+
+def _check_sms(name: str, value: Any) -> None:
+    if not _is_int(value) or value < 2 or value % 2:
+        raise ValueError(
+            f"{name}={value!r} must be an even integer >= 2 (DeepEP runs two SMs per channel; its "
+            "default is 20)"
+        )
+
+
+def _field_default(config: Any, name: str) -> Any:
+    """The dataclass default of ``config``'s field ``name``; None where it has none (or is not a
+    dataclass)."""
+    for f in dataclasses.fields(config) if dataclasses.is_dataclass(config) else ():
+        if f.name == name:
+            return None if f.default is dataclasses.MISSING else f.default
+    return None
 
 
 def _check_number(name: str, value: Any, *, low: float, inclusive: bool, unit: str) -> None:
@@ -183,8 +201,9 @@ class RailWaveConfig:
     path: RouteChoice = "auto"
     """Execution path: a fixed one, or 'auto' (chosen per layer call: ``selector``)."""
     cluster: str | None = None
-    """Cluster YAML file or preset name (configs/clusters/*.yaml); its topology must match the EP
-    size."""
+    """Cluster YAML file or preset name (``h800_4x8``: ``presets``, package data under
+    megatron_railwave/configs/clusters); its topology must match the EP size. In a config file a
+    relative path is relative to that file."""
     gpus_per_node: int | None = None
     """G; default: the cluster file, else torchrun's LOCAL_WORLD_SIZE."""
     rail_of_gpu: tuple[int, ...] = ()
@@ -204,8 +223,10 @@ class RailWaveConfig:
     each delivered while the next is on the rail; 1 = whole waves, the paper's schedule). Torch
     backend only."""
     anchors: str | None = None
-    """Selector anchors YAML (``railwave calibrate``, or one the online selector wrote). With
-    ``selector: online`` it is the online selector's prior; otherwise the offline rule's input."""
+    """Selector anchors YAML (``railwave calibrate``, or one the online selector wrote), or the
+    name of a packaged one (``h800_4x8_c2``; becomes its path). With ``selector: online`` it is
+    the online selector's prior; otherwise the offline rule's input. In a config file a relative
+    path is relative to that file."""
     selector: Literal["online", "anchors"] | None = None
     """How 'auto' decides: 'online' (each layer probes the paths and runs the fastest it measured,
     ``selector.online``), 'anchors' (the offline anchors file's rule; JOINT without a file), or
@@ -246,8 +267,10 @@ class RailWaveConfig:
     (DeepEP's internode dispatch / combine: 8 GPUs per node, 2..20 nodes, bf16; not yet run on
     hardware, docs/deepep.md) or 'auto' (deepep when it imports on every rank, the job runs on
     NCCL and the layout meets DeepEP's limits; else torch)."""
-    deepep_num_sms: int = 20
-    """SMs of DeepEP's normal kernels (an even number; DeepEP's default 20)."""
+    deepep_num_sms: int | None = None
+    """SMs of DeepEP's normal kernels (an even number). None: Megatron's own field, as its flex
+    dispatcher reads it (``moe_flex_dispatcher_num_sms``, Megatron-Core 0.19; before:
+    ``moe_deepep_num_sms``), else DeepEP's default 20 (``deepep_num_sms_for``)."""
     max_tokens_per_rank: int | None = None
     """Fixed-capacity mode (like DeepEP's ``num_max_dispatch_tokens_per_rank``): every buffer of a
     layer is sized for this many tokens per rank (micro-batch x sequence / TP), so the exchange
@@ -335,6 +358,10 @@ class RailWaveConfig:
                     f"anchors {str(self.anchors)!r} is a directory; give the anchors YAML file "
                     "written by `railwave calibrate --write-anchors`"
                 )
+            if not Path(self.anchors).expanduser().is_file():
+                packaged = presets.packaged_file("anchors", self.anchors)
+                if packaged is not None:  # a packaged anchors file by name (h800_4x8_c2)
+                    object.__setattr__(self, "anchors", str(packaged))
         if self.selector not in (None, "online", "anchors"):
             raise ValueError(
                 f"selector={self.selector!r} must be 'online', 'anchors' or null (online without "
@@ -424,11 +451,41 @@ class RailWaveConfig:
                 f"DeepEP "
                 "dispatches whole waves. Set backend: torch (or auto), or chunks: 1"
             )
-        if not _is_int(self.deepep_num_sms) or self.deepep_num_sms < 2 or self.deepep_num_sms % 2:
+        if self.deepep_num_sms is not None:
+            _check_sms("deepep_num_sms", self.deepep_num_sms)
+
+    def deepep_num_sms_for(self, megatron_config: Any) -> int:
+        """SMs of DeepEP's kernels for a layer of ``megatron_config`` (a ``TransformerConfig``).
+
+        Megatron's flex dispatcher sizes DeepEP by ``moe_flex_dispatcher_num_sms`` (0.19; the
+        deprecated ``moe_deepep_num_sms`` is routed into it) or ``moe_deepep_num_sms`` (0.15 to
+        0.18): RailWave reads the same field, so one SM count serves both dispatchers. A field
+        counts as set when it differs from its dataclass default.
+
+        Returns:
+            ``deepep_num_sms`` when set, else Megatron's field when set, else 20.
+
+        Raises:
+            ValueError: both set to different counts, or Megatron's count is not an even
+                integer >= 2 (on every rank, at the layer's construction, before any collective).
+        """
+        megatron = None
+        for name in ("moe_flex_dispatcher_num_sms", "moe_deepep_num_sms"):
+            value = getattr(megatron_config, name, None)
+            if value is not None and value != _field_default(megatron_config, name):
+                megatron = (name, value)
+                break
+        if megatron is None:
+            return self.deepep_num_sms if self.deepep_num_sms is not None else 20
+        name, value = megatron
+        if self.deepep_num_sms is not None and self.deepep_num_sms != value:
             raise ValueError(
-                f"deepep_num_sms={self.deepep_num_sms!r} must be an even integer >= 2 (DeepEP runs "
-                "two SMs per channel; its default is 20)"
+                f"deepep_num_sms={self.deepep_num_sms} (railwave config) differs from Megatron's "
+                f"{name}={value} (--{name.replace('_', '-')}); set one of them (deepep_num_sms: "
+                "null reads Megatron's)"
             )
+        _check_sms(f"Megatron's {name}", value)
+        return value
 
     def _check_cluster(self) -> None:
         if self.cluster is None:
@@ -624,7 +681,13 @@ class RailWaveConfig:
 def load_config(
     config: RailWaveConfig | dict[str, Any] | str | os.PathLike | None,
 ) -> RailWaveConfig:
-    """A ``RailWaveConfig`` from itself, a dict, a YAML path, or None (defaults).
+    """A ``RailWaveConfig`` from itself, a dict, a YAML path or the name of a packaged example
+    config (``glm45_air_h800``: ``presets``), or None (defaults).
+
+    In a YAML file, the files it reads (``cluster``, ``anchors``) are relative to that file's
+    folder when relative (a bare name with no such file there is a preset name); the folders it
+    writes (``log_dir``, ``capture_dir``, ``online_out``) stay relative to the working directory,
+    as the ``--railwave-*`` flags are.
 
     Raises:
         ValueError: any other type, a path that is not a readable YAML file, or a bad field.
@@ -647,10 +710,44 @@ def load_config(
     if path.is_dir():
         raise ValueError(
             f"railwave config {str(path)!r} is a directory; give the YAML file "
-            "(e.g. configs/railwave/glm45_air_h800.yaml)"
+            "(e.g. megatron_railwave/configs/railwave/glm45_air_h800.yaml)"
         )
+    if not path.expanduser().is_file():
+        path = presets.packaged_file("railwave", config) or path
     try:
-        data = read_yaml(path, "railwave config file")
+        data = read_yaml(path.expanduser(), "railwave config file")
     except FileNotFoundError:
-        raise ValueError(f"railwave config file {str(path)!r} does not exist") from None
-    return RailWaveConfig.from_dict(data or {}, source=f"railwave config {str(path)!r}")
+        raise ValueError(
+            f"railwave config file {str(path)!r} does not exist (packaged example configs, by "
+            f"name: {', '.join(presets.packaged_names('railwave')) or 'none'})"
+        ) from None
+    source = f"railwave config {str(path)!r}"
+    if isinstance(data, dict):
+        data = _relative_to_file(data, path.expanduser().parent)
+    return RailWaveConfig.from_dict(data or {}, source=source)
+
+
+_INPUT_FILES = ("cluster", "anchors")
+"""The fields of a config file that name files it reads: relative to the file's folder."""
+
+
+def _relative_to_file(data: dict[str, Any], folder: Path) -> dict[str, Any]:
+    """``data`` with its relative input paths (``_INPUT_FILES``) joined to ``folder``.
+
+    A bare name (``presets.is_bare_name``) with no file of that name in ``folder`` stays as
+    written: a preset name, looked up by the field's own check.
+    """
+    out = dict(data)
+    for key in _INPUT_FILES:
+        value = out.get(key)
+        if not isinstance(value, str) or not value:
+            continue
+        written = Path(value).expanduser()
+        if written.is_absolute():
+            continue
+        beside = folder / written
+        if presets.is_bare_name(value) and not beside.is_file():
+            continue
+        # Missing files are reported by the field's own check, with the path joined here.
+        out[key] = str(beside)
+    return out

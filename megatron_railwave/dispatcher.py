@@ -220,6 +220,7 @@ class RailWaveTokenDispatcher(MoETokenDispatcher):
         # Megatron-Core 0.15 does not set ep_rank on the base dispatcher (0.19 does).
         self.ep_rank = dist.get_rank(self.ep_group) if dist.is_initialized() else 0
         self.railwave = railwave or RailWaveConfig()
+        deepep_num_sms = self.railwave.deepep_num_sms_for(config)  # raises before any collective
         self.num_local_experts = num_local_experts
         self.local_expert_indices = list(local_expert_indices)
         self.num_experts = config.num_moe_experts
@@ -279,7 +280,7 @@ class RailWaveTokenDispatcher(MoETokenDispatcher):
             topk=int(config.moe_router_topk),
             hidden_size=int(config.hidden_size),
             hidden_dtype=_hidden_dtype(config),
-            deepep_num_sms=self.railwave.deepep_num_sms,
+            deepep_num_sms=deepep_num_sms,
             options=options,
             timeout_s=self.railwave.timeout_s,
             max_tokens_per_rank=self.railwave.max_tokens_per_rank,

@@ -37,6 +37,7 @@ from megatron_railwave.config import RailWaveConfig, load_config
 from megatron_railwave.plugin import (
     _default_sink,
     build_railwave_moe_layer,
+    check_compiled_ops,
     check_megatron_version,
     installed_config,
 )
@@ -62,6 +63,7 @@ class RailWaveMoELayer(MoELayer):
         **kwargs: Any,
     ) -> None:
         check_megatron_version()
+        check_compiled_ops()  # as install(): no quiet reference ops on GPUs
         rw = (
             load_config(railwave)
             if railwave is not None
@@ -121,10 +123,11 @@ def use_railwave_moe(
         stats_sink: their statistics sink (default: see ``RailWaveMoELayer``).
 
     Raises:
-        ValueError: a bad RailWave config, an unsupported Megatron-Core, or no MoE layer in
-        ``spec``.
+        ValueError: a bad RailWave config, an unsupported Megatron-Core, a CUDA machine without
+        the compiled CUDA ops (``plugin.check_compiled_ops``), or no MoE layer in ``spec``.
     """
     check_megatron_version()
+    check_compiled_ops()
     params = {
         "railwave": load_config(railwave) if railwave is not None else None,
         "stats_sink": stats_sink,

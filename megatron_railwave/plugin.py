@@ -17,7 +17,13 @@ and ``overlap_moe_expert_parallel_comm`` only for its 'alltoall' and 'flex' disp
 hook that gives the flag its meaning (``install``, and ``add_railwave_args`` where Megatron-Core is
 already imported) runs that check for type 'railwave' as for 'alltoall' (Megatron's dispatcher-type
 checks; the rest is unchanged) and puts 'railwave' back; what RailWave itself does not support is
-refused by ``dispatcher.check_supported`` when the layer is built, with the reason.
+refused by ``dispatcher.check_supported`` when the layer is built, with the reason. The same
+hook refuses ``moe_enable_deepep`` with RailWave selected: Megatron would turn the flex backend
+'railwave' into its own DeepEP (RailWave's exchange on DeepEP is ``backend: deepep``).
+
+``install`` (and the layer-spec route) also refuses a CUDA machine whose compiled ops have no
+CUDA kernels, unless ``RAILWAVE_OPS=reference`` asks for the pure-torch reference ops
+(``check_compiled_ops``): a GPU job never runs them quietly.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ __all__ = [
     "add_railwave_args",
     "config_from_args",
     "check_megatron_version",
+    "check_compiled_ops",
     "SUPPORTED_MEGATRON_CORE",
     "build_railwave_moe_layer",
     "wants_railwave",
@@ -86,6 +93,38 @@ def check_megatron_version(version: str | None = None) -> str:
     return version
 
 
+COMPILED_OPS_FIX = (
+    "rebuild in this environment: TORCH_CUDA_ARCH_LIST=<your GPUs' arch, e.g. 9.0> "
+    "CUDA_HOME=<CUDA toolkit, e.g. /usr/local/cuda> pip install --no-build-isolation --no-deps "
+    "<railwave checkout or sdist> (README, Install), or set RAILWAVE_OPS=reference to run the "
+    "pure-torch reference ops on the GPU on purpose"
+)
+"""The fix ``check_compiled_ops`` names."""
+
+
+def check_compiled_ops() -> None:
+    """Raise ``ValueError`` when CUDA is available but the compiled CUDA ops are not, unless the
+    reference ops are asked for (``RAILWAVE_OPS=reference``).
+
+    A job on GPUs without them would run the pure-torch reference ops there, much slower, with
+    one warning in a log; ``install`` refuses instead, with the cause and ``COMPILED_OPS_FIX``.
+    Host only (loads ``megatron_railwave._C`` once).
+    """
+    import torch
+
+    from megatron_railwave import ops
+
+    if not torch.cuda.is_available() or ops.reference_forced():
+        return
+    if ops.compiled_for(torch.device("cuda")):
+        return
+    cause = ops.load_error() or "megatron_railwave._C was built without CUDA kernels"
+    raise ValueError(
+        f"megatron_railwave: CUDA is available but the compiled CUDA ops are not ({cause}); "
+        f"{COMPILED_OPS_FIX}"
+    )
+
+
 def installed_config() -> RailWaveConfig | None:
     """The active configuration, or None before ``install``."""
     return _INSTALLED.get("config")
@@ -110,13 +149,15 @@ def install(
         The active ``RailWaveConfig``.
 
     Raises:
-        ValueError: a bad config, or a Megatron-Core outside ``SUPPORTED_MEGATRON_CORE``.
+        ValueError: a bad config, a Megatron-Core outside ``SUPPORTED_MEGATRON_CORE``, or a CUDA
+            machine without the compiled CUDA ops (``check_compiled_ops``).
     """
     cfg = load_config(config)
     # Fail before changing any state when Megatron-Core is missing or not a supported version.
     from megatron.core.transformer.moe import moe_layer  # noqa: F401
 
     check_megatron_version()
+    check_compiled_ops()
     with _LOCK:
         _INSTALLED["config"] = cfg
         previous = _INSTALLED.get("sink")
@@ -233,6 +274,10 @@ def _patch_config_check() -> None:
 
     @functools.wraps(original)
     def post_init(self: Any) -> None:
+        if wants_railwave(self) and getattr(self, "moe_enable_deepep", False):
+            # Megatron would turn the flex backend into its own DeepEP ('railwave' quietly
+            # replaced) or refuse type 'railwave' as "not flex".
+            raise ValueError(_ENABLE_DEEPEP)
         if getattr(self, "moe_token_dispatcher_type", None) != "railwave":
             return original(self)
         self.moe_token_dispatcher_type = "alltoall"
@@ -243,6 +288,13 @@ def _patch_config_check() -> None:
 
     TransformerConfig.__post_init__ = post_init
     _INSTALLED["original_post_init"] = original
+
+
+_ENABLE_DEEPEP = (
+    "moe_enable_deepep=True (--moe-enable-deepep) selects Megatron's own DeepEP flex dispatcher, "
+    "which would replace RailWave; drop it, and for RailWave's exchange on DeepEP set the railwave "
+    "config's backend: deepep (--railwave-backend deepep; docs/usage.md, Flags)"
+)
 
 
 def uninstall() -> None:
@@ -329,7 +381,7 @@ def add_railwave_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
         "--railwave-config",
         type=str,
         default=None,
-        help="RailWave YAML config (see configs/railwave/*.yaml).",
+        help="RailWave YAML config, or the name of a packaged example (glm45_air_h800).",
     )
     group.add_argument(
         "--railwave-path",

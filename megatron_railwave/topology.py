@@ -16,6 +16,8 @@ from typing import Any
 
 import yaml
 
+from megatron_railwave import presets
+
 __all__ = [
     "RailTopology",
     "load_topology",
@@ -24,9 +26,9 @@ __all__ = [
     "CLUSTER_PRESET_DIR",
 ]
 
-CLUSTER_PRESET_DIR = Path(__file__).resolve().parents[1] / "configs" / "clusters"
-"""Cluster presets of a source checkout (``h800_4x8``, ...): a cluster given by name is looked up
-here. An installed wheel has no presets; give a file path there."""
+CLUSTER_PRESET_DIR = presets.packaged_dir("clusters")
+"""Cluster presets (``h800_4x8``, ...), package data (megatron_railwave/configs/clusters): a
+cluster given by name is looked up here, in a source checkout and an installed wheel alike."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -247,31 +249,13 @@ def _replace(topo: RailTopology, **changes: Any) -> RailTopology:
 
 
 def resolve_cluster_file(cluster: str | Path) -> Path:
-    """The YAML file of ``cluster``: an existing file, else the preset of that name.
+    """The YAML file of ``cluster``: an existing file, else the preset of that name
+    (``presets.resolve``).
 
     Raises:
         ValueError: neither a file nor a preset (the message lists the presets), or a directory.
     """
-    path = Path(cluster).expanduser()
-    if path.is_dir():
-        raise ValueError(
-            f"cluster {str(cluster)!r} is a directory; give a cluster YAML file or a preset name"
-        )
-    if path.is_file():
-        return path
-    preset = CLUSTER_PRESET_DIR / f"{cluster}.yaml"
-    if "/" not in str(cluster) and preset.is_file():
-        return preset
-    presets = (
-        sorted(p.stem for p in CLUSTER_PRESET_DIR.glob("*.yaml"))
-        if CLUSTER_PRESET_DIR.is_dir()
-        else []
-    )
-    raise ValueError(
-        f"cluster file {str(cluster)!r} does not exist and is not a preset name "
-        f"(presets: {', '.join(presets) or 'none found'}); give a cluster YAML file "
-        f"(configs/clusters/)"
-    )
+    return presets.resolve(cluster, "clusters", "cluster")
 
 
 def read_yaml(path: str | Path, what: str) -> Any:

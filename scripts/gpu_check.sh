@@ -156,7 +156,7 @@ else
     printf 'preflight\tPASS\t%s\t%s\t\n' "$took" "$PREFLIGHT_S" >> "$steps_tsv"
 fi
 
-VIRTUAL=("$PY" -m megatron_railwave.cli simulate-exchange --cluster configs/clusters/h800_4x8.yaml --device cuda
+VIRTUAL=("$PY" -m megatron_railwave.cli simulate-exchange --cluster h800_4x8 --device cuda
          --experts 128 --topk 8 --max-memory-gib 110)
 step doctor 25 "$PY" -m megatron_railwave.cli doctor --json "$OUT/doctor.json"
 step build 180 env TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}" MAX_JOBS="${MAX_JOBS:-16}" \

@@ -174,7 +174,7 @@ _FLAGS: dict[str, dict[str, Any]] = {
     # cluster
     "--cluster": {
         "metavar": "YAML",
-        "help": "cluster YAML file, or the name of a preset in configs/clusters (e.g. h800_4x8)",
+        "help": "cluster YAML file, or the name of a packaged preset (e.g. h800_4x8)",
     },
     "--nodes": {"type": int, "metavar": "N", "help": "nodes"},
     "--gpus-per-node": {"type": int, "metavar": "G", "help": "GPUs per node"},
@@ -220,7 +220,7 @@ _FLAGS: dict[str, dict[str, Any]] = {
     # flow model
     "--model": {
         "metavar": "YAML",
-        "help": "netmodel parameters (configs/netmodel/*.yaml)",
+        "help": "netmodel parameters (a YAML file or a packaged name, e.g. h800_4x8)",
     },
     "--path-delivery": {
         "choices": DELIVERIES,

@@ -46,7 +46,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     _args.add_flag(
         parser,
         "--model",
-        help="netmodel parameters (configs/netmodel/*.yaml; default: the built-in NetModelConfig, "
+        help="netmodel parameters (a YAML file or a packaged name, e.g. h800_4x8; default: the "
+        "built-in NetModelConfig, "
         "max-min: alpha 0)",
     )
     _args.add_flag(parser, "--alpha", help="override the incast alpha of --model")

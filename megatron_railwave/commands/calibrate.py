@@ -42,7 +42,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     _args.add_cluster_args(parser)
     _args.add_replay_measure_args(
         parser,
-        model_help="netmodel parameters (configs/netmodel/*.yaml)",
+        model_help="netmodel parameters (a YAML file or a packaged name, e.g. h800_4x8)",
         model_default_text="the built-in NetModelConfig",
     )
     parser.add_argument(

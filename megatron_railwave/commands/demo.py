@@ -36,14 +36,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _preset() -> RailTopology:
-    from megatron_railwave.topology import CLUSTER_PRESET_DIR, load_topology
+    from megatron_railwave.topology import load_topology
 
-    if (CLUSTER_PRESET_DIR / f"{_PRESET}.yaml").is_file():
-        return load_topology(_PRESET)
-    # Installed without the source tree: the same preset (one 400 Gb/s port per GPU).
-    return RailTopology(
-        num_nodes=4, gpus_per_node=8, rail_gbps=400.0, nvlink_gBps=155.0, name=_PRESET
-    )
+    return load_topology(_PRESET)  # package data: found in a checkout and an installed wheel
 
 
 def run(args: argparse.Namespace) -> int:

@@ -3,7 +3,7 @@
 * ``fit-incast``: fit the incast alpha to the paper's incast experiment
   (``netmodel.calibrate.calibrate_incast``), replay the paper's UltraEP case on the fitted model
   as a cross-check (4-node clusters) and write the model YAML (``--write-model``, the
-  ``configs/netmodel/`` files; ``--out`` before, deprecated).
+  ``megatron_railwave/configs/netmodel/`` files; ``--out`` before, deprecated).
 * ``bench-engine``: time the max-min engine on rail all-to-all flow sets
   (``netmodel.bench_engine.time_engine``); JSON: one row per case.
 """
@@ -56,7 +56,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         output,
         "--write-model",
         metavar="YAML",
-        help="write the fitted model here (configs/netmodel/*.yaml)",
+        help="write the fitted model here (like the packaged configs/netmodel/*.yaml)",
         renamed_from="--out",
     )
     fit.set_defaults(handler=_fit_incast)

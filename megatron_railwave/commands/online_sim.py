@@ -39,7 +39,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     _args.add_flag(
         parser,
         "--model",
-        "configs/netmodel/h800_4x8.yaml",
+        "h800_4x8",
         metavar="YAML[,YAML]",
         help="flow-model parameters; several (comma-separated) share one routing",
     )

@@ -97,7 +97,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         metavar="YAML",
         help="netmodel config whose other parameters --write-model keeps (e.g. "
-        "configs/netmodel/h20_4x8.yaml; default the built-in NetModelConfig, the H800 values)",
+        "h20_4x8, a packaged name; default the built-in NetModelConfig, the H800 values)",
     )
     parser.set_defaults(handler=run)
 

@@ -37,7 +37,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     _args.add_flag(
         parser,
         "--model",
-        help="base netmodel parameters (configs/netmodel/*.yaml; its alpha is ignored: the fabrics "
+        help="base netmodel parameters (a YAML file or a packaged name, e.g. h800_4x8; its alpha "
+        "is ignored: the fabrics "
         "set it); default the built-in NetModelConfig",
     )
     _args.add_flag(

@@ -40,6 +40,7 @@ from megatron_railwave.ops._compiled import (
     host_function,
     host_op,
     load_error,
+    reference_forced,
     set_forced_reference,
 )
 from megatron_railwave.ops.reference import RowSpec, row_bytes
@@ -60,6 +61,7 @@ __all__ = [
     "layer_descriptors",
     "compiled_for",
     "load_error",
+    "reference_forced",
     "set_forced_reference",
 ]
 

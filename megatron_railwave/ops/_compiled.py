@@ -32,6 +32,7 @@ __all__ = [
     "host_op",
     "load_error",
     "note_reference",
+    "reference_forced",
     "set_forced_reference",
     "sync_kernels",
 ]
@@ -39,8 +40,8 @@ __all__ = [
 _LOG = logging.getLogger("megatron_railwave.ops")
 _MODULE = "megatron_railwave._C"
 _FIX = (
-    "build it with `make ext` (or `pip install -e .` with torch installed; "
-    "RAILWAVE_BUILD_EXT=0 skips it)"
+    "build it with `make ext` in a checkout, or reinstall with `pip install --no-build-isolation` "
+    "in this environment (README, Install)"
 )
 
 _module = None  # the imported extension, once loaded
@@ -87,6 +88,12 @@ def load_error() -> str | None:
     if _forced_reference:
         return "RAILWAVE_OPS=reference"
     return _load_error
+
+
+def reference_forced() -> bool:
+    """Whether the reference ops are used on purpose (``RAILWAVE_OPS=reference`` or
+    ``set_forced_reference(True)``)."""
+    return _forced_reference
 
 
 def set_forced_reference(forced: bool) -> bool:

@@ -503,9 +503,9 @@ def test_topology_mismatch_names_sizes_and_fix():
     ):
         RailWaveConfig(gpus_per_node=3).topology(4)
     with pytest.raises(ValueError):
-        RailWaveConfig(cluster=str(_REPO_ROOT / "configs" / "clusters" / "h800_4x8.yaml")).topology(
-            4
-        )
+        RailWaveConfig(
+            cluster=str(_REPO_ROOT / "megatron_railwave" / "configs" / "clusters" / "h800_4x8.yaml")
+        ).topology(4)
 
 
 def test_dispatcher_accepts_attention_tensor_parallel_and_permute_fusion(ranks):

@@ -232,9 +232,9 @@ def test_anchors_version_constant_matches_written_files(tmp_path):
 
 @pytest.mark.parametrize("name", ["h800_4x8", "h20_4x8", "h800_4x8_c2", "h20_4x8_c2"])
 def test_shipped_anchors_files_load_for_their_cluster_and_chunks(name):
-    # Every file in configs/anchors loads for the preset it names and gives a selector with the
-    # rail chunks it records (the _c2 files: 2 chunks per wave; the others whole waves); every
-    # file's tuning chose the path model over the anchors.
+    # Every packaged anchors file (megatron_railwave/configs/anchors) loads for the preset it names
+    # and gives a selector with the rail chunks it records (the _c2 files: 2 chunks per wave; the
+    # others whole waves); every file's tuning chose the path model over the anchors.
     from pathlib import Path
 
     from megatron_railwave.config import RailWaveConfig
@@ -242,7 +242,7 @@ def test_shipped_anchors_files_load_for_their_cluster_and_chunks(name):
     from megatron_railwave.topology import load_topology
 
     repo = Path(__file__).resolve().parents[2]
-    path = repo / "configs" / "anchors" / f"{name}.yaml"
+    path = repo / "megatron_railwave" / "configs" / "anchors" / f"{name}.yaml"
     topo = load_topology(name.removesuffix("_c2"))
     aset = load_anchors(path, topo)
     assert aset.chunks == (2 if name.endswith("_c2") else 1)
@@ -265,10 +265,11 @@ def test_shipped_anchors_files_load_for_their_cluster_and_chunks(name):
 
 @pytest.mark.parametrize("name", ["h800_4x8", "h20_4x8", "h800_4x8_c2", "h20_4x8_c2"])
 def test_shipped_files_coefficients_come_from_their_kept_rows(name):
-    # configs/anchors/rows holds each file's calibration rows (RAIL / JOINT seconds, features of
-    # this version's estimate): least squares on them gives the file's coefficients, and a few
-    # rows' features are this code's, so a change of the estimate that is not refitted
-    # (scripts/selector_refit.py, in git history at 7438618: configs/anchors/README.md) fails here.
+    # megatron_railwave/configs/anchors/rows holds each file's calibration rows (RAIL / JOINT
+    # seconds, features of this version's estimate): least squares on them gives the file's
+    # coefficients, and a few rows' features are this code's, so a change of the estimate that is
+    # not refitted (scripts/selector_refit.py, in git history at 7438618: configs/anchors/README.md)
+    # fails here.
     import gzip
     import json
     from pathlib import Path
@@ -280,7 +281,7 @@ def test_shipped_files_coefficients_come_from_their_kept_rows(name):
     from megatron_railwave.topology import load_topology
     from megatron_railwave.traffic import dtype_bytes
 
-    anchors = Path(__file__).resolve().parents[2] / "configs" / "anchors"
+    anchors = Path(__file__).resolve().parents[2] / "megatron_railwave" / "configs" / "anchors"
     model = load_anchors(anchors / f"{name}.yaml", None).path_model
     with gzip.open(anchors / "rows" / f"{name}.jsonl.gz", "rt") as f:
         rows = [json.loads(line) for line in f]

@@ -14,7 +14,13 @@ import pytest
 from megatron_railwave.cli import build_parser, main
 from megatron_railwave.names import ROUTES
 
-H800 = str(Path(__file__).resolve().parents[2] / "configs" / "clusters" / "h800_4x8.yaml")
+H800 = str(
+    Path(__file__).resolve().parents[2]
+    / "megatron_railwave"
+    / "configs"
+    / "clusters"
+    / "h800_4x8.yaml"
+)
 
 # Adding a command or a flag is a deliberate interface change: update this table with it.
 EXPECTED_FLAGS = {
@@ -578,7 +584,7 @@ def test_plan_missing_cluster_file(capsys, tmp_path):
         main(["plan", "--cluster", str(tmp_path / "none.yaml")])
     assert exc.value.code == 2
     assert (
-        "none.yaml' does not exist and is not a preset name (presets: h20_4x8, h800_4x8"
+        "none.yaml' does not exist and is not a preset name (presets: cpu_2x1, h20_4x8, h800_4x8"
         in capsys.readouterr().err
     )
 
@@ -928,7 +934,7 @@ def test_online_sim_small_run_json_learned_file_and_validate(tmp_path, capsys):
         "--nodes",
         "2",
         "--model",
-        "configs/netmodel/h800_4x8.yaml",
+        "megatron_railwave/configs/netmodel/h800_4x8.yaml",
         "--layers",
         "5",
         "--tokens",
@@ -947,7 +953,7 @@ def test_online_sim_small_run_json_learned_file_and_validate(tmp_path, capsys):
     ]
     assert main(argv) == 0
     data = json.loads(out.read_text())
-    runs = data["models"]["configs/netmodel/h800_4x8.yaml"]["runs"]
+    runs = data["models"]["megatron_railwave/configs/netmodel/h800_4x8.yaml"]["runs"]
     assert sorted(runs) == ["0", "1"]
     for run in runs.values():
         t = run["summary"]["totals_s"]

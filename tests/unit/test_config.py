@@ -73,7 +73,7 @@ REPO = Path(__file__).resolve().parents[2]
         (
             {"cluster": "h900_64x8"},
             r"cluster file 'h900_64x8' does not exist and is not a preset name "
-            r"\(presets: h20_4x8, h800_4x8\)",
+            r"\(presets: cpu_2x1, h20_4x8, h800_4x8\)",
         ),
         (
             {"cluster": "h800_4x8", "gpus_per_node": 4},
@@ -190,7 +190,7 @@ def test_install_rejects_a_directory(tmp_path):
 
 
 def test_the_shipped_config_is_valid():
-    cfg = load_config(REPO / "configs" / "railwave" / "glm45_air_h800.yaml")
+    cfg = load_config(REPO / "megatron_railwave" / "configs" / "railwave" / "glm45_air_h800.yaml")
     assert cfg.topology(32).num_nodes == 4
 
 

@@ -114,7 +114,7 @@ def test_every_virtual_step_fits_its_stated_memory_budget():
     )
     assert len(calls) == 4
     parser = build_parser()
-    topo = load_topology(ROOT / "configs/clusters/h800_4x8.yaml")
+    topo = load_topology(ROOT / "megatron_railwave/configs/clusters/h800_4x8.yaml")
     for name, extra in calls:
         args = parser.parse_args(base + extra.replace("\\", " ").split())
         spec = VirtualSpec(
@@ -147,7 +147,7 @@ def test_simulate_exchange_refuses_a_run_over_its_memory_limit(capsys):
             [
                 "simulate-exchange",
                 "--cluster",
-                str(ROOT / "configs/clusters/h800_4x8.yaml"),
+                str(ROOT / "megatron_railwave/configs/clusters/h800_4x8.yaml"),
                 "--tokens",
                 "8",
                 "--hidden",

@@ -22,7 +22,7 @@ from megatron_railwave.config import RailWaveConfig
 from megatron_railwave.plugin import add_railwave_args, config_from_args
 
 REPO = Path(__file__).resolve().parents[2]
-GLM_CONFIG = REPO / "configs" / "railwave" / "glm45_air_h800.yaml"
+GLM_CONFIG = REPO / "megatron_railwave" / "configs" / "railwave" / "glm45_air_h800.yaml"
 LAUNCHER = REPO / "examples" / "launch_glm45_air.sh"
 
 
@@ -104,13 +104,13 @@ def test_config_from_args_reads_yaml_then_applies_flags():
     cfg = config_from_args(args)
     assert cfg.path == "native"  # the flag overrides the file's 'joint'
     assert cfg.log_dir == "/tmp/rw-logs"
-    assert cfg.cluster == "configs/clusters/h800_4x8.yaml" and cfg.timeout_s == 300
+    assert cfg.cluster == "h800_4x8" and cfg.timeout_s == 300
     # Without a config file and flags: the defaults.
     assert config_from_args(parser.parse_args([])) == RailWaveConfig()
 
 
-def test_glm45_air_config_describes_ep32_on_h800(monkeypatch):
-    monkeypatch.chdir(REPO)  # the cluster file is relative to the repository root
+def test_glm45_air_config_describes_ep32_on_h800(monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)  # the cluster is a preset name: found from any directory
     topo = config_from_args(argparse.Namespace(railwave_config=str(GLM_CONFIG))).topology(32)
     assert (topo.num_nodes, topo.gpus_per_node, topo.num_rails) == (4, 8, 8)
     with pytest.raises(ValueError, match="world size|EP|does not match|expects"):
@@ -125,14 +125,14 @@ def test_railwave_args_parse_with_megatron_lm_parser():
         from megatron.training import arguments
         from megatron_railwave.plugin import add_railwave_args, config_from_args
         sys.argv = ["pretrain_gpt_railwave.py", "--moe-token-dispatcher-type", "railwave",
-                    "--railwave-config", "configs/railwave/glm45_air_h800.yaml",
+                    "--railwave-config", "glm45_air_h800",
                     "--railwave-path", "rail"]
         args = arguments.parse_args(extra_args_provider=add_railwave_args)
         cfg = config_from_args(args)
         print(json.dumps({"type": args.moe_token_dispatcher_type, "path": cfg.path,
                           "cluster": cfg.cluster}))
     """)
-    assert out == {"type": "railwave", "path": "rail", "cluster": "configs/clusters/h800_4x8.yaml"}
+    assert out == {"type": "railwave", "path": "rail", "cluster": "h800_4x8"}
 
 
 def test_glm45_air_launcher_flags_validate_with_megatron_lm():

@@ -8,7 +8,7 @@ import pytest
 
 from megatron_railwave.topology import RailTopology, load_topology
 
-CLUSTERS = Path(__file__).resolve().parents[2] / "configs" / "clusters"
+CLUSTERS = Path(__file__).resolve().parents[2] / "megatron_railwave" / "configs" / "clusters"
 
 
 def test_topology_defaults_one_rail_per_gpu():

@@ -13,10 +13,11 @@ takes the port's line rate, for senders that cannot fill it alone), so
 
     alpha = least squares of slowdown(k) - 1 = alpha * min(k - 1, k_sat)
 
-(``netmodel.incast.alpha_from_slowdowns``) is the number to put in a ``configs/netmodel/*.yaml``
-for this fabric. The flow model's two presets bracket what is published: the default presets
-(alpha 0.0042, about max-min, like DeepEP's InfiniBand figures) and the paper-incast presets
-(alpha 4.9121: a 3-sender port at 9.2% goodput, the paper's fabric; docs/netmodel.md).
+(``netmodel.incast.alpha_from_slowdowns``) is the number to put in a netmodel YAML (as
+``megatron_railwave/configs/netmodel/*.yaml``) for this fabric. The flow model's two presets
+bracket what is published: the default presets (alpha 0.0042, about max-min, like DeepEP's
+InfiniBand figures) and the paper-incast presets (alpha 4.9121: a 3-sender port at 9.2% goodput,
+the paper's fabric; docs/netmodel.md).
 
 It runs in any initialised process group: under ``torchrun`` on a GPU cluster (NCCL; tensors on the
 local CUDA device) or on the spawned gloo processes of ``bench.launch`` (CPU; on loopback there are

@@ -25,7 +25,7 @@ the same bytes either way), so that speedup is a second, independent reading of 
 ``ultraep_check`` replays it on a fitted model.
 
     railwave netmodel fit-incast --cluster h800_4x8 --max-alpha 8 --write-model
-    configs/netmodel/h800_4x8_paper_incast.yaml
+    megatron_railwave/configs/netmodel/h800_4x8_paper_incast.yaml
 """
 
 from __future__ import annotations
@@ -331,7 +331,7 @@ def ultraep_check(
 
     Args:
         topo: the cluster (the paper's: H800 4 x 8, three source nodes).
-        model: the flow model, e.g. a fitted ``configs/netmodel/*.yaml``.
+        model: the flow model, e.g. a fitted ``megatron_railwave/configs/netmodel/*.yaml``.
         record_bytes: one token's row (hidden 7168 in BF16, the paper's).
         source_weights: per source node (source-node skew; the paper does not publish its
             size); default equal sources, where the destination's ports see every sender for
@@ -384,7 +384,7 @@ def write_config(
     cluster: str,
     cross_check: Sequence[ConcentrationCheck] = (),
 ) -> None:
-    """``configs/netmodel/<cluster>.yaml``: the model and how it was fitted."""
+    """``megatron_railwave/configs/netmodel/<cluster>.yaml``: the model and how it was fitted."""
     data = {
         "model": calib.model.to_dict(),
         "calibration": {

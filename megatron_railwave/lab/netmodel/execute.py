@@ -53,6 +53,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
+from megatron_railwave import presets
 from megatron_railwave.lab.netmodel.cluster import Fabric, build_fabric
 from megatron_railwave.lab.netmodel.incast import IncastModel
 from megatron_railwave.lab.netmodel.program import (
@@ -94,9 +95,9 @@ class NetModelConfig:
 
     alpha: float = 0.0
     """Incast: fractional goodput loss of a receiver port per concurrent sender beyond ``k_free``.
-    0 (the default and ``configs/netmodel/h800_4x8.yaml``, ``h20_4x8.yaml``): max-min fair
-    sharing, no goodput lost, like the published all-pairs numbers on lossless fabrics.
-    ``configs/netmodel/*_paper_incast.yaml`` (4.3165, fitted on the paper's UltraEP case alone,
+    0 (the default and the packaged netmodel ``h800_4x8``, ``h20_4x8``): max-min fair sharing, no
+    goodput lost, like the published all-pairs numbers on lossless fabrics. The packaged
+    ``*_paper_incast`` (4.3165, fitted on the paper's UltraEP case alone,
     `sensitivity.fit_alpha_ultraep`) is the incast what-if (docs/netmodel.md, "Fabric presets")."""
     k_free: int = 1
     """Incast: concurrent senders a receiver port absorbs without loss."""
@@ -249,10 +250,9 @@ class NetModelConfig:
 
 
 def load_netmodel_config(path: str | Path) -> NetModelConfig:
-    """A `NetModelConfig` from YAML (``configs/netmodel/*.yaml``; its ``model:`` mapping)."""
-    path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"netmodel config {str(path)!r} does not exist")
+    """A `NetModelConfig` from YAML (its ``model:`` mapping): a file, or the name of a packaged
+    one (``h800_4x8``, ``h800_4x8_paper_incast``, ...: megatron_railwave/configs/netmodel)."""
+    path = presets.resolve(path, "netmodel", "netmodel config")
     data = read_yaml(path, "netmodel config")  # invalid YAML: a ValueError naming the file
     if isinstance(data, dict) and "model" in data:
         data = data["model"]

@@ -86,8 +86,8 @@ GLM45_AIR = ModelSpec(
 
 PAPER_PAYLOAD_SCALE = 1.895
 """Record-count factor that scales this generator's layers (T = 2048 per GPU, seed 0, step 0) to
-the paper's layer times: NATIVE under the RING arrangement on H800 4 x 8 (flow model,
-configs/netmodel/h800_4x8.yaml) then sums to the paper's 1.801 s over the 45 MoE layers
+the paper's layer times: NATIVE under the RING arrangement on H800 4 x 8 (flow model, the
+packaged netmodel h800_4x8) then sums to the paper's 1.801 s over the 45 MoE layers
 (docs/netmodel.md; generator of commit 7b1ef53, was 2.19 before its refit). ``railwave bench
 --payload-scale paper`` and ``make bench-paper`` use it."""
 

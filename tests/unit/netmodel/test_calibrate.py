@@ -53,7 +53,13 @@ def test_default_preset_is_max_min_without_a_stale_calibration_block():
     from pathlib import Path
 
     for name in ("h800_4x8.yaml", "h20_4x8.yaml"):
-        path = Path(__file__).resolve().parents[3] / "configs" / "netmodel" / name
+        path = (
+            Path(__file__).resolve().parents[3]
+            / "megatron_railwave"
+            / "configs"
+            / "netmodel"
+            / name
+        )
         data = yaml.safe_load(path.read_text())
         assert data["model"]["alpha"] == NetModelConfig().alpha == 0.0
         assert set(data) == {"model"}
@@ -80,7 +86,11 @@ def test_paper_incast_preset_is_the_ultraep_fit():
     from pathlib import Path
 
     path = (
-        Path(__file__).resolve().parents[3] / "configs" / "netmodel" / "h800_4x8_paper_incast.yaml"
+        Path(__file__).resolve().parents[3]
+        / "megatron_railwave"
+        / "configs"
+        / "netmodel"
+        / "h800_4x8_paper_incast.yaml"
     )
     assert set(yaml.safe_load(path.read_text())) == {"model"}  # no stale calibration block
     model = load_netmodel_config(path)

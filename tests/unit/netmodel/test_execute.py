@@ -25,7 +25,7 @@ from megatron_railwave.schedule import RecordWireFormat
 from megatron_railwave.topology import RailTopology
 from megatron_railwave.traffic import DemandCounts
 
-CONFIGS = Path(__file__).resolve().parents[3] / "configs"
+CONFIGS = Path(__file__).resolve().parents[3] / "megatron_railwave" / "configs"
 MB = 1e6
 # 1 GB/s rails (8 Gbit/s), 2 GB/s NVLink; 1 MB payload per record; no fixed costs, no incast.
 PLAIN = NetModelConfig(
