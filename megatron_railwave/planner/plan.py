@@ -27,6 +27,7 @@ from megatron_railwave.traffic import (
     DemandCounts,
     SelectorScales,
     TrafficStats,
+    mask_bits,
     rail_load_NRN,
     traffic_stats,
 )
@@ -173,10 +174,14 @@ def delivery_copies_NNGG(
     """
     g = gpus_per_node
     n = records_NNG.shape[0]
-    if isinstance(demand, DemandCounts) and (
-        demand.records_WNM is not None or demand.delivery_WNKG is not None
-    ):
-        copies_WNG = demand.copies_WNG().to(torch.int64).cpu()
+    copies_WNG = None
+    if isinstance(demand, DemandCounts):
+        if demand.records_WNM is not None or demand.delivery_WNKG is not None:
+            copies_WNG = demand.copies_WNG().to(torch.int64).cpu()
+    elif hasattr(demand, "masks_into"):  # a mask source of every node (lab: SparseDemand)
+        bits = mask_bits(g).to(torch.int64)
+        copies_WNG = torch.stack([demand.masks_into(d) @ bits for d in range(n)], dim=1)
+    if copies_WNG is not None:
         return copies_WNG.reshape(n, g, n, g).permute(0, 2, 1, 3).contiguous()
     return torch.from_numpy(chunk_sizes(records_NNG.numpy(), g))
 
@@ -204,7 +209,7 @@ def build_plan(
     """
     options = options or PlanOptions()
     path = parse_route(path)
-    records_NGN = demand.records_NGN() if isinstance(demand, DemandCounts) else demand
+    records_NGN = demand.records_NGN() if hasattr(demand, "records_NGN") else demand
     n, g = topo.num_nodes, topo.gpus_per_node
     if tuple(records_NGN.shape) != (n, g, n):
         raise ValueError(
