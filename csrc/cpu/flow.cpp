@@ -1,6 +1,7 @@
 // flow_plan: the min-max relay plan of FLOW / FLOW_WAVES (meaning: planner.flow.flow_relay_reference,
 // bit for bit; tests/unit/planner/test_flow.py). Integer loads, the same unit order, the same
-// candidate keys (largest touched load after, added work, GPU index) and the same sweeps.
+// candidate keys (sum of the stages' peaks after, largest touched load after, added work, GPU index)
+// and the same sweeps.
 
 #include <ATen/ATen.h>
 
@@ -43,20 +44,21 @@ at::Tensor flow_plan(const at::Tensor& records_NNG, const at::Tensor& copies_NNG
   for (int64_t l = 0; l < G; ++l) RW_CHECK(rail[l] >= 0 && rail[l] < R, "rail_of_gpu[", l, "] outside [0, R)");
   for (int64_t x = 0; x < N * N; ++x) RW_CHECK(wave[x] < num_waves, "wave_NN holds a wave >= num_waves");
 
-  // loads[((v * 4 + kind) * N + node) * Q + q]: kind 0 NVLink out, 1 NVLink in, 2 NIC up, 3 NIC down.
-  std::vector<int64_t> loads(static_cast<size_t>(std::max<int64_t>(num_waves, 1) * 4 * N * Q), 0);
+  // loads[((v * 6 + kind) * N + node) * Q + q]: kind 0/1 relay NVLink out/in (wave 0's slot: one
+  // phase before every wave), 2/3 NIC up/down, 4/5 delivery NVLink out/in.
+  constexpr int64_t K = 6;
+  const int64_t V = std::max<int64_t>(num_waves, 1);
+  std::vector<int64_t> loads(static_cast<size_t>(V * K * N * Q), 0);
   auto at_load = [&](int64_t v, int64_t kind, int64_t node, int64_t q) -> int64_t& {
-    return loads[static_cast<size_t>(((v * 4 + kind) * N + node) * Q + q)];
+    return loads[static_cast<size_t>(((v * K + kind) * N + node) * Q + q)];
   };
-  if (num_waves) {  // the local node's delivery copies, in wave 0
-    for (int64_t s = 0; s < N; ++s) {
-      for (int64_t o = 0; o < G; ++o) {
-        const int64_t* c = copies + ((s * N + s) * G + o) * G;
-        for (int64_t j = 0; j < G; ++j) {
-          if (j == o) continue;
-          at_load(0, 0, s, o) += c[j] * nvlink_cost;
-          at_load(0, 1, s, j) += c[j] * nvlink_cost;
-        }
+  for (int64_t s = 0; s < N; ++s) {  // the local node's delivery copies, in wave 0
+    for (int64_t o = 0; o < G; ++o) {
+      const int64_t* c = copies + ((s * N + s) * G + o) * G;
+      for (int64_t j = 0; j < G; ++j) {
+        if (j == o) continue;
+        at_load(0, 4, s, o) += c[j] * nvlink_cost;
+        at_load(0, 5, s, j) += c[j] * nvlink_cost;
       }
     }
   }
@@ -89,32 +91,58 @@ at::Tensor flow_plan(const at::Tensor& records_NNG, const at::Tensor& copies_NNG
     return a.cell < b.cell;
   });
 
+  // Peaks of each stage (relay: wave 0's slot only; rail and delivery per wave), kept as units
+  // come and go: an add can only raise a peak; a removal from a resource at its peak marks the
+  // peak stale, recomputed when next read.
+  std::vector<int64_t> peak(static_cast<size_t>(V * 3), 0);
+  std::vector<char> stale(static_cast<size_t>(V * 3), 1);
+  auto touch = [&](int64_t v, int64_t kind, int64_t node, int64_t q, int64_t delta) {
+    int64_t& load = at_load(v, kind, node, q);
+    const size_t c = static_cast<size_t>(v * 3 + kind / 2);
+    if (delta < 0 && load == peak[c]) stale[c] = 1;
+    load += delta;
+    if (delta > 0 && !stale[c]) peak[c] = std::max(peak[c], load);
+  };
   // Adds (sign +1) or removes (-1) a unit on the rail of GPU l.
   auto apply = [&](const Unit& u, int64_t l, int64_t sign) {
     const int64_t v = wave[u.s * N + u.d], r = rail[l];
     if (l != u.o) {
-      at_load(v, 0, u.s, u.o) += sign * u.size * nvlink_cost;
-      at_load(v, 1, u.s, l) += sign * u.size * nvlink_cost;
+      touch(0, 0, u.s, u.o, sign * u.size * nvlink_cost);
+      touch(0, 1, u.s, l, sign * u.size * nvlink_cost);
     }
-    at_load(v, 2, u.s, r) += sign * u.size * nic_cost;
-    at_load(v, 3, u.d, r) += sign * u.size * nic_cost;
+    touch(v, 2, u.s, r, sign * u.size * nic_cost);
+    touch(v, 3, u.d, r, sign * u.size * nic_cost);
     int64_t sent = 0;
     for (int64_t j = 0; j < G; ++j) {
       if (j == l) continue;
       sent += u.copies[j];
-      at_load(v, 1, u.d, j) += sign * u.copies[j] * nvlink_cost;
+      if (u.copies[j]) touch(v, 5, u.d, j, sign * u.copies[j] * nvlink_cost);
     }
-    at_load(v, 0, u.d, l) += sign * sent * nvlink_cost;
+    if (sent) touch(v, 4, u.d, l, sign * sent * nvlink_cost);
+  };
+  // The current peak of kinds {k0, k0 + 1} of wave v.
+  auto class_peak = [&](int64_t v, int64_t k0) -> int64_t {
+    const size_t c = static_cast<size_t>(v * 3 + k0 / 2);
+    if (stale[c]) {
+      int64_t value = 0;
+      const int64_t* base = &at_load(v, k0, 0, 0);
+      for (int64_t x = 0; x < 2 * N * Q; ++x) value = std::max(value, base[x]);
+      peak[c] = value;
+      stale[c] = 0;
+    }
+    return peak[c];
   };
   constexpr int64_t kNone = std::numeric_limits<int64_t>::min();
+  // Key: (sum of the stages' peaks after, largest touched load after, added work, index).
   auto best_rail = [&](const Unit& u) -> int64_t {
     const int64_t v = wave[u.s * N + u.d];
-    // The destination's NVLink-in after the unit's copies: the two largest over targets with copies.
+    const int64_t relay_peak = class_peak(0, 0), rail_peak = class_peak(v, 2), deliver_peak = class_peak(v, 4);
+    // The destination's delivery NVLink-in after the unit's copies: the two largest over targets with copies.
     int64_t top1 = kNone, top2 = kNone, top1_j = -1, total = 0;
     for (int64_t j = 0; j < G; ++j) {
       total += u.copies[j];
       if (u.copies[j] <= 0) continue;
-      const int64_t after = at_load(v, 1, u.d, j) + u.copies[j] * nvlink_cost;
+      const int64_t after = at_load(v, 5, u.d, j) + u.copies[j] * nvlink_cost;
       if (after > top1) {
         top2 = top1;
         top1 = after;
@@ -124,26 +152,33 @@ at::Tensor flow_plan(const at::Tensor& records_NNG, const at::Tensor& copies_NNG
       }
     }
     const bool* ok = eligible + (u.s * N + u.d) * G;
-    int64_t best = -1, best_peak = 0, best_work = 0;
+    int64_t best = -1, best_sum = 0, best_touched = 0, best_work = 0;
     for (int64_t l = 0; l < G; ++l) {
       if (!ok[l]) continue;
       const int64_t r = rail[l], relay = u.size * nvlink_cost, wire = u.size * nic_cost;
-      int64_t peak = std::max(at_load(v, 2, u.s, r) + wire, at_load(v, 3, u.d, r) + wire);
+      const int64_t nic_after = std::max(at_load(v, 2, u.s, r) + wire, at_load(v, 3, u.d, r) + wire);
+      int64_t relay_after = kNone;
       int64_t work = 2 * wire;
       if (l != u.o) {
-        peak = std::max({peak, at_load(v, 0, u.s, u.o) + relay, at_load(v, 1, u.s, l) + relay});
+        relay_after = std::max(at_load(0, 0, u.s, u.o) + relay, at_load(0, 1, u.s, l) + relay);
         work += 2 * relay;
       }
+      int64_t deliver_after = kNone;
       const int64_t sent = total - u.copies[l];
       if (sent > 0) {
-        peak = std::max(peak, at_load(v, 0, u.d, l) + sent * nvlink_cost);
+        deliver_after = at_load(v, 4, u.d, l) + sent * nvlink_cost;
         work += 2 * sent * nvlink_cost;  // out of GPU (d, l) and into the targets
       }
-      const int64_t in_peak = top1_j == l ? top2 : top1;
-      if (in_peak != kNone) peak = std::max(peak, in_peak);
-      if (best < 0 || peak < best_peak || (peak == best_peak && work < best_work)) {
+      const int64_t in_after = top1_j == l ? top2 : top1;
+      if (in_after != kNone) deliver_after = std::max(deliver_after, in_after);
+      const int64_t touched = std::max({nic_after, relay_after, deliver_after});
+      const int64_t sum = std::max(relay_peak, relay_after) + std::max(rail_peak, nic_after) +
+                          std::max(deliver_peak, deliver_after);
+      if (best < 0 || sum < best_sum || (sum == best_sum && touched < best_touched) ||
+          (sum == best_sum && touched == best_touched && work < best_work)) {
         best = l;
-        best_peak = peak;
+        best_sum = sum;
+        best_touched = touched;
         best_work = work;
       }
     }

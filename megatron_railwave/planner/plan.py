@@ -11,6 +11,7 @@ and, through ``planner.routes``, the delivery counts of stage 3 (GPU (d, l) -> G
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,7 +20,7 @@ import torch
 
 from megatron_railwave.names import Route, parse_route
 from megatron_railwave.planner.eligible import EligiblePolicy
-from megatron_railwave.planner.flow import flow_relay_NNGG
+from megatron_railwave.planner.flow import flow_objective_cost, flow_relay_NNGG
 from megatron_railwave.planner.railbalance import eligible_NNG, quota_and_relay
 from megatron_railwave.planner.waves import WaveSchedule, all_at_once, bounded_fanin_schedule
 from megatron_railwave.topology import RailTopology
@@ -227,15 +228,20 @@ def build_plan(
             raise ValueError(f"windows are for {schedule.num_nodes} nodes, topology has {n}")
     pair_wave = schedule.pair_wave_NN()
     if path.min_max:
-        relay = flow_relay_NNGG(
-            records_NNG,
-            delivery_copies_NNGG(demand, records_NNG, g),
-            eligible,
-            pair_wave,
-            topo,
-            num_waves=schedule.num_waves,
+        copies = delivery_copies_NNGG(demand, records_NNG, g)
+        v = schedule.num_waves
+        relay = flow_relay_NNGG(records_NNG, copies, eligible, pair_wave, topo, num_waves=v)
+        # The water-filling is greedy; RailBalance's plan is often near the optimum of the same
+        # objective (docs/planner.md), so FLOW keeps whichever of the two costs less (integer
+        # costs: the same choice on every rank; ties keep RailBalance's).
+        quota, balanced = quota_and_relay(records_NNG, eligible, balanced=True, phase=phase)
+        cost = functools.partial(
+            flow_objective_cost, copies_NNGG=copies, wave_NN=pair_wave, topo=topo, num_waves=v
         )
-        quota = relay.sum(dim=2)
+        if cost(relay) < cost(balanced):
+            quota = relay.sum(dim=2)
+        else:
+            relay = balanced
     else:
         quota, relay = quota_and_relay(records_NNG, eligible, balanced=path.balanced, phase=phase)
     chunked = path.waved or path.min_max

@@ -4,11 +4,13 @@
 Letters: N nodes, G GPUs per node, R rails per node, V waves.
 
 Variables x[s, d, g, l] >= 0: records of owner (s, g) for remote node d that leave on the rail of
-eligible GPU l, with sum over l = the owner's records; one peak t_v per wave. Every resource of
-wave v (NVLink out / in of every GPU, NIC up / down of every (node, rail) port) loads linearly in x
-(``planner.flow.flow_loads``: the relay, the rail, and the destination's delivery copies under
-the hit model), plus the fixed local copies in wave 0, and must stay <= t_v; the LP minimises the
-sum of the waves' peaks (one wave for FLOW: the peak). ``routing_gap`` reports how far the
+eligible GPU l, with sum over l = the owner's records; one peak per stage: the relay's t_relay
+(one phase before every wave) and, per wave v, the rail's t_rail[v] and the delivery's
+t_deliver[v]. Every resource (``planner.flow.flow_loads``' six kinds: the relay's NVLink out / in,
+NIC up / down of every (node, rail) port, the delivery's NVLink out / in under the hit model, plus
+the fixed local copies in wave 0's delivery) loads linearly in x and must stay <= its stage's
+peak; the LP minimises t_relay + sum over waves of (t_rail[v] + t_deliver[v]), the heuristic's
+objective (``planner.flow.flow_objective``). ``routing_gap`` reports how far the
 heuristic's integer plan is above it, in the same model.
 """
 
@@ -22,7 +24,17 @@ import torch
 
 from megatron_railwave.names import Route, parse_route
 from megatron_railwave.planner import PlanOptions, build_plan
-from megatron_railwave.planner.flow import flow_loads
+from megatron_railwave.planner.flow import (
+    DELIVER_IN,
+    DELIVER_OUT,
+    NIC_DOWN,
+    NIC_UP,
+    NUM_KINDS,
+    RELAY_IN,
+    RELAY_OUT,
+    flow_loads,
+    flow_objective,
+)
 from megatron_railwave.planner.plan import delivery_copies_NNGG
 from megatron_railwave.planner.railbalance import eligible_NNG
 from megatron_railwave.topology import RailTopology
@@ -35,7 +47,8 @@ class RoutingLP:
     """The LP's optimum.
 
     Attributes:
-        peak_s_per_byte: sum over waves of the most loaded resource, seconds per record byte.
+        peak_s_per_byte: the objective at the optimum (the relay's peak plus every wave's rail and
+            delivery peaks), seconds per record byte.
         relay_NNGG: [N, N, G, G] float64, the optimal continuous split (diagonal = kept).
     """
 
@@ -52,7 +65,7 @@ def solve_routing_lp(
     *,
     num_waves: int,
 ) -> RoutingLP:
-    """Minimise the sum of the waves' peak loads over continuous splits (HiGHS).
+    """Minimise the sum of the stages' peak loads over continuous splits (HiGHS).
 
     Args:
         records_NNG: [N, N, G] int64, records owned by GPU (s, g) for node d.
@@ -76,10 +89,11 @@ def solve_routing_lp(
     # matrix values HiGHS keeps (it drops entries under 1e-9 as zeros).
     unit = 1e9
     nvl, nic = unit / topo.nvlink_bytes_per_s, unit / topo.rail_bytes_per_s
-    num_res = num_waves * 4 * n * q
+    kinds = NUM_KINDS
+    num_res = num_waves * kinds * n * q
 
     def res(v: int, kind: int, node: int, idx: int) -> int:
-        return ((v * 4 + kind) * n + node) * q + idx
+        return ((v * kinds + kind) * n + node) * q + idx
 
     fixed = np.zeros(num_res)
     local = copies[np.arange(n), np.arange(n)].copy()
@@ -87,8 +101,8 @@ def solve_routing_lp(
     if num_waves:
         for s in range(n):
             for o in range(g):
-                fixed[res(0, 0, s, o)] += local[s, o].sum() * nvl
-                fixed[res(0, 1, s, o)] += local[s, :, o].sum() * nvl
+                fixed[res(0, DELIVER_OUT, s, o)] += local[s, o].sum() * nvl
+                fixed[res(0, DELIVER_IN, s, o)] += local[s, :, o].sum() * nvl
 
     var_cells: list[tuple[int, int, int, int]] = []
     rows, cols, vals = [], [], []
@@ -111,33 +125,47 @@ def solve_routing_lp(
                     var_cells.append((s, d, o, l))
                     eq_rows.append(eq)
                     eq_cols.append(x)
-                    terms = [(res(v, 2, s, rail_G[l]), nic), (res(v, 3, d, rail_G[l]), nic)]
+                    terms = [
+                        (res(v, NIC_UP, s, rail_G[l]), nic),
+                        (res(v, NIC_DOWN, d, rail_G[l]), nic),
+                    ]
                     if l != o:
-                        terms += [(res(v, 0, s, o), nvl), (res(v, 1, s, l), nvl)]
-                    terms.append((res(v, 0, d, l), (share_J.sum() - share_J[l]) * nvl))
-                    terms += [(res(v, 1, d, j), share_J[j] * nvl) for j in range(g) if j != l]
+                        terms += [(res(0, RELAY_OUT, s, o), nvl), (res(0, RELAY_IN, s, l), nvl)]
+                    terms.append((res(v, DELIVER_OUT, d, l), (share_J.sum() - share_J[l]) * nvl))
+                    terms += [
+                        (res(v, DELIVER_IN, d, j), share_J[j] * nvl) for j in range(g) if j != l
+                    ]
                     for r, c in terms:
                         if c > 0:
                             rows.append(r)
                             cols.append(x)
                             vals.append(c)
     num_x = len(var_cells)
-    # Variables: x (num_x), then t_v (num_waves). Load_r(x) + fixed_r - t_v(r) <= 0.
-    res_wave = np.repeat(np.arange(num_waves), 4 * n * q)
+    # Variables: x (num_x), then the stage peaks: t_relay, t_rail[v], t_deliver[v]
+    # (1 + 2 V). Load_r(x) + fixed_r - t_stage(r) <= 0.
+    res_index = np.arange(num_res)
+    res_wave = res_index // (kinds * n * q)
+    res_kind = (res_index // (n * q)) % kinds
+    res_peak = np.where(
+        res_kind <= RELAY_IN,
+        0,
+        np.where(res_kind <= NIC_DOWN, 1 + res_wave, 1 + num_waves + res_wave),
+    )
+    num_peaks = 1 + 2 * num_waves
     a_ub = coo_matrix(
         (
             np.concatenate([vals, -np.ones(num_res)]),
             (
-                np.concatenate([rows, np.arange(num_res)]).astype(np.int64),
-                np.concatenate([cols, num_x + res_wave]).astype(np.int64),
+                np.concatenate([rows, res_index]).astype(np.int64),
+                np.concatenate([cols, num_x + res_peak]).astype(np.int64),
             ),
         ),
-        shape=(num_res, num_x + num_waves),
+        shape=(num_res, num_x + num_peaks),
     ).tocsr()
     a_eq = coo_matrix(
-        (np.ones(len(eq_cols)), (eq_rows, eq_cols)), shape=(len(eq_b), num_x + num_waves)
+        (np.ones(len(eq_cols)), (eq_rows, eq_cols)), shape=(len(eq_b), num_x + num_peaks)
     ).tocsr()
-    cost = np.concatenate([np.zeros(num_x), np.ones(num_waves)])
+    cost = np.concatenate([np.zeros(num_x), np.ones(num_peaks)])
     out = linprog(
         cost,
         A_ub=a_ub,
@@ -181,8 +209,7 @@ def routing_gap(demand: Any, topo: RailTopology, path: Route | str = Route.FLOW)
     lp = solve_routing_lp(plan.records_NNG, copies, eligible, plan.pair_wave_NN, topo, num_waves=v)
 
     def peak(relay: torch.Tensor) -> float:
-        loads = flow_loads(relay, copies, plan.pair_wave_NN, topo, num_waves=v)
-        return float(loads.reshape(v, -1).max(axis=1).sum()) if v else 0.0
+        return flow_objective(flow_loads(relay, copies, plan.pair_wave_NN, topo, num_waves=v))
 
     heuristic = peak(plan.relay_NNGG)
     rail = peak(build_plan(demand, topo, Route.JOINT if route.waved else Route.RAIL).relay_NNGG)

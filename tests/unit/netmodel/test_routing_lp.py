@@ -12,7 +12,7 @@ pytest.importorskip("scipy")
 
 from megatron_railwave.lab.bench.netmodel_bench import layer_demands  # noqa: E402
 from megatron_railwave.lab.netmodel.routing_lp import routing_gap, solve_routing_lp  # noqa: E402
-from megatron_railwave.planner.flow import flow_loads  # noqa: E402
+from megatron_railwave.planner.flow import flow_loads, flow_objective  # noqa: E402
 from megatron_railwave.topology import RailTopology, load_topology  # noqa: E402
 
 H800 = load_topology("h800_4x8")
@@ -25,15 +25,20 @@ def test_heuristic_within_5_percent_of_the_lp(skew, path):
     gap = routing_gap(demand, H800, path)
     assert 0.0 <= gap["gap"] <= 0.05, gap
     # The optimum is no worse than RailBalance's plan in the same model (it is one of its
-    # feasible points), and the heuristic beats RailBalance there too.
+    # feasible points), and FLOW never is either (it keeps RailBalance's plan where the
+    # water-filling does not beat it; the integer cost it compares is within rounding of this).
     assert gap["lp_s_per_byte"] <= gap["rail_s_per_byte"] * (1 + 1e-9)
-    assert gap["heuristic_s_per_byte"] < gap["rail_s_per_byte"]
+    assert gap["heuristic_s_per_byte"] <= gap["rail_s_per_byte"] * (1 + 1e-3)
+    if skew == 1.46:
+        # Where a hot source binds (seed 0: one rank with far more tokens), the water-filling wins.
+        assert gap["heuristic_s_per_byte"] < 0.99 * gap["rail_s_per_byte"]
 
 
 def test_lp_splits_a_hot_owner_over_the_rails():
     """Two nodes of two GPUs, one owner with all the records, one target each (the other GPU):
-    keeping them costs NIC x R; relaying half adds NVLink R / 2 both ways and halves the NIC.
-    The LP finds the best split; its load model is ``flow_loads``'."""
+    keeping them costs NIC x R and a delivery copy each; relaying half adds a relay phase and
+    halves the NIC and the copies.
+    The LP finds the best split; its objective is ``flow_objective`` of ``flow_loads``."""
     topo = RailTopology(num_nodes=2, gpus_per_node=2, rail_gbps=400.0, nvlink_gBps=100.0)
     records = torch.zeros(2, 2, 2, dtype=torch.int64)
     records[0, 1, 0] = 1000
@@ -42,10 +47,10 @@ def test_lp_splits_a_hot_owner_over_the_rails():
     wave = torch.tensor([[-1, 0], [0, -1]])
     eligible = torch.ones(2, 2, 2, dtype=torch.bool)
     lp = solve_routing_lp(records, copies, eligible, wave, topo, num_waves=1)
-    # Rail 1 (the target's) needs no delivery copy but a relay; rail 0 a copy at the destination.
-    # x on rail 1: NIC (1000 - x) / 50e9 = copies (1000 - x) / 100e9 on GPU (1, 0)'s NVLink out,
-    # NVLink x / 100e9 at the source, NIC x / 50e9: the NICs bind, x = 500.
+    # x records on rail 1 (the target's): relay x / 100e9 at the source, NIC max(1000 - x, x) /
+    # 50e9, delivery copies (1000 - x) / 100e9 out of GPU (1, 0). The stages add:
+    # 30e-9 - x / 50e9 up to x = 500, 10e-9 + x / 50e9 beyond; the optimum is x = 500.
     assert lp.relay_NNGG[0, 1, 0].round(6).tolist() == [500.0, 500.0]
     loads = flow_loads(torch.from_numpy(lp.relay_NNGG), copies, wave, topo, num_waves=1)
-    assert np.isclose(loads.max(), lp.peak_s_per_byte, rtol=1e-9)
-    assert np.isclose(lp.peak_s_per_byte, 500 / 50e9, rtol=1e-9)
+    assert np.isclose(flow_objective(loads), lp.peak_s_per_byte, rtol=1e-9)
+    assert np.isclose(lp.peak_s_per_byte, 1000 / 50e9, rtol=1e-9)
