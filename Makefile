@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml setup.py megatron_railwave_autoinstall.pth
 	@test -x $(VPY) || $(PY) -m venv $(VENV)
 	# torch first, so that nothing later pulls a multi-GB CUDA build.
 	$(VPY) -m pip install -q torch==2.13.0
-	$(VPY) -m pip install -q numpy "packaging>=24.2" pyyaml pytest pytest-timeout hypothesis rich tqdm matplotlib typing_extensions import-linter \
+	$(VPY) -m pip install -q numpy "packaging>=24.2" pyyaml pytest pytest-timeout hypothesis rich tqdm matplotlib scipy typing_extensions import-linter \
 		ruff==0.17.6
 	$(VPY) -m pip install -q --ignore-requires-python --no-deps megatron-core==0.19.2
 	RAILWAVE_BUILD_EXT=0 $(VPY) -m pip install -q --no-deps --no-build-isolation -e .

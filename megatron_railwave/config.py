@@ -107,7 +107,9 @@ class OnlineSettings:
     candidates: tuple[str, ...] = tuple(
         str(r) for r in (Route.JOINT, Route.RAIL, Route.PERM, Route.NATIVE)
     )
-    """Paths tried (NATIVE among them unless the user removes it)."""
+    """Paths tried (NATIVE among them unless the user removes it). FLOW and FLOW_WAVES, the
+    min-max routes, are allowed (``selector.online.ALL_PATHS``) but not yet in the default: add
+    them here once the evaluation runs of issue 43 back it."""
     capacity_sync_every: int = 4
     """Fixed-capacity mode only (``max_tokens_per_rank``): a layer's calls of one pass kind run
     in epochs of this many calls, one path per epoch; the epoch's first call is timed and the

@@ -2,7 +2,8 @@
 
 Every config check, CLI flag, log field and report reads the names from here, so a route or a
 backend is added (or renamed) in one place. ``Route`` is the execution path of one layer call
-(the paper's NATIVE, RAIL-ONLY, PERMUTATION-ONLY and JOINT); the enum is not called ``Path``, so
+(the paper's NATIVE, RAIL-ONLY, PERMUTATION-ONLY and JOINT, and FLOW, the min-max routing of
+issue 43, in one pass or in waves); the enum is not called ``Path``, so
 that ``pathlib.Path`` keeps its name everywhere.
 """
 
@@ -19,6 +20,7 @@ __all__ = [
     "Route",
     "RouteChoice",
     "ROUTES",
+    "PAPER_ROUTES",
     "ROUTE_CHOICES",
     "parse_route",
     "route_list",
@@ -37,28 +39,42 @@ class Route(StrEnum):
     RAIL: RailBalance (each node pair spread over the eligible rails), all pairs at once.
     PERM: owner rails, node pairs in one-to-one (or bounded fan-in) waves.
     JOINT: RailBalance inside each wave.
+    FLOW: min-max routing (``planner.flow``: each owner's records split over the eligible rails
+        so that the most loaded NVLink / NIC direction of any GPU is as light as the heuristic
+        finds), all pairs at once.
+    FLOW_WAVES: the min-max routing inside each of the permutation waves.
     """
 
     NATIVE = "native"
     RAIL = "rail"
     PERM = "perm"
     JOINT = "joint"
+    FLOW = "flow"
+    FLOW_WAVES = "flow-waves"
 
     @property
     def balanced(self) -> bool:
-        """RailBalance spreads the records over the rails."""
+        """RailBalance spreads the records over the rails (equal quotas; not the min-max plan)."""
         return self in (Route.RAIL, Route.JOINT)
+
+    @property
+    def min_max(self) -> bool:
+        """The min-max relay plan (``planner.flow``) spreads the records over the rails."""
+        return self in (Route.FLOW, Route.FLOW_WAVES)
 
     @property
     def waved(self) -> bool:
         """Node pairs travel in permutation waves."""
-        return self in (Route.PERM, Route.JOINT)
+        return self in (Route.PERM, Route.JOINT, Route.FLOW_WAVES)
 
 
 ROUTES: tuple[Route, ...] = tuple(Route)
 """Every route, in declaration order (reports and parametrized tests walk this)."""
 
-RouteChoice = Literal["auto", "native", "rail", "perm", "joint"]
+PAPER_ROUTES: tuple[Route, ...] = (Route.NATIVE, Route.RAIL, Route.PERM, Route.JOINT)
+"""The paper's four paths: what its anchors, calibration profiles and cost tables are about."""
+
+RouteChoice = Literal["auto", "native", "rail", "perm", "joint", "flow", "flow-waves"]
 """What a config's ``path`` may say: a route, or 'auto' (the selector picks per layer call)."""
 
 ROUTE_CHOICES: tuple[str, ...] = (AUTO, *(str(r) for r in ROUTES))
@@ -70,12 +86,14 @@ _ROUTE_ALIASES = {
     "permutation": Route.PERM,
     "permutation-only": Route.PERM,
     "permutation_only": Route.PERM,
+    "flow_waves": Route.FLOW_WAVES,
+    "flowwaves": Route.FLOW_WAVES,
 }
 
 
 def route_list(*, auto: bool = False, extra: tuple[str, ...] = ()) -> str:
     """The route names as a user reads them in an error or a help text: 'native, rail, perm,
-    joint' (with 'auto' first, or ``extra`` names last)."""
+    joint, flow, flow-waves' (with 'auto' first, or ``extra`` names last)."""
     names = ((AUTO,) if auto else ()) + tuple(str(r) for r in ROUTES) + tuple(extra)
     return ", ".join(names)
 

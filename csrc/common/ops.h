@@ -35,6 +35,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> rank_sche
     int64_t relay_phase, at::IntArrayRef rail_phase_V, at::IntArrayRef deliver_phase_R);
 std::tuple<at::Tensor, at::Tensor> rail_plan(const at::Tensor& records_NNG, const at::Tensor& eligible_NNG,
                                              bool balanced, int64_t phase);
+// The min-max relay plan of FLOW / FLOW_WAVES (int64 relay counts): csrc/cpu/flow.cpp.
+at::Tensor flow_plan(const at::Tensor& records_NNG, const at::Tensor& copies_NNGG, const at::Tensor& eligible_NNG,
+                     const at::Tensor& wave_NN, const at::Tensor& rail_of_gpu_G, int64_t num_waves, int64_t num_rails,
+                     int64_t nvlink_cost, int64_t nic_cost, int64_t units, int64_t sweeps);
 // The path model's arrival copies (float64): csrc/cpu/arrivals.cpp.
 at::Tensor arrival_copies(const at::Tensor& records_NGN, const at::Tensor& class_copies_NGNKG,
                           const at::Tensor& relay_NNGG, int64_t chunks);

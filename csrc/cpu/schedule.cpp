@@ -265,13 +265,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> rank_sche
   for (int64_t b = 0; b < N; ++b) {
     counts_N[b] = records[(s * N + b) * G + me];
     keep_N[b] = rel(s, b, me, me);
-    for (int64_t o = 0; o < me; ++o) {
-      for (int64_t l = 0; l < G; ++l) surplus_lo_N[b] += l == o ? 0 : rel(s, b, o, l);
-    }
-    int64_t deficit = 0;
+    // This owner's own line (any relay plan, not only the greedy fill): it keeps [0, keep) and
+    // hands the next rel(me, l) records to each GPU l in order, so its surplus starts at 0 and
+    // GPU l's part ends at the running sum of its relays to GPUs <= l.
+    surplus_lo_N[b] = 0;
+    int64_t handed = 0;
     for (int64_t l = 0; l < G; ++l) {
-      for (int64_t o = 0; o < G; ++o) deficit += o == l ? 0 : rel(s, b, o, l);
-      deficit_hi_NG[b * G + l] = deficit;
+      handed += l == me ? 0 : rel(s, b, me, l);
+      deficit_hi_NG[b * G + l] = handed;
     }
     wave_N[b] = wave[s * N + b];
   }

@@ -25,7 +25,7 @@ from collections import Counter
 from typing import Any
 
 from megatron_railwave.commands import _args, _common, _render
-from megatron_railwave.names import ROUTES
+from megatron_railwave.names import PAPER_ROUTES
 
 __all__ = ["register", "run"]
 
@@ -153,7 +153,7 @@ def print_latencies(title: str, rows: list[dict[str, Any]]) -> None:
             [
                 r["request"],
                 *r["coords"],
-                *[r["latency_s"][p]["median"] * 1e3 for p in tuple(map(str, ROUTES))],
+                *[r["latency_s"][p]["median"] * 1e3 for p in tuple(map(str, PAPER_ROUTES))],
                 r["best"],
                 f"{r['gain']:+.1%}",
                 r["reason"],

@@ -37,7 +37,14 @@ from megatron_railwave.commands import _args, _common, _render
 from megatron_railwave.lab.log_summary import PATHS, layer_calls, summarize_logs
 
 __all__ = ["register", "run", "write_plots", "layer_table"]
-COLORS = {"native": "#7f7f7f", "rail": "#1f77b4", "perm": "#ff7f0e", "joint": "#2ca02c"}
+COLORS = {
+    "native": "#7f7f7f",
+    "rail": "#1f77b4",
+    "perm": "#ff7f0e",
+    "joint": "#2ca02c",
+    "flow": "#d62728",
+    "flow-waves": "#9467bd",
+}
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -20,6 +20,7 @@ from megatron_railwave.selector import (
     PathSelector,
     needs_delivery,
     needs_descriptors,
+    plans_min_max,
     select_for_layer,
 )
 from megatron_railwave.telemetry.stats import demand_stats
@@ -52,7 +53,8 @@ class CountedMode(DispatchMode):
             inputs.probs,
             inputs.routing_map,
             expert_loads=state.wants_stats,
-            delivery_counts=selecting and needs_delivery(self.selector),
+            delivery_counts=(selecting and needs_delivery(self.selector))
+            or plans_min_max(self.selector, call.path),
         )
         t0 = time.perf_counter()
         record_bytes = inputs.record_bytes

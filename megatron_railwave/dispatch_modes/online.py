@@ -21,7 +21,7 @@ from megatron_railwave.dispatch_modes.base import (
     MoveTail,
     log_once_per_job,
 )
-from megatron_railwave.selector import OnlineSelector
+from megatron_railwave.selector import OnlineSelector, plans_min_max
 from megatron_railwave.selector.online import encode_timing, fast_descriptors
 from megatron_railwave.telemetry.stats import Stopwatch
 from megatron_railwave.topology import RailTopology
@@ -64,6 +64,7 @@ class OnlineMode(DispatchMode):
             inputs.probs,
             inputs.routing_map,
             expert_loads=state.wants_stats,
+            delivery_counts=plans_min_max(selector, state.call.path),
             timing_word=word,
         )
         t0 = time.perf_counter()

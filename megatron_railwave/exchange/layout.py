@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from megatron_railwave import ops
-from megatron_railwave.planner import PathPlan, chunk_arrival_counts
+from megatron_railwave.planner import PathPlan, chunk_arrival_counts, owner_egress_bounds
 from megatron_railwave.schedule import RankView
 
 __all__ = ["HostCounts", "LayerLayout", "build_layout", "layout_counts", "select_positions"]
@@ -111,12 +111,9 @@ def layout_counts(plan: PathPlan, view: RankView) -> np.ndarray:
     """
     g = plan.topology.gpus_per_node
     s, me = view.node, view.local
-    # The greedy fill's intervals of this node's pairs, from the plan's relay counts. keep = what
-    # owners keep; surplus / deficit lines = relayed out / in.
-    relay_DGL = plan.relay_NNGG[s].numpy()  # [d, owner, egress]
-    keep_DG = np.einsum("dgg->dg", relay_DGL)
-    moved_DGL = relay_DGL - keep_DG[:, :, None] * np.eye(g, dtype=np.int64)
-    surplus_DG, deficit_DG = moved_DGL.sum(axis=2), moved_DGL.sum(axis=1)
+    # This owner's egress intervals under the plan's relay counts (any relay plan): it keeps
+    # [0, keep) and hands the next relay[me, l] records to each GPU l in order.
+    keep_N, surplus_lo_N, hand_NL = owner_egress_bounds(plan.relay_NNGG[s], me)
     # Pool rows (kept, then owners o != me), each block by destination node: key node * G + owner.
     owners = [me] + [o for o in range(g) if o != me]
     pool_NB = np.concatenate(
@@ -124,9 +121,9 @@ def layout_counts(plan: PathPlan, view: RankView) -> np.ndarray:
     )  # [N, blocks]
     parts = [
         plan.records_NNG[s, :, me].numpy(),
-        keep_DG[:, me],
-        np.cumsum(surplus_DG, axis=1)[:, me] - surplus_DG[:, me],
-        np.cumsum(deficit_DG, axis=1).reshape(-1),
+        keep_N,
+        surplus_lo_N,
+        hand_NL.reshape(-1),
         plan.pair_wave_NN[s].numpy(),
         (np.arange(view.kept_N.size)[None, :] * g + np.array(owners)[:, None]).reshape(-1),
         pool_NB.T.reshape(-1),

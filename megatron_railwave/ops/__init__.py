@@ -56,6 +56,7 @@ __all__ = [
     "records_per_node_rail",
     "rank_schedule",
     "rail_plan",
+    "flow_plan",
     "arrival_copies",
     "path_estimates",
     "layer_descriptors",
@@ -286,6 +287,56 @@ def rail_plan(
     if op is None:
         return None
     return op(records_NNG.contiguous(), eligible_NNG.contiguous(), balanced, phase)
+
+
+def flow_plan(
+    records_NNG: torch.Tensor,
+    copies_NNGG: torch.Tensor,
+    eligible_NNG: torch.Tensor,
+    wave_NN: torch.Tensor,
+    rail_of_gpu_G: torch.Tensor,
+    *,
+    num_waves: int,
+    num_rails: int,
+    nvlink_cost: int,
+    nic_cost: int,
+    units: int,
+    sweeps: int,
+) -> torch.Tensor | None:
+    """The min-max relay plan of FLOW / FLOW_WAVES in one compiled call (csrc/cpu/flow.cpp); None
+    where the compiled ops do not load (the caller then runs ``planner.flow.flow_relay_reference``,
+    the reference: tests/unit/planner/test_flow.py checks the equality, bit for bit).
+
+    Args:
+        records_NNG: [N, N, G] int64 (CPU), records owned by GPU (s, g) for node d.
+        copies_NNGG: [N, N, G, G] int64 (CPU), (record, target GPU) copies of those records for
+            GPU (d, j).
+        eligible_NNG: [N, N, G] bool (CPU), GPUs of s allowed to carry the pair's records.
+        wave_NN: [N, N] int64 (CPU), wave of each remote pair (-1: local).
+        rail_of_gpu_G: [G] int64 (CPU), the rail of each local GPU.
+        num_waves / num_rails: V and R.
+        nvlink_cost / nic_cost: integer cost of one record on an NVLink / NIC direction.
+        units / sweeps: units per (owner, node pair) and refinement passes.
+
+    Returns:
+        relay_NNGG [N, N, G, G] int64 on the CPU (diagonal = kept). Host sync: no.
+    """
+    op = host_op("flow_plan")
+    if op is None:
+        return None
+    return op(
+        records_NNG.contiguous(),
+        copies_NNGG.contiguous(),
+        eligible_NNG.contiguous(),
+        wave_NN.contiguous(),
+        rail_of_gpu_G.contiguous(),
+        num_waves,
+        num_rails,
+        nvlink_cost,
+        nic_cost,
+        units,
+        sweeps,
+    )
 
 
 def arrival_copies(

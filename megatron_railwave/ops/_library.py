@@ -14,8 +14,9 @@ The low-level ``torch.library.Library`` API, not ``torch.library.custom_op``: cu
 ``SymInt`` for ``int`` (the C++ kernels' inferred schemas say ``int``) and puts a Python layer in
 front of every call, the compiled ones included.
 
-The host-planning ops (rail_plan, rank_schedule, arrival_copies, path_estimates) have CPU kernels
-only and no kernel here: their references sit above this package (``_compiled.host_op``).
+The host-planning ops (rail_plan, flow_plan, rank_schedule, arrival_copies, path_estimates) have
+CPU kernels only and no kernel here: their references sit above this package
+(``_compiled.host_op``).
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ SCHEMAS = (
     "int? max_segment_len=None) -> Tensor",
     # Host planning: CPU kernels only (its inputs are the gathered counts, always on the host).
     "rail_plan(Tensor records, Tensor eligible, bool balanced, int phase) -> (Tensor, Tensor)",
+    "flow_plan(Tensor records, Tensor copies, Tensor eligible, Tensor wave, Tensor rail_of_gpu, "
+    "int num_waves, int num_rails, int nvlink_cost, int nic_cost, int units, int sweeps) -> Tensor",
     "rank_schedule(Tensor records, Tensor quota, Tensor relay, Tensor wave, Tensor masks, "
     "int rank, int chunks, int num_phases, int relay_phase, int[] rail_phase, int[] deliver_phase) "
     "-> (Tensor, Tensor, Tensor, Tensor, Tensor)",

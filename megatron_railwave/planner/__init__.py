@@ -5,6 +5,7 @@ on every rank; nothing here communicates.
 """
 
 from megatron_railwave.planner.eligible import EligiblePolicy
+from megatron_railwave.planner.flow import flow_relay_NNGG
 from megatron_railwave.planner.plan import PathPlan, PlanOptions, build_plan, chunk_sizes
 from megatron_railwave.planner.railbalance import (
     eligible_NNG,
@@ -18,6 +19,7 @@ from megatron_railwave.planner.routes import (
     arrival_mask_counts_NGM,
     chunk_arrival_counts,
     delivery_copies_NGG,
+    owner_egress_bounds,
     rank_splits,
     route_records,
 )
@@ -31,6 +33,7 @@ from megatron_railwave.planner.waves import (
 
 __all__ = [
     "EligiblePolicy",
+    "flow_relay_NNGG",
     "PathPlan",
     "PlanOptions",
     "build_plan",
@@ -43,6 +46,7 @@ __all__ = [
     "RankSplits",
     "RecordRoutes",
     "delivery_copies_NGG",
+    "owner_egress_bounds",
     "arrival_mask_counts_NGM",
     "rank_splits",
     "route_records",

@@ -1,4 +1,4 @@
-"""Count-level execution plans for the four paths.
+"""Count-level execution plans of the routes (the paper's four paths, FLOW and FLOW_WAVES).
 
 Letters: N nodes (s source, d destination), G GPUs per node (g owner, l egress), R rails,
 V waves.
@@ -11,6 +11,7 @@ and, through ``planner.routes``, the delivery counts of stage 3 (GPU (d, l) -> G
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +20,7 @@ import torch
 
 from megatron_railwave.names import Route, parse_route
 from megatron_railwave.planner.eligible import EligiblePolicy
+from megatron_railwave.planner.flow import flow_objective_cost, flow_relay_NNGG
 from megatron_railwave.planner.railbalance import eligible_NNG, quota_and_relay
 from megatron_railwave.planner.waves import WaveSchedule, all_at_once, bounded_fanin_schedule
 from megatron_railwave.topology import RailTopology
@@ -26,11 +28,12 @@ from megatron_railwave.traffic import (
     DemandCounts,
     SelectorScales,
     TrafficStats,
+    mask_bits,
     rail_load_NRN,
     traffic_stats,
 )
 
-__all__ = ["PathPlan", "PlanOptions", "build_plan", "chunk_sizes"]
+__all__ = ["PathPlan", "PlanOptions", "build_plan", "chunk_sizes", "delivery_copies_NNGG"]
 
 
 MAX_CHUNKS = 64
@@ -47,13 +50,16 @@ class PlanOptions:
     rail_mask_NG: torch.Tensor | None = None
     """[N, G] bool allowed GPUs for policy MASK."""
     fanin: int = 1
-    """Senders per receiver per wave for PERM / JOINT: 1 is the paper's cyclic schedule."""
+    """Senders per receiver per wave for PERM / JOINT / FLOW_WAVES: 1 is the paper's cyclic
+    schedule."""
     windows: WaveSchedule | None = None
-    """Sending windows kept by NATIVE / RAIL (a replay arrangement); None = all pairs at once."""
+    """Sending windows kept by NATIVE / RAIL / FLOW (a replay arrangement); None = all pairs at
+    once."""
     chunks: int = 1
-    """Rail chunks per wave for PERM / JOINT: each pair's records on a rail leave in ``chunks``
-    near-equal parts, one rail phase each, and each part is delivered while the next is on the
-    rail (more, smaller waves; 1 = whole waves, the paper's schedule)."""
+    """Rail chunks per wave for PERM / JOINT / FLOW / FLOW_WAVES: each pair's records on a rail
+    leave in ``chunks`` near-equal parts, one rail phase each, and each part is delivered while
+    the next is on the rail (more, smaller waves; 1 = whole waves, the paper's schedule). NATIVE
+    and RAIL send whole windows."""
 
     def __post_init__(self) -> None:
         if self.fanin < 1:
@@ -78,7 +84,8 @@ class PathPlan:
     Attributes:
         path: the execution path.
         topology: the cluster.
-        schedule: sending windows (NATIVE, RAIL) or waves (PERM, JOINT) of the remote pairs.
+        schedule: sending windows (NATIVE, RAIL, FLOW) or waves (PERM, JOINT, FLOW_WAVES) of the
+            remote pairs.
         phase: remainder-rotation counter used.
         records_NNG: [N_src, N_dst, G_owner] int64, records owned per GPU (the demand).
         quota_NNG: [N_src, N_dst, G_egress] int64, records leaving each GPU per pair.
@@ -155,6 +162,31 @@ def chunk_sizes(rows: np.ndarray | int, chunks: int) -> np.ndarray:
     return rows[..., None] // chunks + (k < rows[..., None] % chunks)
 
 
+def delivery_copies_NNGG(
+    demand: DemandCounts | torch.Tensor, records_NNG: torch.Tensor, gpus_per_node: int
+) -> torch.Tensor:
+    """[N_src, N_dst, G_owner, G_target] int64: (record, target GPU) copies of owner (s, g)'s
+    records for GPU (d, j), the min-max plan's hit model (``planner.flow``).
+
+    From the demand's copies per destination GPU (``DemandCounts.copies_WNG``: the full form, or
+    a node view gathered with delivery counts), so every rank sees every node's targets. Without
+    them (plain record counts) each record is taken to have one target, the owner's records
+    spread evenly over the node's GPUs (``chunk_sizes``): the same guess on every rank.
+    """
+    g = gpus_per_node
+    n = records_NNG.shape[0]
+    copies_WNG = None
+    if isinstance(demand, DemandCounts):
+        if demand.records_WNM is not None or demand.delivery_WNKG is not None:
+            copies_WNG = demand.copies_WNG().to(torch.int64).cpu()
+    elif hasattr(demand, "masks_into"):  # a mask source of every node (lab: SparseDemand)
+        bits = mask_bits(g).to(torch.int64)
+        copies_WNG = torch.stack([demand.masks_into(d) @ bits for d in range(n)], dim=1)
+    if copies_WNG is not None:
+        return copies_WNG.reshape(n, g, n, g).permute(0, 2, 1, 3).contiguous()
+    return torch.from_numpy(chunk_sizes(records_NNG.numpy(), g))
+
+
 def build_plan(
     demand: DemandCounts | torch.Tensor,
     topo: RailTopology,
@@ -169,7 +201,7 @@ def build_plan(
         demand: the gathered ``DemandCounts`` or directly ``records_NGN`` [N_src, G, N_dst]
             int64 (records owned by GPU (s, g) for node d).
         topo: the cluster (failed rails are never used).
-        path: NATIVE, RAIL, PERM or JOINT (or its name).
+        path: a ``Route`` (or its name).
         options: eligible policy, fan-in, replay windows.
         phase: remainder-rotation counter (e.g. a per-layer call counter; same on every rank).
 
@@ -178,7 +210,7 @@ def build_plan(
     """
     options = options or PlanOptions()
     path = parse_route(path)
-    records_NGN = demand.records_NGN() if isinstance(demand, DemandCounts) else demand
+    records_NGN = demand.records_NGN() if hasattr(demand, "records_NGN") else demand
     n, g = topo.num_nodes, topo.gpus_per_node
     if tuple(records_NGN.shape) != (n, g, n):
         raise ValueError(
@@ -188,13 +220,31 @@ def build_plan(
         )
     records_NNG = records_NGN.permute(0, 2, 1).to(torch.int64).cpu()
     eligible = eligible_NNG(topo, records_NNG, options.policy, options.rail_mask_NG)
-    quota, relay = quota_and_relay(records_NNG, eligible, balanced=path.balanced, phase=phase)
     if path.waved:
         schedule = bounded_fanin_schedule(n, options.fanin)
     else:
         schedule = options.windows if options.windows is not None else all_at_once(n)
         if schedule.num_nodes != n:
             raise ValueError(f"windows are for {schedule.num_nodes} nodes, topology has {n}")
+    pair_wave = schedule.pair_wave_NN()
+    if path.min_max:
+        copies = delivery_copies_NNGG(demand, records_NNG, g)
+        v = schedule.num_waves
+        relay = flow_relay_NNGG(records_NNG, copies, eligible, pair_wave, topo, num_waves=v)
+        # The water-filling is greedy; RailBalance's plan is often near the optimum of the same
+        # objective (docs/planner.md), so FLOW keeps whichever of the two costs less (integer
+        # costs: the same choice on every rank; ties keep RailBalance's).
+        quota, balanced = quota_and_relay(records_NNG, eligible, balanced=True, phase=phase)
+        cost = functools.partial(
+            flow_objective_cost, copies_NNGG=copies, wave_NN=pair_wave, topo=topo, num_waves=v
+        )
+        if cost(relay) < cost(balanced):
+            quota = relay.sum(dim=2)
+        else:
+            relay = balanced
+    else:
+        quota, relay = quota_and_relay(records_NNG, eligible, balanced=path.balanced, phase=phase)
+    chunked = path.waved or path.min_max
     return PathPlan(
         path=path,
         topology=topo,
@@ -203,6 +253,6 @@ def build_plan(
         records_NNG=records_NNG,
         quota_NNG=quota,
         relay_NNGG=relay,
-        pair_wave_NN=schedule.pair_wave_NN(),
-        chunks=options.chunks if path.waved and n > 1 else 1,
+        pair_wave_NN=pair_wave,
+        chunks=options.chunks if chunked and n > 1 else 1,
     )

@@ -4,8 +4,9 @@ Letters: N nodes, G GPUs per node, M = 2**G target masks, T tokens of one rank, 
 n_rec records of one rank.
 
 Canonical record order on an owner GPU: by destination node, then target mask, then token. Owner
-g keeps the first ``keep`` records of each pair and hands the rest, in order, to its proxies in GPU
-order (the greedy fill of ``railbalance``). Because the order is a function of the mask histogram
+g keeps the first ``keep = relay[g, g]`` records of each pair and hands the next ``relay[g, l]``
+records to each proxy l in GPU order, for any relay plan (RailBalance's greedy fill, FLOW's
+min-max plan). Because the order is a function of the mask histogram
 alone, every rank can compute how many copies each arriving rail delivers to each GPU (stage 3)
 from the gathered counts, without another exchange.
 
@@ -22,10 +23,10 @@ import numpy as np
 import torch
 
 from megatron_railwave.planner.plan import PathPlan, chunk_sizes
-from megatron_railwave.planner.railbalance import surplus_deficit_bounds
 from megatron_railwave.traffic import DemandCounts, mask_bits
 
 __all__ = [
+    "owner_egress_bounds",
     "RecordRoutes",
     "route_records",
     "delivery_copies_NGG",
@@ -43,6 +44,29 @@ def _stable_order(key_R: torch.Tensor, num_keys: int) -> torch.Tensor:
         keys = key_R.numpy().astype(np.uint16)
         return torch.from_numpy(np.argsort(keys, kind="stable")).to(torch.int64)
     return torch.sort(key_R, stable=True).indices
+
+
+def owner_egress_bounds(
+    relay_DGL: torch.Tensor | np.ndarray, owner: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(keep_N, surplus_lo_N, deficit_hi_NG) int64 (numpy): ``ops.assign_egress``'s intervals
+    of one owner GPU under any relay plan.
+
+    The owner keeps the first ``keep_N[d]`` records of each destination node d and hands the
+    next ``relay[d, owner, l]`` to each GPU l != owner in GPU order: on its own line, its surplus
+    starts at 0 (``surplus_lo_N`` zeros) and GPU l's part ends at ``deficit_hi_NG[d, l]``, the
+    running sum of its relays to GPUs <= l. For RailBalance's greedy fill this gives the same
+    egress as the pair-wide surplus / deficit lines of ``railbalance.surplus_deficit_bounds``.
+
+    Args:
+        relay_DGL: [N_dst, G_owner, G_egress] int64, one source node's ``relay_NNGG``.
+        owner: the owner GPU g.
+    """
+    relay = relay_DGL.numpy() if isinstance(relay_DGL, torch.Tensor) else relay_DGL
+    own_NL = relay[:, owner, :].astype(np.int64, copy=True)
+    keep_N = own_NL[:, owner].copy()
+    own_NL[:, owner] = 0
+    return keep_N, np.zeros_like(keep_N), np.cumsum(own_NL, axis=1)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -94,13 +118,13 @@ def route_records(plan: PathPlan, rank: int, masks_TN: torch.Tensor) -> RecordRo
     start_N = counts_N.cumsum(0) - counts_N
     pos_R = torch.arange(node_R.numel(), dtype=torch.int64) - start_N[node_R]
 
-    keep, s_lo, _, _, d_hi = surplus_deficit_bounds(plan.records_NNG[s], plan.quota_NNG[s])
-    keep_R = keep[node_R, g]
-    surplus_pos_R = (s_lo[node_R, g] + pos_R - keep_R).clamp(min=0)
-    # Proxy = first GPU whose deficit interval ends after the surplus position. One search on a
-    # single sorted line: node d's deficit ends are shifted by d * span (span > every end).
-    span = int(d_hi[:, -1].max()) + 1
-    line = (d_hi + torch.arange(n, dtype=torch.int64).unsqueeze(1) * span).flatten()
+    keep_N, _, hand_NL = (torch.from_numpy(a) for a in owner_egress_bounds(plan.relay_NNGG[s], g))
+    keep_R = keep_N[node_R]
+    surplus_pos_R = (pos_R - keep_R).clamp(min=0)
+    # Proxy = first GPU whose part of the owner's handed-on line ends after the position. One
+    # search on a single sorted line: node d's ends are shifted by d * span (span > every end).
+    span = int(hand_NL[:, -1].max()) + 1
+    line = (hand_NL + torch.arange(n, dtype=torch.int64).unsqueeze(1) * span).flatten()
     proxy_R = (
         torch.searchsorted(line, surplus_pos_R + node_R * span, right=True)
         - node_R * topo.gpus_per_node

@@ -50,7 +50,7 @@ from typing import Any
 
 import yaml
 
-from megatron_railwave.names import ROUTES, Route, parse_route, route_list
+from megatron_railwave.names import PAPER_ROUTES, ROUTES, Route, parse_route, route_list
 from megatron_railwave.planner.plan import MAX_CHUNKS
 from megatron_railwave.selector.path_model import RailJointModel
 from megatron_railwave.topology import RailTopology, read_yaml
@@ -79,6 +79,10 @@ DEFAULT_SHAPE_DISTANCE = 0.02
 ANCHORS_FORMAT = "railwave-anchors"
 ANCHORS_VERSION = 1
 _PATHS = ROUTES
+"""Paths an anchor may carry a latency for (written in this order)."""
+_REQUIRED_PATHS = PAPER_ROUTES
+"""Paths every anchor must carry: the paper's four (FLOW's are optional, so that files written
+before it was added stay valid)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -333,7 +337,7 @@ def _anchor(data: Any, source: str, where: str) -> Anchor:
     for key, value in lat.items():
         p = _path(key, source, f"{where}.latency_s.{key}")
         latency[p] = _latency(value, source, f"{where}.latency_s.{key}")
-    missing = [str(p) for p in _PATHS if p not in latency]
+    missing = [str(p) for p in _REQUIRED_PATHS if p not in latency]
     if missing:
         raise _fail(
             source, f"{where}.latency_s", f"lacks the path(s) {missing}; all four are required"

@@ -67,7 +67,7 @@ import torch
 
 from megatron_railwave import ops
 from megatron_railwave.config import OnlineSettings
-from megatron_railwave.names import Route
+from megatron_railwave.names import PAPER_ROUTES, Route
 from megatron_railwave.selector.anchors import (
     Anchor,
     AnchorSet,
@@ -102,8 +102,16 @@ __all__ = [
     "TIMING_MAX_NS",
 ]
 
-ALL_PATHS: tuple[Route, ...] = (Route.JOINT, Route.RAIL, Route.PERM, Route.NATIVE)
-"""Candidates in tie-break order (JOINT first: the fallback wins ties)."""
+ALL_PATHS: tuple[Route, ...] = (
+    Route.JOINT,
+    Route.RAIL,
+    Route.PERM,
+    Route.NATIVE,
+    Route.FLOW,
+    Route.FLOW_WAVES,
+)
+"""Candidates in tie-break order (JOINT first: the fallback wins ties; the min-max routes last, so
+the paper's paths keep their order)."""
 
 TIMING_NONE = 0
 """No measurement to report (the layer's first call): the same on every rank."""
@@ -906,12 +914,14 @@ class OnlineSelector:
         excess), one pseudo-sample. Neighbourhoods with a path neither timed nor estimated are left
         out."""
         out = []
+        # Every candidate and the paper's four paths (an anchor carries all four).
+        needed = tuple(p for p in ALL_PATHS if p in self.candidates or p in PAPER_ROUTES)
         for nb in sorted(self._tables.get(kind, []), key=lambda n: n.index):
             best = nb.best()
-            if best is None or len(nb.times) < len(ALL_PATHS):
+            if best is None or any(p not in nb.times for p in needed):
                 continue
             lat, estimated = {}, []
-            for p in ALL_PATHS:
+            for p in needed:
                 values = sorted(nb.times[p].recent)
                 if values:
                     lat[p] = PathLatency(
@@ -924,7 +934,7 @@ class OnlineSelector:
                     v = nb.times[best].median() * (1.0 + nb.seed_excess[p])
                     lat[p] = PathLatency(median=v, p10=v, p90=v, samples=1)
                     estimated.append(p)
-            if len(lat) == len(ALL_PATHS):
+            if len(lat) == len(needed):
                 out.append((nb, lat, estimated))
         return out
 
@@ -967,7 +977,7 @@ def learned_anchor_set(
         scales = scales or sel.scales
         online = online or sel.settings
         for nb, lat, guessed in sel.learned(kind):
-            best = min(ALL_PATHS, key=lambda p: (lat[p].median, ALL_PATHS.index(p)))
+            best = min(lat, key=lambda p: (lat[p].median, ALL_PATHS.index(p)))
             name = f"online-l{sel.layer}-{kind}-n{nb.index}"
             anchors.append(
                 Anchor(

@@ -64,6 +64,7 @@ __all__ = [
     "selector_from_config",
     "select_for_layer",
     "needs_delivery",
+    "plans_min_max",
     "needs_descriptors",
     "fallback_phases_of",
     "fewer_phases",
@@ -395,6 +396,21 @@ def needs_descriptors(selector: PathSelector) -> bool:
     for a fixed path, nor for the path model, which decides from the counts (the descriptors cost
     ~0.3 ms per layer on the host at 4 x 8, more than the model's own decision)."""
     return not isinstance(selector, (ModelSelector, FixedSelector, OnlineSelector))
+
+
+def plans_min_max(selector: PathSelector, path: Route | None = None) -> bool:
+    """Whether this layer call's plan may be a min-max one (FLOW / FLOW_WAVES), whose planner
+    reads every rank's copies per destination GPU (``planner.plan.delivery_copies_NNGG``), so the
+    count exchange must carry the delivery counts: a path already fixed for the call (a recompute
+    replays its forward's, which gathered them too) that is one, a fixed selector's, or an online
+    selector with one among its candidates. The same answer on every rank (the configuration's)."""
+    if path is not None:
+        return parse_route(path).min_max
+    if isinstance(selector, FixedSelector):
+        return selector.path.min_max
+    if isinstance(selector, OnlineSelector):
+        return any(p.min_max for p in selector.candidates)
+    return False
 
 
 def needs_delivery(selector: PathSelector) -> bool:

@@ -33,17 +33,17 @@ def random_routing_map(
 
 def egress_inputs(plan, rank: int) -> dict[str, object]:
     """assign_egress's keyword arguments for ``rank`` from a real plan (what the exchange and
-    ops-bench pass): RailBalance bounds that agree with each other, on the CPU."""
-    from megatron_railwave.planner.railbalance import surplus_deficit_bounds
+    ops-bench pass): the owner's egress intervals under the plan's relay counts, on the CPU."""
+    from megatron_railwave.planner import owner_egress_bounds
 
     topo = plan.topology
     s, g = topo.node_of(rank), topo.local_of(rank)
-    keep, s_lo, _, _, d_hi = surplus_deficit_bounds(plan.records_NNG[s], plan.quota_NNG[s])
+    keep, s_lo, d_hi = (torch.from_numpy(a) for a in owner_egress_bounds(plan.relay_NNGG[s], g))
     return dict(
         owner_gpu=g,
         counts_N=plan.records_NNG[s, :, g].contiguous(),
-        keep_N=keep[:, g].contiguous(),
-        surplus_lo_N=s_lo[:, g].contiguous(),
+        keep_N=keep.contiguous(),
+        surplus_lo_N=s_lo.contiguous(),
         deficit_hi_NG=d_hi.contiguous(),
         wave_N=plan.pair_wave_NN[s].contiguous(),
     )

@@ -17,9 +17,9 @@ from megatron_railwave.lab.bench.call_costs import (
     reduce_call_costs,
     virtual_call_costs,
 )
-from megatron_railwave.names import ROUTES
+from megatron_railwave.names import PAPER_ROUTES
 
-PATHS = tuple(map(str, ROUTES))
+PATHS = tuple(map(str, PAPER_ROUTES))  # call costs are fitted on the paper's four paths
 
 
 def test_fit_per_phase_recovers_a_line_and_refuses_a_slope_without_spread():

@@ -558,7 +558,8 @@ def test_plan_all_paths_native_is_skewed(tmp_path):
     [
         (
             ["--path", "ring"],
-            r"argument --path: unknown path 'ring'; choose one of native, rail, perm, joint, all",
+            r"argument --path: unknown path 'ring'; choose one of native, rail, perm, joint, flow, "
+            r"flow-waves, all",
         ),
         (
             ["--failed-rail", "0:9"],

@@ -356,7 +356,14 @@ def test_report_table_json_and_plots(tmp_path, capsys):
     assert summary["num_records"] == 2 * 4 * 6 and summary["num_calls"] == 4 * 6
     layer1 = summary["layers"][0]
     # Layer 1: steps 0-2 run PATHS[1] = rail, steps 3-5 PATHS[2] = perm.
-    assert layer1["path_mix"] == {"native": 0.0, "rail": 0.5, "perm": 0.5, "joint": 0.0}
+    assert layer1["path_mix"] == {
+        "native": 0.0,
+        "rail": 0.5,
+        "perm": 0.5,
+        "joint": 0.0,
+        "flow": 0.0,
+        "flow-waves": 0.0,
+    }
     # Slowest rank per (layer, step): rank 1, (1 + 1 + 0.1) x 1.5 = 3.15 ms dispatch + combine.
     assert layer1["p50_ms"] == pytest.approx(3.15) and layer1["p95_ms"] == pytest.approx(3.15)
     assert summary["paths"]["rail"]["nic_shares"] == pytest.approx([0.5, 0.5])

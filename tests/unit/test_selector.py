@@ -233,7 +233,7 @@ def _reference_rule(sel: AnchorSelector, s: TrafficStats) -> Route:
         a
         for a in sel.anchor_set.anchors
         if -lr <= x[0] - a.coords[0] <= lr
-        or (x[0] - a.coords[0] < -lr and a.path in (Route.NATIVE, Route.RAIL))
+        or (x[0] - a.coords[0] < -lr and not a.path.waved)  # NATIVE, RAIL, FLOW
     ]
     eligible = [
         a

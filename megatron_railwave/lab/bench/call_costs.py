@@ -62,7 +62,7 @@ from megatron_railwave.exchange import (
 )
 from megatron_railwave.exchange.transport import Post
 from megatron_railwave.lab.workloads import synthetic_routing_maps
-from megatron_railwave.names import ROUTES
+from megatron_railwave.names import PAPER_ROUTES
 from megatron_railwave.planner import PlanOptions, build_plan
 from megatron_railwave.topology import RailTopology
 
@@ -77,7 +77,7 @@ __all__ = [
 ]
 
 SCHEMA = "railwave.call_costs/1"
-_PATHS = tuple(map(str, ROUTES))
+_PATHS = tuple(map(str, PAPER_ROUTES))  # the fitted per-phase costs are the paper paths'
 _STEPS = ("plan", "prepare", "dispatch", "combine")
 
 

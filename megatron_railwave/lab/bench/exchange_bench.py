@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_railwave.exchange import TorchDistExchange, build_rail_groups
-from megatron_railwave.names import ROUTES
+from megatron_railwave.names import ROUTES, parse_route
 from megatron_railwave.planner import PlanOptions
 from megatron_railwave.testing.megatron_cpu import apply_megatron_cpu_shims
 from megatron_railwave.topology import RailTopology
@@ -122,9 +122,10 @@ Variant = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, _Phases], torch.Te
 
 def _railwave_variant(exchange: TorchDistExchange, path: str) -> Variant:
     calls = [0]
+    min_max = parse_route(path).min_max  # its plan reads the delivery counts
 
     def run(hidden, probs, routing, ph: _Phases) -> torch.Tensor:
-        layer = exchange.gather_demand(hidden, probs, routing)
+        layer = exchange.gather_demand(hidden, probs, routing, delivery_counts=min_max)
         ph.mark("counts")
         plan = exchange.plan(layer, path, phase=calls[0])
         calls[0] += 1

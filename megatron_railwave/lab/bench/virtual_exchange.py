@@ -55,7 +55,7 @@ from megatron_railwave.exchange import (
     virtual_rank_groups,
 )
 from megatron_railwave.lab.bench.sync_audit import SyncAudit
-from megatron_railwave.names import ROUTES, Route
+from megatron_railwave.names import ROUTES, Route, parse_route
 from megatron_railwave.planner import PlanOptions, build_plan
 from megatron_railwave.topology import RailTopology
 
@@ -277,7 +277,11 @@ def run_virtual_layer(
     h, p, rm = inputs["hidden"], inputs["probs"], inputs["routing"]
     capacity = spec.max_tokens_per_rank
     if capacity is None:
-        layers = cluster.run([gather_demand(ctxs[r], h[r], p[r], rm[r]) for r in range(w)])
+        # A min-max plan reads every rank's copies per destination GPU (the delivery counts).
+        delivery = parse_route(path).min_max
+        layers = cluster.run(
+            [gather_demand(ctxs[r], h[r], p[r], rm[r], delivery_counts=delivery) for r in range(w)]
+        )
         handles = []
         for r in range(w):
             plan = build_plan(layers[r].demand, topo, path, options=spec.options, phase=phase)

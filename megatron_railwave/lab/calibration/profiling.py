@@ -33,13 +33,13 @@ from megatron_railwave.lab.calibration.requests import (
     request_windows,
     token_counts,
 )
-from megatron_railwave.names import ROUTES, Route, parse_route
+from megatron_railwave.names import PAPER_ROUTES, Route, parse_route
 from megatron_railwave.selector.anchors import Anchor, AnchorSet, CalibrationContext, PathLatency
 from megatron_railwave.selector.path_model import FEATURE_NAMES
 from megatron_railwave.topology import RailTopology
 from megatron_railwave.traffic import SelectorScales, TrafficStats, dtype_bytes
 
-ALL_PATHS: tuple[Route, ...] = ROUTES
+ALL_PATHS: tuple[Route, ...] = PAPER_ROUTES
 
 
 def profile_request(

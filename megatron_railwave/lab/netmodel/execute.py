@@ -436,7 +436,8 @@ def schedule_program(
     b = ProgramBuilder(fabric=fabric)
     counts = b.phase("counts", "sync", -1, (), model.count_exchange_s)
     ids = {"counts": counts}
-    balanced = Route(plan.path).balanced
+    route = Route(plan.path)
+    balanced = route.balanced or route.min_max  # a relay phase with a planned split
     wave_cost = model.wave_cost_s(topo.world_size)
     offset = counts + 1
     for p in schedule.phases:

@@ -9,7 +9,9 @@ alpha). This module runs the grid
 
     token skew x fabric {max-min, alpha fitted on UltraEP} x arrangement pattern x seed
 
-and reports, per (skew, fabric, pattern), JOINT / baseline and RAIL / baseline over the seeds
+and reports, per (skew, fabric, pattern), RAIL / JOINT / FLOW / FLOW_WAVES over the baseline
+(keys ``<path>_s`` per row, ``<path>_over_baseline`` per cell; flow-waves as ``flow_waves``) over
+the seeds
 (median, P10, P90), the baseline being DeepEP-like NATIVE (streamed forwarding). Per seed the
 ratio is of the sums over its layers (the paper's statistic: sums of per-layer times), each
 layer also carrying the path-independent bound (`bounds.ideal_bound`).
@@ -133,15 +135,15 @@ def layer_cell(
     baseline: NetModelConfig,
     paths_model: NetModelConfig,
     record_bytes: int,
-    paths: Sequence[str] = ("rail", "joint"),
+    paths: Sequence[str] = ("rail", "joint", "flow", "flow-waves"),
     peers: Sequence[str] = (),
     balanced: tuple[Any, Any] | None = None,
 ) -> dict[str, float]:
     """One layer of one grid cell: seconds of the baseline (NATIVE under ``baseline``, e.g.
-    streamed), of each of ``paths`` (under ``paths_model``), of each of ``peers``
-    (`peers.model_peer` under ``baseline``'s fabric; 'deepep-balanced': the baseline on
-    ``balanced``, the (demand, windows) of the same tokens split equally over the ranks) and the
-    path-independent bound of ``demand``."""
+    streamed), of each of ``paths`` (under ``paths_model``; key ``<path>_s``, '-' as '_'), of
+    each of ``peers`` (`peers.model_peer` under ``baseline``'s fabric; 'deepep-balanced': the
+    baseline on ``balanced``, the (demand, windows) of the same tokens split equally over the
+    ranks) and the path-independent bound of ``demand``."""
     from megatron_railwave.lab.netmodel.peers import model_peer
 
     out = {
@@ -150,7 +152,7 @@ def layer_cell(
         ).bound_s
     }
     for name, path, model in [("baseline", "native", baseline)] + [
-        (p, p, paths_model) for p in paths
+        (p.replace("-", "_"), p, paths_model) for p in paths
     ]:
         plan = build_plan(demand, topo, path, options=PlanOptions(windows=windows))
         out[f"{name}_s"] = execute_plan(

@@ -43,6 +43,7 @@ import torch.distributed as dist
 from megatron_railwave.exchange import ExchangeTimeoutError, TorchDistExchange, rank_groups
 from megatron_railwave.lab.testbed.launch import WorkerContext, make_control_group, make_groups
 from megatron_railwave.lab.testbed.netns import fail_rail
+from megatron_railwave.names import parse_route
 from megatron_railwave.planner import PlanOptions, schedule_from_windows
 from megatron_railwave.telemetry.capture import routing_map_from_topk_ids
 from megatron_railwave.topology import RailTopology
@@ -174,7 +175,8 @@ def _timed_exchange(
     dist.barrier(group=rk.ctl)
     tx0, rx0 = nic_bytes(ifname)
     ru0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
-    layer = ex.gather_demand(x, probs, routing)
+    # A min-max plan reads every rank's copies per destination GPU (the delivery counts).
+    layer = ex.gather_demand(x, probs, routing, delivery_counts=parse_route(path).min_max)
     t1 = time.perf_counter()
     plan = ex.plan(layer, path, phase=phase)
     handle = ex.prepare(layer, plan, x, probs)

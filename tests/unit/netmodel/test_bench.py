@@ -15,6 +15,7 @@ from megatron_railwave.lab.workloads import (
     scaled_demand,
     sparse_demand_from_topk_ids,
 )
+from megatron_railwave.names import ROUTES
 from megatron_railwave.topology import RailTopology
 
 
@@ -49,8 +50,8 @@ def test_bench_writes_percentiles_speedups_and_plot(tmp_path, capsys):
     )
     data = json.loads(out.read_text())
     assert png.stat().st_size > 0 and data["config"]["layers"] == [1, 2]
-    # the DeepEP-like baseline + 4 paths + the default peers
-    assert len(data["samples"]) == 2 * 2 * (1 + 4 + 4)
+    # the DeepEP-like baseline + every route + the default peers
+    assert len(data["samples"]) == 2 * 2 * (1 + len(ROUTES) + 4)
     ring, extreme = data["summary"]["ring"], data["summary"]["extreme"]
     v = ring["variants"]
     assert ring["baseline"] == "deepep"
@@ -60,6 +61,8 @@ def test_bench_writes_percentiles_speedups_and_plot(tmp_path, capsys):
         "rail",
         "perm",
         "joint",
+        "flow",
+        "flow-waves",
         "deepep-balanced",
         "deepep-direct",
         "megatron",

@@ -119,8 +119,11 @@ def test_parse_path_unknown_raises():
 
 
 def test_path_flags():
-    assert [p.balanced for p in Route] == [False, True, False, True]
-    assert [p.waved for p in Route] == [False, False, True, True]
+    # Routes in declaration order: NATIVE, RAIL, PERM, JOINT, FLOW, FLOW_WAVES.
+    assert [p.balanced for p in Route] == [False, True, False, True, False, False]
+    assert [p.min_max for p in Route] == [False, False, False, False, True, True]
+    assert [p.waved for p in Route] == [False, False, True, True, False, True]
+    assert parse_route("flow_waves") is Route.FLOW_WAVES
 
 
 def test_same_inputs_same_plan():
