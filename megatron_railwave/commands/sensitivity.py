@@ -198,7 +198,7 @@ def _cell(stats: dict[str, Any]) -> str:
 def _print(
     summary: list[dict[str, Any]], incast: dict[str, Any] | None, args: argparse.Namespace
 ) -> None:
-    from megatron_railwave.lab.netmodel.sensitivity import BOUNDS
+    from megatron_railwave.lab.netmodel.bounds import BOUNDS
 
     peers = [
         k[: -len("_over_baseline")]

@@ -74,11 +74,13 @@ from megatron_railwave.topology import RailTopology
 from megatron_railwave.traffic import mask_bits
 
 __all__ = [
+    "BOUNDS",
     "AnyRoutingBound",
     "IdealBound",
     "OwnerTokens",
     "PerRecordBound",
     "any_routing_bound",
+    "bound_fields",
     "ideal_bound",
     "owner_tokens_from_topk_ids",
     "per_record_bound",
@@ -384,3 +386,21 @@ def any_routing_bound(
         resource=resource,
         exact_tokens=tokens is not None,
     )
+
+
+BOUNDS = ("per_record", "any_routing")
+"""The two bounds, as the JSON of ``railwave sensitivity`` and ``railwave bench`` names them: per
+row or sample ``<bound>_bound_s`` and ``<bound>_resource`` (`bound_fields`)."""
+
+
+def bound_fields(demand: Any, topo: RailTopology, *, record_bytes: int, phase_sync: str) -> dict:
+    """{'per_record_bound_s', 'per_record_resource', 'any_routing_bound_s',
+    'any_routing_resource'} of one layer's input (``phase_sync``: the per-record bound's)."""
+    per = per_record_bound(demand, topo, payload_bytes=record_bytes, phase_sync=phase_sync)
+    anyr = any_routing_bound(demand, topo, payload_bytes=record_bytes)
+    return {
+        "per_record_bound_s": per.bound_s,
+        "per_record_resource": per.resource,
+        "any_routing_bound_s": anyr.bound_s,
+        "any_routing_resource": anyr.resource,
+    }

@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from megatron_railwave.lab.netmodel.bounds import any_routing_bound, per_record_bound
+from megatron_railwave.lab.netmodel.bounds import BOUNDS, bound_fields
 from megatron_railwave.lab.netmodel.calibrate import PAPER_INCAST, PAPER_ULTRAEP, ultraep_check
 from megatron_railwave.lab.netmodel.execute import NetModelConfig, execute_plan
 from megatron_railwave.names import Route
@@ -39,9 +39,7 @@ from megatron_railwave.planner import PlanOptions, build_plan
 from megatron_railwave.topology import RailTopology
 
 __all__ = [
-    "BOUNDS",
     "UltraepFit",
-    "bound_fields",
     "fit_alpha_ultraep",
     "layer_cell",
     "predict_incast_slowdown",
@@ -127,24 +125,6 @@ def fit_alpha_ultraep(
         paper={float(k): v for k, v in paper.items()},
         delivery=base.delivery,
     )
-
-
-BOUNDS = ("per_record", "any_routing")
-"""The two path-independent bounds a cell carries (`bounds`): row keys ``<bound>_bound_s`` and
-``<bound>_resource``, summary keys ``<bound>_over_baseline`` and ``<path>_<bound>_fraction_*``."""
-
-
-def bound_fields(demand: Any, topo: RailTopology, *, record_bytes: int, phase_sync: str) -> dict:
-    """{'per_record_bound_s', 'per_record_resource', 'any_routing_bound_s',
-    'any_routing_resource'} of one layer's input (``phase_sync``: the per-record bound's)."""
-    per = per_record_bound(demand, topo, payload_bytes=record_bytes, phase_sync=phase_sync)
-    anyr = any_routing_bound(demand, topo, payload_bytes=record_bytes)
-    return {
-        "per_record_bound_s": per.bound_s,
-        "per_record_resource": per.resource,
-        "any_routing_bound_s": anyr.bound_s,
-        "any_routing_resource": anyr.resource,
-    }
 
 
 def layer_cell(
