@@ -198,11 +198,18 @@ def _cell(stats: dict[str, Any]) -> str:
 def _print(
     summary: list[dict[str, Any]], incast: dict[str, Any] | None, args: argparse.Namespace
 ) -> None:
+    from megatron_railwave.lab.netmodel.bounds import BOUNDS
+
     peers = [
         k[: -len("_over_baseline")]
         for k in summary[0]
         if k.endswith("_over_baseline")
-        and k not in ("joint_over_baseline", "rail_over_baseline", "ideal_over_baseline")
+        and k
+        not in (
+            "joint_over_baseline",
+            "rail_over_baseline",
+            *(f"{b}_over_baseline" for b in BOUNDS),
+        )
     ]
     rows = [
         [
@@ -212,8 +219,9 @@ def _print(
             _cell(e["joint_over_baseline"]),
             _cell(e["rail_over_baseline"]),
             *[_cell(e[f"{p}_over_baseline"]) for p in peers],
-            _cell(e["ideal_over_baseline"]),
-            f"{e['joint_ideal_fraction_median']:.2f}",
+            *[_cell(e[f"{b}_over_baseline"]) for b in BOUNDS],
+            *[f"{e[f'joint_{b}_fraction_median']:.2f}" for b in BOUNDS],
+            e["any_routing_resource"],
         ]
         for e in summary
     ]
@@ -227,8 +235,11 @@ def _print(
             "JOINT",
             "RAIL",
             *peers,
-            "ideal (bound)",
-            "JOINT of ideal",
+            "per-record bound",
+            "any-routing bound",
+            "JOINT of per-record",
+            "JOINT of any-routing",
+            "any-routing binds",
         ],
         rows,
     )

@@ -10,13 +10,23 @@ Shape letters: L links, F flows, H hops per flow (padded), Q phases, S samples.
 `cluster` builds the links of a rail-optimized cluster; `program` turns phases and transfers into
 flows on them and runs them in one simulation with their bandwidth lower bound; `execute` runs a
 `PathPlan`'s compiled `ExecutionSchedule` (`execute_plan`, `simulate_plan`, `execute_schedule`);
-`bounds` gives the path-independent lower bound of an input; `peers` models DeepEP direct,
-Megatron's all-to-all (NCCL's rotating rounds or flat) and a FAST-style per-layer schedule on the
-same links; `sensitivity` fits the incast alpha on UltraEP alone and runs the sensitivity grid;
-`calibrate` replays UltraEP (and keeps the withdrawn replay fit) (docs/netmodel.md).
+`bounds` gives the two path-independent lower bounds of an input (per-record routing, any
+routing); `peers` models DeepEP direct, Megatron's all-to-all (NCCL's rotating rounds or flat)
+and a FAST-style per-layer schedule on the same links; `sensitivity` fits the incast alpha on
+UltraEP alone and runs the sensitivity grid; `calibrate`
+replays UltraEP (and keeps the withdrawn replay fit) (docs/netmodel.md).
 """
 
-from megatron_railwave.lab.netmodel.bounds import IdealBound, ideal_bound
+from megatron_railwave.lab.netmodel.bounds import (
+    AnyRoutingBound,
+    IdealBound,
+    OwnerTokens,
+    PerRecordBound,
+    any_routing_bound,
+    ideal_bound,
+    owner_tokens_from_topk_ids,
+    per_record_bound,
+)
 from megatron_railwave.lab.netmodel.cluster import Fabric, build_fabric
 from megatron_railwave.lab.netmodel.execute import (
     MaskSource,
@@ -43,8 +53,14 @@ from megatron_railwave.lab.netmodel.problem import (
 )
 
 __all__ = [
+    "AnyRoutingBound",
     "IdealBound",
+    "OwnerTokens",
+    "PerRecordBound",
+    "any_routing_bound",
     "ideal_bound",
+    "owner_tokens_from_topk_ids",
+    "per_record_bound",
     "Fabric",
     "MaskSource",
     "NetModelConfig",

@@ -14,7 +14,9 @@ and reports, per (skew, fabric, pattern), RAIL / JOINT / FLOW / FLOW_WAVES over 
 the seeds
 (median, P10, P90), the baseline being DeepEP-like NATIVE (streamed forwarding). Per seed the
 ratio is of the sums over its layers (the paper's statistic: sums of per-layer times), each
-layer also carrying the path-independent bound (`bounds.ideal_bound`).
+layer also carrying the two path-independent bounds (`bounds.per_record_bound`, the per-record
+routing bound, and `bounds.any_routing_bound`, the bound of every routing) with their binding
+resources, and every path's fraction of each (bound / time).
 
 The fabric's alpha is fitted on the paper's UltraEP case only (`fit_alpha_ultraep`: three source
 nodes to one destination, balanced rails, no workload generator involved); the paper's +67.1%
@@ -31,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from megatron_railwave.lab.netmodel.bounds import ideal_bound
+from megatron_railwave.lab.netmodel.bounds import BOUNDS, bound_fields
 from megatron_railwave.lab.netmodel.calibrate import PAPER_INCAST, PAPER_ULTRAEP, ultraep_check
 from megatron_railwave.lab.netmodel.execute import NetModelConfig, execute_plan
 from megatron_railwave.names import Route
@@ -138,19 +140,18 @@ def layer_cell(
     paths: Sequence[str] = ("rail", "joint", "flow", "flow-waves"),
     peers: Sequence[str] = (),
     balanced: tuple[Any, Any] | None = None,
-) -> dict[str, float]:
+) -> dict[str, Any]:
     """One layer of one grid cell: seconds of the baseline (NATIVE under ``baseline``, e.g.
     streamed), of each of ``paths`` (under ``paths_model``; key ``<path>_s``, '-' as '_'), of
     each of ``peers`` (`peers.model_peer` under ``baseline``'s fabric; 'deepep-balanced': the
     baseline on ``balanced``, the (demand, windows) of the same tokens split equally over the
-    ranks) and the path-independent bound of ``demand``."""
+    ranks) and the two path-independent bounds of ``demand`` with their binding resources
+    (`bound_fields`)."""
     from megatron_railwave.lab.netmodel.peers import model_peer
 
-    out = {
-        "ideal_bound_s": ideal_bound(
-            demand, topo, payload_bytes=record_bytes, phase_sync=baseline.phase_sync
-        ).bound_s
-    }
+    out: dict[str, Any] = bound_fields(
+        demand, topo, record_bytes=record_bytes, phase_sync=baseline.phase_sync
+    )
     for name, path, model in [("baseline", "native", baseline)] + [
         (p.replace("-", "_"), p, paths_model) for p in paths
     ]:
@@ -215,8 +216,12 @@ def predict_incast_slowdown(
 
 def summarize_grid(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per (skew, fabric, pattern): per seed the ratio of layer sums baseline / path (and
-    baseline / bound, the ideal speedup), then median, P10 and P90 over the seeds."""
+    baseline / bound for both bounds, the largest speedup a routing of that class could have),
+    then median, P10 and P90 over the seeds; every path's fraction of each bound (sum of the
+    bound / sum of the path's time, per seed; median, P10, P90) and each bound's binding resource
+    (the one most layers name)."""
     keys = list(dict.fromkeys((r["skew"], r["fabric"], r["pattern"]) for r in rows))
+    bound_keys = {f"{b}_bound_s": b for b in BOUNDS}
     out = []
     for skew, fabric, pattern in keys:
         sel = [r for r in rows if (r["skew"], r["fabric"], r["pattern"]) == (skew, fabric, pattern)]
@@ -233,28 +238,46 @@ def summarize_grid(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "seeds": len(per_seed),
             "layers_per_seed": len(sel) // max(1, len(per_seed)),
         }
-        names = [
-            k[:-2]
-            for k in next(iter(per_seed.values()))
-            if k.endswith("_s") and k not in ("baseline_s",)
-        ]
+        first = next(iter(per_seed.values()))
+        names = [k[:-2] for k in first if k.endswith("_s") and k not in ("baseline_s",)]
         for name in names:
             ratio = [
                 acc["baseline_s"] / acc[f"{name}_s"]
                 for acc in per_seed.values()
                 if acc[f"{name}_s"] > 0
             ]
-            label = "ideal" if name == "ideal_bound" else name
-            entry[f"{label}_over_baseline"] = {
-                "median": float(np.median(ratio)),
-                "p10": float(np.percentile(ratio, 10)),
-                "p90": float(np.percentile(ratio, 90)),
-                "per_seed": [float(x) for x in ratio],
-            }
-        # Fraction of the ideal speedup JOINT reaches: bound / JOINT, per seed (the token-balanced
-        # peer runs another input, so its ratio is to the baseline, not to this bound).
-        if "joint_s" in next(iter(per_seed.values())):
-            frac = [acc["ideal_bound_s"] / acc["joint_s"] for acc in per_seed.values()]
-            entry["joint_ideal_fraction_median"] = float(np.median(frac))
+            label = bound_keys.get(f"{name}_s", name)
+            entry[f"{label}_over_baseline"] = _stats(ratio)
+        # Every path's fraction of each bound: bound / time, per seed (the token-balanced peer
+        # runs another input, so its ratio is to the baseline only).
+        paths = [k[:-2] for k in first if k.endswith("_s") and k not in bound_keys]
+        for bound_key, bound in bound_keys.items():
+            if bound_key not in first:
+                continue
+            for name in paths:
+                if name == "deepep_balanced":
+                    continue
+                frac = [
+                    acc[bound_key] / acc[f"{name}_s"]
+                    for acc in per_seed.values()
+                    if acc[f"{name}_s"] > 0
+                ]
+                if not frac:
+                    continue
+                stats = _stats(frac)
+                entry[f"{name}_{bound}_fraction_median"] = stats["median"]
+                entry[f"{name}_{bound}_fraction"] = stats
+            resources = [r[f"{bound}_resource"] for r in sel if f"{bound}_resource" in r]
+            if resources:
+                entry[f"{bound}_resource"] = max(set(resources), key=resources.count)
         out.append(entry)
     return out
+
+
+def _stats(values: list[float]) -> dict[str, Any]:
+    return {
+        "median": float(np.median(values)),
+        "p10": float(np.percentile(values, 10)),
+        "p90": float(np.percentile(values, 90)),
+        "per_seed": [float(x) for x in values],
+    }

@@ -1,4 +1,5 @@
-"""The path-independent bound (`netmodel.bounds.ideal_bound`): worked by hand on a tiny case, and
+"""The per-record routing bound (`netmodel.bounds.ideal_bound`, its old name kept as an alias of
+`per_record_bound`): worked by hand on a tiny case, and
 no modelled time of any path or peer is below it (hypothesis over random demands, arrangements,
 delivery variants, phase sync, incast alpha and NVLink speed)."""
 

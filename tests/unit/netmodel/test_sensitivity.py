@@ -28,7 +28,10 @@ def test_summarize_grid_takes_ratios_of_layer_sums_then_seed_percentiles():
                     "baseline_s": b,
                     "joint_s": j,
                     "rail_s": b,
-                    "ideal_bound_s": 1.0,
+                    "per_record_bound_s": 1.0,
+                    "per_record_resource": "node NIC in node 1",
+                    "any_routing_bound_s": 0.5,
+                    "any_routing_resource": "GPU out (NVLink + NIC) (0, 0)" if i else "node",
                 }
             )
     (entry,) = summarize_grid(rows)
@@ -36,8 +39,16 @@ def test_summarize_grid_takes_ratios_of_layer_sums_then_seed_percentiles():
     assert entry["joint_over_baseline"]["median"] == pytest.approx(2.25)
     assert entry["joint_over_baseline"]["p10"] == pytest.approx(1.65)
     assert entry["rail_over_baseline"]["median"] == pytest.approx(1.0)
-    assert entry["ideal_over_baseline"]["per_seed"] == pytest.approx([3.0, 3.0])
-    assert entry["joint_ideal_fraction_median"] == pytest.approx((2 / 4 + 2 / 2) / 2)
+    assert entry["per_record_over_baseline"]["per_seed"] == pytest.approx([3.0, 3.0])
+    assert entry["any_routing_over_baseline"]["per_seed"] == pytest.approx([6.0, 6.0])
+    # Fractions: per seed the bound's layer sum over the path's (JOINT 2 / 4 and 2 / 2; the
+    # baseline 2 / 6 and 2 / 6; the any-routing bound half of those).
+    assert entry["joint_per_record_fraction_median"] == pytest.approx((2 / 4 + 2 / 2) / 2)
+    assert entry["joint_any_routing_fraction_median"] == pytest.approx((1 / 4 + 1 / 2) / 2)
+    assert entry["baseline_per_record_fraction"]["per_seed"] == pytest.approx([2 / 6, 2 / 6])
+    assert entry["rail_any_routing_fraction"]["per_seed"] == pytest.approx([1 / 6, 1 / 6])
+    assert entry["per_record_resource"] == "node NIC in node 1"
+    assert entry["any_routing_resource"] in ("node", "GPU out (NVLink + NIC) (0, 0)")
 
 
 def test_ultraep_fit_reproduces_the_papers_speedup_per_payload():
@@ -102,17 +113,29 @@ def test_sensitivity_smoke_writes_grid_bound_and_heatmap(tmp_path, capsys):
     assert {(e["skew"], e["fabric"]) for e in data["summary"]} == {
         (s, f) for s in (0.0, 1.46) for f in ("max-min", "ultraep")
     }
-    for row in data[
-        "rows"
-    ]:  # no modelled time below the path-independent bound (the balanced peer: another input)
-        assert min(
+    for row in data["rows"]:
+        # No modelled time below either path-independent bound (the balanced peer: another
+        # input), and the any-routing bound never above the per-record one.
+        fastest = min(
             row["baseline_s"],
             row["rail_s"],
             row["joint_s"],
             row["deepep_direct_s"],
             row["megatron_s"],
-        ) >= row["ideal_bound_s"] * (1 - 1e-3)
+        )
+        assert fastest >= row["per_record_bound_s"] * (1 - 1e-3)
+        assert 0 < row["any_routing_bound_s"] <= row["per_record_bound_s"] * (1 + 1e-12)
+        assert row["any_routing_resource"].startswith(("node NIC", "GPU"))
         assert row["deepep_balanced_s"] > 0
+    for e in data["summary"]:
+        for path in ("baseline", "rail", "joint", "deepep_direct", "megatron"):
+            assert (
+                0
+                < e[f"{path}_any_routing_fraction_median"]
+                <= e[f"{path}_per_record_fraction_median"] * (1 + 1e-12)
+                <= 1 + 1e-3
+            ), path
+        assert "deepep_balanced_per_record_fraction_median" not in e
     # With skew 0 the token-balanced input is the input itself: the same time as the baseline.
     (even,) = [e for e in data["summary"] if e["skew"] == 0.0 and e["fabric"] == "max-min"]
     assert even["deepep_balanced_over_baseline"]["median"] == pytest.approx(1.0, rel=0.05)
