@@ -91,17 +91,31 @@ at::Tensor flow_plan(const at::Tensor& records_NNG, const at::Tensor& copies_NNG
     return a.cell < b.cell;
   });
 
-  // Peaks of each stage (relay: wave 0's slot only; rail and delivery per wave), kept as units
-  // come and go: an add can only raise a peak; a removal from a resource at its peak marks the
-  // peak stale, recomputed when next read.
-  std::vector<int64_t> peak(static_cast<size_t>(V * 3), 0);
-  std::vector<char> stale(static_cast<size_t>(V * 3), 1);
+  // Peaks of each stage (relay: wave 0's slot only; rail and delivery per wave): one max segment
+  // tree per (wave, stage) over its 2 x N x Q loads, so that a unit's add or removal updates a
+  // peak in O(log(N Q)) (rescanning the loads after a removal at the peak made 32 x 8 cost
+  // ~100 ms per plan).
+  int64_t leaves = 1;
+  while (leaves < 2 * N * Q) leaves *= 2;
+  std::vector<int64_t> tree(static_cast<size_t>(V * 3 * 2 * leaves), 0);
+  auto tree_of = [&](int64_t v, int64_t kind) -> int64_t* {
+    return tree.data() + static_cast<size_t>((v * 3 + kind / 2) * 2 * leaves);
+  };
+  for (int64_t v = 0; v < V; ++v) {  // fill the leaves from the fixed loads, then the inner nodes
+    for (int64_t k0 = 0; k0 < K; k0 += 2) {
+      int64_t* t = tree_of(v, k0);
+      const int64_t* base = &at_load(v, k0, 0, 0);
+      for (int64_t x = 0; x < 2 * N * Q; ++x) t[leaves + x] = base[x];
+      for (int64_t x = leaves - 1; x >= 1; --x) t[x] = std::max(t[2 * x], t[2 * x + 1]);
+    }
+  }
   auto touch = [&](int64_t v, int64_t kind, int64_t node, int64_t q, int64_t delta) {
     int64_t& load = at_load(v, kind, node, q);
-    const size_t c = static_cast<size_t>(v * 3 + kind / 2);
-    if (delta < 0 && load == peak[c]) stale[c] = 1;
     load += delta;
-    if (delta > 0 && !stale[c]) peak[c] = std::max(peak[c], load);
+    int64_t* t = tree_of(v, kind);
+    int64_t x = leaves + ((kind % 2) * N + node) * Q + q;
+    t[x] = load;
+    for (x /= 2; x >= 1; x /= 2) t[x] = std::max(t[2 * x], t[2 * x + 1]);
   };
   // Adds (sign +1) or removes (-1) a unit on the rail of GPU l.
   auto apply = [&](const Unit& u, int64_t l, int64_t sign) {
@@ -121,17 +135,7 @@ at::Tensor flow_plan(const at::Tensor& records_NNG, const at::Tensor& copies_NNG
     if (sent) touch(v, 4, u.d, l, sign * sent * nvlink_cost);
   };
   // The current peak of kinds {k0, k0 + 1} of wave v.
-  auto class_peak = [&](int64_t v, int64_t k0) -> int64_t {
-    const size_t c = static_cast<size_t>(v * 3 + k0 / 2);
-    if (stale[c]) {
-      int64_t value = 0;
-      const int64_t* base = &at_load(v, k0, 0, 0);
-      for (int64_t x = 0; x < 2 * N * Q; ++x) value = std::max(value, base[x]);
-      peak[c] = value;
-      stale[c] = 0;
-    }
-    return peak[c];
-  };
+  auto class_peak = [&](int64_t v, int64_t k0) -> int64_t { return tree_of(v, k0)[1]; };
   constexpr int64_t kNone = std::numeric_limits<int64_t>::min();
   // Key: (sum of the stages' peaks after, largest touched load after, added work, index).
   auto best_rail = [&](const Unit& u) -> int64_t {

@@ -25,12 +25,12 @@ uses a hit model, unit k of (s, d, g) carrying the k-th near-equal part (``plan.
 of the owner's copies for each target j.
 
 Heuristic (deterministic integer water-filling): each (s, d, g)'s records are split into U
-near-equal units; the units, the largest first (ties: unit index, then s, d, g ascending), are
-assigned one at a time to the eligible rail minimising (the sum of the three stages' peaks after
-the unit, the largest load the unit touches after, the added work, the GPU index); then
-``sweeps`` refinement passes take each unit off its rail and re-add it where it is best. Loads
-are integers: a record costs ``nvlink_cost`` on an NVLink direction and ``nic_cost`` on a NIC
-direction (``flow_costs``: proportional to the inverse bandwidths), so the compiled twin
+(``flow_units``) near-equal units; the units, the largest first (ties: unit index, then s, d, g
+ascending), are assigned one at a time to the eligible rail minimising (the sum of the three
+stages' peaks after the unit, the largest load the unit touches after, the added work, the GPU
+index); then ``sweeps`` refinement passes take each unit off its rail and re-add it where it is
+best. Loads are integers: a record costs ``nvlink_cost`` on an NVLink direction and ``nic_cost`` on
+a NIC direction (``flow_costs``: proportional to the inverse bandwidths), so the compiled twin
 (``ops.flow_plan``, csrc/cpu/flow.cpp) gives the same plan bit for bit.
 
 What the plan does not do: choose which records of an owner ride which rail by their targets
@@ -51,13 +51,26 @@ __all__ = [
     "FLOW_SWEEPS",
     "flow_costs",
     "flow_relay_NNGG",
+    "flow_units",
     "flow_loads",
     "flow_objective",
     "flow_objective_cost",
 ]
 
 FLOW_UNITS = 16
-"""Units per (owner, node pair): the granularity of the split (1/16 of an owner's records)."""
+"""Most units per (owner, node pair): the finest split (1/16 of an owner's records)."""
+_UNITS_PER_NIC = 48
+"""About how many units each source NIC gets to choose from (``flow_units``)."""
+
+
+def flow_units(num_nodes: int) -> int:
+    """Units per (owner, node pair) on ``num_nodes`` nodes: enough that each source NIC sees
+    about 48 units over its N - 1 destination nodes (16 at 4 nodes, 2 at 32, 1 from 49 on), so the
+    water-filling's work grows with the N (N - 1) G cells, not 16 times that (measured, 2-core CPU
+    dev box, GLM layer at T = 4096: 32 x 8 took ~110 ms per plan at 16 units)."""
+    return max(1, min(FLOW_UNITS, -(-_UNITS_PER_NIC // max(num_nodes - 1, 1))))
+
+
 FLOW_SWEEPS = 2
 """Refinement passes after the first assignment."""
 
@@ -263,7 +276,7 @@ def flow_relay_NNGG(
     topo: RailTopology,
     *,
     num_waves: int,
-    units: int = FLOW_UNITS,
+    units: int | None = None,
     sweeps: int = FLOW_SWEEPS,
 ) -> torch.Tensor:
     """The min-max relay plan (see the module docstring): the compiled ``ops.flow_plan`` where
@@ -283,7 +296,7 @@ def flow_relay_NNGG(
         num_rails=topo.num_rails,
         nvlink_cost=nvlink_cost,
         nic_cost=nic_cost,
-        units=units,
+        units=flow_units(topo.num_nodes) if units is None else units,
         sweeps=sweeps,
     )
     compiled = ops.flow_plan(*args, **kwargs)
@@ -328,7 +341,6 @@ def flow_objective_cost(
     part = cut[:, :, 1:, :] - cut[:, :, :-1, :]  # [P, owner, l, j] copies riding rail l
     eye = np.eye(g, dtype=bool)
     moved = np.where(eye[None], 0, x)  # relayed records
-    p_idx = np.arange(s_.size)
     np.add.at(loads, (0, RELAY_OUT, s_[:, None], np.arange(g)[None, :]), moved.sum(axis=2) * nvl)
     np.add.at(loads, (0, RELAY_IN, s_[:, None], np.arange(g)[None, :]), moved.sum(axis=1) * nvl)
     per_rail = x.sum(axis=1)  # [P, l]
@@ -345,7 +357,6 @@ def flow_objective_cost(
         (v_[:, None], DELIVER_IN, d_[:, None], np.arange(g)[None, :]),
         sent.sum(axis=(1, 2)) * nvl,
     )
-    del p_idx
     relay_peak = int(loads[0, [RELAY_OUT, RELAY_IN]].max())
     rail_peak = int(loads[:, [NIC_UP, NIC_DOWN]].reshape(v_count, -1).max(axis=1).sum())
     deliver_peak = int(loads[:, [DELIVER_OUT, DELIVER_IN]].reshape(v_count, -1).max(axis=1).sum())
