@@ -53,6 +53,7 @@ carry the seed's estimate, listed in ``context.settings.online.estimated``), rea
 from __future__ import annotations
 
 import atexit
+import logging
 import math
 import os
 import weakref
@@ -78,6 +79,8 @@ from megatron_railwave.selector.anchors import (
 )
 from megatron_railwave.topology import RailTopology
 from megatron_railwave.traffic import SelectorScales, TrafficStats
+
+_LOG = logging.getLogger(__name__)
 
 __all__ = [
     "OnlineSettings",
@@ -1033,12 +1036,21 @@ def save_learned_anchors(
     dtype: str,
     chunks: int = 1,
     kind: str = "train",
-) -> os.PathLike:
+) -> os.PathLike | None:
     """Write what this process's online selectors learned (``live_selectors``) as an anchors
-    file."""
+    file; returns its path, or None when nothing was learned (no live selector, e.g. the model
+    was freed before interpreter exit, or no neighbourhood measured yet): then the file is left
+    as it is, with one log line, rather than replaced by an empty anchors set."""
     anchor_set = learned_anchor_set(
         live_selectors(), topo, hidden_size=hidden_size, dtype=dtype, chunks=chunks, kind=kind
     )
+    if not anchor_set.anchors:
+        _LOG.warning(
+            "online_out=%r: nothing learned to write (no live online selector with a measured "
+            "neighbourhood: was the model freed before exit?); the file is left as it is",
+            str(path),
+        )
+        return None
     return save_anchors(anchor_set, path)
 
 

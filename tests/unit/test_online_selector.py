@@ -347,6 +347,41 @@ def test_save_learned_anchors_writes_what_live_selectors_learned(tmp_path):
     assert "online-l77-train-n0" in names
 
 
+def test_save_learned_anchors_never_replaces_a_file_with_nothing(tmp_path, caplog, monkeypatch):
+    """A model freed before interpreter exit (a model local to a training function) leaves no live
+    selector: the at-exit save must keep the earlier run's file, not write 0 anchors over it; and
+    the write goes to a temporary file renamed over the target, so a write that fails before the
+    rename (here: the rename itself) leaves the old file and no temporary file."""
+    import gc
+
+    import megatron_railwave.selector.anchors as anchors_module
+    from megatron_railwave.selector.online import save_learned_anchors
+
+    sel = OnlineSelector(OnlineSettings(drop_ratio=10.0), scales=SCALES, layer=78)
+    run(sel, TRUE_S, 12, stats(64))
+    out = tmp_path / "out.yaml"
+    assert save_learned_anchors(out, TOPO, hidden_size=64, dtype="fp32") == out
+    good = out.read_text()
+    assert "online-l78-train-n0" in good
+    del sel
+    gc.collect()
+    with caplog.at_level("WARNING", logger="megatron_railwave.selector.online"):
+        assert save_learned_anchors(out, TOPO, hidden_size=64, dtype="fp32") is None
+    assert out.read_text() == good
+    assert "nothing learned to write" in caplog.text and str(out) in caplog.text
+
+    sel = OnlineSelector(OnlineSettings(drop_ratio=10.0), scales=SCALES, layer=79)
+    run(sel, TRUE_S, 12, stats(64))
+
+    def failing_replace(src, dst):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(anchors_module.os, "replace", failing_replace)
+    with pytest.raises(OSError, match="disk full"):
+        save_learned_anchors(out, TOPO, hidden_size=64, dtype="fp32")
+    assert out.read_text() == good and sorted(p.name for p in tmp_path.iterdir()) == ["out.yaml"]
+
+
 def _ratio_by_full_scan(shared, kind, centre, path, exclude):
     """``SharedNeighbourhoods.ratio`` by its definition: every neighbourhood of every layer."""
     best = None
