@@ -37,6 +37,7 @@ from megatron_railwave.selector import (
 )
 from megatron_railwave.selector.capacity_epochs import CapacityEpochs
 from megatron_railwave.selector.online import fast_descriptors
+from megatron_railwave.steps import PassKind
 from megatron_railwave.telemetry.stats import Stopwatch, demand_stats
 from megatron_railwave.topology import RailTopology
 from megatron_railwave.traffic import TrafficStats
@@ -174,8 +175,8 @@ class OnlineCapacityMode(_FixedCapacity):
         if selector.layer is None:
             selector.layer = inputs.layer_number
         timers = None
-        if call.path is not None:
-            decision = selector.replay(call.path)
+        if call.kind == PassKind.RECOMPUTE:  # its forward's path (JOINT if none remembered)
+            decision = selector.replay(call.path or Route.JOINT)
         else:
             decision, timers, message = self._epochs.begin_call(
                 str(call.kind), lambda word: inputs.exchange.post_timing(word, device)

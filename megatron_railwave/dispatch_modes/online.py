@@ -4,8 +4,10 @@ Each layer call is timed (plan + dispatch, and combine: stopwatches, CUDA events
 layer's next call with ``query()``, never a wait; the CPU clock on CPU). That time goes into this
 rank's status word of the next call's count exchange (every row carries one: no extra bytes), so
 every rank files the slowest rank's time and takes the same decision from the gathered
-descriptors (``selector.online``). A recompute replays its forward's path and is timed as a
-recompute.
+descriptors (``selector.online``). A recompute replays its forward's path and is not timed:
+torch's default checkpoint (non-reentrant, early stop) ends the recompute once the tensors the
+backward needs are back, before the combine, so its stopwatches would never stop (a "missing"
+time on every rank at the next call); its count exchange still carries the previous call's word.
 """
 
 from __future__ import annotations
@@ -21,8 +23,10 @@ from megatron_railwave.dispatch_modes.base import (
     MoveTail,
     log_once_per_job,
 )
+from megatron_railwave.names import Route
 from megatron_railwave.selector import OnlineSelector, plans_min_max
 from megatron_railwave.selector.online import encode_timing, fast_descriptors
+from megatron_railwave.steps import PassKind
 from megatron_railwave.telemetry.stats import Stopwatch
 from megatron_railwave.topology import RailTopology
 
@@ -70,8 +74,9 @@ class OnlineMode(DispatchMode):
         t0 = time.perf_counter()
         log_once_per_job(selector.observe(layer.timing_W))
         call = state.call
-        if call.path is not None:  # a recompute: its forward's path, no descriptors needed
-            decision = selector.replay(call.path)
+        recompute = call.kind == PassKind.RECOMPUTE
+        if recompute:  # its forward's path (JOINT if none was remembered): no descriptors needed
+            decision = selector.replay(call.path or Route.JOINT)
         else:
             descr = fast_descriptors(
                 layer.demand.records_WN,
@@ -80,7 +85,8 @@ class OnlineMode(DispatchMode):
                 scales=selector.scales,
             )
             decision = selector.decide(str(call.kind), descr)
-        state.exchange_timers.append(Stopwatch(hidden_states.device))
+        if not recompute:  # a recompute is not timed (module docstring)
+            state.exchange_timers.append(Stopwatch(hidden_states.device))
         plan = exchange.plan(layer, decision.path, phase=call.phase)
         handle = exchange.prepare(layer, plan, hidden_states, inputs.probs)
         out = move(

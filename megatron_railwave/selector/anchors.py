@@ -44,6 +44,7 @@ from __future__ import annotations
 import datetime as _dt
 import math
 import os
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -510,8 +511,19 @@ def load_anchors(path: str | os.PathLike, topo: RailTopology | None) -> AnchorSe
 
 
 def save_anchors(anchor_set: AnchorSet, path: str | os.PathLike) -> Path:
-    """Write ``anchor_set`` as YAML (directories created); returns the path."""
+    """Write ``anchor_set`` as YAML (directories created); returns the path.
+
+    Written next to the target and renamed over it (``os.replace``), so a reader, or a process
+    killed mid-write, never leaves half a file in place of a good one."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(yaml.safe_dump(anchor_set.to_dict(), sort_keys=False, default_flow_style=None))
+    text = yaml.safe_dump(anchor_set.to_dict(), sort_keys=False, default_flow_style=None)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as fh:
+            fh.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
     return path

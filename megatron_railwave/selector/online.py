@@ -9,7 +9,8 @@ offline anchors (calibrated on a flow model or on replays) only estimate.
 Protocol (``OnlineSelector``, one per MoE layer; pure and deterministic given the shared data):
   * every layer call ``decide``\\ s from the layer's global descriptors (B, rho_g, kappa of the
     gathered counts, ``fast_descriptors``) and the pass kind; training forwards and forward-only
-    passes keep separate tables, a recompute replays its forward's path (``replay``);
+    passes keep separate tables, a recompute replays its forward's path (``replay``) and is neither
+    a decision nor timed (torch's default checkpoint stops it before the combine);
   * the next call of the same layer brings every rank's measured exchange time of this call on
     the count exchange (one int64 word per rank, ``encode_timing``, in the status word every row
     already has: no extra bytes); ``observe`` takes the slowest
@@ -52,6 +53,7 @@ carry the seed's estimate, listed in ``context.settings.online.estimated``), rea
 from __future__ import annotations
 
 import atexit
+import logging
 import math
 import os
 import weakref
@@ -77,6 +79,8 @@ from megatron_railwave.selector.anchors import (
 )
 from megatron_railwave.topology import RailTopology
 from megatron_railwave.traffic import SelectorScales, TrafficStats
+
+_LOG = logging.getLogger(__name__)
 
 __all__ = [
     "OnlineSettings",
@@ -598,7 +602,6 @@ class OnlineSelector:
         """The previous call's decision: the next call's timing words measure it."""
         self._last_nb: _Neighbourhood | None = None
         """The neighbourhood of ``_last`` (where its time is filed)."""
-        self._recompute: dict[Route, _Times] = {}
         self.calls = 0
         self.bad_in_row = 0
         self.bad_total = 0
@@ -660,11 +663,6 @@ class OnlineSelector:
                 return self.fallback_reason
             return None
         self.bad_in_row = 0
-        if last.kind == "recompute":
-            self._recompute.setdefault(
-                last.path, _Times(recent=deque(maxlen=self.settings.window))
-            ).add(seconds, last.call)
-            return None
         if (
             nb is None or nb.index != last.neighbourhood
         ):  # an explicit decision: look its neighbourhood up
@@ -681,11 +679,15 @@ class OnlineSelector:
 
     # ------------------------------------------------------------------ decisions
     def replay(self, path: Route) -> OnlineDecision:
-        """A recompute: the forward's path, timed under its own pass kind."""
+        """A recompute: the forward's path; neither a decision nor a call to time.
+
+        ``self._last`` (the call the next words report) is left as it is: torch's default
+        checkpoint (non-reentrant) stops a recompute once the tensors its backward needs are back,
+        before the combine, so a recompute has no time to report, and the same holds on every
+        rank. The caller reads the words its count exchange carries first (``observe``: the call
+        before it)."""
         self.calls += 1
-        decision = OnlineDecision(path=path, mode="replay", kind="recompute", call=self.calls)
-        self._last = decision
-        return decision
+        return OnlineDecision(path=path, mode="replay", kind="recompute", call=self.calls)
 
     def decide(self, kind: str, stats: TrafficStats) -> OnlineDecision:
         """This call's path from the global descriptors (``fast_descriptors``) and the pass kind
@@ -889,13 +891,7 @@ class OnlineSelector:
         table = self._tables.get(decision.kind, [])
         nb = next((n for n in table if n.index == decision.neighbourhood), None)
         for p in ALL_PATHS:
-            t = (
-                nb.times.get(p)
-                if nb is not None
-                else self._recompute.get(p)
-                if decision.kind == "recompute"
-                else None
-            )
+            t = nb.times.get(p) if nb is not None else None
             medians[str(p)] = t.median() * 1e3 if t is not None and t.recent else None
         return {
             "mode": decision.mode,
@@ -1040,12 +1036,21 @@ def save_learned_anchors(
     dtype: str,
     chunks: int = 1,
     kind: str = "train",
-) -> os.PathLike:
+) -> os.PathLike | None:
     """Write what this process's online selectors learned (``live_selectors``) as an anchors
-    file."""
+    file; returns its path, or None when nothing was learned (no live selector, e.g. the model
+    was freed before interpreter exit, or no neighbourhood measured yet): then the file is left
+    as it is, with one log line, rather than replaced by an empty anchors set."""
     anchor_set = learned_anchor_set(
         live_selectors(), topo, hidden_size=hidden_size, dtype=dtype, chunks=chunks, kind=kind
     )
+    if not anchor_set.anchors:
+        _LOG.warning(
+            "online_out=%r: nothing learned to write (no live online selector with a measured "
+            "neighbourhood: was the model freed before exit?); the file is left as it is",
+            str(path),
+        )
+        return None
     return save_anchors(anchor_set, path)
 
 
