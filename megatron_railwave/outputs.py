@@ -1,9 +1,10 @@
 """Output files and directories: checked before any work, so a bad path fails at once.
 
 Used by ``RailWaveConfig`` (``log_dir``, ``capture_dir``: checked at construction, before the first
-collective) and by every CLI command that writes files. Nothing is created by a check. The
-errors name the setting (``name``: a flag such as ``--json`` or a config key), the path and the
-fix. Note that a process running as root passes every permission check.
+collective) and by every CLI command that writes files. Nothing is created by a check
+(``install()`` creates the directories with ``create_output_dir``). The errors name the setting
+(``name``: a flag such as ``--json`` or a config key), the path and the fix. Note that a process
+running as root passes every permission check.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-__all__ = ["check_output_file", "check_output_dir"]
+__all__ = ["check_output_file", "check_output_dir", "create_output_dir"]
 
 
 def _first_existing(path: Path) -> Path:
@@ -66,3 +67,22 @@ def check_output_dir(path: str | os.PathLike | None, name: str) -> None:
             raise ValueError(f"{name} {str(p)!r} is not writable; choose a directory you can write")
         return
     _creatable(p, name, "directory")
+
+
+def create_output_dir(path: str | os.PathLike | None, name: str) -> None:
+    """Create the directory ``path`` (and its parents) now, or raise ``ValueError`` naming
+    ``name``, the path and the cause. ``check_output_dir`` only asks ``os.access``, which a root
+    process passes even where nothing can be created (e.g. under /proc): creating the directory is
+    the only check that holds, and ``install()`` makes it before the first layer call."""
+    if path is None:
+        return
+    p = Path(path)
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(
+            f"{name} {str(p)!r}: cannot create this directory ({exc.strerror or exc}); choose a "
+            "directory you can create and write"
+        ) from exc
+    if not p.is_dir():
+        raise ValueError(f"{name} {str(p)!r} is a file; give a directory")

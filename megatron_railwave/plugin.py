@@ -37,6 +37,7 @@ from typing import Any
 
 from megatron_railwave.config import RailWaveConfig, load_config
 from megatron_railwave.names import BACKEND_NAMES, ROUTE_CHOICES
+from megatron_railwave.outputs import create_output_dir
 
 __all__ = [
     "install",
@@ -158,6 +159,10 @@ def install(
 
     check_megatron_version()
     check_compiled_ops()
+    # The output directories exist before the first layer call (a path os.access accepts may
+    # still not be creatable, e.g. under /proc as root).
+    for name in ("log_dir", "capture_dir"):
+        create_output_dir(getattr(cfg, name), name)
     with _LOCK:
         _INSTALLED["config"] = cfg
         previous = _INSTALLED.get("sink")

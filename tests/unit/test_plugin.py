@@ -395,3 +395,32 @@ def test_add_railwave_args_adds_railwave_flex_backend_and_wants_railwave():
         argparse.Namespace(moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="deepep")
     )
     assert wants_railwave(argparse.Namespace(moe_token_dispatcher_type="railwave"))
+
+
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0, reason="needs root")
+def test_install_refuses_a_log_dir_that_cannot_be_created(tmp_path):
+    """As root ``os.access`` accepts /proc, where no directory can be made: the config check
+    passes, and before the fix the first layer call failed with FileNotFoundError. ``install()``
+    creates ``log_dir`` now, or refuses naming the field, the path and the fix."""
+    bad = "/proc/railwave-cannot-exist/logs"
+    RailWaveConfig(log_dir=bad)  # the config check alone cannot tell
+    out = _run_python(f"""
+        import json
+        from megatron_railwave.testing.megatron_cpu import apply_megatron_cpu_shims
+        apply_megatron_cpu_shims()
+        import megatron_railwave
+        from megatron_railwave.plugin import installed_config
+        try:
+            megatron_railwave.install({{"log_dir": {bad!r}}})
+            error = None
+        except ValueError as exc:
+            error = str(exc)
+        good = {str(tmp_path / "a" / "b")!r}
+        megatron_railwave.install({{"log_dir": good}})
+        import os
+        print(json.dumps({{"error": error, "created": os.path.isdir(good),
+                           "installed": installed_config().log_dir}}))
+    """)
+    assert out["error"] is not None and "log_dir" in out["error"] and bad in out["error"]
+    assert "choose a directory" in out["error"]
+    assert out["created"] and out["installed"] == str(tmp_path / "a" / "b")
