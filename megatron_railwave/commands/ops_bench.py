@@ -62,6 +62,18 @@ def run(args: argparse.Namespace) -> int:
     spec = dataclasses.replace(
         base, seed=args.seed, **{k: v for k, v in overrides.items() if v is not None}
     )
+    if args.device.startswith("cuda"):
+        import torch
+
+        from megatron_railwave import ops
+
+        if torch.cuda.is_available() and not ops.compiled_for(torch.device(args.device)):
+            # Without CUDA kernels the 'op' column would time the reference against itself.
+            _render.print_text(
+                f"FAILED: no compiled CUDA kernels ({ops.load_error() or 'built without them'}); "
+                "ops-bench on cuda measures nothing without them"
+            )
+            return 1
     result = run_ops_bench(spec, args.device)
     if not result["compiled"]:
         _render.print_text(
@@ -80,6 +92,7 @@ def run(args: argparse.Namespace) -> int:
                 r["GBps"],
                 r["copy_GBps"],
                 r["fraction_of_copy"],
+                "yes" if r["equal_to_reference"] else "NO",
                 "-" if goal is None else ("met" if goal["met"] else "NOT met"),
             ]
         )
@@ -90,7 +103,17 @@ def run(args: argparse.Namespace) -> int:
         f"K={spec.topk} {spec.num_nodes}x{spec.gpus_per_node}; {s['records']} records, "
         f"{s['copies']} copies, "
         f"{s['row_bytes']} B/row; median of {spec.repeats})",
-        ["op", "ms", "reference ms", "x reference", "GB/s", "copy GB/s", "of copy", "goal"],
+        [
+            "op",
+            "ms",
+            "reference ms",
+            "x reference",
+            "GB/s",
+            "copy GB/s",
+            "of copy",
+            "= reference",
+            "goal",
+        ],
         rows,
     )
     line = (
@@ -106,4 +129,8 @@ def run(args: argparse.Namespace) -> int:
     _render.print_text(line)
     if args.json:
         write_json(args.json, result)
+    if not result["all_equal_to_reference"]:
+        wrong = [r["op"] for r in result["ops"] if not r["equal_to_reference"]]
+        _render.print_text(f"FAILED: outputs differ from the reference: {', '.join(wrong)}")
+        return 1
     return 0

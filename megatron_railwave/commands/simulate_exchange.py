@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import argparse
 
+import torch
+
 from megatron_railwave.commands import _args, _common, _render
 
 __all__ = ["register", "run"]
@@ -66,6 +68,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="refuse to start when the estimated peak device memory of this run "
         "(lab.bench.virtual_exchange.estimate_peak_bytes) exceeds GIB (default: no limit)",
     )
+    parser.add_argument(
+        "--expect-host-syncs",
+        type=float,
+        default=None,
+        metavar="N",
+        help="fail (exit 1) when any path's host syncs per layer per rank differ from N "
+        "(the device check asserts 1 in the normal mode, 0 in fixed-capacity mode)",
+    )
+    parser.add_argument(
+        "--require-compiled",
+        action="store_true",
+        help="fail (exit 1) when the compiled railwave ops do not serve --device (a run on the "
+        "pure-torch fallback checks nothing about the kernels)",
+    )
     _args.add_output_args(parser, json="the report")
     parser.set_defaults(handler=run)
 
@@ -104,6 +120,16 @@ def run(args: argparse.Namespace) -> int:
             f"--max-memory-gib "
             f"{args.max_memory_gib:g}; lower --tokens, --hidden or --max-tokens-per-rank"
         )
+    if args.require_compiled:
+        from megatron_railwave import ops
+
+        if not ops.compiled_for(torch.device(args.device)):
+            _render.print_text(
+                f"FAILED: --require-compiled: the compiled railwave ops do not serve "
+                f"{args.device} tensors ({ops.load_error() or 'built without kernels for it'}); "
+                "the run would time the pure-torch fallback"
+            )
+            return 1
     report = simulate_exchange(spec)
     limit = (
         args.max_error if args.max_error is not None else (1e-5 if args.dtype == "fp32" else 2e-2)
@@ -155,10 +181,26 @@ def run(args: argparse.Namespace) -> int:
     _render.print_text(f"estimated peak memory {estimate_gib:.1f} GiB{peak}")
     worst = max(max(e.values()) for e in report["max_rel_error"].values())
     report["max_error_limit"] = limit
-    report["ok"] = report["all_bitwise_equal"] and worst <= limit
+    syncs_ok = True
+    if args.expect_host_syncs is not None:
+        report["expected_host_syncs_per_layer"] = args.expect_host_syncs
+        wrong = {
+            path: n
+            for path, n in report["host_syncs_per_layer"].items()
+            if n != args.expect_host_syncs
+        }
+        syncs_ok = not wrong
+        if wrong:
+            _render.print_text(
+                f"FAILED: host syncs per layer per rank {wrong}, expected "
+                f"{args.expect_host_syncs:g} on every path"
+            )
+    report["ok"] = report["all_bitwise_equal"] and worst <= limit and syncs_ok
     if args.json:
         _common.write_json(args.json, report)
     if not report["ok"]:
+        if report["all_bitwise_equal"] and worst <= limit:
+            return 1  # the host syncs failed, reported above
         _render.print_text(
             f"FAILED: bitwise equal: {report['all_bitwise_equal']}, worst error {worst:.3g} "
             f"(limit {limit:g})"

@@ -87,7 +87,8 @@ def test_step_limits_add_up_to_less_than_8_minutes_with_the_build_first():
     preflight = int(
         re.search(r"^PREFLIGHT_S=\$\{GPU_CHECK_PREFLIGHT_S:-(\d+)\}", text, flags=re.M).group(1)
     )
-    assert 'timeout "$PREFLIGHT_S" "$PY" - > "$OUT/preflight.log"' in text
+    assert 'timeout -k 10 "$PREFLIGHT_S" "$PY" - > "$OUT/preflight.log"' in text
+    assert 'timeout -k 10 "$limit" "$@"' in text
     total = preflight + sum(int(limit) for _, limit in steps)
     assert total < 480, total
     header = text.split("set -u")[0]
@@ -112,7 +113,7 @@ def test_every_virtual_step_fits_its_stated_memory_budget():
     calls = re.findall(
         r'^step (virtual_\w+) \d+ "\$\{VIRTUAL\[@\]\}" (.*?)--json', text, flags=re.M | re.S
     )
-    assert len(calls) == 4
+    assert len(calls) == 3
     parser = build_parser()
     topo = load_topology(ROOT / "megatron_railwave/configs/clusters/h800_4x8.yaml")
     for name, extra in calls:
@@ -158,3 +159,57 @@ def test_simulate_exchange_refuses_a_run_over_its_memory_limit(capsys):
         )
     assert exc.value.code == 2
     assert "estimated peak memory" in capsys.readouterr().err
+
+
+def _small_simulate(tmp_path: Path, *extra: str) -> tuple[int, dict]:
+    from megatron_railwave.cli import main
+
+    cluster = tmp_path / "c2x2.yaml"
+    cluster.write_text("name: c2x2\nnum_nodes: 2\ngpus_per_node: 2\n")
+    out = tmp_path / "sim.json"
+    argv = ["simulate-exchange", "--cluster", str(cluster), "--tokens", "12", "--hidden", "8"]
+    argv += ["--experts", "8", "--topk", "3", "--json", str(out), *extra]
+    rc = main(argv)
+    return rc, json.loads(out.read_text())
+
+
+def test_expect_host_syncs_turns_the_counts_into_the_exit_status(tmp_path, capsys):
+    # The device check asserts 1 host sync per layer in the normal mode and 0 in fixed-capacity
+    # mode through this flag; a wrong expectation must fail the run.
+    rc, report = _small_simulate(tmp_path, "--expect-host-syncs", "1")
+    assert rc == 0 and report["ok"] and report["expected_host_syncs_per_layer"] == 1
+    rc, report = _small_simulate(tmp_path, "--expect-host-syncs", "0")
+    assert rc == 1 and report["ok"] is False and report["all_bitwise_equal"]
+    assert "expected 0 on every path" in capsys.readouterr().out
+    rc, _ = _small_simulate(tmp_path, "--max-tokens-per-rank", "16", "--expect-host-syncs", "0")
+    assert rc == 0
+    rc, _ = _small_simulate(tmp_path, "--max-tokens-per-rank", "16", "--expect-host-syncs", "1")
+    assert rc == 1
+
+
+def test_require_compiled_fails_on_the_fallback(tmp_path, monkeypatch, capsys):
+    from megatron_railwave import ops
+    from megatron_railwave.cli import main
+
+    cluster = tmp_path / "c2x2.yaml"
+    cluster.write_text("name: c2x2\nnum_nodes: 2\ngpus_per_node: 2\n")
+    argv = ["simulate-exchange", "--cluster", str(cluster), "--tokens", "12", "--hidden", "8"]
+    argv += ["--experts", "8", "--topk", "3", "--require-compiled"]
+    if ops.compiled_for(torch.device("cpu")):
+        assert main(argv) == 0
+    monkeypatch.setattr(ops, "compiled_for", lambda device: False)
+    assert main(argv) == 1
+    assert "would time the pure-torch fallback" in capsys.readouterr().out
+
+
+def test_every_virtual_step_asserts_compiled_ops_and_its_host_syncs():
+    text = SCRIPT.read_text()
+    base = re.search(r"VIRTUAL=\((.*?)\)", text, flags=re.S).group(1)
+    assert "--require-compiled" in base
+    calls = re.findall(
+        r'^step (virtual_\w+) \d+ "\$\{VIRTUAL\[@\]\}" (.*?)--json', text, flags=re.M | re.S
+    )
+    assert calls
+    for name, extra in calls:
+        want = "0" if "--max-tokens-per-rank" in extra else "1"
+        assert f"--expect-host-syncs {want}" in extra, name

@@ -250,6 +250,23 @@ def _cases(spec: OpsBenchSpec, device: torch.device) -> tuple[list[_Case], dict[
     return cases, sizes
 
 
+def _same_outputs(a: Any, b: Any) -> bool:
+    """True when two op results (a tensor, or tuples / lists of them, or None) are equal: same
+    structure, and per tensor the same dtype, shape and values (``torch.equal``; every op here is
+    specified bitwise equal to its reference)."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (
+            isinstance(a, torch.Tensor)
+            and isinstance(b, torch.Tensor)
+            and a.dtype == b.dtype
+            and a.shape == b.shape
+            and torch.equal(a, b)
+        )
+    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
+        return len(a) == len(b) and all(_same_outputs(x, y) for x, y in zip(a, b, strict=True))
+    return a == b
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -344,6 +361,9 @@ def run_ops_bench(spec: OpsBenchSpec, device: torch.device | str) -> dict[str, A
                 "copy_GBps": 2 * case.bytes_read / copy_s / 1e9,
             }
             row["fraction_of_copy"] = row["GBps"] / row["copy_GBps"]
+            # Checked after the timing, on fresh calls: a kernel that times well but writes the
+            # wrong bytes fails the bench.
+            row["equal_to_reference"] = _same_outputs(case.run(), case.run_reference())
             row["goal"] = _goal(device, case.name, row)
             rows.append(row)
     finally:
@@ -364,6 +384,7 @@ def run_ops_bench(spec: OpsBenchSpec, device: torch.device | str) -> dict[str, A
         "sizes": sizes,
         "ops": rows,
         "records_plus_assign_us": records_assign_us,
+        "all_equal_to_reference": all(r["equal_to_reference"] for r in rows),
     }
     if device.type == "cuda":
         result["records_plus_assign_goal"] = {

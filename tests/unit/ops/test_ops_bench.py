@@ -48,3 +48,34 @@ def test_ops_bench_cuda_without_gpu_exits_2(capsys):
         main(["ops-bench", "--quick", "--device", "cuda"])
     assert exc.value.code == 2
     assert "torch sees no CUDA device" in capsys.readouterr().err
+
+
+def test_ops_bench_exits_1_when_an_op_differs_from_its_reference(tmp_path, monkeypatch, capsys):
+    # A compiled op that writes wrong bytes: the bench must fail, not just time it.
+    from megatron_railwave import ops
+
+    real = ops.pack_rows
+
+    def wrong_pack_rows(*args, **kwargs):
+        out = real(*args, **kwargs)
+        return out + 1 if isinstance(out, torch.Tensor) else out
+
+    monkeypatch.setattr(ops, "pack_rows", wrong_pack_rows)
+    out = tmp_path / "ops.json"
+    assert main(["ops-bench", "--quick", "--repeats", "1", "--json", str(out)]) == 1
+    result = json.loads(out.read_text())
+    by_op = {r["op"]: r["equal_to_reference"] for r in result["ops"]}
+    assert by_op.pop("pack_rows") is False and all(by_op.values())
+    assert result["all_equal_to_reference"] is False
+    assert "outputs differ from the reference: pack_rows" in capsys.readouterr().out
+
+
+def test_ops_bench_cuda_without_cuda_kernels_exits_1(monkeypatch, capsys):
+    # A CUDA device but an extension built without CUDA kernels: timing the reference against
+    # itself measures nothing, so the bench fails before timing anything.
+    from megatron_railwave import ops
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(ops, "compiled_for", lambda device: device.type != "cuda")
+    assert main(["ops-bench", "--quick", "--device", "cuda"]) == 1
+    assert "no compiled CUDA kernels" in capsys.readouterr().out
