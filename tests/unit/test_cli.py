@@ -190,6 +190,8 @@ EXPECTED_FLAGS = {
     "netmodel": [],
     "workloads": [],
     "simulate-exchange": [
+        "--expect-host-syncs",
+        "--require-compiled",
         "--cluster",
         "--nodes",
         "--failed-rail",
