@@ -115,6 +115,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from megatron_railwave.config import RailWaveConfig
     from megatron_railwave.lab.bench.online_sim import (
+        PATHS,
         base_from_json,
         base_times,
         base_to_json,
@@ -145,7 +146,7 @@ def run(args: argparse.Namespace) -> int:
     epochs = (args.steps + args.routing_every - 1) // args.routing_every
     _render.print_text(
         f"flow model(s) {', '.join(model_files)} on {topo.name}: {epochs} routing epochs x "
-        f"{len(args.layers) if args.layers else 45} layers x 4 paths ..."
+        f"{len(args.layers) if args.layers else 45} layers x {len(PATHS)} paths ..."
     )
     offline_XL: list[Any] = [None] * len(models)
     if args.base_from:

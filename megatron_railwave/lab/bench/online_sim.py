@@ -1,6 +1,6 @@
 """The online selector on the flow model as the clock (``railwave online-sim``).
 
-Letters: S steps, L MoE layers, P = 4 paths, X routing epochs.
+Letters: S steps, L MoE layers, P paths (``PATHS``: every route), X routing epochs.
 
 What runs: the synthetic GLM-4.5-Air routing (``workloads.glm``), one demand per layer and
 routing epoch (epoch e = steps [e * routing_every, (e + 1) * routing_every): the workload's
@@ -134,7 +134,7 @@ def base_times(
             dems.append(demand)
         if progress:
             print(
-                f"  routing epoch {e + 1}/{epochs}: {len(per_layer)} layers x 4 paths x "
+                f"  routing epoch {e + 1}/{epochs}: {len(per_layer)} layers x {len(PATHS)} paths x "
                 f"{len(models)} model(s) "
                 f"simulated ({time.perf_counter() - t0:.0f} s)",
                 flush=True,
