@@ -963,6 +963,11 @@ def test_online_sim_small_run_json_learned_file_and_validate(tmp_path, capsys):
         fixed = [t[f"always_{p}"] for p in tuple(map(str, ROUTES))]
         assert t["oracle_per_call"] <= t["oracle_per_layer"] == pytest.approx(min(fixed))
         assert t["oracle_per_call"] <= t["online"]
+        assert t["oracle_per_call"] <= t["oracle_per_epoch"] <= t["oracle_per_layer"]
+        assert run["summary"]["planning_measured"] and t["probe_planning_s"] > 0 < t["host_s"]
+        assert t["online_charged"] == pytest.approx(
+            t["online"] + t["host_s"] + t["probe_planning_s"]
+        )
         (layer,) = run["layers"]
         assert sum(layer["chosen"].values()) == 30 and len(layer["path_per_step"]) == 30
         assert layer["mode_per_step"][0] == "probe" and "exploit" in layer["mode_per_step"]
