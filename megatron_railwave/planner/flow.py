@@ -50,6 +50,7 @@ __all__ = [
     "FLOW_UNITS",
     "FLOW_SWEEPS",
     "flow_costs",
+    "fixed_loads",
     "flow_relay_NNGG",
     "flow_units",
     "flow_loads",
@@ -115,13 +116,16 @@ NUM_KINDS = 6
 _CLASSES = ((RELAY_OUT, RELAY_IN), (NIC_UP, NIC_DOWN), (DELIVER_OUT, DELIVER_IN))
 
 
-def _fixed_loads(
-    copies_NNGG: np.ndarray, num_waves: int, num_rails: int, nvlink_cost: int
+def fixed_loads(
+    copies_NNGG: np.ndarray, num_waves: int, num_rails: int, nvlink_cost: float
 ) -> np.ndarray:
-    """[max(V, 1), 6, N, max(G, R)] int64 loads before any remote record: the local node's
-    delivery copies (delivery NVLink out / in of wave 0, where the local round runs)."""
+    """[max(V, 1), 6, N, max(G, R)] loads before any remote record: the local node's delivery
+    copies (delivery NVLink out / in of wave 0, where the local round runs), in the dtype of
+    ``copies_NNGG`` times ``nvlink_cost`` (int64 for the heuristic's integer costs, float64 for
+    seconds). The one start of every load table here and of ``lab.netmodel.routing_lp``'s."""
     n, _, g, _ = copies_NNGG.shape
-    loads = np.zeros((max(num_waves, 1), NUM_KINDS, n, max(g, num_rails)), dtype=np.int64)
+    dtype = np.result_type(copies_NNGG.dtype, type(nvlink_cost))
+    loads = np.zeros((max(num_waves, 1), NUM_KINDS, n, max(g, num_rails)), dtype=dtype)
     local = copies_NNGG[np.arange(n), np.arange(n)].copy()  # [s, owner, target]
     local[:, np.arange(g), np.arange(g)] = 0
     loads[0, DELIVER_OUT, :, :g] += local.sum(axis=2) * nvlink_cost
@@ -245,7 +249,7 @@ def flow_relay_reference(
     wave = wave_NN.numpy().astype(np.int64)
     rail_G = rail_of_gpu_G.numpy().astype(np.int64)
     n, _, g = records.shape
-    loads = _fixed_loads(copies, num_waves, num_rails, nvlink_cost)
+    loads = fixed_loads(copies, num_waves, num_rails, nvlink_cost)
     cells, sizes, unit_copies = _units(records, copies, wave, units)
     units_X = [
         (int(c[0]), int(c[1]), int(c[2]), int(u), cj) for c, u, cj in zip(cells, sizes, unit_copies)
@@ -320,15 +324,10 @@ def flow_objective_cost(
     copies = copies_NNGG.numpy().astype(np.int64)
     wave = wave_NN.numpy().astype(np.int64)
     n, _, g, _ = relay.shape
-    q = max(g, topo.num_rails)
     nvl, nic = flow_costs(topo)
     rail_G = np.asarray(topo.rail_of_gpu, dtype=np.int64)
     v_count = max(num_waves, 1)
-    loads = np.zeros((v_count, NUM_KINDS, n, q), dtype=np.int64)
-    local = copies[np.arange(n), np.arange(n)].copy()
-    local[:, np.arange(g), np.arange(g)] = 0
-    loads[0, DELIVER_OUT, :, :g] += local.sum(axis=2) * nvl
-    loads[0, DELIVER_IN, :, :g] += local.sum(axis=1) * nvl
+    loads = fixed_loads(copies, num_waves, topo.num_rails, nvl)
     s_, d_ = np.nonzero(wave >= 0)
     if s_.size == 0:
         return 0
@@ -383,12 +382,7 @@ def flow_loads(
     n, _, g, _ = relay.shape
     rail_G = np.asarray(topo.rail_of_gpu)
     nvl, nic = 1.0 / topo.nvlink_bytes_per_s, 1.0 / topo.rail_bytes_per_s
-    loads = np.zeros((num_waves, NUM_KINDS, n, max(g, topo.num_rails)))
-    local = copies[np.arange(n), np.arange(n)].copy()
-    local[:, np.arange(g), np.arange(g)] = 0
-    if num_waves:
-        loads[0, DELIVER_OUT, :, :g] += local.sum(axis=2) * nvl
-        loads[0, DELIVER_IN, :, :g] += local.sum(axis=1) * nvl
+    loads = fixed_loads(copies, num_waves, topo.num_rails, nvl)[:num_waves]  # none without waves
     records = relay.sum(axis=3)
     for s in range(n):
         for d in range(n):

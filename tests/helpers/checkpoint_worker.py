@@ -14,12 +14,7 @@ from typing import Any
 
 import torch
 
-from tests.helpers.moe_layer import (
-    _moe_config,
-    build_from_spec,
-    load_canonical_weights,
-    rank_inputs,
-)
+from tests.helpers.moe_layer import canonical_moe_layer, rank_inputs
 
 __all__ = ["run_checkpointed_online"]
 
@@ -35,10 +30,6 @@ def run_checkpointed_online(
     from megatron_railwave.testing.megatron_cpu import apply_megatron_cpu_shims
 
     apply_megatron_cpu_shims()
-    from megatron.core import parallel_state
-    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
-    from megatron.core.process_groups_config import ProcessGroupCollection
-
     import megatron_railwave
     from megatron_railwave.steps import set_step
 
@@ -59,56 +50,53 @@ def run_checkpointed_online(
             },
         }
     )
-    config = _moe_config(
-        world, "railwave", num_experts=e, topk=kw["topk"], hidden=h, ffn_hidden=f, extra_config=None
-    )
-    parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=1, expert_model_parallel_size=world
-    )
     try:
-        pg = ProcessGroupCollection.use_mpu_process_groups()
-        spec = get_moe_module_spec(use_te=False, num_experts=e, moe_grouped_gemm=False)
-        layer = build_from_spec(spec, config=config, layer_number=1, pg_collection=pg)
-        layer.set_layer_number(1)
-        load_canonical_weights(layer, num_experts=e, hidden=h, ffn_hidden=f, seed=kw["seed"])
-        dispatcher = layer.token_dispatcher
-        calls: list[tuple[str, int, int, str]] = []
-        move = dispatcher._move
+        with canonical_moe_layer(
+            world,
+            "railwave",
+            num_experts=e,
+            topk=kw["topk"],
+            hidden=h,
+            ffn_hidden=f,
+            seed=kw["seed"],
+        ) as layer:
+            dispatcher = layer.token_dispatcher
+            calls: list[tuple[str, int, int, str]] = []
+            move = dispatcher._move
 
-        def recording_move(inputs, *, path, **rest):
-            call = inputs.state.call
-            calls.append((str(call.kind), call.step, call.microbatch, str(path)))
-            return move(inputs, path=path, **rest)
+            def recording_move(inputs, *, path, **rest):
+                call = inputs.state.call
+                calls.append((str(call.kind), call.step, call.microbatch, str(path)))
+                return move(inputs, path=path, **rest)
 
-        dispatcher._move = recording_move
-        layer.train()
-        for step in range(steps):
-            set_step(step)
-            x, grad_weight = rank_inputs(
-                rank, seq_len=kw["seq_len"], micro_batch=2, hidden=h, seed=kw["seed"] + step
-            )
-            x.requires_grad_(True)
-            y, _ = torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=use_reentrant)
-            (y * grad_weight).sum().backward()
-            layer.zero_grad(set_to_none=True)
-        set_step(None)
-        selector = dispatcher.selector
-        filed = {
-            f"{kind}/{path}": times.count
-            for kind, table in selector._tables.items()
-            for nb in table
-            for path, times in nb.times.items()
-            if times.count
-        }
-        return {
-            "calls": calls,
-            "bad": selector.bad_total,
-            "problem": selector.last_problem,
-            "fallback": selector.fallback_reason,
-            "filed": filed,
-        }
+            dispatcher._move = recording_move
+            layer.train()
+            for step in range(steps):
+                set_step(step)
+                x, grad_weight = rank_inputs(
+                    rank, seq_len=kw["seq_len"], micro_batch=2, hidden=h, seed=kw["seed"] + step
+                )
+                x.requires_grad_(True)
+                y, _ = torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=use_reentrant)
+                (y * grad_weight).sum().backward()
+                layer.zero_grad(set_to_none=True)
+            set_step(None)
+            selector = dispatcher.selector
+            filed = {
+                f"{kind}/{path}": times.count
+                for kind, table in selector._tables.items()
+                for nb in table
+                for path, times in nb.times.items()
+                if times.count
+            }
+            return {
+                "calls": calls,
+                "bad": selector.bad_total,
+                "problem": selector.last_problem,
+                "fallback": selector.fallback_reason,
+                "filed": filed,
+            }
     finally:
-        parallel_state.destroy_model_parallel()
         from megatron_railwave.plugin import uninstall
 
         uninstall()

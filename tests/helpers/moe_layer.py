@@ -15,6 +15,8 @@ in a fixed order, so every rank, every dispatcher type and the dense oracle see 
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -23,6 +25,7 @@ import torch
 __all__ = [
     "build_and_run_moe_layer",
     "build_from_spec",
+    "canonical_moe_layer",
     "canonical_weights",
     "dense_moe_reference",
     "load_canonical_weights",
@@ -126,6 +129,50 @@ def _moe_config(
     return TransformerConfig(**kwargs)
 
 
+@contextlib.contextmanager
+def canonical_moe_layer(
+    world_size: int,
+    dispatcher_type: str,
+    *,
+    num_experts: int,
+    topk: int,
+    hidden: int,
+    ffn_hidden: int,
+    seed: int,
+    extra_config: dict[str, Any] | None = None,
+) -> Iterator[Any]:
+    """A MoELayer (layer number 1, EP = ``world_size``, TP = 1) with ``canonical_weights`` of
+    ``seed``, inside Megatron's model-parallel state (initialised here, destroyed on exit). The
+    gloo process group must already be initialised and the Megatron CPU shims applied."""
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    config = _moe_config(
+        world_size,
+        dispatcher_type,
+        num_experts=num_experts,
+        topk=topk,
+        hidden=hidden,
+        ffn_hidden=ffn_hidden,
+        extra_config=extra_config,
+    )
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=1, expert_model_parallel_size=world_size
+    )
+    try:
+        pg_collection = ProcessGroupCollection.use_mpu_process_groups()
+        spec = get_moe_module_spec(use_te=False, num_experts=num_experts, moe_grouped_gemm=False)
+        layer = build_from_spec(spec, config=config, layer_number=1, pg_collection=pg_collection)
+        layer.set_layer_number(1)
+        load_canonical_weights(
+            layer, num_experts=num_experts, hidden=hidden, ffn_hidden=ffn_hidden, seed=seed
+        )
+        yield layer
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
 def build_and_run_moe_layer(
     rank: int,
     world_size: int,
@@ -160,32 +207,16 @@ def build_and_run_moe_layer(
     from megatron_railwave.testing.megatron_cpu import apply_megatron_cpu_shims
 
     apply_megatron_cpu_shims()
-    from megatron.core import parallel_state
-    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
-    from megatron.core.process_groups_config import ProcessGroupCollection
-
-    config = _moe_config(
+    with canonical_moe_layer(
         world_size,
         dispatcher_type,
         num_experts=num_experts,
         topk=topk,
         hidden=hidden,
         ffn_hidden=ffn_hidden,
+        seed=seed,
         extra_config=extra_config,
-    )
-    parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=1, expert_model_parallel_size=world_size
-    )
-    try:
-        pg_collection = ProcessGroupCollection.use_mpu_process_groups()
-        spec = get_moe_module_spec(use_te=False, num_experts=num_experts, moe_grouped_gemm=False)
-        layer = build_from_spec(spec, config=config, layer_number=1, pg_collection=pg_collection)
-        layer.set_layer_number(1)
-
-        load_canonical_weights(
-            layer, num_experts=num_experts, hidden=hidden, ffn_hidden=ffn_hidden, seed=seed
-        )
-
+    ) as layer:
         x, grad_weight = rank_inputs(
             rank, seq_len=seq_len, micro_batch=micro_batch, hidden=hidden, seed=seed
         )
@@ -204,8 +235,6 @@ def build_and_run_moe_layer(
             "router_grad": layer.router.weight.grad.numpy().copy(),
             "local_expert_indices": list(layer.local_expert_indices),
         }
-    finally:
-        parallel_state.destroy_model_parallel()
 
 
 def dense_moe_reference(

@@ -14,36 +14,18 @@ from typing import Any
 import numpy as np
 import torch
 
-from tests.helpers.moe_layer import (
-    _moe_config,
-    build_from_spec,
-    load_canonical_weights,
-    rank_inputs,
-)
+from tests.helpers.moe_layer import canonical_moe_layer, rank_inputs
 
 
 def _run_steps(
     rank: int, world: int, dispatcher: str, kw: dict, steps: int
 ) -> list[dict[str, np.ndarray]]:
-    from megatron.core import parallel_state
-    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
-    from megatron.core.process_groups_config import ProcessGroupCollection
-
     from megatron_railwave.steps import set_step
 
     e, h, f = kw["num_experts"], kw["hidden"], kw["ffn_hidden"]
-    config = _moe_config(
-        world, dispatcher, num_experts=e, topk=kw["topk"], hidden=h, ffn_hidden=f, extra_config=None
-    )
-    parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=1, expert_model_parallel_size=world
-    )
-    try:
-        pg = ProcessGroupCollection.use_mpu_process_groups()
-        spec = get_moe_module_spec(use_te=False, num_experts=e, moe_grouped_gemm=False)
-        layer = build_from_spec(spec, config=config, layer_number=1, pg_collection=pg)
-        layer.set_layer_number(1)
-        load_canonical_weights(layer, num_experts=e, hidden=h, ffn_hidden=f, seed=kw["seed"])
+    with canonical_moe_layer(
+        world, dispatcher, num_experts=e, topk=kw["topk"], hidden=h, ffn_hidden=f, seed=kw["seed"]
+    ) as layer:
         out = []
         for step in range(steps):
             set_step(step)
@@ -77,8 +59,6 @@ def _run_steps(
             out.append({"output": layer(x)[0].numpy().copy()})
         set_step(None)
         return out
-    finally:
-        parallel_state.destroy_model_parallel()
 
 
 def run_layer_online(

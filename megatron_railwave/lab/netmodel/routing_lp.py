@@ -32,6 +32,7 @@ from megatron_railwave.planner.flow import (
     NUM_KINDS,
     RELAY_IN,
     RELAY_OUT,
+    fixed_loads,
     flow_loads,
     flow_objective,
 )
@@ -95,14 +96,7 @@ def solve_routing_lp(
     def res(v: int, kind: int, node: int, idx: int) -> int:
         return ((v * kinds + kind) * n + node) * q + idx
 
-    fixed = np.zeros(num_res)
-    local = copies[np.arange(n), np.arange(n)].copy()
-    local[:, np.arange(g), np.arange(g)] = 0
-    if num_waves:
-        for s in range(n):
-            for o in range(g):
-                fixed[res(0, DELIVER_OUT, s, o)] += local[s, o].sum() * nvl
-                fixed[res(0, DELIVER_IN, s, o)] += local[s, :, o].sum() * nvl
+    fixed = fixed_loads(copies, num_waves, topo.num_rails, nvl)[:num_waves].reshape(-1)
 
     var_cells: list[tuple[int, int, int, int]] = []
     rows, cols, vals = [], [], []
