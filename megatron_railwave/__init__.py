@@ -10,7 +10,7 @@ Legend of the shape letters used in every module:
 
 Layers (imports point down only; ``lint-imports`` checks them, docs/architecture.md):
     topology -> traffic -> planner -> selector -> exchange -> dispatcher / plugin
-Tools on top: replay, netmodel, testbed, bench, calibration; then commands and cli.
+Tools on top: replay, netmodel, testbed, bench; then commands and cli.
 """
 
 __version__ = "0.1.0"

@@ -10,8 +10,8 @@ cannot break the others.
 The two lists, which ``railwave --help`` shows under their own headings:
   * user commands: what a training user runs on their own cluster and logs: ``doctor`` (the
     environment), ``report`` (the training logs), ``plan`` / ``plan-bench`` / ``demo`` (what the
-    planner does with a layer, and what it costs), ``probe-incast`` (the fabric's incast loss)
-    and ``calibrate`` / ``validate`` (the selector's anchors for that cluster);
+    planner does with a layer, and what it costs) and ``probe-incast`` (the fabric's incast
+    loss);
   * lab commands: the evaluation lab's benchmarks, simulations and model tools, which study the
     runtime rather than serve a training job (``lab/``).
 
@@ -42,8 +42,6 @@ USER_COMMANDS: tuple[str, ...] = (
     f"{_PACKAGE}.plan_bench",
     f"{_PACKAGE}.demo",
     f"{_PACKAGE}.probe_incast",
-    f"{_PACKAGE}.calibrate",
-    f"{_PACKAGE}.validate",
 )
 """Modules of the commands a training user runs, in the order ``--help`` lists them."""
 

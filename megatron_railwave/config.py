@@ -31,6 +31,21 @@ _REMOVED_KEYS = {
         "not a user option (megatron_railwave.testing.deepep_fake: use_fake_deepep(), or "
         "build_exchange(..., deepep_api=fake_deepep_api(G))). Delete the key"
     ),
+    "anchors": (
+        "the offline anchors selector (and `railwave calibrate` / `validate`, which wrote and "
+        "checked its files) is retired: path: auto runs the online selector, which times the "
+        "paths in the job itself and reads no file (docs/selector.md, Migrating). Delete the key"
+    ),
+    "payload_ratio": (
+        "it was the offline anchor rule's payload window, retired with the anchors selector; the "
+        "online selector's neighbourhood window is online: {payload_ratio: ...}. Delete the key, "
+        "or move it under online:"
+    ),
+    "shape_distance": (
+        "it was the offline anchor rule's shape window, retired with the anchors selector; the "
+        "online selector's neighbourhood window is online: {shape_distance: ...}. Delete the key, "
+        "or move it under online:"
+    ),
 }
 """Keys a config file may still carry from an older release -> why they are gone, what replaced
 them (``RailWaveConfig.from_dict`` raises with it)."""
@@ -224,29 +239,19 @@ class RailWaveConfig:
     """PERM / JOINT: rail chunks per wave (each wave's records on a rail leave in this many parts,
     each delivered while the next is on the rail; 1 = whole waves, the paper's schedule). Torch
     backend only."""
-    anchors: str | None = None
-    """Selector anchors YAML (``railwave calibrate``, or one the online selector wrote), or the
-    name of a packaged one (``h800_4x8_c2``; becomes its path). With ``selector: online`` it is
-    the online selector's prior; otherwise the offline rule's input. In a config file a relative
-    path is relative to that file."""
-    selector: Literal["online", "anchors"] | None = None
+    selector: Literal["online"] | None = None
     """How 'auto' decides: 'online' (each layer probes the paths and runs the fastest it measured,
-    ``selector.online``), 'anchors' (the offline anchors file's rule; JOINT without a file), or
-    None: 'anchors' when an anchors file is given or in fixed-capacity mode, else 'online'. In
-    fixed-capacity mode 'online' must be asked for by name: it adds one small all-reduce and one
-    host wait every ``online.capacity_sync_every`` calls of a layer (docs/selector.md)."""
+    ``selector.online``), the only selector; None means the same. In fixed-capacity mode it adds
+    one small all-reduce per epoch and one host wait every ``online.capacity_sync_every`` calls
+    of a layer (docs/selector.md); a fixed ``path`` has neither. ('anchors', the retired offline
+    rule, is refused with the migration.)"""
     online: OnlineSettings | None = None
     """The online selector's knobs (a mapping in YAML; None = the defaults)."""
     online_out: str | None = None
-    """Where global rank 0 writes what the online selector learned, as an anchors file, at
-    process exit (``selector.online.save_learned_anchors`` writes it on demand); None = nowhere."""
-    payload_ratio: float | None = None
-    """Selector: reuse an anchor only within this payload ratio. None: the ratio the anchors file
-    was tuned with (``context.settings.selector``, written by ``railwave calibrate``), or the
-    paper's 1.25 for a file that records none."""
-    shape_distance: float | None = None
-    """Selector: ... and within this distance on both shape coordinates. None: as recorded in
-    the anchors file, or the paper's 0.02."""
+    """Where global rank 0 writes what the online selector learned (a small YAML report: per
+    layer, pass kind and neighbourhood, the best path and the median seconds of each timed path;
+    ``selector.learned``) at process exit; an existing file is never replaced by an empty report.
+    No run reads it back. None = nowhere."""
     log_dir: str | None = None
     """Write one JSONL record per MoE layer per logged step here (one set of files per run)."""
     metrics: bool = True
@@ -276,8 +281,9 @@ class RailWaveConfig:
     max_tokens_per_rank: int | None = None
     """Fixed-capacity mode (like DeepEP's ``num_max_dispatch_tokens_per_rank``): every buffer of a
     layer is sized for this many tokens per rank (micro-batch x sequence / TP), so the exchange
-    needs no host sync at all (``selector: online`` adds one host wait, on a reduce posted
-    ``online.capacity_sync_every`` - 1 calls earlier, every that many calls); a rank with more
+    needs no host sync with a fixed ``path`` (``path: auto``, the online selector, adds one host
+    wait, on a reduce posted ``online.capacity_sync_every`` - 1 calls earlier, every that many
+    calls of a layer); a rank with more
     tokens raises. None = the normal mode (one host sync per layer, buffers sized from the
     gathered counts). Backend torch only; docs/exchange.md."""
 
@@ -349,26 +355,17 @@ class RailWaveConfig:
                 f"wave; "
                 "1 = whole waves)"
             )
-        if self.anchors is not None:
-            if not isinstance(self.anchors, (str, os.PathLike)):
-                raise ValueError(
-                    f"anchors={self.anchors!r} must be the path of an anchors YAML file "
-                    "(railwave calibrate --write-anchors) or null"
-                )
-            if Path(self.anchors).expanduser().is_dir():
-                raise ValueError(
-                    f"anchors {str(self.anchors)!r} is a directory; give the anchors YAML file "
-                    "written by `railwave calibrate --write-anchors`"
-                )
-            if not Path(self.anchors).expanduser().is_file():
-                packaged = presets.packaged_file("anchors", self.anchors)
-                if packaged is not None:  # a packaged anchors file by name (h800_4x8_c2)
-                    object.__setattr__(self, "anchors", str(packaged))
-        if self.selector not in (None, "online", "anchors"):
+        if self.selector == "anchors":
             raise ValueError(
-                f"selector={self.selector!r} must be 'online', 'anchors' or null (online without "
-                f"an "
-                "anchors file, else anchors)"
+                "selector='anchors' was removed: the offline anchors rule is retired; path: auto "
+                "runs the online selector (in fixed-capacity mode too: one host wait every "
+                "online.capacity_sync_every calls). Delete selector (docs/selector.md, Migrating), "
+                "or set a fixed path (e.g. path: joint) for no selection and no host wait"
+            )
+        if self.selector not in (None, "online"):
+            raise ValueError(
+                f"selector={self.selector!r} must be 'online' or null (the same: the online "
+                "selector decides path: auto)"
             )
         object.__setattr__(self, "online", OnlineSettings.from_dict(self.online))
         if self.selector == "online" and self.path != "auto":
@@ -382,26 +379,9 @@ class RailWaveConfig:
                 or Path(self.online_out).expanduser().is_dir()
             ):
                 raise ValueError(
-                    f"online_out={self.online_out!r} must be the path of the anchors YAML file to "
-                    f"write "
+                    f"online_out={self.online_out!r} must be the path of the YAML file to write "
                     "(not a directory), or null"
                 )
-        if self.payload_ratio is not None:
-            _check_number(
-                "payload_ratio",
-                self.payload_ratio,
-                low=1.0,
-                inclusive=True,
-                unit="ratio; null = the anchors file's tuned value",
-            )
-        if self.shape_distance is not None:
-            _check_number(
-                "shape_distance",
-                self.shape_distance,
-                low=0.0,
-                inclusive=True,
-                unit="distance; null = the anchors file's tuned value",
-            )
         for name in ("log_dir", "capture_dir"):
             value = getattr(self, name)
             if value is not None:
@@ -564,17 +544,9 @@ class RailWaveConfig:
         }
 
     def selector_kind(self) -> str:
-        """'fixed', 'online' or 'anchors': what decides each layer's path (``selector``
-        resolved)."""
-        if self.path != "auto":
-            return "fixed"
-        if self.selector is not None:
-            return self.selector
-        return (
-            "anchors"
-            if self.anchors is not None or self.max_tokens_per_rank is not None
-            else "online"
-        )
+        """'fixed' or 'online': what decides each layer's path (a fixed ``path``, or the online
+        selector for ``path: auto``, in the normal and the fixed-capacity mode alike)."""
+        return "fixed" if self.path != "auto" else "online"
 
     def configured_gpus_per_node(self) -> int | None:
         """G from the cluster file or ``gpus_per_node``; None when the config does not say."""
@@ -686,7 +658,7 @@ def load_config(
     """A ``RailWaveConfig`` from itself, a dict, a YAML path or the name of a packaged example
     config (``glm45_air_h800``: ``presets``), or None (defaults).
 
-    In a YAML file, the files it reads (``cluster``, ``anchors``) are relative to that file's
+    In a YAML file, the file it reads (``cluster``) is relative to that file's
     folder when relative (a bare name with no such file there is a preset name); the folders it
     writes (``log_dir``, ``capture_dir``, ``online_out``) stay relative to the working directory,
     as the ``--railwave-*`` flags are.
@@ -729,7 +701,7 @@ def load_config(
     return RailWaveConfig.from_dict(data or {}, source=source)
 
 
-_INPUT_FILES = ("cluster", "anchors")
+_INPUT_FILES = ("cluster",)
 """The fields of a config file that name files it reads: relative to the file's folder."""
 
 

@@ -40,10 +40,10 @@ uses the current phase without advancing it. Descriptors and statistics are comp
 the selector ('auto') or a stats sink needs them.
 
 The modes (``dispatch_modes``): ``CountedMode`` (the count exchange, then a fixed path or a
-calibrated selector), ``OnlineMode`` (``selector: online``, the default for 'auto' without an
-anchors file: each call's time rides on the next call's count exchange), ``CapacityMode`` (fixed
-capacity: the path selected once) and ``OnlineCapacityMode`` (fixed capacity, online: one path
-per epoch of calls, timed on a small asynchronous all-reduce). Each owns what its calls share;
+caller's ``PathSelector``), ``OnlineMode`` (``path: auto``, the online selector: each call's time
+rides on the next call's count exchange), ``CapacityMode`` (fixed capacity: the path selected
+once) and ``OnlineCapacityMode`` (fixed capacity with ``path: auto``: one path per epoch of calls,
+timed on a small asynchronous all-reduce). Each owns what its calls share;
 the dispatcher keeps the per-call state, the pass bookkeeping and the shared tail (replay
 memory, capture, the dispatch with the shared expert's overlap, statistics).
 """
@@ -200,7 +200,7 @@ class RailWaveTokenDispatcher(MoETokenDispatcher):
         config: Megatron ``TransformerConfig``.
         pg_collection: Megatron process groups (``ep`` is the expert-parallel group).
         railwave: the RailWave configuration (``megatron_railwave.install`` supplies it).
-        selector: path selector for ``path='auto'``; default: the anchors file, else JOINT.
+        selector: path selector for ``path='auto'``; default: the online selector.
         stats_sink: called with every layer's ``LayerCommStats`` after combine.
     """
 
@@ -254,11 +254,9 @@ class RailWaveTokenDispatcher(MoETokenDispatcher):
             self.topology,
             selector=selector,
             num_local_experts=num_local_experts,
-            hidden_size=int(config.hidden_size),
-            hidden_dtype=str(_hidden_dtype(config)).removeprefix("torch."),
         )
         """How this layer's calls choose their path and prepare the exchange (``dispatch_modes``):
-        the count exchange with a fixed path or a calibrated selector, the online selector, or
+        the count exchange with a fixed path or a caller's selector, the online selector, or
         fixed capacity with either."""
         self.stats_sink = stats_sink
         self.layer_number: int | None = None

@@ -72,7 +72,7 @@ ROUTES: tuple[Route, ...] = tuple(Route)
 """Every route, in declaration order (reports and parametrized tests walk this)."""
 
 PAPER_ROUTES: tuple[Route, ...] = (Route.NATIVE, Route.RAIL, Route.PERM, Route.JOINT)
-"""The paper's four paths: what its anchors, calibration profiles and cost tables are about."""
+"""The paper's four paths: what its cost tables and the lab's comparisons are about."""
 
 RouteChoice = Literal["auto", "native", "rail", "perm", "joint", "flow", "flow-waves"]
 """What a config's ``path`` may say: a route, or 'auto' (the selector picks per layer call)."""

@@ -1,8 +1,8 @@
 """The files shipped inside the package (``megatron_railwave/configs/``) and their lookup by name.
 
 Kinds (folders under ``configs/``): ``clusters`` (cluster presets: ``cluster: h800_4x8``),
-``anchors`` (selector anchors files: ``anchors: h800_4x8_c2``), ``railwave`` (example RailWave
-configs: ``--railwave-config glm45_air_h800``) and ``netmodel`` (the lab's flow-model parameters).
+``railwave`` (example RailWave configs: ``--railwave-config glm45_air_h800``) and ``netmodel``
+(the lab's flow-model parameters).
 They are package data, read through ``importlib.resources``, so a wheel installed anywhere finds
 them from any working directory, as a source checkout or an editable install does.
 
@@ -18,7 +18,7 @@ from pathlib import Path
 
 __all__ = ["KINDS", "is_bare_name", "packaged_dir", "packaged_file", "packaged_names", "resolve"]
 
-KINDS = ("clusters", "anchors", "railwave", "netmodel")
+KINDS = ("clusters", "railwave", "netmodel")
 """The folders of ``megatron_railwave/configs/``."""
 
 

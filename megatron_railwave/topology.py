@@ -260,7 +260,7 @@ def resolve_cluster_file(cluster: str | Path) -> Path:
 
 def read_yaml(path: str | Path, what: str) -> Any:
     """The YAML document in ``path`` (None for an empty file): the one reader of the runtime's
-    files (cluster, railwave config, anchors).
+    files (cluster, railwave config).
 
     Raises:
         FileNotFoundError: no such file (the caller says what a missing file means).

@@ -72,9 +72,10 @@ def mask_classes(gpus_per_node: int) -> int:
     """K = 2**min(2, G): classes of target masks by their top min(2, G) bits (class k holds the
     masks m with m >> (G - log2 K) == k). A rank's records to one node are sorted by mask, so its
     classes lie one after another in that order; the count exchange carries copies per target GPU
-    per class (``DemandCounts.class_copies_WNKG``) so that the path model sees which targets
-    travel together in that order (``arrivals``), at K times the bytes of copies per target
-    alone."""
+    per class (``DemandCounts.class_copies_WNKG``), at K times the bytes of copies per target
+    alone. The split by class was the retired offline path model's input; the min-max plans read
+    the sum over classes (``DemandCounts.copies_WNG``), so K = 1 would serve them as well (not
+    changed yet: the wire layout and its tests)."""
     return 1 << min(MASK_CLASS_BITS, gpus_per_node)
 
 
@@ -146,9 +147,9 @@ class DemandCounts:
         view_experts_X: [E_loc] int64 or None. (token, expert) pairs every rank routes to the
             experts of the rank that holds this view (host tensor: Megatron's tokens_per_expert).
         delivery_WNKG: [W, N, K, G] int64 or None. Node view only, when the count exchange
-            carried it (``gather_demand(..., delivery_counts=True)``, for the path model): (record,
-            target GPU) copies from rank w to GPU j of node n among its records of mask class k
-            (``mask_classes``), for every rank and GPU.
+            carried it (``gather_demand(..., delivery_counts=True)``, for the min-max plans):
+            (record, target GPU) copies from rank w to GPU j of node n among its records of mask
+            class k (``mask_classes``), for every rank and GPU.
     """
 
     records_WNM: torch.Tensor | None = None

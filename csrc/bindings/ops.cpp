@@ -36,8 +36,6 @@ torch::Library cpu_kernels() {
   m.impl("rank_schedule", &railwave::cpu::rank_schedule);
   m.impl("rail_plan", &railwave::cpu::rail_plan);
   m.impl("flow_plan", &railwave::cpu::flow_plan);
-  m.impl("arrival_copies", &railwave::cpu::arrival_copies);
-  m.impl("path_estimates", &railwave::cpu::path_estimates);
   return m;
 }
 

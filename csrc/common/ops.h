@@ -39,14 +39,6 @@ std::tuple<at::Tensor, at::Tensor> rail_plan(const at::Tensor& records_NNG, cons
 at::Tensor flow_plan(const at::Tensor& records_NNG, const at::Tensor& copies_NNGG, const at::Tensor& eligible_NNG,
                      const at::Tensor& wave_NN, const at::Tensor& rail_of_gpu_G, int64_t num_waves, int64_t num_rails,
                      int64_t nvlink_cost, int64_t nic_cost, int64_t units, int64_t sweeps);
-// The path model's arrival copies (float64): csrc/cpu/arrivals.cpp.
-at::Tensor arrival_copies(const at::Tensor& records_NGN, const at::Tensor& class_copies_NGNKG,
-                          const at::Tensor& relay_NNGG, int64_t chunks);
-// The path model's RAIL and JOINT estimates (float64 seconds): csrc/cpu/path_model.cpp.
-at::Tensor path_estimates(const at::Tensor& records_WN, const at::Tensor& copies_WNKG, const at::Tensor& eligible_NNG,
-                          const at::Tensor& window_NN, int64_t num_windows, int64_t chunks, double record_bytes,
-                          double nvlink_bytes_per_s, double rail_bytes_per_s, double rail_phase_s, double layer_s,
-                          double combine_share);
 }  // namespace railwave::cpu
 
 #if defined(RAILWAVE_WITH_CUDA)

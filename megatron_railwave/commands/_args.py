@@ -9,9 +9,8 @@ The output flags mean one thing in every command (``add_output_args``; each is d
 ``_outputs``, so ``railwave`` checks it before the command does any work):
   * ``--json FILE``: a JSON file (strict JSON, ``_common.write_json``);
   * ``--out DIR``: a directory the command writes its files into;
-  * ``--plot PNG``: one image; ``--write-anchors YAML`` / ``--write-model YAML``: the anchors
-    file / the netmodel config the command writes (``--out`` named those files before; it still
-    works for one release, with a warning).
+  * ``--plot PNG``: one image; ``--write-model YAML``: the netmodel config the command writes
+    (``--out`` named that file before; it still works for one release, with a warning).
 
 Letters: N nodes, G GPUs per node, T tokens per rank, E experts, K top-k, H hidden size.
 """
@@ -39,7 +38,6 @@ __all__ = [
     "add_plan_args",
     "add_progress_arg",
     "add_renamed_flag",
-    "add_replay_measure_args",
     "add_shape_args",
     "add_workload_args",
     "comma_choices",
@@ -236,8 +234,6 @@ _FLAGS: dict[str, dict[str, Any]] = {
     "--samples": {"type": int, "help": "timed rounds"},
     "--timeout": {"type": float, "metavar": "S", "help": "limit in seconds"},
     "--device": {"choices": ("cpu", "cuda"), "help": "where to run"},
-    # inputs other commands wrote
-    "--anchors": {"metavar": "YAML", "help": "anchors file (railwave calibrate)"},
 }
 
 
@@ -412,30 +408,6 @@ def add_measure_args(
         add_renamed_flag(group, "--warmup", action, reason="one spelling in every railwave command")
     if repeats is not None:
         add_flag(group, "--repeats", repeats, help=repeats_help)
-    return group
-
-
-def add_replay_measure_args(
-    container: Container, *, model_help: str, model_default_text: str
-) -> Container:
-    """The measurement of ``calibrate`` and ``validate`` on replay requests: ``--backend``,
-    ``--model``, ``--warmups``, ``--repeats`` and ``--no-progress``
-    (``_common.check_replay_measure_args``)."""
-    group = _group(container, "measurement")
-    add_flag(
-        group,
-        "--backend",
-        help="what times the paths: netmodel (the flow model; the only backend so far)",
-    )
-    add_flag(group, "--model", help=model_help, default_text=model_default_text)
-    add_measure_args(
-        group,
-        warmups=5,
-        repeats=10,
-        warmups_help="discarded calls per path",
-        repeats_help="interleaved rounds per request",
-    )
-    add_progress_arg(group)
     return group
 
 

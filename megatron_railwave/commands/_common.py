@@ -20,7 +20,6 @@ from megatron_railwave.topology import RailTopology, load_topology
 from megatron_railwave.traffic import dtype_bytes
 
 __all__ = [
-    "check_replay_measure_args",
     "check_workload_args",
     "cluster_from_args",
     "glm_layers",
@@ -75,14 +74,6 @@ def check_workload_args(args: argparse.Namespace, topo: RailTopology) -> None:
             f"--experts {args.experts} is not divisible by the world size {topo.world_size} "
             f"({topo.num_nodes} nodes x {topo.gpus_per_node} GPUs); experts are placed E / W per "
             f"rank"
-        )
-
-
-def check_replay_measure_args(args: argparse.Namespace) -> None:
-    """The values of ``_args.add_replay_measure_args``' flags."""
-    if args.repeats < 1 or args.warmups < 0:
-        raise ValueError(
-            f"need --repeats >= 1 and --warmups >= 0, got {args.repeats} and {args.warmups}"
         )
 
 

@@ -3,7 +3,7 @@
 A command declares the flags that name files or directories it writes
 (``declare_outputs(parser, files=("json",), dirs=("out",))``); ``railwave`` checks every one of
 them before calling the handler, so a bad ``--json`` costs nothing instead of a traceback after a
-long run (``calibrate`` would otherwise lose its anchors). The checks are ``outputs``'.
+long run. The checks are ``outputs``'.
 """
 
 from __future__ import annotations

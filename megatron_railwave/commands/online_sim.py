@@ -2,16 +2,16 @@
 
 Runs ``lab.bench.online_sim`` (see there for the workload, the noise and the policies) for each
 ``--seed`` and prints per run: the totals of online, the per-layer oracle, always-NATIVE,
-always-JOINT (every always-X in the JSON), the per-call oracle and, with ``--anchors``, the offline
-selector on the same draws; the goals (online <= 1.03x the per-layer oracle, below always-NATIVE
-and always-JOINT) as met or missed; and the cost: the online selector's host microseconds per
-layer call (timing words + observe + descriptors + decide, thread CPU time; ``--decision-cost``:
-each part's mean and percentiles over every call, next to ``demand_stats`` on the same counts) and
-the bytes it adds to the count message. ``--learned`` writes what the online selector learned
-(last seed) as an anchors file that ``railwave validate`` reads.
+always-JOINT (every always-X in the JSON) and the per-call oracle on the same draws; the goals
+(charged total <= 1.02x the per-epoch oracle, online <= 1.03x the per-layer oracle, below
+always-NATIVE and always-JOINT) as met or missed; and the cost: the online selector's host
+microseconds per layer call (timing words + observe + descriptors + decide, thread CPU time;
+``--decision-cost``: each part's mean and percentiles over every call, next to ``demand_stats`` on
+the same counts) and the bytes it adds to the count message. ``--learned`` writes what the online
+selector learned (last seed) as the learned-paths report a training job's ``online_out`` writes.
 
 JSON written by ``--json``: ``settings``, ``models`` (per flow-model file: ``base``, the flow
-model's seconds per epoch, layer and path, the counts and the offline selector's paths, which
+model's seconds per epoch, layer and path, the counts and the planning times, which
 ``--base-from`` reuses; ``runs`` (per seed: ``summary`` and ``layers``, each with the path per step,
 its mode, the online, oracle and fixed totals).
 """
@@ -33,7 +33,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Run the online selector on the synthetic GLM-4.5-Air routing for --steps "
         "steps with "
         "per-call noise, the flow model as the clock, and compare it with the per-layer oracle, "
-        "always-NATIVE, always-JOINT and (--anchors) the offline selector on the same draws.",
+        "the per-epoch oracle, always-NATIVE and always-JOINT on the same draws.",
     )
     _args.add_cluster_args(parser, default="h800_4x8")
     _args.add_flag(
@@ -77,23 +77,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="log-normal sigma of each call's time (default 0.05)",
     )
     _args.add_flag(parser, "--chunks", 1, help="rail chunks per wave of PERM / JOINT")
-    _args.add_flag(
-        parser,
-        "--anchors",
-        help="offline anchors file to compare on the same draws (the runtime's rule)",
-    )
-    parser.add_argument(
-        "--prior",
-        default=None,
-        metavar="YAML",
-        help="seed the online selector with this anchors file (e.g. an earlier --learned file)",
-    )
     parser.add_argument(
         "--base-from",
         default=None,
         metavar="JSON",
-        help="reuse the flow-model times, counts and offline paths of an earlier --json (same "
-        "--model list and routing; no simulation)",
+        help="reuse the flow-model times and counts of an earlier --json (same --model list and "
+        "routing; no simulation)",
     )
     parser.add_argument(
         "--decision-cost",
@@ -107,25 +96,22 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         output,
         "--learned",
         metavar="YAML",
-        help="write what the online selector learned (last seed) as an anchors file",
+        help="write what the online selector learned (last seed): the online_out report",
     )
     parser.set_defaults(handler=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from megatron_railwave.config import RailWaveConfig
     from megatron_railwave.lab.bench.online_sim import (
         PATHS,
         base_from_json,
         base_times,
         base_to_json,
-        learned_file,
-        offline_paths,
+        learned_report,
         simulate_online,
     )
     from megatron_railwave.planner import PlanOptions
-    from megatron_railwave.selector import selector_from_config
-    from megatron_railwave.selector.anchors import save_anchors
+    from megatron_railwave.selector.learned import write_learned_paths
     from megatron_railwave.traffic import SelectorScales
 
     if args.tokens < 1 or args.steps < 1 or args.routing_every < 1:
@@ -133,22 +119,13 @@ def run(args: argparse.Namespace) -> int:
     topo = _common.cluster_from_args(args)
     model_files = [m for m in args.model.split(",") if m.strip()]
     models = [_common.load_model(m) for m in model_files]
-    cfg = RailWaveConfig(path="auto", anchors=args.anchors, chunks=args.chunks, selector="anchors")
-    offline = selector_from_config(cfg, topo) if args.anchors else None
-    prior, scales = None, SelectorScales().resolve(topo)
-    if args.prior:
-        online = selector_from_config(
-            RailWaveConfig(path="auto", anchors=args.prior, chunks=args.chunks, selector="online"),
-            topo,
-        )
-        prior, scales = online.prior, online.scales
+    scales = SelectorScales().resolve(topo)
     record_bytes = 4096 * 2  # GLM-4.5-Air hidden 4096, bf16
     epochs = (args.steps + args.routing_every - 1) // args.routing_every
     _render.print_text(
         f"flow model(s) {', '.join(model_files)} on {topo.name}: {epochs} routing epochs x "
         f"{len(args.layers) if args.layers else 45} layers x {len(PATHS)} paths ..."
     )
-    offline_XL: list[Any] = [None] * len(models)
     if args.base_from:
         import json
 
@@ -160,15 +137,6 @@ def run(args: argparse.Namespace) -> int:
                 f"{list(earlier)})"
             )
         bases = [base_from_json(earlier[m]["base"], record_bytes) for m in model_files]
-        if args.anchors:
-            offline_XL = [earlier[m]["base"].get("offline_XL") for m in model_files]
-            recorded = {earlier[m]["base"].get("offline_anchors") for m in model_files}
-            if any(o is None for o in offline_XL) or recorded != {args.anchors}:
-                raise ValueError(
-                    f"--base-from {args.base_from} has no offline paths for --anchors "
-                    f"{args.anchors} "
-                    f"(it has them for {sorted(map(str, recorded))}); run it without --base-from"
-                )
     else:
         bases = base_times(
             topo,
@@ -181,14 +149,9 @@ def run(args: argparse.Namespace) -> int:
             options=PlanOptions(chunks=args.chunks),
             progress=True,
         )
-        if offline is not None:
-            paths = offline_paths(
-                bases[0], topo, offline
-            ).tolist()  # the counts are the same for every model
-            offline_XL = [paths] * len(models)
     out_models: dict[str, Any] = {}
     result: dict[str, Any] = {}
-    for model_file, model, base, off in zip(model_files, models, bases, offline_XL):
+    for model_file, base in zip(model_files, bases):
         runs: dict[str, Any] = {}
         for seed in args.seed:
             result = simulate_online(
@@ -198,35 +161,14 @@ def run(args: argparse.Namespace) -> int:
                 routing_every=args.routing_every,
                 seed=seed,
                 noise=args.noise,
-                offline=off,
-                prior=prior,
                 scales=scales,
             )
             _print_run(model_file, seed, result["summary"], topo.world_size, args.decision_cost)
             runs[str(seed)] = {k: v for k, v in result.items() if not k.startswith("_")}
-        out_models[model_file] = {"base": base_to_json(base, off, args.anchors), "runs": runs}
+        out_models[model_file] = {"base": base_to_json(base), "runs": runs}
         if args.learned:
-            requests = {
-                "workload": "glm",
-                "seed": args.workload_seed,
-                "layers": list(base.layers),
-                "payload_scales": [1.0],
-                "tokens": args.tokens,
-                "arrangements": ["none"],
-            }
             target = args.learned if len(models) == 1 else _suffixed(args.learned, model_file)
-            save_anchors(
-                learned_file(
-                    result,
-                    topo,
-                    hidden_size=4096,
-                    dtype="bf16",
-                    chunks=args.chunks,
-                    requests=requests,
-                    model=model.to_dict(),
-                ),
-                target,
-            )
+            write_learned_paths(learned_report(result, topo), target)
             _render.print_text(f"wrote {target}")
     if args.json:
         _common.write_json(
@@ -243,8 +185,6 @@ def run(args: argparse.Namespace) -> int:
                     "seeds": args.seed,
                     "noise": args.noise,
                     "chunks": args.chunks,
-                    "anchors": args.anchors,
-                    "prior": args.prior,
                     "base_wall_s": bases[0].wall_s,
                 },
                 "models": out_models,
@@ -270,9 +210,7 @@ def _print_run(
         f"per-layer oracle "
         f"({t['oracle_per_layer']:.3f} s); always-NATIVE {r['always_native']:.4f}x, always-JOINT "
         f"{r['always_joint']:.4f}x, always-RAIL {r['always_rail']:.4f}x, per-call oracle "
-        f"{r['oracle_per_call']:.4f}x"
-        + (f", offline selector {r['offline']:.4f}x" if "offline" in r else "")
-        + f"; {s['probe_calls']} probe calls of {s['calls']}; "
+        f"{r['oracle_per_call']:.4f}x" + f"; {s['probe_calls']} probe calls of {s['calls']}; "
         f"{s['layers_final_on_oracle_path']}/{s['num_layers']} "
         f"layers end on the oracle's path"
     )

@@ -1,5 +1,5 @@
 """``railwave probe-incast``: measure how the cluster's receiver ports lose goodput to k-to-1
-incast, fit the flow model's alpha to it and say which kind of fabric the selector files assume.
+incast, fit the flow model's alpha to it and say which kind of fabric it is.
 
 Letters: N nodes, G GPUs per node, W = N * G ranks.
 
@@ -28,7 +28,8 @@ __all__ = ["register", "run"]
 
 PAPER_INCAST_ALPHA_THRESHOLD = 0.5
 """Above this alpha (a port with 3 senders under 50% goodput) the fabric is counted as lossy like
-the paper's: the selector files calibrated on the about max-min presets do not hold there."""
+the paper's, where the flow model finds JOINT the best path on every all-pairs layer it was asked
+about (docs/selector.md, Results)."""
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -182,13 +183,11 @@ def run(args: argparse.Namespace) -> int:
         f"senders at "
         f"{summary['goodput_at_3_senders']:.1%} goodput); "
         + (
-            "lossy like the paper's fabric (paper-incast presets, alpha 4.9121): the shipped "
-            "selector files assume "
-            "a fabric without incast loss; set path: joint or calibrate on this alpha "
-            "(docs/selector.md)"
+            "lossy like the paper's fabric (paper-incast presets, alpha 4.9121): the flow model "
+            "finds JOINT the best path there; path: auto measures it, path: joint skips the "
+            "probes (docs/selector.md)"
             if lossy
-            else "close to max-min like the default presets (alpha 0.0042), which the shipped "
-            "selector files assume"
+            else "close to max-min like the default presets (alpha 0.0042)"
         )
         + (
             ""

@@ -3,7 +3,7 @@ per layer, chosen once from the config (``choose_dispatch_mode``), behind Megatr
 dispatcher hooks (``dispatcher.RailWaveTokenDispatcher``, which keeps the per-call state and the
 shared tail: replay memory, capture, the dispatch, statistics).
 
-``counted``: the count exchange, then a fixed path or a calibrated selector (``CountedMode``).
+``counted``: the count exchange, then a fixed path or a caller's ``PathSelector`` (``CountedMode``).
 ``online``: the count exchange carrying the previous call's time, then the online selector
 (``OnlineMode``). ``capacity``: fixed capacity, no count exchange; the path selected once
 (``CapacityMode``) or once per epoch of calls by the online selector (``OnlineCapacityMode``).

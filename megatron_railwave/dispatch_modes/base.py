@@ -19,14 +19,15 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from megatron_railwave.names import Route
+from megatron_railwave.names import Route, parse_route
 from megatron_railwave.process import global_rank
+from megatron_railwave.selector import FixedSelector, OnlineSelector
 from megatron_railwave.steps import PassKind
 from megatron_railwave.telemetry.stats import LayerCommStats, Stopwatch
 
 if TYPE_CHECKING:
     from megatron_railwave.exchange import DispatchOutput, Exchange, LayerHandle
-    from megatron_railwave.selector import OnlineSelector, PathSelector
+    from megatron_railwave.selector import PathSelector
     from megatron_railwave.traffic import DemandCounts, TrafficStats
 
 __all__ = [
@@ -36,6 +37,7 @@ __all__ = [
     "LayerState",
     "MoveTail",
     "log_once_per_job",
+    "plans_min_max",
 ]
 
 # The dispatcher's logger: the modes' notices keep the name they were logged under before the
@@ -48,6 +50,21 @@ def log_once_per_job(message: str | None) -> None:
     rank takes the same decision, so one line per job says it."""
     if message is not None and global_rank() == 0:
         _LOG.warning(message)
+
+
+def plans_min_max(selector: PathSelector | OnlineSelector, path: Route | str | None) -> bool:
+    """Whether this layer call's plan may be a min-max one (FLOW / FLOW_WAVES), whose planner
+    reads every rank's copies per destination GPU (``planner.plan.delivery_copies_NNGG``), so the
+    count exchange must carry the delivery counts: a path already fixed for the call (a recompute
+    replays its forward's, which gathered them too) that is one, a fixed selector's, or an online
+    selector with one among its candidates. The same answer on every rank (the configuration's)."""
+    if path is not None:
+        return parse_route(path).min_max
+    if isinstance(selector, FixedSelector):
+        return selector.path.min_max
+    if isinstance(selector, OnlineSelector):
+        return any(p.min_max for p in selector.candidates)
+    return False
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -90,7 +107,7 @@ class DispatchInputs:
         routing_map: [T, E] bool.
         record_bytes: bytes of one token row (H x the hidden dtype's size).
         layer_number: Megatron's layer number (None: not set), named in the online selector's
-            logs and learned anchors.
+            logs and learned-paths report.
     """
 
     state: LayerState

@@ -8,8 +8,9 @@ exchange's device counts would be a host sync; on the constant it is not, and th
 (``dispatched.tokens_per_expert``). The statistics describe the capacity plan (the bytes that
 move); expert loads are not gathered.
 
-``CapacityMode``: the path is selected once, from the capacity demand's descriptors (the same at
-every call). ``OnlineCapacityMode`` (``selector: online``): one path per epoch of
+``CapacityMode`` (a fixed path, or a ``PathSelector`` a caller passes): the path is selected
+once, from the capacity demand's descriptors (the same at every call); no host sync at all.
+``OnlineCapacityMode`` (``path: auto``): one path per epoch of
 ``online.capacity_sync_every`` calls, its time on a small asynchronous all-reduce read an epoch
 later (the mode's one host wait; ``selector.capacity_epochs``, ``exchange.timing_reduce``).
 Recomputes replay their forward's path, untimed.
@@ -29,12 +30,7 @@ from megatron_railwave.dispatch_modes.base import (
 )
 from megatron_railwave.exchange import DispatchOutput, capacity_demand
 from megatron_railwave.names import Route
-from megatron_railwave.selector import (
-    FixedSelector,
-    OnlineSelector,
-    PathSelector,
-    select_for_layer,
-)
+from megatron_railwave.selector import FixedSelector, OnlineSelector, PathSelector
 from megatron_railwave.selector.capacity_epochs import CapacityEpochs
 from megatron_railwave.selector.online import fast_descriptors
 from megatron_railwave.steps import PassKind
@@ -88,7 +84,8 @@ class _FixedCapacity(DispatchMode):
 
 
 class CapacityMode(_FixedCapacity):
-    """Fixed capacity with a fixed path or a calibrated selector: the path is selected once."""
+    """Fixed capacity with a fixed path or a caller's ``PathSelector``: the path is selected
+    once."""
 
     def __init__(
         self,
@@ -114,9 +111,7 @@ class CapacityMode(_FixedCapacity):
             demand = capacity_demand(self.topology, self.capacity)
             self._descr = demand_stats(demand, self.topology, record_bytes=record_bytes)
             if selecting:
-                self._path = select_for_layer(
-                    self.selector, self._descr, demand, record_bytes=record_bytes
-                )
+                self._path = self.selector.select(self._descr)
         if self._path is None:
             self._path = self.selector.select(self._descr)
         path = call.path if call.path is not None else self._path

@@ -14,7 +14,7 @@ from megatron_railwave.selector import (
     PathSelector,
     selector_from_config,
 )
-from megatron_railwave.selector.online import save_learned_anchors_at_exit
+from megatron_railwave.selector.learned import save_learned_paths_at_exit
 from megatron_railwave.topology import RailTopology
 
 __all__ = ["choose_dispatch_mode"]
@@ -26,35 +26,24 @@ def choose_dispatch_mode(
     *,
     selector: PathSelector | None,
     num_local_experts: int,
-    hidden_size: int,
-    hidden_dtype: str,
 ) -> DispatchMode:
     """The mode of one MoE layer, from the config (the same on every rank): without
-    ``max_tokens_per_rank``, ``CountedMode`` (a fixed path or a calibrated selector) or
-    ``OnlineMode`` (the online selector); with it, ``CapacityMode`` or ``OnlineCapacityMode``.
+    ``max_tokens_per_rank``, ``CountedMode`` (a fixed path or a caller's selector) or
+    ``OnlineMode`` (the online selector, ``path: auto``); with it, ``CapacityMode`` or
+    ``OnlineCapacityMode``.
 
     Args:
         railwave: the RailWave configuration.
         topology: the EP group's rail topology.
-        selector: the selector for ``path: auto`` (None: the config's, ``selector_from_config``,
-            which warns about a missing anchors file once per job: on global rank 0). Ignored
-            for a fixed path.
+        selector: the selector for ``path: auto`` (None: the config's online selector,
+            ``selector_from_config``). Ignored for a fixed path.
         num_local_experts: E_loc (the fixed-capacity rows per expert).
-        hidden_size, hidden_dtype: the hidden states' width and dtype name ('bfloat16', ...),
-            recorded with the online selector's learned anchors (``online_out``).
     """
     if railwave.path == "auto":
         if selector is None:
-            # The missing-anchors warning: once per job (global rank 0), not once per rank.
-            selector = selector_from_config(railwave, topology, warn=global_rank() == 0)
+            selector = selector_from_config(railwave, topology)
         if isinstance(selector, OnlineSelector) and railwave.online_out and global_rank() == 0:
-            save_learned_anchors_at_exit(
-                railwave.online_out,
-                topology,
-                hidden_size=hidden_size,
-                dtype=hidden_dtype,
-                chunks=railwave.chunks,
-            )
+            save_learned_paths_at_exit(railwave.online_out, topology)
     else:
         selector = FixedSelector(railwave.path)
     online = isinstance(selector, OnlineSelector)

@@ -1,10 +1,10 @@
 """The counted mode: every call gathers the global counts, then the configured selector decides.
 
-For a fixed ``path`` (``FixedSelector``) and for ``path: auto`` with a calibrated selector (the
-anchor rule, the RAIL / JOINT path model, or one a caller passes). Per call: the count exchange
-(the layer's one host sync; with every rank's copies per destination GPU where the path model
-reads them), the path from global data (the same on every rank; a recompute replays its forward's
-path), the plan at the call's rotation phase, the prepare, then the dispatcher's shared tail.
+For a fixed ``path`` (``FixedSelector``) and for a ``PathSelector`` a caller passes. Per call:
+the count exchange (the layer's one host sync; with every rank's copies per destination GPU where
+a min-max plan reads them), the path from global data (the same on every rank; a recompute
+replays its forward's path), the plan at the call's rotation phase, the prepare, then the
+dispatcher's shared tail.
 """
 
 from __future__ import annotations
@@ -13,16 +13,14 @@ import time
 
 import torch
 
-from megatron_railwave.dispatch_modes.base import DispatchInputs, DispatchMode, MoveTail
-from megatron_railwave.names import Route
-from megatron_railwave.selector import (
-    FixedSelector,
-    PathSelector,
-    needs_delivery,
-    needs_descriptors,
+from megatron_railwave.dispatch_modes.base import (
+    DispatchInputs,
+    DispatchMode,
+    MoveTail,
     plans_min_max,
-    select_for_layer,
 )
+from megatron_railwave.names import Route
+from megatron_railwave.selector import FixedSelector, PathSelector
 from megatron_railwave.telemetry.stats import demand_stats
 from megatron_railwave.topology import RailTopology
 
@@ -30,7 +28,7 @@ __all__ = ["CountedMode"]
 
 
 class CountedMode(DispatchMode):
-    """The count exchange, then ``select_for_layer`` with the configured selector.
+    """The count exchange, then the configured selector's ``select``.
 
     Args:
         selector: a ``PathSelector`` (``FixedSelector`` for a fixed path).
@@ -47,27 +45,25 @@ class CountedMode(DispatchMode):
         """Collective: yes (EP group, the count exchange). Host sync: yes (one, the counts)."""
         state, exchange = inputs.state, inputs.exchange
         call = state.call
-        selecting = call.path is None and not isinstance(self.selector, FixedSelector)
         layer = exchange.gather_demand(
             inputs.hidden_states,
             inputs.probs,
             inputs.routing_map,
             expert_loads=state.wants_stats,
-            delivery_counts=(selecting and needs_delivery(self.selector))
-            or plans_min_max(self.selector, call.path),
+            delivery_counts=plans_min_max(self.selector, call.path),
         )
         t0 = time.perf_counter()
         record_bytes = inputs.record_bytes
         # Only the descriptors the decision reads are computed here, on the critical path; those of
         # the statistics wait until the dispatch is posted (the dispatcher's _move).
         descr = None
-        if selecting and needs_descriptors(self.selector):
+        if call.path is not None:
+            path: Route = call.path
+        elif isinstance(self.selector, FixedSelector):
+            path = self.selector.path
+        else:
             descr = demand_stats(layer.demand, self.topology, record_bytes=record_bytes)
-        path: Route = (
-            call.path
-            if call.path is not None
-            else select_for_layer(self.selector, descr, layer.demand, record_bytes=record_bytes)
-        )
+            path = self.selector.select(descr)
         plan = exchange.plan(layer, path, phase=call.phase)
         handle = exchange.prepare(layer, plan, inputs.hidden_states, inputs.probs)
         return move(

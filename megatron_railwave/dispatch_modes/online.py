@@ -22,9 +22,10 @@ from megatron_railwave.dispatch_modes.base import (
     LayerState,
     MoveTail,
     log_once_per_job,
+    plans_min_max,
 )
 from megatron_railwave.names import Route
-from megatron_railwave.selector import OnlineSelector, plans_min_max
+from megatron_railwave.selector import OnlineSelector
 from megatron_railwave.selector.online import encode_timing, fast_descriptors
 from megatron_railwave.steps import PassKind
 from megatron_railwave.telemetry.stats import Stopwatch

@@ -10,7 +10,7 @@ Lifecycle (the same programs run over torch.distributed and in the virtual clust
      mask histogram and expert counts each receiver needs (the online selector's timing word
      rides in the status word, ``pack_status``; and, on request, E more for the
      expert loads and W * K more for every rank's copies per destination GPU and mask class,
-     the path model's input); then ONE device-to-host copy of what arrived. This is the
+     the min-max plans' input); then ONE device-to-host copy of what arrived. This is the
      layer's only host sync. Bad input anywhere raises the same ``InputError`` on every rank
      right here, before any data moves.
   2. ``prepare_layer`` (plain function, host + asynchronous device work): the plan is passed
@@ -323,7 +323,8 @@ def gather_demand(
         delivery_counts: also carry every rank's (record, target GPU) copies per destination GPU
             and mask class (``traffic.mask_classes``: W * K more int64 per row, K = 4 from 2 GPUs
             per node; same all-to-all and host copy) into ``DemandCounts.delivery_WNKG``, for the
-            path model (``path_model``). Must be the same on every rank.
+            min-max plans (FLOW / FLOW_WAVES, which read the sum over classes). Must be the same
+            on every rank.
         timing_word: this rank's measured time of the layer's previous call for the online
             selector (``selector.online.encode_timing``: nanoseconds, or a code in
             [-255, 0]), the same to every peer; every rank gets all of them in ``timing_W``. It

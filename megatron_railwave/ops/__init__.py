@@ -1,6 +1,6 @@
 """RailWave data-movement ops: records from routing, RailBalance egress, row packing and the
-fixed-order segment sum; and host-planning ops (compiled only: ``rail_plan``, ``rank_schedule``,
-``arrival_copies``, ``path_estimates``, ``layer_descriptors``).
+fixed-order segment sum; and host-planning ops (compiled only: ``rail_plan``, ``flow_plan``,
+``rank_schedule``, ``layer_descriptors``).
 
 Letters: T tokens of one rank, E experts, N nodes, G GPUs per node, M = 2**G target masks,
 C = T * N record capacity, n rows, S segments, R rails.
@@ -16,7 +16,7 @@ calls the reference directly.
 
 The host-planning ops have CPU kernels only, and their references sit above this package, so they
 return None where the compiled ops are not used (the caller runs the reference): ``rail_plan``,
-``rank_schedule``, ``arrival_copies`` and ``path_estimates`` are torch ops
+``flow_plan`` and ``rank_schedule`` are torch ops
 (``_compiled.host_op``); ``layer_descriptors`` is a plain CPython function of the extension
 (``_compiled.host_function``), called on every MoE layer, where a torch op's dispatch (~3 us) would
 cost more than the work.
@@ -57,8 +57,6 @@ __all__ = [
     "rank_schedule",
     "rail_plan",
     "flow_plan",
-    "arrival_copies",
-    "path_estimates",
     "layer_descriptors",
     "compiled_for",
     "load_error",
@@ -336,95 +334,6 @@ def flow_plan(
         nic_cost,
         units,
         sweeps,
-    )
-
-
-def arrival_copies(
-    records_NGN: torch.Tensor,
-    class_copies_NGNKG: torch.Tensor,
-    relay_NNGG: torch.Tensor,
-    *,
-    chunks: int,
-) -> torch.Tensor | None:
-    """The path model's expected copies per node pair, rail chunk, arrival GPU and target GPU in
-    one compiled call (csrc/cpu/arrivals.cpp); None where the compiled ops do not load (the
-    caller then runs ``arrivals``' numpy, the reference: tests/unit/test_arrival_copies_op.py
-    checks the agreement).
-
-    Args:
-        records_NGN: [N, G, N] float64 (CPU), records owned by GPU (s, o) for node d.
-        class_copies_NGNKG: [N, G, N, K, G] float64 (CPU), (record, target GPU) copies owner
-            (s, o) sends to GPU (d, j) among its records of mask class k (``traffic.mask_classes``).
-        relay_NNGG: [N, N, G, G] int64 (CPU), RailBalance's records of owner (s, o) for node d
-            that leave on rail l (``planner.railbalance.relay_NNGG``; o == l: the part it keeps).
-        chunks: rail chunks per wave (1: whole waves).
-
-    Returns:
-        [N, N, chunks, G, G] float64 on the CPU: copies from node s arriving on GPU (d, l) in
-        chunk k for GPU (d, j). Host sync: no (host tensors).
-    """
-    op = host_op("arrival_copies")
-    if op is None:
-        return None
-    return op(
-        records_NGN.contiguous(), class_copies_NGNKG.contiguous(), relay_NNGG.contiguous(), chunks
-    )
-
-
-def path_estimates(
-    records_WN: torch.Tensor,
-    copies_WNKG: torch.Tensor,
-    eligible_NNG: torch.Tensor,
-    window_NN: torch.Tensor,
-    *,
-    num_windows: int,
-    chunks: int,
-    record_bytes: int,
-    nvlink_bytes_per_s: float,
-    rail_bytes_per_s: float,
-    rail_phase_s: float,
-    layer_s: float,
-    combine_share: float,
-) -> torch.Tensor | None:
-    """The path model's estimated seconds of one layer on RAIL and on JOINT in one compiled call
-    from the gathered counts (csrc/cpu/path_model.cpp; RailBalance's relay as ``rail_plan``
-    computes it, rotation 0); None where the compiled ops do not load (the caller then runs
-    ``path_model``'s numpy, the reference: tests/unit/test_arrival_copies_op.py checks the
-    agreement).
-
-    Args:
-        records_WN: [W, N] int64 (CPU), records rank w = s * G + o sends to node d.
-        copies_WNKG: [W, N, K, G] int64 (CPU), (record, target GPU) copies rank w sends to GPU
-            (d, j) among its records of mask class k (``traffic.mask_classes``).
-        eligible_NNG: [N, N, G] bool (CPU), GPUs of s whose rails carry the pair (s, d)'s records
-            (``planner.railbalance.eligible_NNG``).
-        window_NN: [N, N] int64 (CPU), the sending window of each node pair (RAIL keeps them;
-            -1: the pair sends nothing remote), windows 0 .. ``num_windows`` - 1.
-        chunks: JOINT's rail chunks per wave.
-        record_bytes: payload bytes of one record.
-        nvlink_bytes_per_s / rail_bytes_per_s: the topology's rates.
-        rail_phase_s / layer_s: the fixed costs per rail phase and per layer.
-        combine_share: the part of the overlap with combine's local round a round back waits for.
-
-    Returns:
-        [2] float64 on the CPU: (RAIL, JOINT) seconds. Host sync: no (host tensors).
-    """
-    op = host_op("path_estimates")
-    if op is None:
-        return None
-    return op(
-        records_WN.contiguous(),
-        copies_WNKG.contiguous(),
-        eligible_NNG.contiguous(),
-        window_NN.contiguous(),
-        num_windows,
-        chunks,
-        float(record_bytes),
-        float(nvlink_bytes_per_s),
-        float(rail_bytes_per_s),
-        float(rail_phase_s),
-        float(layer_s),
-        float(combine_share),
     )
 
 

@@ -14,7 +14,7 @@ The low-level ``torch.library.Library`` API, not ``torch.library.custom_op``: cu
 ``SymInt`` for ``int`` (the C++ kernels' inferred schemas say ``int``) and puts a Python layer in
 front of every call, the compiled ones included.
 
-The host-planning ops (rail_plan, flow_plan, rank_schedule, arrival_copies, path_estimates) have
+The host-planning ops (rail_plan, flow_plan, rank_schedule) have
 CPU kernels only and no kernel here: their references sit above this package
 (``_compiled.host_op``).
 """
@@ -47,10 +47,6 @@ SCHEMAS = (
     "rank_schedule(Tensor records, Tensor quota, Tensor relay, Tensor wave, Tensor masks, "
     "int rank, int chunks, int num_phases, int relay_phase, int[] rail_phase, int[] deliver_phase) "
     "-> (Tensor, Tensor, Tensor, Tensor, Tensor)",
-    "arrival_copies(Tensor records, Tensor copies, Tensor relay, int chunks) -> Tensor",
-    "path_estimates(Tensor records, Tensor copies, Tensor eligible, Tensor window, "
-    "int num_windows, int chunks, float record_bytes, float nvlink_bytes_per_s, "
-    "float rail_bytes_per_s, float rail_phase_s, float layer_s, float combine_share) -> Tensor",
 )
 """The op schemas (the C++ kernels' signatures must match them: csrc/common/ops.h)."""
 
@@ -115,28 +111,6 @@ def _register_fakes() -> None:
     def _rail_plan_fake(records, eligible, balanced, phase):
         n, g = records.shape[0], records.shape[2]
         return records.new_empty((n, n, g)), records.new_empty((n, n, g, g))
-
-    @fake("arrival_copies")
-    def _arrival_copies_fake(records, copies, relay, chunks):
-        n, g = records.shape[0], records.shape[1]
-        return records.new_empty((n, n, chunks, g, g))
-
-    @fake("path_estimates")
-    def _path_estimates_fake(
-        records,
-        copies,
-        eligible,
-        window,
-        num_windows,
-        chunks,
-        record_bytes,
-        nvlink_bytes_per_s,
-        rail_bytes_per_s,
-        rail_phase_s,
-        layer_s,
-        combine_share,
-    ):
-        return records.new_empty((2,))
 
     @fake("rank_schedule")
     def _rank_schedule_fake(

@@ -2,9 +2,9 @@
 
 Letters: W ranks (N nodes x G GPUs), R rails.
 
-Why: the four paths give bitwise-identical results, so running a path in a real step costs only
-time, never numerics; the measured time of a layer call on this fabric is the ground truth the
-offline anchors (calibrated on a flow model or on replays) only estimate.
+Why: the paths give bitwise-identical results, so running a path in a real step costs only
+time, never numerics; the measured time of a layer call on this fabric is the ground truth any
+offline estimate (a flow model, replays) only approximates.
 
 Protocol (``OnlineSelector``, one per MoE layer; pure and deterministic given the shared data):
   * every layer call ``decide``\\ s from the layer's global descriptors (B, rho_g, kappa of the
@@ -19,7 +19,7 @@ Protocol (``OnlineSelector``, one per MoE layer; pure and deterministic given th
     its own clock said;
   * per (pass kind, neighbourhood): a neighbourhood is a centre in the selector coordinates
     (log2 B / ref, (rho_g - 1) / rho_scale, (kappa - 1) / kappa_scale) and the descriptors within
-    ``payload_ratio`` and ``shape_distance`` of it (the anchor rule's window). Inside one, each
+    ``payload_ratio`` and ``shape_distance`` of it. Inside one, each
     candidate path is probed ``probes`` times, round by round (a candidate whose first times are
     ``drop_ratio`` slower than the best median so far stops early), then the path with the lowest
     median runs ("exploit"); an exploit call becomes a re-probe of the stalest other candidate
@@ -29,8 +29,8 @@ Protocol (``OnlineSelector``, one per MoE layer; pure and deterministic given th
     descriptors leave the neighbourhood, the nearest known neighbourhood that holds them is
     reused, else a new one starts, its probe order seeded by the nearest measured neighbourhood of
     the same layer and pass kind, else (``share``) of any layer of this process (one fabric), else
-    by the prior (an anchors file: its anchor's path first); paths the seed puts ``drop_ratio``
-    behind the best wait for re-probes. With ``share``, a layer about to probe a path no time of
+    in the candidates' order (JOINT first); paths the seed puts ``drop_ratio`` behind the best
+    wait for re-probes. With ``share``, a layer about to probe a path no time of
     it has reached yet first looks at the other layers: a nearby neighbourhood that timed it
     ``drop_ratio`` behind another path defers it; another layer's probe of it in flight makes
     this layer wait (run its best path, at most ``_MAX_WAITS`` calls) for that time. JOINT is
@@ -44,21 +44,18 @@ Protocol (``OnlineSelector``, one per MoE layer; pure and deterministic given th
     to JOINT for the rest of the run, with one logged reason. All of this follows from the
     shared words, so it happens on every rank at the same call.
 
-What it learned is an anchors file in ``railwave calibrate``'s format (``learned_anchor_set``):
-one anchor per neighbourhood that timed its best path (paths it deferred without timing them
-carry the seed's estimate, listed in ``context.settings.online.estimated``), readable by
-``railwave validate`` and loadable by the next run as a prior.
+What it learned (per layer, pass kind and neighbourhood: the best path and the median time of
+each timed path) is a small YAML report (``selector.learned``, the config's ``online_out``); no
+run reads it back: every run learns from its own measurements.
 """
 
 from __future__ import annotations
 
-import atexit
 import logging
 import math
-import os
 import weakref
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from functools import lru_cache
 from operator import mul, truediv
@@ -69,14 +66,7 @@ import torch
 
 from megatron_railwave import ops
 from megatron_railwave.config import OnlineSettings
-from megatron_railwave.names import PAPER_ROUTES, Route
-from megatron_railwave.selector.anchors import (
-    Anchor,
-    AnchorSet,
-    CalibrationContext,
-    PathLatency,
-    save_anchors,
-)
+from megatron_railwave.names import Route
 from megatron_railwave.topology import RailTopology
 from megatron_railwave.traffic import SelectorScales, TrafficStats
 
@@ -88,16 +78,11 @@ __all__ = [
     "OnlineSelector",
     "SharedNeighbourhoods",
     "PROCESS_SHARED",
-    "Prior",
     "fast_descriptors",
     "encode_timing",
     "slowest_timing",
     "slowest_reduced_timing",
-    "learned_anchor_set",
-    "anchor_prior",
     "live_selectors",
-    "save_learned_anchors",
-    "save_learned_anchors_at_exit",
     "TIMING_NONE",
     "TIMING_MISSING",
     "TIMING_NAN",
@@ -437,13 +422,13 @@ class _Neighbourhood:
     centre: tuple[float, float, float]
     stats: TrafficStats
     order: tuple[Route, ...]
-    """Probe order (the prior's or the nearest neighbourhood's best first)."""
+    """Probe order (the nearest measured neighbourhood's best first)."""
     times: dict[Route, _Times]
     deferred: set[Route] = field(default_factory=set)
+    """Candidates not probed now (dropped early, or put behind by the seed): re-probes only."""
     seed_excess: dict[Route, float] = field(default_factory=dict)
     """Deferred candidates' excess over the best (ratio - 1) as the seed measured it, until this
     neighbourhood times them itself (their re-probe wait)."""
-    """Candidates not probed now (dropped early, or put behind by the prior): re-probes only."""
     exploits: int = 0
     reprobes: int = 0
     waits: int = 0
@@ -483,9 +468,6 @@ class OnlineDecision:
     neighbourhood: int = -1
     call: int = 0
 
-
-Prior = Callable[[TrafficStats], "tuple[Route, dict[Route, float] | None] | None"]
-"""The anchors' advice for a new neighbourhood: (path, median seconds per path or None), or None."""
 
 _LIVE: weakref.WeakSet[OnlineSelector] = weakref.WeakSet()
 
@@ -563,7 +545,7 @@ PROCESS_SHARED = SharedNeighbourhoods()
 
 
 def live_selectors() -> list[OnlineSelector]:
-    """Every ``OnlineSelector`` of this process, by layer (what ``learned_anchor_set`` writes)."""
+    """Every ``OnlineSelector`` of this process, by layer (what ``selector.learned`` reports)."""
     return sorted(_LIVE, key=lambda s: (s.layer if s.layer is not None else -1, id(s)))
 
 
@@ -573,9 +555,8 @@ class OnlineSelector:
     Args:
         settings: the knobs (same on every rank).
         scales: (payload_ref_bytes, rho_scale, kappa_scale) of the coordinates.
-        prior: the anchors' advice for new neighbourhoods (``selector_from_config`` builds it from
-            an anchors file), or None.
-        layer: the layer number (logs and learned anchors).
+        layer: the layer number (logs and the learned-paths report).
+        shared: the process's ``SharedNeighbourhoods`` (used with ``settings.share``), or None.
     """
 
     def __init__(
@@ -583,13 +564,11 @@ class OnlineSelector:
         settings: OnlineSettings | None = None,
         *,
         scales: tuple[float, float, float],
-        prior: Prior | None = None,
         layer: int | None = None,
         shared: SharedNeighbourhoods | None = None,
     ) -> None:
         self.settings = settings or OnlineSettings()
         self.scales = scales
-        self.prior = prior
         self.layer = layer
         self.shared = shared if self.settings.share else None
         self.candidates: tuple[Route, ...] = tuple(
@@ -745,7 +724,7 @@ class OnlineSelector:
         order, deferred, seeded = self.candidates, set(), "none"
         known = [nb for nb in table if nb.best() is not None]
         near = None
-        if known:  # what this job measured outranks any prior: this layer first, then any layer
+        if known:  # this layer's own measurements first, then any layer's
             near = min(
                 known,
                 key=lambda nb: (
@@ -761,17 +740,6 @@ class OnlineSelector:
         if near is not None:
             medians = {p: t.median() for p, t in near.times.items() if t.recent}
             order, deferred, excess = self._seeded_order(medians)
-        elif self.prior is not None:
-            advice = self.prior(stats)
-            if advice is not None:
-                path, medians = advice
-                if medians:
-                    order, deferred, excess = self._seeded_order(
-                        {p: v for p, v in medians.items() if p in self.candidates}
-                    )
-                elif path in self.candidates:
-                    order = (path,) + tuple(p for p in self.candidates if p != path)
-                seeded = "anchors"
         nb = _Neighbourhood(
             index=index,
             centre=(x, y, z),
@@ -901,170 +869,14 @@ class OnlineSelector:
             "bad_timings": self.bad_total,
         }
 
-    def learned(
-        self, kind: str = "train"
-    ) -> list[tuple[_Neighbourhood, dict[Route, PathLatency], list[Route]]]:
-        """Neighbourhoods of ``kind`` that timed their best path, with every path's latency summary
-        and the paths whose latency is *estimated*: never timed there but deferred by a seed
-        (another neighbourhood's ratio to its best, ``seed_excess``): the best median x (1 +
-        excess), one pseudo-sample. Neighbourhoods with a path neither timed nor estimated are left
-        out."""
+    def learned(self) -> list[tuple[str, _Neighbourhood, Route, dict[Route, float]]]:
+        """What this layer measured: (pass kind, neighbourhood, best path, median seconds per
+        timed path) for every neighbourhood that timed a path, by pass kind, then index."""
         out = []
-        # Every candidate and the paper's four paths (an anchor carries all four).
-        needed = tuple(p for p in ALL_PATHS if p in self.candidates or p in PAPER_ROUTES)
-        for nb in sorted(self._tables.get(kind, []), key=lambda n: n.index):
-            best = nb.best()
-            if best is None or any(p not in nb.times for p in needed):
-                continue
-            lat, estimated = {}, []
-            for p in needed:
-                values = sorted(nb.times[p].recent)
-                if values:
-                    lat[p] = PathLatency(
-                        median=nb.times[p].median(),
-                        p10=_quantile(values, 0.1),
-                        p90=_quantile(values, 0.9),
-                        samples=len(values),
-                    )
-                elif p in nb.seed_excess:
-                    v = nb.times[best].median() * (1.0 + nb.seed_excess[p])
-                    lat[p] = PathLatency(median=v, p10=v, p90=v, samples=1)
-                    estimated.append(p)
-            if len(lat) == len(needed):
-                out.append((nb, lat, estimated))
+        for kind in sorted(self._tables):
+            for nb in sorted(self._tables[kind], key=lambda n: n.index):
+                best = nb.best()
+                if best is not None:
+                    medians = {p: t.median() for p, t in nb.times.items() if t.recent}
+                    out.append((kind, nb, best, medians))
         return out
-
-
-def _quantile(sorted_values: list[float], q: float) -> float:
-    if len(sorted_values) == 1:
-        return sorted_values[0]
-    pos = q * (len(sorted_values) - 1)
-    lo = int(math.floor(pos))
-    hi = min(lo + 1, len(sorted_values) - 1)
-    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
-
-
-def learned_anchor_set(
-    selectors: Iterable[OnlineSelector],
-    topo: RailTopology,
-    *,
-    hidden_size: int,
-    dtype: str,
-    backend: str = "online",
-    kind: str = "train",
-    chunks: int = 1,
-    settings: dict[str, Any] | None = None,
-) -> AnchorSet:
-    """The anchors file of what ``selectors`` learned (``anchors.save_anchors`` writes it).
-
-    One anchor per neighbourhood of pass ``kind`` that timed its best path and has every path
-    timed or estimated (``OnlineSelector.learned``): its centre's descriptors, the path with the
-    lowest median, and each path's median / p10 / p90 of the kept times (slowest rank per call);
-    ``context.settings.online.estimated`` names, per anchor, the paths whose latency is estimated.
-    ``context.settings.selector`` records the neighbourhood window as the anchor rule's thresholds,
-    ``context.settings.online`` the selector's knobs.
-    """
-    selectors = list(selectors)
-    anchors = []
-    estimated: dict[str, list[str]] = {}
-    scales = None
-    online = None
-    for sel in selectors:
-        scales = scales or sel.scales
-        online = online or sel.settings
-        for nb, lat, guessed in sel.learned(kind):
-            best = min(lat, key=lambda p: (lat[p].median, ALL_PATHS.index(p)))
-            name = f"online-l{sel.layer}-{kind}-n{nb.index}"
-            anchors.append(
-                Anchor(
-                    name=name,
-                    coords=nb.centre,
-                    B_mean_bytes=nb.stats.B_mean_bytes,
-                    rho_g=nb.stats.rho_g,
-                    kappa=nb.stats.kappa,
-                    path=best,
-                    latency_s=lat,
-                    input_windows=1,
-                )
-            )
-            estimated.update({name: [str(p) for p in guessed]} if guessed else {})
-    online = online or OnlineSettings()
-    extra = dict(settings or {})
-    extra.setdefault(
-        "selector", {"payload_ratio": online.payload_ratio, "shape_distance": online.shape_distance}
-    )
-    extra["online"] = {
-        **online.to_dict(),
-        "pass_kind": kind,
-        "layers": [s.layer for s in selectors],
-        "estimated": estimated,
-    }
-    extra["chunks"] = int(chunks)
-    context = CalibrationContext(
-        topology=topo.to_dict(),
-        hidden_size=int(hidden_size),
-        dtype=dtype,
-        backend=backend,
-        date=CalibrationContext.now(),
-        settings=extra,
-    )
-    return AnchorSet(
-        anchors=tuple(anchors), scales=scales or AnchorSet.scales_for(topo), context=context
-    )
-
-
-def anchor_prior(anchor_set: AnchorSet, explain: Callable[[TrafficStats], Any]) -> Prior:
-    """A ``Prior`` from an anchors file: ``explain`` (the anchor rule's) names the anchor; its
-    median latencies order the probes. Outside every anchor: the rule's path alone."""
-    by_name = {a.name: a for a in anchor_set.anchors}
-
-    def prior(stats: TrafficStats) -> tuple[Route, dict[Route, float] | None] | None:
-        selection = explain(stats)
-        anchor = by_name.get(selection.anchor) if selection.anchor else None
-        if anchor is None:
-            return selection.path, None
-        return anchor.path, {p: lat.median for p, lat in anchor.latency_s.items()}
-
-    return prior
-
-
-def save_learned_anchors(
-    path: str | os.PathLike,
-    topo: RailTopology,
-    *,
-    hidden_size: int,
-    dtype: str,
-    chunks: int = 1,
-    kind: str = "train",
-) -> os.PathLike | None:
-    """Write what this process's online selectors learned (``live_selectors``) as an anchors
-    file; returns its path, or None when nothing was learned (no live selector, e.g. the model
-    was freed before interpreter exit, or no neighbourhood measured yet): then the file is left
-    as it is, with one log line, rather than replaced by an empty anchors set."""
-    anchor_set = learned_anchor_set(
-        live_selectors(), topo, hidden_size=hidden_size, dtype=dtype, chunks=chunks, kind=kind
-    )
-    if not anchor_set.anchors:
-        _LOG.warning(
-            "online_out=%r: nothing learned to write (no live online selector with a measured "
-            "neighbourhood: was the model freed before exit?); the file is left as it is",
-            str(path),
-        )
-        return None
-    return save_anchors(anchor_set, path)
-
-
-_AT_EXIT: set[str] = set()
-
-
-def save_learned_anchors_at_exit(
-    path: str | os.PathLike, topo: RailTopology, *, hidden_size: int, dtype: str, chunks: int = 1
-) -> None:
-    """Register ``save_learned_anchors`` at interpreter exit, once per path and process."""
-    key = str(path)
-    if key in _AT_EXIT:
-        return
-    _AT_EXIT.add(key)
-    atexit.register(
-        save_learned_anchors, path, topo, hidden_size=hidden_size, dtype=dtype, chunks=chunks
-    )

@@ -11,16 +11,15 @@ records, per rank, what each case raised; the tests below check those records:
   TransformerConfig options: ValueError at construction on every rank, before any collective;
 * a rank with zero tokens (rank 1) and a rank that receives nothing (no token picks rank 3's
   experts): every path returns the right shapes and values (identity experts) and gradients;
-* path 'auto' with a missing anchors file: one logger warning in the whole job (global rank 0),
-  however many MoE layers are built;
+* an old config that still names the retired offline selector (``anchors``, ``selector:
+  anchors``, ``payload_ratio``, ``shape_distance``): ValueError at config load on every rank,
+  before any collective, naming the key, what replaced it and the fix;
 * placement from facts: a launcher that numbers ranks cyclically (EP rank e on host e % 2 as local
   GPU 1 - e // 2) gives the same outputs and gradients, bitwise, as node-by-node numbering; an
   uneven layout (3 + 1 ranks per host) and a rank with another ``failed_rails`` / ``path`` raise one
   clear error on every rank, naming the layout or the ranks and fields;
 * statistics on demand: a fixed path without a sink computes no descriptors and no statistics; a
-  sink gets the layer's global tokens-per-expert min / max / std and overload factor;
-* path 'auto' with the path model: the count exchange carries the copies per destination GPU and
-  every rank computes the same features and path.
+  sink gets the layer's global tokens-per-expert min / max / std and overload factor.
 """
 
 from __future__ import annotations
@@ -252,7 +251,7 @@ def dispatcher_errors_worker(rank: int, world: int) -> dict[str, Any]:
     seen: list[Any] = []
     try:
 
-        class Selector:  # a calibrated selector reads the descriptors
+        class Selector:  # a caller's PathSelector reads the descriptors
             def select(self, stats):
                 assert stats is not None
                 return "rail"
@@ -301,59 +300,22 @@ def dispatcher_errors_worker(rank: int, world: int) -> dict[str, Any]:
         "rail_bytes": seen[0].rail_bytes,
     }
 
-    # path 'auto' with the path model: the count exchange carries every rank's copies per
-    # destination GPU, every rank computes the same features and path, and the layer is right.
-    from megatron_railwave.selector import ModelSelector
-    from megatron_railwave.selector.path_model import FEATURE_NAMES, RailJointModel, path_features
-    from megatron_railwave.topology import RailTopology
+    # An old config naming the retired offline selector: every rank fails at config load, before
+    # any collective (each rank reads the same file), with the key, what replaced it and the fix.
+    from megatron_railwave.config import load_config
 
-    class RecordingModel(ModelSelector):
-        decisions: list[Any] = []
-
-        def select_layer(self, stats, demand, *, record_bytes, windows=None):
-            path = super().select_layer(stats, demand, record_bytes=record_bytes, windows=windows)
-            features = path_features(
-                demand, self.topo, record_bytes=record_bytes, costs=self.model.costs
-            )
-            self.decisions.append(
-                (demand.delivery_WNKG is not None, stats is None, str(path), features.tolist())
-            )
-            return path
-
-    coef = [0.0] * len(FEATURE_NAMES)
-    coef[FEATURE_NAMES.index("log_estimate_v4")] = 1.0  # RAIL where its estimate is below JOINT's
-    selector = RecordingModel(
-        RailJointModel(all_pairs=tuple(coef)), RailTopology(num_nodes=2, gpus_per_node=2)
-    )
-    model_d = RailWaveTokenDispatcher(
-        per,
-        local,
-        config(),
-        pgs,
-        railwave=RailWaveConfig(gpus_per_node=2, path="auto"),
-        selector=selector,
-    )
-    hidden, probs, routing = _inputs(rank, 9, seed=7)
-    result, _ = _run_hooks(model_d, hidden, probs, routing)
-    out["model_selector"] = {
-        "decisions": RecordingModel.decisions,
-        "right": bool(
-            torch.allclose(result.squeeze(1), hidden * probs.sum(1, keepdim=True), atol=1e-6)
-        ),
-    }
-
-    # path 'auto' without its anchors file: three MoE layers, one warning on global rank 0 only.
-    import logging
-
-    records: list[logging.LogRecord] = []
-    handler = logging.Handler(logging.WARNING)
-    handler.emit = records.append  # type: ignore[method-assign]
-    logging.getLogger("megatron_railwave").addHandler(handler)
-    missing = RailWaveConfig(gpus_per_node=2, path="auto", anchors="/nonexistent/anchors.yaml")
-    for _ in range(3):
-        RailWaveTokenDispatcher(per, local, config(), pgs, railwave=missing)
-    logging.getLogger("megatron_railwave").removeHandler(handler)
-    out["missing_anchors_warnings"] = [r.getMessage() for r in records]
+    out["retired_keys"] = {}
+    for key, value in (
+        ("anchors", "h800_4x8"),
+        ("selector", "anchors"),
+        ("payload_ratio", 1.25),
+        ("shape_distance", 0.02),
+    ):
+        try:
+            load_config({"gpus_per_node": 2, "path": "auto", key: value})
+            out["retired_keys"][key] = "no error"
+        except ValueError as exc:
+            out["retired_keys"][key] = str(exc)
 
     # Malformed input on one rank: every rank raises after the count all-gather.
     dispatcher = make("joint")
@@ -448,13 +410,17 @@ def test_dispatcher_topology_mismatch_raises_at_construction(ranks):
         ), res["topology"]
 
 
-def test_dispatcher_missing_anchors_warns_once_on_rank_zero(ranks):
-    assert len(ranks[0]["missing_anchors_warnings"]) == 1
-    assert (
-        "anchors file '/nonexistent/anchors.yaml' does not exist"
-        in ranks[0]["missing_anchors_warnings"][0]
-    )
-    assert all(res["missing_anchors_warnings"] == [] for res in ranks[1:])
+def test_retired_selector_keys_fail_at_config_load_on_every_rank(ranks):
+    first = ranks[0]["retired_keys"]
+    assert first["anchors"].startswith("railwave config: anchors='h800_4x8' was removed: ")
+    assert "path: auto runs the online selector" in first["anchors"]
+    assert "Delete the key" in first["anchors"]
+    assert first["selector"].startswith("railwave config: selector='anchors' was removed: ")
+    assert "Delete selector" in first["selector"] and "path: joint" in first["selector"]
+    for key in ("payload_ratio", "shape_distance"):
+        assert f"{key}=" in first[key] and "was removed" in first[key]
+        assert f"online: {{{key}: ...}}" in first[key] and "move it under online:" in first[key]
+    assert all(res["retired_keys"] == first for res in ranks)
 
 
 @pytest.mark.parametrize("option", sorted(UNSUPPORTED) + ["tensor_parallel"])
@@ -598,12 +564,3 @@ def test_stats_carry_the_global_expert_load(ranks):
             len(res["expert_load"]["rail_bytes"]) == 2
             and sum(map(sum, res["expert_load"]["rail_bytes"])) > 0
         )
-
-
-def test_path_model_selector_gets_delivery_counts_and_ranks_agree(ranks):
-    first = ranks[0]["model_selector"]["decisions"]
-    assert len(first) == 1 and first[0][0] is True  # the count exchange carried the copies
-    assert first[0][1] is True  # no statistics asked for: the dispatcher skipped the descriptors
-    for res in ranks:
-        assert res["model_selector"]["decisions"] == first  # same features, same path, bitwise
-        assert res["model_selector"]["right"]

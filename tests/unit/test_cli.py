@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from megatron_railwave.cli import build_parser, main
 from megatron_railwave.names import ROUTES
@@ -79,50 +80,6 @@ EXPECTED_FLAGS = {
         "--shared-ffn",
         "--json",
     ],
-    "calibrate": [
-        "--cluster",
-        "--nodes",
-        "--failed-rail",
-        "--backend",
-        "--model",
-        "--warmups",
-        "--repeats",
-        "--no-progress",
-        "--retune",
-        "--workload",
-        "--families",
-        "--layers",
-        "--seed",
-        "--extra-seeds",
-        "--arrangements",
-        "--payload-scales",
-        "--tokens",
-        "--hidden",
-        "--dtype",
-        "--chunks",
-        "--max-spread",
-        "--min-gain",
-        "--json",
-        "--write-anchors",
-    ],
-    "validate": [
-        "--anchors",
-        "--cluster",
-        "--backend",
-        "--model",
-        "--warmups",
-        "--repeats",
-        "--no-progress",
-        "--requests",
-        "--layers",
-        "--seed",
-        "--require-goals",
-        "--payload-ratio",
-        "--shape-distance",
-        "--bench",
-        "--rule",
-        "--json",
-    ],
     "online-sim": [
         "--cluster",
         "--nodes",
@@ -137,8 +94,6 @@ EXPECTED_FLAGS = {
         "--seed",
         "--noise",
         "--chunks",
-        "--anchors",
-        "--prior",
         "--learned",
         "--base-from",
         "--decision-cost",
@@ -353,7 +308,6 @@ EXPECTED_FLAGS = {
 
 
 DEPRECATED_FLAGS = {
-    "calibrate": {"--out": "--write-anchors"},
     "netmodel fit-incast": {"--out": "--write-model"},
     "plan-bench": {"--warmup": "--warmups"},
     "testbed run": {"--warmup": "--warmups"},
@@ -447,12 +401,6 @@ def test_json_is_a_file_and_out_a_directory_in_every_command():
 @pytest.mark.parametrize(
     ("argv", "new", "dest", "value"),
     [
-        (
-            ["calibrate", "--cluster", H800, "--out", "a.yaml"],
-            "--write-anchors",
-            "write_anchors",
-            "a.yaml",
-        ),
         (["netmodel", "fit-incast", "--out", "m.yaml"], "--write-model", "write_model", "m.yaml"),
         (["plan-bench", "--warmup", "0"], "--warmups", "warmups", 0),
         (["testbed", "run", "--warmup", "1"], "--warmups", "warmups", 1),
@@ -469,13 +417,12 @@ def test_a_renamed_flag_still_works_for_one_release_and_names_the_new_one(
     assert f"{old} {argv[-1]} is deprecated" in err and f"use {new} {argv[-1]}" in err
 
 
-def test_calibrate_needs_the_anchors_file(capsys):
-    with pytest.raises(SystemExit) as exc:
-        main(["calibrate", "--cluster", H800, "--backend", "netmodel"])
-    assert exc.value.code == 2 and "--write-anchors" in capsys.readouterr().err
-    with pytest.raises(SystemExit) as exc:
-        main(["calibrate", "--cluster", H800, "--out", "a.yaml", "--write-anchors", "b.yaml"])
-    assert exc.value.code == 2 and "not allowed with" in capsys.readouterr().err
+def test_retired_selector_commands_are_gone(capsys):
+    # calibrate / validate wrote and checked the offline anchors files, retired with them.
+    for name in ("calibrate", "validate"):
+        with pytest.raises(SystemExit) as exc:
+            main([name, "--help"])
+        assert exc.value.code == 2 and "invalid choice" in capsys.readouterr().err
 
 
 def test_arrangements_are_the_workload_patterns():
@@ -657,7 +604,6 @@ _OUTPUT_FLAGS = {
     "--plot",
     "--profile-out",
     "--state-dir",
-    "--write-anchors",
     "--write-model",
     "--learned",
 }
@@ -691,7 +637,7 @@ def test_every_output_flag_is_checked_up_front():
     assert missing == []
 
 
-def _commands_writing_to(path: str, log_dir: str, anchors: str) -> list[list[str]]:
+def _commands_writing_to(path: str, log_dir: str) -> list[list[str]]:
     return [
         ["plan", "--cluster", H800, "--tokens", "8", "--json", path],
         ["plan-bench", "--configs", "2x2", "--json", path],
@@ -700,19 +646,6 @@ def _commands_writing_to(path: str, log_dir: str, anchors: str) -> list[list[str
         ["bench-exchange", "--profile", "native", "--profile-out", path],
         ["bench", "--cluster", H800, "--json", path],
         ["bench", "--cluster", H800, "--plot", path],
-        ["calibrate", "--backend", "netmodel", "--cluster", H800, "--write-anchors", path],
-        [
-            "calibrate",
-            "--backend",
-            "netmodel",
-            "--cluster",
-            H800,
-            "--write-anchors",
-            anchors,
-            "--json",
-            path,
-        ],
-        ["validate", "--anchors", anchors, "--bench", "--json", path],
         ["report", log_dir, "--json", path],
         ["testbed", "run", "--json", path],
         ["netmodel", "fit-incast", "--write-model", path],
@@ -722,9 +655,9 @@ def _commands_writing_to(path: str, log_dir: str, anchors: str) -> list[list[str
     ]
 
 
-@pytest.mark.parametrize("case", range(16))
+@pytest.mark.parametrize("case", range(13))
 def test_output_path_that_is_a_directory_fails_before_any_work(tmp_path, capsys, case):
-    argv = _commands_writing_to(str(tmp_path), str(tmp_path), str(tmp_path / "anchors.yaml"))[case]
+    argv = _commands_writing_to(str(tmp_path), str(tmp_path))[case]
     with pytest.raises(SystemExit) as exc:
         main(argv)
     assert exc.value.code == 2
@@ -737,12 +670,12 @@ def test_output_path_that_is_a_directory_fails_before_any_work(tmp_path, capsys,
     ), lines
 
 
-@pytest.mark.parametrize("case", [0, 6, 7, 13])
+@pytest.mark.parametrize("case", [0, 6, 9, 10])
 def test_output_path_under_a_file_fails_before_any_work(tmp_path, capsys, case):
     blocker = tmp_path / "not_a_dir"
     blocker.write_text("x")
     target = str(blocker / "out.json")
-    argv = _commands_writing_to(target, str(tmp_path), str(tmp_path / "anchors.yaml"))[case]
+    argv = _commands_writing_to(target, str(tmp_path))[case]
     with pytest.raises(SystemExit) as exc:
         main(argv)
     assert exc.value.code == 2
@@ -770,14 +703,6 @@ def test_report_missing_directory_says_it_does_not_exist(tmp_path, capsys):
         f"--railwave-log-dir" in err
     )
     assert "no railwave" not in err
-
-
-def test_validate_anchors_directory_says_so(tmp_path, capsys):
-    with pytest.raises(SystemExit) as exc:
-        main(["validate", "--anchors", str(tmp_path), "--bench"])
-    assert exc.value.code == 2
-    err = capsys.readouterr().err
-    assert f"--anchors {str(tmp_path)!r} is a directory; give the anchors YAML file" in err
 
 
 # ---------------------------------------------------------------------- one node
@@ -926,9 +851,9 @@ def test_simulate_exchange_fixed_capacity_reports_zero_syncs_and_equality(tmp_pa
     assert "--tokens 12 exceeds --max-tokens-per-rank 8" in capsys.readouterr().err
 
 
-def test_online_sim_small_run_json_learned_file_and_validate(tmp_path, capsys):
+def test_online_sim_small_run_json_and_learned_report(tmp_path, capsys):
     """online-sim on 2 x 8 nodes, one layer, 30 steps: the totals obey their definitions, the
-    per-layer path record adds up, and the learned anchors file is read by railwave validate."""
+    per-layer path record adds up, and the learned-paths report names the layer's best path."""
     out, learned = tmp_path / "os.json", tmp_path / "learned.yaml"
     argv = [
         "online-sim",
@@ -982,8 +907,9 @@ def test_online_sim_small_run_json_learned_file_and_validate(tmp_path, capsys):
         assert all(parts[k]["p50"] <= parts[k]["p99"] <= parts[k]["max"] for k in parts)
     printed = capsys.readouterr().out
     assert "goals:" in printed and "demand_stats (reference)" in printed
-    # Held-out layer 6 with another routing seed: validate reads the learned file.
-    status = main(
-        ["validate", "--anchors", str(learned), "--bench", "--seed", "1000", "--layers", "6"]
-    )
-    assert status == 0 and "selector decision cost" in capsys.readouterr().out
+    # The last seed's report: layer 5's training neighbourhoods, each with its best timed path.
+    report = yaml.safe_load(learned.read_text())
+    assert report["format"] == "railwave-learned-paths/1" and report["entries"]
+    for entry in report["entries"]:
+        assert (entry["layer"], entry["pass_kind"]) == (5, "train")
+        assert entry["median_s"][entry["best"]] == min(entry["median_s"].values())

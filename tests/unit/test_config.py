@@ -65,8 +65,6 @@ REPO = Path(__file__).resolve().parents[2]
             {"gpus_per_node": 2, "rail_of_gpu": [0]},
             r"rail_of_gpu has 1 entries but gpus_per_node is 2",
         ),
-        ({"payload_ratio": 0.5}, r"payload_ratio=0.5 must be a finite number >= 1"),
-        ({"shape_distance": -0.1}, r"shape_distance=-0.1 must be a finite number >= 0"),
         ({"log_mode": "node"}, r"log_mode='node' must be 'rank' \(one file per rank\) or 'job'"),
         ({"log_interval": 0}, r"log_interval=0 must be an integer >= 1 \(steps\)"),
         ({"capture_interval": "10"}, r"capture_interval='10' must be an integer >= 1"),
@@ -80,7 +78,6 @@ REPO = Path(__file__).resolve().parents[2]
             r"gpus_per_node=4 differs from the cluster file's 8",
         ),
         ({"cluster": "h800_4x8", "failed_rails": [[0, 8]]}, r"rail 8 is out of range 0\.\.7"),
-        ({"anchors": 5}, r"anchors=5 must be the path of an anchors YAML file"),
         ({"log_dir": 5}, r"log_dir=5 must be a directory path or null"),
         (
             {"max_tokens_per_rank": 0},
@@ -120,13 +117,55 @@ def test_config_output_directories_must_be_writable(tmp_path):
     assert cfg.log_dir.endswith("logs") and not (tmp_path / "new").exists()
 
 
-def test_config_anchors_directory_is_refused_missing_file_is_allowed(tmp_path):
-    with pytest.raises(
-        ValueError, match=r"anchors '.*' is a directory; give the anchors YAML file"
-    ):
-        RailWaveConfig(anchors=str(tmp_path))
-    # A missing file is not an error here: path 'auto' then runs JOINT with one logged warning.
-    assert RailWaveConfig(anchors=str(tmp_path / "later.yaml")).anchors.endswith("later.yaml")
+@pytest.mark.parametrize(
+    "fields, match",
+    [
+        (
+            {"path": "auto", "anchors": "h800_4x8_c2"},
+            r"railwave config: anchors='h800_4x8_c2' was removed: the offline anchors selector "
+            r".*is retired: path: auto runs the online selector.*Delete the key",
+        ),
+        (
+            {"anchors": None},
+            r"anchors=None was removed: .*docs/selector\.md, Migrating\)\. Delete the key",
+        ),
+        (
+            {"payload_ratio": 1.25},
+            r"payload_ratio=1\.25 was removed: it was the offline anchor rule's payload window.*"
+            r"online: \{payload_ratio: \.\.\.\}\. Delete the key, or move it under online:",
+        ),
+        (
+            {"shape_distance": 0.02},
+            r"shape_distance=0\.02 was removed: it was the offline anchor rule's shape window.*"
+            r"online: \{shape_distance: \.\.\.\}\. Delete the key, or move it under online:",
+        ),
+        (
+            {"path": "auto", "selector": "anchors"},
+            r"selector='anchors' was removed: the offline anchors rule is retired; path: auto "
+            r"runs the online selector .*Delete selector .*or set a fixed path",
+        ),
+        (
+            {"selector": "model"},
+            r"selector='model' must be 'online' or null",
+        ),
+    ],
+)
+def test_config_retired_selector_keys_name_what_replaced_them(fields, match):
+    with pytest.raises(ValueError, match=match):
+        RailWaveConfig.from_dict(fields)
+
+
+def test_config_old_file_with_anchors_fails_at_load_and_the_window_moves_under_online(tmp_path):
+    old = tmp_path / "old.yaml"
+    old.write_text("path: auto\nanchors: h800_4x8\nchunks: 1\n")
+    with pytest.raises(ValueError, match=r"railwave config '.*old\.yaml': anchors='h800_4x8' was"):
+        load_config(str(old))
+    # The migrated file: the key deleted, the neighbourhood window under online.
+    new = tmp_path / "new.yaml"
+    new.write_text("path: auto\nonline: {payload_ratio: 1.5, shape_distance: 0.1}\n")
+    cfg = load_config(str(new))
+    assert cfg.selector_kind() == "online"
+    assert (cfg.online.payload_ratio, cfg.online.shape_distance) == (1.5, 0.1)
 
 
 def test_config_accepts_a_cluster_preset_name_like_the_cli():

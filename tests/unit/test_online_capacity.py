@@ -298,14 +298,16 @@ def test_config_capacity_sync_every_must_be_an_integer_of_at_least_2(value):
         RailWaveConfig.from_dict({"online": {"capacity_sync_every": value}})
 
 
-def test_config_online_in_fixed_capacity_mode_is_accepted_and_asked_for_by_name():
+def test_config_fixed_capacity_with_path_auto_runs_the_online_epochs():
     config = RailWaveConfig.from_dict(
-        {"selector": "online", "max_tokens_per_rank": 64, "online": {"capacity_sync_every": 3}}
+        {"max_tokens_per_rank": 64, "online": {"capacity_sync_every": 3}}
     )
     assert config.selector_kind() == "online" and config.online.capacity_sync_every == 3
     assert config.to_dict()["online"]["capacity_sync_every"] == 3
     assert "'capacity_sync_every': 3" in config.fingerprint()["selector"]  # ranks must agree on it
     assert isinstance(selector_from_config(config, TOPO), OnlineSelector)
-    # Not asked for: fixed-capacity mode keeps the anchors rule (no reduce, no host wait).
-    assert RailWaveConfig(max_tokens_per_rank=64).selector_kind() == "anchors"
+    # Naming it is the same; a fixed path is the way to no selection (no reduce, no host wait).
+    named = RailWaveConfig.from_dict({"selector": "online", "max_tokens_per_rank": 64})
+    assert named.selector_kind() == "online"
+    assert RailWaveConfig(path="joint", max_tokens_per_rank=64).selector_kind() == "fixed"
     assert OnlineSettings().to_dict()["capacity_sync_every"] == 4

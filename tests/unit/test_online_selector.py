@@ -1,11 +1,12 @@
-"""The online selector: probes then exploits, neighbourhoods, priors, bad timings, rank agreement,
-its descriptors against ``demand_stats``, the learned anchors file, the config wiring."""
+"""The online selector: probes then exploits, neighbourhoods, seeds, bad timings, rank agreement,
+its descriptors against ``demand_stats``, the learned-paths report, the config wiring."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
+import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -13,15 +14,14 @@ from megatron_railwave import ops
 from megatron_railwave.config import OnlineSettings, RailWaveConfig
 from megatron_railwave.lab.workloads import synthetic_routing_maps
 from megatron_railwave.names import Route
-from megatron_railwave.selector import AnchorSelector, OnlineSelector, selector_from_config
-from megatron_railwave.selector.anchors import load_anchors, save_anchors
+from megatron_railwave.selector import FixedSelector, OnlineSelector, selector_from_config
+from megatron_railwave.selector.learned import FORMAT, learned_paths, save_learned_paths
 from megatron_railwave.selector.online import (
     TIMING_MISSING,
     TIMING_NONE,
     TIMING_STALLED,
     encode_timing,
     fast_descriptors,
-    learned_anchor_set,
     slowest_timing,
 )
 from megatron_railwave.telemetry.stats import demand_stats
@@ -126,16 +126,11 @@ def test_new_neighbourhood_when_descriptors_leave_and_seeded_from_the_nearest():
     assert seq[0] == (Route.JOINT, "probe") and Route.NATIVE not in [p for p, _ in seq]
     # Back inside neighbourhood 0: its state is reused, no new probes.
     assert run(sel, TRUE_S, 3, stats(70))[-1] == (Route.JOINT, "exploit")
-    # Learned: neighbourhood 1 never timed NATIVE; its latency there is estimated from the seed's
-    # ratio (2x JOINT's) and named as such in the file.
-    learned = {nb.index: (lat, est) for nb, lat, est in sel.learned()}
-    lat, est = learned[1]
-    assert est == [Route.NATIVE] and lat[Route.NATIVE].median == pytest.approx(
-        2 * lat[Route.JOINT].median
-    )
-    assert learned[0][1] == []
-    file = learned_anchor_set([sel], TOPO, hidden_size=64, dtype="fp32")
-    assert file.context.settings["online"]["estimated"] == {"online-lNone-train-n1": ["native"]}
+    # Learned: neighbourhood 1 never timed NATIVE (the seed deferred it), so its report lists only
+    # the paths it timed; neighbourhood 0 timed all four.
+    learned = {nb.index: (best, medians) for _, nb, best, medians in sel.learned()}
+    assert Route.NATIVE not in learned[1][1] and learned[1][0] == Route.JOINT
+    assert set(learned[0][1]) == {Route.JOINT, Route.RAIL, Route.PERM, Route.NATIVE}
 
 
 def test_pass_kinds_have_separate_tables_and_recompute_is_replayed():
@@ -155,15 +150,11 @@ def test_pass_kinds_have_separate_tables_and_recompute_is_replayed():
     assert sel.snapshot(r)["measured_ms"]["rail"] is None
 
 
-def test_prior_from_anchors_orders_and_defers():
-    def prior(_stats):
-        return Route.RAIL, {Route.NATIVE: 9.0, Route.RAIL: 1.0, Route.PERM: 1.2, Route.JOINT: 1.1}
-
-    sel = OnlineSelector(OnlineSettings(reprobe_every=1000), scales=SCALES, prior=prior)
-    seq = run(sel, TRUE_S, 10, stats(64))
-    assert seq[0] == (Route.RAIL, "probe")
-    assert Route.NATIVE not in [p for p, _ in seq]  # the prior put it far behind
-    assert seq[-1] == (Route.JOINT, "exploit")  # measurements override the prior's RAIL
+def test_a_first_neighbourhood_probes_in_candidate_order_joint_first():
+    # Nothing measured yet, by this layer or any other: no seed, the candidates' order.
+    sel = OnlineSelector(OnlineSettings(reprobe_every=1000), scales=SCALES)
+    seq = run(sel, TRUE_S, 4, stats(64))
+    assert seq == [(p, "probe") for p in (Route.JOINT, Route.RAIL, Route.PERM, Route.NATIVE)]
 
 
 def test_slowest_rank_and_codes():
@@ -256,46 +247,36 @@ def test_fast_descriptors_with_shared_rails_and_a_failed_rail():
     assert (got.rho_g, got.kappa) == pytest.approx((ref.rho_g, ref.kappa), rel=1e-12)
 
 
-def test_learned_anchors_file_round_trips_and_feeds_the_anchor_rule(tmp_path):
+def test_learned_paths_report_by_layer_pass_kind_and_neighbourhood():
     sel = OnlineSelector(
         OnlineSettings(drop_ratio=10.0, reprobe_every=1000), scales=SCALES, layer=3
     )
     run(sel, TRUE_S, 12, stats(64))
-    run(sel, TRUE_S, 4, stats(2))  # a second neighbourhood, not every path measured: not written
-    anchor_set = learned_anchor_set([sel], TOPO, hidden_size=4096, dtype="bf16")
-    assert [a.name for a in anchor_set.anchors] == ["online-l3-train-n0"]
-    path = save_anchors(anchor_set, tmp_path / "learned.yaml")
-    loaded = load_anchors(path, TOPO)
-    a = loaded.anchors[0]
-    assert a.path == Route.JOINT and a.latency_s[Route.NATIVE].median == pytest.approx(4e-3)
-    rule = AnchorSelector(loaded, payload_ratio=2.0, shape_distance=0.25)
-    assert rule.select(stats(64)) == Route.JOINT
-    with pytest.raises(ValueError, match="another topology"):
-        load_anchors(path, RailTopology(num_nodes=2, gpus_per_node=8))
-
-
-def test_config_wiring(tmp_path):
-    sel = selector_from_config(RailWaveConfig(), TOPO)
-    assert isinstance(sel, OnlineSelector)
-    assert RailWaveConfig(anchors="x.yaml").selector_kind() == "anchors"
-    assert RailWaveConfig(max_tokens_per_rank=64).selector_kind() == "anchors"
-    assert RailWaveConfig(path="rail", selector=None).selector_kind() == "fixed"
-    with pytest.raises(ValueError, match="does not exist"):
-        selector_from_config(
-            RailWaveConfig(selector="online", anchors=str(tmp_path / "none.yaml")), TOPO
-        )
-    learned = OnlineSelector(OnlineSettings(drop_ratio=10.0), scales=SCALES, layer=1)
-    run(learned, TRUE_S, 12, stats(64))
-    path = save_anchors(
-        learned_anchor_set([learned], TOPO, hidden_size=64, dtype="fp32"), tmp_path / "l.yaml"
+    sel.observe([encode_timing(TRUE_S[Route.JOINT], expected=sel.expects_timing())])
+    sel.decide("forward_only", stats(64))  # a forward-only probe whose time is not back: untimed
+    report = learned_paths([sel], TOPO)
+    assert report["format"] == FORMAT and report["topology"] == TOPO.to_dict()
+    (entry,) = report["entries"]
+    assert (entry["layer"], entry["pass_kind"], entry["neighbourhood"]) == (3, "train", 0)
+    assert entry["best"] == "joint"
+    assert entry["median_s"] == pytest.approx(
+        {"joint": 2e-3, "rail": 2.2e-3, "perm": 3e-3, "native": 4e-3}
     )
-    seeded = selector_from_config(RailWaveConfig(selector="online", anchors=str(path)), TOPO)
-    assert isinstance(seeded, OnlineSelector) and seeded.prior is not None
-    d = seeded.decide("train", stats(64))
-    assert (d.path, d.mode) == (Route.JOINT, "probe")
-    other = RailTopology(num_nodes=2, gpus_per_node=8)
-    with pytest.raises(ValueError, match="another topology"):
-        selector_from_config(RailWaveConfig(selector="online", anchors=str(path)), other)
+    assert entry["centre"] == pytest.approx(list(stats(64).coords), abs=1e-6)
+    assert report["online"]["payload_ratio"] == 2.0
+
+
+def test_config_wiring():
+    sel = selector_from_config(RailWaveConfig(), TOPO)
+    assert isinstance(sel, OnlineSelector) and sel.scales == SCALES
+    # Fixed-capacity mode with path auto runs the online selector too (its epochs variant).
+    assert RailWaveConfig(max_tokens_per_rank=64).selector_kind() == "online"
+    assert isinstance(
+        selector_from_config(RailWaveConfig(max_tokens_per_rank=64), TOPO), OnlineSelector
+    )
+    assert RailWaveConfig(path="rail", selector=None).selector_kind() == "fixed"
+    fixed = selector_from_config(RailWaveConfig(path="rail"), TOPO)
+    assert isinstance(fixed, FixedSelector) and fixed.path == Route.RAIL
     with pytest.raises(ValueError, match="path: auto"):
         RailWaveConfig(path="joint", selector="online")
 
@@ -337,36 +318,36 @@ def test_layers_wait_for_an_in_flight_probe_instead_of_repeating_it():
     assert first == [("joint", "probe")] * 6  # JOINT never waits
 
 
-def test_save_learned_anchors_writes_what_live_selectors_learned(tmp_path):
-    from megatron_railwave.selector.online import save_learned_anchors
-
+def test_save_learned_paths_writes_what_live_selectors_learned(tmp_path):
     sel = OnlineSelector(OnlineSettings(drop_ratio=10.0), scales=SCALES, layer=77)
     run(sel, TRUE_S, 12, stats(64))
-    path = save_learned_anchors(tmp_path / "out.yaml", TOPO, hidden_size=64, dtype="fp32")
-    names = [a.name for a in load_anchors(path, TOPO).anchors]
-    assert "online-l77-train-n0" in names
+    path = save_learned_paths(tmp_path / "sub" / "out.yaml", TOPO)
+    entries = yaml.safe_load(path.read_text())["entries"]
+    assert {"layer": 77, "pass_kind": "train", "neighbourhood": 0}.items() <= next(
+        e for e in entries if e["layer"] == 77
+    ).items()
 
 
-def test_save_learned_anchors_never_replaces_a_file_with_nothing(tmp_path, caplog, monkeypatch):
+def test_save_learned_paths_never_replaces_a_file_with_nothing(tmp_path, caplog, monkeypatch):
     """A model freed before interpreter exit (a model local to a training function) leaves no live
-    selector: the at-exit save must keep the earlier run's file, not write 0 anchors over it; and
-    the write goes to a temporary file renamed over the target, so a write that fails before the
-    rename (here: the rename itself) leaves the old file and no temporary file."""
+    selector: the at-exit save must keep the earlier run's file, not write an empty report over
+    it; and the write goes to a temporary file renamed over the target, so a write that fails
+    before the rename (here: the rename itself) leaves the old file and no temporary file."""
     import gc
 
-    import megatron_railwave.selector.anchors as anchors_module
-    from megatron_railwave.selector.online import save_learned_anchors
+    import megatron_railwave.selector.learned as learned_module
 
+    gc.collect()  # selectors of earlier tests, if unreferenced, are gone before this one's
     sel = OnlineSelector(OnlineSettings(drop_ratio=10.0), scales=SCALES, layer=78)
     run(sel, TRUE_S, 12, stats(64))
     out = tmp_path / "out.yaml"
-    assert save_learned_anchors(out, TOPO, hidden_size=64, dtype="fp32") == out
+    assert save_learned_paths(out, TOPO) == out
     good = out.read_text()
-    assert "online-l78-train-n0" in good
+    assert "layer: 78" in good
     del sel
     gc.collect()
-    with caplog.at_level("WARNING", logger="megatron_railwave.selector.online"):
-        assert save_learned_anchors(out, TOPO, hidden_size=64, dtype="fp32") is None
+    with caplog.at_level("WARNING", logger="megatron_railwave.selector.learned"):
+        assert save_learned_paths(out, TOPO) is None
     assert out.read_text() == good
     assert "nothing learned to write" in caplog.text and str(out) in caplog.text
 
@@ -376,9 +357,9 @@ def test_save_learned_anchors_never_replaces_a_file_with_nothing(tmp_path, caplo
     def failing_replace(src, dst):
         raise OSError("disk full")
 
-    monkeypatch.setattr(anchors_module.os, "replace", failing_replace)
+    monkeypatch.setattr(learned_module.os, "replace", failing_replace)
     with pytest.raises(OSError, match="disk full"):
-        save_learned_anchors(out, TOPO, hidden_size=64, dtype="fp32")
+        save_learned_paths(out, TOPO)
     assert out.read_text() == good and sorted(p.name for p in tmp_path.iterdir()) == ["out.yaml"]
 
 

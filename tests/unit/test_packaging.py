@@ -34,9 +34,9 @@ def sdist(tmp_path_factory) -> Path:
 
 
 def _packaged_files() -> set[str]:
-    """Every packaged YAML (and the anchors' README) as a path inside the package."""
+    """Every packaged YAML as a path inside the package."""
     root = REPO / "megatron_railwave" / "configs"
-    files = {p for p in root.rglob("*.yaml")} | {root / "anchors" / "README.md"}
+    files = set(root.rglob("*.yaml"))
     return {str(p.relative_to(REPO)) for p in files}
 
 
@@ -49,9 +49,8 @@ def test_sdist_carries_the_compiled_ops_sources_and_the_package_data(sdist):
     )
     assert _packaged_files() <= names, sorted(_packaged_files() - names)
     assert "megatron_railwave/configs/clusters/cpu_2x1.yaml" in names
-    # The calibration rows are kept for the record in the repository, not shipped; the
-    # checkout's in-place build (make ext) does not leak into the sdist.
-    assert not [n for n in names if "/anchors/rows" in n or n.endswith((".so", ".o", ".pyc"))]
+    # The checkout's in-place build (make ext) does not leak into the sdist.
+    assert not [n for n in names if n.endswith((".so", ".o", ".pyc"))]
 
 
 def test_an_isolated_build_stops_with_the_cause_and_the_fix(sdist, tmp_path):
@@ -112,8 +111,8 @@ def test_railwave_build_ext_takes_0_or_1(tmp_path):
 
 
 def test_a_wheel_without_compiled_ops_stands_alone(sdist, tmp_path):
-    """RAILWAVE_BUILD_EXT=0, the only way to skip the compiled ops: a pure wheel whose presets,
-    anchors and example configs come with it; installed into a fresh venv outside the
+    """RAILWAVE_BUILD_EXT=0, the only way to skip the compiled ops: a pure wheel whose presets
+    and example configs come with it; installed into a fresh venv outside the
     repository, the CLI and the lookups by name work from another directory, and `railwave
     doctor` says that the compiled ops are missing and how to build them."""
     wheels = tmp_path / "wheels"
@@ -125,7 +124,7 @@ def test_a_wheel_without_compiled_ops_stands_alone(sdist, tmp_path):
     names = wheel_names(wheel)
     assert _packaged_files() <= names, sorted(_packaged_files() - names)
     assert "megatron_railwave_autoinstall.pth" in names  # at the root of site-packages
-    assert not [n for n in names if "/anchors/rows" in n or n.endswith(".so")]
+    assert not [n for n in names if n.endswith(".so")]
     with zipfile.ZipFile(wheel) as zf:
         metadata = zf.read(f"megatron_railwave-{__version__}.dist-info/METADATA").decode()
     requires = [
@@ -147,12 +146,13 @@ def test_a_wheel_without_compiled_ops_stands_alone(sdist, tmp_path):
             python,
             "-c",
             "import json, megatron_railwave as m\n"
+            "from megatron_railwave import presets\n"
             "from megatron_railwave.config import load_config\n"
             "from megatron_railwave.topology import load_topology\n"
             "topo = load_config('glm45_air_h800').topology(32)\n"
             "print(json.dumps({'file': m.__file__, 'glm': [topo.name, topo.num_nodes],\n"
             "  'small': load_topology('cpu_2x1').world_size,\n"
-            "  'anchors': load_config({'path': 'auto', 'anchors': 'h800_4x8_c2'}).anchors}))",
+            "  'clusters': str(presets.packaged_dir('clusters'))}))",
         ],
         cwd=elsewhere,
     )
@@ -160,7 +160,7 @@ def test_a_wheel_without_compiled_ops_stands_alone(sdist, tmp_path):
     site = str(tmp_path / "venv")
     assert found["file"].startswith(site), found
     assert found["glm"] == ["h800_4x8", 4] and found["small"] == 2
-    assert found["anchors"].startswith(site) and found["anchors"].endswith("h800_4x8_c2.yaml")
+    assert found["clusters"].startswith(site) and found["clusters"].endswith("clusters")
     report = elsewhere / "doctor.json"
     run([railwave, "doctor", "--no-self-test", "--json", report], cwd=elsewhere)
     ops = json.loads(report.read_text())["compiled_ops"]

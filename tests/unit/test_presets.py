@@ -14,7 +14,7 @@ from megatron_railwave.topology import load_topology
 
 def test_packaged_names_of_every_kind():
     assert presets.packaged_names("clusters") == ["cpu_2x1", "h20_4x8", "h800_4x8"]
-    assert presets.packaged_names("anchors") == ["h20_4x8", "h20_4x8_c2", "h800_4x8", "h800_4x8_c2"]
+    assert presets.KINDS == ("clusters", "railwave", "netmodel")  # the anchors files are retired
     assert presets.packaged_names("railwave") == ["glm45_air_h800"]
     assert "h800_4x8_paper_incast" in presets.packaged_names("netmodel")
     # The package's own folder, whatever the working directory.
@@ -60,13 +60,6 @@ def test_presets_and_example_config_from_any_directory(tmp_path, monkeypatch):
         load_config("glm46")
 
 
-def test_anchors_by_name_become_the_packaged_file():
-    cfg = load_config({"path": "auto", "anchors": "h800_4x8_c2", "chunks": 2})
-    assert cfg.anchors == str(presets.packaged_dir("anchors") / "h800_4x8_c2.yaml")
-    # A path stays as written, existing or not (a missing anchors file is the selector's case).
-    assert load_config({"path": "auto", "anchors": "no/such.yaml"}).anchors == "no/such.yaml"
-
-
 def _write(path, data) -> str:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump(data))
@@ -76,21 +69,17 @@ def _write(path, data) -> str:
 def test_a_config_file_reads_its_files_relative_to_itself(tmp_path, monkeypatch):
     cluster = yaml.safe_load((presets.packaged_dir("clusters") / "cpu_2x1.yaml").read_text())
     _write(tmp_path / "job" / "clusters" / "mine.yaml", {**cluster, "name": "mine"})
-    anchors = tmp_path / "job" / "anchors.yaml"
-    anchors.write_text((presets.packaged_dir("anchors") / "h800_4x8.yaml").read_text())
     config = _write(
         tmp_path / "job" / "railwave" / "rw.yaml",
         {
             "cluster": "../clusters/mine.yaml",
             "path": "auto",
-            "anchors": "../anchors.yaml",
             "log_dir": "logs",
         },
     )
-    monkeypatch.chdir(tmp_path)  # neither path exists relative to the working directory
+    monkeypatch.chdir(tmp_path)  # the cluster path does not exist relative to the working dir
     cfg = load_config(os.path.relpath(config))
     assert load_topology(cfg.cluster).name == "mine"
-    assert os.path.samefile(cfg.anchors, anchors)
     assert cfg.log_dir == "logs"  # what the job writes stays relative to the working directory
     # A bare name is a preset unless the config's folder holds a file of that name.
     bare = _write(tmp_path / "job" / "bare.yaml", {"cluster": "h800_4x8"})

@@ -11,16 +11,15 @@ deliveries), once; then per call a multiplicative noise exp(noise * z), z ~ N(0,
 ``OnlineSelector`` per layer, as in the dispatcher) sees each call's time at the layer's next
 call, as the count exchange would bring it. Policies compared on the same draws: online,
 always-X for each path, the per-layer oracle (the best fixed path of each layer in hindsight,
-the issue's reference), the per-call oracle (a lower bound no selector reaches: the best path of
-every call, noise included) and, given an anchors file, the offline selector (``select_for_layer``
-with the runtime's rule on the same counts).
+the issue's reference) and the per-call oracle (a lower bound no selector reaches: the best path
+of every call, noise included).
 
 Cost: the host work of the online selector per layer call, as the dispatcher does it after the
 count exchange, part by part on this machine's clock (thread CPU time; per call, then summarised):
 the timing words (this rank's ``encode_timing`` and ``exchange.layer.pack_status``, and the W
 received words' ``TimingWords``, as ``gather_demand`` reads them), ``observe`` (every rank's timing
 word, W of them), the descriptors from the gathered [W, N] counts (``fast_descriptors``) and
-``decide``; next to it, on the same counts, the descriptors of the statistics and of the anchor rule
+``decide``; next to it, on the same counts, the descriptors of the statistics
 (``stats.demand_stats``, torch); the bytes the selector adds to the count message
 (``exchange.layer.count_row_words`` with and without the timing word: 0, it shares the status word).
 """
@@ -39,12 +38,12 @@ from megatron_railwave.config import OnlineSettings
 from megatron_railwave.exchange.layer import TimingWords, count_row_words, pack_status
 from megatron_railwave.names import ROUTES, Route
 from megatron_railwave.planner import PlanOptions, build_plan
+from megatron_railwave.selector.learned import learned_paths
 from megatron_railwave.selector.online import (
     OnlineSelector,
     SharedNeighbourhoods,
     encode_timing,
     fast_descriptors,
-    learned_anchor_set,
 )
 from megatron_railwave.topology import RailTopology
 from megatron_railwave.traffic import DemandCounts, SelectorScales
@@ -54,10 +53,9 @@ __all__ = [
     "base_times",
     "base_to_json",
     "base_from_json",
-    "offline_paths",
     "simulate_online",
     "charged_totals",
-    "learned_file",
+    "learned_report",
     "PATHS",
 ]
 
@@ -72,7 +70,6 @@ class BaseTimes:
         layers: [L] layer numbers.
         seconds_XLP: [X, L, P] seconds of one dispatch + combine (``PATHS`` order).
         records_XL: [X][L] gathered [W, N] records (what the dispatcher's selector reads).
-        demands_XL: [X][L] the full ``DemandCounts`` (the offline selector's input).
         record_bytes: payload bytes per record.
         plan_s_XLP: [X, L, P] host seconds of ``build_plan`` per (epoch, layer, path) (measured
             perf_counter on this host; charged to the online selector for each path it probes),
@@ -82,7 +79,6 @@ class BaseTimes:
     layers: tuple[int, ...]
     seconds_XLP: np.ndarray
     records_XL: list[list[np.ndarray]]
-    demands_XL: list[list[DemandCounts]]
     record_bytes: int
     wall_s: float
     plan_s_XLP: np.ndarray | None = None
@@ -108,14 +104,14 @@ def base_times(
     t0 = time.perf_counter()
     seconds: list[list[list[list[float]]]] = [[] for _ in models]
     plan_s: list[list[list[float]]] = []
-    records, demands = [], []
+    records = []
     numbers: tuple[int, ...] = ()
     for e in range(epochs):
         work = GlmAirWorkload(num_tokens=tokens, seed=workload_seed, step=e, layers=layers)
         per_layer = glm_air_demands(topo, work)
         numbers = tuple(per_layer)
         rows: list[list[list[float]]] = [[] for _ in models]
-        recs, dems, plan_row = [], [], []
+        recs, plan_row = [], []
         for demand in per_layer.values():
             plans, plan_times = [], []
             for p in PATHS:
@@ -131,7 +127,6 @@ def base_times(
                     ]
                 )
             recs.append(demand.records_WN.numpy().copy())
-            dems.append(demand)
         if progress:
             print(
                 f"  routing epoch {e + 1}/{epochs}: {len(per_layer)} layers x {len(PATHS)} paths x "
@@ -142,7 +137,6 @@ def base_times(
         for k in range(len(models)):
             seconds[k].append(rows[k])
         records.append(recs)
-        demands.append(dems)
         plan_s.append(plan_row)
     wall = time.perf_counter() - t0
     return [
@@ -150,7 +144,6 @@ def base_times(
             layers=numbers,
             seconds_XLP=np.asarray(sec, dtype=np.float64),
             records_XL=records,
-            demands_XL=demands,
             record_bytes=record_bytes,
             wall_s=wall,
             plan_s_XLP=np.asarray(plan_s, dtype=np.float64),
@@ -159,55 +152,25 @@ def base_times(
     ]
 
 
-def offline_paths(base: BaseTimes, topo: RailTopology, selector: Any) -> np.ndarray:
-    """[X, L] index into ``PATHS`` of the offline selector's path per (epoch, layer): the runtime's
-    rule on the counts the count exchange gathers (``select_for_layer``)."""
-    from megatron_railwave.selector import needs_descriptors, select_for_layer
-    from megatron_railwave.telemetry.stats import demand_stats
-
-    x, num_layers, _ = base.seconds_XLP.shape
-    out = np.zeros((x, num_layers), dtype=np.int64)
-    for e in range(x):
-        for li, demand in enumerate(base.demands_XL[e]):
-            gathered = DemandCounts(
-                records_WN=demand.records_WN, delivery_WNKG=demand.class_copies_WNKG()
-            )
-            descr = (
-                demand_stats(gathered, topo, record_bytes=base.record_bytes)
-                if needs_descriptors(selector)
-                else None
-            )
-            out[e, li] = PATHS.index(
-                select_for_layer(selector, descr, gathered, record_bytes=base.record_bytes)
-            )
-    return out
-
-
-def base_to_json(
-    base: BaseTimes, offline_XL: list[list[int]] | None, offline_anchors: str | None
-) -> dict[str, Any]:
+def base_to_json(base: BaseTimes) -> dict[str, Any]:
     """The JSON ``models[...]['base']`` of ``railwave online-sim`` (``base_from_json`` reads it):
-    the layers, the flow model's seconds per epoch, layer and path, the counts and the offline
-    selector's paths (from the anchors file ``offline_anchors``; None: not run)."""
+    the layers, the flow model's seconds per epoch, layer and path, the counts and the planning
+    times."""
     return {
         "layers": list(base.layers),
         "seconds_XLP": base.seconds_XLP.tolist(),
         "paths": list(map(str, PATHS)),
         "records_XLWN": [[r.tolist() for r in row] for row in base.records_XL],
-        "offline_XL": offline_XL,
-        "offline_anchors": offline_anchors if offline_XL else None,
         "plan_s_XLP": None if base.plan_s_XLP is None else base.plan_s_XLP.tolist(),
     }
 
 
 def base_from_json(data: dict[str, Any], record_bytes: int) -> BaseTimes:
-    """A ``BaseTimes`` from an earlier run's JSON ``models[...]['base']`` (no demands: the offline
-    selector's paths come from that JSON too)."""
+    """A ``BaseTimes`` from an earlier run's JSON ``models[...]['base']``."""
     return BaseTimes(
         layers=tuple(data["layers"]),
         seconds_XLP=np.asarray(data["seconds_XLP"], dtype=np.float64),
         records_XL=[[np.asarray(r, dtype=np.int64) for r in row] for row in data["records_XLWN"]],
-        demands_XL=[],
         record_bytes=record_bytes,
         wall_s=0.0,
         plan_s_XLP=(
@@ -227,17 +190,10 @@ def simulate_online(
     seed: int,
     noise: float,
     settings: OnlineSettings | None = None,
-    offline: Any = None,
-    prior: Any = None,
     scales: tuple[float, float, float] | None = None,
 ) -> dict[str, Any]:
     """One run of ``steps`` steps (module docstring). Returns the JSON-ready result, plus the
-    selectors under ``"_selectors"`` (for the learned anchors file).
-
-    Args:
-        offline: [X, L] the offline selector's paths (``offline_paths``) to compare, or None.
-        prior: a ``selector.online.Prior`` for the online selectors (an anchors file), or None.
-    """
+    selectors under ``"_selectors"`` (for the learned-paths report, ``learned_report``)."""
     if steps < 1 or routing_every < 1:
         raise ValueError(f"steps ({steps}) and routing_every ({routing_every}) must be >= 1")
     if not (noise >= 0 and math.isfinite(noise)):
@@ -254,8 +210,7 @@ def simulate_online(
     settings = settings or OnlineSettings()
     shared = SharedNeighbourhoods()  # one process's layers, as in the dispatcher
     selectors = [
-        OnlineSelector(settings, scales=scales, prior=prior, layer=layer, shared=shared)
-        for layer in base.layers
+        OnlineSelector(settings, scales=scales, layer=layer, shared=shared) for layer in base.layers
     ]
     chosen_SL = np.zeros((steps, num_layers), dtype=np.int64)
     modes: list[list[str]] = [[] for _ in base.layers]
@@ -308,11 +263,6 @@ def simulate_online(
     totals.update(
         charged_totals(t_SLP, chosen_SL, epoch_S, host_ns_SL * 1e-9, probe_SL, base.plan_s_XLP)
     )
-    offline_rows = None
-    if offline is not None:
-        offline_SL = np.asarray(offline)[epoch_S]
-        totals["offline"] = float(np.take_along_axis(t_SLP, offline_SL[..., None], axis=2).sum())
-        offline_rows = offline_SL
     oracle = totals["oracle_per_layer"]
     calls = steps * num_layers
     probe_calls = sum(m.count("probe") + m.count("reprobe") for m in modes)
@@ -333,10 +283,6 @@ def simulate_online(
             "path_per_step": [str(PATHS[k]) for k in chosen_SL[:, li]],
             "mode_per_step": modes[li],
         }
-        if offline_rows is not None:
-            row["offline_s"] = float(
-                np.take_along_axis(t_SLP[:, li], offline_rows[:, li, None], axis=1).sum()
-            )
         layers_out.append(row)
     cost = decision_cost(cpu_ns_SL4, wall_ns, base, topo, scales)
     experts = topo.world_size  # any multiple of W: the timing word's share does not depend on it
@@ -472,24 +418,7 @@ def decision_cost(
     }
 
 
-def learned_file(
-    result: dict[str, Any],
-    topo: RailTopology,
-    *,
-    hidden_size: int,
-    dtype: str,
-    chunks: int,
-    requests: dict[str, Any],
-    model: dict[str, Any],
-) -> Any:
-    """The learned anchors of a ``simulate_online`` run (``learned_anchor_set``), with the request
-    generator and the flow model recorded so ``railwave validate`` can replay held-out layers."""
-    return learned_anchor_set(
-        result["_selectors"],
-        topo,
-        hidden_size=hidden_size,
-        dtype=dtype,
-        chunks=chunks,
-        backend="netmodel",
-        settings={"requests": requests, "model": model},
-    )
+def learned_report(result: dict[str, Any], topo: RailTopology) -> dict[str, Any]:
+    """What the online selectors of a ``simulate_online`` run learned (``selector.learned``'s
+    report, as ``online_out`` writes it in a training job)."""
+    return learned_paths(result["_selectors"], topo)

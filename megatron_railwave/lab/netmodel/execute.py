@@ -37,7 +37,7 @@ Receiver ports (NIC downlinks) lose goodput with concurrent senders (`incast.Inc
 Every result carries the bandwidth lower bound (`program.bandwidth_bound`); the time is never
 below it (tests/unit/netmodel/test_bound.py).
 
-Without target-mask histograms (``demand=None``, e.g. the selector's calibration requests)
+Without target-mask histograms (``demand=None``, e.g. a request given only its record counts)
 stage 3 is synthetic: `NetModelConfig.delivery_fanout` copies per record, even over the
 destination node's GPUs.
 """
@@ -607,7 +607,7 @@ def simulate_plan(
 ) -> float:
     """Seconds of one dispatch + combine of ``plan`` on the flow model (deterministic).
 
-    The function `calibration.NetmodelBackend` calls; see `execute_plan` for the arguments.
+    What `railwave online-sim` times each plan with; see `execute_plan` for the arguments.
     """
     return execute_plan(
         plan, record_bytes=record_bytes, model=model, demand=demand, wire=wire

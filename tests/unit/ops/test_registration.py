@@ -3,10 +3,12 @@ ops) and the autograd of segment_sum, checked with torch.library.opcheck and tor
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from megatron_railwave import ops
 from megatron_railwave.ops import reference
+from megatron_railwave.ops._library import SCHEMAS
 from tests.helpers.ops_cases import random_routing_map, same_bits
 
 
@@ -123,7 +125,17 @@ _DATA_OPS = (
     "unpack_rows",
     "segment_sum",
 )
-_HOST_OPS = ("rail_plan", "rank_schedule", "arrival_copies", "path_estimates")
+_HOST_OPS = ("rail_plan", "flow_plan", "rank_schedule")
+_RETIRED_OPS = ("arrival_copies", "path_estimates")
+"""The offline path model's ops, retired with it: neither defined nor wrapped any more."""
+
+
+def test_retired_ops_are_gone():
+    for op in _RETIRED_OPS:
+        assert not any(schema.startswith(f"{op}(") for schema in SCHEMAS), op
+        assert not hasattr(ops, op), op
+        with pytest.raises((AttributeError, RuntimeError)):
+            getattr(torch.ops.railwave, op)
 
 
 def _has_kernel(op: str, key: str) -> bool:
