@@ -55,9 +55,13 @@ def compile_for_rank(
     """
     topo = plan.topology
     n, g = topo.num_nodes, topo.gpus_per_node
-    phases = _build_phases(plan.num_rail_phases)
-    relay_phase, rail_phase_V, deliver_phase_R = _dispatch_phase_indices(plan.num_rail_phases)
-    out = ops.rank_schedule(
+    phases = _build_phases(plan.num_rail_phases, plan.num_relay_phases)
+    relay_phase_U, rail_phase_V, deliver_phase_R = _dispatch_phase_indices(
+        plan.num_rail_phases, plan.num_relay_phases
+    )
+    # The compiled op knows one relay phase; a streamed relay compiles in Python (its measured
+    # cost: docs/results.md, "Streamed relay").
+    out = None if plan.streamed else ops.rank_schedule(
         plan.records_NNG,
         plan.quota_NNG,
         plan.relay_NNGG,
@@ -66,7 +70,7 @@ def compile_for_rank(
         rank=rank,
         chunks=plan.chunks,
         num_phases=len(phases),
-        relay_phase=relay_phase,
+        relay_phase=relay_phase_U[0],
         rail_phase_V=rail_phase_V,
         deliver_phase_R=deliver_phase_R,
     )
