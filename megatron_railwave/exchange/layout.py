@@ -180,7 +180,7 @@ def _streamed_host_counts(plan: PathPlan, view: RankView) -> dict[str, np.ndarra
         nodes = np.flatnonzero(wave_N == w)
         owner_UL[:, u] = parts_DOLK[nodes, me, :, k].sum(axis=0)
         pool_UB[:, u] = parts_DOLK[nodes][:, owners, me, k].sum(axis=0)
-    for block, owner in enumerate(owners):
+    for owner in owners:
         for u in range(num_phases):
             w, k = divmod(u, c)
             for d in np.flatnonzero(wave_N == w):

@@ -225,7 +225,8 @@ def relay_forward(
     if layout.streamed is not None:
         raise ValueError(
             "relay_forward moves the relay as one phase; this layout's relay is streamed "
-            "(PlanOptions.streamed): plan without streaming for a backend that moves the rest itself"
+            "(PlanOptions.streamed): plan without streaming for a backend that moves the rest "
+            "itself"
         )
     owner_rows = list(rows.split(layout.category_counts))
     pool = rows.new_empty((sum(layout.pool_counts), rows.shape[1]))
