@@ -224,9 +224,10 @@ def _streamed_maps(
     # Owner rows: (category, node, canonical) first, then within a category by rail phase.
     by_category = torch.sort(category_R, stable=True).indices
     cat_s, node_s = category_R[by_category], node_R[by_category]
-    position = torch.arange(n_rec, dtype=torch.int64, device=device) - dev["group_start"][
-        cat_s * n + node_s
-    ]
+    position = (
+        torch.arange(n_rec, dtype=torch.int64, device=device)
+        - dev["group_start"][cat_s * n + node_s]
+    )
     cell = node_s * g + cat_s.clamp(max=g - 1)
     egress_row = dev["my_off"][cell] + position
     chunk = (egress_row[:, None] >= dev["chunk_hi"].view(n * g, c)[cell]).sum(dim=1)

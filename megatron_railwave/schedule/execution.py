@@ -165,8 +165,8 @@ def _build_phases(num_waves: int, relays: int = 1) -> tuple[Phase, ...]:
                 deps: tuple[int, ...] = (index[(D, R, step - 1)],) if step else ()
             elif kind == L:
                 relay = (index[(D, R, step if streamed else 0)],)
-                deps = relay if step == 0 else (index[(D, L, step - 1)],) + (
-                    relay if streamed else ()
+                deps = (
+                    relay if step == 0 else (index[(D, L, step - 1)],) + (relay if streamed else ())
                 )
             else:
                 # Round 1 does not wait for round 0 (the local node's copies) either: the two
