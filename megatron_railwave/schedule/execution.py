@@ -40,6 +40,18 @@ The local round cdeliver[0] overlaps the rail waves in combine as deliver[0] doe
 the arrival GPU sums its returned local copies at the end, so the order of the sums (and the
 result, bitwise) is the same.
 
+Streamed relay (``PathPlan.streamed``, V > 1): the relay runs as V parts, relay[u] moving exactly
+the relayed records that rail[u] sends (``planner.relay_chunk_rows_NNGGC``), so no rail phase
+waits for the whole relay:
+
+    relay[0]: ()   relay[u]: (relay[u-1],)   rail[0]: (relay[0],)   rail[v]: (rail[v-1], relay[v])
+    crelay[0]: (crail[0],)   crelay[u]: (crail[u], crelay[u-1])
+
+posted as relay[0], deliver[0], rail[0], then relay[v], rail[v], deliver[v] for v = 1..V-1, then
+deliver[V] (relay[v] moves while rail[v-1] is on the wire), and in combine crelay[v-1] after
+crail[v] (it moves while crail[v] is on the wire), crelay[V-1] last. Without streaming the one
+relay phase is named 'dispatch.relay' / 'combine.relay'; streamed, 'dispatch.relay[u]'.
+
 Transfers are stored for the dispatch phases as one table (phase, src rank, dst rank, rows);
 a combine phase's transfers are its mirror's with source and destination swapped. Rows count
 records on stages 1-2 and copies (record x target GPU) on stage 3; a transfer with
