@@ -209,7 +209,9 @@ def test_paths_bitwise_equal_and_match_dense_reference(name):
 
 
 @pytest.mark.parametrize("path", PATHS)
-@pytest.mark.parametrize("name", ["4x2-uneven-failed-rail", "3x3-bf16"])
+@pytest.mark.parametrize(
+    "name", ["4x2-uneven-failed-rail", "3x3-bf16", "4x2-uneven-failed-rail-streamed-chunks3"]
+)
 def test_one_host_sync_per_layer_and_rank(name, path):
     spec, inputs = _inputs(name)
     with SyncAudit() as audit:
@@ -332,7 +334,9 @@ def test_fixed_capacity_equals_normal_mode_bitwise_on_every_path(name):
 
 
 @pytest.mark.parametrize("path", PATHS)
-@pytest.mark.parametrize("name", ["4x2-uneven-failed-rail", "3x3-bf16"])
+@pytest.mark.parametrize(
+    "name", ["4x2-uneven-failed-rail", "3x3-bf16", "4x2-uneven-failed-rail-streamed-chunks3"]
+)
 def test_fixed_capacity_needs_no_host_sync(name, path):
     spec, inputs = _inputs(name)
     fixed = _fixed(spec, inputs)
