@@ -334,7 +334,7 @@ def test_streamed_relay_moves_each_rail_phase_part_before_it(path, chunks):
     wave = plan.pair_wave_NN.numpy()
     for u in range(V):
         into = {}
-        for (src, dst), rows in _pair_rows(sched, sched.phase("dispatch", "relay", u)).items():
+        for (_, dst), rows in _pair_rows(sched, sched.phase("dispatch", "relay", u)).items():
             into[dst] = into.get(dst, 0) + rows
         sent = {}
         for (src, _), rows in _pair_rows(sched, sched.phase("dispatch", "rail", u)).items():
