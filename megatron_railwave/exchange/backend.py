@@ -109,8 +109,8 @@ def build_exchange(
     Raises:
         ValueError: 'deepep' with fixed capacity, rail chunks or a streamed relay, or a
             placement or layout DeepEP cannot run; an unknown backend; a bad
-            ``max_tokens_per_rank`` (every rank, no communication). Fixed capacity that pads far beyond a full batch warns once
-            (``capacity.check_padding``).
+            ``max_tokens_per_rank`` (every rank, no communication). Fixed capacity that pads
+            far beyond a full batch warns once (``capacity.check_padding``).
         ImportError: 'deepep' and ``deep_ep`` does not import on some rank (every rank raises).
     """
     if max_tokens_per_rank is not None:
