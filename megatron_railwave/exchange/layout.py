@@ -164,39 +164,39 @@ def _streamed_host_counts(plan: PathPlan, view: RankView) -> dict[str, np.ndarra
     wave_N = plan.pair_wave_NN[s].numpy()
     remote_N = wave_N >= 0
     relay_DOL = plan.relay_NNGG[s].numpy() * remote_N[:, None, None]  # [d, owner, egress]
-    parts_DOLK = relay_chunk_rows_NNGGC(plan)[s]  # [d, owner, egress, chunk]
+    parts_DOLK = relay_chunk_rows_NNGGC(plan, node=s)  # [d, owner, egress, chunk]
     group_NC = np.zeros((g + 1, n), dtype=np.int64)
     group_NC[:g] = relay_DOL[:, me, :].T
     group_NC[g, s] = int(plan.records_NNG[s, s, me])
     group_start = np.cumsum(group_NC.reshape(-1)) - group_NC.reshape(-1)
     my_off = relay_DOL[:, :me, :].sum(axis=1)  # [d, l]
     sizes_DLK = chunk_sizes(relay_DOL.sum(axis=1), c)  # [d, l, k]: the quota's chunks
-    owners = [me] + [o for o in range(g) if o != me]  # pool blocks
-    keys, rows, phase = [], [], []
-    owner_UL = np.zeros((g, num_phases), dtype=np.int64)
-    pool_UB = np.zeros((g, num_phases), dtype=np.int64)
-    for u in range(num_phases):
-        w, k = divmod(u, c)
-        nodes = np.flatnonzero(wave_N == w)
-        owner_UL[:, u] = parts_DOLK[nodes, me, :, k].sum(axis=0)
-        pool_UB[:, u] = parts_DOLK[nodes][:, owners, me, k].sum(axis=0)
-    for owner in owners:
-        for u in range(num_phases):
-            w, k = divmod(u, c)
-            for d in np.flatnonzero(wave_N == w):
-                keys.append(d * g + owner)
-                rows.append(parts_DOLK[d, owner, me, k])
-                phase.append(u)
+    owners = np.array([me] + [o for o in range(g) if o != me])  # pool blocks
+    # The (destination node, chunk) parts of this node's pairs in rail-phase order (u, then node).
     remote = np.flatnonzero(remote_N)
+    node_E = np.repeat(remote, c)
+    chunk_E = np.tile(np.arange(c), remote.size)
+    phase_E = wave_N[node_E] * c + chunk_E
+    order = np.lexsort((node_E, phase_E))
+    node_E, chunk_E, phase_E = node_E[order], chunk_E[order], phase_E[order]
+    owner_UL = np.zeros((num_phases, g), dtype=np.int64)
+    np.add.at(owner_UL, phase_E, parts_DOLK[node_E, me, :, chunk_E])  # [E, l] per category
+    pool_BE = parts_DOLK[node_E[None, :], owners[:, None], me, chunk_E[None, :]]  # [blocks, E]
+    pool_UB = np.zeros((num_phases, g), dtype=np.int64)
+    np.add.at(pool_UB, phase_E, pool_BE.T)
+    owner_UL, pool_UB = owner_UL.T, pool_UB.T
+    keys = node_E[None, :] * g + owners[:, None]
+    rows = pool_BE
+    phase = np.broadcast_to(phase_E, pool_BE.shape)
     egress_phase = (wave_N[remote][:, None] * c + np.arange(c)).reshape(-1)
     return {
         "group_start": group_start,
         "my_off": my_off.reshape(-1),
         "chunk_hi": np.cumsum(sizes_DLK, axis=-1).reshape(-1),
         "wave": wave_N,
-        "pool_key": np.asarray(keys, dtype=np.int64),
-        "pool_count": np.asarray(rows, dtype=np.int64),
-        "pool_phase": np.asarray(phase, dtype=np.int64),
+        "pool_key": keys.reshape(-1).astype(np.int64, copy=False),
+        "pool_count": rows.reshape(-1).astype(np.int64, copy=False),
+        "pool_phase": phase.reshape(-1).astype(np.int64, copy=False),
         "egress_phase": egress_phase,
         "egress_size": sizes_DLK[remote, me, :].reshape(-1),
         "owner_UL": owner_UL.reshape(-1),

@@ -185,23 +185,27 @@ def chunk_sizes(rows: np.ndarray | int, chunks: int) -> np.ndarray:
     return rows[..., None] // chunks + (k < rows[..., None] % chunks)
 
 
-def relay_chunk_rows_NNGGC(plan: PathPlan) -> np.ndarray:
+def relay_chunk_rows_NNGGC(plan: PathPlan, node: int | None = None) -> np.ndarray:
     """[N_src, N_dst, G_owner, G_egress, chunks] int64: owner (s, o)'s records for node d that
-    leave GPU (s, l) in rail chunk k (remote pairs; local pairs: 0).
+    leave GPU (s, l) in rail chunk k (remote pairs; local pairs: 0); with ``node``, source node
+    ``node``'s [N_dst, G_owner, G_egress, chunks] alone.
 
     The egress rows of a pair on GPU l are its owners' records in owner order (owner l's kept
     ones among them) and rail chunk k is their k-th contiguous part (``chunk_sizes`` of the
     quota), so owner o's share of chunk k is the overlap of its interval with the chunk's.
     A streamed relay (``PathPlan.streamed``) moves these in the rail phase of the chunk."""
     remote = (plan.pair_wave_NN >= 0).numpy()
-    relay = plan.relay_NNGG.numpy() * remote[:, :, None, None]
-    hi_o = np.cumsum(relay, axis=2)  # [s, d, o, l]: end of owner o's interval on GPU l
+    relay = plan.relay_NNGG.numpy()
+    if node is not None:
+        remote, relay = remote[node], relay[node]
+    relay = relay * remote[..., None, None]
+    hi_o = np.cumsum(relay, axis=-2)  # [..., d, o, l]: end of owner o's interval on GPU l
     lo_o = hi_o - relay
-    sizes = chunk_sizes(hi_o[:, :, -1, :], plan.chunks)  # [s, d, l, k]
+    sizes = chunk_sizes(hi_o[..., -1, :], plan.chunks)  # [..., d, l, k]
     hi_k = np.cumsum(sizes, axis=-1)
     lo_k = hi_k - sizes
-    overlap = np.minimum(hi_o[..., None], hi_k[:, :, None]) - np.maximum(
-        lo_o[..., None], lo_k[:, :, None]
+    overlap = np.minimum(hi_o[..., None], hi_k[..., None, :, :]) - np.maximum(
+        lo_o[..., None], lo_k[..., None, :, :]
     )
     return np.clip(overlap, 0, None)
 

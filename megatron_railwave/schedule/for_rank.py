@@ -59,24 +59,18 @@ def compile_for_rank(
     relay_phase_U, rail_phase_V, deliver_phase_R = _dispatch_phase_indices(
         plan.num_rail_phases, plan.num_relay_phases
     )
-    # The compiled op knows one relay phase; a streamed relay compiles in Python (its measured
-    # cost: docs/results.md, "Streamed relay").
-    out = (
-        None
-        if plan.streamed
-        else ops.rank_schedule(
-            plan.records_NNG,
-            plan.quota_NNG,
-            plan.relay_NNGG,
-            plan.pair_wave_NN,
-            demand.masks_into(node),
-            rank=rank,
-            chunks=plan.chunks,
-            num_phases=len(phases),
-            relay_phase=relay_phase_U[0],
-            rail_phase_V=rail_phase_V,
-            deliver_phase_R=deliver_phase_R,
-        )
+    out = ops.rank_schedule(
+        plan.records_NNG,
+        plan.quota_NNG,
+        plan.relay_NNGG,
+        plan.pair_wave_NN,
+        demand.masks_into(node),
+        rank=rank,
+        chunks=plan.chunks,
+        num_phases=len(phases),
+        relay_phase_U=relay_phase_U,
+        rail_phase_V=rail_phase_V,
+        deliver_phase_R=deliver_phase_R,
     )
     if out is None:
         schedule = compile_schedule(plan, wire, demand=demand, delivery_nodes=(node,))
