@@ -233,6 +233,10 @@ class RailWaveConfig:
     """RailBalance eligible-rail policy: all, active or mask."""
     rail_mask: tuple[tuple[int, ...], ...] = ()
     """[N][G] 0/1 allowed GPUs for policy 'mask'."""
+    streamed: bool = False
+    """RAIL / JOINT / FLOW / FLOW_WAVES: stream the relay into the rail phases (one relay part per
+    rail phase, so a rail phase waits only for its own part; ``PlanOptions.streamed``). Needs more
+    than one rail phase: waves, or ``chunks`` > 1. Torch backend only."""
     fanin: int = 1
     """Wave schedule: senders per receiver per wave (1 = the paper's cyclic schedule)."""
     chunks: int = 1
@@ -427,6 +431,17 @@ class RailWaveConfig:
                     f"on the "
                     "torch backend only; set backend: torch (or auto), or max_tokens_per_rank: null"
                 )
+        if not isinstance(self.streamed, bool):
+            raise ValueError(
+                f"streamed={self.streamed!r} must be true or false (stream the relay into the "
+                "rail phases)"
+            )
+        if self.backend == "deepep" and self.streamed:
+            raise ValueError(
+                "streamed: true (relay streamed into the rail phases) runs on the torch backend "
+                "only; DeepEP moves the rail and delivery stages in one call after the whole "
+                "relay. Set backend: torch (or auto), or streamed: false"
+            )
         if self.backend == "deepep" and _is_int(self.chunks) and self.chunks > 1:
             raise ValueError(
                 f"chunks={self.chunks} (rail chunks per wave) runs on the torch backend only; "
@@ -537,6 +552,7 @@ class RailWaveConfig:
             "policy": repr((str(self.policy), self.rail_mask)),
             "fanin": str(self.fanin),
             "chunks": str(self.chunks),
+            "streamed": str(self.streamed),
             "max_tokens_per_rank": str(self.max_tokens_per_rank),
             "selector": repr(
                 (self.selector_kind(), self.online.to_dict() if self.online else None)
@@ -620,7 +636,11 @@ class RailWaveConfig:
                     f"{topo.gpus_per_node} GPUs; give one row per node and one 0/1 per local GPU"
                 )
         return PlanOptions(
-            policy=self.policy, rail_mask_NG=mask, fanin=self.fanin, chunks=self.chunks
+            policy=self.policy,
+            rail_mask_NG=mask,
+            fanin=self.fanin,
+            chunks=self.chunks,
+            streamed=self.streamed,
         )
 
     def to_dict(self) -> dict[str, Any]:

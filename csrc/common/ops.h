@@ -32,7 +32,7 @@ RAILWAVE_OP_SIGNATURES
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> rank_schedule(
     const at::Tensor& records_NNG, const at::Tensor& quota_NNG, const at::Tensor& relay_NNGG,
     const at::Tensor& wave_NN, const at::Tensor& masks_WM, int64_t rank, int64_t chunks, int64_t num_phases,
-    int64_t relay_phase, at::IntArrayRef rail_phase_V, at::IntArrayRef deliver_phase_R);
+    at::IntArrayRef relay_phase_U, at::IntArrayRef rail_phase_V, at::IntArrayRef deliver_phase_R);
 std::tuple<at::Tensor, at::Tensor> rail_plan(const at::Tensor& records_NNG, const at::Tensor& eligible_NNG,
                                              bool balanced, int64_t phase);
 // The min-max relay plan of FLOW / FLOW_WAVES (int64 relay counts): csrc/cpu/flow.cpp.

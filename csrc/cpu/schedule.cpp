@@ -34,7 +34,7 @@ struct Transfer {
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> rank_schedule(
     const at::Tensor& records_NNG, const at::Tensor& quota_NNG, const at::Tensor& relay_NNGG,
     const at::Tensor& wave_NN, const at::Tensor& masks_WM, int64_t rank, int64_t chunks, int64_t num_phases,
-    int64_t relay_phase, at::IntArrayRef rail_phase_V, at::IntArrayRef deliver_phase_R) {
+    at::IntArrayRef relay_phase_U, at::IntArrayRef rail_phase_V, at::IntArrayRef deliver_phase_R) {
   RW_CHECK(records_NNG.dim() == 3, "records_NNG must be [N, N, G], got ", records_NNG.sizes());
   const int64_t N = records_NNG.size(0), G = records_NNG.size(2), W = N * G;
   RW_CHECK(G >= 1 && G <= 8, "G must be in 1..8, got ", G);
@@ -46,7 +46,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> rank_sche
   check_host(masks_WM, "masks_WM", at::kLong, {W, M});
   RW_CHECK(rank >= 0 && rank < W, "rank ", rank, " is not in 0..", W - 1);
   RW_CHECK(chunks >= 1 && V % chunks == 0, "chunks=", chunks, " must be >= 1 and divide the ", V, " rail phases");
-  const int64_t C = chunks, waves = V / C;
+  const int64_t C = chunks, waves = V / C, U = static_cast<int64_t>(relay_phase_U.size());
+  RW_CHECK(U == 1 || (U == V && V > 1), "relay_phase_U has ", U, " entries, expected 1 or the ", V,
+           " rail phases (a streamed relay)");
   RW_CHECK(static_cast<int64_t>(deliver_phase_R.size()) == V + 1, "deliver_phase_R has ", deliver_phase_R.size(),
            " entries, expected V + 1 = ", V + 1);
   const int64_t* records = records_NNG.data_ptr<int64_t>();
@@ -67,18 +69,51 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> rank_sche
 
   // ---- the transfer table (compile_schedule): relay, rail, then this node's deliveries.
   std::vector<Transfer> table;
-  for (int64_t a = 0; a < N; ++a) {  // stage 1: owner (a, o) -> proxy (a, l), remote pairs summed
-    for (int64_t o = 0; o < G; ++o) {
-      for (int64_t l = 0; l < G; ++l) {
-        if (o == l) continue;
-        int64_t rows = 0;
-        for (int64_t b = 0; b < N; ++b) rows += remote(a, b) ? rel(a, b, o, l) : 0;
-        if (rows) table.push_back({relay_phase, a * G + o, a * G + l, rows});
+  auto chunk_rows = [C](int64_t total, int64_t k) { return total / C + (k < total % C ? 1 : 0); };
+  if (U == 1) {
+    for (int64_t a = 0; a < N; ++a) {  // stage 1: owner (a, o) -> proxy (a, l), remote pairs summed
+      for (int64_t o = 0; o < G; ++o) {
+        for (int64_t l = 0; l < G; ++l) {
+          if (o == l) continue;
+          int64_t rows = 0;
+          for (int64_t b = 0; b < N; ++b) rows += remote(a, b) ? rel(a, b, o, l) : 0;
+          if (rows) table.push_back({relay_phase_U[0], a * G + o, a * G + l, rows});
+        }
+      }
+    }
+  } else {
+    // Streamed (planner.relay_chunk_rows_NNGGC): relay part u carries owner o's share of the rail
+    // chunks of phase u on GPU l, the overlap of its interval of the egress rows (owners in GPU
+    // order) with the chunk's. Pushed per (a, o, l), phases ascending; the stable sort by phase
+    // below gives compile_schedule's (phase, a, o, l) order.
+    std::vector<int64_t> rows_U(static_cast<size_t>(V));
+    for (int64_t a = 0; a < N; ++a) {
+      for (int64_t o = 0; o < G; ++o) {
+        for (int64_t l = 0; l < G; ++l) {
+          if (o == l) continue;
+          std::fill(rows_U.begin(), rows_U.end(), 0);
+          for (int64_t b = 0; b < N; ++b) {
+            if (!remote(a, b)) continue;
+            int64_t lo = 0, quota_l = 0;
+            for (int64_t p = 0; p < G; ++p) {
+              lo += p < o ? rel(a, b, p, l) : 0;
+              quota_l += rel(a, b, p, l);
+            }
+            const int64_t hi = lo + rel(a, b, o, l);
+            for (int64_t k = 0, k_lo = 0; k < C && hi > lo; ++k) {
+              const int64_t k_hi = k_lo + chunk_rows(quota_l, k);
+              rows_U[wave[a * N + b] * C + k] += std::max<int64_t>(std::min(hi, k_hi) - std::max(lo, k_lo), 0);
+              k_lo = k_hi;
+            }
+          }
+          for (int64_t u = 0; u < V; ++u) {
+            if (rows_U[u]) table.push_back({relay_phase_U[u], a * G + o, a * G + l, rows_U[u]});
+          }
+        }
       }
     }
   }
   // Stage 2: GPU (a, l) -> GPU (b, l), chunk k of the pair's wave w in rail phase w * C + k.
-  auto chunk_rows = [C](int64_t total, int64_t k) { return total / C + (k < total % C ? 1 : 0); };
   for (int64_t a = 0; a < N; ++a) {
     for (int64_t b = 0; b < N; ++b) {
       if (!remote(a, b)) continue;
@@ -209,7 +244,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> rank_sche
              " out of range");
     is_deliver[deliver_phase_R[r]] = true;
   }
-  RW_CHECK(relay_phase >= 0 && relay_phase < num_phases, "relay phase ", relay_phase, " out of range");
+  for (int64_t u = 0; u < U; ++u) {
+    RW_CHECK(relay_phase_U[u] >= 0 && relay_phase_U[u] < num_phases, "relay phase ", relay_phase_U[u], " out of range");
+  }
   const int64_t width = std::max(N, G);
   at::Tensor send_PQ = at::zeros({num_phases, width}, records_NNG.options());
   at::Tensor recv_PQ = at::zeros({num_phases, width}, records_NNG.options());

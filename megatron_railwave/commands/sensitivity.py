@@ -76,6 +76,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     _args.add_flag(
         parser,
+        "--chunks",
+        1,
+        type=int,
+        help="rail chunks per wave of the paths (PlanOptions.chunks; RAIL only with --streamed)",
+    )
+    parser.add_argument(
+        "--streamed",
+        action="store_true",
+        help="the paths' relay streamed into their rail phases (PlanOptions.streamed)",
+    )
+    _args.add_flag(
+        parser,
         "--peers",
         ["deepep-balanced", "deepep-direct", "megatron"],
         type=_args.comma_choices(PEERS + ("none",)),
@@ -154,6 +166,8 @@ def run(args: argparse.Namespace) -> int:
         peers=peers,
         incast_layers=None if args.no_incast_prediction else incast_layers,
         progress=not args.no_progress,
+        chunks=args.chunks,
+        streamed=args.streamed,
     )
     _print(summary, incast, args)
     if args.json:

@@ -107,10 +107,10 @@ def build_exchange(
     Collective: yes (the EP group: the backend agreement for 'deepep' / 'auto', DeepEP's Buffer).
 
     Raises:
-        ValueError: 'deepep' with fixed capacity or rail chunks, or a placement or layout DeepEP
-            cannot run; an unknown backend; a bad ``max_tokens_per_rank`` (every rank, no
-            communication). Fixed capacity that pads far beyond a full batch warns once
-            (``capacity.check_padding``).
+        ValueError: 'deepep' with fixed capacity, rail chunks or a streamed relay, or a
+            placement or layout DeepEP cannot run; an unknown backend; a bad
+            ``max_tokens_per_rank`` (every rank, no communication). Fixed capacity that pads
+            far beyond a full batch warns once (``capacity.check_padding``).
         ImportError: 'deepep' and ``deep_ep`` does not import on some rank (every rank raises).
     """
     if max_tokens_per_rank is not None:
@@ -163,6 +163,12 @@ def _torch_only_mode(options: PlanOptions | None, max_tokens_per_rank: int | Non
         return (
             f"chunks={options.chunks} (rail chunks per wave) runs on the torch backend only; "
             "DeepEP dispatches whole waves. Set backend: torch (or auto), or chunks: 1 for DeepEP"
+        )
+    if options is not None and options.streamed:
+        return (
+            "streamed=True (relay streamed into the rail phases) runs on the torch backend only; "
+            "DeepEP moves the rail and delivery stages in one call after the whole relay. Set "
+            "backend: torch (or auto), or streamed: false for DeepEP"
         )
     return ""
 

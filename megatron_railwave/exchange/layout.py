@@ -19,10 +19,23 @@ import numpy as np
 import torch
 
 from megatron_railwave import ops
-from megatron_railwave.planner import PathPlan, chunk_arrival_counts, owner_egress_bounds
+from megatron_railwave.planner import (
+    PathPlan,
+    chunk_arrival_counts,
+    chunk_sizes,
+    owner_egress_bounds,
+    relay_chunk_rows_NNGGC,
+)
 from megatron_railwave.schedule import RankView
 
-__all__ = ["HostCounts", "LayerLayout", "build_layout", "layout_counts", "select_positions"]
+__all__ = [
+    "HostCounts",
+    "LayerLayout",
+    "StreamedMaps",
+    "build_layout",
+    "layout_counts",
+    "select_positions",
+]
 
 
 class HostCounts:
@@ -87,6 +100,8 @@ class LayerLayout:
             target GPU j ascending.
         arrivals: host, per round, rows arriving at this GPU (round 0: its local-node records).
         num_copies: host, n_copy.
+        streamed: None, or with a streamed relay (``PathPlan.streamed``) the per-phase maps
+            (``StreamedMaps``).
     """
 
     token_R: torch.Tensor
@@ -100,6 +115,151 @@ class LayerLayout:
     deliver_index: list[torch.Tensor]
     arrivals: list[int]
     num_copies: int
+    streamed: StreamedMaps | None = None
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StreamedMaps:
+    """The row maps of a streamed relay: relay phase u moves what rail phase u sends.
+
+    With a streamed relay each owner category block (egress GPU l) and each pool block is ordered
+    by (rail phase u, destination node, canonical order) instead of (destination node, canonical
+    order), so that relay phase u's message is one contiguous slice on both sides; the egress
+    order (destination node, owner, canonical) and everything after it stay as they are.
+
+    Attributes:
+        owner_UL: host, [G][U] rows of owner category l (egress GPU l; l = this GPU: the kept
+            ones) in each relay phase.
+        pool_UB: host, [G][U] rows of pool block b (kept, then each other owner) per phase.
+        rail_pool_index: per rail phase u, [rows of u] pool row of each row it sends, by
+            destination node ascending (the egress rows of u's chunks).
+        relay_back_index: per relay phase u, [pool rows of u] egress row of each pool row of
+            phase u, pool block by block (the combine relay gathers them from the egress rows).
+    """
+
+    owner_UL: list[list[int]]
+    pool_UB: list[list[int]]
+    rail_pool_index: list[torch.Tensor]
+    relay_back_index: list[torch.Tensor]
+
+
+def _streamed_host_counts(plan: PathPlan, view: RankView) -> dict[str, np.ndarray]:
+    """Host counts of a streamed relay's maps on rank ``view.rank`` (numpy int64):
+
+    * group_start [(G + 1) * N]: first owner row of each (category, destination node) group
+      (categories: egress GPU 0..G-1, then the local node) in (category, node) order;
+    * my_off [N * G]: where this owner's records start in the egress rows of (node, GPU l);
+    * chunk_hi [N * G * C]: the ends of the rail chunks in the egress rows of (node, GPU l);
+    * wave [N]: each destination node's wave (-1: own node);
+    * pool_key / pool_count / pool_phase [E]: pool rows as runs in pool order (block, rail phase,
+      destination node): key node * G + owner, the rows, the phase;
+    * egress_phase / egress_size [N * C]: rail phase and rows of each (node, chunk) part of this
+      GPU's egress rows, node-major;
+    * owner_UL / pool_UB [G * U]: rows per (owner category, phase) and per (pool block, phase).
+    """
+    topo = plan.topology
+    n, g, c = topo.num_nodes, topo.gpus_per_node, plan.chunks
+    s, me = view.node, view.local
+    num_phases = plan.num_rail_phases
+    wave_N = plan.pair_wave_NN[s].numpy()
+    remote_N = wave_N >= 0
+    relay_DOL = plan.relay_NNGG[s].numpy() * remote_N[:, None, None]  # [d, owner, egress]
+    parts_DOLK = relay_chunk_rows_NNGGC(plan, node=s)  # [d, owner, egress, chunk]
+    group_NC = np.zeros((g + 1, n), dtype=np.int64)
+    group_NC[:g] = relay_DOL[:, me, :].T
+    group_NC[g, s] = int(plan.records_NNG[s, s, me])
+    group_start = np.cumsum(group_NC.reshape(-1)) - group_NC.reshape(-1)
+    my_off = relay_DOL[:, :me, :].sum(axis=1)  # [d, l]
+    sizes_DLK = chunk_sizes(relay_DOL.sum(axis=1), c)  # [d, l, k]: the quota's chunks
+    owners = np.array([me] + [o for o in range(g) if o != me])  # pool blocks
+    # The (destination node, chunk) parts of this node's pairs in rail-phase order (u, then node).
+    remote = np.flatnonzero(remote_N)
+    node_E = np.repeat(remote, c)
+    chunk_E = np.tile(np.arange(c), remote.size)
+    phase_E = wave_N[node_E] * c + chunk_E
+    order = np.lexsort((node_E, phase_E))
+    node_E, chunk_E, phase_E = node_E[order], chunk_E[order], phase_E[order]
+    owner_UL = np.zeros((num_phases, g), dtype=np.int64)
+    np.add.at(owner_UL, phase_E, parts_DOLK[node_E, me, :, chunk_E])  # [E, l] per category
+    pool_BE = parts_DOLK[node_E[None, :], owners[:, None], me, chunk_E[None, :]]  # [blocks, E]
+    pool_UB = np.zeros((num_phases, g), dtype=np.int64)
+    np.add.at(pool_UB, phase_E, pool_BE.T)
+    owner_UL, pool_UB = owner_UL.T, pool_UB.T
+    keys = node_E[None, :] * g + owners[:, None]
+    rows = pool_BE
+    phase = np.broadcast_to(phase_E, pool_BE.shape)
+    egress_phase = (wave_N[remote][:, None] * c + np.arange(c)).reshape(-1)
+    return {
+        "group_start": group_start,
+        "my_off": my_off.reshape(-1),
+        "chunk_hi": np.cumsum(sizes_DLK, axis=-1).reshape(-1),
+        "wave": wave_N,
+        "pool_key": keys.reshape(-1).astype(np.int64, copy=False),
+        "pool_count": rows.reshape(-1).astype(np.int64, copy=False),
+        "pool_phase": phase.reshape(-1).astype(np.int64, copy=False),
+        "egress_phase": egress_phase,
+        "egress_size": sizes_DLK[remote, me, :].reshape(-1),
+        "owner_UL": owner_UL.reshape(-1),
+        "pool_UB": pool_UB.reshape(-1),
+    }
+
+
+def _streamed_maps(
+    plan: PathPlan, view: RankView, category_R: torch.Tensor, node_R: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, StreamedMaps]:
+    """(owner_order, egress_perm, egress_inverse, maps) of a streamed relay (device; no sync)."""
+    topo = plan.topology
+    n, g, c = topo.num_nodes, topo.gpus_per_node, plan.chunks
+    num_phases = plan.num_rail_phases
+    device = node_R.device
+    host = _streamed_host_counts(plan, view)
+    staged = HostCounts()
+    for name in ("group_start", "my_off", "chunk_hi", "wave", "pool_key", "pool_count"):
+        staged.add(name, host[name])
+    staged.add("pool_phase", host["pool_phase"])
+    staged.add("egress_phase", host["egress_phase"])
+    staged.add("egress_size", host["egress_size"])
+    dev = staged.to(device)
+    n_rec = view.num_records
+    # Owner rows: (category, node, canonical) first, then within a category by rail phase.
+    by_category = torch.sort(category_R, stable=True).indices
+    cat_s, node_s = category_R[by_category], node_R[by_category]
+    position = (
+        torch.arange(n_rec, dtype=torch.int64, device=device)
+        - dev["group_start"][cat_s * n + node_s]
+    )
+    cell = node_s * g + cat_s.clamp(max=g - 1)
+    egress_row = dev["my_off"][cell] + position
+    chunk = (egress_row[:, None] >= dev["chunk_hi"].view(n * g, c)[cell]).sum(dim=1)
+    rail_phase = dev["wave"][node_s] * c + chunk
+    key = torch.where(cat_s < g, cat_s * num_phases + rail_phase, g * num_phases)
+    owner_order = by_category[torch.sort(key, stable=True).indices]
+    # Pool rows -> egress rows (destination node, owner, canonical): a stable sort of the keys.
+    pool_total = int(host["pool_count"].sum())
+    egress_perm = torch.sort(
+        _runs(dev["pool_key"], dev["pool_count"], pool_total), stable=True
+    ).indices
+    egress_inverse = torch.empty_like(egress_perm).scatter_(
+        0, egress_perm, torch.arange(pool_total, dtype=torch.int64, device=device)
+    )
+    egress_total = int(host["egress_size"].sum())
+    egress_by_phase = torch.sort(
+        _runs(dev["egress_phase"], dev["egress_size"], egress_total), stable=True
+    ).indices
+    rail_rows = np.bincount(host["egress_phase"], host["egress_size"], minlength=num_phases)
+    pool_by_phase = torch.sort(
+        _runs(dev["pool_phase"], dev["pool_count"], pool_total), stable=True
+    ).indices
+    pool_UB = host["pool_UB"].reshape(g, num_phases)
+    maps = StreamedMaps(
+        owner_UL=host["owner_UL"].reshape(g, num_phases).tolist(),
+        pool_UB=pool_UB.tolist(),
+        rail_pool_index=list(
+            egress_perm[egress_by_phase].split(rail_rows.astype(np.int64).tolist())
+        ),
+        relay_back_index=list(egress_inverse[pool_by_phase].split(pool_UB.sum(axis=0).tolist())),
+    )
+    return owner_order, egress_perm, egress_inverse, maps
 
 
 def layout_counts(plan: PathPlan, view: RankView) -> np.ndarray:
@@ -205,13 +365,19 @@ def build_layout(
         wave_N=wave_N,
     )
     category_R = torch.where(node_R == s, g, egress_R)
-    owner_order = torch.sort(category_R, stable=True).indices
-
+    streamed = None
     pool_total = int(pool_GN.sum())
-    egress_is_kept = not bool(pool_GN[1:].any())
-    if egress_is_kept:  # the pool is the kept records, already in egress order: the identity
+    # A streamed relay orders the kept rows by rail phase: never the egress order as they are.
+    egress_is_kept = not plan.streamed and not bool(pool_GN[1:].any())
+    if plan.streamed:
+        owner_order, egress_perm, egress_inverse, streamed = _streamed_maps(
+            plan, view, category_R, node_R
+        )
+    elif egress_is_kept:  # the pool is the kept records, already in egress order: the identity
+        owner_order = torch.sort(category_R, stable=True).indices
         egress_perm = egress_inverse = torch.arange(pool_total, dtype=torch.int64, device=device)
     else:
+        owner_order = torch.sort(category_R, stable=True).indices
         egress_perm = torch.sort(_runs(pool_key, pool_count, pool_total), stable=True).indices
         egress_inverse = torch.empty_like(egress_perm).scatter_(
             0, egress_perm, torch.arange(pool_total, dtype=torch.int64, device=device)
@@ -243,6 +409,7 @@ def build_layout(
         deliver_index=deliver_index,
         arrivals=arrivals,
         num_copies=view.num_copies,
+        streamed=streamed,
     )
 
 

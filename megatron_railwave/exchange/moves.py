@@ -222,6 +222,12 @@ def relay_forward(
         [n_pool, b] uint8 pool: the kept records, then those relayed by each other owner in
         owner order (``layout.pool_counts``).
     """
+    if layout.streamed is not None:
+        raise ValueError(
+            "relay_forward moves the relay as one phase; this layout's relay is streamed "
+            "(PlanOptions.streamed): plan without streaming for a backend that moves the rest "
+            "itself"
+        )
     owner_rows = list(rows.split(layout.category_counts))
     pool = rows.new_empty((sum(layout.pool_counts), rows.shape[1]))
     ticket = yield _relay_out(
@@ -302,11 +308,37 @@ def forward_moves(
     arrivals: dict[int, torch.Tensor] = {0: owner_rows[g]}
     egress: list[torch.Tensor] = []  # the egress buffer, once the relay is done
     egress_rows: list[torch.Tensor] = []
+    streamed = layout.streamed
+    if streamed is not None:  # relay phase u moves slice u of every owner and pool block
+        owner_UL = [list(b.split(c)) for b, c in zip(owner_rows, streamed.owner_UL)]
+        pool_UB = [list(b.split(c)) for b, c in zip(pool_rows, streamed.pool_UB)]
 
     def start(phase: Phase) -> Post:
         counts = view.counts(phase)
+        if phase.kind == PhaseKind.RELAY and streamed is not None:
+            return _relay_out(
+                phase,
+                groups,
+                [b[phase.step] for b in owner_UL] + [owner_rows[g]],
+                [b[phase.step] for b in pool_UB],
+            )
         if phase.kind == PhaseKind.RELAY:
             return _relay_out(phase, groups, owner_rows, pool_rows)
+        if phase.kind == PhaseKind.RAIL and streamed is not None:
+            # Rail phase u sends the egress rows of its chunks, gathered from the pool as soon as
+            # relay phase u has landed (the earlier phases' rows are there already).
+            buf = rows.new_empty((sum(counts.recv_Q), rows.shape[1]))
+            arrivals[phase.step + 1] = buf
+            out = _take_rows(pool, streamed.rail_pool_index[phase.step]).split(
+                [c for c in counts.send_Q if c]
+            )
+            parts = iter(out)
+            return _post(
+                phase,
+                groups,
+                [next(parts) if c else None for c in counts.send_Q],
+                list(buf.split(counts.recv_Q)),
+            )
         if phase.kind == PhaseKind.RAIL:
             buf = rows.new_empty((sum(counts.recv_Q), rows.shape[1]))
             arrivals[phase.step + 1] = buf
@@ -334,7 +366,7 @@ def forward_moves(
         )
 
     def complete(phase: Phase) -> None:
-        if phase.kind == PhaseKind.RELAY:
+        if phase.kind == PhaseKind.RELAY and streamed is None:
             # Without relayed records the kept rows are already in egress order (node ascending).
             egress.append(
                 owner_rows[me] if layout.egress_is_kept else _take_rows(pool, layout.egress_perm)
@@ -388,6 +420,9 @@ def backward_moves(
     out_rows = list(out.split(layout.category_counts))
     egress = rows.new_empty((sum(view.egress_N), width))
     egress_rows = _egress_parts(egress, view, chunks)
+    streamed = layout.streamed
+    if streamed is not None:
+        out_UL = [list(b.split(c)) for b, c in zip(out_rows, streamed.owner_UL)]
     returned: dict[int, torch.Tensor] = {}
     reduced: dict[int, torch.Tensor] = {}
 
@@ -416,6 +451,14 @@ def backward_moves(
                 list(arrived.split(counts.send_Q)),
                 [egress_rows[d * chunks + k] if c else None for d, c in enumerate(counts.recv_Q)],
                 _flat(phase, schedule, me, arrived, counts.send_Q, egress, counts.recv_Q),
+            )
+        if streamed is not None:  # relay phase u returns the pool rows of rail phase u
+            pool_u = _take_rows(egress, streamed.relay_back_index[phase.step])
+            return _relay_back(
+                phase,
+                groups,
+                list(pool_u.split([b[phase.step] for b in streamed.pool_UB])),
+                [b[phase.step] for b in out_UL] + [out_rows[g]],
             )
         pool = egress if layout.egress_is_kept else _take_rows(egress, layout.egress_inverse)
         return _relay_back(phase, groups, list(pool.split(layout.pool_counts)), out_rows)

@@ -218,7 +218,7 @@ def rank_schedule(
     rank: int,
     chunks: int = 1,
     num_phases: int,
-    relay_phase: int,
+    relay_phase_U: Sequence[int],
     rail_phase_V: Sequence[int],
     deliver_phase_R: Sequence[int],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
@@ -236,8 +236,9 @@ def rank_schedule(
         masks_WM: [W, M] int64 (CPU), records every rank sends to the rank's node, by target mask.
         rank: the EP rank (node * G + local GPU).
         chunks: the plan's rail chunks per wave (``PathPlan.chunks``).
-        num_phases, relay_phase, rail_phase_V [V], deliver_phase_R [V + 1]: the schedule's phase
-            count and the indices of its dispatch phases.
+        num_phases, relay_phase_U [1, or V with a streamed relay], rail_phase_V [V],
+            deliver_phase_R [V + 1]: the schedule's phase count and the indices of its dispatch
+            phases.
 
     Returns:
         table [4, X] (phase, src, dst, rows of the dispatch transfers, sorted by phase, stable),
@@ -259,7 +260,7 @@ def rank_schedule(
         rank,
         chunks,
         num_phases,
-        relay_phase,
+        list(relay_phase_U),
         list(rail_phase_V),
         list(deliver_phase_R),
     )

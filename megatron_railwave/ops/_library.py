@@ -45,8 +45,8 @@ SCHEMAS = (
     "flow_plan(Tensor records, Tensor copies, Tensor eligible, Tensor wave, Tensor rail_of_gpu, "
     "int num_waves, int num_rails, int nvlink_cost, int nic_cost, int units, int sweeps) -> Tensor",
     "rank_schedule(Tensor records, Tensor quota, Tensor relay, Tensor wave, Tensor masks, "
-    "int rank, int chunks, int num_phases, int relay_phase, int[] rail_phase, int[] deliver_phase) "
-    "-> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+    "int rank, int chunks, int num_phases, int[] relay_phase, int[] rail_phase, "
+    "int[] deliver_phase) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
 )
 """The op schemas (the C++ kernels' signatures must match them: csrc/common/ops.h)."""
 

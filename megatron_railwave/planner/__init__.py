@@ -6,7 +6,13 @@ on every rank; nothing here communicates.
 
 from megatron_railwave.planner.eligible import EligiblePolicy
 from megatron_railwave.planner.flow import flow_relay_NNGG
-from megatron_railwave.planner.plan import PathPlan, PlanOptions, build_plan, chunk_sizes
+from megatron_railwave.planner.plan import (
+    PathPlan,
+    PlanOptions,
+    build_plan,
+    chunk_sizes,
+    relay_chunk_rows_NNGGC,
+)
 from megatron_railwave.planner.railbalance import (
     eligible_NNG,
     healthy_gpus_NG,
@@ -38,6 +44,7 @@ __all__ = [
     "PlanOptions",
     "build_plan",
     "chunk_sizes",
+    "relay_chunk_rows_NNGGC",
     "chunk_arrival_counts",
     "eligible_NNG",
     "healthy_gpus_NG",

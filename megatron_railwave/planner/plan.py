@@ -33,7 +33,14 @@ from megatron_railwave.traffic import (
     traffic_stats,
 )
 
-__all__ = ["PathPlan", "PlanOptions", "build_plan", "chunk_sizes", "delivery_copies_NNGG"]
+__all__ = [
+    "PathPlan",
+    "PlanOptions",
+    "build_plan",
+    "chunk_sizes",
+    "delivery_copies_NNGG",
+    "relay_chunk_rows_NNGGC",
+]
 
 
 MAX_CHUNKS = 64
@@ -59,11 +66,19 @@ class PlanOptions:
     """Rail chunks per wave for PERM / JOINT / FLOW / FLOW_WAVES: each pair's records on a rail
     leave in ``chunks`` near-equal parts, one rail phase each, and each part is delivered while
     the next is on the rail (more, smaller waves; 1 = whole waves, the paper's schedule). NATIVE
-    and RAIL send whole windows."""
+    sends whole windows; RAIL is chunked only when ``streamed``."""
+    streamed: bool = False
+    """Relay streamed into the rail phases: one relay phase per rail phase, carrying exactly the
+    relayed records that rail phase sends, so a rail phase waits for its own part of the relay
+    only, not for the whole relay (no store-and-forward between stage 1 and stage 2). Results are
+    bitwise the same (the egress and arrival orders do not change). With one rail phase (all
+    pairs at once, ``chunks`` = 1) there is nothing to stream: set ``chunks`` > 1."""
 
     def __post_init__(self) -> None:
         if self.fanin < 1:
             raise ValueError(f"fanin must be >= 1, got {self.fanin}")
+        if not isinstance(self.streamed, bool):
+            raise ValueError(f"streamed must be a bool, got {self.streamed!r}")
         if (
             isinstance(self.chunks, bool)
             or not isinstance(self.chunks, int)
@@ -92,8 +107,10 @@ class PathPlan:
         relay_NNGG: [N_src, N_dst, G_owner, G_egress] int64, owner -> egress record counts
             (diagonal = kept, off-diagonal = relayed over NVLink). Local pairs are diagonal.
         pair_wave_NN: [N, N] int64, wave of each remote pair, -1 on the diagonal.
-        chunks: rail chunks per wave (``PlanOptions.chunks``; 1 for NATIVE / RAIL): wave v's
-            chunk k is rail phase v * chunks + k.
+        chunks: rail chunks per wave (``PlanOptions.chunks``; 1 for NATIVE, and for RAIL unless
+            streamed): wave v's chunk k is rail phase v * chunks + k.
+        streamed: the relay runs as one phase per rail phase (``PlanOptions.streamed``; False
+            where the plan relays nothing or has one rail phase).
     """
 
     path: Route
@@ -105,6 +122,7 @@ class PathPlan:
     relay_NNGG: torch.Tensor
     pair_wave_NN: torch.Tensor
     chunks: int = 1
+    streamed: bool = False
 
     @property
     def num_waves(self) -> int:
@@ -115,6 +133,11 @@ class PathPlan:
     def num_rail_phases(self) -> int:
         """Rail phases of a layer: every wave's chunks, V x chunks."""
         return self.schedule.num_waves * self.chunks
+
+    @property
+    def num_relay_phases(self) -> int:
+        """Relay phases of a layer: one per rail phase when streamed, else one."""
+        return self.num_rail_phases if self.streamed else 1
 
     def rail_load_NRN(self) -> torch.Tensor:
         """[N_src, R, N_dst] int64: records sent on rail r of node s to node d (local: owner
@@ -160,6 +183,31 @@ def chunk_sizes(rows: np.ndarray | int, chunks: int) -> np.ndarray:
     rows = np.asarray(rows, dtype=np.int64)
     k = np.arange(chunks, dtype=np.int64)
     return rows[..., None] // chunks + (k < rows[..., None] % chunks)
+
+
+def relay_chunk_rows_NNGGC(plan: PathPlan, node: int | None = None) -> np.ndarray:
+    """[N_src, N_dst, G_owner, G_egress, chunks] int64: owner (s, o)'s records for node d that
+    leave GPU (s, l) in rail chunk k (remote pairs; local pairs: 0); with ``node``, source node
+    ``node``'s [N_dst, G_owner, G_egress, chunks] alone.
+
+    The egress rows of a pair on GPU l are its owners' records in owner order (owner l's kept
+    ones among them) and rail chunk k is their k-th contiguous part (``chunk_sizes`` of the
+    quota), so owner o's share of chunk k is the overlap of its interval with the chunk's.
+    A streamed relay (``PathPlan.streamed``) moves these in the rail phase of the chunk."""
+    remote = (plan.pair_wave_NN >= 0).numpy()
+    relay = plan.relay_NNGG.numpy()
+    if node is not None:
+        remote, relay = remote[node], relay[node]
+    relay = relay * remote[..., None, None]
+    hi_o = np.cumsum(relay, axis=-2)  # [..., d, o, l]: end of owner o's interval on GPU l
+    lo_o = hi_o - relay
+    sizes = chunk_sizes(hi_o[..., -1, :], plan.chunks)  # [..., d, l, k]
+    hi_k = np.cumsum(sizes, axis=-1)
+    lo_k = hi_k - sizes
+    overlap = np.minimum(hi_o[..., None], hi_k[..., None, :, :]) - np.maximum(
+        lo_o[..., None], lo_k[..., None, :, :]
+    )
+    return np.clip(overlap, 0, None)
 
 
 def delivery_copies_NNGG(
@@ -244,7 +292,9 @@ def build_plan(
             relay = balanced
     else:
         quota, relay = quota_and_relay(records_NNG, eligible, balanced=path.balanced, phase=phase)
-    chunked = path.waved or path.min_max
+    chunked = path.waved or path.min_max or (path.balanced and options.streamed)
+    chunks = options.chunks if chunked and n > 1 else 1
+    relays = bool((relay.sum() - torch.diagonal(relay, dim1=-2, dim2=-1).sum()).item())
     return PathPlan(
         path=path,
         topology=topo,
@@ -254,5 +304,6 @@ def build_plan(
         quota_NNG=quota,
         relay_NNGG=relay,
         pair_wave_NN=pair_wave,
-        chunks=options.chunks if chunked and n > 1 else 1,
+        chunks=chunks,
+        streamed=options.streamed and relays and schedule.num_waves * chunks > 1,
     )

@@ -40,6 +40,18 @@ The local round cdeliver[0] overlaps the rail waves in combine as deliver[0] doe
 the arrival GPU sums its returned local copies at the end, so the order of the sums (and the
 result, bitwise) is the same.
 
+Streamed relay (``PathPlan.streamed``, V > 1): the relay runs as V parts, relay[u] moving exactly
+the relayed records that rail[u] sends (``planner.relay_chunk_rows_NNGGC``), so no rail phase
+waits for the whole relay:
+
+    relay[0]: ()   relay[u]: (relay[u-1],)   rail[0]: (relay[0],)   rail[v]: (rail[v-1], relay[v])
+    crelay[0]: (crail[0],)   crelay[u]: (crail[u], crelay[u-1])
+
+posted as relay[0], deliver[0], rail[0], then relay[v], rail[v], deliver[v] for v = 1..V-1, then
+deliver[V] (relay[v] moves while rail[v-1] is on the wire), and in combine crelay[v-1] after
+crail[v] (it moves while crail[v] is on the wire), crelay[V-1] last. Without streaming the one
+relay phase is named 'dispatch.relay' / 'combine.relay'; streamed, 'dispatch.relay[u]'.
+
 Transfers are stored for the dispatch phases as one table (phase, src rank, dst rank, rows);
 a combine phase's transfers are its mirror's with source and destination swapped. Rows count
 records on stages 1-2 and copies (record x target GPU) on stage 3; a transfer with
@@ -62,6 +74,7 @@ from megatron_railwave.planner import (
     chunk_arrival_counts,
     chunk_sizes,
     delivery_copies_NGG,
+    relay_chunk_rows_NNGGC,
 )
 from megatron_railwave.schedule.wire import RecordWireFormat
 from megatron_railwave.traffic import mask_bits
@@ -116,32 +129,40 @@ class Phase:
     mirror_of: int | None = None
 
 
-def _dispatch_layout(num_waves: int) -> list[tuple[PhaseKind, int]]:
+def _dispatch_layout(num_waves: int, relays: int) -> list[tuple[PhaseKind, int]]:
     order = [(PhaseKind.RELAY, 0), (PhaseKind.DELIVER, 0)]
     if num_waves:
         order.append((PhaseKind.RAIL, 0))
         for v in range(1, num_waves):
+            if relays > 1:  # streamed: wave v's relay part runs while rail[v - 1] is on the wire
+                order.append((PhaseKind.RELAY, v))
             order += [(PhaseKind.RAIL, v), (PhaseKind.DELIVER, v)]
         order.append((PhaseKind.DELIVER, num_waves))
     return order
 
 
-def _combine_layout(num_waves: int) -> list[tuple[PhaseKind, int]]:
+def _combine_layout(num_waves: int, relays: int) -> list[tuple[PhaseKind, int]]:
     order = [(PhaseKind.DELIVER, 0)]
     for v in range(num_waves):
         order += [(PhaseKind.DELIVER, v + 1), (PhaseKind.RAIL, v)]
-    order.append((PhaseKind.RELAY, 0))
+        if relays > 1 and v >= 1:  # streamed: crelay[v - 1] runs while crail[v] is on the wire
+            order.append((PhaseKind.RELAY, v - 1))
+    order.append((PhaseKind.RELAY, num_waves - 1 if relays > 1 else 0))
     return order
 
 
 @functools.lru_cache(maxsize=256)
-def _build_phases(num_waves: int) -> tuple[Phase, ...]:
-    """The phases of a schedule with ``num_waves`` waves (immutable; cached)."""
+def _build_phases(num_waves: int, relays: int = 1) -> tuple[Phase, ...]:
+    """The phases of a schedule with ``num_waves`` rail phases and ``relays`` relay phases (1, or
+    ``num_waves`` when the relay is streamed; immutable; cached)."""
+    if relays not in (1, num_waves):
+        raise ValueError(f"relays={relays} must be 1 or the {num_waves} rail phases (streamed)")
+    streamed = relays > 1
     phases: list[Phase] = []
     index: dict[tuple[Direction, PhaseKind, int], int] = {}
     for direction, layout in (
-        (Direction.DISPATCH, _dispatch_layout(num_waves)),
-        (Direction.COMBINE, _combine_layout(num_waves)),
+        (Direction.DISPATCH, _dispatch_layout(num_waves, relays)),
+        (Direction.COMBINE, _combine_layout(num_waves, relays)),
     ):
         for kind, step in layout:
             index[(direction, kind, step)] = len(phases)
@@ -151,9 +172,14 @@ def _build_phases(num_waves: int) -> tuple[Phase, ...]:
     for (direction, kind, step), i in index.items():
         if direction == D:
             if kind == R:
-                deps: tuple[int, ...] = ()
+                # A streamed relay part is posted once the previous one has landed (the program
+                # waits for it before rail[v - 1]).
+                deps: tuple[int, ...] = (index[(D, R, step - 1)],) if step else ()
             elif kind == L:
-                deps = (index[(D, R, 0)],) if step == 0 else (index[(D, L, step - 1)],)
+                relay = (index[(D, R, step if streamed else 0)],)
+                deps = (
+                    relay if step == 0 else (index[(D, L, step - 1)],) + (relay if streamed else ())
+                )
             else:
                 # Round 1 does not wait for round 0 (the local node's copies) either: the two
                 # write disjoint copy slots, so the first wave's copies go on as they arrive.
@@ -171,10 +197,12 @@ def _build_phases(num_waves: int) -> tuple[Phase, ...]:
                 deps = () if step <= 1 else (index[(C, DL, step - 1)],)
             elif kind == L:
                 deps = (index[(C, DL, step + 1)],) + ((index[(C, L, step - 1)],) if step else ())
+            elif streamed:  # relay part v returns what rail[v] brought back
+                deps = (index[(C, L, step)],) + ((index[(C, R, step - 1)],) if step else ())
             else:
                 deps = (index[(C, L, num_waves - 1)],) if num_waves else ()
             mirror = index[(D, kind, step)]
-        label = kind.value if kind == R else f"{kind.value}[{step}]"
+        label = f"{kind.value}[{step}]" if kind != R or streamed else kind.value
         phases[i] = Phase(
             index=i,
             name=f"{direction.value}.{label}",
@@ -189,12 +217,15 @@ def _build_phases(num_waves: int) -> tuple[Phase, ...]:
 
 
 @functools.lru_cache(maxsize=256)
-def _dispatch_phase_indices(num_waves: int) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
-    """(relay phase, rail phases [V], deliver phases [V + 1]) of a schedule with V rail phases."""
-    index = {(p.direction, p.kind, p.step): p.index for p in _build_phases(num_waves)}
+def _dispatch_phase_indices(
+    num_waves: int, relays: int = 1
+) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    """(relay phases [1 or V], rail phases [V], deliver phases [V + 1]) of a schedule with V rail
+    phases."""
+    index = {(p.direction, p.kind, p.step): p.index for p in _build_phases(num_waves, relays)}
     D = Direction.DISPATCH
     return (
-        index[(D, PhaseKind.RELAY, 0)],
+        tuple(index[(D, PhaseKind.RELAY, u)] for u in range(relays)),
         tuple(index[(D, PhaseKind.RAIL, v)] for v in range(num_waves)),
         tuple(index[(D, PhaseKind.DELIVER, r)] for r in range(num_waves + 1)),
     )
@@ -312,13 +343,24 @@ class ExecutionSchedule:
 # numpy's per-call cost is a fraction of torch's.
 
 
-def _relay_transfers(plan: PathPlan) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    g = plan.topology.gpus_per_node
-    remote = (plan.pair_wave_NN >= 0).numpy()
-    relay_NGG = np.einsum("sdgl,sd->sgl", plan.relay_NNGG.numpy(), remote)
-    relay_NGG = relay_NGG * ~np.eye(g, dtype=bool)  # kept records are not transfers
-    s, o, l = np.nonzero(relay_NGG)
-    return s * g + o, s * g + l, relay_NGG[s, o, l]
+def _relay_transfers(plan: PathPlan) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(relay phase, src, dst, rows): one relay phase (0), or with a streamed relay, rail phase
+    v's part in relay phase v (``relay_chunk_rows_NNGGC``)."""
+    g, c = plan.topology.gpus_per_node, plan.chunks
+    off_diagonal = ~np.eye(g, dtype=bool)  # kept records are not transfers
+    if not plan.streamed:
+        remote = (plan.pair_wave_NN >= 0).numpy()
+        relay_NGG = np.einsum("sdgl,sd->sgl", plan.relay_NNGG.numpy(), remote) * off_diagonal
+        s, o, l = np.nonzero(relay_NGG)
+        return np.zeros(s.shape, dtype=np.int64), s * g + o, s * g + l, relay_NGG[s, o, l]
+    parts = relay_chunk_rows_NNGGC(plan) * off_diagonal[:, :, None]  # [s, d, o, l, k]
+    wave_NN = plan.pair_wave_NN.numpy()
+    per_phase = np.zeros((plan.num_rail_phases, *parts.shape[:1], g, g), dtype=np.int64)
+    s, d = np.nonzero(wave_NN >= 0)
+    for k in range(c):  # phase [u, s, o, l] += parts of the pairs whose chunk k is rail phase u
+        np.add.at(per_phase, (wave_NN[s, d] * c + k, s), parts[s, d, :, :, k])
+    u, s, o, l = np.nonzero(per_phase)
+    return u, s * g + o, s * g + l, per_phase[u, s, o, l]
 
 
 def _rail_transfers(plan: PathPlan) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -397,12 +439,14 @@ def compile_schedule(
         raise ValueError(
             "compile_schedule: delivery_nodes need the demand's target-mask histograms"
         )
-    phases = _build_phases(plan.num_rail_phases)
-    relay_phase, rail_phases, deliver_phases = _dispatch_phase_indices(plan.num_rail_phases)
+    phases = _build_phases(plan.num_rail_phases, plan.num_relay_phases)
+    relay_phases, rail_phases, deliver_phases = _dispatch_phase_indices(
+        plan.num_rail_phases, plan.num_relay_phases
+    )
     parts = []  # (phase [x], src [x], dst [x], rows [x])
 
-    src, dst, rows = _relay_transfers(plan)
-    parts.append((np.full(src.shape, relay_phase), src, dst, rows))
+    relay, src, dst, rows = _relay_transfers(plan)
+    parts.append((np.array(relay_phases, dtype=np.int64)[relay], src, dst, rows))
 
     rail_phase_V = np.array(rail_phases, dtype=np.int64)
     wave, src, dst, rows = _rail_transfers(plan)

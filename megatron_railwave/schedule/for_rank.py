@@ -55,8 +55,10 @@ def compile_for_rank(
     """
     topo = plan.topology
     n, g = topo.num_nodes, topo.gpus_per_node
-    phases = _build_phases(plan.num_rail_phases)
-    relay_phase, rail_phase_V, deliver_phase_R = _dispatch_phase_indices(plan.num_rail_phases)
+    phases = _build_phases(plan.num_rail_phases, plan.num_relay_phases)
+    relay_phase_U, rail_phase_V, deliver_phase_R = _dispatch_phase_indices(
+        plan.num_rail_phases, plan.num_relay_phases
+    )
     out = ops.rank_schedule(
         plan.records_NNG,
         plan.quota_NNG,
@@ -66,7 +68,7 @@ def compile_for_rank(
         rank=rank,
         chunks=plan.chunks,
         num_phases=len(phases),
-        relay_phase=relay_phase,
+        relay_phase_U=relay_phase_U,
         rail_phase_V=rail_phase_V,
         deliver_phase_R=deliver_phase_R,
     )

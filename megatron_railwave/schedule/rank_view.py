@@ -15,6 +15,11 @@ Row order on rank (s, g), which the exchange's index maps follow (``exchange.lay
 * arrivals of round r >= 1: the rail chunks of the wave's source nodes in node order, each in
   (owner, mask) order; round 0: the owner's own local-node records;
 * copies: every round's deliveries in (round, sending GPU) order.
+
+With a streamed relay (``PathPlan.streamed``) each owner category block of an egress GPU and each
+pool block is ordered by (rail phase, destination node, canonical order) instead, so that relay
+part u is one slice on both sides (``exchange.layout.StreamedMaps``); the egress buffer and
+everything after it keep the order above.
 """
 
 from __future__ import annotations

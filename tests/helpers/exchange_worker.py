@@ -60,7 +60,7 @@ def run_exchange(rank: int, world: int, topo_kwargs: dict, paths: list[str], kw:
     per wave (PERM / JOINT)."""
     kw = dict(kw)
     modes = [True, False] if kw.pop("point_to_point_too", False) else [True]
-    options = PlanOptions(chunks=kw.pop("chunks", 1))
+    options = PlanOptions(chunks=kw.pop("chunks", 1), streamed=kw.pop("streamed", False))
     topo = RailTopology(**topo_kwargs)
     groups = build_rail_groups(None, topo)
     ex = TorchDistExchange(topo, groups, num_experts=kw["experts"], options=options)

@@ -69,8 +69,22 @@ def _check(results, rtol=1e-5):
                 tokens=[18, 5, 30, 0, 11, 18, 27, 9], experts=16, topk=4, hidden=8, seed=4, chunks=3
             ),
         ),
+        # Streamed relay: relay part u moves what rail phase u sends (RAIL / FLOW over 3 chunks,
+        # PERM / JOINT / FLOW_WAVES over 9 rail phases), with the failed rail and an empty rank.
+        (
+            dict(num_nodes=4, gpus_per_node=2, failed_rails=frozenset({(1, 0)})),
+            dict(
+                tokens=[18, 5, 30, 0, 11, 18, 27, 9],
+                experts=16,
+                topk=4,
+                hidden=8,
+                seed=4,
+                chunks=3,
+                streamed=True,
+            ),
+        ),
     ],
-    ids=["2x2", "4x2-uneven", "4x2-failed-rail", "4x2-failed-rail-chunks3"],
+    ids=["2x2", "4x2-uneven", "4x2-failed-rail", "4x2-failed-rail-chunks3", "4x2-streamed"],
 )
 def test_exchange_paths_match_reference_and_each_other(topo, kw):
     results = run_distributed(

@@ -59,6 +59,11 @@ REPO = Path(__file__).resolve().parents[2]
             {"chunks": 2, "backend": "deepep"},
             r"chunks=2 \(rail chunks per wave\) runs on the torch backend only",
         ),
+        ({"streamed": "yes"}, r"streamed='yes' must be true or false"),
+        (
+            {"streamed": True, "backend": "deepep"},
+            r"streamed: true \(relay streamed into the rail phases\) runs on the torch backend",
+        ),
         ({"rail_gbps": 0}, r"rail_gbps=0 must be a finite number > 0"),
         ({"rail_of_gpu": [0, "a"]}, r"rail_of_gpu=\[0, 'a'\] must be a list of rail indices >= 0"),
         (

@@ -38,13 +38,16 @@ def sensitivity_grid(
     peers: list[str],
     incast_layers: list[int] | None,
     progress: bool = True,
+    chunks: int = 1,
+    streamed: bool = False,
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[str, Any] | None]:
     """(rows, summary, incast prediction): one row per (skew, fabric, pattern, seed, layer) cell,
     ``summarize_grid`` of them, and per fabric the predicted NATIVE EXTREME / RING slowdown over
     ``incast_layers`` (None: not predicted).
 
     ``base``: the paths' flow model (its alpha and delivery are set per fabric); ``baseline``: the
-    baseline's (streamed NATIVE; alpha set per fabric); ``fabrics``: name -> incast alpha.
+    baseline's (streamed NATIVE; alpha set per fabric); ``fabrics``: name -> incast alpha;
+    ``chunks`` / ``streamed``: the paths' rail chunks and streamed relay (``PlanOptions``).
     """
     from tqdm.auto import tqdm
 
@@ -108,6 +111,8 @@ def sensitivity_grid(
                                 record_bytes=record_bytes,
                                 peers=peers,
                                 balanced=balanced,
+                                chunks=chunks,
+                                streamed=streamed,
                             )
                             rows.append(
                                 {

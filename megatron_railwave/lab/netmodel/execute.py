@@ -444,7 +444,12 @@ def schedule_program(
         latency = 0.0
         if p.kind == PhaseKind.RAIL:
             latency = wave_cost
-        elif p.kind == PhaseKind.RELAY and p.direction == Direction.DISPATCH and balanced:
+        elif (
+            p.kind == PhaseKind.RELAY
+            and p.direction == Direction.DISPATCH
+            and balanced
+            and p.step == 0  # a streamed relay's later parts need no second quota decision
+        ):
             latency = model.railbalance_barrier_s + model.railbalance_quota_s
         direction = 0 if p.direction == Direction.DISPATCH else 1
         deps = [d + offset for d in p.depends_on]
@@ -516,8 +521,8 @@ def execute_schedule(
         q = ids[name]
         return float(finish[q] - start[q] + lat[q])
 
-    relay = ids["dispatch.relay"]
-    relay_s = float(finish[relay] - start[relay])
+    relays = [ids[p.name] for p in schedule.dispatch_phases() if p.kind == PhaseKind.RELAY]
+    relay_s = float(max(finish[q] for q in relays) - min(start[q] for q in relays))
     rail_s = tuple(span(f"dispatch.rail[{v}]") for v in range(schedule.num_waves))
     delivery_s = tuple(
         float(finish[ids[f"dispatch.deliver[{r}]"]] - start[ids[f"dispatch.deliver[{r}]"]])

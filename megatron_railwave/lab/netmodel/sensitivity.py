@@ -140,9 +140,12 @@ def layer_cell(
     paths: Sequence[str] = ("rail", "joint", "flow", "flow-waves"),
     peers: Sequence[str] = (),
     balanced: tuple[Any, Any] | None = None,
+    chunks: int = 1,
+    streamed: bool = False,
 ) -> dict[str, Any]:
     """One layer of one grid cell: seconds of the baseline (NATIVE under ``baseline``, e.g.
-    streamed), of each of ``paths`` (under ``paths_model``; key ``<path>_s``, '-' as '_'), of
+    streamed), of each of ``paths`` (under ``paths_model``, planned with ``chunks`` rail chunks
+    and a ``streamed`` relay where the path takes them; key ``<path>_s``, '-' as '_'), of
     each of ``peers`` (`peers.model_peer` under ``baseline``'s fabric; 'deepep-balanced': the
     baseline on ``balanced``, the (demand, windows) of the same tokens split equally over the
     ranks) and the two path-independent bounds of ``demand`` with their binding resources
@@ -152,10 +155,11 @@ def layer_cell(
     out: dict[str, Any] = bound_fields(
         demand, topo, record_bytes=record_bytes, phase_sync=baseline.phase_sync
     )
-    for name, path, model in [("baseline", "native", baseline)] + [
-        (p.replace("-", "_"), p, paths_model) for p in paths
-    ]:
-        plan = build_plan(demand, topo, path, options=PlanOptions(windows=windows))
+    path_options = PlanOptions(windows=windows, chunks=chunks, streamed=streamed)
+    for name, path, model, options in [
+        ("baseline", "native", baseline, PlanOptions(windows=windows))
+    ] + [(p.replace("-", "_"), p, paths_model, path_options) for p in paths]:
+        plan = build_plan(demand, topo, path, options=options)
         out[f"{name}_s"] = execute_plan(
             plan, record_bytes=record_bytes, model=model, demand=demand
         ).total_s

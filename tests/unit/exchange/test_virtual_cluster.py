@@ -150,6 +150,34 @@ CASES = {
         ),
         None,
     ),
+    # Streamed relay (relay phase u carries what rail phase u sends): whole waves (JOINT's waves
+    # stream, RAIL has one rail phase), and 3 chunks with a failed rail and uneven ranks (RAIL and
+    # FLOW stream over their chunks too).
+    "3x3-bf16-streamed": (
+        VirtualSpec(
+            topology=RailTopology(num_nodes=3, gpus_per_node=3),
+            tokens=17,
+            hidden=16,
+            experts=18,
+            topk=5,
+            dtype="bf16",
+            seed=3,
+            options=PlanOptions(streamed=True),
+        ),
+        None,
+    ),
+    "4x2-uneven-failed-rail-streamed-chunks3": (
+        VirtualSpec(
+            topology=RailTopology(num_nodes=4, gpus_per_node=2, failed_rails=frozenset({(1, 0)})),
+            tokens=0,
+            hidden=8,
+            experts=16,
+            topk=4,
+            seed=2,
+            options=PlanOptions(chunks=3, streamed=True),
+        ),
+        ([20, 0, 33, 7, 16, 25, 1, 12], {2: [1, 3], 5: [0], 7: [2, 3, 1]}),
+    ),
 }
 
 
@@ -181,7 +209,9 @@ def test_paths_bitwise_equal_and_match_dense_reference(name):
 
 
 @pytest.mark.parametrize("path", PATHS)
-@pytest.mark.parametrize("name", ["4x2-uneven-failed-rail", "3x3-bf16"])
+@pytest.mark.parametrize(
+    "name", ["4x2-uneven-failed-rail", "3x3-bf16", "4x2-uneven-failed-rail-streamed-chunks3"]
+)
 def test_one_host_sync_per_layer_and_rank(name, path):
     spec, inputs = _inputs(name)
     with SyncAudit() as audit:
@@ -223,7 +253,14 @@ def test_sync_audit_counts_a_sync_added_to_the_exchange(monkeypatch):
 
 
 @pytest.mark.parametrize("path", PATHS)
-@pytest.mark.parametrize("name", ["4x2-uneven-failed-rail", "4x2-uneven-failed-rail-chunks3"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "4x2-uneven-failed-rail",
+        "4x2-uneven-failed-rail-chunks3",
+        "4x2-uneven-failed-rail-streamed-chunks3",
+    ],
+)
 def test_phases_wait_for_dependencies_and_move_the_scheduled_bytes(name, path):
     spec, inputs = _inputs(name)
     cluster = VirtualCluster(world_size=spec.topology.world_size)
@@ -297,7 +334,9 @@ def test_fixed_capacity_equals_normal_mode_bitwise_on_every_path(name):
 
 
 @pytest.mark.parametrize("path", PATHS)
-@pytest.mark.parametrize("name", ["4x2-uneven-failed-rail", "3x3-bf16"])
+@pytest.mark.parametrize(
+    "name", ["4x2-uneven-failed-rail", "3x3-bf16", "4x2-uneven-failed-rail-streamed-chunks3"]
+)
 def test_fixed_capacity_needs_no_host_sync(name, path):
     spec, inputs = _inputs(name)
     fixed = _fixed(spec, inputs)

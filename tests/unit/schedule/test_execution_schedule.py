@@ -294,3 +294,78 @@ def test_dispatch_row_not_padded_where_int32_words_cannot_align_it():
     assert (
         odd.meta_words == 3 and odd.dispatch_bytes == 2 + 4 + 12
     )  # 6 B before the meta: left unpadded
+
+
+@pytest.mark.parametrize(
+    ("path", "chunks"), [("joint", 1), ("joint", 3), ("rail", 3), ("flow", 2), ("flow-waves", 2)]
+)
+def test_streamed_relay_moves_each_rail_phase_part_before_it(path, chunks):
+    """A streamed relay: relay part u into proxy l plus l's kept part u is exactly what l sends
+    in rail phase u; the parts add up to the whole relay; rail[u] waits for relay[u] only (and
+    rail[u - 1]), relay parts run in order, and combine returns part u after combine.rail[u]."""
+    from megatron_railwave.planner import relay_chunk_rows_NNGGC
+
+    topo = RailTopology(num_nodes=4, gpus_per_node=2, failed_rails=frozenset({(1, 0)}))
+    demand = _random_demand(topo, 7, tokens=29)
+    whole = compile_schedule(
+        build_plan(demand, topo, path, options=PlanOptions(chunks=chunks)), WIRE, demand=demand
+    )
+    plan = build_plan(demand, topo, path, options=PlanOptions(chunks=chunks, streamed=True))
+    sched = compile_schedule(plan, WIRE, demand=demand)
+    V = plan.num_rail_phases
+    assert plan.streamed and plan.num_relay_phases == V > 1 and plan.chunks == chunks
+    # The same rail and delivery transfers (RAIL takes chunks only when streamed); the relay rows
+    # split over the parts.
+    same = whole.plan.chunks == chunks
+    assert same == (path != "rail")
+    for kind, steps in (("rail", V), ("deliver", V + 1)) if same else ():
+        for v in range(steps):
+            assert _pair_rows(sched, sched.phase("dispatch", kind, v)) == _pair_rows(
+                whole, whole.phase("dispatch", kind, v)
+            ), (kind, v)
+    total: dict = {}
+    for u in range(V):
+        for key, rows in _pair_rows(sched, sched.phase("dispatch", "relay", u)).items():
+            total[key] = total.get(key, 0) + rows
+    assert total == _pair_rows(whole, whole.phase("dispatch", "relay"))
+    # Part u into proxy (s, l) + its kept part u == its rail[u] sends.
+    g = topo.gpus_per_node
+    parts = relay_chunk_rows_NNGGC(plan)  # [s, d, o, l, k]
+    wave = plan.pair_wave_NN.numpy()
+    for u in range(V):
+        into = {}
+        for (_, dst), rows in _pair_rows(sched, sched.phase("dispatch", "relay", u)).items():
+            into[dst] = into.get(dst, 0) + rows
+        sent = {}
+        for (src, _), rows in _pair_rows(sched, sched.phase("dispatch", "rail", u)).items():
+            sent[src] = sent.get(src, 0) + rows
+        for rank in range(topo.world_size):
+            s, l = divmod(rank, g)
+            kept = sum(
+                int(parts[s, d, l, l, u % chunks])
+                for d in range(topo.num_nodes)
+                if wave[s, d] == u // chunks
+            )
+            assert into.get(rank, 0) + kept == sent.get(rank, 0), (u, rank)
+    deps = {p.name: sorted(sched.phases[d].name for d in p.depends_on) for p in sched.phases}
+    assert deps["dispatch.rail[0]"] == ["dispatch.relay[0]"]
+    assert deps["dispatch.rail[1]"] == ["dispatch.rail[0]", "dispatch.relay[1]"]
+    assert deps["dispatch.relay[1]"] == ["dispatch.relay[0]"]
+    assert deps["combine.relay[0]"] == ["combine.rail[0]"]
+    assert deps[f"combine.relay[{V - 1}]"] == [f"combine.rail[{V - 1}]", f"combine.relay[{V - 2}]"]
+    for p in sched.phases:  # the posting order stays a topological order
+        assert all(d < p.index for d in p.depends_on)
+
+
+def test_streamed_relay_is_off_where_nothing_streams():
+    topo = RailTopology(num_nodes=3, gpus_per_node=2)
+    demand = _random_demand(topo, 2)
+    streamed = PlanOptions(streamed=True)
+    # NATIVE / PERM relay nothing (healthy rails); RAIL / FLOW have one rail phase unchunked.
+    for path in ("native", "perm", "rail", "flow"):
+        plan = build_plan(demand, topo, path, options=streamed)
+        assert not plan.streamed and plan.num_relay_phases == 1, path
+        assert compile_schedule(plan, WIRE).phase("dispatch", "relay").name == "dispatch.relay"
+    assert build_plan(demand, topo, "joint", options=streamed).streamed
+    with pytest.raises(ValueError, match="streamed must be a bool"):
+        PlanOptions(streamed=1)

@@ -85,9 +85,10 @@ def _assert_same(plan, demand: DemandCounts, rank: int) -> None:
     failed=st.integers(0, 3),
     sparsity=st.sampled_from([0.0, 0.5, 0.95]),
     seed=st.integers(0, 2**16),
+    streamed=st.booleans(),
 )
 def test_rank_schedule_matches_the_python_pipeline(
-    num_nodes, gpus, path, policy, fanin, chunks, phase, failed, sparsity, seed
+    num_nodes, gpus, path, policy, fanin, chunks, phase, failed, sparsity, seed, streamed
 ):
     rng = np.random.default_rng(seed)
     topo = random_failed_topology(rng, num_nodes, gpus, failed)
@@ -99,6 +100,7 @@ def test_rank_schedule_matches_the_python_pipeline(
         fanin=fanin,
         chunks=chunks,
         rail_mask_NG=mask_NG if policy == EligiblePolicy.MASK else None,
+        streamed=streamed,
     )
     plan = build_plan(demand, topo, path, options=options, phase=phase)
     for rank in range(topo.world_size):
@@ -151,7 +153,7 @@ def test_rank_schedule_rejects_bad_input_naming_it():
             torch.zeros(3, 4, dtype=torch.int64),
             rank=0,
             num_phases=8,
-            relay_phase=0,
+            relay_phase_U=[0],
             rail_phase_V=[2],
             deliver_phase_R=[1, 3],
         )
@@ -164,7 +166,7 @@ def test_rank_schedule_rejects_bad_input_naming_it():
             demand.masks_into(0).contiguous(),
             rank=4,
             num_phases=8,
-            relay_phase=0,
+            relay_phase_U=[0],
             rail_phase_V=[2],
             deliver_phase_R=[1, 3],
         )
