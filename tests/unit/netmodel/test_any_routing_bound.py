@@ -219,12 +219,13 @@ def test_any_routing_never_above_per_record(seed, n, g, density, skew, nvlink, a
 
 
 # Every route with its one-pass options and, where the route has waves, more senders per wave
-# and rail chunks; new routes join through names.ROUTES.
+# and rail chunks, and with a streamed relay (whole waves, and two chunks: RAIL and FLOW stream
+# over their chunks); new routes join through names.ROUTES.
 _VARIANTS = [
     (route, options)
     for route in ROUTES
     for options in (
-        [PlanOptions()]
+        [PlanOptions(), PlanOptions(streamed=True), PlanOptions(chunks=2, streamed=True)]
         + (
             [PlanOptions(fanin=2), PlanOptions(chunks=2)]
             if route in (Route.PERM, Route.JOINT)
@@ -239,7 +240,7 @@ def _modelled_times(demand, topo, windows, model):
     for route, options in _VARIANTS:
         plan = build_plan(demand, topo, route, options=replace(options, windows=windows))
         t = execute_plan(plan, record_bytes=4096, model=model, demand=demand).total_s
-        yield f"{route} {options.fanin}/{options.chunks}", t
+        yield f"{route} {options.fanin}/{options.chunks}{'/streamed' * plan.streamed}", t
     for peer in PEERS:
         yield (
             peer,
