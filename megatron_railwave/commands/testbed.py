@@ -54,7 +54,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         patterns="ring,moderate,extreme",
         patterns_help="sending arrangements (default all three)",
         rails_help="replayed layer: balanced and/or skewed rails",
-        paths_help="paths to measure (default all)",
+        paths_help="paths to measure (default all); NAME+streamed also measures NAME with its "
+        "relay streamed into the rail phases (e.g. joint+streamed)",
     )
     _add_workload_args(run, hidden=4096)
     run.add_argument(

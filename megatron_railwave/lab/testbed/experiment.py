@@ -33,6 +33,7 @@ import torch
 from megatron_railwave.lab.bench.wire_bytes import railwave_record_bytes
 from megatron_railwave.lab.testbed.launch import run_workers
 from megatron_railwave.lab.testbed.netns import TestbedSpec, nic_counters, restore_rail
+from megatron_railwave.lab.testbed.workers import STREAMED, split_variant
 from megatron_railwave.lab.workloads import (
     GLM45_AIR,
     GlmAirWorkload,
@@ -73,6 +74,7 @@ __all__ = [
 PATTERNS = tuple(p.value for p in Pattern)
 RAILS = ("balanced", "skewed")
 PATHS = tuple(map(str, ROUTES))
+VARIANTS = PATHS + tuple(p + STREAMED for p in PATHS)
 _TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -109,7 +111,7 @@ class StudyConfig:
     """Hard limit of the whole worker run."""
 
     def __post_init__(self) -> None:
-        for name, allowed in (("patterns", PATTERNS), ("rails", RAILS), ("paths", PATHS)):
+        for name, allowed in (("patterns", PATTERNS), ("rails", RAILS), ("paths", VARIANTS)):
             bad = [v for v in getattr(self, name) if v not in allowed]
             if bad or not getattr(self, name):
                 raise ValueError(
@@ -241,8 +243,12 @@ def _plan_info(
     windows = schedule_from_windows(topo.num_nodes, wl["windows"])
     info = {}
     for path in paths:
+        route, streamed = split_variant(path)
         plan = build_plan(
-            wl["demand"], topo, parse_route(path), options=PlanOptions(windows=windows)
+            wl["demand"],
+            topo,
+            parse_route(route),
+            options=PlanOptions(windows=windows, streamed=streamed),
         )
         bound = port_bound(compile_schedule(plan, wire), line_rate_Bps(spec))
         info[path] = {

@@ -30,6 +30,7 @@ from megatron_railwave.lab.testbed.experiment import (
     wire_efficiency,
     wire_format,
 )
+from megatron_railwave.lab.testbed.workers import split_variant
 from megatron_railwave.lab.workloads import GLM45_AIR, demand_from_topk_ids
 from megatron_railwave.planner import PlanOptions, build_plan, schedule_from_windows
 from megatron_railwave.topology import RailTopology
@@ -142,11 +143,14 @@ def compare_with_netmodel(
         """Model seconds with the fitted parameter at ``value``."""
         latency, scale = (value, 1.0) if fit_param == "wave_latency" else (wave_latency_s, value)
         wl = workloads[key[0]]
+        path, streamed = split_variant(key[1])
         plan = build_plan(
             wl["demand"],
             testbed_topo(scale),
-            key[1],
-            options=PlanOptions(windows=schedule_from_windows(topo.num_nodes, wl["windows"])),
+            path,
+            options=PlanOptions(
+                windows=schedule_from_windows(topo.num_nodes, wl["windows"]), streamed=streamed
+            ),
         )
         return simulate_plan(plan, wire=wire, model=model(latency), demand=wl["demand"])
 

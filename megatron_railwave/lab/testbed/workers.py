@@ -53,6 +53,18 @@ __all__ = ["fault_worker", "online_worker", "receives_first", "study_worker"]
 _DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 
 
+STREAMED = "+streamed"
+"""Suffix of a measured variant: the path with its relay streamed into the rail phases
+(``PlanOptions.streamed``), e.g. 'joint+streamed'."""
+
+
+def split_variant(name: str) -> tuple[str, bool]:
+    """(path, streamed) of a measured variant ('joint' or 'joint+streamed')."""
+    if name.endswith(STREAMED):
+        return name[: -len(STREAMED)], True
+    return name, False
+
+
 @contextmanager
 def receives_first(enabled: bool = True) -> Iterator[None]:
     """Within the block, ``dist.batch_isend_irecv`` posts all receives before all sends (module
@@ -146,10 +158,12 @@ class _Rank:
         *,
         topo: RailTopology | None = None,
         timeout_s: float | None = None,
+        streamed: bool = False,
     ) -> TorchDistExchange:
         topo = topo or self.topo
         options = PlanOptions(
-            windows=schedule_from_windows(topo.num_nodes, windows) if windows else None
+            windows=schedule_from_windows(topo.num_nodes, windows) if windows else None,
+            streamed=streamed,
         )
         return TorchDistExchange(
             topo, self.groups, num_experts=self.num_experts, options=options, timeout_s=timeout_s
@@ -241,7 +255,8 @@ def study_worker(
     errors: dict[str, float] = {}
     with torch.no_grad(), receives_first(recv_first):
         for wl in workloads:
-            ex = rk.exchange(wl["windows"])
+            # One exchange per relay kind: 'joint+streamed' is JOINT with a streamed relay.
+            exchanges = {flag: rk.exchange(wl["windows"], streamed=flag) for flag in (False, True)}
             inputs = make_inputs(
                 ctx.rank,
                 wl["ids_WTK"],
@@ -256,7 +271,8 @@ def study_worker(
             for it in range(warmup + samples):
                 shift = it % len(paths)
                 for path in paths[shift:] + paths[:shift]:
-                    rec, out = _timed_exchange(rk, ex, inputs, path, phase=0)
+                    route, streamed = split_variant(path)
+                    rec, out = _timed_exchange(rk, exchanges[streamed], inputs, route, phase=0)
                     digests[name][path].append(digest(out))
                     errors[f"{name}/{path}"] = max(
                         errors.get(f"{name}/{path}", 0.0), _check(out, ref)
