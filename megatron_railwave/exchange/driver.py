@@ -19,10 +19,12 @@ The backends' public faces are ``TorchDistExchange`` (exchange/torch_dist.py) an
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from megatron_railwave.exchange.base import ExchangeBackend
 from megatron_railwave.exchange.capacity import check_capacity
@@ -32,15 +34,38 @@ from megatron_railwave.exchange.groups import (
     survey_unresponsive,
 )
 from megatron_railwave.exchange.layer import (
+    CapacityOverflowError,
     InputError,
     LayerDemand,
     LayerHandle,
+    capacity_failure,
     gather_demand,
     prepare_capacity_layer,
 )
-from megatron_railwave.exchange.pending import PendingProgram, comm_stream_for, finish, start
+from megatron_railwave.exchange.pending import (
+    PendingProgram,
+    comm_stream_for,
+    finish,
+    start,
+    stream_for,
+)
+from megatron_railwave.exchange.status import (
+    STATUS_BAD_INPUT,
+    STATUS_OVERFLOW,
+    PostedStatus,
+    StatusWatch,
+    abort_groups,
+    encode_status,
+    status_error,
+)
 from megatron_railwave.exchange.timing_reduce import PostedTimingReduce, post_timing_reduce
-from megatron_railwave.exchange.transport import GroupRef, TorchDistTransport, drive
+from megatron_railwave.exchange.transport import (
+    Collective,
+    ExchangeTimeoutError,
+    GroupRef,
+    TorchDistTransport,
+    drive,
+)
 from megatron_railwave.names import Route
 from megatron_railwave.planner import PathPlan, build_plan
 from megatron_railwave.traffic import DemandCounts
@@ -189,8 +214,11 @@ class Exchange:
             timeout_s=timeout_s,
             survey=self._survey,
             explain=self._explain,
+            abort=self.abort,
             ep_rank_of=None if placement.identity else placement.ep_rank_of_railwave,
         )
+        self._watch = StatusWatch(timeout_s=timeout_s, abort=self.abort)
+        """NCCL, fixed-capacity mode: the posted status words (``exchange.status``)."""
 
     @property
     def experts_per_rank(self) -> int:
@@ -204,9 +232,14 @@ class Exchange:
     def _explain(self) -> str:
         reports = reported_failures(self.groups, self._calls)
         return "; ".join(
-            f"EP rank {self.groups.ep_ranks([r])[0]} raised before communicating: {message}"
+            f"EP rank {self.groups.ep_ranks([r])[0]} reported: {message}"
             for r, message in sorted(reports.items())
         )
+
+    def abort(self) -> None:
+        """Abort this rank's process groups (EP, node, rail): NCCL work in flight ends now, on
+        this rank and on the peers waiting for it (``exchange.status.abort_groups``)."""
+        abort_groups((self.groups.ep, self.groups.node, self.groups.rail))
 
     def _run(self, program):
         return drive(program, self.transport)
@@ -270,12 +303,22 @@ class Exchange:
         """Fixed-capacity mode: this layer's handle for ``dispatch`` without any communication or
         host sync (replaces ``gather_demand``, ``plan`` and ``prepare``; ``exchange.capacity``).
 
-        Its checks are host-local and raise here, on this rank only; the message is left in the
-        job's store first, so the peers (which time out waiting for this rank, within
-        ``timeout_s``) name it and quote it in their ``ExchangeTimeoutError``.
+        Its checks are host-local (``capacity_failure``); then every rank exchanges a status word
+        over the EP group (``exchange.status``: 0, or the failing rank's code and T), so a
+        failure raises on every rank, named, even when the failing rank's process exits: gloo at
+        once (the all-gather runs on the host here); NCCL at the next call, after a watcher
+        thread that reads the posted words off the host's path aborted the groups (no host
+        sync; not yet run on hardware). The failing rank also leaves its message in the job's
+        store (``groups.report_failure``), which the peers quote.
+
+        Collective: yes (EP group, W int64). Host sync: no (gloo: a host wait on the CPU
+        all-gather).
 
         Raises:
-            InputError / CapacityOverflowError: malformed input, or T > ``max_tokens_per_rank``.
+            InputError / CapacityOverflowError: malformed input, or T > ``max_tokens_per_rank``,
+                on this rank or (naming it) on another.
+            ExchangeError / ExchangeTimeoutError: the status exchange failed (a peer is gone
+                before it), or (NCCL) an earlier call's words were late.
             RuntimeError: the exchange was built without ``max_tokens_per_rank``.
         """
         if self.max_tokens_per_rank is None:
@@ -283,14 +326,96 @@ class Exchange:
                 "prepare_capacity: this exchange runs the normal mode (max_tokens_per_rank=None); "
                 "use gather_demand / plan / prepare, or build it with max_tokens_per_rank"
             )
+        self._watch.check()
         self._calls += 1
-        try:
-            return prepare_capacity_layer(
-                self.ctx, hidden, probs, routing_map, path=path, capacity=self.max_tokens_per_rank
+        capacity = self.max_tokens_per_rank
+        failure = capacity_failure(self.ctx, hidden, probs, routing_map, capacity)
+        if failure is not None:
+            report_failure(self.groups, self._calls, f"{type(failure).__name__}: {failure}")
+        self._exchange_status(failure, int(routing_map.shape[0]), routing_map.device)
+        if failure is not None:
+            raise failure
+        return prepare_capacity_layer(
+            self.ctx, hidden, probs, routing_map, path=path, capacity=capacity
+        )
+
+    def _exchange_status(
+        self, failure: InputError | None, num_tokens: int, device: torch.device
+    ) -> None:
+        """All-gather this rank's status word over the EP group (see ``prepare_capacity``);
+        gloo: raise the peers' failure here; NCCL: post the words for ``self._watch``."""
+        ep = self.groups.ep
+        if ep.handle is None:  # one process, no torch.distributed
+            return
+        if failure is None:
+            code = 0
+        elif isinstance(failure, CapacityOverflowError):
+            code = STATUS_OVERFLOW
+        else:
+            code = STATUS_BAD_INPUT
+        word = torch.tensor([encode_status(code, num_tokens)], dtype=torch.int64)
+        members = len(ep.ranks)
+        me = ep.ranks.index(self.groups.railwave_rank)
+        ep_ranks = self.groups.ep_ranks(list(ep.ranks))
+        call, capacity = self._calls, self.max_tokens_per_rank
+
+        def decode(words: list[int]) -> Exception | None:
+            reports = {
+                ep.ranks.index(r): m for r, m in reported_failures(self.groups, call).items()
+            }
+            return status_error(
+                words, ep_ranks=ep_ranks, me=me, capacity=capacity, call=call, reports=reports
             )
-        except InputError as exc:
-            report_failure(self.groups, self._calls, f"{type(exc).__name__}: {exc}")
-            raise
+
+        if device.type != "cuda" or dist.get_backend(ep.handle) == "gloo":
+            recv = torch.empty(members, dtype=torch.int64)
+            self.transport.collective(
+                Collective(
+                    kind="all_gather", stage="capacity.status", group=ep, send=word, recv=recv
+                )
+            )
+            error = decode(recv.tolist()) if failure is None else None
+            if error is not None:
+                raise error
+            return
+        # NCCL: the words travel on the device; a side stream copies them to pinned memory and
+        # records an event, which the watcher thread polls (no host sync here).
+        send = word.pin_memory().to(device, non_blocking=True)
+        recv = torch.empty(members, dtype=torch.int64, device=device)
+        work = dist.all_gather_into_tensor(recv, send, group=ep.handle, async_op=True)
+        side = stream_for(device, "status word")
+        host = torch.empty(members, dtype=torch.int64, pin_memory=True)
+        with torch.cuda.stream(side):
+            work.wait()  # a stream wait
+            host.copy_(recv, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(side)
+        recv.record_stream(side)
+        order = [ep.peer(m) for m in range(members)]  # member -> torch group rank
+
+        def late() -> Exception:
+            reports = reported_failures(self.groups, call)
+            quoted = "; ".join(
+                f"EP rank {self.groups.ep_ranks([r])[0]} reported: {m}"
+                for r, m in sorted(reports.items())
+            )
+            return ExchangeTimeoutError(
+                f"RailWave fixed-capacity mode, EP rank {ep_ranks[me]}, layer call {call}: the "
+                f"status words of {ep.describe()} did not arrive within timeout_s="
+                f"{self.timeout_s} s: a peer never reached this layer call"
+                + (f"; {quoted}" if quoted else "; see the peers' own errors")
+            )
+
+        self._watch.add(
+            PostedStatus(
+                call=call,
+                event=event,
+                host=host,
+                posted=time.monotonic(),
+                decode=lambda by_group: decode([by_group[g] for g in order]),
+                late=late,
+            )
+        )
 
     def post_timing(self, word: int, device: torch.device) -> PostedTimingReduce:
         """Fixed-capacity mode, ``selector: online``: post the all-reduce of this rank's timing
@@ -299,7 +424,10 @@ class Exchange:
 
         Collective: yes (EP group, asynchronous). Host sync: no.
         """
-        return post_timing_reduce(word, self.groups.ep, device=device, timeout_s=self.timeout_s)
+        self._watch.check()
+        return post_timing_reduce(
+            word, self.groups.ep, device=device, timeout_s=self.timeout_s, abort=self.abort
+        )
 
     # ------------------------------------------------------------------ step 3: move
     def dispatch(
