@@ -19,12 +19,10 @@ The backends' public faces are ``TorchDistExchange`` (exchange/torch_dist.py) an
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from megatron_railwave.exchange.base import ExchangeBackend
 from megatron_railwave.exchange.capacity import check_capacity
@@ -34,7 +32,6 @@ from megatron_railwave.exchange.groups import (
     survey_unresponsive,
 )
 from megatron_railwave.exchange.layer import (
-    CapacityOverflowError,
     InputError,
     LayerDemand,
     LayerHandle,
@@ -47,21 +44,10 @@ from megatron_railwave.exchange.pending import (
     comm_stream_for,
     finish,
     start,
-    stream_for,
 )
-from megatron_railwave.exchange.status import (
-    STATUS_BAD_INPUT,
-    STATUS_OVERFLOW,
-    PostedStatus,
-    StatusWatch,
-    abort_groups,
-    encode_status,
-    status_error,
-)
+from megatron_railwave.exchange.status import StatusWatch, abort_groups, exchange_status
 from megatron_railwave.exchange.timing_reduce import PostedTimingReduce, post_timing_reduce
 from megatron_railwave.exchange.transport import (
-    Collective,
-    ExchangeTimeoutError,
     GroupRef,
     TorchDistTransport,
     drive,
@@ -342,79 +328,17 @@ class Exchange:
     def _exchange_status(
         self, failure: InputError | None, num_tokens: int, device: torch.device
     ) -> None:
-        """All-gather this rank's status word over the EP group (see ``prepare_capacity``);
-        gloo: raise the peers' failure here; NCCL: post the words for ``self._watch``."""
-        ep = self.groups.ep
-        if ep.handle is None:  # one process, no torch.distributed
-            return
-        if failure is None:
-            code = 0
-        elif isinstance(failure, CapacityOverflowError):
-            code = STATUS_OVERFLOW
-        else:
-            code = STATUS_BAD_INPUT
-        word = torch.tensor([encode_status(code, num_tokens)], dtype=torch.int64)
-        members = len(ep.ranks)
-        me = ep.ranks.index(self.groups.railwave_rank)
-        ep_ranks = self.groups.ep_ranks(list(ep.ranks))
-        call, capacity = self._calls, self.max_tokens_per_rank
-
-        def decode(words: list[int]) -> Exception | None:
-            reports = {
-                ep.ranks.index(r): m for r, m in reported_failures(self.groups, call).items()
-            }
-            return status_error(
-                words, ep_ranks=ep_ranks, me=me, capacity=capacity, call=call, reports=reports
-            )
-
-        if device.type != "cuda" or dist.get_backend(ep.handle) == "gloo":
-            recv = torch.empty(members, dtype=torch.int64)
-            self.transport.collective(
-                Collective(
-                    kind="all_gather", stage="capacity.status", group=ep, send=word, recv=recv
-                )
-            )
-            error = decode(recv.tolist()) if failure is None else None
-            if error is not None:
-                raise error
-            return
-        # NCCL: the words travel on the device; a side stream copies them to pinned memory and
-        # records an event, which the watcher thread polls (no host sync here).
-        send = word.pin_memory().to(device, non_blocking=True)
-        recv = torch.empty(members, dtype=torch.int64, device=device)
-        work = dist.all_gather_into_tensor(recv, send, group=ep.handle, async_op=True)
-        side = stream_for(device, "status word")
-        host = torch.empty(members, dtype=torch.int64, pin_memory=True)
-        with torch.cuda.stream(side):
-            work.wait()  # a stream wait
-            host.copy_(recv, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(side)
-        recv.record_stream(side)
-        order = [ep.peer(m) for m in range(members)]  # member -> torch group rank
-
-        def late() -> Exception:
-            reports = reported_failures(self.groups, call)
-            quoted = "; ".join(
-                f"EP rank {self.groups.ep_ranks([r])[0]} reported: {m}"
-                for r, m in sorted(reports.items())
-            )
-            return ExchangeTimeoutError(
-                f"RailWave fixed-capacity mode, EP rank {ep_ranks[me]}, layer call {call}: the "
-                f"status words of {ep.describe()} did not arrive within timeout_s="
-                f"{self.timeout_s} s: a peer never reached this layer call"
-                + (f"; {quoted}" if quoted else "; see the peers' own errors")
-            )
-
-        self._watch.add(
-            PostedStatus(
-                call=call,
-                event=event,
-                host=host,
-                posted=time.monotonic(),
-                decode=lambda by_group: decode([by_group[g] for g in order]),
-                late=late,
-            )
+        """The status words of this call (``exchange.status.exchange_status``)."""
+        exchange_status(
+            self.groups,
+            self.transport,
+            self._watch,
+            failure=failure,
+            num_tokens=num_tokens,
+            device=device,
+            call=self._calls,
+            capacity=self.max_tokens_per_rank,
+            timeout_s=self.timeout_s,
         )
 
     def post_timing(self, word: int, device: torch.device) -> PostedTimingReduce:

@@ -37,10 +37,19 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
+from megatron_railwave.exchange.groups import RankGroups, reported_failures
 from megatron_railwave.exchange.layer import CapacityOverflowError, InputError
-from megatron_railwave.exchange.transport import GroupRef, wait_event
+from megatron_railwave.exchange.pending import stream_for
+from megatron_railwave.exchange.transport import (
+    Collective,
+    ExchangeTimeoutError,
+    GroupRef,
+    TorchDistTransport,
+    wait_event,
+)
 
 __all__ = [
     "STATUS_OVERFLOW",
@@ -52,6 +61,7 @@ __all__ = [
     "wait_event",
     "PostedStatus",
     "StatusWatch",
+    "exchange_status",
 ]
 
 _LOG = logging.getLogger(__name__)
@@ -237,3 +247,91 @@ class StatusWatch:
                 continue
             self.poll_once()
             time.sleep(self.poll_s)
+
+
+def exchange_status(
+    groups: RankGroups,
+    transport: TorchDistTransport,
+    watch: StatusWatch,
+    *,
+    failure: InputError | None,
+    num_tokens: int,
+    device: torch.device,
+    call: int,
+    capacity: int,
+    timeout_s: float | None,
+) -> None:
+    """All-gather this rank's status word over the EP group before a fixed-capacity payload
+    (``Exchange.prepare_capacity``).
+
+    gloo (or host tensors): a host collective through ``transport`` (bounded by ``timeout_s``,
+    failures named); a peer's failure raises here, on every rank but the failing one (which
+    raises its own error after this returns). NCCL: posted on the device, a side stream copies
+    the words into pinned memory and records an event; ``watch`` reads them off the host's path.
+
+    Collective: yes (EP group, W int64). Host sync: no.
+    """
+    ep = groups.ep
+    if ep.handle is None:  # one process, no torch.distributed
+        return
+    if failure is None:
+        code = 0
+    elif isinstance(failure, CapacityOverflowError):
+        code = STATUS_OVERFLOW
+    else:
+        code = STATUS_BAD_INPUT
+    word = torch.tensor([encode_status(code, num_tokens)], dtype=torch.int64)
+    members = len(ep.ranks)
+    me = ep.ranks.index(groups.railwave_rank)
+    ep_ranks = groups.ep_ranks(list(ep.ranks))
+
+    def decode(words: list[int]) -> Exception | None:
+        reports = {ep.ranks.index(r): m for r, m in reported_failures(groups, call).items()}
+        return status_error(
+            words, ep_ranks=ep_ranks, me=me, capacity=capacity, call=call, reports=reports
+        )
+
+    if device.type != "cuda" or dist.get_backend(ep.handle) == "gloo":
+        recv = torch.empty(members, dtype=torch.int64)
+        transport.collective(
+            Collective(kind="all_gather", stage="capacity.status", group=ep, send=word, recv=recv)
+        )
+        error = decode(recv.tolist()) if failure is None else None
+        if error is not None:
+            raise error
+        return
+    send = word.pin_memory().to(device, non_blocking=True)
+    recv = torch.empty(members, dtype=torch.int64, device=device)
+    work = dist.all_gather_into_tensor(recv, send, group=ep.handle, async_op=True)
+    side = stream_for(device, "status word")
+    host = torch.empty(members, dtype=torch.int64, pin_memory=True)
+    with torch.cuda.stream(side):
+        work.wait()  # a stream wait
+        host.copy_(recv, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record(side)
+    recv.record_stream(side)
+    order = [ep.peer(m) for m in range(members)]  # member -> torch group rank
+
+    def late() -> Exception:
+        quoted = "; ".join(
+            f"EP rank {groups.ep_ranks([r])[0]} reported: {m}"
+            for r, m in sorted(reported_failures(groups, call).items())
+        )
+        return ExchangeTimeoutError(
+            f"RailWave fixed-capacity mode, EP rank {ep_ranks[me]}, layer call {call}: the "
+            f"status words of {ep.describe()} did not arrive within timeout_s={timeout_s} s: a "
+            "peer never reached this layer call"
+            + (f"; {quoted}" if quoted else "; see the peers' own errors")
+        )
+
+    watch.add(
+        PostedStatus(
+            call=call,
+            event=event,
+            host=host,
+            posted=time.monotonic(),
+            decode=lambda by_group: decode([by_group[g] for g in order]),
+            late=late,
+        )
+    )
