@@ -36,7 +36,11 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron_railwave.exchange import build_exchange, build_rail_groups  # noqa: E402
+from megatron_railwave.exchange import (  # noqa: E402
+    build_exchange,
+    build_rail_groups,
+    destroy_deepep_buffers,
+)
 from megatron_railwave.names import ROUTES  # noqa: E402
 from megatron_railwave.topology import RailTopology  # noqa: E402
 
@@ -250,6 +254,9 @@ def main() -> int:
             )
     ok = all(equal.values())
     dist.barrier()
+    # The DeepEP Buffer (explicitly_destroy=True) goes before its process group: a Buffer alive
+    # past destroy_process_group() is a known teardown hang.
+    destroy_deepep_buffers()
     dist.destroy_process_group()
     return 0 if ok else 1
 

@@ -51,6 +51,9 @@ std::vector<at::Tensor> unpack_rows(const at::Tensor& packed, at::IntArrayRef wi
   const uint8_t* src = in.const_data_ptr<uint8_t>();
   const bool scatter = row_index.has_value() && row_index->defined();
   const int64_t out_rows = scatter ? num_rows : n;
+  // n distinct rows of n: a full permutation writes every output row, so none is zero-filled
+  // (decided from the host sizes; distinctness is still checked below).
+  const bool fill = scatter && n < out_rows;
   const at::Tensor index = scatter ? row_index->contiguous() : at::Tensor();
   const int64_t* idx = scatter ? index.const_data_ptr<int64_t>() : nullptr;
 
@@ -75,7 +78,7 @@ std::vector<at::Tensor> unpack_rows(const at::Tensor& packed, at::IntArrayRef wi
       for (int64_t i = 0; i < n; ++i) {
         std::memcpy(dst + (idx ? idx[i] : i) * w, part + i * row_bytes, static_cast<size_t>(w));
       }
-      if (scatter) {
+      if (fill) {
         for (int64_t r = 0; r < out_rows; ++r) {
           if (!written[r]) std::memset(dst + r * w, 0, static_cast<size_t>(w));  // rows nobody writes are zero
         }

@@ -44,11 +44,13 @@ std::vector<at::Tensor> unpack_rows(const at::Tensor& packed, at::IntArrayRef wi
   const bool scatter = row_index.has_value() && row_index->defined();
   const at::Tensor index = scatter ? row_index->contiguous() : at::Tensor();
   const int64_t out_rows = scatter ? num_rows : in.size(0);
+  // Rows that no record writes stay zero (the reference's new_zeros + index_copy_); a full
+  // permutation (n distinct rows of n, from the host sizes, no sync) writes every row: no fill.
+  const bool fill = scatter && in.size(0) < out_rows;
   std::vector<at::Tensor> outs;
   std::vector<kernels::RowPart> parts(widths.size());
   for (size_t k = 0; k < widths.size(); ++k) {
-    // Rows that no record writes stay zero (the reference's new_zeros + index_copy_).
-    outs.push_back(scatter ? at::zeros({out_rows, widths[k]}, in.options()) : at::empty({out_rows, widths[k]}, in.options()));
+    outs.push_back(fill ? at::zeros({out_rows, widths[k]}, in.options()) : at::empty({out_rows, widths[k]}, in.options()));
     parts[k].src = in.const_data_ptr<uint8_t>() + offsets[k];
     parts[k].dst = outs.back().data_ptr<uint8_t>();
     parts[k].src_stride = in.size(1);

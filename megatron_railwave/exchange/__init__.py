@@ -18,7 +18,11 @@ from megatron_railwave.exchange.capacity import (
     capacity_plan,
     check_capacity,
 )
-from megatron_railwave.exchange.deepep import DeepEPBackend, DeepEPExchange
+from megatron_railwave.exchange.deepep import (
+    DeepEPBackend,
+    DeepEPExchange,
+    destroy_deepep_buffers,
+)
 from megatron_railwave.exchange.driver import DispatchOutput, Exchange
 from megatron_railwave.exchange.groups import (
     RankGroups,
@@ -76,6 +80,7 @@ __all__ = [
     "ExchangeBackend",
     "DeepEPBackend",
     "DeepEPExchange",
+    "destroy_deepep_buffers",
     "RankGroups",
     "build_rail_groups",
     "rank_groups",

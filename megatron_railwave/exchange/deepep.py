@@ -30,12 +30,27 @@ cannot pick the rail. So the paths are composed around it, not inside it:
 * Backward passes reuse the cached handles: dispatch backward is a combine (with the probs
   gradients as ``topk_weights``), combine backward a cached dispatch.
 
-Per layer on top of the torch backend's count exchange (the one host sync): per wave a layout
-kernel, DeepEP's notify step (a barrier) and its CPU wait on the received counts.
+Per layer on top of the torch backend's count exchange (the one host sync): per wave of the
+forward dispatch a layout kernel, DeepEP's notify step (a barrier) and its CPU wait on the
+received counts, so PERM / JOINT pay V host waits per layer (V = the plan's waves). That wait
+cannot be removed through the stock API: the internode dispatch refuses ``num_worst_tokens``
+(DeepEP 2.1 at dd758ca, ``deep_ep/buffers/legacy.py``: "Internode dispatch does not support
+``num_worst_tokens > 0``"), and a non-cached dispatch spins on the host until the received counts
+arrive (``csrc/legacy/buffer.hpp``, internode dispatch). The backward passes and combine use the
+cached handles: no host wait.
+
+Row widths against DeepEP's internode kernels (same source): a dispatch row is H + 8 elements
+(the payload, then the 16-byte record meta; H = 4096 bf16: 8208 B, ``hidden_int4`` = 513).
+The internode dispatch asks only that a row be a multiple of 16 bytes (``EP_HOST_ASSERT((x.size(1)
+* x.element_size()) % sizeof(int4) == 0)``) and that the row plus source meta and top-k fit one
+warp's 16 KiB TMA buffer (``deepep_api.deepep_layout_problems`` checks both); ``hidden_int4 % 32
+== 0`` is asserted only in combine's TMA reduction (``internode.cu``), whose rows here are H wide
+(4096 bf16: 512). So the layout needs no padding (0 extra bytes). Not yet run on hardware.
 """
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,7 +80,13 @@ from megatron_railwave.exchange.transport import Program
 from megatron_railwave.planner import PathPlan, PlanOptions
 from megatron_railwave.topology import RailTopology
 
-__all__ = ["DeepEPBackend", "DeepEPExchange", "DeepEPLayer", "DeepEPHandle"]
+__all__ = [
+    "DeepEPBackend",
+    "DeepEPExchange",
+    "DeepEPLayer",
+    "DeepEPHandle",
+    "destroy_deepep_buffers",
+]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -133,6 +154,14 @@ class DeepEPHandle:
 _BUFFERS: dict[tuple, tuple[Any, Any]] = {}
 
 
+def _accepts_explicit_destroy(buffer_cls: Any) -> bool:
+    """Whether ``buffer_cls(...)`` takes ``explicitly_destroy`` (DeepEP >= 1.2; 2.1 does)."""
+    try:
+        return "explicitly_destroy" in inspect.signature(buffer_cls).parameters
+    except (TypeError, ValueError):  # a C-implemented class without a signature
+        return False
+
+
 def _shared_buffer(
     api: DeepEPApi, groups: RankGroups, num_nvl_bytes: int, num_rdma_bytes: int
 ) -> Any:
@@ -140,15 +169,38 @@ def _shared_buffer(
     (as Megatron's flex dispatcher shares its one): a layer's dispatch, experts and combine finish
     before the next layer's start, and each call's handle holds its own layout tensors.
 
+    Built with ``explicitly_destroy=True`` where the Buffer takes it: its resources are released
+    by ``destroy_deepep_buffers`` (call it before ``destroy_process_group``), not by the
+    destructor, which DeepEP warns may hang Python's exception handling.
+
     Collective: yes (the EP group), the first time only.
     """
     key = (id(api.Buffer), id(groups.ep.handle), num_nvl_bytes, num_rdma_bytes)
     if key not in _BUFFERS:  # the value keeps the group alive, so its id is not reused
+        extra = {"explicitly_destroy": True} if _accepts_explicit_destroy(api.Buffer) else {}
         _BUFFERS[key] = (
-            api.Buffer(groups.ep.handle, num_nvl_bytes, num_rdma_bytes),
+            api.Buffer(groups.ep.handle, num_nvl_bytes, num_rdma_bytes, **extra),
             groups.ep.handle,
         )
     return _BUFFERS[key][0]
+
+
+def destroy_deepep_buffers() -> int:
+    """Release every DeepEP Buffer this process made (``buffer.destroy()`` for those built with
+    ``explicitly_destroy``; the others are dropped to their destructor) and forget them. Call it
+    on every rank before ``torch.distributed.destroy_process_group()``: a Buffer alive past its
+    group is a known teardown hang. Returns how many were destroyed explicitly.
+
+    Collective: DeepEP's destroy synchronizes the device and its peers' IPC handles (every rank
+    calls it). Not yet run on hardware.
+    """
+    destroyed = 0
+    for buffer, _group in list(_BUFFERS.values()):
+        if getattr(buffer, "explicitly_destroy", False):
+            buffer.destroy()
+            destroyed += 1
+    _BUFFERS.clear()
+    return destroyed
 
 
 class DeepEPBackend(ExchangeBackend):

@@ -35,12 +35,23 @@ from megatron_railwave.exchange.layer import (
     InputError,
     LayerDemand,
     LayerHandle,
+    capacity_failure,
     gather_demand,
     prepare_capacity_layer,
 )
-from megatron_railwave.exchange.pending import PendingProgram, comm_stream_for, finish, start
+from megatron_railwave.exchange.pending import (
+    PendingProgram,
+    comm_stream_for,
+    finish,
+    start,
+)
+from megatron_railwave.exchange.status import StatusWatch, abort_groups, exchange_status
 from megatron_railwave.exchange.timing_reduce import PostedTimingReduce, post_timing_reduce
-from megatron_railwave.exchange.transport import GroupRef, TorchDistTransport, drive
+from megatron_railwave.exchange.transport import (
+    GroupRef,
+    TorchDistTransport,
+    drive,
+)
 from megatron_railwave.names import Route
 from megatron_railwave.planner import PathPlan, build_plan
 from megatron_railwave.traffic import DemandCounts
@@ -189,8 +200,11 @@ class Exchange:
             timeout_s=timeout_s,
             survey=self._survey,
             explain=self._explain,
+            abort=self.abort,
             ep_rank_of=None if placement.identity else placement.ep_rank_of_railwave,
         )
+        self._watch = StatusWatch(timeout_s=timeout_s, abort=self.abort)
+        """NCCL, fixed-capacity mode: the posted status words (``exchange.status``)."""
 
     @property
     def experts_per_rank(self) -> int:
@@ -204,9 +218,14 @@ class Exchange:
     def _explain(self) -> str:
         reports = reported_failures(self.groups, self._calls)
         return "; ".join(
-            f"EP rank {self.groups.ep_ranks([r])[0]} raised before communicating: {message}"
+            f"EP rank {self.groups.ep_ranks([r])[0]} reported: {message}"
             for r, message in sorted(reports.items())
         )
+
+    def abort(self) -> None:
+        """Abort this rank's process groups (EP, node, rail): NCCL work in flight ends now, on
+        this rank and on the peers waiting for it (``exchange.status.abort_groups``)."""
+        abort_groups((self.groups.ep, self.groups.node, self.groups.rail))
 
     def _run(self, program):
         return drive(program, self.transport)
@@ -270,12 +289,22 @@ class Exchange:
         """Fixed-capacity mode: this layer's handle for ``dispatch`` without any communication or
         host sync (replaces ``gather_demand``, ``plan`` and ``prepare``; ``exchange.capacity``).
 
-        Its checks are host-local and raise here, on this rank only; the message is left in the
-        job's store first, so the peers (which time out waiting for this rank, within
-        ``timeout_s``) name it and quote it in their ``ExchangeTimeoutError``.
+        Its checks are host-local (``capacity_failure``); then every rank exchanges a status word
+        over the EP group (``exchange.status``: 0, or the failing rank's code and T), so a
+        failure raises on every rank, named, even when the failing rank's process exits: gloo at
+        once (the all-gather runs on the host here); NCCL at the next call, after a watcher
+        thread that reads the posted words off the host's path aborted the groups (no host
+        sync; not yet run on hardware). The failing rank also leaves its message in the job's
+        store (``groups.report_failure``), which the peers quote.
+
+        Collective: yes (EP group, W int64). Host sync: no (gloo: a host wait on the CPU
+        all-gather).
 
         Raises:
-            InputError / CapacityOverflowError: malformed input, or T > ``max_tokens_per_rank``.
+            InputError / CapacityOverflowError: malformed input, or T > ``max_tokens_per_rank``,
+                on this rank or (naming it) on another.
+            ExchangeError / ExchangeTimeoutError: the status exchange failed (a peer is gone
+                before it), or (NCCL) an earlier call's words were late.
             RuntimeError: the exchange was built without ``max_tokens_per_rank``.
         """
         if self.max_tokens_per_rank is None:
@@ -283,14 +312,34 @@ class Exchange:
                 "prepare_capacity: this exchange runs the normal mode (max_tokens_per_rank=None); "
                 "use gather_demand / plan / prepare, or build it with max_tokens_per_rank"
             )
+        self._watch.check()
         self._calls += 1
-        try:
-            return prepare_capacity_layer(
-                self.ctx, hidden, probs, routing_map, path=path, capacity=self.max_tokens_per_rank
-            )
-        except InputError as exc:
-            report_failure(self.groups, self._calls, f"{type(exc).__name__}: {exc}")
-            raise
+        capacity = self.max_tokens_per_rank
+        failure = capacity_failure(self.ctx, hidden, probs, routing_map, capacity)
+        if failure is not None:
+            report_failure(self.groups, self._calls, f"{type(failure).__name__}: {failure}")
+        self._exchange_status(failure, int(routing_map.shape[0]), routing_map.device)
+        if failure is not None:
+            raise failure
+        return prepare_capacity_layer(
+            self.ctx, hidden, probs, routing_map, path=path, capacity=capacity
+        )
+
+    def _exchange_status(
+        self, failure: InputError | None, num_tokens: int, device: torch.device
+    ) -> None:
+        """The status words of this call (``exchange.status.exchange_status``)."""
+        exchange_status(
+            self.groups,
+            self.transport,
+            self._watch,
+            failure=failure,
+            num_tokens=num_tokens,
+            device=device,
+            call=self._calls,
+            capacity=self.max_tokens_per_rank,
+            timeout_s=self.timeout_s,
+        )
 
     def post_timing(self, word: int, device: torch.device) -> PostedTimingReduce:
         """Fixed-capacity mode, ``selector: online``: post the all-reduce of this rank's timing
@@ -299,7 +348,10 @@ class Exchange:
 
         Collective: yes (EP group, asynchronous). Host sync: no.
         """
-        return post_timing_reduce(word, self.groups.ep, device=device, timeout_s=self.timeout_s)
+        self._watch.check()
+        return post_timing_reduce(
+            word, self.groups.ep, device=device, timeout_s=self.timeout_s, abort=self.abort
+        )
 
     # ------------------------------------------------------------------ step 3: move
     def dispatch(

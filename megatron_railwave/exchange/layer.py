@@ -82,6 +82,7 @@ __all__ = [
     "combine_backward",
     "input_status",
     "prepare_capacity_layer",
+    "capacity_failure",
     "pack_status",
     "TimingWords",
     "count_row_words",
@@ -377,7 +378,12 @@ def gather_demand(
     send[:, n + 1] = status_word
     recv = torch.empty_like(send)
     yield Collective(
-        kind="all_to_all", stage="count exchange", group=ctx.groups.ep, send=send, recv=recv
+        kind="all_to_all",
+        stage="count exchange",
+        group=ctx.groups.ep,
+        send=send,
+        recv=recv,
+        host_read=True,
     )
     counts = recv.cpu()  # the layer's one host sync: every split size follows from these counts
     status_W = counts[
@@ -467,6 +473,38 @@ def prepare_layer(
     )
 
 
+def capacity_failure(
+    ctx: RankContext,
+    hidden: torch.Tensor,
+    probs: torch.Tensor,
+    routing_map: torch.Tensor,
+    capacity: int,
+) -> InputError | None:
+    """Fixed-capacity mode: the error of this rank's input (malformed, or T > ``capacity``), or
+    None. Host only (shapes and dtypes); raises nothing."""
+    code, message = input_status(ctx, hidden, probs, routing_map)
+    ep_rank = ctx.groups.ep_rank
+    if code:
+        return InputError(
+            f"malformed dispatcher input on EP rank {ep_rank}: {message}; expected hidden [T, H] "
+            f"and "
+            f"probs [T, {ctx.num_experts}] (floating point) and a bool routing_map [T, "
+            f"{ctx.num_experts}] "
+            "with top-k True per row, all on one device"
+        )
+    t = int(routing_map.shape[0])
+    if t > capacity:
+        return CapacityOverflowError(
+            f"EP rank {ep_rank}: {t} tokens in this layer call exceed "
+            f"max_tokens_per_rank={capacity} (the fixed "
+            f"capacity every buffer is sized for); raise max_tokens_per_rank to at least {t} "
+            f"(micro-batch size x "
+            "sequence length / tensor-parallel size for Megatron), or set it to None for the "
+            "normal mode"
+        )
+    return None
+
+
 def prepare_capacity_layer(
     ctx: RankContext,
     hidden: torch.Tensor,
@@ -479,34 +517,18 @@ def prepare_capacity_layer(
     """Fixed-capacity mode: this rank's handle for one layer, with no communication and no host
     sync (``exchange.capacity``). Replaces ``gather_demand`` + ``prepare_layer``.
 
-    The checks are host-local (shapes, dtypes, T <= C) and raise on this rank only, before any
-    communication; its peers then wait for it and end with ``ExchangeTimeoutError`` naming it
-    (see docs/exchange.md, "Fixed-capacity mode").
+    The checks are host-local (``capacity_failure``: shapes, dtypes, T <= C) and raise on this
+    rank only; ``Exchange.prepare_capacity`` runs them first and exchanges a status word, so
+    that every rank raises them (``exchange.status``; docs/exchange.md, "Fixed-capacity mode").
 
     Raises:
         InputError: malformed input on this rank.
         CapacityOverflowError: T > ``capacity``.
     """
-    code, message = input_status(ctx, hidden, probs, routing_map)
-    ep_rank = ctx.groups.ep_rank
-    if code:
-        raise InputError(
-            f"malformed dispatcher input on EP rank {ep_rank}: {message}; expected hidden [T, H] "
-            f"and "
-            f"probs [T, {ctx.num_experts}] (floating point) and a bool routing_map [T, "
-            f"{ctx.num_experts}] "
-            "with top-k True per row, all on one device"
-        )
+    failure = capacity_failure(ctx, hidden, probs, routing_map, capacity)
+    if failure is not None:
+        raise failure
     t = int(routing_map.shape[0])
-    if t > capacity:
-        raise CapacityOverflowError(
-            f"EP rank {ep_rank}: {t} tokens in this layer call exceed "
-            f"max_tokens_per_rank={capacity} (the fixed "
-            f"capacity every buffer is sized for); raise max_tokens_per_rank to at least {t} "
-            f"(micro-batch size x "
-            "sequence length / tensor-parallel size for Megatron), or set it to None for the "
-            "normal mode"
-        )
     wire = RecordWireFormat(
         hidden=int(hidden.shape[-1]),
         payload_dtype=hidden.dtype,

@@ -52,9 +52,14 @@ __all__ = [
 _STREAMS: dict[tuple[str, torch.device], Any] = {}
 
 
-def stream_for(device: torch.device, purpose: str) -> Any:
+def stream_for(device: torch.device, purpose: str, *, high_priority: bool = False) -> Any:
     """A CUDA stream of its own per ``purpose`` and device (one per process, created on first
-    use): work on it queues behind that purpose's work only. None for any other device."""
+    use): work on it queues behind that purpose's work only. None for any other device.
+
+    ``high_priority``: created with the device's highest stream priority
+    (``torch.cuda.Stream.priority_range()``: (least, greatest), the greatest the lowest number),
+    so its kernels are scheduled ahead of compute kernels waiting for SMs, as DeepEP's
+    communication stream is (``getStreamFromPool(true)``). Not yet run on hardware."""
     if device.type != "cuda":
         return None
     key = (
@@ -65,14 +70,16 @@ def stream_for(device: torch.device, purpose: str) -> Any:
     )
     stream = _STREAMS.get(key)
     if stream is None:
-        stream = torch.cuda.Stream(device=key[1])
+        priority = torch.cuda.Stream.priority_range()[1] if high_priority else 0
+        stream = torch.cuda.Stream(device=key[1], priority=priority)
         _STREAMS[key] = stream
     return stream
 
 
 def comm_stream_for(device: torch.device) -> Any:
-    """The exchange's communication stream of a CUDA ``device``; None for any other device."""
-    return stream_for(device, "exchange")
+    """The exchange's communication stream of a CUDA ``device`` (high priority, see
+    ``stream_for``); None for any other device."""
+    return stream_for(device, "exchange", high_priority=True)
 
 
 @dataclass(kw_only=True, slots=True)

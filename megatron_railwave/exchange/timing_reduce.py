@@ -13,8 +13,10 @@ calls earlier: the mode's one host wait per epoch, off the critical path.
 * gloo (CPU): the work progresses on gloo's threads; ``result`` waits for it, up to ``timeout_s``
   (``ExchangeTimeoutError`` naming the group), and reads the two numbers.
 * CUDA (NCCL): after posting, a side stream waits for the work (a stream wait), copies the pair
-  into pinned host memory (non-blocking) and records an event; ``result`` synchronizes on that
-  event (long complete by then) and reads the host copy. Not yet run on hardware.
+  into pinned host memory (non-blocking) and records an event; ``result`` waits on that event
+  (long complete by then) up to ``timeout_s`` (``exchange.status.wait_event``: past it the
+  groups are aborted, so the peers' NCCL work ends too, and ``ExchangeTimeoutError`` names the
+  reduce; no wait for the NCCL watchdog) and reads the host copy. Not yet run on hardware.
 
 Nothing here depends on the other traffic of the EP group: in fixed-capacity mode the dispatch
 and combine phases use the node and rail groups only, and every rank posts its reduces in the same
@@ -24,6 +26,7 @@ order (the same layer calls), as a collective requires.
 from __future__ import annotations
 
 import datetime
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_railwave.exchange.pending import stream_for
+from megatron_railwave.exchange.status import abort_groups, wait_event
 from megatron_railwave.exchange.transport import ExchangeError, ExchangeTimeoutError, GroupRef
 
 __all__ = ["PostedTimingReduce", "post_timing_reduce", "TIMING_REDUCE_BYTES"]
@@ -50,6 +54,8 @@ class PostedTimingReduce:
         timeout_s: gloo: the bound of ``result``'s wait (None: the group's own timeout).
         host: CUDA: the pinned host copy the side stream fills; None on CPU.
         event: CUDA: recorded on the side stream after the copy; None on CPU.
+        abort: CUDA: what ``result`` calls when the event is late (aborts the process groups;
+            None: the EP group's).
     """
 
     pair: torch.Tensor
@@ -58,19 +64,30 @@ class PostedTimingReduce:
     timeout_s: float | None
     host: torch.Tensor | None = None
     event: Any = None
+    abort: Callable[[], None] | None = None
 
     def result(self) -> tuple[int, int]:
         """(largest word, smallest word) over the EP group, the same on every rank.
 
         Host sync: yes, the mode's one: CUDA waits on the event (the copy, posted an epoch ago),
-        gloo on the work (bounded by ``timeout_s``).
+        gloo on the work; both bounded by ``timeout_s``.
 
         Raises:
-            ExchangeTimeoutError: gloo, the reduce did not complete within ``timeout_s``.
+            ExchangeTimeoutError: the reduce did not complete within ``timeout_s`` (CUDA: after
+                aborting the process groups).
             ExchangeError: gloo, the wait failed (a peer's connection closed).
         """
         if self.event is not None:
-            self.event.synchronize()
+            group = self.group
+            wait_event(
+                self.event,
+                timeout_s=self.timeout_s,
+                what=(
+                    f"the online selector's timing all-reduce on {group.describe()} (posted one "
+                    "epoch of online.capacity_sync_every calls ago)"
+                ),
+                abort=self.abort or (lambda: abort_groups([group])),
+            )
             values = self.host.tolist()
         else:
             if self.work is not None:
@@ -97,7 +114,12 @@ class PostedTimingReduce:
 
 
 def post_timing_reduce(
-    word: int, group: GroupRef, *, device: torch.device, timeout_s: float | None = None
+    word: int,
+    group: GroupRef,
+    *,
+    device: torch.device,
+    timeout_s: float | None = None,
+    abort: Callable[[], None] | None = None,
 ) -> PostedTimingReduce:
     """Post the all-reduce (MAX) of this rank's timing word over ``group`` (the EP count group).
 
@@ -106,7 +128,8 @@ def post_timing_reduce(
         group: ``RankGroups.ep``; a group without a handle (no torch.distributed) reduces over
             this rank alone.
         device: the layer input's device (CUDA: NCCL reduces device memory).
-        timeout_s: bound of the gloo wait in ``result``.
+        timeout_s: bound of ``result``'s wait (gloo: the work; CUDA: the event).
+        abort: CUDA: called when that wait runs out (None: abort ``group``).
 
     Collective: yes (EP group, asynchronous). Host sync: no.
     """
@@ -129,5 +152,11 @@ def post_timing_reduce(
         event.record(side)
     pair.record_stream(side)
     return PostedTimingReduce(
-        pair=pair, work=work, group=group, timeout_s=timeout_s, host=host, event=event
+        pair=pair,
+        work=work,
+        group=group,
+        timeout_s=timeout_s,
+        host=host,
+        event=event,
+        abort=abort,
     )

@@ -42,6 +42,7 @@ __all__ = [
     "TorchDistTransport",
     "answer",
     "drive",
+    "wait_event",
 ]
 
 
@@ -134,6 +135,11 @@ class Collective:
     group: GroupRef
     send: torch.Tensor
     recv: torch.Tensor
+    host_read: bool = False
+    """The program reads ``recv`` on the host right after (the count exchange). On NCCL the
+    transport then waits for it itself, bounded by ``timeout_s`` (``wait_event``; aborting the
+    groups past it and naming the stage), so the read never blocks until the NCCL watchdog. It
+    adds no host sync: the program's read is that sync, one copy later."""
 
 
 Program = Generator[Any, Any, Any]
@@ -176,6 +182,8 @@ class TorchDistTransport:
             report reaching the stage (``groups.survey_unresponsive``); None names no one.
         explain: on a failure, ``explain()`` returns text naming what peers reported about the
             layer (``groups.reported_failures``: e.g. a peer's capacity overflow); None: nothing.
+            abort: aborts the exchange's process groups (``exchange.status.abort_groups``), called
+            when a bounded device wait (``Collective.host_read``) runs out; None: no abort.
         bytes_sent / bytes_received: per stage, bytes this rank handed to sends and receives.
     """
 
@@ -184,6 +192,7 @@ class TorchDistTransport:
     ep_rank_of: tuple[int, ...] | None = None
     survey: Callable[[str, GroupRef], list[int]] | None = None
     explain: Callable[[], str] | None = None
+    abort: Callable[[], None] | None = None
     bytes_sent: dict[str, int] = field(default_factory=dict)
     bytes_received: dict[str, int] = field(default_factory=dict)
     flat_collectives: bool = True
@@ -424,6 +433,14 @@ class TorchDistTransport:
             else:
                 work = dist.all_to_all_single(recv, send, group=req.group.handle, async_op=True)
             done = self._wait_work(work, req.group)
+            if done is not False and req.host_read and self.timeout_s and not self.device_waits:
+                event = self._device_event(recv)
+                if event is not None:
+                    wait_event(event, timeout_s=self.timeout_s, what=req.stage, abort=self.abort)
+        except ExchangeTimeoutError:  # the bounded device wait ran out (groups aborted)
+            raise self._error(
+                req.stage, req.group, list(range(len(req.group.ranks))), started, None
+            ) from None
         except Exception as exc:  # noqa: BLE001
             raise self._error(
                 req.stage, req.group, list(range(len(req.group.ranks))), started, exc
@@ -435,6 +452,15 @@ class TorchDistTransport:
         if order is not None:
             rows = recv.view(len(order), -1).index_select(0, to_group)
             req.recv.copy_(rows.view_as(req.recv))
+
+    def _device_event(self, recv: torch.Tensor) -> Any:
+        """CUDA: an event recorded on the current stream after the collective's stream wait
+        (what the host read would wait for); None for host tensors."""
+        if not recv.is_cuda:
+            return None
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(recv.device))
+        return event
 
     def _row_orders(
         self, order: tuple[int, ...], device: torch.device
@@ -499,6 +525,36 @@ class TorchDistTransport:
             f"RailWave exchange, EP rank {ep(self.rank)}: stage '{stage}' on {link} failed after "
             f"{waited:.1f} s; {who}{cause}"
         )
+
+
+def wait_event(
+    event: Any,
+    *,
+    timeout_s: float | None,
+    what: str,
+    abort: Callable[[], None] | None = None,
+    poll_s: float = 0.0005,
+) -> None:
+    """Wait for a CUDA ``event`` (anything with ``query()``), at most ``timeout_s``.
+
+    Host sync: yes (the wait). Past ``timeout_s``: ``abort()`` (the groups whose work the event
+    follows: NCCL work in flight then ends on this rank and its peers, rather than at the
+    watchdog's timeout), then ``ExchangeTimeoutError`` naming ``what``. ``timeout_s`` None:
+    waits as long as it takes (the groups' own timeout bounds it).
+    """
+    if event.query():
+        return
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while not event.query():
+        if deadline is not None and time.monotonic() >= deadline:
+            if abort is not None:
+                abort()
+            raise ExchangeTimeoutError(
+                f"{what} did not complete within timeout_s={timeout_s} s: a peer stopped "
+                "taking part (see its own error); this rank's process groups were aborted so "
+                "that the job ends now rather than at the NCCL watchdog's timeout"
+            )
+        time.sleep(poll_s)
 
 
 def _nbytes(t: torch.Tensor) -> int:

@@ -139,7 +139,8 @@ def unpack_rows(
         packed: [n, row_bytes(specs)] uint8.
         specs: (dtype, shape) of each tensor, in packing order.
         row_index: [n] int64 distinct output rows (None: row i goes to row i).
-        num_rows: output rows when ``row_index`` is given (rows not written are zero).
+        num_rows: output rows when ``row_index`` is given (rows not written are zero; a full
+            permutation, num_rows = n, is not zero-filled first: CPU, CUDA and the reference).
     """
     if row_index is not None and num_rows is None:
         raise ValueError("unpack_rows: num_rows is required with row_index")

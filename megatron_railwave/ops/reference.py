@@ -183,7 +183,8 @@ def unpack_rows(
         packed: [n, row_bytes(specs)] uint8.
         specs: (dtype, shape) of each tensor, in packing order.
         row_index: [n] int64 distinct output rows (None: row i goes to row i).
-        num_rows: output rows when ``row_index`` is given (rows not written are zero).
+        num_rows: output rows when ``row_index`` is given (rows not written are zero; with
+            num_rows = n, a full permutation, every row is written and nothing is zero-filled).
 
     Returns:
         Per spec, [n or num_rows, *shape] of that dtype.
@@ -208,7 +209,10 @@ def unpack_rows(
         if row_index is not None:
             if num_rows is None:
                 raise ValueError("unpack_rows: num_rows is required with row_index")
-            part = part.new_zeros((num_rows, *shape)).index_copy_(0, row_index, part)
+            # n distinct rows of num_rows = n: a full permutation writes every row, so the
+            # output needs no zero fill (decided from the sizes, no host sync).
+            fresh = part.new_empty if n == num_rows else part.new_zeros
+            part = fresh((num_rows, *shape)).index_copy_(0, row_index, part)
         out.append(part)
     return out
 

@@ -267,9 +267,12 @@ def run_fixed_capacity(
     return results
 
 
-def run_capacity_overflow(rank: int, world: int, topo_kwargs: dict, timeout_s: float) -> dict:
-    """Fixed-capacity mode, rank 1 has more tokens than the capacity: it raises at once; every
-    other rank times out waiting for it and reports what it raised."""
+def run_capacity_overflow(
+    rank: int, world: int, topo_kwargs: dict, timeout_s: float, overflow_rank: int = 1
+) -> dict:
+    """Fixed-capacity mode, ``overflow_rank`` has 13 tokens for a capacity of 12: what every rank
+    raised and after how long. The overflowing rank returns at once, so its process exits
+    while its peers are still in the layer call."""
     import time
 
     from megatron_railwave.exchange import CapacityOverflowError
@@ -278,7 +281,7 @@ def run_capacity_overflow(rank: int, world: int, topo_kwargs: dict, timeout_s: f
     groups = build_rail_groups(None, topo, timeout_s=timeout_s)
     ex = TorchDistExchange(topo, groups, num_experts=8, timeout_s=timeout_s, max_tokens_per_rank=12)
     tokens = [12] * world
-    tokens[1] = 13
+    tokens[overflow_rank] = 13
     x, probs, routing = make_inputs(rank, tokens=tokens, experts=8, topk=3, hidden=4, seed=4)
     t0 = time.monotonic()
     try:

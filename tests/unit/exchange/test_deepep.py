@@ -259,3 +259,57 @@ def test_deepep_refuses_a_placement_whose_group_order_is_not_railwave_order():
             hidden_size=256,
             hidden_dtype=torch.bfloat16,
         )
+
+
+def test_shared_buffer_is_explicitly_destroyed_before_the_group(monkeypatch):
+    """The Buffer is built with explicitly_destroy=True where the class takes it and
+    destroy_deepep_buffers() destroys it (the hardware check calls it before
+    destroy_process_group); a Buffer class without the argument is built without it and left to
+    its destructor. Fake Buffers: deep_ep is not installed here (not yet run on hardware)."""
+    from types import SimpleNamespace
+
+    from megatron_railwave.exchange import deepep, destroy_deepep_buffers
+
+    made = []
+
+    class WithDestroy:
+        def __init__(self, group, num_nvl_bytes=0, num_rdma_bytes=0, explicitly_destroy=False):
+            self.explicitly_destroy, self.destroyed = explicitly_destroy, False
+            made.append(self)
+
+        def destroy(self):
+            assert self.explicitly_destroy
+            self.destroyed = True
+
+    class Legacy:
+        def __init__(self, group, num_nvl_bytes=0, num_rdma_bytes=0):
+            made.append(self)
+
+    monkeypatch.setattr(deepep, "_BUFFERS", {})
+    groups = SimpleNamespace(ep=SimpleNamespace(handle=object()))
+    new = deepep._shared_buffer(SimpleNamespace(Buffer=WithDestroy), groups, 1024, 2048)
+    assert (
+        new.explicitly_destroy
+        and deepep._shared_buffer(SimpleNamespace(Buffer=WithDestroy), groups, 1024, 2048) is new
+    )  # shared
+    old = deepep._shared_buffer(SimpleNamespace(Buffer=Legacy), groups, 1024, 2048)
+    assert made == [new, old]
+    assert destroy_deepep_buffers() == 1
+    assert new.destroyed and deepep._BUFFERS == {}
+    assert destroy_deepep_buffers() == 0
+
+
+def test_dispatch_and_combine_row_widths_fit_deepep_internode_kernels_at_glm_size():
+    """DeepEP 2.1 (dd758ca) internode: a dispatch row must be a multiple of 16 bytes
+    (csrc/legacy/buffer.hpp) and, with its 8-byte SourceMeta and K top-k ints and floats rounded
+    up to 16, fit a 16 KiB TMA buffer with 8 bytes to spare (internode.cu); hidden_int4 % 32 == 0
+    only in combine's TMA path, whose rows are H wide. H = 4096 bf16, K = 8:
+    dispatch 4096 x 2 + 16 = 8208 B = 513 int4 (no padding); per token align16(8208 + 8 + 32 +
+    32) = 8288 <= 16376; combine 8192 B = 512 int4, 512 % 32 = 0."""
+    row = dispatch_row_bytes(4096, torch.bfloat16)
+    assert row == 8208 and row % 16 == 0 and row // 16 == 513
+    assert -(-(row + 8 + 8 * 4 + 8 * 4) // 16) * 16 + 8 <= 16384
+    assert (4096 * 2 // 16) % 32 == 0
+    assert _problems(4, 8) == []
+    # H = 4104 would break combine's TMA path (8208 B rows): named, with the fix.
+    assert any("multiple of 512 bytes" in p for p in _problems(4, 8, hidden_size=4104))

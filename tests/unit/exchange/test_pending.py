@@ -120,3 +120,29 @@ def test_finish_twice_raises(exchange):
     finish(pending.program)
     with pytest.raises(RuntimeError, match="finished twice"):
         finish(pending.program)
+
+
+def test_comm_stream_is_created_with_the_highest_priority(monkeypatch):
+    """The exchange's communication stream asks CUDA for its greatest priority (the lowest
+    number, as DeepEP's comm stream); other purposes keep the default. Fake CUDA streams: no GPU
+    here (not yet run on hardware)."""
+    from megatron_railwave.exchange import pending
+
+    made = []
+
+    class FakeStream:
+        def __init__(self, device=None, priority=0):
+            made.append((device, priority))
+
+        @staticmethod
+        def priority_range():
+            return (0, -5)  # (least, greatest), as cudaDeviceGetStreamPriorityRange on H100
+
+    monkeypatch.setattr(torch.cuda, "Stream", FakeStream)
+    monkeypatch.setattr(pending, "_STREAMS", {})
+    dev = torch.device("cuda", 0)
+    comm = pending.comm_stream_for(dev)
+    assert pending.comm_stream_for(dev) is comm  # one per device
+    pending.stream_for(dev, "timing reduce")
+    assert made == [(dev, -5), (dev, 0)]
+    assert pending.comm_stream_for(torch.device("cpu")) is None

@@ -156,3 +156,55 @@ def test_group_creation_lifts_a_bound_default_group_so_no_world_split_is_needed(
     )  # the groups carry timeout_s
     assert default.bound_device_id == torch.device("cuda", 0)  # restored
     assert built.railwave_rank == 3
+
+
+def _count_program(group: GroupRef, *, host_read: bool):
+    yield Collective(
+        kind="all_gather",
+        stage="count exchange",
+        group=group,
+        send=torch.zeros(1, dtype=torch.int64),
+        recv=torch.zeros(2, dtype=torch.int64),
+        host_read=host_read,
+    )
+    return "done"
+
+
+class _Event:
+    def __init__(self, done: bool) -> None:
+        self.done, self.queries = done, 0
+
+    def query(self) -> bool:
+        self.queries += 1
+        return self.done
+
+
+def test_nccl_count_exchange_read_is_bounded_and_aborts_past_timeout_s(fake_dist, monkeypatch):
+    """A peer that never joins the count exchange: on NCCL the host read would block until the
+    watchdog; the transport waits on an event up to timeout_s, aborts the groups and names the
+    stage. Not yet run on hardware (fake events)."""
+    fake_dist.backend = "nccl"
+    aborted = []
+    transport = TorchDistTransport(rank=0, timeout_s=0.2, abort=lambda: aborted.append(1))
+    monkeypatch.setattr(transport, "_device_event", lambda recv: _Event(done=False))
+    with pytest.raises(
+        Exception, match="stage 'count exchange' on rail 0 .* did not complete within 0.2 s"
+    ):
+        drive(_count_program(_group(), host_read=True), transport)
+    assert aborted == [1]
+
+
+def test_nccl_count_exchange_read_waits_on_the_event_only_when_read(fake_dist, monkeypatch):
+    fake_dist.backend = "nccl"
+    events = []
+
+    def device_event(recv):
+        events.append(_Event(done=True))
+        return events[-1]
+
+    transport = TorchDistTransport(rank=0, timeout_s=5.0, abort=lambda: pytest.fail("aborted"))
+    monkeypatch.setattr(transport, "_device_event", device_event)
+    assert drive(_count_program(_group(), host_read=True), transport) == "done"
+    assert len(events) == 1 and events[0].queries == 1
+    assert drive(_count_program(_group(), host_read=False), transport) == "done"
+    assert len(events) == 1  # no read, no event: the stream wait alone

@@ -115,7 +115,7 @@ def _random_bytes(rows, width, gen):
     return torch.randint(0, 256, (rows, width), dtype=torch.uint8, generator=gen)
 
 
-@pytest.mark.parametrize("case", ["glm", "odd_widths", "many_parts", "empty"])
+@pytest.mark.parametrize("case", ["glm", "dispatch_8336", "odd_widths", "many_parts", "empty"])
 def test_pack_unpack_cuda_equal_cpu(cuda_ops, case):
     gen = torch.Generator().manual_seed(7)
     if (
@@ -129,6 +129,17 @@ def test_pack_unpack_cuda_equal_cpu(cuda_ops, case):
         ]
         token = torch.randint(0, 4096, (n,), generator=gen)
         index = [token, token, None]
+    elif case == "dispatch_8336":  # the real dispatch row (schedule.wire, H = 4096, E_node = 32):
+        # bf16 [4096] + fp32 [32] by token, int32 [4] per record = 8336 B, 16-byte vectors
+        n = 6000
+        tensors = [
+            torch.randn(2048, 4096, generator=gen).to(torch.bfloat16),
+            torch.rand(2048, 32, generator=gen),
+            torch.randint(-(2**31), 2**31 - 1, (n, 4), generator=gen, dtype=torch.int32),
+        ]
+        token = torch.randint(0, 2048, (n,), generator=gen)
+        index = [token, token, None]
+        assert ops.row_bytes([(t.dtype, tuple(t.shape[1:])) for t in tensors]) == 8336
     elif (
         case == "odd_widths"
     ):  # 3-, 6-, 1-, 10-byte parts: vector widths 1, 2, 4, 8 and unaligned offsets
@@ -157,7 +168,12 @@ def test_pack_unpack_cuda_equal_cpu(cuda_ops, case):
     assert same_bits(cpu[0], gpu[0])
     specs = [(t.dtype, tuple(t.shape[1:])) for t in tensors]
     scatter = torch.randperm(n + 17, generator=gen)[:n]
-    for kwargs in ({}, {"row_index": scatter, "num_rows": n + 17}):
+    permutation = torch.randperm(n, generator=gen)  # every row written: no zero fill
+    for kwargs in (
+        {},
+        {"row_index": scatter, "num_rows": n + 17},
+        {"row_index": permutation, "num_rows": n},
+    ):
 
         def unpack(packed, idx=None, kwargs=kwargs):
             extra = {} if idx is None else {"row_index": idx, "num_rows": kwargs["num_rows"]}

@@ -146,3 +146,70 @@ def test_reference_round_trip_with_unaligned_and_empty_parts(num_rows):
         packed, specs, row_index=torch.arange(num_rows), num_rows=num_rows + 1
     )
     assert scattered[1].shape == (num_rows + 1, 1) and scattered[1][num_rows].item() == 0
+
+
+def _dispatch_rows_8336(n: int, tokens: int, seed: int):
+    """The real dispatch row at GLM size (schedule.wire, H = 4096, E_node = 32): payload bf16
+    [4096] and probs fp32 [32] gathered by token, meta int32 [4] per record (2 + 1 routing word
+    + 1 pad): 8192 + 128 + 16 = 8336 bytes, a multiple of 16 (the CUDA kernel's 16-byte vector
+    path)."""
+    gen = torch.Generator().manual_seed(seed)
+    payload = _random_tensor(tokens, (4096,), torch.bfloat16, gen)
+    probs = _random_tensor(tokens, (32,), torch.float32, gen)
+    meta = _random_tensor(n, (4,), torch.int32, gen)
+    token = torch.randint(0, tokens, (n,), generator=gen)
+    return [payload, probs, meta], [token, token, None], gen
+
+
+def test_pack_unpack_16_byte_aligned_8336_byte_rows_twin_equal_reference(compiled):
+    tensors, index, gen = _dispatch_rows_8336(n=301, tokens=128, seed=3)
+    specs = [(t.dtype, tuple(t.shape[1:])) for t in tensors]
+    packed = ops.pack_rows(tensors, index)
+    assert packed.shape == (301, 8336) and ops.row_bytes(specs) % 16 == 0
+    assert packed.data_ptr() % 16 == 0 and packed.stride(0) % 16 == 0  # every row 16-B aligned
+    assert same_bits(packed, reference.pack_rows(tensors, index))
+    for got, want in zip(
+        ops.unpack_rows(packed, specs), reference.unpack_rows(packed, specs), strict=True
+    ):
+        assert same_bits(got, want)
+    for out_rows in (301, 301 + 23):  # a full permutation (no zero fill) and a partial scatter
+        scatter = torch.randperm(out_rows, generator=gen)[:301]
+        got = ops.unpack_rows(packed, specs, row_index=scatter, num_rows=out_rows)
+        want = reference.unpack_rows(packed, specs, row_index=scatter, num_rows=out_rows)
+        for g, w, t, i in zip(got, want, tensors, index, strict=True):
+            assert same_bits(g, w)
+            rows = t if i is None else t.index_select(0, i)
+            assert same_bits(g.index_select(0, scatter), rows)
+
+
+class _ZeroFills(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the aten calls that zero-fill a tensor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name in ("zeros", "new_zeros", "zero_", "fill_", "zeros_like"):
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_unpack_scatter_of_a_full_permutation_is_not_zero_filled():
+    # 5 rows scattered to 5 outputs by a permutation: every output row is written, so the
+    # reference (and the twins, which follow it) allocate without a fill; 5 rows into 7 outputs
+    # leave 2 rows zero, and those are filled.
+    specs = [(torch.float32, (3,)), (torch.int32, ())]
+    packed = torch.randint(0, 256, (5, ops.row_bytes(specs)), dtype=torch.uint8)
+    perm = torch.tensor([3, 0, 4, 1, 2])
+    with _ZeroFills() as full:
+        got = reference.unpack_rows(packed, specs, row_index=perm, num_rows=5)
+    assert full.count == 0
+    plain = reference.unpack_rows(packed, specs)
+    for g, p in zip(got, plain, strict=True):
+        assert same_bits(g.index_select(0, perm), p)
+    with _ZeroFills() as partial:
+        got = reference.unpack_rows(packed, specs, row_index=perm, num_rows=7)
+    assert partial.count == len(specs)
+    assert not got[0][torch.tensor([5, 6])].any() and not got[1][torch.tensor([5, 6])].any()
