@@ -201,6 +201,8 @@ EXPECTED_FLAGS = {
         "--tokens",
         "--payload-scale",
         "--path-delivery",
+        "--chunks",
+        "--streamed",
         "--peers",
         "--incast-layers",
         "--no-incast-prediction",
