@@ -219,13 +219,20 @@ def test_any_routing_never_above_per_record(seed, n, g, density, skew, nvlink, a
 
 
 # Every route with its one-pass options and, where the route has waves, more senders per wave
-# and rail chunks, and with a streamed relay (whole waves, and two chunks: RAIL and FLOW stream
-# over their chunks); new routes join through names.ROUTES.
+# and rail chunks; the relaying routes also with a streamed relay (JOINT / FLOW_WAVES over their
+# waves, RAIL / FLOW over two chunks); new routes join through names.ROUTES.
+_STREAMED = {
+    Route.JOINT: PlanOptions(streamed=True),
+    Route.FLOW_WAVES: PlanOptions(streamed=True),
+    Route.RAIL: PlanOptions(chunks=2, streamed=True),
+    Route.FLOW: PlanOptions(chunks=2, streamed=True),
+}
 _VARIANTS = [
     (route, options)
     for route in ROUTES
     for options in (
-        [PlanOptions(), PlanOptions(streamed=True), PlanOptions(chunks=2, streamed=True)]
+        [PlanOptions()]
+        + ([_STREAMED[route]] if route in _STREAMED else [])
         + (
             [PlanOptions(fanin=2), PlanOptions(chunks=2)]
             if route in (Route.PERM, Route.JOINT)
