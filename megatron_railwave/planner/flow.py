@@ -21,7 +21,7 @@ the flow model it traded NIC balance for NVLink balance and lost to RailBalance,
 DeepEP-like NATIVE at token skew 0 where JOINT has 0.92x.) Fixed loads every GPU carries anyway
 are counted first: the local node's delivery copies (owner (s, g) -> each other local target, in
 wave 0's delivery). Where a record's targets are is known only per (owner, node pair): the plan
-uses a hit model, unit k of (s, d, g) carrying the k-th near-equal part (``plan.chunk_sizes``)
+uses a hit model, unit k of (s, d, g) carrying the k-th near-equal part (``chunks.chunk_sizes``)
 of the owner's copies for each target j.
 
 Heuristic (deterministic integer water-filling): each (s, d, g)'s records are split into U
@@ -44,6 +44,7 @@ import numpy as np
 import torch
 
 from megatron_railwave import ops
+from megatron_railwave.planner.chunks import chunk_sizes
 from megatron_railwave.topology import RailTopology
 
 __all__ = [
@@ -92,8 +93,6 @@ def _units(
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(cell_X [X, 3] (s, d, g), size_X [X], copies_XG [X, G]) of the nonzero units of the remote
     pairs, in assignment order: size descending, then unit index, then (s, d, g) ascending."""
-    from megatron_railwave.planner.plan import chunk_sizes  # plan imports this module
-
     n, _, g = records_NNG.shape
     remote = wave_NN >= 0
     s, d, o = np.nonzero(remote[:, :, None] & (records_NNG > 0))

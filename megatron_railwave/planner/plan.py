@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from megatron_railwave.names import Route, parse_route
+from megatron_railwave.planner.chunks import chunk_sizes
 from megatron_railwave.planner.eligible import EligiblePolicy
 from megatron_railwave.planner.flow import flow_objective_cost, flow_relay_NNGG
 from megatron_railwave.planner.railbalance import eligible_NNG, quota_and_relay
@@ -175,14 +176,6 @@ class PathPlan:
             "relayed_records": self.relayed_records(),
             "stats": self.stats(record_bytes=record_bytes).to_dict(),
         }
-
-
-def chunk_sizes(rows: np.ndarray | int, chunks: int) -> np.ndarray:
-    """[..., chunks] int64: ``rows`` split into ``chunks`` contiguous parts, sizes within one,
-    the larger ones first (rows // chunks, plus one for the first rows % chunks parts)."""
-    rows = np.asarray(rows, dtype=np.int64)
-    k = np.arange(chunks, dtype=np.int64)
-    return rows[..., None] // chunks + (k < rows[..., None] % chunks)
 
 
 def relay_chunk_rows_NNGGC(plan: PathPlan, node: int | None = None) -> np.ndarray:

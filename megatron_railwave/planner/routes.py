@@ -22,7 +22,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from megatron_railwave.planner.plan import PathPlan, chunk_sizes
+from megatron_railwave.planner.chunks import chunk_sizes
+from megatron_railwave.planner.plan import PathPlan
 from megatron_railwave.traffic import DemandCounts, mask_bits
 
 __all__ = [
@@ -220,7 +221,7 @@ def arrival_mask_counts_NGM(
 def chunk_arrival_counts(arrival_NGM: np.ndarray, chunks: int) -> np.ndarray:
     """[N_src, chunks, G_owner, M] int64: the records of each source node arriving at one GPU
     (``arrival_NGM`` [N_src, G_owner, M], in arrival order: owner, then mask) that travel in each
-    rail chunk. Chunk k is the k-th contiguous part of the source's block (``plan.chunk_sizes``),
+    rail chunk. Chunk k is the k-th contiguous part of the source's block (``chunks.chunk_sizes``),
     so its counts are the cut of the block's cumulative counts at the chunk's bounds."""
     n, g, m = arrival_NGM.shape
     flat = arrival_NGM.reshape(n, g * m)
