@@ -37,10 +37,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron_railwave.names import ROUTES  # noqa: E402
-
-PATHS = tuple(map(str, ROUTES))
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+# The DeepEP hardware check's seeded inputs, paths and dtypes (this folder is sys.path[0]).
+from deepep_hardware_check import DTYPES, PATHS, rank_inputs  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -75,19 +73,6 @@ def variant_names(args: argparse.Namespace) -> list[str]:
     if args.deepep_buffer != "none":
         names += [f"deepep/{p}" for p in PATHS]
     return names
-
-
-def rank_inputs(args, rank: int, device: torch.device):
-    """(hidden [T, H], probs [T, E], routing [T, E] bool, grad [T, H]), seeded by rank."""
-    gen = torch.Generator().manual_seed(1000 + rank)
-    scores = torch.rand(args.tokens, args.experts, generator=gen)
-    routing = torch.zeros_like(scores, dtype=torch.bool).scatter_(
-        1, scores.topk(args.topk, dim=1).indices, True
-    )
-    probs = torch.softmax(torch.randn(args.tokens, args.experts, generator=gen), dim=1) * routing
-    hidden = torch.randn(args.tokens, args.hidden, generator=gen).to(DTYPES[args.dtype])
-    grad = torch.randn(args.tokens, args.hidden, generator=gen).to(DTYPES[args.dtype])
-    return tuple(t.to(device) for t in (hidden, probs, routing, grad))
 
 
 def one_layer(exchange, path: str, inputs, *, fixed: bool):
