@@ -315,40 +315,33 @@ def forward_moves(
 
     def start(phase: Phase) -> Post:
         counts = view.counts(phase)
-        if phase.kind == PhaseKind.RELAY and streamed is not None:
-            return _relay_out(
-                phase,
-                groups,
-                [b[phase.step] for b in owner_UL] + [owner_rows[g]],
-                [b[phase.step] for b in pool_UB],
-            )
         if phase.kind == PhaseKind.RELAY:
-            return _relay_out(phase, groups, owner_rows, pool_rows)
-        if phase.kind == PhaseKind.RAIL and streamed is not None:
-            # Rail phase u sends the egress rows of its chunks, gathered from the pool as soon as
-            # relay phase u has landed (the earlier phases' rows are there already).
-            buf = rows.new_empty((sum(counts.recv_Q), rows.shape[1]))
-            arrivals[phase.step + 1] = buf
-            out = _take_rows(pool, streamed.rail_pool_index[phase.step]).split(
-                [c for c in counts.send_Q if c]
-            )
-            parts = iter(out)
-            return _post(
-                phase,
-                groups,
-                [next(parts) if c else None for c in counts.send_Q],
-                list(buf.split(counts.recv_Q)),
+            if streamed is None:
+                return _relay_out(phase, groups, owner_rows, pool_rows)
+            u = phase.step
+            return _relay_out(
+                phase, groups, [b[u] for b in owner_UL] + [owner_rows[g]], [b[u] for b in pool_UB]
             )
         if phase.kind == PhaseKind.RAIL:
             buf = rows.new_empty((sum(counts.recv_Q), rows.shape[1]))
             arrivals[phase.step + 1] = buf
-            k = phase.step % chunks
+            if streamed is None:
+                send_all, k = egress[0], phase.step % chunks
+                sends = [
+                    egress_rows[d * chunks + k] if c else None for d, c in enumerate(counts.send_Q)
+                ]
+            else:
+                # The egress rows of this rail phase's chunks, gathered from the pool as soon as
+                # its relay part has landed (the earlier parts' rows are there already).
+                send_all = _take_rows(pool, streamed.rail_pool_index[phase.step])
+                parts = iter(send_all.split([c for c in counts.send_Q if c]))
+                sends = [next(parts) if c else None for c in counts.send_Q]
             return _post(
                 phase,
                 groups,
-                [egress_rows[d * chunks + k] if c else None for d, c in enumerate(counts.send_Q)],
+                sends,
                 list(buf.split(counts.recv_Q)),
-                _flat(phase, schedule, me, egress[0], counts.send_Q, buf, counts.recv_Q),
+                _flat(phase, schedule, me, send_all, counts.send_Q, buf, counts.recv_Q),
             )
         rnd = phase.step
         delivered_all = _take_rows(arrivals.pop(rnd), layout.deliver_index[rnd])
