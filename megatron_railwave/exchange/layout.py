@@ -155,7 +155,7 @@ def _streamed_host_counts(plan: PathPlan, view: RankView) -> dict[str, np.ndarra
       destination node): key node * G + owner, the rows, the phase;
     * egress_phase / egress_size [N * C]: rail phase and rows of each (node, chunk) part of this
       GPU's egress rows, node-major;
-    * owner_UL / pool_UB [G * U]: rows per (owner category, phase) and per (pool block, phase).
+    * owner_UL / pool_UB [G, U]: rows per (owner category, phase) and per (pool block, phase).
     """
     topo = plan.topology
     n, g, c = topo.num_nodes, topo.gpus_per_node, plan.chunks
@@ -199,8 +199,8 @@ def _streamed_host_counts(plan: PathPlan, view: RankView) -> dict[str, np.ndarra
         "pool_phase": phase.reshape(-1).astype(np.int64, copy=False),
         "egress_phase": egress_phase,
         "egress_size": sizes_DLK[remote, me, :].reshape(-1),
-        "owner_UL": owner_UL.reshape(-1),
-        "pool_UB": pool_UB.reshape(-1),
+        "owner_UL": owner_UL,
+        "pool_UB": pool_UB,
     }
 
 
@@ -214,11 +214,18 @@ def _streamed_maps(
     device = node_R.device
     host = _streamed_host_counts(plan, view)
     staged = HostCounts()
-    for name in ("group_start", "my_off", "chunk_hi", "wave", "pool_key", "pool_count"):
+    for name in (
+        "group_start",
+        "my_off",
+        "chunk_hi",
+        "wave",
+        "pool_key",
+        "pool_count",
+        "pool_phase",
+        "egress_phase",
+        "egress_size",
+    ):
         staged.add(name, host[name])
-    staged.add("pool_phase", host["pool_phase"])
-    staged.add("egress_phase", host["egress_phase"])
-    staged.add("egress_size", host["egress_size"])
     dev = staged.to(device)
     n_rec = view.num_records
     # Owner rows: (category, node, canonical) first, then within a category by rail phase.
@@ -250,9 +257,9 @@ def _streamed_maps(
     pool_by_phase = torch.sort(
         _runs(dev["pool_phase"], dev["pool_count"], pool_total), stable=True
     ).indices
-    pool_UB = host["pool_UB"].reshape(g, num_phases)
+    pool_UB = host["pool_UB"]
     maps = StreamedMaps(
-        owner_UL=host["owner_UL"].reshape(g, num_phases).tolist(),
+        owner_UL=host["owner_UL"].tolist(),
         pool_UB=pool_UB.tolist(),
         rail_pool_index=list(
             egress_perm[egress_by_phase].split(rail_rows.astype(np.int64).tolist())

@@ -147,8 +147,7 @@ class PathPlan:
 
     def relayed_records(self) -> int:
         """Records that move to a proxy GPU before leaving the node (remote pairs only)."""
-        off = self.relay_NNGG.sum() - torch.diagonal(self.relay_NNGG, dim1=-2, dim2=-1).sum()
-        return int(off.item())
+        return _relayed_records(self.relay_NNGG)
 
     def records_total(self) -> int:
         return int(self.records_NNG.sum().item())
@@ -176,6 +175,11 @@ class PathPlan:
             "relayed_records": self.relayed_records(),
             "stats": self.stats(record_bytes=record_bytes).to_dict(),
         }
+
+
+def _relayed_records(relay_NNGG: torch.Tensor) -> int:
+    """Off-diagonal records of a relay matrix: those an owner hands to another GPU."""
+    return int((relay_NNGG.sum() - torch.diagonal(relay_NNGG, dim1=-2, dim2=-1).sum()).item())
 
 
 def relay_chunk_rows_NNGGC(plan: PathPlan, node: int | None = None) -> np.ndarray:
@@ -287,7 +291,6 @@ def build_plan(
         quota, relay = quota_and_relay(records_NNG, eligible, balanced=path.balanced, phase=phase)
     chunked = path.waved or path.min_max or (path.balanced and options.streamed)
     chunks = options.chunks if chunked and n > 1 else 1
-    relays = bool((relay.sum() - torch.diagonal(relay, dim1=-2, dim2=-1).sum()).item())
     return PathPlan(
         path=path,
         topology=topo,
@@ -298,5 +301,7 @@ def build_plan(
         relay_NNGG=relay,
         pair_wave_NN=pair_wave,
         chunks=chunks,
-        streamed=options.streamed and relays and schedule.num_waves * chunks > 1,
+        streamed=options.streamed
+        and schedule.num_waves * chunks > 1
+        and _relayed_records(relay) > 0,
     )
