@@ -45,6 +45,7 @@ __all__ = [
     "start",
     "finish",
     "stream_for",
+    "copy_to_host_after",
     "comm_stream_for",
     "run_on_comm_stream",
 ]
@@ -74,6 +75,24 @@ def stream_for(device: torch.device, purpose: str, *, high_priority: bool = Fals
         stream = torch.cuda.Stream(device=key[1], priority=priority)
         _STREAMS[key] = stream
     return stream
+
+
+def copy_to_host_after(work: Any, tensor: torch.Tensor, purpose: str) -> tuple[torch.Tensor, Any]:
+    """(pinned host copy, event): ``tensor`` (CUDA) copied to pinned host memory on the side stream
+    of ``purpose`` once the collective ``work`` is done, and the event recorded after the copy.
+
+    A stream wait, not a host wait: the host reads the copy once ``event.query()`` says so
+    (``status.StatusWatch``) or after a bounded wait (``transport.wait_event``). A stream of its
+    own, not the exchange's communication stream, whose programs it would queue behind."""
+    side = stream_for(tensor.device, purpose)
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    with torch.cuda.stream(side):
+        work.wait()  # the side stream waits for NCCL's; the host does not
+        host.copy_(tensor, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record(side)
+    tensor.record_stream(side)
+    return host, event
 
 
 def comm_stream_for(device: torch.device) -> Any:

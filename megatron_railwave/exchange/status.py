@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 from megatron_railwave.exchange.groups import RankGroups, reported_failures
 from megatron_railwave.exchange.layer import CapacityOverflowError, InputError
-from megatron_railwave.exchange.pending import stream_for
+from megatron_railwave.exchange.pending import copy_to_host_after
 from megatron_railwave.exchange.transport import (
     Collective,
     ExchangeTimeoutError,
@@ -303,14 +303,7 @@ def exchange_status(
     send = word.pin_memory().to(device, non_blocking=True)
     recv = torch.empty(members, dtype=torch.int64, device=device)
     work = dist.all_gather_into_tensor(recv, send, group=ep.handle, async_op=True)
-    side = stream_for(device, "status word")
-    host = torch.empty(members, dtype=torch.int64, pin_memory=True)
-    with torch.cuda.stream(side):
-        work.wait()  # a stream wait
-        host.copy_(recv, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record(side)
-    recv.record_stream(side)
+    host, event = copy_to_host_after(work, recv, "status word")
     order = [ep.peer(m) for m in range(members)]  # member -> torch group rank
 
     def late() -> Exception:

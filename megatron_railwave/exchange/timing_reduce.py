@@ -33,7 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron_railwave.exchange.pending import stream_for
+from megatron_railwave.exchange.pending import copy_to_host_after
 from megatron_railwave.exchange.status import abort_groups, wait_event
 from megatron_railwave.exchange.transport import ExchangeError, ExchangeTimeoutError, GroupRef
 
@@ -141,16 +141,7 @@ def post_timing_reduce(
         return PostedTimingReduce(pair=pair, work=work, group=group, timeout_s=timeout_s)
     pair = pair.pin_memory().to(device, non_blocking=True)
     work = dist.all_reduce(pair, op=dist.ReduceOp.MAX, group=group.handle, async_op=True)
-    # A stream of its own, not the exchange's communication stream, whose programs it would
-    # otherwise queue behind.
-    side = stream_for(device, "timing reduce")
-    host = torch.empty(2, dtype=torch.int64, pin_memory=True)
-    with torch.cuda.stream(side):
-        work.wait()  # a stream wait: the side stream waits for NCCL's, the host does not
-        host.copy_(pair, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record(side)
-    pair.record_stream(side)
+    host, event = copy_to_host_after(work, pair, "timing reduce")
     return PostedTimingReduce(
         pair=pair,
         work=work,
