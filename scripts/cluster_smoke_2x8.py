@@ -38,7 +38,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 # The DeepEP hardware check's seeded inputs, paths and dtypes (this folder is sys.path[0]).
-from deepep_hardware_check import DTYPES, PATHS, rank_inputs  # noqa: E402
+from deepep_hardware_check import DTYPES, PATHS, rank_inputs, start_process_group  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -116,15 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     from megatron_railwave.topology import RailTopology
 
-    device = (
-        torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-        if args.device == "cuda"
-        else torch.device("cpu")
-    )
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    device, rank, world = start_process_group(args.device)
     if world != args.world_size:
         print(f"rank {rank}: WORLD_SIZE is {world}, --world-size {args.world_size}", flush=True)
     topo = RailTopology(num_nodes=world // args.gpus_per_node, gpus_per_node=args.gpus_per_node)

@@ -156,17 +156,23 @@ def run_once(fn, inputs):
     return out.detach(), hidden.grad, probs.grad
 
 
-def main() -> int:
-    args = parse_args()
+def start_process_group(device_kind: str) -> tuple[torch.device, int, int]:
+    """(device, rank, world) of this torchrun rank: its GPU (LOCAL_RANK) under NCCL, or the CPU
+    under gloo."""
     device = (
         torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-        if args.device == "cuda"
+        if device_kind == "cuda"
         else torch.device("cpu")
     )
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    return device, dist.get_rank(), dist.get_world_size()
+
+
+def main() -> int:
+    args = parse_args()
+    device, rank, world = start_process_group(args.device)
     topo = RailTopology(num_nodes=world // args.gpus_per_node, gpus_per_node=args.gpus_per_node)
     groups = build_rail_groups(None, topo, timeout_s=300)
     common = dict(
