@@ -127,15 +127,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> rank_sche
     }
   }
   // Records of owner (a, o) into node s that arrive at GPU (s, l), by mask ([G * M], owner-major):
-  // owner o's mask-sorted list keeps [0, keep) and relays the next parts to GPUs in order.
+  // owner o's mask-sorted list is cut in GPU order: GPU l's part (l = o: the kept records) follows
+  // those of GPUs < l.
   auto arrival_cells = [&](int64_t a, int64_t l, int64_t* out) {
     for (int64_t o = 0; o < G; ++o) {
       const int64_t* hist = masks + (a * G + o) * M;
-      const int64_t keep = rel(a, s, o, o);
-      int64_t start = keep;
-      for (int64_t p = 0; p < l; ++p) start += p == o ? 0 : rel(a, s, o, p);
-      const int64_t lo_x = o == l ? 0 : start;
-      const int64_t hi_x = o == l ? keep : start + rel(a, s, o, l);
+      int64_t lo_x = 0;
+      for (int64_t p = 0; p < l; ++p) lo_x += rel(a, s, o, p);
+      const int64_t hi_x = lo_x + rel(a, s, o, l);
       int64_t c_lo = 0;
       for (int64_t m = 0; m < M; ++m) {
         const int64_t c_hi = c_lo + hist[m];
@@ -160,8 +159,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> rank_sche
       }
     }
   };
-  // Stage 3 into node s. Owner o's list of records into s is sorted by mask; [0, keep) stays on
-  // o, then its surplus goes to the proxies in GPU order. F(x)[j] = copies for target j among the
+  // Stage 3 into node s. Owner o's list of records into s is sorted by mask and cut in GPU order
+  // (GPU o's part: the kept records). F(x)[j] = copies for target j among the
   // first x records: with P[m][j] the copies of the runs before mask m, F(x) = P[m*] + (x - lo(m*))
   // * bit(m*, j) for the run m* holding x. The ends of the proxies' parts ascend, so one sweep.
   std::vector<int64_t> copies_NGG(static_cast<size_t>(N * G * G), 0);  // [a, arrival l, target j]
@@ -170,7 +169,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> rank_sche
     if (C > 1 && a != s) continue;  // chunked remote blocks are cut from their arrival cells below
     for (int64_t o = 0; o < G; ++o) {
       const int64_t* hist = masks + (a * G + o) * M;
-      const int64_t keep = rel(a, s, o, o);
       int64_t m = 0, lo = 0;  // current run and its start
       std::fill(run_P.begin(), run_P.end(), 0);
       auto value_at = [&](int64_t x, std::vector<int64_t>& out) {
@@ -181,11 +179,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> rank_sche
         }
         for (int64_t j = 0; j < G; ++j) out[j] = run_P[j] + (m < M && ((m >> j) & 1) ? x - lo : 0);
       };
-      value_at(keep, f_prev);
-      for (int64_t j = 0; j < G; ++j) copies_NGG[(a * G + o) * G + j] += f_prev[j];  // kept: arrives at o
-      int64_t end = keep;
+      std::fill(f_prev.begin(), f_prev.end(), 0);  // F(0)
+      int64_t end = 0;
       for (int64_t l = 0; l < G; ++l) {
-        if (l == o) continue;
         const int64_t moved = rel(a, s, o, l);
         if (!moved) continue;
         end += moved;
@@ -301,14 +297,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> rank_sche
   int64_t* arrive = pool_count + G * N;
   for (int64_t b = 0; b < N; ++b) {
     counts_N[b] = records[(s * N + b) * G + me];
-    keep_N[b] = rel(s, b, me, me);
-    // This owner's own line (any relay plan, not only the greedy fill): it keeps [0, keep) and
-    // hands the next rel(me, l) records to each GPU l in order, so its surplus starts at 0 and
-    // GPU l's part ends at the running sum of its relays to GPUs <= l.
+    // This owner's list (any relay plan, not only the greedy fill) is cut in GPU order: no kept
+    // prefix, the line starts at 0 and GPU l's part (l = me: the kept records) ends at the running
+    // sum of rel(me, l') over l' <= l (planner.routes.owner_egress_bounds).
+    keep_N[b] = 0;
     surplus_lo_N[b] = 0;
     int64_t handed = 0;
     for (int64_t l = 0; l < G; ++l) {
-      handed += l == me ? 0 : rel(s, b, me, l);
+      handed += rel(s, b, me, l);
       deficit_hi_NG[b * G + l] = handed;
     }
     wave_N[b] = wave[s * N + b];

@@ -278,8 +278,8 @@ def layout_counts(plan: PathPlan, view: RankView) -> np.ndarray:
     """
     g = plan.topology.gpus_per_node
     s, me = view.node, view.local
-    # This owner's egress intervals under the plan's relay counts (any relay plan): it keeps
-    # [0, keep) and hands the next relay[me, l] records to each GPU l in order.
+    # This owner's egress intervals under the plan's relay counts (any relay plan): its list is
+    # cut in GPU order, GPU l's part (l = me: what it keeps) after those of GPUs < l.
     keep_N, surplus_lo_N, hand_NL = owner_egress_bounds(plan.relay_NNGG[s], me)
     # Pool rows (kept, then owners o != me), each block by destination node: key node * G + owner.
     owners = [me] + [o for o in range(g) if o != me]

@@ -3,12 +3,15 @@
 Letters: N nodes, G GPUs per node, M = 2**G target masks, T tokens of one rank, V waves,
 n_rec records of one rank.
 
-Canonical record order on an owner GPU: by destination node, then target mask, then token. Owner
-g keeps the first ``keep = relay[g, g]`` records of each pair and hands the next ``relay[g, l]``
-records to each proxy l in GPU order, for any relay plan (RailBalance's greedy fill, FLOW's
-min-max plan). Because the order is a function of the mask histogram
-alone, every rank can compute how many copies each arriving rail delivers to each GPU (stage 3)
-from the gathered counts, without another exchange.
+Canonical record order on an owner GPU: by destination node, then target mask, then token. The
+owner's list for each pair is cut into parts in GPU order: egress l (the owner itself for l = g,
+what it keeps) takes the ``relay[g, l]`` records after those of GPUs < l, for any relay plan
+(RailBalance's greedy fill, FLOW's min-max plan). GPU order, not "kept part first": masks ascend
+with their highest target GPU, so the part of egress l holds the masks whose targets sit around
+GPU l, and a plan that knows the histogram can land records on a target's rail (``planner.flow``).
+Because the order is a function of the mask histogram alone, every rank can compute how many
+copies each arriving rail delivers to each GPU (stage 3) from the gathered counts, without another
+exchange.
 
 Delivery rounds: round 0 carries the local node's records (they need no rail, so their
 delivery runs while rail wave 0 is in flight); round v + 1 carries the records of remote wave v.
@@ -53,21 +56,19 @@ def owner_egress_bounds(
     """(keep_N, surplus_lo_N, deficit_hi_NG) int64 (numpy): ``ops.assign_egress``'s intervals
     of one owner GPU under any relay plan.
 
-    The owner keeps the first ``keep_N[d]`` records of each destination node d and hands the
-    next ``relay[d, owner, l]`` to each GPU l != owner in GPU order: on its own line, its surplus
-    starts at 0 (``surplus_lo_N`` zeros) and GPU l's part ends at ``deficit_hi_NG[d, l]``, the
-    running sum of its relays to GPUs <= l. For RailBalance's greedy fill this gives the same
-    egress as the pair-wide surplus / deficit lines of ``railbalance.surplus_deficit_bounds``.
+    The owner's list for destination node d is cut in GPU order: GPU l's part (l = owner: the
+    records it keeps) ends at ``deficit_hi_NG[d, l]``, the running sum of ``relay[d, owner, l']``
+    over l' <= l. On ``ops.assign_egress``'s line that is no separate kept prefix (``keep_N``
+    zeros) and a line starting at 0 (``surplus_lo_N`` zeros).
 
     Args:
         relay_DGL: [N_dst, G_owner, G_egress] int64, one source node's ``relay_NNGG``.
         owner: the owner GPU g.
     """
     relay = relay_DGL.numpy() if isinstance(relay_DGL, torch.Tensor) else relay_DGL
-    own_NL = relay[:, owner, :].astype(np.int64, copy=True)
-    keep_N = own_NL[:, owner].copy()
-    own_NL[:, owner] = 0
-    return keep_N, np.zeros_like(keep_N), np.cumsum(own_NL, axis=1)
+    own_NL = relay[:, owner, :].astype(np.int64)
+    zeros_N = np.zeros(own_NL.shape[0], dtype=np.int64)
+    return zeros_N, zeros_N.copy(), np.cumsum(own_NL, axis=1)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -119,37 +120,18 @@ def route_records(plan: PathPlan, rank: int, masks_TN: torch.Tensor) -> RecordRo
     start_N = counts_N.cumsum(0) - counts_N
     pos_R = torch.arange(node_R.numel(), dtype=torch.int64) - start_N[node_R]
 
-    keep_N, _, hand_NL = (torch.from_numpy(a) for a in owner_egress_bounds(plan.relay_NNGG[s], g))
-    keep_R = keep_N[node_R]
-    surplus_pos_R = (pos_R - keep_R).clamp(min=0)
-    # Proxy = first GPU whose part of the owner's handed-on line ends after the position. One
-    # search on a single sorted line: node d's ends are shifted by d * span (span > every end).
-    span = int(hand_NL[:, -1].max()) + 1
-    line = (hand_NL + torch.arange(n, dtype=torch.int64).unsqueeze(1) * span).flatten()
-    proxy_R = (
-        torch.searchsorted(line, surplus_pos_R + node_R * span, right=True)
-        - node_R * topo.gpus_per_node
+    _, _, ends_NL = (torch.from_numpy(a) for a in owner_egress_bounds(plan.relay_NNGG[s], g))
+    # Egress = first GPU whose part of the owner's list ends after the position. One search on a
+    # single sorted line: node d's ends are shifted by d * span (span > every end).
+    span = int(ends_NL[:, -1].max()) + 1 if ends_NL.numel() else 1
+    line = (ends_NL + torch.arange(n, dtype=torch.int64).unsqueeze(1) * span).flatten()
+    egress_R = (
+        torch.searchsorted(line, pos_R + node_R * span, right=True) - node_R * topo.gpus_per_node
     )
-    egress_R = torch.where(pos_R < keep_R, g, proxy_R)
     wave_R = plan.pair_wave_NN[s, node_R]
     return RecordRoutes(
         token_R=token_R, node_R=node_R, mask_R=mask_R, egress_R=egress_R, wave_R=wave_R
     )
-
-
-def _keep_and_moved(plan: PathPlan, dest_node: int) -> tuple[np.ndarray, np.ndarray]:
-    """(keep [N_src, G], moved [N_src, G_owner, G_egress]) int64 of the records into
-    ``dest_node``: what each owner keeps and what it relays to each other GPU (zero diagonal).
-
-    Host arithmetic on tiny arrays runs in numpy: a fraction of torch's per-call cost, and this
-    is on every layer's planning path.
-    """
-    relay_NGG = plan.relay_NNGG[:, dest_node].numpy()
-    keep = np.einsum("sgg->sg", relay_NGG)
-    g = relay_NGG.shape[-1]
-    moved = relay_NGG.copy()
-    moved[:, np.arange(g), np.arange(g)] = 0
-    return keep, moved
 
 
 @functools.lru_cache(maxsize=16)
@@ -172,12 +154,11 @@ def delivery_copies_NGG(plan: PathPlan, demand: DemandCounts, dest_node: int) ->
     hist = (
         demand.masks_into(dest_node).reshape(n, g, -1).numpy().astype(np.float64)
     )  # [s, owner, m]
-    # Owner g's sorted list: [0, keep) stays on g, then its surplus goes to the proxies in GPU
-    # order (the plan's relay counts), so the records for egress l end at keep + (moved to GPUs <=
-    # l).
-    keep, moved = _keep_and_moved(plan, dest_node)  # [s, g], [s, g, l]
+    # Owner g's sorted list is cut in GPU order (the plan's relay counts, its kept part in slot
+    # g), so the records for egress l end at the running sum of relay[g, l'] over l' <= l.
+    relay = plan.relay_NNGG[:, dest_node].numpy()  # [s, owner, egress l]
     ends = np.concatenate(
-        [keep[:, :, None], keep[:, :, None] + np.cumsum(moved, axis=-1)], axis=-1
+        [np.zeros(relay.shape[:2] + (1,), np.int64), np.cumsum(relay, axis=-1)], axis=-1
     )  # [s, g, G+1]
     # F(x)[j]: copies for target j among the first x records = sum over masks of the part of the
     # mask's run [c_lo, c_lo + hist) below x, times bit j. Float64 is exact here (counts << 2**53)
@@ -186,9 +167,7 @@ def delivery_copies_NGG(plan: PathPlan, demand: DemandCounts, dest_node: int) ->
     below = np.clip(ends[:, :, :, None].astype(np.float64) - c_lo[:, :, None, :], 0.0, None)
     below = np.minimum(below, hist[:, :, None, :])  # [s, g, G+1, m]
     f_NGPG = below @ _mask_bits_f64(g)  # [s, g, G+1, j]
-    copies = f_NGPG[:, :, 1:, :] - f_NGPG[:, :, :-1, :]  # [s, g, l, j], relays
-    eye = np.eye(g, dtype=bool)[None, :, :, None]
-    copies = np.where(eye, f_NGPG[:, :, :1, :], copies)  # kept part: F(keep) - F(0)
+    copies = f_NGPG[:, :, 1:, :] - f_NGPG[:, :, :-1, :]  # [s, g, l, j]
     return torch.from_numpy(np.rint(copies.sum(axis=1)).astype(np.int64))
 
 
@@ -207,11 +186,9 @@ def arrival_mask_counts_NGM(
     n, g = plan.topology.num_nodes, plan.topology.gpus_per_node
     l = arrive_gpu
     hist = demand.masks_into(dest_node).reshape(n, g, -1).numpy()  # [s, owner, m]
-    keep, moved = _keep_and_moved(plan, dest_node)  # [s, g], [s, g, l']
-    start = keep + moved[:, :, :l].sum(axis=-1)  # [s, g]
-    own = np.arange(g) == l
-    a = np.where(own, 0, start)
-    b = np.where(own, keep, start + moved[:, :, l])
+    relay = plan.relay_NNGG[:, dest_node].numpy()  # [s, owner, egress]
+    a = relay[:, :, :l].sum(axis=-1)  # [s, g]: start of egress l's part of owner g's list
+    b = a + relay[:, :, l]
     c_hi = np.cumsum(hist, axis=-1)
     c_lo = c_hi - hist
     out = np.minimum(b[:, :, None], c_hi) - np.maximum(a[:, :, None], c_lo)
