@@ -28,7 +28,6 @@ __all__ = [
     "target_masks",
     "local_demand",
     "mask_bits",
-    "mask_classes",
     "rail_load_NRN",
     "rail_imbalance",
     "receiver_concentration",
@@ -62,21 +61,6 @@ def mask_bits(gpus_per_node: int) -> torch.Tensor:
     """[M, G] int64: bit j of mask m (M = 2**G)."""
     m = torch.arange(1 << gpus_per_node, dtype=torch.int64)
     return (m.unsqueeze(1) >> torch.arange(gpus_per_node, dtype=torch.int64)) & 1
-
-
-MASK_CLASS_BITS = 2
-"""Top target bits that name a record's *mask class* (``mask_classes``)."""
-
-
-def mask_classes(gpus_per_node: int) -> int:
-    """K = 2**min(2, G): classes of target masks by their top min(2, G) bits (class k holds the
-    masks m with m >> (G - log2 K) == k). A rank's records to one node are sorted by mask, so its
-    classes lie one after another in that order; the count exchange carries copies per target GPU
-    per class (``DemandCounts.class_copies_WNKG``), at K times the bytes of copies per target
-    alone. The split by class was the retired offline path model's input; the min-max plans read
-    the sum over classes (``DemandCounts.copies_WNG``), so K = 1 would serve them as well (not
-    changed yet: the wire layout and its tests)."""
-    return 1 << min(MASK_CLASS_BITS, gpus_per_node)
 
 
 def _experts_per_rank(num_experts: int, world_size: int) -> int:
@@ -146,10 +130,9 @@ class DemandCounts:
         view_masks_WM: [W, M] int64. Records from rank w into ``view_node`` by target mask.
         view_experts_X: [E_loc] int64 or None. (token, expert) pairs every rank routes to the
             experts of the rank that holds this view (host tensor: Megatron's tokens_per_expert).
-        delivery_WNKG: [W, N, K, G] int64 or None. Node view only, when the count exchange
+        delivery_WNG: [W, N, G] int64 or None. Node view only, when the count exchange
             carried it (``gather_demand(..., delivery_counts=True)``, for the min-max plans):
-            (record, target GPU) copies from rank w to GPU j of node n among its records of mask
-            class k (``mask_classes``), for every rank and GPU.
+            (record, target GPU) copies from rank w to GPU j of node n, for every rank and GPU.
     """
 
     records_WNM: torch.Tensor | None = None
@@ -158,7 +141,7 @@ class DemandCounts:
     view_node: int | None = None
     view_masks_WM: torch.Tensor | None = None
     view_experts_X: torch.Tensor | None = None
-    delivery_WNKG: torch.Tensor | None = None
+    delivery_WNG: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.records_WN is None:
@@ -201,28 +184,19 @@ class DemandCounts:
             f"this demand holds the target masks of node {self.view_node} only, not of node {node}"
         )
 
-    def class_copies_WNKG(self) -> torch.Tensor:
-        """[W, N, K, G] int64: token copies from rank w delivered to GPU (n, j) among its records of
-        mask class k (``mask_classes``; full form, or a node view gathered with
-        ``delivery_WNKG``)."""
-        if self.delivery_WNKG is not None:
-            return self.delivery_WNKG
+    def copies_WNG(self) -> torch.Tensor:
+        """[W, N, G] int64: token copies from rank w delivered to GPU (n, j) (full form, or a node
+        view gathered with ``delivery_WNG``)."""
+        if self.delivery_WNG is not None:
+            return self.delivery_WNG
         if self.records_WNM is None:
             raise ValueError(
                 "the copies per target GPU need the full demand (records_WNM) or a node view "
                 "gathered "
                 "with delivery counts (exchange.layer.gather_demand(..., delivery_counts=True))"
             )
-        w, n, m = self.records_WNM.shape
-        g = w // n
-        k = mask_classes(g)
-        bits = mask_bits(g).to(self.records_WNM.dtype).view(k, m // k, g)
-        return torch.einsum("wnkm,kmj->wnkj", self.records_WNM.reshape(w, n, k, m // k), bits)
-
-    def copies_WNG(self) -> torch.Tensor:
-        """[W, N, G] int64: token copies from rank w delivered to GPU (n, j) (``class_copies_WNKG``
-        summed over the classes)."""
-        return self.class_copies_WNKG().sum(dim=2)
+        w, n, _ = self.records_WNM.shape
+        return self.records_WNM @ mask_bits(w // n).to(self.records_WNM.dtype)
 
     @staticmethod
     def from_routing_maps(routing_maps: list[torch.Tensor], topo: RailTopology) -> DemandCounts:

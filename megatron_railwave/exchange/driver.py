@@ -242,8 +242,8 @@ class Exchange:
         timing_word: int | None = None,
     ) -> LayerDemand:
         """The count exchange (``exchange.layer.gather_demand``); ``expert_loads`` adds the
-        global tokens per expert, ``delivery_counts`` every rank's copies per destination GPU and
-        mask class (the min-max plans' input); both the same on every rank. ``timing_word``: this
+        global tokens per expert, ``delivery_counts`` every rank's copies per destination GPU
+        (the min-max plans' input); both the same on every rank. ``timing_word``: this
         rank's timing word for the online selector, returned from every rank in ``timing_W``.
 
         Collective: yes (EP group). Host sync: yes (one, the counts).

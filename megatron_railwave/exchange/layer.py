@@ -9,8 +9,8 @@ Lifecycle (the same programs run over torch.distributed and in the virtual clust
      group carries every rank's records per node, token count and input status, plus the
      mask histogram and expert counts each receiver needs (the online selector's timing word
      rides in the status word, ``pack_status``; and, on request, E more for the
-     expert loads and W * K more for every rank's copies per destination GPU and mask class,
-     the min-max plans' input); then ONE device-to-host copy of what arrived. This is the
+     expert loads and W more for every rank's copies per destination GPU, the min-max plans'
+     input); then ONE device-to-host copy of what arrived. This is the
      layer's only host sync. Bad input anywhere raises the same ``InputError`` on every rank
      right here, before any data moves.
   2. ``prepare_layer`` (plain function, host + asynchronous device work): the plan is passed
@@ -65,7 +65,7 @@ from megatron_railwave.schedule import (
 )
 from megatron_railwave.schedule.wire import META_FIXED_WORDS, ROUTING_BITS_PER_WORD
 from megatron_railwave.topology import RailTopology
-from megatron_railwave.traffic import DemandCounts, mask_bits, mask_classes
+from megatron_railwave.traffic import DemandCounts, mask_bits
 
 __all__ = [
     "InputError",
@@ -296,12 +296,12 @@ def count_row_words(
 ) -> int:
     """int64 words of one row (one peer's part) of ``gather_demand``'s count message: N records per
     node, the token count, the status word, M mask counts, E_loc expert counts, and E expert loads
-    and W * K delivery counts on request. ``timing`` adds nothing (the status word carries it);
+    and W delivery counts on request. ``timing`` adds nothing (the status word carries it);
     it is an argument so that the bytes it adds are computed here, where the message is laid out."""
     n, g, w = topo.num_nodes, topo.gpus_per_node, topo.world_size
     words = n + 2 + (1 << g) + num_experts // w
     words += num_experts if expert_loads else 0
-    words += w * mask_classes(g) if delivery_counts else 0
+    words += w if delivery_counts else 0
     return words
 
 
@@ -322,10 +322,9 @@ def gather_demand(
             in the same all-to-all and the same host copy), for the layer's expert-load statistics.
             Must be the same on every rank.
         delivery_counts: also carry every rank's (record, target GPU) copies per destination GPU
-            and mask class (``traffic.mask_classes``: W * K more int64 per row, K = 4 from 2 GPUs
-            per node; same all-to-all and host copy) into ``DemandCounts.delivery_WNKG``, for the
-            min-max plans (FLOW / FLOW_WAVES, which read the sum over classes). Must be the same
-            on every rank.
+            (W more int64 per row; same all-to-all and host copy) into
+            ``DemandCounts.delivery_WNG``, for the min-max plans (FLOW / FLOW_WAVES). Must be the
+            same on every rank.
         timing_word: this rank's measured time of the layer's previous call for the online
             selector (``selector.online.encode_timing``: nanoseconds, or a code in
             [-255, 0]), the same to every peer; every rank gets all of them in ``timing_W``. It
@@ -339,7 +338,7 @@ def gather_demand(
     """
     topo = ctx.topo
     n, g, w = topo.num_nodes, topo.gpus_per_node, topo.world_size
-    m, e_loc, k = 1 << g, ctx.experts_per_rank, mask_classes(g)
+    m, e_loc = 1 << g, ctx.experts_per_rank
     device = routing_map.device
     code, message = input_status(ctx, hidden, probs, routing_map)
     width = n + 2 + m + e_loc
@@ -366,12 +365,11 @@ def gather_demand(
         send[:, n + 2 + m : width] = per_expert.view(w, e_loc)
         if expert_loads:
             send[:, width:loads_end] = per_expert
-        if delivery_counts:  # copies per destination GPU and mask class: a record counts once per
-            # target bit, in its mask's class (a class is a contiguous range of masks).
+        if delivery_counts:  # copies per destination GPU: a record counts once per target bit.
             # Elementwise product and sum, not a matmul: CUDA has no int64 matmul.
-            bits_KMG = mask_bits(g).to(device).view(1, k, m // k, g)
+            bits_MG = mask_bits(g).to(device).view(1, m, g)
             send[:, loads_end:delivery_end] = (
-                (counts_NM.view(n, k, m // k, 1) * bits_KMG).sum(dim=2).reshape(1, w * k)
+                (counts_NM.view(n, m, 1) * bits_MG).sum(dim=1).reshape(1, w)
             )
     else:
         token_C = node_C = mask_C = torch.zeros(0, dtype=torch.int64, device=device)
@@ -409,7 +407,7 @@ def gather_demand(
         view_node=ctx.groups.node_index,
         view_masks_WM=counts[:, n + 2 : n + 2 + m],
         view_experts_X=counts[:, n + 2 + m : width].sum(dim=0),
-        delivery_WNKG=counts[:, loads_end:delivery_end].reshape(w, n, k, g)
+        delivery_WNG=counts[:, loads_end:delivery_end].reshape(w, n, g)
         if delivery_counts
         else None,
     )

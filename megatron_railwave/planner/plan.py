@@ -222,7 +222,7 @@ def delivery_copies_NNGG(
     n = records_NNG.shape[0]
     copies_WNG = None
     if isinstance(demand, DemandCounts):
-        if demand.records_WNM is not None or demand.delivery_WNKG is not None:
+        if demand.records_WNM is not None or demand.delivery_WNG is not None:
             copies_WNG = demand.copies_WNG().to(torch.int64).cpu()
     elif hasattr(demand, "masks_into"):  # a mask source of every node (lab: SparseDemand)
         bits = mask_bits(g).to(torch.int64)
