@@ -78,6 +78,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     _args.add_flag(parser, "--chunks", 1, help="rail chunks per wave of PERM / JOINT")
     parser.add_argument(
+        "--streamed",
+        action="store_true",
+        help="every path's relay streamed into its rail phases (the config's streamed: true)",
+    )
+    parser.add_argument(
+        "--candidates",
+        default=None,
+        metavar="P,P",
+        help="the online selector's candidate paths (the config's online.candidates; joint "
+        "required) (default the config's default: joint,rail,perm,native)",
+    )
+    parser.add_argument(
         "--base-from",
         default=None,
         metavar="JSON",
@@ -102,6 +114,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from megatron_railwave.config import OnlineSettings
     from megatron_railwave.lab.bench.online_sim import (
         PATHS,
         base_from_json,
@@ -116,6 +129,11 @@ def run(args: argparse.Namespace) -> int:
 
     if args.tokens < 1 or args.steps < 1 or args.routing_every < 1:
         raise ValueError("--tokens, --steps and --routing-every must be >= 1")
+    settings = (
+        OnlineSettings(candidates=tuple(p for p in args.candidates.split(",") if p.strip()))
+        if args.candidates is not None
+        else OnlineSettings()
+    )
     topo = _common.cluster_from_args(args)
     model_files = [m for m in args.model.split(",") if m.strip()]
     models = [_common.load_model(m) for m in model_files]
@@ -129,7 +147,17 @@ def run(args: argparse.Namespace) -> int:
     if args.base_from:
         import json
 
-        earlier = json.loads(open(args.base_from).read())["models"]
+        earlier_run = json.loads(open(args.base_from).read())
+        earlier = earlier_run["models"]
+        was = earlier_run.get("settings", {})
+        plan_was = (was.get("chunks", 1), was.get("streamed", False))
+        if plan_was != (args.chunks, args.streamed):
+            raise ValueError(
+                f"--base-from {args.base_from}: its times were planned with chunks={plan_was[0]}, "
+                f"streamed={plan_was[1]}; this run asks for chunks={args.chunks}, "
+                f"streamed={args.streamed}. Pass the same --chunks / --streamed, or drop "
+                "--base-from"
+            )
         missing = [m for m in model_files if m not in earlier]
         if missing:
             raise ValueError(
@@ -146,7 +174,7 @@ def run(args: argparse.Namespace) -> int:
             workload_seed=args.workload_seed,
             layers=tuple(args.layers) if args.layers else None,
             record_bytes=record_bytes,
-            options=PlanOptions(chunks=args.chunks),
+            options=PlanOptions(chunks=args.chunks, streamed=args.streamed),
             progress=True,
         )
     out_models: dict[str, Any] = {}
@@ -161,6 +189,7 @@ def run(args: argparse.Namespace) -> int:
                 routing_every=args.routing_every,
                 seed=seed,
                 noise=args.noise,
+                settings=settings,
                 scales=scales,
             )
             _print_run(model_file, seed, result["summary"], topo.world_size, args.decision_cost)
@@ -185,6 +214,8 @@ def run(args: argparse.Namespace) -> int:
                     "seeds": args.seed,
                     "noise": args.noise,
                     "chunks": args.chunks,
+                    "streamed": args.streamed,
+                    "candidates": list(settings.candidates),
                     "base_wall_s": bases[0].wall_s,
                 },
                 "models": out_models,

@@ -93,6 +93,8 @@ EXPECTED_FLAGS = {
         "--routing-every",
         "--seed",
         "--noise",
+        "--streamed",
+        "--candidates",
         "--chunks",
         "--learned",
         "--base-from",
@@ -915,3 +917,46 @@ def test_online_sim_small_run_json_and_learned_report(tmp_path, capsys):
     for entry in report["entries"]:
         assert (entry["layer"], entry["pass_kind"]) == (5, "train")
         assert entry["median_s"][entry["best"]] == min(entry["median_s"].values())
+
+
+def test_online_sim_candidates_reach_the_selector_and_base_from_checks_the_plan_options(
+    tmp_path, capsys
+):
+    """--candidates is the selector's candidate list (it picks nothing else, and the JSON says
+    which); --base-from refuses times planned with other --streamed / --chunks."""
+    out = tmp_path / "os.json"
+    argv = [
+        "online-sim",
+        "--cluster",
+        H800,
+        "--nodes",
+        "2",
+        "--model",
+        "megatron_railwave/configs/netmodel/h800_4x8.yaml",
+        "--layers",
+        "5",
+        "--tokens",
+        "256",
+        "--steps",
+        "12",
+        "--routing-every",
+        "12",
+        "--candidates",
+        "joint,native",
+        "--json",
+        str(out),
+    ]
+    assert main(argv) == 0
+    data = json.loads(out.read_text())
+    assert data["settings"]["candidates"] == ["joint", "native"]
+    assert data["settings"]["streamed"] is False
+    (run,) = data["models"]["megatron_railwave/configs/netmodel/h800_4x8.yaml"]["runs"].values()
+    (layer,) = run["layers"]
+    assert set(layer["path_per_step"]) == {"joint", "native"}
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        main([*argv, "--base-from", str(out), "--streamed"])
+    assert "planned with chunks=1, streamed=False; this run asks for" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main([*argv[:-4], "--candidates", "rail,native"])
+    assert "must include joint" in capsys.readouterr().err
