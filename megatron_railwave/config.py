@@ -13,8 +13,10 @@ from megatron_railwave import presets
 from megatron_railwave.names import (
     BACKEND_NAMES,
     BackendName,
+    Candidate,
     Route,
     RouteChoice,
+    parse_candidate,
     parse_route,
     route_list,
 )
@@ -122,9 +124,14 @@ class OnlineSettings:
     candidates: tuple[str, ...] = tuple(
         str(r) for r in (Route.JOINT, Route.RAIL, Route.PERM, Route.NATIVE)
     )
-    """Paths tried (NATIVE among them unless the user removes it). FLOW and FLOW_WAVES, the
-    min-max routes, are allowed (``selector.online.ALL_PATHS``) but not yet in the default: add
-    them here once the evaluation runs of issue 43 back it."""
+    """Paths tried (NATIVE among them unless the user removes it): route names, or a route with
+    its relay streamed into its rail phases ('joint+streamed', ``names.parse_candidate``; torch
+    backend, normal mode). FLOW and FLOW_WAVES, the min-max routes, are allowed but not in the
+    default: in ``railwave online-sim --steps 200`` they bought 0.01% of exchange time and cost
+    3 s of probe planning (1.0227x the per-epoch oracle against 1.0147x without them;
+    docs/selector.md). Streamed variants are not in the default either: the flow model predicts
+    them 1.08-1.24x faster at token skew >= 0.5, the 4 x 4 testbed measured them 0.5-3% slower,
+    and no GPU run has decided it (not yet run on hardware)."""
     capacity_sync_every: int = 4
     """Fixed-capacity mode only (``max_tokens_per_rank``): a layer's calls of one pass kind run
     in epochs of this many calls, one path per epoch; the epoch's first call is timed and the
@@ -175,10 +182,10 @@ class OnlineSettings:
                 f"online.candidates={raw!r} must be a non-empty list of paths ({route_list()})"
             )
         try:
-            paths = tuple(dict.fromkeys(str(parse_route(p)) for p in raw))
+            paths = tuple(dict.fromkeys(str(parse_candidate(p)) for p in raw))
         except ValueError as exc:
             raise ValueError(f"online.candidates: {exc}") from None
-        if Route.JOINT not in paths:
+        if str(Candidate(Route.JOINT)) not in paths:
             raise ValueError(
                 f"online.candidates={list(raw)} must include joint (the fallback on bad timings)"
             )
@@ -413,9 +420,31 @@ class RailWaveConfig:
             )
         self._check_backend()
 
+    @property
+    def streamed_candidates(self) -> tuple[str, ...]:
+        """The online selector's candidates that stream their relay (``path: auto`` only)."""
+        if self.path != "auto" or self.online is None:
+            return ()
+        return tuple(c for c in self.online.candidates if parse_candidate(c).streamed)
+
     def _check_backend(self) -> None:
         if self.backend not in BACKEND_NAMES:
             raise ValueError(f"backend={self.backend!r} must be 'torch', 'deepep' or 'auto'")
+        streamed = self.streamed_candidates
+        if streamed and self.backend == "deepep":
+            raise ValueError(
+                f"online.candidates {list(streamed)} stream the relay into the rail phases, which "
+                "runs on the torch backend only (DeepEP moves the rail and delivery stages in one "
+                "call after the whole relay). Set backend: torch (or auto), or drop the "
+                "+streamed candidates"
+            )
+        if streamed and self.max_tokens_per_rank is not None:
+            raise ValueError(
+                f"online.candidates {list(streamed)}: fixed-capacity mode (max_tokens_per_rank="
+                f"{self.max_tokens_per_rank}) plans each path once for every call, not per "
+                "candidate; set streamed: true to stream every path's relay there, or drop the "
+                "+streamed candidates"
+            )
         if self.max_tokens_per_rank is not None:
             if not _is_int(self.max_tokens_per_rank) or self.max_tokens_per_rank < 1:
                 raise ValueError(

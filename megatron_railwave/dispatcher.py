@@ -282,6 +282,7 @@ class RailWaveTokenDispatcher(MoETokenDispatcher):
             options=options,
             timeout_s=self.railwave.timeout_s,
             max_tokens_per_rank=self.railwave.max_tokens_per_rank,
+            streamed_candidates=bool(self.railwave.streamed_candidates),
         )
         self._columns: dict[torch.device, torch.Tensor] = {}
         self._train_forwards = 0

@@ -10,13 +10,16 @@ that ``pathlib.Path`` keeps its name everywhere.
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Literal, get_args
+from typing import Literal, NamedTuple, get_args
 
 __all__ = [
     "AUTO",
     "Backend",
     "BackendName",
     "BACKEND_NAMES",
+    "Candidate",
+    "STREAMED_SUFFIX",
+    "parse_candidate",
     "Route",
     "RouteChoice",
     "ROUTES",
@@ -113,6 +116,38 @@ def parse_route(name: str | Route) -> Route:
             "allowed)"
         )
     return _ROUTE_ALIASES[key]
+
+
+STREAMED_SUFFIX = "+streamed"
+"""A candidate's name suffix for its streamed relay ('joint+streamed')."""
+
+
+class Candidate(NamedTuple):
+    """What the online selector may run on a layer call: a route, with its relay streamed into
+    its rail phases or not (``PlanOptions.streamed``). Named ``route`` or ``route+streamed``."""
+
+    route: Route
+    streamed: bool = False
+
+    def __str__(self) -> str:
+        return str(self.route) + (STREAMED_SUFFIX if self.streamed else "")
+
+
+def parse_candidate(name: str | Route | Candidate) -> Candidate:
+    """The candidate of a name ('joint', 'joint+streamed'; route names as ``parse_route``). A
+    streamed variant plans as its route where no record is relayed (NATIVE and PERM relay only
+    around a failed rail).
+
+    Raises:
+        ValueError: an unknown route (the message lists the known ones).
+    """
+    if isinstance(name, Candidate):
+        return name
+    if isinstance(name, Route):
+        return Candidate(name)
+    key = str(name).strip().lower()
+    streamed = key.endswith(STREAMED_SUFFIX)
+    return Candidate(parse_route(key[: -len(STREAMED_SUFFIX)] if streamed else key), streamed)
 
 
 class Backend(StrEnum):

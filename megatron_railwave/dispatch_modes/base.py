@@ -63,7 +63,7 @@ def plans_min_max(selector: PathSelector | OnlineSelector, path: Route | str | N
     if isinstance(selector, FixedSelector):
         return selector.path.min_max
     if isinstance(selector, OnlineSelector):
-        return any(p.min_max for p in selector.candidates)
+        return any(p.route.min_max for p in selector.candidates)
     return False
 
 

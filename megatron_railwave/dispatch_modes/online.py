@@ -88,7 +88,12 @@ class OnlineMode(DispatchMode):
             decision = selector.decide(str(call.kind), descr)
         if not recompute:  # a recompute is not timed (module docstring)
             state.exchange_timers.append(Stopwatch(hidden_states.device))
-        plan = exchange.plan(layer, decision.path, phase=call.phase)
+        # A '+streamed' candidate streams its relay; the others plan as the config says
+        # (``streamed``). A recompute replays the forward's route only: every candidate gives
+        # the same results bit for bit, and a recompute is not timed.
+        plan = exchange.plan(
+            layer, decision.path, phase=call.phase, streamed=True if decision.streamed else None
+        )
         handle = exchange.prepare(layer, plan, hidden_states, inputs.probs)
         out = move(
             inputs,

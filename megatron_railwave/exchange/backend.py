@@ -97,8 +97,13 @@ def build_exchange(
     options: PlanOptions | None = None,
     timeout_s: float | None = None,
     max_tokens_per_rank: int | None = None,
+    streamed_candidates: bool = False,
 ) -> Exchange:
     """The exchange of one MoE layer's EP group (see module docstring).
+
+    ``streamed_candidates``: some layer calls may plan a streamed relay (``Exchange.plan``'s
+    ``streamed``: the online selector's '+streamed' candidates), which DeepEP cannot run: 'auto'
+    takes the torch backend, 'deepep' is refused.
 
     ``deepep_api``: for backend 'deepep', the ``deep_ep`` implementation to run on (a testing
     hook: ``testing.deepep_fake.fake_deepep_api``); None = ``deepep_api.deep_ep_for_backend``
@@ -123,7 +128,7 @@ def build_exchange(
             element_bytes=torch.empty(0, dtype=hidden_dtype).element_size(),
         )
     common = dict(num_experts=num_experts, options=options, timeout_s=timeout_s)
-    torch_only = _torch_only_mode(options, max_tokens_per_rank)
+    torch_only = _torch_only_mode(options, max_tokens_per_rank, streamed_candidates)
     if backend == "torch" or (backend == "auto" and torch_only):
         return TorchDistExchange(topo, groups, max_tokens_per_rank=max_tokens_per_rank, **common)
     shape = dict(
@@ -151,7 +156,9 @@ def build_exchange(
     )
 
 
-def _torch_only_mode(options: PlanOptions | None, max_tokens_per_rank: int | None) -> str:
+def _torch_only_mode(
+    options: PlanOptions | None, max_tokens_per_rank: int | None, streamed_candidates: bool = False
+) -> str:
     """Why this layer's mode runs on the torch backend only ('' when DeepEP could run it), as the
     error of backend 'deepep'; 'auto' takes the torch backend for it without asking DeepEP."""
     if max_tokens_per_rank is not None:
@@ -163,6 +170,11 @@ def _torch_only_mode(options: PlanOptions | None, max_tokens_per_rank: int | Non
         return (
             f"chunks={options.chunks} (rail chunks per wave) runs on the torch backend only; "
             "DeepEP dispatches whole waves. Set backend: torch (or auto), or chunks: 1 for DeepEP"
+        )
+    if streamed_candidates:
+        return (
+            "the online selector's '+streamed' candidates stream the relay into the rail phases, "
+            "which runs on the torch backend only; set backend: torch (or auto), or drop them"
         )
     if options is not None and options.streamed:
         return (

@@ -19,7 +19,7 @@ The backends' public faces are ``TorchDistExchange`` (exchange/torch_dist.py) an
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -265,10 +265,22 @@ class Exchange:
         )
 
     # ------------------------------------------------------------------ step 2: plan
-    def plan(self, demand: LayerDemand | DemandCounts, path: str, *, phase: int = 0) -> PathPlan:
-        """The global plan (pure; identical on every rank). Host sync: no."""
+    def plan(
+        self,
+        demand: LayerDemand | DemandCounts,
+        path: str,
+        *,
+        phase: int = 0,
+        streamed: bool | None = None,
+    ) -> PathPlan:
+        """The global plan (pure; identical on every rank). ``streamed``: stream the relay into
+        the rail phases for this call (the online selector's '+streamed' candidates; torch
+        backend), None = the exchange's options. Host sync: no."""
         counts = demand.demand if isinstance(demand, LayerDemand) else demand
-        return build_plan(counts, self.topo, path, options=self.options, phase=phase)
+        options = self.options
+        if streamed is not None and streamed != options.streamed:
+            options = replace(options, streamed=streamed)
+        return build_plan(counts, self.topo, path, options=options, phase=phase)
 
     def prepare(
         self, layer: LayerDemand, plan: PathPlan, hidden: torch.Tensor, probs: torch.Tensor

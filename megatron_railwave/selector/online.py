@@ -66,7 +66,7 @@ import torch
 
 from megatron_railwave import ops
 from megatron_railwave.config import OnlineSettings
-from megatron_railwave.names import Route
+from megatron_railwave.names import Candidate, Route
 from megatron_railwave.topology import RailTopology
 from megatron_railwave.traffic import SelectorScales, TrafficStats
 
@@ -91,16 +91,14 @@ __all__ = [
     "TIMING_MAX_NS",
 ]
 
-ALL_PATHS: tuple[Route, ...] = (
-    Route.JOINT,
-    Route.RAIL,
-    Route.PERM,
-    Route.NATIVE,
-    Route.FLOW,
-    Route.FLOW_WAVES,
+_ROUTE_ORDER = (Route.JOINT, Route.RAIL, Route.PERM, Route.NATIVE, Route.FLOW, Route.FLOW_WAVES)
+ALL_PATHS: tuple[Candidate, ...] = tuple(Candidate(r) for r in _ROUTE_ORDER) + tuple(
+    Candidate(r, streamed=True) for r in _ROUTE_ORDER
 )
-"""Candidates in tie-break order (JOINT first: the fallback wins ties; the min-max routes last, so
-the paper's paths keep their order)."""
+"""Candidates in tie-break order (JOINT first: the fallback wins ties; the min-max routes after
+the paper's paths, so those keep their order; the streamed variants last)."""
+_JOINT = Candidate(Route.JOINT)
+"""The fallback (and the reference every other layer's ratios are taken against)."""
 
 TIMING_NONE = 0
 """No measurement to report (the layer's first call): the same on every rank."""
@@ -421,12 +419,12 @@ class _Neighbourhood:
     index: int
     centre: tuple[float, float, float]
     stats: TrafficStats
-    order: tuple[Route, ...]
+    order: tuple[Candidate, ...]
     """Probe order (the nearest measured neighbourhood's best first)."""
-    times: dict[Route, _Times]
-    deferred: set[Route] = field(default_factory=set)
+    times: dict[Candidate, _Times]
+    deferred: set[Candidate] = field(default_factory=set)
     """Candidates not probed now (dropped early, or put behind by the seed): re-probes only."""
-    seed_excess: dict[Route, float] = field(default_factory=dict)
+    seed_excess: dict[Candidate, float] = field(default_factory=dict)
     """Deferred candidates' excess over the best (ratio - 1) as the seed measured it, until this
     neighbourhood times them itself (their re-probe wait)."""
     exploits: int = 0
@@ -435,7 +433,7 @@ class _Neighbourhood:
     """Calls this neighbourhood waited for other layers' probes (at most ``_MAX_WAITS``)."""
     probing_done: bool = False
     """Every candidate has its probes or waits for re-probes (counts only grow: stays done)."""
-    probed_at: dict[Route, int] = field(default_factory=dict)
+    probed_at: dict[Candidate, int] = field(default_factory=dict)
     """Exploit count when each candidate was last chosen to probe (its re-probe wait starts
     there)."""
     last_used: int = 0
@@ -443,7 +441,7 @@ class _Neighbourhood:
     shared_seq: int = 0
     """Order of creation among the neighbourhoods of ``SharedNeighbourhoods`` (its ties)."""
 
-    def best(self) -> Route | None:
+    def best(self) -> Candidate | None:
         best, best_t = None, math.inf
         for p in self.order:
             t = self.times[p]
@@ -467,6 +465,13 @@ class OnlineDecision:
     kind: str
     neighbourhood: int = -1
     call: int = 0
+    streamed: bool = False
+    """The relay streamed into the rail phases (a '+streamed' candidate; ``PlanOptions``)."""
+
+    @property
+    def candidate(self) -> Candidate:
+        """What ran: the route and whether its relay streamed (the key its time is filed under)."""
+        return Candidate(self.path, self.streamed)
 
 
 _LIVE: weakref.WeakSet[OnlineSelector] = weakref.WeakSet()
@@ -479,10 +484,10 @@ class SharedNeighbourhoods:
 
     def __init__(self) -> None:
         self.tables: dict[str, list[_Neighbourhood]] = {}
-        self.pending: dict[tuple[str, Route], int] = {}
+        self.pending: dict[tuple[str, Candidate], int] = {}
         """Probes decided whose times have not come back yet, per (pass kind, path)."""
         self.timed: dict[
-            tuple[str, Route], list[tuple[float, float, float, int, _Neighbourhood]]
+            tuple[str, Candidate], list[tuple[float, float, float, int, _Neighbourhood]]
         ] = {}
         """The neighbourhoods in ``tables`` that timed each (pass kind, path), as (centre,
         creation order, neighbourhood): what ``ratio`` scans, instead of every neighbourhood of
@@ -490,7 +495,11 @@ class SharedNeighbourhoods:
         self._created = 0
 
     def ratio(
-        self, kind: str, centre: tuple[float, float, float], path: Route, exclude: _Neighbourhood
+        self,
+        kind: str,
+        centre: tuple[float, float, float],
+        path: Candidate,
+        exclude: _Neighbourhood,
     ) -> float | None:
         """``path``'s median over the best other path's in the nearest other neighbourhood that
         timed both (None: none did)."""
@@ -524,7 +533,7 @@ class SharedNeighbourhoods:
                 if t.recent:
                     self.timed[(kind, p)] = [e for e in self.timed[(kind, p)] if e[4] is not nb]
 
-    def first_time(self, kind: str, nb: _Neighbourhood, path: Route) -> None:
+    def first_time(self, kind: str, nb: _Neighbourhood, path: Candidate) -> None:
         """``nb`` (added here, not removed) has just timed ``path`` for the first time."""
         self.timed.setdefault((kind, path), []).append((*nb.centre, nb.shared_seq, nb))
 
@@ -571,7 +580,7 @@ class OnlineSelector:
         self.scales = scales
         self.layer = layer
         self.shared = shared if self.settings.share else None
-        self.candidates: tuple[Route, ...] = tuple(
+        self.candidates: tuple[Candidate, ...] = tuple(
             p for p in ALL_PATHS if str(p) in self.settings.candidates
         )
         self._log_ratio = math.log2(self.settings.payload_ratio) + 1e-12
@@ -624,7 +633,7 @@ class OnlineSelector:
             nb = None
         self.last_seconds, self.last_problem = seconds, problem
         if last is not None and last.mode in ("probe", "reprobe") and self.shared is not None:
-            key = (last.kind, last.path)
+            key = (last.kind, last.candidate)
             self.shared.pending[key] = max(self.shared.pending.get(key, 0) - 1, 0)
         if last is None or self.fallback_reason is not None:
             return None
@@ -650,10 +659,10 @@ class OnlineSelector:
             )
             if nb is None:  # forgotten since (``max_neighbourhoods``)
                 return None
-        times = nb.times[last.path]
+        times = nb.times[last.candidate]
         times.add(seconds, last.call)
         if times.count == 1 and self.shared is not None:
-            self.shared.first_time(last.kind, nb, last.path)
+            self.shared.first_time(last.kind, nb, last.candidate)
         return None
 
     # ------------------------------------------------------------------ decisions
@@ -680,11 +689,17 @@ class OnlineSelector:
         else:
             nb = self._neighbourhood(kind, stats, call)
             self._last_nb = nb
-            path, mode = self._choose(nb, kind)
+            chosen, mode = self._choose(nb, kind)
             if mode in ("probe", "reprobe") and self.shared is not None:
-                self.shared.pending[(kind, path)] = self.shared.pending.get((kind, path), 0) + 1
+                key = (kind, chosen)
+                self.shared.pending[key] = self.shared.pending.get(key, 0) + 1
             decision = OnlineDecision(
-                path=path, mode=mode, kind=kind, neighbourhood=nb.index, call=call
+                path=chosen.route,
+                streamed=chosen.streamed,
+                mode=mode,
+                kind=kind,
+                neighbourhood=nb.index,
+                call=call,
             )
         self._last = decision if decision.mode != "idle" else None
         return decision
@@ -736,7 +751,7 @@ class OnlineSelector:
         elif self.shared is not None:
             near = self.shared.nearest(kind, x, y, z)
             seeded = "another layer"
-        excess: dict[Route, float] = {}
+        excess: dict[Candidate, float] = {}
         if near is not None:
             medians = {p: t.median() for p, t in near.times.items() if t.recent}
             order, deferred, excess = self._seeded_order(medians)
@@ -761,8 +776,8 @@ class OnlineSelector:
         return nb
 
     def _seeded_order(
-        self, medians: dict[Route, float]
-    ) -> tuple[tuple[Route, ...], set[Route], dict[Route, float]]:
+        self, medians: dict[Candidate, float]
+    ) -> tuple[tuple[Candidate, ...], set[Candidate], dict[Candidate, float]]:
         """Probe order by known medians (fastest first, unknown last), the candidates put behind
         by ``drop_ratio`` (probed only at re-probes) and their excess over the best."""
         ranked = sorted(
@@ -774,11 +789,11 @@ class OnlineSelector:
         }
         return tuple(ranked), deferred, {p: medians[p] / best - 1.0 for p in deferred}
 
-    def _choose(self, nb: _Neighbourhood, kind: str) -> tuple[Route, str]:
+    def _choose(self, nb: _Neighbourhood, kind: str) -> tuple[Candidate, str]:
         s = self.settings
         waiting = False
         ratios: dict[
-            Route, float | None
+            Candidate, float | None
         ] = {}  # the other layers' ratio of each path, once per call
         for round_ in range(0 if nb.probing_done else s.probes):
             for p in nb.order:
@@ -800,7 +815,7 @@ class OnlineSelector:
                         nb.seed_excess[p] = ratio - 1.0
                         continue
                     if (
-                        p != Route.JOINT
+                        p != _JOINT
                         and self.shared.pending.get((kind, p), 0) > 0
                         and nb.waits < _MAX_WAITS
                     ):
@@ -817,11 +832,11 @@ class OnlineSelector:
             waiting
         ):  # the best timed path so far (JOINT before any), until the other layers' times arrive
             nb.waits += 1
-            return nb.best() or Route.JOINT, "wait"
+            return nb.best() or _JOINT, "wait"
         nb.probing_done = True
         best = nb.best()
         if best is None:  # every candidate deferred without times (cannot happen with JOINT kept)
-            return Route.JOINT, "probe"
+            return _JOINT, "probe"
         nb.exploits += 1
         challenger = self._challenger(nb, best)
         if challenger is not None:
@@ -830,7 +845,7 @@ class OnlineSelector:
             return challenger, "reprobe"
         return best, "exploit"
 
-    def _challenger(self, nb: _Neighbourhood, best: Route) -> Route | None:
+    def _challenger(self, nb: _Neighbourhood, best: Candidate) -> Candidate | None:
         """The stalest candidate whose wait has paid for a re-probe (module docstring), or None."""
         s = self.settings
         best_t = nb.times[best].median()
@@ -858,7 +873,9 @@ class OnlineSelector:
         medians: dict[str, float | None] = {}
         table = self._tables.get(decision.kind, [])
         nb = next((n for n in table if n.index == decision.neighbourhood), None)
-        for p in ALL_PATHS:
+        for p in ALL_PATHS:  # every route (the logs' columns), and this layer's streamed candidates
+            if p.streamed and p not in self.candidates:
+                continue
             t = nb.times.get(p) if nb is not None else None
             medians[str(p)] = t.median() * 1e3 if t is not None and t.recent else None
         return {
@@ -869,7 +886,7 @@ class OnlineSelector:
             "bad_timings": self.bad_total,
         }
 
-    def learned(self) -> list[tuple[str, _Neighbourhood, Route, dict[Route, float]]]:
+    def learned(self) -> list[tuple[str, _Neighbourhood, Candidate, dict[Candidate, float]]]:
         """What this layer measured: (pass kind, neighbourhood, best path, median seconds per
         timed path) for every neighbourhood that timed a path, by pass kind, then index."""
         out = []

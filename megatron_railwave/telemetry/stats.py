@@ -91,6 +91,8 @@ class LayerCommStats:
     rail_chunks: int = 1
     """Rail chunks per wave of the executed plan (``PathPlan.chunks``): num_waves x rail_chunks rail
     phases ran."""
+    streamed: bool = False
+    """The executed plan streamed its relay into the rail phases (``PathPlan.streamed``)."""
     tokens_per_expert_min: int = 0
     tokens_per_expert_max: int = 0
     tokens_per_expert_std: float = 0.0
@@ -220,6 +222,7 @@ def layer_comm_stats(
         peak_fanin=plan.schedule.max_fanin(),
         plan_ms=plan_ms,
         rail_chunks=plan.chunks,
+        streamed=plan.streamed,
     )
 
 

@@ -161,6 +161,7 @@ def _logged_decisions(log_dir) -> tuple[list[dict], list[list[tuple]]]:
                 rec["selector_mode"],
                 rec["selector_neighbourhood"],
                 rec["last_exchange_ms"] is None,
+                rec["streamed"],
                 tuple(sorted((k, v is None) for k, v in rec["measured_ms"].items())),
             )
         )
@@ -209,28 +210,38 @@ def test_moe_layer_online_selector_matches_alltoall_and_ranks_agree(tmp_path):
     """selector: online over 10 training steps and a forward-only pass: the same outputs and
     gradients as alltoall (1e-5) and bitwise the same as a fixed path on every call, whichever
     path the selector probes or exploits; every rank logs the same decisions although each
-    rank's clock is skewed by its own factor (tests.helpers.online_worker)."""
+    rank's clock is skewed by its own factor (tests.helpers.online_worker). Two rail chunks and
+    a 'joint+streamed' candidate: its calls run a streamed relay (logged ``streamed``)."""
+    import functools
+
     from tests.helpers.online_worker import run_layer_online
 
     steps = 10
     kw = dict(num_experts=8, topk=3, hidden=16, ffn_hidden=8, seq_len=6, micro_batch=2, seed=5)
-    results = run_distributed(
-        run_layer_online, 4, kw, steps, str(tmp_path), "native", timeout_s=600
-    )
+    online = {
+        "probes": 1,
+        "reprobe_every": 2,
+        "reprobe_budget": 1.0,
+        "candidates": ["joint", "rail", "perm", "native", "joint+streamed"],
+    }
+    worker = functools.partial(run_layer_online, mode={"chunks": 2}, online=online)
+    results = run_distributed(worker, 4, kw, steps, str(tmp_path), "native", timeout_s=600)
     _assert_online_outputs(results, steps)
     records, decisions = _logged_decisions(tmp_path)
     train = [d for d in decisions[0] if d[1] == "train"]
     assert len(train) == steps
     modes = [d[3] for d in train]
-    # probes=1: each of the four paths once, then the fastest measured; every 2nd exploit call
-    # may re-probe (reprobe_budget 1.0 pays for any path within 2x).
-    assert modes[:4] == ["probe"] * 4 and sorted(d[2] for d in train[:4]) == [
-        "joint",
-        "native",
-        "perm",
-        "rail",
+    # probes=1: each of the five candidates once, then the fastest measured; every 2nd exploit
+    # call may re-probe (reprobe_budget 1.0 pays for any path within 2x).
+    assert modes[:5] == ["probe"] * 5 and sorted((d[2], d[6]) for d in train[:5]) == [
+        ("joint", False),
+        ("joint", True),
+        ("native", False),
+        ("perm", False),
+        ("rail", False),
     ]
-    assert "exploit" in modes[4:]
+    assert "exploit" in modes[5:]
+    assert any(k == "joint+streamed" for k, _ in train[0][7])  # its median is logged
     assert [d[1] for d in decisions[0]].count("forward_only") == 1
     _assert_slowest_times_shared(records)
     tracker = results[0]["tracker"]

@@ -36,7 +36,7 @@ import torch
 
 from megatron_railwave.config import OnlineSettings
 from megatron_railwave.exchange.layer import TimingWords, count_row_words, pack_status
-from megatron_railwave.names import ROUTES, Route
+from megatron_railwave.names import ROUTES, Route, parse_candidate
 from megatron_railwave.planner import PlanOptions, build_plan
 from megatron_railwave.selector.learned import learned_paths
 from megatron_railwave.selector.online import (
@@ -208,6 +208,12 @@ def simulate_online(
     )
     scales = scales or SelectorScales().resolve(topo)
     settings = settings or OnlineSettings()
+    streamed = [c for c in settings.candidates if parse_candidate(c).streamed]
+    if streamed:
+        raise ValueError(
+            f"online-sim times each route with one plan option for all (--streamed); the "
+            f"candidates {streamed} are not simulated. Drop them, or pass --streamed"
+        )
     shared = SharedNeighbourhoods()  # one process's layers, as in the dispatcher
     selectors = [
         OnlineSelector(settings, scales=scales, layer=layer, shared=shared) for layer in base.layers

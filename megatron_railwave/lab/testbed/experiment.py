@@ -33,7 +33,6 @@ import torch
 from megatron_railwave.lab.bench.wire_bytes import railwave_record_bytes
 from megatron_railwave.lab.testbed.launch import run_workers
 from megatron_railwave.lab.testbed.netns import TestbedSpec, nic_counters, restore_rail
-from megatron_railwave.lab.testbed.workers import STREAMED, split_variant
 from megatron_railwave.lab.workloads import (
     GLM45_AIR,
     GlmAirWorkload,
@@ -43,7 +42,7 @@ from megatron_railwave.lab.workloads import (
     glm_air_layer_ids,
     window_peaks,
 )
-from megatron_railwave.names import ROUTES, parse_route
+from megatron_railwave.names import ROUTES, STREAMED_SUFFIX, parse_candidate
 from megatron_railwave.planner import PlanOptions, build_plan, schedule_from_windows
 from megatron_railwave.schedule import (
     ExecutionSchedule,
@@ -74,7 +73,7 @@ __all__ = [
 PATTERNS = tuple(p.value for p in Pattern)
 RAILS = ("balanced", "skewed")
 PATHS = tuple(map(str, ROUTES))
-VARIANTS = PATHS + tuple(p + STREAMED for p in PATHS)
+VARIANTS = PATHS + tuple(p + STREAMED_SUFFIX for p in PATHS)
 _TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -243,11 +242,11 @@ def _plan_info(
     windows = schedule_from_windows(topo.num_nodes, wl["windows"])
     info = {}
     for path in paths:
-        route, streamed = split_variant(path)
+        route, streamed = parse_candidate(path)
         plan = build_plan(
             wl["demand"],
             topo,
-            parse_route(route),
+            route,
             options=PlanOptions(windows=windows, streamed=streamed),
         )
         bound = port_bound(compile_schedule(plan, wire), line_rate_Bps(spec))

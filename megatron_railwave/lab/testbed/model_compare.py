@@ -30,8 +30,8 @@ from megatron_railwave.lab.testbed.experiment import (
     wire_efficiency,
     wire_format,
 )
-from megatron_railwave.lab.testbed.workers import split_variant
 from megatron_railwave.lab.workloads import GLM45_AIR, demand_from_topk_ids
+from megatron_railwave.names import parse_candidate
 from megatron_railwave.planner import PlanOptions, build_plan, schedule_from_windows
 from megatron_railwave.topology import RailTopology
 
@@ -143,7 +143,7 @@ def compare_with_netmodel(
         """Model seconds with the fitted parameter at ``value``."""
         latency, scale = (value, 1.0) if fit_param == "wave_latency" else (wave_latency_s, value)
         wl = workloads[key[0]]
-        path, streamed = split_variant(key[1])
+        path, streamed = parse_candidate(key[1])
         plan = build_plan(
             wl["demand"],
             testbed_topo(scale),

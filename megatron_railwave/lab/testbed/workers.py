@@ -43,7 +43,7 @@ import torch.distributed as dist
 from megatron_railwave.exchange import ExchangeTimeoutError, TorchDistExchange, rank_groups
 from megatron_railwave.lab.testbed.launch import WorkerContext, make_control_group, make_groups
 from megatron_railwave.lab.testbed.netns import fail_rail
-from megatron_railwave.names import parse_route
+from megatron_railwave.names import parse_candidate, parse_route
 from megatron_railwave.planner import PlanOptions, schedule_from_windows
 from megatron_railwave.telemetry.capture import routing_map_from_topk_ids
 from megatron_railwave.topology import RailTopology
@@ -51,18 +51,6 @@ from megatron_railwave.topology import RailTopology
 __all__ = ["fault_worker", "online_worker", "receives_first", "study_worker"]
 
 _DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
-
-
-STREAMED = "+streamed"
-"""Suffix of a measured variant: the path with its relay streamed into the rail phases
-(``PlanOptions.streamed``), e.g. 'joint+streamed'."""
-
-
-def split_variant(name: str) -> tuple[str, bool]:
-    """(path, streamed) of a measured variant ('joint' or 'joint+streamed')."""
-    if name.endswith(STREAMED):
-        return name[: -len(STREAMED)], True
-    return name, False
 
 
 @contextmanager
@@ -271,7 +259,7 @@ def study_worker(
             for it in range(warmup + samples):
                 shift = it % len(paths)
                 for path in paths[shift:] + paths[:shift]:
-                    route, streamed = split_variant(path)
+                    route, streamed = parse_candidate(path)
                     rec, out = _timed_exchange(rk, exchanges[streamed], inputs, route, phase=0)
                     digests[name][path].append(digest(out))
                     errors[f"{name}/{path}"] = max(
