@@ -89,6 +89,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     _args.add_flag(
         group, "--chunks", [1], type=positive, metavar="C,C", default_text="1: whole waves"
     )
+    group.add_argument(
+        "--streamed",
+        action="store_true",
+        help="also every relaying path (rail, joint, flow, flow-waves) with its relay streamed "
+        "into its rail phases, as '<path>+streamed'",
+    )
     _args.add_flag(
         group,
         "--peers",
@@ -154,6 +160,7 @@ def run(args: argparse.Namespace) -> int:
         path_delivery=args.path_delivery,
         plan_repeats=args.plan_repeats,
         progress=not args.no_progress,
+        streamed=args.streamed,
     )
     summary = summarize_samples(samples)
     _print(summary, topo, args)

@@ -183,6 +183,7 @@ EXPECTED_FLAGS = {
         "--paths",
         "--fanin",
         "--chunks",
+        "--streamed",
         "--peers",
         "--path-delivery",
         "--plan-repeats",

@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 from megatron_railwave.lab.workloads import GLM45_AIR
+from megatron_railwave.names import STREAMED_SUFFIX, parse_route
 
 __all__ = [
     "BASELINE",
@@ -268,17 +269,22 @@ def summarize_samples(samples: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def bench_variants(
-    paths: list[str], fanins: list[int], chunks: list[int]
-) -> list[tuple[str, str, int, int]]:
-    """(name, path, fan-in, rail chunks): PERM / JOINT once per fan-in and chunk count, e.g.
-    'joint/f4' or 'joint/c2'; NATIVE / RAIL once."""
+    paths: list[str], fanins: list[int], chunks: list[int], *, streamed: bool = False
+) -> list[tuple[str, str, int, int, bool]]:
+    """(name, path, fan-in, rail chunks, streamed relay): PERM / JOINT once per fan-in and chunk
+    count, e.g. 'joint/f4' or 'joint/c2'; NATIVE / RAIL once; with ``streamed`` every variant of a
+    relaying route (RAIL, JOINT, FLOW, FLOW_WAVES) also with its relay streamed into its rail
+    phases ('joint+streamed', ``PlanOptions.streamed``)."""
     out = []
     for path in paths:
+        route = parse_route(path)
         waved = path in ("perm", "joint")
         for f in fanins if waved else [1]:
             for c in chunks if waved else [1]:
                 name = path + ("" if f == 1 else f"/f{f}") + ("" if c == 1 else f"/c{c}")
-                out.append((name, path, f, c))
+                out.append((name, path, f, c, False))
+                if streamed and (route.balanced or route.min_max):
+                    out.append((name + STREAMED_SUFFIX, path, f, c, True))
     return out
 
 
@@ -305,6 +311,7 @@ def bench_samples(
     path_delivery: str,
     plan_repeats: int,
     progress: bool = True,
+    streamed: bool = False,
 ) -> list[dict[str, Any]]:
     """One row per (step, layer, pattern) sample and variant (module docstring): the baseline
     ``deepep``, NATIVE, each path once per fan-in and chunk count (``bench_variants``) and the
@@ -319,13 +326,13 @@ def bench_samples(
 
     if is_sparse(topo, tokens):
         peers = []  # the peers need experts_WE / dense masks
-    variants = bench_variants(paths, fanins, chunks)
+    variants = bench_variants(paths, fanins, chunks, streamed=streamed)
     if "native" not in paths:
         variants.insert(
-            0, ("native", "native", 1, 1)
+            0, ("native", "native", 1, 1, False)
         )  # store and forward, as the exchange runs NATIVE
     variants.insert(
-        0, (BASELINE, "native", 1, 1)
+        0, (BASELINE, "native", 1, 1, False)
     )  # the speedup baseline: DeepEP-like streamed NATIVE
     path_model = replace(model, delivery=path_delivery)
     base_model = replace(model, delivery="streamed")
@@ -366,8 +373,10 @@ def bench_samples(
                         if plan_repeats
                         else None
                     )
-                    for variant, path, fanin, chunks in variants:
-                        options = PlanOptions(fanin=fanin, windows=windows, chunks=chunks)
+                    for variant, path, fanin, chunks, relay_streamed in variants:
+                        options = PlanOptions(
+                            fanin=fanin, windows=windows, chunks=chunks, streamed=relay_streamed
+                        )
                         plan, plan_s = plan_timed(
                             demand, topo, path, options, routing, plan_repeats, layer
                         )
@@ -387,6 +396,7 @@ def bench_samples(
                                 "path": path,
                                 "fanin": fanin,
                                 "chunks": chunks,
+                                "streamed": relay_streamed,
                                 "comm_s": timing.total_s,
                                 "dispatch_s": timing.dispatch_s,
                                 "combine_s": timing.combine_s,

@@ -183,6 +183,22 @@ def test_bench_fanin_variants_on_more_nodes(tmp_path):
     assert all(r["plan_s"] == 0.0 for r in rows)
 
 
+def test_bench_streamed_variants_of_the_relaying_paths(tmp_path):
+    """--streamed adds '<path>+streamed' for the relaying paths only; their plans stream."""
+    out = tmp_path / "s.json"
+    argv = ["bench", "--cluster", "h800_4x8", "--pattern", "none", "--paths", "native,joint"]
+    argv += ["--layers", "1", "--tokens", "64", "--plan-repeats", "0", "--peers", "none"]
+    assert main([*argv, "--streamed", "--json", str(out), "--no-progress"]) == 0
+    rows = json.loads(out.read_text())["samples"]
+    assert [(r["variant"], r["streamed"]) for r in rows] == [
+        ("deepep", False),
+        ("native", False),
+        ("joint", False),
+        ("joint+streamed", True),
+    ]
+    assert rows[3]["waves"] == rows[2]["waves"] == 3
+
+
 def test_sparse_demand_matches_dense():
     topo = RailTopology(num_nodes=4, gpus_per_node=8)
     ids = glm_air_layer_ids(topo, 5, GlmAirWorkload(num_tokens=96))
