@@ -856,20 +856,26 @@ def test_simulate_exchange_fixed_capacity_reports_zero_syncs_and_equality(tmp_pa
     assert "--tokens 12 exceeds --max-tokens-per-rank 8" in capsys.readouterr().err
 
 
+ONLINE_SIM_ONE_LAYER = (
+    "online-sim",
+    "--cluster",
+    H800,
+    "--nodes",
+    "2",
+    "--model",
+    "megatron_railwave/configs/netmodel/h800_4x8.yaml",
+    "--layers",
+    "5",
+)
+"""online-sim on 2 x 8 nodes and one layer (the small runs below add their own sizes)."""
+
+
 def test_online_sim_small_run_json_and_learned_report(tmp_path, capsys):
     """online-sim on 2 x 8 nodes, one layer, 30 steps: the totals obey their definitions, the
     per-layer path record adds up, and the learned-paths report names the layer's best path."""
     out, learned = tmp_path / "os.json", tmp_path / "learned.yaml"
     argv = [
-        "online-sim",
-        "--cluster",
-        H800,
-        "--nodes",
-        "2",
-        "--model",
-        "megatron_railwave/configs/netmodel/h800_4x8.yaml",
-        "--layers",
-        "5",
+        *ONLINE_SIM_ONE_LAYER,
         "--tokens",
         "512",
         "--steps",
@@ -927,15 +933,7 @@ def test_online_sim_candidates_reach_the_selector_and_base_from_checks_the_plan_
     which); --base-from refuses times planned with other --streamed / --chunks."""
     out = tmp_path / "os.json"
     argv = [
-        "online-sim",
-        "--cluster",
-        H800,
-        "--nodes",
-        "2",
-        "--model",
-        "megatron_railwave/configs/netmodel/h800_4x8.yaml",
-        "--layers",
-        "5",
+        *ONLINE_SIM_ONE_LAYER,
         "--tokens",
         "256",
         "--steps",
