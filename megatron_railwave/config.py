@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -51,6 +52,16 @@ _REMOVED_KEYS = {
 }
 """Keys a config file may still carry from an older release -> why they are gone, what replaced
 them (``RailWaveConfig.from_dict`` raises with it)."""
+
+
+def streamed_candidates_in_fixed_capacity(candidates: Sequence[str]) -> str:
+    """The error for '+streamed' online candidates in fixed-capacity mode (the config and the
+    dispatch mode raise it)."""
+    return (
+        f"online.candidates {list(candidates)}: fixed-capacity mode (max_tokens_per_rank) plans "
+        "each path once for every call, not per candidate; set streamed: true to stream every "
+        "path's relay there, or drop the +streamed candidates"
+    )
 
 
 def _is_int(value: Any) -> bool:
@@ -439,12 +450,7 @@ class RailWaveConfig:
                 "+streamed candidates"
             )
         if streamed and self.max_tokens_per_rank is not None:
-            raise ValueError(
-                f"online.candidates {list(streamed)}: fixed-capacity mode (max_tokens_per_rank="
-                f"{self.max_tokens_per_rank}) plans each path once for every call, not per "
-                "candidate; set streamed: true to stream every path's relay there, or drop the "
-                "+streamed candidates"
-            )
+            raise ValueError(streamed_candidates_in_fixed_capacity(streamed))
         if self.max_tokens_per_rank is not None:
             if not _is_int(self.max_tokens_per_rank) or self.max_tokens_per_rank < 1:
                 raise ValueError(

@@ -22,6 +22,7 @@ import time
 
 import torch
 
+from megatron_railwave.config import streamed_candidates_in_fixed_capacity
 from megatron_railwave.dispatch_modes.base import (
     DispatchInputs,
     DispatchMode,
@@ -142,6 +143,9 @@ class OnlineCapacityMode(_FixedCapacity):
         num_local_experts: int,
     ) -> None:
         super().__init__(selector, topology, capacity=capacity, num_local_experts=num_local_experts)
+        streamed = [str(c) for c in selector.candidates if c.streamed]
+        if streamed:  # for direct users; a config refuses them at load
+            raise ValueError(streamed_candidates_in_fixed_capacity(streamed))
         self._epochs: CapacityEpochs | None = None
         """The layer's epochs (made at its first call, with the capacity descriptors)."""
 

@@ -312,3 +312,14 @@ def test_config_fixed_capacity_with_path_auto_runs_the_online_epochs():
     assert named.selector_kind() == "online"
     assert RailWaveConfig(path="joint", max_tokens_per_rank=64).selector_kind() == "fixed"
     assert OnlineSettings().to_dict()["capacity_sync_every"] == 4
+
+
+def test_online_capacity_mode_refuses_streamed_candidates():
+    """Fixed capacity plans each path once for every call: a '+streamed' candidate would run
+    unstreamed, so the mode refuses it (a config refuses it at load)."""
+    from megatron_railwave.dispatch_modes.capacity import OnlineCapacityMode
+
+    settings = OnlineSettings(candidates=("joint", "joint+streamed"))
+    selector = OnlineSelector(settings, scales=SCALES)
+    with pytest.raises(ValueError, match="fixed-capacity mode.*streamed: true"):
+        OnlineCapacityMode(selector, TOPO, capacity=16, num_local_experts=2)
