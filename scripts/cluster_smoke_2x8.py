@@ -7,6 +7,9 @@ variant, in this order:
 
 * ``torch/<path>`` for every path of ``names.ROUTES`` (the torch backend: count exchange, node
   and rail groups);
+* ``torch/joint+streamed`` and ``torch/flow-waves+streamed`` (the relay streamed into the rail
+  phases, planned per call as the online selector's '+streamed' candidates are, with 2 rail
+  chunks so that one wave has two rail phases; the report says whether the relay streamed);
 * ``torch-fixed/joint`` (fixed-capacity mode, ``max_tokens_per_rank`` = T: status words, no
   host sync);
 * ``deepep/<path>`` for every path when ``deep_ep`` imports (``--deepep-buffer real``) or
@@ -40,6 +43,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 # The DeepEP hardware check's seeded inputs, paths and dtypes (this folder is sys.path[0]).
 from deepep_hardware_check import DTYPES, PATHS, rank_inputs, start_process_group  # noqa: E402
 
+from megatron_railwave.names import parse_candidate  # noqa: E402
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -69,25 +74,32 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def variant_names(args: argparse.Namespace) -> list[str]:
-    names = [f"torch/{p}" for p in PATHS] + ["torch-fixed/joint"]
+    # The streamed relay (torch only), planned per call as the online selector's '+streamed'
+    # candidates are; 2 rail chunks, so that 2 nodes (one wave) have rail phases to stream into.
+    streamed = [f"torch/{p}+streamed" for p in ("joint", "flow-waves")]
+    names = [f"torch/{p}" for p in PATHS] + streamed + ["torch-fixed/joint"]
     if args.deepep_buffer != "none":
         names += [f"deepep/{p}" for p in PATHS]
     return names
 
 
 def one_layer(exchange, path: str, inputs, *, fixed: bool):
-    """Forward + backward of one layer (experts y = tokens * probs)."""
+    """Forward + backward of one layer (experts y = tokens * probs): ((output, hidden grad, probs
+    grad), whether its plan streamed the relay)."""
     hidden, probs, routing, grad = inputs
     hidden, probs = hidden.detach().requires_grad_(True), probs.detach().requires_grad_(True)
+    route, streamed = parse_candidate(path)
     if fixed:
-        handle = exchange.prepare_capacity(hidden, probs, routing, path)
+        handle = exchange.prepare_capacity(hidden, probs, routing, route)
     else:
-        layer = exchange.gather_demand(hidden, probs, routing)
-        handle = exchange.prepare(layer, exchange.plan(layer, path), hidden, probs)
+        layer = exchange.gather_demand(hidden, probs, routing, delivery_counts=route.min_max)
+        plan = exchange.plan(layer, route, streamed=True if streamed else None)
+        streamed = plan.streamed
+        handle = exchange.prepare(layer, plan, hidden, probs)
     d = exchange.dispatch(hidden, probs, routing, handle)
     out = exchange.combine(d.tokens * d.probs.unsqueeze(1).to(d.tokens.dtype), d.handle)
     (out.float() * grad.float()).sum().backward()
-    return out.detach(), hidden.grad, probs.grad
+    return (out.detach(), hidden.grad, probs.grad), streamed
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -114,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         build_rail_groups,
         destroy_deepep_buffers,
     )
+    from megatron_railwave.planner import PlanOptions
     from megatron_railwave.topology import RailTopology
 
     device, rank, world = start_process_group(args.device)
@@ -144,10 +157,16 @@ def main(argv: list[str] | None = None) -> int:
                 ex = build_exchange(topo, groups, backend="deepep", deepep_api=api, **common)
             else:
                 capacity = args.tokens if backend == "torch-fixed" else None
+                chunks = 2 if path.endswith("+streamed") else 1
                 ex = build_exchange(
-                    topo, groups, backend="torch", max_tokens_per_rank=capacity, **common
+                    topo,
+                    groups,
+                    backend="torch",
+                    max_tokens_per_rank=capacity,
+                    options=PlanOptions(chunks=chunks),
+                    **common,
                 )
-            got = one_layer(ex, path, inputs, fixed=backend == "torch-fixed")
+            got, relay_streamed = one_layer(ex, path, inputs, fixed=backend == "torch-fixed")
             if device.type == "cuda":
                 torch.cuda.synchronize()
         except Exception as exc:  # noqa: BLE001 - the report names what failed, then stops
@@ -165,6 +184,7 @@ def main(argv: list[str] | None = None) -> int:
             "ok": True,
             "bitwise_equal_to_torch_native": bool(equal.item()),
             "seconds_slowest_rank": float(seconds.item()),
+            "relay_streamed": relay_streamed,
         }
     ok = len(results) == len(names) and all(
         r["ok"] and r["bitwise_equal_to_torch_native"] for r in results.values()

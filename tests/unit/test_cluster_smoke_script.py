@@ -34,7 +34,9 @@ def test_cluster_smoke_dry_run_lists_every_path_once_per_backend():
     paths = [str(r) for r in ROUTES]
     assert paths[:4] == ["native", "rail", "perm", "joint"]
     assert plan["variants"] == (
-        [f"torch/{p}" for p in paths] + ["torch-fixed/joint"] + [f"deepep/{p}" for p in paths]
+        [f"torch/{p}" for p in paths]
+        + ["torch/joint+streamed", "torch/flow-waves+streamed", "torch-fixed/joint"]
+        + [f"deepep/{p}" for p in paths]
     )
 
 
