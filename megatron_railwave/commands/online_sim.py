@@ -80,7 +80,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--streamed",
         action="store_true",
-        help="every path's relay streamed into its rail phases (the config's streamed: true)",
+        help="also time every route with its relay streamed into its rail phases ('+streamed' "
+        "variants: the oracles take the best of both, and --candidates may name them)",
     )
     parser.add_argument(
         "--candidates",
@@ -116,10 +117,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from megatron_railwave.config import OnlineSettings
     from megatron_railwave.lab.bench.online_sim import (
-        PATHS,
         base_from_json,
         base_times,
         base_to_json,
+        base_variants,
         learned_report,
         simulate_online,
     )
@@ -142,7 +143,8 @@ def run(args: argparse.Namespace) -> int:
     epochs = (args.steps + args.routing_every - 1) // args.routing_every
     _render.print_text(
         f"flow model(s) {', '.join(model_files)} on {topo.name}: {epochs} routing epochs x "
-        f"{len(args.layers) if args.layers else 45} layers x {len(PATHS)} paths ..."
+        f"{len(args.layers) if args.layers else 45} layers x "
+        f"{len(base_variants(streamed=args.streamed))} paths ..."
     )
     if args.base_from:
         import json
@@ -174,7 +176,8 @@ def run(args: argparse.Namespace) -> int:
             workload_seed=args.workload_seed,
             layers=tuple(args.layers) if args.layers else None,
             record_bytes=record_bytes,
-            options=PlanOptions(chunks=args.chunks, streamed=args.streamed),
+            options=PlanOptions(chunks=args.chunks),
+            variants=base_variants(streamed=args.streamed),
             progress=True,
         )
     out_models: dict[str, Any] = {}
@@ -240,7 +243,13 @@ def _print_run(
         f"{model_file}, seed {seed}: online {t['online']:.3f} s = {r['online']:.4f}x the "
         f"per-layer oracle "
         f"({t['oracle_per_layer']:.3f} s); always-NATIVE {r['always_native']:.4f}x, always-JOINT "
-        f"{r['always_joint']:.4f}x, always-RAIL {r['always_rail']:.4f}x, per-call oracle "
+        f"{r['always_joint']:.4f}x, always-RAIL {r['always_rail']:.4f}x"
+        + (
+            f", always-JOINT+streamed {r['always_joint+streamed']:.4f}x"
+            if "always_joint+streamed" in r
+            else ""
+        )
+        + ", per-call oracle "
         f"{r['oracle_per_call']:.4f}x" + f"; {s['probe_calls']} probe calls of {s['calls']}; "
         f"{s['layers_final_on_oracle_path']}/{s['num_layers']} "
         f"layers end on the oracle's path"

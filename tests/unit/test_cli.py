@@ -959,3 +959,21 @@ def test_online_sim_candidates_reach_the_selector_and_base_from_checks_the_plan_
     with pytest.raises(SystemExit):
         main([*argv[:-4], "--candidates", "rail,native"])
     assert "must include joint" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main([*argv[:-4], "--candidates", "joint,joint+streamed"])
+    assert "have no times in this base" in capsys.readouterr().err
+    # --streamed times every route twice; a '+streamed' candidate then runs and is reported.
+    streamed_out = tmp_path / "streamed.json"
+    assert (
+        main(
+            [*argv[:-4], "--streamed", "--candidates", "joint,joint+streamed"]
+            + ["--json", str(streamed_out)]
+        )
+        == 0
+    )
+    data = json.loads(streamed_out.read_text())
+    (run,) = data["models"]["megatron_railwave/configs/netmodel/h800_4x8.yaml"]["runs"].values()
+    (layer,) = run["layers"]
+    assert set(layer["path_per_step"]) == {"joint", "joint+streamed"}
+    assert len(layer["fixed_s"]) == 2 * len(ROUTES) and "flow-waves+streamed" in layer["fixed_s"]
+    assert "always_joint+streamed" in run["summary"]["totals_s"]

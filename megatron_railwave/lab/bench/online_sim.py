@@ -1,6 +1,7 @@
 """The online selector on the flow model as the clock (``railwave online-sim``).
 
-Letters: S steps, L MoE layers, P paths (``PATHS``: every route), X routing epochs.
+Letters: S steps, L MoE layers, P paths (the base's ``variants``: every route, and with
+``streamed`` every route again with its relay streamed, 'joint+streamed'), X routing epochs.
 
 What runs: the synthetic GLM-4.5-Air routing (``workloads.glm``), one demand per layer and
 routing epoch (epoch e = steps [e * routing_every, (e + 1) * routing_every): the workload's
@@ -28,7 +29,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -36,7 +37,7 @@ import torch
 
 from megatron_railwave.config import OnlineSettings
 from megatron_railwave.exchange.layer import TimingWords, count_row_words, pack_status
-from megatron_railwave.names import ROUTES, Route, parse_candidate
+from megatron_railwave.names import ROUTES, Candidate, parse_candidate
 from megatron_railwave.planner import PlanOptions, build_plan
 from megatron_railwave.selector.learned import learned_paths
 from megatron_railwave.selector.online import (
@@ -57,9 +58,17 @@ __all__ = [
     "charged_totals",
     "learned_report",
     "PATHS",
+    "base_variants",
 ]
 
-PATHS: tuple[Route, ...] = ROUTES
+PATHS: tuple[Candidate, ...] = tuple(Candidate(r) for r in ROUTES)
+"""The base's paths without ``streamed``: every route, whole relay."""
+
+
+def base_variants(*, streamed: bool) -> tuple[Candidate, ...]:
+    """The paths a base times: every route, and with ``streamed`` every route again with its
+    relay streamed into its rail phases (the online selector's '+streamed' candidates)."""
+    return PATHS + (tuple(Candidate(r, streamed=True) for r in ROUTES) if streamed else ())
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -68,7 +77,7 @@ class BaseTimes:
 
     Attributes:
         layers: [L] layer numbers.
-        seconds_XLP: [X, L, P] seconds of one dispatch + combine (``PATHS`` order).
+        seconds_XLP: [X, L, P] seconds of one dispatch + combine (``variants`` order).
         records_XL: [X][L] gathered [W, N] records (what the dispatcher's selector reads).
         record_bytes: payload bytes per record.
         plan_s_XLP: [X, L, P] host seconds of ``build_plan`` per (epoch, layer, path) (measured
@@ -82,6 +91,8 @@ class BaseTimes:
     record_bytes: int
     wall_s: float
     plan_s_XLP: np.ndarray | None = None
+    variants: tuple[Candidate, ...] = PATHS
+    """The paths timed (the P axis)."""
 
 
 def base_times(
@@ -94,10 +105,12 @@ def base_times(
     layers: tuple[int, ...] | None,
     record_bytes: int,
     options: PlanOptions | None = None,
+    variants: tuple[Candidate, ...] = PATHS,
     progress: bool = False,
 ) -> list[BaseTimes]:
-    """Every path's flow-model time per (routing epoch, layer) under each of ``models`` (one
-    ``BaseTimes`` each; the routing is generated once); epoch e is the workload's step e."""
+    """Every variant's flow-model time per (routing epoch, layer) under each of ``models`` (one
+    ``BaseTimes`` each; the routing is generated once); epoch e is the workload's step e. A
+    variant plans with ``options``, its relay streamed as it says."""
     from megatron_railwave.lab.netmodel import simulate_plan
     from megatron_railwave.lab.workloads import GlmAirWorkload, glm_air_demands
 
@@ -114,9 +127,10 @@ def base_times(
         recs, plan_row = [], []
         for demand in per_layer.values():
             plans, plan_times = [], []
-            for p in PATHS:
+            for v in variants:
                 t_plan = time.perf_counter()
-                plans.append(build_plan(demand, topo, p, options=options))
+                v_options = replace(options or PlanOptions(), streamed=v.streamed)
+                plans.append(build_plan(demand, topo, v.route, options=v_options))
                 plan_times.append(time.perf_counter() - t_plan)
             plan_row.append(plan_times)
             for k, model in enumerate(models):
@@ -129,8 +143,8 @@ def base_times(
             recs.append(demand.records_WN.numpy().copy())
         if progress:
             print(
-                f"  routing epoch {e + 1}/{epochs}: {len(per_layer)} layers x {len(PATHS)} paths x "
-                f"{len(models)} model(s) "
+                f"  routing epoch {e + 1}/{epochs}: {len(per_layer)} layers x {len(variants)} "
+                f"paths x {len(models)} model(s) "
                 f"simulated ({time.perf_counter() - t0:.0f} s)",
                 flush=True,
             )
@@ -147,6 +161,7 @@ def base_times(
             record_bytes=record_bytes,
             wall_s=wall,
             plan_s_XLP=np.asarray(plan_s, dtype=np.float64),
+            variants=tuple(variants),
         )
         for sec in seconds
     ]
@@ -159,7 +174,7 @@ def base_to_json(base: BaseTimes) -> dict[str, Any]:
     return {
         "layers": list(base.layers),
         "seconds_XLP": base.seconds_XLP.tolist(),
-        "paths": list(map(str, PATHS)),
+        "paths": list(map(str, base.variants)),
         "records_XLWN": [[r.tolist() for r in row] for row in base.records_XL],
         "plan_s_XLP": None if base.plan_s_XLP is None else base.plan_s_XLP.tolist(),
     }
@@ -178,6 +193,7 @@ def base_from_json(data: dict[str, Any], record_bytes: int) -> BaseTimes:
             if data.get("plan_s_XLP") is None
             else np.asarray(data["plan_s_XLP"], dtype=np.float64)
         ),
+        variants=tuple(parse_candidate(p) for p in data.get("paths", map(str, PATHS))),
     )
 
 
@@ -200,19 +216,20 @@ def simulate_online(
         raise ValueError(
             f"noise must be a finite number >= 0 (log-normal sigma per call), got {noise}"
         )
+    variants = base.variants
     x, num_layers, _ = base.seconds_XLP.shape
     epoch_S = np.minimum(np.arange(steps) // routing_every, x - 1)
     rng = np.random.default_rng([seed, 0x0511])
     t_SLP = base.seconds_XLP[epoch_S] * np.exp(
-        noise * rng.standard_normal((steps, num_layers, len(PATHS)))
+        noise * rng.standard_normal((steps, num_layers, len(variants)))
     )
     scales = scales or SelectorScales().resolve(topo)
     settings = settings or OnlineSettings()
-    streamed = [c for c in settings.candidates if parse_candidate(c).streamed]
-    if streamed:
+    untimed = [c for c in settings.candidates if parse_candidate(c) not in variants]
+    if untimed:
         raise ValueError(
-            f"online-sim times each route with one plan option for all (--streamed); the "
-            f"candidates {streamed} are not simulated. Drop them, or pass --streamed"
+            f"the candidates {untimed} have no times in this base (it timed "
+            f"{[str(v) for v in variants]}); time the '+streamed' variants with --streamed"
         )
     shared = SharedNeighbourhoods()  # one process's layers, as in the dispatcher
     selectors = [
@@ -249,7 +266,7 @@ def simulate_online(
             host_ns_SL[s, li] = time.perf_counter_ns() - t0
             wall_ns += int(host_ns_SL[s, li])
             cpu_ns_SL4[s, li] = (c0 - cw, c1 - c0, c2 - c1, c3 - c2)
-            k = PATHS.index(d.path)
+            k = variants.index(d.candidate)
             chosen_SL[s, li] = k
             modes[li].append(d.mode)
             prev[li] = float(t_SLP[s, li, k])
@@ -261,7 +278,7 @@ def simulate_online(
         "online": float(online_SL.sum()),
         "oracle_per_layer": float(oracle_L.sum()),
         "oracle_per_call": float(t_SLP.min(axis=2).sum()),
-        **{f"always_{p}": float(per_layer_path_LP[:, k].sum()) for k, p in enumerate(PATHS)},
+        **{f"always_{p}": float(per_layer_path_LP[:, k].sum()) for k, p in enumerate(variants)},
     }
     probe_SL = np.array(
         [[m in ("probe", "reprobe") for m in ms] for ms in modes], dtype=bool
@@ -274,19 +291,19 @@ def simulate_online(
     probe_calls = sum(m.count("probe") + m.count("reprobe") for m in modes)
     layers_out = []
     for li, layer in enumerate(base.layers):
-        counts = np.bincount(chosen_SL[:, li], minlength=len(PATHS))
+        counts = np.bincount(chosen_SL[:, li], minlength=len(variants))
         row = {
             "layer": int(layer),
-            "chosen": {str(p): int(counts[k]) for k, p in enumerate(PATHS)},
-            "final_path": str(PATHS[chosen_SL[-1, li]]),
-            "oracle_path": str(PATHS[oracle_path_L[li]]),
+            "chosen": {str(p): int(counts[k]) for k, p in enumerate(variants)},
+            "final_path": str(variants[chosen_SL[-1, li]]),
+            "oracle_path": str(variants[oracle_path_L[li]]),
             "online_s": float(online_SL[:, li].sum()),
             "oracle_s": float(oracle_L[li]),
             "regret": float(online_SL[:, li].sum() / oracle_L[li] - 1.0),
-            "fixed_s": {str(p): float(per_layer_path_LP[li, k]) for k, p in enumerate(PATHS)},
+            "fixed_s": {str(p): float(per_layer_path_LP[li, k]) for k, p in enumerate(variants)},
             "probes": sum(m in ("probe", "reprobe") for m in modes[li]),
             "neighbourhoods": len(selectors[li]._tables.get("train", [])),
-            "path_per_step": [str(PATHS[k]) for k in chosen_SL[:, li]],
+            "path_per_step": [str(variants[k]) for k in chosen_SL[:, li]],
             "mode_per_step": modes[li],
         }
         layers_out.append(row)
@@ -332,8 +349,8 @@ def charged_totals(
     """The online selector's totals with its costs counted in, and the per-epoch hindsight oracle.
 
     Args:
-        t_SLP: [S, L, P] float seconds of every path per (step, layer) (``PATHS`` order).
-        chosen_SL: [S, L] int index into ``PATHS`` of the path the selector ran.
+        t_SLP: [S, L, P] float seconds of every path per (step, layer) (the base's variants).
+        chosen_SL: [S, L] int index into the variants of the path the selector ran.
         epoch_S: [S] int routing epoch of each step.
         host_s_SL: [S, L] float host seconds of the selector per call (perf_counter around
             observe + descriptors + decide).
