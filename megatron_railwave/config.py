@@ -190,7 +190,8 @@ class OnlineSettings:
         raw = self.candidates
         if isinstance(raw, str) or not isinstance(raw, (list, tuple)) or not raw:
             raise ValueError(
-                f"online.candidates={raw!r} must be a non-empty list of paths ({route_list()})"
+                f"online.candidates={raw!r} must be a non-empty list of paths "
+                f"({route_list(extra=('<path>+streamed',))})"
             )
         try:
             paths = tuple(dict.fromkeys(str(parse_candidate(p)) for p in raw))
