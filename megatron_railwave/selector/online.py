@@ -21,7 +21,7 @@ Protocol (``OnlineSelector``, one per MoE layer; pure and deterministic given th
     (log2 B / ref, (rho_g - 1) / rho_scale, (kappa - 1) / kappa_scale) and the descriptors within
     ``payload_ratio`` and ``shape_distance`` of it. Inside one, each
     candidate path is probed ``probes`` times, round by round (a candidate whose first times are
-    ``drop_ratio`` slower than the best median so far stops early), then the path with the lowest
+    the drop bar slower than the best median so far stops early), then the path with the lowest
     median runs ("exploit"); an exploit call becomes a re-probe of the stalest other candidate
     whose wait has paid for it: at least ``reprobe_every`` exploit calls since its last probe, and
     that many times ``reprobe_budget`` at least its known excess over the best (median ratio - 1),
@@ -29,12 +29,16 @@ Protocol (``OnlineSelector``, one per MoE layer; pure and deterministic given th
     descriptors leave the neighbourhood, the nearest known neighbourhood that holds them is
     reused, else a new one starts, its probe order seeded by the nearest measured neighbourhood of
     the same layer and pass kind, else (``share``) of any layer of this process (one fabric), else
-    in the candidates' order (JOINT first); paths the seed puts ``drop_ratio`` behind the best
-    wait for re-probes. With ``share``, a layer about to probe a path no time of
+    in the candidates' order (JOINT first); paths the seed puts the drop bar behind the best
+    wait for re-probes. The drop bar is ``drop_ratio`` until the job's own call-to-call spread is
+    known (``NoiseEstimate``: every path timed again in the same neighbourhood), then
+    ``drop_sigmas`` standard deviations of the ratio of two calls, between 1.1 and ``drop_ratio``
+    (``_drop_bar``). With ``share``, a layer about to probe a path no time of
     it has reached yet first looks at the other layers: a nearby neighbourhood that timed it
-    ``drop_ratio`` behind another path defers it; another layer's probe of it in flight makes
-    this layer wait (run its best path, at most ``_MAX_WAITS`` calls) for that time. JOINT is
-    never waited for: every layer times it (the fallback, and the ratios' reference);
+    the drop bar behind another path defers it; another layer's probe of it in flight makes
+    this layer wait (run its best path, at most ``_MAX_WAITS`` calls) for that time. JOINT and
+    the seed's best are never waited for: every layer times JOINT (the fallback, and the ratios'
+    reference), and the seed's best is the path this layer would run while waiting anyway;
   * fixed-capacity mode has no count exchange: the layer decides once per epoch of calls and the
     word travels on a small all-reduce of [word, -word] (``selector.capacity_epochs``); its pair
     is read by ``slowest_reduced_timing`` and filed by ``observe_reduced`` under the epoch's
@@ -120,6 +124,14 @@ into each row's status word, below the input-status code (``exchange.layer.pack_
 _MAX_WAITS = 2
 """Calls a neighbourhood waits for another layer's in-flight probe of a path before probing it
 itself: the other layer's time arrives at its next call, one step later."""
+_DROP_BAR_FLOOR = 1.1
+"""The noise-aware bar (``OnlineSelector._drop_bar``) never drops or defers a candidate within 10%
+of the best: on a quiet fabric (or noise-free times) the spread alone would drop a path 1% behind
+on one time, and a seed from the next neighbourhood is no measurement of this one."""
+_NOISE_WINDOW = 512
+"""Repeated-time pairs the noise estimate keeps (``NoiseEstimate``)."""
+_NOISE_MIN = 16
+"""Pairs before the noise estimate is used (before: ``drop_ratio`` alone)."""
 
 
 # ---------------------------------------------------------------------- descriptors
@@ -412,6 +424,37 @@ class _Times:
         return self._median
 
 
+class NoiseEstimate:
+    """The fabric's call-to-call timing spread, from the job's own repeated times.
+
+    Every time a path is timed again in the same neighbourhood, |log(t / t_before)| is kept
+    (the last ``_NOISE_WINDOW``); for log-normal noise of sigma per call that difference has
+    sigma * sqrt(2), whose median absolute value is 0.6745 * sqrt(2) * sigma. A median, so the
+    odd jump (the routing moved inside a neighbourhood) does not inflate it. Every rank files the
+    same times in the same order, so every rank holds the same estimate."""
+
+    def __init__(self) -> None:
+        self._diffs: deque[float] = deque(maxlen=_NOISE_WINDOW)
+        self._sigma: float | None = None
+        self._dirty = False
+
+    def add(self, seconds: float, before: float) -> None:
+        if seconds > 0 and before > 0:
+            self._diffs.append(abs(math.log(seconds / before)))
+            self._dirty = True
+
+    def sigma(self) -> float | None:
+        """Per-call log sigma, or None before ``_NOISE_MIN`` pairs."""
+        if self._dirty:
+            self._dirty = False
+            if len(self._diffs) >= _NOISE_MIN:
+                values = sorted(self._diffs)
+                k = len(values)
+                med = values[k // 2] if k % 2 else 0.5 * (values[k // 2 - 1] + values[k // 2])
+                self._sigma = med / (0.6745 * math.sqrt(2.0))
+        return self._sigma
+
+
 @dataclass(kw_only=True, slots=True)
 class _Neighbourhood:
     """One region of the descriptor space of one layer and pass kind."""
@@ -438,6 +481,8 @@ class _Neighbourhood:
     there)."""
     last_used: int = 0
     seeded_by: str = "none"
+    seed_best: Candidate | None = None
+    """The seed's fastest candidate (None: not seeded)."""
     shared_seq: int = 0
     """Order of creation among the neighbourhoods of ``SharedNeighbourhoods`` (its ties)."""
 
@@ -459,9 +504,9 @@ class OnlineDecision:
 
     path: Route
     mode: str
-    """'probe', 'exploit', 'reprobe', 'wait' (the best timed path while another layer's probe of
-    a path is in flight), 'fallback' (bad timings), 'replay' (recompute), 'idle' (no
-    remote payload: every path is the same)."""
+    """'probe', 'exploit', 'reprobe', 'wait' (the best timed path, or the seed's best, while
+    another layer's probe of a path is in flight), 'fallback' (bad timings), 'replay'
+    (recompute), 'idle' (no remote payload: every path is the same)."""
     kind: str
     neighbourhood: int = -1
     call: int = 0
@@ -493,6 +538,8 @@ class SharedNeighbourhoods:
         creation order, neighbourhood): what ``ratio`` scans, instead of every neighbourhood of
         every layer."""
         self._created = 0
+        self.noise = NoiseEstimate()
+        """The process's timing spread (one fabric: every layer's repeated times)."""
 
     def ratio(
         self,
@@ -580,6 +627,7 @@ class OnlineSelector:
         self.scales = scales
         self.layer = layer
         self.shared = shared if self.settings.share else None
+        self.noise = self.shared.noise if self.shared is not None else NoiseEstimate()
         self.candidates: tuple[Candidate, ...] = tuple(
             p for p in ALL_PATHS if str(p) in self.settings.candidates
         )
@@ -660,6 +708,8 @@ class OnlineSelector:
             if nb is None:  # forgotten since (``max_neighbourhoods``)
                 return None
         times = nb.times[last.candidate]
+        if times.recent:
+            self.noise.add(seconds, times.recent[-1])
         times.add(seconds, last.call)
         if times.count == 1 and self.shared is not None:
             self.shared.first_time(last.kind, nb, last.candidate)
@@ -764,6 +814,7 @@ class OnlineSelector:
             deferred=deferred,
             seed_excess=excess,
             seeded_by=seeded,
+            seed_best=order[0] if near is not None else None,
         )
         if len(table) >= self.settings.max_neighbourhoods:
             old = min(table, key=lambda nb: (nb.last_used, nb.index))
@@ -779,14 +830,13 @@ class OnlineSelector:
         self, medians: dict[Candidate, float]
     ) -> tuple[tuple[Candidate, ...], set[Candidate], dict[Candidate, float]]:
         """Probe order by known medians (fastest first, unknown last), the candidates put behind
-        by ``drop_ratio`` (probed only at re-probes) and their excess over the best."""
+        by the drop bar (probed only at re-probes) and their excess over the best."""
         ranked = sorted(
             self.candidates, key=lambda p: (medians.get(p, math.inf), self.candidates.index(p))
         )
         best = medians.get(ranked[0], math.inf)
-        deferred = {
-            p for p in ranked[1:] if p in medians and medians[p] > self.settings.drop_ratio * best
-        }
+        bar = self._drop_bar()
+        deferred = {p for p in ranked[1:] if p in medians and medians[p] > bar * best}
         return tuple(ranked), deferred, {p: medians[p] / best - 1.0 for p in deferred}
 
     def _choose(self, nb: _Neighbourhood, kind: str) -> tuple[Candidate, str]:
@@ -806,16 +856,19 @@ class OnlineSelector:
                     # Another layer timed it nearby against a faster path: no probe here. Another
                     # layer probes it in this step: wait for its time (one probe per path and
                     # step across the layers, not one per layer). JOINT never waits: every layer
-                    # times it (the fallback, and the reference the ratios are taken against).
+                    # times it (the fallback, and the reference the ratios are taken against);
+                    # nor does the seed's best: waiting would run it anyway, untimed as a probe
+                    # (at an epoch change every layer's new neighbourhood probes it at once).
                     if p not in ratios:
                         ratios[p] = self.shared.ratio(kind, nb.centre, p, nb)
                     ratio = ratios[p]
-                    if ratio is not None and ratio > s.drop_ratio:
+                    if ratio is not None and ratio > self._drop_bar():
                         nb.deferred.add(p)
                         nb.seed_excess[p] = ratio - 1.0
                         continue
                     if (
                         p != _JOINT
+                        and p != nb.seed_best
                         and self.shared.pending.get((kind, p), 0) > 0
                         and nb.waits < _MAX_WAITS
                     ):
@@ -823,16 +876,17 @@ class OnlineSelector:
                         continue
                 if t.recent:
                     others = [q.median() for c, q in nb.times.items() if c != p and q.recent]
-                    if others and min(t.recent) > s.drop_ratio * min(others):
+                    if others and min(t.recent) > self._drop_bar() * min(others):
                         nb.deferred.add(p)
                         continue
                 nb.probed_at[p] = nb.exploits
                 return p, "probe"
         if (
             waiting
-        ):  # the best timed path so far (JOINT before any), until the other layers' times arrive
+        ):  # the best timed path so far (the seed's best, else JOINT, before any), until the other
+            # layers' times arrive
             nb.waits += 1
-            return nb.best() or _JOINT, "wait"
+            return nb.best() or nb.seed_best or _JOINT, "wait"
         nb.probing_done = True
         best = nb.best()
         if best is None:  # every candidate deferred without times (cannot happen with JOINT kept)
@@ -844,6 +898,20 @@ class OnlineSelector:
             nb.probed_at[challenger] = nb.exploits
             return challenger, "reprobe"
         return best, "exploit"
+
+    def _drop_bar(self) -> float:
+        """How much slower than the best a candidate must be to stop probing (its own first times)
+        or to be deferred (a seed's or another layer's medians): ``drop_ratio``, or, once the
+        job's own timing spread is known, ``drop_sigmas`` standard deviations of the ratio of two
+        calls (sqrt(2) sigma in log), kept between ``_DROP_BAR_FLOOR`` and ``drop_ratio``. A
+        wrong drop costs little: a deferred candidate is re-probed once its wait has paid for it.
+        """
+        s = self.settings
+        sigma = self.noise.sigma() if s.drop_sigmas > 0 else None
+        if sigma is None:
+            return s.drop_ratio
+        bar = math.exp(s.drop_sigmas * math.sqrt(2.0) * sigma)
+        return min(s.drop_ratio, max(_DROP_BAR_FLOOR, bar))
 
     def _challenger(self, nb: _Neighbourhood, best: Candidate) -> Candidate | None:
         """The stalest candidate whose wait has paid for a re-probe (module docstring), or None."""

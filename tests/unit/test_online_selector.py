@@ -3,6 +3,8 @@ its descriptors against ``demand_stats``, the learned-paths report, the config w
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -558,3 +560,84 @@ def test_streamed_candidates_parse_and_are_refused_where_they_cannot_run():
         RailWaveConfig(path="auto", backend="deepep", online=online)
     with pytest.raises(ValueError, match="fixed-capacity mode.*streamed: true"):
         RailWaveConfig(path="auto", max_tokens_per_rank=64, online=online)
+
+
+def test_noise_estimate_reads_the_spread_of_repeated_times():
+    from megatron_railwave.selector.online import NoiseEstimate
+
+    rng = np.random.default_rng(7)
+    noise = NoiseEstimate()
+    base = 2e-3
+    for _ in range(15):
+        noise.add(base * np.exp(0.05 * rng.standard_normal()), base)
+    assert noise.sigma() is None  # fewer than 16 pairs: not used yet
+    for _ in range(400):
+        a, b = base * np.exp(0.05 * rng.standard_normal(2))
+        noise.add(a, b)
+    assert 0.042 < noise.sigma() < 0.058
+    before = noise.sigma()
+    for _ in range(20):  # the routing jumped inside a neighbourhood: a median barely moves
+        noise.add(4 * base, base)
+    assert abs(noise.sigma() - before) < 0.2 * before
+
+
+@pytest.mark.parametrize(
+    "sigma, drop_sigmas, bar",
+    [
+        (0.05, 3.0, math.exp(3 * math.sqrt(2) * 0.05)),  # 1.236: the job's spread sets the bar
+        (0.01, 3.0, 1.1),  # a quiet fabric: never tighter than 10%
+        (0.2, 3.0, 1.5),  # a noisy one: never looser than drop_ratio
+        (0.05, 0.0, 1.5),  # drop_sigmas 0: drop_ratio alone
+        (None, 3.0, 1.5),  # spread not known yet
+    ],
+)
+def test_drop_bar_follows_the_measured_spread(sigma, drop_sigmas, bar):
+    sel = OnlineSelector(OnlineSettings(drop_sigmas=drop_sigmas), scales=SCALES)
+    if sigma is not None:
+        for _ in range(64):  # |log ratio| median = 0.6745 * sqrt(2) * sigma
+            sel.noise.add(math.exp(0.6745 * math.sqrt(2) * sigma), 1.0)
+    assert sel._drop_bar() == pytest.approx(bar, rel=1e-9)
+
+
+def test_a_candidate_behind_by_more_than_the_spread_stops_after_one_probe():
+    """RAIL 20% behind JOINT: with drop_ratio alone it gets both probes; once the job's spread
+    is known to be 2% (bar 1.1), its first time stops it (a re-probe may still bring it back)."""
+    times = dict(TRUE_S, **{Route.RAIL: 2.4e-3})
+
+    def rail_probes(spread: bool) -> int:
+        sel = OnlineSelector(OnlineSettings(reprobe_every=1000), scales=SCALES)
+        if spread:
+            for _ in range(32):
+                sel.noise.add(math.exp(0.6745 * math.sqrt(2) * 0.02), 1.0)
+        return [p for p, mode in run(sel, times, 12, stats(64)) if mode == "probe"].count(
+            Route.RAIL
+        )
+
+    assert rail_probes(False) == 2
+    assert rail_probes(True) == 1
+
+
+def test_a_seeded_best_is_probed_at_once_not_waited_for():
+    """Two layers that learned RAIL is fastest move to a new neighbourhood in the same step: the
+    first probes RAIL there, and the second probes it too (its seed's best: waiting would run an
+    untimed guess), instead of running JOINT while it waits for the first one's time."""
+    from megatron_railwave.selector.online import SharedNeighbourhoods
+
+    times = {Route.NATIVE: 4e-3, Route.RAIL: 1e-3, Route.PERM: 3e-3, Route.JOINT: 2e-3}
+    shared = SharedNeighbourhoods()
+    sels = [OnlineSelector(scales=SCALES, shared=shared, layer=i) for i in range(2)]
+    prev: list = [None, None]
+    last: list = [None, None]
+    for step in range(14):
+        descr = stats(64) if step < 13 else stats(1024)
+        for i, sel in enumerate(sels):
+            sel.observe(
+                [
+                    encode_timing(
+                        None if prev[i] is None else times[prev[i]], expected=sel.expects_timing()
+                    )
+                ]
+            )
+            d = sel.decide("train", descr)
+            prev[i], last[i] = d.path, (d.path, d.mode)
+    assert last == [(Route.RAIL, "probe"), (Route.RAIL, "probe")]
