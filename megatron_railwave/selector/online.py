@@ -401,6 +401,13 @@ def slowest_reduced_timing(max_word: int, min_word: int) -> tuple[float | None, 
 
 
 # ---------------------------------------------------------------------- state
+def _median(values: Iterable[float]) -> float:
+    """The median of a non-empty sequence (the mean of the middle two for an even count)."""
+    ordered = sorted(values)
+    k = len(ordered)
+    return ordered[k // 2] if k % 2 else 0.5 * (ordered[k // 2 - 1] + ordered[k // 2])
+
+
 @dataclass(kw_only=True, slots=True)
 class _Times:
     """Recent times of one path in one neighbourhood (seconds)."""
@@ -418,9 +425,7 @@ class _Times:
 
     def median(self) -> float:
         if self._median is None:
-            values = sorted(self.recent)
-            k = len(values)
-            self._median = values[k // 2] if k % 2 else 0.5 * (values[k // 2 - 1] + values[k // 2])
+            self._median = _median(self.recent)
         return self._median
 
 
@@ -448,10 +453,7 @@ class NoiseEstimate:
         if self._dirty:
             self._dirty = False
             if len(self._diffs) >= _NOISE_MIN:
-                values = sorted(self._diffs)
-                k = len(values)
-                med = values[k // 2] if k % 2 else 0.5 * (values[k // 2 - 1] + values[k // 2])
-                self._sigma = med / (0.6745 * math.sqrt(2.0))
+                self._sigma = _median(self._diffs) / (0.6745 * math.sqrt(2.0))
         return self._sigma
 
 
@@ -905,6 +907,8 @@ class OnlineSelector:
         job's own timing spread is known, ``drop_sigmas`` standard deviations of the ratio of two
         calls (sqrt(2) sigma in log), kept between ``_DROP_BAR_FLOOR`` and ``drop_ratio``. A
         wrong drop costs little: a deferred candidate is re-probed once its wait has paid for it.
+        Read only where a probe is judged: the spread re-sorts its window after each new time,
+        which an exploit call need not pay.
         """
         s = self.settings
         sigma = self.noise.sigma() if s.drop_sigmas > 0 else None
