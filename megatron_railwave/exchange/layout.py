@@ -340,6 +340,23 @@ def build_layout(
     n_rec = view.num_records
     if counts is None:
         counts = layout_counts(plan, view)
+    offsets = np.cumsum([0, n, n, n, n * g, n, g * n, g * n])
+    pool_GN = counts[offsets[6] : offsets[7]].reshape(g, n)  # host: pool rows per (block, node)
+    # Arrivals of rounds >= 1 from offsets[-1] on: per round, the (source of the round
+    # ascending, owner, mask) counts; rounds end to end. Round r's sources are those whose first
+    # chunk's round is the one of r's wave.
+    rounds = np.arange(1, plan.num_rail_phases + 1)
+    first_R = (rounds - 1) // plan.chunks * plan.chunks + 1
+    sources_R = np.bincount(
+        view.source_round_N[view.source_round_N >= 1], minlength=rounds.size + 1
+    )[first_R]
+    ends = np.cumsum(sources_R * g * m) + int(offsets[-1])
+    running = np.concatenate([[0], np.cumsum(counts[int(offsets[-1]) :])])
+    arrivals = [view.owner_category_counts[g]] + np.diff(
+        running[np.concatenate([[int(offsets[-1])], ends]) - int(offsets[-1])]
+    ).tolist()
+    num_sources = int(sources_R.sum())
+    start = int(ends[-1]) if ends.size else int(offsets[-1])
     # One copy to the device (pinned, non-blocking on CUDA); the named parts are views of it.
     flat = torch.from_numpy(counts)
     flat = (
@@ -347,20 +364,9 @@ def build_layout(
         if device.type == "cuda"
         else flat.to(device)
     )
-    offsets = np.cumsum([0, n, n, n, n * g, n, g * n, g * n])
     counts_N, keep_N, surplus_lo_N, deficit_hi_NG, wave_N, pool_key, pool_count = (
         flat[a:b] for a, b in zip(offsets[:-1], offsets[1:])
     )
-    pool_GN = counts[offsets[6] : offsets[7]].reshape(g, n)  # host: pool rows per (block, node)
-    # Arrival masks of rounds >= 1: sources of the round ascending, then owner, then mask.
-    arrival_rounds, start = [], int(offsets[-1])
-    for rnd in range(1, plan.num_rail_phases + 1):
-        num_sources = _round_sources(view, rnd, plan.chunks)[0].size
-        size = num_sources * g * m
-        arrival_rounds.append(
-            (rnd, int(counts[start : start + size].sum()), num_sources, flat[start : start + size])
-        )
-        start += size
 
     egress_R, _ = ops.assign_egress(
         node_R,
@@ -390,20 +396,14 @@ def build_layout(
             0, egress_perm, torch.arange(pool_total, dtype=torch.int64, device=device)
         )
 
-    masks = [
-        mask_R[owner_order[n_rec - view.owner_category_counts[g] :]]
-    ]  # round 0: own local records
-    arrivals = [view.owner_category_counts[g]]
-    mask_ids, bits_G1 = _mask_constants(g, device)
-    for _, total, num_sources, arrive_count in arrival_rounds:
-        masks.append(_runs(mask_ids.repeat(num_sources * g), arrive_count, total))
-        arrivals.append(total)
-    deliver_index = []
-    for rnd, mask_A in enumerate(masks):
-        delivered = sum(view.phases[_deliver_phase(view, rnd)].send_Q)
-        hit_GA = (mask_A & bits_G1) != 0  # [G, n_arr], j-major
-        pos = select_positions(hit_GA.reshape(-1), delivered)
-        deliver_index.append(pos % max(mask_A.numel(), 1))
+    deliver_index = _deliver_index(
+        view,
+        own_masks=mask_R[owner_order[n_rec - view.owner_category_counts[g] :]],
+        arrive_counts=flat[int(offsets[-1]) : start],
+        num_sources=num_sources,
+        arrivals=arrivals,
+        gpus_per_node=g,
+    )
     return LayerLayout(
         token_R=token_R,
         node_R=node_R,
@@ -432,8 +432,45 @@ def _mask_constants(g: int, device: torch.device) -> tuple[torch.Tensor, torch.T
     )
 
 
-def _deliver_phase(view: RankView, rnd: int) -> int:
-    for c in view.phases:
-        if c.phase.direction == "dispatch" and c.phase.kind == "deliver" and c.phase.step == rnd:
-            return c.phase.index
-    raise KeyError(rnd)
+def _deliver_index(
+    view: RankView,
+    *,
+    own_masks: torch.Tensor,
+    arrive_counts: torch.Tensor,
+    num_sources: int,
+    arrivals: list[int],
+    gpus_per_node: int,
+) -> list[torch.Tensor]:
+    """Per delivery round, [copies of the round] arrival row of each copy this GPU delivers,
+    grouped by target GPU j ascending, rows ascending within a target (device, no sync).
+
+    The arrival masks of every round in one line (round 0: this GPU's local records; then
+    ``arrive_counts`` expanded) and their target hits as one [G, A] matrix, built once; each
+    round's map is then the column index of the nonzeros of its [G, rows] slice (row-major: target
+    j, then row), two ops per round (a loop that rebuilt the masks per round and searched the
+    phases for each round's copies cost 6 ops and O(rounds) host work per round: 128 x 8 has 128
+    rounds).
+
+    Args:
+        own_masks: [arrivals[0]] int64, masks of this GPU's local-node records (round 0).
+        arrive_counts: [num_sources * G * M] int64, arrivals of rounds 1..V by (source, owner,
+            mask), the rounds' blocks end to end (``layout_counts``).
+        num_sources: (round, source) blocks in ``arrive_counts``.
+        arrivals: host, rows arriving in each round 0..V.
+        gpus_per_node: G.
+    """
+    g = gpus_per_node
+    mask_ids, bits_G1 = _mask_constants(g, own_masks.device)
+    arrive_masks = _runs(mask_ids.repeat(num_sources * g), arrive_counts, sum(arrivals[1:]))
+    hit_GA = (torch.cat([own_masks, arrive_masks]) & bits_G1) != 0  # [G, A]
+    copies = {
+        c.phase.step: sum(c.send_Q)
+        for c in view.phases
+        if c.phase.direction == "dispatch" and c.phase.kind == "deliver"
+    }
+    out, start = [], 0
+    for rnd, rows in enumerate(arrivals):
+        hits = torch.nonzero_static(hit_GA[:, start : start + rows], size=copies[rnd])  # [d, 2]
+        out.append(hits[:, 1].contiguous())  # the row column; index ops read it densely
+        start += rows
+    return out
