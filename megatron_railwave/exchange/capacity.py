@@ -230,14 +230,13 @@ def capacity_layer(
     def make() -> CapacityLayer:
         schedule = _schedule(topo, path, capacity, options, wire)
         view = rank_view(schedule, rank)
-        n, m = topo.num_nodes, 1 << topo.gpus_per_node
+        n = topo.num_nodes
         node_R = torch.arange(n, dtype=torch.int64, device=device).repeat_interleave(capacity)
         layout = build_layout(
             schedule.plan,
             view,
             token_R=torch.zeros_like(node_R),
             node_R=node_R,
-            mask_R=torch.full_like(node_R, m - 1),
         )
         return CapacityLayer(schedule=schedule, view=view, layout=layout, capacity=capacity)
 

@@ -456,7 +456,6 @@ def prepare_layer(
         view,
         token_R=layer.token_C[:n_rec],
         node_R=layer.node_C[:n_rec],
-        mask_R=layer.mask_C[:n_rec],
         counts=compiled.layout_counts,
     )
     tokens_per_expert = layer.demand.view_experts_X

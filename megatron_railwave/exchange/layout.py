@@ -12,7 +12,6 @@ travel to the device in one non-blocking copy. Row orders are those of ``schedul
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -320,7 +319,6 @@ def build_layout(
     *,
     token_R: torch.Tensor,
     node_R: torch.Tensor,
-    mask_R: torch.Tensor,
     counts: np.ndarray | None = None,
 ) -> LayerLayout:
     """Owner, egress and delivery maps of rank ``view.rank`` (device; no host sync).
@@ -328,8 +326,9 @@ def build_layout(
     Args:
         plan: the layer's plan.
         view: the rank's view of the schedule.
-        token_R, node_R, mask_R: [n_rec] int64 (device), the rank's records in canonical order
-            (``ops.records_from_routing`` cut to n_rec).
+        token_R, node_R: [n_rec] int64 (device), the rank's records in canonical order
+            (``ops.records_from_routing`` cut to n_rec). Their target masks are not needed: the
+            delivery maps follow from the counts (``_delivery_runs``).
         counts: ``layout_counts(plan, view)`` when already computed (``schedule.compile_for_rank``).
     """
     topo = plan.topology
@@ -337,28 +336,25 @@ def build_layout(
     m = 1 << g
     s, me = view.node, view.local
     device = token_R.device
-    n_rec = view.num_records
     if counts is None:
         counts = layout_counts(plan, view)
     offsets = np.cumsum([0, n, n, n, n * g, n, g * n, g * n])
     pool_GN = counts[offsets[6] : offsets[7]].reshape(g, n)  # host: pool rows per (block, node)
-    # Arrivals of rounds >= 1 from offsets[-1] on: per round, the (source of the round
-    # ascending, owner, mask) counts; rounds end to end. Round r's sources are those whose first
-    # chunk's round is the one of r's wave.
+    # Rows arriving in rounds >= 1, from offsets[-1] on: per round, a (source of the round
+    # ascending, owner, mask) block; round r's sources are those whose first chunk's round is the
+    # one of r's wave.
     rounds = np.arange(1, plan.num_rail_phases + 1)
     first_R = (rounds - 1) // plan.chunks * plan.chunks + 1
     sources_R = np.bincount(
         view.source_round_N[view.source_round_N >= 1], minlength=rounds.size + 1
     )[first_R]
-    ends = np.cumsum(sources_R * g * m) + int(offsets[-1])
-    running = np.concatenate([[0], np.cumsum(counts[int(offsets[-1]) :])])
-    arrivals = [view.owner_category_counts[g]] + np.diff(
-        running[np.concatenate([[int(offsets[-1])], ends]) - int(offsets[-1])]
-    ).tolist()
-    num_sources = int(sources_R.sum())
-    start = int(ends[-1]) if ends.size else int(offsets[-1])
+    cells_R = np.concatenate([[m], sources_R * g * m]).astype(np.int64)  # round 0: own records
+    end = int(offsets[-1] + cells_R[1:].sum())
+    runs = _delivery_runs(
+        own_M=view.arrival_counts_NGM[s, me], arrive=counts[offsets[-1] : end], cells_R=cells_R, g=g
+    )
     # One copy to the device (pinned, non-blocking on CUDA); the named parts are views of it.
-    flat = torch.from_numpy(counts)
+    flat = torch.from_numpy(np.concatenate([counts, runs.shift_and_length.reshape(-1)]))
     flat = (
         flat.pin_memory().to(device, non_blocking=True)
         if device.type == "cuda"
@@ -396,14 +392,7 @@ def build_layout(
             0, egress_perm, torch.arange(pool_total, dtype=torch.int64, device=device)
         )
 
-    deliver_index = _deliver_index(
-        view,
-        own_masks=mask_R[owner_order[n_rec - view.owner_category_counts[g] :]],
-        arrive_counts=flat[int(offsets[-1]) : start],
-        num_sources=num_sources,
-        arrivals=arrivals,
-        gpus_per_node=g,
-    )
+    deliver_index = _deliver_index(runs, flat[counts.size :].view(-1, 2))
     return LayerLayout(
         token_R=token_R,
         node_R=node_R,
@@ -414,63 +403,79 @@ def build_layout(
         egress_is_kept=egress_is_kept,
         pool_counts=pool_GN.sum(axis=1).tolist(),
         deliver_index=deliver_index,
-        arrivals=arrivals,
+        arrivals=runs.arrivals_R,
         num_copies=view.num_copies,
         streamed=streamed,
     )
 
 
-@functools.lru_cache(maxsize=32)
-def _mask_constants(g: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(mask ids [M], GPU bits [G, 1]) int64 on ``device``: read-only, cached (every layer needs
-    them)."""
-    return (
-        torch.arange(1 << g, dtype=torch.int64, device=device),
-        (
-            torch.ones(g, dtype=torch.int64, device=device) << torch.arange(g, device=device)
-        ).unsqueeze(1),
+@dataclass(frozen=True, slots=True)
+class _DeliveryRuns:
+    """Where a GPU's delivered copies come from, as runs of arrival rows (host; ``_delivery_runs``).
+
+    Attributes:
+        shift_and_length: [K, 2] int64, per run in map order (round, target GPU j, arrival
+            order): its first arrival row (in its round) minus its first position in the rounds'
+            maps end to end, and its rows.
+        copies_R: per round 0..V, the copies delivered (the length of the round's map).
+        arrivals_R: per round 0..V, the rows arriving.
+    """
+
+    shift_and_length: np.ndarray
+    copies_R: list[int]
+    arrivals_R: list[int]
+
+
+def _delivery_runs(
+    *, own_M: np.ndarray, arrive: np.ndarray, cells_R: np.ndarray, g: int
+) -> _DeliveryRuns:
+    """The delivery maps of every round from the counts alone (host, numpy).
+
+    The rows arriving at a GPU come in runs of one mask: round 0's are this GPU's local-node
+    records in canonical order (mask ascending: ``own_M``); round r >= 1's come by (source of the
+    round, owner, mask) (``arrive``, ``layout_counts``). A run of mask m delivers each of its rows
+    to every target j in m, so the map of round r (copies grouped by target j ascending, rows
+    ascending within j) is, for j = 0..G-1, the round's runs whose mask holds j, each run's rows
+    in order. Nothing here looks at the data: the device only expands the runs.
+
+    Args:
+        own_M: [M] int64, round 0's rows by mask.
+        arrive: [sum of cells_R[1:]] int64, rows of rounds 1..V per (source, owner, mask) cell,
+            the rounds' blocks end to end.
+        cells_R: [V + 1] int64, cells of each round's block (round 0: M; every block is a whole
+            number of [M] mask blocks, so a cell's mask is its index modulo M).
+        g: G.
+    """
+    m = 1 << g
+    rows_C = np.concatenate([np.asarray(own_M, dtype=np.int64).reshape(-1), arrive])
+    # Only cells with rows matter (most (owner, mask) cells are empty): one pass over all cells,
+    # the rest over these.
+    live = np.flatnonzero(rows_C)
+    rows_L = rows_C[live]
+    round_L = np.searchsorted(np.cumsum(cells_R), live, side="right")
+    round_rows = np.bincount(round_L, weights=rows_L, minlength=cells_R.size).astype(np.int64)
+    # The cell's first row within its round.
+    first_L = np.cumsum(rows_L) - rows_L - (np.cumsum(round_rows) - round_rows)[round_L]
+    k, j = np.nonzero(((live % m)[:, None] >> np.arange(g)[None, :]) & 1)  # [live cell, target]
+    order = np.lexsort((k, j, round_L[k]))  # round, then target, then arrival order
+    cell = k[order]
+    length = rows_L[cell]
+    copies_R = np.bincount(round_L[cell], weights=length, minlength=cells_R.size)
+    position = np.cumsum(length) - length  # the run's first position in the maps end to end
+    return _DeliveryRuns(
+        shift_and_length=np.stack([first_L[cell] - position, length], axis=1).astype(np.int64),
+        copies_R=copies_R.astype(np.int64).tolist(),
+        arrivals_R=round_rows.tolist(),
     )
 
 
-def _deliver_index(
-    view: RankView,
-    *,
-    own_masks: torch.Tensor,
-    arrive_counts: torch.Tensor,
-    num_sources: int,
-    arrivals: list[int],
-    gpus_per_node: int,
-) -> list[torch.Tensor]:
+def _deliver_index(runs: _DeliveryRuns, shift_and_length: torch.Tensor) -> list[torch.Tensor]:
     """Per delivery round, [copies of the round] arrival row of each copy this GPU delivers,
-    grouped by target GPU j ascending, rows ascending within a target (device, no sync).
-
-    The arrival masks of every round in one line (round 0: this GPU's local records; then
-    ``arrive_counts`` expanded) and their target hits as one [G, A] matrix, built once; each
-    round's map is then the column index of the nonzeros of its [G, rows] slice (row-major: target
-    j, then row), two ops per round (a loop that rebuilt the masks per round and searched the
-    phases for each round's copies cost 6 ops and O(rounds) host work per round: 128 x 8 has 128
-    rounds).
-
-    Args:
-        own_masks: [arrivals[0]] int64, masks of this GPU's local-node records (round 0).
-        arrive_counts: [num_sources * G * M] int64, arrivals of rounds 1..V by (source, owner,
-            mask), the rounds' blocks end to end (``layout_counts``).
-        num_sources: (round, source) blocks in ``arrive_counts``.
-        arrivals: host, rows arriving in each round 0..V.
-        gpus_per_node: G.
-    """
-    g = gpus_per_node
-    mask_ids, bits_G1 = _mask_constants(g, own_masks.device)
-    arrive_masks = _runs(mask_ids.repeat(num_sources * g), arrive_counts, sum(arrivals[1:]))
-    hit_GA = (torch.cat([own_masks, arrive_masks]) & bits_G1) != 0  # [G, A]
-    copies = {
-        c.phase.step: sum(c.send_Q)
-        for c in view.phases
-        if c.phase.direction == "dispatch" and c.phase.kind == "deliver"
-    }
-    out, start = [], 0
-    for rnd, rows in enumerate(arrivals):
-        hits = torch.nonzero_static(hit_GA[:, start : start + rows], size=copies[rnd])  # [d, 2]
-        out.append(hits[:, 1].contiguous())  # the row column; index ops read it densely
-        start += rows
-    return out
+    grouped by target GPU j ascending, rows ascending within a target (device, no sync): the runs
+    of ``_delivery_runs`` expanded for every round at once (``shift_and_length``: their [K, 2]
+    copy on the device). Position t of the maps end to end, in run k, is arrival row t + shift[k]
+    of its round."""
+    total = int(sum(runs.copies_R))
+    shift = _runs(shift_and_length[:, 0], shift_and_length[:, 1], total)
+    rows = torch.arange(total, dtype=torch.int64, device=shift.device) + shift
+    return list(rows.split(runs.copies_R))

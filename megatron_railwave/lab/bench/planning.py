@@ -124,7 +124,6 @@ def time_rank_planning(
             compiled.view,
             token_R=token_C[:num_records],
             node_R=node_C[:num_records],
-            mask_R=mask_C[:num_records],
             counts=compiled.layout_counts,
         )
         t.append(time.perf_counter())
