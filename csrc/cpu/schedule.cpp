@@ -73,9 +73,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> rank_sche
   table.reserve(static_cast<size_t>(N * G * G + N * N * G * C + (V + 1) * G * G));
   auto chunk_rows = [C](int64_t total, int64_t k) { return total / C + (k < total % C ? 1 : 0); };
   if (U == 1) {
-    // Stage 1: owner (a, o) -> proxy (a, l), remote pairs summed; the sum runs over the
-    // destination nodes outermost, so that the [G, G] blocks are read in memory order (b innermost
-    // strode G * G entries per step: a cache miss each, ~N^2 G^2 of them at 128 x 8).
+    // Stage 1: owner (a, o) -> proxy (a, l), remote pairs summed; the destination nodes run
+    // outermost, so that each pair's [G, G] block is read in memory order.
     std::vector<int64_t> rows_OL(static_cast<size_t>(G * G));
     for (int64_t a = 0; a < N; ++a) {
       std::fill(rows_OL.begin(), rows_OL.end(), 0);
