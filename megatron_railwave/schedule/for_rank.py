@@ -98,7 +98,7 @@ def compile_for_rank(
         rank=rank,
         node=node,
         local=rank % g,
-        phases=phase_counts(phases, send_PQ.tolist(), recv_PQ.tolist(), n, g),
+        phases=phase_counts(phases, send_PQ.numpy(), recv_PQ.numpy(), n, g),
         owner_category_counts=v[:kept].tolist(),
         kept_N=v[kept:relay_in],
         relay_in_NG=v[relay_in:egress].reshape(n, g),

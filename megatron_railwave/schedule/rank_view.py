@@ -83,18 +83,30 @@ class RankView:
 
 
 def phase_counts(
-    phases: tuple[Phase, ...], send_PQ: list[list[int]], recv_PQ: list[list[int]], n: int, g: int
+    phases: tuple[Phase, ...], send_PQ: np.ndarray, recv_PQ: np.ndarray, n: int, g: int
 ) -> tuple[PhaseCounts, ...]:
     """Per phase, the rank's rows to / from each peer (``send_PQ`` / ``recv_PQ``: [P, >= max(N, G)]
-    rows per dispatch phase and peer; a combine phase runs its mirror backwards)."""
+    int64 rows per dispatch phase and peer; a combine phase runs its mirror backwards).
+
+    Only the dispatch rows become Python lists, each at its group's width (N peers on a rail, G
+    on NVLink): at 128 x 8 that is ~17 k numbers, where the whole [P, max(N, G)] tables were ~130 k.
+    """
+    send_PQ, recv_PQ = np.asarray(send_PQ), np.asarray(recv_PQ)
+    dispatch = [p for p in phases if p.mirror_of is None]
+    rows: dict[int, tuple[list[int], list[int]]] = {}
+    for group, width in (("rail", n), ("node", g)):
+        index = [p.index for p in dispatch if p.group == group]
+        for i, send, recv in zip(
+            index, send_PQ[index, :width].tolist(), recv_PQ[index, :width].tolist()
+        ):
+            rows[i] = (send, recv)
     counts = []
     for p in phases:
-        q = n if p.group == "rail" else g
         if p.mirror_of is None:
-            send, recv = send_PQ[p.index][:q], recv_PQ[p.index][:q]
+            send, recv = rows[p.index]
         else:
-            send, recv = recv_PQ[p.mirror_of][:q], send_PQ[p.mirror_of][:q]
-        counts.append(PhaseCounts(phase=p, send_Q=send, recv_Q=recv))
+            recv, send = rows[p.mirror_of]
+        counts.append(PhaseCounts(phase=p, send_Q=list(send), recv_Q=list(recv)))
     return tuple(counts)
 
 
@@ -121,12 +133,12 @@ def rank_view(schedule: ExecutionSchedule, rank: int) -> RankView:
     )
     is_rail_P = np.array([p.group == "rail" for p in schedule.phases])
 
-    def dense(from_rank: np.ndarray, peer: np.ndarray) -> list[list[int]]:
+    def dense(from_rank: np.ndarray, peer: np.ndarray) -> np.ndarray:
         phase, rows, other = phase_X[from_rank], rows_X[from_rank], peer[from_rank]
         peer_index = np.where(is_rail_P[phase], other // g, other % g)
         out = np.zeros(num_phases * width, dtype=np.int64)
         np.add.at(out, phase * width + peer_index, rows)
-        return out.reshape(num_phases, width).tolist()
+        return out.reshape(num_phases, width)
 
     counts = phase_counts(
         schedule.phases, dense(src_X == rank, dst_X), dense(dst_X == rank, src_X), n, g
