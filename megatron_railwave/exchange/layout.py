@@ -353,6 +353,12 @@ def build_layout(
     runs = _delivery_runs(
         own_M=view.arrival_counts_NGM[s, me], arrive=counts[offsets[-1] : end], cells_R=cells_R, g=g
     )
+    if runs.arrivals_R[0] != view.owner_category_counts[g]:  # host ints: before any collective
+        raise RuntimeError(
+            f"internal: rank {view.rank}: its local-node records by mask sum to "
+            f"{runs.arrivals_R[0]}, its owner rows for the local node are "
+            f"{view.owner_category_counts[g]} (the rank view and the layout counts disagree)"
+        )
     # One copy to the device (pinned, non-blocking on CUDA); the named parts are views of it.
     flat = torch.from_numpy(np.concatenate([counts, runs.shift_and_length.reshape(-1)]))
     flat = (

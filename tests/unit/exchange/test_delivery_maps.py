@@ -52,3 +52,32 @@ def test_delivery_runs_of_no_rows() -> None:
     )
     maps = _deliver_index(runs, torch.from_numpy(runs.shift_and_length.reshape(-1, 2)))
     assert [t.numel() for t in maps] == [0, 0] and runs.arrivals_R == [0, 0]
+
+
+def test_build_layout_refuses_a_view_whose_local_counts_disagree() -> None:
+    from dataclasses import replace
+
+    from megatron_railwave.exchange.layout import build_layout
+    from megatron_railwave.planner import build_plan
+    from megatron_railwave.schedule import RecordWireFormat, compile_for_rank
+    from megatron_railwave.topology import RailTopology
+    from megatron_railwave.traffic import DemandCounts
+
+    topo = RailTopology(num_nodes=2, gpus_per_node=2)
+    rng = np.random.default_rng(0)
+    records = rng.integers(1, 4, size=(4, 2, 4)).astype(np.int64)
+    records[:, :, 0] = 0  # mask 0 is "no record"
+    demand = DemandCounts(
+        records_WNM=torch.from_numpy(records), experts_WE=torch.zeros(4, 1, dtype=torch.int64)
+    )
+    plan = build_plan(demand, topo, "joint")
+    wire = RecordWireFormat(
+        hidden=4, payload_dtype=torch.float32, probs_dtype=torch.float32, experts_per_node=2
+    )
+    compiled = compile_for_rank(plan, wire, demand=demand, node=0, rank=1)
+    n_rec = compiled.view.num_records
+    node_R = torch.zeros(n_rec, dtype=torch.int64)
+    counts = compiled.view.owner_category_counts
+    bad = replace(compiled.view, owner_category_counts=counts[:-1] + [counts[-1] + 1])
+    with pytest.raises(RuntimeError, match="rank 1: its local-node records by mask sum to"):
+        build_layout(plan, bad, token_R=node_R, node_R=node_R, counts=compiled.layout_counts)
