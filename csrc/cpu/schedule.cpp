@@ -6,7 +6,8 @@
 //
 // Meaning (the Python pipeline this replaces on the exchange's path, bit for bit; tests/unit/
 // test_rank_schedule_op.py checks it): schedule.compile_schedule (the transfer table, with the
-// deliveries of the rank's node only), schedule.rank_view (its counts) and the host counts of
+// deliveries of the rank's node only, cut to the rank's transfers: ExecutionSchedule.only_ranks),
+// schedule.rank_view (its counts) and the host counts of
 // exchange.layout.build_layout. That pipeline is ~400 small numpy calls per layer; here it is a
 // few loops over N * N * G * G integers, so the per-layer planning cost is the Python glue.
 //
@@ -67,16 +68,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> rank_sche
     }
   }
 
-  // ---- the transfer table (compile_schedule): relay, rail, then this node's deliveries.
+  // ---- the transfer table (compile_schedule): relay, rail, then this node's deliveries, of the
+  // transfers from or to this rank only (ExecutionSchedule.transfer_ranks: the global table is
+  // ~N^2 G transfers and the rank's view reads its own).
   std::vector<Transfer> table;
+  auto mine = [&](int64_t src, int64_t dst) { return src == rank || dst == rank; };
   // Room for the unstreamed table at most (a streamed relay may grow it).
-  table.reserve(static_cast<size_t>(N * G * G + N * N * G * C + (V + 1) * G * G));
+  table.reserve(static_cast<size_t>(2 * G + 2 * N * C + 2 * (V + 1) * G));
   auto chunk_rows = [C](int64_t total, int64_t k) { return total / C + (k < total % C ? 1 : 0); };
   if (U == 1) {
     // Stage 1: owner (a, o) -> proxy (a, l), remote pairs summed; the destination nodes run
     // outermost, so that each pair's [G, G] block is read in memory order.
     std::vector<int64_t> rows_OL(static_cast<size_t>(G * G));
-    for (int64_t a = 0; a < N; ++a) {
+    {  // this rank's node only
+      const int64_t a = s;
       std::fill(rows_OL.begin(), rows_OL.end(), 0);
       for (int64_t b = 0; b < N; ++b) {
         if (!remote(a, b)) continue;
@@ -86,7 +91,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> rank_sche
       for (int64_t o = 0; o < G; ++o) {
         for (int64_t l = 0; l < G; ++l) {
           const int64_t rows = rows_OL[o * G + l];
-          if (o != l && rows) table.push_back({relay_phase_U[0], a * G + o, a * G + l, rows});
+          if (o != l && rows && mine(a * G + o, a * G + l)) {
+            table.push_back({relay_phase_U[0], a * G + o, a * G + l, rows});
+          }
         }
       }
     }
@@ -96,10 +103,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> rank_sche
     // order) with the chunk's. Pushed per (a, o, l), phases ascending; the stable sort by phase
     // below gives compile_schedule's (phase, a, o, l) order.
     std::vector<int64_t> rows_U(static_cast<size_t>(V));
-    for (int64_t a = 0; a < N; ++a) {
+    {  // this rank's node only
+      const int64_t a = s;
       for (int64_t o = 0; o < G; ++o) {
         for (int64_t l = 0; l < G; ++l) {
-          if (o == l) continue;
+          if (o == l || !mine(a * G + o, a * G + l)) continue;
           std::fill(rows_U.begin(), rows_U.end(), 0);
           for (int64_t b = 0; b < N; ++b) {
             if (!remote(a, b)) continue;
@@ -125,8 +133,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> rank_sche
   // Stage 2: GPU (a, l) -> GPU (b, l), chunk k of the pair's wave w in rail phase w * C + k.
   for (int64_t a = 0; a < N; ++a) {
     for (int64_t b = 0; b < N; ++b) {
-      if (!remote(a, b)) continue;
-      for (int64_t l = 0; l < G; ++l) {
+      if (!remote(a, b) || (a != s && b != s)) continue;
+      {  // this rank's rail only
+        const int64_t l = me;
         const int64_t q = quota[(a * N + b) * G + l];
         for (int64_t k = 0; k < C && q; ++k) {
           const int64_t rows = chunk_rows(q, k);
@@ -224,12 +233,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> rank_sche
     for (int64_t l = 0; l < G; ++l) {
       for (int64_t j = 0; j < G; ++j) {
         const int64_t rows = per_round[(r * G + l) * G + j];
-        if (rows) table.push_back({deliver_phase_R[r], s * G + l, s * G + j, rows});
+        if (rows && mine(s * G + l, s * G + j)) table.push_back({deliver_phase_R[r], s * G + l, s * G + j, rows});
       }
     }
   }
-  // Stable order by phase: a counting sort over the P phases (the table is ~N^2 G transfers, 130 k
-  // at 128 x 8, where a comparison sort cost several ms), written straight into the output.
+  // Stable order by phase: a counting sort over the P phases, written straight into the output.
   const int64_t X = static_cast<int64_t>(table.size());
   std::vector<int64_t> phase_start(static_cast<size_t>(num_phases + 1), 0);
   for (const Transfer& x : table) {

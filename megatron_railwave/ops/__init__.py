@@ -242,7 +242,8 @@ def rank_schedule(
             phases.
 
     Returns:
-        table [4, X] (phase, src, dst, rows of the dispatch transfers, sorted by phase, stable),
+        table [4, X] (phase, src, dst, rows of the dispatch transfers from or to ``rank``,
+        sorted by phase, stable: ``ExecutionSchedule.transfer_ranks``),
         send_PQ and recv_PQ [P, max(N, G)] (rows to / from each peer per phase: node on rails,
         GPU on NVLink; combine phases zero), view (categories [G + 1], kept_N [N], relay_in_NG
         [N * G], egress_N [N], source_round_N [N], arrival_NGM [N * G * M], num_copies [1]) and

@@ -61,7 +61,7 @@ src == dst is a copy a GPU keeps (stage 3 to itself) and never touches a wire.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import StrEnum
 from typing import Literal, Protocol
 
@@ -244,6 +244,10 @@ class ExecutionSchedule:
         demand: the mask histograms stage 3 was compiled from (None without delivery nodes).
         phase_X, src_X, dst_X, rows_X: [X] int64 transfer table of the dispatch phases (global
             EP ranks), rows > 0, sorted by phase.
+        transfer_ranks: None (the table holds every transfer), or the ranks whose transfers
+            it holds (those from or to them): the exchange's per-layer compile keeps its own
+            rank only (``compile_for_rank``: the global table is ~N^2 G transfers, 130 k at
+            128 x 8, and the rank reads its own); what needs the others refuses it.
     """
 
     plan: PathPlan
@@ -255,6 +259,33 @@ class ExecutionSchedule:
     src_X: torch.Tensor
     dst_X: torch.Tensor
     rows_X: torch.Tensor
+    transfer_ranks: tuple[int, ...] | None = None
+
+    def only_ranks(self, ranks: tuple[int, ...]) -> ExecutionSchedule:
+        """This schedule with the transfers from or to ``ranks`` only (``transfer_ranks``)."""
+        keep = torch.zeros_like(self.src_X, dtype=torch.bool)
+        for rank in ranks:
+            keep |= (self.src_X == rank) | (self.dst_X == rank)
+        return replace(
+            self,
+            phase_X=self.phase_X[keep],
+            src_X=self.src_X[keep],
+            dst_X=self.dst_X[keep],
+            rows_X=self.rows_X[keep],
+            transfer_ranks=tuple(ranks),
+        )
+
+    def require_ranks(self, what: str, ranks: tuple[int, ...] | None = None) -> None:
+        """Raises ValueError when the table lacks transfers ``what`` needs: those of ``ranks``
+        (None: of every rank)."""
+        if self.transfer_ranks is None:
+            return
+        if ranks is None or not set(ranks) <= set(self.transfer_ranks):
+            raise ValueError(
+                f"{what} needs the transfers of {'every rank' if ranks is None else list(ranks)}; "
+                f"this schedule holds those of ranks {list(self.transfer_ranks)} only (compile it "
+                f"with schedule.compile_schedule for the whole table)"
+            )
 
     @property
     def num_waves(self) -> int:
@@ -281,7 +312,8 @@ class ExecutionSchedule:
         )
 
     def transfers(self, phase: Phase) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(src [x], dst [x], rows [x]) int64 of one phase; combine phases are mirrored."""
+        """(src [x], dst [x], rows [x]) int64 of one phase; combine phases are mirrored. Of the
+        ranks the table holds (``transfer_ranks``): a rank's own compile has its own only."""
         source = phase.index if phase.mirror_of is None else phase.mirror_of
         sel = self.phase_X == source
         src, dst, rows = self.src_X[sel], self.dst_X[sel], self.rows_X[sel]
@@ -295,6 +327,7 @@ class ExecutionSchedule:
 
     def wire_rows_P(self) -> torch.Tensor:
         """[P] int64: rows that cross a link (src != dst) in each phase."""
+        self.require_ranks("wire_rows_P")
         mirror = torch.tensor(
             [p.index if p.mirror_of is None else p.mirror_of for p in self.phases],
             dtype=torch.int64,
@@ -310,6 +343,7 @@ class ExecutionSchedule:
         Returns:
             {'sent': [P], 'received': [P]} in phase order.
         """
+        self.require_ranks("rank_bytes", (rank,))
         sent, received = [], []
         for p in self.phases:
             src, dst, rows = self.transfers(p)

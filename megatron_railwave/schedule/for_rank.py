@@ -33,7 +33,8 @@ __all__ = ["RankSchedule", "compile_for_rank"]
 @dataclass(frozen=True, kw_only=True, slots=True)
 class RankSchedule:
     """Attributes:
-    schedule: the layer's schedule (stage 3 of the rank's node only).
+    schedule: the layer's schedule (stage 3 of the rank's node only; the transfers from or to
+        the rank only: ``ExecutionSchedule.transfer_ranks``).
     view: the rank's view of it.
     layout_counts: [K] int64 (numpy), ``exchange.layout``'s host counts in its order, or
         None (the layout then computes them).
@@ -74,7 +75,11 @@ def compile_for_rank(
     )
     if out is None:
         schedule = compile_schedule(plan, wire, demand=demand, delivery_nodes=(node,))
-        return RankSchedule(schedule=schedule, view=rank_view(schedule, rank), layout_counts=None)
+        return RankSchedule(
+            schedule=schedule.only_ranks((rank,)),
+            view=rank_view(schedule, rank),
+            layout_counts=None,
+        )
     table, send_PQ, recv_PQ, view_counts, layout_counts = out
     schedule = ExecutionSchedule(
         plan=plan,
@@ -86,6 +91,7 @@ def compile_for_rank(
         src_X=table[1],
         dst_X=table[2],
         rows_X=table[3],
+        transfer_ranks=(rank,),
     )
     v = view_counts.numpy()
     m = 1 << g

@@ -125,6 +125,7 @@ def rank_view(schedule: ExecutionSchedule, rank: int) -> RankView:
             f"rank {rank}: the schedule was compiled without node {node}'s deliveries "
             f"(delivery_nodes={schedule.delivery_nodes}); compile it with that node's demand view"
         )
+    schedule.require_ranks("rank_view", (rank,))
     width = max(n, g)
     num_phases = len(schedule.phases)
     # numpy for the small host arithmetic of every layer (a fraction of torch's per-call cost).

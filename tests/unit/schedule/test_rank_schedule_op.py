@@ -61,8 +61,10 @@ def _assert_same(plan, demand: DemandCounts, rank: int) -> None:
     assert got.layout_counts is not None  # the compiled op ran
     schedule = compile_schedule(plan, WIRE, demand=view_demand)
     view = rank_view(schedule, rank)
+    mine = schedule.only_ranks((rank,))
     for name in ("phase_X", "src_X", "dst_X", "rows_X"):
-        assert torch.equal(getattr(got.schedule, name), getattr(schedule, name)), name
+        assert torch.equal(getattr(got.schedule, name), getattr(mine, name)), name
+    assert got.schedule.transfer_ranks == (rank,)
     assert got.schedule.phases == schedule.phases
     assert got.schedule.delivery_nodes == schedule.delivery_nodes
     assert got.view.phases == view.phases
@@ -170,3 +172,21 @@ def test_rank_schedule_rejects_bad_input_naming_it():
             rail_phase_V=[2],
             deliver_phase_R=[1, 3],
         )
+
+
+def test_a_rank_only_schedule_refuses_what_needs_other_ranks():
+    topo = RailTopology(num_nodes=3, gpus_per_node=2)
+    demand = _random_demand(np.random.default_rng(2), topo, 0.2)
+    plan = build_plan(demand, topo, "joint")
+    got = compile_for_rank(plan, WIRE, demand=_node_view(demand, 1), node=1, rank=3)
+    assert set(got.schedule.src_X.tolist()) | set(got.schedule.dst_X.tolist()) >= {3}
+    assert all(
+        s == 3 or d == 3 for s, d in zip(got.schedule.src_X.tolist(), got.schedule.dst_X.tolist())
+    )
+    assert rank_view(got.schedule, 3).phases == got.view.phases  # its own rank: fine
+    full = compile_schedule(plan, WIRE, demand=_node_view(demand, 1))
+    assert got.schedule.rank_bytes(3) == full.rank_bytes(3)
+    with pytest.raises(ValueError, match=r"rank_view needs the transfers of \[2\]"):
+        rank_view(got.schedule, 2)
+    with pytest.raises(ValueError, match="wire_rows_P needs the transfers of every rank"):
+        got.schedule.wire_rows_P()
