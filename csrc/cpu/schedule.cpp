@@ -378,7 +378,7 @@ std::tuple<at::Tensor, at::Tensor> rail_plan(const at::Tensor& records_NNG, cons
   const int64_t* records = records_NNG.data_ptr<int64_t>();
   const bool* allowed = eligible_NNG.data_ptr<bool>();
   at::Tensor quota_NNG = at::zeros({N, N, G}, records_NNG.options());
-  at::Tensor relay_NNGG = at::zeros({N, N, G, G}, records_NNG.options());
+  at::Tensor relay_NNGG = at::empty({N, N, G, G}, records_NNG.options());  // every entry is written below
   int64_t* quota = quota_NNG.data_ptr<int64_t>();
   int64_t* relay = relay_NNGG.data_ptr<int64_t>();
   std::vector<int64_t> keep(static_cast<size_t>(G)), s_lo(static_cast<size_t>(G)), s_hi(static_cast<size_t>(G)),
