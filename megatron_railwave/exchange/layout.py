@@ -307,9 +307,15 @@ def layout_counts(plan: PathPlan, view: RankView) -> np.ndarray:
     return np.concatenate(parts).astype(np.int64, copy=False)
 
 
+def _wave_first_round(rnd: int | np.ndarray, chunks: int) -> int | np.ndarray:
+    """The delivery round of the first chunk of round ``rnd``'s wave (``rnd`` >= 1; an int or an
+    array of them): a source node's rounds are ``source_round_N`` and the next chunks - 1."""
+    return (rnd - 1) // chunks * chunks + 1
+
+
 def _round_sources(view: RankView, rnd: int, chunks: int) -> tuple[np.ndarray, int]:
     """(source nodes ascending, chunk) of delivery round ``rnd`` >= 1."""
-    first = (rnd - 1) // chunks * chunks + 1  # the round of the wave's first chunk
+    first = _wave_first_round(rnd, chunks)
     return np.flatnonzero(view.source_round_N == first), rnd - first
 
 
@@ -341,13 +347,11 @@ def build_layout(
     offsets = np.cumsum([0, n, n, n, n * g, n, g * n, g * n])
     pool_GN = counts[offsets[6] : offsets[7]].reshape(g, n)  # host: pool rows per (block, node)
     # Rows arriving in rounds >= 1, from offsets[-1] on: per round, a (source of the round
-    # ascending, owner, mask) block; round r's sources are those whose first chunk's round is the
-    # one of r's wave.
+    # ascending, owner, mask) block (``_round_sources``, counted for every round at once).
     rounds = np.arange(1, plan.num_rail_phases + 1)
-    first_R = (rounds - 1) // plan.chunks * plan.chunks + 1
     sources_R = np.bincount(
         view.source_round_N[view.source_round_N >= 1], minlength=rounds.size + 1
-    )[first_R]
+    )[_wave_first_round(rounds, plan.chunks)]
     cells_R = np.concatenate([[m], sources_R * g * m]).astype(np.int64)  # round 0: own records
     end = int(offsets[-1] + cells_R[1:].sum())
     runs = _delivery_runs(

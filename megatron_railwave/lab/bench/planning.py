@@ -111,7 +111,7 @@ def time_rank_planning(
     for i in range(warmup + repeats):
         c0 = time.thread_time()
         t = [time.perf_counter()]
-        token_C, node_C, mask_C, _ = ops.records_from_routing(
+        token_C, node_C, _, _ = ops.records_from_routing(
             routing_TE, topo.num_nodes, topo.gpus_per_node
         )
         t.append(time.perf_counter())
